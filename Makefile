@@ -1,0 +1,36 @@
+# `make test` on a fresh machine: creates .venv, installs the CPU build of torch and
+# the package in editable mode with its test extras, then runs the fast test suite.
+PYTHON ?= python3
+VENV   ?= .venv
+BIN    := $(VENV)/bin
+# Development pin: the CPU wheel of this version is cached locally. Users install
+# attnlab with any torch satisfying the lower bound in pyproject.toml.
+TORCH_SPEC ?= torch==2.13.0
+PYTEST_ARGS ?=
+
+.PHONY: venv test test-slow quickstart bench clean
+
+$(BIN)/.installed: pyproject.toml
+	$(PYTHON) -m venv $(VENV)
+	$(BIN)/pip install -q --upgrade pip
+	$(BIN)/pip install -q "$(TORCH_SPEC)"
+	$(BIN)/pip install -q -e ".[dev]"
+	touch $@
+
+venv: $(BIN)/.installed
+
+test: venv
+	$(BIN)/python -m pytest -q -m "not slow" $(PYTEST_ARGS)
+
+test-slow: venv
+	$(BIN)/python -m pytest -q -m slow $(PYTEST_ARGS)
+
+quickstart: venv
+	$(BIN)/attnlab quickstart
+
+bench: venv
+	$(BIN)/python benchmarks/ops.py
+	$(BIN)/python benchmarks/decode.py
+
+clean:
+	rm -rf $(VENV) build *.egg-info src/*.egg-info .pytest_cache

@@ -1,0 +1,22 @@
+"""Functional attention ops on bare tensors.
+
+Vectors are (B, H, T, D); scalar queries/keys are (B, H, T). Every op has a naive
+reference that follows its formula and a fast path that never builds a T x T matrix on
+its default route, selected by ``impl="auto" | "naive" | "fast"``.
+"""
+
+from .softmax import softmax_attention
+from .scalar import scalar_attention, hybrid_attention
+from .principled import principled_attention
+from .cosformer import cosformer_attention
+from .gla import gla_attention, ssd_attention
+
+__all__ = [
+    "softmax_attention",
+    "scalar_attention",
+    "hybrid_attention",
+    "principled_attention",
+    "cosformer_attention",
+    "gla_attention",
+    "ssd_attention",
+]
