@@ -1,1 +1,6 @@
+"""A small decoder-only LM with a per-layer choice of attention mechanism (`LM`, `ModelConfig`)."""
 
+from .config import MECHANISMS, ConfigError, ModelConfig
+from .lm import LM, RMSNorm, SwiGLU
+
+__all__ = ["LM", "ModelConfig", "ConfigError", "MECHANISMS", "RMSNorm", "SwiGLU"]

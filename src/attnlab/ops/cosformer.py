@@ -1,5 +1,239 @@
-"""(being written)"""
+"""cosFormer: linear attention with a ReLU feature map and cos position reweighting.
+
+The score of query i on key j is
+
+    s(i, j) = relu(q_i) . relu(k_j) * cos(pi (i - j) / (2 M)),
+
+and cos(a - b) = cos a cos b + sin a sin b splits it into two linear-attention streams:
+with theta_i = pi i / (2 M), the features are phi(x_i) = [relu(x_i) cos theta_i, relu(x_i) sin theta_i]
+(F = 2 Dk channels) and s(i, j) = phi(q_i) . phi(k_j). The output is
+
+    o_i = sum_j s(i, j) v_j / (sum_j s(i, j) + eps)      (normalize=True, the cosFormer normaliser)
+    o_i = sum_j s(i, j) v_j                               (normalize=False)
+
+over j <= i (causal) or all j (causal=False: global sums, as in the bidirectional cosFormer).
+With reweight=False the features are relu(x) alone (F = Dk): plain ReLU linear attention.
+
+M is the position horizon ``max_len``. The reweighting stays in [0, 1] only while every
+position is below M, so positions offset .. offset+T-1 must be < M. Without an initial state
+and without max_len, M = T (the whole sequence, the original cosFormer choice). For decoding
+past the prompt pass a fixed max_len >= the total length; it is stored in the state so that
+later calls and ``cosformer_step`` keep the same M.
+
+``impl="naive"`` loops over positions and updates the state literally; ``impl="fast"``
+(``"auto"``) is the chunked form of ``_chunked.py`` (causal) or global sums (non-causal),
+memory linear in T. 16-bit inputs are computed in float32; the state stays float32.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import NamedTuple
+
+import torch
+
+from ._checks import check_impl, check_positive, check_same, check_tensor
+from ._chunked import chunked_linear_attention
 
 
-def cosformer_attention(*args, **kwargs):
-    raise NotImplementedError
+class CosformerState(NamedTuple):
+    """State of cosformer_attention after ``offset`` positions.
+
+    kv: (B, H, F, Dv), sum of phi(k_j) v_j^T; k_sum: (B, H, F), sum of phi(k_j) (the normaliser);
+    F = 2 Dk with reweighting (cos channels then sin channels), Dk without.
+    offset: position of the next token; max_len: the horizon M (None without reweighting).
+    """
+
+    kv: torch.Tensor
+    k_sum: torch.Tensor
+    offset: int
+    max_len: int | None
+
+
+def _compute_dtype(x: torch.Tensor) -> torch.dtype:
+    return torch.float32 if x.dtype in (torch.float16, torch.bfloat16) else x.dtype
+
+
+def _features(x: torch.Tensor, offset: int, max_len: int | None) -> torch.Tensor:
+    """(B, H, T, Dk) -> (B, H, T, F): relu(x), times [cos theta, sin theta] when max_len is set."""
+    x = torch.relu(x)
+    if max_len is None:
+        return x
+    pos = torch.arange(offset, offset + x.shape[-2], dtype=torch.float64, device=x.device)
+    theta = (pos * (math.pi / (2 * max_len)))[:, None]  # (T, 1)
+    return torch.cat([x * torch.cos(theta).to(x.dtype), x * torch.sin(theta).to(x.dtype)], dim=-1)  # (B, H, T, 2Dk)
+
+
+def _resolve_horizon(max_len, reweight: bool, state: CosformerState | None, offset: int, T: int, default_T: bool):
+    """The horizon M in use, checked against the state and the positions it must cover."""
+    if not reweight:
+        return None
+    if max_len is not None and (isinstance(max_len, bool) or not isinstance(max_len, int) or max_len < 1):
+        raise ValueError(f"max_len must be a positive int or None, got {max_len!r}")
+    if state is not None:
+        if state.max_len is None:
+            raise ValueError("initial_state was built without reweighting (max_len None) but reweight=True")
+        if max_len is not None and max_len != state.max_len:
+            raise ValueError(f"max_len={max_len} disagrees with the state's horizon max_len={state.max_len}")
+        max_len = state.max_len
+    if max_len is None:
+        if not default_T:
+            raise ValueError("max_len must be given (the fixed position horizon M) when stepping from no state")
+        max_len = offset + T
+    if offset + T > max_len:
+        raise ValueError(
+            f"max_len={max_len} is too small: positions {offset}..{offset + T - 1} need max_len >= {offset + T} "
+            f"(the cos reweighting turns negative past the horizon)"
+        )
+    return max_len
+
+
+def _check_state(state, B: int, H: int, F: int, Dv: int, name: str) -> None:
+    if not isinstance(state, CosformerState):
+        raise TypeError(f"{name} must be a CosformerState or None, got {type(state).__name__}")
+    check_tensor(f"{name}.kv", state.kv, 4)
+    if tuple(state.kv.shape) != (B, H, F, Dv):
+        raise ValueError(
+            f"{name}.kv must have shape (B, H, F, Dv) = {(B, H, F, Dv)} (F = 2*Dk with reweighting, Dk without), "
+            f"got {tuple(state.kv.shape)}"
+        )
+    check_tensor(f"{name}.k_sum", state.k_sum, 3)
+    if tuple(state.k_sum.shape) != (B, H, F):
+        raise ValueError(f"{name}.k_sum must have shape (B, H, F) = {(B, H, F)}, got {tuple(state.k_sum.shape)}")
+    if isinstance(state.offset, bool) or not isinstance(state.offset, int) or state.offset < 0:
+        raise ValueError(f"{name}.offset must be a non-negative int, got {state.offset!r}")
+
+
+def _readout(num: torch.Tensor, den: torch.Tensor, normalize: bool, eps: float) -> torch.Tensor:
+    return num / (den + eps)[..., None] if normalize else num
+
+
+def _naive(qf, kf, v, kv, k_sum, causal, normalize, eps):
+    """The state update and readout position by position. qf, kf (B, H, T, F), v (B, H, T, Dv)."""
+    outs = []
+    if causal:
+        for q_t, k_t, v_t in zip(qf.unbind(2), kf.unbind(2), v.unbind(2)):
+            kv = kv + k_t[..., :, None] * v_t[..., None, :]  # (B, H, F, Dv)
+            k_sum = k_sum + k_t
+            outs.append(_readout((q_t[..., None, :] @ kv).squeeze(-2), (q_t * k_sum).sum(-1), normalize, eps))
+        return torch.stack(outs, dim=2), kv, k_sum
+    for k_t, v_t in zip(kf.unbind(2), v.unbind(2)):
+        kv = kv + k_t[..., :, None] * v_t[..., None, :]
+        k_sum = k_sum + k_t
+    for q_t in qf.unbind(2):
+        outs.append(_readout((q_t[..., None, :] @ kv).squeeze(-2), (q_t * k_sum).sum(-1), normalize, eps))
+    return torch.stack(outs, dim=2), kv, k_sum
+
+
+def _fast(qf, kf, v, kv, k_sum, causal, normalize, eps, chunk_size):
+    """Chunked (causal) or global-sum (non-causal) form; the normaliser rides along as an extra value column of ones."""
+    Dv = v.shape[-1]
+    v1 = torch.cat([v, torch.ones_like(v[..., :1])], dim=-1)  # (B, H, T, Dv + 1)
+    state = torch.cat([kv, k_sum[..., None]], dim=-1)  # (B, H, F, Dv + 1)
+    if causal:
+        o1, state = chunked_linear_attention(qf, kf, v1, None, state, chunk_size)  # (B, H, T, Dv + 1)
+    else:
+        state = state + kf.transpose(-1, -2) @ v1
+        o1 = qf @ state
+    return _readout(o1[..., :Dv], o1[..., Dv], normalize, eps), state[..., :Dv], state[..., Dv]
+
+
+def cosformer_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    *,
+    causal: bool = True,
+    max_len: int | None = None,
+    normalize: bool = True,
+    reweight: bool = True,
+    eps: float = 1e-6,
+    initial_state: CosformerState | None = None,
+    impl: str = "auto",
+    chunk_size: int = 64,
+) -> tuple[torch.Tensor, CosformerState]:
+    """cosFormer attention (see the module docstring for the formula).
+
+    q, k: (B, H, T, Dk) before the ReLU feature map; v: (B, H, T, Dv).
+    max_len: the position horizon M (default: the state's, else offset + T);
+    normalize: divide by the cosFormer normaliser (+ eps); reweight: apply the cos reweighting;
+    initial_state: a CosformerState from an earlier call (positions continue from its offset).
+    Returns o (B, H, T, Dv) and the CosformerState after the last position.
+    """
+    check_impl(impl)
+    if not isinstance(causal, bool):
+        raise TypeError(f"causal must be a bool, got {type(causal).__name__}")
+    if isinstance(chunk_size, bool) or not isinstance(chunk_size, int) or chunk_size < 1:
+        raise ValueError(f"chunk_size must be a positive int, got {chunk_size!r}")
+    for name, x in (("q", q), ("k", k), ("v", v)):
+        check_tensor(name, x, 4)
+        if not x.is_floating_point():
+            raise TypeError(f"{name} must be a floating-point tensor, got {x.dtype}")
+    B, H, T, Dk = q.shape
+    check_same("q", tuple(q.shape), "k", tuple(k.shape), "shape (B, H, T, Dk)")
+    check_same("q", tuple(q.shape[:3]), "v", tuple(v.shape[:3]), "(B, H, T)")
+    if T < 1:
+        raise ValueError(f"q must have at least one position (T >= 1), got shape {tuple(q.shape)}")
+    if normalize:
+        check_positive("eps", eps)
+    Dv, F = v.shape[-1], (2 * Dk if reweight else Dk)
+    if initial_state is not None:
+        _check_state(initial_state, B, H, F, Dv, "initial_state")
+    offset = 0 if initial_state is None else initial_state.offset
+    M = _resolve_horizon(max_len, reweight, initial_state, offset, T, default_T=True)
+
+    out_dtype, dt = q.dtype, _compute_dtype(q)
+    qf = _features(q.to(dt), offset, M)  # (B, H, T, F)
+    kf = _features(k.to(dt), offset, M)
+    v = v.to(dt)
+    if initial_state is None:
+        kv, k_sum = q.new_zeros(B, H, F, Dv, dtype=dt), q.new_zeros(B, H, F, dtype=dt)
+    else:
+        kv, k_sum = initial_state.kv.to(dt), initial_state.k_sum.to(dt)
+    if impl == "naive":
+        o, kv, k_sum = _naive(qf, kf, v, kv, k_sum, causal, normalize, eps)
+    else:
+        o, kv, k_sum = _fast(qf, kf, v, kv, k_sum, causal, normalize, eps, chunk_size)
+    return o.to(out_dtype), CosformerState(kv, k_sum, offset + T, M)
+
+
+def cosformer_step(
+    q_t: torch.Tensor,
+    k_t: torch.Tensor,
+    v_t: torch.Tensor,
+    state: CosformerState | None = None,
+    *,
+    max_len: int | None = None,
+    normalize: bool = True,
+    reweight: bool = True,
+    eps: float = 1e-6,
+) -> tuple[torch.Tensor, CosformerState]:
+    """One causal decode step of cosformer_attention at position state.offset (0 without a state).
+
+    q_t, k_t: (B, H, Dk); v_t: (B, H, Dv); state: a CosformerState or None, in which case
+    max_len is required when reweight=True. Returns o_t (B, H, Dv) and the new state.
+    """
+    for name, x in (("q_t", q_t), ("k_t", k_t), ("v_t", v_t)):
+        check_tensor(name, x, 3)
+    B, H, Dk = q_t.shape
+    check_same("q_t", tuple(q_t.shape), "k_t", tuple(k_t.shape), "shape (B, H, Dk)")
+    check_same("q_t", (B, H), "v_t", tuple(v_t.shape[:2]), "(B, H)")
+    if normalize:
+        check_positive("eps", eps)
+    Dv, F = v_t.shape[-1], (2 * Dk if reweight else Dk)
+    if state is not None:
+        _check_state(state, B, H, F, Dv, "state")
+    offset = 0 if state is None else state.offset
+    M = _resolve_horizon(max_len, reweight, state, offset, 1, default_T=False)
+
+    dt = _compute_dtype(q_t)
+    qf = _features(q_t.to(dt)[..., None, :], offset, M)[..., 0, :]  # (B, H, F)
+    kf = _features(k_t.to(dt)[..., None, :], offset, M)[..., 0, :]
+    if state is None:
+        kv, k_sum = q_t.new_zeros(B, H, F, Dv, dtype=dt), q_t.new_zeros(B, H, F, dtype=dt)
+    else:
+        kv, k_sum = state.kv.to(dt), state.k_sum.to(dt)
+    kv = kv + kf[..., :, None] * v_t.to(dt)[..., None, :]  # (B, H, F, Dv)
+    k_sum = k_sum + kf
+    o_t = _readout((qf[..., None, :] @ kv).squeeze(-2), (qf * k_sum).sum(-1), normalize, eps)
+    return o_t.to(q_t.dtype), CosformerState(kv, k_sum, offset + 1, M)

@@ -1,9 +1,217 @@
-"""(being written)"""
+"""Gated linear attention (GLA) and the Mamba-2 SSD readout: linear attention with decay.
+
+Both run the recurrence
+
+    S_t = diag(exp(log_decay_t)) S_{t-1} + k_t v_t^T,    o_t = (scale q_t)^T S_t
+
+with a state S of shape (Dk, Dv) per head. GLA has a decay per key channel,
+log_decay (B, H, T, Dk); SSD has one decay per head and step, log_decay (B, H, T), which is
+the Mamba-2 SSD readout y_t = C_t^T h_t with C = q, B = k (fold the step size Delta into k
+and log_decay = Delta * A) and x = v; scale=1.0 gives that readout exactly.
+
+``impl="naive"`` loops over t and applies the recurrence literally; ``impl="fast"`` (the
+default route, ``"auto"``) is the chunked form of ``_chunked.py``: causal attention inside
+chunks of ``chunk_size`` steps plus state passing between chunks, memory linear in T.
+SSD uses the segment-sum form (a C x C scalar decay matrix per chunk); GLA splits each chunk
+into sub-chunks of at most 16 steps with an exact (c, c, Dk) decay tensor on the diagonal,
+so a chunk_size that is a multiple of 16 is the efficient choice.
+
+Both are recurrences in time: ``causal=False`` raises ValueError. 16-bit inputs are computed
+in float32; the output has the input dtype and the state stays float32.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from ._checks import check_impl, check_positive, check_same, check_tensor
+from ._chunked import chunked_linear_attention
 
 
-def gla_attention(*args, **kwargs):
-    raise NotImplementedError
+def _compute_dtype(x: torch.Tensor) -> torch.dtype:
+    return torch.float32 if x.dtype in (torch.float16, torch.bfloat16) else x.dtype
 
 
-def ssd_attention(*args, **kwargs):
-    raise NotImplementedError
+def _check_scale(scale, Dk: int) -> float:
+    if scale is None:
+        return 1.0 / math.sqrt(Dk)
+    if isinstance(scale, bool) or not isinstance(scale, (int, float)):
+        raise TypeError(f"scale must be a float or None (1/sqrt(d_k)), got {type(scale).__name__}")
+    check_positive("scale", scale)
+    return float(scale)
+
+
+def _check_log_decay(log_decay: torch.Tensor, shape: tuple, layout: str) -> None:
+    check_tensor("log_decay", log_decay, len(shape))
+    if tuple(log_decay.shape) != shape:
+        raise ValueError(f"log_decay must have shape {layout} = {shape}, got {tuple(log_decay.shape)}")
+    if not log_decay.is_floating_point():
+        raise TypeError(f"log_decay must be a floating-point tensor, got {log_decay.dtype}")
+    ld = log_decay.detach()
+    if not bool(torch.isfinite(ld).all()):
+        raise ValueError("log_decay must be finite (a decay factor exp(log_decay) in (0, 1]), got inf or nan entries")
+    if bool((ld > 0).any()):
+        raise ValueError(
+            f"log_decay must be <= 0 (a decay factor exp(log_decay) in (0, 1]), got max {ld.max().item():.4g}"
+        )
+
+
+def _check_state(state, shape: tuple, name: str) -> None:
+    check_tensor(name, state, 4)
+    if tuple(state.shape) != shape:
+        raise ValueError(f"{name} must have shape (B, H, Dk, Dv) = {shape}, got {tuple(state.shape)}")
+
+
+def _validate(q, k, v, log_decay, initial_state, vector: bool) -> tuple[int, int, int, int, int]:
+    for name, x in (("q", q), ("k", k), ("v", v)):
+        check_tensor(name, x, 4)
+        if not x.is_floating_point():
+            raise TypeError(f"{name} must be a floating-point tensor, got {x.dtype}")
+    B, H, T, Dk = q.shape
+    check_same("q", tuple(q.shape), "k", tuple(k.shape), "shape (B, H, T, Dk)")
+    check_same("q", tuple(q.shape[:3]), "v", tuple(v.shape[:3]), "(B, H, T)")
+    if T < 1:
+        raise ValueError(f"q must have at least one step (T >= 1), got shape {tuple(q.shape)}")
+    Dv = v.shape[-1]
+    if vector:
+        _check_log_decay(log_decay, (B, H, T, Dk), "(B, H, T, Dk)")
+    else:
+        _check_log_decay(log_decay, (B, H, T), "(B, H, T)")
+    if initial_state is not None:
+        _check_state(initial_state, (B, H, Dk, Dv), "initial_state")
+    return B, H, T, Dk, Dv
+
+
+def _step(q_t, k_t, v_t, ld_t, state):
+    """One step of the recurrence; q_t already scaled. q_t, k_t (B, H, Dk), v_t (B, H, Dv),
+    ld_t (B, H, Dk) or (B, H, 1), state (B, H, Dk, Dv)."""
+    state = torch.exp(ld_t)[..., None] * state + k_t[..., :, None] * v_t[..., None, :]  # (B, H, Dk, Dv)
+    o_t = (q_t[..., None, :] @ state).squeeze(-2)  # (B, H, Dv)
+    return o_t, state
+
+
+def _naive(q, k, v, log_decay, state):
+    """The recurrence, one step at a time. log_decay (B, H, T, Dk) or (B, H, T, 1)."""
+    outs = []
+    for q_t, k_t, v_t, ld_t in zip(q.unbind(2), k.unbind(2), v.unbind(2), log_decay.unbind(2)):
+        o_t, state = _step(q_t, k_t, v_t, ld_t, state)
+        outs.append(o_t)
+    return torch.stack(outs, dim=2), state  # (B, H, T, Dv)
+
+
+def gla_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    log_decay: torch.Tensor,
+    *,
+    scale: float | None = None,
+    initial_state: torch.Tensor | None = None,
+    causal: bool = True,
+    impl: str = "auto",
+    chunk_size: int = 64,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Gated linear attention: S_t = diag(exp(log_decay_t)) S_{t-1} + k_t v_t^T, o_t = (scale q_t)^T S_t.
+
+    q, k: (B, H, T, Dk); v: (B, H, T, Dv); log_decay: (B, H, T, Dk), finite and <= 0;
+    scale: default 1/sqrt(Dk); initial_state: (B, H, Dk, Dv) or None (zeros).
+    Returns o (B, H, T, Dv) and the final state (B, H, Dk, Dv), which ``gla_step`` or a
+    later call (as initial_state) continues from.
+    """
+    return _run(q, k, v, log_decay, scale, initial_state, causal, impl, chunk_size, True, "gla_attention")
+
+
+def ssd_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    log_decay: torch.Tensor,
+    *,
+    scale: float | None = None,
+    initial_state: torch.Tensor | None = None,
+    causal: bool = True,
+    impl: str = "auto",
+    chunk_size: int = 64,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Mamba-2 SSD readout: the GLA recurrence with one decay per head and step.
+
+    q (= C), k (= B): (B, H, T, Dk); v (= x): (B, H, T, Dv); log_decay: (B, H, T), finite and
+    <= 0; scale: default 1/sqrt(Dk) (1.0 for the plain Mamba-2 readout);
+    initial_state: (B, H, Dk, Dv) or None. Returns o (B, H, T, Dv) and the final state.
+    """
+    return _run(q, k, v, log_decay, scale, initial_state, causal, impl, chunk_size, False, "ssd_attention")
+
+
+def _run(q, k, v, log_decay, scale, initial_state, causal, impl, chunk_size, vector, op):
+    check_impl(impl)
+    if not causal:
+        raise ValueError(f"{op} is a recurrence in time and has no non-causal form: causal must be True, got {causal!r}")
+    if isinstance(chunk_size, bool) or not isinstance(chunk_size, int) or chunk_size < 1:
+        raise ValueError(f"chunk_size must be a positive int, got {chunk_size!r}")
+    B, H, T, Dk, Dv = _validate(q, k, v, log_decay, initial_state, vector)
+    scale = _check_scale(scale, Dk)
+    out_dtype, dt = q.dtype, _compute_dtype(q)
+    q, k, v, log_decay = (x.to(dt) for x in (q, k, v, log_decay))
+    q = q * scale
+    if initial_state is None:
+        state = torch.zeros(B, H, Dk, Dv, dtype=dt, device=q.device)
+    else:
+        state = initial_state.to(dt)
+    if impl == "naive":
+        o, state = _naive(q, k, v, log_decay if vector else log_decay[..., None], state)
+    else:
+        o, state = chunked_linear_attention(q, k, v, log_decay, state, chunk_size)
+    return o.to(out_dtype), state
+
+
+def _step_public(q_t, k_t, v_t, log_decay_t, state, scale, vector):
+    for name, x in (("q_t", q_t), ("k_t", k_t), ("v_t", v_t)):
+        check_tensor(name, x, 3)
+    B, H, Dk = q_t.shape
+    check_same("q_t", tuple(q_t.shape), "k_t", tuple(k_t.shape), "shape (B, H, Dk)")
+    check_same("q_t", (B, H), "v_t", tuple(v_t.shape[:2]), "(B, H)")
+    Dv = v_t.shape[-1]
+    if vector:
+        _check_log_decay(log_decay_t, (B, H, Dk), "(B, H, Dk)")
+    else:
+        _check_log_decay(log_decay_t, (B, H), "(B, H)")
+    scale = _check_scale(scale, Dk)
+    dt = _compute_dtype(q_t)
+    if state is None:
+        state = torch.zeros(B, H, Dk, Dv, dtype=dt, device=q_t.device)
+    else:
+        _check_state(state, (B, H, Dk, Dv), "state")
+        state = state.to(dt)
+    ld = log_decay_t.to(dt) if vector else log_decay_t.to(dt)[..., None]
+    o_t, state = _step(q_t.to(dt) * scale, k_t.to(dt), v_t.to(dt), ld, state)
+    return o_t.to(q_t.dtype), state
+
+
+def gla_step(
+    q_t: torch.Tensor,
+    k_t: torch.Tensor,
+    v_t: torch.Tensor,
+    log_decay_t: torch.Tensor,
+    state: torch.Tensor | None = None,
+    *,
+    scale: float | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """One decode step of gla_attention. q_t, k_t: (B, H, Dk); v_t: (B, H, Dv);
+    log_decay_t: (B, H, Dk); state: (B, H, Dk, Dv) or None. Returns o_t (B, H, Dv) and the new state."""
+    return _step_public(q_t, k_t, v_t, log_decay_t, state, scale, True)
+
+
+def ssd_step(
+    q_t: torch.Tensor,
+    k_t: torch.Tensor,
+    v_t: torch.Tensor,
+    log_decay_t: torch.Tensor,
+    state: torch.Tensor | None = None,
+    *,
+    scale: float | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """One decode step of ssd_attention. q_t, k_t: (B, H, Dk); v_t: (B, H, Dv);
+    log_decay_t: (B, H); state: (B, H, Dk, Dv) or None. Returns o_t (B, H, Dv) and the new state."""
+    return _step_public(q_t, k_t, v_t, log_decay_t, state, scale, False)

@@ -1,5 +1,271 @@
-"""(being written)"""
+"""Principled attention (004_9b512e69d6c7f8e7.txt): gated logits, a learned ground state and
+log K margin amplification, with a tiled fast path whose memory is linear in T.
+
+The fast path is the online computation of the seed's section 5. Everything is kept relative
+to the threshold: y = a - gamma = c (s - gamma) - b with c = 1 + softplus(alpha) log K, so the
+ground term max(gamma, a) becomes max(0, y) and its exponential is 2^-M for the running max M.
+Per query block, a loop over key blocks keeps
+
+    M       running max of max(0, y)             (base-2 units)
+    acc     sum_j 2^(y_j - M) [v_j, 1]           values and the plain sumexp
+    excess  sum_j max(0, 2^-M - 2^(y_j - M))     the grounded mass, accumulated non-negative
+
+so z = sumexp + excess, w0 = excess / z (never negative), o = values / z + w0 v0.
+Scale factors (c / sqrt(d), log2 e, the threshold) are folded into the query side of the
+score matmul: [q c log2e / sqrt(d), -c gamma log2e] . [k, 1] = log2e c (s - gamma).
+
+The backward recomputes each block's scores from the saved log-normaliser. With
+dP_j = do.v_j - dw0 and Delta = sum_j w_j dP_j = do.o_keys - dw0 (1 - w0), the logit gradient is
+ds_j = w_j (dP_j - Delta tau_j), where tau_j = 1 if a_j > gamma, 1/2 on a tie (torch.maximum
+splits the gradient of a tie evenly), 0 below; tau = (1 + sign(y)) / 2 covers all three cases.
+Shifting gamma and every a_j together leaves w unchanged, which gives the threshold's gradient
+through max(gamma, a) as -sum_j ds_j; with da/dgamma = 1 - c the total is dgamma = -c sum_j ds_j.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+from torch.autograd.function import once_differentiable
+
+from ._checks import broadcast_param, check_groups, check_impl, check_same, check_tensor
+from .principled_naive import key_counts, principled_naive
+
+LOG2E = 1.4426950408889634
+BLOCK_Q = 256
+BLOCK_K = 256
 
 
-def principled_attention(*args, **kwargs):
-    raise NotImplementedError
+def _key_blocks(q0: int, q1: int, Tk: int, offset: int, causal: bool, block_k: int):
+    """Key blocks (k0, k1, partial) that queries q0..q1-1 can see; partial blocks need a mask."""
+    k_end = min(Tk, q1 + offset) if causal else Tk
+    for k0 in range(0, k_end, block_k):
+        k1 = min(k0 + block_k, Tk)
+        yield k0, k1, causal and k1 - 1 > q0 + offset
+
+
+class _PrincipledTiled(torch.autograd.Function):
+    """Tiled principled attention on flattened heads: q (N, Tq, D), k (N, Tk, D), qg (N, Tq, Dg),
+    kg (N, Tk, Dg), v (N, Tk, Dv), per-query c, softplus(beta), gamma (N, Tq).
+    Returns the key readout sum_j w_j v_j (N, Tq, Dv) and the ground weight w0 (N, Tq)."""
+
+    @staticmethod
+    def forward(ctx, q, k, qg, kg, v, c, spb, gamma, causal, block_q, block_k):
+        N, Tq, D = q.shape
+        Tk, Dv = k.shape[1], v.shape[2]
+        offset = Tk - Tq
+        ones_k = q.new_ones(N, Tk, 1)
+        qs = q * (c * (LOG2E / math.sqrt(D)))[..., None]  # (N, Tq, D)
+        qa = torch.cat([qs, (-LOG2E * c * gamma)[..., None]], -1)  # (N, Tq, D + 1)
+        ka = torch.cat([k, ones_k], -1)  # (N, Tk, D + 1)
+        va = torch.cat([v, ones_k], -1)  # (N, Tk, Dv + 1)
+        qgn = -qg
+        nspb2 = (-LOG2E * spb)[..., None]  # (N, Tq, 1)
+        steps = torch.arange(max(block_q, block_k), device=q.device)
+        diff = steps[None, :block_k] - steps[:block_q, None]  # key index - query index in a block
+
+        ok = q.new_empty(N, Tq, Dv)
+        w0 = q.new_empty(N, Tq)
+        lse2 = q.new_empty(N, Tq)
+        for q0 in range(0, Tq, block_q):
+            q1 = min(q0 + block_q, Tq)
+            nq = q1 - q0
+            m = q.new_zeros(N, nq, 1)  # running max of max(0, y), base 2
+            acc = q.new_zeros(N, nq, Dv + 1)
+            excess = q.new_zeros(N, nq, 1)
+            for k0, k1, partial in _key_blocks(q0, q1, Tk, offset, causal, block_k):
+                sp = F.softplus(torch.bmm(qgn[:, q0:q1], kg[:, k0:k1].transpose(1, 2)))  # (N, nq, nk)
+                y = torch.bmm(qa[:, q0:q1], ka[:, k0:k1].transpose(1, 2)).addcmul_(sp, nspb2[:, q0:q1])
+                del sp
+                if partial:
+                    hidden = diff[: q1 - q0, : k1 - k0] > q0 + offset - k0
+                    y.masked_fill_(hidden, float("-inf"))
+                m_new = torch.maximum(m, y.amax(-1, keepdim=True))
+                rescale = torch.exp2(m - m_new)
+                acc.mul_(rescale)
+                excess.mul_(rescale)
+                m = m_new
+                p = y.sub_(m).exp2_()  # 2^(y - M)
+                acc.baddbmm_(p, va[:, k0:k1])
+                ground = torch.exp2(-m)  # the threshold's term 2^(0 - M)
+                short = p.sub_(ground).clamp_max_(0)  # -max(0, ground - p)
+                if partial:
+                    short.masked_fill_(hidden, 0.0)
+                excess.sub_(short.sum(-1, keepdim=True))
+            z = acc[..., Dv:] + excess  # (N, nq, 1)
+            ok[:, q0:q1] = acc[..., :Dv] / z
+            w0[:, q0:q1] = (excess / z).squeeze(-1)
+            lse2[:, q0:q1] = (m + torch.log2(z)).squeeze(-1)
+
+        ctx.save_for_backward(q, qa, ka, va, qg, qgn, kg, c, spb, gamma, nspb2, ok, w0, lse2)
+        ctx.causal, ctx.block_q, ctx.block_k = causal, block_q, block_k
+        return ok, w0
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx, d_ok, d_w0):
+        q, qa, ka, va, qg, qgn, kg, c, spb, gamma, nspb2, ok, w0, lse2 = ctx.saved_tensors
+        causal, block_q, block_k = ctx.causal, ctx.block_q, ctx.block_k
+        N, Tq, D = q.shape
+        Tk, Dv = ka.shape[1], va.shape[2] - 1
+        offset = Tk - Tq
+        need_gate = any(ctx.needs_input_grad[i] for i in (2, 3, 6))
+        steps = torch.arange(max(block_q, block_k), device=q.device)
+        diff = steps[None, :block_k] - steps[:block_q, None]
+
+        delta = (d_ok * ok).sum(-1) - d_w0 * (1 - w0)  # (N, Tq)
+        # [do, -(dw0 + Delta/2)] . [v, 1] = dP - Delta/2; the sign term adds -Delta/2 sign(y).
+        doa = torch.cat([d_ok, -(d_w0 + 0.5 * delta)[..., None]], -1)  # (N, Tq, Dv + 1)
+        half_delta = (-0.5 * delta)[..., None]  # (N, Tq, 1)
+        qs = qa[..., :D]
+        qgs = qg * spb[..., None]  # (N, Tq, Dg)
+
+        dqa = torch.zeros_like(qa)  # [sum_j ds k_j, sum_j ds]
+        dk = torch.zeros(N, Tk, D, dtype=q.dtype, device=q.device)
+        dv = torch.zeros(N, Tk, Dv, dtype=q.dtype, device=q.device)
+        dqg = torch.zeros_like(qg)
+        dkg = torch.zeros_like(kg)
+        dspb = torch.zeros_like(spb)
+        for q0 in range(0, Tq, block_q):
+            q1 = min(q0 + block_q, Tq)
+            for k0, k1, partial in _key_blocks(q0, q1, Tk, offset, causal, block_k):
+                ng = torch.bmm(qgn[:, q0:q1], kg[:, k0:k1].transpose(1, 2))  # -g, (N, nq, nk)
+                sp = F.softplus(ng)
+                y = torch.bmm(qa[:, q0:q1], ka[:, k0:k1].transpose(1, 2)).addcmul_(sp, nspb2[:, q0:q1])
+                if partial:
+                    y.masked_fill_(diff[: q1 - q0, : k1 - k0] > q0 + offset - k0, float("-inf"))
+                side = torch.sign(y)  # +1 above the threshold, 0 on a tie, -1 below or hidden
+                w = y.sub_(lse2[:, q0:q1, None]).exp2_()  # (N, nq, nk)
+                ds = torch.bmm(doa[:, q0:q1], va[:, k0:k1].transpose(1, 2))
+                ds.addcmul_(side, half_delta[:, q0:q1]).mul_(w)  # dL/da
+                del side
+                # bmm then add: baddbmm_ into a strided slice falls back to one GEMM per batch.
+                dv[:, k0:k1] += torch.bmm(w.transpose(1, 2), d_ok[:, q0:q1])
+                dqa[:, q0:q1] += torch.bmm(ds, ka[:, k0:k1])
+                dk[:, k0:k1] += torch.bmm(ds.transpose(1, 2), qs[:, q0:q1])
+                if need_gate:
+                    dspb[:, q0:q1] -= torch.linalg.vecdot(ds, sp)
+                    gate = ds.mul_(torch.sigmoid_(ng))  # dL/da * sigmoid(-g)
+                    dqg[:, q0:q1] += torch.bmm(gate, kg[:, k0:k1])
+                    dkg[:, k0:k1] += torch.bmm(gate.transpose(1, 2), qgs[:, q0:q1])
+
+        scale = c / math.sqrt(D)  # (N, Tq)
+        ds_k, ds_sum = dqa[..., :D], dqa[..., D]
+        dq = ds_k * scale[..., None]
+        dk = dk * (1 / LOG2E)
+        dc = (q * ds_k).sum(-1) / math.sqrt(D) - gamma * ds_sum
+        dgamma = -c * ds_sum
+        dqg = dqg * spb[..., None]
+        return dq, dk, dqg, dkg, dv, dc, dspb, dgamma, None, None, None
+
+
+def _check_inputs(q, k, qg, kg, v):
+    for name, x in (("q", q), ("k", k), ("qg", qg), ("kg", kg), ("v", v)):
+        check_tensor(name, x, 4)
+        if not x.is_floating_point():
+            raise TypeError(f"{name} must be a floating-point tensor, got dtype {x.dtype}")
+        if x.dtype != q.dtype or x.device != q.device:
+            raise ValueError(f"{name} must match q in dtype and device: got {x.dtype} on {x.device}, q is {q.dtype} on {q.device}")
+    B, H, Tq, D = q.shape
+    for name, x in (("k", k), ("qg", qg), ("kg", kg), ("v", v)):
+        check_same("q", B, name, x.shape[0], "batch size (dim 0)")
+    check_same("q", D, "k", k.shape[3], "head dim (dim 3)")
+    check_same("q", H, "qg", qg.shape[1], "heads (dim 1)")
+    check_same("q", Tq, "qg", qg.shape[2], "length (dim 2)")
+    check_same("qg", qg.shape[3], "kg", kg.shape[3], "gate dim (dim 3)")
+    for name, x in (("kg", kg), ("v", v)):
+        check_same("k", k.shape[2], name, x.shape[2], "length (dim 2)")
+    for name, x in (("k", k), ("kg", kg), ("v", v)):
+        check_groups(H, x.shape[1], name)
+    if k.shape[2] < 1:
+        raise ValueError(f"k must hold at least one key, got shape {tuple(k.shape)}")
+
+
+def _check_v0(v0, H: int, Dv: int, like: torch.Tensor) -> torch.Tensor | None:
+    """v0 as (1 or H, Dv) or None."""
+    if v0 is None:
+        return None
+    if not isinstance(v0, torch.Tensor):
+        raise TypeError(f"v0 must be a tensor of shape (Dv,) or (H, Dv), or None; got {type(v0).__name__}")
+    if v0.dim() == 1 and v0.shape[0] == Dv:
+        return v0.to(like.dtype)[None]
+    if v0.dim() == 2 and tuple(v0.shape) == (H, Dv):
+        return v0.to(like.dtype)
+    raise ValueError(f"v0 must have shape (Dv,)=({Dv},) or (H, Dv)=({H}, {Dv}), got {tuple(v0.shape)}")
+
+
+def _heads(x: torch.Tensor, H: int) -> torch.Tensor:
+    """(B, G, T, D) -> (B, H, T, D): head h reads group h // (H / G)."""
+    B, G, T, D = x.shape
+    if G == H:
+        return x
+    return x[:, :, None].expand(B, G, H // G, T, D).reshape(B, H, T, D)
+
+
+def principled_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    qg: torch.Tensor,
+    kg: torch.Tensor,
+    v: torch.Tensor,
+    *,
+    alpha,
+    beta,
+    gamma,
+    v0: torch.Tensor | None = None,
+    causal: bool = True,
+    impl: str = "auto",
+    return_ground: bool = False,
+    block_q: int = BLOCK_Q,
+    block_k: int = BLOCK_K,
+):
+    """Principled attention: semantic scores s = q.k/sqrt(d), suppress-only gates from qg.kg,
+    a ground state v0 with relevance threshold gamma, and log K margin amplification.
+
+    q (B, H, Tq, D), k (B, G, Tk, D), qg (B, H, Tq, Dg), kg (B, Gg, Tk, Dg), v (B, Gv, Tk, Dv);
+    each of G, Gg, Gv divides H (grouped heads: head h reads group h // (H / G)).
+    alpha, beta, gamma: float, (H,) or per query (B, H, Tq). v0: (Dv,), (H, Dv) or None (zeros).
+    Under causal masking query t sees keys 0 .. t + Tk - Tq (Tq <= Tk) and K = t + 1 + Tk - Tq.
+    Returns o (B, H, Tq, Dv), and w0 (B, H, Tq) too when return_ground. As alpha, beta, gamma
+    -> -inf this is standard scaled softmax attention. impl "fast" (= "auto") tiles queries
+    and keys in block_q x block_k blocks and never builds a Tq x Tk matrix; "naive" does.
+    Low-precision inputs (fp16, bf16) are computed in float32 and the outputs cast back.
+    """
+    check_impl(impl)
+    _check_inputs(q, k, qg, kg, v)
+    if not isinstance(causal, bool):
+        raise TypeError(f"causal must be a bool, got {type(causal).__name__}")
+    for name, n in (("block_q", block_q), ("block_k", block_k)):
+        if not isinstance(n, int) or n < 1:
+            raise ValueError(f"{name} must be a positive int, got {n!r}")
+    B, H, Tq, _ = q.shape
+    Tk, Dv = k.shape[2], v.shape[3]
+    if causal and Tq > Tk:
+        raise ValueError(f"causal masking needs at least as many keys as queries: q has Tq={Tq}, k has Tk={Tk}")
+    out_dtype = q.dtype
+    work = torch.float32 if q.dtype in (torch.float16, torch.bfloat16) else q.dtype
+    q, k, qg, kg, v = (x.to(work) for x in (q, k, qg, kg, v))
+    params = {
+        name: broadcast_param(name, value, B, H, Tq, q).to(work)
+        for name, value in (("alpha", alpha), ("beta", beta), ("gamma", gamma))
+    }
+    v0 = _check_v0(v0, H, Dv, q)
+    k, kg, v = _heads(k, H), _heads(kg, H), _heads(v, H)
+
+    if impl == "naive":
+        o, w0 = principled_naive(q, k, qg, kg, v, params["alpha"], params["beta"], params["gamma"], v0, causal)
+    else:
+        log_k = key_counts(Tq, Tk, causal, q.device, work).log()  # (Tq,)
+        c = (1 + F.softplus(params["alpha"]) * log_k).expand(B, H, Tq)  # margin amplification
+        spb = F.softplus(params["beta"]).expand(B, H, Tq)
+        gam = params["gamma"].expand(B, H, Tq)
+        flat = [x.reshape(B * H, x.shape[2], x.shape[3]) for x in (q, k, qg, kg, v)]
+        rows = [x.reshape(B * H, Tq) for x in (c, spb, gam)]
+        ok, w0 = _PrincipledTiled.apply(*flat, *rows, causal, block_q, block_k)
+        o, w0 = ok.view(B, H, Tq, Dv), w0.view(B, H, Tq)
+        if v0 is not None:
+            o = o + w0[..., None] * v0[:, None, :]
+    o = o.to(out_dtype)
+    return (o, w0.to(out_dtype)) if return_ground else o

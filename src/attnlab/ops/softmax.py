@@ -1,5 +1,153 @@
-"""(being written)"""
+"""Softmax (dot-product) attention with the scalings of "Alternatives to the Scaled Dot Product".
+
+Besides the usual 1/sqrt(d), the logits q.k can be divided by a statistic of the key norms
+the query can see. Every such divisor depends only on the query position (and batch/head),
+so it folds into the query: q_t / c_t, and the fast path is one fused SDPA call.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from ._checks import check_choice, check_impl, check_positive
+from ._sdpa import check_causal, check_qkv, expand_heads, fused_attention, upcast
+
+SCALES = ("sqrt_d", "ktotal", "kmean", "krms", "pnorm", "n_sqrt_d")
 
 
-def softmax_attention(*args, **kwargs):
-    raise NotImplementedError
+def softmax_attention(q, k, v, *, causal: bool = True, scale="sqrt_d", p: float = 2.0, impl: str = "auto"):
+    """o_t = sum_s softmax_s(q_t . k_s / c_t) v_s over the keys s visible to query t.
+
+    q (B, H, T, D); k (B, G, T, D) and v (B, G', T, Dv) with G, G' dividing H (GQA: head h
+    reads group h // (H / G)). Returns (B, H, T, Dv) in v's dtype.
+
+    N_t is the set of visible keys (s <= t if ``causal``, else all T) and n_t = |N_t|.
+    ``scale`` picks the divisor c_t:
+
+    - ``"sqrt_d"``:   c_t = sqrt(D)                                  (standard attention)
+    - ``"ktotal"``:   c_t = sum_{s in N_t} ||k_s||                   (sum of key lengths)
+    - ``"kmean"``:    c_t = (1 / n_t) sum_{s in N_t} ||k_s||         (mean key length)
+    - ``"krms"``:     c_t = sqrt((1 / n_t) sum_{s in N_t} ||k_s||^2) (RMS key length)
+    - ``"pnorm"``:    c_t = (sum_{s in N_t} ||k_s||^p)^(1/p)         (p = 1 is ktotal)
+    - ``"n_sqrt_d"``: c_t = n_t sqrt(D)                              (cheap stand-in for ktotal)
+    - a float a > 0:  the logits are a * q_t . k_s (a multiplier, as SDPA's ``scale``).
+
+    Under causal masking the key-norm divisors are prefix sums over s <= t, so a query never
+    depends on later keys; key norms are taken per key head (group). A divisor of zero (all
+    visible keys zero) is not guarded against.
+
+    impl: "naive" builds the (T, T) logits and the divisors from the visibility mask, as the
+    formula reads; "fast" (and "auto") computes the divisors with cumulative sums and runs
+    one fused SDPA call on q / c_t, memory linear in T.
+    """
+    check_impl(impl)
+    check_causal(causal)
+    B, H, T, D = check_qkv(q, k, v)
+    if isinstance(scale, str):
+        check_choice("scale", scale, SCALES)
+    elif isinstance(scale, (int, float)) and not isinstance(scale, bool):
+        check_positive("scale", float(scale))
+        if not math.isfinite(scale):
+            raise ValueError(f"scale must be finite, got {scale}")
+    else:
+        raise TypeError(f"scale must be one of {SCALES} or a float, got {type(scale).__name__}")
+    if scale == "pnorm":
+        if isinstance(p, bool) or not isinstance(p, (int, float)):
+            raise TypeError(f"p must be a float, got {type(p).__name__}")
+        check_positive("p", float(p))
+    if impl == "naive":
+        return _softmax_naive(q, k, v, causal, scale, float(p))
+    return _softmax_fast(q, k, v, causal, scale, float(p))
+
+
+def _softmax_naive(q, k, v, causal, scale, p):
+    B, H, T, D = q.shape
+    k_h, v_h = expand_heads(k, H), expand_heads(v, H)  # (B, H, T, D), (B, H, T, Dv)
+    dots = q @ k_h.transpose(-1, -2)  # (B, H, T, T)
+    visible = torch.ones(T, T, dtype=torch.bool, device=q.device)
+    if causal:
+        visible = visible.tril()
+    if isinstance(scale, str):
+        c = _divisor_naive(k_h, visible, scale, p)  # (B, H, T) or (T,)
+        logits = dots / (c.unsqueeze(-1) if c.dim() == 3 else c.view(T, 1))
+    else:
+        logits = dots * scale
+    logits = logits.masked_fill(~visible, float("-inf"))
+    w = torch.softmax(logits, dim=-1)  # (B, H, T, T)
+    return (w @ v_h).to(v.dtype)  # (B, H, T, Dv)
+
+
+def _divisor_naive(k_h, visible, scale, p):
+    """c_t read off the (T, T) visibility matrix: row t sums over the keys query t sees."""
+    D = k_h.shape[-1]
+    vis = visible.to(k_h.dtype)  # (T, T)
+    n = vis.sum(-1)  # (T,)
+    if scale == "sqrt_d":
+        return torch.full_like(n, math.sqrt(D))
+    if scale == "n_sqrt_d":
+        return n * math.sqrt(D)
+    norms = torch.linalg.vector_norm(k_h, dim=-1)  # (B, H, T)
+
+    def row_sum(x):  # (B, H, T) over keys -> (B, H, T) over queries
+        return (x.unsqueeze(-2) * vis).sum(-1)
+
+    if scale == "ktotal":
+        return row_sum(norms)
+    if scale == "kmean":
+        return row_sum(norms) / n
+    if scale == "krms":
+        return (row_sum(norms**2) / n).sqrt()
+    return row_sum(norms**p) ** (1.0 / p)  # pnorm
+
+
+def _softmax_fast(q, k, v, causal, scale, p):
+    B, H, T, D = q.shape
+    if not isinstance(scale, str):
+        return fused_attention(q, k, v, causal=causal, scale=float(scale)).to(v.dtype)
+    if scale == "sqrt_d":
+        return fused_attention(q, k, v, causal=causal, scale=1.0 / math.sqrt(D)).to(v.dtype)
+    c = _divisor_fast(k, causal, scale, p)  # (B, G, T) or (1, 1, T), in fp32 or wider
+    if c.shape[1] != 1:
+        c = expand_heads(c.unsqueeze(-1), H).squeeze(-1)  # (B, H, T)
+    q_scaled = (q.to(c.dtype) / c.unsqueeze(-1)).to(q.dtype)  # (B, H, T, D)
+    return fused_attention(q_scaled, k, v, causal=causal, scale=1.0).to(v.dtype)
+
+
+def _divisor_fast(k, causal, scale, p):
+    """c_t by prefix reductions (causal) or full reductions (non-causal), O(T) memory.
+
+    Reductions run in at least fp32, since bf16 prefix sums over long T lose the digits.
+    """
+    B, G, T, D = k.shape
+    kf = k.to(upcast(k.dtype))
+    if causal:
+        n = torch.arange(1, T + 1, device=k.device, dtype=kf.dtype)  # (T,)
+
+        def reduce(x):
+            return x.cumsum(-1)
+    else:
+        n = torch.full((T,), float(T), device=k.device, dtype=kf.dtype)
+
+        def reduce(x):
+            return x.sum(-1, keepdim=True).expand_as(x)
+
+    if scale == "n_sqrt_d":
+        return (n * math.sqrt(D)).view(1, 1, T)
+    if scale == "krms":
+        return (reduce(kf.pow(2).sum(-1)) / n).sqrt()  # (B, G, T)
+    norms = torch.linalg.vector_norm(kf, dim=-1)  # (B, G, T)
+    if scale == "ktotal":
+        return reduce(norms)
+    if scale == "kmean":
+        return reduce(norms) / n
+    # pnorm in log space, (1/p) log sum exp(p log ||k||), so ||k||^p cannot overflow or
+    # underflow for large p. Zero norms are floored at the smallest normal float: their
+    # term (tiny^p) is zero to working precision and their gradient stays finite.
+    log_norms = norms.clamp_min(torch.finfo(kf.dtype).tiny).log() * p  # (B, G, T)
+    if causal:
+        lse = torch.logcumsumexp(log_norms, dim=-1)
+    else:
+        lse = torch.logsumexp(log_norms, dim=-1, keepdim=True).expand_as(log_norms)
+    return (lse / p).exp()

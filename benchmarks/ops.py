@@ -1,0 +1,231 @@
+"""Forward + backward time and peak memory of every op's fast path against torch SDPA.
+
+    .venv/bin/python benchmarks/ops.py                 # B=1, H=8, T=2048, D=64; memory at T=2048, 8192
+    .venv/bin/python benchmarks/ops.py --no-memory --reps 3
+
+Time: each op runs forward and backward (a fixed random cotangent, gradients for every
+input and parameter). Ops are timed round-robin, one call each per round, so drift in the
+machine's load hits all of them alike; the table shows the median over rounds and its ratio
+to torch's fused causal SDPA timed in the same rounds. "sdpa_math" is the same attention
+forced onto SDPA's unfused math backend: the path a wrong head dimension or a grad-carrying
+mask falls back to, shown so that hitting the fused kernel is visible in the numbers.
+
+Memory: each (op, T) runs in a fresh subprocess (so no allocator reuse from earlier ops).
+It builds the inputs, runs one small warm-up call (lazy initialisation), then resets the
+kernel's peak-RSS counter (writing 5 to /proc/self/clear_refs), runs one forward + backward
+and reports VmHWM - VmRSS at the reset: the extra resident memory the call needed beyond its
+inputs (activations, saved tensors, gradients). Linux only. Memory linear in T shows as a
+ratio near T2/T1 between the two columns; a T x T buffer as (T2/T1)^2.
+
+Ops that still raise NotImplementedError are skipped with a note. Results go to
+benchmarks/results/ops.json.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from torch.nn.attention import SDPBackend, sdpa_kernel
+from tqdm import tqdm
+
+from attnlab import ops
+
+SCALES = ("sqrt_d", "ktotal", "kmean", "krms", "pnorm", "n_sqrt_d")
+OPS = ("sdpa", "sdpa_math", *(f"softmax[{s}]" for s in SCALES),
+       "scalar", "hybrid", "principled", "cosformer", "gla", "ssd")
+TARGETS = {"scalar": 1.2, "hybrid": 1.2, "principled": 4.0}
+MEMORY_SKIP = {"sdpa_math": 4096}  # materialises T x T: above this T it would need gigabytes
+RESULTS = Path(__file__).resolve().parent / "results" / "ops.json"
+
+
+def _leaf(x: torch.Tensor) -> torch.Tensor:
+    return x.requires_grad_()
+
+
+def make_case(name: str, B: int, H: int, T: int, D: int):
+    """(fn, inputs) for one op; every input tensor is a leaf that wants a gradient."""
+    g = torch.Generator().manual_seed(0)
+
+    def rand(*shape):
+        return _leaf(torch.randn(*shape, generator=g))
+
+    q, k, v = rand(B, H, T, D), rand(B, H, T, D), rand(B, H, T, D)
+    if name == "sdpa":
+        return (lambda q, k, v: F.scaled_dot_product_attention(q, k, v, is_causal=True)), [q, k, v]
+    if name == "sdpa_math":
+        def math_sdpa(q, k, v):
+            with sdpa_kernel(SDPBackend.MATH):
+                return F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        return math_sdpa, [q, k, v]
+    if name.startswith("softmax["):
+        scale = name[len("softmax["):-1]
+        return (lambda q, k, v: ops.softmax_attention(q, k, v, scale=scale)), [q, k, v]
+    qs, ks = rand(B, H, T), rand(B, H, T)
+    tau = _leaf(torch.full((H,), 0.5))
+    if name == "scalar":
+        return ops.scalar_attention, [qs, ks, v, tau]
+    if name == "hybrid":
+        return ops.hybrid_attention, [q, k, v, qs, ks, tau]
+    if name == "principled":
+        qg, kg = rand(B, H, T, 16), rand(B, H, T, 16)
+        alpha, beta, gamma = (_leaf(torch.full((H,), c)) for c in (0.0, 0.0, -2.0))
+
+        def principled(q, k, qg, kg, v, alpha, beta, gamma):
+            return ops.principled_attention(q, k, qg, kg, v, alpha=alpha, beta=beta, gamma=gamma)
+        return principled, [q, k, qg, kg, v, alpha, beta, gamma]
+    if name == "cosformer":
+        return ops.cosformer_attention, [q, k, v]
+    if name == "gla":
+        log_decay = _leaf(F.logsigmoid(torch.randn(B, H, T, D, generator=g) + 3.0))
+        return ops.gla_attention, [q, k, v, log_decay]
+    if name == "ssd":
+        log_decay = _leaf(F.logsigmoid(torch.randn(B, H, T, generator=g) + 3.0))
+        return ops.ssd_attention, [q, k, v, log_decay]
+    raise ValueError(f"unknown op {name!r}; known: {OPS}")
+
+
+def fwd_bwd(fn, inputs, cot=None) -> None:
+    leaves = [x.detach().requires_grad_() for x in inputs]
+    out = fn(*leaves)
+    out = out[0] if isinstance(out, tuple) else out
+    out.backward(torch.ones_like(out) if cot is None else cot)
+
+
+def time_ops(names, B, H, T, D, reps):
+    """Median fwd+bwd seconds per op over `reps` round-robin rounds; skipped ops map to a note."""
+    cases, notes = {}, {}
+    for name in tqdm(names, desc="warm-up", leave=False):
+        fn, inputs = make_case(name, B, H, T, D)
+        try:
+            fwd_bwd(fn, inputs)
+        except NotImplementedError:
+            notes[name] = "skipped: raises NotImplementedError"
+            continue
+        cases[name] = (fn, inputs)
+    times = {name: [] for name in cases}
+    for _ in tqdm(range(reps), desc=f"timing T={T}", leave=False):
+        for name, (fn, inputs) in cases.items():
+            start = time.perf_counter()
+            fwd_bwd(fn, inputs)
+            times[name].append(time.perf_counter() - start)
+    return {name: statistics.median(ts) for name, ts in times.items()}, times, notes
+
+
+def _status_kb(field: str) -> int:
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith(field + ":"):
+            return int(line.split()[1])
+    raise RuntimeError(f"{field} not in /proc/self/status")
+
+
+def memory_child(name: str, B: int, H: int, T: int, D: int) -> None:
+    """Runs in its own process: prints {"peak_mb": ...} or {"note": ...} as JSON."""
+    try:
+        fwd_bwd(*make_case(name, B, H, 64, D))  # lazy initialisation outside the measurement
+        fn, inputs = make_case(name, B, H, T, D)
+        Path("/proc/self/clear_refs").write_text("5")
+        base = _status_kb("VmRSS")
+        fwd_bwd(fn, inputs)
+        print(json.dumps({"peak_mb": (_status_kb("VmHWM") - base) / 1024}))
+    except NotImplementedError:
+        print(json.dumps({"note": "skipped: raises NotImplementedError"}))
+
+
+def measure_memory(name, B, H, T, D):
+    if T > MEMORY_SKIP.get(name, math.inf):
+        return {"note": f"not run: materialises T x T ({B * H * T * T * 4 / 2**30:.1f} GiB per copy)"}
+    cmd = [sys.executable, __file__, "--memory-child", name, "--B", str(B), "--H", str(H), "--D", str(D), "--T", str(T)]
+    proc = subprocess.run(cmd, capture_output=True, text=True)
+    if proc.returncode != 0:
+        return {"note": f"failed: {proc.stderr.strip().splitlines()[-1] if proc.stderr.strip() else proc.returncode}"}
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+def main(argv=None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--B", type=int, default=1)
+    parser.add_argument("--H", type=int, default=8)
+    parser.add_argument("--T", type=int, default=2048)
+    parser.add_argument("--D", type=int, default=64)
+    parser.add_argument("--reps", type=int, default=5)
+    parser.add_argument("--mem-T", type=int, nargs="*", default=[2048, 8192])
+    parser.add_argument("--no-memory", action="store_true")
+    parser.add_argument("--ops", nargs="*", default=list(OPS), choices=OPS)
+    parser.add_argument("--out", type=Path, default=RESULTS)
+    parser.add_argument("--memory-child", help=argparse.SUPPRESS)
+    args = parser.parse_args(argv)
+    if args.memory_child:
+        memory_child(args.memory_child, args.B, args.H, args.T, args.D)
+        return
+    names = list(dict.fromkeys(["sdpa", *args.ops]))
+    B, H, T, D = args.B, args.H, args.T, args.D
+    medians, samples, notes = time_ops(names, B, H, T, D, args.reps)
+    mem_T = [] if args.no_memory else args.mem_T
+    memory = {}
+    runs = [(n, t) for n in names if n not in notes for t in mem_T]
+    for name, t in tqdm(runs, desc="memory", leave=False):
+        memory[(name, t)] = measure_memory(name, B, H, t, D)
+
+    base = medians["sdpa"]
+    rows = []
+    for name in names:
+        row = {"op": name, "note": notes.get(name)}
+        if name in medians:
+            ratio = medians[name] / base
+            row.update(time_ms=1e3 * medians[name], samples_ms=[1e3 * s for s in samples[name]], ratio_vs_sdpa=ratio)
+            if name in TARGETS:
+                row.update(target=TARGETS[name], meets_target=ratio <= TARGETS[name])
+        for t in mem_T:
+            row[f"mem_mb_T{t}"] = memory.get((name, t), {}).get("peak_mb")
+            if "note" in memory.get((name, t), {}):
+                row[f"mem_note_T{t}"] = memory[(name, t)]["note"]
+        rows.append(row)
+
+    header = f"{'op':<20}{'fwd+bwd ms':>12}{'x SDPA':>9}{'target':>8}" + "".join(f"{f'MB T={t}':>13}" for t in mem_T)
+    if len(mem_T) == 2:
+        header += f"{'growth':>9}"
+    print(f"B={B} H={H} T={T} D={D}, fp32, {torch.get_num_threads()} threads, torch {torch.__version__}")
+    print(header)
+    for row in rows:
+        if row["note"]:
+            print(f"{row['op']:<20}{row['note']}")
+            continue
+        line = f"{row['op']:<20}{row['time_ms']:>12.1f}{row['ratio_vs_sdpa']:>9.2f}"
+        line += f"{('<= ' + str(row['target'])) if 'target' in row else '':>8}"
+        mems = [row.get(f"mem_mb_T{t}") for t in mem_T]
+        line += "".join(f"{m:>13.1f}" if m is not None else f"{'-':>13}" for m in mems)
+        if len(mems) == 2 and None not in mems and mems[0] > 0:
+            line += f"{mems[1] / mems[0]:>8.1f}x"
+        print(line)
+    if len(mem_T) == 2:
+        print(f"growth: memory at T={mem_T[1]} / T={mem_T[0]}; linear in T is {mem_T[1] / mem_T[0]:.0f}x, "
+              f"quadratic {(mem_T[1] / mem_T[0]) ** 2:.0f}x")
+    for row in rows:
+        for t in mem_T:
+            if row.get(f"mem_note_T{t}"):
+                print(f"{row['op']} memory at T={t}: {row[f'mem_note_T{t}']}")
+
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    result = {
+        "config": {"B": B, "H": H, "T": T, "D": D, "dtype": "float32", "reps": args.reps, "memory_T": mem_T,
+                   "threads": torch.get_num_threads(), "torch": torch.__version__},
+        "method": {"time": "median of round-robin fwd+bwd wall-clock seconds; ratio to fused causal SDPA in the same run",
+                   "memory": "fresh subprocess per (op, T): VmHWM - VmRSS after resetting the peak via "
+                             "/proc/self/clear_refs, over one fwd+bwd beyond the inputs"},
+        "rows": rows,
+    }
+    args.out.write_text(json.dumps(result, indent=2))
+    print(f"wrote {args.out}")
+
+
+if __name__ == "__main__":
+    main()

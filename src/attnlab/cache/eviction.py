@@ -1,0 +1,156 @@
+"""Eviction and compression for the sorted scalar cache, in scalar-key space.
+
+geometric eviction: a head's keys outside [min recent qs - r, max recent qs + r] (over its
+    rolling window of recent queries) are far from every query the head has been asking
+    and are dropped; O(n) mask per call, no attention statistics needed.
+density compression: in dense regions adjacent keys have nearly identical weights for any
+    query, so a run of ``group`` adjacent keys spanning <= max_span becomes one entry with
+    key = weighted centroid, value = weighted mean, weight = total count; its logit gets
+    + log(count). Exact when the keys are equal; otherwise each member's true logit differs
+    from the representative's by at most span * (2 |qs - centroid| + span) / tau.
+sink zone: keys in a reserved range (lo, hi) are never evicted or compressed.
+slot reclamation: value slots no head of a group references are freed by compacting
+    the value store (O(slots * d_v), so it runs after eviction, not every step).
+
+All functions take the cache (attnlab.cache.sorted.SortedScalarCache) and edit it in place.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .sorted_index import radius_from_tolerance, run_keys
+
+
+def reclaim_slots(cache) -> int:
+    """Compact the value (and vector-key) store to the slots still referenced; remap the index.
+    Returns the number of slots freed (uniform over batch x groups)."""
+    S = cache.n_slots
+    if S == 0:
+        return 0
+    B, G, R = cache.batch, cache.n_groups, cache.rows
+    cap = cache.values.shape[2]
+    ent = cache.index.all_entries()  # (C, R, N)
+    slots = torch.where(torch.isfinite(run_keys(ent)), ent[1].long(), S)  # dead refs -> spare column
+    live = torch.zeros(B * G, S + 1, dtype=torch.bool, device=cache.device)
+    live[cache._row_group.expand_as(slots), slots] = True
+    live = live[:, :S]  # (B*G, S)
+    new_s = int(live.sum(1).max().item())
+    if new_s == S:
+        return 0
+    newpos = torch.where(live, live.cumsum(1) - 1, 0)  # (B*G, S): old slot -> new slot
+    gi, si = live.nonzero(as_tuple=True)
+    values = cache.values.view(B * G, cap, cache.d_v)
+    fresh = torch.zeros_like(values)
+    fresh[gi, newpos[gi, si]] = values[gi, si]
+    cache.values = fresh.view_as(cache.values)
+    if cache.hybrid:
+        vkeys = cache.vkeys.view(R, cap, cache.d_k)
+        live_h = live[cache._row_group.view(R)]  # (R, S): slot live in the head's group
+        hi, si = live_h.nonzero(as_tuple=True)
+        fresh_k = torch.zeros_like(vkeys)
+        fresh_k[hi, newpos[cache._row_group.view(R)[hi], si]] = vkeys[hi, si]
+        cache.vkeys = fresh_k.view_as(cache.vkeys)
+    cache.index.map_slots(lambda s: newpos[cache._row_group, s.long()].to(torch.int32))
+    cache.n_slots = new_s
+    return S - new_s
+
+
+def _count(cache) -> int:
+    return int(cache.index.n_entries().sum().item())
+
+
+def evict_geometric(cache, radius=None, *, tau=None, eps=None, reclaim: bool = True) -> int:
+    """Drop each head's keys outside [min recent qs - r, max recent qs + r], keeping the sink zone.
+
+    r is ``radius`` (float, (H,) or (B, H)), or sqrt(-tau log eps) from ``tau`` and ``eps``.
+    The recent queries are the last ``query_history`` ones recorded by ``attend``.
+    Returns the number of entries evicted (summed over batch x heads)."""
+    hist = cache.recent_queries()  # (R, m)
+    if hist.shape[1] == 0:
+        raise ValueError("geometric eviction needs recent queries: call attend() before evict_geometric()")
+    if radius is None:
+        if tau is None or eps is None:
+            raise ValueError("give radius, or both tau and eps (r = sqrt(-tau log eps))")
+        if not 0 < eps < 1:
+            raise ValueError(f"eps must be in (0, 1), got {eps!r}")
+        r = radius_from_tolerance(cache._rows("tau", tau), float(eps))
+    else:
+        r = cache._rows("radius", radius)
+    lo = hist.amin(1, keepdim=True) - r  # (R, 1)
+    hi = hist.amax(1, keepdim=True) + r
+    zone = cache.sink_zone
+
+    def keep(keys: torch.Tensor) -> torch.Tensor:
+        mask = (keys >= lo) & (keys <= hi)
+        if zone is not None:
+            mask = mask | ((keys >= zone[0]) & (keys <= zone[1]))
+        return mask
+
+    before = _count(cache)
+    cache.index.filter(keep)
+    removed = before - _count(cache)
+    cache._refresh_count()
+    if reclaim and removed:
+        reclaim_slots(cache)
+    return removed
+
+
+def compress_density(cache, max_span: float, group: int = 4, reclaim: bool = True) -> int:
+    """Merge every aligned run of ``group`` adjacent keys (in a head's sorted order) whose
+    key span is <= max_span into one weighted entry (see the module docstring).
+
+    Consolidates the index into one sorted run first. Returns the number of entries removed."""
+    if isinstance(max_span, bool) or not isinstance(max_span, (int, float)) or not max_span >= 0:
+        raise ValueError(f"max_span must be a float >= 0, got {max_span!r}")
+    if isinstance(group, bool) or not isinstance(group, int) or group < 2:
+        raise ValueError(f"group must be an int >= 2, got {group!r}")
+    index, m = cache.index, group
+    index.ensure_weighted()
+    run = index.consolidate()
+    if run is None or run.shape[2] < m:
+        return 0
+    R, W = run.shape[1], run.shape[2]
+    nch = W // m
+    chunks = run_keys(run)[:, : nch * m].reshape(R, nch, m)  # sorted within each row
+    ok = (chunks[..., -1] - chunks[..., 0]) <= max_span  # pads: inf or nan -> False
+    if cache.sink_zone is not None:
+        lo, hi = cache.sink_zone
+        ok = ok & ~((chunks >= lo) & (chunks <= hi)).any(-1)
+    rr, cc = ok.nonzero(as_tuple=True)  # row-major: rows ascending
+    if rr.numel() == 0:
+        return 0
+    grow = cache._row_group.view(R)[rr]  # (Q,) value row b*G+g; nondecreasing in rr
+    counts = torch.bincount(grow, minlength=cache.batch * cache.n_groups)
+    rank = torch.arange(rr.numel(), device=rr.device) - (counts.cumsum(0) - counts)[grow]
+    n_new = int(counts.max().item())
+    cache._ensure_slots(n_new)  # may reclaim slots, which remaps the run in place
+    run = index.runs()[0]
+    cap = cache.values.shape[2]
+
+    pos = cc[:, None] * m + torch.arange(m, device=rr.device)  # (Q, m) positions in the row
+    mk = run_keys(run)[rr[:, None], pos]  # (Q, m)
+    ms = run[1][rr[:, None], pos].long()
+    mw = run[2].view(torch.float32)[rr[:, None], pos]
+    p = torch.softmax(mw, -1)  # member weights count_i / sum(count)
+    logw = torch.logsumexp(mw, -1)
+    key = (p * mk).sum(-1).clamp(mk[:, 0], mk[:, -1])  # centroid stays inside the run: order kept
+    vals = cache.values.view(-1, cap, cache.d_v)[grow[:, None], ms].float()  # (Q, m, Dv)
+    new_slot = cache.n_slots + rank  # (Q,)
+    cache.values.view(-1, cap, cache.d_v)[grow, new_slot] = (p[..., None] * vals).sum(1).to(cache.dtype)
+    if cache.hybrid:
+        vk = cache.vkeys.view(-1, cap, cache.d_k)[rr[:, None], ms].float()  # (Q, m, Dk)
+        cache.vkeys.view(-1, cap, cache.d_k)[rr, new_slot] = (p[..., None] * vk).sum(1).to(cache.dtype)
+    cache.n_slots += n_new
+
+    first = pos[:, 0]
+    run[0][rr, first] = key.contiguous().view(torch.int32)
+    run[1][rr, first] = new_slot.to(torch.int32)
+    run[2][rr, first] = logw.contiguous().view(torch.int32)
+    keep = torch.isfinite(run_keys(run))
+    keep[rr[:, None], pos[:, 1:]] = False
+    index.replace(index.compact(run, keep))
+    cache._refresh_count()
+    if reclaim:
+        reclaim_slots(cache)
+    return int(rr.numel()) * (m - 1)

@@ -1,0 +1,144 @@
+"""Plain decode caches: a growing KV cache and a recurrent-state holder.
+
+`KVCache` keeps any set of named per-token tensors whose time axis is dim 2 — vectors
+(B, H, T, D) and scalars (B, H, T) alike — in buffers that double when full, so appending one
+token is amortised O(1) and reading returns views, not copies. `RecurrentState` holds the
+fixed-size state of the linear family (cosformer, gla, ssd) between decode steps.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+TIME_DIM = 2
+
+
+class KVCache:
+    """Named tensors growing along dim 2; every `append` must bring the same names and shapes.
+
+    >>> cache = KVCache(batch_size=2)
+    >>> full = cache.append(k=k_t, v=v_t, ks=ks_t)   # k_t (B, G, 1, D), ks_t (B, H, 1)
+    >>> full["k"].shape                               # (B, G, len(cache), D)
+    """
+
+    def __init__(self, batch_size: int, initial_capacity: int = 64):
+        if not isinstance(batch_size, int) or batch_size < 1:
+            raise ValueError(f"batch_size must be an int >= 1, got {batch_size!r}")
+        if not isinstance(initial_capacity, int) or initial_capacity < 1:
+            raise ValueError(f"initial_capacity must be an int >= 1, got {initial_capacity!r}")
+        self.batch_size = batch_size
+        self.capacity = initial_capacity
+        self.length = 0
+        self._buf: dict[str, torch.Tensor] = {}
+
+    def __len__(self) -> int:
+        return self.length
+
+    @property
+    def names(self) -> tuple[str, ...]:
+        return tuple(self._buf)
+
+    def _check(self, tensors: dict[str, torch.Tensor]) -> int:
+        if not tensors:
+            raise ValueError("append needs at least one named tensor")
+        steps = None
+        for name, x in tensors.items():
+            if not isinstance(x, torch.Tensor) or x.dim() < 3:
+                got = tuple(x.shape) if isinstance(x, torch.Tensor) else type(x).__name__
+                raise ValueError(f"{name} must be a tensor with time on dim 2 (B, H, T[, D]), got {got}")
+            if x.shape[0] != self.batch_size:
+                raise ValueError(f"{name} has batch {x.shape[0]}, the cache was made for batch_size={self.batch_size}")
+            if steps is None:
+                steps = x.shape[TIME_DIM]
+            elif x.shape[TIME_DIM] != steps:
+                raise ValueError(f"{name} brings {x.shape[TIME_DIM]} steps, the other tensors bring {steps}")
+        if self._buf:
+            if set(tensors) != set(self._buf):
+                raise ValueError(f"append must bring the names {sorted(self._buf)}, got {sorted(tensors)}")
+            for name, x in tensors.items():
+                old = self._buf[name]
+                if x.shape[:TIME_DIM] + x.shape[TIME_DIM + 1:] != old.shape[:TIME_DIM] + old.shape[TIME_DIM + 1:]:
+                    want = list(old.shape)
+                    want[TIME_DIM] = "T"
+                    raise ValueError(f"{name} must be shaped {tuple(want)}, got {tuple(x.shape)}")
+        return steps
+
+    def _grow(self, need: int) -> None:
+        new_cap = self.capacity
+        while new_cap < need:
+            new_cap *= 2
+        for name, old in self._buf.items():
+            shape = list(old.shape)
+            shape[TIME_DIM] = new_cap
+            new = old.new_empty(shape)
+            new.narrow(TIME_DIM, 0, self.length).copy_(old.narrow(TIME_DIM, 0, self.length))
+            self._buf[name] = new
+        self.capacity = new_cap
+
+    def append(self, **tensors: torch.Tensor) -> dict[str, torch.Tensor]:
+        """Append `steps` tokens of each named tensor; return views of everything cached so far."""
+        steps = self._check(tensors)
+        if not self._buf:
+            while self.capacity < steps:
+                self.capacity *= 2
+            for name, x in tensors.items():
+                shape = list(x.shape)
+                shape[TIME_DIM] = self.capacity
+                self._buf[name] = x.new_empty(shape)
+        elif self.length + steps > self.capacity:
+            self._grow(self.length + steps)
+        for name, x in tensors.items():
+            self._buf[name].narrow(TIME_DIM, self.length, steps).copy_(x.detach())
+        self.length += steps
+        return self.view()
+
+    def view(self) -> dict[str, torch.Tensor]:
+        """Views (no copy) of every cached tensor, time length len(self)."""
+        return {name: buf.narrow(TIME_DIM, 0, self.length) for name, buf in self._buf.items()}
+
+    def nbytes(self) -> int:
+        """Bytes of the cached tokens (not the spare capacity)."""
+        return sum(b.element_size() * b.numel() // b.shape[TIME_DIM] * self.length for b in self._buf.values())
+
+
+class RecurrentState:
+    """The fixed-size state of a linear-family head between decode steps, plus the position.
+
+    `state` is whatever the op returned as its final state (None before the first token);
+    `pos` counts the tokens folded into it.
+    """
+
+    def __init__(self, batch_size: int):
+        if not isinstance(batch_size, int) or batch_size < 1:
+            raise ValueError(f"batch_size must be an int >= 1, got {batch_size!r}")
+        self.batch_size = batch_size
+        self.state: Any = None
+        self.pos = 0
+
+    def update(self, state: Any, steps: int = 1) -> None:
+        """Replace the state with the op's final state after `steps` more tokens."""
+        self.state = _detach(state)
+        self.pos += steps
+
+    def nbytes(self) -> int:
+        return sum(t.element_size() * t.numel() for t in _tensors(self.state))
+
+
+def _detach(state: Any) -> Any:
+    if isinstance(state, torch.Tensor):
+        return state.detach()
+    if isinstance(state, tuple) and hasattr(state, "_fields"):  # NamedTuple states (cosformer)
+        return type(state)(*(_detach(s) for s in state))
+    if isinstance(state, (tuple, list)):
+        return type(state)(_detach(s) for s in state)
+    return state
+
+
+def _tensors(state: Any):
+    if isinstance(state, torch.Tensor):
+        yield state
+    elif isinstance(state, (tuple, list)):
+        for s in state:
+            yield from _tensors(s)

@@ -1,0 +1,451 @@
+"""Sorted scalar KV cache: O(log n + k) decode for scalar and hybrid attention.
+
+Scalar keys can be kept in sorted order, so a decode step binary-searches its scalar
+query among the cached keys and attends over a window of the k nearest keys only:
+
+    scalar:  softmax_j( -(qs - ks_j)^2 / tau + log c_j ) over the window, @ V_window
+    hybrid:  softmax_j( q . k_j / sqrt(d_k) - (qs - ks_j)^2 / tau + log c_j )
+
+(c_j = number of tokens entry j stands for; 1 unless density compression merged it.)
+
+Layout. Each head keeps its own sorted key index (one sort order cannot serve several
+heads' keys) holding the key and the slot of every entry; values are stored once per
+value group (grouped value attention: the heads of a group read one value store through
+their own indexes). Hybrid heads also store one vector key per head and slot. All state
+is batched over batch x heads as tensors; the hot path has no Python loop over heads.
+
+Window. The window is the k entries nearest to the query (the seed's "k/2 on each side"
+made optimal: for a Gaussian kernel the nearest keys carry the largest weights), or by
+radius: every entry with |qs - ks| <= r, where r is given or r = sqrt(-tau log eps)
+(at most ``window`` of them, the nearest, when window is not None). A window larger
+than what a head holds is clamped to what it holds: that is exact attention. The sink
+entry, when configured, is always a candidate in addition to the window.
+
+Inference only: appended tensors are detached. Gradients flow to the query arguments
+(qs, q, tau) of ``attend``, which is what the naive/fast comparison checks.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from ..ops._checks import check_groups, check_impl, check_positive
+from . import eviction
+from .sorted_index import SortedKeyIndex, radius_from_tolerance, run_keys
+
+__all__ = ["SortedScalarCache", "bytes_per_token"]
+
+
+def _int_arg(name: str, value, low: int = 1) -> int:
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise TypeError(f"{name} must be an int, got {type(value).__name__}")
+    if value < low:
+        raise ValueError(f"{name} must be >= {low}, got {value}")
+    return value
+
+
+def bytes_per_token(n_heads: int, n_groups: int, d_v: int, d_k: int | None = None,
+                    dtype: torch.dtype = torch.float32, weighted: bool = False) -> dict[str, int]:
+    """Bytes one cached token costs in one layer, by part.
+
+    key_index: per head a float32 key + an int32 slot (+ a float32 log-weight once density
+    compression is on): 8 (12) bytes per head. values: one d_v vector per value group.
+    vector_keys: hybrid heads only, one d_k vector per head. full_attention_kv: an
+    ordinary per-head K and V cache of the same head sizes, for comparison."""
+    item = torch.empty((), dtype=dtype).element_size()
+    per_head = 12 if weighted else 8
+    parts = {
+        "key_index_per_head": per_head,
+        "key_index": n_heads * per_head,
+        "values": n_groups * d_v * item,
+        "vector_keys": n_heads * d_k * item if d_k else 0,
+    }
+    parts["total"] = parts["key_index"] + parts["values"] + parts["vector_keys"]
+    parts["full_attention_kv"] = n_heads * ((d_k or d_v) + d_v) * item
+    return parts
+
+
+class SortedScalarCache:
+    """Decode-time cache for one layer of scalar (or hybrid, when ``d_k`` is given) heads.
+
+    batch, n_heads, n_groups, d_v: B, H, G (H % G == 0), value size. d_k: vector key size of
+    hybrid heads. capacity: value slots to hold (tokens + compressed representatives);
+    None grows by doubling; when full, dead slots are reclaimed, then RuntimeError.
+    sink_key (float, 0-d or (H,)) and sink_value ((d_v,), (G, d_v) or (H, d_v)): the learned
+    scalar sink entry, always a candidate and never evicted; sink_vkey ((d_k,) or (H, d_k),
+    hybrid only, default zeros). sink_zone=(lo, hi): keys in this range are never evicted
+    or compressed. query_history: recent queries kept per head for geometric eviction.
+    buffer_size, level_ratio: the index's insertion buffer and level growth factor."""
+
+    def __init__(self, batch: int, n_heads: int, n_groups: int, d_v: int, d_k: int | None = None,
+                 capacity: int | None = None, dtype: torch.dtype = torch.float32, device=None,
+                 sink_key=None, sink_value=None, sink_vkey=None, sink_zone=None,
+                 query_history: int = 256, buffer_size: int = 256, level_ratio: int = 64):
+        self.batch, self.n_heads = _int_arg("batch", batch), _int_arg("n_heads", n_heads)
+        self.n_groups, self.d_v = _int_arg("n_groups", n_groups), _int_arg("d_v", d_v)
+        check_groups(n_heads, n_groups, "n_groups")
+        self.d_k = None if d_k is None else _int_arg("d_k", d_k)
+        self.capacity = None if capacity is None else _int_arg("capacity", capacity)
+        if not isinstance(dtype, torch.dtype) or not dtype.is_floating_point:
+            raise TypeError(f"dtype must be a floating torch.dtype, got {dtype!r}")
+        self.dtype, self.device = dtype, torch.device("cpu") if device is None else torch.device(device)
+        _int_arg("query_history", query_history, 1)
+        _int_arg("buffer_size", buffer_size)
+        _int_arg("level_ratio", level_ratio, 2)
+        B, H, G = self.batch, self.n_heads, self.n_groups
+        self.rows = R = B * H
+        self.index = SortedKeyIndex(R, buffer_size=buffer_size, level_ratio=level_ratio, device=self.device)
+        self.n_tokens = 0  # tokens appended
+        self.n_slots = 0  # value slots in use (uniform over batch x groups)
+        self._n_max = 0  # most live entries any head holds
+        heads = torch.arange(H, device=self.device)
+        bidx = torch.arange(B, device=self.device).repeat_interleave(H)
+        self._row_group = (bidx * G + heads.repeat(B) // (H // G)).view(R, 1)  # (R, 1) value row b*G+g
+        self._row_head = torch.arange(R, device=self.device).view(R, 1)  # (R, 1) vector-key row b*H+h
+        self._qhist = torch.zeros(R, query_history, device=self.device)
+        self._qpos = self._qcount = 0
+        self._set_sink(sink_key, sink_value, sink_vkey)
+        self.sink_zone = self._zone(sink_zone)
+        self._alloc(self.capacity or 1024)
+
+    # ---- construction helpers -----------------------------------------------------------
+    def _set_sink(self, sink_key, sink_value, sink_vkey) -> None:
+        B, H, G, R = self.batch, self.n_heads, self.n_groups, self.rows
+        if (sink_key is None) != (sink_value is None):
+            raise ValueError("sink_key and sink_value must be given together (or neither), "
+                             f"got sink_key={'set' if sink_key is not None else None}, "
+                             f"sink_value={'set' if sink_value is not None else None}")
+        self.has_sink = sink_key is not None
+        if not self.has_sink:
+            if sink_vkey is not None:
+                raise ValueError("sink_vkey needs sink_key and sink_value")
+            return
+        key = torch.as_tensor(sink_key, dtype=torch.float32, device=self.device).detach()
+        if key.dim() == 0:
+            key = key.expand(H)
+        if tuple(key.shape) != (H,) or not bool(torch.isfinite(key).all()):
+            raise ValueError(f"sink_key must be a finite float or ({H},) tensor, got {tuple(key.shape)}")
+        val = self._per_head("sink_value", sink_value, self.d_v, allow_groups=True)
+        self._sink_k = key.repeat(B).view(R, 1)
+        self._sink_v = val.to(self.dtype).repeat(B, 1)  # (R, Dv)
+        if self.d_k is not None:
+            vk = torch.zeros(self.d_k) if sink_vkey is None else sink_vkey
+            self._sink_vk = self._per_head("sink_vkey", vk, self.d_k).float().repeat(B, 1)  # (R, Dk)
+        elif sink_vkey is not None:
+            raise ValueError("sink_vkey is only for hybrid caches (d_k given)")
+
+    def _per_head(self, name, x, d, allow_groups=False) -> torch.Tensor:
+        H, G = self.n_heads, self.n_groups
+        if not isinstance(x, torch.Tensor):
+            raise TypeError(f"{name} must be a torch.Tensor, got {type(x).__name__}")
+        x = x.detach().to(self.device)
+        if x.dim() == 1 and x.shape[0] == d:
+            return x.expand(H, d)
+        if x.dim() == 2 and tuple(x.shape) == (H, d):
+            return x
+        if allow_groups and x.dim() == 2 and tuple(x.shape) == (G, d):
+            return x.repeat_interleave(H // G, 0)
+        shapes = f"({d},), ({G}, {d}) or ({H}, {d})" if allow_groups else f"({d},) or ({H}, {d})"
+        raise ValueError(f"{name} must have shape {shapes}, got {tuple(x.shape)}")
+
+    @staticmethod
+    def _zone(zone):
+        if zone is None:
+            return None
+        try:
+            lo, hi = (float(z) for z in zone)
+        except (TypeError, ValueError):
+            raise ValueError(f"sink_zone must be a pair (lo, hi) of floats, got {zone!r}") from None
+        if not lo <= hi:
+            raise ValueError(f"sink_zone must have lo <= hi, got {zone!r}")
+        return lo, hi
+
+    def _alloc(self, slots: int) -> None:
+        """(Re)allocate the value (and vector-key) store with room for ``slots`` slots."""
+        B, H, G, n = self.batch, self.n_heads, self.n_groups, self.n_slots
+        values = torch.zeros(B, G, slots, self.d_v, dtype=self.dtype, device=self.device)
+        if n:
+            values[:, :, :n] = self.values[:, :, :n]
+        self.values = values
+        if self.d_k is not None:
+            vkeys = torch.zeros(B, H, slots, self.d_k, dtype=self.dtype, device=self.device)
+            if n:
+                vkeys[:, :, :n] = self.vkeys[:, :, :n]
+            self.vkeys = vkeys
+        self._val_off = self._row_group * slots  # (R, 1) row offsets into values.view(-1, Dv)
+        self._key_off = self._row_head * slots
+
+    def _ensure_slots(self, extra: int) -> None:
+        need = self.n_slots + extra
+        cap = self.values.shape[2]
+        if need <= cap:
+            return
+        if self.capacity is not None:
+            eviction.reclaim_slots(self)
+            if self.n_slots + extra > self.capacity:
+                raise RuntimeError(f"the cache is full: capacity={self.capacity} value slots, "
+                                   f"{self.n_slots} live; evict, compress, or use a larger capacity")
+            return
+        self._alloc(max(2 * cap, need))
+
+    @classmethod
+    def from_tensors(cls, ks: torch.Tensor, v: torch.Tensor, k: torch.Tensor | None = None,
+                     **kwargs) -> "SortedScalarCache":
+        """Bulk-load a cache from a whole context: ks (B, H, N), v (B, G, N, Dv), k (B, H, N, Dk)
+        for hybrid heads. Sorts each head's keys once (O(N log N)); other keyword arguments go
+        to the constructor (capacity defaults to N and then grows)."""
+        if not isinstance(ks, torch.Tensor) or ks.dim() != 3:
+            raise ValueError(f"ks must be a (B, H, N) tensor, got {getattr(ks, 'shape', type(ks))}")
+        if not isinstance(v, torch.Tensor) or v.dim() != 4:
+            raise ValueError(f"v must be a (B, G, N, Dv) tensor, got {getattr(v, 'shape', type(v))}")
+        B, H, N = ks.shape
+        if v.shape[0] != B or v.shape[2] != N:
+            raise ValueError(f"v must be (B, G, N, Dv) with B={B}, N={N} as in ks, got {tuple(v.shape)}")
+        if k is not None and (k.dim() != 4 or tuple(k.shape[:3]) != (B, H, N)):
+            raise ValueError(f"k must be (B, H, N, Dk) = ({B}, {H}, {N}, Dk), got {tuple(k.shape)}")
+        if not bool(torch.isfinite(ks).all()):
+            raise ValueError("ks must be finite: got ±inf or NaN keys")
+        kwargs.setdefault("device", ks.device)
+        kwargs["capacity"] = kwargs.get("capacity") or None
+        cache = cls(B, H, v.shape[1], v.shape[3], d_k=None if k is None else k.shape[3], **kwargs)
+        if cache.capacity is not None and N > cache.capacity:
+            raise ValueError(f"capacity={cache.capacity} is smaller than the N={N} tokens given")
+        if cache.values.shape[2] < N:
+            cache._alloc(N)
+        cache.values[:, :, :N] = v.detach()
+        if k is not None:
+            cache.vkeys[:, :, :N] = k.detach()
+        keys, order = ks.detach().reshape(B * H, N).to(cache.device, torch.float32).sort(dim=1)
+        data = cache.index.empty(N)
+        data[0] = keys.view(torch.int32)
+        data[1] = order.to(torch.int32)
+        cache.index.push(data)
+        cache.n_tokens = cache.n_slots = cache._n_max = N
+        return cache
+
+    # ---- properties ---------------------------------------------------------------------
+    @property
+    def hybrid(self) -> bool:
+        return self.d_k is not None
+
+    def __len__(self) -> int:
+        return self.n_tokens
+
+    def n_entries(self) -> torch.Tensor:
+        """Live entries per head (B, H): tokens minus evicted ones, merged ones counting once."""
+        return self.index.n_entries().view(self.batch, self.n_heads)
+
+    def bytes_per_token(self) -> dict[str, int]:
+        """Per-token, per-layer memory of this configuration (see module-level bytes_per_token)."""
+        return bytes_per_token(self.n_heads, self.n_groups, self.d_v, self.d_k, self.dtype, self.index.weighted)
+
+    def memory_bytes(self) -> int:
+        """Bytes actually allocated now: index (with padding and buffer) + value/key stores."""
+        total = self.index.nbytes() + self.values.numel() * self.values.element_size()
+        if self.hybrid:
+            total += self.vkeys.numel() * self.vkeys.element_size()
+        return total
+
+    # ---- argument checks ----------------------------------------------------------------
+    def _check_shape(self, name: str, x, shape: tuple) -> torch.Tensor:
+        if not isinstance(x, torch.Tensor):
+            raise TypeError(f"{name} must be a torch.Tensor, got {type(x).__name__}")
+        if tuple(x.shape) != shape:
+            raise ValueError(f"{name} must have shape {shape} to match the cache "
+                             f"(batch={self.batch}, n_heads={self.n_heads}), got {tuple(x.shape)}")
+        return x
+
+    def _rows(self, name: str, value):
+        """A positive float, 0-d, (H,) or (B, H) parameter as a float or an (R, 1) tensor."""
+        B, H = self.batch, self.n_heads
+        if isinstance(value, bool) or not isinstance(value, (int, float, torch.Tensor)):
+            raise TypeError(f"{name} must be a float or a tensor, got {type(value).__name__}")
+        check_positive(name, value)
+        if not isinstance(value, torch.Tensor):
+            return float(value)
+        t = value.to(self.device, torch.float32)
+        if t.dim() == 0 or tuple(t.shape) == (H,):
+            t = t.expand(B, H)
+        elif tuple(t.shape) != (B, H):
+            raise ValueError(f"{name} must be a float, 0-d, ({H},) or ({B}, {H}), got shape {tuple(t.shape)}")
+        return t.reshape(self.rows, 1)
+
+    def _check_finite(self, name: str, x: torch.Tensor) -> None:
+        if not bool(torch.isfinite(x).all()):
+            bad = int((~torch.isfinite(x)).sum())
+            raise ValueError(f"{name} must be finite: got {bad} ±inf/NaN entries; the cache is unchanged")
+
+    # ---- decode step --------------------------------------------------------------------
+    def append(self, ks: torch.Tensor, v: torch.Tensor, k: torch.Tensor | None = None) -> None:
+        """Insert one token: ks (B, H) scalar keys, v (B, G, Dv) values, k (B, H, Dk) vector keys
+        (hybrid only). Non-finite keys raise ValueError and leave the cache unchanged."""
+        B, H = self.batch, self.n_heads
+        self._check_shape("ks", ks, (B, H))
+        self._check_shape("v", v, (B, self.n_groups, self.d_v))
+        if self.hybrid:
+            if k is None:
+                raise ValueError(f"k (B, H, Dk) = ({B}, {H}, {self.d_k}) is required: this cache has hybrid heads")
+            self._check_shape("k", k, (B, H, self.d_k))
+        elif k is not None:
+            raise ValueError("k must be None: this cache has pure scalar heads (build it with d_k for hybrid)")
+        ks32 = ks.detach().to(self.device, torch.float32)
+        self._check_finite("ks", ks32)
+        if self.hybrid:
+            self._check_finite("k", k)
+        if self.n_slots == self.values.shape[2]:
+            self._ensure_slots(1)
+        s = self.n_slots
+        self.values[:, :, s] = v.detach()
+        if self.hybrid:
+            self.vkeys[:, :, s] = k.detach()
+        self.index.insert(ks32.reshape(self.rows).view(torch.int32), s)
+        self.n_slots += 1
+        self.n_tokens += 1
+        self._n_max += 1
+
+    def attend(self, qs: torch.Tensor, tau, q: torch.Tensor | None = None, window: int | None = 64,
+               radius=None, eps: float | None = None, impl: str = "auto") -> torch.Tensor:
+        """One decode step: qs (B, H) scalar queries, q (B, H, Dk) vector queries (hybrid) -> (B, H, Dv).
+
+        tau: float, 0-d, (H,) or (B, H). window: k nearest entries (None: all, i.e. exact);
+        clamped to what a head holds. radius (float/(H,)/(B, H)) or eps (r = sqrt(-tau log eps)):
+        keep only entries within r (at most ``window``). impl: "fast" searches the sorted index,
+        "naive" scores every cached entry by the formula and masks outside the window."""
+        check_impl(impl)
+        qr, q_rows, tau_r, r, window = self._query_args(qs, tau, q, window, radius, eps)
+        if self._n_max == 0 and not self.has_sink:
+            raise ValueError("the cache is empty and has no sink: append a token before attend")
+        hist = self._qhist.shape[1]
+        self._qhist[:, self._qpos] = qr.detach().view(self.rows)
+        self._qpos, self._qcount = (self._qpos + 1) % hist, self._qcount + 1
+        if impl == "naive":
+            return self._attend_naive(qr, q_rows, tau_r, r, window)
+        cand = self._select(qr, tau_r, window, r)
+        return self._output(cand, qr, q_rows, tau_r, r)
+
+    def _query_args(self, qs, tau, q, window, radius, eps):
+        B, H = self.batch, self.n_heads
+        self._check_shape("qs", qs, (B, H))
+        if self.hybrid:
+            if q is None:
+                raise ValueError(f"q (B, H, Dk) = ({B}, {H}, {self.d_k}) is required: this cache has hybrid heads")
+            self._check_shape("q", q, (B, H, self.d_k))
+        elif q is not None:
+            raise ValueError("q must be None: this cache has pure scalar heads")
+        if window is not None:
+            _int_arg("window", window)
+        if radius is not None and eps is not None:
+            raise ValueError("give radius or eps, not both")
+        tau_r = self._rows("tau", tau)
+        r = None
+        if radius is not None:
+            r = self._rows("radius", radius)
+        elif eps is not None:
+            if isinstance(eps, bool) or not isinstance(eps, (int, float)) or not 0 < eps < 1:
+                raise ValueError(f"eps must be a float in (0, 1), got {eps!r}")
+            r = radius_from_tolerance(tau_r, float(eps))
+        qr = qs.to(self.device, torch.float32).reshape(self.rows, 1)
+        self._check_finite("qs", qr)
+        q_rows = q.to(self.device, torch.float32).reshape(self.rows, self.d_k) if self.hybrid else None
+        return qr, q_rows, tau_r, r, window
+
+    def _select(self, qr, tau_r, window, r) -> torch.Tensor:
+        """Packed candidates (C, R, k): each head's k nearest entries (within r in radius mode)."""
+        k = self._n_max if window is None else min(window, self._n_max)
+        if r is not None and k > 0:
+            k = min(k, int(self.index.count_within(qr, r).max().item()))
+        if k == 0:
+            return self.index.empty(0)
+        cand = self.index.candidates(qr, k)
+        if cand.shape[2] > k:
+            d = (run_keys(cand) - qr).abs()  # (R, M)
+            sel = d.topk(k, dim=1, largest=False, sorted=False).indices  # (R, k)
+            cand = cand.gather(2, sel.unsqueeze(0).expand(cand.shape[0], -1, -1))
+        return cand
+
+    def _logits(self, cand, qr, q_rows, tau_r, r) -> torch.Tensor:
+        """Scores (R, k) of packed entries: -(qs - ks)^2 / tau (+ log-weight) (+ q.k / sqrt(d_k))."""
+        d = run_keys(cand) - qr  # (R, k); pads are +inf -> score -inf
+        logits = d.square().mul(-1.0 / tau_r)
+        if self.index.weighted:
+            logits = logits + cand[2].view(torch.float32)
+        if self.hybrid:
+            R, k = d.shape
+            idx = (cand[1] + self._key_off).reshape(-1)
+            kv = self.vkeys.view(-1, self.d_k).index_select(0, idx).view(R, k, self.d_k).float()
+            logits = logits + torch.bmm(kv, q_rows.unsqueeze(2)).squeeze(2) / math.sqrt(self.d_k)
+        if r is not None:
+            logits = logits.masked_fill(d.abs() > r, float("-inf"))
+        return logits
+
+    def _sink_logit(self, qr, q_rows, tau_r) -> torch.Tensor:
+        logit = (qr - self._sink_k).square().mul(-1.0 / tau_r)  # (R, 1)
+        if self.hybrid:
+            logit = logit + (q_rows * self._sink_vk).sum(1, keepdim=True) / math.sqrt(self.d_k)
+        return logit
+
+    def _output(self, cand, qr, q_rows, tau_r, r) -> torch.Tensor:
+        R, k, Dv = self.rows, cand.shape[2], self.d_v
+        logits = self._logits(cand, qr, q_rows, tau_r, r)  # (R, k)
+        if self.has_sink:
+            logits = torch.cat([logits, self._sink_logit(qr, q_rows, tau_r)], 1)  # (R, k + 1)
+        w = torch.softmax(logits, 1)
+        if not self.has_sink:
+            w = w.nan_to_num(0.0)  # a head with no candidate (empty, or none within r) outputs 0
+        idx = (cand[1] + self._val_off).reshape(-1)
+        vals = self.values.view(-1, Dv).index_select(0, idx).view(R, k, Dv)  # (R, k, Dv)
+        w = w.to(vals.dtype)
+        out = torch.bmm(w[:, None, :k], vals).squeeze(1)  # (R, Dv)
+        if self.has_sink:
+            out = out + w[:, k:] * self._sink_v
+        return out.view(self.batch, self.n_heads, Dv)
+
+    def _attend_naive(self, qr, q_rows, tau_r, r, window) -> torch.Tensor:
+        """Reference: score every cached entry by the formula, keep the window, softmax, sum."""
+        B, H, R, Dv = self.batch, self.n_heads, self.rows, self.d_v
+        ent = self.index.all_entries()  # (C, R, N)
+        keys, slots = run_keys(ent), ent[1].long()
+        d = keys - qr  # (R, N)
+        score = -(d ** 2) / tau_r
+        if self.index.weighted:
+            score = score + ent[2].view(torch.float32)
+        if self.hybrid:
+            kv = self.vkeys.reshape(B * H, -1, self.d_k)[self._row_head, slots].float()  # (R, N, Dk)
+            score = score + (kv * q_rows[:, None, :]).sum(-1) / math.sqrt(self.d_k)
+        keep = torch.isfinite(keys)
+        if r is not None:
+            keep = keep & (d.abs() <= r)
+        k = self._n_max if window is None else min(window, self._n_max)
+        order = torch.where(keep, d.abs(), float("inf")).argsort(dim=1, stable=True)
+        rank = torch.empty_like(order).scatter_(1, order, torch.arange(order.shape[1]).expand_as(order))
+        keep = keep & (rank < k)
+        score = score.masked_fill(~keep, float("-inf"))
+        vals = self.values.reshape(B * self.n_groups, -1, Dv)[self._row_group, slots]  # (R, N, Dv)
+        if self.has_sink:
+            score = torch.cat([score, self._sink_logit(qr, q_rows, tau_r)], 1)
+            vals = torch.cat([vals, self._sink_v[:, None, :]], 1)
+        w = torch.softmax(score, 1).nan_to_num(0.0)
+        out = (w.unsqueeze(-1) * vals.float()).sum(1)  # (R, Dv)
+        return out.to(self.dtype).view(B, H, Dv)
+
+    # ---- eviction and compression (see cache/eviction.py) ---------------------------------
+    def recent_queries(self) -> torch.Tensor:
+        """The recent scalar queries recorded by attend, (R, m) with m <= query_history."""
+        return self._qhist[:, : min(self._qcount, self._qhist.shape[1])]
+
+    def evict_geometric(self, radius=None, *, tau=None, eps: float | None = None, reclaim: bool = True) -> int:
+        """Evict keys outside [min recent qs - r, max recent qs + r] per head (sink zone kept)."""
+        return eviction.evict_geometric(self, radius, tau=tau, eps=eps, reclaim=reclaim)
+
+    def compress_density(self, max_span: float, group: int = 4, reclaim: bool = True) -> int:
+        """Merge runs of ``group`` adjacent keys spanning <= max_span into one weighted entry."""
+        return eviction.compress_density(self, max_span, group=group, reclaim=reclaim)
+
+    def reclaim(self) -> int:
+        """Free value slots no head references any more; returns the number freed."""
+        return eviction.reclaim_slots(self)
+
+    def _refresh_count(self) -> None:
+        self._n_max = int(self.index.n_entries().max().item()) if self.rows else 0

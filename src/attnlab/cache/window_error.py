@@ -1,0 +1,77 @@
+"""Error control for windowed decode: how much attention mass the window leaves out.
+
+The measured quantity is exact: mass_out = 1 - Z_window / Z_full, where Z sums
+exp(score) over the window's candidates (sink included) or over every cached entry.
+
+The seed's bound: for a pure scalar head, the Gaussian weight exp(-d^2 / tau) outside a
+radius r holds a fraction erfc(r / sqrt(tau)) of the total,
+
+    int_{|x| > r} exp(-x^2/tau) dx / int exp(-x^2/tau) dx = erfc(r / sqrt(tau)).
+
+That is a statement about a continuum of keys of constant density around the query. It
+carries over to a cache when (a) the key density outside the window is no higher than
+inside it (a sparse region just outside the window, or keys ending, only lowers the
+leftover mass), and (b) keys are spaced finely compared with sqrt(tau) so the sum over
+keys is close to the integral. A query in a sparse region with a dense cluster just past
+the radius breaks (a), and the measured mass can then exceed the bound by any factor; the
+tests show both cases. It does not apply to hybrid heads (the dot product reweights
+keys), whose leftover mass is measured but not bounded. It is independent of n only at
+fixed key density: at fixed key range, density grows with n and a k-window's radius shrinks.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+
+from .sorted_index import run_keys
+
+__all__ = ["WindowError", "window_error", "erfc_bound"]
+
+
+def erfc_bound(radius, tau):
+    """erfc(radius / sqrt(tau)): the seed's bound on the mass outside radius (floats or tensors)."""
+    if isinstance(radius, torch.Tensor) or isinstance(tau, torch.Tensor):
+        r = torch.as_tensor(radius, dtype=torch.float64)
+        return torch.special.erfc(r / torch.as_tensor(tau, dtype=torch.float64).sqrt())
+    return math.erfc(radius / math.sqrt(tau))
+
+
+@dataclass
+class WindowError:
+    """Per head (B, H): mass_out, the fraction of the full softmax mass outside the window;
+    radius, the distance from the query to the nearest cached key left out (inf if none);
+    bound, erfc(radius / sqrt(tau)) (meaningful for pure scalar heads, see module docstring)."""
+
+    mass_out: torch.Tensor
+    radius: torch.Tensor
+    bound: torch.Tensor
+
+
+@torch.no_grad()
+def window_error(cache, qs: torch.Tensor, tau, q: torch.Tensor | None = None, window: int | None = 64,
+                 radius=None, eps: float | None = None) -> WindowError:
+    """Measure the attention mass that ``cache.attend`` with these arguments leaves out.
+    Does not record the queries for eviction. O(n) per head: a diagnostic, not a decode path."""
+    qr, q_rows, tau_r, r, window = cache._query_args(qs, tau, q, window, radius, eps)
+    cand = cache._select(qr, tau_r, window, r)
+    full = cache.index.all_entries()
+    lw = cache._logits(cand, qr, q_rows, tau_r, r).double()  # (R, k)
+    lf = cache._logits(full, qr, q_rows, tau_r, None).double()  # (R, N)
+    kept = torch.isfinite(lw).sum(1)  # (R,) candidates that count
+    if cache.has_sink:
+        ls = cache._sink_logit(qr, q_rows, tau_r).double()
+        lw, lf = torch.cat([lw, ls], 1), torch.cat([lf, ls], 1)
+    diff = torch.logsumexp(lw, 1) - torch.logsumexp(lf, 1)  # log(Z_window / Z_full) <= 0
+    mass_out = (-torch.expm1(diff)).nan_to_num(0.0).clamp(0.0, 1.0)
+    dist = (run_keys(full) - qr).abs().sort(1).values.double()  # (R, N), pads last (inf)
+    n = dist.shape[1]
+    inf = torch.full((cache.rows,), float("inf"), dtype=torch.float64, device=dist.device)
+    rad = dist.gather(1, kept.clamp_max(max(n - 1, 0)).view(-1, 1)).squeeze(1) if n else inf
+    rad = torch.where(kept < n, rad, inf)
+    tau64 = tau_r.double().view(-1) if isinstance(tau_r, torch.Tensor) else tau_r
+    bound = erfc_bound(rad, tau64)
+    shape = (cache.batch, cache.n_heads)
+    return WindowError(mass_out.view(shape), rad.view(shape), bound.view(shape))

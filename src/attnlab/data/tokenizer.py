@@ -1,0 +1,192 @@
+"""Tokenizers: byte-level by default, optional byte-level BPE trained locally and cached.
+
+Every tokenizer has `encode(str) -> list[int]`, `decode(ids) -> str`, `vocab_size` and
+`eos_id`, and `encode_batch(texts) -> list[np.ndarray]` for bulk work.
+
+ByteTokenizer: ids 0-255 are the UTF-8 bytes, id 256 is EOS, the document separator
+(`vocab_size` 257). EOS never comes out of `encode`; `decode` drops it and replaces
+invalid UTF-8 with U+FFFD.
+
+BPETokenizer: a `tokenizers` BPE model over GPT-2-style byte-level pre-tokenization, so
+any text encodes without unknown tokens. Id 0 is the special token "<|endoftext|>" (EOS).
+`get_tokenizer("bpe", vocab_size=V, corpus=...)` trains it on the corpus's train split
+once and caches it as `<cache_dir>/bpe/<corpus>-<sha256 of the texts, 16 hex>-v<V>.json`,
+written atomically.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import re
+from pathlib import Path
+from typing import Iterable, Protocol, Sequence, runtime_checkable
+
+import numpy as np
+
+from ..ops._checks import check_choice
+from .cache import atomic_write_text, resolve_cache_dir
+
+EOS_TOKEN = "<|endoftext|>"
+TOKENIZER_KINDS = ("byte", "bpe")
+
+
+@runtime_checkable
+class Tokenizer(Protocol):
+    vocab_size: int
+    eos_id: int
+
+    def encode(self, text: str) -> list[int]: ...
+
+    def decode(self, ids: Sequence[int]) -> str: ...
+
+
+def _check_text(text) -> str:
+    if not isinstance(text, str):
+        raise TypeError(f"text must be a str, got {type(text).__name__}")
+    return text
+
+
+def _id_list(ids) -> list[int]:
+    if hasattr(ids, "tolist"):
+        ids = ids.tolist()
+    return [int(i) for i in ids]
+
+
+class ByteTokenizer:
+    """UTF-8 bytes as ids 0-255, EOS = 256."""
+
+    name = "byte"
+    vocab_size = 257
+    eos_id = 256
+
+    def encode(self, text: str) -> list[int]:
+        return list(_check_text(text).encode("utf-8"))
+
+    def encode_batch(self, texts: Iterable[str]) -> list[np.ndarray]:
+        return [np.frombuffer(_check_text(t).encode("utf-8"), dtype=np.uint8) for t in texts]
+
+    def decode(self, ids: Sequence[int]) -> str:
+        ids = _id_list(ids)
+        bad = [i for i in ids if not 0 <= i < self.vocab_size]
+        if bad:
+            raise ValueError(f"ids must lie in [0, {self.vocab_size}), got {bad[0]}")
+        return bytes(i for i in ids if i != self.eos_id).decode("utf-8", errors="replace")
+
+    def __repr__(self) -> str:
+        return "ByteTokenizer(vocab_size=257, eos_id=256)"
+
+
+class BPETokenizer:
+    """A trained byte-level BPE vocabulary (wraps `tokenizers.Tokenizer`)."""
+
+    def __init__(self, tok):
+        self._tok = tok
+        eos = tok.token_to_id(EOS_TOKEN)
+        if eos is None:
+            raise ValueError(f"a BPE tokenizer for attnlab needs the special token {EOS_TOKEN!r}")
+        self.eos_id = int(eos)
+        self.vocab_size = int(tok.get_vocab_size(with_added_tokens=True))
+        self.name = f"bpe-{self.vocab_size}"
+
+    @classmethod
+    def from_file(cls, path: str | os.PathLike) -> "BPETokenizer":
+        from tokenizers import Tokenizer as HFTokenizer
+
+        return cls(HFTokenizer.from_file(str(path)))
+
+    def save(self, path: str | os.PathLike) -> Path:
+        """Write the vocabulary as tokenizers JSON, atomically."""
+        return atomic_write_text(path, self._tok.to_str())
+
+    def encode(self, text: str) -> list[int]:
+        return self._tok.encode(_check_text(text), add_special_tokens=False).ids
+
+    def encode_batch(self, texts: Iterable[str]) -> list[np.ndarray]:
+        texts = [_check_text(t) for t in texts]
+        encs = self._tok.encode_batch(texts, add_special_tokens=False)
+        return [np.asarray(e.ids, dtype=np.int64) for e in encs]
+
+    def decode(self, ids: Sequence[int]) -> str:
+        ids = _id_list(ids)
+        bad = [i for i in ids if not 0 <= i < self.vocab_size]
+        if bad:
+            raise ValueError(f"ids must lie in [0, {self.vocab_size}), got {bad[0]}")
+        return self._tok.decode(ids, skip_special_tokens=True)
+
+    def __repr__(self) -> str:
+        return f"BPETokenizer(vocab_size={self.vocab_size}, eos_id={self.eos_id})"
+
+
+def train_bpe(texts: Iterable[str], vocab_size: int) -> BPETokenizer:
+    """Train a byte-level BPE vocabulary of `vocab_size` ids (EOS + 256 byte symbols + merges)."""
+    from tokenizers import Tokenizer as HFTokenizer
+    from tokenizers import decoders, models, pre_tokenizers, trainers
+
+    _check_bpe_size(vocab_size)
+    tok = HFTokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size,
+        special_tokens=[EOS_TOKEN],
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    tok.train_from_iterator(texts, trainer=trainer)
+    return BPETokenizer(tok)
+
+
+def _check_bpe_size(vocab_size) -> None:
+    if isinstance(vocab_size, bool) or not isinstance(vocab_size, int) or vocab_size < 258:
+        raise ValueError(f"vocab_size for bpe must be an int >= 258 (EOS + 256 bytes + merges), got {vocab_size!r}")
+
+
+def texts_fingerprint(texts: Iterable[str]) -> str:
+    """sha256 over the texts (length-prefixed, so boundaries count), 16 hex digits."""
+    h = hashlib.sha256()
+    for t in texts:
+        b = t.encode("utf-8")
+        h.update(len(b).to_bytes(8, "little"))
+        h.update(b)
+    return h.hexdigest()[:16]
+
+
+def bpe_cache_path(corpus: str, texts: Sequence[str], vocab_size: int, cache_dir=None) -> Path:
+    """Where the BPE vocabulary of size `vocab_size` trained on `texts` is cached."""
+    label = re.sub(r"[^A-Za-z0-9._-]+", "_", corpus).strip("_")[-48:] or "corpus"
+    return resolve_cache_dir(cache_dir) / "bpe" / f"{label}-{texts_fingerprint(texts)}-v{vocab_size}.json"
+
+
+def get_tokenizer(
+    kind: str = "byte",
+    *,
+    vocab_size: int | None = None,
+    corpus: str = "stdlib",
+    cache_dir: str | os.PathLike | None = None,
+    texts: Sequence[str] | None = None,
+) -> ByteTokenizer | BPETokenizer:
+    """The tokenizer `kind` ("byte" | "bpe").
+
+    For "bpe": trained on `texts` if given, else on `load_corpus(corpus, "train")`;
+    loaded from the cache when a vocabulary for the same texts and size exists."""
+    check_choice("kind", kind, TOKENIZER_KINDS)
+    if kind == "byte":
+        if vocab_size not in (None, ByteTokenizer.vocab_size):
+            raise ValueError(f"vocab_size for the byte tokenizer is fixed at 257, got {vocab_size!r}")
+        return ByteTokenizer()
+    if vocab_size is None:
+        raise ValueError("vocab_size is required for kind='bpe' (an int >= 258, e.g. 4096)")
+    _check_bpe_size(vocab_size)
+    if texts is None:
+        from .corpus import load_corpus
+
+        texts = load_corpus(corpus, "train")
+    if not texts:
+        raise ValueError(f"texts to train BPE on must be non-empty, got none from corpus {corpus!r}")
+    path = bpe_cache_path(corpus, texts, vocab_size, cache_dir)
+    if path.exists():
+        return BPETokenizer.from_file(path)
+    tok = train_bpe(texts, vocab_size)
+    tok.save(path)
+    return tok

@@ -1,0 +1,217 @@
+"""Evaluation metrics as pure functions on tensors, and language-model loss over batches.
+
+Attention weights `w` are (B, H, Tq, Tk): row (b, h, t) is query t's distribution over
+keys and should sum to 1. With Tk > Tq (e.g. sink entries placed before the sequence),
+query t is aligned with key t + (Tk - Tq). A query counts as valid when `query_mask`
+(B, Tq) allows it (default: all) and its row carries mass; the per-head results are
+means over valid queries of all batch rows, shape (H,); `reduce=False` gives the
+per-query values (B, H, Tq) instead (0 where invalid).
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Callable, Iterable, Sequence
+
+import torch
+import torch.nn.functional as F
+
+from ..data.packing import TokenStream, sequential_batches
+from ..ops._checks import check_groups, check_same, check_tensor
+
+TOPK_KS = (8, 16, 32, 64)
+
+
+def _check_w(w, query_mask):
+    check_tensor("w", w, 4)
+    if not w.is_floating_point():
+        raise TypeError(f"w must be a floating tensor of attention weights, got dtype {w.dtype}")
+    B, H, Tq, Tk = w.shape
+    if Tk < Tq:
+        raise ValueError(f"w must have at least as many keys as queries (Tk >= Tq), got shape {tuple(w.shape)}")
+    valid = w.detach().float().sum(-1) > 0  # (B, H, Tq)
+    if query_mask is not None:
+        check_tensor("query_mask", query_mask, 2)
+        if tuple(query_mask.shape) != (B, Tq):
+            raise ValueError(f"query_mask must have shape (B, Tq) = {(B, Tq)}, got {tuple(query_mask.shape)}")
+        valid = valid & query_mask.bool()[:, None, :].to(valid.device)
+    return valid
+
+
+def _reduce(per_query: torch.Tensor, valid: torch.Tensor, reduce: bool) -> torch.Tensor:
+    per_query = torch.where(valid, per_query, torch.zeros_like(per_query))
+    if not reduce:
+        return per_query
+    n = valid.sum(dim=(0, 2)).clamp_min(1)  # (H,)
+    return per_query.sum(dim=(0, 2)) / n
+
+
+def attention_entropy(w: torch.Tensor, query_mask: torch.Tensor | None = None, *, reduce: bool = True) -> torch.Tensor:
+    """Entropy -sum_s w_ts log w_ts of each query's attention (nats, 0 log 0 = 0); mean per
+    head over valid queries -> (H,). Uniform causal attention gives log(t + 1) at query t."""
+    valid = _check_w(w, query_mask)
+    wf = w.detach().float()
+    ent = -torch.special.xlogy(wf, wf).sum(-1)  # (B, H, Tq)
+    return _reduce(ent, valid, reduce)
+
+
+def sink_share(
+    w: torch.Tensor,
+    query_mask: torch.Tensor | None = None,
+    *,
+    sink: int = 0,
+    skip_first_query: bool = True,
+    reduce: bool = True,
+) -> torch.Tensor:
+    """Share of attention mass on key `sink` (the first token by default): sum over valid
+    queries of w[..., t, sink] / sum of their total mass, per head -> (H,).
+
+    Query 0 of a causal map can only attend to token 0, so it is left out by default
+    (`skip_first_query`); it would add a constant 1 that says nothing about sinks."""
+    valid = _check_w(w, query_mask)
+    Tk = w.shape[-1]
+    if isinstance(sink, bool) or not isinstance(sink, int) or not 0 <= sink < Tk:
+        raise ValueError(f"sink must be a key index in [0, {Tk}), got {sink!r}")
+    if skip_first_query:
+        valid = valid.clone()
+        valid[..., 0] = False
+    wf = w.detach().float()
+    on_sink, total = wf[..., sink], wf.sum(-1)  # (B, H, Tq)
+    if not reduce:
+        return torch.where(valid, on_sink / total.clamp_min(1e-30), torch.zeros_like(on_sink))
+    num = torch.where(valid, on_sink, torch.zeros_like(on_sink)).sum(dim=(0, 2))
+    den = torch.where(valid, total, torch.zeros_like(total)).sum(dim=(0, 2))
+    return num / den.clamp_min(1e-30)
+
+
+def topk_scalar_mass(
+    w: torch.Tensor,
+    qs: torch.Tensor,
+    ks: torch.Tensor,
+    k: int,
+    *,
+    causal: bool = True,
+    query_mask: torch.Tensor | None = None,
+    reduce: bool = True,
+    chunk: int = 256,
+) -> torch.Tensor:
+    """Fraction of each query's attention mass inside its k nearest keys in scalar space.
+
+    For query t, the candidates are the visible keys (s <= t + Tk - Tq when causal, all
+    keys otherwise); the k with the smallest |qs_t - ks_s| (all of them when fewer than k
+    are visible; ties broken arbitrarily) form its window, and the metric is
+    sum_{s in window} w_ts. This is the share a k-entry window of the sorted scalar cache
+    would capture. w: (B, H, Tq, Tk); qs: (B, H, Tq); ks: (B, H or G, Tk) (G groups shared
+    by H // G heads each). Mean per head over valid queries -> (H,)."""
+    valid = _check_w(w, query_mask)
+    B, H, Tq, Tk = w.shape
+    check_tensor("qs", qs, 3)
+    check_tensor("ks", ks, 3)
+    if tuple(qs.shape) != (B, H, Tq):
+        raise ValueError(f"qs must have shape (B, H, Tq) = {(B, H, Tq)} to match w, got {tuple(qs.shape)}")
+    check_same("ks", ks.shape[0], "w", B, "batch size")
+    check_same("ks", ks.shape[2], "w", Tk, "number of keys")
+    check_groups(H, ks.shape[1], "ks")
+    if isinstance(k, bool) or not isinstance(k, int) or k < 1:
+        raise ValueError(f"k must be an int >= 1, got {k!r}")
+    if isinstance(chunk, bool) or not isinstance(chunk, int) or chunk < 1:
+        raise ValueError(f"chunk must be an int >= 1, got {chunk!r}")
+    ks = ks.detach().float().repeat_interleave(H // ks.shape[1], dim=1)  # (B, H, Tk)
+    qs, wf = qs.detach().float(), w.detach().float()
+    kk = min(k, Tk)
+    key_idx = torch.arange(Tk, device=w.device)
+    mass = torch.empty(B, H, Tq, device=w.device)
+    for t0 in range(0, Tq, chunk):
+        t1 = min(t0 + chunk, Tq)
+        dist = (qs[..., t0:t1, None] - ks[..., None, :]).abs()  # (B, H, c, Tk)
+        if causal:
+            q_idx = torch.arange(t0, t1, device=w.device) + (Tk - Tq)
+            visible = (key_idx[None, :] <= q_idx[:, None]).expand_as(dist)  # (B, H, c, Tk)
+        else:
+            visible = torch.ones_like(dist, dtype=torch.bool)
+        dist = dist.masked_fill(~visible, float("inf"))
+        idx = dist.topk(kk, dim=-1, largest=False).indices  # (B, H, c, kk)
+        picked = wf[..., t0:t1, :].gather(-1, idx) * visible.gather(-1, idx)
+        mass[..., t0:t1] = picked.sum(-1)
+    return _reduce(mass, valid, reduce)
+
+
+def topk_scalar_mass_table(
+    w: torch.Tensor, qs: torch.Tensor, ks: torch.Tensor, ks_list: Sequence[int] = TOPK_KS, **kwargs
+) -> dict[int, torch.Tensor]:
+    """`topk_scalar_mass` for each k in `ks_list` (default 8, 16, 32, 64): {k: (H,)}."""
+    return {int(k): topk_scalar_mass(w, qs, ks, int(k), **kwargs) for k in ks_list}
+
+
+def perplexity(loss: float) -> float:
+    """exp(loss), inf when it overflows."""
+    return math.exp(loss) if loss < 709.0 else float("inf")
+
+
+def _xy(batch):
+    if hasattr(batch, "x") and hasattr(batch, "y"):
+        return batch.x, batch.y
+    if isinstance(batch, (tuple, list)) and len(batch) == 2:
+        return batch[0], batch[1]
+    raise TypeError(f"batches must yield Batch objects or (x, y) pairs, got {type(batch).__name__}")
+
+
+@torch.no_grad()
+def lm_loss(
+    model: Callable[[torch.Tensor], torch.Tensor],
+    batches: Iterable,
+    *,
+    max_batches: int | None = None,
+    device: torch.device | str | None = None,
+    pass_batch: bool = False,
+) -> dict[str, float]:
+    """Token-weighted mean next-token cross-entropy of `logits = model(x)` (B, T, V) over
+    `batches` (Batch objects or (x, y) pairs; targets -100 are skipped). With
+    `pass_batch=True` the model is called with the whole Batch (for masks or doc_ids).
+    Returns {"loss", "ppl", "tokens", "batches"}."""
+    total, count, n = 0.0, 0, 0
+    for batch in batches:
+        if max_batches is not None and n >= max_batches:
+            break
+        x, y = _xy(batch)
+        if device is not None:
+            x, y = x.to(device), y.to(device)
+            batch = batch.to(device) if pass_batch else batch
+        logits = model(batch) if pass_batch else model(x)
+        if not isinstance(logits, torch.Tensor) or logits.dim() != 3 or logits.shape[:2] != y.shape:
+            got = tuple(logits.shape) if isinstance(logits, torch.Tensor) else type(logits).__name__
+            raise ValueError(f"model must return logits of shape (B, T, V) with (B, T) = {tuple(y.shape)}, got {got}")
+        loss = F.cross_entropy(logits.float().flatten(0, 1), y.flatten(), ignore_index=-100, reduction="sum")
+        total += float(loss)
+        count += int((y != -100).sum())
+        n += 1
+    if count == 0:
+        raise ValueError("batches held no target tokens to evaluate")
+    mean = total / count
+    return {"loss": mean, "ppl": perplexity(mean), "tokens": count, "batches": n}
+
+
+def loss_at_lengths(
+    model: Callable[[torch.Tensor], torch.Tensor],
+    stream: TokenStream,
+    seq_lens: Sequence[int],
+    *,
+    batch_size: int = 8,
+    max_tokens: int | None = None,
+    cross_doc: bool = True,
+    device: torch.device | str | None = None,
+    pass_batch: bool = False,
+) -> dict[int, dict[str, float]]:
+    """Validation loss and perplexity at each context length: the stream's windows of that
+    length in order, at most `max_tokens` target tokens each (so lengths are compared on
+    the same text budget). Returns {seq_len: lm_loss(...)}."""
+    if not seq_lens:
+        raise ValueError("seq_lens must hold at least one context length, got none")
+    out = {}
+    for T in seq_lens:
+        max_batches = None
+        if max_tokens is not None:
+            max_batches = max(1, math.ceil(max_tokens / (T * batch_size)))
+        batches = sequential_batches(stream, T, batch_size, cross_doc=cross_doc, max_batches=max_batches)
+        out[int(T)] = lm_loss(model, batches, device=device, pass_batch=pass_batch)
+    return out

@@ -1,0 +1,219 @@
+"""`AttentionConfig`: every choice of the `Attention` layer in one validated dataclass.
+
+Derived fields (head sizes, head counts) are filled in `__post_init__`; any bad value raises a
+ValueError that names the field, what it got and what it needs.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+MECHANISMS = ("softmax", "scalar", "hybrid", "principled", "cosformer", "gla", "ssd")
+LINEAR_FAMILY = ("cosformer", "gla", "ssd")
+SCALES = ("sqrt_d", "ktotal", "kmean", "krms", "pnorm", "n_sqrt_d")
+TAU_MODES = ("global", "head", "token")
+PARAM_FORMS = ("constant", "layer", "head", "query")
+V0_FORMS = ("zero", "layer", "head")
+OUTPUT_GATES = (None, "elementwise", "headwise")
+IMPLS = ("auto", "naive", "fast")
+
+
+def _err(field: str, got, need: str) -> ValueError:
+    return ValueError(f"AttentionConfig.{field}: got {got!r}, need {need}")
+
+
+def _int(field: str, value, lo: int = 1) -> None:
+    if isinstance(value, bool) or not isinstance(value, int) or value < lo:
+        raise _err(field, value, f"an int >= {lo}")
+
+
+def _pos(field: str, value) -> None:
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
+        raise _err(field, value, "a number > 0")
+
+
+@dataclass
+class AttentionConfig:
+    """Configuration of one attention layer; `(B, T, d_model) -> (B, T, d_model)`.
+
+    Heads and shapes
+      d_model         width of the residual stream C.
+      n_heads         H, the number of query heads (scalar and dot-product together).
+      mechanism       "softmax" | "scalar" | "hybrid" | "principled" | "cosformer" | "gla" | "ssd".
+      head_dim        D, the per-head width of q, k and v (derived: d_model // n_heads).
+      n_kv_heads      key/value heads of the dot-product heads (GQA); must divide their number
+                      (derived: all of them). The linear family needs n_kv_heads == n_heads.
+      n_scalar_heads  mechanism "scalar" only: how many of the H heads are scalar heads
+                      (derived: all). The other H - n_scalar_heads heads are standard softmax
+                      dot-product heads, and the head outputs are concatenated: the seed's
+                      hybrid architecture.
+      n_value_groups  G, value groups read by the scalar heads (grouped value attention; head h
+                      reads group h // (H_s / G)); must divide n_scalar_heads (derived: one
+                      group per scalar head). For "hybrid", use n_kv_heads instead.
+
+    Dot-product options
+      scale, p        the score scaling of `softmax_attention` ("sqrt_d", "ktotal", "kmean",
+                      "krms", "pnorm", "n_sqrt_d" or a float) and the p of "pnorm".
+      rope            rotary position embedding on vector queries/keys (never on scalar
+                      ones: a scalar has no rotation). rope_base is its frequency base.
+
+    Scalar / hybrid options
+      tau             temperature form: "global" (one τ), "head" (one per head) or "token"
+                      (one per head and token, from the input). Kept positive by softplus.
+      tau_init        τ at initialisation (> 0).
+      tau_max         optional upper cap: τ = 1e-6 + (tau_max − 1e-6)·sigmoid(raw), smooth, ≤ tau_max.
+      sink            add a learned sink: one extra key, visible to every query, with fixed
+                      scalar key `sink_key` (and a zero vector key for hybrid heads) and a learned
+                      value per value group.
+
+    Principled options (004)
+      alpha, beta, gamma   form of each: "constant" (the *_init value), "layer" (one learned
+                      scalar), "head" (one per head) or "query" (learned from q_i per head).
+      alpha_init, beta_init, gamma_init   their initial values (standard attention is the
+                      limit of all three at -inf; large negative values approach it).
+      v0              ground value: "zero", "layer" (one learned vector) or "head" (one per head).
+      gate_dim        width of the gate projections qg, kg (derived: head_dim).
+
+    Linear family
+      cosformer_normalize  keep cosFormer's normaliser (True) or drop it.
+      cosformer_max_len    the horizon M of the cos reweighting cos(π(i−j)/2M); None: M = T of
+                      each forward call (the original choice); decoding then needs
+                      `make_cache(..., max_len=M)` and equals forward on sequences of length M.
+      gla_rank        rank of GLA's low-rank decay gate; gla_normalizer divides its log-sigmoid.
+
+    Everything
+      output_gate     None | "elementwise" | "headwise": post-readout sigmoid gate from the layer
+                      input, zero-initialised weights (starts at sigmoid(0) = 0.5), applied
+                      before the output projection.
+      bias            biases in the q/k/v/output projections.
+      impl            the ops' "auto" | "naive" | "fast".
+    """
+
+    d_model: int
+    n_heads: int
+    mechanism: str = "softmax"
+    head_dim: int | None = None
+    n_kv_heads: int | None = None
+    n_scalar_heads: int | None = None
+    n_value_groups: int | None = None
+    scale: str | float = "sqrt_d"
+    p: float = 2.0
+    rope: bool = False
+    rope_base: float = 10000.0
+    tau: str = "head"
+    tau_init: float = 0.1
+    tau_max: float | None = None
+    sink: bool = False
+    sink_key: float = 0.0
+    alpha: str = "head"
+    beta: str = "head"
+    gamma: str = "head"
+    alpha_init: float = 0.0
+    beta_init: float = 0.0
+    gamma_init: float = 0.0
+    v0: str = "zero"
+    gate_dim: int | None = None
+    cosformer_normalize: bool = True
+    cosformer_max_len: int | None = None
+    gla_rank: int = 16
+    gla_normalizer: float = 16.0
+    output_gate: str | None = None
+    bias: bool = False
+    impl: str = "auto"
+
+    def __post_init__(self):
+        _int("d_model", self.d_model)
+        _int("n_heads", self.n_heads)
+        if self.mechanism not in MECHANISMS:
+            raise _err("mechanism", self.mechanism, f"one of {MECHANISMS}")
+        if self.head_dim is None:
+            if self.d_model % self.n_heads:
+                raise _err("head_dim", None, f"an explicit value: d_model={self.d_model} is not divisible by n_heads={self.n_heads}")
+            self.head_dim = self.d_model // self.n_heads
+        _int("head_dim", self.head_dim)
+        self._validate_heads()
+        self._validate_options()
+
+    def _validate_heads(self) -> None:
+        m = self.mechanism
+        if self.n_scalar_heads not in (None, 0) and m != "scalar":
+            raise _err("n_scalar_heads", self.n_scalar_heads, f"None unless mechanism='scalar' (mechanism is {m!r})")
+        if m == "scalar":
+            if self.n_scalar_heads is None:
+                self.n_scalar_heads = self.n_heads
+            _int("n_scalar_heads", self.n_scalar_heads)
+            if self.n_scalar_heads > self.n_heads:
+                raise _err("n_scalar_heads", self.n_scalar_heads, f"at most n_heads={self.n_heads}")
+            if self.n_value_groups is None:
+                self.n_value_groups = self.n_scalar_heads
+            _int("n_value_groups", self.n_value_groups)
+            if self.n_scalar_heads % self.n_value_groups:
+                raise _err(
+                    "n_value_groups", self.n_value_groups,
+                    f"a divisor of the {self.n_scalar_heads} scalar heads (each group is read by the same number of heads)",
+                )
+        else:
+            self.n_scalar_heads = 0
+            if self.n_value_groups is not None:
+                raise _err("n_value_groups", self.n_value_groups, f"None unless mechanism='scalar' (use n_kv_heads for {m!r})")
+        n_dot = self.n_dot_heads
+        if n_dot == 0:
+            if self.n_kv_heads not in (None, 0):
+                raise _err("n_kv_heads", self.n_kv_heads, "None: this layer has no dot-product heads")
+            self.n_kv_heads = 0
+            return
+        if self.n_kv_heads is None:
+            self.n_kv_heads = n_dot
+        _int("n_kv_heads", self.n_kv_heads)
+        if n_dot % self.n_kv_heads:
+            raise _err("n_kv_heads", self.n_kv_heads, f"a divisor of the {n_dot} dot-product heads")
+        if m in LINEAR_FAMILY and self.n_kv_heads != n_dot:
+            raise _err("n_kv_heads", self.n_kv_heads, f"n_heads={n_dot}: {m} has no grouped keys/values")
+
+    def _validate_options(self) -> None:
+        m = self.mechanism
+        if isinstance(self.scale, str):
+            if self.scale not in SCALES:
+                raise _err("scale", self.scale, f"one of {SCALES} or a float > 0")
+        else:
+            _pos("scale", self.scale)
+        _pos("p", self.p)
+        if self.rope and self.head_dim % 2:
+            raise _err("rope", self.rope, f"an even head_dim to rotate pairs (head_dim={self.head_dim})")
+        _pos("rope_base", self.rope_base)
+        if self.tau not in TAU_MODES:
+            raise _err("tau", self.tau, f"one of {TAU_MODES}")
+        if isinstance(self.tau_init, bool) or not isinstance(self.tau_init, (int, float)) or not self.tau_init > 1e-6:
+            raise _err("tau_init", self.tau_init, "a number > 1e-6 (the floor that keeps τ positive)")
+        if self.tau_max is not None:
+            _pos("tau_max", self.tau_max)
+            if not self.tau_init < self.tau_max:
+                raise _err("tau_max", self.tau_max, f"a value > tau_init={self.tau_init}")
+        if self.sink and m not in ("scalar", "hybrid"):
+            raise _err("sink", self.sink, f"False for mechanism {m!r} (the sink is for scalar and hybrid heads)")
+        for name in ("alpha", "beta", "gamma"):
+            if getattr(self, name) not in PARAM_FORMS:
+                raise _err(name, getattr(self, name), f"one of {PARAM_FORMS}")
+        if self.v0 not in V0_FORMS:
+            raise _err("v0", self.v0, f"one of {V0_FORMS}")
+        if self.gate_dim is None:
+            self.gate_dim = self.head_dim
+        _int("gate_dim", self.gate_dim)
+        if self.cosformer_max_len is not None:
+            _int("cosformer_max_len", self.cosformer_max_len)
+        _int("gla_rank", self.gla_rank)
+        _pos("gla_normalizer", self.gla_normalizer)
+        if self.output_gate not in OUTPUT_GATES:
+            raise _err("output_gate", self.output_gate, f"one of {OUTPUT_GATES}")
+        if self.impl not in IMPLS:
+            raise _err("impl", self.impl, f"one of {IMPLS}")
+
+    @property
+    def n_dot_heads(self) -> int:
+        """Heads that score with vectors (every head except the scalar ones)."""
+        return self.n_heads - (self.n_scalar_heads or 0)
+
+    @property
+    def has_scalar_heads(self) -> bool:
+        """True when some heads take scalar queries/keys (scalar or hybrid-score heads)."""
+        return self.mechanism == "hybrid" or (self.n_scalar_heads or 0) > 0

@@ -1,0 +1,30 @@
+"""Post-readout sigmoid output gate (002; Qiu et al. 2025): o ← o ⊙ σ(x W_g), before W_O.
+
+The gate is computed from the layer input x, not from the readout, so it inserts an input-dependent
+nonlinearity between the (linear in v) readout and the output projection. "elementwise" gives one
+gate per head and channel, "headwise" one per head. W_g is zero-initialised as in 002, so every
+gate starts at σ(0) = 0.5: the layer's output starts at half its ungated value, a constant factor
+the output projection absorbs in the first steps, while the gate's gradient is largest there.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+
+class OutputGate(nn.Module):
+    def __init__(self, mode: str, d_model: int, n_heads: int, d_v: int):
+        super().__init__()
+        if mode not in ("elementwise", "headwise"):
+            raise ValueError(f"mode must be 'elementwise' or 'headwise', got {mode!r}")
+        self.mode, self.n_heads = mode, n_heads
+        self.width = d_v if mode == "elementwise" else 1
+        self.proj = nn.Linear(d_model, n_heads * self.width, bias=False)
+        nn.init.zeros_(self.proj.weight)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """x (B, T, C) -> gate values (B, H, T, Dv) elementwise or (B, H, T, 1) headwise."""
+        B, T, _ = x.shape
+        g = torch.sigmoid(self.proj(x))  # (B, T, H*W)
+        return g.view(B, T, self.n_heads, self.width).transpose(1, 2)  # (B, H, T, W)

@@ -1,0 +1,112 @@
+"""Learned per-layer / per-head / per-token quantities fed to the ops: τ, principled α/β/γ, v0.
+
+Each module returns its value in a form the ops broadcast: a float, a per-head tensor `(H,)`
+or a per-token tensor `(B, H, T)`.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+TAU_FLOOR = 1e-6  # added to softplus so τ stays > 0 even where softplus underflows to 0
+
+
+def _inv_softplus(y: float) -> float:
+    return y + math.log(-math.expm1(-y))
+
+
+class Temperature(nn.Module):
+    """Scalar-attention temperature τ > 0: global, per head, or per token from the input.
+
+    τ = floor + softplus(raw), or with a cap τ = floor + (tau_max − floor)·sigmoid(raw), which stays
+    strictly inside (0, tau_max] and keeps a gradient everywhere (a hard clamp would freeze τ at
+    the cap); floor = 1e-6 keeps τ > 0 where softplus or sigmoid underflow to 0. The per-token form
+    is raw = x·W + b per head with W zero-initialised, so every token starts at tau_init and
+    learns its own bandwidth from there.
+    """
+
+    def __init__(self, mode: str, n_heads: int, d_model: int, init: float, tau_max: float | None = None):
+        super().__init__()
+        if mode not in ("global", "head", "token"):
+            raise ValueError(f"mode must be 'global', 'head' or 'token', got {mode!r}")
+        if not init > TAU_FLOOR or (tau_max is not None and not init < tau_max):
+            raise ValueError(f"init must be in ({TAU_FLOOR}, tau_max), got init={init}, tau_max={tau_max}")
+        self.mode, self.n_heads, self.tau_max = mode, n_heads, tau_max
+        if tau_max is None:
+            raw0 = _inv_softplus(init - TAU_FLOOR)
+        else:
+            frac = (init - TAU_FLOOR) / (tau_max - TAU_FLOOR)
+            raw0 = math.log(frac / (1 - frac))
+        if mode == "token":
+            self.proj = nn.Linear(d_model, n_heads)
+            nn.init.zeros_(self.proj.weight)
+            nn.init.constant_(self.proj.bias, raw0)
+        else:
+            self.raw = nn.Parameter(torch.full((1 if mode == "global" else n_heads,), raw0))
+
+    def squash(self, raw: torch.Tensor) -> torch.Tensor:
+        if self.tau_max is None:
+            return F.softplus(raw) + TAU_FLOOR
+        return TAU_FLOOR + (self.tau_max - TAU_FLOOR) * torch.sigmoid(raw)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """x (B, T, C) -> τ as (H,) for global/head forms or (B, H, T) for the token form."""
+        if self.mode == "token":
+            return self.squash(self.proj(x)).transpose(1, 2)  # (B, T, H) -> (B, H, T)
+        return self.squash(self.raw).expand(self.n_heads)  # (H,)
+
+
+class HeadParam(nn.Module):
+    """One of principled attention's α, β, γ in the form the seed's ablation grid names.
+
+    constant: the fixed float `init`; layer: one learned scalar; head: one learned scalar per head;
+    query: learned from the (un-rotated) query, value_h(t) = q_{h,t}·w_h + b_h with w zero-initialised
+    and b = init, so every form starts at `init`.
+    """
+
+    def __init__(self, form: str, n_heads: int, head_dim: int, init: float):
+        super().__init__()
+        if form not in ("constant", "layer", "head", "query"):
+            raise ValueError(f"form must be 'constant', 'layer', 'head' or 'query', got {form!r}")
+        self.form, self.n_heads, self.init = form, n_heads, float(init)
+        if form == "layer":
+            self.value = nn.Parameter(torch.tensor(self.init))
+        elif form == "head":
+            self.value = nn.Parameter(torch.full((n_heads,), self.init))
+        elif form == "query":
+            self.weight = nn.Parameter(torch.zeros(n_heads, head_dim))
+            self.bias = nn.Parameter(torch.full((n_heads,), self.init))
+
+    def forward(self, q: torch.Tensor) -> float | torch.Tensor:
+        """q (B, H, T, D) -> a float, (H,) or (B, H, T)."""
+        if self.form == "constant":
+            return self.init
+        if self.form == "layer":
+            return self.value.expand(self.n_heads)  # (H,)
+        if self.form == "head":
+            return self.value
+        return torch.einsum("bhtd,hd->bht", q, self.weight) + self.bias[None, :, None]  # (B, H, T)
+
+
+class GroundValue(nn.Module):
+    """Principled attention's ground value v0: zero (None), one learned vector per layer, or per head.
+
+    Learned forms start at zero, i.e. exactly the "zero" form.
+    """
+
+    def __init__(self, form: str, n_heads: int, d_v: int):
+        super().__init__()
+        if form not in ("zero", "layer", "head"):
+            raise ValueError(f"form must be 'zero', 'layer' or 'head', got {form!r}")
+        self.form = form
+        if form == "layer":
+            self.value = nn.Parameter(torch.zeros(d_v))  # (Dv,)
+        elif form == "head":
+            self.value = nn.Parameter(torch.zeros(n_heads, d_v))  # (H, Dv)
+
+    def forward(self) -> torch.Tensor | None:
+        return None if self.form == "zero" else self.value

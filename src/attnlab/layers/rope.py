@@ -1,0 +1,37 @@
+"""Rotary position embedding for vector queries and keys.
+
+Pairs (x_i, x_{i+D/2}) are rotated by angle pos·base^(-2i/D), so q_t·k_s depends on t - s only
+through the rotation. Scalar queries/keys get no RoPE: a scalar has no plane to rotate in.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+
+class RotaryEmbedding(nn.Module):
+    """Rotates (B, H, T, D) tensors by their absolute positions start_pos .. start_pos+T-1."""
+
+    def __init__(self, head_dim: int, base: float = 10000.0):
+        super().__init__()
+        if head_dim % 2:
+            raise ValueError(f"head_dim must be even for RoPE, got {head_dim}")
+        self.head_dim = head_dim
+        self.base = float(base)
+        inv_freq = base ** (-torch.arange(0, head_dim, 2, dtype=torch.float64) / head_dim)
+        self.register_buffer("inv_freq", inv_freq, persistent=False)  # (D/2,)
+
+    def angles(self, start_pos: int, length: int, device=None) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos and sin of the rotation angles, each (length, D/2), in float64."""
+        pos = torch.arange(start_pos, start_pos + length, dtype=torch.float64, device=device)
+        ang = pos[:, None] * self.inv_freq.to(device)[None, :]  # (T, D/2)
+        return ang.cos(), ang.sin()
+
+    def forward(self, x: torch.Tensor, start_pos: int = 0) -> torch.Tensor:
+        if x.dim() != 4 or x.shape[-1] != self.head_dim:
+            raise ValueError(f"x must be (B, H, T, {self.head_dim}), got shape {tuple(x.shape)}")
+        cos, sin = self.angles(start_pos, x.shape[2], x.device)
+        cos, sin = cos.to(x.dtype), sin.to(x.dtype)  # (T, D/2)
+        x1, x2 = x.chunk(2, dim=-1)  # (B, H, T, D/2) each
+        return torch.cat([x1 * cos - x2 * sin, x1 * sin + x2 * cos], dim=-1)

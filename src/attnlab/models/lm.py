@@ -1,0 +1,246 @@
+"""A small decoder-only language model whose attention in each layer is any attnlab mechanism.
+
+    tokens -> embedding (+ optional learned positions)
+           -> n_layers x [ x + Attention(RMSNorm(x)) ; x + SwiGLU(RMSNorm(x)) ]
+           -> RMSNorm -> linear head (optionally tied to the embedding) -> logits
+
+Position. Dot-product parts of a layer (softmax heads, the q.k term of hybrid heads,
+principled heads) get RoPE, applied inside `attnlab.layers.Attention`. Scalar heads get
+no rotary position: a scalar query/key has no plane to rotate, and a position term
+would break the property the mechanism exists for -- that keys sorted by value stay
+sorted, so decode can binary-search them (see the `attnlab.layers` docstring). They
+see position only through the causal mask and through what the residual stream
+carries, which a causal stack can compute (a token can count its predecessors by
+attending uniformly). The linear family is causal by construction, and GLA/SSD decays
+are recency weights. `pos_embedding="learned"` adds absolute positions to the token
+embedding for models that want explicit position everywhere (it caps the length at
+`max_seq_len`).
+
+Documents. The ops take only `causal`; they have no block-diagonal document mask.
+So when attention must not cross document boundaries (`data.cross_doc = false`), the
+model is given the per-token document ids of each packed sequence and restarts at every
+boundary: `forward(..., doc_ids=...)` cuts each row into its document segments, runs the
+segments as a batch of their own (right-padded; padding comes after every real token so
+causal attention never reads it), and puts the outputs back in place. Every mechanism
+keeps its fast path, RoPE positions and recurrent states start afresh in each document,
+and the result equals running each document alone.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from attnlab.layers import Attention
+
+from .config import ModelConfig
+
+
+def document_segments(doc_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, int]:
+    """Cut each row of doc_ids (B, T) where the id changes. Returns, for every token in
+    row-major order, its segment index and its position inside the segment, and the
+    number of segments S (a segment never spans two rows)."""
+    B, T = doc_ids.shape
+    start = torch.ones_like(doc_ids, dtype=torch.bool)
+    start[:, 1:] = doc_ids[:, 1:] != doc_ids[:, :-1]
+    start = start.flatten()  # (B*T,)
+    seg = start.long().cumsum(0) - 1  # (B*T,)
+    first = start.nonzero().squeeze(1)  # (S,) flat index of each segment's first token
+    pos = torch.arange(B * T, device=doc_ids.device) - first[seg]  # (B*T,)
+    return seg, pos, int(first.numel())
+
+
+class RMSNorm(nn.Module):
+    """x / rms(x) * weight, computed in float32 for stability under bf16 autocast."""
+
+    def __init__(self, dim: int, eps: float = 1e-5):
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x32 = x.float()
+        y = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
+        return (y * self.weight.float()).type_as(x)
+
+
+class SwiGLU(nn.Module):
+    """W2 (silu(W1 x) * W3 x): the gated MLP of LLaMA-style blocks."""
+
+    def __init__(self, d_model: int, hidden: int):
+        super().__init__()
+        self.w1 = nn.Linear(d_model, hidden, bias=False)
+        self.w3 = nn.Linear(d_model, hidden, bias=False)
+        self.w2 = nn.Linear(hidden, d_model, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.w2(F.silu(self.w1(x)) * self.w3(x))  # (B, T, C) -> (B, T, hidden) -> (B, T, C)
+
+
+class Block(nn.Module):
+    """Pre-norm residual block: attention, then MLP."""
+
+    def __init__(self, cfg: ModelConfig, attn_cfg):
+        super().__init__()
+        self.norm1 = RMSNorm(cfg.d_model, cfg.norm_eps)
+        self.attn = Attention(attn_cfg)
+        self.norm2 = RMSNorm(cfg.d_model, cfg.norm_eps)
+        self.mlp = SwiGLU(cfg.d_model, cfg.ffn_hidden)
+
+    def forward(self, x: torch.Tensor, record: bool = False) -> torch.Tensor:
+        x = x + self.attn(self.norm1(x), record=record)  # (B, T, C)
+        return x + self.mlp(self.norm2(x))
+
+    def step(self, x_t: torch.Tensor, cache) -> torch.Tensor:
+        x_t = x_t + self.attn.step(self.norm1(x_t), cache)  # (B, 1, C)
+        return x_t + self.mlp(self.norm2(x_t))
+
+
+class LM(nn.Module):
+    """Decoder-only LM. `forward(idx, targets=None, record=False) -> (logits, loss)`."""
+
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        if cfg.vocab_size < 1:
+            raise ValueError(f"model.vocab_size must be resolved to >= 1 before building the model, got {cfg.vocab_size}")
+        if cfg.pos_embedding == "learned" and cfg.max_seq_len < 1:
+            raise ValueError("model.max_seq_len must be >= 1 with pos_embedding='learned'")
+        self.cfg = cfg
+        self.tok_emb = nn.Embedding(cfg.vocab_size, cfg.d_model)
+        self.pos_emb = nn.Embedding(cfg.max_seq_len, cfg.d_model) if cfg.pos_embedding == "learned" else None
+        self.blocks = nn.ModuleList(Block(cfg, a) for a in cfg.attention_configs())
+        self.norm_f = RMSNorm(cfg.d_model, cfg.norm_eps)
+        self.head = nn.Linear(cfg.d_model, cfg.vocab_size, bias=False)
+        self._init_weights()
+        if cfg.tie_embeddings:
+            self.head.weight = self.tok_emb.weight
+
+    def _init_weights(self) -> None:
+        """Normal(0, init_std) for embeddings and the MLP; residual output projections
+        scaled by 1/sqrt(2 n_layers) (GPT-2) so the residual stream does not grow with depth.
+        Attention layers keep their own init (their gates, τ and sink have meaningful starts)."""
+        std = self.cfg.init_std
+        for emb in (self.tok_emb, self.pos_emb, self.head):
+            if emb is not None:
+                nn.init.normal_(emb.weight, std=std)
+        for blk in self.blocks:
+            nn.init.normal_(blk.mlp.w1.weight, std=std)
+            nn.init.normal_(blk.mlp.w3.weight, std=std)
+            nn.init.normal_(blk.mlp.w2.weight, std=std / math.sqrt(2 * self.cfg.n_layers))
+
+    def attention_layers(self) -> list:
+        return [blk.attn for blk in self.blocks]
+
+    def num_params(self) -> int:
+        return sum(p.numel() for p in self.parameters())
+
+    def embed(self, idx: torch.Tensor, start_pos: int = 0) -> torch.Tensor:
+        x = self.tok_emb(idx)  # (B, T) -> (B, T, C)
+        if self.pos_emb is not None:
+            T = idx.shape[1]
+            if start_pos + T > self.cfg.max_seq_len:
+                raise ValueError(
+                    f"idx reaches position {start_pos + T} but the learned position embedding holds "
+                    f"model.max_seq_len={self.cfg.max_seq_len}"
+                )
+            x = x + self.pos_emb(torch.arange(start_pos, start_pos + T, device=idx.device))
+        return x
+
+    def forward(
+        self,
+        idx: torch.Tensor,
+        targets: torch.Tensor | None = None,
+        record: bool = False,
+        doc_ids: torch.Tensor | None = None,
+    ):
+        """idx (B, T) int64 -> logits (B, T, V); loss is mean cross-entropy over targets != -100.
+
+        With record=True every attention layer keeps `layer.last` for the regularizers.
+        With doc_ids (B, T), attention restarts at every change of document id."""
+        if idx.dim() != 2:
+            raise ValueError(f"idx must be (B, T), got shape {tuple(idx.shape)}")
+        if doc_ids is not None:
+            if doc_ids.shape != idx.shape:
+                raise ValueError(f"doc_ids must have the shape of idx {tuple(idx.shape)}, got {tuple(doc_ids.shape)}")
+            seg, pos, n_seg = document_segments(doc_ids)
+            L = int(pos.max()) + 1
+            packed = idx.new_zeros(n_seg, L)  # (S, L): one document segment per row
+            packed[seg, pos] = idx.flatten()
+            h = self._trunk(packed, record)  # (S, L, C)
+            x = h[seg, pos].view(*idx.shape, -1)  # (B, T, C)
+        else:
+            x = self._trunk(idx, record)  # (B, T, C)
+        logits = self.head(self.norm_f(x))  # (B, T, V)
+        loss = None
+        if targets is not None:
+            if targets.shape != idx.shape:
+                raise ValueError(f"targets must have the shape of idx {tuple(idx.shape)}, got {tuple(targets.shape)}")
+            lg = logits.float() if logits.dtype in (torch.float16, torch.bfloat16) else logits  # loss in >= fp32
+            loss = F.cross_entropy(lg.flatten(0, 1), targets.flatten(), ignore_index=-100)
+        return logits, loss
+
+    def _trunk(self, idx: torch.Tensor, record: bool) -> torch.Tensor:
+        x = self.embed(idx)  # (B, T, C)
+        for blk in self.blocks:
+            x = blk(x, record=record)
+        return x
+
+    # ------------------------------------------------------------------ decoding
+
+    def make_caches(self, batch_size: int, window: int | None = None) -> list:
+        """One decode cache per layer. window=k makes layers with scalar heads (scalar, hybrid)
+        use the sorted scalar cache over the k nearest keys; other layers keep their exact cache."""
+        return [
+            blk.attn.make_cache(batch_size, window=window if blk.attn.n_scalar else None) for blk in self.blocks
+        ]
+
+    def step(self, idx_t: torch.Tensor, caches: list, pos: int) -> torch.Tensor:
+        """One decode step: idx_t (B, 1) at position `pos` -> logits (B, V)."""
+        x = self.embed(idx_t, start_pos=pos)  # (B, 1, C)
+        for blk, cache in zip(self.blocks, caches):
+            x = blk.step(x, cache)
+        return self.head(self.norm_f(x))[:, -1]  # (B, V)
+
+    @torch.no_grad()
+    def generate(
+        self,
+        idx: torch.Tensor,
+        max_new_tokens: int,
+        *,
+        greedy: bool = True,
+        temperature: float = 1.0,
+        window: int | None = None,
+        generator: torch.Generator | None = None,
+    ) -> torch.Tensor:
+        """Extend idx (B, T0) by max_new_tokens, decoding token by token through each layer's
+        cache (the prompt is fed step by step too, so every token goes through `step`).
+
+        greedy=True takes the argmax; otherwise samples from softmax(logits / temperature).
+        window=k decodes scalar/hybrid layers from the sorted scalar cache over the k nearest keys."""
+        if idx.dim() != 2 or idx.shape[1] < 1:
+            raise ValueError(f"idx must be (B, T0) with T0 >= 1, got shape {tuple(idx.shape)}")
+        if max_new_tokens < 0:
+            raise ValueError(f"max_new_tokens must be >= 0, got {max_new_tokens}")
+        if not greedy and not temperature > 0:
+            raise ValueError(f"temperature must be > 0 when sampling, got {temperature}")
+        was_training = self.training
+        self.eval()
+        caches = self.make_caches(idx.shape[0], window=window)
+        out = idx
+        logits = None
+        for t in range(idx.shape[1]):
+            logits = self.step(idx[:, t : t + 1], caches, pos=t)  # (B, V)
+        for i in range(max_new_tokens):
+            if greedy:
+                nxt = logits.argmax(-1, keepdim=True)  # (B, 1)
+            else:
+                probs = F.softmax(logits.float() / temperature, dim=-1)
+                nxt = torch.multinomial(probs, 1, generator=generator)
+            out = torch.cat([out, nxt], dim=1)
+            if i + 1 < max_new_tokens:
+                logits = self.step(nxt, caches, pos=out.shape[1] - 1)
+        self.train(was_training)
+        return out

@@ -1,0 +1,87 @@
+"""Routing dot-product-shaped attention through torch's fused SDPA kernel.
+
+``F.scaled_dot_product_attention`` takes its fused (flash) CPU kernel only when q, k and v
+share one head dimension, carry no mask that needs a gradient, and k/v heads either match
+q's or are a GQA divisor of them; otherwise it silently falls back to an unfused math path
+that is several times slower and materialises T x T. The helpers here bring the augmented
+queries/keys of the scalar, hybrid and key-norm-scaled ops into that shape.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from ._checks import check_groups, check_same, check_tensor
+
+LOW_PRECISION = (torch.bfloat16, torch.float16)
+
+
+def upcast(dtype: torch.dtype) -> torch.dtype:
+    """The dtype in which to compute scores: float32 for bf16/fp16, else unchanged."""
+    return torch.float32 if dtype in LOW_PRECISION else dtype
+
+
+def expand_heads(x: torch.Tensor, n_heads: int) -> torch.Tensor:
+    """(B, G, T, D) -> (B, H, T, D): head h reads group h // (H // G)."""
+    G = x.shape[1]
+    if G == n_heads:
+        return x
+    return x.repeat_interleave(n_heads // G, dim=1)
+
+
+def fused_attention(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool, scale: float = 1.0
+) -> torch.Tensor:
+    """softmax(scale * q k^T, causally masked if asked) v through the fused kernel.
+
+    q (B, H, T, E); k (B, Gk, T, E); v (B, Gv, T, Dv) with Gk, Gv dividing H.
+    Zero columns appended to q/k add nothing to any score, and zero columns appended to v
+    are sliced off the output, so padding to one head width is exact. Returns (B, H, T, Dv).
+    """
+    H, E, Dv = q.shape[1], q.shape[-1], v.shape[-1]
+    if k.shape[1] != v.shape[1]:
+        k, v = expand_heads(k, H), expand_heads(v, H)
+    width = max(E, Dv)
+    if E < width:
+        q = F.pad(q, (0, width - E))  # (B, H, T, width)
+        k = F.pad(k, (0, width - E))
+    if Dv < width:
+        v = F.pad(v, (0, width - Dv))
+    out = F.scaled_dot_product_attention(
+        q, k, v, is_causal=causal, scale=float(scale), enable_gqa=k.shape[1] != H
+    )  # (B, H, T, width)
+    return out[..., :Dv] if Dv < width else out
+
+
+def check_float(name: str, x: torch.Tensor, like: torch.Tensor, like_name: str) -> None:
+    """x must be a floating tensor with the dtype and device of `like`."""
+    if not x.is_floating_point():
+        raise TypeError(f"{name} must be a floating-point tensor, got dtype {x.dtype}")
+    if x.dtype != like.dtype:
+        raise TypeError(f"{name} must have the dtype of {like_name} ({like.dtype}), got {x.dtype}")
+    if x.device != like.device:
+        raise ValueError(f"{name} must be on the device of {like_name} ({like.device}), got {x.device}")
+
+
+def check_qkv(q, k, v) -> tuple[int, int, int, int]:
+    """Validate q (B, H, T, D), k (B, Gk, T, D), v (B, Gv, T, Dv); return (B, H, T, D)."""
+    check_tensor("q", q, 4)
+    check_tensor("k", k, 4)
+    check_tensor("v", v, 4)
+    check_float("q", q, q, "q")
+    check_float("k", k, q, "q")
+    check_float("v", v, q, "q")
+    B, H, T, D = q.shape
+    for name, x in (("k", k), ("v", v)):
+        check_same("q", B, name, x.shape[0], "batch size (dim 0)")
+        check_same("q", T, name, x.shape[2], "sequence length (dim 2)")
+    check_same("q", D, "k", k.shape[3], "head dimension (dim 3)")
+    check_groups(H, k.shape[1], "k")
+    check_groups(H, v.shape[1], "v")
+    return B, H, T, D
+
+
+def check_causal(causal) -> None:
+    if not isinstance(causal, bool):
+        raise TypeError(f"causal must be a bool, got {type(causal).__name__}")

@@ -1,0 +1,210 @@
+"""The scalar-space regularizers of 000_6181d7d60368a205.txt: L_align, L_spread, L_tau.
+
+They shape the scalar keys of scalar and hybrid heads so that the sorted cache needs only a
+small window at decode time:
+
+- `align_loss`: attention-weighted squared scalar distance, weights stop-gradiented, so the
+  scalar projections learn to predict what the heads attend to;
+- `spread_loss`: sorted keys against uniform quantile targets, so keys do not collapse;
+- `tau_loss`: log(1 + τ) summed over heads, so the bandwidth stays narrow.
+
+Each takes tensors; `regularization(records, weights)` feeds them from the records that
+`Attention(..., record=True)` leaves in `layer.last` (any object with the same attributes works).
+"""
+
+from __future__ import annotations
+
+from typing import Iterable, Mapping
+
+import torch
+
+from .ops._checks import broadcast_param, check_choice, check_impl, check_same, check_tensor
+from .ops.scalar import hybrid_attention, scalar_attention
+
+REDUCTIONS = ("pairs", "queries")
+
+
+def _check_scalars(qs, ks, q, k) -> tuple[int, int, int]:
+    check_tensor("qs", qs, 3)
+    check_tensor("ks", ks, 3)
+    if qs.shape != ks.shape:
+        raise ValueError(f"qs and ks must have the same shape (B, H, T), got {tuple(qs.shape)} and {tuple(ks.shape)}")
+    B, H, T = qs.shape
+    if (q is None) != (k is None):
+        raise ValueError("q and k must be given together (hybrid score) or both left out (scalar score)")
+    if q is not None:
+        check_tensor("q", q, 4)
+        check_tensor("k", k, 4)
+        check_same("qs", H, "q", q.shape[1], "heads (dim 1)")
+        check_same("qs", T, "q", q.shape[2], "sequence length (dim 2)")
+        check_same("qs", T, "k", k.shape[2], "sequence length (dim 2)")
+    return B, H, T
+
+
+def _expand_kv_heads(k: torch.Tensor, H: int) -> torch.Tensor:
+    G = k.shape[1]
+    if H % G:
+        raise ValueError(f"k has {G} heads, which does not divide the {H} scalar heads")
+    return k if G == H else k.repeat_interleave(H // G, dim=1)
+
+
+def _row_counts(T: int, n_prefix: int, causal: bool, device) -> torch.Tensor:
+    """Number of keys each counted query row sees, (T - n_prefix,)."""
+    t = torch.arange(n_prefix, T, device=device, dtype=torch.float64)
+    return t + 1 if causal else torch.full_like(t, float(T))
+
+
+def align_loss(
+    qs: torch.Tensor,
+    ks: torch.Tensor,
+    tau,
+    *,
+    q: torch.Tensor | None = None,
+    k: torch.Tensor | None = None,
+    causal: bool = True,
+    n_prefix: int = 0,
+    reduction: str = "pairs",
+    impl: str = "auto",
+) -> torch.Tensor:
+    """L_align = mean over visible (query t, key s) pairs of stopgrad(w_ts)·(qs_t − ks_s)².
+
+    w are the head's own attention weights: softmax(−(qs−ks)²/τ) for scalar heads, or with q, k
+    given, the hybrid weights softmax(q·k/√d − (qs−ks)²/τ). Gradient reaches qs and ks only (through
+    the squared distance), never q, k or τ. qs, ks (B, H, T); τ a float, (H,) or (B, H, T); q (B, H, T, D),
+    k (B, G, T, D) with G dividing H. The first `n_prefix` query rows (e.g. a sink's placeholder
+    query) are left out; their keys are still attended to. reduction "pairs" divides by the number
+    of visible pairs (the seed's 1/n² mean, restricted to what is visible); "queries" by the number
+    of queries, which makes it the mean per-query E_w[(qs−ks)²] and independent of T.
+
+    Cost on the fast path: no T×T matrix. Per query, Σ_s w_ts(qs_t − ks_s)² = qs_t² − 2·qs_t·E_w[ks]
+    + E_w[ks²], and E_w[ks], E_w[ks²] are one extra call of the head's own fast attention op with
+    [ks, ks²] as 2-wide values, its score inputs detached (so w carries no gradient) and the values
+    not (so ks gets the gradient through the readout): the cost of one attention pass with Dv = 2.
+    Keys are centred by their detached mean first, which leaves every distance unchanged and keeps
+    qs² − 2·qs·E[ks] + E[ks²] from cancelling when |ks| is large. "naive" builds the (B, H, T, T)
+    weights and distances as the formula reads.
+    """
+    check_impl(impl)
+    check_choice("reduction", reduction, REDUCTIONS)
+    B, H, T = _check_scalars(qs, ks, q, k)
+    if not isinstance(n_prefix, int) or not 0 <= n_prefix < T:
+        raise ValueError(f"n_prefix must be an int in [0, T={T}), got {n_prefix!r}")
+    tau_b = broadcast_param("tau", tau, B, H, T, qs)  # (1|B, 1|H, 1|T)
+    if impl == "naive":
+        rows = _align_rows_naive(qs, ks, tau_b, q, k, causal)  # (B, H, T)
+    else:
+        rows = _align_rows_fast(qs, ks, tau, q, k, causal)
+    rows = rows[..., n_prefix:]
+    counts = _row_counts(T, n_prefix, causal, qs.device)
+    denom = counts.sum() if reduction == "pairs" else torch.tensor(float(T - n_prefix), dtype=torch.float64)
+    return rows.sum() / (B * H * denom.item())
+
+
+def _align_rows_naive(qs, ks, tau_b, q, k, causal):
+    """Σ_s stopgrad(w_ts)(qs_t − ks_s)² per query, from the full (T, T) matrices."""
+    T = qs.shape[-1]
+    dist2 = (qs.unsqueeze(-1) - ks.unsqueeze(-2)) ** 2  # (B, H, T, T)
+    logits = -dist2.detach() / tau_b.detach().unsqueeze(-1)
+    if q is not None:
+        kh = _expand_kv_heads(k, q.shape[1])
+        logits = logits + (q @ kh.transpose(-1, -2)).detach() / q.shape[-1] ** 0.5
+    if causal:
+        visible = torch.ones(T, T, dtype=torch.bool, device=qs.device).tril()
+        logits = logits.masked_fill(~visible, float("-inf"))
+    w = torch.softmax(logits, dim=-1)  # (B, H, T, T), no graph
+    return (w * dist2).sum(-1)  # (B, H, T)
+
+
+def _align_rows_fast(qs, ks, tau, q, k, causal):
+    """The same rows from E_w[ks] and E_w[ks²], read out by the head's own attention op."""
+    centre = ks.detach().mean(dim=-1, keepdim=True)  # (B, H, 1)
+    qc, kc = qs - centre, ks - centre  # distances unchanged
+    vals = torch.stack([kc, kc * kc], dim=-1)  # (B, H, T, 2), carries the gradient into ks
+    tau_d = tau.detach() if isinstance(tau, torch.Tensor) else tau
+    if q is None:
+        m = scalar_attention(qc.detach(), kc.detach(), vals, tau_d, causal=causal, impl="auto")
+    else:
+        kh = _expand_kv_heads(k, q.shape[1]).detach()
+        vals = vals.to(q.dtype)
+        m = hybrid_attention(q.detach(), kh, vals, qc.detach(), kc.detach(), tau_d, causal=causal, impl="auto")
+    m = m.to(qs.dtype)  # (B, H, T, 2): E_w[ks], E_w[ks²] per query
+    return qc * qc - 2 * qc * m[..., 0] + m[..., 1]  # (B, H, T)
+
+
+def spread_loss(ks: torch.Tensor, *, target="adaptive", n_prefix: int = 0) -> torch.Tensor:
+    """L_spread = mean over (B, H, position) of (sort(ks)_i − u_i)², u_i uniform quantile targets.
+
+    ks (B, H, T): each head's keys within one sequence are sorted and matched to u = linspace(a, b, T).
+    target (a, b) fixes the range (the seed suggests (-3, 3)); "adaptive" uses mean ± 3·std of that
+    head's keys, detached. The sort permutation is a constant of the backward pass: the gradient
+    flows through the sorted values back to the keys they came from, never through the order
+    (torch.sort's own backward is exactly that scatter). The first `n_prefix` keys (a sink's
+    fixed key) are left out. Cost: one sort per head, O(T log T), memory O(T).
+    """
+    check_tensor("ks", ks, 3)
+    if not isinstance(n_prefix, int) or not 0 <= n_prefix < ks.shape[-1]:
+        raise ValueError(f"n_prefix must be an int in [0, T={ks.shape[-1]}), got {n_prefix!r}")
+    ks = ks[..., n_prefix:]  # (B, H, T)
+    T = ks.shape[-1]
+    sorted_ks = torch.sort(ks, dim=-1).values  # (B, H, T)
+    u = torch.linspace(0.0, 1.0, T, device=ks.device, dtype=ks.dtype)  # (T,)
+    if isinstance(target, str):
+        check_choice("target", target, ("adaptive",))
+        kd = ks.detach()
+        mu = kd.mean(-1, keepdim=True)
+        sd = kd.std(-1, keepdim=True, unbiased=False)
+        lo, hi = mu - 3 * sd, mu + 3 * sd  # (B, H, 1)
+    else:
+        if not isinstance(target, (tuple, list)) or len(target) != 2 or not float(target[0]) < float(target[1]):
+            raise ValueError(f"target must be 'adaptive' or a pair (a, b) with a < b, got {target!r}")
+        lo, hi = float(target[0]), float(target[1])
+    targets = lo + (hi - lo) * u  # (B, H, T) or (T,)
+    return ((sorted_ks - targets) ** 2).mean()
+
+
+def tau_loss(tau) -> torch.Tensor:
+    """L_tau = Σ_heads log(1 + τ_h): log rather than linear, so small τ gets no extreme gradient.
+
+    τ (H,) per head, or (B, H, T) per token (summed over heads, averaged over batch and tokens).
+    The seed's alternative, a hard cap, is a parameterisation rather than a loss: set
+    `AttentionConfig.tau_max` (a smooth sigmoid cap on τ). Cost: O(H) or O(B·H·T).
+    """
+    if not isinstance(tau, torch.Tensor):
+        raise TypeError(f"tau must be a tensor (H,) or (B, H, T), got {type(tau).__name__}")
+    if tau.dim() == 1:
+        return torch.log1p(tau).sum()
+    if tau.dim() == 3:
+        return torch.log1p(tau).sum(1).mean()
+    raise ValueError(f"tau must be (H,) or (B, H, T), got shape {tuple(tau.shape)}")
+
+
+def regularization(records: Iterable, weights: Mapping[str, float], *, spread_target="adaptive", align_reduction="pairs") -> dict[str, torch.Tensor]:
+    """Σ over layer records of λ_a·L_align + λ_s·L_spread + λ_t·L_tau.
+
+    records: the `last` of each `Attention` layer run with record=True (layers without scalar
+    heads are skipped). weights: {"align": λ_a, "spread": λ_s, "tau": λ_t}; missing terms count 0
+    and terms with weight 0 are not computed. Returns {"total", "align", "spread", "tau"} with each
+    unweighted term summed over layers.
+    """
+    unknown = set(weights) - {"align", "spread", "tau"}
+    if unknown:
+        raise ValueError(f"weights has unknown terms {sorted(unknown)}; allowed: 'align', 'spread', 'tau'")
+    parts: dict[str, torch.Tensor] = {}
+    for rec in records:
+        if rec is None or getattr(rec, "qs", None) is None:
+            continue
+        n_prefix = getattr(rec, "n_prefix", 0)
+        terms = {}
+        if weights.get("align", 0.0):
+            terms["align"] = align_loss(
+                rec.qs, rec.ks, rec.tau, q=getattr(rec, "q_score", None), k=getattr(rec, "k_score", None),
+                causal=rec.causal, n_prefix=n_prefix, reduction=align_reduction, impl=getattr(rec, "impl", "auto"),
+            )
+        if weights.get("spread", 0.0):
+            terms["spread"] = spread_loss(rec.ks, target=spread_target, n_prefix=n_prefix)
+        if weights.get("tau", 0.0):
+            terms["tau"] = tau_loss(rec.tau)
+        for name, val in terms.items():
+            parts[name] = parts[name] + val if name in parts else val
+    total = sum((weights[name] * val for name, val in parts.items()), torch.zeros(()))
+    return {"total": total, **parts}

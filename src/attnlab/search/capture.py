@@ -1,0 +1,148 @@
+"""Packed block-causal contexts, capture of native post-RoPE Q/K and attention inputs, the teacher.
+
+The frozen model runs with its normal SDPA attention; the selected layers record their q, k and
+the hidden state entering self-attention. The teacher distribution A^T is rebuilt afterwards from
+the captured q and k, so the forward never needs the eager path.
+"""
+
+from __future__ import annotations
+
+import random
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable, Sequence
+
+import torch
+
+from .hooks import Installed
+
+TEXT_SUFFIXES = (".txt", ".md", ".py", ".rst")
+
+
+def load_texts(corpus: str, split: str) -> list[str]:
+    """Documents of a corpus: 'stdlib' (the embedded Python-stdlib corpus, by split), or a local
+    text file (one document) or folder (every text file below it, sorted; split ignored)."""
+    if corpus == "stdlib":
+        from attnlab.data.corpus import stdlib_corpus
+
+        return list(stdlib_corpus(split))
+    p = Path(corpus)
+    if p.is_file():
+        return [p.read_text(encoding="utf-8", errors="replace")]
+    if p.is_dir():
+        files = sorted(f for f in p.rglob("*") if f.is_file() and f.suffix in TEXT_SUFFIXES)
+        if not files:
+            raise ValueError(f"corpus folder {corpus!r} holds no text files ({', '.join(TEXT_SUFFIXES)})")
+        return [f.read_text(encoding="utf-8", errors="replace") for f in files]
+    raise ValueError(f"corpus must be 'stdlib', a text file or a folder, got {corpus!r} (not found)")
+
+
+@dataclass
+class Packed:
+    """Contexts of documents packed back to back, each document its own causal block."""
+
+    input_ids: torch.Tensor  # (N, T)
+    position_ids: torch.Tensor  # (N, T), restarting at 0 at every document start
+    segments: torch.Tensor  # (N, T), document number within the context
+
+    def __len__(self) -> int:
+        return self.input_ids.shape[0]
+
+    def batch(self, i: int, n: int = 1) -> "Packed":
+        return Packed(self.input_ids[i:i + n], self.position_ids[i:i + n], self.segments[i:i + n])
+
+
+def pack_documents(
+    texts: Sequence[str], encode: Callable[[str], list[int]], eos_id: int, context: int, n_contexts: int,
+    seed: int | None = 0,
+) -> Packed:
+    """Tokenize documents (shuffled by `seed`, None keeps order) only until n_contexts * context
+    tokens exist, append EOS to each, and cut the stream into contexts."""
+    if not isinstance(context, int) or context < 2:
+        raise ValueError(f"context must be an int >= 2, got {context!r}")
+    if not isinstance(n_contexts, int) or n_contexts < 1:
+        raise ValueError(f"n_contexts must be an int >= 1, got {n_contexts!r}")
+    need = context * n_contexts
+    order = list(range(len(texts)))
+    if seed is not None:
+        random.Random(seed).shuffle(order)
+    ids, segs = [], []
+    for doc_no, i in enumerate(order):
+        toks = list(encode(texts[i])) + [eos_id]
+        ids.extend(toks)
+        segs.extend([doc_no] * len(toks))
+        if len(ids) >= need:
+            break
+    if len(ids) < need:
+        raise ValueError(
+            f"corpus too short for the context: {len(texts)} documents give {len(ids)} tokens, "
+            f"need context * n_contexts = {context} * {n_contexts} = {need}"
+        )
+    input_ids = torch.tensor(ids[:need]).view(n_contexts, context)
+    seg = torch.tensor(segs[:need]).view(n_contexts, context)
+    seg = seg - seg[:, :1]  # (N, T), 0 at each context start
+    starts = torch.ones_like(seg, dtype=torch.bool)
+    starts[:, 1:] = seg[:, 1:] != seg[:, :-1]
+    pos = torch.arange(context).expand(n_contexts, -1)
+    last_start = torch.where(starts, pos, torch.zeros_like(pos)).cummax(dim=1).values
+    return Packed(input_ids, pos - last_start, seg)
+
+
+def block_causal(segments: torch.Tensor) -> torch.Tensor:
+    """(B, T) document ids -> (B, 1, T, T) mask: j <= t and segment(j) == segment(t)."""
+    T = segments.shape[1]
+    causal = torch.ones(T, T, dtype=torch.bool, device=segments.device).tril()
+    return (segments[:, :, None] == segments[:, None, :]).logical_and(causal)[:, None]
+
+
+def forward_packed(model, batch: Packed):
+    """The model's logits on packed contexts with the block-causal mask and restarted positions."""
+    mask = block_causal(batch.segments)
+    return model(input_ids=batch.input_ids, attention_mask=mask, position_ids=batch.position_ids,
+                 use_cache=False).logits
+
+
+@dataclass
+class Captured:
+    """One layer's activations on one batch: hidden (B, T, C), q (B, H, T, D), k (B, Hkv, T, D)."""
+
+    hidden: torch.Tensor
+    q: torch.Tensor
+    k: torch.Tensor
+    scaling: float
+
+
+@torch.no_grad()
+def capture(model, batch: Packed, layers: Sequence[int]) -> dict[int, Captured]:
+    """Run the frozen model once and return each selected layer's captured activations."""
+    out: dict[int, Captured] = {}
+
+    def make(i):
+        def handler(module, hidden, q, k, v, allowed, scaling):
+            out[i] = Captured(hidden.detach().clone(), q.detach().clone(), k.detach().clone(), float(scaling))
+            return None  # keep the model's own SDPA result
+
+        return handler
+
+    with Installed(model, {i: make(i) for i in layers}):
+        forward_packed(model, batch)
+    return out
+
+
+def teacher_attention(q: torch.Tensor, k: torch.Tensor, allowed: torch.Tensor, scaling: float,
+                      chunk: int = 512) -> torch.Tensor:
+    """Head-averaged attention A^T (B, Tq, Tk) of q (B, H, Tq, D) over k (B, Hkv, Tk, D).
+
+    Each query head h reads KV head h // (H / Hkv) (GQA); `allowed` (B or 1, 1, Tq, Tk) is the mask.
+    Computed in query chunks so the (H, Tq, Tk) scores never exist at once for long contexts.
+    """
+    B, H, Tq, D = q.shape
+    Hkv = k.shape[1]
+    kg = k.float()[:, :, None]  # (B, Hkv, 1, Tk, D)
+    outs = []
+    for s in range(0, Tq, chunk):
+        qc = q[:, :, s:s + chunk].float().view(B, Hkv, H // Hkv, -1, D)  # (B, Hkv, rep, c, D)
+        sc = (qc @ kg.transpose(-1, -2)).view(B, H, -1, k.shape[2]) * scaling  # (B, H, c, Tk)
+        sc = sc.masked_fill(~allowed[:, :, s:s + chunk], float("-inf"))
+        outs.append(torch.softmax(sc, dim=-1).nan_to_num(0.0).mean(1))  # (B, c, Tk)
+    return torch.cat(outs, dim=1)

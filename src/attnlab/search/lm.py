@@ -1,0 +1,79 @@
+"""A frozen LM bundled with its tokenizer, and the validated setup shared by training and evaluation.
+
+`prepare` checks everything cheap first (family, layer indices, corpus length) and loads the
+weights last, so bad input fails before any heavy work.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable
+
+from .capture import Packed, load_texts, pack_documents
+from .hf_model import (ModelDims, load_config, load_model, load_tokenizer, model_dims, resolve_layers,
+                       resolve_source, tiny_model)
+
+
+@dataclass
+class LM:
+    model: object
+    encode: Callable[[str], list[int]]
+    eos_id: int
+    name: str
+    dims: ModelDims
+
+
+def _hf_encode(tokenizer) -> Callable[[str], list[int]]:
+    return lambda text: tokenizer(text, add_special_tokens=False)["input_ids"]
+
+
+def _eos(tokenizer, config) -> int:
+    eos = tokenizer.eos_token_id if tokenizer.eos_token_id is not None else getattr(config, "eos_token_id", None)
+    if isinstance(eos, (list, tuple)):
+        eos = eos[0]
+    if eos is None:
+        raise ValueError("the tokenizer has no EOS token to separate packed documents")
+    return int(eos)
+
+
+def tiny_lm(family: str = "llama", n_layers: int = 8, seed: int = 0) -> LM:
+    """A tiny random Llama/Qwen3 with a byte-level encoding (ids 3..258; 2 is EOS)."""
+    model = tiny_model(family, n_layers=n_layers, seed=seed)
+    return LM(model, lambda text: [b + 3 for b in text.encode("utf-8")], 2, f"tiny-{family}",
+              model_dims(model.config))
+
+
+def load_lm(spec: str) -> LM:
+    source = resolve_source(spec)
+    config = load_config(source)
+    tok = load_tokenizer(source)
+    return LM(load_model(source), _hf_encode(tok), _eos(tok, config), spec, model_dims(config))
+
+
+def prepare(model: str, layer_sets, corpus: str, split: str, context: int, n_contexts: int, seed: int | None,
+            lm: LM | None = None, check: Callable | None = None) -> tuple[LM, list[list[int]], Packed]:
+    """Validate, pack the corpus into contexts, then load the model (unless `lm` is given).
+
+    layer_sets: a list of layer specs (see resolve_layers), each resolved to indices; `check`, if
+    given, is called with the resolved sets before the corpus is read or weights are loaded.
+    """
+    if lm is not None:
+        sets = [resolve_layers(s, lm.dims.n_layers) for s in layer_sets]
+        if check is not None:
+            check(sets)
+        packed = pack_documents(load_texts(corpus, split), lm.encode, lm.eos_id, context, n_contexts, seed)
+        return lm, sets, packed
+    source = resolve_source(model)
+    config = load_config(source)
+    dims = model_dims(config)
+    sets = [resolve_layers(s, dims.n_layers) for s in layer_sets]
+    if check is not None:
+        check(sets)
+    max_pos = getattr(config, "max_position_embeddings", None)
+    if isinstance(max_pos, int) and context > max_pos:
+        raise ValueError(f"context={context} exceeds the model's max_position_embeddings={max_pos}")
+    tok = load_tokenizer(source)
+    eos = _eos(tok, config)
+    encode = _hf_encode(tok)
+    packed = pack_documents(load_texts(corpus, split), encode, eos, context, n_contexts, seed)
+    return LM(load_model(source), encode, eos, model, dims), sets, packed

@@ -1,0 +1,100 @@
+"""Retrieval quality against the teacher and language-model quality against full attention.
+
+Recall@K = |S_t ∩ TopK(A^T_t)| / K and Mass@K = sum_{j in S_t} A^T_tj, averaged over the queries
+that have more than K admissible keys (for the others any method keeps every key and scores 1).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+import torch
+import torch.nn.functional as F
+
+from .sparse import candidate_mask
+
+
+def _selected(idx, valid, n_keys) -> torch.Tensor:
+    """(B, 1, Tq, K) candidates -> dense (B, Tq, Tk) membership."""
+    return candidate_mask(idx, valid, n_keys)[:, 0]
+
+
+def retrieval_stats(idx, valid, teacher, allowed, K: int) -> dict[str, float]:
+    """Sums over the non-trivial queries (more than K admissible keys), for averaging across batches:
+    {'n': queries, 'recall': sum of Recall@K, 'mass': sum of Mass@K, 'slots': all slots, 'filler': filler slots}."""
+    B, Tq, Tk = teacher.shape
+    allowed = allowed.expand(B, 1, Tq, Tk)[:, 0]
+    sel = _selected(idx, valid, Tk) & allowed
+    hard = allowed.sum(-1) > K  # (B, Tq)
+    kk = min(K, Tk)
+    top = teacher.masked_fill(~allowed, -1.0).topk(kk, dim=-1).indices
+    top_mask = torch.zeros_like(allowed).scatter_(-1, top, True) & allowed
+    recall = (sel & top_mask).sum(-1).float() / K
+    mass = (teacher * sel).sum(-1)
+    return {
+        "n": float(hard.sum()),
+        "recall": float(recall[hard].sum()),
+        "mass": float(mass[hard].sum()),
+        "slots": float(valid.numel()),
+        "filler": float((~valid).sum()),
+    }
+
+
+def recall_at_k(idx, valid, teacher, allowed, K: int) -> float:
+    """Mean Recall@K over queries with more than K admissible keys (nan if there are none)."""
+    s = retrieval_stats(idx, valid, teacher, allowed, K)
+    return s["recall"] / s["n"] if s["n"] else float("nan")
+
+
+def mass_at_k(idx, valid, teacher, allowed, K: int) -> float:
+    """Mean teacher mass captured by the candidates, over queries with more than K admissible keys."""
+    s = retrieval_stats(idx, valid, teacher, allowed, K)
+    return s["mass"] / s["n"] if s["n"] else float("nan")
+
+
+@dataclass
+class Tally:
+    """Running sums of retrieval statistics (per layer) and token negative log-likelihoods."""
+
+    retrieval: dict = field(default_factory=dict)
+    nll: float = 0.0
+    tokens: int = 0
+
+    def add_retrieval(self, layer: int, stats: dict) -> None:
+        cur = self.retrieval.setdefault(layer, {k: 0.0 for k in stats})
+        for k, v in stats.items():
+            cur[k] += v
+
+    def add_nll(self, logits: torch.Tensor, input_ids: torch.Tensor, segments: torch.Tensor) -> None:
+        """Next-token NLL inside each document (the prediction across a document boundary is skipped)."""
+        nll, n = token_nll(logits, input_ids, segments)
+        self.nll += nll
+        self.tokens += n
+
+    def summary(self) -> dict:
+        out = {"ppl": math.exp(self.nll / self.tokens) if self.tokens else float("nan"), "tokens": self.tokens}
+        if self.retrieval:
+            tot = {k: sum(d[k] for d in self.retrieval.values()) for k in ("n", "recall", "mass", "slots", "filler")}
+            out["recall"] = tot["recall"] / tot["n"] if tot["n"] else float("nan")
+            out["mass"] = tot["mass"] / tot["n"] if tot["n"] else float("nan")
+            out["filler_rate"] = tot["filler"] / tot["slots"] if tot["slots"] else float("nan")
+            out["per_layer"] = {
+                str(i): {"recall": d["recall"] / d["n"] if d["n"] else float("nan"),
+                         "mass": d["mass"] / d["n"] if d["n"] else float("nan")}
+                for i, d in sorted(self.retrieval.items())
+            }
+        return out
+
+
+def token_nll(logits: torch.Tensor, input_ids: torch.Tensor, segments: torch.Tensor) -> tuple[float, int]:
+    """(sum of NLL, count) of predicting token t+1 from t where both lie in the same document."""
+    same = segments[:, 1:] == segments[:, :-1]
+    lp = F.cross_entropy(logits[:, :-1].float().flatten(0, 1), input_ids[:, 1:].flatten(), reduction="none")
+    lp = lp.view_as(same)
+    return float(lp[same].sum()), int(same.sum())
+
+
+def rel_gap(ppl: float, ppl_full: float) -> float:
+    """Relative perplexity gap (ppl - ppl_full) / ppl_full."""
+    return (ppl - ppl_full) / ppl_full

@@ -1,0 +1,136 @@
+"""Retrieve-then-attend inside a Hugging Face model.
+
+In each substituted layer the model computes its native Q, K, V (and RoPE) as usual; a selector
+picks K candidate keys per query, and exact attention runs over those candidates only, with the
+model's own q, k, v and output projection. In decode mode the learned index grows by the new
+tokens' search keys at every step (exact index or FAISS HNSW `add`).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from attnlab.ops._checks import check_choice
+
+from .capture import teacher_attention
+from .hf_model import attention_modules
+from .hooks import Installed
+from .metrics import Tally, retrieval_stats
+from .projections import SearchProjections
+from .retrieval import METHODS, ExactIndex, HNSWIndex, check_k, oracle_select, quest_select, streaming_select
+from .sparse import sparse_attention
+
+
+@dataclass
+class SelectorConfig:
+    """How candidates are chosen: method and budget K, plus each method's own knobs."""
+
+    method: str = "learned"
+    K: int = 256
+    page: int = 16  # Quest page size
+    n_sink: int = 4  # StreamingLLM sinks
+    hnsw_m: int = 32
+    hnsw_ef_construction: int = 64
+    hnsw_ef_search: int = 128
+
+    def __post_init__(self):
+        check_choice("method", self.method, METHODS)
+        check_k(self.K)
+        for name in ("page", "hnsw_m", "hnsw_ef_construction", "hnsw_ef_search"):
+            v = getattr(self, name)
+            if not isinstance(v, int) or v <= 0:
+                raise ValueError(f"{name} must be a positive int, got {v!r}")
+        if not isinstance(self.n_sink, int) or self.n_sink < 0:
+            raise ValueError(f"n_sink must be an int >= 0, got {self.n_sink!r}")
+
+
+class RetrieveThenAttend:
+    """The handler of one substituted layer (see hooks.Installed)."""
+
+    def __init__(self, layer: int, cfg: SelectorConfig, projections: SearchProjections | None = None,
+                 tally: Tally | None = None):
+        if cfg.method.startswith("learned"):
+            if projections is None:
+                raise ValueError(f"method {cfg.method!r} needs trained search projections")
+            if layer not in projections.layers:
+                raise ValueError(f"no search projection for layer {layer}; trained layers are {projections.layers}")
+        self.layer, self.cfg, self.proj, self.tally = layer, cfg, projections, tally
+        if cfg.method == "learned-hnsw":
+            self.index = HNSWIndex(projections.d_search, cfg.hnsw_m, cfg.hnsw_ef_construction, cfg.hnsw_ef_search)
+        else:
+            self.index = ExactIndex()
+
+    def select(self, hidden, q, k, allowed, scaling):
+        cfg = self.cfg
+        if cfg.method == "oracle":
+            return oracle_select(q, k, allowed, scaling, cfg.K)
+        if cfg.method == "quest":
+            return quest_select(q, k, allowed, scaling, cfg.K, cfg.page)
+        if cfg.method == "streaming":
+            return streaming_select(allowed, cfg.K, cfg.n_sink, batch=q.shape[0])
+        qs, ks = self.proj(self.layer, hidden)  # (B, Tq, d_search) each
+        Tq, Tk = q.shape[2], k.shape[2]
+        if Tk == Tq:  # a new sequence: start a fresh index
+            self.index.reset()
+        self.index.add(ks)
+        if self.index.ntotal != Tk:
+            raise RuntimeError(
+                f"layer {self.layer}: the search index holds {self.index.ntotal} keys but the KV cache has {Tk}; "
+                "install the substitution before the first forward of a sequence"
+            )
+        return self.index.search(qs, allowed, cfg.K)
+
+    @torch.no_grad()
+    def __call__(self, module, hidden, q, k, v, allowed, scaling):
+        idx, valid = self.select(hidden, q, k, allowed, scaling)  # (B, 1, Tq, K)
+        out = sparse_attention(q, k, v, idx, valid, scaling)  # (B, H, Tq, D)
+        if self.tally is not None:
+            teacher = teacher_attention(q, k, allowed, scaling)
+            self.tally.add_retrieval(self.layer, retrieval_stats(idx, valid, teacher, allowed, self.cfg.K))
+        return out.transpose(1, 2)  # (B, Tq, H, D), what transformers' attention functions return
+
+
+def substitute(model, layers, cfg: SelectorConfig, projections: SearchProjections | None = None,
+               tally: Tally | None = None) -> Installed:
+    """Replace attention in `layers` by retrieve-then-attend; use as a context manager or call
+    `.remove()`. Validates everything before touching the model."""
+    n = len(attention_modules(model))
+    if not isinstance(cfg, SelectorConfig):
+        raise TypeError(f"cfg must be a SelectorConfig, got {type(cfg).__name__}")
+    bad = [i for i in layers if not (isinstance(i, int) and 0 <= i < n)]
+    if bad or not layers:
+        raise ValueError(f"layers must be a non-empty list of layer indices in 0..{n - 1}, got {list(layers)}")
+    if projections is not None and projections.d_model != model.config.hidden_size:
+        raise ValueError(
+            f"projections were trained for d_model={projections.d_model}, the model has {model.config.hidden_size}")
+    handlers = {i: RetrieveThenAttend(i, cfg, projections, tally) for i in layers}
+    return Installed(model, handlers)
+
+
+@torch.no_grad()
+def generate(model, input_ids: torch.Tensor, max_new_tokens: int, layers=None,
+             cfg: SelectorConfig | None = None, projections: SearchProjections | None = None) -> torch.Tensor:
+    """Greedy decoding with the KV cache; with `layers` given, those layers retrieve-then-attend and
+    their indexes grow by one search key per generated token. Returns (B, T + max_new_tokens)."""
+    if not isinstance(max_new_tokens, int) or max_new_tokens < 1:
+        raise ValueError(f"max_new_tokens must be a positive int, got {max_new_tokens!r}")
+    if layers is None:
+        return _greedy(model, input_ids, max_new_tokens)
+    with substitute(model, layers, cfg or SelectorConfig(), projections):
+        return _greedy(model, input_ids, max_new_tokens)
+
+
+def _greedy(model, input_ids, max_new_tokens):
+    from transformers import DynamicCache
+
+    cache = DynamicCache(config=model.config)
+    out = model(input_ids=input_ids, past_key_values=cache, use_cache=True)
+    ids = input_ids
+    for step in range(max_new_tokens):
+        nxt = out.logits[:, -1:].argmax(-1)  # (B, 1)
+        ids = torch.cat([ids, nxt], dim=1)
+        if step + 1 < max_new_tokens:
+            out = model(input_ids=nxt, past_key_values=out.past_key_values, use_cache=True)
+    return ids

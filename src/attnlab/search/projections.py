@@ -1,0 +1,139 @@
+"""Search projections W_Qs, W_Ks per selected layer and the dual distillation loss.
+
+    q^s = normalize(h W_Qs),  k^s = normalize(h W_Ks),  z_tj = q^s_t . k^s_j / tau
+    L_NCE(t) = -log( sum_{j in P_t} exp z_tj / sum_{j in C_t} exp z_tj )   P_t: teacher top-K_pos keys
+    L_KL(t)  = sum_{j in C_t} A^T_tj log(A^T_tj / A^S_tj),  A^S = softmax over C_t of z
+C_t is the admissible (block-causal) key set of query t. Losses average over query tokens.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from attnlab.ops._checks import check_impl, check_positive, check_tensor
+
+
+class SearchProjections(nn.Module):
+    """Two bias-free d_model -> d_search maps per selected layer; the base model stays frozen."""
+
+    def __init__(self, layers: list[int], d_model: int, d_search: int = 128, tau: float = 0.05, meta=None):
+        super().__init__()
+        if not layers:
+            raise ValueError("layers must be a non-empty list of layer indices")
+        check_positive("d_search", d_search)
+        check_positive("tau", tau)
+        self.layers = [int(i) for i in layers]
+        self.d_model, self.d_search, self.tau = d_model, d_search, float(tau)
+        self.meta = dict(meta or {})
+        self.wq = nn.ModuleDict({str(i): nn.Linear(d_model, d_search, bias=False) for i in self.layers})
+        self.wk = nn.ModuleDict({str(i): nn.Linear(d_model, d_search, bias=False) for i in self.layers})
+
+    def forward(self, layer: int, hidden: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """hidden (B, T, C) -> L2-normalised search queries and keys, each (B, T, d_search)."""
+        if str(layer) not in self.wq:
+            raise ValueError(f"no search projection for layer {layer}; trained layers are {self.layers}")
+        w = self.wq[str(layer)].weight
+        h = hidden.to(w.dtype)
+        return F.normalize(self.wq[str(layer)](h), dim=-1), F.normalize(self.wk[str(layer)](h), dim=-1)
+
+    def save(self, path: str | Path, extra_tensors: dict | None = None, extra_meta: dict | None = None) -> None:
+        """Atomic safetensors write: weights (+ optional extra tensors) and JSON metadata."""
+        from safetensors.torch import save_file
+
+        tensors = {k: v.detach().contiguous() for k, v in self.state_dict().items()}
+        tensors.update(extra_tensors or {})
+        meta = {"layers": self.layers, "d_model": self.d_model, "d_search": self.d_search, "tau": self.tau,
+                "meta": self.meta, **(extra_meta or {})}
+        path = Path(path)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_suffix(path.suffix + ".tmp")
+        save_file(tensors, str(tmp), metadata={"attnlab_search": json.dumps(meta)})
+        os.replace(tmp, path)
+
+    @classmethod
+    def load(cls, path: str | Path) -> tuple["SearchProjections", dict, dict]:
+        """(projections, all metadata, the extra tensors saved beside the weights)."""
+        from safetensors import safe_open
+
+        path = Path(path)
+        if not path.is_file():
+            raise ValueError(f"checkpoint {str(path)!r} does not exist")
+        with safe_open(str(path), framework="pt") as f:
+            raw = (f.metadata() or {}).get("attnlab_search")
+            if raw is None:
+                raise ValueError(f"{path} is not a search-projection checkpoint (no 'attnlab_search' metadata)")
+            meta = json.loads(raw)
+            tensors = {k: f.get_tensor(k) for k in f.keys()}
+        proj = cls(meta["layers"], meta["d_model"], meta["d_search"], meta["tau"], meta.get("meta"))
+        own = {k: tensors.pop(k) for k in list(tensors) if k.startswith(("wq.", "wk."))}
+        proj.load_state_dict(own)
+        return proj, meta, tensors
+
+
+def _check_loss_args(qs, ks, teacher, allowed, k_pos):
+    check_tensor("qs", qs, 3)
+    check_tensor("ks", ks, 3)
+    check_tensor("teacher", teacher, 3)
+    check_tensor("allowed", allowed, 3)
+    B, T, _ = qs.shape
+    if tuple(teacher.shape) != (B, T, ks.shape[1]):
+        raise ValueError(f"teacher must be (B, Tq, Tk) = {(B, T, ks.shape[1])}, got {tuple(teacher.shape)}")
+    if tuple(allowed.shape) != tuple(teacher.shape):
+        raise ValueError(f"allowed must have the teacher's shape {tuple(teacher.shape)}, got {tuple(allowed.shape)}")
+    if isinstance(k_pos, bool) or not isinstance(k_pos, int) or k_pos <= 0:
+        raise ValueError(f"k_pos must be a positive int, got {k_pos!r}")
+
+
+def search_losses_naive(qs, ks, teacher, allowed, tau: float, k_pos: int):
+    """Query by query, exactly as the formulas read."""
+    nce, kl, n = qs.new_zeros(()), qs.new_zeros(()), 0
+    for b in range(qs.shape[0]):
+        for t in range(qs.shape[1]):
+            c = allowed[b, t].nonzero().squeeze(-1)
+            n += 1
+            if c.numel() == 0:
+                continue
+            z = (ks[b, c] @ qs[b, t]) / tau
+            a = teacher[b, t, c]
+            pos = a.topk(min(k_pos, c.numel())).indices
+            nce = nce - (torch.logsumexp(z[pos], 0) - torch.logsumexp(z, 0))
+            logp = z - torch.logsumexp(z, 0)
+            nz = a > 0
+            kl = kl + (a[nz] * (a[nz].log() - logp[nz])).sum()
+    return nce / n, kl / n
+
+
+def search_losses_fast(qs, ks, teacher, allowed, tau: float, k_pos: int):
+    """All queries at once with dense (B, Tq, Tk) masked logits."""
+    z = (qs @ ks.transpose(1, 2)) / tau  # (B, Tq, Tk)
+    neg = torch.finfo(z.dtype).min
+    z = z.masked_fill(~allowed, neg)
+    lse_all = torch.logsumexp(z, dim=-1)  # (B, Tq)
+    kk = min(k_pos, z.shape[-1])
+    top = teacher.masked_fill(~allowed, -1.0).topk(kk, dim=-1).indices
+    pos = torch.zeros_like(allowed).scatter_(-1, top, True) & allowed
+    lse_pos = torch.logsumexp(z.masked_fill(~pos, neg), dim=-1)
+    has = allowed.any(-1)
+    nce = torch.where(has, lse_all - lse_pos, torch.zeros_like(lse_all)).mean()
+    logp = z - lse_all[..., None]
+    a = teacher.to(z.dtype)
+    nz = (a > 0) & allowed
+    kl_terms = torch.where(nz, a * (a.clamp_min(1e-30).log() - logp), torch.zeros_like(a))
+    return nce, kl_terms.sum(-1).mean()
+
+
+def search_losses(qs, ks, teacher, allowed, tau: float, k_pos: int = 16, impl: str = "auto"):
+    """(L_NCE, L_KL) for search queries qs (B, Tq, d), keys ks (B, Tk, d), teacher A^T (B, Tq, Tk)
+    and the admissible mask (B, Tq, Tk); both averaged over the B * Tq queries."""
+    check_impl(impl)
+    _check_loss_args(qs, ks, teacher, allowed, k_pos)
+    check_positive("tau", tau)
+    if impl == "naive":
+        return search_losses_naive(qs, ks, teacher, allowed, tau, k_pos)
+    return search_losses_fast(qs, ks, teacher, allowed, tau, k_pos)

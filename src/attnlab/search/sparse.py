@@ -1,0 +1,87 @@
+"""Exact attention over a retrieved candidate set: the model's own q, k, v, softmax over S_t only.
+
+    o_t = sum_{j in S_t} exp(q_t.k_j * s) / sum_{l in S_t} exp(q_t.k_l * s) * v_j
+
+The candidate set is given as indices (B, G, Tq, K) with a validity mask; invalid (filler) slots
+are left out of the softmax. G candidate groups are shared by H / G query heads each (G = 1: one
+set per token for all heads, as the search projections produce).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from attnlab.ops._checks import check_groups, check_impl, check_same, check_tensor
+
+
+def _check(q, k, v, idx, valid):
+    check_tensor("q", q, 4)
+    check_tensor("k", k, 4)
+    check_tensor("v", v, 4)
+    check_tensor("idx", idx, 4)
+    check_tensor("valid", valid, 4)
+    if idx.dtype not in (torch.int64, torch.int32):
+        raise TypeError(f"idx must be an integer tensor, got {idx.dtype}")
+    if valid.dtype != torch.bool:
+        raise TypeError(f"valid must be a bool tensor, got {valid.dtype}")
+    if tuple(valid.shape) != tuple(idx.shape):
+        raise ValueError(f"valid must have the shape of idx {tuple(idx.shape)}, got {tuple(valid.shape)}")
+    check_same("k", k.shape[2], "v", v.shape[2], "length")
+    check_same("k", k.shape[1], "v", v.shape[1], "heads")
+    check_same("q", q.shape[-1], "k", k.shape[-1], "head dim")
+    check_same("q", q.shape[2], "idx", idx.shape[2], "query length")
+    check_groups(q.shape[1], k.shape[1], "k")
+    check_groups(q.shape[1], idx.shape[1], "idx")
+
+
+def _per_head(x: torch.Tensor, H: int) -> torch.Tensor:
+    """(B, G, ...) -> (B, H, ...): each of the G groups serves H / G consecutive heads."""
+    return x if x.shape[1] == H else x.repeat_interleave(H // x.shape[1], dim=1)
+
+
+def sparse_attention_naive(q, k, v, idx, valid, scaling: float) -> torch.Tensor:
+    """Gather the K candidate keys/values of every query and softmax over the valid ones."""
+    B, H, Tq, D = q.shape
+    K = idx.shape[-1]
+    kh, vh = _per_head(k, H), _per_head(v, H)  # (B, H, Tk, D)
+    ih = _per_head(idx, H).clamp(min=0).long().reshape(B, H, Tq * K, 1).expand(-1, -1, -1, D)
+    ks = kh.gather(2, ih).view(B, H, Tq, K, D)
+    vs = vh.gather(2, ih).view(B, H, Tq, K, -1)
+    ok = _per_head(valid, H)  # (B, H, Tq, K)
+    s = torch.einsum("bhtd,bhtkd->bhtk", q, ks) * scaling
+    s = s.masked_fill(~ok, float("-inf"))
+    p = torch.softmax(s.float(), dim=-1).nan_to_num(0.0).to(q.dtype)  # rows with no valid slot -> 0
+    return torch.einsum("bhtk,bhtkd->bhtd", p, vs)  # (B, H, Tq, D)
+
+
+def candidate_mask(idx: torch.Tensor, valid: torch.Tensor, n_keys: int) -> torch.Tensor:
+    """The dense (B, G, Tq, Tk) boolean mask of the valid candidate slots."""
+    m = torch.zeros(*idx.shape[:-1], n_keys + 1, dtype=torch.bool, device=idx.device)
+    slot = torch.where(valid, idx.long(), torch.full_like(idx.long(), n_keys))  # fillers -> spare column
+    m.scatter_(-1, slot, True)
+    return m[..., :n_keys]
+
+
+def sparse_attention_fast(q, k, v, idx, valid, scaling: float) -> torch.Tensor:
+    """Scatter the candidates into a boolean mask and run the fused SDPA kernel with it."""
+    B, H, Tq, D = q.shape
+    mask = candidate_mask(idx, valid, k.shape[2])  # (B, G, Tq, Tk)
+    empty = ~mask.any(-1, keepdim=True)  # (B, G, Tq, 1)
+    mask = mask | (empty & (torch.arange(k.shape[2], device=q.device) == 0))
+    mask = _per_head(mask, H) if mask.shape[1] != 1 else mask
+    kh, vh = _per_head(k, H), _per_head(v, H)
+    out = F.scaled_dot_product_attention(q, kh, vh, attn_mask=mask, scale=scaling)  # (B, H, Tq, D)
+    return out.masked_fill(_per_head(empty, H), 0.0)
+
+
+def sparse_attention(q, k, v, idx, valid, scaling: float, impl: str = "auto") -> torch.Tensor:
+    """q (B, H, Tq, D), k/v (B, Hkv, Tk, D), idx/valid (B, G, Tq, K) -> (B, H, Tq, D).
+
+    auto: gather for a few queries (decode, cost O(K)), fused masked SDPA otherwise.
+    """
+    check_impl(impl)
+    _check(q, k, v, idx, valid)
+    if impl == "naive" or (impl == "auto" and q.shape[2] * idx.shape[-1] <= 4096):
+        return sparse_attention_naive(q, k, v, idx, valid, scaling)
+    return sparse_attention_fast(q, k, v, idx, valid, scaling)

@@ -1,0 +1,118 @@
+"""Evaluation sweep: methods x K x layer sets on held-out packed contexts.
+
+For every configuration the substituted model's perplexity is compared with full attention on the
+same contexts, and Recall@K / Mass@K are measured against each substituted layer's own teacher
+(the head-averaged softmax of its native q.k in that forward). Results are written after every
+configuration, so an interrupted sweep keeps what it finished.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import torch
+from tqdm.auto import tqdm
+
+from .capture import forward_packed
+from .lm import LM, prepare
+from .metrics import Tally, rel_gap
+from .patch import SelectorConfig, substitute
+from .projections import SearchProjections
+from .report import write_report
+from .retrieval import METHODS, check_k
+
+DEFAULT_KS = (16, 32, 64, 128, 256)
+DEFAULT_LAYER_SETS = ("middle6", "all", "reserved-edge")
+
+
+@dataclass
+class EvalConfig:
+    checkpoint: str | None = None  # trained projections; needed by the learned methods
+    model: str | None = None  # default: the model the checkpoint was trained on
+    layer_sets: list = field(default_factory=lambda: list(DEFAULT_LAYER_SETS))
+    ks: list = field(default_factory=lambda: list(DEFAULT_KS))
+    methods: list = field(default_factory=lambda: list(METHODS))
+    corpus: str = "stdlib"
+    split: str = "test"
+    context: int = 2048
+    n_contexts: int = 4
+    seed: int = 0
+    page: int = 16
+    n_sink: int = 4
+    hnsw_m: int = 32
+    hnsw_ef_search: int = 128
+    out: str = "runs/search-eval"
+
+    def __post_init__(self):
+        self.ks = [check_k(k) for k in self.ks]
+        bad = [m for m in self.methods if m not in METHODS]
+        if bad or not self.methods:
+            raise ValueError(f"methods must be a non-empty subset of {METHODS}, got {self.methods!r}")
+        if not self.layer_sets:
+            raise ValueError("layer_sets must name at least one layer set")
+        if any(m.startswith("learned") for m in self.methods) and not self.checkpoint:
+            raise ValueError("the learned methods need --checkpoint (trained search projections)")
+        if self.checkpoint is None and self.model is None:
+            raise ValueError("model must be given when there is no checkpoint to take it from")
+
+
+def run_eval(cfg: EvalConfig, lm: LM | None = None, progress: bool = True) -> dict:
+    """Run the sweep; returns the results dict (also written as JSON, markdown and PNG under cfg.out)."""
+    proj, meta = None, {}
+    if cfg.checkpoint:
+        proj, meta, _ = SearchProjections.load(cfg.checkpoint)
+    model_spec = cfg.model or meta.get("meta", {}).get("model")
+    learned = [m for m in cfg.methods if m.startswith("learned")]
+
+    def check(sets):
+        if proj is None or not learned:
+            return
+        for spec, layers in zip(cfg.layer_sets, sets):
+            missing = sorted(set(layers) - set(proj.layers))
+            if missing:
+                raise ValueError(f"layer set {spec!r} needs projections for layers {missing}, but the checkpoint "
+                                 f"has {proj.layers}; train with --layers all or drop that set")
+
+    lm, sets, packed = prepare(model_spec, cfg.layer_sets, cfg.corpus, cfg.split, cfg.context, cfg.n_contexts,
+                               cfg.seed, lm=lm, check=check)
+    if proj is not None and proj.d_model != lm.dims.d_model:
+        raise ValueError(f"checkpoint d_model={proj.d_model} does not match the model's {lm.dims.d_model}")
+    out = Path(cfg.out)
+    out.mkdir(parents=True, exist_ok=True)
+    n_cfg = len(sets) * len(cfg.methods) * len(cfg.ks)
+    bar = tqdm(total=len(packed) * (1 + n_cfg), desc="search eval", disable=not progress)
+    results = {"config": asdict(cfg), "model": lm.name, "dims": asdict(lm.dims), "layer_sets": {},
+               "rows": []}
+    t0 = time.time()
+    with torch.no_grad():
+        full = Tally()
+        for i in range(len(packed)):
+            b = packed.batch(i)
+            full.add_nll(forward_packed(lm.model, b), b.input_ids, b.segments)
+            bar.update()
+        results["full"] = full.summary()
+        for spec, layers in zip(cfg.layer_sets, sets):
+            results["layer_sets"][spec] = layers
+            for method in cfg.methods:
+                for K in cfg.ks:
+                    sel = SelectorConfig(method, K, cfg.page, cfg.n_sink, cfg.hnsw_m, hnsw_ef_search=cfg.hnsw_ef_search)
+                    tally = Tally()
+                    t1 = time.time()
+                    for i in range(len(packed)):
+                        b = packed.batch(i)
+                        with substitute(lm.model, layers, sel, proj, tally):
+                            tally.add_nll(forward_packed(lm.model, b), b.input_ids, b.segments)
+                        bar.update()
+                    s = tally.summary()
+                    results["rows"].append({"layer_set": spec, "n_layers": len(layers), "method": method, "K": K,
+                                            **s, "rel_gap": rel_gap(s["ppl"], results["full"]["ppl"]),
+                                            "seconds": time.time() - t1})
+                    results["elapsed_s"] = time.time() - t0
+                    write_report(results, out)
+    bar.close()
+    results["elapsed_s"] = time.time() - t0
+    write_report(results, out)
+    return results

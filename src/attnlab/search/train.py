@@ -1,0 +1,228 @@
+"""Training the search projections on a frozen LM: capture once, distil many steps.
+
+Activations of the selected layers are captured from the frozen model (block-causal packed
+contexts) and kept in memory or cached on disk, so later epochs do not re-run the model. Each
+step rebuilds the teacher from the captured q/k and minimises alpha * L_NCE + beta * L_KL averaged
+over layers. Checkpoints (projections + optimizer state) are written atomically; `resume` picks up.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import random
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import torch
+from tqdm.auto import tqdm
+
+from .capture import Captured, Packed, block_causal, capture, teacher_attention
+from .lm import LM, prepare
+from .projections import SearchProjections, search_losses
+
+CHECKPOINT = "projections.safetensors"
+
+
+@dataclass
+class TrainConfig:
+    model: str = "smollm2"
+    layers: str = "all"  # trained once; any subset can be substituted at evaluation
+    d_search: int = 128
+    tau: float = 0.05
+    k_pos: int = 16
+    alpha: float = 1.0
+    beta: float = 1.0
+    corpus: str = "stdlib"
+    split: str = "train"
+    context: int = 2048
+    n_contexts: int = 32
+    steps: int = 400
+    lr: float = 2e-3
+    warmup: int = 20
+    eval_k: int = 64  # K of the Mass@K / Recall@K logged on the training batch
+    log_every: int = 10
+    checkpoint_every: int = 50
+    activations: str = "disk"  # "disk" (cache under out/), "memory", or "none" (re-run the model)
+    out: str = "runs/search"
+    seed: int = 0
+    resume: bool = True
+    extra: dict = field(default_factory=dict)
+
+    def __post_init__(self):
+        for name in ("d_search", "k_pos", "context", "n_contexts", "steps", "log_every", "checkpoint_every", "eval_k"):
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, int) or v <= 0:
+                raise ValueError(f"{name} must be a positive int, got {v!r}")
+        for name in ("tau", "lr"):
+            if not getattr(self, name) > 0:
+                raise ValueError(f"{name} must be > 0, got {getattr(self, name)!r}")
+        for name in ("alpha", "beta", "warmup"):
+            if getattr(self, name) < 0:
+                raise ValueError(f"{name} must be >= 0, got {getattr(self, name)!r}")
+        if self.activations not in ("disk", "memory", "none"):
+            raise ValueError(f"activations must be 'disk', 'memory' or 'none', got {self.activations!r}")
+
+
+class ActivationStore:
+    """Captured activations per context: computed on first use, then served from memory or disk."""
+
+    def __init__(self, lm: LM, packed: Packed, layers: list[int], mode: str, folder: Path | None):
+        self.lm, self.packed, self.layers, self.mode, self.folder = lm, packed, layers, mode, folder
+        self.mem: dict[int, dict[int, Captured]] = {}
+        self.tag = json.dumps({"model": lm.name, "layers": layers, "context": packed.input_ids.shape[1],
+                               "ids": int(packed.input_ids.sum())})
+
+    def _path(self, i: int) -> Path:
+        return self.folder / f"ctx_{i:05d}.safetensors"
+
+    def _read(self, i: int):
+        from safetensors import safe_open
+
+        p = self._path(i)
+        if not p.is_file():
+            return None
+        with safe_open(str(p), framework="pt") as f:
+            meta = f.metadata() or {}
+            if meta.get("tag") != self.tag:
+                return None
+            sc = json.loads(meta["scaling"])
+            return {l: Captured(f.get_tensor(f"{l}.hidden").float(), f.get_tensor(f"{l}.q").float(),
+                                f.get_tensor(f"{l}.k").float(), sc[str(l)]) for l in self.layers}
+
+    def _write(self, i: int, caps: dict[int, Captured]) -> None:
+        from safetensors.torch import save_file
+
+        self.folder.mkdir(parents=True, exist_ok=True)
+        tensors = {}
+        for l, c in caps.items():
+            tensors.update({f"{l}.hidden": c.hidden.half().contiguous(), f"{l}.q": c.q.half().contiguous(),
+                            f"{l}.k": c.k.half().contiguous()})
+        meta = {"tag": self.tag, "scaling": json.dumps({str(l): c.scaling for l, c in caps.items()})}
+        tmp = self._path(i).with_suffix(".tmp")
+        save_file(tensors, str(tmp), metadata=meta)
+        os.replace(tmp, self._path(i))
+
+    def get(self, i: int) -> dict[int, Captured]:
+        if i in self.mem:
+            return self.mem[i]
+        caps = self._read(i) if self.mode == "disk" else None
+        if caps is None:
+            caps = capture(self.lm.model, self.packed.batch(i), self.layers)
+            if self.mode == "disk":
+                self._write(i, caps)
+        if self.mode == "memory":
+            self.mem[i] = caps
+        return caps
+
+
+def step_losses(proj: SearchProjections, caps: dict[int, Captured], segments: torch.Tensor, k_pos: int,
+                eval_k: int | None = None) -> tuple[torch.Tensor, torch.Tensor, dict]:
+    """Layer-averaged (L_NCE, L_KL) on one context; with eval_k also the student's Mass/Recall@K."""
+    allowed4 = block_causal(segments)  # (B, 1, T, T)
+    allowed = allowed4[:, 0]
+    nce_sum, kl_sum, mass, recall = 0.0, 0.0, [], []
+    for layer, c in caps.items():
+        with torch.no_grad():
+            teacher = teacher_attention(c.q, c.k, allowed4, c.scaling)  # (B, T, T)
+        qs, ks = proj(layer, c.hidden)
+        nce, kl = search_losses(qs, ks, teacher, allowed, proj.tau, k_pos)
+        nce_sum, kl_sum = nce_sum + nce, kl_sum + kl
+        if eval_k:
+            from .metrics import retrieval_stats
+            from .retrieval import topk_candidates
+
+            with torch.no_grad():
+                idx, valid = topk_candidates((qs @ ks.transpose(1, 2))[:, None], allowed4, eval_k)
+                s = retrieval_stats(idx, valid, teacher, allowed4, eval_k)
+            if s["n"]:
+                mass.append(s["mass"] / s["n"])
+                recall.append(s["recall"] / s["n"])
+    n = len(caps)
+    info = {"mass": sum(mass) / len(mass), "recall": sum(recall) / len(recall)} if mass else {}
+    return nce_sum / n, kl_sum / n, info
+
+
+def _optim_tensors(opt: torch.optim.Optimizer) -> tuple[dict, dict]:
+    sd = opt.state_dict()
+    tensors = {f"optim.{i}.{k}": v.detach().clone().contiguous() if torch.is_tensor(v) else torch.tensor(v)
+               for i, st in sd["state"].items() for k, v in st.items()}
+    return tensors, {"param_groups": sd["param_groups"]}
+
+
+def _load_optim(opt: torch.optim.Optimizer, tensors: dict, meta: dict) -> None:
+    state: dict = {}
+    for key, v in tensors.items():
+        if key.startswith("optim."):
+            _, i, name = key.split(".", 2)
+            state.setdefault(int(i), {})[name] = v
+    groups = meta["param_groups"]
+    for g in groups:
+        if "betas" in g:
+            g["betas"] = tuple(g["betas"])
+    opt.load_state_dict({"state": state, "param_groups": groups})
+
+
+def train(cfg: TrainConfig, lm: LM | None = None, progress: bool = True) -> dict:
+    """Train (or resume) search projections; returns a summary with the checkpoint path."""
+    lm, (layers,), packed = prepare(cfg.model, [cfg.layers], cfg.corpus, cfg.split, cfg.context,
+                                    cfg.n_contexts, cfg.seed, lm=lm)
+    out = Path(cfg.out)
+    out.mkdir(parents=True, exist_ok=True)
+    ckpt = out / CHECKPOINT
+    torch.manual_seed(cfg.seed)
+    proj = SearchProjections(layers, lm.dims.d_model, cfg.d_search, cfg.tau, meta={"model": lm.name})
+    opt = torch.optim.Adam(proj.parameters(), lr=cfg.lr)
+    start = 0
+    if cfg.resume and ckpt.is_file():
+        loaded, meta, extra = SearchProjections.load(ckpt)
+        if loaded.layers != layers or loaded.d_search != cfg.d_search or loaded.d_model != lm.dims.d_model:
+            raise ValueError(f"checkpoint {ckpt} was trained with layers={loaded.layers}, d_search={loaded.d_search}; "
+                             f"the config asks layers={layers}, d_search={cfg.d_search} (use another --out)")
+        proj.load_state_dict(loaded.state_dict())
+        if "optim" in meta:
+            _load_optim(opt, extra, meta["optim"])
+        start = int(meta.get("step", 0))
+
+    def lr_at(step):
+        warm = min(1.0, (step + 1) / cfg.warmup) if cfg.warmup else 1.0
+        return cfg.lr * warm * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * step / cfg.steps)))
+
+    def save(step):
+        tensors, ometa = _optim_tensors(opt)
+        proj.save(ckpt, tensors, {"step": step, "optim": ometa, "config": asdict(cfg)})
+
+    store = ActivationStore(lm, packed, layers, cfg.activations, out / "activations")
+    log = open(out / "train_log.jsonl", "a")
+    bar = tqdm(range(start, cfg.steps), initial=start, total=cfg.steps, desc="search train", disable=not progress)
+    last = {}
+    t0 = time.time()
+    for step in bar:
+        epoch, pos = divmod(step, len(packed))
+        order = list(range(len(packed)))
+        random.Random(cfg.seed * 1000003 + epoch).shuffle(order)
+        i = order[pos]
+        caps = store.get(i)
+        for g in opt.param_groups:
+            g["lr"] = lr_at(step)
+        want = (step + 1) % cfg.log_every == 0 or step + 1 == cfg.steps
+        nce, kl, info = step_losses(proj, caps, packed.segments[i:i + 1], cfg.k_pos, cfg.eval_k if want else None)
+        loss = cfg.alpha * nce + cfg.beta * kl
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        opt.step()
+        if want:
+            last = {"step": step + 1, "loss": loss.item(), "nce": float(nce), "kl": float(kl),
+                    **{f"{k}@{cfg.eval_k}": v for k, v in info.items()}, "elapsed_s": time.time() - t0}
+            log.write(json.dumps(last) + "\n")
+            log.flush()
+            bar.set_postfix(loss=f"{last['loss']:.3f}", mass=f"{info.get('mass', float('nan')):.3f}")
+        if (step + 1) % cfg.checkpoint_every == 0 or step + 1 == cfg.steps:
+            save(step + 1)
+    log.close()
+    if start >= cfg.steps and not ckpt.is_file():
+        save(start)
+    return {"checkpoint": str(ckpt), "layers": layers, "steps": cfg.steps, "resumed_from": start, "last": last,
+            "trainable_params": sum(p.numel() for p in proj.parameters())}

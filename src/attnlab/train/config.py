@@ -1,0 +1,382 @@
+"""The run configuration: plain dataclasses loaded from TOML with dotted overrides.
+
+    cfg = load_config("configs/tiny.toml", ["model.attn=hybrid", "train.steps=500"])
+
+A RunConfig has five sections -- model, data, train, regularizers, run -- each a
+dataclass whose `__post_init__` checks its values and fills derived fields. Everything
+is validated here, at the edge, before any work starts: an unknown key, a wrong type or
+an impossible combination raises `ConfigError` naming the dotted key and what is allowed.
+Override values are parsed as TOML literals (`train.lr=3e-4`, `model.attn=["softmax","hybrid"]`)
+and fall back to plain strings (`model.attn=hybrid`, `model.attn=[softmax,hybrid]`).
+`config_keys()` lists every key with its type, default and help text.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import os
+import sys
+import typing
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Literal
+
+from attnlab.models.config import ConfigError, ModelConfig, build_dataclass, field_help, opt, type_name
+
+if sys.version_info >= (3, 11):
+    import tomllib
+else:  # pragma: no cover
+    import tomli as tomllib
+
+NAMED_SOURCES = ("stdlib", "tinystories", "wikitext103", "mqar")
+
+
+@dataclass
+class DataConfig:
+    """What the model reads: the corpus, its tokenizer and how sequences are packed."""
+
+    source: str = opt(
+        "stdlib",
+        "'stdlib' (embedded, no download), 'tinystories', 'wikitext103', 'hf:<path>[:<config>]', "
+        "a local text file or folder, or 'mqar' (synthetic associative recall)",
+    )
+    tokenizer: Literal["byte", "bpe"] = opt("byte", "byte-level tokens, or a BPE vocabulary trained locally and cached")
+    bpe_vocab_size: int = opt(4096, "BPE vocabulary size (tokenizer='bpe')")
+    cache_dir: str = opt("", "folder for cached tokenizers and datasets; '' uses $ATTNLAB_CACHE or ~/.cache/attnlab")
+    seq_len: int = opt(128, "training sequence length T (tokens per sequence)")
+    cross_doc: bool = opt(
+        True, "attention crosses document boundaries inside a packed sequence; false restarts it at each document"
+    )
+    max_docs: int = opt(0, "use at most this many documents per split (0 = all)")
+    mqar_pairs: int = opt(8, "MQAR key-value pairs per sequence (source='mqar'; vocabulary = model.vocab_size)")
+    mqar_power_a: float = opt(0.01, "MQAR power-law parameter of the key-to-query gaps (Zoology's power_a)")
+
+    def __post_init__(self):
+        if self.seq_len < 1:
+            raise ConfigError(f"data.seq_len must be >= 1, got {self.seq_len}")
+        src = self.source
+        if not src:
+            raise ConfigError(f"data.source must be one of {NAMED_SOURCES}, 'hf:<path>' or a file/folder, got ''")
+        if src not in NAMED_SOURCES and not src.startswith("hf:") and not Path(src).expanduser().exists():
+            raise ConfigError(
+                f"data.source must be one of {NAMED_SOURCES}, 'hf:<path>[:<config>]' or an existing file/folder, got {src!r}"
+            )
+        if self.tokenizer == "bpe" and self.bpe_vocab_size < 258:
+            raise ConfigError(f"data.bpe_vocab_size must be >= 258 (256 bytes, EOS, merges), got {self.bpe_vocab_size}")
+        if self.max_docs < 0:
+            raise ConfigError(f"data.max_docs must be >= 0, got {self.max_docs}")
+        if self.mqar_pairs < 1 or not 0 < self.mqar_power_a <= 1:
+            raise ConfigError("data.mqar_pairs must be >= 1 and data.mqar_power_a in (0, 1]")
+        if src == "mqar" and self.seq_len < 4 * self.mqar_pairs:
+            raise ConfigError(
+                f"data.seq_len ({self.seq_len}) must be >= 4 * data.mqar_pairs ({4 * self.mqar_pairs}) "
+                f"to hold the pairs and their queries"
+            )
+
+
+@dataclass
+class TrainConfig:
+    """The optimisation: AdamW with linear warmup and cosine decay, clipping, accumulation."""
+
+    steps: int = opt(200, "optimizer steps")
+    batch_size: int = opt(8, "sequences per micro-step, summed over all data-parallel ranks")
+    grad_accum: int = opt(1, "micro-steps per optimizer step (global batch = batch_size * grad_accum)")
+    lr: float = opt(1e-3, "peak learning rate")
+    min_lr_ratio: float = opt(0.1, "cosine decay ends at lr * min_lr_ratio")
+    warmup_steps: int = opt(20, "linear warmup steps from 0 to lr")
+    weight_decay: float = opt(0.1, "AdamW decoupled weight decay on matrices (dim >= 2); none on norms, biases, τ and other vectors")
+    betas: tuple[float, float] = opt((0.9, 0.95), "AdamW betas")
+    eps: float = opt(1e-8, "AdamW epsilon")
+    grad_clip: float = opt(1.0, "clip the global gradient norm to this (0 = off)")
+    dtype: Literal["float32", "bfloat16"] = opt("float32", "autocast dtype for the forward pass (weights stay float32)")
+    eval_every: int = opt(50, "evaluate on the validation split every N steps (0 = only at the end)")
+    eval_batches: int = opt(8, "validation batches per evaluation")
+    log_every: int = opt(10, "write a log row every N steps")
+    ckpt_every: int = opt(100, "write a checkpoint every N steps (0 = only at the end)")
+    keep_checkpoints: int = opt(2, "checkpoints kept in the run folder (the newest ones)")
+
+    tokens_per_step: int = field(init=False, default=0)  # derived in RunConfig: global tokens per optimizer step
+
+    def __post_init__(self):
+        for name in ("steps", "batch_size", "grad_accum", "eval_batches", "log_every", "keep_checkpoints"):
+            if getattr(self, name) < 1:
+                raise ConfigError(f"train.{name} must be >= 1, got {getattr(self, name)}")
+        for name in ("warmup_steps", "eval_every", "ckpt_every"):
+            if getattr(self, name) < 0:
+                raise ConfigError(f"train.{name} must be >= 0, got {getattr(self, name)}")
+        if not self.lr > 0:
+            raise ConfigError(f"train.lr must be > 0, got {self.lr}")
+        if not 0 <= self.min_lr_ratio <= 1:
+            raise ConfigError(f"train.min_lr_ratio must be in [0, 1], got {self.min_lr_ratio}")
+        if self.warmup_steps > self.steps:
+            raise ConfigError(f"train.warmup_steps ({self.warmup_steps}) must be <= train.steps ({self.steps})")
+        if self.weight_decay < 0 or self.grad_clip < 0 or not self.eps > 0:
+            raise ConfigError("train.weight_decay and train.grad_clip must be >= 0 and train.eps > 0")
+        if not all(0 <= b < 1 for b in self.betas):
+            raise ConfigError(f"train.betas must both be in [0, 1), got {self.betas}")
+
+    def lr_at(self, step: int) -> float:
+        """Learning rate for optimizer step `step` (0-based): linear warmup, then cosine to min_lr."""
+        if step < self.warmup_steps:
+            return self.lr * (step + 1) / self.warmup_steps
+        decay_steps = max(1, self.steps - self.warmup_steps)
+        progress = min(1.0, (step - self.warmup_steps) / decay_steps)
+        min_lr = self.lr * self.min_lr_ratio
+        return min_lr + 0.5 * (self.lr - min_lr) * (1 + math.cos(math.pi * progress))
+
+
+@dataclass
+class RegularizersConfig:
+    """Weights of the scalar-attention regularizers (000: L_reg = λa L_align + λs L_spread + λt L_tau).
+
+    Layer records are gathered (`record=True`) only when some weight is nonzero."""
+
+    align: float = opt(0.0, "λ_align: pull high-weight query/key pairs together in scalar space")
+    spread: float = opt(0.0, "λ_spread: push sorted scalar keys toward uniform quantiles")
+    tau: float = opt(0.0, "λ_tau: keep the temperature small (sum over heads of log(1 + τ))")
+    spread_range: Literal["adaptive", "fixed"] = opt("adaptive", "L_spread targets over mean ± 3σ of the keys, or over [spread_low, spread_high]")
+    spread_low: float = opt(-3.0, "lower end of the fixed L_spread range")
+    spread_high: float = opt(3.0, "upper end of the fixed L_spread range")
+
+    def __post_init__(self):
+        for name in ("align", "spread", "tau"):
+            if getattr(self, name) < 0:
+                raise ConfigError(f"regularizers.{name} must be >= 0, got {getattr(self, name)}")
+        if not self.spread_low < self.spread_high:
+            raise ConfigError(
+                f"regularizers.spread_low ({self.spread_low}) must be < regularizers.spread_high ({self.spread_high})"
+            )
+
+    @property
+    def active(self) -> bool:
+        return self.align > 0 or self.spread > 0 or self.tau > 0
+
+
+@dataclass
+class RunSection:
+    """Where the run lives and how it is driven."""
+
+    name: str = opt("", "run name; the folder is out_dir/name ('' derives it from model.attn)")
+    out_dir: str = opt("runs", "parent folder of run folders")
+    seed: int = opt(0, "seed for model init, data order and every RNG")
+    device: Literal["auto", "cpu", "cuda"] = opt("auto", "device ('auto': cuda when available, else cpu)")
+    resume: bool = opt(False, "continue from the newest checkpoint in the run folder (a fresh start when there is none)")
+    overwrite: bool = opt(False, "start afresh in a run folder that already holds logs or checkpoints, deleting them")
+    threads: int = opt(0, "torch CPU threads (0 leaves the default)")
+    progress: bool = opt(True, "show a progress bar with ETA")
+    tensorboard: bool = opt(True, "also log to TensorBoard when torch.utils.tensorboard imports")
+
+
+@dataclass
+class RunConfig:
+    """The whole configuration of one training run."""
+
+    model: ModelConfig = field(default_factory=ModelConfig, metadata={"help": "the language model"})
+    data: DataConfig = field(default_factory=DataConfig, metadata={"help": "corpus, tokenizer, packing"})
+    train: TrainConfig = field(default_factory=TrainConfig, metadata={"help": "optimisation"})
+    regularizers: RegularizersConfig = field(default_factory=RegularizersConfig, metadata={"help": "scalar-attention regularizers"})
+    run: RunSection = field(default_factory=RunSection, metadata={"help": "run folder, seed, device"})
+
+    run_dir: str = field(init=False, default="")  # derived: out_dir/name
+
+    def __post_init__(self):
+        if self.model.max_seq_len == 0:
+            self.model = dataclasses.replace(self.model, max_seq_len=self.data.seq_len)
+        if self.model.pos_embedding == "learned" and self.model.max_seq_len < self.data.seq_len:
+            raise ConfigError(
+                f"model.max_seq_len ({self.model.max_seq_len}) must be >= data.seq_len ({self.data.seq_len}) "
+                f"with model.pos_embedding='learned'"
+            )
+        if self.regularizers.active and not any(n in ("scalar", "hybrid") for n in self.model.layer_attn):
+            raise ConfigError(
+                f"regularizers act on scalar/hybrid heads but model.attn is {self.model.attn!r}: "
+                f"set regularizers.align/spread/tau to 0 or use a scalar or hybrid layer"
+            )
+        if self.data.source == "mqar" and self.model.vocab_size < 2 * self.data.mqar_pairs + 2:
+            raise ConfigError(
+                f"model.vocab_size must be set to at least {2 * self.data.mqar_pairs + 2} for data.source='mqar' "
+                f"(keys and values come from disjoint halves of it), got {self.model.vocab_size}"
+            )
+        self.train.tokens_per_step = self.train.batch_size * self.train.grad_accum * self.data.seq_len
+        name = self.run.name or "-".join(dict.fromkeys(self.model.layer_attn))
+        self.run_dir = str(Path(self.run.out_dir) / name)
+
+
+# --------------------------------------------------------------------------- loading
+
+
+def parse_value(text: str):
+    """A command-line value as a TOML literal; bare words and [a, b] lists fall back to strings."""
+    try:
+        return tomllib.loads(f"v = {text}")["v"]
+    except tomllib.TOMLDecodeError:
+        pass
+    stripped = text.strip()
+    if stripped.startswith("[") and stripped.endswith("]"):
+        inner = stripped[1:-1].strip()
+        return [parse_value(part.strip()) for part in inner.split(",")] if inner else []
+    return text
+
+
+def apply_overrides(raw: dict, overrides: list[str]) -> dict:
+    """Set dotted `key=value` overrides into a raw config dict (validation comes later)."""
+    for item in overrides:
+        if "=" not in item:
+            raise ConfigError(f"override {item!r} must look like section.key=value (e.g. train.steps=500)")
+        key, text = item.split("=", 1)
+        key = key.strip()
+        parts = key.split(".")
+        if not key or any(not p for p in parts):
+            raise ConfigError(f"override {item!r} has an empty key part; use section.key=value")
+        node = raw
+        for i, part in enumerate(parts[:-1]):
+            child = node.setdefault(part, {})
+            if not isinstance(child, dict):
+                raise ConfigError(f"override {key}: {'.'.join(parts[: i + 1])} is a value, not a table")
+            node = child
+        node[parts[-1]] = parse_value(text)
+    return raw
+
+
+def read_toml(path: str | os.PathLike) -> dict:
+    path = Path(path)
+    if not path.is_file():
+        raise ConfigError(f"config file {str(path)!r} does not exist")
+    try:
+        with path.open("rb") as f:
+            return tomllib.load(f)
+    except tomllib.TOMLDecodeError as e:
+        raise ConfigError(f"config file {str(path)!r} is not valid TOML: {e}") from e
+
+
+def config_from_dict(raw: dict) -> RunConfig:
+    """Validate a raw dict (as from TOML) into a RunConfig."""
+    return build_dataclass(RunConfig, raw)
+
+
+def load_config(path: str | os.PathLike | None = None, overrides: list[str] | None = None) -> RunConfig:
+    """Read a TOML file (or start from the defaults when path is None), apply dotted
+    overrides, and validate everything. Raises ConfigError naming the offending key."""
+    raw = read_toml(path) if path is not None else {}
+    return config_from_dict(apply_overrides(raw, list(overrides or [])))
+
+
+# --------------------------------------------------------------------------- dumping
+
+
+def to_dict(cfg, derived: bool = False) -> dict:
+    """A config dataclass as plain nested dicts; derived (init=False) fields only if asked."""
+    out = {}
+    for f in dataclasses.fields(cfg):
+        if not f.init and not derived:
+            continue
+        value = getattr(cfg, f.name)
+        if dataclasses.is_dataclass(value):
+            value = to_dict(value, derived)
+        elif isinstance(value, tuple):
+            value = list(value)
+        out[f.name] = value
+    return out
+
+
+def _toml_value(v) -> str:
+    if isinstance(v, bool):
+        return "true" if v else "false"
+    if isinstance(v, int):
+        return str(v)
+    if isinstance(v, float):
+        return repr(v) if math.isfinite(v) else ("nan" if math.isnan(v) else ("inf" if v > 0 else "-inf"))
+    if isinstance(v, str):
+        return json.dumps(v)
+    if isinstance(v, (list, tuple)):
+        return "[" + ", ".join(_toml_value(x) for x in v) + "]"
+    if isinstance(v, dict):
+        return "{" + ", ".join(f"{json.dumps(k)} = {_toml_value(x)}" for k, x in v.items() if x is not None) + "}"
+    raise TypeError(f"cannot write {v!r} ({type(v).__name__}) to TOML")
+
+
+def dumps_toml(data: dict, _prefix: str = "") -> str:
+    """Write nested dicts as TOML: a table's plain values first, then a [table] per nested
+    dict and an [[array of tables]] per list of dicts. None values are left out (the key
+    then takes its default, which is what None meant)."""
+    lines, tables, arrays = [], [], []
+    for key, value in data.items():
+        if value is None:
+            continue
+        if isinstance(value, dict):
+            tables.append((key, value))
+        elif isinstance(value, list) and value and all(isinstance(x, dict) for x in value):
+            arrays.append((key, value))
+        else:
+            lines.append(f"{key} = {_toml_value(value)}")
+    blocks = ["\n".join(lines)] if lines else []
+    for key, value in tables:
+        body = dumps_toml(value, f"{_prefix}{key}.")
+        blocks.append(f"[{_prefix}{key}]" + ("\n" + body if body else ""))
+    for key, items in arrays:
+        for item in items:
+            body = dumps_toml(item, f"{_prefix}{key}.")
+            blocks.append(f"[[{_prefix}{key}]]" + ("\n" + body if body else ""))
+    return "\n\n".join(blocks)
+
+
+def save_config(cfg: RunConfig, folder: str | os.PathLike) -> tuple[Path, Path]:
+    """Write the resolved config as config.toml (reloadable) and config.json (with derived fields)."""
+    folder = Path(folder)
+    folder.mkdir(parents=True, exist_ok=True)
+    toml_path, json_path = folder / "config.toml", folder / "config.json"
+    _atomic_text(toml_path, dumps_toml(to_dict(cfg)) + "\n")
+    _atomic_text(json_path, json.dumps(to_dict(cfg, derived=True), indent=2) + "\n")
+    return toml_path, json_path
+
+
+def _atomic_text(path: Path, text: str) -> None:
+    tmp = path.with_name(f".{path.name}.tmp")
+    with open(tmp, "w") as f:
+        f.write(text)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+
+
+# --------------------------------------------------------------------------- help
+
+
+def config_keys() -> list[tuple[str, str, Any, str]]:
+    """Every configurable key as (dotted key, type, default, help), model.attention.* included."""
+    rows = []
+
+    def walk(cls, prefix):
+        hints = typing.get_type_hints(cls)
+        for f in dataclasses.fields(cls):
+            if not f.init:
+                continue
+            tp = hints[f.name]
+            if dataclasses.is_dataclass(tp):
+                walk(tp, f"{prefix}{f.name}.")
+                continue
+            default = f.default if f.default is not dataclasses.MISSING else f.default_factory()
+            rows.append((f"{prefix}{f.name}", type_name(tp), default, field_help(f)))
+
+    walk(RunConfig, "")
+    from attnlab.layers import AttentionConfig
+
+    hints = typing.get_type_hints(AttentionConfig)
+    for f in dataclasses.fields(AttentionConfig):
+        if f.init and f.name not in ("mechanism", "d_model", "n_heads"):
+            default = f.default if f.default is not dataclasses.MISSING else None
+            rows.append((f"model.attention.{f.name}", type_name(hints[f.name]), default, field_help(f) or "see AttentionConfig"))
+    return rows
+
+
+def format_config_keys() -> str:
+    """The key listing as aligned text, for `--help`."""
+    rows = config_keys()
+    w_key = max(len(r[0]) for r in rows)
+    w_type = min(28, max(len(r[1]) for r in rows))
+    lines = []
+    for key, tp, default, help_text in rows:
+        lines.append(f"  {key:<{w_key}}  {tp:<{w_type}}  default {default!r}" + (f"\n  {'':<{w_key}}  {help_text}" if help_text else ""))
+    return "\n".join(lines)

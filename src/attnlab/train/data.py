@@ -1,0 +1,127 @@
+"""What the trainer reads: the tokenizer, a resumable training iterator and validation batches.
+
+Text sources go through `attnlab.data`: documents -> tokenizer -> packed stream ->
+`PackedBatches` (a pure function of seed and step, sharded by rank). `data.source="mqar"`
+trains on freshly generated multi-query associative recall batches instead, each global
+batch a pure function of (seed, step) as well, so both resume exactly and shard the same
+way: rank r of W takes rows [r*B/W, (r+1)*B/W) of the global batch of B sequences.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from dataclasses import dataclass
+from typing import Callable, Iterator
+
+import torch
+
+from attnlab.data.corpus import load_corpus
+from attnlab.data.packing import Batch, PackedBatches, pack_documents, sequential_batches
+from attnlab.data.synthetic import mqar
+from attnlab.data.tokenizer import get_tokenizer
+
+from .config import RunConfig
+from .ddp import DistEnv
+
+
+def _seed_for(*parts) -> int:
+    digest = hashlib.sha256(":".join(map(str, parts)).encode()).digest()
+    return int.from_bytes(digest[:8], "little") >> 1
+
+
+class MQARBatches:
+    """Endless MQAR training batches; global batch `step` is generated from (seed, step)."""
+
+    def __init__(self, cfg: RunConfig, vocab_size: int, env: DistEnv, *, split: str = "train"):
+        self.cfg, self.vocab_size, self.env, self.split = cfg, vocab_size, env, split
+        self.global_batch = cfg.train.batch_size
+        self.per_rank = self.global_batch // env.world_size
+        self.step = 0
+
+    def batch(self, step: int) -> Batch:
+        d = self.cfg.data
+        x, y = mqar(
+            self.vocab_size, d.seq_len, d.mqar_pairs, self.global_batch,
+            seed=_seed_for("mqar", self.split, self.cfg.run.seed, step), power_a=d.mqar_power_a,
+        )  # (B, T) each, labels -100 except at query positions
+        lo = self.env.rank * self.per_rank
+        x, y = x[lo : lo + self.per_rank], y[lo : lo + self.per_rank]
+        return Batch(x, y, torch.zeros_like(x), cross_doc=True)
+
+    def __iter__(self) -> Iterator[Batch]:
+        return self
+
+    def __next__(self) -> Batch:
+        b = self.batch(self.step)
+        self.step += 1
+        return b
+
+    def state_dict(self) -> dict:
+        return {"step": self.step, "seed": self.cfg.run.seed, "global_batch_size": self.global_batch}
+
+    def load_state_dict(self, state: dict) -> None:
+        if state.get("global_batch_size", self.global_batch) != self.global_batch:
+            raise ValueError(
+                f"the checkpoint's global batch is {state['global_batch_size']} sequences but train.batch_size is "
+                f"{self.global_batch}; cannot resume exactly"
+            )
+        self.step = int(state["step"])
+
+
+@dataclass
+class RunData:
+    """tokenizer (None for MQAR), vocab_size, the training iterator, and `val(max_batches)`
+    which yields this rank's validation batches (the same ones at every evaluation)."""
+
+    tokenizer: object
+    vocab_size: int
+    train: PackedBatches | MQARBatches
+    val: Callable[[int | None], Iterator[Batch]]
+    description: str
+
+
+def build_data(cfg: RunConfig, env: DistEnv) -> RunData:
+    """Load, tokenize and pack the configured source (or set up MQAR) for this rank."""
+    d = cfg.data
+    if cfg.train.batch_size % env.world_size:
+        raise ValueError(
+            f"train.batch_size ({cfg.train.batch_size}) must be divisible by the number of data-parallel "
+            f"ranks ({env.world_size}): each rank reads an equal share of every global batch"
+        )
+    per_rank = cfg.train.batch_size // env.world_size
+    if d.source == "mqar":
+        vocab = cfg.model.vocab_size
+        train = MQARBatches(cfg, vocab, env)
+        val_src = MQARBatches(cfg, vocab, env, split="val")
+
+        def val(max_batches):
+            return (val_src.batch(i) for i in range(max_batches or cfg.train.eval_batches))
+
+        desc = f"MQAR: vocab {vocab}, {d.mqar_pairs} key-value pairs, seq_len {d.seq_len}, power_a {d.mqar_power_a}"
+        return RunData(None, vocab, train, val, desc)
+
+    cache_dir = d.cache_dir or None
+    max_docs = d.max_docs or None
+    train_docs = load_corpus(d.source, "train", cache_dir=cache_dir, max_docs=max_docs)
+    tok = get_tokenizer(
+        d.tokenizer, vocab_size=d.bpe_vocab_size if d.tokenizer == "bpe" else None,
+        corpus=d.source, cache_dir=cache_dir, texts=train_docs if d.tokenizer == "bpe" else None,
+    )
+    train_stream = pack_documents(train_docs, tok)
+    val_stream = pack_documents(load_corpus(d.source, "val", cache_dir=cache_dir, max_docs=max_docs), tok)
+    train = PackedBatches(
+        train_stream, d.seq_len, per_rank, seed=cfg.run.seed, rank=env.rank, world_size=env.world_size,
+        cross_doc=d.cross_doc,
+    )
+
+    def val(max_batches):
+        return sequential_batches(
+            val_stream, d.seq_len, per_rank, rank=env.rank, world_size=env.world_size,
+            cross_doc=d.cross_doc, max_batches=max_batches,
+        )
+
+    desc = (
+        f"{d.source}: {train_stream.num_docs} train documents, {len(train_stream):,} train tokens, "
+        f"{len(val_stream):,} val tokens ({d.tokenizer}, vocab {tok.vocab_size})"
+    )
+    return RunData(tok, int(tok.vocab_size), train, val, desc)

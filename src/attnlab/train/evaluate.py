@@ -1,0 +1,154 @@
+"""`evaluate(run_dir or cfg) -> dict`: what `attnlab eval` reports about a trained model.
+
+- validation loss and perplexity at one or more context lengths (same text budget each);
+- per layer and head, on one batch: attention entropy, attention-sink share (mass on the
+  first token; with a learned sink also the mass on it), and for heads with scalar
+  queries/keys the share of each query's mass inside its k nearest keys in scalar space,
+  k in (8, 16, 32, 64) -- what a k-entry window of the sorted cache would capture;
+- MQAR accuracy for MQAR runs, passkey accuracy at the requested lengths and depths.
+
+The weights come from each layer's `attention_weights`, which builds (B, H, T, T): the
+analysis runs at a small length (`analysis_len`, default min(seq_len, 256)).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+import torch
+
+from attnlab.data.corpus import load_corpus
+from attnlab.data.packing import pack_documents, sequential_batches
+from attnlab.data.tokenizer import get_tokenizer
+from attnlab.eval.metrics import TOPK_KS, attention_entropy, loss_at_lengths, sink_share, topk_scalar_mass
+from attnlab.eval.tasks import mqar_accuracy, passkey_accuracy
+
+from .checkpoint import latest_checkpoint, load_checkpoint
+from .config import RunConfig, load_config
+from .trainer import CKPT_DIR, build_model, resolve_device
+
+LINEAR_FAMILY = ("cosformer", "gla", "ssd")
+
+
+def load_run(source: RunConfig | str | os.PathLike, overrides: list[str] | None = None, checkpoint: str | None = None):
+    """(cfg, model, state) of a run folder (its config.toml and newest checkpoint), or of a
+    RunConfig / TOML path whose run folder holds a checkpoint. `checkpoint` picks another one."""
+    if isinstance(source, RunConfig):
+        cfg = source
+    else:
+        path = Path(source)
+        cfg = load_config(path / "config.toml" if path.is_dir() else path, overrides)
+    ckpt = Path(checkpoint) if checkpoint else latest_checkpoint(Path(cfg.run_dir) / CKPT_DIR)
+    if ckpt is None:
+        raise FileNotFoundError(f"no checkpoint in {str(Path(cfg.run_dir) / CKPT_DIR)!r}: train the run first")
+    if not cfg.model.vocab_size:
+        raise ValueError(f"the config of {cfg.run_dir!r} has no resolved model.vocab_size; load the run folder's config.toml")
+    model = build_model(cfg, cfg.model.vocab_size)
+    state = load_checkpoint(ckpt, model)
+    return cfg, model.eval(), state
+
+
+@torch.no_grad()
+def attention_report(model, x: torch.Tensor, topk=TOPK_KS) -> list[dict]:
+    """Per-layer, per-head attention statistics of `model` on tokens x (B, T)."""
+    inputs = {}
+    hooks = [
+        blk.attn.register_forward_pre_hook(lambda mod, args, i=i: inputs.__setitem__(i, args[0]))
+        for i, blk in enumerate(model.blocks)
+    ]
+    try:
+        model(x, record=True)
+    finally:
+        for h in hooks:
+            h.remove()
+    report = []
+    for i, blk in enumerate(model.blocks):
+        layer = blk.attn
+        m = layer.config.mechanism
+        entry = {"layer": i, "mechanism": m}
+        if m in LINEAR_FAMILY:
+            report.append(entry)  # unnormalised effective matrices: entropy and shares do not apply
+            continue
+        w = layer.attention_weights(inputs[i]).float()  # (B, H, T, T + n_prefix)
+        n_prefix = w.shape[-1] - w.shape[-2]
+        entry["entropy"] = attention_entropy(w).tolist()
+        entry["first_token_share"] = sink_share(w, sink=n_prefix).tolist()
+        if n_prefix:
+            entry["learned_sink_share"] = sink_share(w, sink=0, skip_first_query=False).tolist()
+        rec = layer.last
+        if rec is not None and rec.qs is not None:
+            H_s = rec.heads.qs.shape[1]  # scalar heads come first in a mixed layer
+            entry["topk_scalar_mass"] = {
+                str(k): topk_scalar_mass(w[:, :H_s], rec.heads.qs, rec.ks, int(k)).tolist() for k in topk
+            }
+        report.append(entry)
+    return report
+
+
+def evaluate(
+    source: RunConfig | str | os.PathLike,
+    *,
+    overrides: list[str] | None = None,
+    checkpoint: str | None = None,
+    split: str = "val",
+    seq_lens: list[int] | None = None,
+    max_tokens: int | None = 65536,
+    batch_size: int | None = None,
+    analysis_len: int | None = None,
+    analysis_batch: int = 4,
+    topk=TOPK_KS,
+    passkey_lengths: list[int] | None = None,
+    passkey_depths: tuple[float, ...] = (0.0, 0.5, 1.0),
+    device: str | None = None,
+    write: bool = True,
+) -> dict:
+    """Evaluate the newest checkpoint of a run (see the module docstring). Returns a dict and,
+    with `write`, stores it as run_dir/eval.json."""
+    cfg, model, state = load_run(source, overrides, checkpoint)
+    dev = resolve_device(device or cfg.run.device)
+    model.to(dev)
+    d = cfg.data
+    B = batch_size or cfg.train.batch_size
+    out = {"run_dir": cfg.run_dir, "checkpoint": state["path"], "step": state["step"], "attn": cfg.model.layer_attn}
+
+    def logits_of(x):
+        return model(x)[0]
+
+    if d.source == "mqar":
+        out["mqar_accuracy"] = mqar_accuracy(
+            logits_of, vocab_size=cfg.model.vocab_size, seq_len=d.seq_len, num_kv_pairs=d.mqar_pairs,
+            power_a=d.mqar_power_a, device=dev,
+        )
+        return _finish(out, cfg, write)
+
+    cache_dir, max_docs = d.cache_dir or None, d.max_docs or None
+    tok = get_tokenizer(
+        d.tokenizer, vocab_size=d.bpe_vocab_size if d.tokenizer == "bpe" else None, corpus=d.source, cache_dir=cache_dir,
+        texts=load_corpus(d.source, "train", cache_dir=cache_dir, max_docs=max_docs) if d.tokenizer == "bpe" else None,
+    )
+    stream = pack_documents(load_corpus(d.source, split, cache_dir=cache_dir, max_docs=max_docs), tok)
+    lens = list(seq_lens or [d.seq_len])
+    fn = (lambda b: model(b.x, doc_ids=b.doc_ids)[0]) if not d.cross_doc else logits_of
+    losses = loss_at_lengths(fn, stream, lens, batch_size=B, max_tokens=max_tokens, cross_doc=d.cross_doc,
+                             device=dev, pass_batch=not d.cross_doc)
+    out["loss"] = {str(T): v for T, v in losses.items()}
+
+    T_a = analysis_len or min(d.seq_len, 256)
+    batch = next(iter(sequential_batches(stream, T_a, analysis_batch, max_batches=1)))
+    out["analysis_len"] = T_a
+    out["layers"] = attention_report(model, batch.x.to(dev), topk)
+
+    if passkey_lengths:
+        acc = passkey_accuracy(logits_of, tok, lengths=passkey_lengths, depths=passkey_depths, device=dev)
+        out["passkey"] = {f"{L}@{dep}": v for (L, dep), v in acc.items()}
+    return _finish(out, cfg, write)
+
+
+def _finish(out: dict, cfg: RunConfig, write: bool) -> dict:
+    if write:
+        path = Path(cfg.run_dir) / "eval.json"
+        path.write_text(json.dumps(out, indent=2) + "\n")
+        out["written_to"] = str(path)
+    return out

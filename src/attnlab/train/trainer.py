@@ -1,0 +1,325 @@
+"""The training loop: `train(cfg) -> summary`.
+
+AdamW with linear warmup and cosine decay, gradient clipping, optional bf16 autocast,
+gradient accumulation, periodic evaluation, the scalar-attention regularizers weighted
+from the config, logs (JSONL, CSV, TensorBoard when available), a progress bar, atomic
+checkpoints and exact resume, and data parallelism when launched by torchrun.
+
+Exact resume: a run's losses are a function of (config, seed) alone. Every batch is a
+pure function of (seed, step); the checkpoint holds the model, the AdamW moments, the
+data position and every RNG state; the learning rate is a function of the step. So a run
+killed at any moment and resumed from its last checkpoint logs, step for step, the same
+losses as a run that was never interrupted (bit for bit on the same machine and thread count).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import json
+import math
+import os
+import random
+import shutil
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+from tqdm.auto import tqdm
+
+from attnlab.models import LM
+from attnlab.regularizers import regularization
+
+from . import ddp
+from .checkpoint import capture_rng, latest_checkpoint, load_checkpoint, restore_rng, save_checkpoint
+from .config import RunConfig, load_config, save_config, to_dict
+from .data import RunData, build_data
+from .logging import RunLogger, read_log
+from .stats import attention_stats
+
+CKPT_DIR = "checkpoints"
+
+
+def resolve_device(name: str) -> torch.device:
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if name == "cuda" and not torch.cuda.is_available():
+        raise ValueError("run.device is 'cuda' but no CUDA device is available; use 'cpu' or 'auto'")
+    return torch.device(name)
+
+
+def seed_everything(seed: int) -> None:
+    random.seed(seed)
+    np.random.seed(seed % 2**32)
+    torch.manual_seed(seed)
+
+
+def build_model(cfg: RunConfig, vocab_size: int) -> LM:
+    """The LM of `cfg` with model.vocab_size resolved (0 takes the tokenizer's)."""
+    mcfg = cfg.model if cfg.model.vocab_size else dataclasses.replace(cfg.model, vocab_size=vocab_size)
+    if mcfg.vocab_size < vocab_size:
+        raise ValueError(f"model.vocab_size ({mcfg.vocab_size}) is smaller than the tokenizer's vocabulary ({vocab_size})")
+    return LM(mcfg)
+
+
+def make_optimizer(model: torch.nn.Module, tcfg) -> torch.optim.AdamW:
+    """AdamW; weight decay on matrices (dim >= 2) only, not on norms, biases, τ or other vectors."""
+    params = [p for p in model.parameters() if p.requires_grad]
+    decay = [p for p in params if p.dim() >= 2]
+    no_decay = [p for p in params if p.dim() < 2]
+    groups = [{"params": decay, "weight_decay": tcfg.weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
+    return torch.optim.AdamW(groups, lr=tcfg.lr, betas=tcfg.betas, eps=tcfg.eps)
+
+
+def autocast(device: torch.device, dtype: str):
+    if dtype == "bfloat16":
+        return torch.autocast(device_type=device.type, dtype=torch.bfloat16)
+    return contextlib.nullcontext()
+
+
+class Trainer:
+    """One run: build everything from the config, then `fit()`."""
+
+    def __init__(self, cfg: RunConfig):
+        self.cfg = cfg
+        if cfg.run.threads:
+            torch.set_num_threads(cfg.run.threads)
+        self.env = ddp.init_distributed(resolve_device(cfg.run.device))
+        self.device = ddp.rank_device(resolve_device(cfg.run.device), self.env)
+        self.run_dir = Path(cfg.run_dir)
+        self.ckpt_dir = self.run_dir / CKPT_DIR
+        self._prepare_run_dir()
+        seed_everything(cfg.run.seed)
+        self.data: RunData = build_data(cfg, self.env)
+        self.model = build_model(cfg, self.data.vocab_size).to(self.device)
+        self.cfg = cfg = dataclasses.replace(cfg, model=self.model.cfg)  # vocab_size resolved
+        self.optimizer = make_optimizer(self.model, cfg.train)
+        self.ddp_model = ddp.wrap_model(self.model, self.env)
+        self.logger = RunLogger(self.run_dir, enabled=self.env.is_main, tensorboard=cfg.run.tensorboard)
+        self.step = 0  # optimizer steps completed
+        if cfg.run.resume:
+            self._resume()
+        if self.env.is_main:
+            save_config(cfg, self.run_dir)
+
+    # ------------------------------------------------------------------ setup
+
+    def _prepare_run_dir(self) -> None:
+        has_state = (self.run_dir / "log.jsonl").exists() or latest_checkpoint(self.ckpt_dir) is not None
+        if has_state and not self.cfg.run.resume:
+            if not self.cfg.run.overwrite:
+                raise FileExistsError(
+                    f"run folder {str(self.run_dir)!r} already holds a run; set run.resume=true to continue it, "
+                    f"run.overwrite=true to start afresh there, or choose another run.name"
+                )
+            ddp.barrier(self.env)
+            if self.env.is_main:
+                for name in ("log.jsonl", "train.csv", "eval.csv", "summary.json", CKPT_DIR, "tensorboard"):
+                    path = self.run_dir / name
+                    shutil.rmtree(path) if path.is_dir() else path.unlink(missing_ok=True)
+            ddp.barrier(self.env)
+        self.run_dir.mkdir(parents=True, exist_ok=True)
+
+    def _resume(self) -> None:
+        path = latest_checkpoint(self.ckpt_dir)
+        if path is None:
+            return  # nothing to resume: a fresh start
+        state = load_checkpoint(path, self.model, self.optimizer, device=self.device)
+        saved_model = state["config"]["model"]
+        mine = to_dict(self.cfg)["model"]
+        diff = sorted(k for k in set(saved_model) | set(mine) if saved_model.get(k) != mine.get(k))
+        if diff:
+            raise ValueError(
+                f"cannot resume from {str(path)!r}: its model config differs in {', '.join('model.' + k for k in diff)}"
+            )
+        self.data.train.load_state_dict(state["data"])
+        self.step = int(state["step"])
+        restore_rng(state["rng"])
+        self.logger.truncate_after(self.step)
+        self._resumed_from = str(path)
+
+    # ------------------------------------------------------------------ one step
+
+    def _needs_record(self, step: int) -> bool:
+        done = step + 1
+        return self.cfg.regularizers.active or done % self.cfg.train.log_every == 0 or done == self.cfg.train.steps
+
+    def train_step(self) -> dict:
+        """One optimizer step over grad_accum micro-batches; returns this rank's scalars."""
+        cfg, model = self.cfg, self.ddp_model
+        lr = cfg.train.lr_at(self.step)
+        for group in self.optimizer.param_groups:
+            group["lr"] = lr
+        record = self._needs_record(self.step)
+        reg_w = {"align": cfg.regularizers.align, "spread": cfg.regularizers.spread, "tau": cfg.regularizers.tau}
+        spread_target = "adaptive" if cfg.regularizers.spread_range == "adaptive" else (
+            cfg.regularizers.spread_low, cfg.regularizers.spread_high)
+        accum = cfg.train.grad_accum
+        lm_loss, reg_parts = 0.0, {}
+        model.train()
+        for micro in range(accum):
+            batch = next(self.data.train)
+            x, y = batch.x.to(self.device), batch.y.to(self.device)
+            doc_ids = None if batch.cross_doc else batch.doc_ids.to(self.device)
+            with ddp.no_sync(model, micro < accum - 1):
+                with autocast(self.device, cfg.train.dtype):
+                    _, loss = model(x, y, record=record, doc_ids=doc_ids)
+                total = loss
+                if cfg.regularizers.active:
+                    reg = regularization([a.last for a in self.model.attention_layers()], reg_w, spread_target=spread_target)
+                    total = total + reg["total"]
+                    for k, v in reg.items():
+                        reg_parts[k] = reg_parts.get(k, 0.0) + float(v.detach()) / accum
+                (total / accum).backward()
+            lm_loss += float(loss.detach()) / accum
+        params = [p for p in self.model.parameters() if p.grad is not None]
+        max_norm = cfg.train.grad_clip if cfg.train.grad_clip > 0 else float("inf")
+        grad_norm = float(torch.nn.utils.clip_grad_norm_(params, max_norm))
+        self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        self.step += 1
+        out = {"loss": lm_loss, "grad_norm": grad_norm, "lr": lr}
+        out.update({f"reg_{k}": v for k, v in reg_parts.items()})
+        if record:
+            out["layers"] = attention_stats(self.model.attention_layers())
+        return out
+
+    # ------------------------------------------------------------------ evaluation
+
+    @torch.no_grad()
+    def evaluate(self, max_batches: int | None = None) -> dict:
+        """Mean token loss over the validation batches (all ranks), its perplexity, and for
+        MQAR the accuracy at the query positions."""
+        self.model.eval()
+        loss_sum = count = correct = 0.0
+        for batch in self.data.val(max_batches or self.cfg.train.eval_batches):
+            x, y = batch.x.to(self.device), batch.y.to(self.device)
+            doc_ids = None if batch.cross_doc else batch.doc_ids.to(self.device)
+            with autocast(self.device, self.cfg.train.dtype):
+                logits, _ = self.model(x, doc_ids=doc_ids)
+            mask = y != -100
+            loss_sum += float(torch.nn.functional.cross_entropy(logits.float()[mask], y[mask], reduction="sum"))
+            count += float(mask.sum())
+            correct += float((logits.argmax(-1)[mask] == y[mask]).sum())
+        self.model.train()
+        loss_sum, count, correct = (v * self.env.world_size for v in ddp.mean_over_ranks([loss_sum, count, correct], self.env))
+        loss = loss_sum / max(count, 1.0)
+        out = {"val_loss": loss, "val_ppl": math.exp(min(loss, 50.0)), "val_tokens": int(count)}
+        if self.cfg.data.source == "mqar":
+            out["val_accuracy"] = correct / max(count, 1.0)
+        return out
+
+    # ------------------------------------------------------------------ checkpoints
+
+    def save(self) -> None:
+        if not self.env.is_main:
+            return
+        state = {
+            "data": self.data.train.state_dict(),
+            "scheduler": {"kind": "warmup_cosine", "step": self.step, "lr": self.cfg.train.lr_at(self.step)},
+            "rng": capture_rng(),
+            "config": to_dict(self.cfg),
+            "world_size": self.env.world_size,
+        }
+        save_checkpoint(self.ckpt_dir, self.step, self.model, self.optimizer, state, keep=self.cfg.train.keep_checkpoints)
+
+    # ------------------------------------------------------------------ the loop
+
+    def fit(self) -> dict:
+        cfg, t_cfg = self.cfg, self.cfg.train
+        main = self.env.is_main
+        if main and cfg.run.progress:
+            tqdm.write(f"{self.run_dir}: {self.model.num_params():,} parameters; {self.data.description}")
+        bar = tqdm(total=t_cfg.steps, initial=self.step, disable=not (main and cfg.run.progress),
+                   desc=self.run_dir.name, dynamic_ncols=True, unit="step")
+        train_time, tokens_done = 0.0, 0
+        window_time, window_tokens = 0.0, 0
+        last_eval = None
+        while self.step < t_cfg.steps:
+            t0 = time.perf_counter()
+            row = self.train_step()
+            if self.device.type == "cuda":
+                torch.cuda.synchronize()
+            dt = time.perf_counter() - t0
+            train_time += dt
+            window_time += dt
+            tokens_done += t_cfg.tokens_per_step
+            window_tokens += t_cfg.tokens_per_step
+            bar.update(1)
+            if self.step % t_cfg.log_every == 0 or self.step == t_cfg.steps:
+                loss, *regs = ddp.mean_over_ranks([row["loss"]] + [row[k] for k in sorted(row) if k.startswith("reg_")], self.env)
+                row.update({"loss": loss, **dict(zip(sorted(k for k in row if k.startswith("reg_")), regs))})
+                row.update(step=self.step, ppl=math.exp(min(loss, 50.0)), tokens_per_s=window_tokens / max(window_time, 1e-9),
+                           tokens=self.step * t_cfg.tokens_per_step)
+                self.logger.log("train", _ordered(row))
+                bar.set_postfix(loss=f"{loss:.3f}", tok_s=f"{row['tokens_per_s']:.0f}")
+                window_time, window_tokens = 0.0, 0
+            if (t_cfg.eval_every and self.step % t_cfg.eval_every == 0) or self.step == t_cfg.steps:
+                last_eval = {"step": self.step, **self.evaluate()}
+                self.logger.log("eval", last_eval)
+                if main and cfg.run.progress:
+                    tqdm.write(f"step {self.step}: val loss {last_eval['val_loss']:.4f}, ppl {last_eval['val_ppl']:.2f}")
+            if (t_cfg.ckpt_every and self.step % t_cfg.ckpt_every == 0) or self.step == t_cfg.steps:
+                self.save()
+        bar.close()
+        if last_eval is None:  # resumed at the end: nothing left to train
+            last_eval = {"step": self.step, **self.evaluate()}
+        summary = self._summary(last_eval, tokens_done, train_time)
+        if main:
+            (self.run_dir / "summary.json").write_text(json.dumps(summary, indent=2, default=str) + "\n")
+        self.logger.close()
+        return summary
+
+    def _summary(self, last_eval: dict, tokens: int, seconds: float) -> dict:
+        history = read_log(self.run_dir) if self.env.is_main else []
+        train_rows = [r for r in history if r.get("kind") == "train"]
+        layers = self._final_layer_stats()
+        return {
+            "run_dir": str(self.run_dir),
+            "attn": self.cfg.model.layer_attn,
+            "params": self.model.num_params(),
+            "steps": self.step,
+            "val_loss": last_eval["val_loss"],
+            "val_ppl": last_eval["val_ppl"],
+            **({"val_accuracy": last_eval["val_accuracy"]} if "val_accuracy" in last_eval else {}),
+            "train_loss": train_rows[-1]["loss"] if train_rows else None,
+            "tokens_per_s": tokens / seconds if seconds > 0 else None,
+            "train_seconds": seconds,
+            "tau": [layer.get("tau_mean") for layer in layers],
+            "layers": layers,
+            "resumed_from": getattr(self, "_resumed_from", None),
+            "history": {
+                "train": train_rows,
+                "eval": [r for r in history if r.get("kind") == "eval"],
+            },
+        }
+
+    @torch.no_grad()
+    def _final_layer_stats(self) -> list[dict]:
+        """τ and gate statistics of every layer on one validation batch."""
+        batch = next(iter(self.data.val(1)))
+        self.model.eval()
+        self.model(batch.x.to(self.device), record=True)
+        self.model.train()
+        return attention_stats(self.model.attention_layers())
+
+
+def _ordered(row: dict) -> dict:
+    first = ["step", "loss", "ppl", "lr", "grad_norm", "tokens_per_s", "tokens"]
+    return {**{k: row[k] for k in first if k in row}, **{k: v for k, v in row.items() if k not in first}}
+
+
+def train(cfg: RunConfig | str | os.PathLike, overrides: list[str] | None = None) -> dict:
+    """Train one run and return its summary (also written to run_dir/summary.json).
+
+    `cfg` is a RunConfig, or a TOML path loaded with the dotted `overrides`."""
+    if not isinstance(cfg, RunConfig):
+        cfg = load_config(cfg, overrides)
+    elif overrides:
+        raise ValueError("overrides are only applied to a config path; pass a RunConfig already resolved, or a path")
+    trainer = Trainer(cfg)
+    try:
+        return trainer.fit()
+    finally:
+        ddp.shutdown(trainer.env)
