@@ -4,9 +4,10 @@ Compares cosformer, gla and ssd (fast path) with torch SDPA causal attention, an
 design choices inside the chunked core: SSD through its segment-sum form against SSD run as
 GLA with the scalar decay broadcast over channels, and the GLA sub-chunk size.
 Memory is the bytes autograd saves for backward (distinct storages), which is what grows
-with T. Prints a table and writes JSON.
+with T. Time is the best of --reps runs, as wall clock and as process CPU time (on a shared
+machine the CPU time at --threads 1 is the steadier number). Prints a table and writes JSON.
 
-    python benchmarks/bench_linear_family.py --T 2048 --mem-T 2048 8192 --out bench_linear_family.json
+    python benchmarks/bench_linear_family.py --threads 1 --T 2048 --mem-T 2048 8192
 """
 
 from __future__ import annotations
@@ -58,6 +59,8 @@ def _cases(chunk):
 
 
 def _time(fn, inputs, reps):
+    """Best wall-clock and best process-CPU seconds of forward + backward."""
+
     def once():
         for x in inputs:
             if x is not None:
@@ -66,12 +69,12 @@ def _time(fn, inputs, reps):
         out.backward(torch.ones_like(out))
 
     once()
-    best = float("inf")
+    wall, cpu = float("inf"), float("inf")
     for _ in range(reps):
-        t0 = time.perf_counter()
+        w0, c0 = time.perf_counter(), time.process_time()
         once()
-        best = min(best, time.perf_counter() - t0)
-    return best
+        wall, cpu = min(wall, time.perf_counter() - w0), min(cpu, time.process_time() - c0)
+    return wall, cpu
 
 
 def _saved_bytes(fn, inputs):
@@ -98,9 +101,12 @@ def main():
     ap.add_argument("--sub-chunks", type=int, nargs="*", default=[8, 16, 32])
     ap.add_argument("--mem-T", type=int, nargs="*", default=[2048, 8192])
     ap.add_argument("--reps", type=int, default=3)
+    ap.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default)")
     ap.add_argument("--only", nargs="*", default=None, help="case names to run (sdpa_causal always runs)")
     ap.add_argument("--out", default="bench_linear_family.json")
     args = ap.parse_args()
+    if args.threads:
+        torch.set_num_threads(args.threads)
     torch.manual_seed(0)
     rows = []
     default_sub = _chunked.SUB_CHUNK
@@ -112,18 +118,19 @@ def main():
             _chunked.SUB_CHUNK = sub
             inputs = _inputs(args.B, args.H, args.T, args.D, decay)
             row = {"op": name if name != "gla" else f"gla(sub={sub})", "T": args.T}
-            row["fwd_bwd_ms"] = 1e3 * _time(fn, inputs, args.reps)
+            wall, cpu = _time(fn, inputs, args.reps)
+            row["fwd_bwd_ms"], row["cpu_ms"] = 1e3 * wall, 1e3 * cpu
             for Tm in args.mem_T:
                 row[f"saved_MB@T={Tm}"] = _saved_bytes(fn, _inputs(args.B, args.H, Tm, args.D, decay)) / 2**20
             rows.append(row)
             print(row, flush=True)
     _chunked.SUB_CHUNK = default_sub
-    base = next(r["fwd_bwd_ms"] for r in rows if r["op"] == "sdpa_causal")
-    cols = ["op", "fwd_bwd_ms", "x_sdpa"] + [f"saved_MB@T={Tm}" for Tm in args.mem_T]
+    base = next(r for r in rows if r["op"] == "sdpa_causal")
+    cols = ["op", "fwd_bwd_ms", "cpu_ms", "x_sdpa", "x_sdpa_cpu"] + [f"saved_MB@T={Tm}" for Tm in args.mem_T]
     print(f"\nB={args.B} H={args.H} D={args.D} chunk={args.chunk} threads={torch.get_num_threads()}")
     print(" | ".join(f"{c:>16}" for c in cols))
     for r in rows:
-        r["x_sdpa"] = r["fwd_bwd_ms"] / base
+        r["x_sdpa"], r["x_sdpa_cpu"] = r["fwd_bwd_ms"] / base["fwd_bwd_ms"], r["cpu_ms"] / base["cpu_ms"]
         print(" | ".join(f"{r[c]:>16.2f}" if isinstance(r[c], float) else f"{r[c]:>16}" for c in cols))
     with open(args.out, "w") as f:
         json.dump({"config": vars(args), "rows": rows}, f, indent=2)

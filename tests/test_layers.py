@@ -48,19 +48,6 @@ def make(kw, dtype=torch.float64):
 
 
 @pytest.mark.parametrize("name", list(CONFIGS))
-def test_forward_backward_shapes_and_finite_grads(name):
-    layer = make(CONFIGS[name], torch.float32)
-    x = torch.randn(B, T, C, requires_grad=True)
-    y = layer(x)
-    assert y.shape == (B, T, C)
-    y.square().mean().backward()
-    assert torch.isfinite(x.grad).all() and x.grad.abs().sum() > 0
-    for pname, prm in layer.named_parameters():
-        assert prm.grad is not None, pname
-        assert torch.isfinite(prm.grad).all(), pname
-
-
-@pytest.mark.parametrize("name", list(CONFIGS))
 def test_readout_equals_attention_weights_times_values(name):
     """attention_weights (naive ops, v = I) applied to the layer's own values gives its readout."""
     layer = make(CONFIGS[name])
@@ -313,3 +300,26 @@ def test_bad_layer_input_raises():
         layer.project(torch.randn(B, T, C, dtype=torch.float64), start_pos=-1)
     with pytest.raises(TypeError, match="AttentionConfig"):
         Attention({"d_model": C})
+
+
+@pytest.mark.parametrize("name", list(CONFIGS))
+def test_forward_backward_fast_equals_naive(name):
+    """Shapes, finite gradients for x and every parameter, and impl="auto" (the fast ops, sink
+    included) against impl="naive" on the output and every gradient."""
+    fast = make(CONFIGS[name], torch.float32)
+    naive = Attention(AttentionConfig(C, H, **{**CONFIGS[name], "impl": "naive"}))
+    naive.load_state_dict(fast.state_dict())
+    x, cot = torch.randn(B, T, C), torch.randn(B, T, C)
+    runs = []
+    for layer in (fast, naive):
+        xi = x.clone().requires_grad_()
+        y = layer(xi)
+        assert y.shape == (B, T, C)
+        (y * cot).sum().backward()
+        runs.append((y, xi.grad, {n: p.grad for n, p in layer.named_parameters()}))
+    (y_f, gx_f, gp_f), (y_n, gx_n, gp_n) = runs
+    assert torch.isfinite(gx_f).all() and gx_f.abs().sum() > 0
+    assert rel_rms(y_f, y_n) < 1e-4 and rel_rms(gx_f, gx_n) < 1e-4
+    for pname, g in gp_f.items():
+        assert g is not None and torch.isfinite(g).all(), pname
+        assert rel_rms(g, gp_n[pname]) < 1e-4, pname

@@ -18,7 +18,7 @@ from typing import Iterable, Mapping
 
 import torch
 
-from .ops._checks import broadcast_param, check_choice, check_impl, check_same, check_tensor
+from .ops._checks import broadcast_param, check_choice, check_impl, check_positive, check_same, check_tensor
 from .ops.scalar import hybrid_attention, scalar_attention
 
 REDUCTIONS = ("pairs", "queries")
@@ -71,7 +71,7 @@ def align_loss(
     w are the head's own attention weights: softmax(−(qs−ks)²/τ) for scalar heads, or with q, k
     given, the hybrid weights softmax(q·k/√d − (qs−ks)²/τ). Gradient reaches qs and ks only (through
     the squared distance), never q, k or τ. qs, ks (B, H, T); τ a float, (H,) or (B, H, T); q (B, H, T, D),
-    k (B, G, T, D) with G dividing H. The first `n_prefix` query rows (e.g. a sink's placeholder
+    k (B, G, T, D) with G dividing H. The first `n_prefix` query rows (e.g. a sink's extra leading
     query) are left out; their keys are still attended to. reduction "pairs" divides by the number
     of visible pairs (the seed's 1/n² mean, restricted to what is visible); "queries" by the number
     of queries, which makes it the mean per-query E_w[(qs−ks)²] and independent of T.
@@ -81,14 +81,19 @@ def align_loss(
     [ks, ks²] as 2-wide values, its score inputs detached (so w carries no gradient) and the values
     not (so ks gets the gradient through the readout): the cost of one attention pass with Dv = 2.
     Keys are centred by their detached mean first, which leaves every distance unchanged and keeps
-    qs² − 2·qs·E[ks] + E[ks²] from cancelling when |ks| is large. "naive" builds the (B, H, T, T)
-    weights and distances as the formula reads.
+    qs² − 2·qs·E[ks] + E[ks²] from cancelling when |ks| is large; 16-bit inputs are computed in
+    float32. "naive" builds the (B, H, T, T) weights and distances as the formula reads.
     """
     check_impl(impl)
     check_choice("reduction", reduction, REDUCTIONS)
     B, H, T = _check_scalars(qs, ks, q, k)
     if not isinstance(n_prefix, int) or not 0 <= n_prefix < T:
         raise ValueError(f"n_prefix must be an int in [0, T={T}), got {n_prefix!r}")
+    check_positive("tau", tau)
+    if qs.dtype in (torch.float16, torch.bfloat16):  # the loss is computed in float32
+        qs, ks = qs.float(), ks.float()
+        q, k = (None, None) if q is None else (q.float(), k.float())
+        tau = tau.float() if isinstance(tau, torch.Tensor) else tau
     tau_b = broadcast_param("tau", tau, B, H, T, qs)  # (1|B, 1|H, 1|T)
     if impl == "naive":
         rows = _align_rows_naive(qs, ks, tau_b, q, k, causal)  # (B, H, T)
@@ -202,8 +207,8 @@ def regularization(records: Iterable, weights: Mapping[str, float], *, spread_ta
             )
         if weights.get("spread", 0.0):
             terms["spread"] = spread_loss(rec.ks, target=spread_target, n_prefix=n_prefix)
-        if weights.get("tau", 0.0):
-            terms["tau"] = tau_loss(rec.tau)
+        if weights.get("tau", 0.0):  # the τ of the sink's extra leading query is left out
+            terms["tau"] = tau_loss(rec.tau[..., n_prefix:] if rec.tau.dim() == 3 else rec.tau)
         for name, val in terms.items():
             parts[name] = parts[name] + val if name in parts else val
     total = sum((weights[name] * val for name, val in parts.items()), torch.zeros(()))

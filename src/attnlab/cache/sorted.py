@@ -273,9 +273,11 @@ class SortedScalarCache:
         return t.reshape(self.rows, 1)
 
     def _check_finite(self, name: str, x: torch.Tensor) -> None:
-        if not bool(torch.isfinite(x).all()):
-            bad = int((~torch.isfinite(x)).sum())
-            raise ValueError(f"{name} must be finite: got {bad} ±inf/NaN entries; the cache is unchanged")
+        # one reduction on the hot path; the full test only when the sum is not finite (or overflowed)
+        if math.isfinite(float(x.detach().sum())) or bool(torch.isfinite(x).all()):
+            return
+        bad = int((~torch.isfinite(x)).sum())
+        raise ValueError(f"{name} must be finite: got {bad} ±inf/NaN entries; the cache is unchanged")
 
     # ---- decode step --------------------------------------------------------------------
     def append(self, ks: torch.Tensor, v: torch.Tensor, k: torch.Tensor | None = None) -> None:
@@ -297,9 +299,9 @@ class SortedScalarCache:
         if self.n_slots == self.values.shape[2]:
             self._ensure_slots(1)
         s = self.n_slots
-        self.values[:, :, s] = v.detach()
+        self.values.select(2, s).copy_(v.detach())
         if self.hybrid:
-            self.vkeys[:, :, s] = k.detach()
+            self.vkeys.select(2, s).copy_(k.detach())
         self.index.insert(ks32.reshape(self.rows).view(torch.int32), s)
         self.n_slots += 1
         self.n_tokens += 1
@@ -322,8 +324,8 @@ class SortedScalarCache:
         self._qpos, self._qcount = (self._qpos + 1) % hist, self._qcount + 1
         if impl == "naive":
             return self._attend_naive(qr, q_rows, tau_r, r, window)
-        cand = self._select(qr, tau_r, window, r)
-        return self._output(cand, qr, q_rows, tau_r, r)
+        cand, dist = self._select(qr, tau_r, window, r)
+        return self._output(cand, dist, qr, q_rows, tau_r, r)
 
     def _query_args(self, qs, tau, q, window, radius, eps):
         B, H = self.batch, self.n_heads
@@ -351,33 +353,35 @@ class SortedScalarCache:
         q_rows = q.to(self.device, torch.float32).reshape(self.rows, self.d_k) if self.hybrid else None
         return qr, q_rows, tau_r, r, window
 
-    def _select(self, qr, tau_r, window, r) -> torch.Tensor:
-        """Packed candidates (C, R, k): each head's k nearest entries (within r in radius mode)."""
+    def _select(self, qr, tau_r, window, r) -> tuple[torch.Tensor, torch.Tensor]:
+        """Packed candidates (C, R, k), each head's k nearest entries (within r in radius mode),
+        and their distances |qs - ks| (R, k)."""
         k = self._n_max if window is None else min(window, self._n_max)
         if r is not None and k > 0:
             k = min(k, int(self.index.count_within(qr, r).max().item()))
         if k == 0:
-            return self.index.empty(0)
+            cand = self.index.empty(0)
+            return cand, run_keys(cand) - qr
         cand = self.index.candidates(qr, k)
+        dist = (run_keys(cand) - qr).abs()  # (R, M)
         if cand.shape[2] > k:
-            d = (run_keys(cand) - qr).abs()  # (R, M)
-            sel = d.topk(k, dim=1, largest=False, sorted=False).indices  # (R, k)
+            dist, sel = dist.topk(k, dim=1, largest=False, sorted=False)  # (R, k)
             cand = cand.gather(2, sel.unsqueeze(0).expand(cand.shape[0], -1, -1))
-        return cand
+        return cand, dist
 
-    def _logits(self, cand, qr, q_rows, tau_r, r) -> torch.Tensor:
-        """Scores (R, k) of packed entries: -(qs - ks)^2 / tau (+ log-weight) (+ q.k / sqrt(d_k))."""
-        d = run_keys(cand) - qr  # (R, k); pads are +inf -> score -inf
-        logits = d.square().mul(-1.0 / tau_r)
+    def _logits(self, cand, dist, q_rows, tau_r, r) -> torch.Tensor:
+        """Scores (R, k) of packed entries at distances dist: -dist^2 / tau (+ log-weight)
+        (+ q . k / sqrt(d_k)); -inf beyond the radius r. Pads (dist = inf) score -inf."""
+        logits = dist.square().mul(-1.0 / tau_r)
         if self.index.weighted:
             logits = logits + cand[2].view(torch.float32)
         if self.hybrid:
-            R, k = d.shape
+            R, k = dist.shape
             idx = (cand[1] + self._key_off).reshape(-1)
             kv = self.vkeys.view(-1, self.d_k).index_select(0, idx).view(R, k, self.d_k).float()
             logits = logits + torch.bmm(kv, q_rows.unsqueeze(2)).squeeze(2) / math.sqrt(self.d_k)
         if r is not None:
-            logits = logits.masked_fill(d.abs() > r, float("-inf"))
+            logits = logits.masked_fill(dist > r, float("-inf"))
         return logits
 
     def _sink_logit(self, qr, q_rows, tau_r) -> torch.Tensor:
@@ -386,9 +390,9 @@ class SortedScalarCache:
             logit = logit + (q_rows * self._sink_vk).sum(1, keepdim=True) / math.sqrt(self.d_k)
         return logit
 
-    def _output(self, cand, qr, q_rows, tau_r, r) -> torch.Tensor:
+    def _output(self, cand, dist, qr, q_rows, tau_r, r) -> torch.Tensor:
         R, k, Dv = self.rows, cand.shape[2], self.d_v
-        logits = self._logits(cand, qr, q_rows, tau_r, r)  # (R, k)
+        logits = self._logits(cand, dist, q_rows, tau_r, r)  # (R, k)
         if self.has_sink:
             logits = torch.cat([logits, self._sink_logit(qr, q_rows, tau_r)], 1)  # (R, k + 1)
         w = torch.softmax(logits, 1)
@@ -419,7 +423,7 @@ class SortedScalarCache:
             keep = keep & (d.abs() <= r)
         k = self._n_max if window is None else min(window, self._n_max)
         order = torch.where(keep, d.abs(), float("inf")).argsort(dim=1, stable=True)
-        rank = torch.empty_like(order).scatter_(1, order, torch.arange(order.shape[1]).expand_as(order))
+        rank = torch.empty_like(order).scatter_(1, order, torch.arange(order.shape[1], device=order.device).expand_as(order))
         keep = keep & (rank < k)
         score = score.masked_fill(~keep, float("-inf"))
         vals = self.values.reshape(B * self.n_groups, -1, Dv)[self._row_group, slots]  # (R, N, Dv)

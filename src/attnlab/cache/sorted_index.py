@@ -112,8 +112,8 @@ class SortedKeyIndex:
         """Add one entry per row: key_bits (R,) int32 (float32 bits), all with the same slot."""
         if self.buf_len == self.buffer_size:
             self.flush()
-        self.buf[0, :, self.buf_len] = key_bits
-        self.buf[1, :, self.buf_len] = slot
+        self.buf[0].select(1, self.buf_len).copy_(key_bits)
+        self.buf[1].select(1, self.buf_len).fill_(slot)
         self.buf_len += 1
 
     def flush(self) -> None:

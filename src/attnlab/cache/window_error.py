@@ -56,17 +56,18 @@ def window_error(cache, qs: torch.Tensor, tau, q: torch.Tensor | None = None, wi
     """Measure the attention mass that ``cache.attend`` with these arguments leaves out.
     Does not record the queries for eviction. O(n) per head: a diagnostic, not a decode path."""
     qr, q_rows, tau_r, r, window = cache._query_args(qs, tau, q, window, radius, eps)
-    cand = cache._select(qr, tau_r, window, r)
+    cand, dist_w = cache._select(qr, tau_r, window, r)
     full = cache.index.all_entries()
-    lw = cache._logits(cand, qr, q_rows, tau_r, r).double()  # (R, k)
-    lf = cache._logits(full, qr, q_rows, tau_r, None).double()  # (R, N)
+    dist = (run_keys(full) - qr).abs()  # (R, N), pads inf
+    lw = cache._logits(cand, dist_w, q_rows, tau_r, r).double()  # (R, k)
+    lf = cache._logits(full, dist, q_rows, tau_r, None).double()  # (R, N)
     kept = torch.isfinite(lw).sum(1)  # (R,) candidates that count
     if cache.has_sink:
         ls = cache._sink_logit(qr, q_rows, tau_r).double()
         lw, lf = torch.cat([lw, ls], 1), torch.cat([lf, ls], 1)
     diff = torch.logsumexp(lw, 1) - torch.logsumexp(lf, 1)  # log(Z_window / Z_full) <= 0
     mass_out = (-torch.expm1(diff)).nan_to_num(0.0).clamp(0.0, 1.0)
-    dist = (run_keys(full) - qr).abs().sort(1).values.double()  # (R, N), pads last (inf)
+    dist = dist.sort(1).values.double()  # pads last
     n = dist.shape[1]
     inf = torch.full((cache.rows,), float("inf"), dtype=torch.float64, device=dist.device)
     rad = dist.gather(1, kept.clamp_max(max(n - 1, 0)).view(-1, 1)).squeeze(1) if n else inf

@@ -14,7 +14,7 @@ mask and whatever position information the residual stream carries.
 
 Sink. With `sink=True`, scalar/hybrid heads see one extra key at position "−1": scalar key
 `sink_key` (zero vector key for hybrid scores) and a learned value per value group, initialised
-to zero (a neutral destination). It is prepended to the sequence, with a placeholder query whose
+to zero (a neutral destination). It is prepended to the sequence, with an extra leading query whose
 output is dropped, so the fused op runs unchanged on T + 1 positions.
 
 Decode: `make_cache(batch_size, ...)` then `step(x_t, cache)` per token; T steps equal `forward`
@@ -34,7 +34,7 @@ from ..ops import (
     scalar_attention, softmax_attention, ssd_attention,
 )
 from . import stepping
-from .config import LINEAR_FAMILY, AttentionConfig
+from .config import AttentionConfig
 from .gate import OutputGate
 from .params import GroundValue, HeadParam, Temperature
 from .record import AttentionRecord, Projected
@@ -141,7 +141,7 @@ class Attention(nn.Module):
             return p.qs, p.ks, vals, p.tau, q, k, 0
         B = p.qs.shape[0]
         key = p.ks.new_full((B, self.n_scalar, 1), c.sink_key)  # (B, H_s, 1)
-        qs = torch.cat([key, p.qs], dim=-1)  # placeholder query: output dropped
+        qs = torch.cat([key, p.qs], dim=-1)  # extra leading query: its output is dropped
         ks = torch.cat([key, p.ks], dim=-1)  # (B, H_s, T+1)
         sink_v = self.sink_value.to(vals.dtype)[None, :, None, :].expand(B, -1, 1, -1)  # (B, G, 1, D)
         vals = torch.cat([sink_v, vals], dim=2)  # (B, G, T+1, D)

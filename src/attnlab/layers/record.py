@@ -45,7 +45,7 @@ class AttentionRecord:
     """What one `forward(x, record=True)` leaves in `layer.last`, with the autograd graph.
 
     qs, ks, tau, q_score, k_score are exactly what the scalar/hybrid op received: with a sink they
-    carry one extra leading position (the sink key, and a placeholder query whose output is
+    carry one extra leading position (the sink key, and an extra leading query whose output is
     dropped), counted by n_prefix. q_score/k_score are set for hybrid-score heads only. These are
     the inputs of `attnlab.regularizers`. `heads` holds every per-head tensor without the sink,
     `gate` the output-gate values (B, H, T, D or 1), `readout` the attention output before the gate.

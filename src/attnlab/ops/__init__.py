@@ -8,8 +8,8 @@ its default route, selected by ``impl="auto" | "naive" | "fast"``.
 from .softmax import softmax_attention
 from .scalar import scalar_attention, hybrid_attention
 from .principled import principled_attention
-from .cosformer import cosformer_attention
-from .gla import gla_attention, ssd_attention
+from .cosformer import CosformerState, cosformer_attention, cosformer_step
+from .gla import gla_attention, gla_step, ssd_attention, ssd_step
 
 __all__ = [
     "softmax_attention",
@@ -19,4 +19,8 @@ __all__ = [
     "cosformer_attention",
     "gla_attention",
     "ssd_attention",
+    "cosformer_step",
+    "gla_step",
+    "ssd_step",
+    "CosformerState",
 ]

@@ -12,20 +12,36 @@ linear in T and no T x T matrix is ever built.
 
 Every decay factor is exp of a non-positive difference of within-chunk cumulative
 log-decays b (b_t - b_s with s <= t), never a ratio of cumulative products, so strong
-decay underflows to an exact 0 instead of overflowing to inf.
+decay underflows instead of overflowing to inf. Exponents are clamped at the log of the
+smallest normal float: a factor below ~1e-38 (float32) becomes that number rather than a
+subnormal, which CPUs compute several times slower.
 """
 
 from __future__ import annotations
 
+import math
+
 import torch
 import torch.nn.functional as F
 
-SUB_CHUNK = 16  # largest sub-chunk whose (c, c, Dk) decay tensor a per-channel decay needs
+SUB_CHUNK = 16  # per-channel decay: sub-chunk length c (largest divisor of C up to this) of the exact (c, c, Dk) blocks
 
 
 def _sub_chunk_size(C: int) -> int:
     """Largest divisor of C that is at most SUB_CHUNK."""
     return max(d for d in range(1, min(C, SUB_CHUNK) + 1) if C % d == 0)
+
+
+def _log_tiny(dtype: torch.dtype) -> float:
+    return math.log(torch.finfo(dtype).tiny)
+
+
+def _decay_exp(x: torch.Tensor, keep: torch.Tensor | None = None) -> torch.Tensor:
+    """exp of a non-positive exponent, clamped to stay normal; exactly 0 where keep is False."""
+    x = x.clamp(min=_log_tiny(x.dtype))
+    if keep is not None:
+        x = x.masked_fill(~keep, float("-inf"))
+    return torch.exp(x)
 
 
 def _causal_mask(C: int, device) -> torch.Tensor:
@@ -41,8 +57,7 @@ def _intra_scalar(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, b: torch.Te
     if b is None:
         A = A.masked_fill(~mask, 0.0)
     else:
-        seg = (b[..., :, None] - b[..., None, :]).masked_fill(~mask, float("-inf"))  # (B, H, N, C, C)
-        A = A * torch.exp(seg)
+        A = A * _decay_exp(b[..., :, None] - b[..., None, :], mask)  # (B, H, N, C, C) segment sums
     return A @ v  # (B, H, N, C, Dv)
 
 
@@ -50,7 +65,8 @@ def _diag_decay(b: torch.Tensor) -> torch.Tensor:
     """b (..., c, Dk) -> (..., c, c, Dk): exp(b_t - b_s) for s <= t, exactly 0 for s > t."""
     c = b.shape[-2]
     tri = _causal_mask(c, b.device)[..., None]  # (c, c, 1)
-    return (b[..., :, None, :] - b[..., None, :, :]).masked_fill_(~tri, float("-inf")).exp_()
+    diff = (b[..., :, None, :] - b[..., None, :, :]).clamp_(min=_log_tiny(b.dtype))
+    return diff.masked_fill_(~tri, float("-inf")).exp_()
 
 
 class _DiagBlocks(torch.autograd.Function):
@@ -99,11 +115,10 @@ def _intra_vector(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, b: torch.Te
         return o
 
     b_ref = F.pad(bs[..., :-1, -1, :], (0, 0, 1, 0))  # (B, H, N, m, Dk): b_r, and 0 before sub-chunk 0
-    q_off = qs * torch.exp(bs - b_ref[..., None, :])  # (B, H, N, m, c, Dk)
+    q_off = qs * _decay_exp(bs - b_ref[..., None, :])  # (B, H, N, m, c, Dk)
     pos = torch.arange(C, device=q.device)
     before = pos[None, :] < (pos[:m] * c)[:, None]  # (m, C): s precedes sub-chunk i
-    k_exp = (b_ref[..., :, None, :] - b[..., None, :, :]).masked_fill(~before[..., None], float("-inf"))
-    k_off = k[..., None, :, :] * torch.exp(k_exp)  # (B, H, N, m, C, Dk)
+    k_off = k[..., None, :, :] * _decay_exp(b_ref[..., :, None, :] - b[..., None, :, :], before[..., None])  # (B, H, N, m, C, Dk)
     A_off = (q_off @ k_off.transpose(-1, -2)).reshape(B, H, N, C, C)  # zero where s >= start of t's sub-chunk
     return o + A_off @ v
 
@@ -153,12 +168,12 @@ def chunked_linear_attention(
         o = _intra_vector(qc, kc, vc, b)
 
     g = b[..., -1:, :]  # (B, H, N, 1, Dk|1): log-decay of a whole chunk
-    u = (kc * torch.exp(g - b)).transpose(-1, -2) @ vc  # (B, H, N, Dk, Dv): chunk contribution at its end
-    chunk_decay = torch.exp(g).transpose(-1, -2)  # (B, H, N, Dk|1, 1)
+    u = (kc * _decay_exp(g - b)).transpose(-1, -2) @ vc  # (B, H, N, Dk, Dv): chunk contribution at its end
+    chunk_decay = _decay_exp(g).transpose(-1, -2)  # (B, H, N, Dk|1, 1)
     entries = []
     for a_n, u_n in zip(chunk_decay.unbind(2), u.unbind(2)):
         entries.append(state)
         state = a_n * state + u_n
     entry = torch.stack(entries, dim=2)  # (B, H, N, Dk, Dv)
-    o = o + (qc * torch.exp(b)) @ entry
+    o = o + (qc * _decay_exp(b)) @ entry
     return o.reshape(B, H, N * C, Dv)[:, :, :T], state

@@ -14,7 +14,8 @@ default route, ``"auto"``) is the chunked form of ``_chunked.py``: causal attent
 chunks of ``chunk_size`` steps plus state passing between chunks, memory linear in T.
 SSD uses the segment-sum form (a C x C scalar decay matrix per chunk); GLA splits each chunk
 into sub-chunks of at most 16 steps with an exact (c, c, Dk) decay tensor on the diagonal,
-so a chunk_size that is a multiple of 16 is the efficient choice.
+so a chunk_size that is a multiple of 16 is the efficient choice. The GLA fast path gives
+first derivatives only (its diagonal blocks are a custom autograd function).
 
 Both are recurrences in time: ``causal=False`` raises ValueError. 16-bit inputs are computed
 in float32; the output has the input dtype and the state stays float32.

@@ -9,32 +9,18 @@ from __future__ import annotations
 
 import random
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Callable, Sequence
 
 import torch
 
 from .hooks import Installed
 
-TEXT_SUFFIXES = (".txt", ".md", ".py", ".rst")
-
-
 def load_texts(corpus: str, split: str) -> list[str]:
-    """Documents of a corpus: 'stdlib' (the embedded Python-stdlib corpus, by split), or a local
-    text file (one document) or folder (every text file below it, sorted; split ignored)."""
-    if corpus == "stdlib":
-        from attnlab.data.corpus import stdlib_corpus
+    """Documents of a corpus split through attnlab.data: 'stdlib' (embedded default), a Hugging Face
+    source ('tinystories', 'wikitext103', 'hf:<path>'), or a local text file or folder."""
+    from attnlab.data.corpus import load_corpus
 
-        return list(stdlib_corpus(split))
-    p = Path(corpus)
-    if p.is_file():
-        return [p.read_text(encoding="utf-8", errors="replace")]
-    if p.is_dir():
-        files = sorted(f for f in p.rglob("*") if f.is_file() and f.suffix in TEXT_SUFFIXES)
-        if not files:
-            raise ValueError(f"corpus folder {corpus!r} holds no text files ({', '.join(TEXT_SUFFIXES)})")
-        return [f.read_text(encoding="utf-8", errors="replace") for f in files]
-    raise ValueError(f"corpus must be 'stdlib', a text file or a folder, got {corpus!r} (not found)")
+    return load_corpus(corpus, split)
 
 
 @dataclass

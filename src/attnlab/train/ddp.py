@@ -61,15 +61,15 @@ def rank_device(device: torch.device, env: DistEnv) -> torch.device:
     return torch.device("cuda", env.local_rank) if device.type == "cuda" and env.distributed else device
 
 
-def wrap_model(model: torch.nn.Module, env: DistEnv) -> torch.nn.Module:
+def wrap_model(model: torch.nn.Module, env: DistEnv, find_unused_parameters: bool = False) -> torch.nn.Module:
     """DDP-wrap the model in a distributed run (parameters are broadcast from rank 0).
 
-    find_unused_parameters=True: some configurations leave a parameter out of a step
-    (e.g. a constant-form principled parameter), which plain DDP would reject."""
+    find_unused_parameters: set it when some parameter takes no part in the loss (DDP would
+    otherwise wait for its gradient forever); it costs a graph traversal per step."""
     if not env.distributed:
         return model
     ids = [env.local_rank] if next(model.parameters()).is_cuda else None
-    return DistributedDataParallel(model, device_ids=ids, find_unused_parameters=True)
+    return DistributedDataParallel(model, device_ids=ids, find_unused_parameters=find_unused_parameters)
 
 
 def unwrap(model: torch.nn.Module) -> torch.nn.Module:

@@ -72,6 +72,16 @@ def make_optimizer(model: torch.nn.Module, tcfg) -> torch.optim.AdamW:
     return torch.optim.AdamW(groups, lr=tcfg.lr, betas=tcfg.betas, eps=tcfg.eps)
 
 
+def has_unused_parameters(model: LM, device: torch.device) -> bool:
+    """Whether some parameter gets no gradient from a forward pass (probed on 2 tokens;
+    parameters and RNG are left untouched)."""
+    logits, _ = model(torch.zeros(1, 2, dtype=torch.long, device=device))
+    logits.sum().backward()
+    unused = any(p.grad is None for p in model.parameters() if p.requires_grad)
+    model.zero_grad(set_to_none=True)
+    return unused
+
+
 def autocast(device: torch.device, dtype: str):
     if dtype == "bfloat16":
         return torch.autocast(device_type=device.type, dtype=torch.bfloat16)
@@ -95,7 +105,8 @@ class Trainer:
         self.model = build_model(cfg, self.data.vocab_size).to(self.device)
         self.cfg = cfg = dataclasses.replace(cfg, model=self.model.cfg)  # vocab_size resolved
         self.optimizer = make_optimizer(self.model, cfg.train)
-        self.ddp_model = ddp.wrap_model(self.model, self.env)
+        unused = self.env.distributed and has_unused_parameters(self.model, self.device)
+        self.ddp_model = ddp.wrap_model(self.model, self.env, find_unused_parameters=unused)
         self.logger = RunLogger(self.run_dir, enabled=self.env.is_main, tensorboard=cfg.run.tensorboard)
         self.step = 0  # optimizer steps completed
         if cfg.run.resume:

@@ -1,0 +1,95 @@
+"""`attnlab search train | eval`: argparse subcommands (registered by the main CLI)."""
+
+from __future__ import annotations
+
+import argparse
+import json
+from dataclasses import fields
+
+from .retrieval import METHODS
+from .sweep import DEFAULT_KS, DEFAULT_LAYER_SETS, EvalConfig
+from .train import TrainConfig
+
+
+def _csv(kind):
+    def parse(text: str):
+        try:
+            return [kind(x) for x in text.split(",") if x.strip()]
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected a comma-separated list of {kind.__name__}, got {text!r}")
+
+    return parse
+
+
+def _layer_sets(text: str) -> list[str]:
+    """';'-separated layer sets, each a name or a comma list: 'middle6;all;3,4,5'."""
+    return [s.strip() for s in text.split(";") if s.strip()]
+
+
+def _train(args) -> int:
+    from .train import train
+
+    names = {f.name for f in fields(TrainConfig)}
+    cfg = TrainConfig(**{k: v for k, v in vars(args).items() if k in names and v is not None})
+    print(json.dumps(train(cfg), indent=2))
+    return 0
+
+
+def _eval(args) -> int:
+    from .sweep import run_eval
+
+    names = {f.name for f in fields(EvalConfig)}
+    cfg = EvalConfig(**{k: v for k, v in vars(args).items() if k in names and v is not None})
+    res = run_eval(cfg)
+    from .report import markdown_table
+
+    print(markdown_table(res))
+    print(f"wrote {cfg.out}/results.json, results.md, gap_vs_k.png")
+    return 0
+
+
+def add_search_commands(subparsers) -> argparse.ArgumentParser:
+    """Register `search` with `train` and `eval` under an argparse subparsers object. Each leaf
+    parser sets `func`; the caller runs `args.func(args)` (returns an exit code)."""
+    search = subparsers.add_parser("search", help="learned search projections on a frozen pretrained LM")
+    sub = search.add_subparsers(dest="search_command", required=True)
+    d = TrainConfig()
+
+    t = sub.add_parser("train", help="train W_Qs/W_Ks per layer by InfoNCE + KL distillation (resumes)")
+    t.add_argument("--model", default=d.model, help="'smollm2' (embedded GGUF), a hub id, a folder or a .gguf file")
+    t.add_argument("--layers", default=d.layers, help="middle6 | all | reserved-edge | comma list of indices")
+    t.add_argument("--d-search", dest="d_search", type=int, default=d.d_search)
+    t.add_argument("--tau", type=float, default=d.tau, help="temperature of the search similarity")
+    t.add_argument("--k-pos", dest="k_pos", type=int, default=d.k_pos, help="teacher top-K positives for InfoNCE")
+    t.add_argument("--alpha", type=float, default=d.alpha, help="weight of L_NCE")
+    t.add_argument("--beta", type=float, default=d.beta, help="weight of L_KL")
+    t.add_argument("--corpus", default=d.corpus, help="stdlib | tinystories | wikitext103 | hf:<path> | file/folder")
+    t.add_argument("--split", default=d.split)
+    t.add_argument("--context", type=int, default=d.context)
+    t.add_argument("--n-contexts", dest="n_contexts", type=int, default=d.n_contexts)
+    t.add_argument("--steps", type=int, default=d.steps)
+    t.add_argument("--lr", type=float, default=d.lr)
+    t.add_argument("--activations", choices=("disk", "memory", "none"), default=d.activations,
+                   help="where captured activations are kept between epochs")
+    t.add_argument("--checkpoint-every", dest="checkpoint_every", type=int, default=d.checkpoint_every)
+    t.add_argument("--out", default=d.out)
+    t.add_argument("--seed", type=int, default=d.seed)
+    t.add_argument("--no-resume", dest="resume", action="store_false", help="start over even if a checkpoint exists")
+    t.set_defaults(func=_train)
+
+    e = sub.add_parser("eval", help="PPL gap, Recall@K, Mass@K vs full attention: methods x K x layer sets")
+    e.add_argument("--checkpoint", default=None, help="projections.safetensors from `search train`")
+    e.add_argument("--model", default=None, help="default: the checkpoint's model")
+    e.add_argument("--layer-sets", dest="layer_sets", type=_layer_sets, default=list(DEFAULT_LAYER_SETS),
+                   help="';'-separated, e.g. 'middle6;all;reserved-edge' or '12,13;all'")
+    e.add_argument("--ks", type=_csv(int), default=list(DEFAULT_KS), help="comma list, e.g. 16,32,64,128,256")
+    e.add_argument("--methods", type=_csv(str), default=list(METHODS), help=f"comma list from {','.join(METHODS)}")
+    e.add_argument("--corpus", default="stdlib")
+    e.add_argument("--split", default="test")
+    e.add_argument("--context", type=int, default=2048)
+    e.add_argument("--n-contexts", dest="n_contexts", type=int, default=4)
+    e.add_argument("--hnsw-ef-search", dest="hnsw_ef_search", type=int, default=128)
+    e.add_argument("--out", default="runs/search-eval")
+    e.add_argument("--seed", type=int, default=0)
+    e.set_defaults(func=_eval)
+    return search

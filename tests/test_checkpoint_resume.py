@@ -1,0 +1,157 @@
+"""Checkpoints: exact round trip, atomic writes, and a real run killed mid-way then resumed,
+whose loss curve must equal an uninterrupted run's."""
+
+import json
+import os
+import random
+import signal
+import subprocess
+import sys
+import sysconfig
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from attnlab.models import LM, ModelConfig
+from attnlab.train import checkpoint as ckpt
+from attnlab.train import read_log
+
+ROOT = Path(__file__).resolve().parents[1]
+TINY = ROOT / "configs" / "tiny.toml"
+
+
+def small_model_and_optimizer(seed=0):
+    torch.manual_seed(seed)
+    model = LM(ModelConfig(vocab_size=40, d_model=16, n_layers=1, n_heads=2, attn="hybrid", max_seq_len=16))
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    idx = torch.randint(40, (2, 8))
+    for _ in range(2):
+        model(idx, idx)[1].backward()
+        opt.step()
+        opt.zero_grad()
+    return model, opt
+
+
+def test_round_trip_is_exact(tmp_path):
+    model, opt = small_model_and_optimizer()
+    random.seed(3), np.random.seed(3), torch.manual_seed(3)
+    state = {"data": {"step": 7}, "rng": ckpt.capture_rng()}
+    expect = (random.random(), np.random.rand(), torch.rand(3))
+    path = ckpt.save_checkpoint(tmp_path, 2, model, opt, state)
+    assert path.name == "step_000002" and (tmp_path / "latest").read_text().strip() == "step_000002"
+
+    other, other_opt = small_model_and_optimizer(seed=1)
+    loaded = ckpt.load_checkpoint(tmp_path, other, other_opt)
+    assert loaded["step"] == 2 and loaded["data"] == {"step": 7}
+    for (n, a), (_, b) in zip(model.state_dict().items(), other.state_dict().items()):
+        assert torch.equal(a, b), n
+    sa, sb = opt.state_dict(), other_opt.state_dict()
+    assert sa["param_groups"] == sb["param_groups"]
+    for i in sa["state"]:
+        for key in sa["state"][i]:
+            assert torch.equal(sa["state"][i][key], sb["state"][i][key]), (i, key)
+    ckpt.restore_rng(loaded["rng"])
+    got = (random.random(), np.random.rand(), torch.rand(3))
+    assert got[0] == expect[0] and got[1] == expect[1] and torch.equal(got[2], expect[2])
+
+
+def test_failed_write_keeps_the_previous_checkpoint(tmp_path, monkeypatch):
+    model, opt = small_model_and_optimizer()
+    ckpt.save_checkpoint(tmp_path, 1, model, opt, {})
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(1.0)
+
+    def dies(*args, **kwargs):
+        raise KeyboardInterrupt("killed while writing the optimizer tensors")
+
+    monkeypatch.setattr(ckpt, "save_file", dies)
+    with pytest.raises(KeyboardInterrupt):
+        ckpt.save_checkpoint(tmp_path, 2, model, opt, {})
+    assert ckpt.latest_checkpoint(tmp_path).name == "step_000001"
+    assert not list(tmp_path.glob(".tmp-*")) and not (tmp_path / "step_000002").exists()
+    fresh, _ = small_model_and_optimizer(seed=5)
+    assert ckpt.load_checkpoint(tmp_path, fresh)["step"] == 1
+    assert all(torch.equal(before[k], v) for k, v in fresh.state_dict().items())
+
+
+def test_leftovers_of_a_kill_are_ignored_then_cleaned(tmp_path):
+    model, opt = small_model_and_optimizer()
+    ckpt.save_checkpoint(tmp_path, 10, model, opt, {})
+    # what a SIGKILL can leave: a half-written temp folder, and a renamed folder whose pointer never moved
+    stale = tmp_path / ".tmp-step_000020-abc"
+    stale.mkdir()
+    (stale / "model.safetensors").write_bytes(b"\x00" * 10)
+    assert ckpt.latest_checkpoint(tmp_path).name == "step_000010"
+    ckpt.save_checkpoint(tmp_path, 30, model, opt, {}, keep=2)
+    assert not stale.exists()
+    assert sorted(p.name for p in tmp_path.glob("step_*")) == ["step_000010", "step_000030"]
+    ckpt.save_checkpoint(tmp_path, 40, model, opt, {}, keep=2)
+    assert sorted(p.name for p in tmp_path.glob("step_*")) == ["step_000030", "step_000040"]
+    (tmp_path / "latest").unlink()  # pointer lost: fall back to the newest complete folder
+    assert ckpt.latest_checkpoint(tmp_path).name == "step_000040"
+    with pytest.raises(FileNotFoundError, match="no complete checkpoint"):
+        ckpt.load_checkpoint(tmp_path / "nothing", model)
+
+
+# --------------------------------------------------------------------------- the real kill
+
+
+@pytest.fixture(scope="module")
+def corpus(tmp_path_factory) -> str:
+    root = Path(sysconfig.get_paths()["stdlib"])
+    path = tmp_path_factory.mktemp("corpus") / "corpus.txt"
+    path.write_text((root / "argparse.py").read_text(encoding="utf-8") * 2, encoding="utf-8")
+    return str(path)
+
+
+def launch(out_dir, corpus, name, *extra):
+    env = dict(os.environ, OMP_NUM_THREADS="1", MKL_NUM_THREADS="1")
+    args = [sys.executable, "-m", "attnlab.train", str(TINY), f"run.out_dir={out_dir}", f"run.name={name}",
+            f"data.source={corpus}", "run.threads=1", "train.steps=120", "train.ckpt_every=30", "train.eval_every=40",
+            "train.log_every=1", *extra]
+    return subprocess.Popen(args, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+
+
+def train_losses(run_dir):
+    return [(r["step"], r["loss"]) for r in read_log(run_dir, "train")]
+
+
+def test_killed_run_resumes_onto_the_same_loss_curve(tmp_path, corpus):
+    ref = launch(tmp_path, corpus, "ref")
+    victim = launch(tmp_path, corpus, "victim")
+    run = tmp_path / "victim"
+    killed_at = None
+    deadline = time.monotonic() + 240
+    while time.monotonic() < deadline and victim.poll() is None:
+        latest = ckpt.latest_checkpoint(run / "checkpoints")
+        steps = [s for s, _ in train_losses(run)]
+        if latest is not None and steps and steps[-1] >= int(latest.name.split("_")[1]) + 5:
+            victim.send_signal(signal.SIGKILL)
+            killed_at = (latest.name, steps[-1])
+            break
+        time.sleep(0.02)
+    victim.wait(timeout=60)
+    assert killed_at is not None and victim.returncode == -signal.SIGKILL, victim.stderr.read()[-2000:]
+    assert killed_at[1] < 120  # it really died mid-way, past its last checkpoint
+
+    resumed = launch(tmp_path, corpus, "victim", "run.resume=true")
+    out, err = resumed.communicate(timeout=300)
+    assert resumed.returncode == 0, err[-3000:]
+    ref_out, ref_err = ref.communicate(timeout=300)
+    assert ref.returncode == 0, ref_err[-3000:]
+
+    a, b = train_losses(tmp_path / "ref"), train_losses(run)
+    assert [s for s, _ in b] == list(range(1, 121))  # rows past the checkpoint were rewritten, once
+    assert a == b  # exact: same losses at every step
+    assert read_log(tmp_path / "ref", "eval") == read_log(run, "eval")
+    summary = json.loads((run / "summary.json").read_text())
+    assert summary["resumed_from"].endswith(killed_at[0])
+    wa = load_file(str(tmp_path / "ref" / "checkpoints" / "step_000120" / "model.safetensors"))
+    wb = load_file(str(run / "checkpoints" / "step_000120" / "model.safetensors"))
+    assert wa.keys() == wb.keys() and all(torch.equal(wa[k], wb[k]) for k in wa)
