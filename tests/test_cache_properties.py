@@ -75,7 +75,7 @@ def check(cache, live, ks_hist):
     assert int(cache.n_entries().max()) == max(len(g) for g in got)
 
 
-@settings(max_examples=60, deadline=None)
+@settings(max_examples=100, deadline=None)
 @given(st.lists(op, min_size=4, max_size=45))
 def test_invariants_under_random_operations(ops):
     cache = SortedScalarCache(B, H, H, Dv, buffer_size=4, level_ratio=2, sink_zone=(-0.1, 0.1),

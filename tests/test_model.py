@@ -143,6 +143,8 @@ def test_bad_input_is_named():
         model(torch.randint(V, (2, 5)), torch.randint(V, (2, 4)))
     with pytest.raises(ValueError, match="doc_ids"):
         model(torch.randint(V, (2, 5)), doc_ids=torch.zeros(2, 4, dtype=torch.long))
+    with pytest.raises(ValueError, match="no layer has scalar heads"):
+        model.generate(torch.randint(V, (1, 2)), 2, window=8)
     with pytest.raises(ValueError, match="max_new_tokens"):
         model.generate(torch.randint(V, (1, 2)), -1)
     with pytest.raises(ValueError, match="vocab_size"):

@@ -127,3 +127,12 @@ def test_log_rows_are_readable(tmp_path, corpus):
     rows = read_log(tmp_path / "log")
     assert [r["kind"] for r in rows] == ["train", "train", "eval"]
     assert all(torch.isfinite(torch.tensor(r["loss"])) for r in rows if r["kind"] == "train")
+
+
+def test_bpe_tokenizer_sets_the_vocabulary(tmp_path, corpus):
+    cfg = cfg_for(tmp_path, corpus, "data.tokenizer=bpe", "data.bpe_vocab_size=300", f"data.cache_dir={tmp_path / 'cache'}",
+                  "train.steps=2", "train.eval_every=0", "run.name=bpe")
+    summary = train(cfg)
+    assert math.isfinite(summary["val_loss"])
+    assert load_config(tmp_path / "bpe" / "config.toml").model.vocab_size == 300  # resolved and saved
+    assert list((tmp_path / "cache" / "bpe").glob("*.json"))  # the trained vocabulary is cached

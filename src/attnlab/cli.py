@@ -359,6 +359,17 @@ def _add_search(sub) -> None:
 # --------------------------------------------------------------------------- entry point
 
 
+def _take_overrides(parser, ns, extra: list[str]) -> None:
+    """key=value words that argparse left over because they came after an option
+    (`attnlab train CONFIG --resume train.steps=9`) join the command's overrides."""
+    target = "args" if getattr(ns, "func", None) is cmd_train else "overrides"
+    unknown = [a for a in extra if a.startswith("-") or "=" not in a or not hasattr(ns, target)]
+    if unknown:
+        parser.error(f"unrecognized arguments: {' '.join(unknown)}")
+    if extra:
+        setattr(ns, target, list(getattr(ns, target)) + extra)
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     """Run `attnlab` with `argv` (default sys.argv[1:]); returns the exit status."""
     from attnlab.models.config import ConfigError
@@ -366,7 +377,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     parser = build_parser()
     try:
-        ns = parser.parse_args(argv)
+        ns, extra = parser.parse_known_args(argv)
+        _take_overrides(parser, ns, extra)
         if getattr(ns, "func", None) is None:
             parser.print_help()
             return EXIT_USAGE

@@ -7,7 +7,10 @@ density compression: in dense regions adjacent keys have nearly identical weight
     query, so a run of ``group`` adjacent keys spanning <= max_span becomes one entry with
     key = weighted centroid, value = weighted mean, weight = total count; its logit gets
     + log(count). Exact when the keys are equal; otherwise each member's true logit differs
-    from the representative's by at most span * (2 |qs - centroid| + span) / tau.
+    from the representative's by at most span * (2 |qs - centroid| + span) / tau. Hybrid
+    heads also average the vector keys; members' dot products q . k_i / sqrt(d_k) then
+    differ from the representative's by q . (k_i - k_mean) / sqrt(d_k), which the scalar
+    span does not control: compress hybrid caches only where vector keys are close too.
 sink zone: keys in a reserved range (lo, hi) are never evicted or compressed.
 slot reclamation: value slots no head of a group references are freed by compacting
     the value store (O(slots * d_v), so it runs after eviction, not every step).

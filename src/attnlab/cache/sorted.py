@@ -34,6 +34,8 @@ import torch
 from ..ops._checks import check_groups, check_impl, check_positive
 from . import eviction
 from .sorted_index import SortedKeyIndex, radius_from_tolerance, run_keys
+from .sink import parse_zone, sink_rows
+from .sorted_naive import attend_naive
 
 __all__ = ["SortedScalarCache", "bytes_per_token"]
 
@@ -106,62 +108,12 @@ class SortedScalarCache:
         self._row_head = torch.arange(R, device=self.device).view(R, 1)  # (R, 1) vector-key row b*H+h
         self._qhist = torch.zeros(R, query_history, device=self.device)
         self._qpos = self._qcount = 0
-        self._set_sink(sink_key, sink_value, sink_vkey)
-        self.sink_zone = self._zone(sink_zone)
+        self.has_sink = sink_key is not None or sink_value is not None
+        self._sink_k, self._sink_v, self._sink_vk = sink_rows(self, sink_key, sink_value, sink_vkey)
+        self.sink_zone = parse_zone(sink_zone)
         self._alloc(self.capacity or 1024)
 
     # ---- construction helpers -----------------------------------------------------------
-    def _set_sink(self, sink_key, sink_value, sink_vkey) -> None:
-        B, H, G, R = self.batch, self.n_heads, self.n_groups, self.rows
-        if (sink_key is None) != (sink_value is None):
-            raise ValueError("sink_key and sink_value must be given together (or neither), "
-                             f"got sink_key={'set' if sink_key is not None else None}, "
-                             f"sink_value={'set' if sink_value is not None else None}")
-        self.has_sink = sink_key is not None
-        if not self.has_sink:
-            if sink_vkey is not None:
-                raise ValueError("sink_vkey needs sink_key and sink_value")
-            return
-        key = torch.as_tensor(sink_key, dtype=torch.float32, device=self.device).detach()
-        if key.dim() == 0:
-            key = key.expand(H)
-        if tuple(key.shape) != (H,) or not bool(torch.isfinite(key).all()):
-            raise ValueError(f"sink_key must be a finite float or ({H},) tensor, got {tuple(key.shape)}")
-        val = self._per_head("sink_value", sink_value, self.d_v, allow_groups=True)
-        self._sink_k = key.repeat(B).view(R, 1)
-        self._sink_v = val.to(self.dtype).repeat(B, 1)  # (R, Dv)
-        if self.d_k is not None:
-            vk = torch.zeros(self.d_k) if sink_vkey is None else sink_vkey
-            self._sink_vk = self._per_head("sink_vkey", vk, self.d_k).float().repeat(B, 1)  # (R, Dk)
-        elif sink_vkey is not None:
-            raise ValueError("sink_vkey is only for hybrid caches (d_k given)")
-
-    def _per_head(self, name, x, d, allow_groups=False) -> torch.Tensor:
-        H, G = self.n_heads, self.n_groups
-        if not isinstance(x, torch.Tensor):
-            raise TypeError(f"{name} must be a torch.Tensor, got {type(x).__name__}")
-        x = x.detach().to(self.device)
-        if x.dim() == 1 and x.shape[0] == d:
-            return x.expand(H, d)
-        if x.dim() == 2 and tuple(x.shape) == (H, d):
-            return x
-        if allow_groups and x.dim() == 2 and tuple(x.shape) == (G, d):
-            return x.repeat_interleave(H // G, 0)
-        shapes = f"({d},), ({G}, {d}) or ({H}, {d})" if allow_groups else f"({d},) or ({H}, {d})"
-        raise ValueError(f"{name} must have shape {shapes}, got {tuple(x.shape)}")
-
-    @staticmethod
-    def _zone(zone):
-        if zone is None:
-            return None
-        try:
-            lo, hi = (float(z) for z in zone)
-        except (TypeError, ValueError):
-            raise ValueError(f"sink_zone must be a pair (lo, hi) of floats, got {zone!r}") from None
-        if not lo <= hi:
-            raise ValueError(f"sink_zone must have lo <= hi, got {zone!r}")
-        return lo, hi
-
     def _alloc(self, slots: int) -> None:
         """(Re)allocate the value (and vector-key) store with room for ``slots`` slots."""
         B, H, G, n = self.batch, self.n_heads, self.n_groups, self.n_slots
@@ -272,9 +224,15 @@ class SortedScalarCache:
             raise ValueError(f"{name} must be a float, 0-d, ({H},) or ({B}, {H}), got shape {tuple(t.shape)}")
         return t.reshape(self.rows, 1)
 
+    def _plain(self, x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        """x detached, on the cache's device, in dtype (no op when it already is)."""
+        if x.requires_grad:
+            x = x.detach()
+        return x if x.dtype == dtype and x.device == self.device else x.to(self.device, dtype)
+
     def _check_finite(self, name: str, x: torch.Tensor) -> None:
         # one reduction on the hot path; the full test only when the sum is not finite (or overflowed)
-        if math.isfinite(float(x.detach().sum())) or bool(torch.isfinite(x).all()):
+        if math.isfinite(float(x.sum())) or bool(torch.isfinite(x).all()):
             return
         bad = int((~torch.isfinite(x)).sum())
         raise ValueError(f"{name} must be finite: got {bad} ±inf/NaN entries; the cache is unchanged")
@@ -292,16 +250,16 @@ class SortedScalarCache:
             self._check_shape("k", k, (B, H, self.d_k))
         elif k is not None:
             raise ValueError("k must be None: this cache has pure scalar heads (build it with d_k for hybrid)")
-        ks32 = ks.detach().to(self.device, torch.float32)
+        ks32 = self._plain(ks, torch.float32)
         self._check_finite("ks", ks32)
         if self.hybrid:
             self._check_finite("k", k)
         if self.n_slots == self.values.shape[2]:
             self._ensure_slots(1)
         s = self.n_slots
-        self.values.select(2, s).copy_(v.detach())
+        self.values.select(2, s).copy_(self._plain(v, self.dtype))
         if self.hybrid:
-            self.vkeys.select(2, s).copy_(k.detach())
+            self.vkeys.select(2, s).copy_(self._plain(k, self.dtype))
         self.index.insert(ks32.reshape(self.rows).view(torch.int32), s)
         self.n_slots += 1
         self.n_tokens += 1
@@ -320,10 +278,10 @@ class SortedScalarCache:
         if self._n_max == 0 and not self.has_sink:
             raise ValueError("the cache is empty and has no sink: append a token before attend")
         hist = self._qhist.shape[1]
-        self._qhist[:, self._qpos] = qr.detach().view(self.rows)
+        self._qhist.select(1, self._qpos).copy_(self._plain(qr, torch.float32).view(self.rows))
         self._qpos, self._qcount = (self._qpos + 1) % hist, self._qcount + 1
         if impl == "naive":
-            return self._attend_naive(qr, q_rows, tau_r, r, window)
+            return attend_naive(self, qr, q_rows, tau_r, r, window)
         cand, dist = self._select(qr, tau_r, window, r)
         return self._output(cand, dist, qr, q_rows, tau_r, r)
 
@@ -348,8 +306,10 @@ class SortedScalarCache:
             if isinstance(eps, bool) or not isinstance(eps, (int, float)) or not 0 < eps < 1:
                 raise ValueError(f"eps must be a float in (0, 1), got {eps!r}")
             r = radius_from_tolerance(tau_r, float(eps))
-        qr = qs.to(self.device, torch.float32).reshape(self.rows, 1)
-        self._check_finite("qs", qr)
+        qr = qs.reshape(self.rows, 1)
+        if qr.dtype != torch.float32 or qr.device != self.device:
+            qr = qr.to(self.device, torch.float32)
+        self._check_finite("qs", qr.detach())
         q_rows = q.to(self.device, torch.float32).reshape(self.rows, self.d_k) if self.hybrid else None
         return qr, q_rows, tau_r, r, window
 
@@ -405,34 +365,6 @@ class SortedScalarCache:
         if self.has_sink:
             out = out + w[:, k:] * self._sink_v
         return out.view(self.batch, self.n_heads, Dv)
-
-    def _attend_naive(self, qr, q_rows, tau_r, r, window) -> torch.Tensor:
-        """Reference: score every cached entry by the formula, keep the window, softmax, sum."""
-        B, H, R, Dv = self.batch, self.n_heads, self.rows, self.d_v
-        ent = self.index.all_entries()  # (C, R, N)
-        keys, slots = run_keys(ent), ent[1].long()
-        d = keys - qr  # (R, N)
-        score = -(d ** 2) / tau_r
-        if self.index.weighted:
-            score = score + ent[2].view(torch.float32)
-        if self.hybrid:
-            kv = self.vkeys.reshape(B * H, -1, self.d_k)[self._row_head, slots].float()  # (R, N, Dk)
-            score = score + (kv * q_rows[:, None, :]).sum(-1) / math.sqrt(self.d_k)
-        keep = torch.isfinite(keys)
-        if r is not None:
-            keep = keep & (d.abs() <= r)
-        k = self._n_max if window is None else min(window, self._n_max)
-        order = torch.where(keep, d.abs(), float("inf")).argsort(dim=1, stable=True)
-        rank = torch.empty_like(order).scatter_(1, order, torch.arange(order.shape[1], device=order.device).expand_as(order))
-        keep = keep & (rank < k)
-        score = score.masked_fill(~keep, float("-inf"))
-        vals = self.values.reshape(B * self.n_groups, -1, Dv)[self._row_group, slots]  # (R, N, Dv)
-        if self.has_sink:
-            score = torch.cat([score, self._sink_logit(qr, q_rows, tau_r)], 1)
-            vals = torch.cat([vals, self._sink_v[:, None, :]], 1)
-        w = torch.softmax(score, 1).nan_to_num(0.0)
-        out = (w.unsqueeze(-1) * vals.float()).sum(1)  # (R, Dv)
-        return out.to(self.dtype).view(B, H, Dv)
 
     # ---- eviction and compression (see cache/eviction.py) ---------------------------------
     def recent_queries(self) -> torch.Tensor:

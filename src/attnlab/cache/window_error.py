@@ -61,17 +61,23 @@ def window_error(cache, qs: torch.Tensor, tau, q: torch.Tensor | None = None, wi
     dist = (run_keys(full) - qr).abs()  # (R, N), pads inf
     lw = cache._logits(cand, dist_w, q_rows, tau_r, r).double()  # (R, k)
     lf = cache._logits(full, dist, q_rows, tau_r, None).double()  # (R, N)
-    kept = torch.isfinite(lw).sum(1)  # (R,) candidates that count
-    if cache.has_sink:
+    kept = torch.isfinite(lw)  # (R, k) candidates that count (radius mode masks some)
+    if cache.has_sink:  # the sink is always in the window
         ls = cache._sink_logit(qr, q_rows, tau_r).double()
-        lw, lf = torch.cat([lw, ls], 1), torch.cat([lf, ls], 1)
-    diff = torch.logsumexp(lw, 1) - torch.logsumexp(lf, 1)  # log(Z_window / Z_full) <= 0
-    mass_out = (-torch.expm1(diff)).nan_to_num(0.0).clamp(0.0, 1.0)
-    dist = dist.sort(1).values.double()  # pads last
-    n = dist.shape[1]
-    inf = torch.full((cache.rows,), float("inf"), dtype=torch.float64, device=dist.device)
-    rad = dist.gather(1, kept.clamp_max(max(n - 1, 0)).view(-1, 1)).squeeze(1) if n else inf
-    rad = torch.where(kept < n, rad, inf)
+        lse_win, lse_full = torch.cat([lw, ls], 1).logsumexp(1), torch.cat([lf, ls], 1).logsumexp(1)
+    else:
+        lse_win, lse_full = lw.logsumexp(1), lf.logsumexp(1)
+    # realized radius: distance to the nearest entry left out (the window is a set of nearest keys)
+    none = torch.full_like(dist[:, :1], float("-inf"))
+    far = torch.cat([torch.where(kept, dist_w, float("-inf")), none], 1).amax(1, keepdim=True)  # (R, 1)
+    ties_left_out = (dist <= far).sum(1) > kept.sum(1)  # some entries at the edge distance left out
+    beyond = torch.where(dist > far, dist, float("inf")).amin(1)
+    rad = torch.where(ties_left_out, far.squeeze(1), beyond).double()
+    # mass out, summed directly over the entries beyond the window (accurate for tiny masses),
+    # or as 1 - Z_window / Z_full when entries at the edge distance were left out
+    direct = (lf - lse_full[:, None]).exp().masked_fill(dist <= far, 0.0).sum(1)
+    ratio = -torch.expm1(lse_win - lse_full)
+    mass_out = torch.where(ties_left_out, ratio, direct).nan_to_num(0.0).clamp(0.0, 1.0)
     tau64 = tau_r.double().view(-1) if isinstance(tau_r, torch.Tensor) else tau_r
     bound = erfc_bound(rad, tau64)
     shape = (cache.batch, cache.n_heads)

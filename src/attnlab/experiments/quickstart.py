@@ -45,7 +45,7 @@ BASE_CONFIG: dict = {
     "data": {"source": "stdlib", "tokenizer": "byte", "seq_len": 256},
     "train": {
         "steps": 300, "batch_size": 16, "lr": 2e-3, "warmup_steps": 30,
-        "eval_every": 50, "eval_batches": 4, "log_every": 10, "ckpt_every": 0,
+        "eval_every": 50, "eval_batches": 4, "log_every": 10, "ckpt_every": 100,
     },
     "run": {"out_dir": DEFAULT_OUT, "seed": 0},
 }
@@ -60,9 +60,9 @@ def _reject_owned(overrides: Sequence[str]) -> None:
     for item in overrides:
         key = item.split("=", 1)[0].strip()
         if key in OWNED_KEYS:
-            hint = {"model.attn": "use mechanisms=", "train.steps": "use steps=", "run.out_dir": "use out="}.get(key, "")
-            raise ConfigError(f"{key} is set by the quickstart for every model; {hint or 'remove it'}"
-                              f" (keys it owns: {', '.join(OWNED_KEYS)})")
+            hint = {"model.attn": "--mechanisms", "train.steps": "--steps", "run.out_dir": "--out"}.get(key)
+            how = f"choose it with {hint} (mechanisms=/steps=/out= in Python)" if hint else "remove it"
+            raise ConfigError(f"{key} is set by the quickstart for every model: {how}; it owns {', '.join(OWNED_KEYS)}")
 
 
 def quickstart_configs(

@@ -32,7 +32,9 @@ def fmt(value, digits: int = 4) -> str:
             return f"{value:.{digits - 1}e}"
         if abs(value) >= 10 ** digits:
             return f"{value:,.0f}"
-        return f"{value:.{digits}g}"
+        if abs(value) < 1:
+            return f"{value:.{digits}f}"
+        return f"{value:.{max(0, digits - len(str(int(abs(value)))))}f}"
     if isinstance(value, int):
         return f"{value:,}"
     if isinstance(value, (list, tuple)):
@@ -201,7 +203,9 @@ def plot_tau(histories: dict[str, dict], path: str | os.PathLike) -> Path | None
         ax.set_title(f"{label}: τ per layer")
         ax.set_xlabel("optimizer step")
         ax.set_ylabel("τ (mean over heads)")
-        ax.set_yscale("log")
+        values = [t for _, taus in series.values() for t in taus if t > 0]
+        if values and max(values) > 4 * min(values):  # log scale only when τ moves by a factor
+            ax.set_yscale("log")
         ax.grid(alpha=0.3, which="both")
         ax.legend(fontsize=8)
     fig.tight_layout()

@@ -7,8 +7,9 @@
 Position. Dot-product parts of a layer (softmax heads, the q.k term of hybrid heads,
 principled heads) get RoPE, applied inside `attnlab.layers.Attention`. Scalar heads get
 no rotary position: a scalar query/key has no plane to rotate, and a position term
-would break the property the mechanism exists for -- that keys sorted by value stay
-sorted, so decode can binary-search them (see the `attnlab.layers` docstring). They
+would break the property the mechanism exists for: the kernel depends on qs - ks alone,
+so keys sorted by value stay sorted and decode can binary-search them (the docstring of
+`attnlab.layers.attention`, "Position", says the same from the layer's side). They
 see position only through the causal mask and through what the residual stream
 carries, which a causal stack can compute (a token can count its predecessors by
 attending uniformly). The linear family is causal by construction, and GLA/SSD decays
@@ -54,7 +55,7 @@ def document_segments(doc_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor
 
 
 class RMSNorm(nn.Module):
-    """x / rms(x) * weight, computed in float32 for stability under bf16 autocast."""
+    """x / rms(x) * weight; half-precision inputs are normalised in float32."""
 
     def __init__(self, dim: int, eps: float = 1e-5):
         super().__init__()
@@ -62,9 +63,9 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(dim))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x32 = x.float()
-        y = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
-        return (y * self.weight.float()).type_as(x)
+        xf = x.float() if x.dtype in (torch.float16, torch.bfloat16) else x
+        y = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
+        return (y * self.weight.to(y.dtype)).type_as(x)
 
 
 class SwiGLU(nn.Module):
@@ -119,8 +120,8 @@ class LM(nn.Module):
             self.head.weight = self.tok_emb.weight
 
     def _init_weights(self) -> None:
-        """Normal(0, init_std) for embeddings and the MLP; residual output projections
-        scaled by 1/sqrt(2 n_layers) (GPT-2) so the residual stream does not grow with depth.
+        """Normal(0, init_std) for embeddings and the MLP, the MLP's output projection scaled
+        by 1/sqrt(2 n_layers) (GPT-2) so the residual stream does not grow with depth.
         Attention layers keep their own init (their gates, τ and sink have meaningful starts)."""
         std = self.cfg.init_std
         for emb in (self.tok_emb, self.pos_emb, self.head):
@@ -226,6 +227,11 @@ class LM(nn.Module):
             raise ValueError(f"max_new_tokens must be >= 0, got {max_new_tokens}")
         if not greedy and not temperature > 0:
             raise ValueError(f"temperature must be > 0 when sampling, got {temperature}")
+        if window is not None and not any(blk.attn.n_scalar for blk in self.blocks):
+            raise ValueError(
+                f"window={window} selects the sorted scalar cache, but no layer has scalar heads "
+                f"(model.attn={self.cfg.layer_attn}); leave window=None"
+            )
         was_training = self.training
         self.eval()
         caches = self.make_caches(idx.shape[0], window=window)

@@ -83,7 +83,9 @@ def block_causal(segments: torch.Tensor) -> torch.Tensor:
 
 def forward_packed(model, batch: Packed):
     """The model's logits on packed contexts with the block-causal mask and restarted positions."""
-    mask = block_causal(batch.segments)
+    allowed = block_causal(batch.segments)
+    # additive float mask: read the same way by SDPA, eager and the search attention function
+    mask = torch.zeros(allowed.shape, dtype=model.dtype).masked_fill(~allowed, torch.finfo(model.dtype).min)
     return model(input_ids=batch.input_ids, attention_mask=mask, position_ids=batch.position_ids,
                  use_cache=False).logits
 

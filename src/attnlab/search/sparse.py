@@ -51,7 +51,8 @@ def sparse_attention_naive(q, k, v, idx, valid, scaling: float) -> torch.Tensor:
     ok = _per_head(valid, H)  # (B, H, Tq, K)
     s = torch.einsum("bhtd,bhtkd->bhtk", q, ks) * scaling
     s = s.masked_fill(~ok, float("-inf"))
-    p = torch.softmax(s.float(), dim=-1).nan_to_num(0.0).to(q.dtype)  # rows with no valid slot -> 0
+    wide = s if s.dtype == torch.float64 else s.float()
+    p = torch.softmax(wide, dim=-1).nan_to_num(0.0).to(q.dtype)  # rows with no valid slot -> 0
     return torch.einsum("bhtk,bhtkd->bhtd", p, vs)  # (B, H, Tq, D)
 
 

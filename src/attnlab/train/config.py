@@ -17,6 +17,7 @@ import dataclasses
 import json
 import math
 import os
+import re
 import sys
 import typing
 from dataclasses import dataclass, field
@@ -24,6 +25,8 @@ from pathlib import Path
 from typing import Any, Literal
 
 from attnlab.models.config import ConfigError, ModelConfig, build_dataclass, field_help, opt, type_name
+
+from .toml_io import atomic_text, dumps_toml, to_dict
 
 if sys.version_info >= (3, 11):
     import tomllib
@@ -266,79 +269,14 @@ def load_config(path: str | os.PathLike | None = None, overrides: list[str] | No
 # --------------------------------------------------------------------------- dumping
 
 
-def to_dict(cfg, derived: bool = False) -> dict:
-    """A config dataclass as plain nested dicts; derived (init=False) fields only if asked."""
-    out = {}
-    for f in dataclasses.fields(cfg):
-        if not f.init and not derived:
-            continue
-        value = getattr(cfg, f.name)
-        if dataclasses.is_dataclass(value):
-            value = to_dict(value, derived)
-        elif isinstance(value, tuple):
-            value = list(value)
-        out[f.name] = value
-    return out
-
-
-def _toml_value(v) -> str:
-    if isinstance(v, bool):
-        return "true" if v else "false"
-    if isinstance(v, int):
-        return str(v)
-    if isinstance(v, float):
-        return repr(v) if math.isfinite(v) else ("nan" if math.isnan(v) else ("inf" if v > 0 else "-inf"))
-    if isinstance(v, str):
-        return json.dumps(v)
-    if isinstance(v, (list, tuple)):
-        return "[" + ", ".join(_toml_value(x) for x in v) + "]"
-    if isinstance(v, dict):
-        return "{" + ", ".join(f"{json.dumps(k)} = {_toml_value(x)}" for k, x in v.items() if x is not None) + "}"
-    raise TypeError(f"cannot write {v!r} ({type(v).__name__}) to TOML")
-
-
-def dumps_toml(data: dict, _prefix: str = "") -> str:
-    """Write nested dicts as TOML: a table's plain values first, then a [table] per nested
-    dict and an [[array of tables]] per list of dicts. None values are left out (the key
-    then takes its default, which is what None meant)."""
-    lines, tables, arrays = [], [], []
-    for key, value in data.items():
-        if value is None:
-            continue
-        if isinstance(value, dict):
-            tables.append((key, value))
-        elif isinstance(value, list) and value and all(isinstance(x, dict) for x in value):
-            arrays.append((key, value))
-        else:
-            lines.append(f"{key} = {_toml_value(value)}")
-    blocks = ["\n".join(lines)] if lines else []
-    for key, value in tables:
-        body = dumps_toml(value, f"{_prefix}{key}.")
-        blocks.append(f"[{_prefix}{key}]" + ("\n" + body if body else ""))
-    for key, items in arrays:
-        for item in items:
-            body = dumps_toml(item, f"{_prefix}{key}.")
-            blocks.append(f"[[{_prefix}{key}]]" + ("\n" + body if body else ""))
-    return "\n\n".join(blocks)
-
-
 def save_config(cfg: RunConfig, folder: str | os.PathLike) -> tuple[Path, Path]:
     """Write the resolved config as config.toml (reloadable) and config.json (with derived fields)."""
     folder = Path(folder)
     folder.mkdir(parents=True, exist_ok=True)
     toml_path, json_path = folder / "config.toml", folder / "config.json"
-    _atomic_text(toml_path, dumps_toml(to_dict(cfg)) + "\n")
-    _atomic_text(json_path, json.dumps(to_dict(cfg, derived=True), indent=2) + "\n")
+    atomic_text(toml_path, dumps_toml(to_dict(cfg)) + "\n")
+    atomic_text(json_path, json.dumps(to_dict(cfg, derived=True), indent=2) + "\n")
     return toml_path, json_path
-
-
-def _atomic_text(path: Path, text: str) -> None:
-    tmp = path.with_name(f".{path.name}.tmp")
-    with open(tmp, "w") as f:
-        f.write(text)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
 
 
 # --------------------------------------------------------------------------- help
@@ -364,11 +302,39 @@ def config_keys() -> list[tuple[str, str, Any, str]]:
     from attnlab.layers import AttentionConfig
 
     hints = typing.get_type_hints(AttentionConfig)
+    doc = docstring_help(AttentionConfig)
     for f in dataclasses.fields(AttentionConfig):
         if f.init and f.name not in ("mechanism", "d_model", "n_heads"):
             default = f.default if f.default is not dataclasses.MISSING else None
-            rows.append((f"model.attention.{f.name}", type_name(hints[f.name]), default, field_help(f) or "see AttentionConfig"))
+            help_text = field_help(f) or doc.get(f.name, "see attnlab.layers.AttentionConfig")
+            if f.name == "rope":
+                default = "on for softmax/scalar/hybrid/principled layers, off for the linear family"
+            if f.name == "cosformer_max_len":
+                default = "model.max_seq_len"
+            rows.append((f"model.attention.{f.name}", type_name(hints[f.name]), default, help_text))
     return rows
+
+
+_DOC_ENTRY = re.compile(r"^(\s{4,})([a-z_]\w*(?:, [a-z_]\w*)*)\s{2,}(\S.*)$")
+
+
+def docstring_help(cls) -> dict[str, str]:
+    """Field descriptions from a docstring laid out as `name   text` lines (continuation
+    lines indented further), as AttentionConfig's is."""
+    out: dict[str, str] = {}
+    names, indent = [], 0
+    for line in (cls.__doc__ or "").splitlines():
+        m = _DOC_ENTRY.match(line)
+        if m:
+            names, indent = m.group(2).split(", "), len(m.group(1))
+            for n in names:
+                out[n] = m.group(3).strip()
+        elif names and line.strip() and len(line) - len(line.lstrip()) > indent:
+            for n in names:
+                out[n] += " " + line.strip()
+        else:
+            names = []
+    return out
 
 
 def format_config_keys() -> str:

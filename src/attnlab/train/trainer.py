@@ -167,7 +167,7 @@ class Trainer:
         spread_target = "adaptive" if cfg.regularizers.spread_range == "adaptive" else (
             cfg.regularizers.spread_low, cfg.regularizers.spread_high)
         accum = cfg.train.grad_accum
-        lm_loss, reg_parts = 0.0, {}
+        lm_loss, reg_parts = torch.zeros((), device=self.device), {}  # summed on device: one sync per step
         model.train()
         for micro in range(accum):
             batch = next(self.data.train)
@@ -181,17 +181,17 @@ class Trainer:
                     reg = regularization([a.last for a in self.model.attention_layers()], reg_w, spread_target=spread_target)
                     total = total + reg["total"]
                     for k, v in reg.items():
-                        reg_parts[k] = reg_parts.get(k, 0.0) + float(v.detach()) / accum
+                        reg_parts[k] = reg_parts.get(k, 0.0) + v.detach().float() / accum
                 (total / accum).backward()
-            lm_loss += float(loss.detach()) / accum
+            lm_loss += loss.detach().float() / accum
         params = [p for p in self.model.parameters() if p.grad is not None]
         max_norm = cfg.train.grad_clip if cfg.train.grad_clip > 0 else float("inf")
         grad_norm = float(torch.nn.utils.clip_grad_norm_(params, max_norm))
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
         self.step += 1
-        out = {"loss": lm_loss, "grad_norm": grad_norm, "lr": lr}
-        out.update({f"reg_{k}": v for k, v in reg_parts.items()})
+        out = {"loss": float(lm_loss), "grad_norm": grad_norm, "lr": lr}
+        out.update({f"reg_{k}": float(v) for k, v in reg_parts.items()})
         if record:
             out["layers"] = attention_stats(self.model.attention_layers())
         return out

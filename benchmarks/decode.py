@@ -1,0 +1,285 @@
+"""Decode benchmark: the sorted scalar cache against full attention, one layer, batch 1.
+
+For every context length n the same run measures
+  * sorted cache, pure scalar heads, window k in --ks: per-token latency of a decode step
+    (append the new token, then attend), split into append and attend;
+  * sorted cache, hybrid heads (d_k = d_v), k = 64: the same (skip with --no-hybrid);
+  * full attention: torch SDPA over an ordinary preallocated KV cache (write k, v, attend
+    over all n), with the default thread count and with one thread; the faster is the baseline;
+  * insertion throughput: --insert-steps appends in a row (covers the index's merges);
+  * error control: attention mass left outside the window vs the full computation, and the
+    seed's erfc(r / sqrt(tau)) at the realized radius r (distance to the nearest key left out),
+    at a fixed tau and at a tau whose bandwidth spans 8 key spacings.
+Keys and queries are uniform on [-3, 3] per head (the spread the seed's regulariser aims at).
+The cache is bulk-loaded (one sort) before timing. Writes JSON and a PNG plot.
+
+    python benchmarks/decode.py            # n = 4K .. 1M (several GB of RAM at 1M)
+    python benchmarks/decode.py --quick    # n = 4K .. 64K, a short run
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import math
+import os
+import platform
+import statistics
+import time
+
+import torch
+import torch.nn.functional as F
+from tqdm import tqdm
+
+from attnlab.cache.sorted import SortedScalarCache, bytes_per_token
+from attnlab.cache.window_error import window_error
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+KEY_RANGE = 3.0
+
+
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--quick", action="store_true", help="n up to 64K, fewer steps")
+    p.add_argument("--ns", type=str, default=None, help="comma-separated context lengths")
+    p.add_argument("--ks", type=str, default="16,64,256", help="comma-separated windows")
+    p.add_argument("--heads", type=int, default=8)
+    p.add_argument("--groups", type=int, default=8, help="value groups G (H %% G == 0)")
+    p.add_argument("--dv", type=int, default=64)
+    p.add_argument("--tau", type=float, default=0.05, help="fixed temperature for the error report")
+    p.add_argument("--steps", type=int, default=None, help="timed decode steps per (n, k)")
+    p.add_argument("--sdpa-steps", type=int, default=None, help="timed full-attention steps per n")
+    p.add_argument("--insert-steps", type=int, default=None, help="appends for the throughput run")
+    p.add_argument("--error-queries", type=int, default=8, help="query batches (x heads) for the error report")
+    p.add_argument("--threads", type=int, default=1, help="intra-op threads for the sorted cache")
+    p.add_argument("--no-hybrid", action="store_true")
+    p.add_argument("--out", type=str, default=None, help="JSON path (PNG beside it)")
+    args = p.parse_args(argv)
+    quick = args.quick
+    args.ns = [int(x) for x in (args.ns or ("4096,16384,65536" if quick else "4096,16384,65536,262144,1048576")).split(",")]
+    args.ks = [int(x) for x in args.ks.split(",")]
+    args.steps = args.steps or (100 if quick else 400)
+    args.sdpa_steps = args.sdpa_steps or (3 if quick else 5)
+    args.insert_steps = args.insert_steps or (3000 if quick else 20000)
+    args.out = args.out or os.path.join(HERE, "results", "decode_quick.json" if quick else "decode.json")
+    return args
+
+
+def summary(seconds: list[float]) -> dict:
+    ms = sorted(s * 1e3 for s in seconds)
+    return {"mean_ms": statistics.fmean(ms), "median_ms": statistics.median(ms),
+            "p90_ms": ms[min(len(ms) - 1, int(0.9 * len(ms)))]}
+
+
+def decode_steps(cache, H, G, Dv, d_k, k, tau, steps, gen) -> dict:
+    """Time `steps` decode steps (append + attend), each part separately."""
+    ks = (torch.rand(steps, 1, H, generator=gen) * 2 - 1) * KEY_RANGE
+    qs = (torch.rand(steps, 1, H, generator=gen) * 2 - 1) * KEY_RANGE
+    vs = torch.randn(steps, 1, G, Dv, generator=gen)
+    kv = torch.randn(steps, 1, H, d_k, generator=gen) if d_k else None
+    qv = torch.randn(steps, 1, H, d_k, generator=gen) if d_k else None
+    for i in range(min(20, steps)):  # warm up
+        cache.attend(qs[i], tau, qv[i] if d_k else None, window=k)
+    t_app, t_att = [], []
+    with torch.no_grad():
+        for i in range(steps):
+            t0 = time.perf_counter()
+            cache.append(ks[i], vs[i], kv[i] if d_k else None)
+            t1 = time.perf_counter()
+            cache.attend(qs[i], tau, qv[i] if d_k else None, window=k)
+            t2 = time.perf_counter()
+            t_app.append(t1 - t0)
+            t_att.append(t2 - t1)
+    step = summary([a + b for a, b in zip(t_app, t_att)])
+    return {**step, "append_mean_us": statistics.fmean(t_app) * 1e6, "attend_mean_us": statistics.fmean(t_att) * 1e6}
+
+
+def insertion(cache, H, G, Dv, d_k, steps, gen) -> dict:
+    """Appends in a row: amortized cost including the index's buffer and level merges."""
+    ks = (torch.rand(steps, 1, H, generator=gen) * 2 - 1) * KEY_RANGE
+    vs = torch.randn(steps, 1, G, Dv, generator=gen)
+    kv = torch.randn(steps, 1, H, d_k, generator=gen) if d_k else None
+    with torch.no_grad():
+        t0 = time.perf_counter()
+        for i in range(steps):
+            cache.append(ks[i], vs[i], kv[i] if d_k else None)
+        dt = time.perf_counter() - t0
+    return {"appends": steps, "append_amortized_us": dt / steps * 1e6, "tokens_per_s": steps / dt}
+
+
+def error_report(cache, n, H, ks, tau_fixed, batches, gen) -> list[dict]:
+    spacing = 2 * KEY_RANGE / n
+    rows = []
+    for name, tau in (("fixed", tau_fixed), ("8_spacings", (8 * spacing) ** 2)):
+        qs = [(torch.rand(1, H, generator=gen) * 2 - 1) * (KEY_RANGE - 0.5) for _ in range(batches)]
+        for k in ks:
+            errs = [window_error(cache, q, tau, window=k) for q in qs]
+            mass = torch.cat([e.mass_out.flatten() for e in errs])
+            bound = torch.cat([e.bound.flatten() for e in errs])
+            rows.append({"n": n, "k": k, "tau_kind": name, "tau": tau, "mass_out_mean": mass.mean().item(),
+                         "mass_out_max": mass.max().item(), "bound_mean": bound.mean().item(),
+                         "within_bound_frac": (mass <= bound * 1.05 + 1e-12).double().mean().item()})
+    return rows
+
+
+def bench_sorted(n, args, gen, d_k=None, ks=None) -> tuple[list[dict], dict, list[dict]]:
+    H, G, Dv = args.heads, args.groups, args.dv
+    ks = ks or args.ks
+    keys = (torch.rand(1, H, n, generator=gen) * 2 - 1) * KEY_RANGE
+    # value and vector-key contents do not change the cost: one random row per head/group,
+    # expanded (no copy), keeps peak memory at the cache's own store
+    vals = torch.randn(1, G, 1, Dv, generator=gen).expand(1, G, n, Dv)
+    vkeys = torch.randn(1, H, 1, d_k, generator=gen).expand(1, H, n, d_k) if d_k else None
+    extra = 64 + len(ks) * (args.steps + 20) + args.insert_steps
+    t0 = time.perf_counter()
+    cache = SortedScalarCache.from_tensors(keys, vals, vkeys, capacity=n + extra,
+                                           sink_key=0.0, sink_value=torch.zeros(Dv))
+    build_s = time.perf_counter() - t0
+    del keys, vals, vkeys
+    gc.collect()
+    torch.set_num_threads(args.threads)
+    rows = []
+    for k in ks:
+        r = decode_steps(cache, H, G, Dv, d_k, k, args.tau, args.steps, gen)
+        rows.append({"n": n, "k": k, "mode": "hybrid" if d_k else "scalar", **r})
+    ins = {"n": n, "mode": "hybrid" if d_k else "scalar", "build_s": build_s,
+           **insertion(cache, H, G, Dv, d_k, args.insert_steps, gen),
+           "memory_bytes_per_token": cache.memory_bytes() / len(cache)}
+    torch.set_num_threads(args.default_threads)
+    err = [] if d_k else error_report(cache, n, H, ks, args.tau, args.error_queries, gen)
+    del cache
+    gc.collect()
+    return rows, ins, err
+
+
+def bench_full(n, args, gen) -> dict:
+    """Full-attention decode: an ordinary KV cache (B, H, n, D) and torch SDPA over all of it."""
+    H, D, steps = args.heads, args.dv, args.sdpa_steps
+    K = torch.empty(1, H, n + steps + 2, D)
+    V = torch.empty(1, H, n + steps + 2, D)
+    K[:, :, :n].normal_(generator=gen)
+    V[:, :, :n].normal_(generator=gen)
+    q, kn, vn = (torch.randn(steps + 1, 1, H, 1, D, generator=gen) for _ in range(3))
+    out = {}
+    for threads in sorted({args.default_threads, 1}):
+        torch.set_num_threads(threads)
+        t, pos = [], n
+        with torch.no_grad():
+            for i in range(steps + 1):
+                t0 = time.perf_counter()
+                K[:, :, pos: pos + 1] = kn[i]
+                V[:, :, pos: pos + 1] = vn[i]
+                F.scaled_dot_product_attention(q[i], K[:, :, : pos + 1], V[:, :, : pos + 1])
+                t.append(time.perf_counter() - t0)
+        out[f"threads_{threads}"] = summary(t[1:])  # first step is warm-up
+    torch.set_num_threads(args.default_threads)
+    best = min(out.values(), key=lambda s: s["median_ms"])
+    del K, V
+    gc.collect()
+    return {"n": n, "full_ms": best["median_ms"], **out}
+
+
+def plot(result, path):
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (a, b) = plt.subplots(1, 2, figsize=(12, 4.5))
+    rows, full = result["decode"], result["full_attention"]
+    for mode in ("scalar", "hybrid"):
+        for k in sorted({r["k"] for r in rows if r["mode"] == mode}):
+            sel = [r for r in rows if r["mode"] == mode and r["k"] == k]
+            a.plot([r["n"] for r in sel], [r["mean_ms"] for r in sel], "o-" if mode == "scalar" else "s--",
+                   label=f"sorted {mode}, k={k}")
+    a.plot([f["n"] for f in full], [f["full_ms"] for f in full], "k^-", label="full attention (SDPA)")
+    a.set(xscale="log", yscale="log", xlabel="cached tokens n", ylabel="ms per decode step",
+          title=f"one layer, H={result['config']['heads']}, d_v={result['config']['dv']}, batch 1")
+    a.legend(fontsize=8)
+    a.grid(alpha=0.3, which="both")
+    for kind, style in (("fixed", "-"), ("8_spacings", "--")):
+        for k in sorted({e["k"] for e in result["error"]}):
+            sel = [e for e in result["error"] if e["k"] == k and e["tau_kind"] == kind]
+            if sel:
+                tau = "tau=%g" % sel[0]["tau"] if kind == "fixed" else "sqrt(tau)=8 spacings"
+                b.plot([e["n"] for e in sel], [max(e["mass_out_mean"], 1e-16) for e in sel], style + "o",
+                       label=f"k={k}, {tau}")
+    b.set(xscale="log", yscale="log", xlabel="cached tokens n", ylabel="mean attention mass outside window",
+          title="error control (pure scalar heads)")
+    b.legend(fontsize=8)
+    b.grid(alpha=0.3, which="both")
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+
+
+def targets(result) -> dict:
+    dec = {(r["n"], r["k"]): r for r in result["decode"] if r["mode"] == "scalar"}
+    full = {f["n"]: f["full_ms"] for f in result["full_attention"]}
+    ins = {i["n"]: i for i in result["insertion"] if i["mode"] == "scalar"}
+    out = {"key_index_bytes_per_head": bytes_per_token(1, 1, 1)["key_index_per_head"]}
+    out["key_index_ok"] = out["key_index_bytes_per_head"] <= 12
+    n_max = max(full)
+    if (n_max, 64) in dec:
+        out[f"speedup_at_n{n_max}_k64"] = full[n_max] / dec[(n_max, 64)]["mean_ms"]
+        out["speedup_ok"] = out[f"speedup_at_n{n_max}_k64"] >= 200
+        attend = dec[(n_max, 64)]["attend_mean_us"]
+        share = ins[n_max]["append_amortized_us"] / (ins[n_max]["append_amortized_us"] + attend)
+        out[f"insertion_share_at_n{n_max}_k64"] = share
+        out["insertion_ok"] = share < 0.10
+    if (4096, 64) in dec and (n_max, 64) in dec:
+        out[f"latency_ratio_n{n_max}_vs_4096_k64"] = dec[(n_max, 64)]["mean_ms"] / dec[(4096, 64)]["mean_ms"]
+        out["latency_ratio_ok"] = out[f"latency_ratio_n{n_max}_vs_4096_k64"] <= 2
+    return out
+
+
+def main(argv=None):
+    args = parse_args(argv)
+    args.default_threads = torch.get_num_threads()
+    gen = torch.Generator().manual_seed(0)
+    result = {"config": {k: v for k, v in vars(args).items()}, "decode": [], "insertion": [],
+              "full_attention": [], "error": [],
+              "environment": {"torch": torch.__version__, "python": platform.python_version(),
+                              "machine": platform.machine(), "cpu_count": os.cpu_count(),
+                              "default_threads": args.default_threads},
+              "memory": {name: bytes_per_token(args.heads, g, args.dv, dk, weighted=w)
+                         for name, g, dk, w in (("scalar_G8", 8, None, False), ("scalar_G2", 2, None, False),
+                                                ("scalar_G1", 1, None, False),
+                                                ("scalar_G8_compressed", 8, None, True),
+                                                ("hybrid_G8", 8, args.dv, False))}}
+    jobs = [(n, kind) for n in args.ns for kind in ["scalar"] + ([] if args.no_hybrid else ["hybrid"]) + ["full"]]
+    for n, kind in tqdm(jobs, desc="decode benchmark", unit="job"):
+        if kind == "full":
+            result["full_attention"].append(bench_full(n, args, gen))
+        else:
+            d_k = args.dv if kind == "hybrid" else None
+            rows, ins, err = bench_sorted(n, args, gen, d_k=d_k, ks=[64] if d_k else None)
+            result["decode"] += rows
+            result["insertion"].append(ins)
+            result["error"] += err
+    result["targets"] = targets(result)
+
+    full = {f["n"]: f["full_ms"] for f in result["full_attention"]}
+    ins = {(i["n"], i["mode"]): i for i in result["insertion"]}
+    print(f"\n{'mode':7} {'n':>8} {'k':>4} {'step ms':>9} {'median':>8} {'append us':>10} {'attend us':>10} "
+          f"{'full ms':>9} {'speedup':>8} {'insert us (amort.)':>19}")
+    for r in result["decode"]:
+        i = ins[(r["n"], r["mode"])]
+        print(f"{r['mode']:7} {r['n']:8d} {r['k']:4d} {r['mean_ms']:9.3f} {r['median_ms']:8.3f} "
+              f"{r['append_mean_us']:10.1f} {r['attend_mean_us']:10.1f} {full[r['n']]:9.2f} "
+              f"{full[r['n']] / r['mean_ms']:8.0f} {i['append_amortized_us']:19.1f}")
+    print(f"\n{'n':>8} {'k':>4} {'tau':>10} {'mass out (mean)':>16} {'max':>10} {'erfc bound (mean)':>18} {'<= bound':>9}")
+    for e in result["error"]:
+        print(f"{e['n']:8d} {e['k']:4d} {e['tau']:10.3g} {e['mass_out_mean']:16.3e} {e['mass_out_max']:10.3e} "
+              f"{e['bound_mean']:18.3e} {e['within_bound_frac']:9.2f}")
+    print("\nbytes per token per layer:", json.dumps(result["memory"]["scalar_G8"]))
+    print("targets:", json.dumps(result["targets"], indent=1))
+    os.makedirs(os.path.dirname(args.out), exist_ok=True)
+    with open(args.out, "w") as f:
+        json.dump(result, f, indent=1)
+    png = os.path.splitext(args.out)[0] + ".png"
+    plot(result, png)
+    print(f"wrote {args.out} and {png}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,127 @@
+"""Retrieve-then-attend and capture inside tiny randomly initialised Llama / Qwen3 models."""
+
+import json
+
+import pytest
+import torch
+
+from attnlab.search.capture import block_causal, capture, forward_packed, pack_documents, teacher_attention
+from attnlab.search.hf_model import attention_modules, check_family, load_config, resolve_layers, resolve_source
+from attnlab.search.lm import prepare, tiny_lm
+from attnlab.search.patch import SelectorConfig, generate, substitute
+from attnlab.search.projections import SearchProjections
+from attnlab.search.retrieval import METHODS
+from attnlab.testing import rel_rms
+
+FAMILIES = ("llama", "qwen3")
+
+
+@pytest.fixture(scope="module", params=FAMILIES)
+def lm(request):
+    return tiny_lm(request.param)
+
+
+@pytest.fixture(scope="module")
+def packed(lm):
+    texts = ["def f(x):\n    return x\n" * 2, "print('hi')\n", "class A:\n    pass\n" * 3]
+    return pack_documents(texts, lm.encode, lm.eos_id, context=48, n_contexts=2, seed=None)
+
+
+@pytest.fixture(scope="module")
+def proj(lm):
+    torch.manual_seed(0)
+    return SearchProjections(list(range(lm.dims.n_layers)), lm.dims.d_model, 16)
+
+
+@pytest.mark.parametrize("method", METHODS)
+def test_full_budget_equals_full_attention(lm, packed, proj, method):
+    ref = forward_packed(lm.model, packed)
+    with substitute(lm.model, [0, 3, 4, 7], SelectorConfig(method, K=48), proj):
+        out = forward_packed(lm.model, packed)
+    assert rel_rms(out, ref) < 1e-5
+    with substitute(lm.model, [0, 3, 4, 7], SelectorConfig(method, K=3), proj):
+        small = forward_packed(lm.model, packed)
+    assert rel_rms(small, ref) > 1e-4  # the substitution is really active
+    assert lm.model.config._attn_implementation == "sdpa"  # restored on exit
+
+
+def test_capture_matches_eager_attention_and_layer_input(lm, packed):
+    layers = [1, 5]
+    caps = capture(lm.model, packed, layers)
+    allowed = block_causal(packed.segments)
+    lm.model.set_attn_implementation("eager")
+    try:
+        additive = torch.zeros(allowed.shape).masked_fill(~allowed, torch.finfo(torch.float32).min)
+        out = lm.model(input_ids=packed.input_ids, attention_mask=additive, position_ids=packed.position_ids,
+                       output_attentions=True, output_hidden_states=True, use_cache=False)
+    finally:
+        lm.model.set_attn_implementation("sdpa")
+    for i in layers:
+        c = caps[i]
+        assert c.q.shape == (2, 4, 48, 16) and c.k.shape == (2, 2, 48, 16)  # GQA: 4 query heads over 2 KV heads
+        want = out.attentions[i].mean(1)  # head-averaged eager weights (B, T, T)
+        assert rel_rms(teacher_attention(c.q, c.k, allowed, c.scaling), want) < 1e-5
+        h_in = lm.model.model.layers[i].input_layernorm(out.hidden_states[i])
+        assert rel_rms(c.hidden, h_in) < 1e-6
+
+
+@pytest.mark.parametrize("method", ["learned", "learned-hnsw", "quest", "streaming"])
+def test_generation_with_full_budget_equals_full_generation(lm, proj, method):
+    ids = torch.randint(3, 250, (2, 9), generator=torch.Generator().manual_seed(3))
+    ref = generate(lm.model, ids, 10)
+    got = generate(lm.model, ids, 10, [1, 2, 6], SelectorConfig(method, K=19), proj)
+    assert torch.equal(got, ref)
+
+
+def test_decode_index_growth_matches_prefill(lm, proj):
+    """Token-by-token decoding with a growing exact index selects what one prefill selects."""
+    from transformers import DynamicCache
+
+    ids = torch.randint(3, 250, (1, 30), generator=torch.Generator().manual_seed(4))
+    cfg = SelectorConfig("learned", K=5)
+    with substitute(lm.model, [2, 3, 5], cfg, proj):
+        full = lm.model(input_ids=ids, use_cache=False).logits
+        cache = DynamicCache(config=lm.model.config)
+        steps = [lm.model(input_ids=ids[:, :10], past_key_values=cache, use_cache=True).logits]
+        for t in range(10, 30):
+            steps.append(lm.model(input_ids=ids[:, t:t + 1], past_key_values=cache, use_cache=True).logits)
+    assert rel_rms(torch.cat(steps, 1), full) < 1e-5
+
+
+def test_bad_input_fails_before_heavy_work(lm, tmp_path, proj):
+    with pytest.raises(ValueError, match="K must be a positive int"):
+        SelectorConfig("learned", K=0)
+    with pytest.raises(ValueError, match="K must be a positive int"):
+        SelectorConfig("quest", K=-4)
+    with pytest.raises(ValueError, match="method must be one of"):
+        SelectorConfig("random", K=4)
+    with pytest.raises(ValueError, match="layer index 30 is out of range: the model has 30 layers"):
+        resolve_layers([3, 30], 30)
+    with pytest.raises(ValueError, match="out of range"):
+        resolve_layers("2,99", 30)
+    with pytest.raises(ValueError, match="layer indices in 0..7"):
+        substitute(lm.model, [8], SelectorConfig("oracle", 4))
+    with pytest.raises(ValueError, match="needs trained search projections"):
+        substitute(lm.model, [1], SelectorConfig("learned", 4))
+    assert lm.model.config._attn_implementation == "sdpa"  # nothing was installed
+    (tmp_path / "short.txt").write_text("tiny corpus")
+    with pytest.raises(ValueError, match="corpus too short for the context"):
+        prepare("tiny", ["middle6"], str(tmp_path / "short.txt"), "all", 64, 4, 0, lm=lm)
+    with pytest.raises(ValueError, match="out of range"):
+        prepare("tiny", ["0,8"], str(tmp_path / "short.txt"), "all", 64, 4, 0, lm=lm)
+
+
+def test_unsupported_family_is_rejected(tmp_path):
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    cfg = GPT2Config(n_layer=2, n_embd=32, n_head=2, vocab_size=50)
+    with pytest.raises(ValueError, match="model family 'gpt2' is not supported"):
+        check_family(cfg)
+    with pytest.raises(ValueError, match="not supported"):
+        attention_modules(GPT2LMHeadModel(cfg))
+    cfg.save_pretrained(tmp_path)  # a config only: the error comes before any weights are read
+    with pytest.raises(ValueError, match="not supported"):
+        load_config(resolve_source(str(tmp_path)))
+    with pytest.raises(ValueError, match="does not exist"):
+        resolve_source(str(tmp_path / "missing.gguf"))
+    assert json.loads((tmp_path / "config.json").read_text())["model_type"] == "gpt2"

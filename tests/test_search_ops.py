@@ -1,0 +1,201 @@
+"""Search ops on bare tensors: sparse attention paths, distillation losses, selectors, metrics."""
+
+import math
+
+import pytest
+import torch
+
+from attnlab.search.capture import block_causal, pack_documents, teacher_attention
+from attnlab.search.metrics import mass_at_k, recall_at_k, rel_gap, token_nll
+from attnlab.search.projections import search_losses
+from attnlab.search.retrieval import (ExactIndex, HNSWIndex, quest_bounds, quest_select, streaming_select,
+                                      topk_candidates)
+from attnlab.search.sparse import sparse_attention
+from attnlab.testing import compare_fwd_bwd, rel_rms
+
+
+def _causal(T, B=1):
+    return torch.ones(T, T, dtype=torch.bool).tril()[None, None].expand(B, 1, T, T)
+
+
+def _random_candidates(B, G, T, K, allowed):
+    scores = torch.randn(B, G, T, T)
+    return topk_candidates(scores, allowed, K)
+
+
+@pytest.mark.parametrize("H,Hkv,G", [(4, 2, 1), (6, 3, 3), (2, 2, 2)], ids=["gqa-shared", "per-kv-group", "mha"])
+@pytest.mark.parametrize("T,K", [(1, 4), (37, 8), (64, 80)], ids=["T1", "T37-K8", "T64-K80-fillers"])
+def test_sparse_attention_fast_matches_naive(H, Hkv, G, T, K):
+    B, D = 2, 16
+    q = torch.randn(B, H, T, D, dtype=torch.float64, requires_grad=True)
+    k = torch.randn(B, Hkv, T, D, dtype=torch.float64, requires_grad=True)
+    v = torch.randn(B, Hkv, T, D, dtype=torch.float64, requires_grad=True)
+    idx, valid = _random_candidates(B, G, T, K, _causal(T, B))
+    errs = compare_fwd_bwd(lambda q, k, v: sparse_attention(q, k, v, idx, valid, 0.25, impl="fast"),
+                           lambda q, k, v: sparse_attention(q, k, v, idx, valid, 0.25, impl="naive"), [q, k, v])
+    assert max(errs.values()) < 1e-10, errs
+
+
+def test_sparse_attention_all_keys_is_full_attention():
+    B, H, Hkv, T, D = 1, 4, 2, 20, 8
+    q, k, v = torch.randn(B, H, T, D), torch.randn(B, Hkv, T, D), torch.randn(B, Hkv, T, D)
+    idx, valid = topk_candidates(torch.zeros(B, 1, T, T), _causal(T), T)
+    ref = torch.nn.functional.scaled_dot_product_attention(
+        q, k.repeat_interleave(2, 1), v.repeat_interleave(2, 1), is_causal=True)
+    for impl in ("naive", "fast"):
+        assert rel_rms(sparse_attention(q, k, v, idx, valid, D ** -0.5, impl=impl), ref) < 1e-6
+
+
+def test_sparse_attention_row_without_candidates_is_zero():
+    q, k, v = torch.randn(1, 2, 3, 4), torch.randn(1, 2, 3, 4), torch.randn(1, 2, 3, 4)
+    idx = torch.zeros(1, 1, 3, 2, dtype=torch.long)
+    valid = torch.tensor([[[[True, False], [False, False], [True, True]]]])
+    for impl in ("naive", "fast"):
+        out = sparse_attention(q, k, v, idx, valid, 0.5, impl=impl)
+        assert torch.equal(out[:, :, 1], torch.zeros(1, 2, 4))
+        assert torch.isfinite(out).all()
+
+
+def test_sparse_attention_rejects_bad_input():
+    q, k, v = torch.randn(1, 4, 5, 8), torch.randn(1, 2, 5, 8), torch.randn(1, 2, 5, 8)
+    idx, valid = torch.zeros(1, 1, 5, 3, dtype=torch.long), torch.ones(1, 1, 5, 3, dtype=torch.bool)
+    with pytest.raises(TypeError, match="idx must be an integer"):
+        sparse_attention(q, k, v, idx.float(), valid, 1.0)
+    with pytest.raises(ValueError, match="valid must have the shape"):
+        sparse_attention(q, k, v, idx, valid[..., :2], 1.0)
+    with pytest.raises(ValueError, match="impl"):
+        sparse_attention(q, k, v, idx, valid, 1.0, impl="slow")
+    with pytest.raises(ValueError, match="value groups"):
+        sparse_attention(q, torch.randn(1, 3, 5, 8), torch.randn(1, 3, 5, 8), idx, valid, 1.0)
+
+
+@pytest.mark.parametrize("k_pos", [1, 3, 50], ids=["kpos1", "kpos3", "kpos-exceeds-keys"])
+def test_search_losses_fast_matches_naive(k_pos):
+    B, T, d = 2, 13, 8
+    seg = torch.tensor([[0] * 6 + [1] * 7, [0] * 13])
+    allowed = block_causal(seg)[:, 0]
+    teacher = torch.softmax(torch.randn(B, T, T).masked_fill(~allowed, float("-inf")), -1)
+    teacher[0, 5, 0] = 0.0  # an exact zero in the teacher: 0 log 0 = 0
+    teacher[0, 5] /= teacher[0, 5].sum()
+    qs = torch.nn.functional.normalize(torch.randn(B, T, d, dtype=torch.float64), dim=-1).requires_grad_()
+    ks = torch.nn.functional.normalize(torch.randn(B, T, d, dtype=torch.float64), dim=-1).requires_grad_()
+    if k_pos >= T:  # every admissible key is a positive: L_NCE is 0 on both paths
+        for impl in ("naive", "fast"):
+            assert abs(search_losses(qs, ks, teacher.double(), allowed, 0.1, k_pos, impl=impl)[0].item()) < 1e-12
+    for which in ((1,) if k_pos >= T else (0, 1)):
+        errs = compare_fwd_bwd(
+            lambda a, b: search_losses(a, b, teacher.double(), allowed, 0.1, k_pos, impl="fast")[which],
+            lambda a, b: search_losses(a, b, teacher.double(), allowed, 0.1, k_pos, impl="naive")[which],
+            [qs, ks])
+        assert max(errs.values()) < 1e-9, (which, errs)
+
+
+def test_search_losses_hand_values():
+    # one query, two admissible keys, scores z = (2, 0), teacher (0.5, 0.5), positives = top-1
+    qs = torch.tensor([[[1.0, 0.0], [1.0, 0.0]]])
+    ks = torch.tensor([[[1.0, 0.0], [0.0, 1.0]]])
+    allowed = torch.tensor([[[True, False], [True, True]]])
+    teacher = torch.tensor([[[1.0, 0.0], [0.75, 0.25]]])
+    nce, kl = search_losses(qs, ks, teacher, allowed, tau=0.5, k_pos=1, impl="naive")
+    lse = math.log(math.exp(2.0) + 1.0)
+    # query 0: one key -> both losses 0; query 1: positive = key 0 (z=2)
+    assert nce.item() == pytest.approx((0 + (lse - 2.0)) / 2, rel=1e-5)
+    kl1 = 0.75 * (math.log(0.75) - (2.0 - lse)) + 0.25 * (math.log(0.25) - (0.0 - lse))
+    assert kl.item() == pytest.approx(kl1 / 2, rel=1e-5)
+    with pytest.raises(ValueError, match="k_pos"):
+        search_losses(qs, ks, teacher, allowed, 0.5, k_pos=0)
+    with pytest.raises(ValueError, match="tau"):
+        search_losses(qs, ks, teacher, allowed, 0.0)
+
+
+def test_teacher_attention_matches_per_head_softmax():
+    B, H, Hkv, T, D = 2, 6, 2, 9, 4
+    q, k = torch.randn(B, H, T, D), torch.randn(B, Hkv, T, D)
+    allowed = block_causal(torch.tensor([[0] * 4 + [1] * 5, [0] * 9]))
+    ref = torch.zeros(B, T, T)
+    for h in range(H):
+        s = q[:, h] @ k[:, h // 3].transpose(-1, -2) * 0.3
+        ref += torch.softmax(s.masked_fill(~allowed[:, 0], float("-inf")), -1) / H
+    assert rel_rms(teacher_attention(q, k, allowed, 0.3, chunk=4), ref) < 1e-6
+    assert torch.allclose(teacher_attention(q, k, allowed, 0.3).sum(-1), torch.ones(B, T))
+
+
+def test_quest_bound_upper_bounds_every_page_max():
+    torch.manual_seed(1)
+    B, H, Hkv, T, D, page = 2, 4, 2, 53, 8, 16
+    q, k = torch.randn(B, H, T, D), torch.randn(B, Hkv, T, D)
+    bound = quest_bounds(q, k, page)  # (B, H, T, pages)
+    scores = q @ k.repeat_interleave(2, 1).transpose(-1, -2)
+    for p in range(bound.shape[-1]):
+        true_max = scores[..., p * page:(p + 1) * page].amax(-1)
+        assert (bound[..., p] >= true_max - 1e-5).all()
+
+
+def test_quest_select_respects_budget_and_mask():
+    B, H, T, D = 1, 2, 70, 8
+    q, k = torch.randn(B, H, T, D), torch.randn(B, H, T, D)
+    allowed = _causal(T)
+    idx, valid = quest_select(q, k, allowed, 0.35, K=32, page=16)
+    assert idx.shape == (1, 1, T, 32)
+    assert allowed.gather(-1, idx)[valid].all()
+    assert valid[0, 0, 0].sum() == 1 and valid[0, 0, 69].sum() == 32  # whole pages once enough exist
+    idx, valid = quest_select(q, k, allowed, 0.35, K=T, page=16)
+    assert torch.equal(valid.sum(-1)[0, 0], torch.arange(1, T + 1))  # K >= context: every key
+
+
+def test_streaming_keeps_sinks_and_recent_window():
+    seg = torch.tensor([[0] * 5 + [1] * 20])
+    idx, valid = streaming_select(block_causal(seg), K=6, n_sink=2)
+    got = sorted(idx[0, 0, 24][valid[0, 0, 24]].tolist())
+    assert got == [5, 6, 21, 22, 23, 24]  # sinks of the second document + 4 most recent
+    assert valid[0, 0, 2].sum() == 3 and sorted(idx[0, 0, 2][valid[0, 0, 2]].tolist()) == [0, 1, 2]
+
+
+def test_exact_and_hnsw_indexes_agree_and_are_causal():
+    torch.manual_seed(2)
+    T, d, K = 120, 16, 10
+    x = torch.nn.functional.normalize(torch.randn(1, T, d), dim=-1)
+    allowed = _causal(T)
+    ex, hn = ExactIndex(), HNSWIndex(d, M=16, ef_construction=80, ef_search=120)
+    for s in range(0, T, 40):  # grows as tokens arrive
+        ex.add(x[:, s:s + 40])
+        hn.add(x[:, s:s + 40])
+    assert ex.ntotal == hn.ntotal == T
+    i1, v1 = ex.search(x, allowed, K)
+    i2, v2 = hn.search(x, allowed, K)
+    assert (i2[v2] <= torch.arange(T).view(1, 1, T, 1).expand_as(i2)[v2]).all()  # never a future key
+    assert torch.equal(v1.sum(-1), v2.sum(-1))
+    overlap = (torch.sort(i1, -1).values == torch.sort(i2, -1).values).float().mean()
+    assert overlap > 0.9
+
+
+def test_recall_and_mass_hand_example():
+    teacher = torch.tensor([[[0.5, 0.3, 0.1, 0.1, 0.0], [1.0, 0.0, 0.0, 0.0, 0.0]]])  # (B=1, Tq=2, Tk=5)
+    allowed = torch.tensor([[[[True, True, True, True, False], [True, False, False, False, False]]]])
+    idx = torch.tensor([[[[1, 2], [0, 0]]]])
+    valid = torch.tensor([[[[True, True], [True, False]]]])
+    # query 0: teacher top-2 {0, 1}, selected {1, 2} -> recall 1/2, mass 0.3 + 0.1;
+    # query 1 has only 1 admissible key (<= K) and is left out of the averages
+    assert recall_at_k(idx, valid, teacher, allowed, 2) == pytest.approx(0.5)
+    assert mass_at_k(idx, valid, teacher, allowed, 2) == pytest.approx(0.4)
+    assert math.isnan(mass_at_k(idx, valid, teacher, allowed, 4))
+
+
+def test_token_nll_skips_document_boundaries_and_rel_gap():
+    logits = torch.zeros(1, 4, 3)
+    ids = torch.tensor([[0, 1, 2, 0]])
+    nll, n = token_nll(logits, ids, torch.tensor([[0, 0, 1, 1]]))
+    assert n == 2 and nll == pytest.approx(2 * math.log(3))
+    assert rel_gap(10.1, 10.0) == pytest.approx(0.01)
+
+
+def test_pack_documents_blocks_positions_and_short_corpus():
+    enc = lambda s: [ord(c) for c in s]  # noqa: E731
+    p = pack_documents(["abc", "de", "fghij"], enc, 0, context=4, n_contexts=3, seed=None)
+    assert p.input_ids.tolist() == [[97, 98, 99, 0], [100, 101, 0, 102], [103, 104, 105, 106]]
+    assert p.segments.tolist() == [[0, 0, 0, 0], [0, 0, 0, 1], [0, 0, 0, 0]]
+    assert p.position_ids.tolist() == [[0, 1, 2, 3], [0, 1, 2, 0], [0, 1, 2, 3]]
+    m = block_causal(p.segments)[1, 0]
+    assert not m[3, :3].any() and m[3, 3] and m[2, :3].all()
+    with pytest.raises(ValueError, match="corpus too short for the context"):
+        pack_documents(["abc"], enc, 0, context=8, n_contexts=2)
