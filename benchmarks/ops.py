@@ -27,6 +27,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import os
 import statistics
 import subprocess
 import sys
@@ -167,6 +168,7 @@ def main(argv=None) -> None:
     if args.memory_child:
         memory_child(args.memory_child, args.B, args.H, args.T, args.D)
         return
+    load = os.getloadavg()  # other processes on the machine inflate and scatter the times
     names = list(dict.fromkeys(["sdpa", *args.ops]))
     B, H, T, D = args.B, args.H, args.T, args.D
     samples, notes = time_ops(names, B, H, T, D, args.reps)
@@ -197,7 +199,8 @@ def main(argv=None) -> None:
     header = f"{'op':<20}{'min ms':>9}{'x SDPA':>8}{'target':>8}{'median ms':>11}{'x SDPA':>8}" + "".join(f"{f'MB T={t}':>13}" for t in mem_T)
     if len(mem_T) == 2:
         header += f"{'growth':>9}"
-    print(f"B={B} H={H} T={T} D={D}, fp32, {torch.get_num_threads()} threads, torch {torch.__version__}")
+    print(f"B={B} H={H} T={T} D={D}, fp32, {torch.get_num_threads()} threads, torch {torch.__version__}, "
+          f"load average at start {load[0]:.1f} on {os.cpu_count()} CPUs")
     print(header)
     for row in rows:
         if row["note"]:
@@ -222,7 +225,8 @@ def main(argv=None) -> None:
     args.out.parent.mkdir(parents=True, exist_ok=True)
     result = {
         "config": {"B": B, "H": H, "T": T, "D": D, "dtype": "float32", "reps": args.reps, "memory_T": mem_T,
-                   "threads": torch.get_num_threads(), "torch": torch.__version__},
+                   "threads": torch.get_num_threads(), "torch": torch.__version__,
+                   "load_average_at_start": load[0], "cpus": os.cpu_count()},
         "method": {"time": "round-robin fwd+bwd wall-clock; time_ms is the fastest round, ratio_vs_sdpa its ratio "
                            "to fused causal SDPA in the same run; medians alongside",
                    "memory": "fresh subprocess per (op, T): VmHWM - VmRSS after resetting the peak via "

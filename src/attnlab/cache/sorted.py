@@ -147,7 +147,8 @@ class SortedScalarCache:
                      **kwargs) -> "SortedScalarCache":
         """Bulk-load a cache from a whole context: ks (B, H, N), v (B, G, N, Dv), k (B, H, N, Dk)
         for hybrid heads. Sorts each head's keys once (O(N log N)); other keyword arguments go
-        to the constructor (capacity defaults to N and then grows)."""
+        to the constructor. Without a capacity the store holds N and doubles when full: give a
+        capacity of N + the tokens still to come to avoid that copy during decode."""
         if not isinstance(ks, torch.Tensor) or ks.dim() != 3:
             raise ValueError(f"ks must be a (B, H, N) tensor, got {getattr(ks, 'shape', type(ks))}")
         if not isinstance(v, torch.Tensor) or v.dim() != 4:
@@ -160,7 +161,6 @@ class SortedScalarCache:
         if not bool(torch.isfinite(ks).all()):
             raise ValueError("ks must be finite: got ±inf or NaN keys")
         kwargs.setdefault("device", ks.device)
-        kwargs["capacity"] = kwargs.get("capacity") or None
         cache = cls(B, H, v.shape[1], v.shape[3], d_k=None if k is None else k.shape[3], **kwargs)
         if cache.capacity is not None and N > cache.capacity:
             raise ValueError(f"capacity={cache.capacity} is smaller than the N={N} tokens given")
@@ -173,7 +173,8 @@ class SortedScalarCache:
         data = cache.index.empty(N)
         data[0] = keys.view(torch.int32)
         data[1] = order.to(torch.int32)
-        cache.index.push(data)
+        if N:
+            cache.index.push(data)
         cache.n_tokens = cache.n_slots = cache._n_max = N
         return cache
 
@@ -231,8 +232,12 @@ class SortedScalarCache:
         return x if x.dtype == dtype and x.device == self.device else x.to(self.device, dtype)
 
     def _check_finite(self, name: str, x: torch.Tensor) -> None:
-        # one reduction on the hot path; the full test only when the sum is not finite (or overflowed)
-        if math.isfinite(float(x.sum())) or bool(torch.isfinite(x).all()):
+        # hot path: a few values are cheaper to check in Python than with a tensor reduction;
+        # many values take one reduction, and the full test only when the sum is not finite
+        if x.numel() <= 256:
+            if all(map(math.isfinite, x.detach().reshape(-1).tolist())):
+                return
+        elif math.isfinite(float(x.detach().sum())) or bool(torch.isfinite(x).all()):
             return
         bad = int((~torch.isfinite(x)).sum())
         raise ValueError(f"{name} must be finite: got {bad} ±inf/NaN entries; the cache is unchanged")

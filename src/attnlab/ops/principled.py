@@ -46,6 +46,11 @@ def _key_blocks(q0: int, q1: int, Tk: int, offset: int, causal: bool, block_k: i
         yield k0, k1, causal and k1 - 1 > q0 + offset
 
 
+def _mm_acc(acc, a, b):
+    """acc + a @ b for batched matrices, starting a fresh buffer when acc is None."""
+    return torch.bmm(a, b) if acc is None else acc.baddbmm_(a, b)
+
+
 class _PrincipledTiled(torch.autograd.Function):
     """Tiled principled attention on flattened heads: q (N, Tq, D), k (N, Tk, D), qg (N, Tq, Dg),
     kg (N, Tk, Dg), v (N, Tk, Dv), per-query c, softplus(beta), gamma (N, Tq).
@@ -122,15 +127,16 @@ class _PrincipledTiled(torch.autograd.Function):
         qs = qa[..., :D]
         qgs = qg * spb[..., None]  # (N, Tq, Dg)
 
-        dqa = torch.zeros_like(qa)  # [sum_j ds k_j, sum_j ds]
-        dk = torch.zeros(N, Tk, D, dtype=q.dtype, device=q.device)
-        dv = torch.zeros(N, Tk, Dv, dtype=q.dtype, device=q.device)
-        dqg = torch.zeros_like(qg)
-        dkg = torch.zeros_like(kg)
-        dspb = torch.zeros_like(spb)
+        # Gradients accumulate per block in contiguous buffers (baddbmm_ into a strided slice
+        # would run one GEMM per batch entry); queries' parts are joined per row, keys' at the end.
+        n_kb = -(-Tk // block_k)
+        dk_parts, dv_parts, dkg_parts = [None] * n_kb, [None] * n_kb, [None] * n_kb
+        dqa_rows, dqg_rows, dspb_rows = [], [], []
         for q0 in range(0, Tq, block_q):
             q1 = min(q0 + block_q, Tq)
+            dqa_q = dqg_q = dspb_q = None
             for k0, k1, partial in _key_blocks(q0, q1, Tk, offset, causal, block_k):
+                kb = k0 // block_k
                 ng = torch.bmm(qgn[:, q0:q1], kg[:, k0:k1].transpose(1, 2))  # -g, (N, nq, nk)
                 sp = F.softplus(ng)
                 y = torch.bmm(qa[:, q0:q1], ka[:, k0:k1].transpose(1, 2)).addcmul_(sp, nspb2[:, q0:q1])
@@ -141,16 +147,25 @@ class _PrincipledTiled(torch.autograd.Function):
                 ds = torch.bmm(doa[:, q0:q1], va[:, k0:k1].transpose(1, 2))
                 ds.addcmul_(side, half_delta[:, q0:q1]).mul_(w)  # dL/da
                 del side
-                # bmm then add: baddbmm_ into a strided slice falls back to one GEMM per batch.
-                dv[:, k0:k1] += torch.bmm(w.transpose(1, 2), d_ok[:, q0:q1])
-                dqa[:, q0:q1] += torch.bmm(ds, ka[:, k0:k1])
-                dk[:, k0:k1] += torch.bmm(ds.transpose(1, 2), qs[:, q0:q1])
+                dv_parts[kb] = _mm_acc(dv_parts[kb], w.transpose(1, 2), d_ok[:, q0:q1])
+                dqa_q = _mm_acc(dqa_q, ds, ka[:, k0:k1])  # [sum_j ds k_j, sum_j ds]
+                dk_parts[kb] = _mm_acc(dk_parts[kb], ds.transpose(1, 2), qs[:, q0:q1])
                 if need_gate:
-                    dspb[:, q0:q1] -= torch.linalg.vecdot(ds, sp)
+                    part = torch.linalg.vecdot(ds, sp)
+                    dspb_q = part if dspb_q is None else dspb_q.add_(part)
                     gate = ds.mul_(torch.sigmoid_(ng))  # dL/da * sigmoid(-g)
-                    dqg[:, q0:q1] += torch.bmm(gate, kg[:, k0:k1])
-                    dkg[:, k0:k1] += torch.bmm(gate.transpose(1, 2), qgs[:, q0:q1])
+                    dqg_q = _mm_acc(dqg_q, gate, kg[:, k0:k1])
+                    dkg_parts[kb] = _mm_acc(dkg_parts[kb], gate.transpose(1, 2), qgs[:, q0:q1])
+            dqa_rows.append(dqa_q)
+            dqg_rows.append(dqg_q)
+            dspb_rows.append(dspb_q)
 
+        dqa = torch.cat(dqa_rows, 1)
+        dk, dv = torch.cat(dk_parts, 1), torch.cat(dv_parts, 1)
+        if need_gate:
+            dqg, dkg, dspb = torch.cat(dqg_rows, 1), torch.cat(dkg_parts, 1), -torch.cat(dspb_rows, 1)
+        else:
+            dqg, dkg, dspb = torch.zeros_like(qg), torch.zeros_like(kg), torch.zeros_like(spb)
         scale = c / math.sqrt(D)  # (N, Tq)
         ds_k, ds_sum = dqa[..., :D], dqa[..., D]
         dq = ds_k * scale[..., None]
@@ -179,8 +194,8 @@ def _check_inputs(q, k, qg, kg, v):
         check_same("k", k.shape[2], name, x.shape[2], "length (dim 2)")
     for name, x in (("k", k), ("kg", kg), ("v", v)):
         check_groups(H, x.shape[1], name)
-    if k.shape[2] < 1:
-        raise ValueError(f"k must hold at least one key, got shape {tuple(k.shape)}")
+    if Tq < 1 or k.shape[2] < 1:
+        raise ValueError(f"q and k must hold at least one position each, got shapes {tuple(q.shape)} and {tuple(k.shape)}")
 
 
 def _check_v0(v0, H: int, Dv: int, like: torch.Tensor) -> torch.Tensor | None:

@@ -26,24 +26,29 @@ def _layer_sets(text: str) -> list[str]:
     return [s.strip() for s in text.split(";") if s.strip()]
 
 
+def train_config(args) -> TrainConfig:
+    names = {f.name for f in fields(TrainConfig)}
+    return TrainConfig(**{k: v for k, v in vars(args).items() if k in names and v is not None})
+
+
+def eval_config(args) -> EvalConfig:
+    names = {f.name for f in fields(EvalConfig)}
+    return EvalConfig(**{k: v for k, v in vars(args).items() if k in names and v is not None})
+
+
 def _train(args) -> int:
     from .train import train
 
-    names = {f.name for f in fields(TrainConfig)}
-    cfg = TrainConfig(**{k: v for k, v in vars(args).items() if k in names and v is not None})
-    print(json.dumps(train(cfg), indent=2))
+    print(json.dumps(train(train_config(args)), indent=2))
     return 0
 
 
 def _eval(args) -> int:
+    from .report import markdown_table
     from .sweep import run_eval
 
-    names = {f.name for f in fields(EvalConfig)}
-    cfg = EvalConfig(**{k: v for k, v in vars(args).items() if k in names and v is not None})
-    res = run_eval(cfg)
-    from .report import markdown_table
-
-    print(markdown_table(res))
+    cfg = eval_config(args)
+    print(markdown_table(run_eval(cfg)))
     print(f"wrote {cfg.out}/results.json, results.md, gap_vs_k.png")
     return 0
 

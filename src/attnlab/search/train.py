@@ -111,8 +111,10 @@ class ActivationStore:
         caps = self._read(i) if self.mode == "disk" else None
         if caps is None:
             caps = capture(self.lm.model, self.packed.batch(i), self.layers)
-            if self.mode == "disk":
+            if self.mode == "disk":  # train on what a resumed run will read back: the fp16 copy
                 self._write(i, caps)
+                caps = {l: Captured(c.hidden.half().float(), c.q.half().float(), c.k.half().float(), c.scaling)
+                        for l, c in caps.items()}
         if self.mode == "memory":
             self.mem[i] = caps
         return caps
@@ -165,8 +167,11 @@ def _load_optim(opt: torch.optim.Optimizer, tensors: dict, meta: dict) -> None:
     opt.load_state_dict({"state": state, "param_groups": groups})
 
 
-def train(cfg: TrainConfig, lm: LM | None = None, progress: bool = True) -> dict:
-    """Train (or resume) search projections; returns a summary with the checkpoint path."""
+def train(cfg: TrainConfig, lm: LM | None = None, progress: bool = True, until: int | None = None) -> dict:
+    """Train (or resume) search projections; returns a summary with the checkpoint path.
+
+    `until` stops after that many steps of the cfg.steps schedule (a time-boxed part of a run that a
+    later call resumes); the learning-rate schedule always spans cfg.steps."""
     lm, (layers,), packed = prepare(cfg.model, [cfg.layers], cfg.corpus, cfg.split, cfg.context,
                                     cfg.n_contexts, cfg.seed, lm=lm)
     out = Path(cfg.out)
@@ -199,7 +204,10 @@ def train(cfg: TrainConfig, lm: LM | None = None, progress: bool = True) -> dict
     bar = tqdm(range(start, cfg.steps), initial=start, total=cfg.steps, desc="search train", disable=not progress)
     last = {}
     t0 = time.time()
+    stop = cfg.steps if until is None else min(until, cfg.steps)
     for step in bar:
+        if step >= stop:
+            break
         epoch, pos = divmod(step, len(packed))
         order = list(range(len(packed)))
         random.Random(cfg.seed * 1000003 + epoch).shuffle(order)
@@ -214,15 +222,15 @@ def train(cfg: TrainConfig, lm: LM | None = None, progress: bool = True) -> dict
         loss.backward()
         opt.step()
         if want:
-            last = {"step": step + 1, "loss": loss.item(), "nce": float(nce), "kl": float(kl),
+            last = {"step": step + 1, "loss": loss.item(), "nce": nce.item(), "kl": kl.item(),
                     **{f"{k}@{cfg.eval_k}": v for k, v in info.items()}, "elapsed_s": time.time() - t0}
             log.write(json.dumps(last) + "\n")
             log.flush()
             bar.set_postfix(loss=f"{last['loss']:.3f}", mass=f"{info.get('mass', float('nan')):.3f}")
-        if (step + 1) % cfg.checkpoint_every == 0 or step + 1 == cfg.steps:
+        if (step + 1) % cfg.checkpoint_every == 0 or step + 1 in (cfg.steps, stop):
             save(step + 1)
     log.close()
     if start >= cfg.steps and not ckpt.is_file():
         save(start)
-    return {"checkpoint": str(ckpt), "layers": layers, "steps": cfg.steps, "resumed_from": start, "last": last,
-            "trainable_params": sum(p.numel() for p in proj.parameters())}
+    return {"checkpoint": str(ckpt), "layers": layers, "steps_done": max(start, stop), "resumed_from": start,
+            "last": last, "trainable_params": sum(p.numel() for p in proj.parameters())}
