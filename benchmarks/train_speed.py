@@ -1,18 +1,24 @@
-"""Training throughput (tokens/s, forward + backward + AdamW) of the LM for each mechanism.
+"""Training throughput of the LM for each attention mechanism: tokens/s of full optimizer steps.
 
-    python benchmarks/train_speed.py                       # quickstart model, softmax/scalar/hybrid
-    python benchmarks/train_speed.py --mechanisms all --steps 5 --threads 1
+    python benchmarks/train_speed.py                          # every mechanism + gated variants
+    python benchmarks/train_speed.py --variants softmax,hybrid --steps 5 --threads 1
+    python benchmarks/train_speed.py model.d_model=64 data.seq_len=512
 
-Every mechanism runs the same config (model size, batch, sequence length) on the embedded
-corpus; the first `--warmup` steps are not timed. Prints a table and writes JSON.
+One step = `Trainer.train_step()`: the next packed batch of the embedded corpus, forward,
+backward, gradient clipping and the AdamW update (no evaluation, no logging records).
+Every variant runs the same config (default: the quickstart model, configs/quickstart.toml)
+with the default fast paths; the first `--warmup` steps are not timed and the median of
+the timed steps is reported. Prints a table and writes benchmarks/results/train_speed.json.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import platform
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -21,59 +27,91 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "src"))
 
-from attnlab.models import MECHANISMS  # noqa: E402
 from attnlab.train import load_config  # noqa: E402
 from attnlab.train.trainer import Trainer  # noqa: E402
 
+# name -> overrides; the gated variants add the sigmoid output gate (zero-initialised) of seed 002
+VARIANTS = {
+    "softmax": ["model.attn=softmax"],
+    "scalar": ["model.attn=scalar"],
+    "hybrid": ["model.attn=hybrid"],
+    "principled": ["model.attn=principled"],
+    "cosformer": ["model.attn=cosformer"],
+    "gla": ["model.attn=gla"],
+    "ssd": ["model.attn=ssd"],
+    "softmax+gate": ["model.attn=softmax", 'model.attention={output_gate="elementwise"}'],
+    "cosformer+gate": ["model.attn=cosformer", 'model.attention={output_gate="elementwise"}'],
+}
 
-def measure(config: str, mechanism: str, steps: int, warmup: int, overrides: list[str], out_dir: str) -> dict:
+
+def measure(config: str, name: str, steps: int, warmup: int, overrides: list[str], out_dir: str) -> dict:
     cfg = load_config(config, [
-        f"model.attn={mechanism}", f"run.out_dir={out_dir}", f"run.name=speed-{mechanism}", "run.overwrite=true",
-        "run.progress=false", "data.max_docs=50", f"train.steps={steps + warmup}", "train.warmup_steps=0",
-        *overrides,
+        *overrides, *VARIANTS[name], f"run.out_dir={out_dir}", f"run.name=speed-{name.replace('+', '-')}",
+        "run.overwrite=true", "run.progress=false", "run.tensorboard=false",
+        "train.steps=100000", "train.warmup_steps=0", "train.log_every=100000",  # no per-step records
     ])
     trainer = Trainer(cfg)
+    sync = torch.cuda.synchronize if trainer.device.type == "cuda" else (lambda: None)
     for _ in range(warmup):
         trainer.train_step()
+    sync()
     times = []
     for _ in range(steps):
         t0 = time.perf_counter()
         trainer.train_step()
+        sync()
         times.append(time.perf_counter() - t0)
-    times.sort()
-    median = times[len(times) // 2]
+    median = sorted(times)[len(times) // 2]
     return {
-        "mechanism": mechanism,
+        "variant": name,
+        "overrides": VARIANTS[name],
         "params": trainer.model.num_params(),
         "tokens_per_step": cfg.train.tokens_per_step,
         "median_step_s": median,
+        "min_step_s": min(times),
         "tokens_per_s": cfg.train.tokens_per_step / median,
     }
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--config", default=str(ROOT / "configs" / "quickstart.toml"))
-    ap.add_argument("--mechanisms", default="softmax,scalar,hybrid", help="comma-separated names, or 'all'")
-    ap.add_argument("--steps", type=int, default=5, help="timed steps per mechanism (the median is reported)")
-    ap.add_argument("--warmup", type=int, default=1)
+    ap.add_argument("overrides", nargs="*", help="config overrides for every variant, e.g. model.d_model=64")
+    ap.add_argument("--config", default=str(ROOT / "configs" / "quickstart.toml"), help="base TOML config")
+    ap.add_argument("--variants", default="all", help=f"comma-separated, or 'all': {', '.join(VARIANTS)}")
+    ap.add_argument("--steps", type=int, default=3, help="timed steps per variant (the median is reported)")
+    ap.add_argument("--warmup", type=int, default=1, help="untimed steps first")
     ap.add_argument("--threads", type=int, default=0, help="torch CPU threads (0: torch's default)")
     ap.add_argument("--out", default=str(ROOT / "benchmarks" / "results" / "train_speed.json"))
-    ap.add_argument("overrides", nargs="*", help="config overrides, e.g. model.d_model=64")
     args = ap.parse_args()
+    names = list(VARIANTS) if args.variants == "all" else [v.strip() for v in args.variants.split(",")]
+    unknown = [n for n in names if n not in VARIANTS]
+    if unknown:
+        ap.error(f"--variants: unknown {unknown}; allowed: {', '.join(VARIANTS)} or all")
+    if args.steps < 1 or args.warmup < 0:
+        ap.error("--steps must be >= 1 and --warmup >= 0")
     if args.threads:
         torch.set_num_threads(args.threads)
-    names = list(MECHANISMS) if args.mechanisms == "all" else args.mechanisms.split(",")
-    rows = [measure(args.config, m, args.steps, args.warmup, args.overrides, "/tmp/attnlab-bench") for m in names]
-    base = next((r["tokens_per_s"] for r in rows if r["mechanism"] == "softmax"), None)
-    print(f"{'mechanism':<12}{'params':>10}{'ms/step':>10}{'tokens/s':>11}{'vs softmax':>12}")
+    with tempfile.TemporaryDirectory() as tmp:
+        rows = []
+        for name in names:
+            rows.append(measure(args.config, name, args.steps, args.warmup, args.overrides, tmp))
+            r = rows[-1]
+            print(f"  {name}: {r['median_step_s'] * 1e3:.0f} ms/step", file=sys.stderr, flush=True)
+    base = next((r["tokens_per_s"] for r in rows if r["variant"] == "softmax"), None)
+    print(f"{'variant':<16}{'params':>10}{'tokens/step':>13}{'ms/step':>10}{'tokens/s':>11}{'vs softmax':>12}")
     for r in rows:
         rel = f"{r['tokens_per_s'] / base:.2f}x" if base else "-"
-        print(f"{r['mechanism']:<12}{r['params']:>10,}{r['median_step_s'] * 1e3:>10.0f}{r['tokens_per_s']:>11.0f}{rel:>12}")
+        print(f"{r['variant']:<16}{r['params']:>10,}{r['tokens_per_step']:>13,}{r['median_step_s'] * 1e3:>10.0f}"
+              f"{r['tokens_per_s']:>11,.0f}{rel:>12}")
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
-    meta = {"config": args.config, "overrides": args.overrides, "threads": torch.get_num_threads(),
-            "torch": torch.__version__, "machine": platform.processor() or platform.machine()}
+    meta = {
+        "command": " ".join(["python", "benchmarks/train_speed.py", *sys.argv[1:]]),
+        "config": os.path.relpath(args.config, ROOT), "overrides": args.overrides, "steps": args.steps,
+        "warmup": args.warmup, "threads": torch.get_num_threads(), "torch": torch.__version__,
+        "device": torch.cuda.get_device_name(0) if torch.cuda.is_available() else (platform.processor() or platform.machine()),
+        "cpus": os.cpu_count(), "load_avg": os.getloadavg() if hasattr(os, "getloadavg") else None,
+    }
     out.write_text(json.dumps({"meta": meta, "rows": rows}, indent=2) + "\n")
     print(f"wrote {out}")
 

@@ -209,6 +209,20 @@ def test_eval_needs_a_trained_run(tmp_path, capsys):
     assert code == 2 and "train it first" in err
 
 
+def test_eval_reports_mqar_accuracy_for_mqar_runs(tmp_path, capsys):
+    run_dir = tmp_path / "mqar"
+    argv = ["train", TINY, "--run-dir", str(run_dir), *FAST, "data.source=mqar", "data.seq_len=32",
+            "data.mqar_pairs=4", "model.vocab_size=64", "train.steps=2"]
+    assert main(argv) == 0
+    code, out, _ = run_main(["eval", str(run_dir), "--passkey", "300"], capsys)
+    assert code == 2 and "mqar" in out + _
+    code, out, _ = run_main(["eval", str(run_dir), "-q"], capsys)
+    assert code == 0 and "eval.md" in out
+    result = json.loads((run_dir / "eval.json").read_text())
+    assert 0.0 <= result["mqar_accuracy"] <= 1.0 and "loss" not in result
+    assert f"Accuracy at the query positions: {fmt(result['mqar_accuracy'])}" in (run_dir / "eval.md").read_text()
+
+
 # --------------------------------------------------------------------------- report pieces
 
 

@@ -173,3 +173,5 @@ def test_bad_types():
         softmax_attention(q, k, v, scale=None)
     with pytest.raises(TypeError, match="q must be a torch.Tensor"):
         softmax_attention(q.tolist(), k, v)
+    with pytest.raises(TypeError, match="causal must be a bool"):
+        softmax_attention(q, k, v, causal="yes")

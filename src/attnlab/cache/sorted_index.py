@@ -78,6 +78,16 @@ class SortedKeyIndex:
 
     # ---- storage helpers -------------------------------------------------------------
     @property
+    def buf(self) -> torch.Tensor:
+        """The insertion buffer, packed (C, R, buffer_size); entries [0, buf_len) are in use."""
+        return self._buf
+
+    @buf.setter
+    def buf(self, data: torch.Tensor) -> None:
+        self._buf = data
+        self._buf_keys, self._buf_slots = data[0], data[1]  # views kept for the hot path
+
+    @property
     def weighted(self) -> bool:
         return self.channels == 3
 
@@ -112,8 +122,8 @@ class SortedKeyIndex:
         """Add one entry per row: key_bits (R,) int32 (float32 bits), all with the same slot."""
         if self.buf_len == self.buffer_size:
             self.flush()
-        self.buf[0].select(1, self.buf_len).copy_(key_bits)
-        self.buf[1].select(1, self.buf_len).fill_(slot)
+        self._buf_keys.select(1, self.buf_len).copy_(key_bits)
+        self._buf_slots.select(1, self.buf_len).fill_(slot)
         self.buf_len += 1
 
     def flush(self) -> None:

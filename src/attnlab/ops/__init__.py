@@ -6,7 +6,7 @@ its default route, selected by ``impl="auto" | "naive" | "fast"``.
 """
 
 from .softmax import softmax_attention
-from .scalar import scalar_attention, hybrid_attention
+from .scalar import hybrid_attention, hybrid_logits, scalar_attention, scalar_logits
 from .principled import principled_attention
 from .cosformer import CosformerState, cosformer_attention, cosformer_step
 from .gla import gla_attention, gla_step, ssd_attention, ssd_step
@@ -23,4 +23,6 @@ __all__ = [
     "gla_step",
     "ssd_step",
     "CosformerState",
+    "scalar_logits",
+    "hybrid_logits",
 ]

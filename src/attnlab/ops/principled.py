@@ -57,19 +57,29 @@ class _PrincipledTiled(torch.autograd.Function):
     Returns the key readout sum_j w_j v_j (N, Tq, Dv) and the ground weight w0 (N, Tq)."""
 
     @staticmethod
+    def _operands(q, k, qg, v, c, spb, gamma):
+        """Matmul operands with the per-query scalars folded in (recomputed in backward, O(T))."""
+        N, Tq, D = q.shape
+        ones_k = q.new_ones(N, k.shape[1], 1)
+        qa = torch.cat([q * (c * (LOG2E / math.sqrt(D)))[..., None], (-LOG2E * c * gamma)[..., None]], -1)
+        ka = torch.cat([k, ones_k], -1)  # (N, Tk, D + 1): qa . ka = log2e c (s - gamma)
+        va = torch.cat([v, ones_k], -1)  # (N, Tk, Dv + 1): p . va = [sum p v, sum p]
+        nspb2 = (-LOG2E * spb)[..., None]  # (N, Tq, 1)
+        return qa, ka, va, -qg, nspb2
+
+    @staticmethod
+    def _offsets(block_q, block_k, device):
+        """(block_q, block_k) key index minus query index inside a block, for causal masks."""
+        steps = torch.arange(max(block_q, block_k), device=device)
+        return steps[None, :block_k] - steps[:block_q, None]
+
+    @staticmethod
     def forward(ctx, q, k, qg, kg, v, c, spb, gamma, causal, block_q, block_k):
         N, Tq, D = q.shape
         Tk, Dv = k.shape[1], v.shape[2]
         offset = Tk - Tq
-        ones_k = q.new_ones(N, Tk, 1)
-        qs = q * (c * (LOG2E / math.sqrt(D)))[..., None]  # (N, Tq, D)
-        qa = torch.cat([qs, (-LOG2E * c * gamma)[..., None]], -1)  # (N, Tq, D + 1)
-        ka = torch.cat([k, ones_k], -1)  # (N, Tk, D + 1)
-        va = torch.cat([v, ones_k], -1)  # (N, Tk, Dv + 1)
-        qgn = -qg
-        nspb2 = (-LOG2E * spb)[..., None]  # (N, Tq, 1)
-        steps = torch.arange(max(block_q, block_k), device=q.device)
-        diff = steps[None, :block_k] - steps[:block_q, None]  # key index - query index in a block
+        qa, ka, va, qgn, nspb2 = _PrincipledTiled._operands(q, k, qg, v, c, spb, gamma)
+        diff = _PrincipledTiled._offsets(block_q, block_k, q.device)
 
         ok = q.new_empty(N, Tq, Dv)
         w0 = q.new_empty(N, Tq)
@@ -104,21 +114,21 @@ class _PrincipledTiled(torch.autograd.Function):
             w0[:, q0:q1] = (excess / z).squeeze(-1)
             lse2[:, q0:q1] = (m + torch.log2(z)).squeeze(-1)
 
-        ctx.save_for_backward(q, qa, ka, va, qg, qgn, kg, c, spb, gamma, nspb2, ok, w0, lse2)
+        ctx.save_for_backward(q, k, qg, kg, v, c, spb, gamma, ok, w0, lse2)
         ctx.causal, ctx.block_q, ctx.block_k = causal, block_q, block_k
         return ok, w0
 
     @staticmethod
     @once_differentiable
     def backward(ctx, d_ok, d_w0):
-        q, qa, ka, va, qg, qgn, kg, c, spb, gamma, nspb2, ok, w0, lse2 = ctx.saved_tensors
+        q, k, qg, kg, v, c, spb, gamma, ok, w0, lse2 = ctx.saved_tensors
         causal, block_q, block_k = ctx.causal, ctx.block_q, ctx.block_k
         N, Tq, D = q.shape
-        Tk, Dv = ka.shape[1], va.shape[2] - 1
+        Tk = k.shape[1]
         offset = Tk - Tq
         need_gate = any(ctx.needs_input_grad[i] for i in (2, 3, 6))
-        steps = torch.arange(max(block_q, block_k), device=q.device)
-        diff = steps[None, :block_k] - steps[:block_q, None]
+        qa, ka, va, qgn, nspb2 = _PrincipledTiled._operands(q, k, qg, v, c, spb, gamma)
+        diff = _PrincipledTiled._offsets(block_q, block_k, q.device)
 
         delta = (d_ok * ok).sum(-1) - d_w0 * (1 - w0)  # (N, Tq)
         # [do, -(dw0 + Delta/2)] . [v, 1] = dP - Delta/2; the sign term adds -Delta/2 sign(y).

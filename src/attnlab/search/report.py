@@ -81,12 +81,13 @@ def _atomic_text(path: Path, text: str) -> None:
     os.replace(tmp, path)
 
 
-def write_report(results: dict, out: str | Path) -> dict[str, str]:
-    """Write results.json, results.md and gap_vs_k.png under `out`; returns their paths."""
+def write_report(results: dict, out: str | Path, png: bool = True) -> dict[str, str]:
+    """Write results.json, results.md and (with png) gap_vs_k.png under `out`; returns their paths."""
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
     paths = {"json": out / "results.json", "markdown": out / "results.md", "png": out / "gap_vs_k.png"}
     _atomic_text(paths["json"], json.dumps(_clean(results), indent=2))
     _atomic_text(paths["markdown"], markdown_table(results))
-    plot(results, paths["png"])
+    if png:
+        plot(results, paths["png"])
     return {k: str(v) for k, v in paths.items()}

@@ -111,7 +111,7 @@ def run_eval(cfg: EvalConfig, lm: LM | None = None, progress: bool = True) -> di
                                             **s, "rel_gap": rel_gap(s["ppl"], results["full"]["ppl"]),
                                             "seconds": time.time() - t1})
                     results["elapsed_s"] = time.time() - t0
-                    write_report(results, out)
+                    write_report(results, out, png=False)  # partial results survive an interruption
     bar.close()
     results["elapsed_s"] = time.time() - t0
     write_report(results, out)
