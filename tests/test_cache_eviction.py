@@ -176,6 +176,16 @@ def test_window_error_matches_brute_force():
     assert torch.equal(window_error(cache, qs, tau, window=None).mass_out, torch.zeros(2, 4, dtype=torch.float64))
 
 
+def test_window_error_with_ties_at_the_edge():
+    keys = torch.tensor([0.0, 1.0, 1.0, 1.0, 2.0]).view(1, 1, 5)
+    cache = SortedScalarCache.from_tensors(keys, torch.randn(1, 1, 5, 2))
+    tau = 0.5
+    err = window_error(cache, torch.zeros(1, 1), tau, window=2)  # keeps 0 and one of the 1s
+    w = torch.exp(-keys.view(-1).double() ** 2 / tau)
+    assert torch.allclose(err.mass_out.view(()), (2 * w[1] + w[4]) / w.sum(), rtol=1e-12)
+    assert float(err.radius) == 1.0
+
+
 @pytest.mark.parametrize("rel_r", [1.0, 1.5, 2.0, 2.5])
 def test_erfc_bound_holds_at_uniform_density(rel_r):
     """Stratified keys of constant density, spacing << sqrt(tau), window well inside the key

@@ -109,7 +109,7 @@ def test_invariants_under_random_operations(ops):
             naive = cache.attend(qs, 0.5, window=o[2], impl="naive")
             if o[2] is None:  # exact mode: fast and naive must agree (windows may differ on ties)
                 assert torch.allclose(fast, naive, atol=1e-5)
-            queries = (queries + [o[1]])[-8:]
+            queries = (queries + [o[1]] * 2)[-8:]  # both calls record the query (history of 8)
         elif o[0] == "evict" and queries:
             q = torch.tensor(queries)  # (m, R)
             lo, hi = q.min(0).values - o[1], q.max(0).values + o[1]

@@ -209,11 +209,12 @@ def test_eval_needs_a_trained_run(tmp_path, capsys):
     assert code == 2 and "train it first" in err
 
 
-def test_eval_reports_mqar_accuracy_for_mqar_runs(tmp_path, capsys):
+def test_eval_reports_mqar_accuracy_for_a_moved_mqar_run(tmp_path, capsys):
     run_dir = tmp_path / "mqar"
     argv = ["train", TINY, "--run-dir", str(run_dir), *FAST, "data.source=mqar", "data.seq_len=32",
             "data.mqar_pairs=4", "model.vocab_size=64", "train.steps=2"]
     assert main(argv) == 0
+    run_dir = run_dir.rename(tmp_path / "moved")  # a run folder can be evaluated wherever it now lies
     code, out, _ = run_main(["eval", str(run_dir), "--passkey", "300"], capsys)
     assert code == 2 and "mqar" in out + _
     code, out, _ = run_main(["eval", str(run_dir), "-q"], capsys)

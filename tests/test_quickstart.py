@@ -78,7 +78,7 @@ def test_minutes_budget_scales_with_time(tmp_path):
 def report(tmp_path_factory):
     """The quickstart pipeline run through `attnlab quickstart` on a shrunken model (3 steps)."""
     out = tmp_path_factory.mktemp("qs")
-    argv = ["quickstart", "--out", str(out), "--steps", "3", "--eval-tokens", "160", "--no-progress", *SMALL]
+    argv = ["quickstart", "--out", str(out), "--steps", "3", "--no-progress", *SMALL]
     return out, argv
 
 
@@ -104,6 +104,9 @@ def test_quickstart_end_to_end(report, capsys):
         assert m["tau"] == summary["tau"] and m["tokens_per_s"] == summary["tokens_per_s"]
         assert (out / name / "eval.md").is_file()
         assert len(results["curves"][name]["train"]) == 3 and results["curves"][name]["val"][-1][0] == 3
+        # the table's val loss is measured on the same text as the trainer's last evaluation
+        assert m["val_loss"] == pytest.approx(results["curves"][name]["val"][-1][1], rel=1e-5)
+        assert m["val_tokens"] == ev["loss"]["40"]["tokens"] == summary["history"]["eval"][-1]["val_tokens"]
     assert models["softmax"]["tau"] == [None, None] and models["softmax"]["topk_mass"] == {}
     for name in ("scalar", "hybrid"):
         assert all(t > 0 for t in models[name]["tau"])

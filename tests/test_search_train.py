@@ -157,7 +157,7 @@ def _write_gguf(model, path):
     w.add_feed_forward_length(c.intermediate_size)
     w.add_head_count(c.num_attention_heads)
     w.add_head_count_kv(c.num_key_value_heads)
-    w.add_rope_freq_base(c.rope_parameters["rope_theta"])
+    w.add_rope_freq_base(getattr(c, "rope_theta", None) or c.rope_parameters["rope_theta"])
     w.add_layer_norm_rms_eps(c.rms_norm_eps)
     w.add_vocab_size(c.vocab_size)
     sd = {k: v.numpy() for k, v in model.state_dict().items()}

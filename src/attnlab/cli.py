@@ -156,6 +156,8 @@ def _eval_plan(ns) -> dict:
     if target.is_dir():
         if not (target / "config.toml").is_file():
             raise UsageError(f"{ns.target!r} is not a run folder: it has no config.toml (train it with attnlab train)")
+        # the folder as given, wherever it was trained: the run is found where it now lies
+        overrides += [f"run.out_dir={json.dumps(str(target.resolve().parent))}", f"run.name={json.dumps(target.resolve().name)}"]
         cfg = load_config(target / "config.toml", overrides)
         source = target
     else:
@@ -242,7 +244,7 @@ def cmd_quickstart(ns) -> int:
         raise UsageError(f"--steps must be >= 1, got {ns.steps}")
     if ns.minutes is not None and not ns.minutes > 0:
         raise UsageError(f"--minutes must be > 0, got {ns.minutes}")
-    if ns.eval_tokens < 1:
+    if ns.eval_tokens is not None and ns.eval_tokens < 1:
         raise UsageError(f"--eval-tokens must be >= 1, got {ns.eval_tokens}")
     mechanisms = [m.strip() for m in ns.mechanisms.split(",") if m.strip()]
     stray = [a for a in ns.overrides if "=" not in a]
@@ -331,7 +333,8 @@ def build_parser() -> argparse.ArgumentParser:
                     f"{base['data']['seq_len']} tokens per model, d_model {base['model']['d_model']}, "
                     f"{base['model']['n_layers']} layers (about 6-7 minutes on a 2-core CPU).",
         epilog=f"Overrides change every model alike, e.g. model.d_model=64 train.batch_size=8; the quickstart owns "
-               f"{', '.join(OWNED_KEYS)}.\nSee `attnlab train --help` for every config key.",
+               f"{', '.join(OWNED_KEYS)}.\nWhen other jobs already occupy every CPU it trains with one torch thread, "
+               f"which is faster there (run.threads=N chooses).\nSee `attnlab train --help` for every config key.",
     )
     p.add_argument("overrides", nargs="*", metavar="key=value", help="config overrides applied to every model")
     p.add_argument("--out", default=DEFAULT_OUT, metavar="DIR", help=f"report folder (default: {DEFAULT_OUT})")
@@ -340,7 +343,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="instead of --steps: measure this machine and pick the steps that train all models in M minutes")
     p.add_argument("--mechanisms", default=",".join(MECHANISMS), metavar="A,B",
                    help=f"mechanisms to compare (default: {','.join(MECHANISMS)})")
-    p.add_argument("--eval-tokens", type=int, default=65536, metavar="N", help="validation tokens per length (default: 65536)")
+    p.add_argument("--eval-tokens", type=int, metavar="N",
+                   help="validation tokens per length (default: those of the trainer's evaluations, "
+                        "train.eval_batches x train.batch_size x data.seq_len)")
     p.add_argument("--no-progress", action="store_true", help="no progress bars")
     p.set_defaults(func=cmd_quickstart)
 

@@ -63,21 +63,24 @@ def window_error(cache, qs: torch.Tensor, tau, q: torch.Tensor | None = None, wi
     lf = cache._logits(full, dist, q_rows, tau_r, None).double()  # (R, N)
     kept = torch.isfinite(lw)  # (R, k) candidates that count (radius mode masks some)
     if cache.has_sink:  # the sink is always in the window
-        ls = cache._sink_logit(qr, q_rows, tau_r).double()
-        lse_win, lse_full = torch.cat([lw, ls], 1).logsumexp(1), torch.cat([lf, ls], 1).logsumexp(1)
+        lse_full = torch.cat([lf, cache._sink_logit(qr, q_rows, tau_r).double()], 1).logsumexp(1)
     else:
-        lse_win, lse_full = lw.logsumexp(1), lf.logsumexp(1)
+        lse_full = lf.logsumexp(1)
     # realized radius: distance to the nearest entry left out (the window is a set of nearest keys)
     none = torch.full_like(dist[:, :1], float("-inf"))
     far = torch.cat([torch.where(kept, dist_w, float("-inf")), none], 1).amax(1, keepdim=True)  # (R, 1)
     ties_left_out = (dist <= far).sum(1) > kept.sum(1)  # some entries at the edge distance left out
     beyond = torch.where(dist > far, dist, float("inf")).amin(1)
     rad = torch.where(ties_left_out, far.squeeze(1), beyond).double()
-    # mass out, summed directly over the entries beyond the window (accurate for tiny masses),
-    # or as 1 - Z_window / Z_full when entries at the edge distance were left out
-    direct = (lf - lse_full[:, None]).exp().masked_fill(dist <= far, 0.0).sum(1)
-    ratio = -torch.expm1(lse_win - lse_full)
-    mass_out = torch.where(ties_left_out, ratio, direct).nan_to_num(0.0).clamp(0.0, 1.0)
+    # mass out, summed over the entries beyond the window's edge distance, plus the share of
+    # entries at exactly that distance that the window left out (ties): sums of small terms,
+    # so tiny masses keep their precision instead of vanishing in 1 - Z_window / Z_full
+    p_full = (lf - lse_full[:, None]).exp()  # (R, N)
+    p_win = (lw - lse_full[:, None]).exp()  # (R, k)
+    beyond_mass = p_full.masked_fill(dist <= far, 0.0).sum(1)
+    tied_full = p_full.masked_fill(dist != far, 0.0).sum(1)
+    tied_kept = p_win.masked_fill(~(kept & (dist_w == far)), 0.0).sum(1)
+    mass_out = (beyond_mass + (tied_full - tied_kept).clamp_min(0.0)).nan_to_num(0.0).clamp(0.0, 1.0)
     tau64 = tau_r.double().view(-1) if isinstance(tau_r, torch.Tensor) else tau_r
     bound = erfc_bound(rad, tau64)
     shape = (cache.batch, cache.n_heads)

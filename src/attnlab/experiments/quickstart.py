@@ -44,8 +44,8 @@ BASE_CONFIG: dict = {
     "model": {"d_model": 128, "n_layers": 4, "n_heads": 4, "attn": "softmax"},
     "data": {"source": "stdlib", "tokenizer": "byte", "seq_len": 256},
     "train": {
-        "steps": 300, "batch_size": 16, "lr": 2e-3, "warmup_steps": 30,
-        "eval_every": 50, "eval_batches": 4, "log_every": 10, "ckpt_every": 100,
+        "steps": 200, "batch_size": 16, "lr": 2e-3, "warmup_steps": 20,
+        "eval_every": 50, "eval_batches": 8, "log_every": 10, "ckpt_every": 100,
     },
     "run": {"out_dir": DEFAULT_OUT, "seed": 0},
 }
@@ -98,6 +98,17 @@ def quickstart_configs(
 
 
 # --------------------------------------------------------------------------- budget
+
+
+def busy_threads(overrides: Sequence[str]) -> int | None:
+    """1 when other processes already occupy every CPU (1-minute load average >= CPU count)
+    and the user chose no run.threads, else None (torch's default). Several threads that
+    must meet at every parallel region stall each other when the CPUs are shared; one
+    thread does not, which on a busy 2-core machine is several times faster."""
+    if any(item.split("=", 1)[0].strip() == "run.threads" for item in overrides) or not hasattr(os, "getloadavg"):
+        return None
+    cpus = os.cpu_count() or 1
+    return 1 if cpus > 1 and os.getloadavg()[0] >= cpus else None
 
 
 def _vocab_of(cfg: RunConfig) -> int:
@@ -158,7 +169,7 @@ def run(
     minutes: float | None = None,
     mechanisms: Sequence[str] = MECHANISMS,
     overrides: Sequence[str] = (),
-    eval_tokens: int = 65536,
+    eval_tokens: int | None = None,
     progress: bool = True,
     quiet: bool = False,
     command: str | None = None,
@@ -168,9 +179,14 @@ def run(
 
     if steps is not None and minutes is not None:
         raise ConfigError("give steps or minutes, not both (steps fixes the budget; minutes measures it here)")
-    if isinstance(eval_tokens, bool) or not isinstance(eval_tokens, int) or eval_tokens < 1:
-        raise ConfigError(f"eval_tokens must be an int >= 1, got {eval_tokens!r}")
+    if eval_tokens is not None and (isinstance(eval_tokens, bool) or not isinstance(eval_tokens, int) or eval_tokens < 1):
+        raise ConfigError(f"eval_tokens must be None or an int >= 1, got {eval_tokens!r}")
     extra = list(overrides) + ([] if progress else ["run.progress=false"])
+    threads = busy_threads(extra)
+    if threads:
+        extra.append(f"run.threads={threads}")
+        _log(f"the CPUs are busy (load {os.getloadavg()[0]:.1f} on {os.cpu_count()} CPUs): training with {threads} torch "
+             f"thread; set run.threads=N to choose", quiet)
     cfgs = quickstart_configs(out, steps=steps, mechanisms=mechanisms, overrides=extra)
     t_start = time.perf_counter()
     per_step = None
@@ -183,7 +199,7 @@ def run(
     _log(
         f"quickstart: {len(cfgs)} models ({', '.join(c.run.name for c in cfgs)}), each {c0.train.steps} steps x "
         f"{c0.train.tokens_per_step:,} tokens = {tokens:,} tokens; d_model {c0.model.d_model}, {c0.model.n_layers} layers, "
-        f"{c0.model.n_heads} heads, seq_len {c0.data.seq_len}, seed {c0.run.seed}; torch threads {torch.get_num_threads()}",
+        f"{c0.model.n_heads} heads, seq_len {c0.data.seq_len}, seed {c0.run.seed}; torch threads {c0.run.threads or torch.get_num_threads()}",
         quiet,
     )
     Path(out).mkdir(parents=True, exist_ok=True)
@@ -193,7 +209,9 @@ def run(
         _log(f"[{i + 1}/{len(cfgs)}] training {name}", quiet)
         summary = train(cfg)
         T = cfg.data.seq_len
-        ev = evaluate(cfg.run_dir, seq_lens=[T, 2 * T], max_tokens=eval_tokens, analysis_len=min(T, 256), topk=TOPK)
+        # by default the same validation text as the trainer's evaluations, so the table matches the curve's end
+        n_eval = eval_tokens or cfg.train.eval_batches * cfg.train.batch_size * T
+        ev = evaluate(cfg.run_dir, seq_lens=[T, 2 * T], max_tokens=n_eval, analysis_len=min(T, 256), topk=TOPK)
         write_eval_report(ev, cfg.run_dir)
         histories[name] = summary["history"]
         models.append(_model_row(name, cfg, summary, ev))

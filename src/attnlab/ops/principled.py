@@ -38,17 +38,29 @@ BLOCK_Q = 256
 BLOCK_K = 256
 
 
-def _key_blocks(q0: int, q1: int, Tk: int, offset: int, causal: bool, block_k: int):
-    """Key blocks (k0, k1, partial) that queries q0..q1-1 can see; partial blocks need a mask."""
+def _tiles(q0: int, q1: int, Tk: int, offset: int, causal: bool, block_k: int):
+    """Key blocks [k0, k1) that queries q0..q1-1 see, each with r0, the first query that sees
+    it (rows before r0 are skipped), and n_mask, how many rows from r0 on need a causal mask."""
     k_end = min(Tk, q1 + offset) if causal else Tk
     for k0 in range(0, k_end, block_k):
         k1 = min(k0 + block_k, Tk)
-        yield k0, k1, causal and k1 - 1 > q0 + offset
+        if not causal:
+            yield k0, k1, q0, 0
+            continue
+        r0 = max(q0, k0 - offset)  # query r sees key j iff j <= r + offset
+        yield k0, k1, r0, max(0, min(q1, k1 - 1 - offset) - r0)
+
+
+def _mm_into(acc, a, b):
+    """acc += a @ b for batched matrices; acc may be a row slice of a larger buffer."""
+    if acc.is_contiguous():
+        return acc.baddbmm_(a, b)
+    return acc.add_(torch.bmm(a, b))  # baddbmm_ into a strided view would run one GEMM per batch
 
 
 def _mm_acc(acc, a, b):
-    """acc + a @ b for batched matrices, starting a fresh buffer when acc is None."""
-    return torch.bmm(a, b) if acc is None else acc.baddbmm_(a, b)
+    """acc + a @ b, starting a fresh buffer when acc is None."""
+    return torch.bmm(a, b) if acc is None else _mm_into(acc, a, b)
 
 
 class _PrincipledTiled(torch.autograd.Function):
@@ -68,10 +80,10 @@ class _PrincipledTiled(torch.autograd.Function):
         return qa, ka, va, -qg, nspb2
 
     @staticmethod
-    def _offsets(block_q, block_k, device):
-        """(block_q, block_k) key index minus query index inside a block, for causal masks."""
-        steps = torch.arange(max(block_q, block_k), device=device)
-        return steps[None, :block_k] - steps[:block_q, None]
+    def _offsets(block_k, device):
+        """(block_k, block_k) key index minus query index along a block's diagonal band."""
+        steps = torch.arange(block_k, device=device)
+        return steps[None, :] - steps[:, None]
 
     @staticmethod
     def forward(ctx, q, k, qg, kg, v, c, spb, gamma, causal, block_q, block_k):
@@ -79,7 +91,7 @@ class _PrincipledTiled(torch.autograd.Function):
         Tk, Dv = k.shape[1], v.shape[2]
         offset = Tk - Tq
         qa, ka, va, qgn, nspb2 = _PrincipledTiled._operands(q, k, qg, v, c, spb, gamma)
-        diff = _PrincipledTiled._offsets(block_q, block_k, q.device)
+        diff = _PrincipledTiled._offsets(block_k, q.device)
 
         ok = q.new_empty(N, Tq, Dv)
         w0 = q.new_empty(N, Tq)
@@ -90,25 +102,26 @@ class _PrincipledTiled(torch.autograd.Function):
             m = q.new_zeros(N, nq, 1)  # running max of max(0, y), base 2
             acc = q.new_zeros(N, nq, Dv + 1)
             excess = q.new_zeros(N, nq, 1)
-            for k0, k1, partial in _key_blocks(q0, q1, Tk, offset, causal, block_k):
-                sp = F.softplus(torch.bmm(qgn[:, q0:q1], kg[:, k0:k1].transpose(1, 2)))  # (N, nq, nk)
-                y = torch.bmm(qa[:, q0:q1], ka[:, k0:k1].transpose(1, 2)).addcmul_(sp, nspb2[:, q0:q1])
+            for k0, k1, r0, n_mask in _tiles(q0, q1, Tk, offset, causal, block_k):
+                rows, loc = slice(r0, q1), slice(r0 - q0, nq)
+                sp = F.softplus(torch.bmm(qgn[:, rows], kg[:, k0:k1].transpose(1, 2)))  # (N, nr, nk)
+                y = torch.bmm(qa[:, rows], ka[:, k0:k1].transpose(1, 2)).addcmul_(sp, nspb2[:, rows])
                 del sp
-                if partial:
-                    hidden = diff[: q1 - q0, : k1 - k0] > q0 + offset - k0
-                    y.masked_fill_(hidden, float("-inf"))
-                m_new = torch.maximum(m, y.amax(-1, keepdim=True))
-                rescale = torch.exp2(m - m_new)
-                acc.mul_(rescale)
-                excess.mul_(rescale)
-                m = m_new
-                p = y.sub_(m).exp2_()  # 2^(y - M)
-                acc.baddbmm_(p, va[:, k0:k1])
-                ground = torch.exp2(-m)  # the threshold's term 2^(0 - M)
-                short = p.sub_(ground).clamp_max_(0)  # -max(0, ground - p)
-                if partial:
-                    short.masked_fill_(hidden, 0.0)
-                excess.sub_(short.sum(-1, keepdim=True))
+                if n_mask:
+                    hidden = diff[:n_mask, : k1 - k0] > r0 + offset - k0
+                    y[:, :n_mask].masked_fill_(hidden, float("-inf"))
+                m_old = m[:, loc]
+                m_new = torch.maximum(m_old, y.amax(-1, keepdim=True))
+                rescale = torch.exp2(m_old - m_new)
+                acc[:, loc].mul_(rescale)
+                excess[:, loc].mul_(rescale)
+                m[:, loc].copy_(m_new)
+                p = y.sub_(m_new).exp2_()  # 2^(y - M)
+                _mm_into(acc[:, loc], p, va[:, k0:k1])
+                short = p.sub_(torch.exp2(-m_new)).clamp_max_(0)  # -max(0, 2^(0 - M) - p)
+                if n_mask:
+                    short[:, :n_mask].masked_fill_(hidden, 0.0)
+                excess[:, loc].sub_(short.sum(-1, keepdim=True))
             z = acc[..., Dv:] + excess  # (N, nq, 1)
             ok[:, q0:q1] = acc[..., :Dv] / z
             w0[:, q0:q1] = (excess / z).squeeze(-1)
@@ -128,7 +141,7 @@ class _PrincipledTiled(torch.autograd.Function):
         offset = Tk - Tq
         need_gate = any(ctx.needs_input_grad[i] for i in (2, 3, 6))
         qa, ka, va, qgn, nspb2 = _PrincipledTiled._operands(q, k, qg, v, c, spb, gamma)
-        diff = _PrincipledTiled._offsets(block_q, block_k, q.device)
+        diff = _PrincipledTiled._offsets(block_k, q.device)
 
         delta = (d_ok * ok).sum(-1) - d_w0 * (1 - w0)  # (N, Tq)
         # [do, -(dw0 + Delta/2)] . [v, 1] = dP - Delta/2; the sign term adds -Delta/2 sign(y).
@@ -137,35 +150,37 @@ class _PrincipledTiled(torch.autograd.Function):
         qs = qa[..., :D]
         qgs = qg * spb[..., None]  # (N, Tq, Dg)
 
-        # Gradients accumulate per block in contiguous buffers (baddbmm_ into a strided slice
-        # would run one GEMM per batch entry); queries' parts are joined per row, keys' at the end.
+        # Keys' gradients accumulate per key block, queries' per query block, in contiguous
+        # buffers; they are joined at the end.
         n_kb = -(-Tk // block_k)
         dk_parts, dv_parts, dkg_parts = [None] * n_kb, [None] * n_kb, [None] * n_kb
         dqa_rows, dqg_rows, dspb_rows = [], [], []
         for q0 in range(0, Tq, block_q):
             q1 = min(q0 + block_q, Tq)
-            dqa_q = dqg_q = dspb_q = None
-            for k0, k1, partial in _key_blocks(q0, q1, Tk, offset, causal, block_k):
-                kb = k0 // block_k
-                ng = torch.bmm(qgn[:, q0:q1], kg[:, k0:k1].transpose(1, 2))  # -g, (N, nq, nk)
+            nq = q1 - q0
+            dqa_q = q.new_zeros(N, nq, D + 1)  # [sum_j ds k_j, sum_j ds]
+            dqg_q = q.new_zeros(N, nq, qg.shape[2]) if need_gate else None
+            dspb_q = q.new_zeros(N, nq)
+            for k0, k1, r0, n_mask in _tiles(q0, q1, Tk, offset, causal, block_k):
+                rows, loc, kb = slice(r0, q1), slice(r0 - q0, nq), k0 // block_k
+                ng = torch.bmm(qgn[:, rows], kg[:, k0:k1].transpose(1, 2))  # -g, (N, nr, nk)
                 sp = F.softplus(ng)
-                y = torch.bmm(qa[:, q0:q1], ka[:, k0:k1].transpose(1, 2)).addcmul_(sp, nspb2[:, q0:q1])
-                if partial:
-                    y.masked_fill_(diff[: q1 - q0, : k1 - k0] > q0 + offset - k0, float("-inf"))
+                y = torch.bmm(qa[:, rows], ka[:, k0:k1].transpose(1, 2)).addcmul_(sp, nspb2[:, rows])
+                if n_mask:
+                    y[:, :n_mask].masked_fill_(diff[:n_mask, : k1 - k0] > r0 + offset - k0, float("-inf"))
                 side = torch.sign(y)  # +1 above the threshold, 0 on a tie, -1 below or hidden
-                w = y.sub_(lse2[:, q0:q1, None]).exp2_()  # (N, nq, nk)
-                ds = torch.bmm(doa[:, q0:q1], va[:, k0:k1].transpose(1, 2))
-                ds.addcmul_(side, half_delta[:, q0:q1]).mul_(w)  # dL/da
+                w = y.sub_(lse2[:, rows, None]).exp2_()  # (N, nr, nk)
+                ds = torch.bmm(doa[:, rows], va[:, k0:k1].transpose(1, 2))
+                ds.addcmul_(side, half_delta[:, rows]).mul_(w)  # dL/da
                 del side
-                dv_parts[kb] = _mm_acc(dv_parts[kb], w.transpose(1, 2), d_ok[:, q0:q1])
-                dqa_q = _mm_acc(dqa_q, ds, ka[:, k0:k1])  # [sum_j ds k_j, sum_j ds]
-                dk_parts[kb] = _mm_acc(dk_parts[kb], ds.transpose(1, 2), qs[:, q0:q1])
+                dv_parts[kb] = _mm_acc(dv_parts[kb], w.transpose(1, 2), d_ok[:, rows])
+                _mm_into(dqa_q[:, loc], ds, ka[:, k0:k1])
+                dk_parts[kb] = _mm_acc(dk_parts[kb], ds.transpose(1, 2), qs[:, rows])
                 if need_gate:
-                    part = torch.linalg.vecdot(ds, sp)
-                    dspb_q = part if dspb_q is None else dspb_q.add_(part)
+                    dspb_q[:, loc].sub_(torch.linalg.vecdot(ds, sp))
                     gate = ds.mul_(torch.sigmoid_(ng))  # dL/da * sigmoid(-g)
-                    dqg_q = _mm_acc(dqg_q, gate, kg[:, k0:k1])
-                    dkg_parts[kb] = _mm_acc(dkg_parts[kb], gate.transpose(1, 2), qgs[:, q0:q1])
+                    _mm_into(dqg_q[:, loc], gate, kg[:, k0:k1])
+                    dkg_parts[kb] = _mm_acc(dkg_parts[kb], gate.transpose(1, 2), qgs[:, rows])
             dqa_rows.append(dqa_q)
             dqg_rows.append(dqg_q)
             dspb_rows.append(dspb_q)
@@ -173,7 +188,7 @@ class _PrincipledTiled(torch.autograd.Function):
         dqa = torch.cat(dqa_rows, 1)
         dk, dv = torch.cat(dk_parts, 1), torch.cat(dv_parts, 1)
         if need_gate:
-            dqg, dkg, dspb = torch.cat(dqg_rows, 1), torch.cat(dkg_parts, 1), -torch.cat(dspb_rows, 1)
+            dqg, dkg, dspb = torch.cat(dqg_rows, 1), torch.cat(dkg_parts, 1), torch.cat(dspb_rows, 1)
         else:
             dqg, dkg, dspb = torch.zeros_like(qg), torch.zeros_like(kg), torch.zeros_like(spb)
         scale = c / math.sqrt(D)  # (N, Tq)

@@ -125,7 +125,10 @@ def generate(model, input_ids: torch.Tensor, max_new_tokens: int, layers=None,
 def _greedy(model, input_ids, max_new_tokens):
     from transformers import DynamicCache
 
-    cache = DynamicCache(config=model.config)
+    try:
+        cache = DynamicCache(config=model.config)
+    except TypeError:  # older transformers: no config argument
+        cache = DynamicCache()
     out = model(input_ids=input_ids, past_key_values=cache, use_cache=True)
     ids = input_ids
     for step in range(max_new_tokens):
