@@ -145,7 +145,14 @@ def steps_for_minutes(cfgs: Sequence[RunConfig], minutes: float, *, eval_share: 
     keeping `eval_share` of the time for evaluation and the report. Returns (steps, {name: s/step})."""
     if isinstance(minutes, bool) or not isinstance(minutes, (int, float)) or not minutes > 0:
         raise ConfigError(f"minutes must be a number > 0, got {minutes!r}")
-    per_step = {c.run.name: step_seconds(c) for c in cfgs}
+    before = torch.get_num_threads()
+    try:
+        per_step = {}
+        for c in cfgs:
+            torch.set_num_threads(c.run.threads or before)  # time the models as they will train
+            per_step[c.run.name] = step_seconds(c)
+    finally:
+        torch.set_num_threads(before)
     steps = int(minutes * 60 * (1 - eval_share) / sum(per_step.values()))
     if steps < 1:
         raise ConfigError(
@@ -175,19 +182,18 @@ def run(
     command: str | None = None,
 ) -> dict:
     """Train and compare; returns the results dict (also OUT/results.json). See the module docstring."""
-    from attnlab.train import evaluate, train
-
     if steps is not None and minutes is not None:
         raise ConfigError("give steps or minutes, not both (steps fixes the budget; minutes measures it here)")
     if eval_tokens is not None and (isinstance(eval_tokens, bool) or not isinstance(eval_tokens, int) or eval_tokens < 1):
         raise ConfigError(f"eval_tokens must be None or an int >= 1, got {eval_tokens!r}")
     extra = list(overrides) + ([] if progress else ["run.progress=false"])
+    cfgs = quickstart_configs(out, steps=steps, mechanisms=mechanisms, overrides=extra)
     threads = busy_threads(extra)
     if threads:
-        extra.append(f"run.threads={threads}")
         _log(f"the CPUs are busy (load {os.getloadavg()[0]:.1f} on {os.cpu_count()} CPUs): training with {threads} torch "
              f"thread; set run.threads=N to choose", quiet)
-    cfgs = quickstart_configs(out, steps=steps, mechanisms=mechanisms, overrides=extra)
+        extra.append(f"run.threads={threads}")
+        cfgs = quickstart_configs(out, steps=steps, mechanisms=mechanisms, overrides=extra)
     t_start = time.perf_counter()
     per_step = None
     if minutes is not None:
@@ -203,6 +209,35 @@ def run(
         quiet,
     )
     Path(out).mkdir(parents=True, exist_ok=True)
+    threads_before = torch.get_num_threads()
+    try:
+        models, histories = _train_and_evaluate(cfgs, eval_tokens, quiet)
+        machine = machine_info()  # with the thread count the models trained with
+    finally:
+        torch.set_num_threads(threads_before)  # run.threads is process-wide; leave the caller's setting
+    results = {
+        "command": command or "attnlab.experiments.quickstart.run(" + repr(str(out)) + ")",
+        "steps": c0.train.steps,
+        "tokens_per_model": tokens,
+        "steps_chosen_by": "minutes" if per_step else "steps",
+        "seconds_per_step_measured": per_step,
+        "config": {k: v for k, v in to_dict(c0).items() if k != "run"} | {"seed": c0.run.seed},
+        "machine": machine,
+        "models": models,
+        "curves": {name: _curves(h) for name, h in histories.items()},
+        "total_seconds": time.perf_counter() - t_start,
+    }
+    write_report(results, out, histories)
+    _log("\n" + comparison_table(results), quiet)
+    _log(f"\nreport: {Path(out) / 'report.md'} (results.json, loss_curves.png, tau.png beside it); "
+         f"total {results['total_seconds'] / 60:.1f} min", quiet)
+    return results
+
+
+def _train_and_evaluate(cfgs: Sequence[RunConfig], eval_tokens: int | None, quiet: bool) -> tuple[list, dict]:
+    """Train and evaluate each config in turn: (one result row per model, {name: log history})."""
+    from attnlab.train import evaluate, train
+
     models, histories = [], {}
     for i, cfg in enumerate(cfgs):
         name = cfg.run.name
@@ -218,23 +253,7 @@ def run(
         m = models[-1]
         _log(f"[{i + 1}/{len(cfgs)}] {name}: val loss {m['val_loss']:.4f} (ppl {m['val_ppl']:.2f}), "
              f"{m['tokens_per_s']:,.0f} tokens/s", quiet)
-    results = {
-        "command": command or "attnlab.experiments.quickstart.run(" + repr(str(out)) + ")",
-        "steps": c0.train.steps,
-        "tokens_per_model": tokens,
-        "steps_chosen_by": "minutes" if per_step else "steps",
-        "seconds_per_step_measured": per_step,
-        "config": {k: v for k, v in to_dict(c0).items() if k != "run"} | {"seed": c0.run.seed},
-        "machine": machine_info(),
-        "models": models,
-        "curves": {name: _curves(h) for name, h in histories.items()},
-        "total_seconds": time.perf_counter() - t_start,
-    }
-    write_report(results, out, histories)
-    _log("\n" + comparison_table(results), quiet)
-    _log(f"\nreport: {Path(out) / 'report.md'} (results.json, loss_curves.png, tau.png beside it); "
-         f"total {results['total_seconds'] / 60:.1f} min", quiet)
-    return results
+    return models, histories
 
 
 def _model_row(name: str, cfg: RunConfig, summary: dict, ev: dict) -> dict:

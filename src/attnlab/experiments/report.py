@@ -30,7 +30,7 @@ def fmt(value, digits: int = 4) -> str:
             return "inf" if value > 0 else "-inf"
         if abs(value) >= 1e7 or 0 < abs(value) < 1e-3:
             return f"{value:.{digits - 1}e}"
-        if abs(value) >= 10 ** digits:
+        if abs(value) >= 1000:
             return f"{value:,.0f}"
         if abs(value) < 1:
             return f"{value:.{digits}f}"
