@@ -331,7 +331,8 @@ def build_parser() -> argparse.ArgumentParser:
                     "and write OUT/report.md, OUT/results.json, OUT/loss_curves.png and OUT/tau.png.\n\n"
                     f"Default budget: {base['train']['steps']} steps of {base['train']['batch_size']} x "
                     f"{base['data']['seq_len']} tokens per model, d_model {base['model']['d_model']}, "
-                    f"{base['model']['n_layers']} layers (about 6-7 minutes on a 2-core CPU).",
+                    f"{base['model']['n_layers']} layers: about 7 minutes in all on a 2-core CPU\n"
+                    "shared with other jobs (1 torch thread), less when the CPU is idle.",
         epilog=f"Overrides change every model alike, e.g. model.d_model=64 train.batch_size=8; the quickstart owns "
                f"{', '.join(OWNED_KEYS)}.\nWhen other jobs already occupy every CPU it trains with one torch thread, "
                f"which is faster there (run.threads=N chooses).\nSee `attnlab train --help` for every config key.",

@@ -14,8 +14,9 @@ eval.json and eval.md.
 
 The budget is a step count, so a run is reproducible; `minutes=` instead measures the step
 time of each model on this machine and picks the step count that fits (not reproducible
-across machines). The default was chosen so the three models train in about six to seven
-minutes on a 2-core CPU.
+across machines). The default budget (200 steps of 16 x 256 tokens per model) took 7.2
+minutes in all, evaluation included, on a 2-core CPU that other jobs were also using.
+When every CPU is already busy the models train with one torch thread (`busy_threads`).
 """
 
 from __future__ import annotations

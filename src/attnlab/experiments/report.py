@@ -18,7 +18,9 @@ MISSING = "—"
 
 
 def fmt(value, digits: int = 4) -> str:
-    """A cell: floats to `digits` significant places, None/NaN as a dash, lists joined by '/'."""
+    """A cell: floats to `digits` significant digits (`digits` decimals below 1, thousands
+    separators from 1000, exponent outside [1e-3, 1e7)), ints with separators, None/NaN as
+    a dash, lists joined by ' / '."""
     if value is None:
         return MISSING
     if isinstance(value, bool):

@@ -34,8 +34,17 @@ from ._checks import broadcast_param, check_groups, check_impl, check_same, chec
 from .principled_naive import key_counts, principled_naive
 
 LOG2E = 1.4426950408889634
-BLOCK_Q = 256
 BLOCK_K = 256
+TILE_SCORES = 1 << 21  # default query block: about this many scores per tile over all heads (8 MiB fp32)
+
+
+def _block_sizes(n_heads: int, block_q: int | None, block_k: int | None) -> tuple[int, int]:
+    """Default tiles: 256 keys, and as many queries as fit TILE_SCORES (a multiple of 16, at least 16).
+    Few large tiles keep the number of ops low; the budget bounds their memory for any batch."""
+    block_k = BLOCK_K if block_k is None else block_k
+    if block_q is None:
+        block_q = max(16, TILE_SCORES // (n_heads * block_k) // 16 * 16)
+    return block_q, block_k
 
 
 def _tiles(q0: int, q1: int, Tk: int, offset: int, causal: bool, block_k: int):
@@ -49,6 +58,22 @@ def _tiles(q0: int, q1: int, Tk: int, offset: int, causal: bool, block_k: int):
             continue
         r0 = max(q0, k0 - offset)  # query r sees key j iff j <= r + offset
         yield k0, k1, r0, max(0, min(q1, k1 - 1 - offset) - r0)
+
+
+class _BandMasks:
+    """Causal masks for the rows of a tile that straddle the diagonal, built once per shape and shift."""
+
+    def __init__(self, block_k: int, device):
+        steps = torch.arange(block_k, device=device)
+        self.diff = steps[None, :] - steps[:, None]  # key index - query index
+        self.cache = {}
+
+    def __call__(self, n_rows: int, n_keys: int, shift: int) -> torch.Tensor:
+        """(n_rows, n_keys) bool, True where key k0 + j is hidden from query r0 + i (shift = r0 + offset - k0)."""
+        key = (n_rows, n_keys, shift)
+        if key not in self.cache:
+            self.cache[key] = self.diff[:n_rows, :n_keys] > shift
+        return self.cache[key]
 
 
 def _mm_into(acc, a, b):
@@ -80,18 +105,12 @@ class _PrincipledTiled(torch.autograd.Function):
         return qa, ka, va, -qg, nspb2
 
     @staticmethod
-    def _offsets(block_k, device):
-        """(block_k, block_k) key index minus query index along a block's diagonal band."""
-        steps = torch.arange(block_k, device=device)
-        return steps[None, :] - steps[:, None]
-
-    @staticmethod
     def forward(ctx, q, k, qg, kg, v, c, spb, gamma, causal, block_q, block_k):
         N, Tq, D = q.shape
         Tk, Dv = k.shape[1], v.shape[2]
         offset = Tk - Tq
         qa, ka, va, qgn, nspb2 = _PrincipledTiled._operands(q, k, qg, v, c, spb, gamma)
-        diff = _PrincipledTiled._offsets(block_k, q.device)
+        band = _BandMasks(block_k, q.device)
 
         ok = q.new_empty(N, Tq, Dv)
         w0 = q.new_empty(N, Tq)
@@ -108,7 +127,7 @@ class _PrincipledTiled(torch.autograd.Function):
                 y = torch.bmm(qa[:, rows], ka[:, k0:k1].transpose(1, 2)).addcmul_(sp, nspb2[:, rows])
                 del sp
                 if n_mask:
-                    hidden = diff[:n_mask, : k1 - k0] > r0 + offset - k0
+                    hidden = band(n_mask, k1 - k0, r0 + offset - k0)
                     y[:, :n_mask].masked_fill_(hidden, float("-inf"))
                 m_old = m[:, loc]
                 m_new = torch.maximum(m_old, y.amax(-1, keepdim=True))
@@ -141,7 +160,7 @@ class _PrincipledTiled(torch.autograd.Function):
         offset = Tk - Tq
         need_gate = any(ctx.needs_input_grad[i] for i in (2, 3, 6))
         qa, ka, va, qgn, nspb2 = _PrincipledTiled._operands(q, k, qg, v, c, spb, gamma)
-        diff = _PrincipledTiled._offsets(block_k, q.device)
+        band = _BandMasks(block_k, q.device)
 
         delta = (d_ok * ok).sum(-1) - d_w0 * (1 - w0)  # (N, Tq)
         # [do, -(dw0 + Delta/2)] . [v, 1] = dP - Delta/2; the sign term adds -Delta/2 sign(y).
@@ -167,7 +186,7 @@ class _PrincipledTiled(torch.autograd.Function):
                 sp = F.softplus(ng)
                 y = torch.bmm(qa[:, rows], ka[:, k0:k1].transpose(1, 2)).addcmul_(sp, nspb2[:, rows])
                 if n_mask:
-                    y[:, :n_mask].masked_fill_(diff[:n_mask, : k1 - k0] > r0 + offset - k0, float("-inf"))
+                    y[:, :n_mask].masked_fill_(band(n_mask, k1 - k0, r0 + offset - k0), float("-inf"))
                 side = torch.sign(y)  # +1 above the threshold, 0 on a tie, -1 below or hidden
                 w = y.sub_(lse2[:, rows, None]).exp2_()  # (N, nr, nk)
                 ds = torch.bmm(doa[:, rows], va[:, k0:k1].transpose(1, 2))
@@ -207,7 +226,9 @@ def _check_inputs(q, k, qg, kg, v):
         if not x.is_floating_point():
             raise TypeError(f"{name} must be a floating-point tensor, got dtype {x.dtype}")
         if x.dtype != q.dtype or x.device != q.device:
-            raise ValueError(f"{name} must match q in dtype and device: got {x.dtype} on {x.device}, q is {q.dtype} on {q.device}")
+            raise ValueError(
+                f"{name} must match q in dtype and device: got {x.dtype} on {x.device}, q is {q.dtype} on {q.device}"
+            )
     B, H, Tq, D = q.shape
     for name, x in (("k", k), ("qg", qg), ("kg", kg), ("v", v)):
         check_same("q", B, name, x.shape[0], "batch size (dim 0)")
@@ -220,7 +241,9 @@ def _check_inputs(q, k, qg, kg, v):
     for name, x in (("k", k), ("kg", kg), ("v", v)):
         check_groups(H, x.shape[1], name)
     if Tq < 1 or k.shape[2] < 1:
-        raise ValueError(f"q and k must hold at least one position each, got shapes {tuple(q.shape)} and {tuple(k.shape)}")
+        raise ValueError(
+            f"q and k must hold at least one position each, got shapes {tuple(q.shape)} and {tuple(k.shape)}"
+        )
 
 
 def _check_v0(v0, H: int, Dv: int, like: torch.Tensor) -> torch.Tensor | None:
@@ -258,8 +281,8 @@ def principled_attention(
     causal: bool = True,
     impl: str = "auto",
     return_ground: bool = False,
-    block_q: int = BLOCK_Q,
-    block_k: int = BLOCK_K,
+    block_q: int | None = None,
+    block_k: int | None = None,
 ):
     """Principled attention: semantic scores s = q.k/sqrt(d), suppress-only gates from qg.kg,
     a ground state v0 with relevance threshold gamma, and log K margin amplification.
@@ -271,6 +294,7 @@ def principled_attention(
     Returns o (B, H, Tq, Dv), and w0 (B, H, Tq) too when return_ground. As alpha, beta, gamma
     -> -inf this is standard scaled softmax attention. impl "fast" (= "auto") tiles queries
     and keys in block_q x block_k blocks and never builds a Tq x Tk matrix; "naive" does.
+    By default block_k = 256 and block_q is sized so a tile holds about 2M scores over all heads.
     Low-precision inputs (fp16, bf16) are computed in float32 and the outputs cast back.
     """
     check_impl(impl)
@@ -278,8 +302,8 @@ def principled_attention(
     if not isinstance(causal, bool):
         raise TypeError(f"causal must be a bool, got {type(causal).__name__}")
     for name, n in (("block_q", block_q), ("block_k", block_k)):
-        if not isinstance(n, int) or n < 1:
-            raise ValueError(f"{name} must be a positive int, got {n!r}")
+        if n is not None and (not isinstance(n, int) or n < 1):
+            raise ValueError(f"{name} must be a positive int or None, got {n!r}")
     B, H, Tq, _ = q.shape
     Tk, Dv = k.shape[2], v.shape[3]
     if causal and Tq > Tk:
@@ -303,7 +327,7 @@ def principled_attention(
         gam = params["gamma"].expand(B, H, Tq)
         flat = [x.reshape(B * H, x.shape[2], x.shape[3]) for x in (q, k, qg, kg, v)]
         rows = [x.reshape(B * H, Tq) for x in (c, spb, gam)]
-        ok, w0 = _PrincipledTiled.apply(*flat, *rows, causal, block_q, block_k)
+        ok, w0 = _PrincipledTiled.apply(*flat, *rows, causal, *_block_sizes(B * H, block_q, block_k))
         o, w0 = ok.view(B, H, Tq, Dv), w0.view(B, H, Tq)
         if v0 is not None:
             o = o + w0[..., None] * v0[:, None, :]
