@@ -31,6 +31,7 @@ quickstart: venv
 bench: venv
 	$(BIN)/python benchmarks/ops.py
 	$(BIN)/python benchmarks/decode.py
+	$(BIN)/python benchmarks/train_speed.py
 
 clean:
 	rm -rf $(VENV) build *.egg-info src/*.egg-info .pytest_cache

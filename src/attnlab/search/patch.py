@@ -70,8 +70,8 @@ class RetrieveThenAttend:
             return quest_select(q, k, allowed, scaling, cfg.K, cfg.page)
         if cfg.method == "streaming":
             return streaming_select(allowed, cfg.K, cfg.n_sink, batch=q.shape[0])
-        qs, ks = self.proj(self.layer, hidden)  # (B, Tq, d_search) each
         Tq, Tk = q.shape[2], k.shape[2]
+        qs, ks = self.proj(self.layer, hidden, start=Tk - Tq)  # (B, Tq, d_search) each, at positions Tk-Tq..
         if Tk == Tq:  # a new sequence: start a fresh index
             self.index.reset()
         self.index.add(ks)

@@ -4,6 +4,11 @@
     L_NCE(t) = -log( sum_{j in P_t} exp z_tj / sum_{j in C_t} exp z_tj )   P_t: teacher top-K_pos keys
     L_KL(t)  = sum_{j in C_t} A^T_tj log(A^T_tj / A^S_tj),  A^S = softmax over C_t of z
 C_t is the admissible (block-causal) key set of query t. Losses average over query tokens.
+
+Optional search RoPE (rope=True): after normalisation, q^s_t and k^s_j are rotated by their
+sequence positions as in rotary embeddings, so q^s_t . k^s_j depends on t - j as well as on content
+and the search space can express the recency and sink preferences of the teacher. Rotation keeps
+unit norm, and a key's rotation is fixed when it is added, so the vectors stay ANN-indexable.
 """
 
 from __future__ import annotations
@@ -22,25 +27,44 @@ from attnlab.ops._checks import check_impl, check_positive, check_tensor
 class SearchProjections(nn.Module):
     """Two bias-free d_model -> d_search maps per selected layer; the base model stays frozen."""
 
-    def __init__(self, layers: list[int], d_model: int, d_search: int = 128, tau: float = 0.05, meta=None):
+    def __init__(self, layers: list[int], d_model: int, d_search: int = 128, tau: float = 0.05, meta=None,
+                 rope: bool = False, rope_theta: float = 10000.0):
         super().__init__()
         if not layers:
             raise ValueError("layers must be a non-empty list of layer indices")
         check_positive("d_search", d_search)
         check_positive("tau", tau)
+        check_positive("rope_theta", rope_theta)
+        if rope and d_search % 2:
+            raise ValueError(f"d_search must be even with rope=True, got {d_search}")
         self.layers = [int(i) for i in layers]
         self.d_model, self.d_search, self.tau = d_model, d_search, float(tau)
+        self.rope, self.rope_theta = bool(rope), float(rope_theta)
         self.meta = dict(meta or {})
         self.wq = nn.ModuleDict({str(i): nn.Linear(d_model, d_search, bias=False) for i in self.layers})
         self.wk = nn.ModuleDict({str(i): nn.Linear(d_model, d_search, bias=False) for i in self.layers})
 
-    def forward(self, layer: int, hidden: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """hidden (B, T, C) -> L2-normalised search queries and keys, each (B, T, d_search)."""
+    def forward(self, layer: int, hidden: torch.Tensor, start: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+        """hidden (B, T, C) of positions start..start+T-1 -> unit search queries and keys (B, T, d_search)."""
         if str(layer) not in self.wq:
             raise ValueError(f"no search projection for layer {layer}; trained layers are {self.layers}")
         w = self.wq[str(layer)].weight
         h = hidden.to(w.dtype)
-        return F.normalize(self.wq[str(layer)](h), dim=-1), F.normalize(self.wk[str(layer)](h), dim=-1)
+        qs = F.normalize(self.wq[str(layer)](h), dim=-1)
+        ks = F.normalize(self.wk[str(layer)](h), dim=-1)
+        if self.rope:
+            qs, ks = self._rotate(qs, start), self._rotate(ks, start)
+        return qs, ks
+
+    def _rotate(self, x: torch.Tensor, start: int) -> torch.Tensor:
+        """Rotate channel pairs (i, i + d/2) by angle pos * theta^(-2i/d) (norm preserving)."""
+        half = self.d_search // 2
+        inv = self.rope_theta ** (-torch.arange(half, dtype=torch.float32, device=x.device) / half)
+        pos = torch.arange(start, start + x.shape[-2], dtype=torch.float32, device=x.device)
+        ang = pos[:, None] * inv[None, :]  # (T, d/2)
+        cos, sin = ang.cos().to(x.dtype), ang.sin().to(x.dtype)
+        a, b = x[..., :half], x[..., half:]
+        return torch.cat([a * cos - b * sin, a * sin + b * cos], dim=-1)
 
     def save(self, path: str | Path, extra_tensors: dict | None = None, extra_meta: dict | None = None) -> None:
         """Atomic safetensors write: weights (+ optional extra tensors) and JSON metadata."""
@@ -49,7 +73,7 @@ class SearchProjections(nn.Module):
         tensors = {k: v.detach().contiguous() for k, v in self.state_dict().items()}
         tensors.update(extra_tensors or {})
         meta = {"layers": self.layers, "d_model": self.d_model, "d_search": self.d_search, "tau": self.tau,
-                "meta": self.meta, **(extra_meta or {})}
+                "rope": self.rope, "rope_theta": self.rope_theta, "meta": self.meta, **(extra_meta or {})}
         path = Path(path)
         path.parent.mkdir(parents=True, exist_ok=True)
         tmp = path.with_suffix(path.suffix + ".tmp")
@@ -70,7 +94,8 @@ class SearchProjections(nn.Module):
                 raise ValueError(f"{path} is not a search-projection checkpoint (no 'attnlab_search' metadata)")
             meta = json.loads(raw)
             tensors = {k: f.get_tensor(k) for k in f.keys()}
-        proj = cls(meta["layers"], meta["d_model"], meta["d_search"], meta["tau"], meta.get("meta"))
+        proj = cls(meta["layers"], meta["d_model"], meta["d_search"], meta["tau"], meta.get("meta"),
+                   meta.get("rope", False), meta.get("rope_theta", 10000.0))
         own = {k: tensors.pop(k) for k in list(tensors) if k.startswith(("wq.", "wk."))}
         proj.load_state_dict(own)
         return proj, meta, tensors

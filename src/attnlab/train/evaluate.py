@@ -80,8 +80,14 @@ def attention_report(model, x: torch.Tensor, topk=TOPK_KS) -> list[dict]:
         rec = layer.last
         if rec is not None and rec.qs is not None:
             H_s = rec.heads.qs.shape[1]  # scalar heads come first in a mixed layer
+            # queries that see k keys or fewer hold all their mass in any k-window: leave them out
+            visible = torch.arange(w.shape[-2], device=w.device) + 1 + n_prefix  # (T,)
             entry["topk_scalar_mass"] = {
-                str(k): topk_scalar_mass(w[:, :H_s], rec.heads.qs, rec.ks, int(k)).tolist() for k in topk
+                str(k): topk_scalar_mass(
+                    w[:, :H_s], rec.heads.qs, rec.ks, int(k),
+                    query_mask=(visible > int(k)).expand(w.shape[0], -1) if bool((visible > int(k)).any()) else None,
+                ).tolist()
+                for k in topk
             }
         report.append(entry)
     return report
