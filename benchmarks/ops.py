@@ -18,8 +18,7 @@ and reports VmHWM - VmRSS at the reset: the extra resident memory the call neede
 inputs (activations, saved tensors, gradients). Linux only. Memory linear in T shows as a
 ratio near T2/T1 between the two columns; a T x T buffer as (T2/T1)^2.
 
-Ops that still raise NotImplementedError are skipped with a note. Results go to
-benchmarks/results/ops.json.
+Results go to benchmarks/results/ops.json.
 """
 
 from __future__ import annotations
@@ -103,15 +102,11 @@ def fwd_bwd(fn, inputs, cot=None) -> None:
 
 
 def time_ops(names, B, H, T, D, reps):
-    """fwd+bwd seconds per op and round over `reps` round-robin rounds; skipped ops map to a note."""
-    cases, notes = {}, {}
+    """fwd+bwd seconds per op and round over `reps` round-robin rounds (after one warm-up call each)."""
+    cases = {}
     for name in tqdm(names, desc="warm-up", leave=False):
         fn, inputs = make_case(name, B, H, T, D)
-        try:
-            fwd_bwd(fn, inputs)
-        except NotImplementedError:
-            notes[name] = "skipped: raises NotImplementedError"
-            continue
+        fwd_bwd(fn, inputs)
         cases[name] = (fn, inputs)
     times = {name: [] for name in cases}
     for _ in tqdm(range(reps), desc=f"timing T={T}", leave=False):
@@ -119,7 +114,7 @@ def time_ops(names, B, H, T, D, reps):
             start = time.perf_counter()
             fwd_bwd(fn, inputs)
             times[name].append(time.perf_counter() - start)
-    return times, notes
+    return times
 
 
 def _status_kb(field: str) -> int:
@@ -131,15 +126,12 @@ def _status_kb(field: str) -> int:
 
 def memory_child(name: str, B: int, H: int, T: int, D: int) -> None:
     """Runs in its own process: prints {"peak_mb": ...} or {"note": ...} as JSON."""
-    try:
-        fwd_bwd(*make_case(name, B, H, 64, D))  # lazy initialisation outside the measurement
-        fn, inputs = make_case(name, B, H, T, D)
-        Path("/proc/self/clear_refs").write_text("5")
-        base = _status_kb("VmRSS")
-        fwd_bwd(fn, inputs)
-        print(json.dumps({"peak_mb": (_status_kb("VmHWM") - base) / 1024}))
-    except NotImplementedError:
-        print(json.dumps({"note": "skipped: raises NotImplementedError"}))
+    fwd_bwd(*make_case(name, B, H, 64, D))  # lazy initialisation outside the measurement
+    fn, inputs = make_case(name, B, H, T, D)
+    Path("/proc/self/clear_refs").write_text("5")
+    base = _status_kb("VmRSS")
+    fwd_bwd(fn, inputs)
+    print(json.dumps({"peak_mb": (_status_kb("VmHWM") - base) / 1024}))
 
 
 def measure_memory(name, B, H, T, D):
@@ -171,10 +163,10 @@ def main(argv=None) -> None:
     load = os.getloadavg()  # other processes on the machine inflate and scatter the times
     names = list(dict.fromkeys(["sdpa", *args.ops]))
     B, H, T, D = args.B, args.H, args.T, args.D
-    samples, notes = time_ops(names, B, H, T, D, args.reps)
+    samples = time_ops(names, B, H, T, D, args.reps)
     mem_T = [] if args.no_memory else args.mem_T
     memory = {}
-    runs = [(n, t) for n in names if n not in notes for t in mem_T]
+    runs = [(n, t) for n in names for t in mem_T]
     for name, t in tqdm(runs, desc="memory", leave=False):
         memory[(name, t)] = measure_memory(name, B, H, t, D)
 
@@ -182,14 +174,11 @@ def main(argv=None) -> None:
     medians = {name: statistics.median(ts) for name, ts in samples.items()}
     rows = []
     for name in names:
-        row = {"op": name, "note": notes.get(name)}
-        if name in samples:
-            ratio = best[name] / best["sdpa"]
-            row.update(time_ms=1e3 * best[name], median_ms=1e3 * medians[name], ratio_vs_sdpa=ratio,
-                       median_ratio_vs_sdpa=medians[name] / medians["sdpa"],
-                       samples_ms=[1e3 * s for s in samples[name]])
-            if name in TARGETS:
-                row.update(target=TARGETS[name], meets_target=ratio <= TARGETS[name])
+        ratio = best[name] / best["sdpa"]
+        row = {"op": name, "time_ms": 1e3 * best[name], "median_ms": 1e3 * medians[name], "ratio_vs_sdpa": ratio,
+               "median_ratio_vs_sdpa": medians[name] / medians["sdpa"], "samples_ms": [1e3 * s for s in samples[name]]}
+        if name in TARGETS:
+            row.update(target=TARGETS[name], meets_target=ratio <= TARGETS[name])
         for t in mem_T:
             row[f"mem_mb_T{t}"] = memory.get((name, t), {}).get("peak_mb")
             if "note" in memory.get((name, t), {}):
@@ -203,9 +192,6 @@ def main(argv=None) -> None:
           f"load average at start {load[0]:.1f} on {os.cpu_count()} CPUs")
     print(header)
     for row in rows:
-        if row["note"]:
-            print(f"{row['op']:<20}{row['note']}")
-            continue
         line = f"{row['op']:<20}{row['time_ms']:>9.1f}{row['ratio_vs_sdpa']:>8.2f}"
         line += f"{('<= ' + str(row['target'])) if 'target' in row else '':>8}"
         line += f"{row['median_ms']:>11.1f}{row['median_ratio_vs_sdpa']:>8.2f}"

@@ -73,10 +73,13 @@ def test_generation_with_full_budget_equals_full_generation(lm, proj, method):
     assert torch.equal(got, ref)
 
 
-def test_decode_index_growth_matches_prefill(lm, proj):
+@pytest.mark.parametrize("rope", [False, True], ids=["plain", "search-rope"])
+def test_decode_index_growth_matches_prefill(lm, rope):
     """Token-by-token decoding with a growing exact index selects what one prefill selects."""
     from transformers import DynamicCache
 
+    torch.manual_seed(1)
+    proj = SearchProjections([2, 3, 5], lm.dims.d_model, 16, rope=rope)
     ids = torch.randint(3, 250, (1, 30), generator=torch.Generator().manual_seed(4))
     cfg = SelectorConfig("learned", K=5)
     with substitute(lm.model, [2, 3, 5], cfg, proj):

@@ -7,7 +7,7 @@ import torch
 
 from attnlab.search.capture import block_causal, pack_documents, teacher_attention
 from attnlab.search.metrics import mass_at_k, recall_at_k, rel_gap, token_nll
-from attnlab.search.projections import search_losses
+from attnlab.search.projections import SearchProjections, search_losses
 from attnlab.search.retrieval import (ExactIndex, HNSWIndex, quest_bounds, quest_select, streaming_select,
                                       topk_candidates)
 from attnlab.search.sparse import sparse_attention
@@ -167,6 +167,47 @@ def test_exact_and_hnsw_indexes_agree_and_are_causal():
     assert torch.equal(v1.sum(-1), v2.sum(-1))
     overlap = (torch.sort(i1, -1).values == torch.sort(i2, -1).values).float().mean()
     assert overlap > 0.9
+
+
+def test_hnsw_blocks_and_pinned_sinks_track_exact_search():
+    """Packed blocks get their own graphs; an outlier block-start key (a sink every query wants) is
+    found for every query because pinned keys are scored exactly (graph search alone misses it)."""
+    torch.manual_seed(0)
+    T, d, K, half = 400, 16, 4, 200
+    x = torch.nn.functional.normalize(torch.randn(1, T, d), dim=-1)
+    sink = torch.nn.functional.normalize(torch.randn(d), dim=0)
+    q = torch.nn.functional.normalize(torch.randn(1, T, d) * 0.3 + sink, dim=-1)  # every query near the sink
+    x = torch.nn.functional.normalize(x - sink, dim=-1)  # all other keys far from it
+    x[0, 0] = x[0, half] = sink  # the first key of each block
+    allowed = block_causal(torch.tensor([[0] * half + [1] * (T - half)]))
+
+    def sink_found(i, v):
+        return sum(bool(((i[0, 0, t] == (0 if t < half else half)) & v[0, 0, t]).any()) for t in range(T))
+
+    i1, v1 = ExactIndex().grow_and_search(q, x, allowed, K)
+    small = dict(M=4, ef_construction=8, ef_search=4)
+    i2, v2 = HNSWIndex(d, **small).grow_and_search(q, x, allowed, K, chunk=32)
+    i0, v0 = HNSWIndex(d, **small, pin=0).grow_and_search(q, x, allowed, K, chunk=32)
+    assert allowed.expand(1, 1, T, T).gather(-1, i2)[v2].all()
+    exact, pinned, graph_only = sink_found(i1, v1), sink_found(i2, v2), sink_found(i0, v0)
+    assert pinned >= exact >= T - 4
+    assert graph_only < T // 2  # what the pins are for
+    assert torch.equal(v1.sum(-1), v2.sum(-1))
+
+
+def test_search_rope_is_norm_preserving_and_relative():
+    torch.manual_seed(0)
+    p = SearchProjections([0], 8, 6, rope=True, rope_theta=100.0)
+    h = torch.randn(1, 1, 8).expand(1, 20, 8)  # the same content at every position
+    qs, ks = p(0, h)
+    assert torch.allclose(qs.norm(dim=-1), torch.ones(1, 20), atol=1e-6)
+    s = qs[0] @ ks[0].T  # depends on t - j only
+    assert torch.allclose(s.diagonal(3), s.diagonal(3)[:1].expand(17), atol=1e-5)
+    assert not torch.allclose(s.diagonal(0)[:5], s.diagonal(3)[:5], atol=1e-3)
+    q2, k2 = p(0, h[:, 5:], start=5)  # positions carry over to later calls (decode)
+    assert torch.allclose(q2, qs[:, 5:], atol=1e-6) and torch.allclose(k2, ks[:, 5:], atol=1e-6)
+    with pytest.raises(ValueError, match="d_search must be even"):
+        SearchProjections([0], 8, 5, rope=True)
 
 
 def test_recall_and_mass_hand_example():

@@ -34,6 +34,7 @@ class SelectorConfig:
     hnsw_m: int = 32
     hnsw_ef_construction: int = 64
     hnsw_ef_search: int = 128
+    hnsw_pin: int = 4  # block-start keys scored exactly beside the graph search
 
     def __post_init__(self):
         check_choice("method", self.method, METHODS)
@@ -42,8 +43,10 @@ class SelectorConfig:
             v = getattr(self, name)
             if not isinstance(v, int) or v <= 0:
                 raise ValueError(f"{name} must be a positive int, got {v!r}")
-        if not isinstance(self.n_sink, int) or self.n_sink < 0:
-            raise ValueError(f"n_sink must be an int >= 0, got {self.n_sink!r}")
+        for name in ("n_sink", "hnsw_pin"):
+            v = getattr(self, name)
+            if not isinstance(v, int) or v < 0:
+                raise ValueError(f"{name} must be an int >= 0, got {v!r}")
 
 
 class RetrieveThenAttend:
@@ -58,7 +61,8 @@ class RetrieveThenAttend:
                 raise ValueError(f"no search projection for layer {layer}; trained layers are {projections.layers}")
         self.layer, self.cfg, self.proj, self.tally = layer, cfg, projections, tally
         if cfg.method == "learned-hnsw":
-            self.index = HNSWIndex(projections.d_search, cfg.hnsw_m, cfg.hnsw_ef_construction, cfg.hnsw_ef_search)
+            self.index = HNSWIndex(projections.d_search, cfg.hnsw_m, cfg.hnsw_ef_construction, cfg.hnsw_ef_search,
+                                   cfg.hnsw_pin)
         else:
             self.index = ExactIndex()
 
@@ -74,13 +78,12 @@ class RetrieveThenAttend:
         qs, ks = self.proj(self.layer, hidden, start=Tk - Tq)  # (B, Tq, d_search) each, at positions Tk-Tq..
         if Tk == Tq:  # a new sequence: start a fresh index
             self.index.reset()
-        self.index.add(ks)
-        if self.index.ntotal != Tk:
+        if self.index.ntotal != Tk - Tq:
             raise RuntimeError(
-                f"layer {self.layer}: the search index holds {self.index.ntotal} keys but the KV cache has {Tk}; "
-                "install the substitution before the first forward of a sequence"
+                f"layer {self.layer}: the search index holds {self.index.ntotal} keys but the KV cache had "
+                f"{Tk - Tq}; install the substitution before the first forward of a sequence"
             )
-        return self.index.search(qs, allowed, cfg.K)
+        return self.index.grow_and_search(qs, ks, allowed, cfg.K)
 
     @torch.no_grad()
     def __call__(self, module, hidden, q, k, v, allowed, scaling):

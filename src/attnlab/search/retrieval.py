@@ -100,6 +100,12 @@ def quest_select(q, k, allowed, scaling: float, K: int, page: int = 16):
             torch.cat([ok, ok.new_zeros(*ok.shape[:-1], pad)], -1))
 
 
+def block_starts(allowed: torch.Tensor, batch: int) -> torch.Tensor:
+    """(B or 1, 1, Tq, Tk) mask -> (B, Tq): the first admissible key of each query (its block's start)."""
+    al = allowed.expand(batch, 1, *allowed.shape[2:])[:, 0]
+    return al.float().argmax(-1)
+
+
 class ExactIndex:
     """Exact maximum-inner-product search over a growing set of search keys (B, N, d)."""
 
@@ -113,51 +119,82 @@ class ExactIndex:
     def reset(self) -> None:
         self.keys = None
 
-    def add(self, ks: torch.Tensor) -> None:
-        """Append search keys (B, Tnew, d) as new positions."""
+    def add(self, ks: torch.Tensor, starts: torch.Tensor | None = None) -> None:
+        """Append search keys (B, Tnew, d) as the next positions (block starts are not needed here)."""
         self.keys = ks.detach() if self.keys is None else torch.cat([self.keys, ks.detach()], dim=1)
 
     def search(self, qs: torch.Tensor, allowed: torch.Tensor, K: int):
-        """qs (B, Tq, d) -> idx, valid (B, 1, Tq, K) among admissible positions."""
+        """qs (B, Tq, d) -> idx, valid (B, 1, Tq, K) among admissible stored positions."""
         scores = (qs.float() @ self.keys.float().transpose(1, 2))[:, None]  # (B, 1, Tq, N)
-        return topk_candidates(scores, allowed, K)
+        return topk_candidates(scores, allowed[..., : self.ntotal], K)
+
+    def grow_and_search(self, qs, ks, allowed, K, chunk: int = 64):
+        """Add the keys of the Tq newest positions, then search their queries (causality is in `allowed`)."""
+        self.add(ks)
+        return self.search(qs, allowed, K)
 
 
 class HNSWIndex:
-    """FAISS HNSW (inner product on L2-normalised vectors), one graph per batch row, ids = positions.
+    """FAISS HNSW (inner product on L2-normalised vectors): one graph per document block and batch row,
+    as a decoder keeps one index per sequence. Graph ids are positions relative to the block start.
 
-    A query searches only its admissible range [lo, hi) through an id-range selector; when that
-    range holds at most K keys they are all returned exactly, with no graph search.
+    A query searches its block's graph for ids up to its own position (an id-range selector); when
+    the block holds at most K admissible keys they are all returned exactly, with no graph search.
+    The first `pin` keys of every block (attention sinks: outliers in search space that graph search
+    tends to miss) are also scored exactly and compete with the graph's results for the K slots.
     """
 
-    def __init__(self, dim: int, M: int = 32, ef_construction: int = 64, ef_search: int = 128):
+    def __init__(self, dim: int, M: int = 32, ef_construction: int = 64, ef_search: int = 128, pin: int = 4):
         import faiss
 
         self.faiss = faiss
-        self.dim, self.M, self.ef_construction, self.ef_search = dim, M, ef_construction, ef_search
-        self.graphs: list = []
+        self.dim, self.M, self.ef_construction, self.ef_search, self.pin = dim, M, ef_construction, ef_search, pin
+        self.rows: list[dict[int, object]] = []
+        self.pins: list[dict[int, np.ndarray]] = []
+        self.count = 0
 
     @property
     def ntotal(self) -> int:
-        return self.graphs[0].ntotal if self.graphs else 0
+        return self.count
 
     def reset(self) -> None:
-        self.graphs = []
+        self.rows, self.pins, self.count = [], [], 0
 
     def _new(self):
         g = self.faiss.IndexHNSWFlat(self.dim, self.M, self.faiss.METRIC_INNER_PRODUCT)
         g.hnsw.efConstruction = self.ef_construction
         return g
 
-    def add(self, ks: torch.Tensor) -> None:
-        if not self.graphs:
-            self.graphs = [self._new() for _ in range(ks.shape[0])]
-        for g, x in zip(self.graphs, ks.detach().float().cpu().numpy()):
-            g.add(np.ascontiguousarray(x))
+    def add(self, ks: torch.Tensor, starts: torch.Tensor | None = None) -> None:
+        """Append search keys (B, Tnew, d) at positions ntotal..; `starts` (B, Tnew) gives each key's
+        block start (default: one block from position 0)."""
+        B, Tn, _ = ks.shape
+        if not self.rows:
+            self.rows, self.pins = [{} for _ in range(B)], [{} for _ in range(B)]
+        if starts is None:
+            starts = torch.zeros(B, Tn, dtype=torch.long)
+        x = ks.detach().float().cpu().numpy()
+        st = starts.cpu().long().numpy()
+        for b in range(B):
+            t = 0
+            while t < Tn:
+                e = t
+                while e < Tn and st[b, e] == st[b, t]:
+                    e += 1
+                g = self.rows[b].setdefault(int(st[b, t]), self._new())
+                expect = self.count + t - int(st[b, t])
+                if g.ntotal != expect:
+                    raise RuntimeError(f"HNSW block starting at {int(st[b, t])} holds {g.ntotal} keys, expected {expect}")
+                g.add(np.ascontiguousarray(x[b, t:e]))
+                head = self.pins[b].get(int(st[b, t]), np.zeros((0, self.dim), dtype=np.float32))
+                if head.shape[0] < self.pin:
+                    self.pins[b][int(st[b, t])] = np.concatenate([head, x[b, t:e][: self.pin - head.shape[0]]])
+                t = e
+        self.count += Tn
 
     def search(self, qs: torch.Tensor, allowed: torch.Tensor, K: int):
         B, Tq, _ = qs.shape
-        al = allowed.expand(B, 1, Tq, allowed.shape[-1])[:, 0].cpu()  # (B, Tq, Tk)
+        al = allowed.expand(B, 1, Tq, allowed.shape[-1])[:, 0, :, : self.count].cpu()  # (B, Tq, N)
         any_ok = al.any(-1)
         lo = al.float().argmax(-1)
         hi = al.shape[-1] - al.flip(-1).float().argmax(-1)
@@ -171,12 +208,37 @@ class HNSWIndex:
                 if z - a <= K:
                     idx[b, t, : z - a] = np.arange(a, z)
                     continue
+                g = self.rows[b][a]
                 params = self.faiss.SearchParametersHNSW(
-                    sel=self.faiss.IDSelectorRange(a, z), efSearch=max(self.ef_search, K))
-                _, found = self.graphs[b].search(xq[b, t:t + 1], K, params=params)
-                idx[b, t] = found[0]
+                    sel=self.faiss.IDSelectorRange(0, z - a), efSearch=max(self.ef_search, K))
+                sc, found = g.search(xq[b, t:t + 1], K, params=params)
+                pins = self.pins[b].get(a, np.zeros((0, self.dim), dtype=np.float32))[: z - a]
+                idx[b, t] = self._merge_pins(xq[b, t], sc[0], found[0], pins, K) + a
         idx_t = torch.from_numpy(idx).to(qs.device)[:, None]  # (B, 1, Tq, K)
         valid = idx_t >= 0
         idx_t = idx_t.clamp(min=0)
         valid &= al.to(qs.device)[:, None].gather(-1, idx_t)
         return idx_t, valid
+
+    @staticmethod
+    def _merge_pins(q, scores, ids, pins, K):
+        """Block-relative ids of the top K among the graph's results and the exactly scored pinned keys
+        (ids 0..pin-1); empty slots get a large negative id, which stays negative after the offset."""
+        ok = ids >= 0
+        cand = dict(zip(ids[ok].tolist(), scores[ok].tolist()))
+        cand.update({i: float(v) for i, v in enumerate(pins @ q)})
+        best = sorted(cand.items(), key=lambda kv: -kv[1])[:K]
+        out = np.full(K, -(10 ** 12), dtype=np.int64)
+        out[: len(best)] = [i for i, _ in best]
+        return out
+
+    def grow_and_search(self, qs, ks, allowed, K, chunk: int = 64):
+        """Prefill as a decoder would see it: add the new keys chunk by chunk and search each chunk's
+        queries right after, so a graph never holds more than chunk - 1 keys a query may not see."""
+        B, Tq = qs.shape[:2]
+        starts = block_starts(allowed, B)  # (B, Tq)
+        outs = []
+        for s in range(0, Tq, chunk):
+            self.add(ks[:, s:s + chunk], starts[:, s:s + chunk])
+            outs.append(self.search(qs[:, s:s + chunk], allowed[..., s:s + chunk, :], K))
+        return torch.cat([o[0] for o in outs], dim=2), torch.cat([o[1] for o in outs], dim=2)

@@ -32,6 +32,8 @@ class TrainConfig:
     layers: str = "all"  # trained once; any subset can be substituted at evaluation
     d_search: int = 128
     tau: float = 0.05
+    rope: bool = False  # rotate search vectors by position (recency becomes expressible); False = plain
+    rope_theta: float = 10000.0
     k_pos: int = 16
     alpha: float = 1.0
     beta: float = 1.0
@@ -178,14 +180,17 @@ def train(cfg: TrainConfig, lm: LM | None = None, progress: bool = True, until: 
     out.mkdir(parents=True, exist_ok=True)
     ckpt = out / CHECKPOINT
     torch.manual_seed(cfg.seed)
-    proj = SearchProjections(layers, lm.dims.d_model, cfg.d_search, cfg.tau, meta={"model": lm.name})
+    proj = SearchProjections(layers, lm.dims.d_model, cfg.d_search, cfg.tau, meta={"model": lm.name},
+                             rope=cfg.rope, rope_theta=cfg.rope_theta)
     opt = torch.optim.Adam(proj.parameters(), lr=cfg.lr)
     start = 0
     if cfg.resume and ckpt.is_file():
         loaded, meta, extra = SearchProjections.load(ckpt)
-        if loaded.layers != layers or loaded.d_search != cfg.d_search or loaded.d_model != lm.dims.d_model:
-            raise ValueError(f"checkpoint {ckpt} was trained with layers={loaded.layers}, d_search={loaded.d_search}; "
-                             f"the config asks layers={layers}, d_search={cfg.d_search} (use another --out)")
+        have = (loaded.layers, loaded.d_search, loaded.d_model, loaded.rope)
+        want = (layers, cfg.d_search, lm.dims.d_model, cfg.rope)
+        if have != want:
+            raise ValueError(f"checkpoint {ckpt} was trained with (layers, d_search, d_model, rope)={have}; "
+                             f"the config asks {want} (use another --out)")
         proj.load_state_dict(loaded.state_dict())
         if "optim" in meta:
             _load_optim(opt, extra, meta["optim"])
