@@ -130,7 +130,9 @@ def test_cli_builds_configs():
     add_search_commands(parser.add_subparsers(dest="command"))
     a = parser.parse_args(["search", "train", "--layers", "middle6", "--steps", "7", "--no-resume", "--k-pos", "8"])
     cfg = train_config(a)
-    assert (cfg.layers, cfg.steps, cfg.resume, cfg.k_pos, cfg.model) == ("middle6", 7, False, 8, "smollm2")
+    assert (cfg.layers, cfg.steps, cfg.resume, cfg.k_pos, cfg.model, cfg.rope) == ("middle6", 7, False, 8, "smollm2",
+                                                                                  True)
+    assert train_config(parser.parse_args(["search", "train", "--no-rope"])).rope is False
     e = parser.parse_args(["search", "eval", "--checkpoint", "p.st", "--ks", "16,256", "--layer-sets",
                            "middle6;3,4,5", "--methods", "learned,quest"])
     ecfg = eval_config(e)

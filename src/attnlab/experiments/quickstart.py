@@ -348,7 +348,7 @@ def write_report(results: dict, out: str | os.PathLike, histories: dict) -> Path
         "- **tokens/s**: training throughput (forward, backward and optimizer step; evaluation excluded).",
         "- **τ per layer**: the scalar-kernel temperature at the end of training, mean over heads.",
         "- **top-k mass**: share of each query's attention inside its k nearest keys in scalar space, mean over the "
-        "scalar heads of all layers and over queries (queries with at most k visible keys count as 1); "
+        "scalar heads of all layers and over the queries that see more than k keys; "
         "what a k-entry window of the sorted scalar cache would capture at decode time.",
         "",
         "![loss curves](loss_curves.png)",

@@ -65,7 +65,8 @@ def add_search_commands(subparsers) -> argparse.ArgumentParser:
     t.add_argument("--layers", default=d.layers, help="middle6 | all | reserved-edge | comma list of indices")
     t.add_argument("--d-search", dest="d_search", type=int, default=d.d_search)
     t.add_argument("--tau", type=float, default=d.tau, help="temperature of the search similarity")
-    t.add_argument("--rope", action="store_true", help="rotate search vectors by position (search RoPE)")
+    t.add_argument("--rope", action=argparse.BooleanOptionalAction, default=d.rope,
+                   help="rotate search vectors by position (search RoPE); --no-rope: the plain h W form")
     t.add_argument("--rope-theta", dest="rope_theta", type=float, default=d.rope_theta)
     t.add_argument("--k-pos", dest="k_pos", type=int, default=d.k_pos, help="teacher top-K positives for InfoNCE")
     t.add_argument("--alpha", type=float, default=d.alpha, help="weight of L_NCE")

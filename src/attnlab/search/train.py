@@ -32,7 +32,7 @@ class TrainConfig:
     layers: str = "all"  # trained once; any subset can be substituted at evaluation
     d_search: int = 128
     tau: float = 0.05
-    rope: bool = False  # rotate search vectors by position (recency becomes expressible); False = plain
+    rope: bool = True  # rotate search vectors by position (recency becomes expressible); False = plain h W
     rope_theta: float = 10000.0
     k_pos: int = 16
     alpha: float = 1.0
