@@ -96,7 +96,7 @@ def add_search_commands(subparsers) -> argparse.ArgumentParser:
     e.add_argument("--split", default="test")
     e.add_argument("--context", type=int, default=2048)
     e.add_argument("--n-contexts", dest="n_contexts", type=int, default=4)
-    e.add_argument("--hnsw-ef-search", dest="hnsw_ef_search", type=int, default=128)
+    e.add_argument("--hnsw-ef-search", dest="hnsw_ef_search", type=int, default=512)
     e.add_argument("--out", default="runs/search-eval")
     e.add_argument("--seed", type=int, default=0)
     e.set_defaults(func=_eval)

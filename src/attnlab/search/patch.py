@@ -33,7 +33,7 @@ class SelectorConfig:
     n_sink: int = 4  # StreamingLLM sinks
     hnsw_m: int = 32
     hnsw_ef_construction: int = 64
-    hnsw_ef_search: int = 128
+    hnsw_ef_search: int = 512
     hnsw_pin: int = 4  # block-start keys scored exactly beside the graph search
 
     def __post_init__(self):

@@ -144,7 +144,7 @@ class HNSWIndex:
     tends to miss) are also scored exactly and compete with the graph's results for the K slots.
     """
 
-    def __init__(self, dim: int, M: int = 32, ef_construction: int = 64, ef_search: int = 128, pin: int = 4):
+    def __init__(self, dim: int, M: int = 32, ef_construction: int = 64, ef_search: int = 512, pin: int = 4):
         import faiss
 
         self.faiss = faiss

@@ -43,7 +43,7 @@ class EvalConfig:
     page: int = 16
     n_sink: int = 4
     hnsw_m: int = 32
-    hnsw_ef_search: int = 128
+    hnsw_ef_search: int = 512
     out: str = "runs/search-eval"
 
     def __post_init__(self):
