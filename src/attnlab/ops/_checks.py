@@ -70,3 +70,17 @@ def check_positive(name: str, value) -> None:
     elif isinstance(value, torch.Tensor):
         if not bool((value > 0).all()):
             raise ValueError(f"{name} must be > 0 everywhere, got min {value.detach().min().item():.4g}")
+
+
+def check_qkv(q, k, v) -> tuple[int, int, int, int, int]:
+    """Floating (B, H, T, Dk) q and k of one shape, v (B, H, T, Dv), T >= 1: returns B, H, T, Dk, Dv."""
+    for name, x in (("q", q), ("k", k), ("v", v)):
+        check_tensor(name, x, 4)
+        if not x.is_floating_point():
+            raise TypeError(f"{name} must be a floating-point tensor, got {x.dtype}")
+    B, H, T, Dk = q.shape
+    check_same("q", tuple(q.shape), "k", tuple(k.shape), "shape (B, H, T, Dk)")
+    check_same("q", tuple(q.shape[:3]), "v", tuple(v.shape[:3]), "(B, H, T)")
+    if T < 1:
+        raise ValueError(f"q must have at least one position (T >= 1), got shape {tuple(q.shape)}")
+    return B, H, T, Dk, v.shape[-1]

@@ -32,7 +32,7 @@ from typing import NamedTuple
 
 import torch
 
-from ._checks import check_impl, check_positive, check_same, check_tensor
+from ._checks import check_impl, check_positive, check_qkv, check_same, check_tensor
 from ._chunked import chunked_linear_attention
 
 
@@ -165,15 +165,7 @@ def cosformer_attention(
         raise TypeError(f"causal must be a bool, got {type(causal).__name__}")
     if isinstance(chunk_size, bool) or not isinstance(chunk_size, int) or chunk_size < 1:
         raise ValueError(f"chunk_size must be a positive int, got {chunk_size!r}")
-    for name, x in (("q", q), ("k", k), ("v", v)):
-        check_tensor(name, x, 4)
-        if not x.is_floating_point():
-            raise TypeError(f"{name} must be a floating-point tensor, got {x.dtype}")
-    B, H, T, Dk = q.shape
-    check_same("q", tuple(q.shape), "k", tuple(k.shape), "shape (B, H, T, Dk)")
-    check_same("q", tuple(q.shape[:3]), "v", tuple(v.shape[:3]), "(B, H, T)")
-    if T < 1:
-        raise ValueError(f"q must have at least one position (T >= 1), got shape {tuple(q.shape)}")
+    B, H, T, Dk, _ = check_qkv(q, k, v)
     if normalize:
         check_positive("eps", eps)
     Dv, F = v.shape[-1], (2 * Dk if reweight else Dk)

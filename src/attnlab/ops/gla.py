@@ -27,7 +27,7 @@ import math
 
 import torch
 
-from ._checks import check_impl, check_positive, check_same, check_tensor
+from ._checks import check_impl, check_positive, check_qkv, check_same, check_tensor
 from ._chunked import chunked_linear_attention
 
 
@@ -66,16 +66,7 @@ def _check_state(state, shape: tuple, name: str) -> None:
 
 
 def _validate(q, k, v, log_decay, initial_state, vector: bool) -> tuple[int, int, int, int, int]:
-    for name, x in (("q", q), ("k", k), ("v", v)):
-        check_tensor(name, x, 4)
-        if not x.is_floating_point():
-            raise TypeError(f"{name} must be a floating-point tensor, got {x.dtype}")
-    B, H, T, Dk = q.shape
-    check_same("q", tuple(q.shape), "k", tuple(k.shape), "shape (B, H, T, Dk)")
-    check_same("q", tuple(q.shape[:3]), "v", tuple(v.shape[:3]), "(B, H, T)")
-    if T < 1:
-        raise ValueError(f"q must have at least one step (T >= 1), got shape {tuple(q.shape)}")
-    Dv = v.shape[-1]
+    B, H, T, Dk, Dv = check_qkv(q, k, v)
     if vector:
         _check_log_decay(log_decay, (B, H, T, Dk), "(B, H, T, Dk)")
     else:
