@@ -51,7 +51,8 @@ def plot(results: dict, path: Path) -> None:
             axes[0][c].plot(ks, [p[1] for p in pts], marker="o", label=method)
             axes[1][c].plot(ks, [p[2] for p in pts], marker="o", label=method)
         axes[0][c].set_title(f"{spec} ({next(r['n_layers'] for r in rows if r['layer_set'] == spec)} layers)")
-        axes[0][c].set_ylabel("relative PPL gap (%)")
+        axes[0][c].set_ylabel("relative PPL gap (%), symlog")
+        axes[0][c].set_yscale("symlog", linthresh=0.1)
         axes[0][c].axhline(0.0, color="gray", lw=0.8)
         axes[1][c].set_ylabel("Mass@K")
         for ax in (axes[0][c], axes[1][c]):
