@@ -156,7 +156,25 @@ def _check_stream(stream, seq_len: int) -> int:
     return n
 
 
-class PackedBatches:
+class StepBatches:
+    """An endless iterator whose batches are a pure function of the step, `batch(step)`; `next()`
+    returns the batch at `self.step` and advances it, so resuming only needs the step."""
+
+    step: int
+
+    def batch(self, step: int) -> Batch:
+        raise TypeError(f"{type(self).__name__} must define batch(step)")
+
+    def __iter__(self) -> Iterator[Batch]:
+        return self
+
+    def __next__(self) -> Batch:
+        b = self.batch(self.step)
+        self.step += 1
+        return b
+
+
+class PackedBatches(StepBatches):
     """Endless shuffled batches of packed windows, a pure function of (seed, step).
 
     Sample j (counting from 0 over the whole run) is window perm_e[j mod n] of epoch
@@ -227,14 +245,6 @@ class PackedBatches:
         """Epochs completed after `step` (default: the current step) global batches."""
         s = self.step if step is None else step
         return s * self.batch_size * self.world_size / self.num_windows
-
-    def __iter__(self) -> Iterator[Batch]:
-        return self
-
-    def __next__(self) -> Batch:
-        b = self.batch(self.step)
-        self.step += 1
-        return b
 
     def state_dict(self) -> dict:
         """The step of the next batch, plus what must match to resume exactly."""

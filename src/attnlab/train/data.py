@@ -16,7 +16,7 @@ from typing import Callable, Iterator
 import torch
 
 from attnlab.data.corpus import load_corpus
-from attnlab.data.packing import Batch, PackedBatches, pack_documents, sequential_batches
+from attnlab.data.packing import Batch, PackedBatches, StepBatches, pack_documents, sequential_batches
 from attnlab.data.synthetic import mqar
 from attnlab.data.tokenizer import get_tokenizer
 
@@ -29,7 +29,7 @@ def _seed_for(*parts) -> int:
     return int.from_bytes(digest[:8], "little") >> 1
 
 
-class MQARBatches:
+class MQARBatches(StepBatches):
     """Endless MQAR training batches; global batch `step` is generated from (seed, step)."""
 
     def __init__(self, cfg: RunConfig, vocab_size: int, env: DistEnv, *, split: str = "train"):
@@ -47,14 +47,6 @@ class MQARBatches:
         lo = self.env.rank * self.per_rank
         x, y = x[lo : lo + self.per_rank], y[lo : lo + self.per_rank]
         return Batch(x, y, torch.zeros_like(x), cross_doc=True)
-
-    def __iter__(self) -> Iterator[Batch]:
-        return self
-
-    def __next__(self) -> Batch:
-        b = self.batch(self.step)
-        self.step += 1
-        return b
 
     def state_dict(self) -> dict:
         return {"step": self.step, "seed": self.cfg.run.seed, "global_batch_size": self.global_batch}
