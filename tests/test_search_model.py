@@ -33,13 +33,22 @@ def proj(lm):
     return SearchProjections(list(range(lm.dims.n_layers)), lm.dims.d_model, 16)
 
 
+@pytest.fixture(scope="module")
+def proj_kv(lm):
+    """One candidate set per KV head (the tiny models have 4 query heads over 2 KV heads)."""
+    torch.manual_seed(0)
+    return SearchProjections(list(range(lm.dims.n_layers)), lm.dims.d_model, 16, rope=True, groups=lm.dims.n_kv_heads)
+
+
+@pytest.mark.parametrize("grouped", [False, True], ids=["shared", "per-kv-head"])
 @pytest.mark.parametrize("method", METHODS)
-def test_full_budget_equals_full_attention(lm, packed, proj, method):
+def test_full_budget_equals_full_attention(lm, packed, proj, proj_kv, method, grouped):
+    p, G = (proj_kv, lm.dims.n_kv_heads) if grouped else (proj, 1)
     ref = forward_packed(lm.model, packed)
-    with substitute(lm.model, [0, 3, 4, 7], SelectorConfig(method, K=48), proj):
+    with substitute(lm.model, [0, 3, 4, 7], SelectorConfig(method, K=48, groups=G), p):
         out = forward_packed(lm.model, packed)
     assert rel_rms(out, ref) < 1e-5
-    with substitute(lm.model, [0, 3, 4, 7], SelectorConfig(method, K=3), proj):
+    with substitute(lm.model, [0, 3, 4, 7], SelectorConfig(method, K=3, groups=G), p):
         small = forward_packed(lm.model, packed)
     assert rel_rms(small, ref) > 1e-4  # the substitution is really active
     assert lm.model.config._attn_implementation == "sdpa"  # restored on exit
@@ -65,23 +74,25 @@ def test_capture_matches_eager_attention_and_layer_input(lm, packed):
         assert rel_rms(c.hidden, h_in) < 1e-6
 
 
+@pytest.mark.parametrize("grouped", [False, True], ids=["shared", "per-kv-head"])
 @pytest.mark.parametrize("method", ["learned", "learned-hnsw", "quest", "streaming"])
-def test_generation_with_full_budget_equals_full_generation(lm, proj, method):
+def test_generation_with_full_budget_equals_full_generation(lm, proj, proj_kv, method, grouped):
+    p, G = (proj_kv, lm.dims.n_kv_heads) if grouped else (proj, 1)
     ids = torch.randint(3, 250, (2, 9), generator=torch.Generator().manual_seed(3))
     ref = generate(lm.model, ids, 10)
-    got = generate(lm.model, ids, 10, [1, 2, 6], SelectorConfig(method, K=19), proj)
+    got = generate(lm.model, ids, 10, [1, 2, 6], SelectorConfig(method, K=19, groups=G), p)
     assert torch.equal(got, ref)
 
 
-@pytest.mark.parametrize("rope", [False, True], ids=["plain", "search-rope"])
-def test_decode_index_growth_matches_prefill(lm, rope):
+@pytest.mark.parametrize("rope,groups", [(False, 1), (True, 1), (True, 2)], ids=["plain", "search-rope", "per-kv-head"])
+def test_decode_index_growth_matches_prefill(lm, rope, groups):
     """Token-by-token decoding with a growing exact index selects what one prefill selects."""
     from transformers import DynamicCache
 
     torch.manual_seed(1)
-    proj = SearchProjections([2, 3, 5], lm.dims.d_model, 16, rope=rope)
+    proj = SearchProjections([2, 3, 5], lm.dims.d_model, 16, rope=rope, groups=groups)
     ids = torch.randint(3, 250, (1, 30), generator=torch.Generator().manual_seed(4))
-    cfg = SelectorConfig("learned", K=5)
+    cfg = SelectorConfig("learned", K=5, groups=groups)
     with substitute(lm.model, [2, 3, 5], cfg, proj):
         full = lm.model(input_ids=ids, use_cache=False).logits
         cache = DynamicCache(config=lm.model.config)
@@ -106,6 +117,12 @@ def test_bad_input_fails_before_heavy_work(lm, tmp_path, proj):
         substitute(lm.model, [8], SelectorConfig("oracle", 4))
     with pytest.raises(ValueError, match="needs trained search projections"):
         substitute(lm.model, [1], SelectorConfig("learned", 4))
+    with pytest.raises(ValueError, match="groups must be a positive divisor of the 4 query heads"):
+        substitute(lm.model, [1], SelectorConfig("oracle", 4, groups=3))
+    with pytest.raises(ValueError, match="groups must be a positive int"):
+        SelectorConfig("oracle", 4, groups=0)
+    with pytest.raises(ValueError, match="trained with groups=1"):
+        substitute(lm.model, [1], SelectorConfig("learned", 4, groups=2), proj)
     assert lm.model.config._attn_implementation == "sdpa"  # nothing was installed
     (tmp_path / "short.txt").write_text("tiny corpus")
     with pytest.raises(ValueError, match="corpus too short for the context"):

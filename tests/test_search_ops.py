@@ -6,11 +6,11 @@ import pytest
 import torch
 
 from attnlab.search.capture import block_causal, pack_documents, teacher_attention
-from attnlab.search.metrics import mass_at_k, recall_at_k, rel_gap, token_nll
+from attnlab.search.metrics import mass_at_k, recall_at_k, rel_gap, retrieval_stats, token_nll
 from attnlab.search.projections import SearchProjections, search_losses
-from attnlab.search.retrieval import (ExactIndex, HNSWIndex, quest_bounds, quest_select, streaming_select,
-                                      topk_candidates)
-from attnlab.search.sparse import sparse_attention
+from attnlab.search.retrieval import (ExactIndex, HNSWIndex, oracle_select, quest_bounds, quest_select,
+                                      streaming_select, topk_candidates)
+from attnlab.search.sparse import candidate_mask, sparse_attention
 from attnlab.testing import compare_fwd_bwd, rel_rms
 
 
@@ -154,12 +154,12 @@ def test_streaming_keeps_sinks_and_recent_window():
 def test_exact_and_hnsw_indexes_agree_and_are_causal():
     torch.manual_seed(2)
     T, d, K = 120, 16, 10
-    x = torch.nn.functional.normalize(torch.randn(1, T, d), dim=-1)
+    x = torch.nn.functional.normalize(torch.randn(1, 1, T, d), dim=-1)  # (B, G, T, d)
     allowed = _causal(T)
     ex, hn = ExactIndex(), HNSWIndex(d, M=16, ef_construction=80, ef_search=120)
     for s in range(0, T, 40):  # grows as tokens arrive
-        ex.add(x[:, s:s + 40])
-        hn.add(x[:, s:s + 40])
+        ex.add(x[:, :, s:s + 40])
+        hn.add(x[:, :, s:s + 40])
     assert ex.ntotal == hn.ntotal == T
     i1, v1 = ex.search(x, allowed, K)
     i2, v2 = hn.search(x, allowed, K)
@@ -174,11 +174,11 @@ def test_hnsw_blocks_and_pinned_sinks_track_exact_search():
     found for every query because pinned keys are scored exactly (graph search alone misses it)."""
     torch.manual_seed(0)
     T, d, K, half = 400, 16, 4, 200
-    x = torch.nn.functional.normalize(torch.randn(1, T, d), dim=-1)
+    x = torch.nn.functional.normalize(torch.randn(1, 1, T, d), dim=-1)
     sink = torch.nn.functional.normalize(torch.randn(d), dim=0)
-    q = torch.nn.functional.normalize(torch.randn(1, T, d) * 0.3 + sink, dim=-1)  # every query near the sink
+    q = torch.nn.functional.normalize(torch.randn(1, 1, T, d) * 0.3 + sink, dim=-1)  # every query near the sink
     x = torch.nn.functional.normalize(x - sink, dim=-1)  # all other keys far from it
-    x[0, 0] = x[0, half] = sink  # the first key of each block
+    x[0, 0, 0] = x[0, 0, half] = sink  # the first key of each block
     allowed = block_causal(torch.tensor([[0] * half + [1] * (T - half)]))
 
     def sink_found(i, v):
@@ -199,13 +199,13 @@ def test_search_rope_is_norm_preserving_and_relative():
     torch.manual_seed(0)
     p = SearchProjections([0], 8, 6, rope=True, rope_theta=100.0)
     h = torch.randn(1, 1, 8).expand(1, 20, 8)  # the same content at every position
-    qs, ks = p(0, h)
-    assert torch.allclose(qs.norm(dim=-1), torch.ones(1, 20), atol=1e-6)
-    s = qs[0] @ ks[0].T  # depends on t - j only
+    qs, ks = p(0, h)  # (B, G=1, T, d)
+    assert torch.allclose(qs.norm(dim=-1), torch.ones(1, 1, 20), atol=1e-6)
+    s = qs[0, 0] @ ks[0, 0].T  # depends on t - j only
     assert torch.allclose(s.diagonal(3), s.diagonal(3)[:1].expand(17), atol=1e-5)
     assert not torch.allclose(s.diagonal(0)[:5], s.diagonal(3)[:5], atol=1e-3)
     q2, k2 = p(0, h[:, 5:], start=5)  # positions carry over to later calls (decode)
-    assert torch.allclose(q2, qs[:, 5:], atol=1e-6) and torch.allclose(k2, ks[:, 5:], atol=1e-6)
+    assert torch.allclose(q2, qs[:, :, 5:], atol=1e-6) and torch.allclose(k2, ks[:, :, 5:], atol=1e-6)
     with pytest.raises(ValueError, match="d_search must be even"):
         SearchProjections([0], 8, 5, rope=True)
 
@@ -240,3 +240,47 @@ def test_pack_documents_blocks_positions_and_short_corpus():
     assert not m[3, :3].any() and m[3, 3] and m[2, :3].all()
     with pytest.raises(ValueError, match="corpus too short for the context"):
         pack_documents(["abc"], enc, 0, context=8, n_contexts=2)
+
+
+def test_grouped_selectors_equal_each_group_alone():
+    """G candidate sets per token: set g is what the shared (G = 1) selector gives on group g's heads
+    alone, for the teacher, oracle, Quest and both indexes."""
+    torch.manual_seed(5)
+    B, H, Hkv, T, D, K, G = 2, 6, 3, 70, 8, 12, 3
+    q, k = torch.randn(B, H, T, D), torch.randn(B, Hkv, T, D)
+    seg = torch.tensor([[0] * 30 + [1] * 40, [0] * 70])
+    allowed = block_causal(seg)
+    tg = teacher_attention(q, k, allowed, 0.4, groups=G)
+    assert tg.shape == (B, G, T, T)
+    assert rel_rms(tg.mean(1), teacher_attention(q, k, allowed, 0.4)) < 1e-6
+    oi, ov = oracle_select(q, k, allowed, 0.4, K, groups=G)
+    qi, qv = quest_select(q, k, allowed, 0.4, K, page=8, groups=G)
+    for g in range(G):
+        qg, kg = q[:, 2 * g:2 * g + 2], k[:, g:g + 1]
+        assert torch.equal(tg[:, g], teacher_attention(qg, kg, allowed, 0.4))
+        i1, v1 = oracle_select(qg, kg, allowed, 0.4, K)
+        assert torch.equal(oi[:, g:g + 1][ov[:, g:g + 1]], i1[v1])
+        i2, v2 = quest_select(qg, kg, allowed, 0.4, K, page=8)
+        assert torch.equal(qi[:, g:g + 1], i2) and torch.equal(qv[:, g:g + 1], v2)
+    with pytest.raises(ValueError, match="groups must be a positive divisor of the 6 query heads"):
+        teacher_attention(q, k, allowed, 0.4, groups=4)
+    with pytest.raises(ValueError, match="groups must be a positive divisor"):
+        quest_select(q, k, allowed, 0.4, K, groups=4)
+    qs = torch.nn.functional.normalize(torch.randn(B, G, T, 16), dim=-1)
+    ks = torch.nn.functional.normalize(torch.randn(B, G, T, 16), dim=-1)
+    small = dict(M=16, ef_construction=80, ef_search=200)
+    ei, ev = ExactIndex().grow_and_search(qs, ks, allowed, K)
+    hi, hv = HNSWIndex(16, **small).grow_and_search(qs, ks, allowed, K, chunk=16)
+    assert ei.shape == hi.shape == (B, G, T, K)
+    for g in range(G):
+        e1, f1 = ExactIndex().grow_and_search(qs[:, g:g + 1], ks[:, g:g + 1], allowed, K)
+        assert torch.equal(ei[:, g:g + 1], e1) and torch.equal(ev[:, g:g + 1], f1)
+        h1, w1 = HNSWIndex(16, **small).grow_and_search(qs[:, g:g + 1], ks[:, g:g + 1], allowed, K, chunk=16)
+        assert torch.equal(hi[:, g:g + 1], h1) and torch.equal(hv[:, g:g + 1], w1)
+    # Mass@K over G sets = each head's own attention mass kept by its set, averaged over heads
+    heads = teacher_attention(q, k, allowed, 0.4, groups=H)
+    s = retrieval_stats(ei, ev, tg, allowed, K)
+    sel = candidate_mask(ei, ev, T).repeat_interleave(H // G, dim=1) & allowed
+    hard = allowed[:, 0].sum(-1) > K
+    per_head = (heads * sel).sum(-1).mean(1)[hard]
+    assert s["mass"] / s["n"] == pytest.approx(float(per_head.mean()), rel=1e-5)

@@ -31,18 +31,21 @@ def corpus(tmp_path_factory):
 def _mass(proj, caps, seg, K):
     allowed = block_causal(seg)
     c = caps[0]
-    teacher = teacher_attention(c.q, c.k, allowed, c.scaling)
+    G = proj.groups
+    teacher = teacher_attention(c.q, c.k, allowed, c.scaling, groups=G)
     qs, ks = proj(0, c.hidden)
-    idx, valid = topk_candidates((qs @ ks.transpose(1, 2))[:, None], allowed, K)
+    idx, valid = topk_candidates(qs @ ks.transpose(-1, -2), allowed, K)
     s = retrieval_stats(idx, valid, teacher, allowed, K)
-    oi, ov = oracle_select(c.q, c.k, allowed, c.scaling, K)
+    oi, ov = oracle_select(c.q, c.k, allowed, c.scaling, K, groups=G)
     o = retrieval_stats(oi, ov, teacher, allowed, K)
     return s["mass"] / s["n"], o["mass"] / o["n"]
 
 
-def test_projections_learn_a_teacher_they_can_express():
+@pytest.mark.parametrize("groups", [1, 2])
+def test_projections_learn_a_teacher_they_can_express(groups):
     """A teacher whose scores are a bilinear form of the hidden states is learnable: after training,
-    learned Mass@K rises well above its start and close to the oracle's."""
+    learned Mass@K rises well above its start and close to the oracle's (groups=2: one set per KV
+    head, each trained against its own heads' teacher)."""
     g = torch.Generator().manual_seed(0)
     B, T, C, H, D = 1, 64, 32, 4, 8
     h = torch.randn(B, T, C, generator=g)
@@ -51,7 +54,7 @@ def test_projections_learn_a_teacher_they_can_express():
     k = (h @ wk).view(B, T, H // 2, D).transpose(1, 2)
     caps = {0: Captured(h, q, k, 0.5)}
     seg = torch.tensor([[0] * 24 + [1] * 40])
-    proj = SearchProjections([0], C, 16, tau=0.1)
+    proj = SearchProjections([0], C, 16, tau=0.1, groups=groups)
     before, oracle = _mass(proj, caps, seg, 8)
     opt = torch.optim.Adam(proj.parameters(), lr=1e-2)
     for _ in range(100):
@@ -93,7 +96,36 @@ def test_train_rejects_bad_config_before_work(tmp_path, corpus):
     with pytest.raises(ValueError, match="corpus too short"):
         train(TrainConfig(layers="1", context=4096, n_contexts=2, corpus=corpus, split="all",
                           out=str(tmp_path / "x")), lm=lm, progress=False)
+    with pytest.raises(ValueError, match="groups must be a positive int or 'kv'"):
+        TrainConfig(groups="heads")
+    with pytest.raises(ValueError, match="groups must be a positive divisor of the 4 query heads"):
+        train(TrainConfig(layers="1", groups=3, corpus=corpus, split="all", out=str(tmp_path / "x")), lm=lm,
+              progress=False)
     assert not (tmp_path / "x").exists()
+
+
+def test_train_per_kv_head_sets_and_evaluate_them(tmp_path, corpus):
+    """groups='kv': one search space per KV head, saved, resumed and evaluated with every method
+    using the same grouping; at K >= context all of them are full attention."""
+    lm = tiny_lm("llama")
+    cfg = TrainConfig(model="tiny", layers="3,4", groups="kv", d_search=8, context=32, n_contexts=2, corpus=corpus,
+                      split="all", steps=3, log_every=1, eval_k=4, warmup=1, out=str(tmp_path / "kv"))
+    res = train(cfg, lm=lm, progress=False)
+    assert res["trainable_params"] == 2 * 2 * 64 * 8 * lm.dims.n_kv_heads
+    proj, meta, _ = SearchProjections.load(res["checkpoint"])
+    assert proj.groups == meta["groups"] == 2
+    log = [json.loads(line) for line in (tmp_path / "kv" / "train_log.jsonl").read_text().splitlines()]
+    assert all(0 < r["mass@4"] <= 1 for r in log)
+    ev = run_eval(EvalConfig(checkpoint=res["checkpoint"], layer_sets=["3,4"], ks=[4, 40], context=40, n_contexts=1,
+                             corpus=corpus, split="all", out=str(tmp_path / "ev")), lm=lm, progress=False)
+    assert ev["groups"] == 2 and "2 candidate set(s) per token" in (tmp_path / "ev" / "results.md").read_text()
+    for r in ev["rows"]:
+        assert abs(r["rel_gap"]) < 1e-5 if r["K"] == 40 else 0 < r["mass"] <= 1
+    with pytest.raises(ValueError, match="the learned methods use the checkpoint's"):
+        run_eval(EvalConfig(checkpoint=res["checkpoint"], groups=1, layer_sets=["3"], ks=[4], corpus=corpus,
+                            split="all", out=str(tmp_path / "ev2")), lm=lm, progress=False)
+    with pytest.raises(ValueError, match="was trained with"):
+        train(TrainConfig(**{**cfg.__dict__, "groups": 1, "steps": 4}), lm=lm, progress=False)
 
 
 def test_eval_sweep_writes_json_markdown_png(tmp_path, corpus):
@@ -133,6 +165,10 @@ def test_cli_builds_configs():
     assert (cfg.layers, cfg.steps, cfg.resume, cfg.k_pos, cfg.model, cfg.rope) == ("middle6", 7, False, 8, "smollm2",
                                                                                   True)
     assert train_config(parser.parse_args(["search", "train", "--no-rope"])).rope is False
+    assert train_config(parser.parse_args(["search", "train", "--groups", "kv"])).groups == "kv"
+    assert eval_config(parser.parse_args(["search", "eval", "--checkpoint", "p", "--groups", "3"])).groups == 3
+    with pytest.raises(SystemExit):
+        parser.parse_args(["search", "train", "--groups", "many"])
     e = parser.parse_args(["search", "eval", "--checkpoint", "p.st", "--ks", "16,256", "--layer-sets",
                            "middle6;3,4,5", "--methods", "learned,quest"])
     ecfg = eval_config(e)

@@ -117,20 +117,32 @@ def capture(model, batch: Packed, layers: Sequence[int]) -> dict[int, Captured]:
     return out
 
 
+def _head_probs(q: torch.Tensor, k: torch.Tensor, allowed: torch.Tensor, scaling: float, s: int, chunk: int):
+    """Per-head softmax (B, H, c, Tk) of queries s..s+chunk; head h reads KV head h // (H / Hkv) (GQA)."""
+    B, H, _, D = q.shape
+    Hkv = k.shape[1]
+    qc = q[:, :, s:s + chunk].float().view(B, Hkv, H // Hkv, -1, D)  # (B, Hkv, rep, c, D)
+    sc = (qc @ k.float()[:, :, None].transpose(-1, -2)).view(B, H, -1, k.shape[2]) * scaling  # (B, H, c, Tk)
+    sc = sc.masked_fill(~allowed[:, :, s:s + chunk], float("-inf"))
+    return torch.softmax(sc, dim=-1).nan_to_num(0.0)
+
+
 def teacher_attention(q: torch.Tensor, k: torch.Tensor, allowed: torch.Tensor, scaling: float,
-                      chunk: int = 512) -> torch.Tensor:
-    """Head-averaged attention A^T (B, Tq, Tk) of q (B, H, Tq, D) over k (B, Hkv, Tk, D).
+                      chunk: int = 512, groups: int | None = None) -> torch.Tensor:
+    """Head-averaged attention A^T of q (B, H, Tq, D) over k (B, Hkv, Tk, D).
 
     Each query head h reads KV head h // (H / Hkv) (GQA); `allowed` (B or 1, 1, Tq, Tk) is the mask.
+    groups=None averages all heads: (B, Tq, Tk). groups=G averages each run of H / G consecutive heads
+    (the heads that share one candidate set): (B, G, Tq, Tk).
     Computed in query chunks so the (H, Tq, Tk) scores never exist at once for long contexts.
     """
-    B, H, Tq, D = q.shape
-    Hkv = k.shape[1]
-    kg = k.float()[:, :, None]  # (B, Hkv, 1, Tk, D)
+    B, H = q.shape[:2]
+    G = 1 if groups is None else groups
+    if isinstance(G, bool) or not isinstance(G, int) or G <= 0 or H % G:
+        raise ValueError(f"groups must be a positive divisor of the {H} query heads, got {groups!r}")
     outs = []
-    for s in range(0, Tq, chunk):
-        qc = q[:, :, s:s + chunk].float().view(B, Hkv, H // Hkv, -1, D)  # (B, Hkv, rep, c, D)
-        sc = (qc @ kg.transpose(-1, -2)).view(B, H, -1, k.shape[2]) * scaling  # (B, H, c, Tk)
-        sc = sc.masked_fill(~allowed[:, :, s:s + chunk], float("-inf"))
-        outs.append(torch.softmax(sc, dim=-1).nan_to_num(0.0).mean(1))  # (B, c, Tk)
-    return torch.cat(outs, dim=1)
+    for s in range(0, q.shape[2], chunk):
+        p = _head_probs(q, k, allowed, scaling, s, chunk)
+        outs.append(p.view(B, G, H // G, *p.shape[2:]).mean(2))  # (B, G, c, Tk)
+    out = torch.cat(outs, dim=2)
+    return out[:, 0] if groups is None else out

@@ -21,6 +21,15 @@ def _csv(kind):
     return parse
 
 
+def _groups(text: str) -> int | str:
+    if text == "kv":
+        return text
+    try:
+        return int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a positive int or 'kv', got {text!r}")
+
+
 def _layer_sets(text: str) -> list[str]:
     """';'-separated layer sets, each a name or a comma list: 'middle6;all;3,4,5'."""
     return [s.strip() for s in text.split(";") if s.strip()]
@@ -64,6 +73,8 @@ def add_search_commands(subparsers) -> argparse.ArgumentParser:
     t.add_argument("--model", default=d.model, help="'smollm2' (embedded GGUF), a hub id, a folder or a .gguf file")
     t.add_argument("--layers", default=d.layers, help="middle6 | all | reserved-edge | comma list of indices")
     t.add_argument("--d-search", dest="d_search", type=int, default=d.d_search)
+    t.add_argument("--groups", type=_groups, default=d.groups,
+                   help="candidate sets per token: 1 (shared by all heads), 'kv' (one per KV head) or a divisor of the heads")
     t.add_argument("--tau", type=float, default=d.tau, help="temperature of the search similarity")
     t.add_argument("--rope", action=argparse.BooleanOptionalAction, default=d.rope,
                    help="rotate search vectors by position (search RoPE); --no-rope: the plain h W form")
@@ -90,6 +101,8 @@ def add_search_commands(subparsers) -> argparse.ArgumentParser:
     e.add_argument("--model", default=None, help="default: the checkpoint's model")
     e.add_argument("--layer-sets", dest="layer_sets", type=_layer_sets, default=list(DEFAULT_LAYER_SETS),
                    help="';'-separated, e.g. 'middle6;all;reserved-edge' or '12,13;all'")
+    e.add_argument("--groups", type=_groups, default=None,
+                   help="candidate sets per token for every method (default: the checkpoint's, else 1)")
     e.add_argument("--ks", type=_csv(int), default=list(DEFAULT_KS), help="comma list, e.g. 16,32,64,128,256")
     e.add_argument("--methods", type=_csv(str), default=list(METHODS), help=f"comma list from {','.join(METHODS)}")
     e.add_argument("--corpus", default="stdlib")

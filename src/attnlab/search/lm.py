@@ -55,12 +55,13 @@ def prepare(model: str, layer_sets, corpus: str, split: str, context: int, n_con
     """Validate, pack the corpus into contexts, then load the model (unless `lm` is given).
 
     layer_sets: a list of layer specs (see resolve_layers), each resolved to indices; `check`, if
-    given, is called with the resolved sets before the corpus is read or weights are loaded.
+    given, is called with the resolved sets and the model's ModelDims before the corpus is read or
+    weights are loaded.
     """
     if lm is not None:
         sets = [resolve_layers(s, lm.dims.n_layers) for s in layer_sets]
         if check is not None:
-            check(sets)
+            check(sets, lm.dims)
         packed = pack_documents(load_texts(corpus, split), lm.encode, lm.eos_id, context, n_contexts, seed)
         return lm, sets, packed
     source = resolve_source(model)
@@ -68,7 +69,7 @@ def prepare(model: str, layer_sets, corpus: str, split: str, context: int, n_con
     dims = model_dims(config)
     sets = [resolve_layers(s, dims.n_layers) for s in layer_sets]
     if check is not None:
-        check(sets)
+        check(sets, dims)
     max_pos = getattr(config, "max_position_embeddings", None)
     if isinstance(max_pos, int) and context > max_pos:
         raise ValueError(f"context={context} exceeds the model's max_position_embeddings={max_pos}")

@@ -15,21 +15,26 @@ import torch.nn.functional as F
 from .sparse import candidate_mask
 
 
-def _selected(idx, valid, n_keys) -> torch.Tensor:
-    """(B, 1, Tq, K) candidates -> dense (B, Tq, Tk) membership."""
-    return candidate_mask(idx, valid, n_keys)[:, 0]
-
-
 def retrieval_stats(idx, valid, teacher, allowed, K: int) -> dict[str, float]:
-    """Sums over the non-trivial queries (more than K admissible keys), for averaging across batches:
-    {'n': queries, 'recall': sum of Recall@K, 'mass': sum of Mass@K, 'slots': all slots, 'filler': filler slots}."""
-    B, Tq, Tk = teacher.shape
-    allowed = allowed.expand(B, 1, Tq, Tk)[:, 0]
-    sel = _selected(idx, valid, Tk) & allowed
-    hard = allowed.sum(-1) > K  # (B, Tq)
+    """Sums over the non-trivial queries (more than K admissible keys), for averaging across batches.
+
+    idx, valid (B, G, Tq, K): G candidate sets per query; teacher (B, Tq, Tk) for G = 1 or
+    (B, G, Tq, Tk): each set is scored against its own group's teacher (the mean attention of the
+    heads it serves), and 'n' counts (query, set) pairs. The group teacher being a mean, Mass@K
+    averaged over sets equals each head's own attention mass kept by its set, averaged over heads,
+    so Mass@K compares across groupings. Returns {'n', 'recall', 'mass', 'slots', 'filler'}."""
+    if teacher.dim() == 3:
+        teacher = teacher[:, None]
+    B, G, Tq, Tk = teacher.shape
+    if idx.shape[1] not in (1, G):
+        raise ValueError(f"idx has {idx.shape[1]} candidate sets per query, the teacher {G}")
+    idx, valid = idx.expand(B, G, *idx.shape[2:]), valid.expand(B, G, *valid.shape[2:])
+    allowed = allowed.expand(B, 1, Tq, Tk)
+    sel = candidate_mask(idx, valid, Tk) & allowed  # (B, G, Tq, Tk)
+    hard = (allowed.sum(-1) > K).expand(B, G, Tq)
     kk = min(K, Tk)
     top = teacher.masked_fill(~allowed, -1.0).topk(kk, dim=-1).indices
-    top_mask = torch.zeros_like(allowed).scatter_(-1, top, True) & allowed
+    top_mask = torch.zeros_like(sel).scatter_(-1, top, True) & allowed
     recall = (sel & top_mask).sum(-1).float() / K
     mass = (teacher * sel).sum(-1)
     return {

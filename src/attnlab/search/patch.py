@@ -19,7 +19,8 @@ from .hf_model import attention_modules
 from .hooks import Installed
 from .metrics import Tally, retrieval_stats
 from .projections import SearchProjections
-from .retrieval import METHODS, ExactIndex, HNSWIndex, check_k, oracle_select, quest_select, streaming_select
+from .retrieval import (METHODS, ExactIndex, HNSWIndex, check_groups, check_k, oracle_select, quest_select,
+                        streaming_select)
 from .sparse import sparse_attention
 
 
@@ -29,6 +30,7 @@ class SelectorConfig:
 
     method: str = "learned"
     K: int = 256
+    groups: int = 1  # candidate sets per token, each serving H / groups heads (learned: the projections' own)
     page: int = 16  # Quest page size
     n_sink: int = 4  # StreamingLLM sinks
     hnsw_m: int = 32
@@ -39,7 +41,7 @@ class SelectorConfig:
     def __post_init__(self):
         check_choice("method", self.method, METHODS)
         check_k(self.K)
-        for name in ("page", "hnsw_m", "hnsw_ef_construction", "hnsw_ef_search"):
+        for name in ("groups", "page", "hnsw_m", "hnsw_ef_construction", "hnsw_ef_search"):
             v = getattr(self, name)
             if not isinstance(v, int) or v <= 0:
                 raise ValueError(f"{name} must be a positive int, got {v!r}")
@@ -59,6 +61,8 @@ class RetrieveThenAttend:
                 raise ValueError(f"method {cfg.method!r} needs trained search projections")
             if layer not in projections.layers:
                 raise ValueError(f"no search projection for layer {layer}; trained layers are {projections.layers}")
+            if projections.groups != cfg.groups:
+                raise ValueError(f"groups={cfg.groups} but the projections were trained with groups={projections.groups}")
         self.layer, self.cfg, self.proj, self.tally = layer, cfg, projections, tally
         if cfg.method == "learned-hnsw":
             self.index = HNSWIndex(projections.d_search, cfg.hnsw_m, cfg.hnsw_ef_construction, cfg.hnsw_ef_search,
@@ -69,13 +73,13 @@ class RetrieveThenAttend:
     def select(self, hidden, q, k, allowed, scaling):
         cfg = self.cfg
         if cfg.method == "oracle":
-            return oracle_select(q, k, allowed, scaling, cfg.K)
+            return oracle_select(q, k, allowed, scaling, cfg.K, cfg.groups)
         if cfg.method == "quest":
-            return quest_select(q, k, allowed, scaling, cfg.K, cfg.page)
+            return quest_select(q, k, allowed, scaling, cfg.K, cfg.page, cfg.groups)
         if cfg.method == "streaming":
             return streaming_select(allowed, cfg.K, cfg.n_sink, batch=q.shape[0])
         Tq, Tk = q.shape[2], k.shape[2]
-        qs, ks = self.proj(self.layer, hidden, start=Tk - Tq)  # (B, Tq, d_search) each, at positions Tk-Tq..
+        qs, ks = self.proj(self.layer, hidden, start=Tk - Tq)  # (B, G, Tq, d_search) each, at positions Tk-Tq..
         if Tk == Tq:  # a new sequence: start a fresh index
             self.index.reset()
         if self.index.ntotal != Tk - Tq:
@@ -87,10 +91,10 @@ class RetrieveThenAttend:
 
     @torch.no_grad()
     def __call__(self, module, hidden, q, k, v, allowed, scaling):
-        idx, valid = self.select(hidden, q, k, allowed, scaling)  # (B, 1, Tq, K)
+        idx, valid = self.select(hidden, q, k, allowed, scaling)  # (B, G or 1, Tq, K)
         out = sparse_attention(q, k, v, idx, valid, scaling)  # (B, H, Tq, D)
         if self.tally is not None:
-            teacher = teacher_attention(q, k, allowed, scaling)
+            teacher = teacher_attention(q, k, allowed, scaling, groups=self.cfg.groups)  # (B, G, Tq, Tk)
             self.tally.add_retrieval(self.layer, retrieval_stats(idx, valid, teacher, allowed, self.cfg.K))
         return out.transpose(1, 2)  # (B, Tq, H, D), what transformers' attention functions return
 
@@ -105,6 +109,7 @@ def substitute(model, layers, cfg: SelectorConfig, projections: SearchProjection
     bad = [i for i in layers if not (isinstance(i, int) and 0 <= i < n)]
     if bad or not layers:
         raise ValueError(f"layers must be a non-empty list of layer indices in 0..{n - 1}, got {list(layers)}")
+    check_groups(cfg.groups, model.config.num_attention_heads)
     if projections is not None and projections.d_model != model.config.hidden_size:
         raise ValueError(
             f"projections were trained for d_model={projections.d_model}, the model has {model.config.hidden_size}")
@@ -121,7 +126,9 @@ def generate(model, input_ids: torch.Tensor, max_new_tokens: int, layers=None,
         raise ValueError(f"max_new_tokens must be a positive int, got {max_new_tokens!r}")
     if layers is None:
         return _greedy(model, input_ids, max_new_tokens)
-    with substitute(model, layers, cfg or SelectorConfig(), projections):
+    if cfg is None:
+        cfg = SelectorConfig(groups=projections.groups if projections is not None else 1)
+    with substitute(model, layers, cfg, projections):
         return _greedy(model, input_ids, max_new_tokens)
 
 

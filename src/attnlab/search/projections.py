@@ -9,6 +9,11 @@ Optional search RoPE (rope=True): after normalisation, q^s_t and k^s_j are rotat
 sequence positions as in rotary embeddings, so q^s_t . k^s_j depends on t - j as well as on content
 and the search space can express the recency and sink preferences of the teacher. Rotation keeps
 unit norm, and a key's rotation is fixed when it is added, so the vectors stay ANN-indexable.
+
+Candidate groups (groups=G): each layer maps to G independent d_search-dim search spaces, one per
+run of H / G consecutive query heads (G = the KV-head count: one candidate set per KV head). Group g
+is trained against the average attention of its own heads only. G = 1 (default) is one set per
+token shared by all heads.
 """
 
 from __future__ import annotations
@@ -28,30 +33,39 @@ class SearchProjections(nn.Module):
     """Two bias-free d_model -> d_search maps per selected layer; the base model stays frozen."""
 
     def __init__(self, layers: list[int], d_model: int, d_search: int = 128, tau: float = 0.05, meta=None,
-                 rope: bool = False, rope_theta: float = 10000.0):
+                 rope: bool = False, rope_theta: float = 10000.0, groups: int = 1):
         super().__init__()
         if not layers:
             raise ValueError("layers must be a non-empty list of layer indices")
         check_positive("d_search", d_search)
         check_positive("tau", tau)
         check_positive("rope_theta", rope_theta)
+        if isinstance(groups, bool) or not isinstance(groups, int) or groups <= 0:
+            raise ValueError(f"groups must be a positive int (candidate sets per token), got {groups!r}")
         if rope and d_search % 2:
             raise ValueError(f"d_search must be even with rope=True, got {d_search}")
         self.layers = [int(i) for i in layers]
         self.d_model, self.d_search, self.tau = d_model, d_search, float(tau)
-        self.rope, self.rope_theta = bool(rope), float(rope_theta)
+        self.rope, self.rope_theta, self.groups = bool(rope), float(rope_theta), groups
         self.meta = dict(meta or {})
-        self.wq = nn.ModuleDict({str(i): nn.Linear(d_model, d_search, bias=False) for i in self.layers})
-        self.wk = nn.ModuleDict({str(i): nn.Linear(d_model, d_search, bias=False) for i in self.layers})
+        width = groups * d_search
+        self.wq = nn.ModuleDict({str(i): nn.Linear(d_model, width, bias=False) for i in self.layers})
+        self.wk = nn.ModuleDict({str(i): nn.Linear(d_model, width, bias=False) for i in self.layers})
 
     def forward(self, layer: int, hidden: torch.Tensor, start: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
-        """hidden (B, T, C) of positions start..start+T-1 -> unit search queries and keys (B, T, d_search)."""
+        """hidden (B, T, C) of positions start..start+T-1 -> unit search queries and keys
+        (B, G, T, d_search), G = self.groups."""
         if str(layer) not in self.wq:
             raise ValueError(f"no search projection for layer {layer}; trained layers are {self.layers}")
         w = self.wq[str(layer)].weight
         h = hidden.to(w.dtype)
-        qs = F.normalize(self.wq[str(layer)](h), dim=-1)
-        ks = F.normalize(self.wk[str(layer)](h), dim=-1)
+        B, T, _ = h.shape
+
+        def split(x):  # (B, T, G * d) -> (B, G, T, d)
+            return x.view(B, T, self.groups, self.d_search).transpose(1, 2)
+
+        qs = F.normalize(split(self.wq[str(layer)](h)), dim=-1)
+        ks = F.normalize(split(self.wk[str(layer)](h)), dim=-1)
         if self.rope:
             qs, ks = self._rotate(qs, start), self._rotate(ks, start)
         return qs, ks
@@ -73,7 +87,8 @@ class SearchProjections(nn.Module):
         tensors = {k: v.detach().contiguous() for k, v in self.state_dict().items()}
         tensors.update(extra_tensors or {})
         meta = {"layers": self.layers, "d_model": self.d_model, "d_search": self.d_search, "tau": self.tau,
-                "rope": self.rope, "rope_theta": self.rope_theta, "meta": self.meta, **(extra_meta or {})}
+                "rope": self.rope, "rope_theta": self.rope_theta, "groups": self.groups, "meta": self.meta,
+                **(extra_meta or {})}
         path = Path(path)
         path.parent.mkdir(parents=True, exist_ok=True)
         tmp = path.with_suffix(path.suffix + ".tmp")
@@ -95,7 +110,7 @@ class SearchProjections(nn.Module):
             meta = json.loads(raw)
             tensors = {k: f.get_tensor(k) for k in f.keys()}
         proj = cls(meta["layers"], meta["d_model"], meta["d_search"], meta["tau"], meta.get("meta"),
-                   meta.get("rope", False), meta.get("rope_theta", 10000.0))
+                   meta.get("rope", False), meta.get("rope_theta", 10000.0), meta.get("groups", 1))
         own = {k: tensors.pop(k) for k in list(tensors) if k.startswith(("wq.", "wk."))}
         proj.load_state_dict(own)
         return proj, meta, tensors

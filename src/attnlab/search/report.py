@@ -16,7 +16,7 @@ def markdown_table(results: dict) -> str:
     full = results.get("full", {})
     lines = [
         f"Full attention: PPL {_fmt(full.get('ppl'), '.4f')} on {full.get('tokens', 0)} predicted tokens "
-        f"({results.get('model', '?')}).",
+        f"({results.get('model', '?')}); {results.get('groups', 1)} candidate set(s) per token.",
         "",
         "| layer set | layers | method | K | PPL | rel. PPL gap | Recall@K | Mass@K | filler rate |",
         "|---|---|---|---|---|---|---|---|---|",

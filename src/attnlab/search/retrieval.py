@@ -1,8 +1,9 @@
 """Candidate selection at a budget of K keys per query: learned (exact or FAISS HNSW), Quest,
 oracle top-K and StreamingLLM sinks + window.
 
-Every selector returns idx (B, 1, Tq, K) int64 and valid (B, 1, Tq, K) bool: one candidate set per
-query token shared by all heads; filler slots (fewer than K admissible keys) have valid False.
+Every selector returns idx (B, G, Tq, K) int64 and valid (B, G, Tq, K) bool: G candidate sets per
+query token, set g serving the H / G consecutive query heads g*H/G.. (G = 1: one set shared by all
+heads); filler slots (fewer than K admissible keys) have valid False.
 `allowed` is the (B or 1, 1, Tq, Tk) may-attend mask (causal or block-causal).
 """
 
@@ -24,6 +25,13 @@ def check_k(K) -> int:
     return K
 
 
+def check_groups(groups, n_heads: int) -> int:
+    """Candidate groups per token must divide the query heads (each group serves H / G of them)."""
+    if isinstance(groups, bool) or not isinstance(groups, int) or groups <= 0 or n_heads % groups:
+        raise ValueError(f"groups must be a positive divisor of the {n_heads} query heads, got {groups!r}")
+    return groups
+
+
 def topk_candidates(scores: torch.Tensor, allowed: torch.Tensor, K: int) -> tuple[torch.Tensor, torch.Tensor]:
     """The K best admissible keys by score; scores (B, G, Tq, Tk) -> idx, valid (B, G, Tq, K)."""
     allowed = allowed.expand_as(scores)
@@ -38,9 +46,10 @@ def topk_candidates(scores: torch.Tensor, allowed: torch.Tensor, K: int) -> tupl
     return idx, valid
 
 
-def oracle_select(q, k, allowed, scaling: float, K: int):
-    """Top-K keys of the head-averaged teacher distribution softmax(q.k * s) (the model's own q.k)."""
-    return topk_candidates(teacher_attention(q, k, allowed, scaling)[:, None], allowed, K)
+def oracle_select(q, k, allowed, scaling: float, K: int, groups: int = 1):
+    """Top-K keys of the teacher distribution softmax(q.k * s) (the model's own q.k), averaged over
+    the heads of each of the `groups` candidate groups."""
+    return topk_candidates(teacher_attention(q, k, allowed, scaling, groups=groups), allowed, K)
 
 
 def streaming_select(allowed: torch.Tensor, K: int, n_sink: int = 4, batch: int | None = None):
@@ -71,23 +80,25 @@ def quest_bounds(q: torch.Tensor, k: torch.Tensor, page: int = 16) -> torch.Tens
     return qf.clamp(min=0) @ kmax.transpose(-1, -2) + qf.clamp(max=0) @ kmin.transpose(-1, -2)
 
 
-def quest_select(q, k, allowed, scaling: float, K: int, page: int = 16):
+def quest_select(q, k, allowed, scaling: float, K: int, page: int = 16, groups: int = 1):
     """Quest-style page selection at budget K: rank pages by the softmax of their bounds (averaged
-    over heads, so one set serves all heads), take the best ceil(K / page) pages, keep their
-    admissible keys in page-rank order, truncated to K."""
+    over the heads of each candidate group, so one set serves those heads), take the best
+    ceil(K / page) pages, keep their admissible keys in page-rank order, truncated to K."""
     B, H, Tq, _ = q.shape
     Tk = k.shape[2]
+    G = check_groups(groups, H)
     n_pages = math.ceil(Tk / page)
     al = allowed.expand(B, 1, Tq, Tk)
     al_p = torch.nn.functional.pad(al, (0, n_pages * page - Tk)).view(B, 1, Tq, n_pages, page)
     page_ok = al_p.any(-1)  # (B, 1, Tq, P)
     bound = (quest_bounds(q, k, page) * scaling).masked_fill(~page_ok, float("-inf"))
-    score = torch.softmax(bound, dim=-1).nan_to_num(0.0).mean(1, keepdim=True)  # (B, 1, Tq, P)
+    score = torch.softmax(bound, dim=-1).nan_to_num(0.0)  # (B, H, Tq, P)
+    score = score.view(B, G, H // G, Tq, n_pages).mean(2)  # (B, G, Tq, P)
     score = score.masked_fill(~page_ok, -1.0)
     n_sel = min(math.ceil(K / page), n_pages)
-    top = score.topk(n_sel, dim=-1).indices  # (B, 1, Tq, n_sel)
-    tok = (top[..., None] * page + torch.arange(page, device=q.device)).flatten(-2)  # (B, 1, Tq, n_sel*page)
-    ok = al_p.gather(3, top[..., None].expand(-1, -1, -1, -1, page)).flatten(-2)
+    top = score.topk(n_sel, dim=-1).indices  # (B, G, Tq, n_sel)
+    tok = (top[..., None] * page + torch.arange(page, device=q.device)).flatten(-2)  # (B, G, Tq, n_sel*page)
+    ok = al_p.expand(B, G, Tq, n_pages, page).gather(3, top[..., None].expand(-1, -1, -1, -1, page)).flatten(-2)
     ok = ok & (tok < Tk)
     tok = tok.clamp(max=Tk - 1)
     # admissible keys first (stable: keeps page rank order), then truncate / pad to K
@@ -107,25 +118,25 @@ def block_starts(allowed: torch.Tensor, batch: int) -> torch.Tensor:
 
 
 class ExactIndex:
-    """Exact maximum-inner-product search over a growing set of search keys (B, N, d)."""
+    """Exact maximum-inner-product search over a growing set of search keys (B, G, N, d)."""
 
     def __init__(self):
         self.keys: torch.Tensor | None = None
 
     @property
     def ntotal(self) -> int:
-        return 0 if self.keys is None else self.keys.shape[1]
+        return 0 if self.keys is None else self.keys.shape[2]
 
     def reset(self) -> None:
         self.keys = None
 
     def add(self, ks: torch.Tensor, starts: torch.Tensor | None = None) -> None:
-        """Append search keys (B, Tnew, d) as the next positions (block starts are not needed here)."""
-        self.keys = ks.detach() if self.keys is None else torch.cat([self.keys, ks.detach()], dim=1)
+        """Append search keys (B, G, Tnew, d) as the next positions (block starts are not needed here)."""
+        self.keys = ks.detach() if self.keys is None else torch.cat([self.keys, ks.detach()], dim=2)
 
     def search(self, qs: torch.Tensor, allowed: torch.Tensor, K: int):
-        """qs (B, Tq, d) -> idx, valid (B, 1, Tq, K) among admissible stored positions."""
-        scores = (qs.float() @ self.keys.float().transpose(1, 2))[:, None]  # (B, 1, Tq, N)
+        """qs (B, G, Tq, d) -> idx, valid (B, G, Tq, K) among admissible stored positions."""
+        scores = qs.float() @ self.keys.float().transpose(-1, -2)  # (B, G, Tq, N)
         return topk_candidates(scores, allowed[..., : self.ntotal], K)
 
     def grow_and_search(self, qs, ks, allowed, K, chunk: int = 64):
@@ -166,8 +177,21 @@ class HNSWIndex:
         return g
 
     def add(self, ks: torch.Tensor, starts: torch.Tensor | None = None) -> None:
-        """Append search keys (B, Tnew, d) at positions ntotal..; `starts` (B, Tnew) gives each key's
-        block start (default: one block from position 0)."""
+        """Append search keys (B, G, Tnew, d) at positions ntotal..; `starts` (B, Tnew) gives each key's
+        block start (default: one block from position 0). Each (row, group) pair has its own graphs."""
+        B, G, Tn, d = ks.shape
+        if starts is not None:
+            starts = starts.repeat_interleave(G, dim=0)
+        self._add_rows(ks.reshape(B * G, Tn, d), starts)
+
+    def search(self, qs: torch.Tensor, allowed: torch.Tensor, K: int):
+        """qs (B, G, Tq, d) -> idx, valid (B, G, Tq, K) among admissible stored positions."""
+        B, G, Tq, d = qs.shape
+        al = allowed.expand(B, *allowed.shape[1:]).repeat_interleave(G, dim=0)
+        idx, valid = self._search_rows(qs.reshape(B * G, Tq, d), al, K)  # (B * G, 1, Tq, K)
+        return idx.view(B, G, Tq, K), valid.view(B, G, Tq, K)
+
+    def _add_rows(self, ks: torch.Tensor, starts: torch.Tensor | None) -> None:
         B, Tn, _ = ks.shape
         if not self.rows:
             self.rows, self.pins = [{} for _ in range(B)], [{} for _ in range(B)]
@@ -192,7 +216,7 @@ class HNSWIndex:
                 t = e
         self.count += Tn
 
-    def search(self, qs: torch.Tensor, allowed: torch.Tensor, K: int):
+    def _search_rows(self, qs: torch.Tensor, allowed: torch.Tensor, K: int):
         B, Tq, _ = qs.shape
         al = allowed.expand(B, 1, Tq, allowed.shape[-1])[:, 0, :, : self.count].cpu()  # (B, Tq, N)
         any_ok = al.any(-1)
@@ -235,10 +259,10 @@ class HNSWIndex:
     def grow_and_search(self, qs, ks, allowed, K, chunk: int = 64):
         """Prefill as a decoder would see it: add the new keys chunk by chunk and search each chunk's
         queries right after, so a graph never holds more than chunk - 1 keys a query may not see."""
-        B, Tq = qs.shape[:2]
+        B, Tq = qs.shape[0], qs.shape[2]
         starts = block_starts(allowed, B)  # (B, Tq)
         outs = []
         for s in range(0, Tq, chunk):
-            self.add(ks[:, s:s + chunk], starts[:, s:s + chunk])
-            outs.append(self.search(qs[:, s:s + chunk], allowed[..., s:s + chunk, :], K))
+            self.add(ks[:, :, s:s + chunk], starts[:, s:s + chunk])
+            outs.append(self.search(qs[:, :, s:s + chunk], allowed[..., s:s + chunk, :], K))
         return torch.cat([o[0] for o in outs], dim=2), torch.cat([o[1] for o in outs], dim=2)

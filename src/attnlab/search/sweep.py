@@ -23,6 +23,7 @@ from .patch import SelectorConfig, substitute
 from .projections import SearchProjections
 from .report import write_report
 from .retrieval import METHODS, check_k
+from .train import resolve_groups
 
 DEFAULT_KS = (16, 32, 64, 128, 256)
 DEFAULT_LAYER_SETS = ("middle6", "all", "reserved-edge")
@@ -34,6 +35,7 @@ class EvalConfig:
     model: str | None = None  # default: the model the checkpoint was trained on
     layer_sets: list = field(default_factory=lambda: list(DEFAULT_LAYER_SETS))
     ks: list = field(default_factory=lambda: list(DEFAULT_KS))
+    groups: int | str | None = None  # candidate sets per token for every method; default: the checkpoint's (or 1)
     methods: list = field(default_factory=lambda: list(METHODS))
     corpus: str = "stdlib"
     split: str = "test"
@@ -48,6 +50,9 @@ class EvalConfig:
 
     def __post_init__(self):
         self.ks = [check_k(k) for k in self.ks]
+        g = self.groups
+        if not (g is None or g == "kv" or (isinstance(g, int) and not isinstance(g, bool) and g > 0)):
+            raise ValueError(f"groups must be a positive int or 'kv' (one candidate set per KV head), got {g!r}")
         bad = [m for m in self.methods if m not in METHODS]
         if bad or not self.methods:
             raise ValueError(f"methods must be a non-empty subset of {METHODS}, got {self.methods!r}")
@@ -67,9 +72,16 @@ def run_eval(cfg: EvalConfig, lm: LM | None = None, progress: bool = True) -> di
     model_spec = cfg.model or meta.get("meta", {}).get("model")
     learned = [m for m in cfg.methods if m.startswith("learned")]
 
-    def check(sets):
+    resolved = {}
+
+    def check(sets, dims):
+        want = cfg.groups if cfg.groups is not None else (proj.groups if proj is not None else 1)
+        resolved["groups"] = resolve_groups(want, dims)
         if proj is None or not learned:
             return
+        if resolved["groups"] != proj.groups:
+            raise ValueError(f"groups={cfg.groups!r} but the checkpoint's projections have groups={proj.groups}; "
+                             "the learned methods use the checkpoint's")
         for spec, layers in zip(cfg.layer_sets, sets):
             missing = sorted(set(layers) - set(proj.layers))
             if missing:
@@ -84,7 +96,7 @@ def run_eval(cfg: EvalConfig, lm: LM | None = None, progress: bool = True) -> di
     out.mkdir(parents=True, exist_ok=True)
     n_cfg = len(sets) * len(cfg.methods) * len(cfg.ks)
     bar = tqdm(total=len(packed) * (1 + n_cfg), desc="search eval", disable=not progress)
-    results = {"config": asdict(cfg), "model": lm.name, "dims": asdict(lm.dims), "layer_sets": {},
+    results = {"config": asdict(cfg), "groups": resolved["groups"], "model": lm.name, "dims": asdict(lm.dims), "layer_sets": {},
                "rows": []}
     t0 = time.time()
     with torch.no_grad():
@@ -98,7 +110,8 @@ def run_eval(cfg: EvalConfig, lm: LM | None = None, progress: bool = True) -> di
             results["layer_sets"][spec] = layers
             for method in cfg.methods:
                 for K in cfg.ks:
-                    sel = SelectorConfig(method, K, cfg.page, cfg.n_sink, cfg.hnsw_m, hnsw_ef_search=cfg.hnsw_ef_search)
+                    sel = SelectorConfig(method, K, resolved["groups"], cfg.page, cfg.n_sink, cfg.hnsw_m,
+                                         hnsw_ef_search=cfg.hnsw_ef_search)
                     tally = Tally()
                     t1 = time.time()
                     for i in range(len(packed)):

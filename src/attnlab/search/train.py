@@ -31,6 +31,7 @@ class TrainConfig:
     model: str = "smollm2"
     layers: str = "all"  # trained once; any subset can be substituted at evaluation
     d_search: int = 128
+    groups: int | str = 1  # candidate sets per token: an int dividing the query heads, or "kv" (one per KV head)
     tau: float = 0.05
     rope: bool = True  # rotate search vectors by position (recency becomes expressible); False = plain h W
     rope_theta: float = 10000.0
@@ -64,6 +65,9 @@ class TrainConfig:
         for name in ("alpha", "beta", "warmup"):
             if getattr(self, name) < 0:
                 raise ValueError(f"{name} must be >= 0, got {getattr(self, name)!r}")
+        g = self.groups
+        if not (g == "kv" or (isinstance(g, int) and not isinstance(g, bool) and g > 0)):
+            raise ValueError(f"groups must be a positive int or 'kv' (one candidate set per KV head), got {g!r}")
         if self.activations not in ("disk", "memory", "none"):
             raise ValueError(f"activations must be 'disk', 'memory' or 'none', got {self.activations!r}")
 
@@ -122,24 +126,32 @@ class ActivationStore:
         return caps
 
 
+def resolve_groups(groups: int | str, dims) -> int:
+    """'kv' -> the model's KV-head count; an int must divide the query heads."""
+    from .retrieval import check_groups
+
+    return check_groups(dims.n_kv_heads if groups == "kv" else groups, dims.n_heads)
+
+
 def step_losses(proj: SearchProjections, caps: dict[int, Captured], segments: torch.Tensor, k_pos: int,
                 eval_k: int | None = None) -> tuple[torch.Tensor, torch.Tensor, dict]:
     """Layer-averaged (L_NCE, L_KL) on one context; with eval_k also the student's Mass/Recall@K."""
     allowed4 = block_causal(segments)  # (B, 1, T, T)
-    allowed = allowed4[:, 0]
+    G = proj.groups
+    allowed = allowed4[:, 0].repeat_interleave(G, dim=0)  # (B * G, T, T)
     nce_sum, kl_sum, mass, recall = 0.0, 0.0, [], []
     for layer, c in caps.items():
         with torch.no_grad():
-            teacher = teacher_attention(c.q, c.k, allowed4, c.scaling)  # (B, T, T)
-        qs, ks = proj(layer, c.hidden)
-        nce, kl = search_losses(qs, ks, teacher, allowed, proj.tau, k_pos)
+            teacher = teacher_attention(c.q, c.k, allowed4, c.scaling, groups=G)  # (B, G, T, T)
+        qs, ks = proj(layer, c.hidden)  # (B, G, T, d)
+        nce, kl = search_losses(qs.flatten(0, 1), ks.flatten(0, 1), teacher.flatten(0, 1), allowed, proj.tau, k_pos)
         nce_sum, kl_sum = nce_sum + nce, kl_sum + kl
         if eval_k:
             from .metrics import retrieval_stats
             from .retrieval import topk_candidates
 
             with torch.no_grad():
-                idx, valid = topk_candidates((qs @ ks.transpose(1, 2))[:, None], allowed4, eval_k)
+                idx, valid = topk_candidates(qs @ ks.transpose(-1, -2), allowed4, eval_k)
                 s = retrieval_stats(idx, valid, teacher, allowed4, eval_k)
             if s["n"]:
                 mass.append(s["mass"] / s["n"])
@@ -174,22 +186,28 @@ def train(cfg: TrainConfig, lm: LM | None = None, progress: bool = True, until: 
 
     `until` stops after that many steps of the cfg.steps schedule (a time-boxed part of a run that a
     later call resumes); the learning-rate schedule always spans cfg.steps."""
+    resolved = {}
+
+    def check(sets, dims):
+        resolved["groups"] = resolve_groups(cfg.groups, dims)
+
     lm, (layers,), packed = prepare(cfg.model, [cfg.layers], cfg.corpus, cfg.split, cfg.context,
-                                    cfg.n_contexts, cfg.seed, lm=lm)
+                                    cfg.n_contexts, cfg.seed, lm=lm, check=check)
+    groups = resolved["groups"]
     out = Path(cfg.out)
     out.mkdir(parents=True, exist_ok=True)
     ckpt = out / CHECKPOINT
     torch.manual_seed(cfg.seed)
     proj = SearchProjections(layers, lm.dims.d_model, cfg.d_search, cfg.tau, meta={"model": lm.name},
-                             rope=cfg.rope, rope_theta=cfg.rope_theta)
+                             rope=cfg.rope, rope_theta=cfg.rope_theta, groups=groups)
     opt = torch.optim.Adam(proj.parameters(), lr=cfg.lr)
     start = 0
     if cfg.resume and ckpt.is_file():
         loaded, meta, extra = SearchProjections.load(ckpt)
-        have = (loaded.layers, loaded.d_search, loaded.d_model, loaded.rope)
-        want = (layers, cfg.d_search, lm.dims.d_model, cfg.rope)
+        have = (loaded.layers, loaded.d_search, loaded.d_model, loaded.rope, loaded.groups)
+        want = (layers, cfg.d_search, lm.dims.d_model, cfg.rope, groups)
         if have != want:
-            raise ValueError(f"checkpoint {ckpt} was trained with (layers, d_search, d_model, rope)={have}; "
+            raise ValueError(f"checkpoint {ckpt} was trained with (layers, d_search, d_model, rope, groups)={have}; "
                              f"the config asks {want} (use another --out)")
         proj.load_state_dict(loaded.state_dict())
         if "optim" in meta:
