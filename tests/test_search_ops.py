@@ -284,3 +284,16 @@ def test_grouped_selectors_equal_each_group_alone():
     hard = allowed[:, 0].sum(-1) > K
     per_head = (heads * sel).sum(-1).mean(1)[hard]
     assert s["mass"] / s["n"] == pytest.approx(float(per_head.mean()), rel=1e-5)
+
+
+def test_search_benchmark_runs_shared_and_grouped(tmp_path):
+    import importlib.util
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parents[1] / "benchmarks" / "search.py"
+    spec = importlib.util.spec_from_file_location("bench_search", path)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    for groups in (1, 3):
+        (row,) = mod.run([300], K=16, reps=1, groups=groups)
+        assert row["N"] == 300 and all(row[k] > 0 for k in ("full_ms", "learned_exact_ms", "learned_hnsw_ms", "quest_ms"))
