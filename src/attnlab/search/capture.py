@@ -117,6 +117,13 @@ def capture(model, batch: Packed, layers: Sequence[int]) -> dict[int, Captured]:
     return out
 
 
+def check_groups(groups, n_heads: int) -> int:
+    """Candidate groups per token must divide the query heads (each group serves H / G of them)."""
+    if isinstance(groups, bool) or not isinstance(groups, int) or groups <= 0 or n_heads % groups:
+        raise ValueError(f"groups must be a positive divisor of the {n_heads} query heads, got {groups!r}")
+    return groups
+
+
 def _head_probs(q: torch.Tensor, k: torch.Tensor, allowed: torch.Tensor, scaling: float, s: int, chunk: int):
     """Per-head softmax (B, H, c, Tk) of queries s..s+chunk; head h reads KV head h // (H / Hkv) (GQA)."""
     B, H, _, D = q.shape
@@ -137,9 +144,7 @@ def teacher_attention(q: torch.Tensor, k: torch.Tensor, allowed: torch.Tensor, s
     Computed in query chunks so the (H, Tq, Tk) scores never exist at once for long contexts.
     """
     B, H = q.shape[:2]
-    G = 1 if groups is None else groups
-    if isinstance(G, bool) or not isinstance(G, int) or G <= 0 or H % G:
-        raise ValueError(f"groups must be a positive divisor of the {H} query heads, got {groups!r}")
+    G = check_groups(1 if groups is None else groups, H)
     outs = []
     for s in range(0, q.shape[2], chunk):
         p = _head_probs(q, k, allowed, scaling, s, chunk)

@@ -20,7 +20,7 @@ from .hooks import Installed
 from .metrics import Tally, retrieval_stats
 from .projections import SearchProjections
 from .retrieval import (METHODS, ExactIndex, HNSWIndex, check_groups, check_k, oracle_select, quest_select,
-                        streaming_select)
+                        streaming_select, topk_candidates)
 from .sparse import sparse_attention
 
 
@@ -70,9 +70,12 @@ class RetrieveThenAttend:
         else:
             self.index = ExactIndex()
 
-    def select(self, hidden, q, k, allowed, scaling):
+    def select(self, hidden, q, k, allowed, scaling, teacher=None):
+        """teacher: the group teacher (B, G, Tq, Tk) when the caller already has it (oracle + tally)."""
         cfg = self.cfg
         if cfg.method == "oracle":
+            if teacher is not None:
+                return topk_candidates(teacher, allowed, cfg.K)  # = oracle_select, without a second teacher
             return oracle_select(q, k, allowed, scaling, cfg.K, cfg.groups)
         if cfg.method == "quest":
             return quest_select(q, k, allowed, scaling, cfg.K, cfg.page, cfg.groups)
@@ -91,10 +94,12 @@ class RetrieveThenAttend:
 
     @torch.no_grad()
     def __call__(self, module, hidden, q, k, v, allowed, scaling):
-        idx, valid = self.select(hidden, q, k, allowed, scaling)  # (B, G or 1, Tq, K)
-        out = sparse_attention(q, k, v, idx, valid, scaling)  # (B, H, Tq, D)
+        teacher = None
         if self.tally is not None:
             teacher = teacher_attention(q, k, allowed, scaling, groups=self.cfg.groups)  # (B, G, Tq, Tk)
+        idx, valid = self.select(hidden, q, k, allowed, scaling, teacher)  # (B, G or 1, Tq, K)
+        out = sparse_attention(q, k, v, idx, valid, scaling)  # (B, H, Tq, D)
+        if self.tally is not None:
             self.tally.add_retrieval(self.layer, retrieval_stats(idx, valid, teacher, allowed, self.cfg.K))
         return out.transpose(1, 2)  # (B, Tq, H, D), what transformers' attention functions return
 

@@ -14,7 +14,7 @@ import math
 import numpy as np
 import torch
 
-from .capture import teacher_attention
+from .capture import check_groups, teacher_attention
 
 METHODS = ("learned", "learned-hnsw", "quest", "oracle", "streaming")
 
@@ -25,11 +25,17 @@ def check_k(K) -> int:
     return K
 
 
-def check_groups(groups, n_heads: int) -> int:
-    """Candidate groups per token must divide the query heads (each group serves H / G of them)."""
-    if isinstance(groups, bool) or not isinstance(groups, int) or groups <= 0 or n_heads % groups:
-        raise ValueError(f"groups must be a positive divisor of the {n_heads} query heads, got {groups!r}")
+def check_group_spec(groups, allow_none: bool = False):
+    """A groups setting before the model is known: a positive int or 'kv' (None where allowed)."""
+    ok = groups == "kv" or (isinstance(groups, int) and not isinstance(groups, bool) and groups > 0)
+    if not (ok or (allow_none and groups is None)):
+        raise ValueError(f"groups must be a positive int or 'kv' (one candidate set per KV head), got {groups!r}")
     return groups
+
+
+def resolve_groups(groups, dims) -> int:
+    """'kv' -> the model's KV-head count; an int must divide the query heads."""
+    return check_groups(dims.n_kv_heads if groups == "kv" else groups, dims.n_heads)
 
 
 def topk_candidates(scores: torch.Tensor, allowed: torch.Tensor, K: int) -> tuple[torch.Tensor, torch.Tensor]:

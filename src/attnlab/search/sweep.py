@@ -22,8 +22,7 @@ from .metrics import Tally, rel_gap
 from .patch import SelectorConfig, substitute
 from .projections import SearchProjections
 from .report import write_report
-from .retrieval import METHODS, check_k
-from .train import resolve_groups
+from .retrieval import METHODS, check_group_spec, check_k, resolve_groups
 
 DEFAULT_KS = (16, 32, 64, 128, 256)
 DEFAULT_LAYER_SETS = ("middle6", "all", "reserved-edge")
@@ -50,9 +49,7 @@ class EvalConfig:
 
     def __post_init__(self):
         self.ks = [check_k(k) for k in self.ks]
-        g = self.groups
-        if not (g is None or g == "kv" or (isinstance(g, int) and not isinstance(g, bool) and g > 0)):
-            raise ValueError(f"groups must be a positive int or 'kv' (one candidate set per KV head), got {g!r}")
+        check_group_spec(self.groups, allow_none=True)
         bad = [m for m in self.methods if m not in METHODS]
         if bad or not self.methods:
             raise ValueError(f"methods must be a non-empty subset of {METHODS}, got {self.methods!r}")
@@ -96,8 +93,8 @@ def run_eval(cfg: EvalConfig, lm: LM | None = None, progress: bool = True) -> di
     out.mkdir(parents=True, exist_ok=True)
     n_cfg = len(sets) * len(cfg.methods) * len(cfg.ks)
     bar = tqdm(total=len(packed) * (1 + n_cfg), desc="search eval", disable=not progress)
-    results = {"config": asdict(cfg), "groups": resolved["groups"], "model": lm.name, "dims": asdict(lm.dims), "layer_sets": {},
-               "rows": []}
+    results = {"config": asdict(cfg), "groups": resolved["groups"], "model": lm.name, "dims": asdict(lm.dims),
+               "layer_sets": {}, "rows": []}
     t0 = time.time()
     with torch.no_grad():
         full = Tally()

@@ -22,6 +22,7 @@ from tqdm.auto import tqdm
 from .capture import Captured, Packed, block_causal, capture, teacher_attention
 from .lm import LM, prepare
 from .projections import SearchProjections, search_losses
+from .retrieval import check_group_spec, resolve_groups
 
 CHECKPOINT = "projections.safetensors"
 
@@ -65,9 +66,7 @@ class TrainConfig:
         for name in ("alpha", "beta", "warmup"):
             if getattr(self, name) < 0:
                 raise ValueError(f"{name} must be >= 0, got {getattr(self, name)!r}")
-        g = self.groups
-        if not (g == "kv" or (isinstance(g, int) and not isinstance(g, bool) and g > 0)):
-            raise ValueError(f"groups must be a positive int or 'kv' (one candidate set per KV head), got {g!r}")
+        check_group_spec(self.groups)
         if self.activations not in ("disk", "memory", "none"):
             raise ValueError(f"activations must be 'disk', 'memory' or 'none', got {self.activations!r}")
 
@@ -124,13 +123,6 @@ class ActivationStore:
         if self.mode == "memory":
             self.mem[i] = caps
         return caps
-
-
-def resolve_groups(groups: int | str, dims) -> int:
-    """'kv' -> the model's KV-head count; an int must divide the query heads."""
-    from .retrieval import check_groups
-
-    return check_groups(dims.n_kv_heads if groups == "kv" else groups, dims.n_heads)
 
 
 def step_losses(proj: SearchProjections, caps: dict[int, Captured], segments: torch.Tensor, k_pos: int,
