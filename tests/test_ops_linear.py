@@ -284,7 +284,7 @@ def test_decay_bad_input(op):
         fn(q.numpy(), k, v, ld)
     with pytest.raises(ValueError, match="state must have shape"):
         step(q[:, :, 0], k[:, :, 0], v[:, :, 0], ld[:, :, 0], s0[:, :1])
-    with pytest.raises(ValueError, match="log_decay must be <= 0"):
+    with pytest.raises(ValueError, match="log_decay_t must be <= 0"):
         step(q[:, :, 0], k[:, :, 0], v[:, :, 0], -ld[:, :, 0] + 1.0, s0)
 
 

@@ -267,7 +267,7 @@ def test_bad_input_names_the_argument():
         (dict(qg=qg[:, :, :9]), "qg", ValueError),
         (dict(kg=kg[..., :3]), "kg", ValueError),
         (dict(k=torch.randn(B, 3, 10, D)), "k", ValueError),  # 3 groups do not divide 2 heads
-        (dict(q=q.double()), "dtype", ValueError),
+        (dict(q=q.double()), "dtype", TypeError),
         (dict(q=q[0]), "q", ValueError),
         (dict(q=[1.0]), "q", TypeError),
         (dict(v0=torch.randn(DV + 1)), "v0", ValueError),

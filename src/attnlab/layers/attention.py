@@ -29,6 +29,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from ..ops._checks import check_finite
 from ..ops import (
     cosformer_attention, gla_attention, hybrid_attention, principled_attention,
     scalar_attention, softmax_attention, ssd_attention,
@@ -95,11 +96,26 @@ class Attention(nn.Module):
 
     # ------------------------------------------------------------------ projections
 
+    def _check_input(self, x, name: str = "x") -> None:
+        """x: a finite floating (B, T, d_model) tensor in the parameters' dtype (any float dtype
+        under torch.autocast, which casts at each projection)."""
+        if not isinstance(x, torch.Tensor):
+            raise TypeError(f"{name} must be a torch.Tensor (B, T, d_model={self.config.d_model}), got {type(x).__name__}")
+        if x.dim() != 3 or x.shape[-1] != self.config.d_model:
+            raise ValueError(f"{name} must be (B, T, d_model={self.config.d_model}), got {tuple(x.shape)}")
+        dtype = self.wo.weight.dtype
+        if not x.is_floating_point():
+            raise TypeError(f"{name} must be a floating-point tensor ({dtype}, the layer's dtype), got {x.dtype}")
+        if x.dtype != dtype and not torch.is_autocast_enabled(x.device.type):
+            raise TypeError(
+                f"{name} must have the layer's dtype {dtype} (cast it or the layer, or run under torch.autocast), "
+                f"got {x.dtype}"
+            )
+        check_finite(name, x)
+
     def project(self, x: torch.Tensor, start_pos: int = 0) -> Projected:
         """x (B, T, C) at absolute positions start_pos.. -> the per-head tensors (see `Projected`)."""
-        if not isinstance(x, torch.Tensor) or x.dim() != 3 or x.shape[-1] != self.config.d_model:
-            got = tuple(x.shape) if isinstance(x, torch.Tensor) else type(x).__name__
-            raise ValueError(f"x must be (B, T, d_model={self.config.d_model}), got {got}")
+        self._check_input(x)
         if isinstance(start_pos, bool) or not isinstance(start_pos, int) or start_pos < 0:
             raise ValueError(f"start_pos must be an int >= 0, got {start_pos!r}")
         c, m = self.config, self.config.mechanism
@@ -113,7 +129,8 @@ class Attention(nn.Module):
                 p.alpha, p.beta, p.gamma = self.alpha(q), self.beta(q), self.gamma(q)  # from un-rotated q
                 p.qg = _heads(self.wqg(x), H, c.gate_dim)  # (B, H, T, Dg)
                 p.kg = _heads(self.wkg(x), self.n_kv, c.gate_dim)
-                p.v0 = self.ground()
+                v0 = self.ground()
+                p.v0 = None if v0 is None else v0.to(p.v.dtype)
             if self.rope is not None:
                 q, k = self.rope(q, start_pos), self.rope(k, start_pos)
             p.q, p.k = q, k
@@ -128,7 +145,7 @@ class Attention(nn.Module):
             p.log_decay = _heads(F.logsigmoid(raw) / c.gla_normalizer, H, D)  # (B, H, T, D)
         if m == "ssd":
             dt = F.softplus(self.dt_proj(x)).transpose(1, 2)  # (B, H, T)
-            p.log_decay = -torch.exp(self.A_log)[None, :, None] * dt  # (B, H, T)
+            p.log_decay = -torch.exp(self.A_log).to(dt.dtype)[None, :, None] * dt  # (B, H, T), in q's dtype
             p.k = p.k * dt.unsqueeze(-1)  # discretised input B·Δ
         return p
 
@@ -145,10 +162,14 @@ class Attention(nn.Module):
         ks = torch.cat([key, p.ks], dim=-1)  # (B, H_s, T+1)
         sink_v = self.sink_value.to(vals.dtype)[None, :, None, :].expand(B, -1, 1, -1)  # (B, G, 1, D)
         vals = torch.cat([sink_v, vals], dim=2)  # (B, G, T+1, D)
-        tau = p.tau if p.tau.dim() == 1 else torch.cat([p.tau[..., :1], p.tau], dim=-1)
+        if p.tau.dim() == 1:
+            tau = p.tau
+        else:  # the sink query's output is dropped; it borrows the first query's tau (any > 0 would do at T = 0)
+            first = p.tau[..., :1] if p.tau.shape[-1] else p.tau.new_ones(B, self.n_scalar, 1)
+            tau = torch.cat([first, p.tau], dim=-1)
         if q is not None:
-            q = torch.cat([q.new_zeros(q[:, :, :1].shape), q], dim=2)  # (B, H, T+1, D)
-            k = torch.cat([k.new_zeros(k[:, :, :1].shape), k], dim=2)  # zero sink key vector
+            q = torch.cat([q.new_zeros(B, q.shape[1], 1, q.shape[3]), q], dim=2)  # (B, H, T+1, D)
+            k = torch.cat([k.new_zeros(B, k.shape[1], 1, k.shape[3]), k], dim=2)  # zero sink key vector
         return qs, ks, vals, tau, q, k, 1
 
     # ------------------------------------------------------------------ attention
@@ -185,7 +206,7 @@ class Attention(nn.Module):
             )
             return o, None
         if m == "cosformer":
-            max_len = c.cosformer_max_len or p.q.shape[2]
+            max_len = c.cosformer_max_len or max(p.q.shape[2], 1)
             o, _ = cosformer_attention(p.q, p.k, v, causal=True, max_len=max_len, normalize=c.cosformer_normalize, impl=impl)
             return o, None
         op = gla_attention if m == "gla" else ssd_attention

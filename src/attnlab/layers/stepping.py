@@ -136,9 +136,9 @@ def step(layer, x_t: torch.Tensor, cache: LayerCache) -> torch.Tensor:
     c, m = layer.config, layer.config.mechanism
     if not isinstance(cache, LayerCache):
         raise TypeError(f"cache must come from make_cache, got {type(cache).__name__}")
-    if not isinstance(x_t, torch.Tensor) or x_t.dim() != 3 or x_t.shape[1] != 1:
-        got = tuple(x_t.shape) if isinstance(x_t, torch.Tensor) else type(x_t).__name__
-        raise ValueError(f"x_t must be one token (B, 1, d_model), got {got}")
+    layer._check_input(x_t, "x_t")
+    if x_t.shape[1] != 1:
+        raise ValueError(f"x_t must be one token (B, 1, d_model), got {tuple(x_t.shape)}")
     if x_t.shape[0] != cache.batch_size:
         raise ValueError(f"x_t has batch {x_t.shape[0]}, the cache was made for batch_size={cache.batch_size}")
     p = layer.project(x_t, cache.pos)

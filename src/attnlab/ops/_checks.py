@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from typing import Iterable, Sequence
 
 import torch
@@ -63,24 +64,114 @@ def broadcast_param(name: str, value, B: int, H: int, T: int, like: torch.Tensor
     raise ValueError(f"{name} must be a float, (H,) or (B, H, T), got shape {tuple(value.shape)}")
 
 
+def check_finite(name: str, value) -> None:
+    """NaN or +-inf anywhere in a float or floating tensor raises ValueError naming `name`.
+
+    attnlab's input policy: non-finite inputs are rejected before any work, never propagated
+    (a NaN key would otherwise reach earlier rows through 0 * NaN in a masked matmul)."""
+    if isinstance(value, torch.Tensor):
+        if not (value.is_floating_point() or value.is_complex()) or value.numel() == 0:
+            return
+        x = value.detach()
+        if bool(torch.isfinite(x).all()):
+            return
+        bad = (~torch.isfinite(x)).flatten()
+        first = tuple(int(i) for i in torch.unravel_index(bad.nonzero()[0, 0], x.shape))
+        n_nan = int(torch.isnan(x).sum())
+        raise ValueError(
+            f"{name} must be finite, got {n_nan} NaN and {int(bad.sum()) - n_nan} inf of {x.numel()} "
+            f"entries (first at index {first})"
+        )
+    if isinstance(value, (int, float)) and not isinstance(value, bool) and not math.isfinite(value):
+        raise ValueError(f"{name} must be finite, got {value}")
+
+
 def check_positive(name: str, value) -> None:
+    """A finite value > 0 (every entry, for a tensor)."""
+    check_finite(name, value)
     if isinstance(value, (int, float)):
         if not value > 0:
             raise ValueError(f"{name} must be > 0, got {value}")
-    elif isinstance(value, torch.Tensor):
+    elif isinstance(value, torch.Tensor) and value.numel():
         if not bool((value > 0).all()):
             raise ValueError(f"{name} must be > 0 everywhere, got min {value.detach().min().item():.4g}")
 
 
+def check_like(name: str, x: torch.Tensor, like: torch.Tensor, like_name: str) -> None:
+    """x must be a floating tensor with the dtype and device of `like` (TypeError / ValueError naming x)."""
+    if not x.is_floating_point():
+        raise TypeError(f"{name} must be a floating-point tensor, got dtype {x.dtype}")
+    if x.dtype != like.dtype:
+        raise TypeError(f"{name} must have the dtype of {like_name} ({like.dtype}), got {x.dtype}")
+    if x.device != like.device:
+        raise ValueError(f"{name} must be on the device of {like_name} ({like.device}), got {x.device}")
+
+
+def check_param(name: str, value, B: int, H: int, T: int, like: torch.Tensor) -> torch.Tensor:
+    """A mixing parameter (tau, alpha, beta, gamma): a finite float, or a finite floating tensor of
+    any dtype, (), (H,) or (B, H, T), on `like`'s device. Returns it broadcastable to (B, H, T)
+    in `like`'s dtype."""
+    if isinstance(value, bool):
+        raise TypeError(f"{name} must be a float or a tensor, got bool")
+    if isinstance(value, torch.Tensor):
+        if not value.is_floating_point():
+            raise TypeError(f"{name} must be a floating-point tensor, got dtype {value.dtype}")
+        if value.device != like.device:
+            raise ValueError(f"{name} must be on the device of the inputs ({like.device}), got {value.device}")
+    check_finite(name, value)
+    return broadcast_param(name, value, B, H, T, like).to(like.dtype)
+
+
 def check_qkv(q, k, v) -> tuple[int, int, int, int, int]:
-    """Floating (B, H, T, Dk) q and k of one shape, v (B, H, T, Dv), T >= 1: returns B, H, T, Dk, Dv."""
+    """Finite floating (B, H, T, Dk) q and k of one shape, v (B, H, T, Dv), all of q's dtype and
+    device: returns B, H, T, Dk, Dv. T = 0 is allowed (the ops return empty outputs)."""
     for name, x in (("q", q), ("k", k), ("v", v)):
         check_tensor(name, x, 4)
-        if not x.is_floating_point():
-            raise TypeError(f"{name} must be a floating-point tensor, got {x.dtype}")
+        check_like(name, x, q, "q")
     B, H, T, Dk = q.shape
     check_same("q", tuple(q.shape), "k", tuple(k.shape), "shape (B, H, T, Dk)")
     check_same("q", tuple(q.shape[:3]), "v", tuple(v.shape[:3]), "(B, H, T)")
-    if T < 1:
-        raise ValueError(f"q must have at least one position (T >= 1), got shape {tuple(q.shape)}")
+    for name, x in (("q", q), ("k", k), ("v", v)):
+        check_finite(name, x)
     return B, H, T, Dk, v.shape[-1]
+
+
+def empty_result(shape: Sequence[int], *inputs: torch.Tensor) -> torch.Tensor:
+    """The output of an op called with T = 0: zeros of `shape` (which has a zero dim) in the
+    dtype of the first input, joined to the autograd graph of the inputs so that backward runs
+    and gives zero gradients, as it would for any other length."""
+    like = inputs[0]
+    out = like.new_zeros(shape)
+    for x in inputs:
+        if isinstance(x, torch.Tensor) and x.requires_grad:
+            out = out + x.sum().to(out.dtype) * 0  # finite inputs (checked), so exactly zero
+    return out
+
+
+def check_qkv_step(q_t, k_t, v_t) -> tuple[int, int, int, int]:
+    """Finite (B, H, Dk) q_t and k_t of one shape and v_t (B, H, Dv), all of q_t's dtype and
+    device, for the decode steps of the linear family: returns B, H, Dk, Dv."""
+    for name, x in (("q_t", q_t), ("k_t", k_t), ("v_t", v_t)):
+        check_tensor(name, x, 3)
+        check_like(name, x, q_t, "q_t")
+    B, H, Dk = q_t.shape
+    check_same("q_t", tuple(q_t.shape), "k_t", tuple(k_t.shape), "shape (B, H, Dk)")
+    check_same("q_t", (B, H), "v_t", tuple(v_t.shape[:2]), "(B, H)")
+    for name, x in (("q_t", q_t), ("k_t", k_t), ("v_t", v_t)):
+        check_finite(name, x)
+    return B, H, Dk, v_t.shape[-1]
+
+
+def check_state(name: str, state, shape: tuple, dtype: torch.dtype, like: torch.Tensor) -> None:
+    """A recurrent state: a finite tensor of `shape` in the op's compute dtype, on like's device."""
+    check_tensor(name, state, len(shape))
+    if tuple(state.shape) != tuple(shape):
+        raise ValueError(f"{name} must have shape {tuple(shape)}, got {tuple(state.shape)}")
+    if state.dtype != dtype:
+        raise TypeError(
+            f"{name} must have the compute dtype {dtype} (float32 for 16-bit inputs, else the inputs' dtype), "
+            f"got {state.dtype}"
+        )
+    if state.device != like.device:
+        raise ValueError(f"{name} must be on the device of the inputs ({like.device}), got {state.device}")
+    check_finite(name, state)

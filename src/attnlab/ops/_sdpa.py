@@ -12,7 +12,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from ._checks import check_groups, check_same, check_tensor
+from ._checks import check_finite, check_groups, check_like, check_same, check_tensor
 
 LOW_PRECISION = (torch.bfloat16, torch.float16)
 
@@ -54,24 +54,12 @@ def fused_attention(
     return out[..., :Dv] if Dv < width else out
 
 
-def check_float(name: str, x: torch.Tensor, like: torch.Tensor, like_name: str) -> None:
-    """x must be a floating tensor with the dtype and device of `like`."""
-    if not x.is_floating_point():
-        raise TypeError(f"{name} must be a floating-point tensor, got dtype {x.dtype}")
-    if x.dtype != like.dtype:
-        raise TypeError(f"{name} must have the dtype of {like_name} ({like.dtype}), got {x.dtype}")
-    if x.device != like.device:
-        raise ValueError(f"{name} must be on the device of {like_name} ({like.device}), got {x.device}")
-
-
 def check_qkv(q, k, v) -> tuple[int, int, int, int]:
-    """Validate q (B, H, T, D), k (B, Gk, T, D), v (B, Gv, T, Dv); return (B, H, T, D)."""
-    check_tensor("q", q, 4)
-    check_tensor("k", k, 4)
-    check_tensor("v", v, 4)
-    check_float("q", q, q, "q")
-    check_float("k", k, q, "q")
-    check_float("v", v, q, "q")
+    """Validate finite q (B, H, T, D), k (B, Gk, T, D), v (B, Gv, T, Dv) of one dtype and device;
+    return (B, H, T, D)."""
+    for name, x in (("q", q), ("k", k), ("v", v)):
+        check_tensor(name, x, 4)
+        check_like(name, x, q, "q")
     B, H, T, D = q.shape
     for name, x in (("k", k), ("v", v)):
         check_same("q", B, name, x.shape[0], "batch size (dim 0)")
@@ -79,6 +67,8 @@ def check_qkv(q, k, v) -> tuple[int, int, int, int]:
     check_same("q", D, "k", k.shape[3], "head dimension (dim 3)")
     check_groups(H, k.shape[1], "k")
     check_groups(H, v.shape[1], "v")
+    for name, x in (("q", q), ("k", k), ("v", v)):
+        check_finite(name, x)
     return B, H, T, D
 
 

@@ -32,7 +32,7 @@ from typing import NamedTuple
 
 import torch
 
-from ._checks import check_impl, check_positive, check_qkv, check_same, check_tensor
+from ._checks import check_impl, check_positive, check_qkv, check_qkv_step, check_state, empty_result
 from ._chunked import chunked_linear_attention
 
 
@@ -77,8 +77,11 @@ def _resolve_horizon(max_len, reweight: bool, state: CosformerState | None, offs
             raise ValueError(f"max_len={max_len} disagrees with the state's horizon max_len={state.max_len}")
         max_len = state.max_len
     if max_len is None:
-        if not default_T:
-            raise ValueError("max_len must be given (the fixed position horizon M) when stepping from no state")
+        if not default_T or offset + T == 0:
+            raise ValueError(
+                "max_len must be given (the fixed position horizon M) when stepping, or calling with T = 0, "
+                "from no state"
+            )
         max_len = offset + T
     if offset + T > max_len:
         raise ValueError(
@@ -88,18 +91,13 @@ def _resolve_horizon(max_len, reweight: bool, state: CosformerState | None, offs
     return max_len
 
 
-def _check_state(state, B: int, H: int, F: int, Dv: int, name: str) -> None:
+def _check_state(state, B: int, H: int, F: int, Dv: int, name: str, like: torch.Tensor) -> None:
+    """A CosformerState of these sizes (F = 2 Dk with reweighting, Dk without), finite, in the compute dtype."""
     if not isinstance(state, CosformerState):
         raise TypeError(f"{name} must be a CosformerState or None, got {type(state).__name__}")
-    check_tensor(f"{name}.kv", state.kv, 4)
-    if tuple(state.kv.shape) != (B, H, F, Dv):
-        raise ValueError(
-            f"{name}.kv must have shape (B, H, F, Dv) = {(B, H, F, Dv)} (F = 2*Dk with reweighting, Dk without), "
-            f"got {tuple(state.kv.shape)}"
-        )
-    check_tensor(f"{name}.k_sum", state.k_sum, 3)
-    if tuple(state.k_sum.shape) != (B, H, F):
-        raise ValueError(f"{name}.k_sum must have shape (B, H, F) = {(B, H, F)}, got {tuple(state.k_sum.shape)}")
+    dt = _compute_dtype(like)
+    check_state(f"{name}.kv", state.kv, (B, H, F, Dv), dt, like)
+    check_state(f"{name}.k_sum", state.k_sum, (B, H, F), dt, like)
     if isinstance(state.offset, bool) or not isinstance(state.offset, int) or state.offset < 0:
         raise ValueError(f"{name}.offset must be a non-negative int, got {state.offset!r}")
 
@@ -170,7 +168,7 @@ def cosformer_attention(
         check_positive("eps", eps)
     Dv, F = v.shape[-1], (2 * Dk if reweight else Dk)
     if initial_state is not None:
-        _check_state(initial_state, B, H, F, Dv, "initial_state")
+        _check_state(initial_state, B, H, F, Dv, "initial_state", q)
     offset = 0 if initial_state is None else initial_state.offset
     M = _resolve_horizon(max_len, reweight, initial_state, offset, T, default_T=True)
 
@@ -181,7 +179,9 @@ def cosformer_attention(
     if initial_state is None:
         kv, k_sum = q.new_zeros(B, H, F, Dv, dtype=dt), q.new_zeros(B, H, F, dtype=dt)
     else:
-        kv, k_sum = initial_state.kv.to(dt), initial_state.k_sum.to(dt)
+        kv, k_sum = initial_state.kv, initial_state.k_sum
+    if T == 0:
+        return empty_result((B, H, 0, Dv), q, k, v).to(out_dtype), CosformerState(kv, k_sum, offset, M)
     if impl == "naive":
         o, kv, k_sum = _naive(qf, kf, v, kv, k_sum, causal, normalize, eps)
     else:
@@ -205,16 +205,12 @@ def cosformer_step(
     q_t, k_t: (B, H, Dk); v_t: (B, H, Dv); state: a CosformerState or None, in which case
     max_len is required when reweight=True. Returns o_t (B, H, Dv) and the new state.
     """
-    for name, x in (("q_t", q_t), ("k_t", k_t), ("v_t", v_t)):
-        check_tensor(name, x, 3)
-    B, H, Dk = q_t.shape
-    check_same("q_t", tuple(q_t.shape), "k_t", tuple(k_t.shape), "shape (B, H, Dk)")
-    check_same("q_t", (B, H), "v_t", tuple(v_t.shape[:2]), "(B, H)")
+    B, H, Dk, Dv = check_qkv_step(q_t, k_t, v_t)
     if normalize:
         check_positive("eps", eps)
-    Dv, F = v_t.shape[-1], (2 * Dk if reweight else Dk)
+    F = 2 * Dk if reweight else Dk
     if state is not None:
-        _check_state(state, B, H, F, Dv, "state")
+        _check_state(state, B, H, F, Dv, "state", q_t)
     offset = 0 if state is None else state.offset
     M = _resolve_horizon(max_len, reweight, state, offset, 1, default_T=False)
 
@@ -224,7 +220,7 @@ def cosformer_step(
     if state is None:
         kv, k_sum = q_t.new_zeros(B, H, F, Dv, dtype=dt), q_t.new_zeros(B, H, F, dtype=dt)
     else:
-        kv, k_sum = state.kv.to(dt), state.k_sum.to(dt)
+        kv, k_sum = state.kv, state.k_sum
     kv = kv + kf[..., :, None] * v_t.to(dt)[..., None, :]  # (B, H, F, Dv)
     k_sum = k_sum + kf
     o_t = _readout((qf[..., None, :] @ kv).squeeze(-2), (qf * k_sum).sum(-1), normalize, eps)

@@ -27,7 +27,10 @@ import math
 
 import torch
 
-from ._checks import check_impl, check_positive, check_qkv, check_same, check_tensor
+from ._checks import (
+    check_finite, check_impl, check_like, check_positive, check_qkv, check_qkv_step, check_state, check_tensor,
+    empty_result,
+)
 from ._chunked import chunked_linear_attention
 
 
@@ -44,35 +47,27 @@ def _check_scale(scale, Dk: int) -> float:
     return float(scale)
 
 
-def _check_log_decay(log_decay: torch.Tensor, shape: tuple, layout: str) -> None:
-    check_tensor("log_decay", log_decay, len(shape))
+def _check_log_decay(log_decay, shape: tuple, layout: str, like: torch.Tensor, like_name: str, name="log_decay") -> None:
+    check_tensor(name, log_decay, len(shape))
     if tuple(log_decay.shape) != shape:
-        raise ValueError(f"log_decay must have shape {layout} = {shape}, got {tuple(log_decay.shape)}")
-    if not log_decay.is_floating_point():
-        raise TypeError(f"log_decay must be a floating-point tensor, got {log_decay.dtype}")
+        raise ValueError(f"{name} must have shape {layout} = {shape}, got {tuple(log_decay.shape)}")
+    check_like(name, log_decay, like, like_name)
+    check_finite(name, log_decay)
     ld = log_decay.detach()
-    if not bool(torch.isfinite(ld).all()):
-        raise ValueError("log_decay must be finite (a decay factor exp(log_decay) in (0, 1]), got inf or nan entries")
-    if bool((ld > 0).any()):
+    if ld.numel() and bool((ld > 0).any()):
         raise ValueError(
-            f"log_decay must be <= 0 (a decay factor exp(log_decay) in (0, 1]), got max {ld.max().item():.4g}"
+            f"{name} must be <= 0 (a decay factor exp(log_decay) in (0, 1]), got max {ld.max().item():.4g}"
         )
-
-
-def _check_state(state, shape: tuple, name: str) -> None:
-    check_tensor(name, state, 4)
-    if tuple(state.shape) != shape:
-        raise ValueError(f"{name} must have shape (B, H, Dk, Dv) = {shape}, got {tuple(state.shape)}")
 
 
 def _validate(q, k, v, log_decay, initial_state, vector: bool) -> tuple[int, int, int, int, int]:
     B, H, T, Dk, Dv = check_qkv(q, k, v)
     if vector:
-        _check_log_decay(log_decay, (B, H, T, Dk), "(B, H, T, Dk)")
+        _check_log_decay(log_decay, (B, H, T, Dk), "(B, H, T, Dk)", q, "q")
     else:
-        _check_log_decay(log_decay, (B, H, T), "(B, H, T)")
+        _check_log_decay(log_decay, (B, H, T), "(B, H, T)", q, "q")
     if initial_state is not None:
-        _check_state(initial_state, (B, H, Dk, Dv), "initial_state")
+        check_state("initial_state", initial_state, (B, H, Dk, Dv), _compute_dtype(q), q)
     return B, H, T, Dk, Dv
 
 
@@ -147,10 +142,9 @@ def _run(q, k, v, log_decay, scale, initial_state, causal, impl, chunk_size, vec
     out_dtype, dt = q.dtype, _compute_dtype(q)
     q, k, v, log_decay = (x.to(dt) for x in (q, k, v, log_decay))
     q = q * scale
-    if initial_state is None:
-        state = torch.zeros(B, H, Dk, Dv, dtype=dt, device=q.device)
-    else:
-        state = initial_state.to(dt)
+    state = torch.zeros(B, H, Dk, Dv, dtype=dt, device=q.device) if initial_state is None else initial_state
+    if T == 0:
+        return empty_result((B, H, 0, Dv), q, k, v, log_decay).to(out_dtype), state
     if impl == "naive":
         o, state = _naive(q, k, v, log_decay if vector else log_decay[..., None], state)
     else:
@@ -159,23 +153,17 @@ def _run(q, k, v, log_decay, scale, initial_state, causal, impl, chunk_size, vec
 
 
 def _step_public(q_t, k_t, v_t, log_decay_t, state, scale, vector):
-    for name, x in (("q_t", q_t), ("k_t", k_t), ("v_t", v_t)):
-        check_tensor(name, x, 3)
-    B, H, Dk = q_t.shape
-    check_same("q_t", tuple(q_t.shape), "k_t", tuple(k_t.shape), "shape (B, H, Dk)")
-    check_same("q_t", (B, H), "v_t", tuple(v_t.shape[:2]), "(B, H)")
-    Dv = v_t.shape[-1]
+    B, H, Dk, Dv = check_qkv_step(q_t, k_t, v_t)
     if vector:
-        _check_log_decay(log_decay_t, (B, H, Dk), "(B, H, Dk)")
+        _check_log_decay(log_decay_t, (B, H, Dk), "(B, H, Dk)", q_t, "q_t", "log_decay_t")
     else:
-        _check_log_decay(log_decay_t, (B, H), "(B, H)")
+        _check_log_decay(log_decay_t, (B, H), "(B, H)", q_t, "q_t", "log_decay_t")
     scale = _check_scale(scale, Dk)
     dt = _compute_dtype(q_t)
     if state is None:
         state = torch.zeros(B, H, Dk, Dv, dtype=dt, device=q_t.device)
     else:
-        _check_state(state, (B, H, Dk, Dv), "state")
-        state = state.to(dt)
+        check_state("state", state, (B, H, Dk, Dv), dt, q_t)
     ld = log_decay_t.to(dt) if vector else log_decay_t.to(dt)[..., None]
     o_t, state = _step(q_t.to(dt) * scale, k_t.to(dt), v_t.to(dt), ld, state)
     return o_t.to(q_t.dtype), state

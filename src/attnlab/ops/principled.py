@@ -30,7 +30,9 @@ import torch
 import torch.nn.functional as F
 from torch.autograd.function import once_differentiable
 
-from ._checks import broadcast_param, check_groups, check_impl, check_same, check_tensor
+from ._checks import (
+    check_finite, check_groups, check_impl, check_like, check_param, check_same, check_tensor, empty_result,
+)
 from .principled_naive import key_counts, principled_naive
 
 LOG2E = 1.4426950408889634
@@ -88,6 +90,15 @@ def _mm_acc(acc, a, b):
     return torch.bmm(a, b) if acc is None else _mm_into(acc, a, b)
 
 
+def _no_autocast(fn):
+    """Run fn with autocast off: the kernel gets its operands in the work dtype and its matmuls
+    must stay there (autocast would turn some of them bf16 and mix dtypes in baddbmm)."""
+    def wrapped(ctx, *args):
+        with torch.autocast("cpu", enabled=False), torch.autocast("cuda", enabled=False):
+            return fn(ctx, *args)
+    return wrapped
+
+
 class _PrincipledTiled(torch.autograd.Function):
     """Tiled principled attention on flattened heads: q (N, Tq, D), k (N, Tk, D), qg (N, Tq, Dg),
     kg (N, Tk, Dg), v (N, Tk, Dv), per-query c, softplus(beta), gamma (N, Tq).
@@ -105,6 +116,7 @@ class _PrincipledTiled(torch.autograd.Function):
         return qa, ka, va, -qg, nspb2
 
     @staticmethod
+    @_no_autocast
     def forward(ctx, q, k, qg, kg, v, c, spb, gamma, causal, block_q, block_k):
         N, Tq, D = q.shape
         Tk, Dv = k.shape[1], v.shape[2]
@@ -152,6 +164,7 @@ class _PrincipledTiled(torch.autograd.Function):
 
     @staticmethod
     @once_differentiable
+    @_no_autocast
     def backward(ctx, d_ok, d_w0):
         q, k, qg, kg, v, c, spb, gamma, ok, w0, lse2 = ctx.saved_tensors
         causal, block_q, block_k = ctx.causal, ctx.block_q, ctx.block_k
@@ -223,12 +236,7 @@ class _PrincipledTiled(torch.autograd.Function):
 def _check_inputs(q, k, qg, kg, v):
     for name, x in (("q", q), ("k", k), ("qg", qg), ("kg", kg), ("v", v)):
         check_tensor(name, x, 4)
-        if not x.is_floating_point():
-            raise TypeError(f"{name} must be a floating-point tensor, got dtype {x.dtype}")
-        if x.dtype != q.dtype or x.device != q.device:
-            raise ValueError(
-                f"{name} must match q in dtype and device: got {x.dtype} on {x.device}, q is {q.dtype} on {q.device}"
-            )
+        check_like(name, x, q, "q")
     B, H, Tq, D = q.shape
     for name, x in (("k", k), ("qg", qg), ("kg", kg), ("v", v)):
         check_same("q", B, name, x.shape[0], "batch size (dim 0)")
@@ -240,23 +248,22 @@ def _check_inputs(q, k, qg, kg, v):
         check_same("k", k.shape[2], name, x.shape[2], "length (dim 2)")
     for name, x in (("k", k), ("kg", kg), ("v", v)):
         check_groups(H, x.shape[1], name)
-    if Tq < 1 or k.shape[2] < 1:
-        raise ValueError(
-            f"q and k must hold at least one position each, got shapes {tuple(q.shape)} and {tuple(k.shape)}"
-        )
+    if Tq > 0 and k.shape[2] < 1:
+        raise ValueError(f"k must hold at least one position for the Tq={Tq} queries, got shape {tuple(k.shape)}")
+    for name, x in (("q", q), ("k", k), ("qg", qg), ("kg", kg), ("v", v)):
+        check_finite(name, x)
 
 
-def _check_v0(v0, H: int, Dv: int, like: torch.Tensor) -> torch.Tensor | None:
-    """v0 as (1 or H, Dv) or None."""
+def _check_v0(v0, H: int, Dv: int, v: torch.Tensor) -> None:
+    """v0: None, or a finite (Dv,) or (H, Dv) tensor with v's dtype and device."""
     if v0 is None:
-        return None
+        return
     if not isinstance(v0, torch.Tensor):
         raise TypeError(f"v0 must be a tensor of shape (Dv,) or (H, Dv), or None; got {type(v0).__name__}")
-    if v0.dim() == 1 and v0.shape[0] == Dv:
-        return v0.to(like.dtype)[None]
-    if v0.dim() == 2 and tuple(v0.shape) == (H, Dv):
-        return v0.to(like.dtype)
-    raise ValueError(f"v0 must have shape (Dv,)=({Dv},) or (H, Dv)=({H}, {Dv}), got {tuple(v0.shape)}")
+    check_like("v0", v0, v, "v")
+    if not (v0.dim() == 1 and v0.shape[0] == Dv) and not (v0.dim() == 2 and tuple(v0.shape) == (H, Dv)):
+        raise ValueError(f"v0 must have shape (Dv,)=({Dv},) or (H, Dv)=({H}, {Dv}), got {tuple(v0.shape)}")
+    check_finite("v0", v0)
 
 
 def _heads(x: torch.Tensor, H: int) -> torch.Tensor:
@@ -308,14 +315,20 @@ def principled_attention(
     Tk, Dv = k.shape[2], v.shape[3]
     if causal and Tq > Tk:
         raise ValueError(f"causal masking needs at least as many keys as queries: q has Tq={Tq}, k has Tk={Tk}")
+    _check_v0(v0, H, Dv, v)
     out_dtype = q.dtype
     work = torch.float32 if q.dtype in (torch.float16, torch.bfloat16) else q.dtype
     q, k, qg, kg, v = (x.to(work) for x in (q, k, qg, kg, v))
     params = {
-        name: broadcast_param(name, value, B, H, Tq, q).to(work)
+        name: check_param(name, value, B, H, Tq, q)
         for name, value in (("alpha", alpha), ("beta", beta), ("gamma", gamma))
     }
-    v0 = _check_v0(v0, H, Dv, q)
+    if v0 is not None:
+        v0 = v0.to(work).view(-1, Dv)  # (1 | H, Dv)
+    if Tq == 0:
+        tensors = (q, k, qg, kg, v, *params.values()) + ((v0,) if v0 is not None else ())
+        o, w0 = empty_result((B, H, 0, Dv), *tensors), empty_result((B, H, 0), *tensors)
+        return (o.to(out_dtype), w0.to(out_dtype)) if return_ground else o.to(out_dtype)
     k, kg, v = _heads(k, H), _heads(kg, H), _heads(v, H)
 
     if impl == "naive":

@@ -11,14 +11,17 @@ and k). That runs through torch's fused SDPA kernel, never building T x T.
 Precision. The expanded form cancels: with |ks| ~ 10 and tau ~ 0.01 the terms 2 qs ks / tau
 and ks^2 / tau are ~1e4 while their differences along a row are O(1); in bf16 (8-bit
 mantissa) that is an error of ~40 in every logit. The fast path therefore (1) subtracts a
-per-(B, H) reference r, the mean key, from qs and ks -- the score depends only on qs - ks,
-so this is exact, and r is detached because the gradient through it is identically zero --
-which brings the terms down to the scale of the key spread, and (2) forms q', k' and runs
-the SDPA in float32 whenever inputs are bf16/fp16, casting the output back. Remaining
-error is float32 rounding on terms of size max|qs - r|^2 / tau. Measured at T=257 with
-|ks| ~ 10, key spread 0.5, tau = 0.01, against the naive formula in float64: bf16 inputs
-give relative RMS error ~2.5e-3 on the output and every gradient (the bf16 rounding of the
-results themselves); the unshifted expansion in bf16 gives 1.6, i.e. noise.
+per-(B, H) reference r from qs and ks -- the score depends only on qs - ks, so this is
+exact, and r is detached because the gradient through it is identically zero -- which brings
+the terms down to the scale of the key spread, and (2) forms q', k' and runs the SDPA in
+float32 whenever inputs are bf16/fp16, casting the output back. Under causal masking r is
+the first key ks_0, which every query sees, so no row depends on a later key even through
+rounding (a mean over all keys would let a future outlier shift every row's terms);
+without causal masking every key is visible and r is their mean. Remaining error is float32
+rounding on terms of size max|qs - r|^2 / tau. Measured at T=257 with |ks| ~ 10, key spread
+0.5, tau = 0.01, against the naive formula in float64: bf16 inputs give relative RMS error
+~2.5e-3 on the output and every gradient (the bf16 rounding of the results themselves); the
+unshifted expansion in bf16 gives 1.6, i.e. noise.
 
 Memory: linear in T. When v (or k) has fewer heads than qs, it is repeated to H heads for
 the kernel, since the augmented keys are per head.
@@ -30,33 +33,29 @@ import math
 
 import torch
 
-from ._checks import broadcast_param, check_groups, check_impl, check_positive, check_same, check_tensor
-from ._sdpa import check_causal, check_float, check_qkv, expand_heads, fused_attention, upcast
+from ._checks import check_finite, check_groups, check_impl, check_like, check_param, check_positive, check_same, check_tensor
+from ._sdpa import check_causal, check_qkv, expand_heads, fused_attention, upcast
 
 
 def _check_scalars(qs, ks, like=None, like_name="") -> tuple[int, int, int]:
-    """qs, ks: (B, H, T) floating tensors of one shape (and the dtype of `like` if given)."""
+    """qs, ks: finite (B, H, T) floating tensors of one shape (and the dtype of `like` if given)."""
     check_tensor("qs", qs, 3)
     check_tensor("ks", ks, 3)
     ref, ref_name = (qs, "qs") if like is None else (like, like_name)
-    check_float("qs", qs, ref, ref_name)
-    check_float("ks", ks, ref, ref_name)
+    check_like("qs", qs, ref, ref_name)
+    check_like("ks", ks, ref, ref_name)
     if ks.shape != qs.shape:
         raise ValueError(f"ks must have the shape of qs (B, H, T) = {tuple(qs.shape)}, got {tuple(ks.shape)}")
+    check_finite("qs", qs)
+    check_finite("ks", ks)
     return tuple(qs.shape)
 
 
 def _tau(tau, B: int, H: int, T: int, dtype: torch.dtype, device) -> torch.Tensor:
-    """tau (float, (H,) or (B, H, T), all > 0) as a tensor of `dtype` broadcastable to (B, H, T)."""
-    if isinstance(tau, bool):
-        raise TypeError("tau must be a float or a tensor, got bool")
-    if isinstance(tau, torch.Tensor):
-        if not tau.is_floating_point():
-            raise TypeError(f"tau must be a floating-point tensor, got dtype {tau.dtype}")
-        if tau.device != torch.device(device):
-            raise ValueError(f"tau must be on the device of qs ({device}), got {tau.device}")
+    """tau (finite float, (H,) or (B, H, T), all > 0) as a tensor of `dtype` broadcastable to (B, H, T)."""
+    out = check_param("tau", tau, B, H, T, torch.empty(0, dtype=dtype, device=device))
     check_positive("tau", tau)
-    return broadcast_param("tau", tau, B, H, T, torch.empty(0, dtype=dtype, device=device)).to(dtype)
+    return out
 
 
 def _causal_mask(logits: torch.Tensor, causal: bool) -> torch.Tensor:
@@ -111,7 +110,7 @@ def scalar_attention(qs, ks, v, tau, *, causal: bool = True, impl: str = "auto")
         return (w @ expand_heads(v, H).to(w.dtype)).to(v.dtype)  # (B, H, T, Dv)
     cdt = upcast(qs.dtype)
     inv_tau = 1.0 / _tau(tau, B, H, T, cdt, qs.device)  # (1|B, 1|H, 1|T)
-    qa, ka = _augment(qs, ks, inv_tau, cdt)  # (B, H, T, 2) each
+    qa, ka = _augment(qs, ks, inv_tau, cdt, causal)  # (B, H, T, 2) each
     return fused_attention(qa, ka, v.to(cdt), causal=causal).to(v.dtype)
 
 
@@ -136,7 +135,7 @@ def hybrid_attention(q, k, v, qs, ks, tau, *, causal: bool = True, impl: str = "
         return (w @ expand_heads(v, H).to(w.dtype)).to(v.dtype)  # (B, H, T, Dv)
     cdt = upcast(q.dtype)
     inv_tau = 1.0 / _tau(tau, B, H, T, cdt, q.device)
-    qa, ka = _augment(qs, ks, inv_tau, cdt)  # (B, H, T, 2) each
+    qa, ka = _augment(qs, ks, inv_tau, cdt, causal)  # (B, H, T, 2) each
     qa = torch.cat([q.to(cdt) * (1.0 / math.sqrt(D)), qa], dim=-1)  # (B, H, T, D + 2)
     ka = torch.cat([expand_heads(k, H).to(cdt), ka], dim=-1)  # (B, H, T, D + 2)
     return fused_attention(qa, ka, v.to(cdt), causal=causal).to(v.dtype)
@@ -144,19 +143,22 @@ def hybrid_attention(q, k, v, qs, ks, tau, *, causal: bool = True, impl: str = "
 
 def _check_values(v, qs, B: int, H: int, T: int) -> None:
     check_tensor("v", v, 4)
-    check_float("v", v, qs, "qs")
+    check_like("v", v, qs, "qs")
     check_same("qs", B, "v", v.shape[0], "batch size (dim 0)")
     check_same("qs", T, "v", v.shape[2], "sequence length (dim 2)")
     check_groups(H, v.shape[1], "v")
+    check_finite("v", v)
 
 
-def _augment(qs, ks, inv_tau, cdt):
-    """q' = [2 (qs - r) / tau, -1 / tau], k' = [ks - r, (ks - r)^2], r = mean key per (B, H).
+def _augment(qs, ks, inv_tau, cdt, causal: bool):
+    """q' = [2 (qs - r) / tau, -1 / tau], k' = [ks - r, (ks - r)^2], with r per (B, H) the first
+    key when causal (seen by every query) and the mean key otherwise.
 
     q'_t . k'_s = -(qs_t - ks_s)^2 / tau_t + (qs_t - r)^2 / tau_t, the second term constant
     along the row. Returns (B, H, T, 2) each, in `cdt`.
     """
-    ref = ks.detach().to(cdt).mean(-1, keepdim=True)  # (B, H, 1)
+    ks_ref = ks.detach().to(cdt)
+    ref = ks_ref[..., :1] if causal else ks_ref.mean(-1, keepdim=True)  # (B, H, 1)
     qc = qs.to(cdt) - ref  # (B, H, T)
     kc = ks.to(cdt) - ref
     inv_tau = inv_tau.expand_as(qc)
