@@ -158,7 +158,8 @@ def _fwd_bwd(fn, inputs):
 def test_large_keys_small_tau_stay_accurate(op, dtype, tol):
     """Fast path on low-precision inputs against the naive formula in float64 on the same values.
     Measured: bf16 ~2.5e-3 on outputs and gradients (the bf16 rounding of the result itself),
-    fp32 ~3e-6."""
+    fp32 ~1.2e-5 (shifted by the first key; ~3.6e-6 when the shift was the mean of all keys,
+    which let future keys move earlier rows)."""
     T, tau = 257, 0.01
     qs, ks = _far_keys(T, dtype)
     q, k, v = (x.detach() for x in _vectors(T, 2, dtype=dtype))
@@ -199,8 +200,8 @@ def test_causal_outputs_ignore_future_keys(impl):
     ks2[:, :, t0:] += 3.0
     v2[:, :, t0:] += 1.0
     out2 = scalar_attention(qs, ks2, v2, 0.5, impl=impl)
-    # the fast path's reference shift r moves with the future keys: rounding-level changes only
-    torch.testing.assert_close(out2[:, :, :t0], out[:, :, :t0], rtol=1e-5, atol=1e-5)
+    # the fast path shifts by the first key, which every row sees: earlier rows do not move at all
+    torch.testing.assert_close(out2[:, :, :t0], out[:, :, :t0], rtol=0, atol=0)
     assert (out2[:, :, t0:] - out[:, :, t0:]).abs().max() > 1e-2
 
 
