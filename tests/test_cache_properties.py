@@ -1,12 +1,15 @@
 """Property tests of the sorted scalar cache under random insertions (with duplicate keys),
 rejected keys, geometric evictions, density compressions and queries.
 
-Each head has its own value group here and a token's value is [its key, one-hot(token id)],
-so any entry, plain or merged, tells which tokens it stands for and with what weight:
-the checks recover the slot mapping from the values alone."""
+In the first test each head has its own value group and a token's value is [its key,
+one-hot(token id)], so any entry, plain or merged, tells which tokens it stands for and with
+what weight: the checks recover the slot mapping from the values alone. The second checks that
+every rejected call (non-finite or wrongly typed input) leaves the whole state bit-identical."""
 
+import copy
 import math
 
+import pytest
 import torch
 from hypothesis import event, given, settings, strategies as st
 
@@ -130,3 +133,135 @@ def test_invariants_under_random_operations(ops):
             assert removed == sum(n_before) - sum(len(row) for row in entries(cache))
             event(f"compressed entries: {'some' if removed else 'none'}")
         check(cache, live, ks_hist)
+
+
+# ---- rejected calls leave every bit of state unchanged ------------------------------------
+def snapshot(obj):
+    """Every attribute of the cache, recursively (its index included), tensors cloned."""
+    if isinstance(obj, torch.Tensor):
+        return obj.detach().clone()
+    if isinstance(obj, dict):
+        return {k: snapshot(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return type(obj)(map(snapshot, obj))
+    if hasattr(obj, "__dict__"):
+        return (type(obj), snapshot(vars(obj)))
+    return copy.copy(obj)
+
+
+def same_state(before, obj) -> bool:
+    """obj is bit-identical to the snapshot ``before``: tensors equal in dtype, shape and bytes
+    (NaN-safe), everything else equal, recursively."""
+    if isinstance(obj, torch.Tensor):
+        bits = lambda x: x.detach().contiguous().reshape(-1).view(torch.uint8)
+        return (isinstance(before, torch.Tensor) and before.dtype == obj.dtype and before.shape == obj.shape
+                and torch.equal(bits(before), bits(obj)))
+    if isinstance(obj, dict):
+        return (isinstance(before, dict) and before.keys() == obj.keys()
+                and all(same_state(before[k], obj[k]) for k in obj))
+    if isinstance(obj, (list, tuple)):
+        return type(before) is type(obj) and len(before) == len(obj) and all(map(same_state, before, obj))
+    if hasattr(obj, "__dict__"):
+        return isinstance(before, tuple) and before[0] is type(obj) and same_state(before[1], vars(obj))
+    return before == obj
+
+
+Bq, Hq, Gq, Dvq, Dkq = 2, 4, 2, 3, 2  # G < H: two heads read each value group
+Rq = Bq * Hq
+BAD = [float("nan"), float("inf"), -float("inf")]
+q_op = st.one_of(
+    st.tuples(st.just("append"), st.lists(key, min_size=Rq, max_size=Rq)),
+    st.tuples(st.just("append"), st.lists(key, min_size=Rq, max_size=Rq)),
+    st.tuples(st.just("bad_append"), st.sampled_from(["ks", "v", "k"]), st.integers(0, 63), st.sampled_from(BAD)),
+    st.tuples(st.just("bad_append"), st.sampled_from(["ks", "v", "k"]), st.integers(0, 63), st.sampled_from(BAD)),
+    st.tuples(st.just("bad_dtype"), st.sampled_from(["ks", "v", "k"]), st.sampled_from([torch.float64, torch.int64])),
+    st.tuples(st.just("bad_query"), st.sampled_from(["qs", "q", "tau"]), st.integers(0, 63), st.sampled_from(BAD)),
+    st.tuples(st.just("attend"), st.sampled_from([None, 1, 3, 8])),
+    st.tuples(st.just("evict"), st.floats(0.05, 2.0), st.booleans()),
+    st.tuples(st.just("compress"), st.sampled_from([0.0, 0.3, 1.0, 5.0]), st.sampled_from([2, 3]), st.booleans()),
+    st.tuples(st.just("reclaim")),
+)
+
+
+def poison(x: torch.Tensor, pos: int, bad: float) -> torch.Tensor:
+    x = x.clone()
+    x.view(-1)[pos % x.numel()] = bad
+    return x
+
+
+def check_attend(cache, gen, window) -> None:
+    """Fast attend equals the naive formula over the live entries (rows whose k-th and (k+1)-th
+    nearest keys tie are skipped for a finite window: either choice is a correct window)."""
+    if cache._n_max == 0 and not cache.has_sink:
+        return
+    qs = torch.randn(Bq, Hq, generator=gen) * 2
+    q = torch.randn(Bq, Hq, Dkq, generator=gen) if cache.hybrid else None
+    tau = torch.rand(Hq, generator=gen) + 0.2
+    fast = cache.attend(qs, tau, q=q, window=window).view(Rq, -1)
+    naive = cache.attend(qs, tau, q=q, window=window, impl="naive").view(Rq, -1)
+    rows = torch.ones(Rq, dtype=torch.bool)
+    if window is not None:
+        d = (run_keys(cache.index.all_entries()) - qs.reshape(Rq, 1)).abs().sort(1).values  # (R, N); pads inf
+        if d.shape[1] > window:
+            rows = ~((d[:, window - 1] == d[:, window]) & torch.isfinite(d[:, window]))
+    assert torch.allclose(fast[rows], naive[rows], atol=1e-5, rtol=1e-5)
+
+
+@settings(max_examples=100, deadline=None)
+@given(st.booleans(), st.booleans(), st.integers(0, 2 ** 16), st.lists(q_op, min_size=4, max_size=40))
+def test_rejected_calls_leave_state_bit_identical(hybrid, sink, seed, ops):
+    gen = torch.Generator().manual_seed(seed)
+    extra = {}
+    if sink:
+        extra = dict(sink_key=float(torch.rand(1, generator=gen)) * 2 - 1, sink_zone=(-0.1, 0.1),
+                     sink_value=torch.randn(Gq, Dvq, generator=gen))
+        if hybrid:
+            extra["sink_vkey"] = torch.randn(Hq, Dkq, generator=gen)
+    cache = SortedScalarCache(Bq, Hq, Gq, Dvq, d_k=Dkq if hybrid else None, buffer_size=4, level_ratio=2,
+                              query_history=8, capacity=64, **extra)  # 40 tokens + merged entries fit
+
+    def token(keys):
+        ks = torch.tensor(keys, dtype=torch.float32).view(Bq, Hq)
+        k = torch.randn(Bq, Hq, Dkq, generator=gen) if hybrid else None
+        return {"ks": ks, "v": torch.randn(Bq, Gq, Dvq, generator=gen), "k": k}
+
+    for o in ops:
+        if o[0] == "append":
+            n = len(cache)
+            cache.append(**token(o[1]))
+            assert len(cache) == n + 1
+        elif o[0] in ("bad_append", "bad_dtype"):
+            name = o[1] if hybrid or o[1] != "k" else "v"
+            args = token(torch.randn(Rq, generator=gen).tolist())
+            if o[0] == "bad_append":
+                args[name] = poison(args[name], o[2], o[3])
+                err, msg = ValueError, f"{name} must be finite, got"
+            else:
+                args[name] = args[name].to(o[2])
+                err, msg = TypeError, f"{name} must have the cache's dtype torch.float32, got {o[2]}"
+            before = snapshot(cache)
+            with pytest.raises(err, match="^" + msg):
+                cache.append(**args)
+            assert same_state(before, cache), f"a rejected append ({o}) changed the cache"
+            event(f"rejected append into {'an empty' if len(cache) == 0 else 'a filled'} cache")
+            check_attend(cache, gen, None)
+            check_attend(cache, gen, 3)
+        elif o[0] == "bad_query":
+            name = o[1] if hybrid or o[1] != "q" else "qs"
+            args = {"qs": torch.zeros(Bq, Hq), "tau": torch.ones(Bq, Hq),
+                    "q": torch.zeros(Bq, Hq, Dkq) if hybrid else None}
+            args[name] = poison(args[name], o[2], o[3])
+            before = snapshot(cache)
+            with pytest.raises(ValueError, match=f"^{name} must be finite, got"):
+                cache.attend(args["qs"], args["tau"], q=args["q"], window=4)
+            assert same_state(before, cache), f"a rejected attend ({o}) changed the cache"
+        elif o[0] == "attend":
+            check_attend(cache, gen, o[1])
+        elif o[0] == "evict" and cache.recent_queries().shape[1]:
+            event(f"evicted entries: {'some' if cache.evict_geometric(o[1], reclaim=o[2]) else 'none'}")
+        elif o[0] == "compress":
+            removed = cache.compress_density(o[1], group=o[2], reclaim=o[3])
+            event(f"compressed entries: {'some' if removed else 'none'}")
+        elif o[0] == "reclaim":
+            event(f"reclaimed slots: {'some' if cache.reclaim() else 'none'}")
+    check_attend(cache, gen, None)

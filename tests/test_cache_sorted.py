@@ -5,6 +5,7 @@ import math
 import pytest
 import torch
 
+from attnlab.cache.kv import KVCache
 from attnlab.cache.sorted import SortedScalarCache, bytes_per_token
 from attnlab.testing import compare_fwd_bwd, rel_rms
 
@@ -43,8 +44,9 @@ def nearest(k):
 
 
 def fill(B=2, H=4, G=2, Dv=8, N=100, d_k=None, sink=False, **kw):
-    ks, v = torch.randn(N, B, H), torch.randn(N, B, G, Dv)
-    k = torch.randn(N, B, H, d_k) if d_k else None
+    dtype = kw.get("dtype", torch.float32)  # appended tensors must have the cache's dtype
+    ks, v = torch.randn(N, B, H).to(dtype), torch.randn(N, B, G, Dv).to(dtype)
+    k = torch.randn(N, B, H, d_k).to(dtype) if d_k else None
     sk = (torch.randn(H), torch.randn(H, Dv), torch.randn(H, d_k) if d_k else None) if sink else None
     extra = dict(sink_key=sk[0], sink_value=sk[1], sink_vkey=sk[2]) if sink else {}
     cache = SortedScalarCache(B, H, G, Dv, d_k=d_k, buffer_size=8, level_ratio=4, **extra, **kw)
@@ -148,7 +150,9 @@ def test_bf16_values():
     assert rel_rms(out, reference(ks, v.bfloat16(), qs, 0.5, 2)) < 2e-2
 
 
-def test_bytes_per_token():
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.bfloat16, torch.float16], ids=str)
+@pytest.mark.parametrize("d_k", [None, 6], ids=["scalar", "hybrid"])
+def test_bytes_per_token(dtype, d_k):
     scalar = bytes_per_token(8, 2, 64)
     assert scalar["key_index_per_head"] == 8 <= 12
     assert scalar["key_index"] == 64 and scalar["values"] == 2 * 64 * 4 and scalar["total"] == 64 + 512
@@ -160,14 +164,55 @@ def test_bytes_per_token():
     assert cache.bytes_per_token() == bytes_per_token(4, 2, 8)
     assert cache.memory_bytes() >= 10 * cache.bytes_per_token()["total"]
 
+    # against the bytes the cache really allocates: a bulk load with capacity N holds exactly N
+    # slots per sequence in its stores and N entries per head in its index levels (no padding)
+    B, H, G, Dv, N = 2, 6, 2, 5, 37  # G < H: values stored once per group
+    ks, v = torch.randn(B, H, N).to(dtype), torch.randn(B, G, N, Dv).to(dtype)
+    k = torch.randn(B, H, N, d_k).to(dtype) if d_k else None
+    cache = SortedScalarCache.from_tensors(ks, v, k, capacity=N, buffer_size=4, level_ratio=2)
+    nbytes = lambda t: t.numel() * t.element_size()
+    per_token = lambda total: total / (B * N)
+    for weighted in (False, True):
+        if weighted:
+            cache.index.ensure_weighted()  # what density compression does: a log-weight per entry
+        got = cache.bytes_per_token()
+        assert got["key_index_per_head"] == (12 if weighted else 8)
+        assert per_token(sum(nbytes(run) for run in cache.index.runs())) == got["key_index"]
+        assert per_token(nbytes(cache.values)) == got["values"]
+        assert per_token(nbytes(cache.vkeys) if d_k else 0) == got["vector_keys"]
+        assert per_token(cache.memory_bytes() - nbytes(cache.index.buf)) == got["total"]
+    # an ordinary per-head K and V cache of the same head sizes, filled with the same tokens
+    kv, keys = KVCache(B), k if d_k else torch.randn(B, H, N, Dv).to(dtype)  # scalar heads: keys of size d_v
+    for t in range(N):
+        full = kv.append(k=keys[:, :, t: t + 1], v=v[:, torch.arange(H) // (H // G), t: t + 1])
+    assert per_token(nbytes(full["k"]) + nbytes(full["v"])) == got["full_attention_kv"]
+
 
 # ---- bad input --------------------------------------------------------------------------
-def snapshot(cache):
-    return (cache.index.all_entries().clone(), cache.values.clone(), cache.n_tokens, cache.n_slots)
+def snapshot(obj):
+    """Every attribute of the cache, recursively (its index included), tensors cloned."""
+    if isinstance(obj, torch.Tensor):
+        return obj.detach().clone()
+    if isinstance(obj, dict):
+        return {k: snapshot(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return type(obj)(map(snapshot, obj))
+    if hasattr(obj, "__dict__"):
+        return type(obj), snapshot(vars(obj))
+    return obj
 
 
 def same_state(a, b):
-    return all(torch.equal(x, y) if isinstance(x, torch.Tensor) else x == y for x, y in zip(a, b))
+    """Two snapshots agree bit for bit: tensors in dtype, shape and bytes, everything else by ==."""
+    if isinstance(a, torch.Tensor):
+        bits = lambda x: x.contiguous().reshape(-1).view(torch.uint8)
+        return (isinstance(b, torch.Tensor) and a.dtype == b.dtype and a.shape == b.shape
+                and torch.equal(bits(a), bits(b)))
+    if isinstance(a, dict):
+        return isinstance(b, dict) and a.keys() == b.keys() and all(same_state(a[k], b[k]) for k in a)
+    if isinstance(a, (list, tuple)):
+        return type(a) is type(b) and len(a) == len(b) and all(map(same_state, a, b))
+    return a == b
 
 
 @pytest.mark.parametrize("bad", [float("nan"), float("inf"), -float("inf")], ids=["nan", "inf", "-inf"])
@@ -186,6 +231,125 @@ def test_nonfinite_keys_rejected_and_cache_unchanged(bad):
     big = torch.full((2, 4), 3e38)  # finite keys whose sum overflows are accepted
     cache.append(big, torch.randn(2, 2, 8), torch.randn(2, 4, 4))
     assert len(cache) == 14
+
+
+BAD = [float("nan"), float("inf"), -float("inf")]
+
+
+@pytest.mark.parametrize("bad", BAD, ids=["nan", "inf", "-inf"])
+@pytest.mark.parametrize("d_k", [None, 4], ids=["scalar", "hybrid"])
+def test_nonfinite_input_rejected_everywhere(bad, d_k):
+    """Policy: NaN/inf in any appended tensor, sink argument or query argument raises ValueError
+    naming it (how many, of how many, where) before anything changes."""
+    cache, ks, v, k, sk = fill(N=13, d_k=d_k, sink=True)
+    cache.attend(torch.randn(2, 4), 0.5, q=torch.randn(2, 4, d_k) if d_k else None)  # a query history too
+    before = snapshot(cache)
+    good = dict(ks=torch.randn(2, 4), v=torch.randn(2, 2, 8), k=torch.randn(2, 4, d_k) if d_k else None)
+    for name in ("ks", "v", "k") if d_k else ("ks", "v"):
+        args = dict(good, **{name: good[name].clone()})
+        args[name].view(-1)[3] = bad
+        n = args[name].numel()
+        with pytest.raises(ValueError, match=rf"^{name} must be finite, got .* of {n} entries .*unchanged"):
+            cache.append(**args)
+        assert same_state(before, snapshot(cache)), name
+    query = dict(qs=torch.randn(2, 4), q=torch.randn(2, 4, d_k) if d_k else None, tau=torch.full((4,), 0.5))
+    for name in ("qs", "q", "tau") if d_k else ("qs", "tau"):
+        args = dict(query, **{name: query[name].clone()})
+        args[name].view(-1)[1] = bad
+        with pytest.raises(ValueError, match=rf"^{name} must be finite"):
+            cache.attend(args["qs"], args["tau"], q=args["q"])
+        assert same_state(before, snapshot(cache)), name
+    for name, kw in (("tau", dict(tau=bad)), ("radius", dict(tau=0.5, radius=bad))):
+        with pytest.raises(ValueError, match=rf"^{name} must be finite"):
+            cache.attend(query["qs"], q=query["q"], **kw)
+    assert same_state(before, snapshot(cache))
+    cache.append(**good)  # still usable; it takes the next slot
+    assert len(cache) == 14 and cache.n_slots == 14
+
+    # the sink, wherever it is set: constructor (float or tensor key, value, vector key) and bulk load
+    sink = dict(sink_key=torch.zeros(4), sink_value=torch.zeros(2, 8), sink_vkey=torch.zeros(4, d_k) if d_k else None)
+    for name in ("sink_key", "sink_value", "sink_vkey") if d_k else ("sink_key", "sink_value"):
+        args = dict(sink, **{name: sink[name].clone()})
+        args[name].view(-1)[-1] = bad
+        with pytest.raises(ValueError, match=rf"^{name} must be finite"):
+            SortedScalarCache(2, 4, 2, 8, d_k=d_k, **args)
+        with pytest.raises(ValueError, match=rf"^{name} must be finite"):
+            SortedScalarCache.from_tensors(torch.randn(2, 4, 5), torch.randn(2, 2, 5, 8),
+                                           torch.randn(2, 4, 5, d_k) if d_k else None, **args)
+    with pytest.raises(ValueError, match="^sink_key must be finite"):
+        SortedScalarCache(2, 4, 2, 8, sink_key=bad, sink_value=torch.zeros(8))
+    bulk = dict(ks=torch.randn(2, 4, 5), v=torch.randn(2, 2, 5, 8), k=torch.randn(2, 4, 5, d_k) if d_k else None)
+    for name in ("ks", "v", "k") if d_k else ("ks", "v"):
+        args = dict(bulk, **{name: bulk[name].clone()})
+        args[name].view(-1)[7] = bad
+        with pytest.raises(ValueError, match=rf"^{name} must be finite"):
+            SortedScalarCache.from_tensors(**args)
+
+
+def test_dtype_mismatch_rejected_and_cache_unchanged():
+    """Appended tensors must have the cache's dtype, query tensors a floating one shared by qs
+    and q, mixing parameters (tau, radius) any floating dtype; integer tensors are TypeErrors."""
+    cache, *_ = fill(N=9, d_k=4, sink=True)
+    before = snapshot(cache)
+    good = dict(ks=torch.randn(2, 4), v=torch.randn(2, 2, 8), k=torch.randn(2, 4, 4))
+    for name in good:
+        for dtype in (torch.float64, torch.bfloat16, torch.int64):
+            with pytest.raises(TypeError, match=rf"^{name} must have the cache's dtype torch.float32, got {dtype}"):
+                cache.append(**dict(good, **{name: good[name].to(dtype)}))
+    assert same_state(before, snapshot(cache))
+    qs, q = torch.randn(2, 4), torch.randn(2, 4, 4)
+    with pytest.raises(TypeError, match="^qs must be a floating-point tensor, got torch.int64"):
+        cache.attend(qs.long(), 0.5, q=q)
+    with pytest.raises(TypeError, match=r"^q must have the dtype of qs \(torch.float32\), got torch.float64"):
+        cache.attend(qs, 0.5, q=q.double())
+    with pytest.raises(TypeError, match="^tau must be a float or a floating-point tensor, got torch.int64"):
+        cache.attend(qs, torch.ones(4, dtype=torch.int64), q=q)
+    assert same_state(before, snapshot(cache))
+    out = cache.attend(qs.double(), torch.full((4,), 0.5, dtype=torch.float64), q=q.double())  # float64 queries
+    assert rel_rms(out, cache.attend(qs, 0.5, q=q)) < TOL
+    with pytest.raises(TypeError, match="^sink_value must be a floating-point tensor"):
+        SortedScalarCache(1, 4, 2, 8, sink_key=0.0, sink_value=torch.zeros(8, dtype=torch.int64))
+    with pytest.raises(TypeError, match="^sink_key must be a float or a floating-point tensor"):
+        SortedScalarCache(1, 4, 2, 8, sink_key=torch.zeros(4, dtype=torch.int32), sink_value=torch.zeros(8))
+    # bulk load: the cache takes v's dtype unless told otherwise; ks and k must match it
+    ks, v, k = torch.randn(1, 4, 6), torch.randn(1, 2, 6, 8), torch.randn(1, 4, 6, 4)
+    assert SortedScalarCache.from_tensors(ks.double(), v.double(), k.double()).dtype == torch.float64
+    with pytest.raises(TypeError, match="^ks must have the cache's dtype torch.float64, got torch.float32"):
+        SortedScalarCache.from_tensors(ks, v.double(), k.double())
+    with pytest.raises(TypeError, match="^v must have the cache's dtype torch.bfloat16, got torch.float32"):
+        SortedScalarCache.from_tensors(ks.bfloat16(), v, k.bfloat16(), dtype=torch.bfloat16)
+
+
+def test_float64_keys_beyond_float32_range_rejected():
+    """The index holds float32 scalar keys: a finite float64 key or query that would round to inf
+    there is rejected by name (not stored as inf), the cache unchanged."""
+    cache = SortedScalarCache(1, 2, 1, 4, dtype=torch.float64)
+    cache.append(torch.zeros(1, 2, dtype=torch.float64), torch.ones(1, 1, 4, dtype=torch.float64))
+    before = snapshot(cache)
+    with pytest.raises(ValueError, match="^ks must lie within the float32 range"):
+        cache.append(torch.tensor([[0.0, 1e39]], dtype=torch.float64), torch.ones(1, 1, 4, dtype=torch.float64))
+    with pytest.raises(ValueError, match="^qs must lie within the float32 range"):
+        cache.attend(torch.tensor([[-1e39, 0.0]], dtype=torch.float64), 0.5)
+    assert same_state(before, snapshot(cache))
+    big = torch.tensor([[3e38, -3e38]], dtype=torch.float64)  # within range: accepted
+    cache.append(big, torch.ones(1, 1, 4, dtype=torch.float64))
+    assert len(cache) == 2
+
+
+def test_compress_on_a_full_cache_raises_and_leaves_it_unchanged():
+    """Compression writes merged entries to new slots before freeing the old ones; without room
+    in a fixed capacity it raises before touching anything (the index keeps its layout too)."""
+    cache = SortedScalarCache(1, 2, 1, 4, capacity=10, buffer_size=4, level_ratio=2)
+    for t in range(10):
+        cache.append(torch.full((1, 2), float(t // 2)), torch.randn(1, 1, 4))  # pairs of equal keys
+    before = snapshot(cache)
+    with pytest.raises(RuntimeError, match="cache is full: compressing needs 10 new value slots.*unchanged"):
+        cache.compress_density(0.0, group=2)  # 5 merged entries per head, 2 heads in the one group
+    assert same_state(before, snapshot(cache))
+    cache.attend(torch.full((1, 2), 4.0), 0.5)
+    cache.evict_geometric(1.5)  # keeps keys 3, 4 (four tokens per head): room for 2 x 2 merged entries
+    assert cache.compress_density(0.0, group=2) == 2 * 2
+    assert cache.n_slots == 4 and int(cache.n_entries().max()) == 2 and cache.index.weighted
 
 
 def test_bad_shapes_and_arguments():

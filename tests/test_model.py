@@ -52,17 +52,84 @@ def test_cached_greedy_generation_equals_full_recompute(attn):
     assert rel_rms(step_logits, model(out)[0]) < 1e-10
 
 
+@pytest.mark.parametrize("sink", [False, True], ids=["nosink", "sink"])
 @pytest.mark.parametrize("attn", ["scalar", "hybrid"])
-def test_sorted_cache_window_covering_everything_is_exact(attn):
+def test_sorted_cache_window_covering_everything_is_exact(attn, sink):
     """window=k decodes scalar/hybrid layers from the sorted scalar cache; with k at least the
-    sequence length every key is inside the window, so it equals exact decoding."""
-    model = tiny(["softmax", attn])
+    sequence length every key is inside the window, so it equals exact decoding. A narrow
+    window attends, at every step, exactly the k keys nearest the query in scalar space (plus
+    the sink when on), which changes the logits."""
+    import math
+
+    from attnlab.cache.sorted import SortedScalarCache
+
+    model = tiny(["softmax", attn], layer_attention=[{}, {"sink": True, "sink_key": 0.5}] if sink else [])
+    layer = model.attention_layers()[1]
+    if sink:
+        with torch.no_grad():
+            layer.sink_value.normal_()  # a zero sink value would only rescale the window's weights
     prompt = torch.randint(V, (2, 4))
     exact = model.generate(prompt, 8)
     windowed = model.generate(prompt, 8, window=64)
     assert torch.equal(exact, windowed)
     narrow = model.generate(prompt, 8, window=2)  # runs; may differ from exact
     assert narrow.shape == exact.shape
+
+    def decode(window, calls=None):
+        """Step logits (B, T, V) over the fixed sequence `exact`; calls: record the sorted cache's
+        appends and attends (with their outputs) into this list."""
+        caches = model.make_caches(2, window=window)
+        cache = caches[1].scalar
+        assert isinstance(cache, SortedScalarCache) and caches[0].scalar is None
+        if calls is not None:
+            append, attend = cache.append, cache.attend
+
+            def recorded_append(ks, v, k=None):
+                calls.append(("append", ks, v, k))
+                append(ks, v, k)
+
+            def recorded_attend(qs, tau, q=None, window=64, **kw):
+                out = attend(qs, tau, q=q, window=window, **kw)
+                calls.append(("attend", qs, tau, q, window, out))
+                return out
+
+            cache.append, cache.attend = recorded_append, recorded_attend
+        return torch.stack([model.step(exact[:, t: t + 1], caches, pos=t) for t in range(exact.shape[1])], 1)
+
+    calls = []
+    narrow_logits, wide_logits = decode(2, calls), decode(64)
+    assert rel_rms(wide_logits, model(exact)[0]) < 1e-5  # float32 scalar keys in the index
+    assert rel_rms(narrow_logits, wide_logits) > 1e-3  # the narrow window is not the full one
+
+    # the reference: the k = 2 keys nearest qs (in the float32 the index stores), by the formula
+    ks, vs, kv, checked = [], [], [], 0
+    for call in calls:
+        if call[0] == "append":
+            ks.append(call[1])
+            vs.append(call[2])
+            kv.append(call[3])
+            continue
+        _, qs, tau, q, window, out = call
+        assert window == 2
+        K, Vals = torch.stack(ks).double(), torch.stack(vs).double()  # (N, B, H), (N, B, G, D)
+        N, B, H = K.shape
+        q32, k32 = qs.float().double(), K.float().double()
+        tau = tau.double().view(1, 1, H) if tau.dim() == 1 else tau.double().view(1, B, H)
+        dist = (q32[None] - k32).abs()  # (N, B, H)
+        score = -dist ** 2 / tau
+        if attn == "hybrid":
+            score = score + (torch.stack(kv).double() * q.double()[None]).sum(-1) / math.sqrt(q.shape[-1])
+        score = score.masked_fill(dist.argsort(0).argsort(0) >= 2, float("-inf"))  # rank by distance
+        heads = torch.arange(H) // (H // Vals.shape[2])  # each head's value group
+        vals = Vals[:, :, heads]  # (N, B, H, D)
+        if sink:
+            sink_score = -(q32 - layer.config.sink_key) ** 2 / tau[0]  # zero vector key: scalar part only
+            score = torch.cat([score, sink_score[None]], 0)
+            vals = torch.cat([vals, layer.sink_value.detach().double()[heads].expand(1, B, H, -1)], 0)
+        ref = (torch.softmax(score, 0)[..., None] * vals).sum(0)  # (B, H, D)
+        assert rel_rms(out, ref) < 1e-5, f"step {N - 1}"
+        checked += 1
+    assert checked == exact.shape[1] and len(ks) == exact.shape[1]
 
 
 def test_sampling_is_seeded_and_respects_temperature():

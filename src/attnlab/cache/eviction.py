@@ -25,6 +25,16 @@ import torch
 from .sorted_index import radius_from_tolerance, run_keys
 
 
+def live_slots(cache) -> torch.Tensor:
+    """(B*G, n_slots) bool: which value slots some head of the group still references."""
+    S = cache.n_slots
+    ent = cache.index.all_entries()  # (C, R, N)
+    slots = torch.where(torch.isfinite(run_keys(ent)), ent[1].long(), S)  # dead refs -> spare column
+    live = torch.zeros(cache.batch * cache.n_groups, S + 1, dtype=torch.bool, device=cache.device)
+    live[cache._row_group.expand_as(slots), slots] = True
+    return live[:, :S]
+
+
 def reclaim_slots(cache) -> int:
     """Compact the value (and vector-key) store to the slots still referenced; remap the index.
     Returns the number of slots freed (uniform over batch x groups)."""
@@ -33,11 +43,7 @@ def reclaim_slots(cache) -> int:
         return 0
     B, G, R = cache.batch, cache.n_groups, cache.rows
     cap = cache.values.shape[2]
-    ent = cache.index.all_entries()  # (C, R, N)
-    slots = torch.where(torch.isfinite(run_keys(ent)), ent[1].long(), S)  # dead refs -> spare column
-    live = torch.zeros(B * G, S + 1, dtype=torch.bool, device=cache.device)
-    live[cache._row_group.expand_as(slots), slots] = True
-    live = live[:, :S]  # (B*G, S)
+    live = live_slots(cache)  # (B*G, S)
     new_s = int(live.sum(1).max().item())
     if new_s == S:
         return 0
@@ -103,14 +109,15 @@ def compress_density(cache, max_span: float, group: int = 4, reclaim: bool = Tru
     """Merge every aligned run of ``group`` adjacent keys (in a head's sorted order) whose
     key span is <= max_span into one weighted entry (see the module docstring).
 
-    Consolidates the index into one sorted run first. Returns the number of entries removed."""
+    Works on a merged copy of the index and changes the cache only once nothing can fail: when
+    it merges something, the index becomes one weighted sorted run. A fixed capacity without room
+    for the merged entries raises RuntimeError, the cache unchanged. Returns the entries removed."""
     if isinstance(max_span, bool) or not isinstance(max_span, (int, float)) or not max_span >= 0:
         raise ValueError(f"max_span must be a float >= 0, got {max_span!r}")
     if isinstance(group, bool) or not isinstance(group, int) or group < 2:
         raise ValueError(f"group must be an int >= 2, got {group!r}")
     index, m = cache.index, group
-    index.ensure_weighted()
-    run = index.consolidate()
+    run = index.merged(weighted=True)
     if run is None or run.shape[2] < m:
         return 0
     R, W = run.shape[1], run.shape[2]
@@ -127,6 +134,14 @@ def compress_density(cache, max_span: float, group: int = 4, reclaim: bool = Tru
     counts = torch.bincount(grow, minlength=cache.batch * cache.n_groups)
     rank = torch.arange(rr.numel(), device=rr.device) - (counts.cumsum(0) - counts)[grow]
     n_new = int(counts.max().item())
+    if cache.capacity is not None and cache.n_slots + n_new > cache.values.shape[2]:
+        in_use = int(live_slots(cache).sum(1).max().item()) if cache.n_slots else 0  # after a reclaim
+        if in_use + n_new > cache.capacity:
+            raise RuntimeError(f"the cache is full: compressing needs {n_new} new value slots, capacity="
+                               f"{cache.capacity} has {cache.capacity - in_use} free after reclaiming; "
+                               f"the cache is unchanged (evict first, or use a larger capacity)")
+    index.ensure_weighted()
+    index.replace(run)
     cache._ensure_slots(n_new)  # may reclaim slots, which remaps the run in place
     run = index.runs()[0]
     cap = cache.values.shape[2]

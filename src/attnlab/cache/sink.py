@@ -11,11 +11,23 @@ from __future__ import annotations
 import torch
 
 
+def _finite(name: str, x: torch.Tensor, cast: torch.Tensor | None = None) -> None:
+    """NaN/inf in a sink argument (or in ``cast``, its copy in the dtype stored) raises ValueError naming it."""
+    from .sorted import check_finite  # lazy: sorted imports this module
+
+    check_finite(name, x, unchanged=False)
+    if cast is not None and not bool(torch.isfinite(cast).all()):
+        raise ValueError(f"{name} must fit in {cast.dtype}, the dtype the cache stores it in, got |{name}| up to "
+                         f"{float(x.abs().max()):.4g}, which is inf there")
+
+
 def _per_head(cache, name: str, x, d: int, allow_groups: bool = False) -> torch.Tensor:
-    """(d,), (H, d) or, for values, (G, d) (one per value group) -> (H, d)."""
+    """(d,), (H, d) or, for values, (G, d) (one per value group) -> (H, d). Finite floating tensors only."""
     H, G = cache.n_heads, cache.n_groups
     if not isinstance(x, torch.Tensor):
         raise TypeError(f"{name} must be a torch.Tensor, got {type(x).__name__}")
+    if not x.is_floating_point():
+        raise TypeError(f"{name} must be a floating-point tensor, got {x.dtype}")
     x = x.detach().to(cache.device)
     if x.dim() == 1 and x.shape[0] == d:
         return x.expand(H, d)
@@ -27,12 +39,33 @@ def _per_head(cache, name: str, x, d: int, allow_groups: bool = False) -> torch.
     raise ValueError(f"{name} must have shape {shapes}, got {tuple(x.shape)}")
 
 
+def _sink_key(cache, sink_key) -> torch.Tensor:
+    """A finite float, 0-d or (H,) floating tensor -> (H,) float32."""
+    H = cache.n_heads
+    if isinstance(sink_key, bool) or not isinstance(sink_key, (int, float, torch.Tensor)):
+        raise TypeError(f"sink_key must be a float or a tensor, got {type(sink_key).__name__}")
+    if isinstance(sink_key, torch.Tensor) and not sink_key.is_floating_point():
+        raise TypeError(f"sink_key must be a float or a floating-point tensor, got {sink_key.dtype}")
+    if isinstance(sink_key, torch.Tensor):
+        given = sink_key.detach()
+    else:
+        given = torch.tensor(float(sink_key), dtype=torch.float64)
+    key = given.to(cache.device, torch.float32)
+    if key.dim() == 0:
+        key = key.expand(H)
+    if tuple(key.shape) != (H,):
+        raise ValueError(f"sink_key must be a float, 0-d or ({H},) tensor, got shape {tuple(given.shape)}")
+    _finite("sink_key", given, key)
+    return key
+
+
 def sink_rows(cache, sink_key, sink_value, sink_vkey):
     """Per-row sink key (R, 1) float32, value (R, Dv) and hybrid vector key (R, Dk), or Nones.
 
     sink_key: float, 0-d or (H,); sink_value: (Dv,), (G, Dv) or (H, Dv); sink_vkey: (Dk,) or
-    (H, Dk), hybrid only, default zeros (the sink then scores by scalar distance alone)."""
-    B, H = cache.batch, cache.n_heads
+    (H, Dk), hybrid only, default zeros (the sink then scores by scalar distance alone).
+    Every one must be finite (floating tensors of any dtype; the value is stored in the cache's)."""
+    B = cache.batch
     if (sink_key is None) != (sink_value is None):
         raise ValueError("sink_key and sink_value must be given together (or neither), "
                          f"got sink_key={'set' if sink_key is not None else None}, "
@@ -41,17 +74,18 @@ def sink_rows(cache, sink_key, sink_value, sink_vkey):
         raise ValueError("sink_vkey needs sink_key and sink_value, and a hybrid cache (d_k given)")
     if sink_key is None:
         return None, None, None
-    key = torch.as_tensor(sink_key, dtype=torch.float32, device=cache.device).detach()
-    if key.dim() == 0:
-        key = key.expand(H)
-    if tuple(key.shape) != (H,) or not bool(torch.isfinite(key).all()):
-        raise ValueError(f"sink_key must be a finite float or ({H},) tensor, got {tuple(key.shape)}")
+    key = _sink_key(cache, sink_key)
     val = _per_head(cache, "sink_value", sink_value, cache.d_v, allow_groups=True)
+    val_c = val.to(cache.dtype)
+    _finite("sink_value", val, val_c)
     vk = None
     if cache.d_k is not None:
         vk = torch.zeros(cache.d_k) if sink_vkey is None else sink_vkey
-        vk = _per_head(cache, "sink_vkey", vk, cache.d_k).float().repeat(B, 1)  # (R, Dk)
-    return key.repeat(B).view(-1, 1), val.to(cache.dtype).repeat(B, 1), vk
+        vk = _per_head(cache, "sink_vkey", vk, cache.d_k)
+        vk32 = vk.float()
+        _finite("sink_vkey", vk, vk32)
+        vk = vk32.repeat(B, 1)  # (R, Dk)
+    return key.repeat(B).view(-1, 1), val_c.repeat(B, 1), vk
 
 
 def parse_zone(zone):

@@ -23,6 +23,11 @@ entry, when configured, is always a candidate in addition to the window.
 
 Inference only: appended tensors are detached. Gradients flow to the query arguments
 (qs, q, tau) of ``attend``, which is what the naive/fast comparison checks.
+
+Input (attnlab's input policy): every appended tensor (ks, v, k), the sink (key, value, vector
+key) and every query argument (qs, q, tau, radius) must be finite, or ValueError names it;
+appended tensors must have the cache's dtype and query tensors a floating one, or TypeError.
+Every check runs before anything changes: a rejected call leaves the cache bit-identical.
 """
 
 from __future__ import annotations
@@ -38,6 +43,39 @@ from .sink import parse_zone, sink_rows
 from .sorted_naive import attend_naive
 
 __all__ = ["SortedScalarCache", "bytes_per_token"]
+
+
+F32_MAX = float(torch.finfo(torch.float32).max)
+
+
+def check_finite(name: str, x: torch.Tensor, unchanged: bool = True) -> None:
+    """NaN or +-inf anywhere in x raises ValueError naming ``name``, what it got and where
+    (unchanged: say that the cache was left as it was).
+
+    Hot path (every decode step): a few values are cheaper to check in Python than with a
+    tensor reduction; many take one reduction, and the full test only when the sum is not
+    finite (finite values whose sum overflows pass)."""
+    x = x.detach()
+    if x.numel() <= 256:
+        if all(map(math.isfinite, x.reshape(-1).tolist())):
+            return
+    elif math.isfinite(float(x.sum())) or bool(torch.isfinite(x).all()):
+        return
+    bad = ~torch.isfinite(x)
+    n_nan, n_bad = int(torch.isnan(x).sum()), int(bad.sum())
+    first = tuple(int(i) for i in bad.nonzero()[0])
+    raise ValueError(f"{name} must be finite, got {n_nan} NaN and {n_bad - n_nan} inf of {x.numel()} entries "
+                     f"(first at index {first})" + ("; the cache is unchanged" if unchanged else ""))
+
+
+def check_float32_range(name: str, x: torch.Tensor) -> None:
+    """Finite float64 scalar keys/queries beyond float32's range would become inf in the float32
+    key index: reject them by name rather than store or compare an inf."""
+    if x.dtype == torch.float64 and x.numel():
+        big = float(x.detach().abs().max())
+        if big > F32_MAX:
+            raise ValueError(f"{name} must lie within the float32 range (|{name}| <= {F32_MAX:.4g}: the sorted "
+                             f"index holds float32 keys), got |{name}| up to {big:.4g}; the cache is unchanged")
 
 
 def _int_arg(name: str, value, low: int = 1) -> int:
@@ -77,7 +115,7 @@ class SortedScalarCache:
     None grows by doubling; when full, dead slots are reclaimed, then RuntimeError.
     sink_key (float, 0-d or (H,)) and sink_value ((d_v,), (G, d_v) or (H, d_v)): the learned
     scalar sink entry, always a candidate and never evicted; sink_vkey ((d_k,) or (H, d_k),
-    hybrid only, default zeros). sink_zone=(lo, hi): keys in this range are never evicted
+    hybrid only, default zeros); all finite. sink_zone=(lo, hi): keys in this range are never evicted
     or compressed. query_history: recent queries kept per head for geometric eviction.
     buffer_size, level_ratio: the index's insertion buffer and level growth factor."""
 
@@ -147,23 +185,34 @@ class SortedScalarCache:
                      **kwargs) -> "SortedScalarCache":
         """Bulk-load a cache from a whole context: ks (B, H, N), v (B, G, N, Dv), k (B, H, N, Dk)
         for hybrid heads. Sorts each head's keys once (O(N log N)); other keyword arguments go
-        to the constructor. Without a capacity the store holds N and doubles when full: give a
-        capacity of N + the tokens still to come to avoid that copy during decode."""
-        if not isinstance(ks, torch.Tensor) or ks.dim() != 3:
-            raise ValueError(f"ks must be a (B, H, N) tensor, got {getattr(ks, 'shape', type(ks))}")
-        if not isinstance(v, torch.Tensor) or v.dim() != 4:
-            raise ValueError(f"v must be a (B, G, N, Dv) tensor, got {getattr(v, 'shape', type(v))}")
+        to the constructor (dtype defaults to v's, device to ks'). ks, v and k must have the cache's
+        dtype and be finite, as in ``append``. Without a capacity the store holds N and doubles when
+        full: give a capacity of N + the tokens still to come to avoid that copy during decode."""
+        for name, x, dims in (("ks", ks, "(B, H, N)"), ("v", v, "(B, G, N, Dv)"), ("k", k, "(B, H, N, Dk)")):
+            if x is None and name == "k":
+                continue
+            if not isinstance(x, torch.Tensor):
+                raise TypeError(f"{name} must be a {dims} torch.Tensor, got {type(x).__name__}")
+            if x.dim() != len(dims.split(",")):
+                raise ValueError(f"{name} must be a {dims} tensor, got shape {tuple(x.shape)}")
         B, H, N = ks.shape
         if v.shape[0] != B or v.shape[2] != N:
             raise ValueError(f"v must be (B, G, N, Dv) with B={B}, N={N} as in ks, got {tuple(v.shape)}")
-        if k is not None and (k.dim() != 4 or tuple(k.shape[:3]) != (B, H, N)):
+        if k is not None and tuple(k.shape[:3]) != (B, H, N):
             raise ValueError(f"k must be (B, H, N, Dk) = ({B}, {H}, {N}, Dk), got {tuple(k.shape)}")
-        if not bool(torch.isfinite(ks).all()):
-            raise ValueError("ks must be finite: got ±inf or NaN keys")
         kwargs.setdefault("device", ks.device)
+        if v.is_floating_point():
+            kwargs.setdefault("dtype", v.dtype)
         cache = cls(B, H, v.shape[1], v.shape[3], d_k=None if k is None else k.shape[3], **kwargs)
         if cache.capacity is not None and N > cache.capacity:
             raise ValueError(f"capacity={cache.capacity} is smaller than the N={N} tokens given")
+        for name, x in (("ks", ks), ("v", v), ("k", k)):
+            if x is not None:
+                cache._check_dtype(name, x)
+        for name, x in (("ks", ks), ("v", v), ("k", k)):
+            if x is not None:
+                check_finite(name, x, unchanged=False)
+        check_float32_range("ks", ks)
         if cache.values.shape[2] < N:
             cache._alloc(N)
         cache.values[:, :, :N] = v.detach()
@@ -210,14 +259,31 @@ class SortedScalarCache:
                              f"(batch={self.batch}, n_heads={self.n_heads}), got {tuple(x.shape)}")
         return x
 
+    def _check_dtype(self, name: str, x: torch.Tensor, dtype: torch.dtype | None = None) -> None:
+        """Appended tensors must have the cache's dtype (no silent rounding into a narrower store);
+        query tensors need a floating dtype (``dtype``: the one they must share, or None)."""
+        if dtype is None and x.dtype != self.dtype:
+            raise TypeError(f"{name} must have the cache's dtype {self.dtype}, got {x.dtype}")
+        if not x.is_floating_point():
+            raise TypeError(f"{name} must be a floating-point tensor, got {x.dtype}")
+        if dtype is not None and x.dtype != dtype:
+            raise TypeError(f"{name} must have the dtype of qs ({dtype}), got {x.dtype}")
+
     def _rows(self, name: str, value):
-        """A positive float, 0-d, (H,) or (B, H) parameter as a float or an (R, 1) tensor."""
+        """A finite positive float, 0-d, (H,) or (B, H) parameter as a float or an (R, 1) tensor."""
         B, H = self.batch, self.n_heads
         if isinstance(value, bool) or not isinstance(value, (int, float, torch.Tensor)):
             raise TypeError(f"{name} must be a float or a tensor, got {type(value).__name__}")
-        check_positive(name, value)
         if not isinstance(value, torch.Tensor):
+            if not math.isfinite(value):
+                raise ValueError(f"{name} must be finite, got {value}; the cache is unchanged")
+            check_positive(name, value)
             return float(value)
+        if not value.is_floating_point():
+            raise TypeError(f"{name} must be a float or a floating-point tensor, got {value.dtype}")
+        check_finite(name, value)
+        check_float32_range(name, value)
+        check_positive(name, value)
         t = value.to(self.device, torch.float32)
         if t.dim() == 0 or tuple(t.shape) == (H,):
             t = t.expand(B, H)
@@ -231,41 +297,32 @@ class SortedScalarCache:
             x = x.detach()
         return x if x.dtype == dtype and x.device == self.device else x.to(self.device, dtype)
 
-    def _check_finite(self, name: str, x: torch.Tensor) -> None:
-        # hot path: a few values are cheaper to check in Python than with a tensor reduction;
-        # many values take one reduction, and the full test only when the sum is not finite
-        if x.numel() <= 256:
-            if all(map(math.isfinite, x.detach().reshape(-1).tolist())):
-                return
-        elif math.isfinite(float(x.detach().sum())) or bool(torch.isfinite(x).all()):
-            return
-        bad = int((~torch.isfinite(x)).sum())
-        raise ValueError(f"{name} must be finite: got {bad} ±inf/NaN entries; the cache is unchanged")
-
     # ---- decode step --------------------------------------------------------------------
     def append(self, ks: torch.Tensor, v: torch.Tensor, k: torch.Tensor | None = None) -> None:
         """Insert one token: ks (B, H) scalar keys, v (B, G, Dv) values, k (B, H, Dk) vector keys
-        (hybrid only). Non-finite keys raise ValueError and leave the cache unchanged."""
+        (hybrid only), all in the cache's dtype. Every argument is checked (shape, dtype, finite)
+        before anything changes: a rejected append leaves the cache exactly as it was."""
         B, H = self.batch, self.n_heads
-        self._check_shape("ks", ks, (B, H))
-        self._check_shape("v", v, (B, self.n_groups, self.d_v))
+        args = [("ks", ks, (B, H)), ("v", v, (B, self.n_groups, self.d_v))]
         if self.hybrid:
             if k is None:
                 raise ValueError(f"k (B, H, Dk) = ({B}, {H}, {self.d_k}) is required: this cache has hybrid heads")
-            self._check_shape("k", k, (B, H, self.d_k))
+            args.append(("k", k, (B, H, self.d_k)))
         elif k is not None:
             raise ValueError("k must be None: this cache has pure scalar heads (build it with d_k for hybrid)")
-        ks32 = self._plain(ks, torch.float32)
-        self._check_finite("ks", ks32)
-        if self.hybrid:
-            self._check_finite("k", k)
+        for name, x, shape in args:
+            self._check_shape(name, x, shape)
+            self._check_dtype(name, x)
+        for name, x, _ in args:
+            check_finite(name, x)
+        check_float32_range("ks", ks)
         if self.n_slots == self.values.shape[2]:
-            self._ensure_slots(1)
+            self._ensure_slots(1)  # a full fixed capacity raises before anything changes
         s = self.n_slots
         self.values.select(2, s).copy_(self._plain(v, self.dtype))
         if self.hybrid:
             self.vkeys.select(2, s).copy_(self._plain(k, self.dtype))
-        self.index.insert(ks32.reshape(self.rows).view(torch.int32), s)
+        self.index.insert(self._plain(ks, torch.float32).reshape(self.rows).view(torch.int32), s)
         self.n_slots += 1
         self.n_tokens += 1
         self._n_max += 1
@@ -293,12 +350,19 @@ class SortedScalarCache:
     def _query_args(self, qs, tau, q, window, radius, eps):
         B, H = self.batch, self.n_heads
         self._check_shape("qs", qs, (B, H))
+        self._check_dtype("qs", qs, qs.dtype)
         if self.hybrid:
             if q is None:
                 raise ValueError(f"q (B, H, Dk) = ({B}, {H}, {self.d_k}) is required: this cache has hybrid heads")
             self._check_shape("q", q, (B, H, self.d_k))
+            self._check_dtype("q", q, qs.dtype)
         elif q is not None:
             raise ValueError("q must be None: this cache has pure scalar heads")
+        check_finite("qs", qs)
+        check_float32_range("qs", qs)
+        if self.hybrid:
+            check_finite("q", q)
+            check_float32_range("q", q)
         if window is not None:
             _int_arg("window", window)
         if radius is not None and eps is not None:
@@ -314,7 +378,6 @@ class SortedScalarCache:
         qr = qs.reshape(self.rows, 1)
         if qr.dtype != torch.float32 or qr.device != self.device:
             qr = qr.to(self.device, torch.float32)
-        self._check_finite("qs", qr.detach())
         q_rows = q.to(self.device, torch.float32).reshape(self.rows, self.d_k) if self.hybrid else None
         return qr, q_rows, tau_r, r, window
 

@@ -167,6 +167,24 @@ class SortedKeyIndex:
             self.push(merged)
         return merged
 
+    def merged(self, weighted: bool = False) -> torch.Tensor | None:
+        """Every entry in one sorted, trimmed run (C, R, W) (None when empty), leaving the index
+        as it is; weighted=True adds a zero log-weight channel when the index has none."""
+        runs = self.runs()
+        if self.buf_len:
+            buf = self.buf[:, :, : self.buf_len]
+            order = run_keys(buf).sort(dim=1).indices  # (R, L)
+            runs.append(buf.gather(2, order.unsqueeze(0).expand_as(buf)))
+        if not runs:
+            return None
+        merged = runs[0]
+        for r in runs[1:]:
+            merged = merge_runs(merged, r)
+        merged = trim_run(merged)
+        if merged is not None and weighted and not self.weighted:
+            merged = torch.cat([merged, torch.zeros_like(merged[:1])], 0)
+        return merged
+
     # ---- queries -----------------------------------------------------------------------
     def candidates(self, q: torch.Tensor, k: int) -> torch.Tensor:
         """A packed candidate set (C, R, M), M >= k, holding each row's k nearest entries to
