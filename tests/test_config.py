@@ -2,6 +2,7 @@
 
 import json
 import math
+import re
 import sys
 from pathlib import Path
 
@@ -152,3 +153,121 @@ def test_lr_schedule_is_linear_warmup_then_cosine():
 def test_apply_overrides_builds_tables():
     raw = apply_overrides({"train": {"steps": 1}}, ["train.steps=2", "model.attention.sink=true"])
     assert raw == {"train": {"steps": 2}, "model": {"attention": {"sink": True}}}
+
+
+# --------------------------------------------------------------------------- typed fields: finite floats, real bools, ints
+
+
+def _keys_of(kind):
+    """Dotted keys whose type (as listed by config_keys) admits `kind`: "float", "bool" or "int"."""
+    return [key for key, tp, _, _ in config_keys() if kind in tp.split(" | ") and key != "run.name"]
+
+
+FLOAT_KEYS = _keys_of("float")
+BOOL_KEYS = _keys_of("bool")
+INT_KEYS = _keys_of("int")
+
+
+def test_typed_key_lists_cover_the_known_fields():
+    for key in ("model.attention.tau_max", "model.attention.scale", "model.attention.alpha_init",
+                "model.attention.sink_key", "train.lr", "regularizers.align", "model.norm_eps", "data.mqar_power_a"):
+        assert key in FLOAT_KEYS
+    assert {"model.attention.rope", "model.attention.sink", "run.resume", "data.cross_doc"} <= set(BOOL_KEYS)
+    assert {"train.steps", "model.d_model", "model.attention.head_dim"} <= set(INT_KEYS)
+
+
+@pytest.mark.parametrize("text", ["nan", "inf", "-inf"])
+@pytest.mark.parametrize("key", FLOAT_KEYS)
+def test_every_float_key_rejects_non_finite_values(key, text):
+    with pytest.raises(ConfigError) as info:
+        load_config(TINY, [f"{key}={text}"])
+    msg = str(info.value)
+    assert key in msg and text.lstrip("-") in msg and "finite" in msg, msg
+
+
+@pytest.mark.parametrize("text", ["nan", "inf"])
+def test_non_finite_items_of_float_lists_are_rejected(text):
+    with pytest.raises(ConfigError, match=rf"train\.betas\[1\] must be a finite number, got {text}"):
+        load_config(TINY, [f"train.betas=[0.9, {text}]"])
+    with pytest.raises(ConfigError, match=r"model\.layer_attention\[1\]\.tau_max.*finite"):
+        load_config(TINY, [f"model.layer_attention=[{{}}, {{tau_max = {text}}}]"])
+
+
+@pytest.mark.parametrize("text", ["yes", "1", "0", '"true"', "True", "[true]"])
+@pytest.mark.parametrize("key", BOOL_KEYS)
+def test_every_bool_key_takes_only_true_or_false(key, text):
+    with pytest.raises(ConfigError) as info:
+        load_config(TINY, [f"{key}={text}"])
+    assert key in str(info.value) and "bool" in str(info.value), str(info.value)
+
+
+@pytest.mark.parametrize("key", ["model.attention.rope", "model.attention.cosformer_normalize", "run.resume", "data.cross_doc"])
+def test_bool_keys_take_true_and_false(key):
+    for text, value in (("true", True), ("false", False)):
+        cfg = load_config(TINY, [f"{key}={text}"])
+        if key.startswith("model.attention."):
+            assert cfg.model.attention_configs()[0].__dict__[key.rsplit(".", 1)[1]] is value
+        else:
+            section, name = key.split(".")
+            assert getattr(getattr(cfg, section), name) is value
+
+
+@pytest.mark.parametrize("text", ["true", "false", "2.0"])
+@pytest.mark.parametrize("key", INT_KEYS)
+def test_every_int_key_rejects_bools_and_floats(key, text):
+    with pytest.raises(ConfigError) as info:
+        load_config(TINY, [f"{key}={text}"])
+    assert key in str(info.value), str(info.value)
+
+
+def _config_classes():
+    from attnlab.models.config import ModelConfig
+    from attnlab.train.config import DataConfig, RegularizersConfig, RunSection
+
+    return [(ModelConfig, "model."), (DataConfig, "data."), (TrainConfig, "train."),
+            (RegularizersConfig, "regularizers."), (RunSection, "run.")]
+
+
+def test_config_dataclasses_built_in_python_check_their_fields():
+    """Not only the loader: each section's __post_init__ walks its own fields by annotation."""
+    import dataclasses
+    import typing
+
+    checked = 0
+    for cls, prefix in _config_classes():
+        hints = typing.get_type_hints(cls)
+        for f in dataclasses.fields(cls):
+            if not f.init:
+                continue
+            bad = {float: float("nan"), bool: "yes", int: True}.get(hints[f.name])
+            if bad is None:
+                continue
+            with pytest.raises(ConfigError, match=rf"^{re.escape(prefix + f.name)} must be"):
+                cls(**{f.name: bad})
+            checked += 1
+    assert checked >= 30
+    with pytest.raises(ConfigError, match=r"train\.betas\[0\] must be a finite number, got inf"):
+        TrainConfig(betas=(float("inf"), 0.9))
+
+
+@pytest.mark.parametrize(
+    "kw, field",
+    [(dict(rope="yes"), "rope"), (dict(mechanism="hybrid", sink=1), "sink"), (dict(bias=0), "bias"),
+     (dict(tau_init=float("nan")), "tau_init"), (dict(tau_max=float("inf")), "tau_max"), (dict(scale=float("inf")), "scale"),
+     (dict(alpha_init=float("-inf")), "alpha_init"), (dict(sink_key=float("nan")), "sink_key"),
+     (dict(gla_rank=True), "gla_rank"), (dict(head_dim=8.0), "head_dim")],
+    ids=lambda v: v if isinstance(v, str) else None,
+)
+def test_attention_config_checks_field_types_and_finiteness(kw, field):
+    from attnlab.layers import AttentionConfig
+
+    with pytest.raises(ValueError, match=rf"^AttentionConfig\.{field}: got .*, need "):
+        AttentionConfig(d_model=16, n_heads=2, **kw)
+
+
+def test_cosformer_horizon_shorter_than_seq_len_is_a_config_error():
+    with pytest.raises(ConfigError, match=r"model\.attention\.cosformer_max_len of layer 0 is 8.*data\.seq_len \(32\)"):
+        load_config(TINY, ["model.attn=cosformer", "model.attention.cosformer_max_len=8"])
+    with pytest.raises(ConfigError, match=r"cosformer_max_len.*data\.seq_len"):
+        load_config(TINY, ["model.attn=cosformer", "model.max_seq_len=16"])
+    assert load_config(TINY, ["model.attn=cosformer", "model.attention.cosformer_max_len=64"])

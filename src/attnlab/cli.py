@@ -1,21 +1,31 @@
-"""`attnlab <command>`: train | eval | quickstart (and search, when that module is present).
+"""`attnlab <command>`: train | eval | quickstart | search.
 
 Each command parses and validates its arguments, then calls one function below it
-(`attnlab.train.train`, `attnlab.train.evaluate`, `attnlab.experiments.quickstart.run`).
-Every usage or configuration error is one line on stderr naming the key or option and
-what it allows, with exit status 2, before any work starts.
+(`attnlab.train.train`, `attnlab.train.evaluate`, `attnlab.experiments.quickstart.run`,
+`attnlab.search`). Every usage or configuration error is one line on stderr naming the key
+or option, what it got and what it allows, with exit status 2, before any work starts and
+before anything is written: the config is validated, the model is built on the meta device
+(no memory, no RNG) to check its shapes, and a checkpoint to resume or evaluate is checked
+(intact, same model config) before a run folder is created or touched.
+
+`search` is always registered; it needs the optional `[hf]` extra, and without it says so
+(`pip install 'attnlab[hf]'`) as such an error.
 """
 
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import json
+import math
 import os
 import sys
 from pathlib import Path
 from typing import Sequence
 
 EXIT_USAGE = 2
+HF_EXTRA = "pip install 'attnlab[hf]'"
+HF_PACKAGES = ("transformers", "datasets", "faiss", "gguf", "accelerate")  # the [hf] extra, as imported
 
 
 class UsageError(ValueError):
@@ -82,10 +92,26 @@ def _print_table(rows: dict) -> None:
 # --------------------------------------------------------------------------- train
 
 
+def _check_model_builds(cfg, what: str = "") -> None:
+    """Build the model of `cfg` on the meta device (no memory, no RNG draws), so a shape error
+    surfaces now, as a usage error, rather than after the run folder exists."""
+    import torch
+
+    from attnlab.train.trainer import build_model
+
+    d = cfg.data
+    vocab = cfg.model.vocab_size or (d.bpe_vocab_size if d.tokenizer == "bpe" else 257)
+    try:
+        with torch.device("meta"):
+            build_model(cfg, vocab)
+    except (ValueError, TypeError) as e:
+        raise UsageError(f"{what}{e}") from None
+
+
 def _train_cfg(ns):
-    from attnlab.train.checkpoint import latest_checkpoint
+    from attnlab.train.checkpoint import CheckpointError, latest_checkpoint
     from attnlab.train.config import load_config
-    from attnlab.train.trainer import CKPT_DIR
+    from attnlab.train.trainer import CKPT_DIR, ResumeError, check_resume
 
     path, overrides = _split_config_args(ns.args)
     if ns.run_dir:
@@ -115,6 +141,12 @@ def _train_cfg(ns):
                 f"model.vocab_size ({cfg.model.vocab_size}) is smaller than the {cfg.data.tokenizer} tokenizer's "
                 f"vocabulary ({need}); allowed: 0 (take the tokenizer's) or >= {need}"
             )
+    _check_model_builds(cfg)
+    if cfg.run.resume:
+        try:
+            check_resume(cfg)
+        except (CheckpointError, ResumeError) as e:
+            raise UsageError(str(e)) from None
     return cfg
 
 
@@ -141,10 +173,34 @@ def cmd_train(ns) -> int:
 # --------------------------------------------------------------------------- eval
 
 
-def _eval_plan(ns) -> dict:
-    from attnlab.train.checkpoint import latest_checkpoint
-    from attnlab.train.config import load_config
+def _check_eval_checkpoint(cfg, checkpoint: str | None) -> None:
+    """The checkpoint that eval will load is intact and fits the (possibly overridden) config."""
+    from attnlab.models.config import format_changes, model_config_changes
+    from attnlab.train.checkpoint import CheckpointError, find_checkpoint, verify_checkpoint
     from attnlab.train.trainer import CKPT_DIR
+
+    where = Path(checkpoint) if checkpoint else Path(cfg.run_dir) / CKPT_DIR
+    try:
+        path = find_checkpoint(where)
+    except FileNotFoundError:
+        if checkpoint:
+            raise UsageError(f"--checkpoint {checkpoint!r} is neither a checkpoint folder (model.safetensors + "
+                             f"state.json) nor a folder of checkpoints holding one") from None
+        raise UsageError(f"no checkpoint in {str(where)!r}: train the run first") from None
+    try:
+        state = verify_checkpoint(path)
+    except CheckpointError as e:
+        raise UsageError(str(e)) from None
+    saved = (state.get("config") or {}).get("model")
+    if isinstance(saved, dict):
+        changes = model_config_changes(saved, cfg.model, ignore=() if cfg.model.vocab_size else ("vocab_size",))
+        if changes:
+            raise UsageError(f"checkpoint {str(path)!r} was trained with another model config: {format_changes(changes)}; "
+                             f"drop the model.* overrides that change it")
+
+
+def _eval_plan(ns) -> dict:
+    from attnlab.train.config import load_config
 
     target = Path(ns.target)
     if not target.exists():
@@ -166,11 +222,8 @@ def _eval_plan(ns) -> dict:
         if not (source / "config.toml").is_file():
             raise UsageError(f"the run folder of {ns.target!r}, {str(source)!r}, holds no trained run; train it first")
         cfg = load_config(source / "config.toml", overrides)
-    if ns.checkpoint:
-        if not Path(ns.checkpoint).exists():
-            raise UsageError(f"--checkpoint {ns.checkpoint!r} does not exist")
-    elif latest_checkpoint(Path(cfg.run_dir) / CKPT_DIR) is None:
-        raise UsageError(f"no checkpoint in {str(Path(cfg.run_dir) / CKPT_DIR)!r}: train the run first")
+    if ns.checkpoint and not Path(ns.checkpoint).exists():
+        raise UsageError(f"--checkpoint {ns.checkpoint!r} does not exist")
     for name in ("max_tokens", "batch_size", "analysis_len", "analysis_batch"):
         value = getattr(ns, name)
         if value is not None and value < 1:
@@ -182,6 +235,14 @@ def _eval_plan(ns) -> dict:
             f"position embedding; allowed: lengths <= {cfg.model.max_seq_len}"
         )
     passkey = _int_list(ns.passkey, "--passkey") if ns.passkey else None
+    horizons = [a.cosformer_max_len for a in cfg.model.attention_configs()
+                if a.mechanism == "cosformer" and a.cosformer_max_len is not None]
+    for option, lengths in (("--seq-lens", seq_lens), ("--passkey", passkey or [])):
+        if horizons and lengths and max(lengths) > min(horizons):
+            raise UsageError(
+                f"{option}: {max(lengths)} exceeds model.attention.cosformer_max_len={min(horizons)}, the horizon of "
+                f"this run's cosformer layers; allowed: lengths <= {min(horizons)}"
+            )
     depths = tuple(_float_list(ns.passkey_depths, "--passkey-depths", 0.0, 1.0))
     if passkey and cfg.data.source == "mqar":
         raise UsageError("--passkey needs a text model; this run trains on data.source='mqar' (it reports MQAR accuracy)")
@@ -192,6 +253,7 @@ def _eval_plan(ns) -> dict:
 
         if not torch.cuda.is_available():
             raise UsageError("--device cuda: no CUDA device is available; allowed here: auto, cpu")
+    _check_eval_checkpoint(cfg, ns.checkpoint)  # last: it reads (hashes) the checkpoint files
     return {
         "source": source, "overrides": overrides, "checkpoint": ns.checkpoint, "split": ns.split, "seq_lens": seq_lens,
         "max_tokens": ns.max_tokens, "batch_size": ns.batch_size, "analysis_len": ns.analysis_len,
@@ -242,15 +304,16 @@ def cmd_quickstart(ns) -> int:
         raise UsageError("attnlab quickstart: give --steps or --minutes, not both")
     if ns.steps is not None and ns.steps < 1:
         raise UsageError(f"--steps must be >= 1, got {ns.steps}")
-    if ns.minutes is not None and not ns.minutes > 0:
-        raise UsageError(f"--minutes must be > 0, got {ns.minutes}")
+    if ns.minutes is not None and not (math.isfinite(ns.minutes) and ns.minutes > 0):
+        raise UsageError(f"--minutes must be a finite number > 0, got {ns.minutes}")
     if ns.eval_tokens is not None and ns.eval_tokens < 1:
         raise UsageError(f"--eval-tokens must be >= 1, got {ns.eval_tokens}")
     mechanisms = [m.strip() for m in ns.mechanisms.split(",") if m.strip()]
     stray = [a for a in ns.overrides if "=" not in a]
     if stray:
         raise UsageError(f"expected section.key=value overrides, got {stray[0]!r}")
-    quickstart_configs(ns.out, steps=ns.steps, mechanisms=mechanisms, overrides=ns.overrides)  # validate first
+    for cfg in quickstart_configs(ns.out, steps=ns.steps, mechanisms=mechanisms, overrides=ns.overrides):  # validate first
+        _check_model_builds(cfg, f"{cfg.model.attn}: ")
     run(ns.out, steps=ns.steps, minutes=ns.minutes, mechanisms=mechanisms, overrides=ns.overrides,
         eval_tokens=ns.eval_tokens, progress=not ns.no_progress, command=ns.command_line)
     return 0
@@ -354,12 +417,58 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _missing_extra(e: ImportError) -> str | None:
+    """The [hf] package whose absence raised `e`, or None for any other import failure."""
+    root = (e.name or "").split(".")[0]
+    return root if root in HF_PACKAGES else None
+
+
+def _extra_error(missing: list[str]) -> UsageError:
+    return UsageError(f"attnlab search needs the optional package{'s' if len(missing) > 1 else ''} "
+                      f"{', '.join(missing)}, not installed here; install the [hf] extra: {HF_EXTRA}")
+
+
 def _add_search(sub) -> None:
+    """Register `search` always. Without the [hf] extra it is a stub whose use is a one-line
+    error naming the extra; an ImportError of anything else (a bug inside attnlab.search) propagates."""
     try:
         from attnlab.search.cli import add_search_commands
-    except ImportError:
-        return  # the search commands are optional
+    except ImportError as e:
+        missing = _missing_extra(e)
+        if missing is None:
+            raise
+        p = sub.add_parser("search", help=f"learned search projections on a frozen pretrained LM (needs {HF_EXTRA})",
+                           formatter_class=_Formatter)
+        p.add_argument("rest", nargs=argparse.REMAINDER, help=argparse.SUPPRESS)
+
+        def unavailable(ns):
+            raise _extra_error([missing])
+
+        p.set_defaults(func=unavailable)
+        return
     add_search_commands(sub)
+
+
+def _installed(name: str) -> bool:
+    try:
+        return importlib.util.find_spec(name) is not None  # None also when sys.modules[name] is None
+    except (ImportError, ValueError):
+        return sys.modules.get(name) is not None
+
+
+def _run_search(ns) -> int:
+    """Run a `search` command once its optional packages are known to be there; an ImportError
+    of one of them later on is the same one-line error, any other ImportError propagates."""
+    missing = [name for name in HF_PACKAGES if not _installed(name)]
+    if missing:
+        raise _extra_error(missing)
+    try:
+        return ns.func(ns)
+    except ImportError as e:
+        missing_now = _missing_extra(e)
+        if missing_now is None:
+            raise
+        raise _extra_error([missing_now]) from None
 
 
 # --------------------------------------------------------------------------- entry point
@@ -389,7 +498,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             parser.print_help()
             return EXIT_USAGE
         ns.command_line = _command_line(argv)
-        status = ns.func(ns)
+        status = _run_search(ns) if ns.command == "search" else ns.func(ns)
     except (UsageError, ConfigError) as e:
         print(f"error: {e}", file=sys.stderr)
         return EXIT_USAGE

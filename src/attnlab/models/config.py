@@ -15,6 +15,8 @@ import typing
 from dataclasses import dataclass, field
 from typing import Any, Literal, Union
 
+from attnlab.layers.config import field_problem
+
 MECHANISMS = ("softmax", "scalar", "hybrid", "principled", "cosformer", "gla", "ssd")
 
 
@@ -128,6 +130,17 @@ def build_dataclass(cls, data: dict, prefix: str = ""):
         raise ConfigError(str(e)) from e
 
 
+def check_fields(obj, prefix: str) -> None:
+    """Raise ConfigError naming `prefix + field` for the first field of dataclass `obj` whose value
+    does not fit its annotation (bools only True/False, ints never bools, floats finite: no NaN, no
+    ±inf). Every config dataclass calls this first in `__post_init__`, so values set in Python are
+    held to the same rules as those read from TOML."""
+    found = field_problem(obj)
+    if found:
+        path, got, need = found
+        raise ConfigError(f"{prefix}{path} must be {need}, got {got!r}")
+
+
 def field_help(f: dataclasses.Field) -> str:
     return f.metadata.get("help", "") if f.metadata else ""
 
@@ -170,6 +183,7 @@ class ModelConfig:
     ffn_hidden: int = field(init=False, default=0)  # derived: SwiGLU hidden width
 
     def __post_init__(self):
+        check_fields(self, "model.")
         for name in ("d_model", "n_layers", "n_heads"):
             if getattr(self, name) < 1:
                 raise ConfigError(f"model.{name} must be >= 1, got {getattr(self, name)}")
@@ -248,3 +262,50 @@ def attention_config(cls, cfg: ModelConfig, layer: int):
         if len(set(cfg.layer_attn)) > 1 and "model.attention." in msg:
             hint = "; set mechanism-specific fields per layer in model.layer_attention"
         raise ConfigError(f"{msg} (layer {layer}, attn={mechanism!r}{hint})") from e
+
+
+# --------------------------------------------------------------------------- comparing saved configs
+
+
+def _plain(cfg: ModelConfig) -> dict:
+    return {f.name: getattr(cfg, f.name) for f in dataclasses.fields(cfg) if f.init}
+
+
+def model_config_changes(saved: dict, new: ModelConfig, ignore: tuple[str, ...] = ()) -> list[tuple[str, Any, Any]]:
+    """(dotted key, saved value, new value) for every setting in which `new` builds a different
+    model than `saved`, a ModelConfig stored as a plain dict (as checkpoints hold it).
+
+    Compared: the plain fields (minus `ignore`), the mechanism of each layer (reported as
+    model.attn), and, when those agree, every resolved AttentionConfig field of each layer, so a
+    default written out explicitly is no change. A saved config that this version no longer
+    accepts is compared as written, key by key."""
+    try:
+        before = build_dataclass(ModelConfig, dict(saved), "model.")
+    except ConfigError:
+        mine = _plain(new)
+        keys = sorted((set(saved) | set(mine)) - set(ignore))
+        return [(f"model.{k}", saved.get(k), mine.get(k)) for k in keys if saved.get(k) != mine.get(k)]
+    changes = []
+    for name, value in _plain(before).items():
+        if name not in ("attn", "attention", "layer_attention", *ignore) and value != getattr(new, name):
+            changes.append((f"model.{name}", value, getattr(new, name)))
+    if before.layer_attn != new.layer_attn:
+        changes.append(("model.attn", before.attn, new.attn))
+    if changes:
+        return changes  # shapes or mechanisms differ: every derived attention field would too
+    seen = set()
+    for i, (a, b) in enumerate(zip(before.attention_configs(), new.attention_configs())):
+        per_layer = set(before.layer_attention[i] if before.layer_attention else ()) | set(
+            new.layer_attention[i] if new.layer_attention else ())
+        for f in dataclasses.fields(a):
+            old_value, new_value = getattr(a, f.name), getattr(b, f.name)
+            key = f"model.layer_attention[{i}].{f.name}" if f.name in per_layer else f"model.attention.{f.name}"
+            if old_value != new_value and key not in seen:
+                seen.add(key)
+                changes.append((key, old_value, new_value))
+    return changes
+
+
+def format_changes(changes: list[tuple[str, Any, Any]]) -> str:
+    """'model.d_model was 32, now 64; ...' for the list `model_config_changes` returns."""
+    return "; ".join(f"{key} was {old!r}, now {new!r}" for key, old, new in changes)

@@ -1,10 +1,19 @@
-"""`attnlab search train | eval`: argparse subcommands (registered by the main CLI)."""
+"""`attnlab search train | eval`: argparse subcommands (registered by the main CLI).
+
+Option values become a TrainConfig / EvalConfig here, at the edge: a value the config rejects,
+or a float option that is NaN or ±inf, is a ConfigError naming the option (one line, exit 2
+through `attnlab.cli.main`), before any model is loaded or file written.
+"""
 
 from __future__ import annotations
 
 import argparse
 import json
+import re
 from dataclasses import fields
+
+from attnlab.layers.config import field_problem
+from attnlab.models.config import ConfigError
 
 from .retrieval import METHODS
 from .sweep import DEFAULT_KS, DEFAULT_LAYER_SETS, EvalConfig
@@ -35,14 +44,31 @@ def _layer_sets(text: str) -> list[str]:
     return [s.strip() for s in text.split(";") if s.strip()]
 
 
+def _option(name: str) -> str:
+    return "--" + name.replace("_", "-")
+
+
+def _build(cls, args, command: str):
+    """`cls` from the parsed options; errors name the option (`--tau`), what it got and needs."""
+    names = {f.name for f in fields(cls)}
+    try:
+        cfg = cls(**{k: v for k, v in vars(args).items() if k in names and v is not None})
+    except (ValueError, TypeError) as e:
+        text = re.sub(r"^(\w+)", lambda m: _option(m.group(1)) if m.group(1) in names else m.group(1), str(e))
+        raise ConfigError(f"attnlab search {command}: {text}") from None
+    found = field_problem(cfg)  # NaN / inf floats and wrongly typed values the config itself lets through
+    if found:
+        path, got, need = found
+        raise ConfigError(f"attnlab search {command}: {_option(path)} must be {need}, got {got!r}")
+    return cfg
+
+
 def train_config(args) -> TrainConfig:
-    names = {f.name for f in fields(TrainConfig)}
-    return TrainConfig(**{k: v for k, v in vars(args).items() if k in names and v is not None})
+    return _build(TrainConfig, args, "train")
 
 
 def eval_config(args) -> EvalConfig:
-    names = {f.name for f in fields(EvalConfig)}
-    return EvalConfig(**{k: v for k, v in vars(args).items() if k in names and v is not None})
+    return _build(EvalConfig, args, "eval")
 
 
 def _train(args) -> int:

@@ -12,10 +12,19 @@ fsynced, the folder is renamed into place (atomic on POSIX), and only then is `l
 replaced (temp file + fsync + os.replace). Older checkpoints are pruned after that. So a
 kill at any moment leaves `latest` pointing at a complete checkpoint: the previous one
 until the new one is entirely on disk.
+
+state.json also records the size and SHA-256 of each safetensors file. Loading checks them
+(and that state.json parses) before reading any tensor. A checkpoint that fails the check
+raises `CheckpointError` naming the damaged file; it is never skipped in favour of an older
+one. Because writing is atomic, a damaged checkpoint is not what a killed run leaves behind:
+it is later damage (a failing disk, a partial copy, an edit), and silently training on from an
+older state would hide it and discard steps. The error names the previous intact checkpoint,
+when there is one, so resuming from it is one explicit `rm -r` away.
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import random
@@ -25,10 +34,15 @@ from pathlib import Path
 
 import numpy as np
 import torch
+from safetensors import SafetensorError, safe_open
 from safetensors.torch import load_file, load_model, save_file, save_model
 
 LATEST = "latest"
 _PREFIX = "step_"
+
+
+class CheckpointError(ValueError):
+    """A checkpoint on disk cannot be used: a file is truncated, corrupted or unreadable."""
 
 
 def _fsync_dir(path: Path) -> None:
@@ -42,6 +56,14 @@ def _fsync_dir(path: Path) -> None:
 def _fsync_file(path: Path) -> None:
     with open(path, "rb+") as f:
         os.fsync(f.fileno())
+
+
+def _digest(path: Path) -> dict:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        while chunk := f.read(1 << 22):
+            h.update(chunk)
+    return {"bytes": path.stat().st_size, "sha256": h.hexdigest()}
 
 
 def _write_text_atomic(path: Path, text: str) -> None:
@@ -140,6 +162,7 @@ def save_checkpoint(
             save_file(tensors, str(tmp / "optimizer.safetensors"))
             files.append("optimizer.safetensors")
             payload["optimizer"] = meta
+        payload["files"] = {name: _digest(tmp / name) for name in files}
         with open(tmp / "state.json", "w") as f:
             json.dump(payload, f)
         files.append("state.json")
@@ -183,6 +206,69 @@ def latest_checkpoint(folder: str | os.PathLike) -> Path | None:
     return candidates[-1] if candidates else None
 
 
+def find_checkpoint(path: str | os.PathLike) -> Path:
+    """`path` itself when it is a complete checkpoint folder, else the latest checkpoint in it
+    (a checkpoints folder). Raises FileNotFoundError when there is none."""
+    path = Path(path)
+    if _complete(path):
+        return path
+    found = latest_checkpoint(path) if path.is_dir() else None
+    if found is None:
+        raise FileNotFoundError(f"no complete checkpoint in {str(path)!r}")
+    return found
+
+
+def _damaged(file: Path, reason: str) -> CheckpointError:
+    folder = file.parent
+    older = sorted(p for p in folder.parent.glob(f"{_PREFIX}*") if p.is_dir() and _complete(p) and p.name < folder.name)
+    hint = (f"delete {str(folder)!r} to resume from the previous checkpoint {older[-1].name}, or restore the file"
+            if older else "restore the file, or start the run afresh (run.overwrite=true)")
+    return CheckpointError(f"checkpoint file {str(file)!r} is damaged: {reason}; {hint}")
+
+
+def read_state(path: str | os.PathLike) -> dict:
+    """The JSON state of checkpoint folder `path`, without checking or loading its tensors."""
+    file = Path(path) / "state.json"
+    try:
+        state = json.loads(file.read_text())
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise _damaged(file, f"not readable JSON ({e})") from None
+    if not isinstance(state, dict) or not isinstance(state.get("step"), int):
+        raise _damaged(file, "not a checkpoint state (no integer 'step')")
+    return state
+
+
+def verify_checkpoint(path: str | os.PathLike) -> dict:
+    """Check checkpoint folder `path` before anything is loaded from it and return its JSON state.
+
+    state.json must parse; each safetensors file must exist and match the size and SHA-256 that
+    state.json recorded (checkpoints written before those were recorded: its header must parse
+    and cover the whole file). Raises CheckpointError naming the first damaged file; a damaged
+    checkpoint is never replaced by an older one behind the caller's back (see the module docstring)."""
+    path = Path(path)
+    state = read_state(path)
+    names = ["model.safetensors"] + (["optimizer.safetensors"] if "optimizer" in state else [])
+    recorded = state.get("files") if isinstance(state.get("files"), dict) else {}
+    for name in names:
+        file = path / name
+        if not file.is_file():
+            raise _damaged(file, "the file is missing")
+        want = recorded.get(name)
+        if isinstance(want, dict):
+            got = _digest(file)
+            if got["bytes"] != want.get("bytes"):
+                raise _damaged(file, f"{got['bytes']} bytes, but {want.get('bytes')} were written")
+            if got["sha256"] != want.get("sha256"):
+                raise _damaged(file, "its SHA-256 differs from the one recorded when it was written")
+            continue
+        try:
+            with safe_open(str(file), framework="pt"):
+                pass
+        except (SafetensorError, OSError) as e:
+            raise _damaged(file, f"not a readable safetensors file ({e})") from None
+    return state
+
+
 def load_checkpoint(
     path: str | os.PathLike,
     model: torch.nn.Module,
@@ -190,20 +276,22 @@ def load_checkpoint(
     device: str | torch.device = "cpu",
 ) -> dict:
     """Load a checkpoint folder (or a checkpoints folder, taking its latest) into `model`
-    and `optimizer`; return the JSON state. Raises FileNotFoundError when there is none."""
-    path = Path(path)
-    if not _complete(path):
-        found = latest_checkpoint(path)
-        if found is None:
-            raise FileNotFoundError(f"no complete checkpoint in {str(path)!r}")
-        path = found
-    missing, unexpected = load_model(model, str(path / "model.safetensors"), strict=True, device=str(device))
-    with open(path / "state.json") as f:
-        state = json.load(f)
-    if optimizer is not None:
-        if "optimizer" not in state:
-            raise FileNotFoundError(f"checkpoint {str(path)!r} holds no optimizer state")
-        tensors = load_file(str(path / "optimizer.safetensors"), device=str(device))
-        optimizer.load_state_dict(_optimizer_from_flat(tensors, state["optimizer"]))
+    and `optimizer`; return the JSON state. Raises FileNotFoundError when there is none, and
+    CheckpointError naming the file when it is truncated or corrupted (checked before any
+    tensor is loaded, so `model` and `optimizer` are untouched then). There is no fallback to
+    an older checkpoint: see the module docstring."""
+    path = find_checkpoint(path)
+    state = verify_checkpoint(path)
+    if optimizer is not None and "optimizer" not in state:
+        raise FileNotFoundError(f"checkpoint {str(path)!r} holds no optimizer state")
+    file = path / "model.safetensors"
+    try:
+        load_model(model, str(file), strict=True, device=str(device))
+        if optimizer is not None:
+            file = path / "optimizer.safetensors"
+            tensors = load_file(str(file), device=str(device))
+            optimizer.load_state_dict(_optimizer_from_flat(tensors, state["optimizer"]))
+    except SafetensorError as e:
+        raise _damaged(file, f"not a readable safetensors file ({e})") from None
     state["path"] = str(path)
     return state

@@ -6,6 +6,8 @@ A RunConfig has five sections -- model, data, train, regularizers, run -- each a
 dataclass whose `__post_init__` checks its values and fills derived fields. Everything
 is validated here, at the edge, before any work starts: an unknown key, a wrong type or
 an impossible combination raises `ConfigError` naming the dotted key and what is allowed.
+Every section checks its fields by their annotations first (`check_fields`): bools are
+true/false only, ints are never bools, and no float is NaN or ±inf.
 Override values are parsed as TOML literals (`train.lr=3e-4`, `model.attn=["softmax","hybrid"]`)
 and fall back to plain strings (`model.attn=hybrid`, `model.attn=[softmax,hybrid]`).
 `config_keys()` lists every key with its type, default and help text.
@@ -24,7 +26,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
-from attnlab.models.config import ConfigError, ModelConfig, build_dataclass, field_help, opt, type_name
+from attnlab.models.config import ConfigError, ModelConfig, build_dataclass, check_fields, field_help, opt, type_name
 
 from .toml_io import atomic_text, dumps_toml, to_dict
 
@@ -57,6 +59,7 @@ class DataConfig:
     mqar_power_a: float = opt(0.01, "MQAR power-law parameter of the key-to-query gaps (Zoology's power_a)")
 
     def __post_init__(self):
+        check_fields(self, "data.")
         if self.seq_len < 1:
             raise ConfigError(f"data.seq_len must be >= 1, got {self.seq_len}")
         src = self.source
@@ -103,6 +106,7 @@ class TrainConfig:
     tokens_per_step: int = field(init=False, default=0)  # derived in RunConfig: global tokens per optimizer step
 
     def __post_init__(self):
+        check_fields(self, "train.")
         for name in ("steps", "batch_size", "grad_accum", "eval_batches", "log_every", "keep_checkpoints"):
             if getattr(self, name) < 1:
                 raise ConfigError(f"train.{name} must be >= 1, got {getattr(self, name)}")
@@ -144,6 +148,7 @@ class RegularizersConfig:
     spread_high: float = opt(3.0, "upper end of the fixed L_spread range")
 
     def __post_init__(self):
+        check_fields(self, "regularizers.")
         for name in ("align", "spread", "tau"):
             if getattr(self, name) < 0:
                 raise ConfigError(f"regularizers.{name} must be >= 0, got {getattr(self, name)}")
@@ -171,6 +176,9 @@ class RunSection:
     progress: bool = opt(True, "show a progress bar with ETA")
     tensorboard: bool = opt(True, "also log to TensorBoard when torch.utils.tensorboard imports")
 
+    def __post_init__(self):
+        check_fields(self, "run.")
+
 
 @dataclass
 class RunConfig:
@@ -185,6 +193,7 @@ class RunConfig:
     run_dir: str = field(init=False, default="")  # derived: out_dir/name
 
     def __post_init__(self):
+        check_fields(self, "")
         if self.model.max_seq_len == 0:
             self.model = dataclasses.replace(self.model, max_seq_len=self.data.seq_len)
         if self.model.pos_embedding == "learned" and self.model.max_seq_len < self.data.seq_len:
@@ -192,6 +201,12 @@ class RunConfig:
                 f"model.max_seq_len ({self.model.max_seq_len}) must be >= data.seq_len ({self.data.seq_len}) "
                 f"with model.pos_embedding='learned'"
             )
+        for i, a in enumerate(self.model.attention_configs()):
+            if a.mechanism == "cosformer" and a.cosformer_max_len is not None and a.cosformer_max_len < self.data.seq_len:
+                raise ConfigError(
+                    f"model.attention.cosformer_max_len of layer {i} is {a.cosformer_max_len} (model.max_seq_len when "
+                    f"unset), shorter than data.seq_len ({self.data.seq_len}); need a horizon >= data.seq_len"
+                )
         if self.regularizers.active and not any(n in ("scalar", "hybrid") for n in self.model.layer_attn):
             raise ConfigError(
                 f"regularizers act on scalar/hybrid heads but model.attn is {self.model.attn!r}: "
