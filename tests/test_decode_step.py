@@ -5,7 +5,6 @@ import torch
 
 from attnlab.cache.kv import KVCache, RecurrentState
 from attnlab.layers import Attention, AttentionConfig
-from attnlab.layers.decode import hybrid_readout, scalar_readout, softmax_readout
 from attnlab.ops import hybrid_attention, scalar_attention, softmax_attention
 from attnlab.testing import rel_rms
 
@@ -117,24 +116,25 @@ def test_make_cache_and_step_reject_bad_input():
 
 
 @pytest.mark.parametrize("scale", ["sqrt_d", "ktotal", "kmean", "krms", "pnorm", "n_sqrt_d", 0.7])
-def test_softmax_readout_is_last_row_of_op(scale):
+def test_softmax_decode_query_is_last_row_of_op(scale):
+    """The one-query form a decode step calls (fast path) against the full naive call."""
     q = torch.randn(B, H, T, D, dtype=torch.float64)
     k = torch.randn(B, 2, T, D, dtype=torch.float64)
     v = torch.randn(B, 2, T, 5, dtype=torch.float64)
     full = softmax_attention(q, k, v, scale=scale, p=1.5, impl="naive")
-    last = softmax_readout(q[:, :, -1:], k, v, scale=scale, p=1.5)
+    last = softmax_attention(q[:, :, -1:], k, v, scale=scale, p=1.5)
     assert rel_rms(last, full[:, :, -1:]) < 1e-12
 
 
-def test_scalar_and_hybrid_readouts_are_last_row_of_ops():
+def test_scalar_and_hybrid_decode_queries_are_last_row_of_ops():
     qs, ks = torch.randn(B, H, T, dtype=torch.float64), torch.randn(B, H, T, dtype=torch.float64)
     q, k = torch.randn(B, H, T, D, dtype=torch.float64), torch.randn(B, 1, T, D, dtype=torch.float64)
     v = torch.randn(B, 2, T, 3, dtype=torch.float64)
     tau = torch.rand(B, H, T, dtype=torch.float64) + 0.1
     full = scalar_attention(qs, ks, v, tau, impl="naive")
-    assert rel_rms(scalar_readout(qs[..., -1:], ks, v, tau[..., -1:]), full[:, :, -1:]) < 1e-12
+    assert rel_rms(scalar_attention(qs[..., -1:], ks, v, tau[..., -1:]), full[:, :, -1:]) < 1e-12
     full = hybrid_attention(q, k, v, qs, ks, tau, impl="naive")
-    assert rel_rms(hybrid_readout(q[:, :, -1:], k, v, qs[..., -1:], ks, tau[..., -1:]), full[:, :, -1:]) < 1e-12
+    assert rel_rms(hybrid_attention(q[:, :, -1:], k, v, qs[..., -1:], ks, tau[..., -1:]), full[:, :, -1:]) < 1e-12
 
 
 def test_kv_cache_grows_and_keeps_contents():

@@ -237,7 +237,8 @@ def _scalar_call(**over):
 @pytest.mark.parametrize(
     "over, match",
     [
-        ({"ks": torch.randn(B, H, 9)}, "ks must have the shape of qs"),
+        ({"ks": torch.randn(B, H, 7)}, "at least as many keys as queries: qs has 8 positions, ks has 7"),
+        ({"ks": torch.randn(B, H + 1, 8)}, "ks must have the \\(B, H\\) of qs"),
         ({"v": torch.randn(B, 2, 9, DV)}, "sequence length"),
         ({"v": torch.randn(B + 1, 2, 8, DV)}, "batch size"),
         ({"v": torch.randn(B, 3, 8, DV)}, "divisible"),
@@ -249,7 +250,7 @@ def _scalar_call(**over):
         ({"impl": "slow"}, "impl"),
         ({"qs": torch.randn(B, H, 8, 1)}, "qs must have 3 dims"),
     ],
-    ids=["ks-shape", "v-length", "v-batch", "H%G", "tau=0", "tau<0", "tau-head<0",
+    ids=["ks-shorter", "ks-heads", "v-length", "v-batch", "H%G", "tau=0", "tau<0", "tau-head<0",
          "tau-head-shape", "tau-query-shape", "unknown-impl", "qs-ndim"],
 )
 def test_scalar_bad_input(over, match):

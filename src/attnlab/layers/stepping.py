@@ -24,8 +24,7 @@ from ..cache.kv import KVCache, RecurrentState
 from ..ops.cosformer import cosformer_step
 from ..ops.gla import gla_step, ssd_step
 from .config import LINEAR_FAMILY
-from ..ops.principled import principled_attention
-from .decode import hybrid_readout, scalar_readout, softmax_readout
+from ..ops import hybrid_attention, principled_attention, scalar_attention, softmax_attention
 
 
 @dataclass
@@ -121,9 +120,9 @@ def _scalar_step(layer, cache: LayerCache, p) -> torch.Tensor:
         if hybrid:
             new["k"] = p.k
         full = cache.scalar.append(**new)
-        if hybrid:
-            return hybrid_readout(p.q, full["k"], full["v"], p.qs, full["ks"], p.tau)
-        return scalar_readout(p.qs, full["ks"], full["vs"], p.tau)
+        if hybrid:  # one query against every cached key: the op's causal offset form
+            return hybrid_attention(p.q, full["k"], full["v"], p.qs, full["ks"], p.tau, impl=c.impl)
+        return scalar_attention(p.qs, full["ks"], full["vs"], p.tau, impl=c.impl)
     k = _expand(p.k, layer.n_scalar)[:, :, 0] if hybrid else None  # (B, H, D)
     cache.scalar.append(p.ks[..., 0], vals[:, :, 0], k=k)
     tau = p.tau if p.tau.dim() == 1 else p.tau[..., 0]  # (H,) or (B, H)
@@ -148,13 +147,13 @@ def step(layer, x_t: torch.Tensor, cache: LayerCache) -> torch.Tensor:
         o = _scalar_step(layer, cache, p)
         if layer.n_dot:
             full = cache.kv.append(k=p.k, v=p.v)
-            od = softmax_readout(p.q, full["k"], full["v"], scale=c.scale, p=c.p)
+            od = softmax_attention(p.q, full["k"], full["v"], scale=c.scale, p=c.p, impl=c.impl)
             o = torch.cat([o, od.to(o.dtype)], dim=1)  # scalar heads first
     elif m == "hybrid":
         o = _scalar_step(layer, cache, p)
     elif m == "softmax":
         full = cache.kv.append(k=p.k, v=p.v)
-        o = softmax_readout(p.q, full["k"], full["v"], scale=c.scale, p=c.p)
+        o = softmax_attention(p.q, full["k"], full["v"], scale=c.scale, p=c.p, impl=c.impl)
     else:  # principled
         full = cache.kv.append(k=p.k, kg=p.kg, v=p.v)
         o = principled_attention(  # one query, all n keys: the op's causal offset form

@@ -126,7 +126,7 @@ def check_param(name: str, value, B: int, H: int, T: int, like: torch.Tensor) ->
     return broadcast_param(name, value, B, H, T, like).to(like.dtype)
 
 
-def check_qkv(q, k, v) -> tuple[int, int, int, int, int]:
+def check_linear_qkv(q, k, v) -> tuple[int, int, int, int, int]:
     """Finite floating (B, H, T, Dk) q and k of one shape, v (B, H, T, Dv), all of q's dtype and
     device: returns B, H, T, Dk, Dv. T = 0 is allowed (the ops return empty outputs)."""
     for name, x in (("q", q), ("k", k), ("v", v)):
@@ -179,3 +179,30 @@ def check_state(name: str, state, shape: tuple, dtype: torch.dtype, like: torch.
     if state.device != like.device:
         raise ValueError(f"{name} must be on the device of the inputs ({like.device}), got {state.device}")
     check_finite(name, state)
+
+
+def visible_keys(Tq: int, Tk: int, causal: bool, device) -> torch.Tensor:
+    """(Tq, Tk) bool: which keys each query sees. Queries are the last Tq of the Tk positions, so
+    under causal masking query t sees keys 0 .. t + Tk - Tq (Tq == Tk is ordinary causal masking;
+    one query against n cached keys sees them all)."""
+    if not causal:
+        return torch.ones(Tq, Tk, dtype=torch.bool, device=device)
+    rows = torch.arange(Tq, device=device)[:, None]
+    cols = torch.arange(Tk, device=device)[None, :]
+    return cols <= rows + (Tk - Tq)
+
+
+def key_counts(Tq: int, Tk: int, causal: bool, device, dtype) -> torch.Tensor:
+    """(Tq,) number of keys each query sees: t + 1 + Tk - Tq under causal masking, Tk otherwise."""
+    if not causal:
+        return torch.full((Tq,), float(Tk), device=device, dtype=dtype)
+    return torch.arange(Tk - Tq + 1, Tk + 1, device=device, dtype=dtype)
+
+
+def check_lengths(Tq: int, Tk: int, causal: bool, q_name: str = "q", k_name: str = "k") -> None:
+    """Causal ops take at most as many queries as keys (the queries are the last Tq positions)."""
+    if causal and Tq > Tk:
+        raise ValueError(
+            f"causal masking needs at least as many keys as queries: {q_name} has {Tq} positions, {k_name} has {Tk}"
+        )
+

@@ -12,7 +12,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from ._checks import check_finite, check_groups, check_like, check_same, check_tensor
+from ._checks import check_finite, check_groups, check_lengths, check_like, check_same, check_tensor, visible_keys
 
 LOW_PRECISION = (torch.bfloat16, torch.float16)
 
@@ -35,9 +35,11 @@ def fused_attention(
 ) -> torch.Tensor:
     """softmax(scale * q k^T, causally masked if asked) v through the fused kernel.
 
-    q (B, H, T, E); k (B, Gk, T, E); v (B, Gv, T, Dv) with Gk, Gv dividing H.
+    q (B, H, Tq, E); k (B, Gk, Tk, E); v (B, Gv, Tk, Dv) with Gk, Gv dividing H and Tq <= Tk
+    under causal masking: the queries are the last Tq positions (one decode query sees every
+    key; SDPA's own is_causal would align them with the first keys instead).
     Zero columns appended to q/k add nothing to any score, and zero columns appended to v
-    are sliced off the output, so padding to one head width is exact. Returns (B, H, T, Dv).
+    are sliced off the output, so padding to one head width is exact. Returns (B, H, Tq, Dv).
     """
     H, E, Dv = q.shape[1], q.shape[-1], v.shape[-1]
     if k.shape[1] != v.shape[1]:
@@ -48,22 +50,28 @@ def fused_attention(
         k = F.pad(k, (0, width - E))
     if Dv < width:
         v = F.pad(v, (0, width - Dv))
+    Tq, Tk = q.shape[2], k.shape[2]
+    mask = None
+    if causal and Tq != Tk:  # bottom-right alignment: a bool mask (no grad) keeps the fused kernel
+        mask = visible_keys(Tq, Tk, True, q.device) if Tq > 1 else None
+        causal = False
     out = F.scaled_dot_product_attention(
-        q, k, v, is_causal=causal, scale=float(scale), enable_gqa=k.shape[1] != H
-    )  # (B, H, T, width)
+        q, k, v, attn_mask=mask, is_causal=causal, scale=float(scale), enable_gqa=k.shape[1] != H
+    )  # (B, H, Tq, width)
     return out[..., :Dv] if Dv < width else out
 
 
-def check_qkv(q, k, v) -> tuple[int, int, int, int]:
-    """Validate finite q (B, H, T, D), k (B, Gk, T, D), v (B, Gv, T, Dv) of one dtype and device;
-    return (B, H, T, D)."""
+def check_qkv(q, k, v, causal: bool = True) -> tuple[int, int, int, int]:
+    """Validate finite q (B, H, Tq, D), k (B, Gk, Tk, D), v (B, Gv, Tk, Dv) of one dtype and
+    device, Tq <= Tk under causal masking; return (B, H, Tq, D)."""
     for name, x in (("q", q), ("k", k), ("v", v)):
         check_tensor(name, x, 4)
         check_like(name, x, q, "q")
     B, H, T, D = q.shape
     for name, x in (("k", k), ("v", v)):
         check_same("q", B, name, x.shape[0], "batch size (dim 0)")
-        check_same("q", T, name, x.shape[2], "sequence length (dim 2)")
+    check_same("k", k.shape[2], "v", v.shape[2], "sequence length (dim 2)")
+    check_lengths(T, k.shape[2], causal)
     check_same("q", D, "k", k.shape[3], "head dimension (dim 3)")
     check_groups(H, k.shape[1], "k")
     check_groups(H, v.shape[1], "v")

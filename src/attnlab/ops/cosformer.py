@@ -32,7 +32,7 @@ from typing import NamedTuple
 
 import torch
 
-from ._checks import check_impl, check_positive, check_qkv, check_qkv_step, check_state, empty_result
+from ._checks import check_impl, check_positive, check_linear_qkv, check_qkv_step, check_state, empty_result
 from ._chunked import chunked_linear_attention
 
 
@@ -163,7 +163,7 @@ def cosformer_attention(
         raise TypeError(f"causal must be a bool, got {type(causal).__name__}")
     if isinstance(chunk_size, bool) or not isinstance(chunk_size, int) or chunk_size < 1:
         raise ValueError(f"chunk_size must be a positive int, got {chunk_size!r}")
-    B, H, T, Dk, _ = check_qkv(q, k, v)
+    B, H, T, Dk, _ = check_linear_qkv(q, k, v)
     if normalize:
         check_positive("eps", eps)
     Dv, F = v.shape[-1], (2 * Dk if reweight else Dk)

@@ -28,7 +28,7 @@ import math
 import torch
 
 from ._checks import (
-    check_finite, check_impl, check_like, check_positive, check_qkv, check_qkv_step, check_state, check_tensor,
+    check_finite, check_impl, check_like, check_positive, check_linear_qkv, check_qkv_step, check_state, check_tensor,
     empty_result,
 )
 from ._chunked import chunked_linear_attention
@@ -61,7 +61,7 @@ def _check_log_decay(log_decay, shape: tuple, layout: str, like: torch.Tensor, l
 
 
 def _validate(q, k, v, log_decay, initial_state, vector: bool) -> tuple[int, int, int, int, int]:
-    B, H, T, Dk, Dv = check_qkv(q, k, v)
+    B, H, T, Dk, Dv = check_linear_qkv(q, k, v)
     if vector:
         _check_log_decay(log_decay, (B, H, T, Dk), "(B, H, T, Dk)", q, "q")
     else:

@@ -33,7 +33,8 @@ from torch.autograd.function import once_differentiable
 from ._checks import (
     check_finite, check_groups, check_impl, check_like, check_param, check_same, check_tensor, empty_result,
 )
-from .principled_naive import key_counts, principled_naive
+from ._checks import key_counts
+from .principled_naive import principled_naive
 
 LOG2E = 1.4426950408889634
 BLOCK_K = 256

@@ -19,23 +19,7 @@ import math
 import torch
 import torch.nn.functional as F
 
-
-def visible_keys(Tq: int, Tk: int, causal: bool, device) -> torch.Tensor:
-    """(Tq, Tk) bool: which keys each query sees. Causal masks align the last query with the
-    last key (query t sees keys 0 .. t + Tk - Tq), so Tq == Tk is ordinary causal masking."""
-    if not causal:
-        return torch.ones(Tq, Tk, dtype=torch.bool, device=device)
-    offset = Tk - Tq
-    rows = torch.arange(Tq, device=device)[:, None]
-    cols = torch.arange(Tk, device=device)[None, :]
-    return cols <= rows + offset
-
-
-def key_counts(Tq: int, Tk: int, causal: bool, device, dtype) -> torch.Tensor:
-    """(Tq,) number of keys K each query sees: t + 1 + Tk - Tq under causal masking, Tk otherwise."""
-    if not causal:
-        return torch.full((Tq,), float(Tk), device=device, dtype=dtype)
-    return torch.arange(Tk - Tq + 1, Tk + 1, device=device, dtype=dtype)
+from ._checks import key_counts, visible_keys
 
 
 def principled_naive(

@@ -33,81 +33,88 @@ import math
 
 import torch
 
-from ._checks import check_finite, check_groups, check_impl, check_like, check_param, check_positive, check_same, check_tensor
+from ._checks import (
+    check_finite, check_groups, check_impl, check_lengths, check_like, check_param, check_positive, check_same,
+    check_tensor, visible_keys,
+)
 from ._sdpa import check_causal, check_qkv, expand_heads, fused_attention, upcast
 
 
-def _check_scalars(qs, ks, like=None, like_name="") -> tuple[int, int, int]:
-    """qs, ks: finite (B, H, T) floating tensors of one shape (and the dtype of `like` if given)."""
+def _check_scalars(qs, ks, like=None, like_name="", causal: bool = True) -> tuple[int, int, int]:
+    """qs (B, H, Tq), ks (B, H, Tk): finite floating tensors (of the dtype of `like` if given),
+    Tq <= Tk under causal masking. Returns (B, H, Tq)."""
     check_tensor("qs", qs, 3)
     check_tensor("ks", ks, 3)
     ref, ref_name = (qs, "qs") if like is None else (like, like_name)
     check_like("qs", qs, ref, ref_name)
     check_like("ks", ks, ref, ref_name)
-    if ks.shape != qs.shape:
-        raise ValueError(f"ks must have the shape of qs (B, H, T) = {tuple(qs.shape)}, got {tuple(ks.shape)}")
+    if ks.shape[:2] != qs.shape[:2]:
+        raise ValueError(f"ks must have the (B, H) of qs = {tuple(qs.shape[:2])}, got shape {tuple(ks.shape)}")
+    check_lengths(qs.shape[2], ks.shape[2], causal, "qs", "ks")
     check_finite("qs", qs)
     check_finite("ks", ks)
     return tuple(qs.shape)
 
 
 def _tau(tau, B: int, H: int, T: int, dtype: torch.dtype, device) -> torch.Tensor:
-    """tau (finite float, (H,) or (B, H, T), all > 0) as a tensor of `dtype` broadcastable to (B, H, T)."""
+    """tau (finite float, (H,) or (B, H, Tq), all > 0) as a tensor of `dtype` broadcastable to (B, H, Tq)."""
     out = check_param("tau", tau, B, H, T, torch.empty(0, dtype=dtype, device=device))
     check_positive("tau", tau)
     return out
 
 
-def _causal_mask(logits: torch.Tensor, causal: bool) -> torch.Tensor:
-    if not causal:
-        return logits
-    T = logits.shape[-1]
-    future = torch.ones(T, T, dtype=torch.bool, device=logits.device).triu(1)
-    return logits.masked_fill(future, float("-inf"))
-
-
 def scalar_logits(qs, ks, tau, causal: bool = True) -> torch.Tensor:
-    """-(qs_t - ks_s)^2 / tau_t as a (B, H, T, T) tensor, -inf at s > t when causal.
+    """-(qs_t - ks_s)^2 / tau_t as a (B, H, Tq, Tk) tensor, -inf where key s is hidden from query t.
 
-    Materialises T x T: meant for analysis and regularizers at small T.
+    The queries are the last Tq of the Tk positions (causal: query t sees keys s <= t + Tk - Tq).
+    Computed in qs's dtype, float32 for 16-bit inputs. Materialises Tq x Tk: meant for the naive
+    path, analysis, regularizers at small T, and scoring a decode window (Tq = 1, causal=False).
     """
     check_causal(causal)
-    B, H, T = _check_scalars(qs, ks)
-    tau_b = _tau(tau, B, H, T, qs.dtype, qs.device)  # (1|B, 1|H, 1|T)
-    diff = qs.unsqueeze(-1) - ks.unsqueeze(-2)  # (B, H, T, T)
-    return _causal_mask(-diff.pow(2) / tau_b.unsqueeze(-1), causal)
+    B, H, T = _check_scalars(qs, ks, causal=causal)
+    cdt = upcast(qs.dtype)
+    tau_b = _tau(tau, B, H, T, cdt, qs.device)  # (1|B, 1|H, 1|Tq)
+    diff = qs.to(cdt).unsqueeze(-1) - ks.to(cdt).unsqueeze(-2)  # (B, H, Tq, Tk)
+    logits = -diff.pow(2) / tau_b.unsqueeze(-1)
+    return logits if not causal else logits.masked_fill(~visible_keys(T, ks.shape[2], True, qs.device), float("-inf"))
 
 
 def hybrid_logits(q, k, qs, ks, tau, causal: bool = True) -> torch.Tensor:
-    """q_t . k_s / sqrt(d) - (qs_t - ks_s)^2 / tau_t as (B, H, T, T), -inf at s > t when causal.
+    """q_t . k_s / sqrt(d) - (qs_t - ks_s)^2 / tau_t as (B, H, Tq, Tk), -inf where key s is hidden.
 
-    k may have G heads dividing H (GQA). Materialises T x T: for analysis at small T.
+    k may have G heads dividing H (GQA). Materialises Tq x Tk (see `scalar_logits`).
     """
-    B, H, T, D = check_qkv(q, k, k)  # no values here: k stands in for v's checks
-    _check_scalars(qs, ks, q, "q")
-    if tuple(qs.shape) != (B, H, T):
-        raise ValueError(f"qs must have shape (B, H, T) = {(B, H, T)} from q, got {tuple(qs.shape)}")
-    dots = q @ expand_heads(k, H).transpose(-1, -2) / math.sqrt(D)  # (B, H, T, T)
-    return dots + scalar_logits(qs, ks, tau, causal)
+    B, H, T, D = check_qkv(q, k, k, causal)  # no values here: k stands in for v's checks
+    _check_scalars(qs, ks, q, "q", causal)
+    if tuple(qs.shape) != (B, H, T) or ks.shape[2] != k.shape[2]:
+        raise ValueError(
+            f"qs must have shape (B, H, Tq) = {(B, H, T)} and ks (B, H, Tk) = {(B, H, k.shape[2])} "
+            f"from q and k, got {tuple(qs.shape)} and {tuple(ks.shape)}"
+        )
+    scal = scalar_logits(qs, ks, tau, causal)  # (B, H, Tq, Tk)
+    dots = q.to(scal.dtype) @ expand_heads(k, H).to(scal.dtype).transpose(-1, -2)
+    return dots / math.sqrt(D) + scal
 
 
 def scalar_attention(qs, ks, v, tau, *, causal: bool = True, impl: str = "auto") -> torch.Tensor:
     """Scalar attention o_t = sum_s softmax_s(-(qs_t - ks_s)^2 / tau_t) v_s.
 
-    qs, ks (B, H, T); v (B, G, T, Dv) with H % G == 0: head h reads value group h // (H / G)
-    (grouped value attention). tau > 0: a float, per head (H,) or per query (B, H, T).
-    Returns (B, H, T, Dv) in v's dtype; gradients reach qs, ks, v and a tensor tau.
+    qs (B, H, Tq), ks (B, H, Tk); v (B, G, Tk, Dv) with H % G == 0: head h reads value group
+    h // (H / G) (grouped value attention). tau > 0: a float, per head (H,) or per query
+    (B, H, Tq). Under causal masking Tq <= Tk and the queries are the last Tq positions (decode:
+    one query against n cached keys). Returns (B, H, Tq, Dv) in v's dtype; gradients reach qs,
+    ks, v and a tensor tau.
 
     impl: "naive" materialises the (T, T) logits; "fast"/"auto" runs one fused SDPA call on
     the shifted augmented vectors described in the module docstring (memory linear in T).
     """
     check_impl(impl)
     check_causal(causal)
-    B, H, T = _check_scalars(qs, ks)
-    _check_values(v, qs, B, H, T)
+    B, H, T = _check_scalars(qs, ks, causal=causal)
+    _check_values(v, qs, B, H, ks.shape[2])
     if impl == "naive":
-        w = torch.softmax(scalar_logits(qs, ks, tau, causal), dim=-1)  # (B, H, T, T)
-        return (w @ expand_heads(v, H).to(w.dtype)).to(v.dtype)  # (B, H, T, Dv)
+        w = torch.softmax(scalar_logits(qs, ks, tau, causal), dim=-1)  # (B, H, Tq, Tk)
+        return (w @ expand_heads(v, H).to(w.dtype)).to(v.dtype)  # (B, H, Tq, Dv)
     cdt = upcast(qs.dtype)
     inv_tau = 1.0 / _tau(tau, B, H, T, cdt, qs.device)  # (1|B, 1|H, 1|T)
     qa, ka = _augment(qs, ks, inv_tau, cdt, causal)  # (B, H, T, 2) each
@@ -117,8 +124,9 @@ def scalar_attention(qs, ks, v, tau, *, causal: bool = True, impl: str = "auto")
 def hybrid_attention(q, k, v, qs, ks, tau, *, causal: bool = True, impl: str = "auto") -> torch.Tensor:
     """Hybrid attention o_t = sum_s softmax_s(q_t . k_s / sqrt(d) - (qs_t - ks_s)^2 / tau_t) v_s.
 
-    q (B, H, T, D); k (B, G, T, D), v (B, G', T, Dv) with G, G' dividing H (GQA);
-    qs, ks (B, H, T); tau > 0: a float, (H,) or (B, H, T). Returns (B, H, T, Dv) in v's dtype.
+    q (B, H, Tq, D); k (B, G, Tk, D), v (B, G', Tk, Dv) with G, G' dividing H (GQA);
+    qs (B, H, Tq), ks (B, H, Tk); tau > 0: a float, (H,) or (B, H, Tq); Tq <= Tk under causal
+    masking (queries at the last positions). Returns (B, H, Tq, Dv) in v's dtype.
     As tau -> inf this is standard scaled dot-product attention.
 
     impl: "naive" materialises the (T, T) logits; "fast"/"auto" runs one fused SDPA call on
@@ -126,13 +134,16 @@ def hybrid_attention(q, k, v, qs, ks, tau, *, causal: bool = True, impl: str = "
     """
     check_impl(impl)
     check_causal(causal)
-    B, H, T, D = check_qkv(q, k, v)
-    _check_scalars(qs, ks, q, "q")
-    if tuple(qs.shape) != (B, H, T):
-        raise ValueError(f"qs must have shape (B, H, T) = {(B, H, T)} from q, got {tuple(qs.shape)}")
+    B, H, T, D = check_qkv(q, k, v, causal)
+    _check_scalars(qs, ks, q, "q", causal)
+    if tuple(qs.shape) != (B, H, T) or ks.shape[2] != k.shape[2]:
+        raise ValueError(
+            f"qs must have shape (B, H, Tq) = {(B, H, T)} and ks (B, H, Tk) = {(B, H, k.shape[2])} "
+            f"from q and k, got {tuple(qs.shape)} and {tuple(ks.shape)}"
+        )
     if impl == "naive":
-        w = torch.softmax(hybrid_logits(q, k, qs, ks, tau, causal), dim=-1)  # (B, H, T, T)
-        return (w @ expand_heads(v, H).to(w.dtype)).to(v.dtype)  # (B, H, T, Dv)
+        w = torch.softmax(hybrid_logits(q, k, qs, ks, tau, causal), dim=-1)  # (B, H, Tq, Tk)
+        return (w @ expand_heads(v, H).to(w.dtype)).to(v.dtype)  # (B, H, Tq, Dv)
     cdt = upcast(q.dtype)
     inv_tau = 1.0 / _tau(tau, B, H, T, cdt, q.device)
     qa, ka = _augment(qs, ks, inv_tau, cdt, causal)  # (B, H, T, 2) each
@@ -145,7 +156,7 @@ def _check_values(v, qs, B: int, H: int, T: int) -> None:
     check_tensor("v", v, 4)
     check_like("v", v, qs, "qs")
     check_same("qs", B, "v", v.shape[0], "batch size (dim 0)")
-    check_same("qs", T, "v", v.shape[2], "sequence length (dim 2)")
+    check_same("ks", T, "v", v.shape[2], "sequence length (dim 2)")
     check_groups(H, v.shape[1], "v")
     check_finite("v", v)
 
@@ -155,7 +166,7 @@ def _augment(qs, ks, inv_tau, cdt, causal: bool):
     key when causal (seen by every query) and the mean key otherwise.
 
     q'_t . k'_s = -(qs_t - ks_s)^2 / tau_t + (qs_t - r)^2 / tau_t, the second term constant
-    along the row. Returns (B, H, T, 2) each, in `cdt`.
+    along the row. Returns (B, H, Tq, 2) and (B, H, Tk, 2), in `cdt`.
     """
     ks_ref = ks.detach().to(cdt)
     ref = ks_ref[..., :1] if causal else ks_ref.mean(-1, keepdim=True)  # (B, H, 1)

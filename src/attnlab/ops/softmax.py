@@ -11,7 +11,7 @@ import math
 
 import torch
 
-from ._checks import check_choice, check_impl, check_positive
+from ._checks import check_choice, check_impl, check_positive, key_counts, visible_keys
 from ._sdpa import check_causal, check_qkv, expand_heads, fused_attention, upcast
 
 SCALES = ("sqrt_d", "ktotal", "kmean", "krms", "pnorm", "n_sqrt_d")
@@ -20,10 +20,11 @@ SCALES = ("sqrt_d", "ktotal", "kmean", "krms", "pnorm", "n_sqrt_d")
 def softmax_attention(q, k, v, *, causal: bool = True, scale="sqrt_d", p: float = 2.0, impl: str = "auto"):
     """o_t = sum_s softmax_s(q_t . k_s / c_t) v_s over the keys s visible to query t.
 
-    q (B, H, T, D); k (B, G, T, D) and v (B, G', T, Dv) with G, G' dividing H (GQA: head h
-    reads group h // (H / G)). Returns (B, H, T, Dv) in v's dtype.
+    q (B, H, Tq, D); k (B, G, Tk, D) and v (B, G', Tk, Dv) with G, G' dividing H (GQA: head h
+    reads group h // (H / G)). Returns (B, H, Tq, Dv) in v's dtype. Under causal masking
+    Tq <= Tk and the queries are the last Tq positions (decode: one query against n keys).
 
-    N_t is the set of visible keys (s <= t if ``causal``, else all T) and n_t = |N_t|.
+    N_t is the set of visible keys (s <= t + Tk - Tq if ``causal``, else all Tk) and n_t = |N_t|.
     ``scale`` picks the divisor c_t:
 
     - ``"sqrt_d"``:   c_t = sqrt(D)                                  (standard attention)
@@ -44,7 +45,7 @@ def softmax_attention(q, k, v, *, causal: bool = True, scale="sqrt_d", p: float 
     """
     check_impl(impl)
     check_causal(causal)
-    B, H, T, D = check_qkv(q, k, v)
+    B, H, T, D = check_qkv(q, k, v, causal)
     if isinstance(scale, str):
         check_choice("scale", scale, SCALES)
     elif isinstance(scale, (int, float)) and not isinstance(scale, bool):
@@ -64,13 +65,11 @@ def softmax_attention(q, k, v, *, causal: bool = True, scale="sqrt_d", p: float 
 
 def _softmax_naive(q, k, v, causal, scale, p):
     B, H, T, D = q.shape
-    k_h, v_h = expand_heads(k, H), expand_heads(v, H)  # (B, H, T, D), (B, H, T, Dv)
-    dots = q @ k_h.transpose(-1, -2)  # (B, H, T, T)
-    visible = torch.ones(T, T, dtype=torch.bool, device=q.device)
-    if causal:
-        visible = visible.tril()
+    k_h, v_h = expand_heads(k, H), expand_heads(v, H)  # (B, H, Tk, D), (B, H, Tk, Dv)
+    dots = q @ k_h.transpose(-1, -2)  # (B, H, Tq, Tk)
+    visible = visible_keys(T, k.shape[2], causal, q.device)  # (Tq, Tk)
     if isinstance(scale, str):
-        c = _divisor_naive(k_h, visible, scale, p)  # (B, H, T) or (T,)
+        c = _divisor_naive(k_h, visible, scale, p)  # (B, H, Tq) or (Tq,)
         logits = dots / (c.unsqueeze(-1) if c.dim() == 3 else c.view(T, 1))
     else:
         logits = dots * scale
@@ -80,17 +79,17 @@ def _softmax_naive(q, k, v, causal, scale, p):
 
 
 def _divisor_naive(k_h, visible, scale, p):
-    """c_t read off the (T, T) visibility matrix: row t sums over the keys query t sees."""
+    """c_t read off the (Tq, Tk) visibility matrix: row t sums over the keys query t sees."""
     D = k_h.shape[-1]
-    vis = visible.to(k_h.dtype)  # (T, T)
-    n = vis.sum(-1)  # (T,)
+    vis = visible.to(k_h.dtype)  # (Tq, Tk)
+    n = vis.sum(-1)  # (Tq,)
     if scale == "sqrt_d":
         return torch.full_like(n, math.sqrt(D))
     if scale == "n_sqrt_d":
         return n * math.sqrt(D)
     norms = torch.linalg.vector_norm(k_h, dim=-1)  # (B, H, T)
 
-    def row_sum(x):  # (B, H, T) over keys -> (B, H, T) over queries
+    def row_sum(x):  # (B, H, Tk) over keys -> (B, H, Tq) over queries
         return (x.unsqueeze(-2) * vis).sum(-1)
 
     if scale == "ktotal":
@@ -108,36 +107,34 @@ def _softmax_fast(q, k, v, causal, scale, p):
         return fused_attention(q, k, v, causal=causal, scale=float(scale)).to(v.dtype)
     if scale == "sqrt_d":
         return fused_attention(q, k, v, causal=causal, scale=1.0 / math.sqrt(D)).to(v.dtype)
-    c = _divisor_fast(k, causal, scale, p)  # (B, G, T) or (1, 1, T), in fp32 or wider
+    c = _divisor_fast(k, T, causal, scale, p)  # (B, G, Tq) or (1, 1, Tq), in fp32 or wider
     if c.shape[1] != 1:
         c = expand_heads(c.unsqueeze(-1), H).squeeze(-1)  # (B, H, T)
-    q_scaled = (q.to(c.dtype) / c.unsqueeze(-1)).to(q.dtype)  # (B, H, T, D)
+    q_scaled = (q.to(c.dtype) / c.unsqueeze(-1)).to(q.dtype)  # (B, H, Tq, D)
     return fused_attention(q_scaled, k, v, causal=causal, scale=1.0).to(v.dtype)
 
 
-def _divisor_fast(k, causal, scale, p):
-    """c_t by prefix reductions (causal) or full reductions (non-causal), O(T) memory.
+def _divisor_fast(k, Tq, causal, scale, p):
+    """c_t by prefix reductions (causal) or full reductions (non-causal), O(T) memory; the
+    queries are the last Tq of the Tk key positions.
 
     Reductions run in at least fp32, since bf16 prefix sums over long T lose the digits.
     """
-    B, G, T, D = k.shape
+    B, G, Tk, D = k.shape
     kf = k.to(upcast(k.dtype))
+    n = key_counts(Tq, Tk, causal, k.device, kf.dtype)  # (Tq,)
     if causal:
-        n = torch.arange(1, T + 1, device=k.device, dtype=kf.dtype)  # (T,)
-
-        def reduce(x):
-            return x.cumsum(-1)
+        def reduce(x):  # (B, G, Tk) -> (B, G, Tq): the prefix each query sees
+            return x.cumsum(-1)[..., Tk - Tq:]
     else:
-        n = torch.full((T,), float(T), device=k.device, dtype=kf.dtype)
-
         def reduce(x):
-            return x.sum(-1, keepdim=True).expand_as(x)
+            return x.sum(-1, keepdim=True).expand(*x.shape[:-1], Tq)
 
     if scale == "n_sqrt_d":
-        return (n * math.sqrt(D)).view(1, 1, T)
+        return (n * math.sqrt(D)).view(1, 1, Tq)
     if scale == "krms":
-        return (reduce(kf.pow(2).sum(-1)) / n).sqrt()  # (B, G, T)
-    norms = torch.linalg.vector_norm(kf, dim=-1)  # (B, G, T)
+        return (reduce(kf.pow(2).sum(-1)) / n).sqrt()  # (B, G, Tq)
+    norms = torch.linalg.vector_norm(kf, dim=-1)  # (B, G, Tk)
     if scale == "ktotal":
         return reduce(norms)
     if scale == "kmean":
@@ -145,9 +142,9 @@ def _divisor_fast(k, causal, scale, p):
     # pnorm in log space, (1/p) log sum exp(p log ||k||), so ||k||^p cannot overflow or
     # underflow for large p. Zero norms are floored at the smallest normal float: their
     # term (tiny^p) is zero to working precision and their gradient stays finite.
-    log_norms = norms.clamp_min(torch.finfo(kf.dtype).tiny).log() * p  # (B, G, T)
+    log_norms = norms.clamp_min(torch.finfo(kf.dtype).tiny).log() * p  # (B, G, Tk)
     if causal:
-        lse = torch.logcumsumexp(log_norms, dim=-1)
+        lse = torch.logcumsumexp(log_norms, dim=-1)[..., Tk - Tq:]
     else:
-        lse = torch.logsumexp(log_norms, dim=-1, keepdim=True).expand_as(log_norms)
+        lse = torch.logsumexp(log_norms, dim=-1, keepdim=True).expand(B, G, Tq)
     return (lse / p).exp()
