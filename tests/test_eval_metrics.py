@@ -5,7 +5,7 @@ import math
 import pytest
 import torch
 
-from attnlab.data import ByteTokenizer, pack_documents, sequential_batches
+from attnlab.data import ByteTokenizer, pack_documents, passkey, sequential_batches
 from attnlab.data.synthetic import PASSKEY_QUESTION
 from attnlab.eval.metrics import (
     attention_entropy,
@@ -202,8 +202,9 @@ def test_mqar_accuracy_oracle_and_partial():
     assert acc["seq_acc"] == pytest.approx(all_right)
 
 
-def passkey_oracle(tok, search_from=0.0):
-    """Finds the needle in the later part of the text (from fraction `search_from`) and spells it."""
+def passkey_oracle(tok, search_from=0.0, last_digit_wrong_if_odd=False):
+    """Finds the needle in the later part of the text (from fraction `search_from`) and spells it;
+    with `last_digit_wrong_if_odd`, odd keys get their last digit wrong (5 of 6 answer tokens right)."""
 
     def model(x):
         B, T = x.shape
@@ -213,6 +214,8 @@ def passkey_oracle(tok, search_from=0.0):
             q_end = text.rfind(PASSKEY_QUESTION) + len(PASSKEY_QUESTION)
             found = text.find("The pass key is ", int(search_from * q_end))
             key = text[found + 16 : found + 21] if 0 <= found < q_end - 40 else "00000"
+            if last_digit_wrong_if_odd and int(key) % 2:
+                key = key[:-1] + str((int(key[-1]) + 1) % 10)
             for i, ch in enumerate(" " + key):
                 if q_end - 1 + i < T:
                     logits[b, q_end - 1 + i, ord(ch)] = 1.0
@@ -227,3 +230,13 @@ def test_passkey_accuracy_oracle_per_depth():
     assert res == {(300, 0.0): 1.0, (300, 1.0): 1.0, (500, 0.0): 1.0, (500, 1.0): 1.0}
     blind_start = passkey_accuracy(passkey_oracle(tok, 0.5), tok, lengths=[500], depths=[0.0, 1.0], num_examples=3)
     assert blind_start == {(500, 0.0): 0.0, (500, 1.0): 1.0}
+    # exact match per example: a key with one digit wrong scores 0, so the score is the share of even keys
+    lengths, depths = [300, 500], [0.0, 0.5]
+    res = passkey_accuracy(passkey_oracle(tok, last_digit_wrong_if_odd=True), tok, lengths=lengths, depths=depths,
+                           num_examples=6)
+    for L in lengths:
+        for d in depths:
+            _, y = passkey(tok, L, d, 6, seed=12345)
+            keys = [int(tok.decode(row[row != -100].tolist())) for row in y]
+            assert res[(L, d)] == pytest.approx(sum(k % 2 == 0 for k in keys) / 6)
+    assert 0 < min(res.values()) and max(res.values()) < 1
