@@ -73,6 +73,14 @@ def test_train_with_a_config_file_and_bad_override_writes_nothing(tmp_path, caps
     assert "model.attention.tau_max" in line and not (tmp_path / "r").exists()
 
 
+@pytest.mark.parametrize("content", ["", "\n\n"], ids=["empty", "blank-lines"])
+def test_data_source_that_cannot_be_loaded_is_one_line_and_writes_nothing(content, tmp_path, capsys, monkeypatch):
+    """The run folder is created only after the data and the model are built."""
+    (tmp_path / "docs.txt").write_text(content)
+    line = one_line_error(["train", *SMALL, "data.source=docs.txt"], capsys, tmp_path, monkeypatch)
+    assert "data.source='docs.txt'" in line and "document" in line
+
+
 def test_model_that_fails_to_build_is_caught_before_the_run_folder(tmp_path, capsys, monkeypatch):
     """Whatever the model constructor rejects is a usage error raised before any folder exists."""
     import attnlab.train.trainer as trainer

@@ -153,8 +153,12 @@ def _train_cfg(ns):
 def cmd_train(ns) -> int:
     cfg = _train_cfg(ns)
     from attnlab.train import train
+    from attnlab.train.trainer import DataError
 
-    summary = train(cfg)
+    try:
+        summary = train(cfg)
+    except DataError as e:  # raised before the run folder is created
+        raise UsageError(str(e)) from None
     if int(os.environ.get("RANK", 0)) == 0:
         taus = [f"{t:.4g}" for t in summary["tau"] if t is not None]
         print(f"trained {summary['run_dir']}")

@@ -65,6 +65,10 @@ def build_model(cfg: RunConfig, vocab_size: int) -> LM:
     return LM(mcfg)
 
 
+class DataError(ValueError):
+    """The configured data source could not be loaded (missing, unreachable or empty)."""
+
+
 class ResumeError(ValueError):
     """The run to resume was trained with another model config than the one given now."""
 
@@ -132,10 +136,14 @@ class Trainer:
         self.device = ddp.rank_device(resolve_device(cfg.run.device), self.env)
         self.run_dir = Path(cfg.run_dir)
         self.ckpt_dir = self.run_dir / CKPT_DIR
-        self._prepare_run_dir()
+        self._check_run_dir()
         seed_everything(cfg.run.seed)
-        self.data: RunData = build_data(cfg, self.env)
+        try:
+            self.data: RunData = build_data(cfg, self.env)
+        except (ValueError, OSError) as e:  # a source that cannot be read: named, before any folder exists
+            raise DataError(f"data.source={cfg.data.source!r} could not be loaded: {e}") from e
         self.model = build_model(cfg, self.data.vocab_size).to(self.device)
+        self._prepare_run_dir()  # only now, so a run that cannot start leaves nothing on disk
         self.cfg = cfg = dataclasses.replace(cfg, model=self.model.cfg)  # vocab_size resolved
         self.optimizer = make_optimizer(self.model, cfg.train)
         unused = self.env.distributed and has_unused_parameters(self.model, self.device)
@@ -149,14 +157,19 @@ class Trainer:
 
     # ------------------------------------------------------------------ setup
 
+    def _has_state(self) -> bool:
+        return (self.run_dir / "log.jsonl").exists() or latest_checkpoint(self.ckpt_dir) is not None
+
+    def _check_run_dir(self) -> None:
+        if self._has_state() and not self.cfg.run.resume and not self.cfg.run.overwrite:
+            raise FileExistsError(
+                f"run folder {str(self.run_dir)!r} already holds a run; set run.resume=true to continue it, "
+                f"run.overwrite=true to start afresh there, or choose another run.name"
+            )
+
     def _prepare_run_dir(self) -> None:
-        has_state = (self.run_dir / "log.jsonl").exists() or latest_checkpoint(self.ckpt_dir) is not None
-        if has_state and not self.cfg.run.resume:
-            if not self.cfg.run.overwrite:
-                raise FileExistsError(
-                    f"run folder {str(self.run_dir)!r} already holds a run; set run.resume=true to continue it, "
-                    f"run.overwrite=true to start afresh there, or choose another run.name"
-                )
+        """Clear an overwritten run's files, then create the folder."""
+        if self._has_state() and not self.cfg.run.resume:
             ddp.barrier(self.env)
             if self.env.is_main:
                 for name in ("log.jsonl", "train.csv", "eval.csv", "summary.json", CKPT_DIR, "tensorboard"):
