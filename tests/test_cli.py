@@ -221,6 +221,19 @@ def test_eval_reports_mqar_accuracy_for_a_moved_mqar_run(tmp_path, capsys):
     assert code == 0 and "eval.md" in out
     result = json.loads((run_dir / "eval.json").read_text())
     assert 0.0 <= result["mqar_accuracy"] <= 1.0 and "loss" not in result
+    # the reported accuracy is the moved checkpoint's own, recounted here on the same 256 examples
+    import torch
+
+    from attnlab.data.synthetic import mqar
+    from attnlab.train import load_run
+
+    _, model, _ = load_run(run_dir, checkpoint=str(run_dir / "checkpoints"))
+    x, y = mqar(64, 32, 4, 256, seed=12345, power_a=0.01)
+    with torch.no_grad():
+        pred = model(x)[0].argmax(-1)
+    asked = y != -100
+    assert asked.sum() == 256 * 4
+    assert result["mqar_accuracy"] == pytest.approx((pred[asked] == y[asked]).double().mean().item(), abs=1e-12)
     assert f"Accuracy at the query positions: {fmt(result['mqar_accuracy'])}" in (run_dir / "eval.md").read_text()
 
 
