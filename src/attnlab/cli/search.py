@@ -1,0 +1,67 @@
+"""`attnlab search`: always registered; without the optional [hf] extra, using it is a one-line
+error naming the extra, while an import bug inside attnlab.search still propagates."""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import sys
+
+from ._common import UsageError, _Formatter
+
+HF_EXTRA = "pip install 'attnlab[hf]'"
+HF_PACKAGES = ("transformers", "datasets", "faiss", "gguf", "accelerate")  # the [hf] extra, as imported
+
+
+def _missing_extra(e: ImportError) -> str | None:
+    """The [hf] package whose absence raised `e`, or None for any other import failure."""
+    root = (e.name or "").split(".")[0]
+    return root if root in HF_PACKAGES else None
+
+
+def _extra_error(missing: list[str]) -> UsageError:
+    return UsageError(f"attnlab search needs the optional package{'s' if len(missing) > 1 else ''} "
+                      f"{', '.join(missing)}, not installed here; install the [hf] extra: {HF_EXTRA}")
+
+
+def _add_search(sub) -> None:
+    """Register `search` always. Without the [hf] extra it is a stub whose use is a one-line
+    error naming the extra; an ImportError of anything else (a bug inside attnlab.search) propagates."""
+    try:
+        from attnlab.search.cli import add_search_commands
+    except ImportError as e:
+        missing = _missing_extra(e)
+        if missing is None:
+            raise
+        p = sub.add_parser("search", help=f"learned search projections on a frozen pretrained LM (needs {HF_EXTRA})",
+                           formatter_class=_Formatter)
+        p.add_argument("rest", nargs=argparse.REMAINDER, help=argparse.SUPPRESS)
+
+        def unavailable(ns):
+            raise _extra_error([missing])
+
+        p.set_defaults(func=unavailable)
+        return
+    add_search_commands(sub)
+
+
+def _installed(name: str) -> bool:
+    try:
+        return importlib.util.find_spec(name) is not None  # None also when sys.modules[name] is None
+    except (ImportError, ValueError):
+        return sys.modules.get(name) is not None
+
+
+def _run_search(ns) -> int:
+    """Run a `search` command once its optional packages are known to be there; an ImportError
+    of one of them later on is the same one-line error, any other ImportError propagates."""
+    missing = [name for name in HF_PACKAGES if not _installed(name)]
+    if missing:
+        raise _extra_error(missing)
+    try:
+        return ns.func(ns)
+    except ImportError as e:
+        missing_now = _missing_extra(e)
+        if missing_now is None:
+            raise
+        raise _extra_error([missing_now]) from None
