@@ -86,7 +86,7 @@ def test_per_layer_mechanisms_and_tables():
         (["model.attention.taux=1"], ["unknown key model.attention.taux", "tau_max"]),
         (["model.attn=scalar", "model.attention.tau=blah"], ["model.attention.tau", "'global'", "'token'"]),
         (["model.attention.mechanism=scalar"], ["model.attention.mechanism", "model.attn"]),
-        (["model.attn=[softmax,scalar]", "model.attention.n_value_groups=2"], ["model.attention.n_value_groups", "model.layer_attention"]),
+        (["model.attn=[softmax,hybrid]", "model.attention.n_value_groups=2"], ["model.attention.n_value_groups", "applies to no layer"]),
         (["train.warmup_steps=50", "train.steps=10"], ["train.warmup_steps", "train.steps"]),
         (["model.attn=softmax", "regularizers.align=0.1"], ["regularizers", "model.attn"]),
         (["data.source=/no/such/folder"], ["data.source", "stdlib"]),
@@ -201,13 +201,27 @@ def test_every_bool_key_takes_only_true_or_false(key, text):
     assert key in str(info.value) and "bool" in str(info.value), str(info.value)
 
 
+
+
+def test_shared_key_reaches_the_layers_that_read_it():
+    cfg = load_config(TINY, ["model.attn=[softmax,scalar]", "model.attention.n_value_groups=2", "model.attention.tau=global"])
+    soft, scal = cfg.model.attention_configs()
+    assert scal.n_value_groups == 2 and scal.tau == "global"
+    assert soft.n_value_groups is None and soft.tau == "head"  # softmax reads neither: left at their defaults
+
+
 @pytest.mark.parametrize("key", ["model.attention.rope", "model.attention.cosformer_normalize", "run.resume", "data.cross_doc"])
 def test_bool_keys_take_true_and_false(key):
+    from attnlab.layers import MECHANISMS, mechanism_class
+
     for text, value in (("true", True), ("false", False)):
-        cfg = load_config(TINY, [f"{key}={text}"])
-        if key.startswith("model.attention."):
-            assert cfg.model.attention_configs()[0].__dict__[key.rsplit(".", 1)[1]] is value
+        if key.startswith("model.attention."):  # on a model whose layers read the key
+            name = key.rsplit(".", 1)[1]
+            mech = next(m for m in MECHANISMS if name in mechanism_class(m).options)
+            cfg = load_config(TINY, [f"model.attn={mech}", f"{key}={text}"])
+            assert cfg.model.attention_configs()[0].__dict__[name] is value
         else:
+            cfg = load_config(TINY, [f"{key}={text}"])
             section, name = key.split(".")
             assert getattr(getattr(cfg, section), name) is value
 

@@ -1,18 +1,19 @@
 """Attention layers: nn.Modules that own projections and call one op; (B, T, C) in and out.
 
-`Attention(AttentionConfig(...))` covers every mechanism of attnlab (softmax with GQA and
-RoPE, scalar with grouped value attention, mixed scalar + dot-product, hybrid, principled,
-cosformer, gla, ssd), with optional τ forms, sink and output gate; `forward(x, record=True)`
+`Attention(AttentionConfig(...))` returns the layer registered for the config's mechanism
+(`attnlab.layers.mechanisms`: softmax with GQA and RoPE, scalar with grouped value attention,
+mixed scalar + dot-product, hybrid, principled, cosformer, gla, ssd), with optional τ forms,
+sink and output gate; `forward(x, record=True)`
 keeps an `AttentionRecord` for `attnlab.regularizers`, and `make_cache` / `step` decode.
 """
 
-from .attention import Attention
-from .config import MECHANISMS, AttentionConfig
+from .attention import Attention, LayerCache
+from .config import AttentionConfig
 from .gate import OutputGate
 from .params import GroundValue, HeadParam, Temperature
 from .record import AttentionRecord, Projected
+from .mechanisms import LINEAR_FAMILY, MECHANISMS, REGISTRY, mechanism_class, register
 from .rope import RotaryEmbedding
-from .stepping import LayerCache
 
 __all__ = [
     "Attention",
@@ -21,9 +22,13 @@ __all__ = [
     "GroundValue",
     "HeadParam",
     "LayerCache",
+    "LINEAR_FAMILY",
     "MECHANISMS",
     "OutputGate",
+    "REGISTRY",
     "Projected",
     "RotaryEmbedding",
     "Temperature",
+    "mechanism_class",
+    "register",
 ]

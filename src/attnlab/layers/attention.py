@@ -1,102 +1,163 @@
-"""`Attention`: one causal self-attention layer for every mechanism of attnlab, `(B, T, C) -> (B, T, C)`.
+"""`Attention`: one causal self-attention layer, `(B, T, C) -> (B, T, C)`, for every mechanism.
 
-The layer owns the projections and calls one op (two for a mixed scalar + dot-product layer):
+    x ──project──> per-head tensors ──attend (the mechanism's op)──> readout o (B, H, T, D)
+      ──finish: output gate, W_O──> y
 
-    x ──project──> per-head tensors ──op──> readout o (B, H, T, D) ──finish──> gate, W_O ──> y
-
-Head layout: for a mixed layer the n_scalar_heads scalar heads come first, then the dot-product
-heads; their readouts are concatenated along heads before the output projection.
-
-Position. Vector queries/keys may carry RoPE. Scalar heads get no position signal of their own:
-a scalar has no rotation, and adding a position term would break the kernel's dependence on
-qs − ks alone (and with it the sorted cache). Scalar heads see position only through the causal
-mask and whatever position information the residual stream carries.
-
-Sink. With `sink=True`, scalar/hybrid heads see one extra key at position "−1": scalar key
-`sink_key` (zero vector key for hybrid scores) and a learned value per value group, initialised
-to zero (a neutral destination). It is prepended to the sequence, with an extra leading query whose
-output is dropped, so the fused op runs unchanged on T + 1 positions.
-
-Decode: `make_cache(batch_size, ...)` then `step(x_t, cache)` per token; T steps equal `forward`
-on the whole sequence (see `stepping.py`).
+`Attention(config)` returns the class registered for `config.mechanism` (see
+`attnlab.layers.mechanisms`): each mechanism is one module holding its parameters, its
+projection, its full-sequence attend, its decode cache and step, and the inputs it records.
+This base class keeps what every mechanism shares: input checks, the vector q/k/v projections
+with RoPE that most mechanisms use, the output gate and projection, the record, the attention
+weights for analysis, and the decode loop (`make_cache`, `step`), which calls the same op as the
+forward with one query against every cached key. The math of each mechanism is in
+docs/mechanisms.md; adding one is walked through in docs/adding-a-mechanism.md.
 """
 
 from __future__ import annotations
 
-import math
+from dataclasses import dataclass
+from typing import Any, ClassVar
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
+from ..cache.kv import KVCache, RecurrentState
 from ..ops._checks import check_finite
-from ..ops import (
-    cosformer_attention, gla_attention, hybrid_attention, principled_attention,
-    scalar_attention, softmax_attention, ssd_attention,
-)
-from . import stepping
 from .config import AttentionConfig
 from .gate import OutputGate
-from .params import GroundValue, HeadParam, Temperature
 from .record import AttentionRecord, Projected
 from .rope import RotaryEmbedding
 
 
-def _heads(x: torch.Tensor, n: int, d: int) -> torch.Tensor:
+def heads(x: torch.Tensor, n: int, d: int) -> torch.Tensor:
     """(B, T, n*d) -> (B, n, T, d)."""
     B, T, _ = x.shape
     return x.view(B, T, n, d).transpose(1, 2)
 
 
+@dataclass
+class LayerCache:
+    """Decode state of one layer. pos: tokens seen (the next token's position).
+
+    kv: plain cache of the vector heads (k, v, and what else a mechanism keeps per key);
+    scalar: the scalar heads' cache (a KVCache of ks and values, or a SortedScalarCache);
+    state: the recurrent state of the linear family.
+    """
+
+    batch_size: int
+    pos: int = 0
+    kv: KVCache | None = None
+    scalar: Any = None
+    state: RecurrentState | None = None
+    window: int | None = None
+    max_len: int | None = None
+
+
 class Attention(nn.Module):
-    """Causal self-attention configured by an `AttentionConfig`; see the module docstring."""
+    """Causal self-attention configured by an `AttentionConfig`; see the module docstring.
+
+    A mechanism subclass sets the class attributes below and implements `build`, `project`,
+    `attend` and `step_readout` (and `init_cache` when the plain KV cache does not fit)."""
+
+    mechanism: ClassVar[str] = ""
+    options: ClassVar[tuple[str, ...]] = ()  # AttentionConfig fields this mechanism reads
+    recurrent: ClassVar[bool] = False  # linear family: decodes from a state; weights unnormalised
+    rope_default: ClassVar[bool] = True  # RoPE on its vector queries/keys unless configured
+
+    def __new__(cls, config: AttentionConfig | None = None, *args, **kwargs):
+        if cls is Attention:
+            if not isinstance(config, AttentionConfig):
+                raise TypeError(f"config must be an AttentionConfig, got {type(config).__name__}")
+            from .mechanisms import mechanism_class
+
+            cls = mechanism_class(config.mechanism)
+        return super().__new__(cls)
 
     def __init__(self, config: AttentionConfig):
         super().__init__()
         if not isinstance(config, AttentionConfig):
             raise TypeError(f"config must be an AttentionConfig, got {type(config).__name__}")
+        if config.mechanism != self.mechanism:
+            raise ValueError(f"{type(self).__name__} implements mechanism {self.mechanism!r}, got {config.mechanism!r}")
         self.config = c = config
-        C, H, D, m = c.d_model, c.n_heads, c.head_dim, c.mechanism
-        self.n_dot, self.n_kv = c.n_dot_heads, c.n_kv_heads
-        self.n_scalar = H if m == "hybrid" else c.n_scalar_heads  # heads with qs/ks
-        if self.n_dot:
-            self.wq = nn.Linear(C, self.n_dot * D, bias=c.bias)
-            self.wk = nn.Linear(C, self.n_kv * D, bias=c.bias)
-            self.wv = nn.Linear(C, self.n_kv * D, bias=c.bias)
-            self.rope = RotaryEmbedding(D, c.rope_base) if c.rope else None
-        if self.n_scalar:
-            self.wqs = nn.Linear(C, self.n_scalar, bias=c.bias)
-            self.wks = nn.Linear(C, self.n_scalar, bias=c.bias)
-            self.temperature = Temperature(c.tau, self.n_scalar, C, c.tau_init, c.tau_max)
-        if m == "scalar":
-            self.wvs = nn.Linear(C, c.n_value_groups * D, bias=c.bias)
-        if c.sink:
-            groups = c.n_value_groups if m == "scalar" else self.n_kv
-            self.sink_value = nn.Parameter(torch.zeros(groups, D))  # (G, D)
-        if m == "principled":
-            self.wqg = nn.Linear(C, H * c.gate_dim, bias=c.bias)
-            self.wkg = nn.Linear(C, self.n_kv * c.gate_dim, bias=c.bias)
-            self.alpha = HeadParam(c.alpha, H, D, c.alpha_init)
-            self.beta = HeadParam(c.beta, H, D, c.beta_init)
-            self.gamma = HeadParam(c.gamma, H, D, c.gamma_init)
-            self.ground = GroundValue(c.v0, H, D)
-        if m == "gla":
-            self.decay_down = nn.Linear(C, c.gla_rank, bias=False)
-            self.decay_up = nn.Linear(c.gla_rank, H * D, bias=True)
-        if m == "ssd":
-            # Mamba-2 init: step sizes log-uniform in [1e-3, 1e-1], A = -exp(A_log) with A_log = log U[1, 16].
-            self.dt_proj = nn.Linear(C, H, bias=True)
-            dt = torch.exp(torch.rand(H) * (math.log(0.1) - math.log(1e-3)) + math.log(1e-3))
-            with torch.no_grad():
-                self.dt_proj.bias.copy_(dt + torch.log(-torch.expm1(-dt)))
-            self.A_log = nn.Parameter(torch.log(torch.empty(H).uniform_(1.0, 16.0)))
-        self.gate = OutputGate(c.output_gate, C, H, D) if c.output_gate else None
-        self.wo = nn.Linear(H * D, C, bias=c.bias)
+        self.n_dot, self.n_kv = c.n_dot_heads, c.n_kv_heads  # vector-scoring heads and their kv groups
+        self.n_scalar = self.scalar_heads(c)  # heads with scalar queries/keys
+        self.build(c)
+        self.gate = OutputGate(c.output_gate, c.d_model, c.n_heads, c.head_dim) if c.output_gate else None
+        self.wo = nn.Linear(c.n_heads * c.head_dim, c.d_model, bias=c.bias)
         self.last: AttentionRecord | None = None
 
-    # ------------------------------------------------------------------ projections
+    # ------------------------------------------------------------------ per mechanism
 
-    def _check_input(self, x, name: str = "x") -> None:
+    @classmethod
+    def configure(cls, config: AttentionConfig) -> None:
+        """Fill the mechanism's derived fields of `config` and check its options (ValueError
+        naming the field). Called by AttentionConfig.__post_init__."""
+
+    @classmethod
+    def scalar_heads(cls, config: AttentionConfig) -> int:
+        """How many heads take scalar queries/keys (they come first)."""
+        return 0
+
+    @classmethod
+    def model_defaults(cls, max_seq_len: int) -> dict:
+        """Defaults of this mechanism's options inside a model built for max_seq_len tokens."""
+        return {"rope": cls.rope_default} if "rope" in cls.options else {}
+
+    @classmethod
+    def horizon(cls, config: AttentionConfig) -> int | None:
+        """The longest sequence a layer of this config can take (None: no limit)."""
+        return None
+
+    def build(self, c: AttentionConfig) -> None:
+        """Create the mechanism's parameters."""
+        raise NotImplementedError(f"{type(self).__name__} must define build()")
+
+    def project(self, x: torch.Tensor, start_pos: int = 0) -> Projected:
+        """x (B, T, C) at absolute positions start_pos.. -> the per-head tensors (see `Projected`)."""
+        raise NotImplementedError(f"{type(self).__name__} must define project()")
+
+    def attend(self, p: Projected, values=None, impl: str | None = None):
+        """Readout (B, H, T, D) of the whole sequence, and the scalar-op inputs to record (or None).
+
+        values: replaces every head's values (for `attention_weights`), shape (B, G, T[+1], Dv)."""
+        raise NotImplementedError(f"{type(self).__name__} must define attend()")
+
+    @property
+    def value_groups(self) -> int:
+        """How many value groups `attend(values=...)` takes."""
+        return self.n_kv
+
+    def init_cache(self, cache: LayerCache, window: int | None, max_len: int | None) -> None:
+        """Set up `cache` for decoding: by default a plain KV cache of the vector heads."""
+        cache.kv = KVCache(cache.batch_size)
+
+    def step_readout(self, p: Projected, cache: LayerCache) -> torch.Tensor:
+        """Readout (B, H, 1, D) of one token's projections `p`, appending to `cache`."""
+        raise NotImplementedError(f"{type(self).__name__} must define step_readout()")
+
+    # ------------------------------------------------------------------ shared pieces
+
+    def build_vectors(self, c: AttentionConfig, n_heads: int) -> None:
+        """q (n_heads), k and v (n_kv groups) projections, and RoPE when configured."""
+        D = c.head_dim
+        self.wq = nn.Linear(c.d_model, n_heads * D, bias=c.bias)
+        self.wk = nn.Linear(c.d_model, self.n_kv * D, bias=c.bias)
+        self.wv = nn.Linear(c.d_model, self.n_kv * D, bias=c.bias)
+        self.rope = RotaryEmbedding(D, c.rope_base) if c.rope else None
+
+    def vectors(self, x: torch.Tensor, n_heads: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """q (B, n_heads, T, D), k and v (B, n_kv, T, D), before RoPE."""
+        D = self.config.head_dim
+        return heads(self.wq(x), n_heads, D), heads(self.wk(x), self.n_kv, D), heads(self.wv(x), self.n_kv, D)
+
+    def rotate(self, q: torch.Tensor, k: torch.Tensor, start_pos: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """RoPE on vector queries/keys at absolute positions start_pos.., when configured."""
+        if self.rope is None:
+            return q, k
+        return self.rope(q, start_pos), self.rope(k, start_pos)
+
+    def check_input(self, x, name: str = "x") -> None:
         """x: a finite floating (B, T, d_model) tensor in the parameters' dtype (any float dtype
         under torch.autocast, which casts at each projection)."""
         if not isinstance(x, torch.Tensor):
@@ -113,105 +174,10 @@ class Attention(nn.Module):
             )
         check_finite(name, x)
 
-    def project(self, x: torch.Tensor, start_pos: int = 0) -> Projected:
-        """x (B, T, C) at absolute positions start_pos.. -> the per-head tensors (see `Projected`)."""
-        self._check_input(x)
+    @staticmethod
+    def check_start(start_pos) -> None:
         if isinstance(start_pos, bool) or not isinstance(start_pos, int) or start_pos < 0:
             raise ValueError(f"start_pos must be an int >= 0, got {start_pos!r}")
-        c, m = self.config, self.config.mechanism
-        H, D = c.n_heads, c.head_dim
-        p = Projected(start_pos=start_pos)
-        if self.n_dot:
-            q = _heads(self.wq(x), self.n_dot, D)  # (B, H_d, T, D)
-            k = _heads(self.wk(x), self.n_kv, D)  # (B, G_kv, T, D)
-            p.v = _heads(self.wv(x), self.n_kv, D)
-            if m == "principled":
-                p.alpha, p.beta, p.gamma = self.alpha(q), self.beta(q), self.gamma(q)  # from un-rotated q
-                p.qg = _heads(self.wqg(x), H, c.gate_dim)  # (B, H, T, Dg)
-                p.kg = _heads(self.wkg(x), self.n_kv, c.gate_dim)
-                v0 = self.ground()
-                p.v0 = None if v0 is None else v0.to(p.v.dtype)
-            if self.rope is not None:
-                q, k = self.rope(q, start_pos), self.rope(k, start_pos)
-            p.q, p.k = q, k
-        if self.n_scalar:
-            p.qs = self.wqs(x).transpose(1, 2)  # (B, H_s, T)
-            p.ks = self.wks(x).transpose(1, 2)
-            p.tau = self.temperature(x)  # (H_s,) or (B, H_s, T)
-        if m == "scalar":
-            p.vs = _heads(self.wvs(x), c.n_value_groups, D)  # (B, G, T, D)
-        if m == "gla":
-            raw = self.decay_up(self.decay_down(x))  # (B, T, H*D), low rank
-            p.log_decay = _heads(F.logsigmoid(raw) / c.gla_normalizer, H, D)  # (B, H, T, D)
-        if m == "ssd":
-            dt = F.softplus(self.dt_proj(x)).transpose(1, 2)  # (B, H, T)
-            p.log_decay = -torch.exp(self.A_log).to(dt.dtype)[None, :, None] * dt  # (B, H, T), in q's dtype
-            p.k = p.k * dt.unsqueeze(-1)  # discretised input B·Δ
-        return p
-
-    def _with_sink(self, p: Projected):
-        """Scalar-op inputs, with the sink prepended when on: (qs, ks, values, tau, q, k, n_prefix)."""
-        c = self.config
-        vals = p.vs if c.mechanism == "scalar" else p.v
-        q, k = (p.q, p.k) if c.mechanism == "hybrid" else (None, None)
-        if not c.sink:
-            return p.qs, p.ks, vals, p.tau, q, k, 0
-        B = p.qs.shape[0]
-        key = p.ks.new_full((B, self.n_scalar, 1), c.sink_key)  # (B, H_s, 1)
-        qs = torch.cat([key, p.qs], dim=-1)  # extra leading query: its output is dropped
-        ks = torch.cat([key, p.ks], dim=-1)  # (B, H_s, T+1)
-        sink_v = self.sink_value.to(vals.dtype)[None, :, None, :].expand(B, -1, 1, -1)  # (B, G, 1, D)
-        vals = torch.cat([sink_v, vals], dim=2)  # (B, G, T+1, D)
-        if p.tau.dim() == 1:
-            tau = p.tau
-        else:  # the sink query's output is dropped; it borrows the first query's tau (any > 0 would do at T = 0)
-            first = p.tau[..., :1] if p.tau.shape[-1] else p.tau.new_ones(B, self.n_scalar, 1)
-            tau = torch.cat([first, p.tau], dim=-1)
-        if q is not None:
-            q = torch.cat([q.new_zeros(B, q.shape[1], 1, q.shape[3]), q], dim=2)  # (B, H, T+1, D)
-            k = torch.cat([k.new_zeros(B, k.shape[1], 1, k.shape[3]), k], dim=2)  # zero sink key vector
-        return qs, ks, vals, tau, q, k, 1
-
-    # ------------------------------------------------------------------ attention
-
-    def _attend(self, p: Projected, values=None, impl: str | None = None):
-        """Readout (B, H, T, Dv) of the whole sequence, and the scalar-op inputs for the record.
-
-        values: replaces every head's values (for `attention_weights`), shape (B, G, T[+1], Dv).
-        """
-        c, m = self.config, self.config.mechanism
-        impl = impl or c.impl
-        scal = None
-        if m in ("scalar", "hybrid"):
-            scal = qs, ks, vals, tau, q, k, n_pre = self._with_sink(p)
-            vals = vals if values is None else values
-            if m == "scalar":
-                o = scalar_attention(qs, ks, vals, tau, causal=True, impl=impl)[:, :, n_pre:]
-                if self.n_dot:
-                    vd = p.v if values is None else values[:, :1, n_pre:, n_pre:].expand(-1, self.n_kv, -1, -1)
-                    od = softmax_attention(p.q, p.k, vd, causal=True, scale=c.scale, p=c.p, impl=impl)
-                    if n_pre and values is not None:  # the sink column, never seen by dot heads
-                        od = torch.cat([od.new_zeros(od[..., :n_pre].shape), od], dim=-1)
-                    o = torch.cat([o, od], dim=1)  # (B, H, T, Dv): scalar heads first
-            else:
-                o = hybrid_attention(q, k, vals, qs, ks, tau, causal=True, impl=impl)[:, :, n_pre:]
-            return o, scal
-        v = p.v if values is None else values
-        if m == "softmax":
-            return softmax_attention(p.q, p.k, v, causal=True, scale=c.scale, p=c.p, impl=impl), None
-        if m == "principled":
-            v0 = p.v0 if values is None else None
-            o = principled_attention(
-                p.q, p.k, p.qg, p.kg, v, alpha=p.alpha, beta=p.beta, gamma=p.gamma, v0=v0, causal=True, impl=impl
-            )
-            return o, None
-        if m == "cosformer":
-            max_len = c.cosformer_max_len or max(p.q.shape[2], 1)
-            o, _ = cosformer_attention(p.q, p.k, v, causal=True, max_len=max_len, normalize=c.cosformer_normalize, impl=impl)
-            return o, None
-        op = gla_attention if m == "gla" else ssd_attention
-        o, _ = op(p.q, p.k, v, p.log_decay, causal=True, impl=impl)
-        return o, None
 
     def _finish(self, o: torch.Tensor, x: torch.Tensor):
         g = self.gate(x) if self.gate is not None else None  # (B, H, T, D or 1)
@@ -224,13 +190,16 @@ class Attention(nn.Module):
         """Readout o (B, H, T, D) and the layer input x (B, T, C) -> output (B, T, C): gate, then W_O."""
         return self._finish(o, x)[0]
 
+    # ------------------------------------------------------------------ forward and analysis
+
     def forward(self, x: torch.Tensor, record: bool = False) -> torch.Tensor:
         """x (B, T, C) -> (B, T, C). record=True keeps an `AttentionRecord` in `self.last`."""
+        self.check_input(x)
         p = self.project(x, 0)
-        o, scal = self._attend(p)
+        o, scal = self.attend(p)
         y, g = self._finish(o, x)
         if record:
-            rec = AttentionRecord(self.config.mechanism, p, o, g, causal=True, impl=self.config.impl)
+            rec = AttentionRecord(self.mechanism, p, o, g, causal=True, impl=self.config.impl)
             if scal is not None:
                 rec.qs, rec.ks, _, rec.tau, rec.q_score, rec.k_score, rec.n_prefix = scal
             self.last = rec
@@ -245,27 +214,47 @@ class Attention(nn.Module):
         is the effective causal matrix A with o = A v: cosformer's normalised scores, GLA/SSD's
         decayed scale·q·k (not normalised). Materialises T×T (and T×T values): for small T.
         """
+        self.check_input(x)
         p = self.project(x, 0)
         B, T = x.shape[:2]
         n_keys = T + (1 if self.config.sink else 0)
-        if self.config.mechanism == "scalar":
-            groups = self.config.n_value_groups
-        else:
-            groups = self.n_kv
-        eye = torch.eye(n_keys, dtype=x.dtype, device=x.device).expand(B, groups, n_keys, n_keys)
-        return self._attend(p, values=eye, impl="naive")[0]
+        eye = torch.eye(n_keys, dtype=x.dtype, device=x.device).expand(B, self.value_groups, n_keys, n_keys)
+        return self.attend(p, values=eye, impl="naive")[0]
 
     # ------------------------------------------------------------------ decode
 
-    def make_cache(self, batch_size: int, *, window: int | None = None, max_len: int | None = None):
+    def make_cache(self, batch_size: int, *, window: int | None = None, max_len: int | None = None) -> LayerCache:
         """A decode cache for `step`. window (scalar/hybrid heads only): use the sorted scalar cache
-        attending the `window` nearest keys instead of the plain KV cache (None: every key, exact).
+        attending the `window` nearest keys instead of the exact cache (None: every key).
         max_len (cosformer): the position horizon M; default config.cosformer_max_len."""
-        return stepping.make_cache(self, batch_size, window=window, max_len=max_len)
+        if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1:
+            raise ValueError(f"batch_size must be an int >= 1, got {batch_size!r}")
+        if window is not None:
+            if not self.n_scalar:
+                raise ValueError(
+                    f"window is for scalar and hybrid heads; mechanism {self.mechanism!r} has none (got window={window!r})"
+                )
+            if isinstance(window, bool) or not isinstance(window, int) or window < 1:
+                raise ValueError(f"window must be an int >= 1 or None, got {window!r}")
+        if max_len is not None and "cosformer_max_len" not in self.options:
+            raise ValueError(f"max_len is the cosformer horizon; mechanism {self.mechanism!r} takes none (got {max_len!r})")
+        cache = LayerCache(batch_size, window=window)
+        self.init_cache(cache, window, max_len)
+        return cache
 
-    def step(self, x_t: torch.Tensor, cache) -> torch.Tensor:
-        """One decode token: x_t (B, 1, C) -> y_t (B, 1, C); appends to `cache`."""
-        return stepping.step(self, x_t, cache)
+    def step(self, x_t: torch.Tensor, cache: LayerCache) -> torch.Tensor:
+        """One decode token: x_t (B, 1, C) -> y_t (B, 1, C); appends to `cache`. T steps equal
+        `forward` on the whole sequence."""
+        if not isinstance(cache, LayerCache):
+            raise TypeError(f"cache must come from make_cache, got {type(cache).__name__}")
+        self.check_input(x_t, "x_t")
+        if x_t.shape[1] != 1:
+            raise ValueError(f"x_t must be one token (B, 1, d_model), got {tuple(x_t.shape)}")
+        if x_t.shape[0] != cache.batch_size:
+            raise ValueError(f"x_t has batch {x_t.shape[0]}, the cache was made for batch_size={cache.batch_size}")
+        o = self.step_readout(self.project(x_t, cache.pos), cache)
+        cache.pos += 1
+        return self.finish(o, x_t)  # (B, 1, C)
 
     def extra_repr(self) -> str:
         c = self.config

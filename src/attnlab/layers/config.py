@@ -15,14 +15,15 @@ import typing
 from dataclasses import dataclass
 from typing import Any, Literal, Union
 
-MECHANISMS = ("softmax", "scalar", "hybrid", "principled", "cosformer", "gla", "ssd")
-LINEAR_FAMILY = ("cosformer", "gla", "ssd")
-SCALES = ("sqrt_d", "ktotal", "kmean", "krms", "pnorm", "n_sqrt_d")
+from ..ops._checks import IMPLS
+from ..ops.softmax import SCALES
+
+# Fields every mechanism reads; each mechanism class lists the others it reads in `options`.
+SHARED_FIELDS = ("d_model", "n_heads", "mechanism", "head_dim", "output_gate", "bias", "impl")
 TAU_MODES = ("global", "head", "token")
 PARAM_FORMS = ("constant", "layer", "head", "query")
 V0_FORMS = ("zero", "layer", "head")
 OUTPUT_GATES = (None, "elementwise", "headwise")
-IMPLS = ("auto", "naive", "fast")
 
 
 # --------------------------------------------------------------------------- typed fields
@@ -87,6 +88,12 @@ def _problem(value, tp, path: str) -> tuple[str, Any, str] | None:
     if isinstance(tp, type):
         return None if isinstance(value, tp) else (path, value, f"a {tp.__name__}")
     return None
+
+
+def value_problem(value, tp, path: str) -> tuple[str, Any, str] | None:
+    """None when `value` fits the annotation `tp` (the rules of `field_problem`), else
+    (path, offending value, what it needs)."""
+    return _problem(value, tp, path)
 
 
 def field_problem(obj) -> tuple[str, Any, str] | None:
@@ -210,47 +217,48 @@ class AttentionConfig:
     impl: str = "auto"
 
     def __post_init__(self):
+        from .mechanisms import REGISTRY  # the registry imports this module
+
         found = field_problem(self)
         if found:
             raise _err(*found)
         _int("d_model", self.d_model)
         _int("n_heads", self.n_heads)
-        if self.mechanism not in MECHANISMS:
-            raise _err("mechanism", self.mechanism, f"one of {MECHANISMS}")
+        if self.mechanism not in REGISTRY:
+            raise _err("mechanism", self.mechanism, f"one of {tuple(REGISTRY)}")
+        cls = REGISTRY[self.mechanism]
+        self._check_applicable(cls)
         if self.head_dim is None:
             if self.d_model % self.n_heads:
                 raise _err("head_dim", None, f"an explicit value: d_model={self.d_model} is not divisible by n_heads={self.n_heads}")
             self.head_dim = self.d_model // self.n_heads
         _int("head_dim", self.head_dim)
-        self._validate_heads()
         self._validate_options()
+        cls.configure(self)  # the mechanism's derived fields: its head counts and groups
 
-    def _validate_heads(self) -> None:
-        m = self.mechanism
-        if self.n_scalar_heads not in (None, 0) and m != "scalar":
-            raise _err("n_scalar_heads", self.n_scalar_heads, f"None unless mechanism='scalar' (mechanism is {m!r})")
-        if m == "scalar":
-            if self.n_scalar_heads is None:
-                self.n_scalar_heads = self.n_heads
-            _int("n_scalar_heads", self.n_scalar_heads)
-            if self.n_scalar_heads > self.n_heads:
-                raise _err("n_scalar_heads", self.n_scalar_heads, f"at most n_heads={self.n_heads}")
-            if self.n_value_groups is None:
-                self.n_value_groups = self.n_scalar_heads
-            _int("n_value_groups", self.n_value_groups)
-            if self.n_scalar_heads % self.n_value_groups:
+    def error(self, field: str, got, need: str) -> ValueError:
+        """The error for a bad field: names it, what it got and what it needs."""
+        return _err(field, got, need)
+
+    def require_int(self, field: str, lo: int = 1) -> int:
+        _int(field, getattr(self, field), lo)
+        return getattr(self, field)
+
+    def _check_applicable(self, cls) -> None:
+        """A field the mechanism does not read must keep its default: setting it is an error."""
+        for f in dataclasses.fields(self):
+            if f.name in SHARED_FIELDS or f.name in cls.options:
+                continue
+            if getattr(self, f.name) != f.default:
                 raise _err(
-                    "n_value_groups", self.n_value_groups,
-                    f"a divisor of the {self.n_scalar_heads} scalar heads (each group is read by the same number of heads)",
+                    f.name, getattr(self, f.name),
+                    f"no value: mechanism {self.mechanism!r} does not use it (its options: {', '.join(cls.options) or 'none'})",
                 )
-        else:
-            self.n_scalar_heads = 0
-            if self.n_value_groups is not None:
-                raise _err("n_value_groups", self.n_value_groups, f"None unless mechanism='scalar' (use n_kv_heads for {m!r})")
-        n_dot = self.n_dot_heads
+
+    def set_vector_heads(self, n_dot: int, grouped: bool = True) -> None:
+        """Derive n_kv_heads for `n_dot` vector-scoring heads: all of them by default, else a
+        divisor of them (GQA); `grouped=False` for mechanisms without grouped keys/values."""
         if n_dot == 0:
-            if self.n_kv_heads not in (None, 0):
-                raise _err("n_kv_heads", self.n_kv_heads, "None: this layer has no dot-product heads")
             self.n_kv_heads = 0
             return
         if self.n_kv_heads is None:
@@ -258,11 +266,10 @@ class AttentionConfig:
         _int("n_kv_heads", self.n_kv_heads)
         if n_dot % self.n_kv_heads:
             raise _err("n_kv_heads", self.n_kv_heads, f"a divisor of the {n_dot} dot-product heads")
-        if m in LINEAR_FAMILY and self.n_kv_heads != n_dot:
-            raise _err("n_kv_heads", self.n_kv_heads, f"n_heads={n_dot}: {m} has no grouped keys/values")
+        if not grouped and self.n_kv_heads != n_dot:
+            raise _err("n_kv_heads", self.n_kv_heads, f"n_heads={n_dot}: {self.mechanism} has no grouped keys/values")
 
     def _validate_options(self) -> None:
-        m = self.mechanism
         if isinstance(self.scale, str):
             if self.scale not in SCALES:
                 raise _err("scale", self.scale, f"one of {SCALES} or a float > 0")
@@ -280,16 +287,13 @@ class AttentionConfig:
             _pos("tau_max", self.tau_max)
             if not self.tau_init < self.tau_max:
                 raise _err("tau_max", self.tau_max, f"a value > tau_init={self.tau_init}")
-        if self.sink and m not in ("scalar", "hybrid"):
-            raise _err("sink", self.sink, f"False for mechanism {m!r} (the sink is for scalar and hybrid heads)")
         for name in ("alpha", "beta", "gamma"):
             if getattr(self, name) not in PARAM_FORMS:
                 raise _err(name, getattr(self, name), f"one of {PARAM_FORMS}")
         if self.v0 not in V0_FORMS:
             raise _err("v0", self.v0, f"one of {V0_FORMS}")
-        if self.gate_dim is None:
-            self.gate_dim = self.head_dim
-        _int("gate_dim", self.gate_dim)
+        if self.gate_dim is not None:
+            _int("gate_dim", self.gate_dim)
         if self.cosformer_max_len is not None:
             _int("cosformer_max_len", self.cosformer_max_len)
         _int("gla_rank", self.gla_rank)
@@ -305,6 +309,8 @@ class AttentionConfig:
         return self.n_heads - (self.n_scalar_heads or 0)
 
     @property
-    def has_scalar_heads(self) -> bool:
-        """True when some heads take scalar queries/keys (scalar or hybrid-score heads)."""
-        return self.mechanism == "hybrid" or (self.n_scalar_heads or 0) > 0
+    def horizon(self) -> int | None:
+        """The longest sequence a layer of this config takes (None: no limit)."""
+        from .mechanisms import mechanism_class
+
+        return mechanism_class(self.mechanism).horizon(self)

@@ -15,9 +15,8 @@ import typing
 from dataclasses import dataclass, field
 from typing import Any, Literal, Union
 
-from attnlab.layers.config import field_problem
-
-MECHANISMS = ("softmax", "scalar", "hybrid", "principled", "cosformer", "gla", "ssd")
+from attnlab.layers import MECHANISMS, REGISTRY, mechanism_class
+from attnlab.layers.config import SHARED_FIELDS, field_problem, value_problem
 
 
 class ConfigError(ValueError):
@@ -198,8 +197,8 @@ class ModelConfig:
                 f"give one name per layer or a single name"
             )
         for i, name in enumerate(names):
-            if name not in MECHANISMS:
-                raise ConfigError(f"model.attn[{i}] must be one of {MECHANISMS}, got {name!r}")
+            if name not in REGISTRY:
+                raise ConfigError(f"model.attn[{i}] must be one of {tuple(REGISTRY)}, got {name!r}")
         if self.layer_attention and len(self.layer_attention) != self.n_layers:
             raise ConfigError(
                 f"model.layer_attention has {len(self.layer_attention)} tables but model.n_layers is {self.n_layers}"
@@ -216,18 +215,34 @@ class ModelConfig:
 
 
 _MODEL_OWNED = ("mechanism", "d_model", "n_heads")
-# RoPE is on by default wherever a layer has vector queries/keys that score by dot product
-# (the scalar mechanism may mix in dot-product heads); the linear family carries its own
-# notion of position (cosFormer's reweighting, GLA/SSD decays), so it is off there.
-_ROPE_DEFAULT = ("softmax", "scalar", "hybrid", "principled")
 
 
 def attention_config(cls, cfg: ModelConfig, layer: int):
-    """Build layer `layer`'s AttentionConfig from the model's shared and per-layer tables."""
+    """Build layer `layer`'s AttentionConfig from the model's shared and per-layer tables.
+
+    A key of the shared table `model.attention` reaches the layers whose mechanism reads it (see
+    each mechanism's `options`); one that no layer reads is an error, and so is a key of a layer's
+    own table `model.layer_attention[i]` that its mechanism does not read. Defaults that depend on
+    the model come from the mechanism: RoPE on its vector queries/keys where it has them
+    (`rope_default`), the cosFormer horizon M = max_seq_len (one horizon for training and decoding)."""
     hints = typing.get_type_hints(cls)
     allowed = {f.name for f in dataclasses.fields(cls) if f.init} - set(_MODEL_OWNED)
-    raw = dict(cfg.attention)
-    sources = {k: "model.attention" for k in raw}
+    mechanism = cfg.layer_attn[layer]
+    reads = set(SHARED_FIELDS) | set(mechanism_class(mechanism).options)
+    raw, sources = {}, {}
+    for key, value in cfg.attention.items():
+        if key in allowed and key not in reads:  # for other layers; checked here, then left out
+            where = f"model.attention.{key}"
+            found = value_problem(coerce(where, value, hints[key]), hints[key], where)
+            if found:
+                raise ConfigError(f"{found[0]} must be {found[2]}, got {found[1]!r}")
+            if not any(key in mechanism_class(m).options for m in cfg.layer_attn):
+                raise ConfigError(
+                    f"{where} applies to no layer of this model: no mechanism of {sorted(set(cfg.layer_attn))} "
+                    f"reads it; remove it"
+                )
+            continue
+        raw[key], sources[key] = value, "model.attention"
     if cfg.layer_attention:
         raw.update(cfg.layer_attention[layer])
         sources.update({k: f"model.layer_attention[{layer}]" for k in cfg.layer_attention[layer]})
@@ -240,12 +255,9 @@ def attention_config(cls, cfg: ModelConfig, layer: int):
         if key not in allowed:
             raise ConfigError(f"unknown key {where}; allowed keys: {', '.join(sorted(allowed))}")
         kwargs[key] = coerce(where, value, hints[key])
-    mechanism = cfg.layer_attn[layer]
-    if "rope" in allowed and "rope" not in kwargs:
-        kwargs["rope"] = mechanism in _ROPE_DEFAULT
-    if mechanism == "cosformer" and "cosformer_max_len" in allowed and kwargs.get("cosformer_max_len") is None and cfg.max_seq_len:
-        # one fixed horizon M for training and decoding (None would make M the length of each call)
-        kwargs["cosformer_max_len"] = cfg.max_seq_len
+    for key, value in mechanism_class(mechanism).model_defaults(cfg.max_seq_len).items():
+        if kwargs.get(key) is None:
+            kwargs[key] = value
     try:
         return cls(mechanism=mechanism, d_model=cfg.d_model, n_heads=cfg.n_heads, **kwargs)
     except ConfigError:

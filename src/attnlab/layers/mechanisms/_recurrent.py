@@ -1,0 +1,39 @@
+"""What the linear family (cosformer, gla, ssd) shares layer-side: vector heads without
+grouping, a recurrent decode state advanced by the op's `*_step` function."""
+
+from __future__ import annotations
+
+from ...cache.kv import RecurrentState
+from ..attention import Attention
+from ..record import Projected
+
+
+class RecurrentAttention(Attention):
+    recurrent = True
+    rope_default = False  # the family carries position in its own way (reweighting, decays)
+
+    @classmethod
+    def configure(cls, config) -> None:
+        config.set_vector_heads(config.n_heads, grouped=False)
+
+    def build(self, c) -> None:
+        self.build_vectors(c, c.n_heads)
+
+    def project(self, x, start_pos: int = 0) -> Projected:
+        self.check_start(start_pos)
+        q, k, v = self.vectors(x, self.config.n_heads)
+        q, k = self.rotate(q, k, start_pos)
+        return Projected(start_pos=start_pos, q=q, k=k, v=v)
+
+    def init_cache(self, cache, window, max_len) -> None:
+        cache.state = RecurrentState(cache.batch_size)
+
+    def step_op(self, q, k, v, p: Projected, state, cache):
+        """The op's one-token step: (o (B, H, D), new state)."""
+        raise NotImplementedError(f"{type(self).__name__} must define step_op()")
+
+    def step_readout(self, p: Projected, cache):
+        q, k, v = p.q[:, :, 0], p.k[:, :, 0], p.v[:, :, 0]  # (B, H, D)
+        o, new = self.step_op(q, k, v, p, cache.state.state, cache)
+        cache.state.update(new)
+        return o.unsqueeze(2)  # (B, H, 1, D)

@@ -1,0 +1,39 @@
+"""mechanism = "gla": gated linear attention with a per-channel decay from a low-rank gate
+(docs/mechanisms.md#gla): log_decay = logsigmoid(W_up W_down x) / gla_normalizer."""
+
+from __future__ import annotations
+
+import torch.nn.functional as F
+from torch import nn
+
+from ...ops import gla_attention, gla_step
+from ..attention import heads
+from ..record import Projected
+from . import register
+from ._recurrent import RecurrentAttention
+
+
+@register
+class GLAAttention(RecurrentAttention):
+    mechanism = "gla"
+    options = ("gla_rank", "gla_normalizer", "n_kv_heads", "rope", "rope_base")
+
+    def build(self, c) -> None:
+        super().build(c)
+        self.decay_down = nn.Linear(c.d_model, c.gla_rank, bias=False)
+        self.decay_up = nn.Linear(c.gla_rank, c.n_heads * c.head_dim, bias=True)
+
+    def project(self, x, start_pos: int = 0) -> Projected:
+        p = super().project(x, start_pos)
+        c = self.config
+        raw = self.decay_up(self.decay_down(x))  # (B, T, H*D), low rank
+        p.log_decay = heads(F.logsigmoid(raw) / c.gla_normalizer, c.n_heads, c.head_dim)  # (B, H, T, D)
+        return p
+
+    def attend(self, p: Projected, values=None, impl: str | None = None):
+        v = p.v if values is None else values
+        o, _ = gla_attention(p.q, p.k, v, p.log_decay, causal=True, impl=impl or self.config.impl)
+        return o, None
+
+    def step_op(self, q, k, v, p: Projected, state, cache):
+        return gla_step(q, k, v, p.log_decay[:, :, 0], state)

@@ -1,0 +1,64 @@
+"""mechanism = "principled": a learned ground state v0 with threshold γ, a suppress-only gate β
+from gate vectors qg·kg, and log K margin amplification α (docs/mechanisms.md#principled-attention).
+
+α, β, γ each take a form ("constant", "layer", "head", "query"; `HeadParam`), the query form read
+off the un-rotated q; v0 is "zero", "layer" or "head" (`GroundValue`).
+"""
+
+from __future__ import annotations
+
+from torch import nn
+
+from ...ops import principled_attention
+from ..attention import Attention, heads
+from ..params import GroundValue, HeadParam
+from ..record import Projected
+from . import register
+
+
+@register
+class PrincipledAttention(Attention):
+    mechanism = "principled"
+    options = ("n_kv_heads", "rope", "rope_base", "alpha", "beta", "gamma", "alpha_init", "beta_init", "gamma_init",
+               "v0", "gate_dim")
+
+    @classmethod
+    def configure(cls, config) -> None:
+        config.set_vector_heads(config.n_heads)
+        if config.gate_dim is None:
+            config.gate_dim = config.head_dim
+
+    def build(self, c) -> None:
+        H, D = c.n_heads, c.head_dim
+        self.build_vectors(c, H)
+        self.wqg = nn.Linear(c.d_model, H * c.gate_dim, bias=c.bias)
+        self.wkg = nn.Linear(c.d_model, self.n_kv * c.gate_dim, bias=c.bias)
+        self.alpha = HeadParam(c.alpha, H, D, c.alpha_init)
+        self.beta = HeadParam(c.beta, H, D, c.beta_init)
+        self.gamma = HeadParam(c.gamma, H, D, c.gamma_init)
+        self.ground = GroundValue(c.v0, H, D)
+
+    def project(self, x, start_pos: int = 0) -> Projected:
+        self.check_start(start_pos)
+        c = self.config
+        q, k, v = self.vectors(x, c.n_heads)
+        p = Projected(start_pos=start_pos, v=v)
+        p.alpha, p.beta, p.gamma = self.alpha(q), self.beta(q), self.gamma(q)  # from the un-rotated q
+        p.qg = heads(self.wqg(x), c.n_heads, c.gate_dim)  # (B, H, T, Dg)
+        p.kg = heads(self.wkg(x), self.n_kv, c.gate_dim)
+        v0 = self.ground()
+        p.v0 = None if v0 is None else v0.to(v.dtype)
+        p.q, p.k = self.rotate(q, k, start_pos)
+        return p
+
+    def _op(self, p: Projected, k, kg, v, v0, impl):
+        return principled_attention(p.q, k, p.qg, kg, v, alpha=p.alpha, beta=p.beta, gamma=p.gamma, v0=v0,
+                                    causal=True, impl=impl)
+
+    def attend(self, p: Projected, values=None, impl: str | None = None):
+        v, v0 = (p.v, p.v0) if values is None else (values, None)  # weights leave the ground value out
+        return self._op(p, p.k, p.kg, v, v0, impl or self.config.impl), None
+
+    def step_readout(self, p: Projected, cache):
+        full = cache.kv.append(k=p.k, kg=p.kg, v=p.v)  # one query, all n keys: the op's offset form
+        return self._op(p, full["k"], full["kg"], full["v"], p.v0, self.config.impl)

@@ -1,0 +1,196 @@
+"""mechanism = "scalar": scalar sort attention (docs/mechanisms.md#scalar-attention).
+
+Each scalar head scores keys by the Gaussian kernel −(qs − ks)²/τ on one scalar query/key per
+token and reads grouped values (n_value_groups). With n_scalar_heads < n_heads the remaining
+heads are standard dot-product heads (RoPE, GQA, the softmax scalings), and the outputs are
+concatenated with the scalar heads first. This module also holds what the hybrid mechanism
+shares with it (scalar projections, τ, the sink, the scalar decode cache): see hybrid.py.
+
+Position. Scalar heads get no position signal of their own: a scalar has no rotation, and a
+position term would break the kernel's dependence on qs − ks alone (and with it the sorted
+cache). They see position through the causal mask and the residual stream.
+
+Sink. With `sink=True`, scalar heads see one extra key at position "−1": scalar key `sink_key`
+(a zero vector key for hybrid scores) and a learned value per value group, initialised to zero.
+It is prepended with an extra leading query whose output is dropped, so the op runs unchanged
+on T + 1 positions. Decoding keeps it as the plain cache's first entry or as the sorted cache's
+built-in sink entry, a candidate at every step besides the window.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from ...cache.kv import KVCache
+from ...cache.sorted import SortedScalarCache
+from ...ops import scalar_attention, softmax_attention
+from ...ops._sdpa import expand_heads
+from ..attention import Attention, heads
+from ..params import Temperature
+from ..record import Projected
+from . import register
+
+SCALAR_OPTIONS = ("tau", "tau_init", "tau_max", "sink", "sink_key")
+
+
+@register
+class ScalarAttention(Attention):
+    mechanism = "scalar"
+    options = ("n_scalar_heads", "n_value_groups", *SCALAR_OPTIONS, "n_kv_heads", "scale", "p", "rope", "rope_base")
+    value_key = "vs"  # the name of the scalar heads' values in a plain decode cache
+
+    @classmethod
+    def configure(cls, config) -> None:
+        if config.n_scalar_heads is None:
+            config.n_scalar_heads = config.n_heads
+        n_s = config.require_int("n_scalar_heads")
+        if n_s > config.n_heads:
+            raise config.error("n_scalar_heads", n_s, f"at most n_heads={config.n_heads}")
+        if config.n_value_groups is None:
+            config.n_value_groups = n_s
+        groups = config.require_int("n_value_groups")
+        if n_s % groups:
+            raise config.error(
+                "n_value_groups", groups, f"a divisor of the {n_s} scalar heads (each group is read by the same number of heads)"
+            )
+        config.set_vector_heads(config.n_heads - n_s)
+
+    @classmethod
+    def scalar_heads(cls, config) -> int:
+        return config.n_scalar_heads
+
+    def build(self, c) -> None:
+        self.wqs = nn.Linear(c.d_model, self.n_scalar, bias=c.bias)
+        self.wks = nn.Linear(c.d_model, self.n_scalar, bias=c.bias)
+        self.temperature = Temperature(c.tau, self.n_scalar, c.d_model, c.tau_init, c.tau_max)
+        self.build_values(c)
+        if c.sink:
+            self.sink_value = nn.Parameter(torch.zeros(self.value_groups, c.head_dim))  # (G, D)
+
+    def build_values(self, c) -> None:
+        """Grouped values of the scalar heads, and the dot-product heads of a mixed layer."""
+        self.wvs = nn.Linear(c.d_model, c.n_value_groups * c.head_dim, bias=c.bias)
+        if self.n_dot:
+            self.build_vectors(c, self.n_dot)
+
+    @property
+    def value_groups(self) -> int:
+        return self.config.n_value_groups
+
+    # ------------------------------------------------------------------ full sequence
+
+    def project(self, x, start_pos: int = 0) -> Projected:
+        self.check_start(start_pos)
+        p = Projected(start_pos=start_pos)
+        if self.n_dot:
+            q, k, p.v = self.vectors(x, self.n_dot)
+            p.q, p.k = self.rotate(q, k, start_pos)
+        p.qs = self.wqs(x).transpose(1, 2)  # (B, H_s, T)
+        p.ks = self.wks(x).transpose(1, 2)
+        p.tau = self.temperature(x)  # (H_s,) or (B, H_s, T)
+        self.project_values(x, p)
+        return p
+
+    def project_values(self, x, p: Projected) -> None:
+        p.vs = heads(self.wvs(x), self.config.n_value_groups, self.config.head_dim)  # (B, G, T, D)
+
+    def scalar_values(self, p: Projected) -> torch.Tensor:
+        return p.vs
+
+    def score_vectors(self, p: Projected):
+        """Vector queries/keys added to the scalar score (hybrid), or (None, None)."""
+        return None, None
+
+    def scalar_op(self, qs, ks, vals, tau, q, k, impl):
+        return scalar_attention(qs, ks, vals, tau, causal=True, impl=impl)
+
+    def with_sink(self, p: Projected):
+        """The scalar op's inputs, with the sink prepended when on: (qs, ks, values, tau, q, k, n_prefix)."""
+        c = self.config
+        vals = self.scalar_values(p)
+        q, k = self.score_vectors(p)
+        if not c.sink:
+            return p.qs, p.ks, vals, p.tau, q, k, 0
+        B = p.qs.shape[0]
+        key = p.ks.new_full((B, self.n_scalar, 1), c.sink_key)  # (B, H_s, 1)
+        qs = torch.cat([key, p.qs], dim=-1)  # extra leading query: its output is dropped
+        ks = torch.cat([key, p.ks], dim=-1)  # (B, H_s, T+1)
+        sink_v = self.sink_value.to(vals.dtype)[None, :, None, :].expand(B, -1, 1, -1)  # (B, G, 1, D)
+        vals = torch.cat([sink_v, vals], dim=2)  # (B, G, T+1, D)
+        if p.tau.dim() == 1:
+            tau = p.tau
+        else:  # the sink query's output is dropped; it borrows the first query's tau (any > 0 would do at T = 0)
+            first = p.tau[..., :1] if p.tau.shape[-1] else p.tau.new_ones(B, self.n_scalar, 1)
+            tau = torch.cat([first, p.tau], dim=-1)
+        if q is not None:
+            q = torch.cat([q.new_zeros(B, q.shape[1], 1, q.shape[3]), q], dim=2)  # (B, H, T+1, D)
+            k = torch.cat([k.new_zeros(B, k.shape[1], 1, k.shape[3]), k], dim=2)  # zero sink key vector
+        return qs, ks, vals, tau, q, k, 1
+
+    def attend(self, p: Projected, values=None, impl: str | None = None):
+        c = self.config
+        impl = impl or c.impl
+        scal = qs, ks, vals, tau, q, k, n_pre = self.with_sink(p)
+        o = self.scalar_op(qs, ks, vals if values is None else values, tau, q, k, impl)[:, :, n_pre:]
+        if self.n_dot:  # the dot-product heads of a mixed layer
+            vd = p.v if values is None else values[:, :1, n_pre:, n_pre:].expand(-1, self.n_kv, -1, -1)
+            od = softmax_attention(p.q, p.k, vd, causal=True, scale=c.scale, p=c.p, impl=impl)
+            if n_pre and values is not None:  # the sink column, never seen by dot heads
+                od = torch.cat([od.new_zeros(od[..., :n_pre].shape), od], dim=-1)
+            o = torch.cat([o, od], dim=1)  # (B, H, T, Dv): scalar heads first
+        return o, scal
+
+    # ------------------------------------------------------------------ decode
+
+    def init_cache(self, cache, window, max_len) -> None:
+        if self.n_dot:
+            cache.kv = KVCache(cache.batch_size)
+        cache.scalar = self.scalar_cache(cache.batch_size, window)
+
+    def scalar_cache(self, batch_size: int, window: int | None):
+        """The plain cache of every scalar key (window None, exact) or the sorted scalar cache."""
+        c = self.config
+        if window is None:
+            cache = KVCache(batch_size)
+            if c.sink:
+                cache.append(**self.sink_entry(batch_size))
+            return cache
+        w = self.sink_value.detach() if c.sink else None  # (G, D): the sorted cache's own sink entry
+        return SortedScalarCache(
+            batch_size, self.n_scalar, self.value_groups, c.head_dim, d_k=self.hybrid_key_dim,
+            dtype=self.wo.weight.dtype, device=self.wo.weight.device,
+            sink_key=c.sink_key if c.sink else None, sink_value=w,
+        )
+
+    hybrid_key_dim = None  # vector key width the sorted cache keeps (hybrid: head_dim)
+
+    def sink_entry(self, batch_size: int) -> dict:
+        """The sink as one plain-cache entry: ks (B, H_s, 1) and values (B, G, 1, D)."""
+        w = self.sink_value.detach()  # (G, D)
+        return {"ks": w.new_full((batch_size, self.n_scalar, 1), self.config.sink_key),
+                self.value_key: w[None, :, None, :].expand(batch_size, -1, 1, -1)}
+
+    def scalar_step(self, p: Projected, cache) -> torch.Tensor:
+        """Readout (B, H_s, 1, D) of the scalar heads for one token."""
+        vals = self.scalar_values(p)  # (B, G, 1, D)
+        q, k = self.score_vectors(p)
+        if cache.window is None:
+            new = {"ks": p.ks, self.value_key: vals, **({"k": k} if k is not None else {})}
+            full = cache.scalar.append(**new)
+            # one query against every cached key: the op's causal offset form
+            return self.scalar_op(p.qs, full["ks"], full[self.value_key], p.tau, q, full.get("k"), self.config.impl)
+        k_t = expand_heads(k, self.n_scalar)[:, :, 0] if k is not None else None  # (B, H, D)
+        cache.scalar.append(p.ks[..., 0], vals[:, :, 0], k=k_t)
+        tau = p.tau if p.tau.dim() == 1 else p.tau[..., 0]  # (H,) or (B, H)
+        q_t = q[:, :, 0] if q is not None else None
+        return cache.scalar.attend(p.qs[..., 0], tau, q=q_t, window=cache.window).unsqueeze(2)  # (B, H, 1, D)
+
+    def step_readout(self, p: Projected, cache) -> torch.Tensor:
+        o = self.scalar_step(p, cache)
+        if self.n_dot:
+            c = self.config
+            full = cache.kv.append(k=p.k, v=p.v)
+            od = softmax_attention(p.q, full["k"], full["v"], scale=c.scale, p=c.p, impl=c.impl)
+            o = torch.cat([o, od.to(o.dtype)], dim=1)  # scalar heads first
+        return o

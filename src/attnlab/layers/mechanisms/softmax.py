@@ -1,0 +1,38 @@
+"""mechanism = "softmax": scaled dot-product attention with GQA, RoPE and the q·k scalings of
+`attnlab.ops.softmax_attention` (docs/mechanisms.md#softmax-attention)."""
+
+from __future__ import annotations
+
+from ...ops import softmax_attention
+from ..attention import Attention
+from ..record import Projected
+from . import register
+
+
+@register
+class SoftmaxAttention(Attention):
+    mechanism = "softmax"
+    options = ("n_kv_heads", "scale", "p", "rope", "rope_base")
+
+    @classmethod
+    def configure(cls, config) -> None:
+        config.set_vector_heads(config.n_heads)
+
+    def build(self, c) -> None:
+        self.build_vectors(c, c.n_heads)
+
+    def project(self, x, start_pos: int = 0) -> Projected:
+        self.check_start(start_pos)
+        q, k, v = self.vectors(x, self.config.n_heads)
+        q, k = self.rotate(q, k, start_pos)
+        return Projected(start_pos=start_pos, q=q, k=k, v=v)
+
+    def attend(self, p: Projected, values=None, impl: str | None = None):
+        c = self.config
+        v = p.v if values is None else values
+        return softmax_attention(p.q, p.k, v, causal=True, scale=c.scale, p=c.p, impl=impl or c.impl), None
+
+    def step_readout(self, p: Projected, cache):
+        full = cache.kv.append(k=p.k, v=p.v)  # one query against every cached key: the op's offset form
+        c = self.config
+        return softmax_attention(p.q, full["k"], full["v"], scale=c.scale, p=c.p, impl=c.impl)

@@ -1,0 +1,47 @@
+"""mechanism = "ssd": the Mamba-2 SSD readout, one decay per head and step
+(docs/mechanisms.md#ssd): Δ = softplus(W_dt x + b), log_decay = −exp(A_log)·Δ, and the keys carry Δ
+(the discretised input B·Δ)."""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from ...ops import ssd_attention, ssd_step
+from ..record import Projected
+from . import register
+from ._recurrent import RecurrentAttention
+
+
+@register
+class SSDAttention(RecurrentAttention):
+    mechanism = "ssd"
+    options = ("n_kv_heads", "rope", "rope_base")
+
+    def build(self, c) -> None:
+        super().build(c)
+        H = c.n_heads
+        # Mamba-2 init: step sizes log-uniform in [1e-3, 1e-1], A = -exp(A_log) with A_log = log U[1, 16].
+        self.dt_proj = nn.Linear(c.d_model, H, bias=True)
+        dt = torch.exp(torch.rand(H) * (math.log(0.1) - math.log(1e-3)) + math.log(1e-3))
+        with torch.no_grad():
+            self.dt_proj.bias.copy_(dt + torch.log(-torch.expm1(-dt)))
+        self.A_log = nn.Parameter(torch.log(torch.empty(H).uniform_(1.0, 16.0)))
+
+    def project(self, x, start_pos: int = 0) -> Projected:
+        p = super().project(x, start_pos)
+        dt = F.softplus(self.dt_proj(x)).transpose(1, 2)  # (B, H, T)
+        p.log_decay = -torch.exp(self.A_log).to(dt.dtype)[None, :, None] * dt  # (B, H, T), in q's dtype
+        p.k = p.k * dt.unsqueeze(-1)  # discretised input B·Δ
+        return p
+
+    def attend(self, p: Projected, values=None, impl: str | None = None):
+        v = p.v if values is None else values
+        o, _ = ssd_attention(p.q, p.k, v, p.log_decay, causal=True, impl=impl or self.config.impl)
+        return o, None
+
+    def step_op(self, q, k, v, p: Projected, state, cache):
+        return ssd_step(q, k, v, p.log_decay[:, :, 0], state)
