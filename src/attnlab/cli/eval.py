@@ -70,8 +70,7 @@ def _eval_plan(ns) -> dict:
             f"position embedding; allowed: lengths <= {cfg.model.max_seq_len}"
         )
     passkey = _int_list(ns.passkey, "--passkey") if ns.passkey else None
-    horizons = [a.cosformer_max_len for a in cfg.model.attention_configs()
-                if a.mechanism == "cosformer" and a.cosformer_max_len is not None]
+    horizons = [a.horizon for a in cfg.model.attention_configs() if a.horizon is not None]
     for option, lengths in (("--seq-lens", seq_lens), ("--passkey", passkey or [])):
         if horizons and lengths and max(lengths) > min(horizons):
             raise UsageError(

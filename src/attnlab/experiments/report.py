@@ -11,6 +11,8 @@ import os
 from pathlib import Path
 from typing import Iterable, Sequence
 
+from attnlab.layers import LINEAR_FAMILY
+
 MISSING = "—"
 
 
@@ -128,7 +130,7 @@ def eval_markdown(result: dict, *, title: str | None = None) -> str:
                     row.append(heads[h] if heads is not None and h < len(heads) else None)
                 rows.append(row)
         lines += [markdown_table(headers, rows), ""]
-        if any(layer["mechanism"] in ("cosformer", "gla", "ssd") for layer in result["layers"]):
+        if any(layer["mechanism"] in LINEAR_FAMILY for layer in result["layers"]):
             lines += ["Linear-family layers have unnormalised mixing matrices: entropy and shares do not apply (—).", ""]
     return "\n".join(lines)
 

@@ -62,6 +62,7 @@ class Attention(nn.Module):
     mechanism: ClassVar[str] = ""
     options: ClassVar[tuple[str, ...]] = ()  # AttentionConfig fields this mechanism reads
     recurrent: ClassVar[bool] = False  # linear family: decodes from a state; weights unnormalised
+    scalar: ClassVar[bool] = False  # has scalar heads (qs, ks, τ): regularizers, the sorted cache
     rope_default: ClassVar[bool] = True  # RoPE on its vector queries/keys unless configured
 
     def __new__(cls, config: AttentionConfig | None = None, *args, **kwargs):

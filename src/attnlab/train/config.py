@@ -26,6 +26,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
+from attnlab.layers import mechanism_class
 from attnlab.models.config import ConfigError, ModelConfig, build_dataclass, check_fields, field_help, opt, type_name
 
 from .toml_io import atomic_text, dumps_toml, to_dict
@@ -202,12 +203,12 @@ class RunConfig:
                 f"with model.pos_embedding='learned'"
             )
         for i, a in enumerate(self.model.attention_configs()):
-            if a.mechanism == "cosformer" and a.cosformer_max_len is not None and a.cosformer_max_len < self.data.seq_len:
+            if a.horizon is not None and a.horizon < self.data.seq_len:
                 raise ConfigError(
-                    f"model.attention.cosformer_max_len of layer {i} is {a.cosformer_max_len} (model.max_seq_len when "
+                    f"model.attention.cosformer_max_len of layer {i} is {a.horizon} (model.max_seq_len when "
                     f"unset), shorter than data.seq_len ({self.data.seq_len}); need a horizon >= data.seq_len"
                 )
-        if self.regularizers.active and not any(n in ("scalar", "hybrid") for n in self.model.layer_attn):
+        if self.regularizers.active and not any(mechanism_class(n).scalar for n in self.model.layer_attn):
             raise ConfigError(
                 f"regularizers act on scalar/hybrid heads but model.attn is {self.model.attn!r}: "
                 f"set regularizers.align/spread/tau to 0 or use a scalar or hybrid layer"

@@ -29,7 +29,6 @@ from .checkpoint import latest_checkpoint, load_checkpoint
 from .config import RunConfig, load_config
 from .trainer import CKPT_DIR, build_model, resolve_device
 
-LINEAR_FAMILY = ("cosformer", "gla", "ssd")
 
 
 def load_run(source: RunConfig | str | os.PathLike, overrides: list[str] | None = None, checkpoint: str | None = None):
@@ -66,9 +65,8 @@ def attention_report(model, x: torch.Tensor, topk=TOPK_KS) -> list[dict]:
     report = []
     for i, blk in enumerate(model.blocks):
         layer = blk.attn
-        m = layer.config.mechanism
-        entry = {"layer": i, "mechanism": m}
-        if m in LINEAR_FAMILY:
+        entry = {"layer": i, "mechanism": layer.mechanism}
+        if layer.recurrent:
             report.append(entry)  # unnormalised effective matrices: entropy and shares do not apply
             continue
         w = layer.attention_weights(inputs[i]).float()  # (B, H, T, T + n_prefix)

@@ -37,6 +37,7 @@ SCALAR_OPTIONS = ("tau", "tau_init", "tau_max", "sink", "sink_key")
 @register
 class ScalarAttention(Attention):
     mechanism = "scalar"
+    scalar = True
     options = ("n_scalar_heads", "n_value_groups", *SCALAR_OPTIONS, "n_kv_heads", "scale", "p", "rope", "rope_base")
     value_key = "vs"  # the name of the scalar heads' values in a plain decode cache
 
