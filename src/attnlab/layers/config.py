@@ -131,10 +131,16 @@ def _pos(field: str, value) -> None:
 class AttentionConfig:
     """Configuration of one attention layer; `(B, T, d_model) -> (B, T, d_model)`.
 
+    Every mechanism reads the shared fields (d_model, n_heads, mechanism, head_dim, output_gate,
+    bias, impl) and the fields its class lists in `options` (`attnlab.layers.mechanism_class(name)
+    .options`); a field it does not read must keep its default, and setting it is an error. The
+    groups below say which mechanism reads what; docs/mechanisms.md has the math.
+
     Heads and shapes
       d_model         width of the residual stream C.
       n_heads         H, the number of query heads (scalar and dot-product together).
-      mechanism       "softmax" | "scalar" | "hybrid" | "principled" | "cosformer" | "gla" | "ssd".
+      mechanism       a registered name: "softmax" | "scalar" | "hybrid" | "principled" | "cosformer"
+                      | "gla" | "ssd" | ... (`attnlab.layers.MECHANISMS`).
       head_dim        D, the per-head width of q, k and v (derived: d_model // n_heads).
       n_kv_heads      key/value heads of the dot-product heads (GQA); must divide their number
                       (derived: all of them). The linear family needs n_kv_heads == n_heads.
