@@ -8,6 +8,7 @@ import torch
 from attnlab.cache.kv import KVCache
 from attnlab.cache.sorted import SortedScalarCache, bytes_per_token
 from attnlab.testing import compare_fwd_bwd, rel_rms
+from test_cache_properties import same_state, snapshot  # one bit-exact state comparison for both files
 
 TOL = 1e-5
 
@@ -189,32 +190,6 @@ def test_bytes_per_token(dtype, d_k):
 
 
 # ---- bad input --------------------------------------------------------------------------
-def snapshot(obj):
-    """Every attribute of the cache, recursively (its index included), tensors cloned."""
-    if isinstance(obj, torch.Tensor):
-        return obj.detach().clone()
-    if isinstance(obj, dict):
-        return {k: snapshot(v) for k, v in obj.items()}
-    if isinstance(obj, (list, tuple)):
-        return type(obj)(map(snapshot, obj))
-    if hasattr(obj, "__dict__"):
-        return type(obj), snapshot(vars(obj))
-    return obj
-
-
-def same_state(a, b):
-    """Two snapshots agree bit for bit: tensors in dtype, shape and bytes, everything else by ==."""
-    if isinstance(a, torch.Tensor):
-        bits = lambda x: x.contiguous().reshape(-1).view(torch.uint8)
-        return (isinstance(b, torch.Tensor) and a.dtype == b.dtype and a.shape == b.shape
-                and torch.equal(bits(a), bits(b)))
-    if isinstance(a, dict):
-        return isinstance(b, dict) and a.keys() == b.keys() and all(same_state(a[k], b[k]) for k in a)
-    if isinstance(a, (list, tuple)):
-        return type(a) is type(b) and len(a) == len(b) and all(map(same_state, a, b))
-    return a == b
-
-
 @pytest.mark.parametrize("bad", [float("nan"), float("inf"), -float("inf")], ids=["nan", "inf", "-inf"])
 def test_nonfinite_keys_rejected_and_cache_unchanged(bad):
     cache, *_ = fill(N=13, d_k=4)
@@ -227,7 +202,7 @@ def test_nonfinite_keys_rejected_and_cache_unchanged(bad):
     k[0, 0, 1] = bad
     with pytest.raises(ValueError, match="k must be finite"):
         cache.append(torch.randn(2, 4), torch.randn(2, 2, 8), k)
-    assert same_state(before, snapshot(cache))
+    assert same_state(before, cache)
     big = torch.full((2, 4), 3e38)  # finite keys whose sum overflows are accepted
     cache.append(big, torch.randn(2, 2, 8), torch.randn(2, 4, 4))
     assert len(cache) == 14
@@ -251,18 +226,18 @@ def test_nonfinite_input_rejected_everywhere(bad, d_k):
         n = args[name].numel()
         with pytest.raises(ValueError, match=rf"^{name} must be finite, got .* of {n} entries .*unchanged"):
             cache.append(**args)
-        assert same_state(before, snapshot(cache)), name
+        assert same_state(before, cache), name
     query = dict(qs=torch.randn(2, 4), q=torch.randn(2, 4, d_k) if d_k else None, tau=torch.full((4,), 0.5))
     for name in ("qs", "q", "tau") if d_k else ("qs", "tau"):
         args = dict(query, **{name: query[name].clone()})
         args[name].view(-1)[1] = bad
         with pytest.raises(ValueError, match=rf"^{name} must be finite"):
             cache.attend(args["qs"], args["tau"], q=args["q"])
-        assert same_state(before, snapshot(cache)), name
+        assert same_state(before, cache), name
     for name, kw in (("tau", dict(tau=bad)), ("radius", dict(tau=0.5, radius=bad))):
         with pytest.raises(ValueError, match=rf"^{name} must be finite"):
             cache.attend(query["qs"], q=query["q"], **kw)
-    assert same_state(before, snapshot(cache))
+    assert same_state(before, cache)
     cache.append(**good)  # still usable; it takes the next slot
     assert len(cache) == 14 and cache.n_slots == 14
 
@@ -296,7 +271,7 @@ def test_dtype_mismatch_rejected_and_cache_unchanged():
         for dtype in (torch.float64, torch.bfloat16, torch.int64):
             with pytest.raises(TypeError, match=rf"^{name} must have the cache's dtype torch.float32, got {dtype}"):
                 cache.append(**dict(good, **{name: good[name].to(dtype)}))
-    assert same_state(before, snapshot(cache))
+    assert same_state(before, cache)
     qs, q = torch.randn(2, 4), torch.randn(2, 4, 4)
     with pytest.raises(TypeError, match="^qs must be a floating-point tensor, got torch.int64"):
         cache.attend(qs.long(), 0.5, q=q)
@@ -304,7 +279,7 @@ def test_dtype_mismatch_rejected_and_cache_unchanged():
         cache.attend(qs, 0.5, q=q.double())
     with pytest.raises(TypeError, match="^tau must be a float or a floating-point tensor, got torch.int64"):
         cache.attend(qs, torch.ones(4, dtype=torch.int64), q=q)
-    assert same_state(before, snapshot(cache))
+    assert same_state(before, cache)
     out = cache.attend(qs.double(), torch.full((4,), 0.5, dtype=torch.float64), q=q.double())  # float64 queries
     assert rel_rms(out, cache.attend(qs, 0.5, q=q)) < TOL
     with pytest.raises(TypeError, match="^sink_value must be a floating-point tensor"):
@@ -330,7 +305,7 @@ def test_float64_keys_beyond_float32_range_rejected():
         cache.append(torch.tensor([[0.0, 1e39]], dtype=torch.float64), torch.ones(1, 1, 4, dtype=torch.float64))
     with pytest.raises(ValueError, match="^qs must lie within the float32 range"):
         cache.attend(torch.tensor([[-1e39, 0.0]], dtype=torch.float64), 0.5)
-    assert same_state(before, snapshot(cache))
+    assert same_state(before, cache)
     big = torch.tensor([[3e38, -3e38]], dtype=torch.float64)  # within range: accepted
     cache.append(big, torch.ones(1, 1, 4, dtype=torch.float64))
     assert len(cache) == 2
@@ -345,7 +320,7 @@ def test_compress_on_a_full_cache_raises_and_leaves_it_unchanged():
     before = snapshot(cache)
     with pytest.raises(RuntimeError, match="cache is full: compressing needs 10 new value slots.*unchanged"):
         cache.compress_density(0.0, group=2)  # 5 merged entries per head, 2 heads in the one group
-    assert same_state(before, snapshot(cache))
+    assert same_state(before, cache)
     cache.attend(torch.full((1, 2), 4.0), 0.5)
     cache.evict_geometric(1.5)  # keeps keys 3, 4 (four tokens per head): room for 2 x 2 merged entries
     assert cache.compress_density(0.0, group=2) == 2 * 2

@@ -56,8 +56,9 @@ class LayerCache:
 class Attention(nn.Module):
     """Causal self-attention configured by an `AttentionConfig`; see the module docstring.
 
-    A mechanism subclass sets the class attributes below and implements `build`, `project`,
-    `attend` and `step_readout` (and `init_cache` when the plain KV cache does not fit)."""
+    A mechanism subclass sets the class attributes below and implements `attend` and
+    `step_readout`, and `build`, `project` and `init_cache` where the defaults (vector q/k/v for
+    every head, a plain KV cache) do not fit."""
 
     mechanism: ClassVar[str] = ""
     options: ClassVar[tuple[str, ...]] = ()  # AttentionConfig fields this mechanism reads
@@ -111,12 +112,16 @@ class Attention(nn.Module):
         return None
 
     def build(self, c: AttentionConfig) -> None:
-        """Create the mechanism's parameters."""
-        raise NotImplementedError(f"{type(self).__name__} must define build()")
+        """Create the mechanism's parameters: by default q, k, v projections (and RoPE) for every head."""
+        self.build_vectors(c, c.n_heads)
 
     def project(self, x: torch.Tensor, start_pos: int = 0) -> Projected:
-        """x (B, T, C) at absolute positions start_pos.. -> the per-head tensors (see `Projected`)."""
-        raise NotImplementedError(f"{type(self).__name__} must define project()")
+        """x (B, T, C) at absolute positions start_pos.. -> the per-head tensors (see `Projected`):
+        by default q, k (rotated when RoPE is on) and v of every head."""
+        self.check_start(start_pos)
+        q, k, v = self.vectors(x, self.config.n_heads)
+        q, k = self.rotate(q, k, start_pos)
+        return Projected(start_pos=start_pos, q=q, k=k, v=v)
 
     def attend(self, p: Projected, values=None, impl: str | None = None):
         """Readout (B, H, T, D) of the whole sequence, and the scalar-op inputs to record (or None).

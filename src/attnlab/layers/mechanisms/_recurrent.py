@@ -16,15 +16,6 @@ class RecurrentAttention(Attention):
     def configure(cls, config) -> None:
         config.set_vector_heads(config.n_heads, grouped=False)
 
-    def build(self, c) -> None:
-        self.build_vectors(c, c.n_heads)
-
-    def project(self, x, start_pos: int = 0) -> Projected:
-        self.check_start(start_pos)
-        q, k, v = self.vectors(x, self.config.n_heads)
-        q, k = self.rotate(q, k, start_pos)
-        return Projected(start_pos=start_pos, q=q, k=k, v=v)
-
     def init_cache(self, cache, window, max_len) -> None:
         cache.state = RecurrentState(cache.batch_size)
 
