@@ -180,10 +180,11 @@ def test_output_gate_applies_before_output_projection():
     assert rel_rms(layer(x), y) < 1e-12
 
 
+@pytest.mark.parametrize("param", ["softplus", "log"])
 @pytest.mark.parametrize("mode", ["global", "head", "token"])
 @pytest.mark.parametrize("tau_max", [None, 0.3])
-def test_tau_positive_capped_and_starts_at_init(mode, tau_max):
-    temp = Temperature(mode, H, C, init=0.07, tau_max=tau_max).double()
+def test_tau_positive_capped_and_starts_at_init(mode, tau_max, param):
+    temp = Temperature(mode, H, C, init=0.07, tau_max=tau_max, param=param).double()
     x = torch.randn(B, T, C, dtype=torch.float64)
     tau0 = temp(x)
     assert tau0.shape == ((B, H, T) if mode == "token" else (H,))
@@ -323,3 +324,22 @@ def test_forward_backward_fast_equals_naive(name):
     for pname, g in gp_f.items():
         assert g is not None and torch.isfinite(g).all(), pname
         assert rel_rms(g, gp_n[pname]) < 1e-4, pname
+
+
+@pytest.mark.parametrize("init", [0.01, 0.1, 3.0])
+def test_tau_slopes_of_the_two_parametrisations(init):
+    """dτ/draw at initialisation: τ for the log form (a step moves log τ), 1 − exp(−τ) for softplus,
+    which is within 5% of τ at τ ≤ 0.1 and far below it once τ is large."""
+    x = torch.zeros(1, 1, C, dtype=torch.float64)
+    slopes = {}
+    for param in ("softplus", "log"):
+        temp = Temperature("global", 1, C, init=init, param=param).double()
+        temp(x).sum().backward()
+        slopes[param] = temp.raw.grad.item()
+    tau = init - 1e-6
+    assert slopes["log"] == pytest.approx(tau, rel=1e-6)  # raw was rounded to float32 before .double()
+    assert slopes["softplus"] == pytest.approx(-math.expm1(-tau), rel=1e-6)
+    if init <= 0.1:
+        assert slopes["softplus"] == pytest.approx(slopes["log"], rel=0.05)
+    else:
+        assert slopes["softplus"] < 0.4 * slopes["log"]

@@ -17,6 +17,7 @@ from typing import Any, Literal, Union
 
 from ..ops._checks import IMPLS
 from ..ops.softmax import SCALES
+from .params import TAU_PARAMS
 
 # Fields every mechanism reads; each mechanism class lists the others it reads in `options`.
 SHARED_FIELDS = ("d_model", "n_heads", "mechanism", "head_dim", "output_gate", "bias", "impl")
@@ -162,6 +163,8 @@ class AttentionConfig:
       tau             temperature form: "global" (one τ), "head" (one per head) or "token"
                       (one per head and token, from the input). Kept positive by softplus.
       tau_init        τ at initialisation (> 0).
+      tau_param       "softplus" (τ = 1e-6 + softplus(raw)) or "log" (τ = 1e-6 + exp(raw)): the
+                      parameter the optimizer moves; in log space a step changes τ relatively.
       tau_max         optional upper cap: τ = 1e-6 + (tau_max − 1e-6)·sigmoid(raw), smooth, ≤ tau_max.
       sink            add a learned sink: one extra key, visible to every query, with fixed
                       scalar key `sink_key` (and a zero vector key for hybrid heads) and a learned
@@ -203,6 +206,7 @@ class AttentionConfig:
     rope_base: float = 10000.0
     tau: str = "head"
     tau_init: float = 0.1
+    tau_param: str = "softplus"
     tau_max: float | None = None
     sink: bool = False
     sink_key: float = 0.0
@@ -289,6 +293,8 @@ class AttentionConfig:
             raise _err("tau", self.tau, f"one of {TAU_MODES}")
         if isinstance(self.tau_init, bool) or not isinstance(self.tau_init, (int, float)) or not self.tau_init > 1e-6:
             raise _err("tau_init", self.tau_init, "a number > 1e-6 (the floor that keeps τ positive)")
+        if self.tau_param not in TAU_PARAMS:
+            raise _err("tau_param", self.tau_param, f"one of {TAU_PARAMS}")
         if self.tau_max is not None:
             _pos("tau_max", self.tau_max)
             if not self.tau_init < self.tau_max:

@@ -19,25 +19,35 @@ def _inv_softplus(y: float) -> float:
     return y + math.log(-math.expm1(-y))
 
 
+TAU_PARAMS = ("softplus", "log")
+
+
 class Temperature(nn.Module):
     """Scalar-attention temperature τ > 0: global, per head, or per token from the input.
 
-    τ = floor + softplus(raw), or with a cap τ = floor + (tau_max − floor)·sigmoid(raw), which stays
-    strictly inside (0, tau_max] and keeps a gradient everywhere (a hard clamp would freeze τ at
-    the cap); floor = 1e-6 keeps τ > 0 where softplus or sigmoid underflow to 0. The per-token form
-    is raw = x·W + b per head with W zero-initialised, so every token starts at tau_init and
-    learns its own bandwidth from there.
+    τ = floor + softplus(raw) (param="softplus") or τ = floor + exp(raw) (param="log"), or with a
+    cap τ = floor + (tau_max − floor)·sigmoid(raw), which stays strictly inside (0, tau_max] and
+    keeps a gradient everywhere (a hard clamp would freeze τ at the cap); floor = 1e-6 keeps τ > 0
+    where softplus, exp or sigmoid underflow to 0. In log space an optimizer step of size lr moves
+    log τ by lr, a relative change whatever τ is. Softplus does the same while τ is small (its
+    slope 1 − e^(−τ) ≈ τ: within 5% of the log form's slope τ up to τ = 0.1) and becomes linear
+    above τ ≈ 1, where a step moves τ by lr, not by lr·τ; the capped sigmoid form behaves like the
+    log form well below the cap. The per-token form is raw = x·W + b per head with W zero-initialised, so
+    every token starts at tau_init and learns its own bandwidth from there.
     """
 
-    def __init__(self, mode: str, n_heads: int, d_model: int, init: float, tau_max: float | None = None):
+    def __init__(self, mode: str, n_heads: int, d_model: int, init: float, tau_max: float | None = None,
+                 param: str = "softplus"):
         super().__init__()
         if mode not in ("global", "head", "token"):
             raise ValueError(f"mode must be 'global', 'head' or 'token', got {mode!r}")
+        if param not in TAU_PARAMS:
+            raise ValueError(f"param must be one of {TAU_PARAMS}, got {param!r}")
         if not init > TAU_FLOOR or (tau_max is not None and not init < tau_max):
             raise ValueError(f"init must be in ({TAU_FLOOR}, tau_max), got init={init}, tau_max={tau_max}")
-        self.mode, self.n_heads, self.tau_max = mode, n_heads, tau_max
+        self.mode, self.n_heads, self.tau_max, self.param = mode, n_heads, tau_max, param
         if tau_max is None:
-            raw0 = _inv_softplus(init - TAU_FLOOR)
+            raw0 = math.log(init - TAU_FLOOR) if param == "log" else _inv_softplus(init - TAU_FLOOR)
         else:
             frac = (init - TAU_FLOOR) / (tau_max - TAU_FLOOR)
             raw0 = math.log(frac / (1 - frac))
@@ -50,7 +60,8 @@ class Temperature(nn.Module):
 
     def squash(self, raw: torch.Tensor) -> torch.Tensor:
         if self.tau_max is None:
-            return F.softplus(raw) + TAU_FLOOR
+            # exp saturates at raw = 80 (τ ≈ 5.5e34, finite in float32) rather than overflowing to inf
+            return (raw.clamp(max=80.0).exp() if self.param == "log" else F.softplus(raw)) + TAU_FLOOR
         return TAU_FLOOR + (self.tau_max - TAU_FLOOR) * torch.sigmoid(raw)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:

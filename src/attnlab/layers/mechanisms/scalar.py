@@ -31,7 +31,7 @@ from ..params import Temperature
 from ..record import Projected
 from . import register
 
-SCALAR_OPTIONS = ("tau", "tau_init", "tau_max", "sink", "sink_key")
+SCALAR_OPTIONS = ("tau", "tau_init", "tau_param", "tau_max", "sink", "sink_key")
 
 
 @register
@@ -64,7 +64,7 @@ class ScalarAttention(Attention):
     def build(self, c) -> None:
         self.wqs = nn.Linear(c.d_model, self.n_scalar, bias=c.bias)
         self.wks = nn.Linear(c.d_model, self.n_scalar, bias=c.bias)
-        self.temperature = Temperature(c.tau, self.n_scalar, c.d_model, c.tau_init, c.tau_max)
+        self.temperature = Temperature(c.tau, self.n_scalar, c.d_model, c.tau_init, c.tau_max, c.tau_param)
         self.build_values(c)
         if c.sink:
             self.sink_value = nn.Parameter(torch.zeros(self.value_groups, c.head_dim))  # (G, D)
