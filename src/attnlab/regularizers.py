@@ -18,7 +18,7 @@ from typing import Iterable, Mapping
 
 import torch
 
-from .ops._checks import broadcast_param, check_choice, check_impl, check_positive, check_same, check_tensor
+from .checks import broadcast_param, check_choice, check_impl, check_positive, check_same, check_tensor
 from .ops.scalar import hybrid_attention, scalar_attention
 
 REDUCTIONS = ("pairs", "queries")

@@ -36,7 +36,7 @@ import math
 
 import torch
 
-from ..ops._checks import check_groups, check_impl, check_positive
+from ..checks import check_groups, check_impl, check_positive
 from . import eviction
 from .sorted_index import SortedKeyIndex, radius_from_tolerance, run_keys
 from .sink import parse_zone, sink_rows

@@ -30,7 +30,7 @@ import sysconfig
 from functools import lru_cache
 from pathlib import Path
 
-from ..ops._checks import check_choice
+from ..checks import check_choice
 
 SPLITS = ("train", "val", "test")
 FILE_SPLITS = SPLITS + ("all",)

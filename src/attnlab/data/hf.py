@@ -16,7 +16,7 @@ import os
 import re
 from typing import Iterable, Iterator
 
-from ..ops._checks import check_choice
+from ..checks import check_choice
 from .corpus import SPLITS
 
 TINYSTORIES = "roneneldan/TinyStories"

@@ -28,7 +28,7 @@ import numpy as np
 import torch
 from tqdm.auto import tqdm
 
-from ..ops._checks import check_tensor
+from ..checks import check_tensor
 
 _ENCODE_CHUNK = 512
 

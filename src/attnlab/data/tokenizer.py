@@ -24,7 +24,7 @@ from typing import Iterable, Protocol, Sequence, runtime_checkable
 
 import numpy as np
 
-from ..ops._checks import check_choice
+from ..checks import check_choice
 from .cache import atomic_write_text, resolve_cache_dir
 
 EOS_TOKEN = "<|endoftext|>"

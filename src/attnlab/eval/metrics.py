@@ -17,7 +17,7 @@ import torch
 import torch.nn.functional as F
 
 from ..data.packing import TokenStream, sequential_batches
-from ..ops._checks import check_groups, check_same, check_tensor
+from ..checks import check_groups, check_same, check_tensor
 
 TOPK_KS = (8, 16, 32, 64)
 

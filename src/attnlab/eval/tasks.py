@@ -12,7 +12,7 @@ from typing import Callable, Sequence
 import torch
 
 from ..data.synthetic import IGNORE, mqar, passkey
-from ..ops._checks import check_tensor
+from ..checks import check_tensor
 
 Model = Callable[[torch.Tensor], torch.Tensor]
 

@@ -22,7 +22,7 @@ import torch
 from torch import nn
 
 from ..cache.kv import KVCache, RecurrentState
-from ..ops._checks import check_finite
+from ..checks import check_finite
 from .config import AttentionConfig
 from .gate import OutputGate
 from .record import AttentionRecord, Projected

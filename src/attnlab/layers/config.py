@@ -15,7 +15,7 @@ import typing
 from dataclasses import dataclass
 from typing import Any, Literal, Union
 
-from ..ops._checks import IMPLS
+from ..checks import IMPLS
 from ..ops.softmax import SCALES
 from .params import TAU_PARAMS
 

@@ -12,7 +12,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from ._checks import check_finite, check_groups, check_lengths, check_like, check_same, check_tensor, visible_keys
+from ..checks import check_finite, check_groups, check_lengths, check_like, check_same, check_tensor, visible_keys
 
 LOW_PRECISION = (torch.bfloat16, torch.float16)
 

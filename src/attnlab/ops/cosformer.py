@@ -32,7 +32,7 @@ from typing import NamedTuple
 
 import torch
 
-from ._checks import check_impl, check_positive, check_linear_qkv, check_qkv_step, check_state, empty_result
+from ..checks import check_impl, check_positive, check_linear_qkv, check_qkv_step, check_state, empty_result
 from ._chunked import chunked_linear_attention
 
 

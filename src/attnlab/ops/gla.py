@@ -27,7 +27,7 @@ import math
 
 import torch
 
-from ._checks import (
+from ..checks import (
     check_finite, check_impl, check_like, check_positive, check_linear_qkv, check_qkv_step, check_state, check_tensor,
     empty_result,
 )

@@ -30,10 +30,10 @@ import torch
 import torch.nn.functional as F
 from torch.autograd.function import once_differentiable
 
-from ._checks import (
+from ..checks import (
     check_finite, check_groups, check_impl, check_like, check_param, check_same, check_tensor, empty_result,
 )
-from ._checks import key_counts
+from ..checks import key_counts
 from .principled_naive import principled_naive
 
 LOG2E = 1.4426950408889634

@@ -19,7 +19,7 @@ import math
 import torch
 import torch.nn.functional as F
 
-from ._checks import key_counts, visible_keys
+from ..checks import key_counts, visible_keys
 
 
 def principled_naive(

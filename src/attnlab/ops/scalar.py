@@ -33,7 +33,7 @@ import math
 
 import torch
 
-from ._checks import (
+from ..checks import (
     check_finite, check_groups, check_impl, check_lengths, check_like, check_param, check_positive, check_same,
     check_tensor, visible_keys,
 )

@@ -11,7 +11,7 @@ import math
 
 import torch
 
-from ._checks import check_choice, check_impl, check_positive, key_counts, visible_keys
+from ..checks import check_choice, check_impl, check_positive, key_counts, visible_keys
 from ._sdpa import check_causal, check_qkv, expand_heads, fused_attention, upcast
 
 SCALES = ("sqrt_d", "ktotal", "kmean", "krms", "pnorm", "n_sqrt_d")

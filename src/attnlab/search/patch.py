@@ -12,7 +12,7 @@ from dataclasses import dataclass
 
 import torch
 
-from attnlab.ops._checks import check_choice
+from attnlab.checks import check_choice
 
 from .capture import teacher_attention
 from .hf_model import attention_modules

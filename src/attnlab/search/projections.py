@@ -26,7 +26,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from attnlab.ops._checks import check_impl, check_positive, check_tensor
+from attnlab.checks import check_impl, check_positive, check_tensor
 
 
 class SearchProjections(nn.Module):

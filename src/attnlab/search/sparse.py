@@ -12,7 +12,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from attnlab.ops._checks import check_groups, check_impl, check_same, check_tensor
+from attnlab.checks import check_groups, check_impl, check_same, check_tensor
 
 
 def _check(q, k, v, idx, valid):

@@ -1,4 +1,5 @@
-"""Argument validation shared by every op: errors name the argument, what it got, what it needs."""
+"""Argument checks shared by every part of attnlab (ops, layers, caches, search): errors name the
+argument, what it got and what it needs. Public, so code built on attnlab can check the same way."""
 
 from __future__ import annotations
 
