@@ -20,7 +20,7 @@ import pytest
 import torch
 
 from attnlab.ops import (
-    cosformer_attention, cosformer_step, gla_attention, gla_step, hybrid_attention, principled_attention,
+    cosformer_attention, cosformer_step, gla_attention, gla_step, goat_attention, hybrid_attention, principled_attention,
     scalar_attention, softmax_attention, ssd_attention, ssd_step,
 )
 from attnlab.ops.softmax import SCALES
@@ -99,6 +99,11 @@ OPS = [_softmax(s) for s in (*SCALES, 0.3)] + [
        lambda impl, **a: principled_attention(a["q"], a["k"], a["qg"], a["kg"], a["v"], alpha=a["alpha"],
                                               beta=a["beta"], gamma=a["gamma"], v0=a["v0"], impl=impl),
        dict(q=2, k=2, v=2, qg=2, kg=2, alpha=2, beta=2, gamma=2), params=("alpha", "beta", "gamma")),
+    Op("goat", lambda t, dt, g: {**_hybrid_inputs(t, dt, g), "lam_sym": _r(g, dt, G, 3), "lam_asym": _r(g, dt, G, 3),
+                                 "u": _r(g, dt, B, G, t)},
+       lambda impl, **a: goat_attention(a["q"], a["k"], a["v"], torch.tensor([1.0, 0.1, 0.01], dtype=a["q"].dtype),
+                                        a["lam_sym"], a["lam_asym"], a["u"], qs=a["qs"], ks=a["ks"], tau=a["tau"], impl=impl),
+       dict(q=2, k=2, v=2, qs=2, ks=2, tau=2, u=2), params=("tau", "lam_sym", "lam_asym", "u"), positive=("tau",)),
     Op("cosformer", lambda t, dt, g: _qkv(g, dt, t),
        lambda impl, **a: cosformer_attention(a["q"], a["k"], a["v"], max_len=64, impl=impl)[0],
        dict(q=2, k=2, v=2), floats=dict(eps=1e-6)),

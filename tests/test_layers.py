@@ -34,6 +34,8 @@ CONFIGS = {
     "cosformer-plain": dict(mechanism="cosformer", cosformer_normalize=False, cosformer_max_len=32),
     "gla": dict(mechanism="gla", gla_rank=4, output_gate="headwise"),
     "ssd": dict(mechanism="ssd", rope=True),
+    "goat-gqa": dict(mechanism="goat", n_kv_heads=2, goat_rank=3, goat_abs_rank=2, goat_train_len=16),
+    "goat-hybrid-token-tau": dict(mechanism="goat_hybrid", tau="token", goat_rank=4, goat_train_len=16),
 }
 
 
@@ -44,6 +46,9 @@ def make(kw, dtype=torch.float64):
             layer.sink_value.normal_()
         if layer.gate is not None:
             layer.gate.proj.weight.normal_(0, 0.3)
+        if hasattr(layer, "prior"):  # GOAT's key-term network starts at ~1e-3 weights: its gradients cancel to ~1e-7
+            for prm in (layer.prior.fc1.weight, layer.prior.fc2.weight, layer.prior.bump, layer.prior.lam_asym):
+                prm.normal_(0, 0.5)
     return layer
 
 

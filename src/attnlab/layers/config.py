@@ -185,6 +185,13 @@ class AttentionConfig:
                       `make_cache(..., max_len=M)` and equals forward on sequences of length M.
       gla_rank        rank of GLA's low-rank decay gate; gla_normalizer divides its log-sigmoid.
 
+    GOAT ("goat", and "goat_hybrid" with the scalar options above but no sink)
+      goat_rank       R, frequencies of the relative-position Fourier prior (> 0).
+      goat_abs_rank   M, absolute Fourier features of the key-only term's network (> 0).
+      goat_base       base of both frequency ladders, w_r = base^(−r/(R−1)).
+      goat_train_len  positions are normalised by this length in the key-only term (a model sets
+                      it to its max_seq_len), so a layer's output never depends on T.
+
     Everything
       output_gate     None | "elementwise" | "headwise": post-readout sigmoid gate from the layer
                       input, zero-initialised weights (starts at sigmoid(0) = 0.5), applied
@@ -222,6 +229,10 @@ class AttentionConfig:
     cosformer_max_len: int | None = None
     gla_rank: int = 16
     gla_normalizer: float = 16.0
+    goat_rank: int = 8
+    goat_abs_rank: int = 8
+    goat_base: float = 10000.0
+    goat_train_len: int = 1024
     output_gate: str | None = None
     bias: bool = False
     impl: str = "auto"
@@ -252,6 +263,10 @@ class AttentionConfig:
 
     def require_int(self, field: str, lo: int = 1) -> int:
         _int(field, getattr(self, field), lo)
+        return getattr(self, field)
+
+    def require_positive(self, field: str) -> float:
+        _pos(field, getattr(self, field))
         return getattr(self, field)
 
     def _check_applicable(self, cls) -> None:

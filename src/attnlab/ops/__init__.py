@@ -10,6 +10,7 @@ from .scalar import hybrid_attention, hybrid_logits, scalar_attention, scalar_lo
 from .principled import principled_attention
 from .cosformer import CosformerState, cosformer_attention, cosformer_step
 from .gla import gla_attention, gla_step, ssd_attention, ssd_step
+from .goat import goat_attention, goat_prior
 
 __all__ = [
     "softmax_attention",
@@ -19,6 +20,8 @@ __all__ = [
     "cosformer_attention",
     "gla_attention",
     "ssd_attention",
+    "goat_attention",
+    "goat_prior",
     "cosformer_step",
     "gla_step",
     "ssd_step",

@@ -29,7 +29,7 @@ def mechanism_class(name: str) -> type:
 
 
 # The registration lines: importing a module registers its mechanism(s).
-from . import softmax, scalar, hybrid, principled, cosformer, gla, ssd  # noqa: E402,F401
+from . import softmax, scalar, hybrid, principled, cosformer, gla, ssd, goat, goat_hybrid  # noqa: E402,F401
 
 MECHANISMS: tuple[str, ...] = tuple(REGISTRY)
 LINEAR_FAMILY: tuple[str, ...] = tuple(name for name, cls in REGISTRY.items() if cls.recurrent)

@@ -1,0 +1,117 @@
+"""mechanism = "goat": dot-product attention plus GOAT's learned log-prior over positions
+(docs/mechanisms.md#goat; arXiv 2601.15380). The op is `attnlab.ops.goat_attention`; this module
+owns the prior's parameters (`GoatPrior`) and evaluates its key-only term for the positions at hand.
+
+GOAT carries position in its prior, so RoPE is off by default (it can still be turned on).
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from ...cache.kv import KVCache
+from ...ops import goat_attention
+from ..attention import Attention
+from ..record import Projected
+from . import register
+
+GOAT_OPTIONS = ("goat_rank", "goat_abs_rank", "goat_base", "goat_train_len")
+
+
+def check_goat_options(config) -> None:
+    for name in ("goat_rank", "goat_abs_rank", "goat_train_len"):
+        config.require_int(name)
+    config.require_positive("goat_base")
+
+
+def alibi_slopes(n: int) -> torch.Tensor:
+    """ALiBi's geometric head slopes for n heads: 2^(−8i/p) for i = 1..p when n = p is a power of
+    two; otherwise those of the power below, then every other slope of the power above."""
+    def powers(p: int) -> list[float]:
+        return [2.0 ** (-8.0 * i / p) for i in range(1, p + 1)]
+
+    p = 2 ** int(math.floor(math.log2(n)))
+    slopes = powers(p) + (powers(2 * p)[0::2][: n - p] if n > p else [])
+    return torch.tensor(slopes, dtype=torch.float32)
+
+
+class GoatPrior(nn.Module):
+    """GOAT's learnable log-prior for G key groups: spectral weights lam_sym, lam_asym (G, R) over
+    the frequencies base^(−r/(R−1)), and the key-only term
+
+        u_j = gain_g · f(features of j) + bump_g · [j = 0] + softplus(slope_g) · j   (the last: causal only)
+
+    with f a two-layer SiLU network (hidden width 4, no output bias) of [cos ν_m j, sin ν_m j, j / L, log(1 + j) / log(1 + L)],
+    L = train_len. Initialised as the authors do: lam_sym ~ N(0, 0.01²), lam_asym = 0, f's weights
+    ~ N(0, init_scale²), gain 1, bump 0, slopes the ALiBi slopes of G heads."""
+
+    def __init__(self, n_groups: int, rank: int, abs_rank: int, base: float, train_len: int,
+                 causal: bool = True, init_scale: float = 1e-3):
+        super().__init__()
+        self.causal, self.train_len = causal, train_len
+        self.register_buffer("freqs", base ** (-torch.arange(rank, dtype=torch.float32) / max(rank - 1, 1)))
+        self.register_buffer("abs_freqs", base ** (-torch.arange(abs_rank, dtype=torch.float32) / max(abs_rank - 1, 1)))
+        self.lam_sym = nn.Parameter(torch.randn(n_groups, rank) * 1e-2)
+        self.lam_asym = nn.Parameter(torch.zeros(n_groups, rank))
+        n_in = 2 * abs_rank + 2
+        hidden = min(2 * n_in, 4)
+        # no output bias: a constant added to every u_j cancels in the softmax (its gradient is zero)
+        self.fc1, self.fc2 = nn.Linear(n_in, hidden), nn.Linear(hidden, 1, bias=False)
+        nn.init.normal_(self.fc1.weight, std=init_scale)
+        nn.init.zeros_(self.fc1.bias)
+        nn.init.normal_(self.fc2.weight, std=init_scale)
+        self.gain = nn.Parameter(torch.ones(n_groups))
+        self.bump = nn.Parameter(torch.zeros(n_groups))
+        slopes = alibi_slopes(n_groups)
+        self.slope_raw = nn.Parameter(slopes + torch.log(-torch.expm1(-slopes)))  # softplus^-1
+
+    def key_term(self, n_keys: int) -> torch.Tensor:
+        """u for key positions 0 .. n_keys − 1: (1, G, n_keys), float32."""
+        t = torch.arange(n_keys, device=self.freqs.device, dtype=torch.float32)
+        ph = t[:, None] * self.abs_freqs[None, :]  # (n, M)
+        L = float(self.train_len)
+        feats = torch.cat([ph.cos(), ph.sin(), (t / L)[:, None], (torch.log1p(t) / math.log1p(L))[:, None]], dim=-1)
+        f = self.fc2(F.silu(self.fc1(feats))).squeeze(-1).float()  # (n,)
+        u = self.gain[:, None] * f[None, :] + self.bump[:, None] * (t == 0).float()[None, :]
+        if self.causal:
+            u = u + F.softplus(self.slope_raw)[:, None] * t[None, :]
+        return u[None]  # (1, G, n)
+
+
+@register
+class GoatAttention(Attention):
+    mechanism = "goat"
+    options = ("n_kv_heads", "rope", "rope_base", *GOAT_OPTIONS)
+    rope_default = False
+
+    @classmethod
+    def configure(cls, config) -> None:
+        config.set_vector_heads(config.n_heads)
+        check_goat_options(config)
+
+    @classmethod
+    def model_defaults(cls, max_seq_len: int) -> dict:
+        return {**super().model_defaults(max_seq_len), **({"goat_train_len": max_seq_len} if max_seq_len else {})}
+
+    def build(self, c) -> None:
+        super().build(c)
+        self.prior = GoatPrior(self.n_kv, c.goat_rank, c.goat_abs_rank, c.goat_base, c.goat_train_len)
+
+    def goat(self, q, k, v, impl, **scalar):
+        pr = self.prior
+        return goat_attention(q, k, v, pr.freqs, pr.lam_sym, pr.lam_asym, pr.key_term(k.shape[2]),
+                              causal=True, impl=impl, **scalar)
+
+    def attend(self, p: Projected, values=None, impl: str | None = None):
+        return self.goat(p.q, p.k, p.v if values is None else values, impl or self.config.impl), None
+
+    def init_cache(self, cache, window, max_len) -> None:
+        cache.kv = KVCache(cache.batch_size)
+
+    def step_readout(self, p: Projected, cache):
+        full = cache.kv.append(k=p.k, v=p.v)  # one query against every cached key: the op's offset form
+        return self.goat(p.q, full["k"], full["v"], self.config.impl)

@@ -1,0 +1,45 @@
+"""mechanism = "goat_hybrid": the hybrid score plus GOAT's log-prior, in one fused call
+(docs/mechanisms.md#goat): q·k/√d − (qs − ks)²/τ + log π. It answers whether the scalar term and
+the learned position prior are complementary. The scalar part (projections, τ) is the hybrid
+mechanism's; the sink is not offered (its extra key at position −1 would shift GOAT's positions),
+and decoding is exact (the sorted cache knows nothing of the prior)."""
+
+from __future__ import annotations
+
+from ...cache.kv import KVCache
+from ...ops import goat_attention
+from . import register
+from .goat import GOAT_OPTIONS, GoatPrior, check_goat_options
+from .hybrid import HybridAttention
+
+
+@register
+class GoatHybridAttention(HybridAttention):
+    mechanism = "goat_hybrid"
+    options = ("tau", "tau_init", "tau_param", "tau_max", "n_kv_heads", "rope", "rope_base", *GOAT_OPTIONS)
+    rope_default = False
+
+    @classmethod
+    def configure(cls, config) -> None:
+        super().configure(config)
+        check_goat_options(config)
+
+    @classmethod
+    def model_defaults(cls, max_seq_len: int) -> dict:
+        return {**super().model_defaults(max_seq_len), **({"goat_train_len": max_seq_len} if max_seq_len else {})}
+
+    def build(self, c) -> None:
+        super().build(c)
+        self.prior = GoatPrior(self.n_kv, c.goat_rank, c.goat_abs_rank, c.goat_base, c.goat_train_len)
+
+    def scalar_op(self, qs, ks, vals, tau, q, k, impl):
+        pr = self.prior
+        return goat_attention(q, k, vals, pr.freqs, pr.lam_sym, pr.lam_asym, pr.key_term(k.shape[2]),
+                              qs=qs, ks=ks, tau=tau, causal=True, impl=impl)
+
+    def init_cache(self, cache, window, max_len) -> None:
+        if window is not None:
+            raise ValueError(
+                f"window={window}: the sorted scalar cache cannot apply GOAT's prior; decode goat_hybrid exactly (window=None)"
+            )
+        cache.scalar = KVCache(cache.batch_size)

@@ -1,0 +1,133 @@
+"""GOAT attention: dot-product scores plus a learned log-prior over positions
+(docs/mechanisms.md#goat; Litman, "You Need Better Attention Priors", arXiv 2601.15380).
+
+    score_ij = q_i . k_j / sqrt(d) + log pi_ij
+    log pi_ij = sum_r [ a_r cos(w_r (i - j)) + b_r sin(w_r (i - j)) ] + u_j
+
+a (symmetric) and b (antisymmetric) are spectral weights per key/value group over R frequencies
+w_r; u_j is a key-only term (the layer evaluates it: a small network of absolute position
+features, a first-token bump and, under causal masking, a recency slope). Optionally the hybrid
+scalar term -(qs_i - ks_j)^2 / tau_i is added as well.
+
+Fast path. cos(w(i - j)) = cos wi cos wj + sin wi sin wj and sin(w(i - j)) = sin wi cos wj -
+cos wi sin wj, so the prior is the dot product of the query columns
+[a cos wi + b sin wi, a sin wi - b cos wi, 1] with the key columns [cos wj, sin wj, u_j]. Appended to
+q / sqrt(d) and k (and to the scalar columns of `scalar._augment` for the hybrid term), the whole
+score is one dot product, so the op is one fused SDPA call with memory linear in T. Positions:
+key j is at position j, and the Tq queries are the last Tq positions (a decode step is one query
+at position Tk - 1 against every cached key). Phases are built in float64 and cast, so long
+positions keep their accuracy; 16-bit inputs compute in float32.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from ..checks import check_finite, check_impl, check_tensor, visible_keys
+from ._sdpa import check_causal, check_qkv, expand_heads, fused_attention, upcast
+from .scalar import _augment, _check_scalars, _tau, scalar_logits
+
+
+def _check_prior(freqs, lam_sym, lam_asym, u, B: int, G: int, Tk: int, like: torch.Tensor) -> None:
+    for name, x, ndim in (("freqs", freqs, 1), ("lam_sym", lam_sym, 2), ("lam_asym", lam_asym, 2), ("u", u, 3)):
+        check_tensor(name, x, ndim)
+        if not x.is_floating_point():
+            raise TypeError(f"{name} must be a floating-point tensor, got dtype {x.dtype}")
+        if x.device != like.device:
+            raise ValueError(f"{name} must be on the device of q ({like.device}), got {x.device}")
+    R = freqs.shape[0]
+    for name, x in (("lam_sym", lam_sym), ("lam_asym", lam_asym)):
+        if tuple(x.shape) != (G, R):
+            raise ValueError(f"{name} must have shape (G, R) = {(G, R)} (key groups, frequencies), got {tuple(x.shape)}")
+    if u.shape[0] not in (1, B) or tuple(u.shape[1:]) != (G, Tk):
+        raise ValueError(f"u must have shape (B or 1, G, Tk) = ({B}, {G}, {Tk}), got {tuple(u.shape)}")
+    for name, x in (("freqs", freqs), ("lam_sym", lam_sym), ("lam_asym", lam_asym), ("u", u)):
+        check_finite(name, x)
+
+
+def _phases(freqs: torch.Tensor, start: int, n: int, dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos and sin of w_r t for t = start .. start + n - 1: (n, R) each, computed in float64."""
+    t = torch.arange(start, start + n, device=freqs.device, dtype=torch.float64)
+    ph = t[:, None] * freqs.to(torch.float64)[None, :]  # (n, R)
+    return ph.cos().to(dtype), ph.sin().to(dtype)
+
+
+def goat_prior(freqs, lam_sym, lam_asym, u, Tq: int, causal: bool = True) -> torch.Tensor:
+    """The log-prior log pi as a (B|1, G, Tq, Tk) tensor, -inf where key j is hidden from query i
+    (queries at the last Tq positions). Materialises Tq x Tk: the naive path and analysis."""
+    Tk = u.shape[-1]
+    dt = upcast(u.dtype)
+    rel = torch.arange(Tk - Tq, Tk, device=u.device, dtype=torch.float64)[:, None] - torch.arange(Tk, device=u.device, dtype=torch.float64)
+    ph = rel[..., None] * freqs.to(torch.float64)  # (Tq, Tk, R)
+    prior = torch.einsum("ijr,gr->gij", ph.cos().to(dt), lam_sym.to(dt)) + torch.einsum("ijr,gr->gij", ph.sin().to(dt), lam_asym.to(dt))
+    prior = prior[None] + u.to(dt)[:, :, None, :]  # (B|1, G, Tq, Tk)
+    if causal:
+        prior = prior.masked_fill(~visible_keys(Tq, Tk, True, u.device), float("-inf"))
+    return prior
+
+
+def goat_attention(
+    q, k, v, freqs, lam_sym, lam_asym, u, *, qs=None, ks=None, tau=None, causal: bool = True, impl: str = "auto"
+) -> torch.Tensor:
+    """GOAT attention o_i = sum_j softmax_j(q_i . k_j / sqrt(d) + log pi_ij [- (qs_i - ks_j)^2 / tau_i]) v_j.
+
+    q (B, H, Tq, D); k (B, G, Tk, D) and v (B, G', Tk, Dv) with G, G' dividing H (head h reads group
+    h // (H / G)); freqs (R,) the prior's frequencies; lam_sym, lam_asym (G, R) its spectral weights
+    per key group; u (B or 1, G, Tk) the key-only term. With qs (B, H, Tq), ks (B, H, Tk) and tau
+    (float, (H,) or (B, H, Tq)) the hybrid scalar term is added. Under causal masking Tq <= Tk and
+    the queries are the last Tq positions. Returns (B, H, Tq, Dv) in v's dtype; gradients reach
+    q, k, v, lam_sym, lam_asym, u (and qs, ks, a tensor tau).
+
+    impl: "naive" adds the explicit (Tq, Tk) prior to the scores; "fast"/"auto" is one fused SDPA
+    call on the augmented vectors of the module docstring.
+    """
+    check_impl(impl)
+    check_causal(causal)
+    B, H, Tq, D = check_qkv(q, k, v, causal)
+    G, Tk = k.shape[1], k.shape[2]
+    _check_prior(freqs, lam_sym, lam_asym, u, B, G, Tk, q)
+    scalar = qs is not None or ks is not None or tau is not None
+    if scalar:
+        if qs is None or ks is None or tau is None:
+            raise ValueError("qs, ks and tau go together: give all three for the hybrid term, or none")
+        _check_scalars(qs, ks, q, "q", causal)
+        if tuple(qs.shape) != (B, H, Tq) or ks.shape[2] != Tk:
+            raise ValueError(
+                f"qs must have shape (B, H, Tq) = {(B, H, Tq)} and ks (B, H, Tk) = {(B, H, Tk)}, "
+                f"got {tuple(qs.shape)} and {tuple(ks.shape)}"
+            )
+    cdt = upcast(q.dtype)
+    if impl == "naive":
+        scores = q.to(cdt) @ expand_heads(k, H).to(cdt).transpose(-1, -2) / math.sqrt(D)  # (B, H, Tq, Tk)
+        scores = scores + expand_heads(goat_prior(freqs, lam_sym, lam_asym, u, Tq, causal), H)
+        if scalar:
+            scores = scores + scalar_logits(qs, ks, tau, causal)
+        w = torch.softmax(scores, dim=-1)
+        return (w @ expand_heads(v, H).to(w.dtype)).to(v.dtype)  # (B, H, Tq, Dv)
+
+    cos_q, sin_q = _phases(freqs, Tk - Tq, Tq, cdt)  # (Tq, R)
+    cos_k, sin_k = _phases(freqs, 0, Tk, cdt)  # (Tk, R)
+    a = expand_heads(lam_sym.to(cdt)[None, :, None, :], H)  # (1, H, 1, R)
+    b = expand_heads(lam_asym.to(cdt)[None, :, None, :], H)
+    qa = torch.cat([
+        q.to(cdt) * (1.0 / math.sqrt(D)),
+        (a * cos_q + b * sin_q).expand(B, H, Tq, -1),
+        (a * sin_q - b * cos_q).expand(B, H, Tq, -1),
+        q.new_ones(B, H, Tq, 1, dtype=cdt),
+    ], dim=-1)  # (B, H, Tq, D + 2R + 1)
+    ka = torch.cat([
+        k.to(cdt),
+        torch.cat([cos_k, sin_k], dim=-1).expand(B, G, Tk, -1),
+        u.to(cdt).expand(B, G, Tk)[..., None],
+    ], dim=-1)  # (B, G, Tk, D + 2R + 1)
+    if scalar:
+        inv_tau = 1.0 / _tau(tau, B, H, Tq, cdt, q.device)
+        sq, sk = _augment(qs, ks, inv_tau, cdt, causal)  # (B, H, Tq, 2), (B, H, Tk, 2)
+        qa = torch.cat([qa, sq], dim=-1)
+        ka = torch.cat([expand_heads(ka, H), sk], dim=-1)  # the scalar keys are per head
+    return fused_attention(qa, ka, v.to(cdt), causal=causal).to(v.dtype)
+
+
+__all__ = ["goat_attention", "goat_prior"]
