@@ -21,6 +21,7 @@ from typing import Sequence
 from ._common import EXIT_USAGE, UsageError, _command_line, _Formatter, _Parser
 from .eval import cmd_eval
 from .search import _add_search, _run_search
+from .sweep import add_sweep
 from .train import cmd_quickstart, cmd_train
 
 
@@ -118,6 +119,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--no-progress", action="store_true", help="no progress bars")
     p.set_defaults(func=cmd_quickstart)
 
+    add_sweep(sub)
     _add_search(sub)
     return parser
 

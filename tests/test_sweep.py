@@ -1,0 +1,261 @@
+"""`attnlab sweep`: a tiny 2 variants x 2 seeds sweep writes results whose mean ± sd recompute
+from the run summaries; the verdict rule at its boundary; an interrupted sweep resumes onto
+the uninterrupted results bit for bit; --jobs 2 trains the same runs as --jobs 1; bad specs
+are one-line errors (exit 2) that write nothing."""
+
+from __future__ import annotations
+
+import json
+import shutil
+import statistics
+import sysconfig
+from pathlib import Path
+
+import pytest
+
+from attnlab.cli import main
+from attnlab.experiments.sweep import judge, verdict
+
+ROOT = Path(__file__).resolve().parents[1]
+TINY = (ROOT / "configs" / "tiny.toml").as_posix()
+CORPUS = (Path(sysconfig.get_paths()["stdlib"]) / "argparse.py").as_posix()  # one file: no walk of the stdlib per process
+SHARED = ["model.d_model=16", "model.n_heads=2", "data.seq_len=16", f"data.source={CORPUS}", "train.steps=4",
+          "train.warmup_steps=0", "train.ckpt_every=2", "train.eval_every=2", "train.log_every=1",
+          "train.eval_batches=1", "run.tensorboard=false", "run.threads=1"]
+VARIANTS = {"softmax": ["model.attn=softmax"], "hybrid": ["model.attn=hybrid"]}
+SEEDS = [0, 1]
+METRICS = {"loss_at": [16, 32], "topk_mass": [4], "max_tokens": 256, "analysis_len": 16}
+
+
+def spec_text(shared=SHARED, variants=VARIANTS, extra="") -> str:
+    lines = ['title = "Hybrid vs softmax, tiny"', 'claim = "hybrid reaches a lower validation loss than softmax"',
+             f'base = "{TINY}"', f"seeds = {json.dumps(SEEDS)}", f"overrides = {json.dumps(shared)}", "per_seed = true",
+             extra]
+    for name, ov in variants.items():
+        lines += ["[[variants]]", f'name = "{name}"', f"overrides = {json.dumps(ov)}"]
+    lines += ["[metrics]"] + [f"{k} = {json.dumps(v)}" for k, v in METRICS.items()]
+    lines += ["[verdict]", 'metric = "val_loss"', 'better = "lower"', 'compare = ["hybrid", "softmax"]']
+    return "\n".join(lines) + "\n"
+
+
+def sweep(folder: Path, *args, text: str | None = None) -> dict:
+    folder.mkdir(parents=True, exist_ok=True)
+    spec = folder / "spec.toml"
+    if text is not None or not spec.exists():
+        spec.write_text(text or spec_text())
+    assert main(["sweep", str(spec), "--no-progress", *args]) == 0
+    return json.loads((folder / "results.json").read_text())
+
+
+def per_run(results: dict) -> dict:
+    """What must not change between equivalent sweeps: losses, curves, metrics (not timings)."""
+    keep = ("params", "steps", "tokens", "val_loss", "val_ppl", "train_loss", "tau", "metrics", "curves")
+    return {(r["variant"], r["seed"]): {k: r[k] for k in keep} for r in results["runs"]}
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory) -> tuple[Path, dict]:
+    out = tmp_path_factory.mktemp("sweep") / "ref"
+    return out, sweep(out)
+
+
+# --------------------------------------------------------------------------- results
+
+
+def test_sweep_writes_results_report_and_plots(reference):
+    out, res = reference
+    assert sorted((r["variant"], r["seed"]) for r in res["runs"]) == sorted((v, s) for v in VARIANTS for s in SEEDS)
+    assert res["missing"] == [] and res["machine"]["torch"] and res["command"].startswith("attnlab sweep ")
+    for v in VARIANTS:
+        summaries = [json.loads((out / "runs" / v / f"seed{s}" / "summary.json").read_text()) for s in SEEDS]
+        records = [json.loads((out / "runs" / v / f"seed{s}" / "sweep.json").read_text()) for s in SEEDS]
+        stats = res["variants"][v]
+        for key in ("val_loss", "val_ppl", "train_loss"):
+            values = [s[key] for s in summaries]
+            assert stats["mean"][key] == pytest.approx(statistics.fmean(values), rel=1e-12)
+            assert stats["sd"][key] == pytest.approx(statistics.stdev(values), rel=1e-12)
+        loss32 = [r["metrics"]["loss@32"] for r in records]
+        assert stats["mean"]["loss@32"] == pytest.approx(statistics.fmean(loss32), rel=1e-12)
+        assert stats["sd"]["loss@32"] == pytest.approx(statistics.stdev(loss32), rel=1e-12)
+        assert stats["n"] == 2 and stats["tokens_per_run"] == 4 * 4 * 16 and stats["params"] == summaries[0]["params"]
+        for s, run in zip(SEEDS, sorted((r for r in res["runs"] if r["variant"] == v), key=lambda r: r["seed"])):
+            assert run["curves"]["train"] == [[r["step"], r["loss"]] for r in summaries[s]["history"]["train"]]
+    assert res["variants"]["softmax"]["mean"]["topk_mass@4"] is None  # no scalar heads
+    assert 0 < res["variants"]["hybrid"]["mean"]["topk_mass@4"] <= 1
+    v = res["variants"]
+    expect = verdict(v["hybrid"]["mean"]["val_loss"], v["hybrid"]["sd"]["val_loss"],
+                     v["softmax"]["mean"]["val_loss"], v["softmax"]["sd"]["val_loss"], "lower")
+    assert res["verdict"]["outcome"] == expect
+    report = (out / "report.md").read_text()
+    for words in ("# Hybrid vs softmax, tiny", "**Claim.** hybrid reaches", "Model size", "256 training tokens",
+                  "±", "## Verdict", f"**{expect}**", "twice the combined sd", "## Per seed", "loss_curves.png",
+                  "metrics.png", "topk_mass@4"):
+        assert words in report, words
+    for png in ("loss_curves.png", "metrics.png"):
+        assert (out / png).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+SD_A, SD_B = 0.375, 0.5  # exact in binary: 2 * sqrt(sd_a^2 + sd_b^2) = 1.25 exactly
+
+
+@pytest.mark.parametrize("mean_a, mean_b, better, outcome", [
+    (1.0, 2.26, "lower", "supported"),
+    (1.0, 2.25, "lower", "inconclusive"),  # difference == 2 x combined sd: does not count
+    (2.25, 1.0, "lower", "inconclusive"),
+    (2.26, 1.0, "lower", "not supported"),
+    (2.26, 1.0, "higher", "supported"),
+    (1.0, 2.26, "higher", "not supported"),
+    (1.5, 1.0, "lower", "inconclusive"),
+], ids=["supported", "boundary", "boundary-reversed", "not-supported", "higher-supported", "higher-not", "small"])
+def test_verdict_rule_at_twice_the_combined_sd(mean_a, mean_b, better, outcome):
+    assert 2 * (SD_A ** 2 + SD_B ** 2) ** 0.5 == 1.25
+    assert verdict(mean_a, SD_A, mean_b, SD_B, better) == outcome
+
+
+def test_verdict_needs_two_seeds_and_names_its_numbers():
+    assert verdict(1.0, None, 9.0, 0.1) == "inconclusive"  # one seed: no sd
+    assert verdict(None, 0.1, 9.0, 0.1) == "inconclusive"
+    with pytest.raises(ValueError, match="better"):
+        verdict(1.0, 0.1, 2.0, 0.1, "smaller")
+    variants = {"a": {"mean": {"m": 1.0}, "sd": {"m": SD_A}}, "b": {"mean": {"m": 2.26}, "sd": {"m": SD_B}}}
+    got = judge({"metric": "m", "better": "lower", "compare": ["a", "b"]}, variants)
+    assert got["outcome"] == "supported" and got["threshold"] == 1.25 and got["difference"] == pytest.approx(-1.26)
+
+
+# --------------------------------------------------------------------------- resume, report-only, jobs
+
+
+def _truncate_log(run: Path, last_step: int) -> None:
+    rows = [line for line in (run / "log.jsonl").read_text().splitlines() if json.loads(line)["step"] <= last_step]
+    (run / "log.jsonl").write_text("".join(r + "\n" for r in rows))
+
+
+def test_interrupted_sweep_resumes_onto_the_uninterrupted_results(reference, tmp_path, capsys):
+    ref_out, ref = reference
+    out = tmp_path / "killed"
+    shutil.copytree(ref_out, out)
+    for name in ("results.json", "report.md", "loss_curves.png", "metrics.png"):
+        (out / name).unlink()
+    runs = out / "runs"
+    # killed at step 3, one step past its checkpoint at step 2: no summary, the newest checkpoint is step 2
+    hy = runs / "hybrid" / "seed1"
+    (hy / "summary.json").unlink()
+    (hy / "sweep.json").unlink()
+    shutil.rmtree(hy / "checkpoints" / "step_000004")
+    (hy / "checkpoints" / "latest").write_text("step_000002\n")
+    _truncate_log(hy, 3)
+    # killed after one step, before its first checkpoint: a restart
+    sm = runs / "softmax" / "seed0"
+    for name in ("summary.json", "sweep.json"):
+        (sm / name).unlink()
+    shutil.rmtree(sm / "checkpoints")
+    _truncate_log(sm, 1)
+    # never started
+    shutil.rmtree(runs / "softmax" / "seed1")
+    # finished training, killed before its metrics were written
+    (runs / "hybrid" / "seed0" / "sweep.json").unlink()
+
+    res = sweep(out)
+    assert "4 runs (1 evaluate, 1 resume, 1 restart, 1 new)" in capsys.readouterr().out
+    assert per_run(res) == per_run(ref)  # bit for bit: losses, curves, metrics
+    for v in VARIANTS:
+        assert res["variants"][v]["mean"]["val_loss"] == ref["variants"][v]["mean"]["val_loss"]
+        assert res["variants"][v]["sd"]["val_loss"] == ref["variants"][v]["sd"]["val_loss"]
+    assert res["verdict"] == ref["verdict"]
+    resumed = {(r["variant"], r["seed"]): r["resumed"] for r in res["runs"]}
+    assert resumed[("hybrid", 1)] and not resumed[("softmax", 0)]
+
+    # --report-only rebuilds the same results without training
+    before = {p: p.stat().st_mtime_ns for p in runs.rglob("summary.json")}
+    (out / "results.json").unlink()
+    again = sweep(out, "--report-only")
+    assert per_run(again) == per_run(res) and {p: p.stat().st_mtime_ns for p in runs.rglob("summary.json")} == before
+
+    # a spec changed under finished runs is refused, naming the folder and the key
+    spec = out / "spec.toml"
+    spec.write_text(spec_text(shared=[s for s in SHARED if s != "train.eval_batches=1"] + ["train.eval_batches=2"]))
+    assert main(["sweep", str(spec), "--no-progress"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "train.eval_batches" in err[0] and "another config" in err[0]
+
+
+def test_two_jobs_train_the_same_runs_as_one(reference, tmp_path):
+    _, ref = reference
+    res = sweep(tmp_path / "jobs2", "--jobs", "2")
+    assert per_run(res) == per_run(ref)
+
+
+# --------------------------------------------------------------------------- bad input
+
+
+def files_under(folder: Path) -> list[str]:
+    return sorted(str(p.relative_to(folder)) for p in folder.rglob("*"))
+
+
+BAD = [
+    ("unknown-key", spec_text(extra='colour = "red"'), ["colour", "allowed"]),
+    ("variant-key", spec_text().replace('name = "hybrid"', 'name = "hybrid"\nmodel = "x"'), ["variants[1].model"]),
+    ("rejected-override", spec_text(variants={"softmax": [], "hybrid": ["model.attn=nope"]}),
+     ["variant 'hybrid'", "model.attn", "nope"]),
+    ("bad-value", spec_text(variants={"softmax": [], "hybrid": ["train.lr=-1"]}), ["variant 'hybrid'", "train.lr"]),
+    ("unknown-config-key", spec_text(variants={"softmax": [], "hybrid": ["train.stepz=3"]}),
+     ["variant 'hybrid'", "train.stepz"]),
+    ("shape", spec_text(variants={"softmax": [], "hybrid": ["model.n_heads=3"]}), ["variant 'hybrid'", "n_heads"]),
+    ("duplicate", spec_text().replace('name = "hybrid"', 'name = "softmax"'), ["duplicate", "'softmax'"]),
+    ("no-seeds", spec_text().replace("seeds = [0, 1]", "seeds = []"), ["seeds", "at least one"]),
+    ("owned", spec_text(variants={"softmax": [], "hybrid": ["run.seed=3"]}), ["run.seed", "set by the sweep"]),
+    ("not-override", spec_text(variants={"softmax": [], "hybrid": ["model.attn"]}), ["model.attn", "section.key=value"]),
+    ("verdict-variant", spec_text(variants={"hybrid": ["model.attn=hybrid"], "other": []}), ["verdict.compare", "softmax"]),
+    ("verdict-metric", spec_text().replace('metric = "val_loss"', 'metric = "loss@64"'), ["verdict.metric", "loss@64"]),
+    ("metrics-key", spec_text().replace("[metrics]", "[metrics]\ntopk = [8]"), ["metrics.topk"]),
+    ("base-missing", spec_text().replace(TINY, "nowhere.toml"), ["base", "nowhere.toml"]),
+    ("not-toml", "title = \n", ["not valid TOML"]),
+]
+
+
+@pytest.mark.parametrize("text, words", [b[1:] for b in BAD], ids=[b[0] for b in BAD])
+def test_bad_spec_is_one_line_error_and_writes_nothing(text, words, tmp_path, capsys):
+    spec = tmp_path / "spec.toml"
+    spec.write_text(text)
+    before = files_under(tmp_path)
+    assert main(["sweep", str(spec), "--no-progress"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("error: "), err
+    for word in words:
+        assert word in err[0], f"{word!r} not in {err[0]!r}"
+    assert files_under(tmp_path) == before, "something was written before the error"
+
+
+@pytest.mark.parametrize("argv, word", [
+    (["sweep", "missing.toml"], "does not exist"),
+    (["sweep", "SPEC", "--jobs", "0"], "--jobs"),
+    (["sweep", "SPEC", "--report-only"], "no finished runs"),
+], ids=["missing-spec", "jobs-0", "report-only-nothing"])
+def test_bad_command_line_is_one_line_error(argv, word, tmp_path, capsys, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "SPEC").write_text(spec_text())
+    before = files_under(tmp_path)
+    assert main(argv) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and word in err[0], err
+    assert files_under(tmp_path) == before
+
+
+def test_help_names_the_options(capsys):
+    with pytest.raises(SystemExit):
+        main(["sweep", "--help"])
+    text = capsys.readouterr().out
+    for word in ("--jobs", "--report-only", "--out", "runs/<variant>/seed<k>", "experiments/README.md"):
+        assert word in text
+
+
+def test_the_readme_spec_loads(tmp_path):
+    """The spec format documented in experiments/README.md is the one load_spec reads."""
+    from attnlab.experiments.sweep import load_spec, metric_names
+
+    text = (ROOT / "experiments" / "README.md").read_text().split("```toml\n")[1].split("```")[0]
+    spec_path = tmp_path / "spec.toml"
+    spec_path.write_text(text.replace('"../../../configs/tiny.toml"', f'"{TINY}"'))
+    spec = load_spec(spec_path)
+    assert [v.name for v in spec.variants] == ["softmax", "hybrid"] and spec.out == tmp_path / "results"
+    assert "loss@512" in metric_names(spec.metrics) and spec.verdict["compare"] == ["hybrid", "softmax"]
