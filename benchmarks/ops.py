@@ -40,10 +40,12 @@ from tqdm import tqdm
 
 from attnlab import ops
 
-SCALES = ("sqrt_d", "ktotal", "kmean", "krms", "pnorm", "n_sqrt_d")
+from attnlab.ops.softmax import SCALES
+
 OPS = ("sdpa", "sdpa_math", *(f"softmax[{s}]" for s in SCALES),
-       "scalar", "hybrid", "principled", "cosformer", "gla", "ssd")
-TARGETS = {"scalar": 1.2, "hybrid": 1.2, "principled": 4.0}
+       "scalar", "hybrid", "goat", "goat_hybrid", "principled", "cosformer", "gla", "ssd")
+TARGETS = {"scalar": 1.2, "hybrid": 1.2, "goat": 1.1, "principled": 4.0}
+GOAT_RANK = 8  # R frequencies, as GOAT's default
 MEMORY_SKIP = {"sdpa_math": 4096}  # materialises T x T: above this T it would need gigabytes
 RESULTS = Path(__file__).resolve().parent / "results" / "ops.json"
 
@@ -76,6 +78,19 @@ def make_case(name: str, B: int, H: int, T: int, D: int):
         return ops.scalar_attention, [qs, ks, v, tau]
     if name == "hybrid":
         return ops.hybrid_attention, [q, k, v, qs, ks, tau]
+    if name in ("goat", "goat_hybrid"):
+        # as the layer does: the prior (2R + 1 columns, + 2 for the scalar term) shares the head
+        # width, so q and k carry D - 2R - 1 (- 2) content dims and the fused call is D wide
+        freqs = 10000.0 ** (-torch.arange(GOAT_RANK) / (GOAT_RANK - 1))
+        prior = [rand(H, GOAT_RANK), rand(H, GOAT_RANK), rand(1, H, T)]  # lam_sym, lam_asym, u
+        dc = D - 2 * GOAT_RANK - 1 - (2 if name == "goat_hybrid" else 0)
+        qc, kc = rand(B, H, T, dc), rand(B, H, T, dc)
+        if name == "goat":
+            return (lambda q, k, v, a, b, u: ops.goat_attention(q, k, v, freqs, a, b, u)), [qc, kc, v, *prior]
+
+        def goat_hybrid(q, k, v, a, b, u, qs, ks, tau):
+            return ops.goat_attention(q, k, v, freqs, a, b, u, qs=qs, ks=ks, tau=tau)
+        return goat_hybrid, [qc, kc, v, *prior, qs, ks, tau]
     if name == "principled":
         qg, kg = rand(B, H, T, 16), rand(B, H, T, 16)
         alpha, beta, gamma = (_leaf(torch.full((H,), c)) for c in (0.0, 0.0, -2.0))

@@ -33,8 +33,8 @@ CONFIGS = {
     "cosformer-long-horizon": dict(mechanism="cosformer", cosformer_max_len=64, cosformer_normalize=False),
     "gla": dict(mechanism="gla", gla_rank=4, output_gate="elementwise"),
     "ssd": dict(mechanism="ssd", rope=True),
-    "goat-gqa-rope": dict(mechanism="goat", n_kv_heads=2, rope=True, goat_rank=3, goat_train_len=T),
-    "goat-hybrid": dict(mechanism="goat_hybrid", tau="token", goat_train_len=T),
+    "goat-gqa": dict(mechanism="goat", n_kv_heads=2, goat_rank=3, goat_train_len=T),
+    "goat-hybrid": dict(mechanism="goat_hybrid", tau="token", goat_rank=2, goat_train_len=T),
 }
 
 

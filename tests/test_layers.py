@@ -35,7 +35,7 @@ CONFIGS = {
     "gla": dict(mechanism="gla", gla_rank=4, output_gate="headwise"),
     "ssd": dict(mechanism="ssd", rope=True),
     "goat-gqa": dict(mechanism="goat", n_kv_heads=2, goat_rank=3, goat_abs_rank=2, goat_train_len=16),
-    "goat-hybrid-token-tau": dict(mechanism="goat_hybrid", tau="token", goat_rank=4, goat_train_len=16),
+    "goat-hybrid-token-tau": dict(mechanism="goat_hybrid", tau="token", goat_rank=2, goat_train_len=16),
 }
 
 

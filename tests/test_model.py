@@ -13,6 +13,8 @@ V = 61
 
 def tiny(attn="softmax", **kw) -> LM:
     kw.setdefault("max_seq_len", 32)
+    if str(attn).startswith("goat"):  # head_dim 8: room for a prior of 2 frequencies (2R + 1 + 2 columns)
+        kw.setdefault("attention", {"goat_rank": 2})
     cfg = ModelConfig(vocab_size=V, d_model=32, n_layers=2, n_heads=4, attn=attn, **kw)
     torch.manual_seed(0)
     return LM(cfg).double()

@@ -144,18 +144,19 @@ class Attention(nn.Module):
 
     # ------------------------------------------------------------------ shared pieces
 
-    def build_vectors(self, c: AttentionConfig, n_heads: int) -> None:
-        """q (n_heads), k and v (n_kv groups) projections, and RoPE when configured."""
-        D = c.head_dim
-        self.wq = nn.Linear(c.d_model, n_heads * D, bias=c.bias)
-        self.wk = nn.Linear(c.d_model, self.n_kv * D, bias=c.bias)
+    def build_vectors(self, c: AttentionConfig, n_heads: int, qk_dim: int | None = None) -> None:
+        """q (n_heads) and k (n_kv groups) projections of width qk_dim (default head_dim), v of width
+        head_dim, and RoPE when configured."""
+        D, self.qk_dim = c.head_dim, qk_dim or c.head_dim
+        self.wq = nn.Linear(c.d_model, n_heads * self.qk_dim, bias=c.bias)
+        self.wk = nn.Linear(c.d_model, self.n_kv * self.qk_dim, bias=c.bias)
         self.wv = nn.Linear(c.d_model, self.n_kv * D, bias=c.bias)
-        self.rope = RotaryEmbedding(D, c.rope_base) if c.rope else None
+        self.rope = RotaryEmbedding(self.qk_dim, c.rope_base) if c.rope else None
 
     def vectors(self, x: torch.Tensor, n_heads: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """q (B, n_heads, T, D), k and v (B, n_kv, T, D), before RoPE."""
-        D = self.config.head_dim
-        return heads(self.wq(x), n_heads, D), heads(self.wk(x), self.n_kv, D), heads(self.wv(x), self.n_kv, D)
+        """q (B, n_heads, T, qk_dim), k (B, n_kv, T, qk_dim) and v (B, n_kv, T, head_dim), before RoPE."""
+        d = self.qk_dim
+        return heads(self.wq(x), n_heads, d), heads(self.wk(x), self.n_kv, d), heads(self.wv(x), self.n_kv, self.config.head_dim)
 
     def rotate(self, q: torch.Tensor, k: torch.Tensor, start_pos: int) -> tuple[torch.Tensor, torch.Tensor]:
         """RoPE on vector queries/keys at absolute positions start_pos.., when configured."""

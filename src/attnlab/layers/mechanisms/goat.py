@@ -2,7 +2,9 @@
 (docs/mechanisms.md#goat; arXiv 2601.15380). The op is `attnlab.ops.goat_attention`; this module
 owns the prior's parameters (`GoatPrior`) and evaluates its key-only term for the positions at hand.
 
-GOAT carries position in its prior, so RoPE is off by default (it can still be turned on).
+GOAT carries position in its prior and takes no RoPE. Each head's width is shared: the content
+dot product uses head_dim − 2R − 1 dims and the prior the rest, as in the authors' module, so the
+fused kernel runs at the head size of standard attention.
 """
 
 from __future__ import annotations
@@ -22,10 +24,21 @@ from . import register
 GOAT_OPTIONS = ("goat_rank", "goat_abs_rank", "goat_base", "goat_train_len")
 
 
-def check_goat_options(config) -> None:
+def check_goat_options(config, extra: int = 0) -> None:
+    """GOAT's options, and room for the prior in each head: the content dot product uses
+    head_dim − 2R − 1 − extra dims, so the augmented vectors are head_dim wide (as wide as v)
+    and the fused kernel costs what standard attention of that head size costs."""
     for name in ("goat_rank", "goat_abs_rank", "goat_train_len"):
         config.require_int(name)
     config.require_positive("goat_base")
+    if content_dim(config, extra) < 1:
+        raise config.error("goat_rank", config.goat_rank,
+                           f"2·goat_rank + {1 + extra} < head_dim={config.head_dim} (the prior shares the head's width)")
+
+
+def content_dim(config, extra: int = 0) -> int:
+    """Width of the content q·k: head_dim less the prior's 2R + 1 columns (and `extra` more)."""
+    return config.head_dim - 2 * config.goat_rank - 1 - extra
 
 
 def alibi_slopes(n: int) -> torch.Tensor:
@@ -85,8 +98,7 @@ class GoatPrior(nn.Module):
 @register
 class GoatAttention(Attention):
     mechanism = "goat"
-    options = ("n_kv_heads", "rope", "rope_base", *GOAT_OPTIONS)
-    rope_default = False
+    options = ("n_kv_heads", *GOAT_OPTIONS)
 
     @classmethod
     def configure(cls, config) -> None:
@@ -98,7 +110,7 @@ class GoatAttention(Attention):
         return {**super().model_defaults(max_seq_len), **({"goat_train_len": max_seq_len} if max_seq_len else {})}
 
     def build(self, c) -> None:
-        super().build(c)
+        self.build_vectors(c, c.n_heads, content_dim(c))
         self.prior = GoatPrior(self.n_kv, c.goat_rank, c.goat_abs_rank, c.goat_base, c.goat_train_len)
 
     def goat(self, q, k, v, impl, **scalar):

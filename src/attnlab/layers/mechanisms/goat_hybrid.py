@@ -9,24 +9,26 @@ from __future__ import annotations
 from ...cache.kv import KVCache
 from ...ops import goat_attention
 from . import register
-from .goat import GOAT_OPTIONS, GoatPrior, check_goat_options
+from .goat import GOAT_OPTIONS, GoatPrior, check_goat_options, content_dim
 from .hybrid import HybridAttention
 
 
 @register
 class GoatHybridAttention(HybridAttention):
     mechanism = "goat_hybrid"
-    options = ("tau", "tau_init", "tau_param", "tau_max", "n_kv_heads", "rope", "rope_base", *GOAT_OPTIONS)
-    rope_default = False
+    options = ("tau", "tau_init", "tau_param", "tau_max", "n_kv_heads", *GOAT_OPTIONS)
 
     @classmethod
     def configure(cls, config) -> None:
         super().configure(config)
-        check_goat_options(config)
+        check_goat_options(config, extra=2)  # the scalar term's two columns share the head width too
 
     @classmethod
     def model_defaults(cls, max_seq_len: int) -> dict:
         return {**super().model_defaults(max_seq_len), **({"goat_train_len": max_seq_len} if max_seq_len else {})}
+
+    def build_values(self, c) -> None:
+        self.build_vectors(c, c.n_heads, content_dim(c, extra=2))
 
     def build(self, c) -> None:
         super().build(c)
