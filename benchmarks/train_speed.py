@@ -32,7 +32,7 @@ sys.path.insert(0, str(ROOT / "src"))
 from attnlab.train import load_config  # noqa: E402
 from attnlab.train.trainer import Trainer  # noqa: E402
 
-# name -> overrides; the gated variants add the sigmoid output gate (zero-initialised) of seed 002
+# name -> overrides; the gated variants add the zero-initialised sigmoid output gate (docs/mechanisms.md#output-gate)
 VARIANTS = {
     "softmax": ["model.attn=softmax"],
     "scalar": ["model.attn=scalar"],

@@ -1,4 +1,4 @@
-"""The scalar-space regularizers of 000_6181d7d60368a205.txt: L_align, L_spread, L_tau.
+"""The scalar-space regularizers L_align, L_spread, L_tau (docs/mechanisms.md#regularizers).
 
 They shape the scalar keys of scalar and hybrid heads so that the sorted cache needs only a
 small window at decode time:
@@ -73,7 +73,7 @@ def align_loss(
     the squared distance), never q, k or τ. qs, ks (B, H, T); τ a float, (H,) or (B, H, T); q (B, H, T, D),
     k (B, G, T, D) with G dividing H. The first `n_prefix` query rows (e.g. a sink's extra leading
     query) are left out; their keys are still attended to. reduction "pairs" divides by the number
-    of visible pairs (the seed's 1/n² mean, restricted to what is visible); "queries" by the number
+    of visible pairs (a 1/n² mean over all pairs, restricted to what is visible); "queries" by the number
     of queries, which makes it the mean per-query E_w[(qs−ks)²] and independent of T.
 
     Cost on the fast path: no T×T matrix. Per query, Σ_s w_ts(qs_t − ks_s)² = qs_t² − 2·qs_t·E_w[ks]
@@ -140,7 +140,7 @@ def spread_loss(ks: torch.Tensor, *, target="adaptive", n_prefix: int = 0) -> to
     """L_spread = mean over (B, H, position) of (sort(ks)_i − u_i)², u_i uniform quantile targets.
 
     ks (B, H, T): each head's keys within one sequence are sorted and matched to u = linspace(a, b, T).
-    target (a, b) fixes the range (the seed suggests (-3, 3)); "adaptive" uses mean ± 3·std of that
+    target (a, b) fixes the range (e.g. (-3, 3), the config default); "adaptive" uses mean ± 3·std of that
     head's keys, detached. The sort permutation is a constant of the backward pass: the gradient
     flows through the sorted values back to the keys they came from, never through the order
     (torch.sort's own backward is exactly that scatter). The first `n_prefix` keys (a sink's
@@ -171,7 +171,7 @@ def tau_loss(tau) -> torch.Tensor:
     """L_tau = Σ_heads log(1 + τ_h): log rather than linear, so small τ gets no extreme gradient.
 
     τ (H,) per head, or (B, H, T) per token (summed over heads, averaged over batch and tokens).
-    The seed's alternative, a hard cap, is a parameterisation rather than a loss: set
+    The alternative, a hard cap, is a parameterisation rather than a loss: set
     `AttentionConfig.tau_max` (a smooth sigmoid cap on τ). Cost: O(H) or O(B·H·T).
     """
     if not isinstance(tau, torch.Tensor):

@@ -1,7 +1,9 @@
-"""Principled attention (004_9b512e69d6c7f8e7.txt): gated logits, a learned ground state and
-log K margin amplification, with a tiled fast path whose memory is linear in T.
+"""Principled attention (docs/mechanisms.md#principled-attention; R. Vermillion, "Principled
+Attention"): gated logits, a learned ground state and log K margin amplification, with a tiled
+fast path whose memory is linear in T.
 
-The fast path is the online computation of the seed's section 5. Everything is kept relative
+The fast path is FlashAttention-style online accumulation with one extra accumulator for the
+grounded mass (docs/mechanisms.md#principled-attention, "Fast path"). Everything is kept relative
 to the threshold: y = a - gamma = c (s - gamma) - b with c = 1 + softplus(alpha) log K, so the
 ground term max(gamma, a) becomes max(0, y) and its exponential is 2^-M for the running max M.
 Per query block, a loop over key blocks keeps

@@ -1,4 +1,4 @@
-"""Naive reference for principled attention (004_9b512e69d6c7f8e7.txt, section 3.1).
+"""Naive reference for principled attention (the formula of docs/mechanisms.md#principled-attention).
 
 Materialises the (B, H, Tq, Tk) score matrices and follows the formula line by line:
 
