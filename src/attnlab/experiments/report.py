@@ -145,7 +145,7 @@ def write_eval_report(result: dict, run_dir: str | os.PathLike) -> Path:
 # --------------------------------------------------------------------------- plots
 
 
-def _pyplot():
+def pyplot():
     import matplotlib
 
     matplotlib.use("Agg")
@@ -158,7 +158,7 @@ def plot_loss_curves(histories: dict[str, dict], path: str | os.PathLike, *, x: 
     """Train loss (thin line) and validation loss (markers) of every run on one axis.
 
     histories: {run label: {"train": [log rows], "eval": [log rows]}} as in a trainer summary."""
-    plt = _pyplot()
+    plt = pyplot()
     fig, ax = plt.subplots(figsize=(7.5, 4.5), dpi=120)
     for i, (label, hist) in enumerate(histories.items()):
         color = f"C{i}"
@@ -199,7 +199,7 @@ def plot_tau(histories: dict[str, dict], path: str | os.PathLike) -> Path | None
     panels = {label: s for label, s in panels.items() if s}
     if not panels:
         return None
-    plt = _pyplot()
+    plt = pyplot()
     fig, axes = plt.subplots(1, len(panels), figsize=(4.5 * len(panels), 3.8), dpi=120, squeeze=False)
     for ax, (label, series) in zip(axes[0], panels.items()):
         for layer, (steps, taus) in sorted(series.items()):

@@ -1,0 +1,378 @@
+"""The results of a sweep: mean ± sd over seeds, the verdict rule, results.json, report.md and plots."""
+
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import platform
+from pathlib import Path
+from typing import Sequence
+
+from attnlab.train.config import RunConfig
+
+from ..report import MISSING, fmt, markdown_table
+from .runs import RunPlan, _record_of, collect_metrics, execute, plan, run, run_config, summary_of
+from .spec import EVAL_ARG_KEYS, OWNED_KEYS, SUMMARY_SCALARS, Spec, SweepError, Variant, load_spec, metric_names
+
+
+
+# --------------------------------------------------------------------------- results
+
+
+def sample_sd(values: Sequence[float]) -> float | None:
+    """Sample standard deviation (n - 1), None below 2 values."""
+    if len(values) < 2:
+        return None
+    m = sum(values) / len(values)
+    return math.sqrt(sum((v - m) ** 2 for v in values) / (len(values) - 1))
+
+
+def mean_sd(values: Sequence[float | None]) -> tuple[float | None, float | None, int]:
+    """(mean, sample sd, n) over the values that are not None."""
+    vals = [float(v) for v in values if v is not None]
+    if not vals:
+        return None, None, 0
+    return sum(vals) / len(vals), sample_sd(vals), len(vals)
+
+
+def verdict(mean_a, sd_a, mean_b, sd_b, better: str = "lower") -> str:
+    """'supported' when A beats B by more than 2 * sqrt(sd_a^2 + sd_b^2), 'not supported' when
+    B beats A by more than that, else (or when a mean or sd is missing) 'inconclusive'."""
+    if better not in ("lower", "higher"):
+        raise ValueError(f"better must be 'lower' or 'higher', got {better!r}")
+    if None in (mean_a, sd_a, mean_b, sd_b):
+        return "inconclusive"
+    gain = (mean_b - mean_a) if better == "lower" else (mean_a - mean_b)  # > 0: A is better
+    threshold = 2.0 * math.sqrt(sd_a ** 2 + sd_b ** 2)
+    if gain > threshold:
+        return "supported"
+    if -gain > threshold:
+        return "not supported"
+    return "inconclusive"
+
+
+def judge(rule: dict, variants: dict) -> dict:
+    """The spec's [verdict] applied to the per-variant statistics, with its numbers and a sentence."""
+    m, better = rule["metric"], rule["better"]
+    a, b = rule["compare"]
+    sa, sb = variants.get(a, {}), variants.get(b, {})
+    ma, da = sa.get("mean", {}).get(m), sa.get("sd", {}).get(m)
+    mb, db = sb.get("mean", {}).get(m), sb.get("sd", {}).get(m)
+    outcome = verdict(ma, da, mb, db, better)
+    threshold = 2.0 * math.sqrt(da ** 2 + db ** 2) if None not in (da, db) else None
+    diff = ma - mb if None not in (ma, mb) else None
+    if None in (ma, mb):
+        why = f"{m} is missing for {a if ma is None else b}"
+    elif threshold is None:
+        why = "fewer than 2 finished seeds for a variant, so no sd"
+    else:
+        why = (f"{a} {fmt(ma)} ± {fmt(da)} vs {b} {fmt(mb)} ± {fmt(db)}: difference {fmt(diff)}, "
+               f"threshold 2·sqrt(sd_a² + sd_b²) = {fmt(threshold)}")
+    return {"metric": m, "better": better, "compare": [a, b], "mean": [ma, mb], "sd": [da, db], "difference": diff,
+            "threshold": threshold, "outcome": outcome, "reason": why}
+
+
+def verdict_rule_text(rule: dict) -> str:
+    a, b = rule["compare"]
+    m, better = rule["metric"], rule["better"]
+    worse = "higher" if better == "lower" else "lower"
+    return (f"the claim ({a} is better than {b} in {m}, {better} is better) is **supported** when {a}'s mean {m} is "
+            f"{better} than {b}'s by more than twice the combined sd, 2·sqrt(sd_{a}² + sd_{b}²) (sample sd over seeds); "
+            f"**not supported** when it is {worse} by more than that; **inconclusive** otherwise, and when a variant "
+            f"has fewer than 2 finished seeds.")
+
+
+def _run_entry(spec: Spec, variant: str, seed: int, cfg: RunConfig, run_dir: Path, out: Path) -> dict | None:
+    from attnlab.train import read_log
+
+    s = summary_of(run_dir, cfg.train.steps)
+    if s is None:
+        return None
+    record = _record_of(run_dir) or {}
+    log = read_log(run_dir)
+    return {
+        "variant": variant, "seed": seed, "run_dir": os.path.relpath(run_dir, out),
+        "params": s["params"], "steps": s["steps"], "tokens": s["steps"] * cfg.train.tokens_per_step,
+        **{k: s.get(k) for k in SUMMARY_SCALARS},
+        "wall_seconds": record.get("wall_seconds"), "tau": s.get("tau"), "resumed": s.get("resumed_from") is not None,
+        "metrics": {n: (record.get("metrics") or {}).get(n) for n in metric_names(spec.metrics)},
+        "curves": {
+            "train": [[r["step"], r["loss"]] for r in log if r.get("kind") == "train" and "loss" in r],
+            "val": [[r["step"], r["val_loss"]] for r in log if r.get("kind") == "eval" and "val_loss" in r],
+        },
+    }
+
+
+def scalar_names(spec: Spec, runs: list[dict]) -> list[str]:
+    """Per-run scalars present in at least one run: the summary's, then the collected metrics."""
+    names = [k for k in SUMMARY_SCALARS if any(r.get(k) is not None for r in runs)]
+    return names + [n for n in metric_names(spec.metrics) if any(r["metrics"].get(n) is not None for r in runs)]
+
+
+def _scalar(run: dict, name: str):
+    return run["metrics"].get(name) if name in run["metrics"] else run.get(name)
+
+
+def machine_info(threads: int | None = None) -> dict:
+    import torch
+
+    return {"python": platform.python_version(), "torch": torch.__version__, "platform": platform.platform(),
+            "cpus": os.cpu_count(), "torch_threads": threads or torch.get_num_threads(),
+            "cuda": torch.cuda.get_device_name(0) if torch.cuda.is_available() else None}
+
+
+def aggregate(spec: Spec, out: str | os.PathLike | None = None) -> dict:
+    """Results from the run folders: every finished run, and per variant the mean ± sd over seeds."""
+    out = Path(out) if out is not None else spec.out
+    runs, missing, setup = [], [], {}
+    for v in spec.variants:
+        for seed in spec.seeds:
+            cfg, _ = run_config(spec, v, seed, out)
+            entry = _run_entry(spec, v.name, seed, cfg, Path(cfg.run_dir), out)
+            if entry is None:
+                missing.append(f"{v.name}/seed{seed}")
+            else:
+                runs.append(entry)
+            setup.setdefault(v.name, {
+                "overrides": v.overrides, "description": v.description, "attn": cfg.model.layer_attn,
+                "d_model": cfg.model.d_model, "n_layers": cfg.model.n_layers, "n_heads": cfg.model.n_heads,
+                "seq_len": cfg.data.seq_len, "batch_size": cfg.train.batch_size, "grad_accum": cfg.train.grad_accum,
+                "steps": cfg.train.steps, "tokens_per_run": cfg.train.steps * cfg.train.tokens_per_step,
+                "lr": cfg.train.lr, "data": cfg.data.source, "tokenizer": cfg.data.tokenizer, "max_docs": cfg.data.max_docs,
+            })
+    names = scalar_names(spec, runs)
+    variants = {}
+    for v in spec.variants:
+        mine = [r for r in runs if r["variant"] == v.name]
+        stats = {n: mean_sd([_scalar(r, n) for r in mine]) for n in names}
+        taus = [r["tau"] or [] for r in mine]
+        n_layers = max((len(t) for t in taus), default=0)
+        variants[v.name] = {
+            **setup[v.name], "n": len(mine), "seeds": [r["seed"] for r in mine],
+            "params": mine[0]["params"] if mine else None,
+            "mean": {n: s[0] for n, s in stats.items()}, "sd": {n: s[1] for n, s in stats.items()},
+            "tau": [mean_sd([t[i] if i < len(t) else None for t in taus])[0] for i in range(n_layers)],
+        }
+    threads = {((_record_of(out / r["run_dir"]) or {}).get("threads")) for r in runs} - {None}
+    return {
+        "title": spec.title, "claim": spec.claim, "description": spec.description,
+        "spec": {"path": str(spec.path), **spec.raw}, "seeds": spec.seeds, "scalars": names,
+        "runs": runs, "missing": missing, "variants": variants,
+        "verdict": judge(spec.verdict, variants) if spec.verdict else None,
+        "machine": machine_info(threads.pop() if len(threads) == 1 else None),
+    }
+
+
+def write_results(spec: Spec, out: str | os.PathLike | None = None, *, command: str | None = None,
+                  quiet: bool = True) -> dict:
+    """Rebuild OUT/results.json, report.md, loss_curves.png and metrics.png from the run folders."""
+    out = Path(out) if out is not None else spec.out
+    results = aggregate(spec, out)
+    if not results["runs"]:
+        raise SweepError(f"no finished runs under {str(out / 'runs')!r}: run the sweep first")
+    results["command"] = command or f"attnlab.experiments.sweep.run({str(spec.path)!r})"
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "results.json").write_text(json.dumps(results, indent=2, default=str) + "\n")
+    plot_curves(spec, results, out / "loss_curves.png")
+    metrics_png = plot_metrics(spec, results, out / "metrics.png")
+    (out / "report.md").write_text(report_markdown(spec, results, out, metrics_png is not None) + "\n")
+    if not quiet:
+        print("\n" + results_table(results))
+        if results["verdict"]:
+            print(f"\nverdict: {results['verdict']['outcome']} ({results['verdict']['reason']})")
+        print(f"\nreport: {out / 'report.md'} (results.json, loss_curves.png{', metrics.png' if metrics_png else ''} beside it)")
+    return results
+
+
+# --------------------------------------------------------------------------- report
+
+
+def _pm(mean, sd, digits: int = 4) -> str:
+    """mean ± sd, the sd to 2 significant digits."""
+    if mean is None:
+        return MISSING
+    if sd is None:
+        return fmt(mean, digits)
+    return f"{fmt(mean, digits)} ± {fmt(sd, digits) if sd >= 1 or sd == 0 or not math.isfinite(sd) else f'{sd:.2g}'}"
+
+
+def results_table(results: dict) -> str:
+    names = results["scalars"]
+    headers = ["variant", "seeds", "params", "tokens/run"] + names + ["τ per layer"]
+    rows = []
+    for name, v in results["variants"].items():
+        taus = [t for t in v["tau"] if t is not None]
+        rows.append([name, v["n"], v["params"], v["tokens_per_run"]] + [_pm(v["mean"][n], v["sd"][n]) for n in names]
+                    + [" / ".join(f"{t:.3g}" for t in taus) if taus else None])
+    return markdown_table(headers, rows)
+
+
+def _same(values: list):
+    return values[0] if all(v == values[0] for v in values) else None
+
+
+def report_markdown(spec: Spec, results: dict, out: Path, metrics_png: bool = True) -> str:
+    vs = results["variants"]
+    first = next(iter(vs.values()))
+
+    def common(key, show=str):
+        value = _same([v[key] for v in vs.values()])
+        return show(value) if value is not None else "varies by variant (see the table)"
+
+    base = f"`{spec.base}`" if isinstance(spec.base, str) else "an inline [base] table"
+    lines = [f"# {spec.title}", "",
+             f"*Generated by `attnlab sweep` from `{spec.path.name}`; rebuild it with "
+             f"`attnlab sweep {spec.path.name} --report-only`, do not edit it.*", ""]
+    if spec.claim:
+        lines += [f"**Claim.** {spec.claim}", ""]
+    if spec.description:
+        lines += [spec.description, ""]
+    lines += ["## Setup", "",
+              f"- Base config: {base}" + (f"; shared overrides: {', '.join(f'`{o}`' for o in spec.overrides)}"
+                                           if spec.overrides else "") + ".",
+              "- Variants: " + "; ".join(f"**{name}** ({', '.join(f'`{o}`' for o in v['overrides']) or 'the base'}"
+                                         f"{': ' + v['description'] if v['description'] else ''})" for name, v in vs.items()) + ".",
+              "- Model size: " + ", ".join(f"{name} {fmt(v['params'])} parameters" for name, v in vs.items()) +
+              f" (d_model {common('d_model')}, {common('n_layers')} layers, {common('n_heads')} heads).",
+              f"- Scale per run: {common('steps')} optimizer steps x {common('batch_size')} x {common('grad_accum')} "
+              f"sequences of {common('seq_len')} tokens (context) = {common('tokens_per_run', fmt)} training tokens; "
+              f"AdamW lr {common('lr')}.",
+              f"- Data: {common('data')} ({first['tokenizer']} tokens"
+              f"{', ' + str(first['max_docs']) + ' documents per split' if first['max_docs'] else ''}).",
+              f"- Seeds: {', '.join(map(str, spec.seeds))}; {len(results['runs'])} of "
+              f"{len(results['runs']) + len(results['missing'])} runs finished"
+              + (f" (missing: {', '.join(results['missing'])})" if results["missing"] else "") + ".", ""]
+    lines += ["## Results: mean ± sd over seeds", "", results_table(results), "",
+              "sd is the sample standard deviation over seeds (n - 1); with one seed only the value is shown. "
+              "val loss/ppl: the trainer's final validation (nats per token); tokens/s and train_seconds: training "
+              "throughput and time of the session that finished the run; τ per layer: mean over heads and seeds.", ""]
+    if spec.metrics:
+        lines += [_metrics_text(spec.metrics), ""]
+    if results["verdict"]:
+        v = results["verdict"]
+        lines += ["## Verdict", "", f"**{v['outcome']}**: {v['reason']}.", "", "Rule: " + verdict_rule_text(spec.verdict), ""]
+    lines += ["## Plots", "", "![loss curves](loss_curves.png)", "",
+              "Train (left) and validation (right) loss per variant: the mean over seeds as a line, the min-max over "
+              "seeds as a band.", ""]
+    if metrics_png:
+        lines += ["![per-run metrics](metrics.png)", "", "Each per-run scalar: the mean over seeds as a bar, ±1 sd as an "
+                  "error bar, each seed as a dot.", ""]
+    if spec.per_seed:
+        names = results["scalars"]
+        rows = [[r["variant"], r["seed"]] + [_scalar(r, n) for n in names] for r in results["runs"]]
+        lines += ["## Per seed", "", markdown_table(["variant", "seed"] + names, rows), ""]
+    m = results["machine"]
+    lines += ["## Reproduce", "", f"Command: `{results['command']}`", "",
+              f"Run folders: `{os.path.relpath(out / 'runs', out)}/<variant>/seed<k>/` (config, logs, checkpoints, "
+              f"summary.json, sweep.json). Machine: Python {m['python']}, torch {m['torch']}, {m['platform']}, "
+              f"{m['cpus']} CPUs, torch threads per run: {m['torch_threads']}{', ' + m['cuda'] if m['cuda'] else ''}."]
+    return "\n".join(lines)
+
+
+def _metrics_text(metrics: dict) -> str:
+    parts = []
+    if metrics.get("loss_at"):
+        parts.append("**loss@L**: validation loss (nats/token) at context length L")
+    if metrics.get("topk_mass"):
+        parts.append("**topk_mass@k**: share of each query's attention inside its k nearest keys in scalar space, "
+                     "mean over the scalar heads (— for variants without any)")
+    if metrics.get("entropy"):
+        parts.append("**entropy**: attention entropy (nats), mean over heads and layers")
+    if metrics.get("sink_share"):
+        parts.append("**sink_share**: attention mass on the first token, mean over heads and layers")
+    if metrics.get("passkey"):
+        parts.append("**passkey@L**: passkey retrieval accuracy at length L, mean over depths")
+    if metrics.get("mqar_accuracy"):
+        parts.append("**mqar_accuracy**: MQAR accuracy at the query positions")
+    args = {k: metrics[k] for k in EVAL_ARG_KEYS if k in metrics}
+    how = f" (`attnlab.train.evaluate` on each run's final checkpoint{', ' + ', '.join(f'{k}={v}' for k, v in args.items()) if args else ''})"
+    return "Collected metrics" + how + ": " + "; ".join(parts) + "."
+
+
+# --------------------------------------------------------------------------- plots
+
+
+def _band(curves: list[list[list[float]]]) -> tuple[list, list, list, list]:
+    """(steps, mean, min, max) over the runs' [step, value] curves, at steps every run has."""
+    by_step: dict[float, list[float]] = {}
+    for c in curves:
+        for step, value in c:
+            by_step.setdefault(step, []).append(value)
+    steps = sorted(s for s, vals in by_step.items() if len(vals) == len(curves))
+    vals = [by_step[s] for s in steps]
+    return steps, [sum(v) / len(v) for v in vals], [min(v) for v in vals], [max(v) for v in vals]
+
+
+def plot_curves(spec: Spec, results: dict, path: Path) -> Path:
+    from ..report import pyplot
+
+    plt = pyplot()
+    fig, axes = plt.subplots(1, 2, figsize=(11, 4.2), dpi=120)
+    for i, name in enumerate(results["variants"]):
+        runs = [r for r in results["runs"] if r["variant"] == name]
+        for ax, kind in zip(axes, ("train", "val")):
+            curves = [r["curves"][kind] for r in runs if r["curves"][kind]]
+            if not curves:
+                continue
+            steps, mean, lo, hi = _band(curves)
+            ax.plot(steps, mean, color=f"C{i}", lw=1.8, marker="o" if kind == "val" else None, ms=3,
+                    label=f"{name} (n={len(curves)})")
+            ax.fill_between(steps, lo, hi, color=f"C{i}", alpha=0.2, lw=0)
+    for ax, kind in zip(axes, ("train", "validation")):
+        ax.set_title(f"{kind} loss: mean over seeds, min-max band")
+        ax.set_xlabel("optimizer step")
+        ax.set_ylabel("loss (nats / token)")
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=8)
+    fig.suptitle(spec.title, fontsize=10)
+    fig.tight_layout()
+    fig.savefig(path)
+    plt.close(fig)
+    return path
+
+
+def plot_metrics(spec: Spec, results: dict, path: Path) -> Path | None:
+    """One panel per per-run scalar: bars (mean), error bars (sd), dots (seeds)."""
+    from ..report import pyplot
+
+    names = [n for n in results["scalars"] if n not in ("val_ppl", "train_seconds")]  # same as val_loss, tokens_per_s
+    if not names:
+        return None
+    plt = pyplot()
+    ncols = min(3, len(names))
+    nrows = math.ceil(len(names) / ncols)
+    fig, axes = plt.subplots(nrows, ncols, figsize=(4.0 * ncols, 3.2 * nrows), dpi=120, squeeze=False)
+    variants = list(results["variants"])
+    for ax, name in zip(axes.flat, names):
+        spans: list[float] = []
+        for i, v in enumerate(variants):
+            stats = results["variants"][v]
+            mean, sd = stats["mean"][name], stats["sd"][name]
+            if mean is None:
+                continue
+            ax.bar(i, mean, yerr=sd or 0.0, color=f"C{i}", alpha=0.75, capsize=4)
+            seeds = [_scalar(r, name) for r in results["runs"] if r["variant"] == v]
+            seeds = [s for s in seeds if s is not None]
+            ax.plot([i] * len(seeds), seeds, "k.", ms=5)
+            spans += [mean - (sd or 0.0), mean + (sd or 0.0)] + seeds
+        bars = sum(results["variants"][v]["mean"][name] is not None for v in variants)
+        zoom = bars >= 2 and min(spans) > 0 and (max(spans) - min(spans)) < 0.2 * max(spans)
+        if zoom:  # differences of a few percent would be invisible on bars from 0
+            pad = 0.15 * (max(spans) - min(spans)) or 0.01 * max(spans)
+            ax.set_ylim(min(spans) - pad, max(spans) + pad)
+        ax.set_xticks(range(len(variants)), variants, rotation=20, fontsize=8)
+        ax.set_title(name + (" (y axis not from 0)" if zoom else ""), fontsize=9)
+        ax.grid(alpha=0.3, axis="y")
+    for ax in list(axes.flat)[len(names):]:
+        ax.set_visible(False)
+    fig.tight_layout()
+    fig.savefig(path)
+    plt.close(fig)
+    return path
+
+
+__all__ = ["OWNED_KEYS", "RunPlan", "Spec", "SweepError", "Variant", "aggregate", "collect_metrics", "execute",
+           "judge", "load_spec", "mean_sd", "metric_names", "plan", "run", "run_config", "sample_sd", "verdict",
+           "write_results"]

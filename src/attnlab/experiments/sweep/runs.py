@@ -1,0 +1,311 @@
+"""The runs of a sweep: plan every (variant, seed) run, check its state, train and measure it, in one
+process or several."""
+
+
+from __future__ import annotations
+
+import copy
+import json
+import os
+import sys
+import time
+from concurrent.futures import ProcessPoolExecutor, as_completed
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from attnlab.models.config import ConfigError
+from attnlab.train.config import RunConfig, apply_overrides, config_from_dict, read_toml, to_dict
+
+from ..report import topk_summary
+from .spec import RECORD, Spec, SweepError, Variant, _need, load_spec, metric_names
+
+
+
+# --------------------------------------------------------------------------- the runs
+
+
+def run_config(spec: Spec, variant: Variant, seed: int, out: str | os.PathLike | None = None, *,
+               jobs: int = 1, resume: bool = False, overwrite: bool = False) -> tuple[RunConfig, dict]:
+    """(validated RunConfig, its raw dict) of one run: base, shared overrides, the variant's,
+    then what the sweep owns. With jobs > 1 a run with no run.threads trains single-threaded."""
+    try:
+        raw = apply_overrides(copy.deepcopy(spec.base_raw), spec.overrides + variant.overrides)
+        run = raw.setdefault("run", {})
+        _need(isinstance(run, dict), f"run must be a table, got {run!r}")
+        run_dir = spec.run_dir(variant.name, seed, out)
+        run.update(seed=seed, name=run_dir.name, out_dir=str(run_dir.parent), progress=False,
+                   resume=resume, overwrite=overwrite)
+        if jobs > 1 and not run.get("threads"):
+            run["threads"] = 1
+        return config_from_dict(raw), raw
+    except ConfigError as e:
+        raise ConfigError(f"variant {variant.name!r}, seed {seed}: {e}") from None
+
+
+@dataclass
+class RunPlan:
+    variant: str
+    seed: int
+    run_dir: Path
+    state: str  # done | evaluate | resume | restart | new
+    cfg: RunConfig
+    raw: dict
+
+
+def _flat(d: dict, prefix: str = "") -> dict:
+    out = {}
+    for k, v in d.items():
+        if isinstance(v, dict):
+            out.update(_flat(v, f"{prefix}{k}."))
+        elif v is not None:
+            out[f"{prefix}{k}"] = v
+    return out
+
+
+def config_changes(run_dir: Path, cfg: RunConfig) -> list[tuple[str, Any, Any]]:
+    """(key, saved, now) for every setting of the run folder's config.toml that differs from
+    `cfg`; run.* other than run.seed is free (threads, resume...), vocab_size may be resolved."""
+    saved = _flat(read_toml(run_dir / "config.toml"))
+    now = _flat(to_dict(cfg))
+    ignore = {k for k in set(saved) | set(now) if k.startswith("run.") and k != "run.seed"}
+    if not cfg.model.vocab_size:
+        ignore.add("model.vocab_size")
+    return [(k, saved.get(k), now.get(k)) for k in sorted((set(saved) | set(now)) - ignore) if saved.get(k) != now.get(k)]
+
+
+def summary_of(run_dir: Path, steps: int | None = None) -> dict | None:
+    """The run's summary.json when it is present and complete, else None."""
+    try:
+        s = json.loads((run_dir / "summary.json").read_text())
+    except (OSError, ValueError):
+        return None
+    if not isinstance(s, dict) or not all(k in s for k in ("val_loss", "steps", "params", "history")):
+        return None
+    return s if steps is None or s["steps"] == steps else None
+
+
+def _record_of(run_dir: Path) -> dict | None:
+    try:
+        r = json.loads((run_dir / RECORD).read_text())
+    except (OSError, ValueError):
+        return None
+    return r if isinstance(r, dict) else None
+
+
+def _run_state(run_dir: Path, cfg: RunConfig, metrics: dict) -> str:
+    from attnlab.train.checkpoint import latest_checkpoint
+    from attnlab.train.trainer import CKPT_DIR
+
+    if summary_of(run_dir, cfg.train.steps) is not None:
+        record = _record_of(run_dir)
+        return "done" if record is not None and record.get("metrics_spec") == metrics else "evaluate"
+    if latest_checkpoint(run_dir / CKPT_DIR) is not None:
+        return "resume"
+    return "restart" if (run_dir / "log.jsonl").exists() else "new"
+
+
+def plan(spec: Spec, out: str | os.PathLike | None = None, *, jobs: int = 1) -> list[RunPlan]:
+    """Load and validate the config of every (variant, seed), and find what each run folder
+    needs: nothing (done), only the metrics (evaluate), a resume from its checkpoint, a restart
+    (killed before its first checkpoint) or a new run. Raises ConfigError for a config the
+    trainer rejects, SweepError for a run folder trained with another config or whose
+    checkpoint is damaged. Writes nothing."""
+    from attnlab.train.checkpoint import CheckpointError
+    from attnlab.train.trainer import ResumeError, check_resume
+
+    plans = []
+    for v in spec.variants:
+        for seed in spec.seeds:
+            cfg, _ = run_config(spec, v, seed, out, jobs=jobs)
+            _check_eval_lengths(cfg, spec.metrics, v.name)
+            run_dir = Path(cfg.run_dir)
+            state = _run_state(run_dir, cfg, spec.metrics)
+            if state in ("done", "evaluate", "resume") and (run_dir / "config.toml").is_file():
+                changes = config_changes(run_dir, cfg)
+                if changes:
+                    diff = "; ".join(f"{k}: {a!r} -> {b!r}" for k, a, b in changes[:4])
+                    raise SweepError(f"run folder {str(run_dir)!r} was trained with another config ({diff}); "
+                                     f"delete it, or give the sweep another output folder")
+            if state == "resume":
+                try:
+                    check_resume(cfg)
+                except (CheckpointError, ResumeError) as e:
+                    raise SweepError(f"variant {v.name!r}, seed {seed}: {e}") from None
+            cfg, raw = run_config(spec, v, seed, out, jobs=jobs, resume=state in ("resume", "evaluate", "done"),
+                                  overwrite=state == "restart")
+            plans.append(RunPlan(v.name, seed, run_dir, state, cfg, raw))
+    return plans
+
+
+def _check_eval_lengths(cfg: RunConfig, metrics: dict, variant: str) -> None:
+    lengths = list(metrics.get("loss_at", [])) + list(metrics.get("passkey", []))
+    if not lengths:
+        return
+    if cfg.model.pos_embedding == "learned" and max(lengths) > cfg.model.max_seq_len:
+        raise ConfigError(f"variant {variant!r}: metrics length {max(lengths)} exceeds model.max_seq_len="
+                          f"{cfg.model.max_seq_len} of its learned position embedding")
+    horizons = [a.horizon for a in cfg.model.attention_configs() if a.horizon is not None]
+    if horizons and max(lengths) > min(horizons):
+        raise ConfigError(f"variant {variant!r}: metrics length {max(lengths)} exceeds the cosformer horizon "
+                          f"{min(horizons)} (model.attention.cosformer_max_len)")
+
+
+def collect_metrics(run_dir: str | os.PathLike, metrics: dict) -> dict[str, float | None]:
+    """The scalars of a [metrics] table, measured by `attnlab.train.evaluate` on the run's checkpoint."""
+    names = metric_names(metrics)
+    if not names:
+        return {}
+    from attnlab.train import evaluate
+
+    args = {k: metrics[k] for k in ("max_tokens", "batch_size", "analysis_len", "analysis_batch", "split") if k in metrics}
+    ev = evaluate(run_dir, seq_lens=metrics.get("loss_at") or None, topk=tuple(metrics.get("topk_mass") or (8,)),
+                  passkey_lengths=metrics.get("passkey") or None,
+                  passkey_depths=tuple(metrics.get("passkey_depths", (0.0, 0.5, 1.0))), write=False, **args)
+    layers = ev.get("layers", [])
+    topk = topk_summary(layers)
+    out: dict[str, float | None] = {}
+    for L in metrics.get("loss_at", []):
+        out[f"loss@{L}"] = (ev.get("loss") or {}).get(str(L), {}).get("loss")
+    for k in metrics.get("topk_mass", []):
+        out[f"topk_mass@{k}"] = topk.get(str(k))
+    if metrics.get("entropy"):
+        out["entropy"] = _mean_or_none([h for layer in layers for h in layer.get("entropy", [])])
+    if metrics.get("sink_share"):
+        out["sink_share"] = _mean_or_none([h for layer in layers for h in layer.get("first_token_share", [])])
+    for L in metrics.get("passkey", []):
+        out[f"passkey@{L}"] = _mean_or_none([v for key, v in (ev.get("passkey") or {}).items() if key.split("@")[0] == str(L)])
+    if metrics.get("mqar_accuracy"):
+        out["mqar_accuracy"] = ev.get("mqar_accuracy")
+    return out
+
+
+def _mean_or_none(values) -> float | None:
+    values = [float(v) for v in values if v is not None]
+    return sum(values) / len(values) if values else None
+
+
+def execute(job: dict) -> dict:
+    """Train (or resume) one run and collect its metrics; writes RUN_DIR/sweep.json. `job` is
+    picklable: {"raw": run config dict, "state": ..., "metrics": the spec's [metrics]}."""
+    import torch
+
+    from attnlab.train import train
+
+    cfg = config_from_dict(job["raw"])
+    run_dir = Path(cfg.run_dir)
+    threads = torch.get_num_threads()
+    t0 = time.perf_counter()
+    try:
+        with _run_lock(run_dir):
+            if job["state"] != "evaluate":
+                train(cfg)
+            metrics = collect_metrics(run_dir, job["metrics"])
+    finally:
+        torch.set_num_threads(threads)  # run.threads is process-wide: leave the caller's setting
+    old = _record_of(run_dir) or {}
+    wall = time.perf_counter() - t0 if job["state"] != "evaluate" else old.get("wall_seconds")
+    record = {"metrics_spec": job["metrics"], "metrics": metrics, "wall_seconds": wall,
+              "threads": cfg.run.threads or threads}
+    tmp = run_dir / f".{RECORD}.tmp"
+    tmp.write_text(json.dumps(record, indent=2) + "\n")
+    os.replace(tmp, run_dir / RECORD)
+    return record
+
+
+class _run_lock:
+    """An exclusive lock beside the run folder while a process trains it, so two sweeps (or an
+    orphaned worker) never write one run at once."""
+
+    def __init__(self, run_dir: Path):
+        self.path = run_dir.parent / f".{run_dir.name}.lock"
+
+    def __enter__(self):
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        self.f = open(self.path, "w")
+        try:
+            import fcntl
+
+            fcntl.flock(self.f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except ImportError:  # pragma: no cover - not POSIX
+            pass
+        except OSError:
+            self.f.close()
+            raise SweepError(f"run folder {str(self.path.parent / self.path.name[1:-5])!r} is being trained by "
+                             f"another process (another sweep of the same spec?)") from None
+        return self
+
+    def __exit__(self, *exc):
+        self.f.close()
+
+
+def _worker_init(parent: int) -> None:
+    """A pool worker dies with the sweep (Linux), so a killed sweep leaves no run training."""
+    if sys.platform.startswith("linux"):
+        try:
+            import ctypes
+            import signal
+
+            ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+        except (OSError, AttributeError):
+            pass
+    if os.getppid() != parent:
+        os._exit(1)
+
+
+# --------------------------------------------------------------------------- the sweep
+
+
+def run(
+    spec: Spec | str | os.PathLike,
+    *,
+    out: str | os.PathLike | None = None,
+    jobs: int = 1,
+    progress: bool = True,
+    quiet: bool = False,
+    command: str | None = None,
+    plans: list[RunPlan] | None = None,
+) -> dict:
+    """Train every run that is not finished (`jobs` at once), then write OUT/results.json,
+    report.md and plots from all run folders; returns the results dict."""
+    from tqdm.auto import tqdm
+
+    spec = spec if isinstance(spec, Spec) else load_spec(spec)
+    if isinstance(jobs, bool) or not isinstance(jobs, int) or jobs < 1:
+        raise ConfigError(f"jobs must be an int >= 1, got {jobs!r}")
+    out = Path(out) if out is not None else spec.out
+    plans = plans if plans is not None else plan(spec, out, jobs=jobs)
+    todo = [p for p in plans if p.state != "done"]
+    counts = {s: sum(p.state == s for p in plans) for s in ("done", "evaluate", "resume", "restart", "new")}
+    if not quiet:
+        print(f"sweep {spec.title!r}: {len(spec.variants)} variants x {len(spec.seeds)} seeds = {len(plans)} runs "
+              f"({', '.join(f'{n} {s}' for s, n in counts.items() if n)}) in {out}", flush=True)
+    jobs_list = [{"raw": p.raw, "state": p.state, "metrics": spec.metrics} for p in todo]
+    bar = tqdm(total=len(plans), initial=len(plans) - len(todo), desc="sweep", unit="run", disable=not progress,
+               dynamic_ncols=True)
+    try:
+        if jobs == 1 or len(todo) <= 1:
+            for p, job in zip(todo, jobs_list):
+                bar.set_postfix_str(f"{p.variant}/seed{p.seed}")
+                execute(job)
+                bar.update(1)
+        else:
+            import multiprocessing as mp
+
+            with ProcessPoolExecutor(max_workers=min(jobs, len(todo)), mp_context=mp.get_context("spawn"),
+                                     initializer=_worker_init, initargs=(os.getpid(),)) as pool:
+                futures = {pool.submit(execute, job): p for p, job in zip(todo, jobs_list)}
+                try:
+                    for fut in as_completed(futures):
+                        fut.result()
+                        p = futures[fut]
+                        bar.set_postfix_str(f"{p.variant}/seed{p.seed}")
+                        bar.update(1)
+                except BaseException:
+                    pool.shutdown(wait=False, cancel_futures=True)
+                    raise
+    finally:
+        bar.close()
+    from .results import write_results  # results reads the runs' folders: it imports this module
+
+    return write_results(spec, out, command=command, quiet=quiet)

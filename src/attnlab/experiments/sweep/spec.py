@@ -1,0 +1,214 @@
+"""A sweep spec: load and validate the TOML (format in experiments/README.md)."""
+
+
+from __future__ import annotations
+
+import os
+import re
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Sequence
+
+from attnlab.models.config import ConfigError
+from attnlab.train.config import read_toml
+
+
+
+SPEC_KEYS = ("title", "claim", "description", "base", "seeds", "overrides", "variants", "out", "per_seed",
+             "metrics", "verdict")
+VARIANT_KEYS = ("name", "overrides", "description")
+VERDICT_KEYS = ("metric", "better", "compare")
+# [metrics]: what to collect per run from attnlab.train.evaluate, and evaluate's arguments
+METRIC_KEYS = ("loss_at", "topk_mass", "entropy", "sink_share", "passkey", "mqar_accuracy")
+EVAL_ARG_KEYS = ("max_tokens", "batch_size", "analysis_len", "analysis_batch", "split", "passkey_depths")
+OWNED_KEYS = ("run.seed", "run.name", "run.out_dir", "run.resume", "run.overwrite", "run.progress")
+SUMMARY_SCALARS = ("val_loss", "val_ppl", "val_accuracy", "train_loss", "tokens_per_s", "train_seconds")
+RECORD = "sweep.json"  # per run folder: the collected metrics and the wall time of the run
+NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.+-]*$")
+
+
+
+
+class SweepError(ValueError):
+    """A run folder that the sweep cannot use as it stands (another config, a damaged checkpoint)."""
+
+
+# --------------------------------------------------------------------------- the spec
+
+
+@dataclass
+class Variant:
+    name: str
+    overrides: list[str]
+    description: str = ""
+
+
+@dataclass
+class Spec:
+    path: Path
+    title: str
+    claim: str
+    description: str
+    base: str | dict  # the path as written (relative to the spec) or the inline table
+    base_raw: dict  # the raw run config the base gives
+    seeds: list[int]
+    overrides: list[str]
+    variants: list[Variant]
+    out: Path
+    per_seed: bool
+    metrics: dict
+    verdict: dict | None
+    raw: dict = field(repr=False, default_factory=dict)
+
+    def run_dir(self, variant: str, seed: int, out: str | os.PathLike | None = None) -> Path:
+        return Path(out if out is not None else self.out) / "runs" / variant / f"seed{seed}"
+
+
+def _need(cond: bool, message: str) -> None:
+    if not cond:
+        raise ConfigError(message)
+
+
+def _unknown(table: dict, allowed: Sequence[str], where: str) -> None:
+    for key in table:
+        _need(key in allowed, f"unknown key {where}{key} in the spec; allowed: {', '.join(allowed)}")
+
+
+def _str_list(value, key: str) -> list[str]:
+    _need(isinstance(value, list) and all(isinstance(v, str) for v in value),
+          f"{key} must be a list of strings, got {value!r}")
+    return list(value)
+
+
+def _int_list(value, key: str, lo: int) -> list[int]:
+    ok = isinstance(value, list) and all(isinstance(v, int) and not isinstance(v, bool) and v >= lo for v in value)
+    _need(ok, f"{key} must be a list of integers >= {lo}, got {value!r}")
+    return list(value)
+
+
+def _check_overrides(items: list[str], key: str) -> None:
+    for item in items:
+        _need("=" in item, f"{key}: {item!r} must look like section.key=value (e.g. train.steps=500)")
+        name = item.split("=", 1)[0].strip()
+        _need(name not in OWNED_KEYS,
+              f"{key}: {name} is set by the sweep for every run; it owns {', '.join(OWNED_KEYS)}")
+
+
+def _nest(table: dict, key: str) -> dict:
+    """An inline [base] table as a raw config: dotted keys (quoted or not) become nested tables."""
+    out: dict = {}
+    for k, v in table.items():
+        node = out
+        parts = k.split(".")
+        for p in parts[:-1]:
+            node = node.setdefault(p, {})
+            _need(isinstance(node, dict), f"{key}.{k}: {p} is a value, not a table")
+        last = parts[-1]
+        if isinstance(v, dict):
+            v = _nest(v, f"{key}.{k}")
+            if isinstance(node.get(last), dict):
+                node[last].update(v)
+                continue
+        node[last] = v
+    run = out.get("run")
+    for name in run if isinstance(run, dict) else ():
+        _need(f"run.{name}" not in OWNED_KEYS, f"{key}: run.{name} is set by the sweep; it owns {', '.join(OWNED_KEYS)}")
+    return out
+
+
+def metric_names(metrics: dict) -> list[str]:
+    """The per-run scalars a [metrics] table asks for, in order."""
+    names = [f"loss@{L}" for L in metrics.get("loss_at", [])]
+    names += [f"topk_mass@{k}" for k in metrics.get("topk_mass", [])]
+    names += [n for n in ("entropy", "sink_share") if metrics.get(n)]
+    names += [f"passkey@{L}" for L in metrics.get("passkey", [])]
+    names += ["mqar_accuracy"] if metrics.get("mqar_accuracy") else []
+    return names
+
+
+def _check_metrics(m, key: str = "metrics") -> dict:
+    _need(isinstance(m, dict), f"{key} must be a table, got {m!r}")
+    _unknown(m, METRIC_KEYS + EVAL_ARG_KEYS, f"{key}.")
+    for name in ("loss_at", "topk_mass", "passkey"):
+        if name in m:
+            _int_list(m[name], f"{key}.{name}", 1)
+    for name in ("entropy", "sink_share", "mqar_accuracy"):
+        if name in m:
+            _need(isinstance(m[name], bool), f"{key}.{name} must be true or false, got {m[name]!r}")
+    for name in ("max_tokens", "batch_size", "analysis_len", "analysis_batch"):
+        if name in m:
+            v = m[name]
+            _need(isinstance(v, int) and not isinstance(v, bool) and v >= 1, f"{key}.{name} must be an integer >= 1, got {v!r}")
+    if "split" in m:
+        _need(m["split"] in ("val", "test"), f"{key}.split must be 'val' or 'test', got {m['split']!r}")
+    if "passkey_depths" in m:
+        d = m["passkey_depths"]
+        ok = isinstance(d, list) and d and all(isinstance(x, (int, float)) and not isinstance(x, bool) and 0 <= x <= 1 for x in d)
+        _need(ok, f"{key}.passkey_depths must be a non-empty list of numbers in [0, 1], got {d!r}")
+    return dict(m)
+
+
+def _check_verdict(v, variants: list[str], metrics: list[str]) -> dict:
+    _need(isinstance(v, dict), f"verdict must be a table, got {v!r}")
+    _unknown(v, VERDICT_KEYS, "verdict.")
+    for k in VERDICT_KEYS:
+        _need(k in v, f"verdict.{k} is missing; a verdict needs metric, better and compare")
+    allowed = list(SUMMARY_SCALARS) + metrics
+    _need(v["metric"] in allowed, f"verdict.metric must be a per-run scalar: one of {', '.join(allowed)}; got {v['metric']!r}")
+    _need(v["better"] in ("lower", "higher"), f"verdict.better must be 'lower' or 'higher', got {v['better']!r}")
+    c = v["compare"]
+    _need(isinstance(c, list) and len(c) == 2 and all(isinstance(x, str) for x in c) and c[0] != c[1],
+          f"verdict.compare must name two different variants [A, B] (the claim: A is better than B), got {c!r}")
+    for x in c:
+        _need(x in variants, f"verdict.compare: {x!r} is not a variant; variants: {', '.join(variants)}")
+    return dict(v)
+
+
+def load_spec(path: str | os.PathLike) -> Spec:
+    """Read and check a sweep spec; raises ConfigError naming the key (the run configs
+    themselves are checked by `plan`)."""
+    path = Path(path)
+    _need(path.is_file(), f"spec file {str(path)!r} does not exist")
+    raw = read_toml(path)
+    _unknown(raw, SPEC_KEYS, "")
+    here = path.parent
+    for key in ("title", "claim", "description", "out"):
+        _need(isinstance(raw.get(key, ""), str), f"{key} must be a string, got {raw.get(key)!r}")
+    _need("base" in raw, "base is missing: give a run config path (relative to the spec) or a [base] table")
+    base = raw["base"]
+    if isinstance(base, str):
+        base_path = here / base
+        _need(base_path.is_file(), f"base: config file {str(base_path)!r} does not exist")
+        base_raw = read_toml(base_path)
+    else:
+        _need(isinstance(base, dict), f"base must be a config path or a table of dotted keys, got {base!r}")
+        base_raw = _nest(base, "base")
+    _need("seeds" in raw, "seeds is missing: list at least one seed, e.g. seeds = [0, 1, 2]")
+    seeds = _int_list(raw["seeds"], "seeds", 0)
+    _need(len(seeds) >= 1, "seeds must list at least one seed, got []")
+    _need(len(set(seeds)) == len(seeds), f"seeds must not repeat, got {seeds}")
+    overrides = _str_list(raw.get("overrides", []), "overrides")
+    _check_overrides(overrides, "overrides")
+    vs = raw.get("variants")
+    _need(isinstance(vs, list) and vs and all(isinstance(v, dict) for v in vs),
+          "variants must be a non-empty array of tables ([[variants]] with name and overrides)")
+    variants = []
+    for i, v in enumerate(vs):
+        _unknown(v, VARIANT_KEYS, f"variants[{i}].")
+        name = v.get("name")
+        _need(isinstance(name, str) and bool(NAME_RE.match(name)),
+              f"variants[{i}].name must be a folder-safe name (letters, digits, _ . + -), got {name!r}")
+        _need(name not in [x.name for x in variants], f"variants[{i}].name: {name!r} is a duplicate variant name")
+        ov = _str_list(v.get("overrides", []), f"variants[{i}].overrides")
+        _check_overrides(ov, f"variant {name!r}")
+        _need(isinstance(v.get("description", ""), str), f"variants[{i}].description must be a string")
+        variants.append(Variant(name, ov, v.get("description", "")))
+    _need(isinstance(raw.get("per_seed", False), bool), f"per_seed must be true or false, got {raw.get('per_seed')!r}")
+    metrics = _check_metrics(raw["metrics"]) if "metrics" in raw else {}
+    verdict = _check_verdict(raw["verdict"], [v.name for v in variants], metric_names(metrics)) if "verdict" in raw else None
+    return Spec(
+        path=path, title=raw.get("title") or path.stem, claim=raw.get("claim", ""), description=raw.get("description", ""),
+        base=base, base_raw=base_raw, seeds=seeds, overrides=overrides, variants=variants,
+        out=here / raw["out"] if raw.get("out") else here, per_seed=raw.get("per_seed", False), metrics=metrics,
+        verdict=verdict, raw=raw,
+    )
