@@ -37,13 +37,25 @@ def check_same(name_a: str, a: int, name_b: str, b: int, what: str) -> None:
         raise ValueError(f"{name_a} and {name_b} must agree in {what}: got {a} and {b}")
 
 
-def check_groups(n_heads: int, n_groups: int, name: str = "v") -> None:
-    """H query/key heads read G value groups: G <= H and H % G == 0."""
-    if n_groups < 1 or n_groups > n_heads or n_heads % n_groups != 0:
+def check_int(name: str, value, low: int = 1) -> int:
+    """An int (never a bool) >= low: TypeError for another type, ValueError below `low`. Returns it."""
+    need = "a positive int" if low == 1 else f"an int >= {low}"
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise TypeError(f"{name} must be {need}, got {value!r} ({type(value).__name__})")
+    if value < low:
+        raise ValueError(f"{name} must be {need}, got {value!r}")
+    return value
+
+
+def check_groups(n_heads: int, n_groups, name: str = "v") -> int:
+    """H query/key heads read G groups (value groups, KV heads, candidate sets): G an int with
+    G <= H and H % G == 0, each group serving H / G consecutive heads. Returns G."""
+    if isinstance(n_groups, bool) or not isinstance(n_groups, int) or not 1 <= n_groups <= n_heads or n_heads % n_groups:
         raise ValueError(
-            f"{name} has {n_groups} heads but the queries have {n_heads}: "
-            f"the number of heads H must be divisible by the number of value groups G (G <= H)"
+            f"{name} gives {n_groups!r} groups for {n_heads} heads: the number of groups must be a positive divisor "
+            f"of the {n_heads} query heads (the number of heads H must be divisible by the number of value groups G)"
         )
+    return n_groups
 
 
 def broadcast_param(name: str, value, B: int, H: int, T: int, like: torch.Tensor) -> torch.Tensor:

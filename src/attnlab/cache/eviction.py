@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import torch
 
+from ..checks import check_int
 from .sorted_index import radius_from_tolerance, run_keys
 
 
@@ -114,8 +115,7 @@ def compress_density(cache, max_span: float, group: int = 4, reclaim: bool = Tru
     for the merged entries raises RuntimeError, the cache unchanged. Returns the entries removed."""
     if isinstance(max_span, bool) or not isinstance(max_span, (int, float)) or not max_span >= 0:
         raise ValueError(f"max_span must be a float >= 0, got {max_span!r}")
-    if isinstance(group, bool) or not isinstance(group, int) or group < 2:
-        raise ValueError(f"group must be an int >= 2, got {group!r}")
+    check_int("group", group, 2)
     index, m = cache.index, group
     run = index.merged(weighted=True)
     if run is None or run.shape[2] < m:

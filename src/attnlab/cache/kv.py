@@ -12,6 +12,8 @@ from typing import Any
 
 import torch
 
+from ..checks import check_int
+
 TIME_DIM = 2
 
 
@@ -24,10 +26,8 @@ class KVCache:
     """
 
     def __init__(self, batch_size: int, initial_capacity: int = 64):
-        if not isinstance(batch_size, int) or batch_size < 1:
-            raise ValueError(f"batch_size must be an int >= 1, got {batch_size!r}")
-        if not isinstance(initial_capacity, int) or initial_capacity < 1:
-            raise ValueError(f"initial_capacity must be an int >= 1, got {initial_capacity!r}")
+        check_int("batch_size", batch_size)
+        check_int("initial_capacity", initial_capacity)
         self.batch_size = batch_size
         self.capacity = initial_capacity
         self.length = 0
@@ -111,8 +111,7 @@ class RecurrentState:
     """
 
     def __init__(self, batch_size: int):
-        if not isinstance(batch_size, int) or batch_size < 1:
-            raise ValueError(f"batch_size must be an int >= 1, got {batch_size!r}")
+        check_int("batch_size", batch_size)
         self.batch_size = batch_size
         self.state: Any = None
         self.pos = 0

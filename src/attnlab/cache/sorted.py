@@ -36,7 +36,7 @@ import math
 
 import torch
 
-from ..checks import check_groups, check_impl, check_positive
+from ..checks import check_groups, check_impl, check_int, check_positive
 from . import eviction
 from .sorted_index import SortedKeyIndex, radius_from_tolerance, run_keys
 from .sink import parse_zone, sink_rows
@@ -78,14 +78,6 @@ def check_float32_range(name: str, x: torch.Tensor) -> None:
                              f"index holds float32 keys), got |{name}| up to {big:.4g}; the cache is unchanged")
 
 
-def _int_arg(name: str, value, low: int = 1) -> int:
-    if isinstance(value, bool) or not isinstance(value, int):
-        raise TypeError(f"{name} must be an int, got {type(value).__name__}")
-    if value < low:
-        raise ValueError(f"{name} must be >= {low}, got {value}")
-    return value
-
-
 def bytes_per_token(n_heads: int, n_groups: int, d_v: int, d_k: int | None = None,
                     dtype: torch.dtype = torch.float32, weighted: bool = False) -> dict[str, int]:
     """Bytes one cached token costs in one layer, by part.
@@ -123,17 +115,17 @@ class SortedScalarCache:
                  capacity: int | None = None, dtype: torch.dtype = torch.float32, device=None,
                  sink_key=None, sink_value=None, sink_vkey=None, sink_zone=None,
                  query_history: int = 256, buffer_size: int = 256, level_ratio: int = 64):
-        self.batch, self.n_heads = _int_arg("batch", batch), _int_arg("n_heads", n_heads)
-        self.n_groups, self.d_v = _int_arg("n_groups", n_groups), _int_arg("d_v", d_v)
+        self.batch, self.n_heads = check_int("batch", batch), check_int("n_heads", n_heads)
+        self.n_groups, self.d_v = check_int("n_groups", n_groups), check_int("d_v", d_v)
         check_groups(n_heads, n_groups, "n_groups")
-        self.d_k = None if d_k is None else _int_arg("d_k", d_k)
-        self.capacity = None if capacity is None else _int_arg("capacity", capacity)
+        self.d_k = None if d_k is None else check_int("d_k", d_k)
+        self.capacity = None if capacity is None else check_int("capacity", capacity)
         if not isinstance(dtype, torch.dtype) or not dtype.is_floating_point:
             raise TypeError(f"dtype must be a floating torch.dtype, got {dtype!r}")
         self.dtype, self.device = dtype, torch.device("cpu") if device is None else torch.device(device)
-        _int_arg("query_history", query_history, 1)
-        _int_arg("buffer_size", buffer_size)
-        _int_arg("level_ratio", level_ratio, 2)
+        check_int("query_history", query_history)
+        check_int("buffer_size", buffer_size)
+        check_int("level_ratio", level_ratio, 2)
         B, H, G = self.batch, self.n_heads, self.n_groups
         self.rows = R = B * H
         self.index = SortedKeyIndex(R, buffer_size=buffer_size, level_ratio=level_ratio, device=self.device)
@@ -364,7 +356,7 @@ class SortedScalarCache:
             check_finite("q", q)
             check_float32_range("q", q)
         if window is not None:
-            _int_arg("window", window)
+            check_int("window", window)
         if radius is not None and eps is not None:
             raise ValueError("give radius or eps, not both")
         tau_r = self._rows("tau", tau)

@@ -30,7 +30,7 @@ import sysconfig
 from functools import lru_cache
 from pathlib import Path
 
-from ..checks import check_choice
+from ..checks import check_choice, check_int
 
 SPLITS = ("train", "val", "test")
 FILE_SPLITS = SPLITS + ("all",)
@@ -174,8 +174,8 @@ def load_corpus(
     sources; `max_docs` keeps the first documents only (hub sources then stream)."""
     if not isinstance(source, str) or not source:
         raise TypeError(f"source must be a non-empty string (one of {NAMED_SOURCES}, 'hf:<path>' or a path), got {source!r}")
-    if max_docs is not None and (isinstance(max_docs, bool) or not isinstance(max_docs, int) or max_docs < 1):
-        raise ValueError(f"max_docs must be a positive int or None, got {max_docs!r}")
+    if max_docs is not None:
+        check_int("max_docs", max_docs)
     from . import hf
 
     name = source.lower().replace("-", "").replace("_", "")

@@ -28,7 +28,7 @@ import numpy as np
 import torch
 from tqdm.auto import tqdm
 
-from ..checks import check_tensor
+from ..checks import check_int, check_tensor
 
 _ENCODE_CHUNK = 512
 
@@ -134,12 +134,6 @@ class Batch:
         return Batch(self.x.to(device), self.y.to(device), self.doc_ids.to(device), self.cross_doc)
 
 
-def _check_int(name: str, value, lo: int) -> int:
-    if isinstance(value, bool) or not isinstance(value, int) or value < lo:
-        raise ValueError(f"{name} must be an int >= {lo}, got {value!r}")
-    return value
-
-
 def _windows(stream: TokenStream, idx: torch.Tensor, seq_len: int, cross_doc: bool) -> Batch:
     pos = idx[:, None] * seq_len + torch.arange(seq_len + 1)  # (B, T+1)
     w = stream.tokens[pos].long()
@@ -149,7 +143,7 @@ def _windows(stream: TokenStream, idx: torch.Tensor, seq_len: int, cross_doc: bo
 def _check_stream(stream, seq_len: int) -> int:
     if not isinstance(stream, TokenStream):
         raise TypeError(f"stream must be a TokenStream (from pack_documents), got {type(stream).__name__}")
-    _check_int("seq_len", seq_len, 1)
+    check_int("seq_len", seq_len)
     n = stream.num_windows(seq_len)
     if n < 1:
         raise ValueError(f"stream of {len(stream)} tokens is too short for seq_len={seq_len}: needs at least {seq_len + 1}")
@@ -197,13 +191,13 @@ class PackedBatches(StepBatches):
         step: int = 0,
     ):
         self.num_windows = _check_stream(stream, seq_len)
-        _check_int("batch_size", batch_size, 1)
-        _check_int("world_size", world_size, 1)
-        _check_int("rank", rank, 0)
+        check_int("batch_size", batch_size)
+        check_int("world_size", world_size)
+        check_int("rank", rank, 0)
         if rank >= world_size:
             raise ValueError(f"rank must be < world_size={world_size}, got {rank}")
-        _check_int("seed", seed, 0)
-        _check_int("step", step, 0)
+        check_int("seed", seed, 0)
+        check_int("step", step, 0)
         self.stream, self.seq_len, self.batch_size = stream, seq_len, batch_size
         self.seed, self.rank, self.world_size = seed, rank, world_size
         self.cross_doc, self.shuffle, self.step = bool(cross_doc), bool(shuffle), step
@@ -225,7 +219,7 @@ class PackedBatches(StepBatches):
 
     def window_indices(self, step: int) -> torch.Tensor:
         """(B,) the window indices this rank reads at global step `step`."""
-        _check_int("step", step, 0)
+        check_int("step", step, 0)
         n = self.num_windows
         j = step * self.batch_size * self.world_size + self.rank * self.batch_size + torch.arange(self.batch_size)
         if not self.shuffle:
@@ -262,7 +256,7 @@ class PackedBatches(StepBatches):
         for key in ("seed", "seq_len", "global_batch_size", "num_windows", "shuffle"):
             if key in state and state[key] != mine[key]:
                 raise ValueError(f"state[{key!r}] is {state[key]!r} but this iterator has {mine[key]!r}; cannot resume exactly")
-        self.step = _check_int("state['step']", state.get("step"), 0)
+        self.step = check_int("state['step']", state.get("step"), 0)
 
 
 def sequential_batches(
@@ -278,12 +272,12 @@ def sequential_batches(
     """Every window once, in stream order (for evaluation). The last batch may be smaller;
     with world_size > 1, rank r takes its slice of each global batch of B*W windows."""
     n = _check_stream(stream, seq_len)
-    _check_int("batch_size", batch_size, 1)
-    _check_int("world_size", world_size, 1)
+    check_int("batch_size", batch_size)
+    check_int("world_size", world_size)
     if not 0 <= rank < world_size:
         raise ValueError(f"rank must be in [0, {world_size}), got {rank!r}")
     if max_batches is not None:
-        _check_int("max_batches", max_batches, 1)
+        check_int("max_batches", max_batches)
     G = batch_size * world_size
     for step, start in enumerate(range(0, n, G)):
         if max_batches is not None and step >= max_batches:

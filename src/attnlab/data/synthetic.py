@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import torch
 
+from ..checks import check_int
+
 IGNORE = -100
 
 PASSKEY_INTRO = (
@@ -19,12 +21,6 @@ PASSKEY_INTRO = (
 PASSKEY_FILLER = "The grass is green. The sky is blue. The sun is yellow. Here we go. There and back again.\n"
 PASSKEY_NEEDLE = "\nThe pass key is {key}. Remember it. {key} is the pass key.\n"
 PASSKEY_QUESTION = "\nWhat is the pass key? The pass key is"
-
-
-def _int(name: str, value, lo: int) -> int:
-    if isinstance(value, bool) or not isinstance(value, int) or value < lo:
-        raise ValueError(f"{name} must be an int >= {lo}, got {value!r}")
-    return value
 
 
 def mqar(
@@ -51,11 +47,11 @@ def mqar(
 
     num_queries: how many pairs are queried (default all, as in Zoology; the seed's MVE
     queries 2 of 4). Returns inputs, labels: (num_examples, seq_len) int64."""
-    _int("vocab_size", vocab_size, 4)
-    _int("num_kv_pairs", num_kv_pairs, 1)
-    _int("num_examples", num_examples, 1)
-    _int("seed", seed, 0)
-    n_q = num_kv_pairs if num_queries is None else _int("num_queries", num_queries, 1)
+    check_int("vocab_size", vocab_size, 4)
+    check_int("num_kv_pairs", num_kv_pairs)
+    check_int("num_examples", num_examples)
+    check_int("seed", seed, 0)
+    n_q = num_kv_pairs if num_queries is None else check_int("num_queries", num_queries)
     if n_q > num_kv_pairs:
         raise ValueError(f"num_queries must be <= num_kv_pairs={num_kv_pairs}, got {n_q}")
     half = vocab_size // 2
@@ -66,7 +62,7 @@ def mqar(
     if not isinstance(power_a, (int, float)) or isinstance(power_a, bool) or not 0 < power_a <= 1:
         raise ValueError(f"power_a must be a float in (0, 1], got {power_a!r}")
     ctx = 2 * num_kv_pairs
-    space = (_int("seq_len", seq_len, 1) - ctx) // 2
+    space = (check_int("seq_len", seq_len) - ctx) // 2
     if space < n_q:
         raise ValueError(
             f"seq_len must be >= 2*num_kv_pairs + 2*num_queries = {ctx + 2 * n_q} to fit the pairs and their queries, got {seq_len}"
@@ -114,10 +110,10 @@ def passkey(
     them, -100 elsewhere. The haystack is a fixed sentence repeated (filler=None) or
     `filler` text (e.g. held-out corpus text) read cyclically from a random offset.
     Returns inputs, labels: (num_examples, length) int64."""
-    _int("length", length, 1)
-    _int("num_examples", num_examples, 1)
-    _int("seed", seed, 0)
-    _int("digits", digits, 1)
+    check_int("length", length)
+    check_int("num_examples", num_examples)
+    check_int("seed", seed, 0)
+    check_int("digits", digits)
     if isinstance(depth, bool) or not isinstance(depth, (int, float)) or not 0.0 <= depth <= 1.0:
         raise ValueError(f"depth must be a float in [0, 1], got {depth!r}")
     if not callable(getattr(tokenizer, "encode", None)):

@@ -17,7 +17,8 @@ import torch
 import torch.nn.functional as F
 
 from ..data.packing import TokenStream, sequential_batches
-from ..checks import check_groups, check_same, check_tensor
+from ..checks import check_groups, check_int, check_same, check_tensor
+from ..ops._sdpa import expand_heads
 
 TOPK_KS = (8, 16, 32, 64)
 
@@ -112,11 +113,9 @@ def topk_scalar_mass(
     check_same("ks", ks.shape[0], "w", B, "batch size")
     check_same("ks", ks.shape[2], "w", Tk, "number of keys")
     check_groups(H, ks.shape[1], "ks")
-    if isinstance(k, bool) or not isinstance(k, int) or k < 1:
-        raise ValueError(f"k must be an int >= 1, got {k!r}")
-    if isinstance(chunk, bool) or not isinstance(chunk, int) or chunk < 1:
-        raise ValueError(f"chunk must be an int >= 1, got {chunk!r}")
-    ks = ks.detach().float().repeat_interleave(H // ks.shape[1], dim=1)  # (B, H, Tk)
+    check_int("k", k)
+    check_int("chunk", chunk)
+    ks = expand_heads(ks.detach().float(), H)  # (B, H, Tk)
     qs, wf = qs.detach().float(), w.detach().float()
     kk = min(k, Tk)
     key_idx = torch.arange(Tk, device=w.device)

@@ -12,7 +12,7 @@ from typing import Callable, Sequence
 import torch
 
 from ..data.synthetic import IGNORE, mqar, passkey
-from ..checks import check_tensor
+from ..checks import check_int, check_tensor
 
 Model = Callable[[torch.Tensor], torch.Tensor]
 
@@ -42,8 +42,7 @@ def recall_accuracy(
     check_tensor("labels", labels, 2)
     if inputs.shape != labels.shape:
         raise ValueError(f"inputs and labels must have the same shape, got {tuple(inputs.shape)} and {tuple(labels.shape)}")
-    if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1:
-        raise ValueError(f"batch_size must be an int >= 1, got {batch_size!r}")
+    check_int("batch_size", batch_size)
     hit_tokens = asked_tokens = hit_seqs = 0
     for i in range(0, inputs.shape[0], batch_size):
         x, y = inputs[i : i + batch_size], labels[i : i + batch_size]

@@ -147,7 +147,7 @@ class AttentionConfig:
                       (derived: all of them). The linear family needs n_kv_heads == n_heads.
       n_scalar_heads  mechanism "scalar" only: how many of the H heads are scalar heads
                       (derived: all). The other H - n_scalar_heads heads are standard softmax
-                      dot-product heads, and the head outputs are concatenated: the seed's
+                      dot-product heads, and the head outputs are concatenated: the proposal's
                       hybrid architecture.
       n_value_groups  G, value groups read by the scalar heads (grouped value attention; head h
                       reads group h // (H_s / G)); must divide n_scalar_heads (derived: one
@@ -170,7 +170,7 @@ class AttentionConfig:
                       scalar key `sink_key` (and a zero vector key for hybrid heads) and a learned
                       value per value group.
 
-    Principled options (004)
+    Principled options (docs/mechanisms.md#principled-attention)
       alpha, beta, gamma   form of each: "constant" (the *_init value), "layer" (one learned
                       scalar), "head" (one per head) or "query" (learned from q_i per head).
       alpha_init, beta_init, gamma_init   their initial values (standard attention is the

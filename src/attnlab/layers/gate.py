@@ -1,8 +1,8 @@
-"""Post-readout sigmoid output gate (002; Qiu et al. 2025): o ← o ⊙ σ(x W_g), before W_O.
+"""Post-readout sigmoid output gate (docs/mechanisms.md#output-gate; Qiu et al. 2025): o ← o ⊙ σ(x W_g), before W_O.
 
 The gate is computed from the layer input x, not from the readout, so it inserts an input-dependent
 nonlinearity between the (linear in v) readout and the output projection. "elementwise" gives one
-gate per head and channel, "headwise" one per head. W_g is zero-initialised as in 002, so every
+gate per head and channel, "headwise" one per head. W_g is zero-initialised, so every
 gate starts at σ(0) = 0.5: the layer's output starts at half its ungated value, a constant factor
 the output projection absorbs in the first steps, while the gate's gradient is largest there.
 """

@@ -72,7 +72,7 @@ class Temperature(nn.Module):
 
 
 class HeadParam(nn.Module):
-    """One of principled attention's α, β, γ in the form the seed's ablation grid names.
+    """One of principled attention's α, β, γ in the form its proposal's ablation grid names.
 
     constant: the fixed float `init`; layer: one learned scalar; head: one learned scalar per head;
     query: learned from the (un-rotated) query, value_h(t) = q_{h,t}·w_h + b_h with w zero-initialised

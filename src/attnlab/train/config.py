@@ -137,7 +137,8 @@ class TrainConfig:
 
 @dataclass
 class RegularizersConfig:
-    """Weights of the scalar-attention regularizers (000: L_reg = λa L_align + λs L_spread + λt L_tau).
+    """Weights of the scalar-attention regularizers, L_reg = λa L_align + λs L_spread + λt L_tau
+    (docs/mechanisms.md#regularizers).
 
     Layer records are gathered (`record=True`) only when some weight is nonzero."""
 

@@ -1,8 +1,9 @@
 """Per-layer statistics read from the attention layers' records (`layer.last`): τ and gate values.
 
-τ is the temperature of the scalar / hybrid heads (000: it drifts upward during training
-unless regularized, which widens the decode window); the gate is the post-readout sigmoid
-output gate (002: its sparsity, the share of values below 0.1, is one of that seed's metrics).
+τ is the temperature of the scalar / hybrid heads (the scalar-attention proposal reports it
+drifting upward during training unless regularized, which widens the decode window); the gate is
+the post-readout sigmoid output gate (its sparsity, the share of values below 0.1, is one of the
+gate proposal's metrics). See docs/mechanisms.md.
 """
 
 from __future__ import annotations
