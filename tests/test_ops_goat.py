@@ -40,10 +40,17 @@ def test_fast_equals_naive_outputs_and_gradients(Tq, Tk, causal, scalar):
     assert max(errs.values()) <= 1e-10, errs
 
 
-def test_float32_fast_path_against_float64():
-    a = _inputs(65, 65, scalar=True)
-    ref = _run(a, "naive")
-    assert rel_rms(_run({n: x.float() for n, x in a.items()}, "fast"), ref) <= 1e-5
+@pytest.mark.parametrize("scalar", [False, True], ids=["goat", "goat+hybrid"])
+@pytest.mark.parametrize("causal", [True, False], ids=["causal", "noncausal"])
+@pytest.mark.parametrize("Tq,Tk", [(65, 65), (7, 40)], ids=lambda x: str(x))
+def test_float32_fast_path_against_float64_naive(Tq, Tk, causal, scalar):
+    """float32 fast path against the float64 formula, on the output and every gradient
+    (the float64 leaves receive the gradients of the float32 call through the cast)."""
+    a = {n: x.requires_grad_(n != "freqs") for n, x in _inputs(Tq, Tk, scalar=scalar).items()}
+    names = list(a)
+    errs = compare_fwd_bwd(lambda *xs: _run({n: x.float() for n, x in zip(names, xs)}, "fast", causal),
+                           lambda *xs: _run(dict(zip(names, xs)), "naive", causal), list(a.values()))
+    assert max(errs.values()) <= 1e-5, errs
 
 
 def test_decode_query_is_the_last_row_and_prior_depends_on_offsets_only():
@@ -67,8 +74,22 @@ def test_bad_inputs_name_the_argument():
         _run(dict(a, lam_sym=a["lam_sym"][:1]), "fast")
     with pytest.raises(ValueError, match=r"u must have shape"):
         _run(dict(a, u=a["u"][..., :3]), "fast")
-    with pytest.raises(TypeError, match="k must have the dtype of q"):
-        _run(dict(a, k=a["k"].double()), "fast")
+    h = _inputs(6, 6, dtype=torch.float32, scalar=True)
+    for name in ("qs", "ks", "tau"):
+        for value in (float("nan"), float("inf")):
+            bad = dict(h)
+            bad[name] = h[name].clone()
+            bad[name].view(-1)[0] = value
+            with pytest.raises(ValueError, match=rf"^{name} must be finite"):
+                _run(bad, "fast")
+    for name in ("k", "v"):
+        with pytest.raises(TypeError, match=f"^{name} must have the dtype of q"):
+            _run(dict(a, **{name: a[name].double()}), "fast")
+    for name in ("qs", "ks"):
+        with pytest.raises(TypeError, match=f"^{name} must have the dtype of q"):
+            _run(dict(h, **{name: h[name].double()}), "fast")
+    with pytest.raises(TypeError, match="^u must be a floating-point tensor"):
+        _run(dict(a, u=a["u"].long()), "fast")
     with pytest.raises(ValueError, match="qs, ks and tau go together"):
         goat_attention(a["q"], a["k"], a["v"], a["freqs"], a["lam_sym"], a["lam_asym"], a["u"], qs=a["q"][..., 0])
     empty = _run(_inputs(0, 0, dtype=torch.float32), "fast")

@@ -17,6 +17,13 @@ score is one dot product, so the op is one fused SDPA call with memory linear in
 key j is at position j, and the Tq queries are the last Tq positions (a decode step is one query
 at position Tk - 1 against every cached key). Phases are built in float64 and cast, so long
 positions keep their accuracy; 16-bit inputs compute in float32.
+
+Shapes and cost. q (B, H, Tq, D), k (B, G, Tk, D), v (B, G', Tk, Dv); freqs (R,), lam_sym and
+lam_asym (G, R), u (B or 1, G, Tk). The augmented vectors are D + 2R + 1 wide (+ 2 with the hybrid
+term, which also repeats k to H heads since the scalar keys are per head), so the fused call costs
+O(B H Tq Tk (D + 2R + 1)) time and O(B H (Tq + Tk)(D + 2R + 3)) extra memory; a layer that gives the
+content product D = head_dim - 2R - 1 dims (as the authors' module does) runs it at the head size
+of standard attention. The naive path materialises the (Tq, Tk) prior and scores.
 """
 
 from __future__ import annotations
