@@ -37,11 +37,17 @@ def check_same(name_a: str, a: int, name_b: str, b: int, what: str) -> None:
         raise ValueError(f"{name_a} and {name_b} must agree in {what}: got {a} and {b}")
 
 
+class NotAnIntError(TypeError, ValueError):
+    """Another type where an int is needed: a TypeError, and a ValueError too, so that callers
+    reporting bad settings by catching ValueError (config loaders, the CLI) report it alike."""
+
+
 def check_int(name: str, value, low: int = 1) -> int:
-    """An int (never a bool) >= low: TypeError for another type, ValueError below `low`. Returns it."""
+    """An int (never a bool) >= low: NotAnIntError (a TypeError and a ValueError) for another
+    type, ValueError below `low`. Returns it."""
     need = "a positive int" if low == 1 else f"an int >= {low}"
     if isinstance(value, bool) or not isinstance(value, int):
-        raise TypeError(f"{name} must be {need}, got {value!r} ({type(value).__name__})")
+        raise NotAnIntError(f"{name} must be {need}, got {value!r} ({type(value).__name__})")
     if value < low:
         raise ValueError(f"{name} must be {need}, got {value!r}")
     return value

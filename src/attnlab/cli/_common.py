@@ -29,6 +29,14 @@ class _Formatter(argparse.RawDescriptionHelpFormatter):
 # --------------------------------------------------------------------------- helpers
 
 
+def _positive_options(ns, *names: str) -> None:
+    """Int options the parser read (None when not given) must be >= 1; errors name the option."""
+    for name in names:
+        value = getattr(ns, name)
+        if value is not None and value < 1:
+            raise UsageError(f"--{name.replace('_', '-')} must be >= 1, got {value}")
+
+
 def _int_list(text: str, name: str) -> list[int]:
     try:
         values = [int(p) for p in text.split(",") if p.strip()]

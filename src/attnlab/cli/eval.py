@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from ._common import UsageError, _float_list, _int_list
+from ._common import UsageError, _float_list, _int_list, _positive_options
 
 
 def _check_eval_checkpoint(cfg, checkpoint: str | None) -> None:
@@ -59,10 +59,7 @@ def _eval_plan(ns) -> dict:
         cfg = load_config(source / "config.toml", overrides)
     if ns.checkpoint and not Path(ns.checkpoint).exists():
         raise UsageError(f"--checkpoint {ns.checkpoint!r} does not exist")
-    for name in ("max_tokens", "batch_size", "analysis_len", "analysis_batch"):
-        value = getattr(ns, name)
-        if value is not None and value < 1:
-            raise UsageError(f"--{name.replace('_', '-')} must be >= 1, got {value}")
+    _positive_options(ns, "max_tokens", "batch_size", "analysis_len", "analysis_batch")
     seq_lens = _int_list(ns.seq_lens, "--seq-lens") if ns.seq_lens else [cfg.data.seq_len]
     if cfg.model.pos_embedding == "learned" and max(seq_lens) > cfg.model.max_seq_len:
         raise UsageError(

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from ._common import UsageError, _Formatter
+from ._common import UsageError, _Formatter, _positive_options
 
 
 def add_sweep(sub) -> None:
@@ -40,8 +40,7 @@ def cmd_sweep(ns) -> int:
 
     from .train import _check_model_builds
 
-    if ns.jobs < 1:
-        raise UsageError(f"--jobs must be >= 1, got {ns.jobs}")
+    _positive_options(ns, "jobs")
     if not Path(ns.spec).is_file():
         raise UsageError(f"spec file {ns.spec!r} does not exist")
     spec = sw.load_spec(ns.spec)  # ConfigError names the spec key

@@ -7,7 +7,7 @@ import math
 import os
 from pathlib import Path
 
-from ._common import UsageError, _print_table, _split_config_args
+from ._common import UsageError, _positive_options, _print_table, _split_config_args
 
 
 def _check_model_builds(cfg, what: str = "") -> None:
@@ -98,12 +98,9 @@ def cmd_quickstart(ns) -> int:
 
     if ns.steps is not None and ns.minutes is not None:
         raise UsageError("attnlab quickstart: give --steps or --minutes, not both")
-    if ns.steps is not None and ns.steps < 1:
-        raise UsageError(f"--steps must be >= 1, got {ns.steps}")
+    _positive_options(ns, "steps", "eval_tokens")
     if ns.minutes is not None and not (math.isfinite(ns.minutes) and ns.minutes > 0):
         raise UsageError(f"--minutes must be a finite number > 0, got {ns.minutes}")
-    if ns.eval_tokens is not None and ns.eval_tokens < 1:
-        raise UsageError(f"--eval-tokens must be >= 1, got {ns.eval_tokens}")
     mechanisms = [m.strip() for m in ns.mechanisms.split(",") if m.strip()]
     stray = [a for a in ns.overrides if "=" not in a]
     if stray:

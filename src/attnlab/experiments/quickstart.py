@@ -31,6 +31,7 @@ from typing import Sequence
 
 import torch
 
+from attnlab.checks import check_int
 from attnlab.models.config import ConfigError
 from attnlab.train.config import RunConfig, apply_overrides, config_from_dict, to_dict
 
@@ -55,6 +56,14 @@ OWNED_KEYS = ("model.attn", "run.name", "run.out_dir", "run.resume", "train.step
 
 
 # --------------------------------------------------------------------------- configs
+
+
+def _config_int(name: str, value) -> int:
+    """`check_int`, its error reported as the ConfigError of a bad setting."""
+    try:
+        return check_int(name, value)
+    except (TypeError, ValueError) as e:
+        raise ConfigError(str(e)) from None
 
 
 def _reject_owned(overrides: Sequence[str]) -> None:
@@ -83,8 +92,8 @@ def quickstart_configs(
             raise ConfigError(f"mechanisms: {m!r} is not a mechanism; allowed: {', '.join(ALL)}")
     if len(set(mechanisms)) != len(mechanisms):
         raise ConfigError(f"mechanisms must not repeat, got {list(mechanisms)}")
-    if steps is not None and (isinstance(steps, bool) or not isinstance(steps, int) or steps < 1):
-        raise ConfigError(f"steps must be an int >= 1, got {steps!r}")
+    if steps is not None:
+        _config_int("steps", steps)
     _reject_owned(overrides)
     cfgs = []
     for m in mechanisms:
@@ -185,8 +194,8 @@ def run(
     """Train and compare; returns the results dict (also OUT/results.json). See the module docstring."""
     if steps is not None and minutes is not None:
         raise ConfigError("give steps or minutes, not both (steps fixes the budget; minutes measures it here)")
-    if eval_tokens is not None and (isinstance(eval_tokens, bool) or not isinstance(eval_tokens, int) or eval_tokens < 1):
-        raise ConfigError(f"eval_tokens must be None or an int >= 1, got {eval_tokens!r}")
+    if eval_tokens is not None:
+        _config_int("eval_tokens", eval_tokens)
     extra = list(overrides) + ([] if progress else ["run.progress=false"])
     cfgs = quickstart_configs(out, steps=steps, mechanisms=mechanisms, overrides=extra)
     threads = busy_threads(extra)

@@ -13,6 +13,8 @@ from typing import Callable, Sequence
 
 import torch
 
+from attnlab.checks import check_groups, check_int
+
 from .hooks import Installed
 
 def load_texts(corpus: str, split: str) -> list[str]:
@@ -44,10 +46,8 @@ def pack_documents(
 ) -> Packed:
     """Tokenize documents (shuffled by `seed`, None keeps order) only until n_contexts * context
     tokens exist, append EOS to each, and cut the stream into contexts."""
-    if not isinstance(context, int) or context < 2:
-        raise ValueError(f"context must be an int >= 2, got {context!r}")
-    if not isinstance(n_contexts, int) or n_contexts < 1:
-        raise ValueError(f"n_contexts must be an int >= 1, got {n_contexts!r}")
+    check_int("context", context, 2)
+    check_int("n_contexts", n_contexts)
     need = context * n_contexts
     order = list(range(len(texts)))
     if seed is not None:
@@ -117,13 +117,6 @@ def capture(model, batch: Packed, layers: Sequence[int]) -> dict[int, Captured]:
     return out
 
 
-def check_groups(groups, n_heads: int) -> int:
-    """Candidate groups per token must divide the query heads (each group serves H / G of them)."""
-    if isinstance(groups, bool) or not isinstance(groups, int) or groups <= 0 or n_heads % groups:
-        raise ValueError(f"groups must be a positive divisor of the {n_heads} query heads, got {groups!r}")
-    return groups
-
-
 def _head_probs(q: torch.Tensor, k: torch.Tensor, allowed: torch.Tensor, scaling: float, s: int, chunk: int):
     """Per-head softmax (B, H, c, Tk) of queries s..s+chunk; head h reads KV head h // (H / Hkv) (GQA)."""
     B, H, _, D = q.shape
@@ -144,7 +137,7 @@ def teacher_attention(q: torch.Tensor, k: torch.Tensor, allowed: torch.Tensor, s
     Computed in query chunks so the (H, Tq, Tk) scores never exist at once for long contexts.
     """
     B, H = q.shape[:2]
-    G = check_groups(1 if groups is None else groups, H)
+    G = check_groups(H, 1 if groups is None else groups, "groups")
     outs = []
     for s in range(0, q.shape[2], chunk):
         p = _head_probs(q, k, allowed, scaling, s, chunk)

@@ -12,14 +12,14 @@ from dataclasses import dataclass
 
 import torch
 
-from attnlab.checks import check_choice
+from attnlab.checks import check_choice, check_groups, check_int
 
 from .capture import teacher_attention
 from .hf_model import attention_modules
 from .hooks import Installed
 from .metrics import Tally, retrieval_stats
 from .projections import SearchProjections
-from .retrieval import (METHODS, ExactIndex, HNSWIndex, check_groups, check_k, oracle_select, quest_select,
+from .retrieval import (METHODS, ExactIndex, HNSWIndex, oracle_select, quest_select,
                         streaming_select, topk_candidates)
 from .sparse import sparse_attention
 
@@ -40,15 +40,11 @@ class SelectorConfig:
 
     def __post_init__(self):
         check_choice("method", self.method, METHODS)
-        check_k(self.K)
+        check_int("K", self.K)
         for name in ("groups", "page", "hnsw_m", "hnsw_ef_construction", "hnsw_ef_search"):
-            v = getattr(self, name)
-            if not isinstance(v, int) or v <= 0:
-                raise ValueError(f"{name} must be a positive int, got {v!r}")
+            check_int(name, getattr(self, name))
         for name in ("n_sink", "hnsw_pin"):
-            v = getattr(self, name)
-            if not isinstance(v, int) or v < 0:
-                raise ValueError(f"{name} must be an int >= 0, got {v!r}")
+            check_int(name, getattr(self, name), 0)
 
 
 class RetrieveThenAttend:
@@ -114,7 +110,7 @@ def substitute(model, layers, cfg: SelectorConfig, projections: SearchProjection
     bad = [i for i in layers if not (isinstance(i, int) and 0 <= i < n)]
     if bad or not layers:
         raise ValueError(f"layers must be a non-empty list of layer indices in 0..{n - 1}, got {list(layers)}")
-    check_groups(cfg.groups, model.config.num_attention_heads)
+    check_groups(model.config.num_attention_heads, cfg.groups, "groups")
     if projections is not None and projections.d_model != model.config.hidden_size:
         raise ValueError(
             f"projections were trained for d_model={projections.d_model}, the model has {model.config.hidden_size}")
@@ -127,8 +123,7 @@ def generate(model, input_ids: torch.Tensor, max_new_tokens: int, layers=None,
              cfg: SelectorConfig | None = None, projections: SearchProjections | None = None) -> torch.Tensor:
     """Greedy decoding with the KV cache; with `layers` given, those layers retrieve-then-attend and
     their indexes grow by one search key per generated token. Returns (B, T + max_new_tokens)."""
-    if not isinstance(max_new_tokens, int) or max_new_tokens < 1:
-        raise ValueError(f"max_new_tokens must be a positive int, got {max_new_tokens!r}")
+    check_int("max_new_tokens", max_new_tokens)
     if layers is None:
         return _greedy(model, input_ids, max_new_tokens)
     if cfg is None:

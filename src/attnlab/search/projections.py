@@ -26,7 +26,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from attnlab.checks import check_impl, check_positive, check_tensor
+from attnlab.checks import check_impl, check_int, check_positive, check_tensor
 
 
 class SearchProjections(nn.Module):
@@ -40,8 +40,7 @@ class SearchProjections(nn.Module):
         check_positive("d_search", d_search)
         check_positive("tau", tau)
         check_positive("rope_theta", rope_theta)
-        if isinstance(groups, bool) or not isinstance(groups, int) or groups <= 0:
-            raise ValueError(f"groups must be a positive int (candidate sets per token), got {groups!r}")
+        check_int("groups", groups)  # candidate sets per token
         if rope and d_search % 2:
             raise ValueError(f"d_search must be even with rope=True, got {d_search}")
         self.layers = [int(i) for i in layers]
@@ -126,8 +125,7 @@ def _check_loss_args(qs, ks, teacher, allowed, k_pos):
         raise ValueError(f"teacher must be (B, Tq, Tk) = {(B, T, ks.shape[1])}, got {tuple(teacher.shape)}")
     if tuple(allowed.shape) != tuple(teacher.shape):
         raise ValueError(f"allowed must have the teacher's shape {tuple(teacher.shape)}, got {tuple(allowed.shape)}")
-    if isinstance(k_pos, bool) or not isinstance(k_pos, int) or k_pos <= 0:
-        raise ValueError(f"k_pos must be a positive int, got {k_pos!r}")
+    check_int("k_pos", k_pos)
 
 
 def search_losses_naive(qs, ks, teacher, allowed, tau: float, k_pos: int):

@@ -14,15 +14,11 @@ import math
 import numpy as np
 import torch
 
-from .capture import check_groups, teacher_attention
+from attnlab.checks import check_groups
+
+from .capture import teacher_attention
 
 METHODS = ("learned", "learned-hnsw", "quest", "oracle", "streaming")
-
-
-def check_k(K) -> int:
-    if isinstance(K, bool) or not isinstance(K, int) or K <= 0:
-        raise ValueError(f"K must be a positive int (keys retrieved per query), got {K!r}")
-    return K
 
 
 def check_group_spec(groups, allow_none: bool = False):
@@ -35,7 +31,7 @@ def check_group_spec(groups, allow_none: bool = False):
 
 def resolve_groups(groups, dims) -> int:
     """'kv' -> the model's KV-head count; an int must divide the query heads."""
-    return check_groups(dims.n_kv_heads if groups == "kv" else groups, dims.n_heads)
+    return check_groups(dims.n_heads, dims.n_kv_heads if groups == "kv" else groups, "groups")
 
 
 def topk_candidates(scores: torch.Tensor, allowed: torch.Tensor, K: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -92,7 +88,7 @@ def quest_select(q, k, allowed, scaling: float, K: int, page: int = 16, groups: 
     ceil(K / page) pages, keep their admissible keys in page-rank order, truncated to K."""
     B, H, Tq, _ = q.shape
     Tk = k.shape[2]
-    G = check_groups(groups, H)
+    G = check_groups(H, groups, "groups")
     n_pages = math.ceil(Tk / page)
     al = allowed.expand(B, 1, Tq, Tk)
     al_p = torch.nn.functional.pad(al, (0, n_pages * page - Tk)).view(B, 1, Tq, n_pages, page)

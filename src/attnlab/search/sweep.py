@@ -16,13 +16,15 @@ from pathlib import Path
 import torch
 from tqdm.auto import tqdm
 
+from attnlab.checks import check_int
+
 from .capture import forward_packed
 from .lm import LM, prepare
 from .metrics import Tally, rel_gap
 from .patch import SelectorConfig, substitute
 from .projections import SearchProjections
 from .report import write_report
-from .retrieval import METHODS, check_group_spec, check_k, resolve_groups
+from .retrieval import METHODS, check_group_spec, resolve_groups
 
 DEFAULT_KS = (16, 32, 64, 128, 256)
 DEFAULT_LAYER_SETS = ("middle6", "all", "reserved-edge")
@@ -48,7 +50,7 @@ class EvalConfig:
     out: str = "runs/search-eval"
 
     def __post_init__(self):
-        self.ks = [check_k(k) for k in self.ks]
+        self.ks = [check_int("K", k) for k in self.ks]
         check_group_spec(self.groups, allow_none=True)
         bad = [m for m in self.methods if m not in METHODS]
         if bad or not self.methods:

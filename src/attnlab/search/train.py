@@ -19,6 +19,8 @@ from pathlib import Path
 import torch
 from tqdm.auto import tqdm
 
+from attnlab.checks import check_int
+
 from .capture import Captured, Packed, block_causal, capture, teacher_attention
 from .lm import LM, prepare
 from .projections import SearchProjections, search_losses
@@ -57,9 +59,7 @@ class TrainConfig:
 
     def __post_init__(self):
         for name in ("d_search", "k_pos", "context", "n_contexts", "steps", "log_every", "checkpoint_every", "eval_k"):
-            v = getattr(self, name)
-            if isinstance(v, bool) or not isinstance(v, int) or v <= 0:
-                raise ValueError(f"{name} must be a positive int, got {v!r}")
+            check_int(name, getattr(self, name))
         for name in ("tau", "lr"):
             if not getattr(self, name) > 0:
                 raise ValueError(f"{name} must be > 0, got {getattr(self, name)!r}")
