@@ -18,8 +18,9 @@ from typing import Iterable, Mapping
 
 import torch
 
-from .checks import broadcast_param, check_choice, check_impl, check_positive, check_same, check_tensor
-from .ops.scalar import hybrid_attention, scalar_attention
+from .checks import check_choice, check_impl, check_positive, check_same, check_tensor
+from .ops import hybrid_attention, hybrid_logits, scalar_attention, scalar_logits
+from .ops._sdpa import upcast
 
 REDUCTIONS = ("pairs", "queries")
 
@@ -39,13 +40,6 @@ def _check_scalars(qs, ks, q, k) -> tuple[int, int, int]:
         check_same("qs", T, "q", q.shape[2], "sequence length (dim 2)")
         check_same("qs", T, "k", k.shape[2], "sequence length (dim 2)")
     return B, H, T
-
-
-def _expand_kv_heads(k: torch.Tensor, H: int) -> torch.Tensor:
-    G = k.shape[1]
-    if H % G:
-        raise ValueError(f"k has {G} heads, which does not divide the {H} scalar heads")
-    return k if G == H else k.repeat_interleave(H // G, dim=1)
 
 
 def _row_counts(T: int, n_prefix: int, causal: bool, device) -> torch.Tensor:
@@ -90,13 +84,13 @@ def align_loss(
     if not isinstance(n_prefix, int) or not 0 <= n_prefix < T:
         raise ValueError(f"n_prefix must be an int in [0, T={T}), got {n_prefix!r}")
     check_positive("tau", tau)
-    if qs.dtype in (torch.float16, torch.bfloat16):  # the loss is computed in float32
-        qs, ks = qs.float(), ks.float()
-        q, k = (None, None) if q is None else (q.float(), k.float())
-        tau = tau.float() if isinstance(tau, torch.Tensor) else tau
-    tau_b = broadcast_param("tau", tau, B, H, T, qs)  # (1|B, 1|H, 1|T)
+    cdt = upcast(qs.dtype)
+    if cdt != qs.dtype:  # 16-bit inputs: the loss is computed in float32
+        qs, ks = qs.to(cdt), ks.to(cdt)
+        q, k = (None, None) if q is None else (q.to(cdt), k.to(cdt))
+        tau = tau.to(cdt) if isinstance(tau, torch.Tensor) else tau
     if impl == "naive":
-        rows = _align_rows_naive(qs, ks, tau_b, q, k, causal)  # (B, H, T)
+        rows = _align_rows_naive(qs, ks, tau, q, k, causal)  # (B, H, T)
     else:
         rows = _align_rows_fast(qs, ks, tau, q, k, causal)
     rows = rows[..., n_prefix:]
@@ -105,19 +99,13 @@ def align_loss(
     return rows.sum() / (B * H * denom.item())
 
 
-def _align_rows_naive(qs, ks, tau_b, q, k, causal):
+def _align_rows_naive(qs, ks, tau, q, k, causal):
     """Σ_s stopgrad(w_ts)(qs_t − ks_s)² per query, from the full (T, T) matrices."""
-    T = qs.shape[-1]
+    with torch.no_grad():  # the head's own logits, masked as it masks them; w carries no gradient
+        logits = scalar_logits(qs, ks, tau, causal) if q is None else hybrid_logits(q, k, qs, ks, tau, causal)
+        w = torch.softmax(logits, dim=-1)  # (B, H, T, T)
     dist2 = (qs.unsqueeze(-1) - ks.unsqueeze(-2)) ** 2  # (B, H, T, T)
-    logits = -dist2.detach() / tau_b.detach().unsqueeze(-1)
-    if q is not None:
-        kh = _expand_kv_heads(k, q.shape[1])
-        logits = logits + (q @ kh.transpose(-1, -2)).detach() / q.shape[-1] ** 0.5
-    if causal:
-        visible = torch.ones(T, T, dtype=torch.bool, device=qs.device).tril()
-        logits = logits.masked_fill(~visible, float("-inf"))
-    w = torch.softmax(logits, dim=-1)  # (B, H, T, T), no graph
-    return (w * dist2).sum(-1)  # (B, H, T)
+    return (w.to(dist2.dtype) * dist2).sum(-1)  # (B, H, T)
 
 
 def _align_rows_fast(qs, ks, tau, q, k, causal):
@@ -129,9 +117,8 @@ def _align_rows_fast(qs, ks, tau, q, k, causal):
     if q is None:
         m = scalar_attention(qc.detach(), kc.detach(), vals, tau_d, causal=causal, impl="auto")
     else:
-        kh = _expand_kv_heads(k, q.shape[1]).detach()
         vals = vals.to(q.dtype)
-        m = hybrid_attention(q.detach(), kh, vals, qc.detach(), kc.detach(), tau_d, causal=causal, impl="auto")
+        m = hybrid_attention(q.detach(), k.detach(), vals, qc.detach(), kc.detach(), tau_d, causal=causal, impl="auto")
     m = m.to(qs.dtype)  # (B, H, T, 2): E_w[ks], E_w[ks²] per query
     return qc * qc - 2 * qc * m[..., 0] + m[..., 1]  # (B, H, T)
 

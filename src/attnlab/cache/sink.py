@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import torch
 
+from ..ops._sdpa import expand_heads
+
 
 def _finite(name: str, x: torch.Tensor, cast: torch.Tensor | None = None) -> None:
     """NaN/inf in a sink argument (or in ``cast``, its copy in the dtype stored) raises ValueError naming it."""
@@ -34,7 +36,7 @@ def _per_head(cache, name: str, x, d: int, allow_groups: bool = False) -> torch.
     if x.dim() == 2 and tuple(x.shape) == (H, d):
         return x
     if allow_groups and x.dim() == 2 and tuple(x.shape) == (G, d):
-        return x.repeat_interleave(H // G, 0)
+        return expand_heads(x[None], H)[0]
     shapes = f"({d},), ({G}, {d}) or ({H}, {d})" if allow_groups else f"({d},) or ({H}, {d})"
     raise ValueError(f"{name} must have shape {shapes}, got {tuple(x.shape)}")
 

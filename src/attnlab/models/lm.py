@@ -36,6 +36,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from attnlab.layers import Attention
+from attnlab.ops._sdpa import upcast
 
 from .config import ModelConfig
 
@@ -63,7 +64,7 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(dim))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        xf = x.float() if x.dtype in (torch.float16, torch.bfloat16) else x
+        xf = x.to(upcast(x.dtype))
         y = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
         return (y * self.weight.to(y.dtype)).type_as(x)
 
@@ -179,7 +180,7 @@ class LM(nn.Module):
         if targets is not None:
             if targets.shape != idx.shape:
                 raise ValueError(f"targets must have the shape of idx {tuple(idx.shape)}, got {tuple(targets.shape)}")
-            lg = logits.float() if logits.dtype in (torch.float16, torch.bfloat16) else logits  # loss in >= fp32
+            lg = logits.to(upcast(logits.dtype))  # loss in >= fp32
             loss = F.cross_entropy(lg.flatten(0, 1), targets.flatten(), ignore_index=-100)
         return logits, loss
 

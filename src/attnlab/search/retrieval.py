@@ -15,6 +15,7 @@ import numpy as np
 import torch
 
 from attnlab.checks import check_groups
+from attnlab.ops._sdpa import expand_heads
 
 from .capture import teacher_attention
 
@@ -76,8 +77,7 @@ def quest_bounds(q: torch.Tensor, k: torch.Tensor, page: int = 16) -> torch.Tens
     kf = k.float()
     kmax = torch.nn.functional.pad(kf, (0, 0, 0, pad), value=float("-inf")).view(B, Hkv, n_pages, page, D).amax(3)
     kmin = torch.nn.functional.pad(kf, (0, 0, 0, pad), value=float("inf")).view(B, Hkv, n_pages, page, D).amin(3)
-    kmax = kmax.repeat_interleave(H // Hkv, dim=1)  # (B, H, P, D)
-    kmin = kmin.repeat_interleave(H // Hkv, dim=1)
+    kmax, kmin = expand_heads(kmax, H), expand_heads(kmin, H)  # (B, H, P, D)
     qf = q.float()
     return qf.clamp(min=0) @ kmax.transpose(-1, -2) + qf.clamp(max=0) @ kmin.transpose(-1, -2)
 

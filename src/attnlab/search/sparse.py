@@ -13,6 +13,7 @@ import torch
 import torch.nn.functional as F
 
 from attnlab.checks import check_groups, check_impl, check_same, check_tensor
+from attnlab.ops._sdpa import expand_heads
 
 
 def _check(q, k, v, idx, valid):
@@ -35,20 +36,15 @@ def _check(q, k, v, idx, valid):
     check_groups(q.shape[1], idx.shape[1], "idx")
 
 
-def _per_head(x: torch.Tensor, H: int) -> torch.Tensor:
-    """(B, G, ...) -> (B, H, ...): each of the G groups serves H / G consecutive heads."""
-    return x if x.shape[1] == H else x.repeat_interleave(H // x.shape[1], dim=1)
-
-
 def sparse_attention_naive(q, k, v, idx, valid, scaling: float) -> torch.Tensor:
     """Gather the K candidate keys/values of every query and softmax over the valid ones."""
     B, H, Tq, D = q.shape
     K = idx.shape[-1]
-    kh, vh = _per_head(k, H), _per_head(v, H)  # (B, H, Tk, D)
-    ih = _per_head(idx, H).clamp(min=0).long().reshape(B, H, Tq * K, 1).expand(-1, -1, -1, D)
+    kh, vh = expand_heads(k, H), expand_heads(v, H)  # (B, H, Tk, D)
+    ih = expand_heads(idx, H).clamp(min=0).long().reshape(B, H, Tq * K, 1).expand(-1, -1, -1, D)
     ks = kh.gather(2, ih).view(B, H, Tq, K, D)
     vs = vh.gather(2, ih).view(B, H, Tq, K, -1)
-    ok = _per_head(valid, H)  # (B, H, Tq, K)
+    ok = expand_heads(valid, H)  # (B, H, Tq, K)
     s = torch.einsum("bhtd,bhtkd->bhtk", q, ks) * scaling
     s = s.masked_fill(~ok, float("-inf"))
     wide = s if s.dtype == torch.float64 else s.float()
@@ -70,10 +66,10 @@ def sparse_attention_fast(q, k, v, idx, valid, scaling: float) -> torch.Tensor:
     mask = candidate_mask(idx, valid, k.shape[2])  # (B, G, Tq, Tk)
     empty = ~mask.any(-1, keepdim=True)  # (B, G, Tq, 1)
     mask = mask | (empty & (torch.arange(k.shape[2], device=q.device) == 0))
-    mask = _per_head(mask, H) if mask.shape[1] != 1 else mask
-    kh, vh = _per_head(k, H), _per_head(v, H)
+    mask = expand_heads(mask, H) if mask.shape[1] != 1 else mask
+    kh, vh = expand_heads(k, H), expand_heads(v, H)
     out = F.scaled_dot_product_attention(q, kh, vh, attn_mask=mask, scale=scaling)  # (B, H, Tq, D)
-    return out.masked_fill(_per_head(empty, H), 0.0)
+    return out.masked_fill(expand_heads(empty, H), 0.0)
 
 
 def sparse_attention(q, k, v, idx, valid, scaling: float, impl: str = "auto") -> torch.Tensor:
