@@ -5,7 +5,8 @@ import json
 import pytest
 import torch
 
-from attnlab.search.capture import block_causal, capture, forward_packed, pack_documents, teacher_attention
+from attnlab.data.packing import doc_causal_mask
+from attnlab.search.capture import capture, forward_packed, pack_documents, teacher_attention
 from attnlab.search.hf_model import attention_modules, check_family, load_config, resolve_layers, resolve_source
 from attnlab.search.lm import prepare, tiny_lm
 from attnlab.search.patch import SelectorConfig, generate, substitute
@@ -57,7 +58,7 @@ def test_full_budget_equals_full_attention(lm, packed, proj, proj_kv, method, gr
 def test_capture_matches_eager_attention_and_layer_input(lm, packed):
     layers = [1, 5]
     caps = capture(lm.model, packed, layers)
-    allowed = block_causal(packed.segments)
+    allowed = doc_causal_mask(packed.segments)
     lm.model.set_attn_implementation("eager")
     try:
         additive = torch.zeros(allowed.shape).masked_fill(~allowed, torch.finfo(torch.float32).min)

@@ -5,7 +5,8 @@ import math
 import pytest
 import torch
 
-from attnlab.search.capture import block_causal, pack_documents, teacher_attention
+from attnlab.data.packing import doc_causal_mask
+from attnlab.search.capture import pack_documents, teacher_attention
 from attnlab.search.metrics import mass_at_k, recall_at_k, rel_gap, retrieval_stats, token_nll
 from attnlab.search.projections import SearchProjections, search_losses
 from attnlab.search.retrieval import (ExactIndex, HNSWIndex, oracle_select, quest_bounds, quest_select,
@@ -73,7 +74,7 @@ def test_sparse_attention_rejects_bad_input():
 def test_search_losses_fast_matches_naive(k_pos):
     B, T, d = 2, 13, 8
     seg = torch.tensor([[0] * 6 + [1] * 7, [0] * 13])
-    allowed = block_causal(seg)[:, 0]
+    allowed = doc_causal_mask(seg)[:, 0]
     teacher = torch.softmax(torch.randn(B, T, T).masked_fill(~allowed, float("-inf")), -1)
     teacher[0, 5, 0] = 0.0  # an exact zero in the teacher: 0 log 0 = 0
     teacher[0, 5] /= teacher[0, 5].sum()
@@ -111,7 +112,7 @@ def test_search_losses_hand_values():
 def test_teacher_attention_matches_per_head_softmax():
     B, H, Hkv, T, D = 2, 6, 2, 9, 4
     q, k = torch.randn(B, H, T, D), torch.randn(B, Hkv, T, D)
-    allowed = block_causal(torch.tensor([[0] * 4 + [1] * 5, [0] * 9]))
+    allowed = doc_causal_mask(torch.tensor([[0] * 4 + [1] * 5, [0] * 9]))
     ref = torch.zeros(B, T, T)
     for h in range(H):
         s = q[:, h] @ k[:, h // 3].transpose(-1, -2) * 0.3
@@ -145,7 +146,7 @@ def test_quest_select_respects_budget_and_mask():
 
 def test_streaming_keeps_sinks_and_recent_window():
     seg = torch.tensor([[0] * 5 + [1] * 20])
-    idx, valid = streaming_select(block_causal(seg), K=6, n_sink=2)
+    idx, valid = streaming_select(doc_causal_mask(seg), K=6, n_sink=2)
     got = sorted(idx[0, 0, 24][valid[0, 0, 24]].tolist())
     assert got == [5, 6, 21, 22, 23, 24]  # sinks of the second document + 4 most recent
     assert valid[0, 0, 2].sum() == 3 and sorted(idx[0, 0, 2][valid[0, 0, 2]].tolist()) == [0, 1, 2]
@@ -179,7 +180,7 @@ def test_hnsw_blocks_and_pinned_sinks_track_exact_search():
     q = torch.nn.functional.normalize(torch.randn(1, 1, T, d) * 0.3 + sink, dim=-1)  # every query near the sink
     x = torch.nn.functional.normalize(x - sink, dim=-1)  # all other keys far from it
     x[0, 0, 0] = x[0, 0, half] = sink  # the first key of each block
-    allowed = block_causal(torch.tensor([[0] * half + [1] * (T - half)]))
+    allowed = doc_causal_mask(torch.tensor([[0] * half + [1] * (T - half)]))
 
     def sink_found(i, v):
         return sum(bool(((i[0, 0, t] == (0 if t < half else half)) & v[0, 0, t]).any()) for t in range(T))
@@ -236,7 +237,7 @@ def test_pack_documents_blocks_positions_and_short_corpus():
     assert p.input_ids.tolist() == [[97, 98, 99, 0], [100, 101, 0, 102], [103, 104, 105, 106]]
     assert p.segments.tolist() == [[0, 0, 0, 0], [0, 0, 0, 1], [0, 0, 0, 0]]
     assert p.position_ids.tolist() == [[0, 1, 2, 3], [0, 1, 2, 0], [0, 1, 2, 3]]
-    m = block_causal(p.segments)[1, 0]
+    m = doc_causal_mask(p.segments)[1, 0]
     assert not m[3, :3].any() and m[3, 3] and m[2, :3].all()
     with pytest.raises(ValueError, match="corpus too short for the context"):
         pack_documents(["abc"], enc, 0, context=8, n_contexts=2)
@@ -249,7 +250,7 @@ def test_grouped_selectors_equal_each_group_alone():
     B, H, Hkv, T, D, K, G = 2, 6, 3, 70, 8, 12, 3
     q, k = torch.randn(B, H, T, D), torch.randn(B, Hkv, T, D)
     seg = torch.tensor([[0] * 30 + [1] * 40, [0] * 70])
-    allowed = block_causal(seg)
+    allowed = doc_causal_mask(seg)
     tg = teacher_attention(q, k, allowed, 0.4, groups=G)
     assert tg.shape == (B, G, T, T)
     assert rel_rms(tg.mean(1), teacher_attention(q, k, allowed, 0.4)) < 1e-6

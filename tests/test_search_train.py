@@ -7,7 +7,8 @@ import numpy as np
 import pytest
 import torch
 
-from attnlab.search.capture import Captured, block_causal, teacher_attention
+from attnlab.data.packing import doc_causal_mask
+from attnlab.search.capture import Captured, teacher_attention
 from attnlab.search.cli import add_search_commands, eval_config, train_config
 from attnlab.search.hf_model import load_config, load_model, resolve_source, tiny_model
 from attnlab.search.lm import tiny_lm
@@ -29,7 +30,7 @@ def corpus(tmp_path_factory):
 
 
 def _mass(proj, caps, seg, K):
-    allowed = block_causal(seg)
+    allowed = doc_causal_mask(seg)
     c = caps[0]
     G = proj.groups
     teacher = teacher_attention(c.q, c.k, allowed, c.scaling, groups=G)

@@ -90,7 +90,7 @@ def pack_documents(docs: Sequence[str], tokenizer, *, progress: bool | None = No
 
 
 def doc_causal_mask(doc_ids: torch.Tensor) -> torch.Tensor:
-    """Causal block-diagonal mask (B, 1, T, T), True where query i may attend to key j:
+    """Causal block-diagonal (block-causal) mask (B, 1, T, T), True where query i may attend to key j:
     j <= i and both tokens lie in the same document. Broadcasts over heads."""
     check_tensor("doc_ids", doc_ids, 2)
     T = doc_ids.shape[1]

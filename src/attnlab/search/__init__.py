@@ -9,7 +9,7 @@ then attend exactly, with the model's own q, k, v, over the K retrieved keys onl
     run_eval(EvalConfig(checkpoint="runs/search/projections.safetensors", layer_sets=["middle6"]))
 """
 
-from .capture import Packed, block_causal, capture, forward_packed, pack_documents, teacher_attention
+from .capture import Packed, capture, forward_packed, pack_documents, teacher_attention
 from .hf_model import (LAYER_SETS, ModelSource, attention_modules, fetch_smollm2, load_model, load_tokenizer,
                        resolve_layers, resolve_source, tiny_model)
 from .lm import LM, load_lm, prepare, tiny_lm
@@ -24,7 +24,7 @@ from .train import TrainConfig, train
 
 __all__ = [
     "LAYER_SETS", "LM", "METHODS", "EvalConfig", "ExactIndex", "HNSWIndex", "ModelSource", "Packed",
-    "RetrieveThenAttend", "SearchProjections", "SelectorConfig", "TrainConfig", "attention_modules", "block_causal",
+    "RetrieveThenAttend", "SearchProjections", "SelectorConfig", "TrainConfig", "attention_modules",
     "capture", "fetch_smollm2", "forward_packed", "generate", "load_lm", "load_model", "load_tokenizer", "mass_at_k",
     "oracle_select", "pack_documents", "prepare", "quest_bounds", "quest_select", "recall_at_k", "rel_gap",
     "resolve_layers", "resolve_source", "retrieval_stats", "run_eval", "search_losses", "sparse_attention",

@@ -14,6 +14,7 @@ from typing import Callable, Sequence
 import torch
 
 from attnlab.checks import check_groups, check_int
+from attnlab.data.packing import doc_causal_mask, positions_in_doc
 
 from .hooks import Installed
 
@@ -67,23 +68,12 @@ def pack_documents(
     input_ids = torch.tensor(ids[:need]).view(n_contexts, context)
     seg = torch.tensor(segs[:need]).view(n_contexts, context)
     seg = seg - seg[:, :1]  # (N, T), 0 at each context start
-    starts = torch.ones_like(seg, dtype=torch.bool)
-    starts[:, 1:] = seg[:, 1:] != seg[:, :-1]
-    pos = torch.arange(context).expand(n_contexts, -1)
-    last_start = torch.where(starts, pos, torch.zeros_like(pos)).cummax(dim=1).values
-    return Packed(input_ids, pos - last_start, seg)
-
-
-def block_causal(segments: torch.Tensor) -> torch.Tensor:
-    """(B, T) document ids -> (B, 1, T, T) mask: j <= t and segment(j) == segment(t)."""
-    T = segments.shape[1]
-    causal = torch.ones(T, T, dtype=torch.bool, device=segments.device).tril()
-    return (segments[:, :, None] == segments[:, None, :]).logical_and(causal)[:, None]
+    return Packed(input_ids, positions_in_doc(seg), seg)
 
 
 def forward_packed(model, batch: Packed):
     """The model's logits on packed contexts with the block-causal mask and restarted positions."""
-    allowed = block_causal(batch.segments)
+    allowed = doc_causal_mask(batch.segments)
     # additive float mask: read the same way by SDPA, eager and the search attention function
     mask = torch.zeros(allowed.shape, dtype=model.dtype).masked_fill(~allowed, torch.finfo(model.dtype).min)
     return model(input_ids=batch.input_ids, attention_mask=mask, position_ids=batch.position_ids,

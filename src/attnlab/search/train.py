@@ -21,7 +21,9 @@ from tqdm.auto import tqdm
 
 from attnlab.checks import check_int
 
-from .capture import Captured, Packed, block_causal, capture, teacher_attention
+from attnlab.data.packing import doc_causal_mask
+
+from .capture import Captured, Packed, capture, teacher_attention
 from .lm import LM, prepare
 from .projections import SearchProjections, search_losses
 from .retrieval import check_group_spec, resolve_groups
@@ -128,7 +130,7 @@ class ActivationStore:
 def step_losses(proj: SearchProjections, caps: dict[int, Captured], segments: torch.Tensor, k_pos: int,
                 eval_k: int | None = None) -> tuple[torch.Tensor, torch.Tensor, dict]:
     """Layer-averaged (L_NCE, L_KL) on one context; with eval_k also the student's Mass/Recall@K."""
-    allowed4 = block_causal(segments)  # (B, 1, T, T)
+    allowed4 = doc_causal_mask(segments)  # (B, 1, T, T)
     G = proj.groups
     allowed = allowed4[:, 0].repeat_interleave(G, dim=0)  # (B * G, T, T)
     nce_sum, kl_sum, mass, recall = 0.0, 0.0, [], []
