@@ -136,8 +136,8 @@ def test_search_bad_options_are_one_line(argv, words, tmp_path, capsys, monkeypa
     def must_not_run(*args, **kwargs):
         raise AssertionError("the search command started work despite a bad option")
 
-    # no model download, whatever happens (attnlab.search.train the attribute is the function)
-    monkeypatch.setattr(sys.modules["attnlab.search.train"], "train", must_not_run)
+    # no model download, whatever happens
+    monkeypatch.setattr(sys.modules["attnlab.search.train"], "train_projections", must_not_run)
     monkeypatch.setattr(sys.modules["attnlab.search.sweep"], "run_eval", must_not_run)
     line = one_line_error(argv, capsys, tmp_path, monkeypatch)
     for word in words:

@@ -6,8 +6,8 @@ import pytest
 import torch
 
 from attnlab.data.packing import doc_causal_mask
-from attnlab.search.capture import capture, forward_packed, pack_documents, teacher_attention
-from attnlab.search.hf_model import attention_modules, check_family, load_config, resolve_layers, resolve_source
+from attnlab.search.capture import capture, forward_packed, pack_contexts, teacher_attention
+from attnlab.search.hf_model import attention_modules, check_family, load_hf_config, resolve_layers, resolve_source
 from attnlab.search.lm import prepare, tiny_lm
 from attnlab.search.patch import SelectorConfig, generate, substitute
 from attnlab.search.projections import SearchProjections
@@ -25,7 +25,7 @@ def lm(request):
 @pytest.fixture(scope="module")
 def packed(lm):
     texts = ["def f(x):\n    return x\n" * 2, "print('hi')\n", "class A:\n    pass\n" * 3]
-    return pack_documents(texts, lm.encode, lm.eos_id, context=48, n_contexts=2, seed=None)
+    return pack_contexts(texts, lm.encode, lm.eos_id, context=48, n_contexts=2, seed=None)
 
 
 @pytest.fixture(scope="module")
@@ -142,7 +142,7 @@ def test_unsupported_family_is_rejected(tmp_path):
         attention_modules(GPT2LMHeadModel(cfg))
     cfg.save_pretrained(tmp_path)  # a config only: the error comes before any weights are read
     with pytest.raises(ValueError, match="not supported"):
-        load_config(resolve_source(str(tmp_path)))
+        load_hf_config(resolve_source(str(tmp_path)))
     with pytest.raises(ValueError, match="does not exist"):
         resolve_source(str(tmp_path / "missing.gguf"))
     assert json.loads((tmp_path / "config.json").read_text())["model_type"] == "gpt2"

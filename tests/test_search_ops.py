@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from attnlab.data.packing import doc_causal_mask
-from attnlab.search.capture import pack_documents, teacher_attention
+from attnlab.search.capture import pack_contexts, teacher_attention
 from attnlab.search.metrics import mass_at_k, recall_at_k, rel_gap, retrieval_stats, token_nll
 from attnlab.search.projections import SearchProjections, search_losses
 from attnlab.search.retrieval import (ExactIndex, HNSWIndex, oracle_select, quest_bounds, quest_select,
@@ -231,16 +231,16 @@ def test_token_nll_skips_document_boundaries_and_rel_gap():
     assert rel_gap(10.1, 10.0) == pytest.approx(0.01)
 
 
-def test_pack_documents_blocks_positions_and_short_corpus():
+def test_pack_contexts_blocks_positions_and_short_corpus():
     enc = lambda s: [ord(c) for c in s]  # noqa: E731
-    p = pack_documents(["abc", "de", "fghij"], enc, 0, context=4, n_contexts=3, seed=None)
+    p = pack_contexts(["abc", "de", "fghij"], enc, 0, context=4, n_contexts=3, seed=None)
     assert p.input_ids.tolist() == [[97, 98, 99, 0], [100, 101, 0, 102], [103, 104, 105, 106]]
     assert p.segments.tolist() == [[0, 0, 0, 0], [0, 0, 0, 1], [0, 0, 0, 0]]
     assert p.position_ids.tolist() == [[0, 1, 2, 3], [0, 1, 2, 0], [0, 1, 2, 3]]
     m = doc_causal_mask(p.segments)[1, 0]
     assert not m[3, :3].any() and m[3, 3] and m[2, :3].all()
     with pytest.raises(ValueError, match="corpus too short for the context"):
-        pack_documents(["abc"], enc, 0, context=8, n_contexts=2)
+        pack_contexts(["abc"], enc, 0, context=8, n_contexts=2)
 
 
 def test_grouped_selectors_equal_each_group_alone():

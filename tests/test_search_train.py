@@ -10,13 +10,13 @@ import torch
 from attnlab.data.packing import doc_causal_mask
 from attnlab.search.capture import Captured, teacher_attention
 from attnlab.search.cli import add_search_commands, eval_config, train_config
-from attnlab.search.hf_model import load_config, load_model, resolve_source, tiny_model
+from attnlab.search.hf_model import load_hf_config, load_model, resolve_source, tiny_model
 from attnlab.search.lm import tiny_lm
 from attnlab.search.metrics import retrieval_stats
 from attnlab.search.projections import SearchProjections
 from attnlab.search.retrieval import oracle_select, topk_candidates
 from attnlab.search.sweep import EvalConfig, run_eval
-from attnlab.search.train import TrainConfig, step_losses, train
+from attnlab.search.train import SearchTrainConfig, step_losses, train_projections
 
 CODE = "def add(a, b):\n    '''Sum.'''\n    return a + b\n\nclass Box:\n    def __init__(self, x):\n        self.x = x\n"
 
@@ -71,10 +71,11 @@ def test_train_checkpoints_and_resume_equals_one_run(tmp_path, corpus):
     lm = tiny_lm("llama")
     common = dict(model="tiny", layers="2,5", d_search=8, context=32, n_contexts=2, corpus=corpus, split="all",
                   log_every=1, checkpoint_every=2, eval_k=4, warmup=2)
-    one = train(TrainConfig(**common, steps=5, out=str(tmp_path / "one")), lm=lm, progress=False)
-    part = train(TrainConfig(**common, steps=5, out=str(tmp_path / "two")), lm=lm, progress=False, until=3)
+    one = train_projections(SearchTrainConfig(**common, steps=5, out=str(tmp_path / "one")), lm=lm, progress=False)
+    part = train_projections(SearchTrainConfig(**common, steps=5, out=str(tmp_path / "two")), lm=lm, progress=False,
+                             until=3)
     assert part["resumed_from"] == 0
-    rest = train(TrainConfig(**common, steps=5, out=str(tmp_path / "two")), lm=lm, progress=False)
+    rest = train_projections(SearchTrainConfig(**common, steps=5, out=str(tmp_path / "two")), lm=lm, progress=False)
     assert rest["resumed_from"] == 3 and rest["trainable_params"] == 2 * 2 * 64 * 8
     a, meta_a, _ = SearchProjections.load(one["checkpoint"])
     b, meta_b, _ = SearchProjections.load(rest["checkpoint"])
@@ -85,23 +86,24 @@ def test_train_checkpoints_and_resume_equals_one_run(tmp_path, corpus):
     assert [r["step"] for r in log] == [1, 2, 3, 4, 5] and all(np.isfinite(r["loss"]) for r in log)
     assert len(list((tmp_path / "two" / "activations").glob("ctx_*.safetensors"))) == 2
     with pytest.raises(ValueError, match="was trained with"):
-        train(TrainConfig(**{**common, "layers": "1"}, steps=6, out=str(tmp_path / "two")), lm=lm, progress=False)
+        train_projections(SearchTrainConfig(**{**common, "layers": "1"}, steps=6, out=str(tmp_path / "two")), lm=lm,
+                          progress=False)
 
 
 def test_train_rejects_bad_config_before_work(tmp_path, corpus):
     lm = tiny_lm("llama")
     with pytest.raises(ValueError, match="k_pos must be a positive int"):
-        TrainConfig(k_pos=0)
+        SearchTrainConfig(k_pos=0)
     with pytest.raises(ValueError, match="activations must be"):
-        TrainConfig(activations="gpu")
+        SearchTrainConfig(activations="gpu")
     with pytest.raises(ValueError, match="corpus too short"):
-        train(TrainConfig(layers="1", context=4096, n_contexts=2, corpus=corpus, split="all",
-                          out=str(tmp_path / "x")), lm=lm, progress=False)
+        train_projections(SearchTrainConfig(layers="1", context=4096, n_contexts=2, corpus=corpus, split="all",
+                                            out=str(tmp_path / "x")), lm=lm, progress=False)
     with pytest.raises(ValueError, match="groups must be a positive int or 'kv'"):
-        TrainConfig(groups="heads")
+        SearchTrainConfig(groups="heads")
     with pytest.raises(ValueError, match="groups must be a positive divisor of the 4 query heads"):
-        train(TrainConfig(layers="1", groups=3, corpus=corpus, split="all", out=str(tmp_path / "x")), lm=lm,
-              progress=False)
+        train_projections(SearchTrainConfig(layers="1", groups=3, corpus=corpus, split="all", out=str(tmp_path / "x")),
+                          lm=lm, progress=False)
     assert not (tmp_path / "x").exists()
 
 
@@ -109,9 +111,10 @@ def test_train_per_kv_head_sets_and_evaluate_them(tmp_path, corpus):
     """groups='kv': one search space per KV head, saved, resumed and evaluated with every method
     using the same grouping; at K >= context all of them are full attention."""
     lm = tiny_lm("llama")
-    cfg = TrainConfig(model="tiny", layers="3,4", groups="kv", d_search=8, context=32, n_contexts=2, corpus=corpus,
-                      split="all", steps=3, log_every=1, eval_k=4, warmup=1, out=str(tmp_path / "kv"))
-    res = train(cfg, lm=lm, progress=False)
+    cfg = SearchTrainConfig(model="tiny", layers="3,4", groups="kv", d_search=8, context=32, n_contexts=2,
+                            corpus=corpus, split="all", steps=3, log_every=1, eval_k=4, warmup=1,
+                            out=str(tmp_path / "kv"))
+    res = train_projections(cfg, lm=lm, progress=False)
     assert res["trainable_params"] == 2 * 2 * 64 * 8 * lm.dims.n_kv_heads
     proj, meta, _ = SearchProjections.load(res["checkpoint"])
     assert proj.groups == meta["groups"] == 2
@@ -126,7 +129,7 @@ def test_train_per_kv_head_sets_and_evaluate_them(tmp_path, corpus):
         run_eval(EvalConfig(checkpoint=res["checkpoint"], groups=1, layer_sets=["3"], ks=[4], corpus=corpus,
                             split="all", out=str(tmp_path / "ev2")), lm=lm, progress=False)
     with pytest.raises(ValueError, match="was trained with"):
-        train(TrainConfig(**{**cfg.__dict__, "groups": 1, "steps": 4}), lm=lm, progress=False)
+        train_projections(SearchTrainConfig(**{**cfg.__dict__, "groups": 1, "steps": 4}), lm=lm, progress=False)
 
 
 def test_eval_sweep_writes_json_markdown_png(tmp_path, corpus):
@@ -222,7 +225,7 @@ def test_gguf_file_loads_into_the_same_model(tmp_path):
     _write_gguf(ref, tmp_path / "tiny.gguf")
     src = resolve_source(str(tmp_path / "tiny.gguf"))
     assert src.gguf_file == "tiny.gguf"
-    assert load_config(src).num_key_value_heads == 2
+    assert load_hf_config(src).num_key_value_heads == 2
     model = load_model(src)
     assert not any(p.requires_grad for p in model.parameters())
     ids = torch.randint(3, 250, (1, 17), generator=torch.Generator().manual_seed(0))

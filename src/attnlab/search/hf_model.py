@@ -79,7 +79,7 @@ def resolve_source(spec: str) -> ModelSource:
     return ModelSource(spec)
 
 
-def load_config(source: ModelSource):
+def load_hf_config(source: ModelSource):
     """The model config only (cheap): used to validate layers and family before loading weights."""
     from transformers import AutoConfig
 

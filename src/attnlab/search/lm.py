@@ -9,13 +9,16 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Callable
 
-from .capture import Packed, load_texts, pack_documents
-from .hf_model import (ModelDims, load_config, load_model, load_tokenizer, model_dims, resolve_layers,
+from .capture import Packed, load_texts, pack_contexts
+from .hf_model import (ModelDims, load_hf_config, load_model, load_tokenizer, model_dims, resolve_layers,
                        resolve_source, tiny_model)
 
 
 @dataclass
-class LM:
+class FrozenLM:
+    """A frozen pretrained causal LM (transformers) with its encode function, EOS id, name and shapes:
+    what search training and evaluation run on (not attnlab.models.LM, the trainable model)."""
+
     model: object
     encode: Callable[[str], list[int]]
     eos_id: int
@@ -36,22 +39,22 @@ def _eos(tokenizer, config) -> int:
     return int(eos)
 
 
-def tiny_lm(family: str = "llama", n_layers: int = 8, seed: int = 0) -> LM:
+def tiny_lm(family: str = "llama", n_layers: int = 8, seed: int = 0) -> FrozenLM:
     """A tiny random Llama/Qwen3 with a byte-level encoding (ids 3..258; 2 is EOS)."""
     model = tiny_model(family, n_layers=n_layers, seed=seed)
-    return LM(model, lambda text: [b + 3 for b in text.encode("utf-8")], 2, f"tiny-{family}",
+    return FrozenLM(model, lambda text: [b + 3 for b in text.encode("utf-8")], 2, f"tiny-{family}",
               model_dims(model.config))
 
 
-def load_lm(spec: str) -> LM:
+def load_lm(spec: str) -> FrozenLM:
     source = resolve_source(spec)
-    config = load_config(source)
+    config = load_hf_config(source)
     tok = load_tokenizer(source)
-    return LM(load_model(source), _hf_encode(tok), _eos(tok, config), spec, model_dims(config))
+    return FrozenLM(load_model(source), _hf_encode(tok), _eos(tok, config), spec, model_dims(config))
 
 
 def prepare(model: str, layer_sets, corpus: str, split: str, context: int, n_contexts: int, seed: int | None,
-            lm: LM | None = None, check: Callable | None = None) -> tuple[LM, list[list[int]], Packed]:
+            lm: FrozenLM | None = None, check: Callable | None = None) -> tuple[FrozenLM, list[list[int]], Packed]:
     """Validate, pack the corpus into contexts, then load the model (unless `lm` is given).
 
     layer_sets: a list of layer specs (see resolve_layers), each resolved to indices; `check`, if
@@ -62,10 +65,10 @@ def prepare(model: str, layer_sets, corpus: str, split: str, context: int, n_con
         sets = [resolve_layers(s, lm.dims.n_layers) for s in layer_sets]
         if check is not None:
             check(sets, lm.dims)
-        packed = pack_documents(load_texts(corpus, split), lm.encode, lm.eos_id, context, n_contexts, seed)
+        packed = pack_contexts(load_texts(corpus, split), lm.encode, lm.eos_id, context, n_contexts, seed)
         return lm, sets, packed
     source = resolve_source(model)
-    config = load_config(source)
+    config = load_hf_config(source)
     dims = model_dims(config)
     sets = [resolve_layers(s, dims.n_layers) for s in layer_sets]
     if check is not None:
@@ -76,5 +79,5 @@ def prepare(model: str, layer_sets, corpus: str, split: str, context: int, n_con
     tok = load_tokenizer(source)
     eos = _eos(tok, config)
     encode = _hf_encode(tok)
-    packed = pack_documents(load_texts(corpus, split), encode, eos, context, n_contexts, seed)
-    return LM(load_model(source), encode, eos, model, dims), sets, packed
+    packed = pack_contexts(load_texts(corpus, split), encode, eos, context, n_contexts, seed)
+    return FrozenLM(load_model(source), encode, eos, model, dims), sets, packed

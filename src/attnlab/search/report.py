@@ -4,38 +4,27 @@ from __future__ import annotations
 
 import json
 import math
-import os
 from pathlib import Path
 
+from attnlab.data.cache import atomic_write_text
+from attnlab.experiments.report import fmt, markdown_table, pyplot
 
-def _fmt(x, spec: str) -> str:
-    return "–" if x is None or (isinstance(x, float) and math.isnan(x)) else format(x, spec)
+HEADERS = ("layer set", "layers", "method", "K", "PPL", "rel. PPL gap (%)", "Recall@K", "Mass@K", "filler rate")
 
 
-def markdown_table(results: dict) -> str:
+def results_markdown(results: dict) -> str:
+    """A line on full attention, then one table row per (layer set, method, K)."""
     full = results.get("full", {})
-    lines = [
-        f"Full attention: PPL {_fmt(full.get('ppl'), '.4f')} on {full.get('tokens', 0)} predicted tokens "
-        f"({results.get('model', '?')}); {results.get('groups', 1)} candidate set(s) per token.",
-        "",
-        "| layer set | layers | method | K | PPL | rel. PPL gap | Recall@K | Mass@K | filler rate |",
-        "|---|---|---|---|---|---|---|---|---|",
-    ]
-    for r in results.get("rows", []):
-        lines.append(
-            f"| {r['layer_set']} | {r['n_layers']} | {r['method']} | {r['K']} | {_fmt(r['ppl'], '.4f')} | "
-            f"{_fmt(100 * r['rel_gap'], '+.3f')}% | {_fmt(r.get('recall'), '.3f')} | {_fmt(r.get('mass'), '.3f')} | "
-            f"{_fmt(r.get('filler_rate'), '.3f')} |"
-        )
-    return "\n".join(lines) + "\n"
+    head = (f"Full attention: PPL {fmt(full.get('ppl'))} on {full.get('tokens', 0)} predicted tokens "
+            f"({results.get('model', '?')}); {results.get('groups', 1)} candidate set(s) per token.")
+    rows = [[r["layer_set"], r["n_layers"], r["method"], r["K"], r["ppl"],
+             None if r["rel_gap"] is None else 100 * r["rel_gap"], r.get("recall"), r.get("mass"), r.get("filler_rate")]
+            for r in results.get("rows", [])]
+    return f"{head}\n\n{markdown_table(HEADERS, rows)}\n"
 
 
 def plot(results: dict, path: Path) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
+    plt = pyplot()
     rows = results.get("rows", [])
     sets = list(dict.fromkeys(r["layer_set"] for r in rows))
     if not sets:
@@ -76,19 +65,13 @@ def _clean(x):
     return x
 
 
-def _atomic_text(path: Path, text: str) -> None:
-    tmp = path.with_suffix(path.suffix + ".tmp")
-    tmp.write_text(text)
-    os.replace(tmp, path)
-
-
 def write_report(results: dict, out: str | Path, png: bool = True) -> dict[str, str]:
     """Write results.json, results.md and (with png) gap_vs_k.png under `out`; returns their paths."""
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
     paths = {"json": out / "results.json", "markdown": out / "results.md", "png": out / "gap_vs_k.png"}
-    _atomic_text(paths["json"], json.dumps(_clean(results), indent=2))
-    _atomic_text(paths["markdown"], markdown_table(results))
+    atomic_write_text(paths["json"], json.dumps(_clean(results), indent=2))
+    atomic_write_text(paths["markdown"], results_markdown(results))
     if png:
         plot(results, paths["png"])
     return {k: str(v) for k, v in paths.items()}

@@ -19,7 +19,7 @@ from tqdm.auto import tqdm
 from attnlab.checks import check_int
 
 from .capture import forward_packed
-from .lm import LM, prepare
+from .lm import FrozenLM, prepare
 from .metrics import Tally, rel_gap
 from .patch import SelectorConfig, substitute
 from .projections import SearchProjections
@@ -63,7 +63,7 @@ class EvalConfig:
             raise ValueError("model must be given when there is no checkpoint to take it from")
 
 
-def run_eval(cfg: EvalConfig, lm: LM | None = None, progress: bool = True) -> dict:
+def run_eval(cfg: EvalConfig, lm: FrozenLM | None = None, progress: bool = True) -> dict:
     """Run the sweep; returns the results dict (also written as JSON, markdown and PNG under cfg.out)."""
     proj, meta = None, {}
     if cfg.checkpoint:

@@ -24,7 +24,7 @@ from attnlab.checks import check_int
 from attnlab.data.packing import doc_causal_mask
 
 from .capture import Captured, Packed, capture, teacher_attention
-from .lm import LM, prepare
+from .lm import FrozenLM, prepare
 from .projections import SearchProjections, search_losses
 from .retrieval import check_group_spec, resolve_groups
 
@@ -32,7 +32,7 @@ CHECKPOINT = "projections.safetensors"
 
 
 @dataclass
-class TrainConfig:
+class SearchTrainConfig:
     model: str = "smollm2"
     layers: str = "all"  # trained once; any subset can be substituted at evaluation
     d_search: int = 128
@@ -76,7 +76,7 @@ class TrainConfig:
 class ActivationStore:
     """Captured activations per context: computed on first use, then served from memory or disk."""
 
-    def __init__(self, lm: LM, packed: Packed, layers: list[int], mode: str, folder: Path | None):
+    def __init__(self, lm: FrozenLM, packed: Packed, layers: list[int], mode: str, folder: Path | None):
         self.lm, self.packed, self.layers, self.mode, self.folder = lm, packed, layers, mode, folder
         self.mem: dict[int, dict[int, Captured]] = {}
         self.tag = json.dumps({"model": lm.name, "layers": layers, "context": packed.input_ids.shape[1],
@@ -175,7 +175,8 @@ def _load_optim(opt: torch.optim.Optimizer, tensors: dict, meta: dict) -> None:
     opt.load_state_dict({"state": state, "param_groups": groups})
 
 
-def train(cfg: TrainConfig, lm: LM | None = None, progress: bool = True, until: int | None = None) -> dict:
+def train_projections(cfg: SearchTrainConfig, lm: FrozenLM | None = None, progress: bool = True,
+                      until: int | None = None) -> dict:
     """Train (or resume) search projections; returns a summary with the checkpoint path.
 
     `until` stops after that many steps of the cfg.steps schedule (a time-boxed part of a run that a
