@@ -132,8 +132,8 @@ class ExactIndex:
     def reset(self) -> None:
         self.keys = None
 
-    def add(self, ks: torch.Tensor, starts: torch.Tensor | None = None) -> None:
-        """Append search keys (B, G, Tnew, d) as the next positions (block starts are not needed here)."""
+    def add(self, ks: torch.Tensor) -> None:
+        """Append search keys (B, G, Tnew, d) as the next positions."""
         self.keys = ks.detach() if self.keys is None else torch.cat([self.keys, ks.detach()], dim=2)
 
     def search(self, qs: torch.Tensor, allowed: torch.Tensor, K: int):
@@ -141,7 +141,7 @@ class ExactIndex:
         scores = qs.float() @ self.keys.float().transpose(-1, -2)  # (B, G, Tq, N)
         return topk_candidates(scores, allowed[..., : self.ntotal], K)
 
-    def grow_and_search(self, qs, ks, allowed, K, chunk: int = 64):
+    def grow_and_search(self, qs, ks, allowed, K):
         """Add the keys of the Tq newest positions, then search their queries (causality is in `allowed`)."""
         self.add(ks)
         return self.search(qs, allowed, K)

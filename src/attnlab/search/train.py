@@ -13,7 +13,7 @@ import math
 import os
 import random
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import torch
@@ -57,7 +57,6 @@ class SearchTrainConfig:
     out: str = "runs/search"
     seed: int = 0
     resume: bool = True
-    extra: dict = field(default_factory=dict)
 
     def __post_init__(self):
         for name in ("d_search", "k_pos", "context", "n_contexts", "steps", "log_every", "checkpoint_every", "eval_k"):

@@ -72,10 +72,6 @@ def wrap_model(model: torch.nn.Module, env: DistEnv, find_unused_parameters: boo
     return DistributedDataParallel(model, device_ids=ids, find_unused_parameters=find_unused_parameters)
 
 
-def unwrap(model: torch.nn.Module) -> torch.nn.Module:
-    return model.module if isinstance(model, DistributedDataParallel) else model
-
-
 def no_sync(model: torch.nn.Module, skip: bool):
     """Skip the gradient all-reduce on accumulation micro-steps that are not the last one."""
     if skip and isinstance(model, DistributedDataParallel):
