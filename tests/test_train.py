@@ -14,7 +14,8 @@ import torch
 import torch.nn.functional as F
 
 from attnlab.data import ByteTokenizer, mqar, passkey
-from attnlab.data.corpus import load_corpus, split_of
+from attnlab.data.corpus import load_corpus
+from attnlab.data.splits import split_of
 from attnlab.data.packing import doc_causal_mask
 from attnlab.data.synthetic import PASSKEY_QUESTION
 from attnlab.eval.tasks import label_hits

@@ -9,12 +9,10 @@
 
 from .cache import atomic_write_bytes, atomic_write_text, default_cache_dir
 from .corpus import (
-    SPLITS,
     count_tokens,
     describe_stdlib,
     load_corpus,
     local_corpus,
-    split_of,
     stdlib_corpus,
     stdlib_files,
     stdlib_stats,
@@ -29,6 +27,7 @@ from .packing import (
     positions_in_doc,
     sequential_batches,
 )
+from .splits import SPLITS, split_of
 from .synthetic import IGNORE, mqar, passkey
 from .tokenizer import BPETokenizer, ByteTokenizer, Tokenizer, get_tokenizer, train_bpe
 

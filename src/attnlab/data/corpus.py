@@ -14,16 +14,13 @@ or are machine-generated noise:
 - `_sysconfigdata_*.py` (written at build time, differs between builds of the same Python);
 - any file that does not decode as UTF-8.
 
-Splits: a file's split is decided by the first 8 bytes of sha256 of its path relative to
-the stdlib folder (POSIX separators), taken as a big-endian integer modulo 100:
-0-1 -> "test", 2-3 -> "val", 4-99 -> "train" (96/2/2 %). The split depends on nothing
-but the path, so every machine with the same Python version gets the same split.
+Splits: a file's split is decided by a hash of its path relative to the stdlib folder
+(`splits.split_of`), so every machine with the same Python version gets the same split.
 Local folders use the same rule on paths relative to the folder.
 """
 
 from __future__ import annotations
 
-import hashlib
 import os
 import sys
 import sysconfig
@@ -31,26 +28,15 @@ from functools import lru_cache
 from pathlib import Path
 
 from ..checks import check_choice, check_int
+from . import hf
+from .splits import FILE_SPLITS, SPLIT_PERCENT, SPLITS, split_of
 
-SPLITS = ("train", "val", "test")
-FILE_SPLITS = SPLITS + ("all",)
-SPLIT_PERCENT = {"test": 2, "val": 2, "train": 96}
 STDLIB_EXCLUDED_DIRS = frozenset(
     {"site-packages", "dist-packages", "__pycache__", "test", "tests", "idle_test", "encodings", "pydoc_data"}
 )
 STDLIB_EXCLUDED_PREFIXES = ("_sysconfigdata_",)
 TEXT_EXTENSIONS = (".txt", ".text", ".md", ".rst", ".py")
 NAMED_SOURCES = ("stdlib", "tinystories", "wikitext103")
-
-
-def split_of(relpath: str) -> str:
-    """The split ("train" | "val" | "test") of a file given its relative POSIX path."""
-    bucket = int.from_bytes(hashlib.sha256(relpath.encode("utf-8")).digest()[:8], "big") % 100
-    if bucket < SPLIT_PERCENT["test"]:
-        return "test"
-    if bucket < SPLIT_PERCENT["test"] + SPLIT_PERCENT["val"]:
-        return "val"
-    return "train"
 
 
 def stdlib_root() -> Path:
@@ -176,8 +162,6 @@ def load_corpus(
         raise TypeError(f"source must be a non-empty string (one of {NAMED_SOURCES}, 'hf:<path>' or a path), got {source!r}")
     if max_docs is not None:
         check_int("max_docs", max_docs)
-    from . import hf
-
     name = source.lower().replace("-", "").replace("_", "")
     if name == "stdlib":
         docs = stdlib_corpus(split)

@@ -17,7 +17,7 @@ import re
 from typing import Iterable, Iterator
 
 from ..checks import check_choice
-from .corpus import SPLITS
+from .splits import SPLITS
 
 TINYSTORIES = "roneneldan/TinyStories"
 WIKITEXT = "Salesforce/wikitext"

@@ -8,7 +8,6 @@ configuration, so an interrupted sweep keeps what it finished.
 
 from __future__ import annotations
 
-import json
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
