@@ -259,3 +259,12 @@ def test_the_readme_spec_loads(tmp_path):
     spec = load_spec(spec_path)
     assert [v.name for v in spec.variants] == ["softmax", "hybrid"] and spec.out == tmp_path / "results"
     assert "loss@512" in metric_names(spec.metrics) and spec.verdict["compare"] == ["hybrid", "softmax"]
+
+
+def test_tau_trajectory_is_the_mean_over_scalar_layers():
+    from attnlab.experiments.sweep.results import _mean_tau
+
+    row = {"kind": "train", "step": 10, "layers": [{"mechanism": "softmax"}, {"mechanism": "hybrid", "tau_mean": 0.2},
+                                                    {"mechanism": "scalar", "tau_mean": 0.4}]}
+    assert _mean_tau(row) == pytest.approx(0.3)
+    assert _mean_tau({"kind": "train", "layers": [{"mechanism": "softmax"}]}) is None

@@ -101,8 +101,15 @@ def _run_entry(spec: Spec, variant: str, seed: int, cfg: RunConfig, run_dir: Pat
         "curves": {
             "train": [[r["step"], r["loss"]] for r in log if r.get("kind") == "train" and "loss" in r],
             "val": [[r["step"], r["val_loss"]] for r in log if r.get("kind") == "eval" and "val_loss" in r],
+            "tau": [[r["step"], _mean_tau(r)] for r in log if r.get("kind") == "train" and _mean_tau(r) is not None],
         },
     }
+
+
+def _mean_tau(row: dict) -> float | None:
+    """A train-log row's temperature: the mean over the layers with scalar heads of their mean τ."""
+    taus = [layer["tau_mean"] for layer in row.get("layers") or [] if layer.get("tau_mean") is not None]
+    return sum(taus) / len(taus) if taus else None
 
 
 def scalar_names(spec: Spec, runs: list[dict]) -> list[str]:
@@ -254,7 +261,8 @@ def report_markdown(spec: Spec, results: dict, out: Path, metrics_png: bool = Tr
         v = results["verdict"]
         lines += ["## Verdict", "", f"**{v['outcome']}**: {v['reason']}.", "", "Rule: " + verdict_rule_text(spec.verdict), ""]
     lines += ["## Plots", "", "![loss curves](loss_curves.png)", "",
-              "Train (left) and validation (right) loss per variant: the mean over seeds as a line, the min-max over "
+              "Train and validation loss per variant (and, where a variant has scalar heads, its temperature τ, "
+              "the mean over layers of the mean over heads): the mean over seeds as a line, the min-max over "
               "seeds as a band.", ""]
     if metrics_png:
         lines += ["![per-run metrics](metrics.png)", "", "Each per-run scalar: the mean over seeds as a bar, ±1 sd as an "
@@ -309,21 +317,23 @@ def plot_curves(spec: Spec, results: dict, path: Path) -> Path:
     from ..report import pyplot
 
     plt = pyplot()
-    fig, axes = plt.subplots(1, 2, figsize=(11, 4.2), dpi=120)
+    kinds = ["train", "val"] + (["tau"] if any(r["curves"].get("tau") for r in results["runs"]) else [])
+    fig, axes = plt.subplots(1, len(kinds), figsize=(5.5 * len(kinds), 4.2), dpi=120)
     for i, name in enumerate(results["variants"]):
         runs = [r for r in results["runs"] if r["variant"] == name]
-        for ax, kind in zip(axes, ("train", "val")):
-            curves = [r["curves"][kind] for r in runs if r["curves"][kind]]
+        for ax, kind in zip(axes, kinds):
+            curves = [r["curves"].get(kind) for r in runs if r["curves"].get(kind)]
             if not curves:
                 continue
             steps, mean, lo, hi = _band(curves)
             ax.plot(steps, mean, color=f"C{i}", lw=1.8, marker="o" if kind == "val" else None, ms=3,
                     label=f"{name} (n={len(curves)})")
             ax.fill_between(steps, lo, hi, color=f"C{i}", alpha=0.2, lw=0)
-    for ax, kind in zip(axes, ("train", "validation")):
-        ax.set_title(f"{kind} loss: mean over seeds, min-max band")
+    for ax, kind in zip(axes, kinds):
+        what = {"train": "train loss", "val": "validation loss", "tau": "τ (mean over scalar layers)"}[kind]
+        ax.set_title(f"{what}: mean over seeds, min-max band", fontsize=9)
         ax.set_xlabel("optimizer step")
-        ax.set_ylabel("loss (nats / token)")
+        ax.set_ylabel("τ" if kind == "tau" else "loss (nats / token)")
         ax.grid(alpha=0.3)
         ax.legend(fontsize=8)
     fig.suptitle(spec.title, fontsize=10)
