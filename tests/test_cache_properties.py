@@ -192,7 +192,7 @@ def poison(x: torch.Tensor, pos: int, bad: float) -> torch.Tensor:
 def check_attend(cache, gen, window) -> None:
     """Fast attend equals the naive formula over the live entries (rows whose k-th and (k+1)-th
     nearest keys tie are skipped for a finite window: either choice is a correct window)."""
-    if cache._n_max == 0 and not cache.has_sink:
+    if cache.max_entries == 0 and not cache.has_sink:
         return
     qs = torch.randn(Bq, Hq, generator=gen) * 2
     q = torch.randn(Bq, Hq, Dkq, generator=gen) if cache.hybrid else None

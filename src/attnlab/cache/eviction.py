@@ -32,7 +32,7 @@ def live_slots(cache) -> torch.Tensor:
     ent = cache.index.all_entries()  # (C, R, N)
     slots = torch.where(torch.isfinite(run_keys(ent)), ent[1].long(), S)  # dead refs -> spare column
     live = torch.zeros(cache.batch * cache.n_groups, S + 1, dtype=torch.bool, device=cache.device)
-    live[cache._row_group.expand_as(slots), slots] = True
+    live[cache.row_group.expand_as(slots), slots] = True
     return live[:, :S]
 
 
@@ -56,12 +56,12 @@ def reclaim_slots(cache) -> int:
     cache.values = fresh.view_as(cache.values)
     if cache.hybrid:
         vkeys = cache.vkeys.view(R, cap, cache.d_k)
-        live_h = live[cache._row_group.view(R)]  # (R, S): slot live in the head's group
+        live_h = live[cache.row_group.view(R)]  # (R, S): slot live in the head's group
         hi, si = live_h.nonzero(as_tuple=True)
         fresh_k = torch.zeros_like(vkeys)
-        fresh_k[hi, newpos[cache._row_group.view(R)[hi], si]] = vkeys[hi, si]
+        fresh_k[hi, newpos[cache.row_group.view(R)[hi], si]] = vkeys[hi, si]
         cache.vkeys = fresh_k.view_as(cache.vkeys)
-    cache.index.map_slots(lambda s: newpos[cache._row_group, s.long()].to(torch.int32))
+    cache.index.map_slots(lambda s: newpos[cache.row_group, s.long()].to(torch.int32))
     cache.n_slots = new_s
     return S - new_s
 
@@ -84,9 +84,9 @@ def evict_geometric(cache, radius=None, *, tau=None, eps=None, reclaim: bool = T
             raise ValueError("give radius, or both tau and eps (r = sqrt(-tau log eps))")
         if not 0 < eps < 1:
             raise ValueError(f"eps must be in (0, 1), got {eps!r}")
-        r = radius_from_tolerance(cache._rows("tau", tau), float(eps))
+        r = radius_from_tolerance(cache.per_row("tau", tau), float(eps))
     else:
-        r = cache._rows("radius", radius)
+        r = cache.per_row("radius", radius)
     lo = hist.amin(1, keepdim=True) - r  # (R, 1)
     hi = hist.amax(1, keepdim=True) + r
     zone = cache.sink_zone
@@ -100,7 +100,7 @@ def evict_geometric(cache, radius=None, *, tau=None, eps=None, reclaim: bool = T
     before = _count(cache)
     cache.index.filter(keep)
     removed = before - _count(cache)
-    cache._refresh_count()
+    cache.recount_entries()
     if reclaim and removed:
         reclaim_slots(cache)
     return removed
@@ -130,7 +130,7 @@ def compress_density(cache, max_span: float, group: int = 4, reclaim: bool = Tru
     rr, cc = ok.nonzero(as_tuple=True)  # row-major: rows ascending
     if rr.numel() == 0:
         return 0
-    grow = cache._row_group.view(R)[rr]  # (Q,) value row b*G+g; nondecreasing in rr
+    grow = cache.row_group.view(R)[rr]  # (Q,) value row b*G+g; nondecreasing in rr
     counts = torch.bincount(grow, minlength=cache.batch * cache.n_groups)
     rank = torch.arange(rr.numel(), device=rr.device) - (counts.cumsum(0) - counts)[grow]
     n_new = int(counts.max().item())
@@ -142,7 +142,7 @@ def compress_density(cache, max_span: float, group: int = 4, reclaim: bool = Tru
                                f"the cache is unchanged (evict first, or use a larger capacity)")
     index.ensure_weighted()
     index.replace(run)
-    cache._ensure_slots(n_new)  # may reclaim slots, which remaps the run in place
+    cache.reserve_slots(n_new)  # may reclaim slots, which remaps the run in place
     run = index.runs()[0]
     cap = cache.values.shape[2]
 
@@ -168,7 +168,7 @@ def compress_density(cache, max_span: float, group: int = 4, reclaim: bool = Tru
     keep = torch.isfinite(run_keys(run))
     keep[rr[:, None], pos[:, 1:]] = False
     index.replace(index.compact(run, keep))
-    cache._refresh_count()
+    cache.recount_entries()
     if reclaim:
         reclaim_slots(cache)
     return int(rr.numel()) * (m - 1)

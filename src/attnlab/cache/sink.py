@@ -8,16 +8,27 @@ keys eviction and compression leave alone.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 
+from ..checks import check_finite
 from ..ops._sdpa import expand_heads
+
+
+@dataclass(frozen=True)
+class SinkRows:
+    """The sink entry per index row (R = B * H): key (R, 1) float32, value (R, Dv) in the cache's
+    dtype, vkey (R, Dk) float32 for hybrid heads, else None."""
+
+    key: torch.Tensor
+    value: torch.Tensor
+    vkey: torch.Tensor | None
 
 
 def _finite(name: str, x: torch.Tensor, cast: torch.Tensor | None = None) -> None:
     """NaN/inf in a sink argument (or in ``cast``, its copy in the dtype stored) raises ValueError naming it."""
-    from .sorted import check_finite  # lazy: sorted imports this module
-
-    check_finite(name, x, unchanged=False)
+    check_finite(name, x)
     if cast is not None and not bool(torch.isfinite(cast).all()):
         raise ValueError(f"{name} must fit in {cast.dtype}, the dtype the cache stores it in, got |{name}| up to "
                          f"{float(x.abs().max()):.4g}, which is inf there")
@@ -61,8 +72,8 @@ def _sink_key(cache, sink_key) -> torch.Tensor:
     return key
 
 
-def sink_rows(cache, sink_key, sink_value, sink_vkey):
-    """Per-row sink key (R, 1) float32, value (R, Dv) and hybrid vector key (R, Dk), or Nones.
+def sink_rows(cache, sink_key, sink_value, sink_vkey) -> SinkRows | None:
+    """The sink per row (key (R, 1) float32, value (R, Dv), hybrid vector key (R, Dk)), or None.
 
     sink_key: float, 0-d or (H,); sink_value: (Dv,), (G, Dv) or (H, Dv); sink_vkey: (Dk,) or
     (H, Dk), hybrid only, default zeros (the sink then scores by scalar distance alone).
@@ -75,7 +86,7 @@ def sink_rows(cache, sink_key, sink_value, sink_vkey):
     if sink_vkey is not None and (sink_key is None or cache.d_k is None):
         raise ValueError("sink_vkey needs sink_key and sink_value, and a hybrid cache (d_k given)")
     if sink_key is None:
-        return None, None, None
+        return None
     key = _sink_key(cache, sink_key)
     val = _per_head(cache, "sink_value", sink_value, cache.d_v, allow_groups=True)
     val_c = val.to(cache.dtype)
@@ -87,7 +98,7 @@ def sink_rows(cache, sink_key, sink_value, sink_vkey):
         vk32 = vk.float()
         _finite("sink_vkey", vk, vk32)
         vk = vk32.repeat(B, 1)  # (R, Dk)
-    return key.repeat(B).view(-1, 1), val_c.repeat(B, 1), vk
+    return SinkRows(key.repeat(B).view(-1, 1), val_c.repeat(B, 1), vk)
 
 
 def parse_zone(zone):

@@ -33,39 +33,30 @@ Every check runs before anything changes: a rejected call leaves the cache bit-i
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 
 import torch
 
+from .. import checks
 from ..checks import check_groups, check_impl, check_int, check_positive
+from ..ops import hybrid_logits, scalar_logits
 from . import eviction
+from .sink import SinkRows, parse_zone, sink_rows
 from .sorted_index import SortedKeyIndex, radius_from_tolerance, run_keys
-from .sink import parse_zone, sink_rows
 from .sorted_naive import attend_naive
 
-__all__ = ["SortedScalarCache", "bytes_per_token"]
+__all__ = ["DecodeQuery", "SortedScalarCache", "bytes_per_token"]
 
 
 F32_MAX = float(torch.finfo(torch.float32).max)
 
 
-def check_finite(name: str, x: torch.Tensor, unchanged: bool = True) -> None:
-    """NaN or +-inf anywhere in x raises ValueError naming ``name``, what it got and where
-    (unchanged: say that the cache was left as it was).
-
-    Hot path (every decode step): a few values are cheaper to check in Python than with a
-    tensor reduction; many take one reduction, and the full test only when the sum is not
-    finite (finite values whose sum overflows pass)."""
-    x = x.detach()
-    if x.numel() <= 256:
-        if all(map(math.isfinite, x.reshape(-1).tolist())):
-            return
-    elif math.isfinite(float(x.sum())) or bool(torch.isfinite(x).all()):
-        return
-    bad = ~torch.isfinite(x)
-    n_nan, n_bad = int(torch.isnan(x).sum()), int(bad.sum())
-    first = tuple(int(i) for i in bad.nonzero()[0])
-    raise ValueError(f"{name} must be finite, got {n_nan} NaN and {n_bad - n_nan} inf of {x.numel()} entries "
-                     f"(first at index {first})" + ("; the cache is unchanged" if unchanged else ""))
+def check_finite(name: str, x: torch.Tensor) -> None:
+    """`attnlab.checks.check_finite`, its error saying that the cache was left as it was."""
+    try:
+        checks.check_finite(name, x)
+    except ValueError as e:
+        raise ValueError(f"{e}; the cache is unchanged") from None
 
 
 def check_float32_range(name: str, x: torch.Tensor) -> None:
@@ -76,6 +67,19 @@ def check_float32_range(name: str, x: torch.Tensor) -> None:
         if big > F32_MAX:
             raise ValueError(f"{name} must lie within the float32 range (|{name}| <= {F32_MAX:.4g}: the sorted "
                              f"index holds float32 keys), got |{name}| up to {big:.4g}; the cache is unchanged")
+
+
+@dataclass(frozen=True)
+class DecodeQuery:
+    """One checked decode query in the cache's row layout (R = B * H rows, one per head):
+    qs (R, 1) float32; q (R, Dk) float32 for hybrid heads, else None; tau a float or (R, 1);
+    radius None, a float or (R, 1); window the k nearest entries to keep, None for all."""
+
+    qs: torch.Tensor
+    q: torch.Tensor | None
+    tau: float | torch.Tensor
+    radius: float | torch.Tensor | None
+    window: int | None
 
 
 def bytes_per_token(n_heads: int, n_groups: int, d_v: int, d_k: int | None = None,
@@ -131,15 +135,15 @@ class SortedScalarCache:
         self.index = SortedKeyIndex(R, buffer_size=buffer_size, level_ratio=level_ratio, device=self.device)
         self.n_tokens = 0  # tokens appended
         self.n_slots = 0  # value slots in use (uniform over batch x groups)
-        self._n_max = 0  # most live entries any head holds
+        self._n_max = 0  # most live entries any head holds (public: max_entries)
         heads = torch.arange(H, device=self.device)
         bidx = torch.arange(B, device=self.device).repeat_interleave(H)
         self._row_group = (bidx * G + heads.repeat(B) // (H // G)).view(R, 1)  # (R, 1) value row b*G+g
         self._row_head = torch.arange(R, device=self.device).view(R, 1)  # (R, 1) vector-key row b*H+h
         self._qhist = torch.zeros(R, query_history, device=self.device)
         self._qpos = self._qcount = 0
-        self.has_sink = sink_key is not None or sink_value is not None
-        self._sink_k, self._sink_v, self._sink_vk = sink_rows(self, sink_key, sink_value, sink_vkey)
+        self._sink = sink_rows(self, sink_key, sink_value, sink_vkey)
+        self.has_sink = self._sink is not None
         self.sink_zone = parse_zone(sink_zone)
         self._alloc(self.capacity or 1024)
 
@@ -159,7 +163,9 @@ class SortedScalarCache:
         self._val_off = self._row_group * slots  # (R, 1) row offsets into values.view(-1, Dv)
         self._key_off = self._row_head * slots
 
-    def _ensure_slots(self, extra: int) -> None:
+    def reserve_slots(self, extra: int) -> None:
+        """Make room for `extra` more value slots: grow the store, or with a fixed capacity reclaim
+        dead slots; RuntimeError when a full fixed capacity has no room."""
         need = self.n_slots + extra
         cap = self.values.shape[2]
         if need <= cap:
@@ -203,7 +209,7 @@ class SortedScalarCache:
                 cache._check_dtype(name, x)
         for name, x in (("ks", ks), ("v", v), ("k", k)):
             if x is not None:
-                check_finite(name, x, unchanged=False)
+                checks.check_finite(name, x)
         check_float32_range("ks", ks)
         if cache.values.shape[2] < N:
             cache._alloc(N)
@@ -223,6 +229,26 @@ class SortedScalarCache:
     @property
     def hybrid(self) -> bool:
         return self.d_k is not None
+
+    @property
+    def row_group(self) -> torch.Tensor:
+        """(R, 1) the value-store row b * G + g that index row b * H + h reads (read-only)."""
+        return self._row_group
+
+    @property
+    def max_entries(self) -> int:
+        """The most live entries any head holds (a window is never wider)."""
+        return self._n_max
+
+    @property
+    def sink(self) -> SinkRows | None:
+        """The sink entry per index row (key (R, 1) float32, value (R, Dv), vector key (R, Dk) or
+        None), or None without a sink."""
+        return self._sink
+
+    def recount_entries(self) -> None:
+        """Refresh max_entries after the index lost entries (eviction, compression)."""
+        self._n_max = int(self.index.n_entries().max().item()) if self.rows else 0
 
     def __len__(self) -> int:
         return self.n_tokens
@@ -261,8 +287,9 @@ class SortedScalarCache:
         if dtype is not None and x.dtype != dtype:
             raise TypeError(f"{name} must have the dtype of qs ({dtype}), got {x.dtype}")
 
-    def _rows(self, name: str, value):
-        """A finite positive float, 0-d, (H,) or (B, H) parameter as a float or an (R, 1) tensor."""
+    def per_row(self, name: str, value):
+        """A finite positive float, 0-d, (H,) or (B, H) parameter (tau, radius) as a float or an
+        (R, 1) float32 tensor; errors name it and leave the cache unchanged."""
         B, H = self.batch, self.n_heads
         if isinstance(value, bool) or not isinstance(value, (int, float, torch.Tensor)):
             raise TypeError(f"{name} must be a float or a tensor, got {type(value).__name__}")
@@ -309,7 +336,7 @@ class SortedScalarCache:
             check_finite(name, x)
         check_float32_range("ks", ks)
         if self.n_slots == self.values.shape[2]:
-            self._ensure_slots(1)  # a full fixed capacity raises before anything changes
+            self.reserve_slots(1)  # a full fixed capacity raises before anything changes
         s = self.n_slots
         self.values.select(2, s).copy_(self._plain(v, self.dtype))
         if self.hybrid:
@@ -328,18 +355,20 @@ class SortedScalarCache:
         keep only entries within r (at most ``window``). impl: "fast" searches the sorted index,
         "naive" scores every cached entry by the formula and masks outside the window."""
         check_impl(impl)
-        qr, q_rows, tau_r, r, window = self._query_args(qs, tau, q, window, radius, eps)
+        query = self.query(qs, tau, q, window, radius, eps)
         if self._n_max == 0 and not self.has_sink:
             raise ValueError("the cache is empty and has no sink: append a token before attend")
         hist = self._qhist.shape[1]
-        self._qhist.select(1, self._qpos).copy_(self._plain(qr, torch.float32).view(self.rows))
+        self._qhist.select(1, self._qpos).copy_(self._plain(query.qs, torch.float32).view(self.rows))
         self._qpos, self._qcount = (self._qpos + 1) % hist, self._qcount + 1
         if impl == "naive":
-            return attend_naive(self, qr, q_rows, tau_r, r, window)
-        cand, dist = self._select(qr, tau_r, window, r)
-        return self._output(cand, dist, qr, q_rows, tau_r, r)
+            return attend_naive(self, query)
+        cand, _ = self.select(query)
+        return self._output(cand, query)
 
-    def _query_args(self, qs, tau, q, window, radius, eps):
+    def query(self, qs: torch.Tensor, tau, q: torch.Tensor | None = None, window: int | None = 64,
+              radius=None, eps: float | None = None) -> DecodeQuery:
+        """Check the arguments of `attend` (same meaning) and lay them out per row; records nothing."""
         B, H = self.batch, self.n_heads
         self._check_shape("qs", qs, (B, H))
         self._check_dtype("qs", qs, qs.dtype)
@@ -359,10 +388,10 @@ class SortedScalarCache:
             check_int("window", window)
         if radius is not None and eps is not None:
             raise ValueError("give radius or eps, not both")
-        tau_r = self._rows("tau", tau)
+        tau_r = self.per_row("tau", tau)
         r = None
         if radius is not None:
-            r = self._rows("radius", radius)
+            r = self.per_row("radius", radius)
         elif eps is not None:
             if isinstance(eps, bool) or not isinstance(eps, (int, float)) or not 0 < eps < 1:
                 raise ValueError(f"eps must be a float in (0, 1), got {eps!r}")
@@ -371,11 +400,12 @@ class SortedScalarCache:
         if qr.dtype != torch.float32 or qr.device != self.device:
             qr = qr.to(self.device, torch.float32)
         q_rows = q.to(self.device, torch.float32).reshape(self.rows, self.d_k) if self.hybrid else None
-        return qr, q_rows, tau_r, r, window
+        return DecodeQuery(qr, q_rows, tau_r, r, window)
 
-    def _select(self, qr, tau_r, window, r) -> tuple[torch.Tensor, torch.Tensor]:
-        """Packed candidates (C, R, k), each head's k nearest entries (within r in radius mode),
-        and their distances |qs - ks| (R, k)."""
+    def select(self, query: DecodeQuery) -> tuple[torch.Tensor, torch.Tensor]:
+        """Packed candidates (C, R, k), each head's k nearest entries (within the radius, if
+        any), and their distances |qs - ks| (R, k); pads (rows with fewer entries) at inf."""
+        qr, window, r = query.qs, query.window, query.radius
         k = self._n_max if window is None else min(window, self._n_max)
         if r is not None and k > 0:
             k = min(k, int(self.index.count_within(qr, r).max().item()))
@@ -389,32 +419,42 @@ class SortedScalarCache:
             cand = cand.gather(2, sel.unsqueeze(0).expand(cand.shape[0], -1, -1))
         return cand, dist
 
-    def _logits(self, cand, dist, q_rows, tau_r, r) -> torch.Tensor:
-        """Scores (R, k) of packed entries at distances dist: -dist^2 / tau (+ log-weight)
-        (+ q . k / sqrt(d_k)); -inf beyond the radius r. Pads (dist = inf) score -inf."""
-        logits = dist.square().mul(-1.0 / tau_r)
+    def scores(self, entries: torch.Tensor, query: DecodeQuery, *, radius: bool = True,
+               sink: bool = False) -> torch.Tensor:
+        """Logits (R, n) of packed entries (C, R, n): the op's score (`ops.scalar_logits`, or
+        `ops.hybrid_logits` with the entries' vector keys) + the log-weight of merged entries;
+        -inf for pads and, with `radius`, beyond query.radius. With `sink`, the sink's logit is
+        appended as column n (weight 1, no radius)."""
+        B, H, R, n = self.batch, self.n_heads, self.rows, entries.shape[2]
+        keys = run_keys(entries)  # (R, n) float32, pads +inf
+        hidden = ~torch.isfinite(keys)
+        if radius and query.radius is not None:
+            hidden = hidden | ((keys - query.qs).abs() > query.radius)
+        ks = torch.where(hidden, query.qs.detach(), keys)  # hidden entries: any finite key, masked below
+        kv = None
+        if self.hybrid:
+            idx = (entries[1] + self._key_off).reshape(-1)
+            kv = self.vkeys.view(-1, self.d_k).index_select(0, idx).view(R, n, self.d_k).float()  # (R, n, Dk)
+        if sink:
+            ks = torch.cat([ks, self._sink.key], 1)  # (R, n + 1)
+            kv = None if kv is None else torch.cat([kv, self._sink.vkey[:, None]], 1)
+            hidden = torch.cat([hidden, hidden.new_zeros(R, 1)], 1)
+        tau = query.tau if isinstance(query.tau, float) else query.tau.view(B, H, 1)
+        qs, ks = query.qs.view(B, H, 1), ks.view(B, H, -1)
+        if kv is None:
+            logits = scalar_logits(qs, ks, tau, causal=False)  # (B, H, 1, n [+ 1])
+        else:
+            q = query.q.view(B, H, 1, self.d_k)
+            logits = hybrid_logits(q, kv.view(B, H, -1, self.d_k), qs, ks, tau, causal=False)
+        logits = logits.view(R, -1)
         if self.index.weighted:
-            logits = logits + cand[2].view(torch.float32)
-        if self.hybrid:
-            R, k = dist.shape
-            idx = (cand[1] + self._key_off).reshape(-1)
-            kv = self.vkeys.view(-1, self.d_k).index_select(0, idx).view(R, k, self.d_k).float()
-            logits = logits + torch.bmm(kv, q_rows.unsqueeze(2)).squeeze(2) / math.sqrt(self.d_k)
-        if r is not None:
-            logits = logits.masked_fill(dist > r, float("-inf"))
-        return logits
+            logw = entries[2].view(torch.float32)  # log(count)
+            logits = logits + (torch.cat([logw, logw.new_zeros(R, 1)], 1) if sink else logw)
+        return logits.masked_fill(hidden, float("-inf"))
 
-    def _sink_logit(self, qr, q_rows, tau_r) -> torch.Tensor:
-        logit = (qr - self._sink_k).square().mul(-1.0 / tau_r)  # (R, 1)
-        if self.hybrid:
-            logit = logit + (q_rows * self._sink_vk).sum(1, keepdim=True) / math.sqrt(self.d_k)
-        return logit
-
-    def _output(self, cand, dist, qr, q_rows, tau_r, r) -> torch.Tensor:
+    def _output(self, cand: torch.Tensor, query: DecodeQuery) -> torch.Tensor:
         R, k, Dv = self.rows, cand.shape[2], self.d_v
-        logits = self._logits(cand, dist, q_rows, tau_r, r)  # (R, k)
-        if self.has_sink:
-            logits = torch.cat([logits, self._sink_logit(qr, q_rows, tau_r)], 1)  # (R, k + 1)
+        logits = self.scores(cand, query, sink=self.has_sink)  # (R, k [+ 1])
         w = torch.softmax(logits, 1)
         if not self.has_sink:
             w = w.nan_to_num(0.0)  # a head with no candidate (empty, or none within r) outputs 0
@@ -423,7 +463,7 @@ class SortedScalarCache:
         w = w.to(vals.dtype)
         out = torch.bmm(w[:, None, :k], vals).squeeze(1)  # (R, Dv)
         if self.has_sink:
-            out = out + w[:, k:] * self._sink_v
+            out = out + w[:, k:] * self._sink.value
         return out.view(self.batch, self.n_heads, Dv)
 
     # ---- eviction and compression (see cache/eviction.py) ---------------------------------
@@ -442,6 +482,3 @@ class SortedScalarCache:
     def reclaim(self) -> int:
         """Free value slots no head references any more; returns the number freed."""
         return eviction.reclaim_slots(self)
-
-    def _refresh_count(self) -> None:
-        self._n_max = int(self.index.n_entries().max().item()) if self.rows else 0

@@ -55,17 +55,15 @@ def window_error(cache, qs: torch.Tensor, tau, q: torch.Tensor | None = None, wi
                  radius=None, eps: float | None = None) -> WindowError:
     """Measure the attention mass that ``cache.attend`` with these arguments leaves out.
     Does not record the queries for eviction. O(n) per head: a diagnostic, not a decode path."""
-    qr, q_rows, tau_r, r, window = cache._query_args(qs, tau, q, window, radius, eps)
-    cand, dist_w = cache._select(qr, tau_r, window, r)
+    query = cache.query(qs, tau, q, window, radius, eps)
+    cand, dist_w = cache.select(query)
     full = cache.index.all_entries()
-    dist = (run_keys(full) - qr).abs()  # (R, N), pads inf
-    lw = cache._logits(cand, dist_w, q_rows, tau_r, r).double()  # (R, k)
-    lf = cache._logits(full, dist, q_rows, tau_r, None).double()  # (R, N)
+    dist = (run_keys(full) - query.qs).abs()  # (R, N), pads inf
+    lw = cache.scores(cand, query).double()  # (R, k)
+    lf_sink = cache.scores(full, query, radius=False, sink=cache.has_sink).double()  # (R, N [+ 1])
+    lf = lf_sink[:, : dist.shape[1]]  # (R, N)
     kept = torch.isfinite(lw)  # (R, k) candidates that count (radius mode masks some)
-    if cache.has_sink:  # the sink is always in the window
-        lse_full = torch.cat([lf, cache._sink_logit(qr, q_rows, tau_r).double()], 1).logsumexp(1)
-    else:
-        lse_full = lf.logsumexp(1)
+    lse_full = lf_sink.logsumexp(1)  # the sink is always in the window
     # realized radius: distance to the nearest entry left out (the window is a set of nearest keys)
     none = torch.full_like(dist[:, :1], float("-inf"))
     far = torch.cat([torch.where(kept, dist_w, float("-inf")), none], 1).amax(1, keepdim=True)  # (R, 1)
@@ -81,7 +79,7 @@ def window_error(cache, qs: torch.Tensor, tau, q: torch.Tensor | None = None, wi
     tied_full = p_full.masked_fill(dist != far, 0.0).sum(1)
     tied_kept = p_win.masked_fill(~(kept & (dist_w == far)), 0.0).sum(1)
     mass_out = (beyond_mass + (tied_full - tied_kept).clamp_min(0.0)).nan_to_num(0.0).clamp(0.0, 1.0)
-    tau64 = tau_r.double().view(-1) if isinstance(tau_r, torch.Tensor) else tau_r
+    tau64 = query.tau.double().view(-1) if isinstance(query.tau, torch.Tensor) else query.tau
     bound = erfc_bound(rad, tau64)
     shape = (cache.batch, cache.n_heads)
     return WindowError(mass_out.view(shape), rad.view(shape), bound.view(shape))
