@@ -24,7 +24,7 @@ PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 
 def test_config_file_matches_the_built_in_base():
     from_file = load_config(ROOT / "configs" / "quickstart.toml")
-    built_in = config_from_dict(json.loads(json.dumps(qs.BASE_CONFIG)))
+    built_in = config_from_dict(json.loads(json.dumps(qs.base_config())))
     assert to_dict(from_file, derived=True) == to_dict(built_in, derived=True)
 
 
@@ -127,7 +127,7 @@ def test_full_quickstart(tmp_path):
     """The default quickstart (what `make quickstart` runs): several minutes on a 2-core CPU."""
     results = qs.run(tmp_path, progress=False)
     assert [m["mechanism"] for m in results["models"]] == list(qs.MECHANISMS)
-    base_steps = qs.BASE_CONFIG["train"]["steps"]
+    base_steps = qs.base_config()["train"]["steps"]
     for m in results["models"]:
         assert m["steps"] == base_steps and math.isfinite(m["val_loss"])
         assert m["val_loss"] < math.log(257) - 1.0, "training did not get well below the uniform byte loss"

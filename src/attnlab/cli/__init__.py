@@ -88,26 +88,31 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("-q", "--quiet", action="store_true", help="print only where the results were written")
     p.set_defaults(func=cmd_eval)
 
-    from attnlab.experiments.quickstart import BASE_CONFIG, DEFAULT_OUT, MECHANISMS, OWNED_KEYS
+    from attnlab.experiments.quickstart import CONFIG_FILE, MECHANISMS, OWNED_KEYS, base_config
+    from attnlab.models.config import ConfigError
 
-    base = BASE_CONFIG
+    try:
+        base = base_config()
+        budget = (f"Default budget (configs/quickstart.toml): {base['train']['steps']} steps of "
+                  f"{base['train']['batch_size']} x {base['data']['seq_len']} tokens per model,\nd_model "
+                  f"{base['model']['d_model']}, {base['model']['n_layers']} layers: about 7 minutes in all on a "
+                  "2-core CPU shared with other jobs (1 torch thread), less when the CPU is idle.")
+        out_help = f"report folder (default: {base['run']['out_dir']})"
+    except ConfigError:  # outside a source checkout; using the command then says the file is missing
+        budget, out_help = f"The shared configuration is {CONFIG_FILE}, not found here.", "report folder"
     p = sub.add_parser(
         "quickstart", help="train softmax, scalar and hybrid models on the same budget and compare them",
         formatter_class=_Formatter,
         description="Train small softmax, scalar and hybrid attention models on the embedded Python-stdlib corpus\n"
                     "(byte tokens, no download) with the same budget -- same steps, tokens, width and seed -- then print\n"
                     "a comparison table (validation loss and perplexity, tokens/s, final τ per layer, top-k scalar mass)\n"
-                    "and write OUT/report.md, OUT/results.json, OUT/loss_curves.png and OUT/tau.png.\n\n"
-                    f"Default budget: {base['train']['steps']} steps of {base['train']['batch_size']} x "
-                    f"{base['data']['seq_len']} tokens per model, d_model {base['model']['d_model']}, "
-                    f"{base['model']['n_layers']} layers: about 7 minutes in all on a 2-core CPU\n"
-                    "shared with other jobs (1 torch thread), less when the CPU is idle.",
+                    "and write OUT/report.md, OUT/results.json, OUT/loss_curves.png and OUT/tau.png.\n\n" + budget,
         epilog=f"Overrides change every model alike, e.g. model.d_model=64 train.batch_size=8; the quickstart owns "
                f"{', '.join(OWNED_KEYS)}.\nWhen other jobs already occupy every CPU it trains with one torch thread, "
                f"which is faster there (run.threads=N chooses).\nSee `attnlab train --help` for every config key.",
     )
     p.add_argument("overrides", nargs="*", metavar="key=value", help="config overrides applied to every model")
-    p.add_argument("--out", default=DEFAULT_OUT, metavar="DIR", help=f"report folder (default: {DEFAULT_OUT})")
+    p.add_argument("--out", metavar="DIR", help=out_help)
     p.add_argument("--steps", type=int, metavar="N", help="optimizer steps per model (reproducible budget)")
     p.add_argument("--minutes", type=float, metavar="M",
                    help="instead of --steps: measure this machine and pick the steps that train all models in M minutes")

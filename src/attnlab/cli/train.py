@@ -17,11 +17,9 @@ def _check_model_builds(cfg, what: str = "") -> None:
 
     from attnlab.train.trainer import build_model
 
-    d = cfg.data
-    vocab = cfg.model.vocab_size or (d.bpe_vocab_size if d.tokenizer == "bpe" else 257)
     try:
         with torch.device("meta"):
-            build_model(cfg, vocab)
+            build_model(cfg, cfg.vocab_size)
     except (ValueError, TypeError) as e:
         raise UsageError(f"{what}{e}") from None
 
@@ -53,7 +51,7 @@ def _train_cfg(ns):
         if not torch.cuda.is_available():
             raise UsageError("run.device is 'cuda' but no CUDA device is available; allowed here: 'auto', 'cpu'")
     if cfg.model.vocab_size and cfg.data.source != "mqar":
-        need = cfg.data.bpe_vocab_size if cfg.data.tokenizer == "bpe" else 257
+        need = cfg.data.tokenizer_vocab_size
         if cfg.model.vocab_size < need:
             raise UsageError(
                 f"model.vocab_size ({cfg.model.vocab_size}) is smaller than the {cfg.data.tokenizer} tokenizer's "

@@ -24,7 +24,7 @@ from typing import Iterable, Protocol, Sequence, runtime_checkable
 
 import numpy as np
 
-from ..checks import check_choice
+from ..checks import check_choice, check_int
 from .cache import atomic_write_text, resolve_cache_dir
 
 EOS_TOKEN = "<|endoftext|>"
@@ -53,12 +53,16 @@ def _id_list(ids) -> list[int]:
     return [int(i) for i in ids]
 
 
+BYTE_VOCAB_SIZE = 257  # the 256 byte values and EOS
+MIN_BPE_VOCAB_SIZE = BYTE_VOCAB_SIZE + 1  # EOS, the 256 byte symbols and at least one merge
+
+
 class ByteTokenizer:
     """UTF-8 bytes as ids 0-255, EOS = 256."""
 
     name = "byte"
-    vocab_size = 257
-    eos_id = 256
+    vocab_size = BYTE_VOCAB_SIZE
+    eos_id = BYTE_VOCAB_SIZE - 1
 
     def encode(self, text: str) -> list[int]:
         return list(_check_text(text).encode("utf-8"))
@@ -74,7 +78,7 @@ class ByteTokenizer:
         return bytes(i for i in ids if i != self.eos_id).decode("utf-8", errors="replace")
 
     def __repr__(self) -> str:
-        return "ByteTokenizer(vocab_size=257, eos_id=256)"
+        return f"ByteTokenizer(vocab_size={self.vocab_size}, eos_id={self.eos_id})"
 
 
 class BPETokenizer:
@@ -123,7 +127,7 @@ def train_bpe(texts: Iterable[str], vocab_size: int) -> BPETokenizer:
     from tokenizers import Tokenizer as HFTokenizer
     from tokenizers import decoders, models, pre_tokenizers, trainers
 
-    _check_bpe_size(vocab_size)
+    check_int("vocab_size", vocab_size, MIN_BPE_VOCAB_SIZE)
     tok = HFTokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
@@ -135,11 +139,6 @@ def train_bpe(texts: Iterable[str], vocab_size: int) -> BPETokenizer:
     )
     tok.train_from_iterator(texts, trainer=trainer)
     return BPETokenizer(tok)
-
-
-def _check_bpe_size(vocab_size) -> None:
-    if isinstance(vocab_size, bool) or not isinstance(vocab_size, int) or vocab_size < 258:
-        raise ValueError(f"vocab_size for bpe must be an int >= 258 (EOS + 256 bytes + merges), got {vocab_size!r}")
 
 
 def texts_fingerprint(texts: Iterable[str]) -> str:
@@ -173,11 +172,11 @@ def get_tokenizer(
     check_choice("kind", kind, TOKENIZER_KINDS)
     if kind == "byte":
         if vocab_size not in (None, ByteTokenizer.vocab_size):
-            raise ValueError(f"vocab_size for the byte tokenizer is fixed at 257, got {vocab_size!r}")
+            raise ValueError(f"vocab_size for the byte tokenizer is fixed at {BYTE_VOCAB_SIZE}, got {vocab_size!r}")
         return ByteTokenizer()
     if vocab_size is None:
-        raise ValueError("vocab_size is required for kind='bpe' (an int >= 258, e.g. 4096)")
-    _check_bpe_size(vocab_size)
+        raise ValueError(f"vocab_size is required for kind='bpe' (an int >= {MIN_BPE_VOCAB_SIZE}, e.g. 4096)")
+    check_int("vocab_size", vocab_size, MIN_BPE_VOCAB_SIZE)
     if texts is None:
         from .corpus import load_corpus
 

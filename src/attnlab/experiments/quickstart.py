@@ -33,29 +33,27 @@ import torch
 
 from attnlab.checks import check_int
 from attnlab.models.config import ConfigError
-from attnlab.train.config import RunConfig, apply_overrides, config_from_dict, to_dict
+from attnlab.train.config import RunConfig, apply_overrides, config_from_dict, read_toml, to_dict
 
 from .report import markdown_table, mean, plot_loss_curves, plot_tau, topk_summary, write_eval_report
 
 MECHANISMS = ("softmax", "scalar", "hybrid")
-DEFAULT_OUT = "runs/quickstart"
 TOPK = (8, 16, 32, 64)
 
-# The shared configuration (also in configs/quickstart.toml, for `attnlab train`).
-BASE_CONFIG: dict = {
-    "model": {"d_model": 128, "n_layers": 4, "n_heads": 4, "attn": "softmax"},
-    "data": {"source": "stdlib", "tokenizer": "byte", "seq_len": 256},
-    "train": {
-        "steps": 200, "batch_size": 16, "lr": 2e-3, "warmup_steps": 20,
-        "eval_every": 50, "eval_batches": 8, "log_every": 10, "ckpt_every": 100,
-    },
-    "run": {"out_dir": DEFAULT_OUT, "seed": 0},
-}
+# The shared configuration of every model, read where `attnlab train` reads it too (the source tree's
+# configs/quickstart.toml): each model is it with model.attn, run.name and run.out_dir set.
+CONFIG_FILE = Path(__file__).resolve().parents[3] / "configs" / "quickstart.toml"
 # Keys the quickstart sets itself: a user override of them would break the comparison.
 OWNED_KEYS = ("model.attn", "run.name", "run.out_dir", "run.resume", "train.steps")
 
 
 # --------------------------------------------------------------------------- configs
+
+
+def base_config() -> dict:
+    """The shared configuration as a fresh raw dict (ConfigError when CONFIG_FILE is missing,
+    as it is outside a source checkout)."""
+    return read_toml(CONFIG_FILE)
 
 
 def _config_int(name: str, value) -> int:
@@ -76,13 +74,14 @@ def _reject_owned(overrides: Sequence[str]) -> None:
 
 
 def quickstart_configs(
-    out: str | os.PathLike = DEFAULT_OUT,
+    out: str | os.PathLike | None = None,
     *,
     steps: int | None = None,
     mechanisms: Sequence[str] = MECHANISMS,
     overrides: Sequence[str] = (),
 ) -> list[RunConfig]:
-    """One validated RunConfig per mechanism, identical but for model.attn and run.name."""
+    """One validated RunConfig per mechanism, identical but for model.attn and run.name, in the
+    folder `out` (default: run.out_dir of the base config)."""
     if not mechanisms:
         raise ConfigError(f"mechanisms must name at least one of {MECHANISMS}, got none")
     from attnlab.models.config import MECHANISMS as ALL
@@ -95,9 +94,11 @@ def quickstart_configs(
     if steps is not None:
         _config_int("steps", steps)
     _reject_owned(overrides)
+    base = base_config()
+    out = base["run"]["out_dir"] if out is None else out
     cfgs = []
     for m in mechanisms:
-        raw = apply_overrides(copy.deepcopy(BASE_CONFIG), list(overrides))
+        raw = apply_overrides(copy.deepcopy(base), list(overrides))
         raw["model"]["attn"] = m
         raw["run"].update(name=m, out_dir=str(out), overwrite=True)
         if steps is not None:
@@ -121,22 +122,16 @@ def busy_threads(overrides: Sequence[str]) -> int | None:
     return 1 if cpus > 1 and os.getloadavg()[0] >= cpus else None
 
 
-def _vocab_of(cfg: RunConfig) -> int:
-    if cfg.model.vocab_size:
-        return cfg.model.vocab_size
-    return cfg.data.bpe_vocab_size if cfg.data.tokenizer == "bpe" else 257
-
-
 def step_seconds(cfg: RunConfig, repeats: int = 2) -> float:
     """Seconds per optimizer step of cfg's model on this machine (random tokens; forward,
     backward and AdamW step over train.grad_accum micro-batches; after one warm-up step)."""
     from attnlab.train.trainer import build_model, make_optimizer
 
     torch.manual_seed(cfg.run.seed)
-    model = build_model(cfg, _vocab_of(cfg))
+    model = build_model(cfg, cfg.vocab_size)
     opt = make_optimizer(model, cfg.train)
     B, T = cfg.train.batch_size, cfg.data.seq_len
-    x = torch.randint(0, _vocab_of(cfg), (B, T))  # (B, T)
+    x = torch.randint(0, cfg.vocab_size, (B, T))  # (B, T)
     times = []
     for i in range(repeats + 1):
         t0 = time.perf_counter()
@@ -180,7 +175,7 @@ def _log(msg: str, quiet: bool) -> None:
 
 
 def run(
-    out: str | os.PathLike = DEFAULT_OUT,
+    out: str | os.PathLike | None = None,
     *,
     steps: int | None = None,
     minutes: float | None = None,
@@ -191,7 +186,9 @@ def run(
     quiet: bool = False,
     command: str | None = None,
 ) -> dict:
-    """Train and compare; returns the results dict (also OUT/results.json). See the module docstring."""
+    """Train and compare; returns the results dict (also OUT/results.json; OUT defaults to run.out_dir
+    of the base config). See the module docstring."""
+    out = base_config()["run"]["out_dir"] if out is None else out
     if steps is not None and minutes is not None:
         raise ConfigError("give steps or minutes, not both (steps fixes the budget; minutes measures it here)")
     if eval_tokens is not None:
@@ -384,5 +381,5 @@ def write_report(results: dict, out: str | os.PathLike, histories: dict) -> Path
     return path
 
 
-__all__ = ["BASE_CONFIG", "MECHANISMS", "comparison_table", "quickstart_configs", "run", "steps_for_minutes",
-           "step_seconds", "write_report"]
+__all__ = ["CONFIG_FILE", "MECHANISMS", "base_config", "comparison_table", "quickstart_configs", "run",
+           "steps_for_minutes", "step_seconds", "write_report"]

@@ -26,6 +26,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
+from attnlab.data.corpus import NAMED_SOURCES as CORPORA
+from attnlab.data.tokenizer import BYTE_VOCAB_SIZE, MIN_BPE_VOCAB_SIZE
 from attnlab.layers import mechanism_class
 from attnlab.models.config import ConfigError, ModelConfig, build_dataclass, check_fields, field_help, opt, type_name
 
@@ -36,7 +38,7 @@ if sys.version_info >= (3, 11):
 else:  # pragma: no cover
     import tomli as tomllib
 
-NAMED_SOURCES = ("stdlib", "tinystories", "wikitext103", "mqar")
+NAMED_SOURCES = CORPORA + ("mqar",)
 
 
 @dataclass
@@ -70,8 +72,9 @@ class DataConfig:
             raise ConfigError(
                 f"data.source must be one of {NAMED_SOURCES}, 'hf:<path>[:<config>]' or an existing file/folder, got {src!r}"
             )
-        if self.tokenizer == "bpe" and self.bpe_vocab_size < 258:
-            raise ConfigError(f"data.bpe_vocab_size must be >= 258 (256 bytes, EOS, merges), got {self.bpe_vocab_size}")
+        if self.tokenizer == "bpe" and self.bpe_vocab_size < MIN_BPE_VOCAB_SIZE:
+            raise ConfigError(f"data.bpe_vocab_size must be >= {MIN_BPE_VOCAB_SIZE} (256 bytes, EOS, merges), "
+                              f"got {self.bpe_vocab_size}")
         if self.max_docs < 0:
             raise ConfigError(f"data.max_docs must be >= 0, got {self.max_docs}")
         if self.mqar_pairs < 1 or not 0 < self.mqar_power_a <= 1:
@@ -81,6 +84,11 @@ class DataConfig:
                 f"data.seq_len ({self.seq_len}) must be >= 4 * data.mqar_pairs ({4 * self.mqar_pairs}) "
                 f"to hold the pairs and their queries"
             )
+
+    @property
+    def tokenizer_vocab_size(self) -> int:
+        """The vocabulary of the configured tokenizer: bpe_vocab_size for BPE, BYTE_VOCAB_SIZE for bytes."""
+        return self.bpe_vocab_size if self.tokenizer == "bpe" else BYTE_VOCAB_SIZE
 
 
 @dataclass
@@ -222,6 +230,11 @@ class RunConfig:
         self.train.tokens_per_step = self.train.batch_size * self.train.grad_accum * self.data.seq_len
         name = self.run.name or "-".join(dict.fromkeys(self.model.layer_attn))
         self.run_dir = str(Path(self.run.out_dir) / name)
+
+    @property
+    def vocab_size(self) -> int:
+        """The model's vocabulary: model.vocab_size, or the tokenizer's when that is 0."""
+        return self.model.vocab_size or self.data.tokenizer_vocab_size
 
 
 # --------------------------------------------------------------------------- loading

@@ -20,8 +20,19 @@ from attnlab.data.packing import Batch, PackedBatches, StepBatches, pack_documen
 from attnlab.data.synthetic import mqar
 from attnlab.data.tokenizer import get_tokenizer
 
-from .config import RunConfig
+from .config import DataConfig, RunConfig
 from .ddp import DistEnv
+
+
+def data_tokenizer(d: DataConfig, train_docs: list[str] | None = None):
+    """The tokenizer `d` configures: bytes, or a BPE vocabulary of d.bpe_vocab_size trained on the
+    training split (`train_docs` when already read), or loaded from the cache."""
+    cache_dir, texts = d.cache_dir or None, None
+    if d.tokenizer == "bpe":
+        texts = train_docs if train_docs is not None else load_corpus(
+            d.source, "train", cache_dir=cache_dir, max_docs=d.max_docs or None)
+    return get_tokenizer(d.tokenizer, vocab_size=d.tokenizer_vocab_size, corpus=d.source, cache_dir=cache_dir,
+                         texts=texts)
 
 
 def _seed_for(*parts) -> int:
@@ -95,10 +106,7 @@ def build_data(cfg: RunConfig, env: DistEnv) -> RunData:
     cache_dir = d.cache_dir or None
     max_docs = d.max_docs or None
     train_docs = load_corpus(d.source, "train", cache_dir=cache_dir, max_docs=max_docs)
-    tok = get_tokenizer(
-        d.tokenizer, vocab_size=d.bpe_vocab_size if d.tokenizer == "bpe" else None,
-        corpus=d.source, cache_dir=cache_dir, texts=train_docs if d.tokenizer == "bpe" else None,
-    )
+    tok = data_tokenizer(d, train_docs)
     train_stream = pack_documents(train_docs, tok)
     val_stream = pack_documents(load_corpus(d.source, "val", cache_dir=cache_dir, max_docs=max_docs), tok)
     train = PackedBatches(

@@ -21,12 +21,12 @@ import torch
 
 from attnlab.data.corpus import load_corpus
 from attnlab.data.packing import pack_documents, sequential_batches
-from attnlab.data.tokenizer import get_tokenizer
 from attnlab.eval.metrics import TOPK_KS, attention_entropy, loss_at_lengths, sink_share, topk_scalar_mass
 from attnlab.eval.tasks import mqar_accuracy, passkey_accuracy
 
 from .checkpoint import latest_checkpoint, load_checkpoint
 from .config import RunConfig, load_config
+from .data import data_tokenizer
 from .trainer import CKPT_DIR, build_model, resolve_device
 
 
@@ -128,10 +128,7 @@ def evaluate(
         return _finish(out, cfg, write)
 
     cache_dir, max_docs = d.cache_dir or None, d.max_docs or None
-    tok = get_tokenizer(
-        d.tokenizer, vocab_size=d.bpe_vocab_size if d.tokenizer == "bpe" else None, corpus=d.source, cache_dir=cache_dir,
-        texts=load_corpus(d.source, "train", cache_dir=cache_dir, max_docs=max_docs) if d.tokenizer == "bpe" else None,
-    )
+    tok = data_tokenizer(d)
     stream = pack_documents(load_corpus(d.source, split, cache_dir=cache_dir, max_docs=max_docs), tok)
     lens = list(seq_lens or [d.seq_len])
     fn = (lambda b: model(b.x, doc_ids=b.doc_ids)[0]) if not d.cross_doc else logits_of
