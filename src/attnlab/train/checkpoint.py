@@ -37,6 +37,8 @@ import torch
 from safetensors import SafetensorError, safe_open
 from safetensors.torch import load_file, load_model, save_file, save_model
 
+from attnlab.data.cache import atomic_write_text
+
 LATEST = "latest"
 _PREFIX = "step_"
 
@@ -67,12 +69,7 @@ def _digest(path: Path) -> dict:
 
 
 def _write_text_atomic(path: Path, text: str) -> None:
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
-    with os.fdopen(fd, "w") as f:
-        f.write(text)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
+    atomic_write_text(path, text)
     _fsync_dir(path.parent)
 
 

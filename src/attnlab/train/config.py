@@ -31,7 +31,9 @@ from attnlab.data.tokenizer import BYTE_VOCAB_SIZE, MIN_BPE_VOCAB_SIZE
 from attnlab.layers import mechanism_class
 from attnlab.models.config import ConfigError, ModelConfig, build_dataclass, check_fields, field_help, opt, type_name
 
-from .toml_io import atomic_text, dumps_toml, to_dict
+from attnlab.data.cache import atomic_write_text
+
+from .toml_io import dumps_toml, to_dict
 
 if sys.version_info >= (3, 11):
     import tomllib
@@ -304,8 +306,8 @@ def save_config(cfg: RunConfig, folder: str | os.PathLike) -> tuple[Path, Path]:
     folder = Path(folder)
     folder.mkdir(parents=True, exist_ok=True)
     toml_path, json_path = folder / "config.toml", folder / "config.json"
-    atomic_text(toml_path, dumps_toml(to_dict(cfg)) + "\n")
-    atomic_text(json_path, json.dumps(to_dict(cfg, derived=True), indent=2) + "\n")
+    atomic_write_text(toml_path, dumps_toml(to_dict(cfg)) + "\n")
+    atomic_write_text(json_path, json.dumps(to_dict(cfg, derived=True), indent=2) + "\n")
     return toml_path, json_path
 
 

@@ -8,10 +8,13 @@ after its last checkpoint, so the resumed log reads as one uninterrupted run.
 from __future__ import annotations
 
 import csv
+import io
 import json
 import math
 import os
 from pathlib import Path
+
+from attnlab.data.cache import atomic_write_text
 
 LOG_JSONL = "log.jsonl"
 
@@ -100,7 +103,7 @@ class RunLogger:
         jsonl = self.dir / LOG_JSONL
         if jsonl.is_file():
             rows = [r for r in read_log(self.dir) if r["step"] <= step]
-            _rewrite(jsonl, "".join(json.dumps(r) + "\n" for r in rows))
+            atomic_write_text(jsonl, "".join(json.dumps(r) + "\n" for r in rows))
         for path in self.dir.glob("*.csv"):
             with open(path, newline="") as f:
                 reader = csv.reader(f)
@@ -110,12 +113,11 @@ class RunLogger:
                 continue
             col = header.index("step")
             kept = [r for r in rows if len(r) == len(header) and _step_of(r[col]) <= step]
-            tmp = path.with_name(f".{path.name}.tmp")
-            with open(tmp, "w", newline="") as f:
-                writer = csv.writer(f)
-                writer.writerow(header)
-                writer.writerows(kept)
-            os.replace(tmp, path)
+            text = io.StringIO(newline="")
+            writer = csv.writer(text)
+            writer.writerow(header)
+            writer.writerows(kept)
+            atomic_write_text(path, text.getvalue())
 
     def close(self) -> None:
         if self.tb is not None:
@@ -128,12 +130,6 @@ def _step_of(text: str) -> float:
         return float(text)
     except ValueError:  # a row cut short by a kill
         return math.inf
-
-
-def _rewrite(path: Path, text: str) -> None:
-    tmp = path.with_name(f".{path.name}.tmp")
-    tmp.write_text(text)
-    os.replace(tmp, path)
 
 
 def read_log(run_dir: str | os.PathLike, kind: str | None = None) -> list[dict]:

@@ -9,8 +9,6 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
-import os
-from pathlib import Path
 
 
 def to_dict(cfg, derived: bool = False) -> dict:
@@ -69,10 +67,3 @@ def dumps_toml(data: dict, _prefix: str = "") -> str:
     return "\n\n".join(blocks)
 
 
-def atomic_text(path: Path, text: str) -> None:
-    tmp = path.with_name(f".{path.name}.tmp")
-    with open(tmp, "w") as f:
-        f.write(text)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
