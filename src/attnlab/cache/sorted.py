@@ -51,7 +51,7 @@ __all__ = ["DecodeQuery", "SortedScalarCache", "bytes_per_token"]
 F32_MAX = float(torch.finfo(torch.float32).max)
 
 
-def check_finite(name: str, x: torch.Tensor) -> None:
+def _check_finite(name: str, x: torch.Tensor) -> None:
     """`attnlab.checks.check_finite`, its error saying that the cache was left as it was."""
     try:
         checks.check_finite(name, x)
@@ -300,7 +300,7 @@ class SortedScalarCache:
             return float(value)
         if not value.is_floating_point():
             raise TypeError(f"{name} must be a float or a floating-point tensor, got {value.dtype}")
-        check_finite(name, value)
+        _check_finite(name, value)
         check_float32_range(name, value)
         check_positive(name, value)
         t = value.to(self.device, torch.float32)
@@ -333,7 +333,7 @@ class SortedScalarCache:
             self._check_shape(name, x, shape)
             self._check_dtype(name, x)
         for name, x, _ in args:
-            check_finite(name, x)
+            _check_finite(name, x)
         check_float32_range("ks", ks)
         if self.n_slots == self.values.shape[2]:
             self.reserve_slots(1)  # a full fixed capacity raises before anything changes
@@ -379,10 +379,10 @@ class SortedScalarCache:
             self._check_dtype("q", q, qs.dtype)
         elif q is not None:
             raise ValueError("q must be None: this cache has pure scalar heads")
-        check_finite("qs", qs)
+        _check_finite("qs", qs)
         check_float32_range("qs", qs)
         if self.hybrid:
-            check_finite("q", q)
+            _check_finite("q", q)
             check_float32_range("q", q)
         if window is not None:
             check_int("window", window)

@@ -24,7 +24,6 @@ from __future__ import annotations
 import copy
 import json
 import os
-import platform
 import time
 from pathlib import Path
 from typing import Sequence
@@ -35,7 +34,7 @@ from attnlab.checks import check_int
 from attnlab.models.config import ConfigError
 from attnlab.train.config import RunConfig, apply_overrides, config_from_dict, read_toml, to_dict
 
-from .report import markdown_table, mean, plot_loss_curves, plot_tau, topk_summary, write_eval_report
+from .report import machine_info, markdown_table, mean, plot_loss_curves, plot_tau, topk_summary, write_eval_report
 
 MECHANISMS = ("softmax", "scalar", "hybrid")
 TOPK = (8, 16, 32, 64)
@@ -293,17 +292,6 @@ def _curves(history: dict) -> dict:
         "train": [[r["step"], r["loss"]] for r in train_rows],
         "val": [[r["step"], r["val_loss"]] for r in history.get("eval", [])],
         "tau": [[r["step"], [layer.get("tau_mean") for layer in r.get("layers", [])]] for r in train_rows if r.get("layers")],
-    }
-
-
-def machine_info() -> dict:
-    return {
-        "python": platform.python_version(),
-        "torch": torch.__version__,
-        "platform": platform.platform(),
-        "cpus": os.cpu_count(),
-        "torch_threads": torch.get_num_threads(),
-        "cuda": torch.cuda.get_device_name(0) if torch.cuda.is_available() else None,
     }
 
 

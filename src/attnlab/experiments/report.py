@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import math
 import os
+import platform
 from pathlib import Path
 from typing import Iterable, Sequence
 
@@ -67,6 +68,16 @@ def _numeric_columns(rows: list[list], n: int) -> list[bool]:
         values = [r[i] for r in rows if r[i] is not None]
         out.append(bool(values) and all(isinstance(v, (int, float)) and not isinstance(v, bool) for v in values))
     return out
+
+
+def machine_info(threads: int | None = None) -> dict:
+    """Where a result was measured: Python, torch, platform, CPUs, torch threads (`threads`, or the
+    current setting) and the CUDA device if any."""
+    import torch
+
+    return {"python": platform.python_version(), "torch": torch.__version__, "platform": platform.platform(),
+            "cpus": os.cpu_count(), "torch_threads": threads or torch.get_num_threads(),
+            "cuda": torch.cuda.get_device_name(0) if torch.cuda.is_available() else None}
 
 
 def mean(values) -> float | None:

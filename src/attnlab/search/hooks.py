@@ -57,7 +57,7 @@ def attention_forward(module, query, key, value, attention_mask, scaling=None, d
     return _sdpa()(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kwargs)
 
 
-def register() -> None:
+def register_attention() -> None:
     """Make ATTN_NAME a valid attn_implementation (attention and mask interfaces); idempotent."""
     from transformers import AttentionInterface
     from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, sdpa_mask
@@ -77,7 +77,7 @@ class Installed:
     def __init__(self, model, handlers: dict):
         from .hf_model import attention_modules
 
-        register()
+        register_attention()
         self.model = model
         self.prev_impl = model.config._attn_implementation
         mods = attention_modules(model)

@@ -65,7 +65,7 @@ def _clean(x):
     return x
 
 
-def write_report(results: dict, out: str | Path, png: bool = True) -> dict[str, str]:
+def write_results(results: dict, out: str | Path, png: bool = True) -> dict[str, str]:
     """Write results.json, results.md and (with png) gap_vs_k.png under `out`; returns their paths."""
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)

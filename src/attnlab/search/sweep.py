@@ -22,7 +22,7 @@ from .lm import FrozenLM, prepare
 from .metrics import Tally, rel_gap
 from .patch import SelectorConfig, substitute
 from .projections import SearchProjections
-from .report import write_report
+from .report import write_results
 from .retrieval import METHODS, check_group_spec, resolve_groups
 
 DEFAULT_KS = (16, 32, 64, 128, 256)
@@ -122,8 +122,8 @@ def run_eval(cfg: EvalConfig, lm: FrozenLM | None = None, progress: bool = True)
                                             **s, "rel_gap": rel_gap(s["ppl"], results["full"]["ppl"]),
                                             "seconds": time.time() - t1})
                     results["elapsed_s"] = time.time() - t0
-                    write_report(results, out, png=False)  # partial results survive an interruption
+                    write_results(results, out, png=False)  # partial results survive an interruption
     bar.close()
     results["elapsed_s"] = time.time() - t0
-    write_report(results, out)
+    write_results(results, out)
     return results

@@ -40,7 +40,7 @@ if sys.version_info >= (3, 11):
 else:  # pragma: no cover
     import tomli as tomllib
 
-NAMED_SOURCES = CORPORA + ("mqar",)
+DATA_SOURCES = CORPORA + ("mqar",)  # what data.source may name besides hf:<path> and files
 
 
 @dataclass
@@ -69,10 +69,10 @@ class DataConfig:
             raise ConfigError(f"data.seq_len must be >= 1, got {self.seq_len}")
         src = self.source
         if not src:
-            raise ConfigError(f"data.source must be one of {NAMED_SOURCES}, 'hf:<path>' or a file/folder, got ''")
-        if src not in NAMED_SOURCES and not src.startswith("hf:") and not Path(src).expanduser().exists():
+            raise ConfigError(f"data.source must be one of {DATA_SOURCES}, 'hf:<path>' or a file/folder, got ''")
+        if src not in DATA_SOURCES and not src.startswith("hf:") and not Path(src).expanduser().exists():
             raise ConfigError(
-                f"data.source must be one of {NAMED_SOURCES}, 'hf:<path>[:<config>]' or an existing file/folder, got {src!r}"
+                f"data.source must be one of {DATA_SOURCES}, 'hf:<path>[:<config>]' or an existing file/folder, got {src!r}"
             )
         if self.tokenizer == "bpe" and self.bpe_vocab_size < MIN_BPE_VOCAB_SIZE:
             raise ConfigError(f"data.bpe_vocab_size must be >= {MIN_BPE_VOCAB_SIZE} (256 bytes, EOS, merges), "

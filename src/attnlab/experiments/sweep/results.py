@@ -6,13 +6,12 @@ from __future__ import annotations
 import json
 import math
 import os
-import platform
 from pathlib import Path
 from typing import Sequence
 
 from attnlab.train.config import RunConfig
 
-from ..report import MISSING, fmt, markdown_table
+from ..report import MISSING, fmt, machine_info, markdown_table
 from .runs import RunPlan, _record_of, collect_metrics, execute, plan, run, run_config, summary_of
 from .spec import EVAL_ARG_KEYS, OWNED_KEYS, SUMMARY_SCALARS, Spec, SweepError, Variant, load_spec, metric_names
 
@@ -120,14 +119,6 @@ def scalar_names(spec: Spec, runs: list[dict]) -> list[str]:
 
 def _scalar(run: dict, name: str):
     return run["metrics"].get(name) if name in run["metrics"] else run.get(name)
-
-
-def machine_info(threads: int | None = None) -> dict:
-    import torch
-
-    return {"python": platform.python_version(), "torch": torch.__version__, "platform": platform.platform(),
-            "cpus": os.cpu_count(), "torch_threads": threads or torch.get_num_threads(),
-            "cuda": torch.cuda.get_device_name(0) if torch.cuda.is_available() else None}
 
 
 def aggregate(spec: Spec, out: str | os.PathLike | None = None) -> dict:
