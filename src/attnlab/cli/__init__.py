@@ -18,9 +18,9 @@ import argparse
 import sys
 from typing import Sequence
 
-from ._common import EXIT_USAGE, UsageError, _command_line, _Formatter, _Parser
+from ._common import EXIT_USAGE, UsageError, command_line, Formatter, Parser
 from .eval import cmd_eval
-from .search import _add_search, _run_search
+from .search import add_search, run_search
 from .sweep import add_sweep
 from .train import cmd_quickstart, cmd_train
 
@@ -35,15 +35,15 @@ def _keys_epilog(intro: str) -> str:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = _Parser(
-        prog="attnlab", formatter_class=_Formatter,
+    parser = Parser(
+        prog="attnlab", formatter_class=Formatter,
         description="Attention mechanisms beyond dot-product: train, evaluate and compare language models.",
         epilog="Run `attnlab <command> --help` for a command's options.",
     )
-    sub = parser.add_subparsers(dest="command", metavar="<command>", parser_class=_Parser)
+    sub = parser.add_subparsers(dest="command", metavar="<command>", parser_class=Parser)
 
     p = sub.add_parser(
-        "train", help="train a language model from a TOML config with key=value overrides", formatter_class=_Formatter,
+        "train", help="train a language model from a TOML config with key=value overrides", formatter_class=Formatter,
         description="Train a language model whose layers use any attnlab attention mechanism.\n\n"
                     "  attnlab train configs/tiny.toml model.attn=hybrid train.steps=500\n"
                     "  attnlab train configs/tiny.toml --resume\n\n"
@@ -61,7 +61,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser(
         "eval", help="evaluate a trained run: loss by context length, attention statistics, task accuracy",
-        formatter_class=_Formatter,
+        formatter_class=Formatter,
         description="Evaluate the newest checkpoint of a run folder (or of the run a TOML config names).\n\n"
                     "Reports validation loss and perplexity at each --seq-lens; per layer and head the attention\n"
                     "entropy and attention-sink share (mass on the first token); for scalar and hybrid heads the share\n"
@@ -102,7 +102,7 @@ def build_parser() -> argparse.ArgumentParser:
         budget, out_help = f"The shared configuration is {CONFIG_FILE}, not found here.", "report folder"
     p = sub.add_parser(
         "quickstart", help="train softmax, scalar and hybrid models on the same budget and compare them",
-        formatter_class=_Formatter,
+        formatter_class=Formatter,
         description="Train small softmax, scalar and hybrid attention models on the embedded Python-stdlib corpus\n"
                     "(byte tokens, no download) with the same budget -- same steps, tokens, width and seed -- then print\n"
                     "a comparison table (validation loss and perplexity, tokens/s, final τ per layer, top-k scalar mass)\n"
@@ -125,7 +125,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(func=cmd_quickstart)
 
     add_sweep(sub)
-    _add_search(sub)
+    add_search(sub)
     return parser
 
 
@@ -156,8 +156,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         if getattr(ns, "func", None) is None:
             parser.print_help()
             return EXIT_USAGE
-        ns.command_line = _command_line(argv)
-        status = _run_search(ns) if ns.command == "search" else ns.func(ns)
+        ns.command_line = command_line(argv)
+        status = run_search(ns) if ns.command == "search" else ns.func(ns)
     except (UsageError, ConfigError) as e:
         print(f"error: {e}", file=sys.stderr)
         return EXIT_USAGE

@@ -14,14 +14,14 @@ class UsageError(ValueError):
     """Bad command-line input, reported as one line with exit status 2."""
 
 
-class _Parser(argparse.ArgumentParser):
+class Parser(argparse.ArgumentParser):
     """argparse, but its errors are one line (no usage dump) and go through UsageError."""
 
     def error(self, message: str):
         raise UsageError(f"{self.prog}: {message} (see {self.prog} --help)")
 
 
-class _Formatter(argparse.RawDescriptionHelpFormatter):
+class Formatter(argparse.RawDescriptionHelpFormatter):
     def __init__(self, prog):
         super().__init__(prog, max_help_position=30, width=110)
 
@@ -29,7 +29,7 @@ class _Formatter(argparse.RawDescriptionHelpFormatter):
 # --------------------------------------------------------------------------- helpers
 
 
-def _positive_options(ns, *names: str) -> None:
+def positive_options(ns, *names: str) -> None:
     """Int options the parser read (None when not given) must be >= 1; errors name the option."""
     for name in names:
         value = getattr(ns, name)
@@ -37,7 +37,21 @@ def _positive_options(ns, *names: str) -> None:
             raise UsageError(f"--{name.replace('_', '-')} must be >= 1, got {value}")
 
 
-def _int_list(text: str, name: str) -> list[int]:
+def check_model_builds(cfg, what: str = "") -> None:
+    """Build the model of `cfg` on the meta device (no memory, no RNG draws), so a shape error
+    surfaces now, as a usage error, rather than after the run folder exists."""
+    import torch
+
+    from attnlab.train.trainer import build_model
+
+    try:
+        with torch.device("meta"):
+            build_model(cfg, cfg.vocab_size)
+    except (ValueError, TypeError) as e:
+        raise UsageError(f"{what}{e}") from None
+
+
+def int_list(text: str, name: str) -> list[int]:
     try:
         values = [int(p) for p in text.split(",") if p.strip()]
     except ValueError:
@@ -47,7 +61,7 @@ def _int_list(text: str, name: str) -> list[int]:
     return values
 
 
-def _float_list(text: str, name: str, lo: float, hi: float) -> list[float]:
+def float_list(text: str, name: str, lo: float, hi: float) -> list[float]:
     try:
         values = [float(p) for p in text.split(",") if p.strip()]
     except ValueError:
@@ -57,7 +71,7 @@ def _float_list(text: str, name: str, lo: float, hi: float) -> list[float]:
     return values
 
 
-def _split_config_args(args: Sequence[str]) -> tuple[str | None, list[str]]:
+def split_config_args(args: Sequence[str]) -> tuple[str | None, list[str]]:
     """[CONFIG] key=value ... -> (config path or None, overrides)."""
     args = list(args)
     path = args[0] if args and "=" not in args[0] else None
@@ -68,12 +82,12 @@ def _split_config_args(args: Sequence[str]) -> tuple[str | None, list[str]]:
     return path, overrides
 
 
-def _command_line(argv: Sequence[str]) -> str:
+def command_line(argv: Sequence[str]) -> str:
     safe = set("-_=./,:@+")
     return " ".join(["attnlab"] + [a if a and all(c.isalnum() or c in safe for c in a) else json.dumps(a) for a in argv])
 
 
-def _print_table(rows: dict) -> None:
+def print_table(rows: dict) -> None:
     width = max(len(k) for k in rows)
     for k, v in rows.items():
         print(f"  {k:<{width}}  {v}")

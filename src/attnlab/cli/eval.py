@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from ._common import UsageError, _float_list, _int_list, _positive_options
+from ._common import UsageError, float_list, int_list, positive_options
 
 
 def _check_eval_checkpoint(cfg, checkpoint: str | None) -> None:
@@ -59,14 +59,14 @@ def _eval_plan(ns) -> dict:
         cfg = load_config(source / "config.toml", overrides)
     if ns.checkpoint and not Path(ns.checkpoint).exists():
         raise UsageError(f"--checkpoint {ns.checkpoint!r} does not exist")
-    _positive_options(ns, "max_tokens", "batch_size", "analysis_len", "analysis_batch")
-    seq_lens = _int_list(ns.seq_lens, "--seq-lens") if ns.seq_lens else [cfg.data.seq_len]
+    positive_options(ns, "max_tokens", "batch_size", "analysis_len", "analysis_batch")
+    seq_lens = int_list(ns.seq_lens, "--seq-lens") if ns.seq_lens else [cfg.data.seq_len]
     if cfg.model.pos_embedding == "learned" and max(seq_lens) > cfg.model.max_seq_len:
         raise UsageError(
             f"--seq-lens: {max(seq_lens)} exceeds model.max_seq_len={cfg.model.max_seq_len} of this run's learned "
             f"position embedding; allowed: lengths <= {cfg.model.max_seq_len}"
         )
-    passkey = _int_list(ns.passkey, "--passkey") if ns.passkey else None
+    passkey = int_list(ns.passkey, "--passkey") if ns.passkey else None
     horizons = [a.horizon for a in cfg.model.attention_configs() if a.horizon is not None]
     for option, lengths in (("--seq-lens", seq_lens), ("--passkey", passkey or [])):
         if horizons and lengths and max(lengths) > min(horizons):
@@ -74,7 +74,7 @@ def _eval_plan(ns) -> dict:
                 f"{option}: {max(lengths)} exceeds model.attention.cosformer_max_len={min(horizons)}, the horizon of "
                 f"this run's cosformer layers; allowed: lengths <= {min(horizons)}"
             )
-    depths = tuple(_float_list(ns.passkey_depths, "--passkey-depths", 0.0, 1.0))
+    depths = tuple(float_list(ns.passkey_depths, "--passkey-depths", 0.0, 1.0))
     if passkey and cfg.data.source == "mqar":
         raise UsageError("--passkey needs a text model; this run trains on data.source='mqar' (it reports MQAR accuracy)")
     if passkey:

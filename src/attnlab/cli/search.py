@@ -7,7 +7,7 @@ import argparse
 import importlib.util
 import sys
 
-from ._common import UsageError, _Formatter
+from ._common import UsageError, Formatter
 
 HF_EXTRA = "pip install 'attnlab[hf]'"
 HF_PACKAGES = ("transformers", "datasets", "faiss", "gguf", "accelerate")  # the [hf] extra, as imported
@@ -24,7 +24,7 @@ def _extra_error(missing: list[str]) -> UsageError:
                       f"{', '.join(missing)}, not installed here; install the [hf] extra: {HF_EXTRA}")
 
 
-def _add_search(sub) -> None:
+def add_search(sub) -> None:
     """Register `search` always. Without the [hf] extra it is a stub whose use is a one-line
     error naming the extra; an ImportError of anything else (a bug inside attnlab.search) propagates."""
     try:
@@ -34,7 +34,7 @@ def _add_search(sub) -> None:
         if missing is None:
             raise
         p = sub.add_parser("search", help=f"learned search projections on a frozen pretrained LM (needs {HF_EXTRA})",
-                           formatter_class=_Formatter)
+                           formatter_class=Formatter)
         p.add_argument("rest", nargs=argparse.REMAINDER, help=argparse.SUPPRESS)
 
         def unavailable(ns):
@@ -52,7 +52,7 @@ def _installed(name: str) -> bool:
         return sys.modules.get(name) is not None
 
 
-def _run_search(ns) -> int:
+def run_search(ns) -> int:
     """Run a `search` command once its optional packages are known to be there; an ImportError
     of one of them later on is the same one-line error, any other ImportError propagates."""
     missing = [name for name in HF_PACKAGES if not _installed(name)]

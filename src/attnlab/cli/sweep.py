@@ -4,13 +4,13 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from ._common import UsageError, _Formatter, _positive_options
+from ._common import Formatter, UsageError, check_model_builds, positive_options
 
 
 def add_sweep(sub) -> None:
     p = sub.add_parser(
         "sweep", help="train variants x seeds from a TOML spec; one report with mean ± sd over seeds and a verdict",
-        formatter_class=_Formatter,
+        formatter_class=Formatter,
         description="Train every (variant, seed) of a sweep spec, then write results.json, report.md and plots\n"
                     "(loss curves with a band over seeds, per-run metrics as bars with error bars) into the output\n"
                     "folder (default: the spec's folder). Run folders: OUT/runs/<variant>/seed<k>.\n\n"
@@ -38,9 +38,8 @@ def cmd_sweep(ns) -> int:
     from attnlab.experiments import sweep as sw
     from attnlab.train.trainer import DataError
 
-    from .train import _check_model_builds
 
-    _positive_options(ns, "jobs")
+    positive_options(ns, "jobs")
     if not Path(ns.spec).is_file():
         raise UsageError(f"spec file {ns.spec!r} does not exist")
     spec = sw.load_spec(ns.spec)  # ConfigError names the spec key
@@ -53,7 +52,7 @@ def cmd_sweep(ns) -> int:
     except sw.SweepError as e:
         raise UsageError(str(e)) from None
     for p in plans:
-        _check_model_builds(p.cfg, f"variant {p.variant!r}, seed {p.seed}: ")
+        check_model_builds(p.cfg, f"variant {p.variant!r}, seed {p.seed}: ")
     if any(p.cfg.run.device == "cuda" for p in plans):
         import torch
 

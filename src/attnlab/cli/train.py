@@ -7,21 +7,7 @@ import math
 import os
 from pathlib import Path
 
-from ._common import UsageError, _positive_options, _print_table, _split_config_args
-
-
-def _check_model_builds(cfg, what: str = "") -> None:
-    """Build the model of `cfg` on the meta device (no memory, no RNG draws), so a shape error
-    surfaces now, as a usage error, rather than after the run folder exists."""
-    import torch
-
-    from attnlab.train.trainer import build_model
-
-    try:
-        with torch.device("meta"):
-            build_model(cfg, cfg.vocab_size)
-    except (ValueError, TypeError) as e:
-        raise UsageError(f"{what}{e}") from None
+from ._common import UsageError, check_model_builds, positive_options, print_table, split_config_args
 
 
 def _train_cfg(ns):
@@ -29,7 +15,7 @@ def _train_cfg(ns):
     from attnlab.train.config import load_config
     from attnlab.train.trainer import CKPT_DIR, ResumeError, check_resume
 
-    path, overrides = _split_config_args(ns.args)
+    path, overrides = split_config_args(ns.args)
     if ns.run_dir:
         run_dir = Path(ns.run_dir)
         if not run_dir.name:
@@ -57,7 +43,7 @@ def _train_cfg(ns):
                 f"model.vocab_size ({cfg.model.vocab_size}) is smaller than the {cfg.data.tokenizer} tokenizer's "
                 f"vocabulary ({need}); allowed: 0 (take the tokenizer's) or >= {need}"
             )
-    _check_model_builds(cfg)
+    check_model_builds(cfg)
     if cfg.run.resume:
         try:
             check_resume(cfg)
@@ -78,7 +64,7 @@ def cmd_train(ns) -> int:
     if int(os.environ.get("RANK", 0)) == 0:
         taus = [f"{t:.4g}" for t in summary["tau"] if t is not None]
         print(f"trained {summary['run_dir']}")
-        _print_table({
+        print_table({
             "steps": summary["steps"],
             "val loss": f"{summary['val_loss']:.4f}",
             "val ppl": f"{summary['val_ppl']:.2f}",
@@ -96,7 +82,7 @@ def cmd_quickstart(ns) -> int:
 
     if ns.steps is not None and ns.minutes is not None:
         raise UsageError("attnlab quickstart: give --steps or --minutes, not both")
-    _positive_options(ns, "steps", "eval_tokens")
+    positive_options(ns, "steps", "eval_tokens")
     if ns.minutes is not None and not (math.isfinite(ns.minutes) and ns.minutes > 0):
         raise UsageError(f"--minutes must be a finite number > 0, got {ns.minutes}")
     mechanisms = [m.strip() for m in ns.mechanisms.split(",") if m.strip()]
@@ -104,7 +90,7 @@ def cmd_quickstart(ns) -> int:
     if stray:
         raise UsageError(f"expected section.key=value overrides, got {stray[0]!r}")
     for cfg in quickstart_configs(ns.out, steps=ns.steps, mechanisms=mechanisms, overrides=ns.overrides):  # validate first
-        _check_model_builds(cfg, f"{cfg.model.attn}: ")
+        check_model_builds(cfg, f"{cfg.model.attn}: ")
     run(ns.out, steps=ns.steps, minutes=ns.minutes, mechanisms=mechanisms, overrides=ns.overrides,
         eval_tokens=ns.eval_tokens, progress=not ns.no_progress, command=ns.command_line)
     return 0
