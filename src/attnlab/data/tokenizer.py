@@ -47,10 +47,15 @@ def _check_text(text) -> str:
     return text
 
 
-def _id_list(ids) -> list[int]:
+def _id_list(ids, vocab_size: int) -> list[int]:
+    """ids (a sequence, array or tensor) as ints, each in [0, vocab_size) or ValueError."""
     if hasattr(ids, "tolist"):
         ids = ids.tolist()
-    return [int(i) for i in ids]
+    ids = [int(i) for i in ids]
+    bad = [i for i in ids if not 0 <= i < vocab_size]
+    if bad:
+        raise ValueError(f"ids must lie in [0, {vocab_size}), got {bad[0]}")
+    return ids
 
 
 BYTE_VOCAB_SIZE = 257  # the 256 byte values and EOS
@@ -71,10 +76,7 @@ class ByteTokenizer:
         return [np.frombuffer(_check_text(t).encode("utf-8"), dtype=np.uint8) for t in texts]
 
     def decode(self, ids: Sequence[int]) -> str:
-        ids = _id_list(ids)
-        bad = [i for i in ids if not 0 <= i < self.vocab_size]
-        if bad:
-            raise ValueError(f"ids must lie in [0, {self.vocab_size}), got {bad[0]}")
+        ids = _id_list(ids, self.vocab_size)
         return bytes(i for i in ids if i != self.eos_id).decode("utf-8", errors="replace")
 
     def __repr__(self) -> str:
@@ -112,10 +114,7 @@ class BPETokenizer:
         return [np.asarray(e.ids, dtype=np.int64) for e in encs]
 
     def decode(self, ids: Sequence[int]) -> str:
-        ids = _id_list(ids)
-        bad = [i for i in ids if not 0 <= i < self.vocab_size]
-        if bad:
-            raise ValueError(f"ids must lie in [0, {self.vocab_size}), got {bad[0]}")
+        ids = _id_list(ids, self.vocab_size)
         return self._tok.decode(ids, skip_special_tokens=True)
 
     def __repr__(self) -> str:

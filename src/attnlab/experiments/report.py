@@ -165,6 +165,15 @@ def pyplot():
     return plt
 
 
+def save_figure(fig, path: str | os.PathLike, dpi: int | None = None) -> Path:
+    """Lay out, write and close a figure; returns the path."""
+    fig.tight_layout()
+    path = Path(path)
+    fig.savefig(path, dpi=dpi)
+    pyplot().close(fig)
+    return path
+
+
 def plot_loss_curves(histories: dict[str, dict], path: str | os.PathLike, *, x: str = "step") -> Path:
     """Train loss (thin line) and validation loss (markers) of every run on one axis.
 
@@ -185,11 +194,7 @@ def plot_loss_curves(histories: dict[str, dict], path: str | os.PathLike, *, x: 
     ax.set_title("Training and validation loss")
     ax.grid(alpha=0.3)
     ax.legend(ncol=2, fontsize=8)
-    fig.tight_layout()
-    path = Path(path)
-    fig.savefig(path)
-    plt.close(fig)
-    return path
+    return save_figure(fig, path)
 
 
 def tau_series(train_rows: list[dict]) -> dict[int, tuple[list[int], list[float]]]:
@@ -223,8 +228,4 @@ def plot_tau(histories: dict[str, dict], path: str | os.PathLike) -> Path | None
             ax.set_yscale("log")
         ax.grid(alpha=0.3, which="both")
         ax.legend(fontsize=8)
-    fig.tight_layout()
-    path = Path(path)
-    fig.savefig(path)
-    plt.close(fig)
-    return path
+    return save_figure(fig, path)

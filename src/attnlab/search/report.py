@@ -7,7 +7,7 @@ import math
 from pathlib import Path
 
 from attnlab.data.cache import atomic_write_text
-from attnlab.experiments.report import fmt, markdown_table, pyplot
+from attnlab.experiments.report import fmt, markdown_table, pyplot, save_figure
 
 HEADERS = ("layer set", "layers", "method", "K", "PPL", "rel. PPL gap (%)", "Recall@K", "Mass@K", "filler rate")
 
@@ -49,9 +49,7 @@ def plot(results: dict, path: Path) -> None:
             ax.set_xlabel("K")
             ax.grid(alpha=0.3)
     axes[0][0].legend(fontsize=8)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    save_figure(fig, path, dpi=110)
 
 
 def _clean(x):

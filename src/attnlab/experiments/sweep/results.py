@@ -11,7 +11,7 @@ from typing import Sequence
 
 from attnlab.train.config import RunConfig
 
-from ..report import MISSING, fmt, machine_info, markdown_table
+from ..report import MISSING, fmt, machine_info, markdown_table, save_figure
 from .runs import RunPlan, _record_of, collect_metrics, execute, plan, run, run_config, summary_of
 from .spec import EVAL_ARG_KEYS, OWNED_KEYS, SUMMARY_SCALARS, Spec, SweepError, Variant, load_spec, metric_names
 
@@ -328,10 +328,7 @@ def plot_curves(spec: Spec, results: dict, path: Path) -> Path:
         ax.grid(alpha=0.3)
         ax.legend(fontsize=8)
     fig.suptitle(spec.title, fontsize=10)
-    fig.tight_layout()
-    fig.savefig(path)
-    plt.close(fig)
-    return path
+    return save_figure(fig, path)
 
 
 def plot_metrics(spec: Spec, results: dict, path: Path) -> Path | None:
@@ -368,10 +365,7 @@ def plot_metrics(spec: Spec, results: dict, path: Path) -> Path | None:
         ax.grid(alpha=0.3, axis="y")
     for ax in list(axes.flat)[len(names):]:
         ax.set_visible(False)
-    fig.tight_layout()
-    fig.savefig(path)
-    plt.close(fig)
-    return path
+    return save_figure(fig, path)
 
 
 __all__ = ["OWNED_KEYS", "RunPlan", "Spec", "SweepError", "Variant", "aggregate", "collect_metrics", "execute",
