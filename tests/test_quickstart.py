@@ -36,7 +36,7 @@ def test_models_differ_only_in_attention(tmp_path):
         assert d["train"]["steps"] == 7 and d["model"]["d_model"] == 32
         d["model"].pop("attn"), d["model"].pop("layer_attn"), d["run"].pop("name"), d.pop("run_dir")
     assert dicts[0] == dicts[1] == dicts[2]
-    assert [Path(c.run_dir) for c in cfgs] == [tmp_path / m for m in qs.MECHANISMS]
+    assert [Path(c.run_dir) for c in cfgs] == [tmp_path / m for m in qs.COMPARED]
 
 
 @pytest.mark.parametrize(
@@ -68,7 +68,7 @@ def test_steps_and_minutes_exclude_each_other(tmp_path):
 def test_minutes_budget_scales_with_time(tmp_path):
     cfgs = qs.quickstart_configs(tmp_path, overrides=SMALL)
     steps, per_step = qs.steps_for_minutes(cfgs, minutes=5.0)
-    assert set(per_step) == set(qs.MECHANISMS) and all(v > 0 for v in per_step.values())
+    assert set(per_step) == set(qs.COMPARED) and all(v > 0 for v in per_step.values())
     assert steps == int(5.0 * 60 * 0.85 / sum(per_step.values()))
     with pytest.raises(ConfigError, match="too short"):
         qs.steps_for_minutes(cfgs, minutes=1e-9)
@@ -126,7 +126,7 @@ def test_quickstart_end_to_end(report, capsys):
 def test_full_quickstart(tmp_path):
     """The default quickstart (what `make quickstart` runs): several minutes on a 2-core CPU."""
     results = qs.run(tmp_path, progress=False)
-    assert [m["mechanism"] for m in results["models"]] == list(qs.MECHANISMS)
+    assert [m["mechanism"] for m in results["models"]] == list(qs.COMPARED)
     base_steps = qs.base_config()["train"]["steps"]
     for m in results["models"]:
         assert m["steps"] == base_steps and math.isfinite(m["val_loss"])

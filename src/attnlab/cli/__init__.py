@@ -1,7 +1,8 @@
-"""`attnlab <command>`: train | eval | quickstart | search.
+"""`attnlab <command>`: train | eval | quickstart | sweep | search.
 
 Each command parses and validates its arguments, then calls one function below it
 (`attnlab.train.train`, `attnlab.train.evaluate`, `attnlab.experiments.quickstart.run`,
+`attnlab.experiments.sweep`,
 `attnlab.search`). Every usage or configuration error is one line on stderr naming the key
 or option, what it got and what it allows, with exit status 2, before any work starts and
 before anything is written: the config is validated, the model is built on the meta device
@@ -88,7 +89,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("-q", "--quiet", action="store_true", help="print only where the results were written")
     p.set_defaults(func=cmd_eval)
 
-    from attnlab.experiments.quickstart import CONFIG_FILE, MECHANISMS, OWNED_KEYS, base_config
+    from attnlab.experiments.quickstart import COMPARED, CONFIG_FILE, OWNED_KEYS, base_config
     from attnlab.models.config import ConfigError
 
     try:
@@ -116,8 +117,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--steps", type=int, metavar="N", help="optimizer steps per model (reproducible budget)")
     p.add_argument("--minutes", type=float, metavar="M",
                    help="instead of --steps: measure this machine and pick the steps that train all models in M minutes")
-    p.add_argument("--mechanisms", default=",".join(MECHANISMS), metavar="A,B",
-                   help=f"mechanisms to compare (default: {','.join(MECHANISMS)})")
+    p.add_argument("--mechanisms", default=",".join(COMPARED), metavar="A,B",
+                   help=f"mechanisms to compare (default: {','.join(COMPARED)})")
     p.add_argument("--eval-tokens", type=int, metavar="N",
                    help="validation tokens per length (default: those of the trainer's evaluations, "
                         "train.eval_batches x train.batch_size x data.seq_len)")

@@ -36,7 +36,7 @@ from attnlab.train.config import RunConfig, apply_overrides, config_from_dict, r
 
 from .report import machine_info, markdown_table, mean, plot_loss_curves, plot_tau, topk_summary, write_eval_report
 
-MECHANISMS = ("softmax", "scalar", "hybrid")
+COMPARED = ("softmax", "scalar", "hybrid")  # the quickstart's default mechanisms (a subset of layers.MECHANISMS)
 TOPK = (8, 16, 32, 64)
 
 # The shared configuration of every model, read where `attnlab train` reads it too (the source tree's
@@ -76,13 +76,13 @@ def quickstart_configs(
     out: str | os.PathLike | None = None,
     *,
     steps: int | None = None,
-    mechanisms: Sequence[str] = MECHANISMS,
+    mechanisms: Sequence[str] = COMPARED,
     overrides: Sequence[str] = (),
 ) -> list[RunConfig]:
     """One validated RunConfig per mechanism, identical but for model.attn and run.name, in the
     folder `out` (default: run.out_dir of the base config)."""
     if not mechanisms:
-        raise ConfigError(f"mechanisms must name at least one of {MECHANISMS}, got none")
+        raise ConfigError(f"mechanisms must name at least one of {COMPARED}, got none")
     from attnlab.models.config import MECHANISMS as ALL
 
     for m in mechanisms:
@@ -178,7 +178,7 @@ def run(
     *,
     steps: int | None = None,
     minutes: float | None = None,
-    mechanisms: Sequence[str] = MECHANISMS,
+    mechanisms: Sequence[str] = COMPARED,
     overrides: Sequence[str] = (),
     eval_tokens: int | None = None,
     progress: bool = True,
@@ -369,5 +369,5 @@ def write_report(results: dict, out: str | os.PathLike, histories: dict) -> Path
     return path
 
 
-__all__ = ["CONFIG_FILE", "MECHANISMS", "base_config", "comparison_table", "quickstart_configs", "run",
+__all__ = ["CONFIG_FILE", "COMPARED", "base_config", "comparison_table", "quickstart_configs", "run",
            "steps_for_minutes", "step_seconds", "write_report"]

@@ -34,6 +34,7 @@ import torch
 
 from ..checks import check_impl, check_positive, check_linear_qkv, check_qkv_step, check_state, empty_result
 from ._chunked import chunked_linear_attention
+from ._sdpa import upcast
 
 
 class CosformerState(NamedTuple):
@@ -49,9 +50,6 @@ class CosformerState(NamedTuple):
     offset: int
     max_len: int | None
 
-
-def _compute_dtype(x: torch.Tensor) -> torch.dtype:
-    return torch.float32 if x.dtype in (torch.float16, torch.bfloat16) else x.dtype
 
 
 def _features(x: torch.Tensor, offset: int, max_len: int | None) -> torch.Tensor:
@@ -95,7 +93,7 @@ def _check_state(state, B: int, H: int, F: int, Dv: int, name: str, like: torch.
     """A CosformerState of these sizes (F = 2 Dk with reweighting, Dk without), finite, in the compute dtype."""
     if not isinstance(state, CosformerState):
         raise TypeError(f"{name} must be a CosformerState or None, got {type(state).__name__}")
-    dt = _compute_dtype(like)
+    dt = upcast(like.dtype)
     check_state(f"{name}.kv", state.kv, (B, H, F, Dv), dt, like)
     check_state(f"{name}.k_sum", state.k_sum, (B, H, F), dt, like)
     if isinstance(state.offset, bool) or not isinstance(state.offset, int) or state.offset < 0:
@@ -172,7 +170,7 @@ def cosformer_attention(
     offset = 0 if initial_state is None else initial_state.offset
     M = _resolve_horizon(max_len, reweight, initial_state, offset, T, default_T=True)
 
-    out_dtype, dt = q.dtype, _compute_dtype(q)
+    out_dtype, dt = q.dtype, upcast(q.dtype)
     qf = _features(q.to(dt), offset, M)  # (B, H, T, F)
     kf = _features(k.to(dt), offset, M)
     v = v.to(dt)
@@ -214,7 +212,7 @@ def cosformer_step(
     offset = 0 if state is None else state.offset
     M = _resolve_horizon(max_len, reweight, state, offset, 1, default_T=False)
 
-    dt = _compute_dtype(q_t)
+    dt = upcast(q_t.dtype)
     qf = _features(q_t.to(dt)[..., None, :], offset, M)[..., 0, :]  # (B, H, F)
     kf = _features(k_t.to(dt)[..., None, :], offset, M)[..., 0, :]
     if state is None:

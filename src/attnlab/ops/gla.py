@@ -32,10 +32,8 @@ from ..checks import (
     empty_result,
 )
 from ._chunked import chunked_linear_attention
+from ._sdpa import upcast
 
-
-def _compute_dtype(x: torch.Tensor) -> torch.dtype:
-    return torch.float32 if x.dtype in (torch.float16, torch.bfloat16) else x.dtype
 
 
 def _check_scale(scale, Dk: int) -> float:
@@ -67,7 +65,7 @@ def _validate(q, k, v, log_decay, initial_state, vector: bool) -> tuple[int, int
     else:
         _check_log_decay(log_decay, (B, H, T), "(B, H, T)", q, "q")
     if initial_state is not None:
-        check_state("initial_state", initial_state, (B, H, Dk, Dv), _compute_dtype(q), q)
+        check_state("initial_state", initial_state, (B, H, Dk, Dv), upcast(q.dtype), q)
     return B, H, T, Dk, Dv
 
 
@@ -139,7 +137,7 @@ def _run(q, k, v, log_decay, scale, initial_state, causal, impl, chunk_size, vec
         raise ValueError(f"chunk_size must be a positive int, got {chunk_size!r}")
     B, H, T, Dk, Dv = _validate(q, k, v, log_decay, initial_state, vector)
     scale = _check_scale(scale, Dk)
-    out_dtype, dt = q.dtype, _compute_dtype(q)
+    out_dtype, dt = q.dtype, upcast(q.dtype)
     q, k, v, log_decay = (x.to(dt) for x in (q, k, v, log_decay))
     q = q * scale
     state = torch.zeros(B, H, Dk, Dv, dtype=dt, device=q.device) if initial_state is None else initial_state
@@ -159,7 +157,7 @@ def _step_public(q_t, k_t, v_t, log_decay_t, state, scale, vector):
     else:
         _check_log_decay(log_decay_t, (B, H), "(B, H)", q_t, "q_t", "log_decay_t")
     scale = _check_scale(scale, Dk)
-    dt = _compute_dtype(q_t)
+    dt = upcast(q_t.dtype)
     if state is None:
         state = torch.zeros(B, H, Dk, Dv, dtype=dt, device=q_t.device)
     else:
