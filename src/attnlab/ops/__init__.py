@@ -11,6 +11,7 @@ from .principled import principled_attention
 from .cosformer import CosformerState, cosformer_attention, cosformer_step
 from .gla import gla_attention, gla_step, ssd_attention, ssd_step
 from .goat import goat_attention, goat_prior
+from .window import window_mask, windowed_attention
 
 __all__ = [
     "softmax_attention",
@@ -28,4 +29,6 @@ __all__ = [
     "CosformerState",
     "scalar_logits",
     "hybrid_logits",
+    "window_mask",
+    "windowed_attention",
 ]

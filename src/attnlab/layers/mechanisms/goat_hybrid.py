@@ -17,6 +17,7 @@ from .hybrid import HybridAttention
 class GoatHybridAttention(HybridAttention):
     mechanism = "goat_hybrid"
     options = ("tau", "tau_init", "tau_param", "tau_max", "n_kv_heads", *GOAT_OPTIONS)
+    sorted_decode = False
 
     @classmethod
     def configure(cls, config) -> None:

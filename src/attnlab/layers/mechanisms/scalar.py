@@ -24,7 +24,7 @@ from torch import nn
 
 from ...cache.kv import KVCache
 from ...cache.sorted import SortedScalarCache
-from ...ops import scalar_attention, softmax_attention
+from ...ops import scalar_attention, softmax_attention, windowed_attention
 from ...ops._sdpa import expand_heads
 from ..attention import Attention, heads
 from ..params import Temperature
@@ -40,6 +40,11 @@ class ScalarAttention(Attention):
     scalar = True
     options = ("n_scalar_heads", "n_value_groups", *SCALAR_OPTIONS, "n_kv_heads", "scale", "p", "rope", "rope_base")
     value_key = "vs"  # the name of the scalar heads' values in a plain decode cache
+    sorted_decode = True  # decodes through the sorted scalar cache (window=k)
+    # k: the full-sequence forward reads, per scalar head, only each query's k nearest keys in
+    # scalar space (plus the sink), as decoding with SortedScalarCache(window=k) does. Set by
+    # attnlab.eval.window.decode_window; None (default) is exact attention.
+    decode_window: int | None = None
 
     @classmethod
     def configure(cls, config) -> None:
@@ -129,11 +134,17 @@ class ScalarAttention(Attention):
             k = torch.cat([k.new_zeros(B, k.shape[1], 1, k.shape[3]), k], dim=2)  # zero sink key vector
         return qs, ks, vals, tau, q, k, 1
 
+    def scalar_readout(self, qs, ks, vals, tau, q, k, impl, n_prefix: int):
+        """The scalar op, or its windowed form while `decode_window` is set."""
+        if self.decode_window is None:
+            return self.scalar_op(qs, ks, vals, tau, q, k, impl)
+        return windowed_attention(qs, ks, vals, tau, self.decode_window, q=q, k=k, n_prefix=n_prefix)
+
     def attend(self, p: Projected, values=None, impl: str | None = None):
         c = self.config
         impl = impl or c.impl
         scal = qs, ks, vals, tau, q, k, n_pre = self.with_sink(p)
-        o = self.scalar_op(qs, ks, vals if values is None else values, tau, q, k, impl)[:, :, n_pre:]
+        o = self.scalar_readout(qs, ks, vals if values is None else values, tau, q, k, impl, n_pre)[:, :, n_pre:]
         if self.n_dot:  # the dot-product heads of a mixed layer
             vd = p.v if values is None else values[:, :1, n_pre:, n_pre:].expand(-1, self.n_kv, -1, -1)
             od = softmax_attention(p.q, p.k, vd, causal=True, scale=c.scale, p=c.p, impl=impl)

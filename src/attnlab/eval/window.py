@@ -1,0 +1,61 @@
+"""Windowed decoding, measured without decoding: the loss a model would have if every scalar
+and hybrid head read only its k nearest keys in scalar space (plus the sink), which is what
+`LM.generate(..., window=k)` computes through `SortedScalarCache`, one token at a time.
+
+`decode_window(model, k)` switches a model's full-sequence forward to that computation
+(`attnlab.ops.windowed_attention`), so a windowed loss costs one forward per batch and runs
+at T = 4096; `stepped_loss` is the token-by-token reference through the decode caches.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from typing import Iterator
+
+import torch
+import torch.nn.functional as F
+
+from ..checks import check_int
+
+
+def windowed_layers(model) -> list:
+    """The attention layers of `model` that decode through the sorted scalar cache."""
+    return [blk.attn for blk in model.blocks if getattr(blk.attn, "sorted_decode", False) and blk.attn.n_scalar]
+
+
+@contextlib.contextmanager
+def decode_window(model, window: int | None) -> Iterator[None]:
+    """Within the block, `model`'s scalar/hybrid layers attend as SortedScalarCache(window) decodes
+    (window None: exactly). ValueError when the model has no such layer."""
+    if window is not None:
+        check_int("window", window, 1)
+    layers = windowed_layers(model)
+    if window is not None and not layers:
+        names = sorted({blk.attn.mechanism for blk in model.blocks})
+        raise ValueError(f"window={window}: no layer of this model decodes through the sorted scalar cache "
+                         f"(mechanisms {', '.join(names)}; scalar and hybrid do)")
+    before = [layer.decode_window for layer in layers]
+    try:
+        for layer in layers:
+            layer.decode_window = window
+        yield
+    finally:
+        for layer, w in zip(layers, before):
+            layer.decode_window = w
+
+
+@torch.no_grad()
+def stepped_logits(model, idx: torch.Tensor, window: int | None) -> torch.Tensor:
+    """Logits (B, T, V) of idx (B, T) decoded token by token through the model's decode caches
+    (the sorted scalar cache for scalar/hybrid layers when window is set). The reference that
+    `decode_window` is tested against; O(T) steps, meant for short sequences."""
+    caches = model.make_caches(idx.shape[0], window=window)
+    return torch.stack([model.step(idx[:, t : t + 1], caches, pos=t) for t in range(idx.shape[1])], dim=1)
+
+
+def next_token_loss(logits: torch.Tensor, targets: torch.Tensor) -> float:
+    """Mean cross-entropy of logits (B, T, V) against targets (B, T) (-100 skipped)."""
+    return float(F.cross_entropy(logits.float().flatten(0, 1), targets.flatten(), ignore_index=-100))
+
+
+__all__ = ["decode_window", "next_token_loss", "stepped_logits", "windowed_layers"]

@@ -1,0 +1,98 @@
+"""Windowed scalar and hybrid attention: each query reads only the `window` keys nearest to it
+in scalar space among the keys it sees (plus any prefix entries, such as a sink, always).
+
+This is what decoding through `attnlab.cache.SortedScalarCache(window=k)` computes, token by
+token; here it is computed for a whole sequence at once, so the loss of windowed decoding can
+be measured at long contexts without stepping the model (`attnlab.eval.window`). For query t
+(causal) the candidates are the keys s <= t; the window is the `window` of them with the
+smallest |qs_t - ks_s| (all of them while t sees fewer; among keys at the same distance the
+newest are taken first), and the softmax runs over the window
+plus the prefix columns 0 .. n_prefix - 1. Logits come from `scalar_logits` / `hybrid_logits`,
+the mechanisms' one score formula.
+
+Ties. Identical scalar keys are common: with no position embedding, a first layer's keys are a
+function of the token alone, so repeated tokens tie. The sorted cache breaks exact ties in its
+own order, which for a scalar head does not matter (tied keys carry the same value) but for a
+hybrid head with RoPE does (tied entries differ in their rotated vector keys); there the cache
+and this op can differ by which of the tied entries fill the last places of the window.
+
+Queries are processed in row chunks (`query_chunk`), so memory is O(query_chunk x Tk) per head
+rather than O(Tk^2).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ..checks import check_int, check_tensor
+from ._sdpa import expand_heads, upcast
+from .scalar import hybrid_logits, scalar_logits
+
+__all__ = ["window_mask", "windowed_attention"]
+
+
+def window_mask(qs: torch.Tensor, ks: torch.Tensor, window: int, *, n_prefix: int = 0) -> torch.Tensor:
+    """(B, H, Tq, Tk) bool: key s is in query t's window. Queries are the last Tq of the Tk
+    positions (causal); the first `n_prefix` keys are always in and do not count toward `window`."""
+    check_int("window", window, 1)
+    check_int("n_prefix", n_prefix, 0)
+    Tq, Tk = qs.shape[-1], ks.shape[-1]
+    cdt = upcast(qs.dtype)
+    dist = (qs.to(cdt).unsqueeze(-1) - ks.to(cdt).unsqueeze(-2)).abs()  # (B, H, Tq, Tk)
+    pos_q = torch.arange(Tk - Tq, Tk, device=qs.device)[:, None]
+    pos_k = torch.arange(Tk, device=qs.device)[None, :]
+    candidate = (pos_k <= pos_q) & (pos_k >= n_prefix)  # (Tq, Tk)
+    dist = dist.masked_fill(~candidate, float("inf"))
+    n = min(window, max(Tk - n_prefix, 0))
+    keep = torch.zeros(dist.shape, dtype=torch.bool, device=qs.device)
+    if n:  # nearest first; at equal distance (identical keys) the newest first
+        newest_first = dist.flip(-1).sort(dim=-1, stable=True).indices[..., :n]
+        keep.scatter_(-1, Tk - 1 - newest_first, True)
+        keep &= candidate
+    if n_prefix:
+        keep[..., :n_prefix] = True
+    return keep
+
+
+def windowed_attention(
+    qs: torch.Tensor,
+    ks: torch.Tensor,
+    v: torch.Tensor,
+    tau,
+    window: int,
+    *,
+    q: torch.Tensor | None = None,
+    k: torch.Tensor | None = None,
+    n_prefix: int = 0,
+    query_chunk: int = 512,
+) -> torch.Tensor:
+    """Causal scalar attention (q, k None) or hybrid attention (q, k given) over each query's
+    scalar window; see the module docstring.
+
+    qs, ks: (B, H, T); v: (B, G, T, Dv) with G dividing H; tau: as `scalar_attention` takes it
+    ((H,) or (B, H, T)); q: (B, H, T, D), k: (B, G', T, D). Returns (B, H, T, Dv) in v's dtype.
+    """
+    check_int("window", window, 1)
+    check_int("query_chunk", query_chunk, 1)
+    check_tensor("qs", qs, 3)
+    check_tensor("v", v, 4)
+    if (q is None) != (k is None):
+        raise ValueError("q and k must be given together (hybrid) or both be None (scalar)")
+    B, H, T = qs.shape
+    cdt = upcast(v.dtype)
+    vals = expand_heads(v, H)
+    per_query_tau = torch.is_tensor(tau) and tau.dim() == 3
+    outs = []
+    for a in range(0, T, query_chunk):
+        b = min(T, a + query_chunk)
+        tau_c = tau[..., a:b] if per_query_tau else tau
+        if q is None:
+            logits = scalar_logits(qs[..., a:b], ks[..., :b], tau_c)
+        else:
+            logits = hybrid_logits(q[:, :, a:b], k[:, :, :b], qs[..., a:b], ks[..., :b], tau_c)
+        keep = window_mask(qs[..., a:b], ks[..., :b], window, n_prefix=n_prefix)
+        w = torch.softmax(logits.masked_fill(~keep, float("-inf")), dim=-1)
+        outs.append(w.to(cdt) @ vals[:, :, :b].to(cdt))
+    if not outs:
+        return v.new_zeros(B, H, 0, v.shape[-1])
+    return torch.cat(outs, dim=2).to(v.dtype)

@@ -1,0 +1,153 @@
+"""Windowed attention (ops.window) and windowed decoding measured in one forward (eval.window):
+against a per-query reference that sorts the visible keys, and against stepping the model
+through SortedScalarCache."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from attnlab.eval.window import decode_window, next_token_loss, stepped_logits
+from attnlab.models import LM, ModelConfig
+from attnlab.ops import hybrid_attention, scalar_attention, window_mask, windowed_attention
+
+
+def _reference(qs, ks, v, tau, window, q=None, k=None, n_prefix=0):
+    """Per query: the visible non-prefix keys sorted by |qs - ks|, the first `window` of them plus
+    the prefix, softmax of the mechanism's score over those, times the values (float64)."""
+    B, H, T = qs.shape
+    G = v.shape[1]
+    out = torch.zeros(B, H, T, v.shape[-1], dtype=torch.float64)
+    qs, ks, v = qs.double(), ks.double(), v.double()
+    for b in range(B):
+        for h in range(H):
+            t_h = tau[h] if tau.dim() == 1 else tau[b, h]
+            for t in range(T):
+                cand = list(range(n_prefix, t + 1))
+                cand.sort(key=lambda s: (float((qs[b, h, t] - ks[b, h, s]).abs().detach()), -s))  # newest first on ties
+                sel = torch.tensor(list(range(n_prefix)) + cand[:window], dtype=torch.long)
+                tt = t_h if t_h.dim() == 0 else t_h[t]
+                score = -(qs[b, h, t] - ks[b, h, sel]) ** 2 / tt.double()
+                if q is not None:
+                    kk = k[b, h // (H // k.shape[1]), sel].double()
+                    score = score + kk @ q[b, h, t].double() / q.shape[-1] ** 0.5
+                w = torch.softmax(score, dim=0)
+                out[b, h, t] = w @ v[b, h // (H // G), sel]
+    return out
+
+
+def _inputs(B=2, H=4, T=23, D=8, G=2, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    qs, ks = torch.randn(B, H, T, generator=g), torch.randn(B, H, T, generator=g)
+    v = torch.randn(B, G, T, D, generator=g)
+    q, k = torch.randn(B, H, T, D, generator=g), torch.randn(B, G, T, D, generator=g)
+    return qs, ks, v, q, k
+
+
+@pytest.mark.parametrize("hybrid", [False, True])
+@pytest.mark.parametrize("n_prefix", [0, 1])
+@pytest.mark.parametrize("per_query_tau", [False, True])
+def test_windowed_attention_matches_reference(hybrid, n_prefix, per_query_tau):
+    qs, ks, v, q, k = _inputs()
+    B, H, T = qs.shape
+    tau = torch.rand(B, H, T) * 0.5 + 0.1 if per_query_tau else torch.tensor([0.1, 0.3, 1.0, 2.0])
+    kw = {"q": q, "k": k} if hybrid else {}
+    for window, chunk in ((1, 512), (5, 7), (40, 4)):
+        got = windowed_attention(qs, ks, v, tau, window, n_prefix=n_prefix, query_chunk=chunk, **kw)
+        want = _reference(qs, ks, v, tau, window, n_prefix=n_prefix, **kw)
+        torch.testing.assert_close(got.double(), want, rtol=1e-5, atol=1e-6)
+
+
+def test_windowed_gradients_match_reference():
+    qs, ks, v, q, k = _inputs(B=1, T=12)
+    tau = torch.tensor([0.2, 0.5, 1.0, 3.0])
+    leaves = [t.clone().double().requires_grad_() for t in (qs, ks, v, q, k)]
+    got = windowed_attention(leaves[0], leaves[1], leaves[2], tau.double(), 4, q=leaves[3], k=leaves[4], query_chunk=5)
+    grads = torch.autograd.grad(got.square().sum(), leaves)
+    ref_leaves = [t.clone().double().requires_grad_() for t in (qs, ks, v, q, k)]
+    want = _reference(ref_leaves[0], ref_leaves[1], ref_leaves[2], tau, 4, q=ref_leaves[3], k=ref_leaves[4])
+    ref_grads = torch.autograd.grad(want.square().sum(), ref_leaves)
+    for name, a, b in zip(("qs", "ks", "v", "q", "k"), grads, ref_grads):
+        torch.testing.assert_close(a, b, rtol=1e-7, atol=1e-9, msg=f"grad of {name}")
+
+
+def test_full_window_is_exact_attention():
+    qs, ks, v, q, k = _inputs()
+    tau = torch.tensor([0.1, 0.3, 1.0, 2.0])
+    T = qs.shape[-1]
+    torch.testing.assert_close(windowed_attention(qs, ks, v, tau, T), scalar_attention(qs, ks, v, tau, impl="naive"), rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(windowed_attention(qs, ks, v, tau, T, q=q, k=k),
+                               hybrid_attention(q, k, v, qs, ks, tau, impl="naive"), rtol=1e-5, atol=1e-6)
+
+
+def test_window_mask_counts_and_offset():
+    qs, ks, *_ = _inputs(T=30)
+    m = window_mask(qs[..., 20:], ks, 6, n_prefix=1)  # the last 10 queries of 30 positions
+    assert m.shape == (2, 4, 10, 30)
+    assert bool(m[..., 0].all())  # the prefix entry is always in
+    assert bool((m[..., 1:].sum(-1) == 6).all())  # every query sees >= 6 non-prefix keys
+    t = torch.arange(20, 30)[:, None]
+    assert not bool((m & (torch.arange(30)[None, :] > t)).any())  # never a future key
+    with pytest.raises(ValueError, match="window"):
+        window_mask(qs, ks, 0)
+
+
+def _model(attn, pos_embedding="learned", **attention):
+    """With learned position embeddings no two tokens share a scalar key (no ties to break)."""
+    cfg = ModelConfig(vocab_size=50, d_model=32, n_layers=2, n_heads=4, attn=attn, max_seq_len=64,
+                      attention=attention, pos_embedding=pos_embedding)
+    torch.manual_seed(0)
+    model = LM(cfg).eval()
+    for name, p in model.named_parameters():  # a trained-looking sink value, not the zero init
+        if name.endswith("sink_value"):
+            p.data.normal_()
+    return model
+
+
+@pytest.mark.parametrize("attn,attention", [
+    ("scalar", {}),
+    ("hybrid", {}),
+    ("hybrid", {"sink": True, "sink_key": 0.3}),
+    ("scalar", {"sink": True, "n_scalar_heads": 2}),
+    (["hybrid", "softmax"], {}),
+])
+def test_decode_window_equals_stepping_sorted_cache(attn, attention):
+    model = _model(attn, **attention)
+    idx = torch.randint(0, 50, (2, 40), generator=torch.Generator().manual_seed(1))
+    for window in (3, 8):
+        with torch.no_grad(), decode_window(model, window):
+            batched = model(idx)[0]
+        stepped = stepped_logits(model, idx, window)
+        torch.testing.assert_close(batched, stepped, rtol=1e-4, atol=1e-4)
+    with torch.no_grad():
+        exact = model(idx)[0]  # the context manager restored exact attention
+    torch.testing.assert_close(exact, stepped_logits(model, idx, None), rtol=1e-4, atol=1e-4)
+    y = idx[:, 1:]
+    assert next_token_loss(exact[:, :-1], y) != next_token_loss(batched[:, :-1], y)  # the window changes something
+
+
+def test_window_ties_break_newest_first():
+    qs = torch.zeros(1, 1, 6)
+    ks = torch.tensor([[[1.0, 1.0, 1.0, 1.0, 5.0, 1.0]]])  # five keys tie at distance 1
+    m = window_mask(qs, ks, 3)
+    assert m[0, 0, 5].tolist() == [False, False, True, True, False, True]
+    assert m[0, 0, 3].tolist() == [False, True, True, True, False, False]
+
+
+def test_scalar_ties_do_not_matter():
+    """No position embedding: repeated tokens give identical first-layer keys and values, so
+    whichever tied entries a window holds, scalar heads read the same output."""
+    model = _model("scalar", pos_embedding="none")
+    idx = torch.randint(0, 5, (1, 30), generator=torch.Generator().manual_seed(2))  # many repeats
+    with torch.no_grad(), decode_window(model, 4):
+        batched = model(idx)[0]
+    torch.testing.assert_close(batched, stepped_logits(model, idx, 4), rtol=1e-4, atol=1e-4)
+
+
+def test_decode_window_needs_a_scalar_layer():
+    with pytest.raises(ValueError, match="window=8: no layer"):
+        with decode_window(_model("softmax"), 8):
+            pass
+    with pytest.raises(ValueError, match="window"):
+        with decode_window(_model("hybrid"), 0):
+            pass
