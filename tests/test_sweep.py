@@ -15,6 +15,9 @@ import pytest
 
 from attnlab.cli import main
 from attnlab.experiments.sweep import judge, verdict
+from attnlab.experiments.sweep.runs import config_changes, plan
+from attnlab.experiments.sweep.spec import load_spec
+from attnlab.train.config import read_toml
 
 ROOT = Path(__file__).resolve().parents[1]
 TINY = (ROOT / "configs" / "tiny.toml").as_posix()
@@ -268,3 +271,59 @@ def test_tau_trajectory_is_the_mean_over_scalar_layers():
                                                     {"mechanism": "scalar", "tau_mean": 0.4}]}
     assert _mean_tau(row) == pytest.approx(0.3)
     assert _mean_tau({"kind": "train", "layers": [{"mechanism": "softmax"}]}) is None
+
+
+# --------------------------------------------------------------------------- more metrics later
+
+MORE = {**METRICS, "alignment": True, "windowed_loss": [2, 64], "lengths": [16, 32], "learned_sink_share": True}
+
+
+def _with_metrics(metrics: dict) -> str:
+    text = spec_text()
+    head, _, rest = text.partition("[metrics]")
+    verdict = rest[rest.index("[verdict]"):]
+    return head + "[metrics]\n" + "".join(f"{k} = {json.dumps(v)}\n" for k, v in metrics.items()) + verdict
+
+
+def test_more_metrics_reevaluate_without_training(reference, tmp_path):
+    ref_out, ref = reference
+    out = tmp_path / "more"
+    shutil.copytree(ref_out, out)
+    (out / "spec.toml").write_text(_with_metrics(MORE))
+    states = {p.state for p in plan(load_spec(out / "spec.toml"))}
+    assert states == {"evaluate"}
+    before = {v: [(out / "runs" / v / f"seed{s}" / "summary.json").read_text() for s in SEEDS] for v in VARIANTS}
+    res = sweep(out)
+    assert before == {v: [(out / "runs" / v / f"seed{s}" / "summary.json").read_text() for s in SEEDS] for v in VARIANTS}
+    h, sm = res["variants"]["hybrid"], res["variants"]["softmax"]
+    assert h["mean"]["val_loss"] == ref["variants"]["hybrid"]["mean"]["val_loss"]
+    # a window as large as the context is exact attention; a window of 2 changes the loss
+    assert abs(h["mean"]["wgap@64"]) < 1e-5 and h["mean"]["wgap@2"] != 0
+    assert sm["mean"]["wgap@2"] is None and sm["mean"]["align_top"] is None
+    for T in (16, 32):
+        losses = [r["metrics"][f"loss/T={T}"] for r in res["runs"] if r["variant"] == "hybrid"]
+        assert h["mean"][f"loss/T={T}"] == pytest.approx(statistics.fmean(losses))
+        assert 0 < h["mean"][f"topk_mass@4/T={T}"] <= 1
+    assert h["mean"]["miss_slope@4"] is not None
+    assert 0 < h["mean"]["align_ratio"] and h["mean"]["align_top"] == pytest.approx(h["mean"]["align_d10"], rel=1e-6)
+    assert h["mean"].get("learned_sink_share") is None  # no sink in this model: not a column
+    report = (out / "report.md").read_text()
+    for words in ("## By context length", "## Alignment profile", "lengths.png", "alignment.png", "wgap@2", "decile 10"):
+        assert words in report, words
+    assert "loss/T=16 |" not in report.split("## By context length")[0]  # profiles stay out of the main table
+    for png in ("lengths.png", "alignment.png"):
+        assert (out / png).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_run_folder_from_before_an_option_existed_matches(reference, tmp_path):
+    ref_out, _ = reference
+    out = tmp_path / "old"
+    shutil.copytree(ref_out, out)
+    run = out / "runs" / "hybrid" / "seed0"
+    text = (run / "config.toml").read_text()
+    assert "spread_start" in text
+    (run / "config.toml").write_text("\n".join(line for line in text.splitlines() if not line.startswith("spread_start")) + "\n")
+    spec = load_spec(out / "spec.toml")
+    cfg = next(p.cfg for p in plan(spec) if p.variant == "hybrid" and p.seed == 0)
+    assert "spread_start" not in str(read_toml(run / "config.toml"))
+    assert config_changes(run, cfg) == []

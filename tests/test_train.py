@@ -190,6 +190,17 @@ def test_regularizers_are_weighted_and_logged(tmp_path, corpus):
     assert row["reg_total"] == pytest.approx(0.1 * row["reg_align"] + 0.01 * row["reg_spread"] + 0.01 * row["reg_tau"], rel=1e-5)
 
 
+def test_regularizer_starts_late_and_ramps(tmp_path, corpus):
+    cfg = cfg_for(tmp_path, corpus, "train.steps=4", "train.log_every=1", "model.attn=hybrid", "regularizers.align=0.1",
+                  "regularizers.spread=0.01", "regularizers.spread_start=2", "regularizers.ramp=2", "run.name=late")
+    rows = train(cfg)["history"]["train"]
+    assert [("reg_spread" in r) for r in rows] == [False, False, True, True]  # not computed before its start
+    assert all("reg_align" in r for r in rows)
+    assert rows[0]["reg_total"] == pytest.approx(0.05 * rows[0]["reg_align"], rel=1e-5)  # align ramps: 1/2 at step 0
+    last = rows[-1]
+    assert last["reg_total"] == pytest.approx(0.1 * last["reg_align"] + 0.01 * last["reg_spread"], rel=1e-5)
+
+
 def test_records_only_when_needed(tmp_path, corpus):
     """No regularizer weight: layers record only on logging steps."""
     trainer = Trainer(cfg_for(tmp_path, corpus, "train.log_every=5", "run.name=rec"))

@@ -92,6 +92,7 @@ def topk_scalar_mass(
     k: int,
     *,
     causal: bool = True,
+    n_prefix: int = 0,
     query_mask: torch.Tensor | None = None,
     reduce: bool = True,
     chunk: int = 256,
@@ -99,11 +100,14 @@ def topk_scalar_mass(
     """Fraction of each query's attention mass inside its k nearest keys in scalar space.
 
     For query t, the candidates are the visible keys (s <= t + Tk - Tq when causal, all
-    keys otherwise); the k with the smallest |qs_t - ks_s| (all of them when fewer than k
-    are visible; ties broken arbitrarily) form its window, and the metric is
-    sum_{s in window} w_ts. This is the share a k-entry window of the sorted scalar cache
-    would capture. w: (B, H, Tq, Tk); qs: (B, H, Tq); ks: (B, H or G, Tk) (G groups shared
-    by H // G heads each). Mean per head over valid queries -> (H,)."""
+    keys otherwise) after the first `n_prefix` (sink entries, always read); its window is
+    `attnlab.ops.window_mask`'s: the k candidates with the smallest |qs_t - ks_s| (all of
+    them when fewer are visible; the newest first among tied keys), plus the prefix. The
+    metric is sum_{s in window} w_ts: the share a k-entry window of the sorted scalar cache
+    (with its sink) would capture. w: (B, H, Tq, Tk); qs: (B, H, Tq); ks: (B, H or G, Tk)
+    (G groups shared by H // G heads each). Mean per head over valid queries -> (H,)."""
+    from ..ops.window import window_mask
+
     valid = _check_w(w, query_mask)
     B, H, Tq, Tk = w.shape
     check_tensor("qs", qs, 3)
@@ -117,22 +121,48 @@ def topk_scalar_mass(
     check_int("chunk", chunk)
     ks = expand_heads(ks.detach().float(), H)  # (B, H, Tk)
     qs, wf = qs.detach().float(), w.detach().float()
-    kk = min(k, Tk)
-    key_idx = torch.arange(Tk, device=w.device)
     mass = torch.empty(B, H, Tq, device=w.device)
     for t0 in range(0, Tq, chunk):
         t1 = min(t0 + chunk, Tq)
-        dist = (qs[..., t0:t1, None] - ks[..., None, :]).abs()  # (B, H, c, Tk)
-        if causal:
-            q_idx = torch.arange(t0, t1, device=w.device) + (Tk - Tq)
-            visible = (key_idx[None, :] <= q_idx[:, None]).expand_as(dist)  # (B, H, c, Tk)
-        else:
-            visible = torch.ones_like(dist, dtype=torch.bool)
-        dist = dist.masked_fill(~visible, float("inf"))
-        idx = dist.topk(kk, dim=-1, largest=False).indices  # (B, H, c, kk)
-        picked = wf[..., t0:t1, :].gather(-1, idx) * visible.gather(-1, idx)
-        mass[..., t0:t1] = picked.sum(-1)
+        keys = ks[..., : t1 + Tk - Tq] if causal else ks  # the keys rows t0..t1 can see
+        keep = window_mask(qs[..., t0:t1], keys, k, n_prefix=n_prefix, causal=causal)
+        mass[..., t0:t1] = (wf[..., t0:t1, : keys.shape[-1]] * keep).sum(-1)
     return _reduce(mass, valid, reduce)
+
+
+def alignment_profile(
+    w: torch.Tensor,
+    qs: torch.Tensor,
+    ks: torch.Tensor,
+    *,
+    bins: int = 10,
+    n_prefix: int = 0,
+    query_mask: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """Mean scalar distance |qs_t - ks_s| of the (query, key) pairs ranked by attention weight:
+    every visible pair of every head and valid query (the first `n_prefix` keys, sinks, left
+    out) is sorted by its weight w_ts and cut into `bins` groups of equal size, lowest weight
+    first -> (bins,). With scalar projections that align with attention, the last (highest
+    weight) bins hold the smallest distances. Shapes as in `topk_scalar_mass` (causal)."""
+    valid = _check_w(w, query_mask)
+    B, H, Tq, Tk = w.shape
+    check_int("bins", bins)
+    check_tensor("qs", qs, 3)
+    check_tensor("ks", ks, 3)
+    if tuple(qs.shape) != (B, H, Tq):
+        raise ValueError(f"qs must have shape (B, H, Tq) = {(B, H, Tq)} to match w, got {tuple(qs.shape)}")
+    check_same("ks", ks.shape[2], "w", Tk, "number of keys")
+    check_groups(H, ks.shape[1], "ks")
+    ks = expand_heads(ks.detach().float(), H)
+    dist = (qs.detach().float()[..., :, None] - ks[..., None, :]).abs()  # (B, H, Tq, Tk)
+    pos_q = torch.arange(Tk - Tq, Tk, device=w.device)[:, None]
+    pos_k = torch.arange(Tk, device=w.device)[None, :]
+    pair = ((pos_k <= pos_q) & (pos_k >= n_prefix)) & valid[..., None]  # (B, H, Tq, Tk)
+    weights, dists = w.detach().float()[pair], dist[pair]
+    if weights.numel() < bins:
+        raise ValueError(f"alignment_profile needs at least bins={bins} visible pairs, got {weights.numel()}")
+    order = weights.argsort(stable=True)
+    return torch.stack([d.mean() for d in dists[order].tensor_split(bins)])
 
 
 def topk_scalar_mass_table(

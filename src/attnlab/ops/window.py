@@ -31,9 +31,11 @@ from .scalar import hybrid_logits, scalar_logits
 __all__ = ["window_mask", "windowed_attention"]
 
 
-def window_mask(qs: torch.Tensor, ks: torch.Tensor, window: int, *, n_prefix: int = 0) -> torch.Tensor:
+def window_mask(qs: torch.Tensor, ks: torch.Tensor, window: int, *, n_prefix: int = 0,
+                causal: bool = True) -> torch.Tensor:
     """(B, H, Tq, Tk) bool: key s is in query t's window. Queries are the last Tq of the Tk
-    positions (causal); the first `n_prefix` keys are always in and do not count toward `window`."""
+    positions (causal; causal=False: every key is a candidate); the first `n_prefix` keys are
+    always in and do not count toward `window`."""
     check_int("window", window, 1)
     check_int("n_prefix", n_prefix, 0)
     Tq, Tk = qs.shape[-1], ks.shape[-1]
@@ -41,7 +43,7 @@ def window_mask(qs: torch.Tensor, ks: torch.Tensor, window: int, *, n_prefix: in
     dist = (qs.to(cdt).unsqueeze(-1) - ks.to(cdt).unsqueeze(-2)).abs()  # (B, H, Tq, Tk)
     pos_q = torch.arange(Tk - Tq, Tk, device=qs.device)[:, None]
     pos_k = torch.arange(Tk, device=qs.device)[None, :]
-    candidate = (pos_k <= pos_q) & (pos_k >= n_prefix)  # (Tq, Tk)
+    candidate = ((pos_k <= pos_q) if causal else (pos_k >= 0)) & (pos_k >= n_prefix)  # (Tq, Tk)
     dist = dist.masked_fill(~candidate, float("inf"))
     n = min(window, max(Tk - n_prefix, 0))
     keep = torch.zeros(dist.shape, dtype=torch.bool, device=qs.device)

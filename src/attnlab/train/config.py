@@ -158,10 +158,14 @@ class RegularizersConfig:
     spread_range: Literal["adaptive", "fixed"] = opt("adaptive", "L_spread targets over mean ± 3σ of the keys, or over [spread_low, spread_high]")
     spread_low: float = opt(-3.0, "lower end of the fixed L_spread range")
     spread_high: float = opt(3.0, "upper end of the fixed L_spread range")
+    align_start: int = opt(0, "optimizer step at which λ_align switches on (0: from the start)")
+    spread_start: int = opt(0, "optimizer step at which λ_spread switches on (e.g. after initial convergence)")
+    tau_start: int = opt(0, "optimizer step at which λ_tau switches on")
+    ramp: int = opt(0, "steps over which each weight rises linearly from 0 to its value after its start (0: at once)")
 
     def __post_init__(self):
         check_fields(self, "regularizers.")
-        for name in ("align", "spread", "tau"):
+        for name in ("align", "spread", "tau", "align_start", "spread_start", "tau_start", "ramp"):
             if getattr(self, name) < 0:
                 raise ConfigError(f"regularizers.{name} must be >= 0, got {getattr(self, name)}")
         if not self.spread_low < self.spread_high:
@@ -172,6 +176,16 @@ class RegularizersConfig:
     @property
     def active(self) -> bool:
         return self.align > 0 or self.spread > 0 or self.tau > 0
+
+    def weights_at(self, step: int) -> dict[str, float]:
+        """{"align", "spread", "tau"}: each weight at optimizer step `step` (0-based): 0 before its
+        start, then rising linearly over `ramp` steps to its configured value."""
+        out = {}
+        for name in ("align", "spread", "tau"):
+            since = step - getattr(self, f"{name}_start")
+            frac = 0.0 if since < 0 else 1.0 if self.ramp == 0 else min(1.0, (since + 1) / self.ramp)
+            out[name] = getattr(self, name) * frac
+        return out
 
 
 @dataclass

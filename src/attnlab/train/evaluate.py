@@ -21,7 +21,10 @@ import torch
 
 from attnlab.data.corpus import load_corpus
 from attnlab.data.packing import pack_documents, sequential_batches
-from attnlab.eval.metrics import TOPK_KS, attention_entropy, loss_at_lengths, sink_share, topk_scalar_mass
+from attnlab.eval.metrics import (
+    TOPK_KS, alignment_profile, attention_entropy, loss_at_lengths, sink_share, topk_scalar_mass,
+)
+from attnlab.eval.window import decode_window, windowed_layers
 from attnlab.eval.tasks import mqar_accuracy, passkey_accuracy
 
 from .checkpoint import latest_checkpoint, load_checkpoint
@@ -79,14 +82,15 @@ def attention_report(model, x: torch.Tensor, topk=TOPK_KS) -> list[dict]:
         if rec is not None and rec.qs is not None:
             H_s = rec.heads.qs.shape[1]  # scalar heads come first in a mixed layer
             # queries that see k keys or fewer hold all their mass in any k-window: leave them out
-            visible = torch.arange(w.shape[-2], device=w.device) + 1 + n_prefix  # (T,)
+            visible = torch.arange(w.shape[-2], device=w.device) + 1  # (T,) keys each query sees, sink aside
             entry["topk_scalar_mass"] = {
                 str(k): topk_scalar_mass(
-                    w[:, :H_s], rec.heads.qs, rec.ks, int(k),
+                    w[:, :H_s], rec.heads.qs, rec.ks, int(k), n_prefix=n_prefix,
                     query_mask=(visible > int(k)).expand(w.shape[0], -1) if bool((visible > int(k)).any()) else None,
                 ).tolist()
                 for k in topk
             }
+            entry["alignment"] = alignment_profile(w[:, :H_s], rec.heads.qs, rec.ks, n_prefix=n_prefix).tolist()
         report.append(entry)
     return report
 
@@ -105,6 +109,8 @@ def evaluate(
     topk=TOPK_KS,
     passkey_lengths: list[int] | None = None,
     passkey_depths: tuple[float, ...] = (0.0, 0.5, 1.0),
+    windows: list[int] | None = None,
+    context_lengths: list[int] | None = None,
     device: str | None = None,
     write: bool = True,
 ) -> dict:
@@ -135,16 +141,72 @@ def evaluate(
     losses = loss_at_lengths(fn, stream, lens, batch_size=B, max_tokens=max_tokens, cross_doc=d.cross_doc,
                              device=dev, pass_batch=not d.cross_doc)
     out["loss"] = {str(T): v for T, v in losses.items()}
+    if windows and windowed_layers(model):
+        out["windowed_loss"] = {
+            str(T): {str(k): v[T] for k, v in _windowed_losses(model, fn, stream, [T], windows, B, max_tokens, d, dev).items()}
+            for T in lens
+        }
 
     T_a = analysis_len or min(d.seq_len, 256)
     batch = next(iter(sequential_batches(stream, T_a, analysis_batch, max_batches=1)))
     out["analysis_len"] = T_a
     out["layers"] = attention_report(model, batch.x.to(dev), topk)
 
+    if context_lengths:
+        out["by_length"] = by_length(model, fn, stream, context_lengths, windows or [], topk, max_tokens=max_tokens,
+                                     batch_size=B, data=d, device=dev)
     if passkey_lengths:
         acc = passkey_accuracy(logits_of, tok, lengths=passkey_lengths, depths=passkey_depths, device=dev)
         out["passkey"] = {f"{L}@{dep}": v for (L, dep), v in acc.items()}
     return _finish(out, cfg, write)
+
+
+def _windowed_losses(model, fn, stream, lens, windows, batch_size, max_tokens, d, dev) -> dict[int, dict[int, dict]]:
+    """{k: {T: lm_loss}}: the loss with every scalar/hybrid head reading only its k nearest keys
+    (eval.window.decode_window), on the same windows of text as the exact loss."""
+    out = {}
+    for k in windows:
+        with decode_window(model, int(k)):
+            out[int(k)] = loss_at_lengths(fn, stream, lens, batch_size=batch_size, max_tokens=max_tokens,
+                                          cross_doc=d.cross_doc, device=dev, pass_batch=not d.cross_doc)
+    return out
+
+
+def by_length(model, fn, stream, lengths, windows, topk, *, max_tokens, batch_size, data, device) -> dict:
+    """Per context length T: exact loss, windowed-decode loss per k, top-k scalar mass (mean over
+    scalar heads) and attention entropy; and per k the least-squares slope of (1 - mass@k) against
+    ln T. Batches shrink with T (at most max_tokens / T rows, at least one), so every length reads
+    about the same text; the attention analysis uses one sequence of length T."""
+    import math
+
+    from attnlab.experiments.report import topk_summary
+
+    rows = {}
+    for T in lengths:
+        B = max(1, min(batch_size, (max_tokens or T * batch_size) // T))
+        exact = loss_at_lengths(fn, stream, [T], batch_size=B, max_tokens=max_tokens, cross_doc=data.cross_doc,
+                                device=device, pass_batch=not data.cross_doc)[T]
+        row = {"loss": exact["loss"], "tokens": exact["tokens"]}
+        if windows and windowed_layers(model):
+            row["windowed_loss"] = {str(k): v[T]["loss"] for k, v in
+                                    _windowed_losses(model, fn, stream, [T], windows, B, max_tokens, data, device).items()}
+        batch = next(iter(sequential_batches(stream, T, 1, max_batches=1)))
+        layers = attention_report(model, batch.x.to(device), topk)
+        row["topk_mass"] = topk_summary(layers)
+        ent = [h for layer in layers for h in layer.get("entropy", [])]
+        row["entropy"] = sum(ent) / len(ent) if ent else None
+        rows[str(T)] = row
+    out = {"lengths": rows}
+    if len(lengths) >= 2:
+        xs = [math.log(T) for T in lengths]
+        slopes = {}
+        for k in topk:
+            ys = [1.0 - rows[str(T)]["topk_mass"][str(k)] for T in lengths if str(k) in rows[str(T)]["topk_mass"]]
+            if len(ys) == len(xs):
+                mx, my = sum(xs) / len(xs), sum(ys) / len(ys)
+                slopes[str(k)] = sum((x - mx) * (y - my) for x, y in zip(xs, ys)) / sum((x - mx) ** 2 for x in xs)
+        out["miss_slope"] = slopes  # d(1 - mass@k) / d ln T
+    return out
 
 
 def _finish(out: dict, cfg: RunConfig, write: bool) -> dict:

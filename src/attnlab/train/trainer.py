@@ -203,7 +203,7 @@ class Trainer:
         for group in self.optimizer.param_groups:
             group["lr"] = lr
         record = self._needs_record(self.step)
-        reg_w = {"align": cfg.regularizers.align, "spread": cfg.regularizers.spread, "tau": cfg.regularizers.tau}
+        reg_w = cfg.regularizers.weights_at(self.step)  # delayed starts and ramps
         spread_target = "adaptive" if cfg.regularizers.spread_range == "adaptive" else (
             cfg.regularizers.spread_low, cfg.regularizers.spread_high)
         accum = cfg.train.grad_accum

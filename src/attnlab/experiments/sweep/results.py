@@ -11,6 +11,7 @@ from typing import Sequence
 
 from attnlab.train.config import RunConfig
 
+from .profiles import is_profile, profile_sections
 from ..report import MISSING, fmt, machine_info, markdown_table, save_figure
 from .runs import RunPlan, _record_of, collect_metrics, execute, plan, run, run_config, summary_of
 from .spec import EVAL_ARG_KEYS, OWNED_KEYS, SUMMARY_SCALARS, Spec, SweepError, Variant, load_spec, metric_names
@@ -197,7 +198,7 @@ def _pm(mean, sd, digits: int = 4) -> str:
 
 
 def results_table(results: dict) -> str:
-    names = results["scalars"]
+    names = [n for n in results["scalars"] if not is_profile(n)]
     headers = ["variant", "seeds", "params", "tokens/run"] + names + ["τ per layer"]
     rows = []
     for name, v in results["variants"].items():
@@ -248,6 +249,7 @@ def report_markdown(spec: Spec, results: dict, out: Path, metrics_png: bool = Tr
               "throughput and time of the session that finished the run; τ per layer: mean over heads and seeds.", ""]
     if spec.metrics:
         lines += [_metrics_text(spec.metrics), ""]
+    lines += profile_sections(results, out)
     if results["verdict"]:
         v = results["verdict"]
         lines += ["## Verdict", "", f"**{v['outcome']}**: {v['reason']}.", "", "Rule: " + verdict_rule_text(spec.verdict), ""]
@@ -281,6 +283,18 @@ def _metrics_text(metrics: dict) -> str:
         parts.append("**entropy**: attention entropy (nats), mean over heads and layers")
     if metrics.get("sink_share"):
         parts.append("**sink_share**: attention mass on the first token, mean over heads and layers")
+    if metrics.get("learned_sink_share"):
+        parts.append("**learned_sink_share**: attention mass on the learned sink entry, mean over scalar heads and layers")
+    if metrics.get("alignment"):
+        parts.append("**align_top**: mean |qs − ks| of the 10% (query, key) pairs with the most attention weight; "
+                     "**align_ratio**: align_top over the mean |qs − ks| of all visible pairs (scale-free: < 1 means "
+                     "heavy pairs sit closer than average)")
+    if metrics.get("windowed_loss"):
+        parts.append("**wloss@k**: validation loss when every scalar/hybrid head reads only its k nearest keys in "
+                     "scalar space plus the sink (what decoding through the sorted cache computes); **wgap@k**: "
+                     "wloss@k minus the exact loss on the same tokens")
+    if metrics.get("lengths") and len(metrics["lengths"]) >= 2:
+        parts.append("**miss_slope@k**: least-squares slope of (1 − topk_mass@k) against ln T over the context lengths")
     if metrics.get("passkey"):
         parts.append("**passkey@L**: passkey retrieval accuracy at length L, mean over depths")
     if metrics.get("mqar_accuracy"):
@@ -335,7 +349,8 @@ def plot_metrics(spec: Spec, results: dict, path: Path) -> Path | None:
     """One panel per per-run scalar: bars (mean), error bars (sd), dots (seeds)."""
     from ..report import pyplot
 
-    names = [n for n in results["scalars"] if n not in ("val_ppl", "train_seconds")]  # same as val_loss, tokens_per_s
+    names = [n for n in results["scalars"]  # val_ppl, train_seconds: as val_loss, tokens_per_s
+             if n not in ("val_ppl", "train_seconds") and not is_profile(n)]
     if not names:
         return None
     plt = pyplot()

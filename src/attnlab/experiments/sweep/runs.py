@@ -65,9 +65,12 @@ def _flat(d: dict, prefix: str = "") -> dict:
 
 def config_changes(run_dir: Path, cfg: RunConfig) -> list[tuple[str, Any, Any]]:
     """(key, saved, now) for every setting of the run folder's config.toml that differs from
-    `cfg`; run.* other than run.seed is free (threads, resume...), vocab_size may be resolved."""
+    `cfg`; run.* other than run.seed is free (threads, resume...), vocab_size may be resolved.
+    A key the saved config lacks (written before the option existed) counts as its default."""
     saved = _flat(read_toml(run_dir / "config.toml"))
     now = _flat(to_dict(cfg))
+    defaults = _flat(to_dict(RunConfig()))
+    saved.update({k: defaults[k] for k in now if k not in saved and k in defaults})
     ignore = {k for k in set(saved) | set(now) if k.startswith("run.") and k != "run.seed"}
     if not cfg.model.vocab_size:
         ignore.add("model.vocab_size")
@@ -161,7 +164,9 @@ def collect_metrics(run_dir: str | os.PathLike, metrics: dict) -> dict[str, floa
     args = {k: metrics[k] for k in ("max_tokens", "batch_size", "analysis_len", "analysis_batch", "split") if k in metrics}
     ev = evaluate(run_dir, seq_lens=metrics.get("loss_at") or None, topk=tuple(metrics.get("topk_mass") or (8,)),
                   passkey_lengths=metrics.get("passkey") or None,
-                  passkey_depths=tuple(metrics.get("passkey_depths", (0.0, 0.5, 1.0))), write=False, **args)
+                  passkey_depths=tuple(metrics.get("passkey_depths", (0.0, 0.5, 1.0))),
+                  windows=metrics.get("windowed_loss") or None, context_lengths=metrics.get("lengths") or None,
+                  write=False, **args)
     layers = ev.get("layers", [])
     topk = topk_summary(layers)
     out: dict[str, float | None] = {}
@@ -173,6 +178,35 @@ def collect_metrics(run_dir: str | os.PathLike, metrics: dict) -> dict[str, floa
         out["entropy"] = _mean_or_none([h for layer in layers for h in layer.get("entropy", [])])
     if metrics.get("sink_share"):
         out["sink_share"] = _mean_or_none([h for layer in layers for h in layer.get("first_token_share", [])])
+    if metrics.get("learned_sink_share"):
+        out["learned_sink_share"] = _mean_or_none([h for layer in layers for h in layer.get("learned_sink_share", [])])
+    if metrics.get("alignment"):
+        profiles = [layer["alignment"] for layer in layers if layer.get("alignment")]
+        top = _mean_or_none([p[-1] for p in profiles])
+        every = _mean_or_none([sum(p) / len(p) for p in profiles])
+        out["align_top"] = top  # mean |qs - ks| of the top weight decile, mean over scalar layers
+        out["align_ratio"] = top / every if top is not None and every else None  # ... over that of all pairs
+        for i in range(10):  # the whole profile, lowest weight decile first
+            out[f"align_d{i + 1}"] = _mean_or_none([p[i] for p in profiles if len(p) == 10])
+    # windowed-decode loss at the first evaluated length (loss_at's first, else data.seq_len), and its gap to exact
+    T0 = next(iter(ev.get("loss") or {}), None)
+    base = (ev.get("loss") or {}).get(T0, {}).get("loss")
+    for k in metrics.get("windowed_loss", []):
+        w = ((ev.get("windowed_loss") or {}).get(T0, {}).get(str(k)) or {}).get("loss")
+        out[f"wloss@{k}"] = w
+        out[f"wgap@{k}"] = w - base if w is not None and base is not None else None
+    rows = (ev.get("by_length") or {}).get("lengths", {})
+    for T in metrics.get("lengths", []):
+        row = rows.get(str(T), {})
+        out[f"loss/T={T}"] = row.get("loss")
+        for k in metrics.get("windowed_loss", []):
+            w = (row.get("windowed_loss") or {}).get(str(k))
+            out[f"wgap@{k}/T={T}"] = w - row["loss"] if w is not None and row.get("loss") is not None else None
+        for k in metrics.get("topk_mass", []):
+            out[f"topk_mass@{k}/T={T}"] = (row.get("topk_mass") or {}).get(str(k))
+    if len(metrics.get("lengths", [])) >= 2:
+        for k in metrics.get("topk_mass", []):
+            out[f"miss_slope@{k}"] = ((ev.get("by_length") or {}).get("miss_slope") or {}).get(str(k))
     for L in metrics.get("passkey", []):
         out[f"passkey@{L}"] = _mean_or_none([v for key, v in (ev.get("passkey") or {}).items() if key.split("@")[0] == str(L)])
     if metrics.get("mqar_accuracy"):

@@ -19,7 +19,8 @@ SPEC_KEYS = ("title", "claim", "description", "base", "seeds", "overrides", "var
 VARIANT_KEYS = ("name", "overrides", "description")
 VERDICT_KEYS = ("metric", "better", "compare")
 # [metrics]: what to collect per run from attnlab.train.evaluate, and evaluate's arguments
-METRIC_KEYS = ("loss_at", "topk_mass", "entropy", "sink_share", "passkey", "mqar_accuracy")
+METRIC_KEYS = ("loss_at", "topk_mass", "entropy", "sink_share", "learned_sink_share", "alignment", "windowed_loss",
+               "lengths", "passkey", "mqar_accuracy")
 EVAL_ARG_KEYS = ("max_tokens", "batch_size", "analysis_len", "analysis_batch", "split", "passkey_depths")
 OWNED_KEYS = ("run.seed", "run.name", "run.out_dir", "run.resume", "run.overwrite", "run.progress")
 SUMMARY_SCALARS = ("val_loss", "val_ppl", "val_accuracy", "train_loss", "tokens_per_s", "train_seconds")
@@ -120,7 +121,16 @@ def metric_names(metrics: dict) -> list[str]:
     """The per-run scalars a [metrics] table asks for, in order."""
     names = [f"loss@{L}" for L in metrics.get("loss_at", [])]
     names += [f"topk_mass@{k}" for k in metrics.get("topk_mass", [])]
-    names += [n for n in ("entropy", "sink_share") if metrics.get(n)]
+    names += [n for n in ("entropy", "sink_share", "learned_sink_share") if metrics.get(n)]
+    names += ["align_top", "align_ratio"] + [f"align_d{i}" for i in range(1, 11)] if metrics.get("alignment") else []
+    for k in metrics.get("windowed_loss", []):
+        names += [f"wloss@{k}", f"wgap@{k}"]
+    for T in metrics.get("lengths", []):
+        names += [f"loss/T={T}"]
+        names += [f"wgap@{k}/T={T}" for k in metrics.get("windowed_loss", [])]
+        names += [f"topk_mass@{k}/T={T}" for k in metrics.get("topk_mass", [])]
+    if len(metrics.get("lengths", [])) >= 2:
+        names += [f"miss_slope@{k}" for k in metrics.get("topk_mass", [])]
     names += [f"passkey@{L}" for L in metrics.get("passkey", [])]
     names += ["mqar_accuracy"] if metrics.get("mqar_accuracy") else []
     return names
@@ -129,10 +139,10 @@ def metric_names(metrics: dict) -> list[str]:
 def _check_metrics(m, key: str = "metrics") -> dict:
     _need(isinstance(m, dict), f"{key} must be a table, got {m!r}")
     _unknown(m, METRIC_KEYS + EVAL_ARG_KEYS, f"{key}.")
-    for name in ("loss_at", "topk_mass", "passkey"):
+    for name in ("loss_at", "topk_mass", "passkey", "windowed_loss", "lengths"):
         if name in m:
             _int_list(m[name], f"{key}.{name}", 1)
-    for name in ("entropy", "sink_share", "mqar_accuracy"):
+    for name in ("entropy", "sink_share", "learned_sink_share", "alignment", "mqar_accuracy"):
         if name in m:
             _need(isinstance(m[name], bool), f"{key}.{name} must be true or false, got {m[name]!r}")
     for name in ("max_tokens", "batch_size", "analysis_len", "analysis_batch"):

@@ -1,0 +1,120 @@
+"""The parts of a sweep report that are profiles rather than single numbers: metrics by context
+length (`[metrics] lengths`) and the alignment profile over attention-weight deciles
+(`[metrics] alignment`). Both are tables (mean ± sd over seeds) and line plots with error bars."""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+from ..report import markdown_table, pyplot, save_figure
+
+LENGTH_RE = re.compile(r"^(?P<what>.+)/T=(?P<T>\d+)$")
+DECILE_RE = re.compile(r"^align_d(?P<i>\d+)$")
+
+
+def is_profile(name: str) -> bool:
+    """A per-run scalar shown in a profile table/plot instead of the main table and the bars."""
+    return bool(LENGTH_RE.match(name) or DECILE_RE.match(name))
+
+
+def _pm(mean, sd) -> str:
+    if mean is None:
+        return "—"
+    return f"{mean:.4g}" if sd is None else f"{mean:.4g} ± {sd:.2g}"
+
+
+def length_series(results: dict) -> tuple[list[int], list[str]]:
+    """(context lengths, quantities) of the '<quantity>/T=<T>' scalars."""
+    Ts, whats = set(), []
+    for n in results["scalars"]:
+        m = LENGTH_RE.match(n)
+        if m:
+            Ts.add(int(m["T"]))
+            if m["what"] not in whats:
+                whats.append(m["what"])
+    return sorted(Ts), whats
+
+
+def lengths_table(results: dict) -> str | None:
+    Ts, whats = length_series(results)
+    if not Ts:
+        return None
+    rows = []
+    for name, v in results["variants"].items():
+        for T in Ts:
+            rows.append([name, T] + [_pm(v["mean"].get(f"{w}/T={T}"), v["sd"].get(f"{w}/T={T}")) for w in whats])
+    return markdown_table(["variant", "context T"] + whats, rows)
+
+
+def alignment_table(results: dict) -> str | None:
+    names = [n for n in results["scalars"] if DECILE_RE.match(n)]
+    if not names:
+        return None
+    rows = [[name] + [_pm(v["mean"].get(n), v["sd"].get(n)) for n in names] for name, v in results["variants"].items()]
+    return markdown_table(["variant"] + [f"decile {DECILE_RE.match(n)['i']}" for n in names], rows)
+
+
+def _lines(ax, results: dict, xs: list, names: list[str], label_x: str) -> None:
+    for i, (variant, v) in enumerate(results["variants"].items()):
+        pts = [(x, v["mean"].get(n), v["sd"].get(n)) for x, n in zip(xs, names) if v["mean"].get(n) is not None]
+        if not pts:
+            continue
+        ax.errorbar([p[0] for p in pts], [p[1] for p in pts], yerr=[p[2] or 0.0 for p in pts], color=f"C{i}",
+                    marker="o", ms=3, capsize=3, lw=1.5, label=variant)
+    ax.set_xlabel(label_x)
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=7)
+
+
+def plot_lengths(results: dict, path: Path) -> Path | None:
+    """One panel per quantity against context length (log x): mean over seeds, ±1 sd."""
+    Ts, whats = length_series(results)
+    if not Ts:
+        return None
+    plt = pyplot()
+    ncols = min(3, len(whats))
+    nrows = -(-len(whats) // ncols)
+    fig, axes = plt.subplots(nrows, ncols, figsize=(4.3 * ncols, 3.3 * nrows), dpi=120, squeeze=False)
+    for ax, w in zip(axes.flat, whats):
+        _lines(ax, results, Ts, [f"{w}/T={T}" for T in Ts], "context length T")
+        ax.set_xscale("log", base=2)
+        ax.set_title(w, fontsize=9)
+    for ax in list(axes.flat)[len(whats):]:
+        ax.set_visible(False)
+    return save_figure(fig, path)
+
+
+def plot_alignment(results: dict, path: Path) -> Path | None:
+    names = [n for n in results["scalars"] if DECILE_RE.match(n)]
+    if not names:
+        return None
+    plt = pyplot()
+    fig, ax = plt.subplots(figsize=(5.5, 3.6), dpi=120)
+    _lines(ax, results, [int(DECILE_RE.match(n)["i"]) for n in names], names, "attention-weight decile (10 = heaviest pairs)")
+    ax.set_ylabel("mean |qs − ks|")
+    ax.set_title("scalar distance of (query, key) pairs by attention weight", fontsize=9)
+    return save_figure(fig, path)
+
+
+def profile_sections(results: dict, out: Path) -> list[str]:
+    """Markdown (tables and plots) for the profile scalars; writes lengths.png / alignment.png."""
+    lines = []
+    table = lengths_table(results)
+    if table:
+        plot_lengths(results, out / "lengths.png")
+        slopes = [n for n in results["scalars"] if n.startswith("miss_slope@")]
+        lines += ["## By context length", "", table, "",
+                  "loss: exact validation loss; wgap@k: windowed-decode loss (k nearest keys per scalar head, plus the "
+                  "sink) minus the exact loss on the same tokens; topk_mass@k: share of attention inside the k "
+                  "nearest keys. Mean ± sd over seeds." + (" The slopes of (1 − mass@k) against ln T are in the "
+                                                           "main table (" + ", ".join(slopes) + ")." if slopes else ""),
+                  "", "![by context length](lengths.png)", ""]
+    table = alignment_table(results)
+    if table:
+        plot_alignment(results, out / "alignment.png")
+        lines += ["## Alignment profile", "", table, "",
+                  "Every visible (query, key) pair of the scalar heads on the analysis batch, ranked by attention weight "
+                  "and cut into ten equal groups (decile 10 = heaviest); each cell is the mean |qs − ks| of a group, "
+                  "averaged over layers, mean ± sd over seeds.", "", "![alignment](alignment.png)", ""]
+    return lines
