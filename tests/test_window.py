@@ -151,3 +151,23 @@ def test_decode_window_needs_a_scalar_layer():
     with pytest.raises(ValueError, match="window"):
         with decode_window(_model("hybrid"), 0):
             pass
+
+
+@pytest.mark.parametrize("attn,attention", [("scalar", {}), ("hybrid", {"sink": True}), ("scalar", {"n_scalar_heads": 2}),
+                                            ("goat_hybrid", {"goat_rank": 1, "goat_abs_rank": 2})])
+@pytest.mark.parametrize("window", [None, 5])
+def test_attention_weights_from_logits_equal_the_identity_readout(attn, attention, window):
+    from attnlab.layers import Attention
+
+    if window and attn == "goat_hybrid":
+        pytest.skip("goat_hybrid does not decode through the sorted cache")
+    model = _model(attn, **attention)
+    layer = model.blocks[0].attn
+    x = torch.randn(2, 20, 32, generator=torch.Generator().manual_seed(3))
+    with torch.no_grad(), decode_window(model, window):
+        got = layer.attention_weights(x)
+        want = Attention.attention_weights(layer, x)  # the generic path: the op with v = I
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
+    if window:
+        n_s = layer.n_scalar  # the windowed heads (a mixed layer's dot-product heads read every key)
+        assert bool(((got[:, :n_s, :, 1:] > 0).sum(-1) <= window).all())

@@ -53,8 +53,9 @@ def load_run(source: RunConfig | str | os.PathLike, overrides: list[str] | None 
 
 
 @torch.no_grad()
-def attention_report(model, x: torch.Tensor, topk=TOPK_KS) -> list[dict]:
-    """Per-layer, per-head attention statistics of `model` on tokens x (B, T)."""
+def attention_report(model, x: torch.Tensor, topk=TOPK_KS, *, alignment: bool = True) -> list[dict]:
+    """Per-layer, per-head attention statistics of `model` on tokens x (B, T); `alignment`: also
+    the alignment profile of scalar heads (sorts every visible pair: the costly part at long T)."""
     inputs = {}
     hooks = [
         blk.attn.register_forward_pre_hook(lambda mod, args, i=i: inputs.__setitem__(i, args[0]))
@@ -90,7 +91,8 @@ def attention_report(model, x: torch.Tensor, topk=TOPK_KS) -> list[dict]:
                 ).tolist()
                 for k in topk
             }
-            entry["alignment"] = alignment_profile(w[:, :H_s], rec.heads.qs, rec.ks, n_prefix=n_prefix).tolist()
+            if alignment:
+                entry["alignment"] = alignment_profile(w[:, :H_s], rec.heads.qs, rec.ks, n_prefix=n_prefix).tolist()
         report.append(entry)
     return report
 
@@ -191,7 +193,7 @@ def by_length(model, fn, stream, lengths, windows, topk, *, max_tokens, batch_si
             row["windowed_loss"] = {str(k): v[T]["loss"] for k, v in
                                     _windowed_losses(model, fn, stream, [T], windows, B, max_tokens, data, device).items()}
         batch = next(iter(sequential_batches(stream, T, 1, max_batches=1)))
-        layers = attention_report(model, batch.x.to(device), topk)
+        layers = attention_report(model, batch.x.to(device), topk, alignment=False)
         row["topk_mass"] = topk_summary(layers)
         ent = [h for layer in layers for h in layer.get("entropy", [])]
         row["entropy"] = sum(ent) / len(ent) if ent else None

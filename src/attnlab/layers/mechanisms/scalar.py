@@ -24,7 +24,7 @@ from torch import nn
 
 from ...cache.kv import KVCache
 from ...cache.sorted import SortedScalarCache
-from ...ops import scalar_attention, softmax_attention, windowed_attention
+from ...ops import hybrid_logits, scalar_attention, scalar_logits, softmax_attention, window_mask, windowed_attention
 from ...ops._sdpa import expand_heads
 from ..attention import Attention, heads
 from ..params import Temperature
@@ -153,6 +153,20 @@ class ScalarAttention(Attention):
             o = torch.cat([o, od], dim=1)  # (B, H, T, Dv): scalar heads first
         return o, scal
 
+    def attention_weights(self, x: torch.Tensor) -> torch.Tensor:
+        """As `Attention.attention_weights`, computed as the softmax of the mechanism's logits
+        (O(T²) per head rather than the O(T³) of reading out an identity value matrix) when every
+        head is a scalar/hybrid head (not a mixed layer, not goat_hybrid's prior); with
+        `decode_window` set, the windowed weights."""
+        if self.n_scalar < self.config.n_heads or not self.sorted_decode:
+            return super().attention_weights(x)
+        self.check_input(x)
+        qs, ks, _, tau, q, k, n_pre = self.with_sink(self.project(x, 0))
+        logits = scalar_logits(qs, ks, tau) if q is None else hybrid_logits(q, k, qs, ks, tau)
+        if self.decode_window is not None:
+            logits = logits.masked_fill(~window_mask(qs, ks, self.decode_window, n_prefix=n_pre), float("-inf"))
+        return torch.softmax(logits, dim=-1)[:, :, n_pre:].to(x.dtype)
+
     # ------------------------------------------------------------------ decode
 
     def init_cache(self, cache, window, max_len) -> None:
@@ -206,3 +220,4 @@ class ScalarAttention(Attention):
             od = softmax_attention(p.q, full["k"], full["v"], scale=c.scale, p=c.p, impl=c.impl)
             o = torch.cat([o, od.to(o.dtype)], dim=1)  # scalar heads first
         return o
+
