@@ -34,9 +34,9 @@ def test_models_differ_only_in_attention(tmp_path):
     dicts = [to_dict(c, derived=True) for c in cfgs]
     for d in dicts:
         assert d["train"]["steps"] == 7 and d["model"]["d_model"] == 32
-        d["model"].pop("attn"), d["model"].pop("layer_attn"), d["run"].pop("name"), d.pop("run_dir")
+        d["model"].pop("attn"), d["model"].pop("layer_attn"), d["run"].pop("out_dir"), d.pop("run_dir")
     assert dicts[0] == dicts[1] == dicts[2]
-    assert [Path(c.run_dir) for c in cfgs] == [tmp_path / m for m in qs.COMPARED]
+    assert [Path(c.run_dir) for c in cfgs] == [tmp_path / "runs" / m / "seed0" for m in qs.COMPARED]
 
 
 @pytest.mark.parametrize(
@@ -83,52 +83,50 @@ def report(tmp_path_factory):
 
 
 def test_quickstart_end_to_end(report, capsys):
+    """The quickstart is the sweep of experiments/quickstart/spec.toml: same results format, same code."""
     out, argv = report
     assert main(argv) == 0
     printed = capsys.readouterr().out
     results = json.loads((out / "results.json").read_text())
-    for name in ("report.md", "loss_curves.png", "tau.png"):
-        assert (out / name).is_file(), name
-    for png in ("loss_curves.png", "tau.png"):
-        assert (out / png).read_bytes()[:8] == PNG_MAGIC
-
-    models = {m["mechanism"]: m for m in results["models"]}
-    assert list(models) == ["softmax", "scalar", "hybrid"]
-    assert {(m["steps"], m["tokens"]) for m in models.values()} == {(3, 3 * 2 * 40)}
-    assert results["tokens_per_model"] == 240 and results["steps"] == 3
-    for name, m in models.items():
-        ev = json.loads((out / name / "eval.json").read_text())
-        summary = json.loads((out / name / "summary.json").read_text())
-        assert m["val_loss"] == ev["loss"]["40"]["loss"] and m["val_loss_2x"] == ev["loss"]["80"]["loss"]
-        assert math.isclose(m["val_ppl"], math.exp(m["val_loss"]), rel_tol=1e-9)
-        assert m["tau"] == summary["tau"] and m["tokens_per_s"] == summary["tokens_per_s"]
-        assert (out / name / "eval.md").is_file()
-        assert len(results["curves"][name]["train"]) == 3 and results["curves"][name]["val"][-1][0] == 3
-        # the table's val loss is measured on the same text as the trainer's last evaluation
-        assert m["val_loss"] == pytest.approx(results["curves"][name]["val"][-1][1], rel=1e-5)
-        assert m["val_tokens"] == ev["loss"]["40"]["tokens"] == summary["history"]["eval"][-1]["val_tokens"]
-    assert models["softmax"]["tau"] == [None, None] and models["softmax"]["topk_mass"] == {}
+    for name in ("report.md", "loss_curves.png", "metrics.png"):
+        assert (out / name).read_bytes()[:8] == PNG_MAGIC or name == "report.md", name
+    v = results["variants"]
+    assert list(v) == ["softmax", "scalar", "hybrid"] and results["seeds"] == [0]
+    assert {(x["steps"], x["tokens_per_run"]) for x in v.values()} == {(3, 3 * 2 * 40)}
+    for name in v:
+        run = out / "runs" / name / "seed0"
+        summary = json.loads((run / "summary.json").read_text())
+        metrics = json.loads((run / "sweep.json").read_text())["metrics"]
+        assert v[name]["mean"]["val_loss"] == summary["val_loss"] and summary["steps"] == 3
+        # evaluated on the same text as the trainer's last evaluation, at the training length and twice it
+        assert metrics["loss@40"] == pytest.approx(summary["val_loss"], rel=1e-5)
+        assert math.isfinite(metrics["loss@80"])
+        assert len(summary["history"]["train"]) == 3
+    assert v["softmax"]["mean"]["topk_mass@8"] is None and v["softmax"]["mean"]["wgap@16"] is None
     for name in ("scalar", "hybrid"):
-        assert all(t > 0 for t in models[name]["tau"])
-        mass = [models[name]["topk_mass"][str(k)] for k in qs.TOPK]
-        assert all(0 < v <= 1 + 1e-6 for v in mass) and mass == sorted(mass)
+        assert all(t > 0 for t in v[name]["tau"])
+        mass = [v[name]["mean"][f"topk_mass@{k}"] for k in (8, 16, 32, 64)]
+        assert all(0 < m <= 1 + 1e-6 for m in mass) and mass == sorted(mass)
         assert mass[-1] == pytest.approx(1.0, abs=1e-5)  # 40 keys < 64: every key is in the window
-
-    table = qs.comparison_table(results)
-    assert table in printed and table in (out / "report.md").read_text()
-    header = table.splitlines()[0]
-    for col in ("val loss", "val ppl", "loss @80", "tokens/s", "τ per layer", "top-8 mass", "top-64 mass"):
-        assert col in header
-    assert "attnlab quickstart --out" in (out / "report.md").read_text()
+        assert abs(v[name]["mean"]["wgap@64"]) < 1e-5  # ... so the 64-window decodes exactly
+    report_md = (out / "report.md").read_text()
+    assert "attnlab quickstart --out" in report_md and "softmax vs scalar vs hybrid" in report_md
+    for col in ("val_loss", "loss@80", "tokens_per_s", "τ per layer", "topk_mass@8", "wgap@16"):
+        assert col in printed and col in report_md, col
+    # run again: the finished models are kept, only the report is rebuilt
+    before = (out / "runs" / "hybrid" / "seed0" / "summary.json").read_text()
+    assert main(argv) == 0
+    assert "3 done" in capsys.readouterr().out
+    assert (out / "runs" / "hybrid" / "seed0" / "summary.json").read_text() == before
 
 
 @pytest.mark.slow
 def test_full_quickstart(tmp_path):
     """The default quickstart (what `make quickstart` runs): several minutes on a 2-core CPU."""
     results = qs.run(tmp_path, progress=False)
-    assert [m["mechanism"] for m in results["models"]] == list(qs.COMPARED)
+    assert list(results["variants"]) == list(qs.COMPARED)
     base_steps = qs.base_config()["train"]["steps"]
-    for m in results["models"]:
-        assert m["steps"] == base_steps and math.isfinite(m["val_loss"])
-        assert m["val_loss"] < math.log(257) - 1.0, "training did not get well below the uniform byte loss"
+    for v in results["variants"].values():
+        assert v["steps"] == base_steps and math.isfinite(v["mean"]["val_loss"])
+        assert v["mean"]["val_loss"] < math.log(257) - 1.0, "training did not get well below the uniform byte loss"
     assert (tmp_path / "report.md").is_file()

@@ -106,8 +106,10 @@ def build_parser() -> argparse.ArgumentParser:
         formatter_class=Formatter,
         description="Train small softmax, scalar and hybrid attention models on the embedded Python-stdlib corpus\n"
                     "(byte tokens, no download) with the same budget -- same steps, tokens, width and seed -- then print\n"
-                    "a comparison table (validation loss and perplexity, tokens/s, final τ per layer, top-k scalar mass)\n"
-                    "and write OUT/report.md, OUT/results.json, OUT/loss_curves.png and OUT/tau.png.\n\n" + budget,
+                    "a comparison table (validation loss at the training length and twice it, tokens/s, final τ per layer,\n"
+                    "top-k scalar mass, windowed-decode loss) and write OUT/report.md, OUT/results.json and plots.\n"
+                    "It runs the sweep spec experiments/quickstart/spec.toml (run folders OUT/runs/<mechanism>/seed<k>);\n"
+                    "run again, it keeps the finished models and rebuilds the report.\n\n" + budget,
         epilog=f"Overrides change every model alike, e.g. model.d_model=64 train.batch_size=8; the quickstart owns "
                f"{', '.join(OWNED_KEYS)}.\nWhen other jobs already occupy every CPU it trains with one torch thread, "
                f"which is faster there (run.threads=N chooses).\nSee `attnlab train --help` for every config key.",
