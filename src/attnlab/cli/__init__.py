@@ -84,6 +84,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--passkey", metavar="L1,L2", help="also measure passkey retrieval at these lengths (tokens)")
     p.add_argument("--passkey-depths", default="0,0.5,1", metavar="D1,D2",
                    help="needle depths in [0, 1] for --passkey (default: 0,0.5,1)")
+    p.add_argument("--windows", metavar="K1,K2",
+                   help="also the windowed-decode loss: every scalar/hybrid head reads only its k nearest keys in scalar "
+                        "space (plus the sink), as decoding through the sorted cache does; at each --seq-lens length")
+    p.add_argument("--lengths", metavar="T1,T2",
+                   help="also by context length T: exact loss, windowed-decode loss per --windows k, top-k scalar mass "
+                        "and entropy on one sequence of length T, and the slope of 1 - mass@k against ln T")
     p.add_argument("--checkpoint", metavar="PATH", help="evaluate this checkpoint instead of the newest")
     p.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto", help="device (default: the run's run.device)")
     p.add_argument("-q", "--quiet", action="store_true", help="print only where the results were written")

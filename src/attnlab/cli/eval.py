@@ -67,11 +67,22 @@ def _eval_plan(ns) -> dict:
             f"position embedding; allowed: lengths <= {cfg.model.max_seq_len}"
         )
     passkey = int_list(ns.passkey, "--passkey") if ns.passkey else None
+    windows = int_list(ns.windows, "--windows") if ns.windows else None
+    lengths = int_list(ns.lengths, "--lengths") if ns.lengths else None
+    from attnlab.layers import mechanism_class
+
+    if windows and not any(getattr(mechanism_class(a.mechanism), "sorted_decode", False)
+                           for a in cfg.model.attention_configs()):
+        raise UsageError(f"--windows: no layer of this run decodes through the sorted scalar cache "
+                         f"(model.attn={cfg.model.layer_attn}); scalar and hybrid layers do")
+    if lengths and cfg.model.pos_embedding == "learned" and max(lengths) > cfg.model.max_seq_len:
+        raise UsageError(f"--lengths: {max(lengths)} exceeds model.max_seq_len={cfg.model.max_seq_len} of this run's "
+                         f"learned position embedding; allowed: lengths <= {cfg.model.max_seq_len}")
     horizons = [a.horizon for a in cfg.model.attention_configs() if a.horizon is not None]
-    for option, lengths in (("--seq-lens", seq_lens), ("--passkey", passkey or [])):
-        if horizons and lengths and max(lengths) > min(horizons):
+    for option, Ls in (("--seq-lens", seq_lens), ("--passkey", passkey or []), ("--lengths", lengths or [])):
+        if horizons and Ls and max(Ls) > min(horizons):
             raise UsageError(
-                f"{option}: {max(lengths)} exceeds model.attention.cosformer_max_len={min(horizons)}, the horizon of "
+                f"{option}: {max(Ls)} exceeds model.attention.cosformer_max_len={min(horizons)}, the horizon of "
                 f"this run's cosformer layers; allowed: lengths <= {min(horizons)}"
             )
     depths = tuple(float_list(ns.passkey_depths, "--passkey-depths", 0.0, 1.0))
@@ -88,7 +99,7 @@ def _eval_plan(ns) -> dict:
     return {
         "source": source, "overrides": overrides, "checkpoint": ns.checkpoint, "split": ns.split, "seq_lens": seq_lens,
         "max_tokens": ns.max_tokens, "batch_size": ns.batch_size, "analysis_len": ns.analysis_len,
-        "passkey_lengths": passkey, "passkey_depths": depths, "device": None if ns.device == "auto" else ns.device,
+        "passkey_lengths": passkey, "passkey_depths": depths, "windows": windows, "context_lengths": lengths, "device": None if ns.device == "auto" else ns.device,
     }
 
 
