@@ -179,13 +179,15 @@ def test_eval_writes_json_and_markdown(trained, capsys):
 
 def test_eval_windowed_and_by_length(trained, capsys):
     code, out, _ = run_main(["eval", str(trained), "--seq-lens", "16", "--max-tokens", "256", "--analysis-len", "16",
-                             "--windows", "2,64", "--lengths", "16,48"], capsys)
+                             "--windows", "2,64", "--budgets", "4", "--lengths", "16,48"], capsys)
     assert code == 0
     result = json.loads((trained / "eval.json").read_text())
     exact = result["loss"]["16"]["loss"]
     assert result["windowed_loss"]["16"]["64"]["loss"] == pytest.approx(exact, abs=1e-5)  # 16 keys < 64: exact
     assert result["windowed_loss"]["16"]["2"]["loss"] != pytest.approx(exact, abs=1e-5)
+    assert result["windowed_loss"]["16"]["64/M=4"]["loss"] != pytest.approx(exact, abs=1e-5)
     by = result["by_length"]
+    assert set(by["lengths"]["48"]["windowed_loss"]) == {"2", "2/M=4", "64", "64/M=4"}
     assert set(by["lengths"]) == {"16", "48"} and set(by["miss_slope"]) == {"8", "16", "32", "64"}
     assert by["lengths"]["16"]["loss"] == pytest.approx(exact, rel=1e-6)
     assert by["lengths"]["48"]["windowed_loss"]["64"] == pytest.approx(by["lengths"]["48"]["loss"], abs=1e-5)
@@ -199,6 +201,7 @@ def test_eval_windowed_and_by_length(trained, capsys):
     [
         (["--seq-lens", "16,x"], ["--seq-lens", "128,256"]),
         (["--windows", "0"], ["--windows"]),
+        (["--budgets", "8"], ["--budgets", "--windows"]),
         (["--lengths", "a"], ["--lengths"]),
         (["--seq-lens", "0"], ["--seq-lens"]),
         (["--passkey", "40"], ["--passkey", "length must be >="]),
@@ -207,7 +210,7 @@ def test_eval_windowed_and_by_length(trained, capsys):
         (["--split", "train"], ["--split", "'val'", "'test'"]),
         (["data.seq_len=-1"], ["data.seq_len"]),
     ],
-    ids=["seq-lens-text", "windows-zero", "lengths-text", "seq-lens-zero", "passkey-short", "passkey-depth", "max-tokens", "split", "bad-override"],
+    ids=["seq-lens-text", "windows-zero", "budget-alone", "lengths-text", "seq-lens-zero", "passkey-short", "passkey-depth", "max-tokens", "split", "bad-override"],
 )
 def test_eval_rejects_bad_options(trained, extra, must_contain, capsys):
     before = sorted(p.name for p in trained.iterdir())

@@ -275,7 +275,8 @@ def test_tau_trajectory_is_the_mean_over_scalar_layers():
 
 # --------------------------------------------------------------------------- more metrics later
 
-MORE = {**METRICS, "alignment": True, "windowed_loss": [2, 64], "lengths": [16, 32], "learned_sink_share": True}
+MORE = {**METRICS, "alignment": True, "windowed_loss": [2, 64], "budgets": [8], "lengths": [16, 32],
+        "learned_sink_share": True}
 
 
 def _with_metrics(metrics: dict) -> str:
@@ -300,6 +301,7 @@ def test_more_metrics_reevaluate_without_training(reference, tmp_path):
     # a window as large as the context is exact attention; a window of 2 changes the loss
     assert abs(h["mean"]["wgap@64"]) < 1e-5 and h["mean"]["wgap@2"] != 0
     assert sm["mean"]["wgap@2"] is None and sm["mean"]["align_top"] is None
+    assert h["mean"]["wgap@64/M=8"] > 0 and h["mean"]["wgap@64/M=8/T=32"] > 0  # 8 keys per head: a real cost
     for T in (16, 32):
         losses = [r["metrics"][f"loss/T={T}"] for r in res["runs"] if r["variant"] == "hybrid"]
         assert h["mean"][f"loss/T={T}"] == pytest.approx(statistics.fmean(losses))

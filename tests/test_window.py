@@ -171,3 +171,41 @@ def test_attention_weights_from_logits_equal_the_identity_readout(attn, attentio
     if window:
         n_s = layer.n_scalar  # the windowed heads (a mixed layer's dot-product heads read every key)
         assert bool(((got[:, :n_s, :, 1:] > 0).sum(-1) <= window).all())
+
+
+@pytest.mark.parametrize("attn,attention", [("scalar", {}), ("hybrid", {"sink": True}), (["hybrid", "softmax"], {})])
+@pytest.mark.parametrize("window,budget", [(4, 9), (64, 7)])
+def test_budget_decode_equals_stepping_the_capped_cache(attn, attention, window, budget):
+    """A sorted cache capped at `budget` keys per head (evict_to_budget after every step), for a
+    whole sequence at once, equals stepping it; with a short query history the range moves."""
+    import attnlab.layers.mechanisms.scalar as scalar_mod
+
+    model = _model(attn, **attention)
+    idx = torch.randint(0, 50, (2, 40), generator=torch.Generator().manual_seed(4))
+    with torch.no_grad(), decode_window(model, window, budget):
+        batched = model(idx)[0]
+    stepped = stepped_logits(model, idx, window, budget)
+    torch.testing.assert_close(batched, stepped, rtol=1e-4, atol=1e-4)
+    with torch.no_grad(), decode_window(model, window):
+        unbounded = model(idx)[0]
+    assert not torch.allclose(batched, unbounded, atol=1e-4)  # the budget evicted keys that mattered
+    assert scalar_mod.QUERY_HISTORY == 256
+
+
+def test_budget_evictions_rule():
+    from attnlab.cache.sorted import SortedScalarCache
+    from attnlab.ops import budget_evictions
+
+    g = torch.Generator().manual_seed(5)
+    ks, qs = torch.randn(1, 3, 30, generator=g), torch.randn(1, 3, 30, generator=g) * 0.3
+    ks[0, 0, 10:14] = 0.0  # ties at distance 0: the oldest go first
+    ev = budget_evictions(qs, ks, 6, history=5)
+    assert int((ev == torch.iinfo(torch.int64).max).sum(-1).max()) == 6  # 6 keys survive per head
+    cache = SortedScalarCache(1, 3, 3, 2, query_history=5)
+    for t in range(30):
+        cache.append(ks[..., t], torch.zeros(1, 3, 2))
+        cache.attend(qs[..., t], 0.5, window=4)
+        cache.evict_to_budget(6)
+        held = sorted(cache.index.all_entries()[1][:, :6].tolist()[0])  # slots = positions (no reclaim yet)
+        assert int(cache.n_entries().max()) == min(t + 1, 6)
+        assert held == sorted(j for j in range(t + 1) if ev[0, 0, j] > t)

@@ -11,6 +11,11 @@ density compression: in dense regions adjacent keys have nearly identical weight
     heads also average the vector keys; members' dot products q . k_i / sqrt(d_k) then
     differ from the representative's by q . (k_i - k_mean) / sqrt(d_k), which the scalar
     span does not control: compress hybrid caches only where vector keys are close too.
+budget eviction: a head holding more than ``budget`` entries keeps the ``budget`` nearest to the
+    range of its recent queries [min, max] (distance 0 inside it), the newest first among equal
+    distances (entry recency = value-slot order), and drops the rest. Called after every decode
+    step it caps the cache at a memory budget in tokens; `attnlab.ops.budget_evictions` computes
+    the same decisions for a whole sequence at once (the windowed-decode loss under a budget).
 sink zone: keys in a reserved range (lo, hi) are never evicted or compressed.
 slot reclamation: value slots no head of a group references are freed by compacting
     the value store (O(slots * d_v), so it runs after eviction, not every step).
@@ -102,6 +107,41 @@ def evict_geometric(cache, radius=None, *, tau=None, eps=None, reclaim: bool = T
     removed = before - _count(cache)
     cache.recount_entries()
     if reclaim and removed:
+        reclaim_slots(cache)
+    return removed
+
+
+def evict_to_budget(cache, budget: int) -> int:
+    """Keep at most ``budget`` entries per head (see the module docstring; the sink entry is not an
+    entry, keys in the sink zone are kept on top of the budget). Returns the entries evicted.
+    The value store is compacted (slot order, hence recency, kept) once it holds twice the budget,
+    so memory stays O(budget) at O(1) amortised cost per step."""
+    check_int("budget", budget)
+    if int(cache.index.n_entries().max().item()) <= budget:
+        return 0
+    hist = cache.recent_queries()  # (R, m)
+    if hist.shape[1] == 0:
+        raise ValueError("budget eviction needs recent queries: call attend() before evict_to_budget()")
+    run = cache.index.merged(weighted=cache.index.weighted)
+    keys, slots = run_keys(run), run[1].long()  # (R, W); pads: +inf keys
+    lo, hi = hist.amin(1, keepdim=True), hist.amax(1, keepdim=True)
+    dist = torch.clamp(torch.maximum(lo - keys, keys - hi), min=0.0)
+    live = torch.isfinite(keys)
+    protected = torch.zeros_like(live)
+    if cache.sink_zone is not None:
+        protected = live & (keys >= cache.sink_zone[0]) & (keys <= cache.sink_zone[1])
+    dist = torch.where(live & ~protected, dist, float("inf"))
+    # rank by (distance, newest first): sort by slot descending, then stably by distance
+    by_slot = slots.masked_fill(~live, -1).argsort(dim=1, descending=True, stable=True)
+    order = by_slot.gather(1, dist.gather(1, by_slot).argsort(dim=1, stable=True))
+    rank = torch.empty_like(order)
+    rank.scatter_(1, order, torch.arange(order.shape[1], device=order.device).expand_as(order))
+    keep = protected | (live & ~protected & (rank < budget))
+    before = _count(cache)
+    cache.index.replace(cache.index.compact(run, keep))
+    cache.recount_entries()
+    removed = before - _count(cache)
+    if cache.n_slots >= 2 * budget + 64:
         reclaim_slots(cache)
     return removed
 

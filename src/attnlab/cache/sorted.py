@@ -45,10 +45,11 @@ from .sink import SinkRows, parse_zone, sink_rows
 from .sorted_index import SortedKeyIndex, radius_from_tolerance, run_keys
 from .sorted_naive import attend_naive
 
-__all__ = ["DecodeQuery", "SortedScalarCache", "bytes_per_token"]
+__all__ = ["DecodeQuery", "QUERY_HISTORY", "SortedScalarCache", "bytes_per_token"]
 
 
 F32_MAX = float(torch.finfo(torch.float32).max)
+QUERY_HISTORY = 256  # recent queries kept per head (geometric and budget eviction read them)
 
 
 def _check_finite(name: str, x: torch.Tensor) -> None:
@@ -118,7 +119,7 @@ class SortedScalarCache:
     def __init__(self, batch: int, n_heads: int, n_groups: int, d_v: int, d_k: int | None = None,
                  capacity: int | None = None, dtype: torch.dtype = torch.float32, device=None,
                  sink_key=None, sink_value=None, sink_vkey=None, sink_zone=None,
-                 query_history: int = 256, buffer_size: int = 256, level_ratio: int = 64):
+                 query_history: int = QUERY_HISTORY, buffer_size: int = 256, level_ratio: int = 64):
         self.batch, self.n_heads = check_int("batch", batch), check_int("n_heads", n_heads)
         self.n_groups, self.d_v = check_int("n_groups", n_groups), check_int("d_v", d_v)
         check_groups(n_heads, n_groups, "n_groups")
@@ -474,6 +475,10 @@ class SortedScalarCache:
     def evict_geometric(self, radius=None, *, tau=None, eps: float | None = None, reclaim: bool = True) -> int:
         """Evict keys outside [min recent qs - r, max recent qs + r] per head (sink zone kept)."""
         return eviction.evict_geometric(self, radius, tau=tau, eps=eps, reclaim=reclaim)
+
+    def evict_to_budget(self, budget: int) -> int:
+        """Keep each head's ``budget`` entries nearest to its recent queries' range (newest on ties)."""
+        return eviction.evict_to_budget(self, budget)
 
     def compress_density(self, max_span: float, group: int = 4, reclaim: bool = True) -> int:
         """Merge runs of ``group`` adjacent keys spanning <= max_span into one weighted entry."""

@@ -87,6 +87,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--windows", metavar="K1,K2",
                    help="also the windowed-decode loss: every scalar/hybrid head reads only its k nearest keys in scalar "
                         "space (plus the sink), as decoding through the sorted cache does; at each --seq-lens length")
+    p.add_argument("--budgets", metavar="M1,M2",
+                   help="with --windows: also the windowed-decode loss with the sorted cache capped at M keys per head "
+                        "(after each step it keeps the M keys nearest to its recent queries)")
     p.add_argument("--lengths", metavar="T1,T2",
                    help="also by context length T: exact loss, windowed-decode loss per --windows k, top-k scalar mass "
                         "and entropy on one sequence of length T, and the slope of 1 - mass@k against ln T")

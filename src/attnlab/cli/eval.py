@@ -69,6 +69,9 @@ def _eval_plan(ns) -> dict:
     passkey = int_list(ns.passkey, "--passkey") if ns.passkey else None
     windows = int_list(ns.windows, "--windows") if ns.windows else None
     lengths = int_list(ns.lengths, "--lengths") if ns.lengths else None
+    budgets = int_list(ns.budgets, "--budgets") if ns.budgets else None
+    if budgets and not windows:
+        raise UsageError("--budgets caps the sorted cache of windowed decoding: give --windows as well")
     from attnlab.layers import mechanism_class
 
     if windows and not any(getattr(mechanism_class(a.mechanism), "sorted_decode", False)
@@ -99,7 +102,8 @@ def _eval_plan(ns) -> dict:
     return {
         "source": source, "overrides": overrides, "checkpoint": ns.checkpoint, "split": ns.split, "seq_lens": seq_lens,
         "max_tokens": ns.max_tokens, "batch_size": ns.batch_size, "analysis_len": ns.analysis_len,
-        "passkey_lengths": passkey, "passkey_depths": depths, "windows": windows, "context_lengths": lengths, "device": None if ns.device == "auto" else ns.device,
+        "passkey_lengths": passkey, "passkey_depths": depths, "windows": windows, "budgets": budgets,
+        "context_lengths": lengths, "device": None if ns.device == "auto" else ns.device,
     }
 
 

@@ -24,32 +24,37 @@ def windowed_layers(model) -> list:
 
 
 @contextlib.contextmanager
-def decode_window(model, window: int | None) -> Iterator[None]:
+def decode_window(model, window: int | None, budget: int | None = None) -> Iterator[None]:
     """Within the block, `model`'s scalar/hybrid layers attend as SortedScalarCache(window) decodes
-    (window None: exactly). ValueError when the model has no such layer."""
+    (window None: exactly); with `budget`, as that cache capped at `budget` keys per head by
+    `evict_to_budget` after every step. ValueError when the model has no such layer."""
     if window is not None:
         check_int("window", window, 1)
+    if budget is not None:
+        check_int("budget", budget, 1)
+        if window is None:
+            raise ValueError(f"budget={budget} caps the sorted cache of windowed decoding: give a window as well")
     layers = windowed_layers(model)
     if window is not None and not layers:
         names = sorted({blk.attn.mechanism for blk in model.blocks})
         raise ValueError(f"window={window}: no layer of this model decodes through the sorted scalar cache "
                          f"(mechanisms {', '.join(names)}; scalar and hybrid do)")
-    before = [layer.decode_window for layer in layers]
+    before = [(layer.decode_window, layer.decode_budget) for layer in layers]
     try:
         for layer in layers:
-            layer.decode_window = window
+            layer.decode_window, layer.decode_budget = window, budget
         yield
     finally:
-        for layer, w in zip(layers, before):
-            layer.decode_window = w
+        for layer, (w, m) in zip(layers, before):
+            layer.decode_window, layer.decode_budget = w, m
 
 
 @torch.no_grad()
-def stepped_logits(model, idx: torch.Tensor, window: int | None) -> torch.Tensor:
+def stepped_logits(model, idx: torch.Tensor, window: int | None, budget: int | None = None) -> torch.Tensor:
     """Logits (B, T, V) of idx (B, T) decoded token by token through the model's decode caches
-    (the sorted scalar cache for scalar/hybrid layers when window is set). The reference that
-    `decode_window` is tested against; O(T) steps, meant for short sequences."""
-    caches = model.make_caches(idx.shape[0], window=window)
+    (the sorted scalar cache for scalar/hybrid layers when window is set, capped at `budget`).
+    The reference that `decode_window` is tested against; O(T) steps, meant for short sequences."""
+    caches = model.make_caches(idx.shape[0], window=window, budget=budget)
     return torch.stack([model.step(idx[:, t : t + 1], caches, pos=t) for t in range(idx.shape[1])], dim=1)
 
 

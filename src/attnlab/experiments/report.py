@@ -111,17 +111,18 @@ def eval_markdown(result: dict, *, title: str | None = None) -> str:
         lines += ["## Windowed-decode loss", "",
                   "Every scalar/hybrid head reads only its k nearest keys in scalar space (plus the sink), as decoding "
                   "through the sorted cache does; gap = windowed minus exact loss on the same tokens.", ""]
-        rows = [(int(T), int(k), r["loss"], r["loss"] - result["loss"][T]["loss"], r["ppl"])
+        rows = [(int(T), k, r["loss"], r["loss"] - result["loss"][T]["loss"], r["ppl"])
                 for T, per_k in result["windowed_loss"].items() for k, r in per_k.items()]
-        lines += [markdown_table(["context", "k", "loss", "gap (nats)", "perplexity"], rows), ""]
+        lines += [markdown_table(["context", "k (/M = memory budget)", "loss", "gap (nats)", "perplexity"], rows), ""]
     if result.get("by_length"):
         by = result["by_length"]
         ks = sorted({int(k) for r in by["lengths"].values() for k in r.get("topk_mass", {})})
-        ws = sorted({int(k) for r in by["lengths"].values() for k in (r.get("windowed_loss") or {})})
+        ws = sorted({k for r in by["lengths"].values() for k in (r.get("windowed_loss") or {})},
+                    key=lambda k: (int(k.split("/")[0]), k))
         lines += ["## By context length", ""]
         rows = []
         for T, r in by["lengths"].items():
-            rows.append([int(T), r["loss"]] + [r["windowed_loss"][str(k)] - r["loss"] if str(k) in (r.get("windowed_loss") or {})
+            rows.append([int(T), r["loss"]] + [r["windowed_loss"][k] - r["loss"] if k in (r.get("windowed_loss") or {})
                                                else None for k in ws]
                         + [r["topk_mass"].get(str(k)) for k in ks] + [r.get("entropy")])
         lines += [markdown_table(["context", "exact loss"] + [f"gap k={k}" for k in ws] + [f"top-{k} mass" for k in ks]

@@ -50,6 +50,7 @@ class LayerCache:
     scalar: Any = None
     state: RecurrentState | None = None
     window: int | None = None
+    budget: int | None = None
     max_len: int | None = None
 
 
@@ -230,9 +231,12 @@ class Attention(nn.Module):
 
     # ------------------------------------------------------------------ decode
 
-    def make_cache(self, batch_size: int, *, window: int | None = None, max_len: int | None = None) -> LayerCache:
+    def make_cache(self, batch_size: int, *, window: int | None = None, max_len: int | None = None,
+                   budget: int | None = None) -> LayerCache:
         """A decode cache for `step`. window (scalar/hybrid heads only): use the sorted scalar cache
         attending the `window` nearest keys instead of the exact cache (None: every key).
+        budget (with window): after each step the sorted cache keeps at most `budget` keys per head
+        (`SortedScalarCache.evict_to_budget`).
         max_len (cosformer): the position horizon M; default config.cosformer_max_len."""
         if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1:
             raise ValueError(f"batch_size must be an int >= 1, got {batch_size!r}")
@@ -245,7 +249,12 @@ class Attention(nn.Module):
                 raise ValueError(f"window must be an int >= 1 or None, got {window!r}")
         if max_len is not None and "cosformer_max_len" not in self.options:
             raise ValueError(f"max_len is the cosformer horizon; mechanism {self.mechanism!r} takes none (got {max_len!r})")
-        cache = LayerCache(batch_size, window=window)
+        if budget is not None:
+            if window is None:
+                raise ValueError(f"budget={budget!r} caps the sorted scalar cache: give a window as well")
+            if isinstance(budget, bool) or not isinstance(budget, int) or budget < 1:
+                raise ValueError(f"budget must be an int >= 1 or None, got {budget!r}")
+        cache = LayerCache(batch_size, window=window, budget=budget)
         self.init_cache(cache, window, max_len)
         return cache
 

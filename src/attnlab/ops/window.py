@@ -28,14 +28,50 @@ from ..checks import check_int, check_tensor
 from ._sdpa import expand_heads, upcast
 from .scalar import hybrid_logits, scalar_logits
 
-__all__ = ["window_mask", "windowed_attention"]
+__all__ = ["budget_evictions", "window_mask", "windowed_attention"]
+
+NEVER = torch.iinfo(torch.int64).max
+
+
+def budget_evictions(qs: torch.Tensor, ks: torch.Tensor, budget: int, *, history: int = 256,
+                     n_prefix: int = 0) -> torch.Tensor:
+    """(B, H, T) int64: the step after whose query each key is evicted when a sorted cache decoding
+    this sequence calls `evict_to_budget(budget)` after every step (query t still sees it when
+    evicted_at >= t); NEVER for keys still held at the end, and for the n_prefix sink positions.
+
+    At step t the cache holds the surviving keys <= t; when that is more than `budget`, the key
+    farthest from the range [min, max] of the last `history` queries (distance 0 inside) goes,
+    the oldest first among equal distances (`attnlab.cache.eviction.evict_to_budget`'s rule:
+    keep the nearest, the newest first). Sequential over t, vectorised over batch x heads."""
+    check_int("budget", budget)
+    check_int("history", history)
+    B, H, T = ks.shape
+    q, k = qs.detach().float(), ks.detach().float()
+    evicted = torch.full((B, H, T), NEVER, dtype=torch.long, device=ks.device)
+    alive = torch.zeros(B, H, T, dtype=torch.bool, device=ks.device)
+    pos = torch.arange(T, device=ks.device)
+    for t in range(n_prefix, T):
+        alive[..., t] = True
+        if t - n_prefix + 1 <= budget:
+            continue
+        window = q[..., max(n_prefix, t - history + 1) : t + 1]
+        lo, hi = window.amin(-1, keepdim=True), window.amax(-1, keepdim=True)
+        cand = alive[..., : t + 1]
+        dist = torch.clamp(torch.maximum(lo - k[..., : t + 1], k[..., : t + 1] - hi), min=0.0)
+        dist = dist.masked_fill(~cand, float("-inf"))
+        worst = cand & (dist == dist.amax(-1, keepdim=True))
+        out = torch.where(worst, pos[: t + 1], T).amin(-1, keepdim=True)  # the oldest of the farthest
+        alive.scatter_(-1, out, False)
+        evicted.scatter_(-1, out, t)
+    return evicted
 
 
 def window_mask(qs: torch.Tensor, ks: torch.Tensor, window: int, *, n_prefix: int = 0,
-                causal: bool = True) -> torch.Tensor:
+                causal: bool = True, evicted_at: torch.Tensor | None = None) -> torch.Tensor:
     """(B, H, Tq, Tk) bool: key s is in query t's window. Queries are the last Tq of the Tk
     positions (causal; causal=False: every key is a candidate); the first `n_prefix` keys are
-    always in and do not count toward `window`."""
+    always in and do not count toward `window`. evicted_at (B, H, Tk), from `budget_evictions`:
+    key s is a candidate for query t only while evicted_at[s] >= t."""
     check_int("window", window, 1)
     check_int("n_prefix", n_prefix, 0)
     Tq, Tk = qs.shape[-1], ks.shape[-1]
@@ -44,6 +80,8 @@ def window_mask(qs: torch.Tensor, ks: torch.Tensor, window: int, *, n_prefix: in
     pos_q = torch.arange(Tk - Tq, Tk, device=qs.device)[:, None]
     pos_k = torch.arange(Tk, device=qs.device)[None, :]
     candidate = ((pos_k <= pos_q) if causal else (pos_k >= 0)) & (pos_k >= n_prefix)  # (Tq, Tk)
+    if evicted_at is not None:
+        candidate = candidate & (evicted_at[..., None, :Tk] >= pos_q)  # (B, H, Tq, Tk)
     dist = dist.masked_fill(~candidate, float("inf"))
     n = min(window, max(Tk - n_prefix, 0))
     keep = torch.zeros(dist.shape, dtype=torch.bool, device=qs.device)
@@ -61,20 +99,24 @@ def windowed_attention(
     ks: torch.Tensor,
     v: torch.Tensor,
     tau,
-    window: int,
+    window: int | None,
     *,
     q: torch.Tensor | None = None,
     k: torch.Tensor | None = None,
     n_prefix: int = 0,
+    budget: int | None = None,
+    history: int = 256,
     query_chunk: int = 512,
 ) -> torch.Tensor:
     """Causal scalar attention (q, k None) or hybrid attention (q, k given) over each query's
-    scalar window; see the module docstring.
+    scalar window; see the module docstring. window None: every key the query sees. budget: the
+    keys are those a sorted cache capped at `budget` entries still holds (`budget_evictions`).
 
     qs, ks: (B, H, T); v: (B, G, T, Dv) with G dividing H; tau: as `scalar_attention` takes it
     ((H,) or (B, H, T)); q: (B, H, T, D), k: (B, G', T, D). Returns (B, H, T, Dv) in v's dtype.
     """
-    check_int("window", window, 1)
+    if window is not None:
+        check_int("window", window, 1)
     check_int("query_chunk", query_chunk, 1)
     check_tensor("qs", qs, 3)
     check_tensor("v", v, 4)
@@ -84,6 +126,8 @@ def windowed_attention(
     cdt = upcast(v.dtype)
     vals = expand_heads(v, H)
     per_query_tau = torch.is_tensor(tau) and tau.dim() == 3
+    window = T if window is None else window
+    evicted = None if budget is None else budget_evictions(qs, ks, budget, history=history, n_prefix=n_prefix)
     outs = []
     for a in range(0, T, query_chunk):
         b = min(T, a + query_chunk)
@@ -92,7 +136,7 @@ def windowed_attention(
             logits = scalar_logits(qs[..., a:b], ks[..., :b], tau_c)
         else:
             logits = hybrid_logits(q[:, :, a:b], k[:, :, :b], qs[..., a:b], ks[..., :b], tau_c)
-        keep = window_mask(qs[..., a:b], ks[..., :b], window, n_prefix=n_prefix)
+        keep = window_mask(qs[..., a:b], ks[..., :b], max(window, 1), n_prefix=n_prefix, evicted_at=evicted)
         w = torch.softmax(logits.masked_fill(~keep, float("-inf")), dim=-1)
         outs.append(w.to(cdt) @ vals[:, :, :b].to(cdt))
     if not outs:

@@ -112,6 +112,7 @@ def evaluate(
     passkey_lengths: list[int] | None = None,
     passkey_depths: tuple[float, ...] = (0.0, 0.5, 1.0),
     windows: list[int] | None = None,
+    budgets: list[int] | None = None,
     context_lengths: list[int] | None = None,
     device: str | None = None,
     write: bool = True,
@@ -145,7 +146,8 @@ def evaluate(
     out["loss"] = {str(T): v for T, v in losses.items()}
     if windows and windowed_layers(model):
         out["windowed_loss"] = {
-            str(T): {str(k): v[T] for k, v in _windowed_losses(model, fn, stream, [T], windows, B, max_tokens, d, dev).items()}
+            str(T): {str(k): v[T] for k, v in _windowed_losses(model, fn, stream, [T], windows, B, max_tokens, d, dev,
+                                                                          budgets).items()}
             for T in lens
         }
 
@@ -156,6 +158,7 @@ def evaluate(
 
     if context_lengths:
         out["by_length"] = by_length(model, fn, stream, context_lengths, windows or [], topk, max_tokens=max_tokens,
+                                     budgets=budgets,
                                      batch_size=B, data=d, device=dev)
     if passkey_lengths:
         acc = passkey_accuracy(logits_of, tok, lengths=passkey_lengths, depths=passkey_depths, device=dev)
@@ -163,18 +166,21 @@ def evaluate(
     return _finish(out, cfg, write)
 
 
-def _windowed_losses(model, fn, stream, lens, windows, batch_size, max_tokens, d, dev) -> dict[int, dict[int, dict]]:
-    """{k: {T: lm_loss}}: the loss with every scalar/hybrid head reading only its k nearest keys
-    (eval.window.decode_window), on the same windows of text as the exact loss."""
+def _windowed_losses(model, fn, stream, lens, windows, batch_size, max_tokens, d, dev, budgets=None) -> dict:
+    """{"k": {T: lm_loss}}: the loss with every scalar/hybrid head reading only its k nearest keys
+    (eval.window.decode_window), on the same windows of text as the exact loss; and for each
+    memory budget M, {"k/M=M": ...}: the same with the sorted cache capped at M keys per head."""
     out = {}
     for k in windows:
-        with decode_window(model, int(k)):
-            out[int(k)] = loss_at_lengths(fn, stream, lens, batch_size=batch_size, max_tokens=max_tokens,
-                                          cross_doc=d.cross_doc, device=dev, pass_batch=not d.cross_doc)
+        for M in [None, *(budgets or [])]:
+            with decode_window(model, int(k), None if M is None else int(M)):
+                out[str(k) if M is None else f"{k}/M={M}"] = loss_at_lengths(
+                    fn, stream, lens, batch_size=batch_size, max_tokens=max_tokens, cross_doc=d.cross_doc,
+                    device=dev, pass_batch=not d.cross_doc)
     return out
 
 
-def by_length(model, fn, stream, lengths, windows, topk, *, max_tokens, batch_size, data, device) -> dict:
+def by_length(model, fn, stream, lengths, windows, topk, *, max_tokens, batch_size, data, device, budgets=None) -> dict:
     """Per context length T: exact loss, windowed-decode loss per k, top-k scalar mass (mean over
     scalar heads) and attention entropy; and per k the least-squares slope of (1 - mass@k) against
     ln T. Batches shrink with T (at most max_tokens / T rows, at least one), so every length reads
@@ -191,7 +197,8 @@ def by_length(model, fn, stream, lengths, windows, topk, *, max_tokens, batch_si
         row = {"loss": exact["loss"], "tokens": exact["tokens"]}
         if windows and windowed_layers(model):
             row["windowed_loss"] = {str(k): v[T]["loss"] for k, v in
-                                    _windowed_losses(model, fn, stream, [T], windows, B, max_tokens, data, device).items()}
+                                    _windowed_losses(model, fn, stream, [T], windows, B, max_tokens, data, device,
+                                                                     budgets).items()}
         batch = next(iter(sequential_batches(stream, T, 1, max_batches=1)))
         layers = attention_report(model, batch.x.to(device), topk, alignment=False)
         row["topk_mass"] = topk_summary(layers)

@@ -18,7 +18,7 @@ from attnlab.models.config import ConfigError
 from attnlab.train.config import RunConfig, apply_overrides, config_from_dict, read_toml, to_dict
 
 from ..report import topk_summary
-from .spec import RECORD, Spec, SweepError, Variant, _need, load_spec, metric_names
+from .spec import RECORD, Spec, SweepError, Variant, _need, load_spec, metric_names, window_keys
 
 
 
@@ -165,7 +165,7 @@ def collect_metrics(run_dir: str | os.PathLike, metrics: dict) -> dict[str, floa
     ev = evaluate(run_dir, seq_lens=metrics.get("loss_at") or None, topk=tuple(metrics.get("topk_mass") or (8,)),
                   passkey_lengths=metrics.get("passkey") or None,
                   passkey_depths=tuple(metrics.get("passkey_depths", (0.0, 0.5, 1.0))),
-                  windows=metrics.get("windowed_loss") or None, context_lengths=metrics.get("lengths") or None,
+                  windows=metrics.get("windowed_loss") or None, budgets=metrics.get("budgets") or None, context_lengths=metrics.get("lengths") or None,
                   write=False, **args)
     layers = ev.get("layers", [])
     topk = topk_summary(layers)
@@ -191,16 +191,16 @@ def collect_metrics(run_dir: str | os.PathLike, metrics: dict) -> dict[str, floa
     # windowed-decode loss at the first evaluated length (loss_at's first, else data.seq_len), and its gap to exact
     T0 = next(iter(ev.get("loss") or {}), None)
     base = (ev.get("loss") or {}).get(T0, {}).get("loss")
-    for k in metrics.get("windowed_loss", []):
-        w = ((ev.get("windowed_loss") or {}).get(T0, {}).get(str(k)) or {}).get("loss")
+    for k in window_keys(metrics):
+        w = ((ev.get("windowed_loss") or {}).get(T0, {}).get(k) or {}).get("loss")
         out[f"wloss@{k}"] = w
         out[f"wgap@{k}"] = w - base if w is not None and base is not None else None
     rows = (ev.get("by_length") or {}).get("lengths", {})
     for T in metrics.get("lengths", []):
         row = rows.get(str(T), {})
         out[f"loss/T={T}"] = row.get("loss")
-        for k in metrics.get("windowed_loss", []):
-            w = (row.get("windowed_loss") or {}).get(str(k))
+        for k in window_keys(metrics):
+            w = (row.get("windowed_loss") or {}).get(k)
             out[f"wgap@{k}/T={T}"] = w - row["loss"] if w is not None and row.get("loss") is not None else None
         for k in metrics.get("topk_mass", []):
             out[f"topk_mass@{k}/T={T}"] = (row.get("topk_mass") or {}).get(str(k))

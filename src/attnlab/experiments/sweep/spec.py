@@ -20,7 +20,7 @@ VARIANT_KEYS = ("name", "overrides", "description")
 VERDICT_KEYS = ("metric", "better", "compare")
 # [metrics]: what to collect per run from attnlab.train.evaluate, and evaluate's arguments
 METRIC_KEYS = ("loss_at", "topk_mass", "entropy", "sink_share", "learned_sink_share", "alignment", "windowed_loss",
-               "lengths", "passkey", "mqar_accuracy")
+               "budgets", "lengths", "passkey", "mqar_accuracy")
 EVAL_ARG_KEYS = ("max_tokens", "batch_size", "analysis_len", "analysis_batch", "split", "passkey_depths")
 OWNED_KEYS = ("run.seed", "run.name", "run.out_dir", "run.resume", "run.overwrite", "run.progress")
 SUMMARY_SCALARS = ("val_loss", "val_ppl", "val_accuracy", "train_loss", "tokens_per_s", "train_seconds")
@@ -117,17 +117,24 @@ def _nest(table: dict, key: str) -> dict:
     return out
 
 
+def window_keys(metrics: dict) -> list[str]:
+    """The windowed-decode settings a [metrics] table asks for: "k" per windowed_loss k, and
+    "k/M=M" per k and memory budget M (budgets)."""
+    return [str(k) if M is None else f"{k}/M={M}" for k in metrics.get("windowed_loss", [])
+            for M in [None, *metrics.get("budgets", [])]]
+
+
 def metric_names(metrics: dict) -> list[str]:
     """The per-run scalars a [metrics] table asks for, in order."""
     names = [f"loss@{L}" for L in metrics.get("loss_at", [])]
     names += [f"topk_mass@{k}" for k in metrics.get("topk_mass", [])]
     names += [n for n in ("entropy", "sink_share", "learned_sink_share") if metrics.get(n)]
     names += ["align_top", "align_ratio"] + [f"align_d{i}" for i in range(1, 11)] if metrics.get("alignment") else []
-    for k in metrics.get("windowed_loss", []):
+    for k in window_keys(metrics):
         names += [f"wloss@{k}", f"wgap@{k}"]
     for T in metrics.get("lengths", []):
         names += [f"loss/T={T}"]
-        names += [f"wgap@{k}/T={T}" for k in metrics.get("windowed_loss", [])]
+        names += [f"wgap@{k}/T={T}" for k in window_keys(metrics)]
         names += [f"topk_mass@{k}/T={T}" for k in metrics.get("topk_mass", [])]
     if len(metrics.get("lengths", [])) >= 2:
         names += [f"miss_slope@{k}" for k in metrics.get("topk_mass", [])]
@@ -139,7 +146,7 @@ def metric_names(metrics: dict) -> list[str]:
 def _check_metrics(m, key: str = "metrics") -> dict:
     _need(isinstance(m, dict), f"{key} must be a table, got {m!r}")
     _unknown(m, METRIC_KEYS + EVAL_ARG_KEYS, f"{key}.")
-    for name in ("loss_at", "topk_mass", "passkey", "windowed_loss", "lengths"):
+    for name in ("loss_at", "topk_mass", "passkey", "windowed_loss", "budgets", "lengths"):
         if name in m:
             _int_list(m[name], f"{key}.{name}", 1)
     for name in ("entropy", "sink_share", "learned_sink_share", "alignment", "mqar_accuracy"):
@@ -149,6 +156,8 @@ def _check_metrics(m, key: str = "metrics") -> dict:
         if name in m:
             v = m[name]
             _need(isinstance(v, int) and not isinstance(v, bool) and v >= 1, f"{key}.{name} must be an integer >= 1, got {v!r}")
+    _need(not m.get("budgets") or m.get("windowed_loss"), f"{key}.budgets caps the sorted cache of windowed decoding: "
+          f"give {key}.windowed_loss as well")
     if "split" in m:
         _need(m["split"] in ("val", "test"), f"{key}.split must be 'val' or 'test', got {m['split']!r}")
     if "passkey_depths" in m:

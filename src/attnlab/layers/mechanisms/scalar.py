@@ -23,8 +23,8 @@ import torch
 from torch import nn
 
 from ...cache.kv import KVCache
-from ...cache.sorted import SortedScalarCache
-from ...ops import hybrid_logits, scalar_attention, scalar_logits, softmax_attention, window_mask, windowed_attention
+from ...cache.sorted import QUERY_HISTORY, SortedScalarCache
+from ...ops import budget_evictions, hybrid_logits, scalar_attention, scalar_logits, softmax_attention, window_mask, windowed_attention
 from ...ops._sdpa import expand_heads
 from ..attention import Attention, heads
 from ..params import Temperature
@@ -45,6 +45,7 @@ class ScalarAttention(Attention):
     # scalar space (plus the sink), as decoding with SortedScalarCache(window=k) does. Set by
     # attnlab.eval.window.decode_window; None (default) is exact attention.
     decode_window: int | None = None
+    decode_budget: int | None = None  # ... and keys beyond a memory budget evicted (SortedScalarCache.evict_to_budget)
 
     @classmethod
     def configure(cls, config) -> None:
@@ -136,9 +137,10 @@ class ScalarAttention(Attention):
 
     def scalar_readout(self, qs, ks, vals, tau, q, k, impl, n_prefix: int):
         """The scalar op, or its windowed form while `decode_window` is set."""
-        if self.decode_window is None:
+        if self.decode_window is None and self.decode_budget is None:
             return self.scalar_op(qs, ks, vals, tau, q, k, impl)
-        return windowed_attention(qs, ks, vals, tau, self.decode_window, q=q, k=k, n_prefix=n_prefix)
+        return windowed_attention(qs, ks, vals, tau, self.decode_window, q=q, k=k, n_prefix=n_prefix,
+                                  budget=self.decode_budget, history=QUERY_HISTORY)
 
     def attend(self, p: Projected, values=None, impl: str | None = None):
         c = self.config
@@ -163,8 +165,11 @@ class ScalarAttention(Attention):
         self.check_input(x)
         qs, ks, _, tau, q, k, n_pre = self.with_sink(self.project(x, 0))
         logits = scalar_logits(qs, ks, tau) if q is None else hybrid_logits(q, k, qs, ks, tau)
-        if self.decode_window is not None:
-            logits = logits.masked_fill(~window_mask(qs, ks, self.decode_window, n_prefix=n_pre), float("-inf"))
+        if self.decode_window is not None or self.decode_budget is not None:
+            evicted = None if self.decode_budget is None else budget_evictions(
+                qs, ks, self.decode_budget, history=QUERY_HISTORY, n_prefix=n_pre)
+            keep = window_mask(qs, ks, self.decode_window or qs.shape[-1] or 1, n_prefix=n_pre, evicted_at=evicted)
+            logits = logits.masked_fill(~keep, float("-inf"))
         return torch.softmax(logits, dim=-1)[:, :, n_pre:].to(x.dtype)
 
     # ------------------------------------------------------------------ decode
@@ -210,7 +215,10 @@ class ScalarAttention(Attention):
         cache.scalar.append(p.ks[..., 0], vals[:, :, 0], k=k_t)
         tau = p.tau if p.tau.dim() == 1 else p.tau[..., 0]  # (H,) or (B, H)
         q_t = q[:, :, 0] if q is not None else None
-        return cache.scalar.attend(p.qs[..., 0], tau, q=q_t, window=cache.window).unsqueeze(2)  # (B, H, 1, D)
+        o = cache.scalar.attend(p.qs[..., 0], tau, q=q_t, window=cache.window).unsqueeze(2)  # (B, H, 1, D)
+        if cache.budget is not None:
+            cache.scalar.evict_to_budget(cache.budget)
+        return o
 
     def step_readout(self, p: Projected, cache) -> torch.Tensor:
         o = self.scalar_step(p, cache)
