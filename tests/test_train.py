@@ -20,6 +20,7 @@ from attnlab.data.packing import doc_causal_mask
 from attnlab.data.synthetic import PASSKEY_QUESTION
 from attnlab.eval.tasks import label_hits
 from attnlab.train import evaluate, load_config, load_run, read_log, train
+from attnlab.models.config import ConfigError
 from attnlab.train.trainer import Trainer, autocast
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -353,3 +354,28 @@ def test_bpe_tokenizer_sets_the_vocabulary(tmp_path, corpus):
     assert summary["val_loss"] < min(untrained, math.log(300)) - 0.5
     assert load_config(tmp_path / "bpe" / "config.toml").model.vocab_size == 300  # resolved and saved
     assert list((tmp_path / "cache" / "bpe").glob("*.json"))  # the trained vocabulary is cached
+
+
+def test_mqar_queried_pairs_and_fixed_training_set(tmp_path):
+    """data.mqar_queries asks that many of the pairs; data.mqar_train_size = N trains on one fixed
+    set of N sequences, the same for the same seed, every row of every batch one of them, each
+    epoch a permutation of the set; validation still draws fresh sequences."""
+    over = [f"run.out_dir={tmp_path}", "run.threads=1", "data.source=mqar", "model.vocab_size=16", "data.seq_len=64",
+            "data.mqar_pairs=4", "data.mqar_queries=2", "data.mqar_train_size=10", "train.batch_size=4"]
+    a, b = Trainer(load_config(TINY, [*over, "run.name=a"])), Trainer(load_config(TINY, [*over, "run.name=b"]))
+    other = Trainer(load_config(TINY, [*over, "run.name=c", "run.seed=1"]))
+    fixed = {tuple(r) for r in a.data.train.fixed[0].tolist()}
+    assert len(fixed) == 10 and torch.equal(a.data.train.fixed[0], b.data.train.fixed[0])
+    assert not torch.equal(a.data.train.fixed[0], other.data.train.fixed[0])
+    rows = [tuple(r) for s in range(5) for r in a.data.train.batch(s).x.tolist()]  # 20 rows = 2 epochs
+    assert set(rows) <= fixed and set(rows[:10]) == fixed and set(rows[10:]) == fixed
+    assert rows[:10] != rows[10:]  # a new order each epoch
+    for s in range(3):
+        y = a.data.train.batch(s).y
+        assert bool(((y != -100).sum(1) == 2).all())  # 2 of the 4 pairs queried
+    val = next(iter(a.data.val(1)))
+    assert not {tuple(r) for r in val.x.tolist()} & fixed and bool(((val.y != -100).sum(1) == 2).all())
+    for bad, word in (("data.mqar_queries=5", "data.mqar_queries"), ("data.mqar_train_size=-1", "data.mqar_train_size"),
+                      ("data.seq_len=11", "data.seq_len")):
+        with pytest.raises(ConfigError, match=word):
+            load_config(TINY, [*over, bad])

@@ -62,6 +62,9 @@ class DataConfig:
     max_docs: int = opt(0, "use at most this many documents per split (0 = all)")
     mqar_pairs: int = opt(8, "MQAR key-value pairs per sequence (source='mqar'; vocabulary = model.vocab_size)")
     mqar_power_a: float = opt(0.01, "MQAR power-law parameter of the key-to-query gaps (Zoology's power_a)")
+    mqar_queries: int = opt(0, "MQAR pairs queried per sequence (0 = all of them, as in Zoology)")
+    mqar_train_size: int = opt(0, "MQAR training sequences: a fixed set of this many, drawn from run.seed and cycled "
+                                  "in a shuffled order per epoch (0 = fresh sequences every step)")
 
     def __post_init__(self):
         check_fields(self, "data.")
@@ -81,9 +84,15 @@ class DataConfig:
             raise ConfigError(f"data.max_docs must be >= 0, got {self.max_docs}")
         if self.mqar_pairs < 1 or not 0 < self.mqar_power_a <= 1:
             raise ConfigError("data.mqar_pairs must be >= 1 and data.mqar_power_a in (0, 1]")
-        if src == "mqar" and self.seq_len < 4 * self.mqar_pairs:
+        if not 0 <= self.mqar_queries <= self.mqar_pairs:
+            raise ConfigError(f"data.mqar_queries must be in [0, data.mqar_pairs={self.mqar_pairs}] (0 = all), "
+                              f"got {self.mqar_queries}")
+        if self.mqar_train_size < 0:
+            raise ConfigError(f"data.mqar_train_size must be >= 0 (0 = fresh sequences every step), got {self.mqar_train_size}")
+        need = 2 * self.mqar_pairs + 2 * (self.mqar_queries or self.mqar_pairs)
+        if src == "mqar" and self.seq_len < need:
             raise ConfigError(
-                f"data.seq_len ({self.seq_len}) must be >= 4 * data.mqar_pairs ({4 * self.mqar_pairs}) "
+                f"data.seq_len ({self.seq_len}) must be >= 2 * data.mqar_pairs + 2 * queried pairs ({need}) "
                 f"to hold the pairs and their queries"
             )
 

@@ -41,20 +41,41 @@ def _seed_for(*parts) -> int:
 
 
 class MQARBatches(StepBatches):
-    """Endless MQAR training batches; global batch `step` is generated from (seed, step)."""
+    """Endless MQAR batches; global batch `step` is a pure function of (seed, step). Fresh
+    sequences every step, or with data.mqar_train_size = N (training split only) rows of one
+    fixed set of N sequences drawn from the seed, visited in a new shuffled order each epoch."""
 
     def __init__(self, cfg: RunConfig, vocab_size: int, env: DistEnv, *, split: str = "train"):
         self.cfg, self.vocab_size, self.env, self.split = cfg, vocab_size, env, split
         self.global_batch = cfg.train.batch_size
         self.per_rank = self.global_batch // env.world_size
         self.step = 0
+        d = cfg.data
+        self.fixed = None
+        if split == "train" and d.mqar_train_size:
+            self.fixed = self._sample(d.mqar_train_size, _seed_for("mqar-set", cfg.run.seed))  # (N, T) twice
+        self._orders: dict[int, torch.Tensor] = {}
+
+    def _sample(self, n: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
+        d = self.cfg.data
+        return mqar(self.vocab_size, d.seq_len, d.mqar_pairs, n, seed=seed, power_a=d.mqar_power_a,
+                    num_queries=d.mqar_queries or None)
+
+    def _order(self, epoch: int) -> torch.Tensor:
+        if epoch not in self._orders:
+            g = torch.Generator().manual_seed(_seed_for("mqar-order", self.cfg.run.seed, epoch))
+            self._orders = {epoch: torch.randperm(self.fixed[0].shape[0], generator=g)}  # keep one epoch
+        return self._orders[epoch]
 
     def batch(self, step: int) -> Batch:
-        d = self.cfg.data
-        x, y = mqar(
-            self.vocab_size, d.seq_len, d.mqar_pairs, self.global_batch,
-            seed=_seed_for("mqar", self.split, self.cfg.run.seed, step), power_a=d.mqar_power_a,
-        )  # (B, T) each, labels -100 except at query positions
+        if self.fixed is None:
+            x, y = self._sample(self.global_batch, _seed_for("mqar", self.split, self.cfg.run.seed, step))
+        else:  # rows step*B .. step*B + B - 1 of the epoch-shuffled fixed set
+            N = self.fixed[0].shape[0]
+            rows = torch.arange(step * self.global_batch, (step + 1) * self.global_batch)
+            idx = torch.stack([self._order(int(r) // N)[int(r) % N] for r in rows])
+            x, y = self.fixed[0][idx], self.fixed[1][idx]
+        # (B, T) each, labels -100 except at query positions
         lo = self.env.rank * self.per_rank
         x, y = x[lo : lo + self.per_rank], y[lo : lo + self.per_rank]
         return Batch(x, y, torch.zeros_like(x), cross_doc=True)
@@ -100,7 +121,9 @@ def build_data(cfg: RunConfig, env: DistEnv) -> RunData:
         def val(max_batches):
             return (val_src.batch(i) for i in range(max_batches or cfg.train.eval_batches))
 
-        desc = f"MQAR: vocab {vocab}, {d.mqar_pairs} key-value pairs, seq_len {d.seq_len}, power_a {d.mqar_power_a}"
+        desc = (f"MQAR: vocab {vocab}, {d.mqar_pairs} key-value pairs ({d.mqar_queries or d.mqar_pairs} queried), "
+                f"seq_len {d.seq_len}, power_a {d.mqar_power_a}, "
+                + (f"a fixed set of {d.mqar_train_size} training sequences" if d.mqar_train_size else "fresh sequences each step"))
         return RunData(None, vocab, train, val, desc)
 
     cache_dir = d.cache_dir or None

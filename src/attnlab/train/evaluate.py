@@ -132,7 +132,7 @@ def evaluate(
     if d.source == "mqar":
         out["mqar_accuracy"] = mqar_accuracy(
             logits_of, vocab_size=cfg.model.vocab_size, seq_len=d.seq_len, num_kv_pairs=d.mqar_pairs,
-            power_a=d.mqar_power_a, device=dev,
+            power_a=d.mqar_power_a, num_queries=d.mqar_queries or None, device=dev,
         )
         return _finish(out, cfg, write)
 
