@@ -85,10 +85,9 @@ class DataConfig:
         if self.mqar_pairs < 1 or not 0 < self.mqar_power_a <= 1:
             raise ConfigError("data.mqar_pairs must be >= 1 and data.mqar_power_a in (0, 1]")
         if not 0 <= self.mqar_queries <= self.mqar_pairs:
-            raise ConfigError(f"data.mqar_queries must be in [0, data.mqar_pairs={self.mqar_pairs}] (0 = all), "
-                              f"got {self.mqar_queries}")
+            raise ConfigError(f"data.mqar_queries must be in [0, data.mqar_pairs={self.mqar_pairs}], got {self.mqar_queries}")
         if self.mqar_train_size < 0:
-            raise ConfigError(f"data.mqar_train_size must be >= 0 (0 = fresh sequences every step), got {self.mqar_train_size}")
+            raise ConfigError(f"data.mqar_train_size must be >= 0 (0 = fresh sequences), got {self.mqar_train_size}")
         need = 2 * self.mqar_pairs + 2 * (self.mqar_queries or self.mqar_pairs)
         if src == "mqar" and self.seq_len < need:
             raise ConfigError(
@@ -187,8 +186,7 @@ class RegularizersConfig:
         return self.align > 0 or self.spread > 0 or self.tau > 0
 
     def weights_at(self, step: int) -> dict[str, float]:
-        """{"align", "spread", "tau"}: each weight at optimizer step `step` (0-based): 0 before its
-        start, then rising linearly over `ramp` steps to its configured value."""
+        """Each weight at optimizer step `step` (0-based): 0 before its start, then linear over `ramp` steps."""
         out = {}
         for name in ("align", "spread", "tau"):
             since = step - getattr(self, f"{name}_start")
