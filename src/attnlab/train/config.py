@@ -177,9 +177,7 @@ class RegularizersConfig:
             if getattr(self, name) < 0:
                 raise ConfigError(f"regularizers.{name} must be >= 0, got {getattr(self, name)}")
         if not self.spread_low < self.spread_high:
-            raise ConfigError(
-                f"regularizers.spread_low ({self.spread_low}) must be < regularizers.spread_high ({self.spread_high})"
-            )
+            raise ConfigError(f"regularizers.spread_low ({self.spread_low}) must be < spread_high ({self.spread_high})")
 
     @property
     def active(self) -> bool:
