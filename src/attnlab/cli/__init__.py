@@ -105,8 +105,8 @@ def build_parser() -> argparse.ArgumentParser:
         base = base_config()
         budget = (f"Default budget (configs/quickstart.toml): {base['train']['steps']} steps of "
                   f"{base['train']['batch_size']} x {base['data']['seq_len']} tokens per model,\nd_model "
-                  f"{base['model']['d_model']}, {base['model']['n_layers']} layers: about 7 minutes in all on a "
-                  "2-core CPU shared with other jobs (1 torch thread), less when the CPU is idle.")
+                  f"{base['model']['d_model']}, {base['model']['n_layers']} layers: about 3 minutes in all on 2 "
+                  "idle CPU cores, several times that when other jobs share them.")
         out_help = f"report folder (default: {base['run']['out_dir']})"
     except ConfigError:  # outside a source checkout; using the command then says the file is missing
         budget, out_help = f"The shared configuration is {CONFIG_FILE}, not found here.", "report folder"
