@@ -209,3 +209,50 @@ def test_budget_evictions_rule():
         held = sorted(cache.index.all_entries()[1][:, :6].tolist()[0])  # slots = positions (no reclaim yet)
         assert int(cache.n_entries().max()) == min(t + 1, 6)
         assert held == sorted(j for j in range(t + 1) if ev[0, 0, j] > t)
+
+
+# --------------------------------------------------------------------------- hostile inputs
+
+
+def test_windowed_attention_hostile_inputs():
+    qs, ks, v, q, k = _inputs(B=1, T=12)
+    tau = torch.tensor([0.2, 0.5, 1.0, 3.0])
+    for name, bad in (("qs", qs), ("ks", ks), ("v", v), ("q", q), ("k", k)):
+        args = {"qs": qs, "ks": ks, "v": v, "q": q, "k": k}
+        hurt = bad.clone()
+        hurt.view(-1)[-1] = float("nan")
+        args[name] = hurt
+        with pytest.raises(ValueError, match=name):
+            windowed_attention(args["qs"], args["ks"], args["v"], tau, 4, q=args["q"], k=args["k"])
+    with pytest.raises(ValueError, match="tau"):
+        windowed_attention(qs, ks, v, torch.tensor([0.2, float("inf"), 1.0, 1.0]), 4)
+    with pytest.raises(TypeError, match="v"):
+        windowed_attention(qs, ks, v.double(), tau, 4)  # mixed dtypes
+    with pytest.raises(ValueError, match="sequence length"):
+        windowed_attention(qs[..., 2:], ks, v, tau, 4)
+
+
+def test_windowed_attention_never_sees_the_future():
+    """Rows before a change of later keys, values or queries are bit-identical (causal isolation),
+    however large the later outliers."""
+    qs, ks, v, q, k = _inputs(B=1, T=16)
+    tau = torch.tensor([0.2, 0.5, 1.0, 3.0])
+    base = windowed_attention(qs, ks, v, tau, 3, q=q, k=k, budget=6)
+    qs2, ks2, v2, k2 = qs.clone(), ks.clone(), v.clone(), k.clone()
+    qs2[..., 8:], ks2[..., 8:], v2[:, :, 8:], k2[:, :, 8:] = 1e4, -1e4, 1e4, 1e4
+    out = windowed_attention(qs2, ks2, v2, tau, 3, q=q, k=k2, budget=6)
+    assert torch.equal(out[:, :, :8], base[:, :, :8])
+
+
+@pytest.mark.parametrize("T", [0, 1])
+def test_windowed_attention_tiny_lengths(T):
+    qs, ks, v, q, k = _inputs(B=1, T=T)
+    tau = torch.tensor([0.2, 0.5, 1.0, 3.0])
+    out = windowed_attention(qs, ks, v, tau, 4, q=q, k=k)
+    assert out.shape == (1, 4, T, v.shape[-1])
+    if T:  # one key: the output is its value
+        torch.testing.assert_close(out, expand_heads_ref(v, 4))
+
+
+def expand_heads_ref(v, H):
+    return v.repeat_interleave(H // v.shape[1], dim=1)

@@ -28,6 +28,7 @@ from __future__ import annotations
 import torch
 
 from ..checks import check_int
+from ..ops.window import range_distance
 from .sorted_index import radius_from_tolerance, run_keys
 
 
@@ -125,7 +126,7 @@ def evict_to_budget(cache, budget: int) -> int:
     run = cache.index.merged(weighted=cache.index.weighted)
     keys, slots = run_keys(run), run[1].long()  # (R, W); pads: +inf keys
     lo, hi = hist.amin(1, keepdim=True), hist.amax(1, keepdim=True)
-    dist = torch.clamp(torch.maximum(lo - keys, keys - hi), min=0.0)
+    dist = range_distance(keys, lo, hi)
     live = torch.isfinite(keys)
     protected = torch.zeros_like(live)
     if cache.sink_zone is not None:

@@ -11,7 +11,7 @@ from .principled import principled_attention
 from .cosformer import CosformerState, cosformer_attention, cosformer_step
 from .gla import gla_attention, gla_step, ssd_attention, ssd_step
 from .goat import goat_attention, goat_prior
-from .window import budget_evictions, window_mask, windowed_attention
+from .window import budget_evictions, range_distance, window_mask, windowed_attention
 
 __all__ = [
     "softmax_attention",

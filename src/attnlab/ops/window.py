@@ -24,13 +24,19 @@ from __future__ import annotations
 
 import torch
 
-from ..checks import check_int, check_tensor
-from ._sdpa import expand_heads, upcast
-from .scalar import hybrid_logits, scalar_logits
+from ..checks import check_int, check_same, visible_keys
+from ._sdpa import check_qkv, expand_heads, upcast
+from .scalar import _check_scalars, _check_values, _tau, hybrid_logits, scalar_logits
 
-__all__ = ["budget_evictions", "window_mask", "windowed_attention"]
+__all__ = ["budget_evictions", "range_distance", "window_mask", "windowed_attention"]
 
 NEVER = torch.iinfo(torch.int64).max
+
+
+def range_distance(keys: torch.Tensor, lo: torch.Tensor, hi: torch.Tensor) -> torch.Tensor:
+    """Distance of each key to the interval [lo, hi] (0 inside): budget eviction's ranking, shared
+    by `budget_evictions` and `attnlab.cache.eviction.evict_to_budget`."""
+    return torch.clamp(torch.maximum(lo - keys, keys - hi), min=0.0)
 
 
 def budget_evictions(qs: torch.Tensor, ks: torch.Tensor, budget: int, *, history: int = 256,
@@ -57,8 +63,7 @@ def budget_evictions(qs: torch.Tensor, ks: torch.Tensor, budget: int, *, history
         window = q[..., max(n_prefix, t - history + 1) : t + 1]
         lo, hi = window.amin(-1, keepdim=True), window.amax(-1, keepdim=True)
         cand = alive[..., : t + 1]
-        dist = torch.clamp(torch.maximum(lo - k[..., : t + 1], k[..., : t + 1] - hi), min=0.0)
-        dist = dist.masked_fill(~cand, float("-inf"))
+        dist = range_distance(k[..., : t + 1], lo, hi).masked_fill(~cand, float("-inf"))
         worst = cand & (dist == dist.amax(-1, keepdim=True))
         out = torch.where(worst, pos[: t + 1], T).amin(-1, keepdim=True)  # the oldest of the farthest
         alive.scatter_(-1, out, False)
@@ -78,8 +83,8 @@ def window_mask(qs: torch.Tensor, ks: torch.Tensor, window: int, *, n_prefix: in
     cdt = upcast(qs.dtype)
     dist = (qs.to(cdt).unsqueeze(-1) - ks.to(cdt).unsqueeze(-2)).abs()  # (B, H, Tq, Tk)
     pos_q = torch.arange(Tk - Tq, Tk, device=qs.device)[:, None]
-    pos_k = torch.arange(Tk, device=qs.device)[None, :]
-    candidate = ((pos_k <= pos_q) if causal else (pos_k >= 0)) & (pos_k >= n_prefix)  # (Tq, Tk)
+    candidate = visible_keys(Tq, Tk, causal, qs.device)  # (Tq, Tk)
+    candidate[:, :n_prefix] = False
     if evicted_at is not None:
         candidate = candidate & (evicted_at[..., None, :Tk] >= pos_q)  # (B, H, Tq, Tk)
     dist = dist.masked_fill(~candidate, float("inf"))
@@ -118,11 +123,18 @@ def windowed_attention(
     if window is not None:
         check_int("window", window, 1)
     check_int("query_chunk", query_chunk, 1)
-    check_tensor("qs", qs, 3)
-    check_tensor("v", v, 4)
+    check_int("n_prefix", n_prefix, 0)
     if (q is None) != (k is None):
         raise ValueError("q and k must be given together (hybrid) or both be None (scalar)")
-    B, H, T = qs.shape
+    # the exact ops' checks, all before any work (attnlab's input policy)
+    if q is None:
+        B, H, T = _check_scalars(qs, ks)
+        _check_values(v, qs, B, H, ks.shape[2])
+    else:
+        B, H, T, _ = check_qkv(q, k, v, True)
+        _check_scalars(qs, ks, q, "q")
+    check_same("qs", T, "ks", ks.shape[2], "sequence length (windowed attention runs on whole sequences)")
+    _tau(tau, B, H, T, upcast(qs.dtype), qs.device)
     cdt = upcast(v.dtype)
     vals = expand_heads(v, H)
     per_query_tau = torch.is_tensor(tau) and tau.dim() == 3
