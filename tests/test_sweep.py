@@ -125,6 +125,45 @@ def test_verdict_needs_two_seeds_and_names_its_numbers():
     assert got["outcome"] == "supported" and got["threshold"] == 1.25 and got["difference"] == pytest.approx(-1.26)
 
 
+@pytest.mark.parametrize("mean, better, outcome", [
+    (0.24, "lower", "supported"), (0.25, "lower", "inconclusive"), (1.76, "lower", "not supported"),
+    (1.75, "lower", "inconclusive"), (1.76, "higher", "supported"), (0.24, "higher", "not supported"),
+], ids=["below", "boundary", "above", "boundary-above", "higher-supported", "higher-not"])
+def test_threshold_rule_at_twice_the_sd(mean, better, outcome):
+    variants = {"a": {"mean": {"m": mean}, "sd": {"m": SD_A}}}  # 2 sd = 0.75 around the threshold 1.0
+    got = judge({"metric": "m", "better": better, "variant": "a", "threshold": 1.0}, variants)
+    assert got["outcome"] == outcome and got["margin"] == 0.75 and got["kind"] == "threshold"
+    assert judge({"metric": "m", "better": "lower", "variant": "a", "threshold": 9.0},
+                 {"a": {"mean": {"m": 1.0}, "sd": {"m": None}}})["outcome"] == "inconclusive"  # one seed
+
+
+def test_compare_rule_judges_b_on_its_own_metric():
+    variants = {"a": {"mean": {"w": 1.0, "m": 5.0}, "sd": {"w": SD_A, "m": 0.0}},
+                "b": {"mean": {"m": 2.26, "w": None}, "sd": {"m": SD_B, "w": None}}}
+    got = judge({"metric": "w", "metric_b": "m", "better": "lower", "compare": ["a", "b"]}, variants)
+    assert got["outcome"] == "supported" and got["mean"] == [1.0, 2.26] and "b m" in got["reason"]
+    assert judge({"metric": "w", "better": "lower", "compare": ["a", "b"]}, variants)["outcome"] == "inconclusive"
+
+
+def test_several_rules_each_reach_the_report(tmp_path):
+    rules = ('[[verdict]]\nname = "first"\nmetric = "val_loss"\nbetter = "lower"\ncompare = ["hybrid", "softmax"]\n'
+             '[[verdict]]\nname = "bound"\nmetric = "loss@16"\nbetter = "lower"\nvariant = "hybrid"\nthreshold = 100.0\n')
+    text = spec_text().split("[verdict]")[0] + rules
+    spec = load_spec(_write(tmp_path, text))
+    assert [r.get("name") for r in spec.verdicts] == ["first", "bound"] and spec.verdict["name"] == "first"
+    from attnlab.experiments.sweep.verdict import verdict_lines
+    judged = [judge(r, {"hybrid": {"mean": {"val_loss": 1.0, "loss@16": 2.0}, "sd": {"val_loss": 0.1, "loss@16": 0.1}},
+                        "softmax": {"mean": {"val_loss": 3.0}, "sd": {"val_loss": 0.1}}}) for r in spec.verdicts]
+    text = "\n".join(verdict_lines(spec.verdicts, judged))
+    assert [v["outcome"] for v in judged] == ["supported", "supported"]
+    assert "first: **supported**" in text and "bound: **supported**" in text and "below 100" in text
+
+
+def _write(folder: Path, text: str) -> Path:
+    (folder / "spec.toml").write_text(text)
+    return folder / "spec.toml"
+
+
 # --------------------------------------------------------------------------- resume, report-only, jobs
 
 
@@ -210,6 +249,12 @@ BAD = [
     ("not-override", spec_text(variants={"softmax": [], "hybrid": ["model.attn"]}), ["model.attn", "section.key=value"]),
     ("verdict-variant", spec_text(variants={"hybrid": ["model.attn=hybrid"], "other": []}), ["verdict.compare", "softmax"]),
     ("verdict-metric", spec_text().replace('metric = "val_loss"', 'metric = "loss@64"'), ["verdict.metric", "loss@64"]),
+    ("verdict-both", spec_text().replace('compare = ["hybrid", "softmax"]', 'compare = ["hybrid", "softmax"]\nthreshold = 1.0'),
+     ["verdict", "either compare"]),
+    ("verdict-threshold", spec_text().replace('compare = ["hybrid", "softmax"]', 'variant = "hybrid"\nthreshold = "low"'),
+     ["verdict.threshold", "finite number"]),
+    ("verdict-metric-b", spec_text().replace('compare = ["hybrid", "softmax"]', 'compare = ["hybrid", "softmax"]\nmetric_b = "x"'),
+     ["verdict.metric_b", "'x'"]),
     ("metrics-key", spec_text().replace("[metrics]", "[metrics]\ntopk = [8]"), ["metrics.topk"]),
     ("base-missing", spec_text().replace(TINY, "nowhere.toml"), ["base", "nowhere.toml"]),
     ("not-toml", "title = \n", ["not valid TOML"]),

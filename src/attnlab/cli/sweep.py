@@ -14,14 +14,15 @@ def add_sweep(sub) -> None:
         description="Train every (variant, seed) of a sweep spec, then write results.json, report.md and plots\n"
                     "(loss curves with a band over seeds, per-run metrics as bars with error bars) into the output\n"
                     "folder (default: the spec's folder). Run folders: OUT/runs/<variant>/seed<k>.\n\n"
-                    "  attnlab sweep experiments/000/hybrid-vs-softmax/spec.toml --jobs 2\n"
-                    "  attnlab sweep experiments/000/hybrid-vs-softmax/spec.toml --report-only\n\n"
+                    "  attnlab sweep experiments/seed000/exp1-hybrid-baseline/spec.toml --jobs 2\n"
+                    "  attnlab sweep experiments/seed000/exp1-hybrid-baseline/spec.toml --report-only\n\n"
                     "A killed sweep resumes where it stopped when run again: finished runs are skipped, an\n"
                     "interrupted run resumes from its checkpoint. Every run config is loaded and checked before\n"
                     "anything is trained or written. The spec format is in experiments/README.md.",
         epilog="The verdict rule: a difference in the [verdict] metric counts only when it exceeds twice the combined\n"
                "sd over seeds, 2*sqrt(sd_a^2 + sd_b^2); then the claim is supported (or not supported when the other\n"
-               "variant is better), else inconclusive.",
+               "variant is better), else inconclusive. A threshold rule ([[verdict]] with variant and threshold)\n"
+               "needs the mean beyond the number by more than twice its sd.",
     )
     p.add_argument("spec", metavar="SPEC.toml", help="the sweep spec")
     p.add_argument("--jobs", type=int, default=1, metavar="N",

@@ -161,15 +161,17 @@ def _check_values(v, qs, B: int, H: int, T: int) -> None:
     check_finite("v", v)
 
 
-def _augment(qs, ks, inv_tau, cdt, causal: bool):
+def _augment(qs, ks, inv_tau, cdt, causal: bool, ref=None):
     """q' = [2 (qs - r) / tau, -1 / tau], k' = [ks - r, (ks - r)^2], with r per (B, H) the first
-    key when causal (seen by every query) and the mean key otherwise.
+    key when causal (seen by every query) and the mean key otherwise, unless `ref` (B, H, 1)
+    gives it (a decode cache keeps the first key's, so each key is augmented once).
 
     q'_t . k'_s = -(qs_t - ks_s)^2 / tau_t + (qs_t - r)^2 / tau_t, the second term constant
     along the row. Returns (B, H, Tq, 2) and (B, H, Tk, 2), in `cdt`.
     """
-    ks_ref = ks.detach().to(cdt)
-    ref = ks_ref[..., :1] if causal else ks_ref.mean(-1, keepdim=True)  # (B, H, 1)
+    if ref is None:
+        ks_ref = ks.detach().to(cdt)
+        ref = ks_ref[..., :1] if causal else ks_ref.mean(-1, keepdim=True)  # (B, H, 1)
     qc = qs.to(cdt) - ref  # (B, H, T)
     kc = ks.to(cdt) - ref
     inv_tau = inv_tau.expand_as(qc)

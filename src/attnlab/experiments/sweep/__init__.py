@@ -1,7 +1,7 @@
 """Sweeps: variants x seeds of one base config, trained, aggregated over seeds and judged.
 
     from attnlab.experiments.sweep import load_spec, run
-    spec = load_spec("experiments/000/hybrid-vs-softmax/spec.toml")
+    spec = load_spec("experiments/seed000/exp1-hybrid-baseline/spec.toml")
     results = run(spec, jobs=2)        # what `attnlab sweep SPEC.toml --jobs 2` does
 
 A spec (TOML; the format is in experiments/README.md) names a base run config, the
@@ -18,7 +18,7 @@ results those of an uninterrupted sweep.
 The verdict rule: the claim "A is better than B in metric M" is supported when A's mean
 beats B's by more than twice the combined sd, 2 * sqrt(sd_A^2 + sd_B^2) (sample sd over seeds),
 not supported when B's beats A's by more than that, inconclusive otherwise (and with
-fewer than 2 seeds).
+fewer than 2 seeds). A spec may hold several rules, including thresholds (see .verdict).
 """
 
 from .results import aggregate, judge, mean_sd, verdict, write_results

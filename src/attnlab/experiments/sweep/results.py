@@ -14,6 +14,7 @@ from attnlab.train.config import RunConfig
 from .profiles import is_profile, profile_sections
 from ..report import MISSING, fmt, machine_info, markdown_table, save_figure
 from .runs import RunPlan, _record_of, collect_metrics, execute, plan, run, run_config, summary_of
+from .verdict import judge, rule_text, verdict, verdict_lines
 from .spec import EVAL_ARG_KEYS, OWNED_KEYS, SUMMARY_SCALARS, Spec, SweepError, Variant, load_spec, metric_names
 
 
@@ -35,53 +36,6 @@ def mean_sd(values: Sequence[float | None]) -> tuple[float | None, float | None,
     if not vals:
         return None, None, 0
     return sum(vals) / len(vals), sample_sd(vals), len(vals)
-
-
-def verdict(mean_a, sd_a, mean_b, sd_b, better: str = "lower") -> str:
-    """'supported' when A beats B by more than 2 * sqrt(sd_a^2 + sd_b^2), 'not supported' when
-    B beats A by more than that, else (or when a mean or sd is missing) 'inconclusive'."""
-    if better not in ("lower", "higher"):
-        raise ValueError(f"better must be 'lower' or 'higher', got {better!r}")
-    if None in (mean_a, sd_a, mean_b, sd_b):
-        return "inconclusive"
-    gain = (mean_b - mean_a) if better == "lower" else (mean_a - mean_b)  # > 0: A is better
-    threshold = 2.0 * math.sqrt(sd_a ** 2 + sd_b ** 2)
-    if gain > threshold:
-        return "supported"
-    if -gain > threshold:
-        return "not supported"
-    return "inconclusive"
-
-
-def judge(rule: dict, variants: dict) -> dict:
-    """The spec's [verdict] applied to the per-variant statistics, with its numbers and a sentence."""
-    m, better = rule["metric"], rule["better"]
-    a, b = rule["compare"]
-    sa, sb = variants.get(a, {}), variants.get(b, {})
-    ma, da = sa.get("mean", {}).get(m), sa.get("sd", {}).get(m)
-    mb, db = sb.get("mean", {}).get(m), sb.get("sd", {}).get(m)
-    outcome = verdict(ma, da, mb, db, better)
-    threshold = 2.0 * math.sqrt(da ** 2 + db ** 2) if None not in (da, db) else None
-    diff = ma - mb if None not in (ma, mb) else None
-    if None in (ma, mb):
-        why = f"{m} is missing for {a if ma is None else b}"
-    elif threshold is None:
-        why = "fewer than 2 finished seeds for a variant, so no sd"
-    else:
-        why = (f"{a} {fmt(ma)} ± {fmt(da)} vs {b} {fmt(mb)} ± {fmt(db)}: difference {fmt(diff)}, "
-               f"threshold 2·sqrt(sd_a² + sd_b²) = {fmt(threshold)}")
-    return {"metric": m, "better": better, "compare": [a, b], "mean": [ma, mb], "sd": [da, db], "difference": diff,
-            "threshold": threshold, "outcome": outcome, "reason": why}
-
-
-def verdict_rule_text(rule: dict) -> str:
-    a, b = rule["compare"]
-    m, better = rule["metric"], rule["better"]
-    worse = "higher" if better == "lower" else "lower"
-    return (f"the claim ({a} is better than {b} in {m}, {better} is better) is **supported** when {a}'s mean {m} is "
-            f"{better} than {b}'s by more than twice the combined sd, 2·sqrt(sd_{a}² + sd_{b}²) (sample sd over seeds); "
-            f"**not supported** when it is {worse} by more than that; **inconclusive** otherwise, and when a variant "
-            f"has fewer than 2 finished seeds.")
 
 
 def _run_entry(spec: Spec, variant: str, seed: int, cfg: RunConfig, run_dir: Path, out: Path) -> dict | None:
@@ -160,6 +114,7 @@ def aggregate(spec: Spec, out: str | os.PathLike | None = None) -> dict:
         "spec": {"path": str(spec.path), **spec.raw}, "seeds": spec.seeds, "scalars": names,
         "runs": runs, "missing": missing, "variants": variants,
         "verdict": judge(spec.verdict, variants) if spec.verdict else None,
+        "verdicts": [judge(rule, variants) for rule in spec.verdicts],
         "machine": machine_info(threads.pop() if len(threads) == 1 else None),
     }
 
@@ -179,8 +134,8 @@ def write_results(spec: Spec, out: str | os.PathLike | None = None, *, command: 
     (out / "report.md").write_text(report_markdown(spec, results, out, metrics_png is not None) + "\n")
     if not quiet:
         print("\n" + results_table(results))
-        if results["verdict"]:
-            print(f"\nverdict: {results['verdict']['outcome']} ({results['verdict']['reason']})")
+        for v in results.get("verdicts") or []:
+            print(f"\nverdict{' ' + v['name'] if v.get('name') else ''}: {v['outcome']} ({v['reason']})")
         print(f"\nreport: {out / 'report.md'} (results.json, loss_curves.png{', metrics.png' if metrics_png else ''} beside it)")
     return results
 
@@ -250,9 +205,7 @@ def report_markdown(spec: Spec, results: dict, out: Path, metrics_png: bool = Tr
     if spec.metrics:
         lines += [_metrics_text(spec.metrics), ""]
     lines += profile_sections(results, out)
-    if results["verdict"]:
-        v = results["verdict"]
-        lines += ["## Verdict", "", f"**{v['outcome']}**: {v['reason']}.", "", "Rule: " + verdict_rule_text(spec.verdict), ""]
+    lines += verdict_lines(spec.verdicts, results.get("verdicts") or [])
     lines += ["## Plots", "", "![loss curves](loss_curves.png)", "",
               "Train and validation loss per variant (and, where a variant has scalar heads, its temperature τ, "
               "the mean over layers of the mean over heads): the mean over seeds as a line, the min-max over "

@@ -201,6 +201,7 @@ def collect_metrics(run_dir: str | os.PathLike, metrics: dict) -> dict[str, floa
         out[f"loss/T={T}"] = row.get("loss")
         for k in window_keys(metrics):
             w = (row.get("windowed_loss") or {}).get(k)
+            out[f"wloss@{k}/T={T}"] = w
             out[f"wgap@{k}/T={T}"] = w - row["loss"] if w is not None and row.get("loss") is not None else None
         for k in metrics.get("topk_mass", []):
             out[f"topk_mass@{k}/T={T}"] = (row.get("topk_mass") or {}).get(str(k))

@@ -12,12 +12,13 @@ from typing import Sequence
 from attnlab.models.config import ConfigError
 from attnlab.train.config import read_toml
 
+from .verdict import check_rules
+
 
 
 SPEC_KEYS = ("title", "claim", "description", "base", "seeds", "overrides", "variants", "out", "per_seed",
              "metrics", "verdict")
 VARIANT_KEYS = ("name", "overrides", "description")
-VERDICT_KEYS = ("metric", "better", "compare")
 # [metrics]: what to collect per run from attnlab.train.evaluate, and evaluate's arguments
 METRIC_KEYS = ("loss_at", "topk_mass", "entropy", "sink_share", "learned_sink_share", "alignment", "windowed_loss",
                "budgets", "lengths", "passkey", "mqar_accuracy")
@@ -58,7 +59,8 @@ class Spec:
     out: Path
     per_seed: bool
     metrics: dict
-    verdict: dict | None
+    verdict: dict | None  # the first rule (None without any)
+    verdicts: list[dict] = field(default_factory=list)  # every rule, in the spec's order
     raw: dict = field(repr=False, default_factory=dict)
 
     def run_dir(self, variant: str, seed: int, out: str | os.PathLike | None = None) -> Path:
@@ -134,7 +136,7 @@ def metric_names(metrics: dict) -> list[str]:
         names += [f"wloss@{k}", f"wgap@{k}"]
     for T in metrics.get("lengths", []):
         names += [f"loss/T={T}"]
-        names += [f"wgap@{k}/T={T}" for k in window_keys(metrics)]
+        names += [f"{w}@{k}/T={T}" for k in window_keys(metrics) for w in ("wloss", "wgap")]
         names += [f"topk_mass@{k}/T={T}" for k in metrics.get("topk_mass", [])]
     if len(metrics.get("lengths", [])) >= 2:
         names += [f"miss_slope@{k}" for k in metrics.get("topk_mass", [])]
@@ -165,22 +167,6 @@ def _check_metrics(m, key: str = "metrics") -> dict:
         ok = isinstance(d, list) and d and all(isinstance(x, (int, float)) and not isinstance(x, bool) and 0 <= x <= 1 for x in d)
         _need(ok, f"{key}.passkey_depths must be a non-empty list of numbers in [0, 1], got {d!r}")
     return dict(m)
-
-
-def _check_verdict(v, variants: list[str], metrics: list[str]) -> dict:
-    _need(isinstance(v, dict), f"verdict must be a table, got {v!r}")
-    _unknown(v, VERDICT_KEYS, "verdict.")
-    for k in VERDICT_KEYS:
-        _need(k in v, f"verdict.{k} is missing; a verdict needs metric, better and compare")
-    allowed = list(SUMMARY_SCALARS) + metrics
-    _need(v["metric"] in allowed, f"verdict.metric must be a per-run scalar: one of {', '.join(allowed)}; got {v['metric']!r}")
-    _need(v["better"] in ("lower", "higher"), f"verdict.better must be 'lower' or 'higher', got {v['better']!r}")
-    c = v["compare"]
-    _need(isinstance(c, list) and len(c) == 2 and all(isinstance(x, str) for x in c) and c[0] != c[1],
-          f"verdict.compare must name two different variants [A, B] (the claim: A is better than B), got {c!r}")
-    for x in c:
-        _need(x in variants, f"verdict.compare: {x!r} is not a variant; variants: {', '.join(variants)}")
-    return dict(v)
 
 
 def load_spec(path: str | os.PathLike) -> Spec:
@@ -224,10 +210,11 @@ def load_spec(path: str | os.PathLike) -> Spec:
         variants.append(Variant(name, ov, v.get("description", "")))
     _need(isinstance(raw.get("per_seed", False), bool), f"per_seed must be true or false, got {raw.get('per_seed')!r}")
     metrics = _check_metrics(raw["metrics"]) if "metrics" in raw else {}
-    verdict = _check_verdict(raw["verdict"], [v.name for v in variants], metric_names(metrics)) if "verdict" in raw else None
+    allowed = list(SUMMARY_SCALARS) + metric_names(metrics)
+    verdicts = check_rules(raw["verdict"], [v.name for v in variants], allowed) if "verdict" in raw else []
     return Spec(
         path=path, title=raw.get("title") or path.stem, claim=raw.get("claim", ""), description=raw.get("description", ""),
         base=base, base_raw=base_raw, seeds=seeds, overrides=overrides, variants=variants,
         out=here / raw["out"] if raw.get("out") else here, per_seed=raw.get("per_seed", False), metrics=metrics,
-        verdict=verdict, raw=raw,
+        verdict=verdicts[0] if verdicts else None, verdicts=verdicts, raw=raw,
     )

@@ -22,6 +22,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from ...cache.exact import ExactScalarCache
 from ...cache.kv import KVCache
 from ...cache.sorted import QUERY_HISTORY, SortedScalarCache
 from ...ops import budget_evictions, hybrid_logits, scalar_attention, scalar_logits, softmax_attention, window_mask, windowed_attention
@@ -182,10 +183,16 @@ class ScalarAttention(Attention):
     def scalar_cache(self, batch_size: int, window: int | None):
         """The plain cache of every scalar key (window None, exact) or the sorted scalar cache."""
         c = self.config
-        if window is None:
+        if window is None and c.impl == "naive":  # the op's reference over the plain cache
             cache = KVCache(batch_size)
             if c.sink:
                 cache.append(**self.sink_entry(batch_size))
+            return cache
+        if window is None:
+            cache = ExactScalarCache(batch_size, self.n_scalar)
+            if c.sink:
+                e = self.sink_entry(batch_size)
+                cache.append(e["ks"], e[self.value_key], k=e.get("k"))
             return cache
         w = self.sink_value.detach() if c.sink else None  # (G, D): the sorted cache's own sink entry
         return SortedScalarCache(
@@ -206,10 +213,12 @@ class ScalarAttention(Attention):
         """Readout (B, H_s, 1, D) of the scalar heads for one token."""
         vals = self.scalar_values(p)  # (B, G, 1, D)
         q, k = self.score_vectors(p)
-        if cache.window is None:
+        if isinstance(cache.scalar, ExactScalarCache):  # every cached key, each augmented once (cache/exact.py)
+            cache.scalar.append(p.ks, vals, k=k)
+            return cache.scalar.attend(p.qs, p.tau, q=q)
+        if cache.window is None:  # impl="naive": the op's reference, one query against every cached key
             new = {"ks": p.ks, self.value_key: vals, **({"k": k} if k is not None else {})}
             full = cache.scalar.append(**new)
-            # one query against every cached key: the op's causal offset form
             return self.scalar_op(p.qs, full["ks"], full[self.value_key], p.tau, q, full.get("k"), self.config.impl)
         k_t = expand_heads(k, self.n_scalar)[:, :, 0] if k is not None else None  # (B, H, D)
         cache.scalar.append(p.ks[..., 0], vals[:, :, 0], k=k_t)

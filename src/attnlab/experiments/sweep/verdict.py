@@ -1,0 +1,158 @@
+"""The verdict rules of a sweep: a spec's [verdict] (one rule) or [[verdict]] (several).
+
+Two kinds of rule, both with the same margin, twice the sample sd over seeds:
+
+- compare: "A is better than B in metric M" (B may be judged on another metric, metric_b, e.g. a
+  windowed loss against a softmax model's exact loss). Supported when A's mean beats B's by more
+  than 2 * sqrt(sd_A^2 + sd_B^2), not supported when B's beats A's by more than that, else
+  inconclusive.
+- threshold: "variant A's metric M is below (better = "lower") or above x". Supported when the mean
+  is on the right side of x by more than 2 * sd_A, not supported when it is on the wrong side by
+  more than that, else inconclusive.
+
+Fewer than 2 finished seeds (no sd) is always inconclusive.
+"""
+
+
+from __future__ import annotations
+
+import math
+
+from attnlab.models.config import ConfigError
+
+from ..report import fmt
+
+RULE_KEYS = ("name", "metric", "better", "compare", "metric_b", "variant", "threshold")
+OUTCOMES = ("supported", "not supported", "inconclusive")
+
+
+def verdict(mean_a, sd_a, mean_b, sd_b, better: str = "lower") -> str:
+    """'supported' when A beats B by more than 2 * sqrt(sd_a^2 + sd_b^2), 'not supported' when
+    B beats A by more than that, else (or when a mean or sd is missing) 'inconclusive'.
+    A threshold is a B with sd 0."""
+    if better not in ("lower", "higher"):
+        raise ValueError(f"better must be 'lower' or 'higher', got {better!r}")
+    if None in (mean_a, sd_a, mean_b, sd_b):
+        return "inconclusive"
+    gain = (mean_b - mean_a) if better == "lower" else (mean_a - mean_b)  # > 0: A is better
+    threshold = 2.0 * math.sqrt(sd_a ** 2 + sd_b ** 2)
+    if gain > threshold:
+        return "supported"
+    if -gain > threshold:
+        return "not supported"
+    return "inconclusive"
+
+
+def _need(cond: bool, message: str) -> None:
+    if not cond:
+        raise ConfigError(message)
+
+
+def check_rules(raw, variants: list[str], metrics: list[str]) -> list[dict]:
+    """The spec's verdict rules, checked: a table is one rule, an array of tables several."""
+    rules = [raw] if isinstance(raw, dict) else raw
+    _need(isinstance(rules, list) and rules and all(isinstance(r, dict) for r in rules),
+          f"verdict must be a table or an array of tables, got {raw!r}")
+    out, names = [], set()
+    for i, r in enumerate(rules):
+        key = "verdict" if isinstance(raw, dict) else f"verdict[{i}]"
+        unknown = sorted(set(r) - set(RULE_KEYS))
+        _need(not unknown, f"{key}: unknown key(s) {', '.join(unknown)}; allowed: {', '.join(RULE_KEYS)}")
+        for k in ("metric", "better"):
+            _need(k in r, f"{key}.{k} is missing; a verdict needs metric, better and compare (or variant and threshold)")
+        for k in ("metric", "metric_b"):
+            if k in r:
+                _need(r[k] in metrics, f"{key}.{k} must be a per-run scalar: one of {', '.join(metrics)}; got {r[k]!r}")
+        _need(r["better"] in ("lower", "higher"), f"{key}.better must be 'lower' or 'higher', got {r['better']!r}")
+        if "threshold" in r or "variant" in r:
+            _need("compare" not in r and "metric_b" not in r,
+                  f"{key}: give either compare (and metric_b) or variant and threshold, not both")
+            _need(r.get("variant") in variants, f"{key}.variant must name a variant ({', '.join(variants)}); "
+                  f"got {r.get('variant')!r}")
+            t = r.get("threshold")
+            _need(isinstance(t, (int, float)) and not isinstance(t, bool) and math.isfinite(t),
+                  f"{key}.threshold must be a finite number, got {t!r}")
+        else:
+            c = r.get("compare")
+            _need(isinstance(c, list) and len(c) == 2 and all(isinstance(x, str) for x in c) and c[0] != c[1],
+                  f"{key}.compare must name two different variants [A, B] (the claim: A is better than B), got {c!r}")
+            for x in c:
+                _need(x in variants, f"{key}.compare: {x!r} is not a variant; variants: {', '.join(variants)}")
+        if "name" in r:
+            _need(isinstance(r["name"], str) and r["name"] and r["name"] not in names,
+                  f"{key}.name must be a non-empty string, unique among the rules; got {r['name']!r}")
+            names.add(r["name"])
+        out.append(dict(r))
+    return out
+
+
+def judge(rule: dict, variants: dict) -> dict:
+    """One rule applied to the per-variant statistics, with its numbers and a sentence."""
+    m, better = rule["metric"], rule["better"]
+
+    def stat(variant, metric):
+        s = variants.get(variant, {})
+        return s.get("mean", {}).get(metric), s.get("sd", {}).get(metric)
+
+    if "threshold" in rule:
+        a, x = rule["variant"], float(rule["threshold"])
+        ma, da = stat(a, m)
+        outcome = verdict(ma, da, x, 0.0, better)
+        margin = 2.0 * da if da is not None else None
+        if ma is None:
+            why = f"{m} is missing for {a}"
+        elif da is None:
+            why = f"fewer than 2 finished seeds for {a}, so no sd"
+        else:
+            why = f"{a} {m} {fmt(ma)} ± {fmt(da)} vs the threshold {fmt(x)}: difference {fmt(ma - x)}, margin 2·sd = {fmt(margin)}"
+        return {"name": rule.get("name"), "kind": "threshold", "metric": m, "better": better, "variant": a,
+                "threshold": x, "mean": ma, "sd": da, "difference": None if ma is None else ma - x,
+                "margin": margin, "outcome": outcome, "reason": why}
+    a, b = rule["compare"]
+    mb_name = rule.get("metric_b", m)
+    ma, da = stat(a, m)
+    mb, db = stat(b, mb_name)
+    outcome = verdict(ma, da, mb, db, better)
+    threshold = 2.0 * math.sqrt(da ** 2 + db ** 2) if None not in (da, db) else None
+    diff = ma - mb if None not in (ma, mb) else None
+    label_b = b if mb_name == m else f"{b} {mb_name}"
+    if None in (ma, mb):
+        why = f"{m if ma is None else mb_name} is missing for {a if ma is None else b}"
+    elif threshold is None:
+        why = "fewer than 2 finished seeds for a variant, so no sd"
+    else:
+        why = (f"{a} {fmt(ma)} ± {fmt(da)} vs {label_b} {fmt(mb)} ± {fmt(db)}: difference {fmt(diff)}, "
+               f"threshold 2·sqrt(sd_a² + sd_b²) = {fmt(threshold)}")
+    return {"name": rule.get("name"), "kind": "compare", "metric": m, "metric_b": mb_name, "better": better,
+            "compare": [a, b], "mean": [ma, mb], "sd": [da, db], "difference": diff, "threshold": threshold,
+            "outcome": outcome, "reason": why}
+
+
+def rule_text(rule: dict) -> str:
+    """The rule in words, as the report states it."""
+    m, better = rule["metric"], rule["better"]
+    worse = "higher" if better == "lower" else "lower"
+    if "threshold" in rule:
+        a, x = rule["variant"], rule["threshold"]
+        side = "below" if better == "lower" else "above"
+        return (f"the claim ({a}'s {m} is {side} {fmt(x)}) is **supported** when {a}'s mean {m} is {side} {fmt(x)} by "
+                f"more than twice its sd over seeds; **not supported** when it is on the other side by more than that; "
+                f"**inconclusive** otherwise, and with fewer than 2 finished seeds.")
+    a, b = rule["compare"]
+    mb = rule.get("metric_b", m)
+    theirs, against = (f"{b}'s", "") if mb == m else (f"{b}'s mean {mb}", f" against {b}'s {mb}")
+    return (f"the claim ({a} is better than {b} in {m}{against}, "
+            f"{better} is better) is **supported** when {a}'s mean {m} is {better} than {theirs} by more than "
+            f"twice the combined sd, 2·sqrt(sd_{a}² + sd_{b}²) (sample sd over seeds); **not supported** when it is "
+            f"{worse} by more than that; **inconclusive** otherwise, and when a variant has fewer than 2 finished seeds.")
+
+
+def verdict_lines(rules: list[dict], judged: list[dict]) -> list[str]:
+    """The report's Verdict section."""
+    if not judged:
+        return []
+    lines = ["## Verdict", ""]
+    for rule, v in zip(rules, judged):
+        label = f"{v['name']}: " if v.get("name") else ""
+        lines += [f"{label}**{v['outcome']}**: {v['reason']}.", "", "Rule: " + rule_text(rule), ""]
+    return lines
