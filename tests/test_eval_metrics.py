@@ -240,3 +240,50 @@ def test_passkey_accuracy_oracle_per_depth():
             keys = [int(tok.decode(row[row != -100].tolist())) for row in y]
             assert res[(L, d)] == pytest.approx(sum(k % 2 == 0 for k in keys) / 6)
     assert 0 < min(res.values()) and max(res.values()) < 1
+
+
+def test_gate_profile_against_a_loop():
+    from attnlab.eval.metrics import gate_profile
+
+    g = torch.tensor([0.0, 0.05, 0.0999, 0.1, 0.25, 0.5, 0.95, 1.0]).view(2, 4)
+    low, hist = gate_profile(g)
+    assert low == pytest.approx(3 / 8)
+    want = [0.0] * 10
+    for x in g.flatten().tolist():
+        want[min(int(x * 10), 9)] += 1 / 8
+    assert hist == pytest.approx(want) and sum(hist) == pytest.approx(1.0)
+    for bad in (torch.tensor([1.5]), torch.tensor([float("nan")]), torch.empty(0)):
+        with pytest.raises(ValueError, match="g must"):
+            gate_profile(bad)
+
+
+@pytest.mark.parametrize("attn", ["gla", "cosformer", "softmax"])
+def test_attention_report_gate_and_linear_first_token_share(attn):
+    from attnlab.models import LM, ModelConfig
+    from attnlab.train.evaluate import attention_report
+
+    torch.manual_seed(0)
+    model = LM(ModelConfig(d_model=32, n_layers=2, n_heads=2, vocab_size=256, attn=attn, max_seq_len=24,
+                           attention={"output_gate": "elementwise"})).eval()
+    for blk in model.blocks:  # a gate that is not the constant 0.5 of its zero initialisation
+        torch.nn.init.normal_(blk.attn.gate.proj.weight, std=2.0)
+    x = torch.randint(0, 256, (2, 24))
+    inputs = {}
+    hooks = [blk.attn.register_forward_pre_hook(lambda m, a, i=i: inputs.__setitem__(i, a[0]))
+             for i, blk in enumerate(model.blocks)]
+    with torch.no_grad():
+        model(x)
+        rep = attention_report(model, x)
+    for h in hooks:
+        h.remove()
+    for i, (entry, blk) in enumerate(zip(rep, model.blocks)):
+        with torch.no_grad():
+            g = blk.attn.gate(inputs[i])
+            A = blk.attn.attention_weights(inputs[i]).abs()  # (B, H, T, T)
+        assert entry["gate_low"] == pytest.approx((g < 0.1).float().mean().item())
+        assert sum(entry["gate_hist"]) == pytest.approx(1.0)
+        # the first-token share by a loop over queries 1..T-1: sum of |A[t, 0]| over sum of |A[t, :]|, per head
+        for h in range(A.shape[1]):
+            num = sum(A[b, h, t, 0].item() for b in range(2) for t in range(1, 24))
+            den = sum(A[b, h, t].sum().item() for b in range(2) for t in range(1, 24))
+            assert entry["first_token_share"][h] == pytest.approx(num / den, rel=1e-4)

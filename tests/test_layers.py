@@ -185,6 +185,28 @@ def test_output_gate_applies_before_output_projection():
     assert rel_rms(layer(x), y) < 1e-12
 
 
+def test_prenorm_gate_divides_the_numerator_gate_by_the_normaliser_gate():
+    """cosFormer's readout is o / z, so (o ⊙ σ(g)) / (z σ(g')) is the readout times σ(g) / σ(g')."""
+    layer = make(dict(mechanism="cosformer", output_gate="prenorm"))
+    with torch.no_grad():
+        layer.gate.proj.weight.normal_()
+    x = torch.randn(B, T, C, dtype=torch.float64)
+    layer(x, record=True)
+    rec = layer.last
+    raw = torch.sigmoid(x @ layer.gate.proj.weight.T).view(B, T, H, D + 1).transpose(1, 2)  # (B, H, T, D + 1)
+    g = raw[..., :D] / raw[..., D:]
+    assert rel_rms(rec.gate, g) < 1e-14
+    y = (rec.readout * g).transpose(1, 2).reshape(B, T, H * D) @ layer.wo.weight.T
+    assert rel_rms(layer(x), y) < 1e-12
+    fresh = make(dict(mechanism="cosformer", output_gate="prenorm"))
+    with torch.no_grad():
+        fresh.gate.proj.weight.zero_()
+    fresh(x, record=True)
+    assert (fresh.last.gate == 1.0).all()  # zero-initialised: starts as the ungated layer
+    with pytest.raises(ValueError, match="output_gate.*prenorm.*cosformer"):
+        AttentionConfig(C, H, mechanism="gla", output_gate="prenorm")
+
+
 @pytest.mark.parametrize("param", ["softplus", "log"])
 @pytest.mark.parametrize("mode", ["global", "head", "token"])
 @pytest.mark.parametrize("tau_max", [None, 0.3])

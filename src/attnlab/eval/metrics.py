@@ -244,3 +244,21 @@ def loss_at_lengths(
         batches = sequential_batches(stream, T, batch_size, cross_doc=cross_doc, max_batches=max_batches)
         out[int(T)] = lm_loss(model, batches, device=device, pass_batch=pass_batch)
     return out
+
+
+GATE_LOW = 0.1  # a gate value below this counts as closed (seed 002's sparsity criterion)
+GATE_BINS = 10
+
+
+def gate_profile(g: torch.Tensor, *, low: float = GATE_LOW, bins: int = GATE_BINS) -> tuple[float, list[float]]:
+    """Sparsity of sigmoid gate values g (any shape, in [0, 1]): the fraction below `low`, and the
+    fraction in each of `bins` equal bins of [0, 1] (the last bin includes 1)."""
+    check_tensor("g", g, g.dim())
+    if g.numel() == 0:
+        raise ValueError("g must hold at least one gate value")
+    gf = g.detach().float().flatten()
+    if bool(((gf < 0) | (gf > 1) | gf.isnan()).any()):
+        raise ValueError("g must hold gate values in [0, 1]")
+    idx = (gf * bins).long().clamp_(max=bins - 1)
+    hist = torch.bincount(idx, minlength=bins).float() / gf.numel()
+    return (gf < low).float().mean().item(), hist.tolist()

@@ -24,7 +24,7 @@ SHARED_FIELDS = ("d_model", "n_heads", "mechanism", "head_dim", "output_gate", "
 TAU_MODES = ("global", "head", "token")
 PARAM_FORMS = ("constant", "layer", "head", "query")
 V0_FORMS = ("zero", "layer", "head")
-OUTPUT_GATES = (None, "elementwise", "headwise")
+OUTPUT_GATES = (None, "elementwise", "headwise", "prenorm")
 
 
 # --------------------------------------------------------------------------- typed fields
@@ -195,7 +195,8 @@ class AttentionConfig:
     Everything
       output_gate     None | "elementwise" | "headwise": post-readout sigmoid gate from the layer
                       input, zero-initialised weights (starts at sigmoid(0) = 0.5), applied
-                      before the output projection.
+                      before the output projection. "prenorm" (cosformer only): the gate on
+                      the numerator over a per-head gate on the normaliser, σ(g) / σ(g').
       bias            biases in the q/k/v/output projections.
       impl            the ops' "auto" | "naive" | "fast".
     """
@@ -327,6 +328,9 @@ class AttentionConfig:
         _pos("gla_normalizer", self.gla_normalizer)
         if self.output_gate not in OUTPUT_GATES:
             raise _err("output_gate", self.output_gate, f"one of {OUTPUT_GATES}")
+        if self.output_gate == "prenorm" and self.mechanism != "cosformer":
+            raise _err("output_gate", self.output_gate, "'prenorm' only with mechanism 'cosformer' (the normalised "
+                       "linear attention it gates the normaliser of)")
         if self.impl not in IMPLS:
             raise _err("impl", self.impl, f"one of {IMPLS}")
 

@@ -5,6 +5,11 @@ nonlinearity between the (linear in v) readout and the output projection. "eleme
 gate per head and channel, "headwise" one per head. W_g is zero-initialised, so every
 gate starts at σ(0) = 0.5: the layer's output starts at half its ungated value, a constant factor
 the output projection absorbs in the first steps, while the gate's gradient is largest there.
+
+"prenorm" is seed 002's pre-normalisation form for normalised linear attention (cosFormer):
+ô = (o ⊙ σ(g)) / (z · σ(g')), the numerator o gated per channel and the normaliser z by a separate
+per-head gate g'. Since the readout is o / z, that is the readout times σ(g) / σ(g'), a factor in
+(0, ∞) that starts at 1 (both projections zero-initialised).
 """
 
 from __future__ import annotations
@@ -16,15 +21,17 @@ from torch import nn
 class OutputGate(nn.Module):
     def __init__(self, mode: str, d_model: int, n_heads: int, d_v: int):
         super().__init__()
-        if mode not in ("elementwise", "headwise"):
-            raise ValueError(f"mode must be 'elementwise' or 'headwise', got {mode!r}")
+        if mode not in ("elementwise", "headwise", "prenorm"):
+            raise ValueError(f"mode must be 'elementwise', 'headwise' or 'prenorm', got {mode!r}")
         self.mode, self.n_heads = mode, n_heads
-        self.width = d_v if mode == "elementwise" else 1
+        self.width = {"elementwise": d_v, "headwise": 1, "prenorm": d_v + 1}[mode]  # prenorm: D channels + g'
         self.proj = nn.Linear(d_model, n_heads * self.width, bias=False)
         nn.init.zeros_(self.proj.weight)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        """x (B, T, C) -> gate values (B, H, T, Dv) elementwise or (B, H, T, 1) headwise."""
+        """x (B, T, C) -> gate values (B, H, T, Dv) elementwise or prenorm, (B, H, T, 1) headwise."""
         B, T, _ = x.shape
-        g = torch.sigmoid(self.proj(x))  # (B, T, H*W)
-        return g.view(B, T, self.n_heads, self.width).transpose(1, 2)  # (B, H, T, W)
+        g = torch.sigmoid(self.proj(x)).view(B, T, self.n_heads, self.width).transpose(1, 2)  # (B, H, T, W)
+        if self.mode == "prenorm":
+            return g[..., :-1] / g[..., -1:]  # sigma(g) / sigma(g'): numerator gate over normaliser gate
+        return g

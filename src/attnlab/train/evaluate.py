@@ -4,7 +4,9 @@
 - per layer and head, on one batch: attention entropy, attention-sink share (mass on the
   first token; with a learned sink also the mass on it), and for heads with scalar
   queries/keys the share of each query's mass inside its k nearest keys in scalar space,
-  k in (8, 16, 32, 64) -- what a k-entry window of the sorted cache would capture;
+  k in (8, 16, 32, 64) -- what a k-entry window of the sorted cache would capture; for the
+  linear family (whose effective matrix A need not be a distribution) the first-token share of
+  |A|'s mass; with an output gate, the fraction of its values below 0.1 and their histogram;
 - MQAR accuracy for MQAR runs, passkey accuracy at the requested lengths and depths.
 
 The weights come from each layer's `attention_weights`, which builds (B, H, T, T): the
@@ -22,7 +24,7 @@ import torch
 from attnlab.data.corpus import load_corpus
 from attnlab.data.packing import pack_documents, sequential_batches
 from attnlab.eval.metrics import (
-    TOPK_KS, alignment_profile, attention_entropy, loss_at_lengths, sink_share, topk_scalar_mass,
+    TOPK_KS, alignment_profile, attention_entropy, gate_profile, loss_at_lengths, sink_share, topk_scalar_mass,
 )
 from attnlab.eval.window import decode_window, windowed_layers
 from attnlab.eval.tasks import mqar_accuracy, passkey_accuracy
@@ -70,8 +72,14 @@ def attention_report(model, x: torch.Tensor, topk=TOPK_KS, *, alignment: bool = 
     for i, blk in enumerate(model.blocks):
         layer = blk.attn
         entry = {"layer": i, "mechanism": layer.mechanism}
+        if layer.gate is not None and layer.gate.mode != "prenorm":  # sparsity of the sigmoid gate's values
+            entry["gate_low"], entry["gate_hist"] = gate_profile(layer.gate(inputs[i]))
         if layer.recurrent:
-            report.append(entry)  # unnormalised effective matrices: entropy and shares do not apply
+            # the effective causal matrix A (o = A v) is not a distribution for GLA/SSD: the
+            # first-token share is that of |A|'s row mass; entropy and top-k do not apply
+            w = layer.attention_weights(inputs[i]).float().abs()  # (B, H, T, T)
+            entry["first_token_share"] = sink_share(w).tolist()
+            report.append(entry)
             continue
         w = layer.attention_weights(inputs[i]).float()  # (B, H, T, T + n_prefix)
         n_prefix = w.shape[-1] - w.shape[-2]

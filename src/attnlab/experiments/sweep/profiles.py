@@ -1,6 +1,7 @@
 """The parts of a sweep report that are profiles rather than single numbers: metrics by context
-length (`[metrics] lengths`) and the alignment profile over attention-weight deciles
-(`[metrics] alignment`). Both are tables (mean ± sd over seeds) and line plots with error bars."""
+length (`[metrics] lengths`), the alignment profile over attention-weight deciles
+(`[metrics] alignment`) and the histogram of output-gate values (`[metrics] gate`). Each is a
+table (mean ± sd over seeds) and a line plot with error bars."""
 
 from __future__ import annotations
 
@@ -11,11 +12,12 @@ from ..report import markdown_table, pyplot, save_figure
 
 LENGTH_RE = re.compile(r"^(?P<what>.+)/T=(?P<T>\d+)$")
 DECILE_RE = re.compile(r"^align_d(?P<i>\d+)$")
+GATE_RE = re.compile(r"^gate_h(?P<i>\d+)$")
 
 
 def is_profile(name: str) -> bool:
     """A per-run scalar shown in a profile table/plot instead of the main table and the bars."""
-    return bool(LENGTH_RE.match(name) or DECILE_RE.match(name))
+    return bool(LENGTH_RE.match(name) or DECILE_RE.match(name) or GATE_RE.match(name))
 
 
 def _pm(mean, sd) -> str:
@@ -47,12 +49,13 @@ def lengths_table(results: dict) -> str | None:
     return markdown_table(["variant", "context T"] + whats, rows)
 
 
-def alignment_table(results: dict) -> str | None:
-    names = [n for n in results["scalars"] if DECILE_RE.match(n)]
+def indexed_table(results: dict, pattern: re.Pattern, label: str) -> str | None:
+    """One row per variant, one column per scalar whose name matches `pattern` (numbered by its group i)."""
+    names = [n for n in results["scalars"] if pattern.match(n)]
     if not names:
         return None
     rows = [[name] + [_pm(v["mean"].get(n), v["sd"].get(n)) for n in names] for name, v in results["variants"].items()]
-    return markdown_table(["variant"] + [f"decile {DECILE_RE.match(n)['i']}" for n in names], rows)
+    return markdown_table(["variant"] + [label.format(i=pattern.match(n)["i"]) for n in names], rows)
 
 
 def _lines(ax, results: dict, xs: list, names: list[str], label_x: str) -> None:
@@ -85,15 +88,16 @@ def plot_lengths(results: dict, path: Path) -> Path | None:
     return save_figure(fig, path)
 
 
-def plot_alignment(results: dict, path: Path) -> Path | None:
-    names = [n for n in results["scalars"] if DECILE_RE.match(n)]
+def plot_indexed(results: dict, pattern: re.Pattern, path: Path, xs, label_x: str, label_y: str, title: str) -> Path | None:
+    """The `pattern` scalars of every variant as one line each against xs(i)."""
+    names = [n for n in results["scalars"] if pattern.match(n)]
     if not names:
         return None
     plt = pyplot()
     fig, ax = plt.subplots(figsize=(5.5, 3.6), dpi=120)
-    _lines(ax, results, [int(DECILE_RE.match(n)["i"]) for n in names], names, "attention-weight decile (10 = heaviest pairs)")
-    ax.set_ylabel("mean |qs − ks|")
-    ax.set_title("scalar distance of (query, key) pairs by attention weight", fontsize=9)
+    _lines(ax, results, [xs(int(pattern.match(n)["i"])) for n in names], names, label_x)
+    ax.set_ylabel(label_y)
+    ax.set_title(title, fontsize=9)
     return save_figure(fig, path)
 
 
@@ -110,11 +114,21 @@ def profile_sections(results: dict, out: Path) -> list[str]:
                   "nearest keys. Mean ± sd over seeds." + (" The slopes of (1 − mass@k) against ln T are in the "
                                                            "main table (" + ", ".join(slopes) + ")." if slopes else ""),
                   "", "![by context length](lengths.png)", ""]
-    table = alignment_table(results)
+    table = indexed_table(results, DECILE_RE, "decile {i}")
     if table:
-        plot_alignment(results, out / "alignment.png")
+        plot_indexed(results, DECILE_RE, out / "alignment.png", int, "attention-weight decile (10 = heaviest pairs)",
+                     "mean |qs − ks|", "scalar distance of (query, key) pairs by attention weight")
         lines += ["## Alignment profile", "", table, "",
                   "Every visible (query, key) pair of the scalar heads on the analysis batch, ranked by attention weight "
                   "and cut into ten equal groups (decile 10 = heaviest); each cell is the mean |qs − ks| of a group, "
                   "averaged over layers, mean ± sd over seeds.", "", "![alignment](alignment.png)", ""]
+    table = indexed_table(results, GATE_RE, "{i}")
+    if table:
+        n = sum(1 for s in results["scalars"] if GATE_RE.match(s))
+        plot_indexed(results, GATE_RE, out / "gate.png", lambda i: (i - 0.5) / n, "gate value (bin centre)",
+                     "fraction of gate values", "output-gate values on the analysis batch")
+        lines += ["## Output-gate values", "", table, "",
+                  f"The fraction of the output gate's values (every head, channel and query of the analysis batch, "
+                  f"mean over gated layers) in each of {n} equal bins of [0, 1], bin 1 = [0, {1 / n:.2g}); mean ± sd over "
+                  "seeds. gate_low in the main table is the fraction below 0.1.", "", "![gate values](gate.png)", ""]
     return lines

@@ -235,13 +235,17 @@ def _metrics_text(metrics: dict) -> str:
     if metrics.get("entropy"):
         parts.append("**entropy**: attention entropy (nats), mean over heads and layers")
     if metrics.get("sink_share"):
-        parts.append("**sink_share**: attention mass on the first token, mean over heads and layers")
+        parts.append("**sink_share**: attention mass on the first token, mean over heads and layers (for the linear "
+                     "family, the share of the first token in the row mass of |A|, A its effective mixing matrix)")
     if metrics.get("learned_sink_share"):
         parts.append("**learned_sink_share**: attention mass on the learned sink entry, mean over scalar heads and layers")
     if metrics.get("alignment"):
         parts.append("**align_top**: mean |qs − ks| of the 10% (query, key) pairs with the most attention weight; "
                      "**align_ratio**: align_top over the mean |qs − ks| of all visible pairs (scale-free: < 1 means "
                      "heavy pairs sit closer than average)")
+    if metrics.get("gate"):
+        parts.append("**gate_low**: fraction of the output gate's values below 0.1 on the analysis batch, mean over "
+                     "gated layers (— for variants without a gate)")
     if metrics.get("windowed_loss"):
         parts.append("**wloss@k**: validation loss when every scalar/hybrid head reads only its k nearest keys in "
                      "scalar space plus the sink (what decoding through the sorted cache computes); **wgap@k**: "

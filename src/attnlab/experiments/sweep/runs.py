@@ -14,6 +14,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from attnlab.eval.metrics import GATE_BINS
 from attnlab.models.config import ConfigError
 from attnlab.train.config import RunConfig, apply_overrides, config_from_dict, read_toml, to_dict
 
@@ -188,6 +189,11 @@ def collect_metrics(run_dir: str | os.PathLike, metrics: dict) -> dict[str, floa
         out["align_ratio"] = top / every if top is not None and every else None  # ... over that of all pairs
         for i in range(10):  # the whole profile, lowest weight decile first
             out[f"align_d{i + 1}"] = _mean_or_none([p[i] for p in profiles if len(p) == 10])
+    if metrics.get("gate"):  # mean over gated layers of the fraction of gate values below 0.1, and the histogram
+        gated = [layer for layer in layers if layer.get("gate_hist")]
+        out["gate_low"] = _mean_or_none([layer["gate_low"] for layer in gated])
+        for i in range(GATE_BINS):
+            out[f"gate_h{i + 1}"] = _mean_or_none([layer["gate_hist"][i] for layer in gated])
     # windowed-decode loss at the first evaluated length (loss_at's first, else data.seq_len), and its gap to exact
     T0 = next(iter(ev.get("loss") or {}), None)
     base = (ev.get("loss") or {}).get(T0, {}).get("loss")
