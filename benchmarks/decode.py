@@ -26,7 +26,6 @@ import argparse
 import copy
 import gc
 import json
-import math
 import os
 import platform
 import statistics

@@ -32,7 +32,7 @@ import torch
 
 from attnlab.checks import check_int
 from attnlab.models.config import ConfigError
-from attnlab.train.config import RunConfig, apply_overrides, read_toml
+from attnlab.train.config import RunConfig, read_toml
 
 COMPARED = ("softmax", "scalar", "hybrid")  # the quickstart's default mechanisms (a subset of layers.MECHANISMS)
 

@@ -14,7 +14,7 @@ from attnlab.train.config import RunConfig
 from .profiles import is_profile, profile_sections
 from ..report import MISSING, fmt, machine_info, markdown_table, save_figure
 from .runs import RunPlan, _record_of, collect_metrics, execute, plan, run, run_config, summary_of
-from .verdict import judge, rule_text, verdict, verdict_lines
+from .verdict import judge, verdict, verdict_lines
 from .spec import EVAL_ARG_KEYS, OWNED_KEYS, SUMMARY_SCALARS, Spec, SweepError, Variant, load_spec, metric_names
 
 
