@@ -179,7 +179,7 @@ def test_eval_writes_json_and_markdown(trained, capsys):
 
 def test_eval_windowed_and_by_length(trained, capsys):
     code, out, _ = run_main(["eval", str(trained), "--seq-lens", "16", "--max-tokens", "256", "--analysis-len", "16",
-                             "--windows", "2,64", "--budgets", "4", "--lengths", "16,48"], capsys)
+                             "--windows", "2,64", "--budgets", "4", "--lengths", "16,48", "--compress", "0"], capsys)
     assert code == 0
     result = json.loads((trained / "eval.json").read_text())
     exact = result["loss"]["16"]["loss"]
@@ -192,8 +192,12 @@ def test_eval_windowed_and_by_length(trained, capsys):
     assert by["lengths"]["16"]["loss"] == pytest.approx(exact, rel=1e-6)
     assert by["lengths"]["48"]["windowed_loss"]["64"] == pytest.approx(by["lengths"]["48"]["loss"], abs=1e-5)
     assert by["miss_slope"]["64"] == pytest.approx(0.0, abs=1e-5)  # 64 keys hold everything at both lengths
+    comp = result["compressed"]
+    assert set(comp) == {"2/span=0", "64/span=0"} and comp["64/span=0"]["kept"] == pytest.approx(1.0)
+    assert comp["64/span=0"]["loss"] == pytest.approx(comp["64/span=0"]["exact"], abs=1e-5)  # nothing merged, all keys
     md = (trained / "eval.md").read_text()
     assert "## Windowed-decode loss" in md and "## By context length" in md and "Slope of" in md
+    assert "## Windowed decoding with density compression" in md
 
 
 @pytest.mark.parametrize(
@@ -202,6 +206,8 @@ def test_eval_windowed_and_by_length(trained, capsys):
         (["--seq-lens", "16,x"], ["--seq-lens", "128,256"]),
         (["--windows", "0"], ["--windows"]),
         (["--budgets", "8"], ["--budgets", "--windows"]),
+        (["--compress", "0.1"], ["--compress", "--windows"]),
+        (["--windows", "4", "--compress", "-1"], ["--compress"]),
         (["--lengths", "a"], ["--lengths"]),
         (["--seq-lens", "0"], ["--seq-lens"]),
         (["--passkey", "40"], ["--passkey", "length must be >="]),
@@ -210,7 +216,7 @@ def test_eval_windowed_and_by_length(trained, capsys):
         (["--split", "train"], ["--split", "'val'", "'test'"]),
         (["data.seq_len=-1"], ["data.seq_len"]),
     ],
-    ids=["seq-lens-text", "windows-zero", "budget-alone", "lengths-text", "seq-lens-zero", "passkey-short", "passkey-depth", "max-tokens", "split", "bad-override"],
+    ids=["seq-lens-text", "windows-zero", "budget-alone", "compress-alone", "compress-negative", "lengths-text", "seq-lens-zero", "passkey-short", "passkey-depth", "max-tokens", "split", "bad-override"],
 )
 def test_eval_rejects_bad_options(trained, extra, must_contain, capsys):
     before = sorted(p.name for p in trained.iterdir())

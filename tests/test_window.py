@@ -256,3 +256,28 @@ def test_windowed_attention_tiny_lengths(T):
 
 def expand_heads_ref(v, H):
     return v.repeat_interleave(H // v.shape[1], dim=1)
+
+
+@pytest.mark.parametrize("attn,attention", [("scalar", {}), ("hybrid", {"sink": True})])
+def test_density_compression_in_decoding(attn, attention):
+    """span 0 merges only equal keys (none with learned positions): the decode is the plain window's;
+    a wide span merges, keeps fewer entries and still decodes finite logits."""
+    from attnlab.eval.window import compressed_loss
+
+    model = _model(attn, **attention)
+    idx = torch.randint(0, 50, (2, 40), generator=torch.Generator().manual_seed(1))
+    x, y = idx[:, :-1], idx[:, 1:]
+    plain = stepped_logits(model, x, 8)
+    torch.testing.assert_close(stepped_logits(model, x, 8, compress=0.0), plain, rtol=0, atol=0)
+    same = compressed_loss(model, x, y, 8, 0.0)
+    assert same["kept"] == 1.0 and same["tokens"] == y.numel()
+    assert same["loss"] == pytest.approx(next_token_loss(plain, y), rel=1e-6)
+    with torch.no_grad():
+        assert same["exact"] == pytest.approx(next_token_loss(model(x)[0], y), rel=1e-6)
+    wide = compressed_loss(model, x, y, 8, 1e3)
+    assert wide["kept"] < 0.5 and torch.isfinite(torch.tensor(wide["loss"]))
+    with pytest.raises(ValueError, match="compress.*window"):
+        model.blocks[0].attn.make_cache(1, compress=0.1)
+    for bad in (-1.0, float("inf"), True):
+        with pytest.raises(ValueError, match="compress must be"):
+            model.blocks[0].attn.make_cache(1, window=4, compress=bad)

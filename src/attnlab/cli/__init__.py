@@ -90,6 +90,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--budgets", metavar="M1,M2",
                    help="with --windows: also the windowed-decode loss with the sorted cache capped at M keys per head "
                         "(after each step it keeps the M keys nearest to its recent queries)")
+    p.add_argument("--compress", metavar="S1,S2",
+                   help="with --windows: also windowed decoding with density compression (after each step, runs of 4 "
+                        "adjacent keys spanning <= S merge into one entry), token by token on one batch at the "
+                        "training length: its loss, the exact loss and the share of keys kept")
     p.add_argument("--lengths", metavar="T1,T2",
                    help="also by context length T: exact loss, windowed-decode loss per --windows k, top-k scalar mass "
                         "and entropy on one sequence of length T, and the slope of 1 - mass@k against ln T")

@@ -72,6 +72,9 @@ def _eval_plan(ns) -> dict:
     budgets = int_list(ns.budgets, "--budgets") if ns.budgets else None
     if budgets and not windows:
         raise UsageError("--budgets caps the sorted cache of windowed decoding: give --windows as well")
+    compress = float_list(ns.compress, "--compress", 0.0, 1e6) if ns.compress else None
+    if compress and not windows:
+        raise UsageError("--compress merges keys of the sorted cache of windowed decoding: give --windows as well")
     from attnlab.layers import mechanism_class
 
     if windows and not any(getattr(mechanism_class(a.mechanism), "sorted_decode", False)
@@ -103,7 +106,7 @@ def _eval_plan(ns) -> dict:
         "source": source, "overrides": overrides, "checkpoint": ns.checkpoint, "split": ns.split, "seq_lens": seq_lens,
         "max_tokens": ns.max_tokens, "batch_size": ns.batch_size, "analysis_len": ns.analysis_len,
         "passkey_lengths": passkey, "passkey_depths": depths, "windows": windows, "budgets": budgets,
-        "context_lengths": lengths, "device": None if ns.device == "auto" else ns.device,
+        "compress": compress, "context_lengths": lengths, "device": None if ns.device == "auto" else ns.device,
     }
 
 

@@ -50,12 +50,29 @@ def decode_window(model, window: int | None, budget: int | None = None) -> Itera
 
 
 @torch.no_grad()
-def stepped_logits(model, idx: torch.Tensor, window: int | None, budget: int | None = None) -> torch.Tensor:
+def stepped_logits(model, idx: torch.Tensor, window: int | None, budget: int | None = None,
+                   compress: float | None = None, caches: list | None = None) -> torch.Tensor:
     """Logits (B, T, V) of idx (B, T) decoded token by token through the model's decode caches
-    (the sorted scalar cache for scalar/hybrid layers when window is set, capped at `budget`).
-    The reference that `decode_window` is tested against; O(T) steps, meant for short sequences."""
-    caches = model.make_caches(idx.shape[0], window=window, budget=budget)
+    (the sorted scalar cache for scalar/hybrid layers when window is set, capped at `budget`,
+    density-compressed at key span `compress`; or the given `caches`). The reference that
+    `decode_window` is tested against, and the only route for compression, which has no
+    batched form; O(T) steps, meant for short sequences."""
+    if caches is None:
+        caches = model.make_caches(idx.shape[0], window=window, budget=budget, compress=compress)
     return torch.stack([model.step(idx[:, t : t + 1], caches, pos=t) for t in range(idx.shape[1])], dim=1)
+
+
+def compressed_loss(model, idx: torch.Tensor, targets: torch.Tensor, window: int, span: float) -> dict:
+    """Windowed decoding with density compression at key span `span`, token by token on idx (B, T):
+    its loss, the exact loss of the same tokens, and the share of keys the sorted caches still hold
+    at the end (entries per head over tokens, mean over layers, heads and batch)."""
+    caches = model.make_caches(idx.shape[0], window=window, compress=span)
+    loss = next_token_loss(stepped_logits(model, idx, window, caches=caches), targets)
+    with torch.no_grad():
+        exact = next_token_loss(model(idx)[0], targets)
+    held = [c.scalar.n_entries().float().mean().item() / len(c.scalar) for c in caches
+            if c.scalar is not None and c.window is not None]
+    return {"loss": loss, "exact": exact, "kept": sum(held) / len(held), "tokens": int(targets.numel())}
 
 
 def next_token_loss(logits: torch.Tensor, targets: torch.Tensor) -> float:
@@ -63,4 +80,4 @@ def next_token_loss(logits: torch.Tensor, targets: torch.Tensor) -> float:
     return float(F.cross_entropy(logits.float().flatten(0, 1), targets.flatten(), ignore_index=-100))
 
 
-__all__ = ["decode_window", "next_token_loss", "stepped_logits", "windowed_layers"]
+__all__ = ["compressed_loss", "decode_window", "next_token_loss", "stepped_logits", "windowed_layers"]

@@ -114,6 +114,13 @@ def eval_markdown(result: dict, *, title: str | None = None) -> str:
         rows = [(int(T), k, r["loss"], r["loss"] - result["loss"][T]["loss"], r["ppl"])
                 for T, per_k in result["windowed_loss"].items() for k, r in per_k.items()]
         lines += [markdown_table(["context", "k (/M = memory budget)", "loss", "gap (nats)", "perplexity"], rows), ""]
+    if result.get("compressed"):
+        lines += ["## Windowed decoding with density compression", "",
+                  "Token by token through the sorted cache on one batch at the training length; after each step, runs "
+                  "of 4 adjacent keys spanning at most the given span merge into one entry. gap = its loss minus the "
+                  "exact loss of the same tokens; kept = cache entries per head over tokens at the end.", ""]
+        rows = [(k, r["loss"], r["loss"] - r["exact"], r["kept"], r["tokens"]) for k, r in result["compressed"].items()]
+        lines += [markdown_table(["k / span", "loss", "gap (nats)", "kept", "tokens"], rows), ""]
     if result.get("by_length"):
         by = result["by_length"]
         ks = sorted({int(k) for r in by["lengths"].values() for k in r.get("topk_mass", {})})

@@ -15,6 +15,8 @@ docs/mechanisms.md; adding one is walked through in docs/adding-a-mechanism.md.
 
 from __future__ import annotations
 
+import math
+
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
@@ -51,6 +53,7 @@ class LayerCache:
     state: RecurrentState | None = None
     window: int | None = None
     budget: int | None = None
+    compress: float | None = None
     max_len: int | None = None
 
 
@@ -232,11 +235,12 @@ class Attention(nn.Module):
     # ------------------------------------------------------------------ decode
 
     def make_cache(self, batch_size: int, *, window: int | None = None, max_len: int | None = None,
-                   budget: int | None = None) -> LayerCache:
+                   budget: int | None = None, compress: float | None = None) -> LayerCache:
         """A decode cache for `step`. window (scalar/hybrid heads only): use the sorted scalar cache
         attending the `window` nearest keys instead of the exact cache (None: every key).
         budget (with window): after each step the sorted cache keeps at most `budget` keys per head
-        (`SortedScalarCache.evict_to_budget`).
+        (`SortedScalarCache.evict_to_budget`). compress (with window): after each step the sorted
+        cache merges every aligned run of 4 keys spanning <= compress (`compress_density`).
         max_len (cosformer): the position horizon M; default config.cosformer_max_len."""
         if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1:
             raise ValueError(f"batch_size must be an int >= 1, got {batch_size!r}")
@@ -254,7 +258,12 @@ class Attention(nn.Module):
                 raise ValueError(f"budget={budget!r} caps the sorted scalar cache: give a window as well")
             if isinstance(budget, bool) or not isinstance(budget, int) or budget < 1:
                 raise ValueError(f"budget must be an int >= 1 or None, got {budget!r}")
-        cache = LayerCache(batch_size, window=window, budget=budget)
+        if compress is not None:
+            if window is None:
+                raise ValueError(f"compress={compress!r} merges keys of the sorted scalar cache: give a window as well")
+            if isinstance(compress, bool) or not isinstance(compress, (int, float)) or not 0 <= compress < math.inf:
+                raise ValueError(f"compress must be a finite float >= 0 (the key span merged) or None, got {compress!r}")
+        cache = LayerCache(batch_size, window=window, budget=budget, compress=None if compress is None else float(compress))
         self.init_cache(cache, window, max_len)
         return cache
 

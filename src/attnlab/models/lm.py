@@ -192,13 +192,16 @@ class LM(nn.Module):
 
     # ------------------------------------------------------------------ decoding
 
-    def make_caches(self, batch_size: int, window: int | None = None, budget: int | None = None) -> list:
+    def make_caches(self, batch_size: int, window: int | None = None, budget: int | None = None,
+                    compress: float | None = None) -> list:
         """One decode cache per layer. window=k makes layers with scalar heads (scalar, hybrid)
         use the sorted scalar cache over the k nearest keys; other layers keep their exact cache.
-        budget=M (with window) caps each sorted cache at M keys per head (evicted after each step)."""
+        budget=M (with window) caps each sorted cache at M keys per head (evicted after each step);
+        compress=s (with window) merges runs of 4 keys spanning <= s after each step."""
         return [
             blk.attn.make_cache(batch_size, window=window if blk.attn.n_scalar else None,
-                                budget=budget if blk.attn.n_scalar else None) for blk in self.blocks
+                                budget=budget if blk.attn.n_scalar else None,
+                                compress=compress if blk.attn.n_scalar else None) for blk in self.blocks
         ]
 
     def step(self, idx_t: torch.Tensor, caches: list, pos: int) -> torch.Tensor:

@@ -7,6 +7,8 @@
   k in (8, 16, 32, 64) -- what a k-entry window of the sorted cache would capture; for the
   linear family (whose effective matrix A need not be a distribution) the first-token share of
   |A|'s mass; with an output gate, the fraction of its values below 0.1 and their histogram;
+- windowed decoding (k nearest keys per scalar head): its loss over the same text, optionally
+  under a memory budget (eviction) and, token by token on one batch, with density compression;
 - MQAR accuracy for MQAR runs, passkey accuracy at the requested lengths and depths.
 
 The weights come from each layer's `attention_weights`, which builds (B, H, T, T): the
@@ -26,7 +28,7 @@ from attnlab.data.packing import pack_documents, sequential_batches
 from attnlab.eval.metrics import (
     TOPK_KS, alignment_profile, attention_entropy, gate_profile, loss_at_lengths, sink_share, topk_scalar_mass,
 )
-from attnlab.eval.window import decode_window, windowed_layers
+from attnlab.eval.window import compressed_loss, decode_window, windowed_layers
 from attnlab.eval.tasks import mqar_accuracy, passkey_accuracy
 
 from .checkpoint import latest_checkpoint, load_checkpoint
@@ -122,6 +124,7 @@ def evaluate(
     windows: list[int] | None = None,
     budgets: list[int] | None = None,
     context_lengths: list[int] | None = None,
+    compress: list[float] | None = None,
     device: str | None = None,
     write: bool = True,
 ) -> dict:
@@ -158,6 +161,11 @@ def evaluate(
                                                                           budgets).items()}
             for T in lens
         }
+
+    if windows and compress and windowed_layers(model):  # token by token (no batched form) on one batch
+        first = next(iter(sequential_batches(stream, d.seq_len, analysis_batch, max_batches=1)))
+        out["compressed"] = {f"{k}/span={s:g}": compressed_loss(model, first.x.to(dev), first.y.to(dev), int(k), float(s))
+                             for k in windows for s in compress}
 
     T_a = analysis_len or min(d.seq_len, 256)
     batch = next(iter(sequential_batches(stream, T_a, analysis_batch, max_batches=1)))

@@ -250,6 +250,11 @@ def _metrics_text(metrics: dict) -> str:
         parts.append("**wloss@k**: validation loss when every scalar/hybrid head reads only its k nearest keys in "
                      "scalar space plus the sink (what decoding through the sorted cache computes); **wgap@k**: "
                      "wloss@k minus the exact loss on the same tokens")
+    if metrics.get("compress"):
+        parts.append("**wloss@k/span=s**: windowed decoding with density compression (after each step, runs of 4 "
+                     "adjacent keys spanning <= s merge into one entry), token by token on one batch at the training "
+                     "length; **wgap@k/span=s**: minus the exact loss of the same tokens; **kept@k/span=s**: cache "
+                     "entries per head over tokens at the end")
     if metrics.get("lengths") and len(metrics["lengths"]) >= 2:
         parts.append("**miss_slope@k**: least-squares slope of (1 − topk_mass@k) against ln T over the context lengths")
     if metrics.get("passkey"):

@@ -166,7 +166,8 @@ def collect_metrics(run_dir: str | os.PathLike, metrics: dict) -> dict[str, floa
     ev = evaluate(run_dir, seq_lens=metrics.get("loss_at") or None, topk=tuple(metrics.get("topk_mass") or (8,)),
                   passkey_lengths=metrics.get("passkey") or None,
                   passkey_depths=tuple(metrics.get("passkey_depths", (0.0, 0.5, 1.0))),
-                  windows=metrics.get("windowed_loss") or None, budgets=metrics.get("budgets") or None, context_lengths=metrics.get("lengths") or None,
+                  windows=metrics.get("windowed_loss") or None, budgets=metrics.get("budgets") or None,
+                  compress=metrics.get("compress") or None, context_lengths=metrics.get("lengths") or None,
                   write=False, **args)
     layers = ev.get("layers", [])
     topk = topk_summary(layers)
@@ -201,6 +202,8 @@ def collect_metrics(run_dir: str | os.PathLike, metrics: dict) -> dict[str, floa
         w = ((ev.get("windowed_loss") or {}).get(T0, {}).get(k) or {}).get("loss")
         out[f"wloss@{k}"] = w
         out[f"wgap@{k}"] = w - base if w is not None and base is not None else None
+    for key, r in (ev.get("compressed") or {}).items():  # "k/span=s", token by token on one batch
+        out[f"wloss@{key}"], out[f"wgap@{key}"], out[f"kept@{key}"] = r["loss"], r["loss"] - r["exact"], r["kept"]
     rows = (ev.get("by_length") or {}).get("lengths", {})
     for T in metrics.get("lengths", []):
         row = rows.get(str(T), {})

@@ -22,7 +22,7 @@ SPEC_KEYS = ("title", "claim", "description", "base", "seeds", "overrides", "var
 VARIANT_KEYS = ("name", "overrides", "description")
 # [metrics]: what to collect per run from attnlab.train.evaluate, and evaluate's arguments
 METRIC_KEYS = ("loss_at", "topk_mass", "entropy", "sink_share", "learned_sink_share", "alignment", "gate", "windowed_loss",
-               "budgets", "lengths", "passkey", "mqar_accuracy")
+               "budgets", "compress", "lengths", "passkey", "mqar_accuracy")
 EVAL_ARG_KEYS = ("max_tokens", "batch_size", "analysis_len", "analysis_batch", "split", "passkey_depths")
 OWNED_KEYS = ("run.seed", "run.name", "run.out_dir", "run.resume", "run.overwrite", "run.progress")
 SUMMARY_SCALARS = ("val_loss", "val_ppl", "val_accuracy", "train_loss", "tokens_per_s", "train_seconds")
@@ -136,6 +136,8 @@ def metric_names(metrics: dict) -> list[str]:
     names += ["gate_low"] + [f"gate_h{i}" for i in range(1, GATE_BINS + 1)] if metrics.get("gate") else []
     for k in window_keys(metrics):
         names += [f"wloss@{k}", f"wgap@{k}"]
+    for k in metrics.get("windowed_loss", []) if metrics.get("compress") else []:
+        names += [f"{w}@{k}/span={s:g}" for s in metrics["compress"] for w in ("wloss", "wgap", "kept")]
     for T in metrics.get("lengths", []):
         names += [f"loss/T={T}"]
         names += [f"{w}@{k}/T={T}" for k in window_keys(metrics) for w in ("wloss", "wgap")]
@@ -162,6 +164,13 @@ def _check_metrics(m, key: str = "metrics") -> dict:
             _need(isinstance(v, int) and not isinstance(v, bool) and v >= 1, f"{key}.{name} must be an integer >= 1, got {v!r}")
     _need(not m.get("budgets") or m.get("windowed_loss"), f"{key}.budgets caps the sorted cache of windowed decoding: "
           f"give {key}.windowed_loss as well")
+    if "compress" in m:
+        c = m["compress"]
+        ok = isinstance(c, list) and c and all(isinstance(x, (int, float)) and not isinstance(x, bool) and 0 <= x < 1e6
+                                               for x in c)
+        _need(ok, f"{key}.compress must be a non-empty list of key spans >= 0, got {c!r}")
+        _need(m.get("windowed_loss"), f"{key}.compress merges keys of the sorted cache of windowed decoding: "
+              f"give {key}.windowed_loss as well")
     if "split" in m:
         _need(m["split"] in ("val", "test"), f"{key}.split must be 'val' or 'test', got {m['split']!r}")
     if "passkey_depths" in m:

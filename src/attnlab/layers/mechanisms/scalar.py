@@ -227,6 +227,8 @@ class ScalarAttention(Attention):
         o = cache.scalar.attend(p.qs[..., 0], tau, q=q_t, window=cache.window).unsqueeze(2)  # (B, H, 1, D)
         if cache.budget is not None:
             cache.scalar.evict_to_budget(cache.budget)
+        if cache.compress is not None:
+            cache.scalar.compress_density(cache.compress)
         return o
 
     def step_readout(self, p: Projected, cache) -> torch.Tensor:
