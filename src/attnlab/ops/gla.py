@@ -14,8 +14,10 @@ default route, ``"auto"``) is the chunked form of ``_chunked.py``: causal attent
 chunks of ``chunk_size`` steps plus state passing between chunks, memory linear in T.
 SSD uses the segment-sum form (a C x C scalar decay matrix per chunk); GLA splits each chunk
 into sub-chunks of at most 16 steps with an exact (c, c, Dk) decay tensor on the diagonal,
-so a chunk_size that is a multiple of 16 is the efficient choice. The GLA fast path gives
-first derivatives only (its diagonal blocks are a custom autograd function).
+so a chunk_size that is a multiple of 16 is the efficient choice. On the CPU (float32, float64)
+GLA runs the same chunked form as one compiled kernel, forward and backward (csrc/gla.cpp through
+ops/_ext.py), and falls back to _chunked.py when it cannot be built. The GLA fast path gives
+first derivatives only (custom autograd functions).
 
 Both are recurrences in time: ``causal=False`` raises ValueError. 16-bit inputs are computed
 in float32; the output has the input dtype and the state stays float32.
@@ -31,6 +33,7 @@ from ..checks import (
     check_finite, check_impl, check_like, check_positive, check_linear_qkv, check_qkv_step, check_state, check_tensor,
     empty_result,
 )
+from . import _ext
 from ._chunked import chunked_linear_attention
 from ._sdpa import upcast
 
@@ -145,6 +148,8 @@ def _run(q, k, v, log_decay, scale, initial_state, causal, impl, chunk_size, vec
         return empty_result((B, H, 0, Dv), q, k, v, log_decay).to(out_dtype), state
     if impl == "naive":
         o, state = _naive(q, k, v, log_decay if vector else log_decay[..., None], state)
+    elif vector and _ext.usable(q):
+        o, state = _ext.gla_chunked(q, k, v, log_decay, state, chunk_size)
     else:
         o, state = chunked_linear_attention(q, k, v, log_decay, state, chunk_size)
     return o.to(out_dtype), state

@@ -22,6 +22,10 @@ ds_j = w_j (dP_j - Delta tau_j), where tau_j = 1 if a_j > gamma, 1/2 on a tie (t
 splits the gradient of a tie evenly), 0 below; tau = (1 + sign(y)) / 2 covers all three cases.
 Shifting gamma and every a_j together leaves w unchanged, which gives the threshold's gradient
 through max(gamma, a) as -sum_j ds_j; with da/dgamma = 1 - c the total is dgamma = -c sum_j ds_j.
+
+On the CPU (float32, float64) the same algorithm runs as one compiled kernel, forward and backward
+(csrc/principled.cpp through ops/_ext.py), which reads grouped k, kg, v in place; the autograd
+Function here is the fallback when the kernel cannot be built, and the path on other devices.
 """
 
 from __future__ import annotations
@@ -36,6 +40,7 @@ from ..checks import (
     check_finite, check_groups, check_impl, check_like, check_param, check_same, check_tensor, empty_result,
 )
 from ..checks import key_counts
+from . import _ext
 from .principled_naive import principled_naive
 
 LOG2E = 1.4426950408889634
@@ -304,7 +309,9 @@ def principled_attention(
     Returns o (B, H, Tq, Dv), and w0 (B, H, Tq) too when return_ground. As alpha, beta, gamma
     -> -inf this is standard scaled softmax attention. impl "fast" (= "auto") tiles queries
     and keys in block_q x block_k blocks and never builds a Tq x Tk matrix; "naive" does.
-    By default block_k = 256 and block_q is sized so a tile holds about 2M scores over all heads.
+    On the CPU "fast" is the fused compiled kernel (default tiles 128 x 128) when it is available;
+    the PyTorch fallback defaults to block_k = 256 and a block_q sized so a tile holds about 2M
+    scores over all heads.
     Low-precision inputs (fp16, bf16) are computed in float32 and the outputs cast back.
     """
     check_impl(impl)
@@ -332,19 +339,23 @@ def principled_attention(
         tensors = (q, k, qg, kg, v, *params.values()) + ((v0,) if v0 is not None else ())
         o, w0 = empty_result((B, H, 0, Dv), *tensors), empty_result((B, H, 0), *tensors)
         return (o.to(out_dtype), w0.to(out_dtype)) if return_ground else o.to(out_dtype)
-    k, kg, v = _heads(k, H), _heads(kg, H), _heads(v, H)
 
     if impl == "naive":
+        k, kg, v = _heads(k, H), _heads(kg, H), _heads(v, H)
         o, w0 = principled_naive(q, k, qg, kg, v, params["alpha"], params["beta"], params["gamma"], v0, causal)
     else:
         log_k = key_counts(Tq, Tk, causal, q.device, work).log()  # (Tq,)
         c = (1 + F.softplus(params["alpha"]) * log_k).expand(B, H, Tq)  # margin amplification
         spb = F.softplus(params["beta"]).expand(B, H, Tq)
         gam = params["gamma"].expand(B, H, Tq)
-        flat = [x.reshape(B * H, x.shape[2], x.shape[3]) for x in (q, k, qg, kg, v)]
-        rows = [x.reshape(B * H, Tq) for x in (c, spb, gam)]
-        ok, w0 = _PrincipledTiled.apply(*flat, *rows, causal, *_block_sizes(B * H, block_q, block_k))
-        o, w0 = ok.view(B, H, Tq, Dv), w0.view(B, H, Tq)
+        if _ext.usable(q):  # the fused kernel reads grouped k, kg, v in place
+            o, w0 = _ext.principled(q, k, qg, kg, v, c, spb, gam, causal, block_q, block_k)
+        else:
+            k, kg, v = _heads(k, H), _heads(kg, H), _heads(v, H)
+            flat = [x.reshape(B * H, x.shape[2], x.shape[3]) for x in (q, k, qg, kg, v)]
+            rows = [x.reshape(B * H, Tq) for x in (c, spb, gam)]
+            ok, w0 = _PrincipledTiled.apply(*flat, *rows, causal, *_block_sizes(B * H, block_q, block_k))
+            o, w0 = ok.view(B, H, Tq, Dv), w0.view(B, H, Tq)
         if v0 is not None:
             o = o + w0[..., None] * v0[:, None, :]
     o = o.to(out_dtype)
