@@ -6,6 +6,7 @@ import math
 import pytest
 import torch
 import torch.nn.functional as F
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from attnlab.ops import hybrid_attention, scalar_attention, softmax_attention
 from attnlab.ops.scalar import hybrid_logits, scalar_logits
@@ -284,3 +285,48 @@ def test_hybrid_bad_input(shapes, match):
     with pytest.raises(ValueError, match="tau must be > 0"):
         hybrid_attention(*(torch.randn(sh) for sh in ((B, H, 8, D), (B, 2, 8, D), (B, 2, 8, DV))),
                          torch.randn(B, H, 8), torch.randn(B, H, 8), 0.0)
+
+
+class _LargestTensor(TorchDispatchMode):
+    def __init__(self):
+        super().__init__()
+        self.numel = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        for t in out if isinstance(out, (tuple, list)) else (out,):
+            if isinstance(t, torch.Tensor):
+                self.numel = max(self.numel, t.numel())
+        return out
+
+
+@pytest.mark.parametrize("op", ["scalar", "hybrid"])
+def test_grouped_values_are_not_copied_to_every_head(op):
+    """G < H: the fast path reads the G value groups in place (SDPA's enable_gqa), so nothing of the
+    size of values for every head is built, forward or backward."""
+    Tq, Tk, G = 4, 300, 1
+    qs, ks = torch.randn(B, H, Tq), torch.randn(B, H, Tk)
+    q, k, v = torch.randn(B, H, Tq, D), torch.randn(B, G, Tk, D), torch.randn(B, G, Tk, DV, requires_grad=True)
+    with _LargestTensor() as seen:
+        if op == "scalar":
+            out = scalar_attention(qs, ks, v, 0.5)
+        else:
+            out = hybrid_attention(q, k, v, qs, ks, 0.5)
+        out.sum().backward()
+    assert seen.numel < B * H * Tk * DV
+
+
+@CAUSAL
+def test_hybrid_mixed_key_and_value_groups(causal):
+    """k with 1 group and v with 2 (H = 4): SDPA runs on the 2 groups both refine."""
+    T = 40
+    q, qs, ks = torch.randn(B, H, T, D), torch.randn(B, H, T), torch.randn(B, H, T)
+    k, v = torch.randn(B, 1, T, D), torch.randn(B, 2, T, DV)
+    tau = _tau("per-head", T)
+    inputs = [x.requires_grad_() for x in (q, k, v, qs, ks)] + [tau]
+    errs = compare_fwd_bwd(
+        lambda *a: hybrid_attention(*a, causal=causal, impl="fast"),
+        lambda *a: hybrid_attention(*a, causal=causal, impl="naive"),
+        inputs,
+    )
+    assert len(errs) == 7 and max(errs.values()) <= 1e-4, errs

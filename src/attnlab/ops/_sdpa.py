@@ -9,6 +9,8 @@ queries/keys of the scalar, hybrid and key-norm-scaled ops into that shape.
 
 from __future__ import annotations
 
+import math
+
 import torch
 import torch.nn.functional as F
 
@@ -23,7 +25,7 @@ def upcast(dtype: torch.dtype) -> torch.dtype:
 
 
 def expand_heads(x: torch.Tensor, n_heads: int) -> torch.Tensor:
-    """(B, G, T, D) -> (B, H, T, D): head h reads group h // (H // G)."""
+    """(B, G, T, D) -> (B, n, T, D) for n a multiple of G: copy i reads group i // (n // G)."""
     G = x.shape[1]
     if G == n_heads:
         return x
@@ -42,8 +44,9 @@ def fused_attention(
     are sliced off the output, so padding to one head width is exact. Returns (B, H, Tq, Dv).
     """
     H, E, Dv = q.shape[1], q.shape[-1], v.shape[-1]
-    if k.shape[1] != v.shape[1]:
-        k, v = expand_heads(k, H), expand_heads(v, H)
+    if k.shape[1] != v.shape[1]:  # SDPA wants one grouping of k and v: the coarsest that refines both
+        G = math.lcm(k.shape[1], v.shape[1])
+        k, v = expand_heads(k, G), expand_heads(v, G)
     width = max(E, Dv)
     if E < width:
         q = F.pad(q, (0, width - E))  # (B, H, T, width)

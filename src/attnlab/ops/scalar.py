@@ -23,8 +23,10 @@ rounding on terms of size max|qs - r|^2 / tau. Measured at T=257 with |ks| ~ 10,
 ~2.5e-3 on the output and every gradient (the bf16 rounding of the results themselves); the
 unshifted expansion in bf16 gives 1.6, i.e. noise.
 
-Memory: linear in T. When v (or k) has fewer heads than qs, it is repeated to H heads for
-the kernel, since the augmented keys are per head.
+Memory: linear in T. Grouped values (G < H heads) are not copied to all heads: the scalar keys
+are per head, so each group's key carries one 2-column slot per head of the group, and each head's
+query fills only its own slot with zeros elsewhere (`_slots`): q'_h . k'_g is exactly head h's
+score, and SDPA reads the G groups of values in place (enable_gqa).
 """
 
 from __future__ import annotations
@@ -118,6 +120,7 @@ def scalar_attention(qs, ks, v, tau, *, causal: bool = True, impl: str = "auto")
     cdt = upcast(qs.dtype)
     inv_tau = 1.0 / _tau(tau, B, H, T, cdt, qs.device)  # (1|B, 1|H, 1|T)
     qa, ka = _augment(qs, ks, inv_tau, cdt, causal)  # (B, H, T, 2) each
+    qa, ka = _slots(qa, ka, v.shape[1])  # (B, H, Tq, 2H/G), (B, G, Tk, 2H/G)
     return fused_attention(qa, ka, v.to(cdt), causal=causal).to(v.dtype)
 
 
@@ -147,9 +150,11 @@ def hybrid_attention(q, k, v, qs, ks, tau, *, causal: bool = True, impl: str = "
     cdt = upcast(q.dtype)
     inv_tau = 1.0 / _tau(tau, B, H, T, cdt, q.device)
     qa, ka = _augment(qs, ks, inv_tau, cdt, causal)  # (B, H, T, 2) each
-    qa = torch.cat([q.to(cdt) * (1.0 / math.sqrt(D)), qa], dim=-1)  # (B, H, T, D + 2)
-    ka = torch.cat([expand_heads(k, H).to(cdt), ka], dim=-1)  # (B, H, T, D + 2)
-    return fused_attention(qa, ka, v.to(cdt), causal=causal).to(v.dtype)
+    G = math.lcm(k.shape[1], v.shape[1])  # one grouping for keys and values
+    qa, ka = _slots(qa, ka, G)  # (B, H, Tq, 2H/G), (B, G, Tk, 2H/G)
+    qa = torch.cat([q.to(cdt) * (1.0 / math.sqrt(D)), qa], dim=-1)  # (B, H, T, D + 2H/G)
+    ka = torch.cat([expand_heads(k, G).to(cdt), ka], dim=-1)  # (B, G, T, D + 2H/G)
+    return fused_attention(qa, ka, expand_heads(v, G).to(cdt), causal=causal).to(v.dtype)
 
 
 def _check_values(v, qs, B: int, H: int, T: int) -> None:
@@ -178,3 +183,18 @@ def _augment(qs, ks, inv_tau, cdt, causal: bool, ref=None):
     qa = torch.stack([2.0 * qc * inv_tau, -inv_tau], dim=-1)  # (B, H, T, 2)
     ka = torch.stack([kc, kc * kc], dim=-1)  # (B, H, T, 2)
     return qa, ka
+
+
+def _slots(qa: torch.Tensor, ka: torch.Tensor, G: int):
+    """Per-head augmented vectors qa (B, H, Tq, E), ka (B, H, Tk, E) on G key/value groups:
+    group g's key is [ka_h for its H/G heads h] (B, G, Tk, E H/G), and head h's query is qa_h
+    in its own slot, zeros in the others, so q'_h . k'_g = qa_h . ka_h exactly (products with
+    0 and 1 are exact). With G = H it returns the inputs."""
+    B, H, Tq, E = qa.shape
+    r = H // G
+    if r == 1:
+        return qa, ka
+    own = torch.eye(r, dtype=qa.dtype, device=qa.device).view(1, 1, r, 1, r, 1)  # head j of a group -> slot j
+    qw = (qa.view(B, G, r, Tq, 1, E) * own).reshape(B, H, Tq, r * E)
+    kw = ka.view(B, G, r, ka.shape[2], E).transpose(2, 3).reshape(B, G, ka.shape[2], r * E)
+    return qw, kw
