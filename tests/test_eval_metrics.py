@@ -287,3 +287,22 @@ def test_attention_report_gate_and_linear_first_token_share(attn):
             num = sum(A[b, h, t, 0].item() for b in range(2) for t in range(1, 24))
             den = sum(A[b, h, t].sum().item() for b in range(2) for t in range(1, 24))
             assert entry["first_token_share"][h] == pytest.approx(num / den, rel=1e-4)
+
+
+def test_ground_weight_and_gate_suppression_against_the_naive_op():
+    from attnlab.eval.metrics import gate_suppression, ground_weight
+    from attnlab.ops import principled_attention
+
+    g = torch.Generator().manual_seed(0)
+    B, H, T, D = 2, 2, 7, 4
+    q, k, qg, kg, v = (torch.randn(B, H, T, D, generator=g, dtype=torch.float64) for _ in range(5))
+    beta = torch.tensor([0.3, -1.0], dtype=torch.float64)
+    eye = torch.eye(T, dtype=torch.float64).expand(B, H, T, T)
+    w = principled_attention(q, k, qg, kg, eye, alpha=0.2, beta=beta, gamma=0.5, impl="naive")
+    _, w0 = principled_attention(q, k, qg, kg, v, alpha=0.2, beta=beta, gamma=0.5, impl="naive", return_ground=True)
+    assert ground_weight(w).tolist() == pytest.approx(w0.mean(dim=(0, 2)).tolist(), rel=1e-6)
+    vals = [math.log1p(math.exp(beta[h].item())) * math.log1p(math.exp(-(qg[b, h, i] @ kg[b, h, j]).item()))
+            for b in range(B) for h in range(H) for i in range(T) for j in range(i + 1)]
+    mean, strong = gate_suppression(qg, kg, beta)
+    assert mean == pytest.approx(sum(vals) / len(vals), rel=1e-5)
+    assert strong == pytest.approx(sum(x > 1 for x in vals) / len(vals))

@@ -262,3 +262,32 @@ def gate_profile(g: torch.Tensor, *, low: float = GATE_LOW, bins: int = GATE_BIN
     idx = (gf * bins).long().clamp_(max=bins - 1)
     hist = torch.bincount(idx, minlength=bins).float() / gf.numel()
     return (gf < low).float().mean().item(), hist.tolist()
+
+
+def ground_weight(w: torch.Tensor, query_mask: torch.Tensor | None = None) -> torch.Tensor:
+    """Principled attention's ground weight w0 = 1 − Σ_j w_ij (the mass a query sends to the ground
+    value v0 instead of any key), from its key weights w (B, H, Tq, Tk): mean per head over the
+    queries -> (H,)."""
+    check_tensor("w", w, 4)
+    B, _, Tq, _ = w.shape
+    valid = torch.ones(B, w.shape[1], Tq, dtype=torch.bool, device=w.device)
+    if query_mask is not None:
+        valid = valid & query_mask.bool()[:, None, :].to(w.device)
+    return _reduce(1.0 - w.detach().float().sum(-1), valid, True)
+
+
+def gate_suppression(qg: torch.Tensor, kg: torch.Tensor, beta: torch.Tensor, *, strong: float = 1.0) -> tuple[float, float]:
+    """Principled attention's suppress-only gate b_ij = softplus(β_i)·softplus(−qg_i·kg_j) ≥ 0 over the
+    causally visible pairs: (its mean in nats, the fraction of pairs it lowers by more than `strong`).
+    qg (B, H, T, Dg), kg (B, G, T, Dg) with G dividing H, beta a float, (H,) or (B, H, T)."""
+    check_tensor("qg", qg, 4)
+    check_tensor("kg", kg, 4)
+    check_groups(qg.shape[1], kg.shape[1], "kg")
+    B, H, T, _ = qg.shape
+    g = qg.detach().float() @ expand_heads(kg.detach().float(), H).transpose(-1, -2)  # (B, H, T, T)
+    b = torch.as_tensor(beta, dtype=torch.float32, device=qg.device).detach()
+    b = b.view(1, H, 1, 1) if b.dim() == 1 else (b.view(B, H, T, 1) if b.dim() == 3 else b)
+    supp = F.softplus(b) * F.softplus(-g)  # (B, H, T, T)
+    vis = torch.ones(T, T, dtype=torch.bool, device=qg.device).tril().expand_as(supp)
+    vals = supp[vis]
+    return vals.mean().item(), (vals > strong).float().mean().item()

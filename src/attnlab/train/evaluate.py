@@ -7,6 +7,7 @@
   k in (8, 16, 32, 64) -- what a k-entry window of the sorted cache would capture; for the
   linear family (whose effective matrix A need not be a distribution) the first-token share of
   |A|'s mass; with an output gate, the fraction of its values below 0.1 and their histogram;
+- for principled attention, the ground weight w0 per head and the mean suppression of its gate;
 - windowed decoding (k nearest keys per scalar head): its loss over the same text, optionally
   under a memory budget (eviction) and, token by token on one batch, with density compression;
 - MQAR accuracy for MQAR runs, passkey accuracy at the requested lengths and depths.
@@ -26,7 +27,8 @@ import torch
 from attnlab.data.corpus import load_corpus
 from attnlab.data.packing import pack_documents, sequential_batches
 from attnlab.eval.metrics import (
-    TOPK_KS, alignment_profile, attention_entropy, gate_profile, loss_at_lengths, sink_share, topk_scalar_mass,
+    TOPK_KS, alignment_profile, attention_entropy, gate_profile, gate_suppression, ground_weight, loss_at_lengths,
+    sink_share, topk_scalar_mass,
 )
 from attnlab.eval.window import compressed_loss, decode_window, windowed_layers
 from attnlab.eval.tasks import mqar_accuracy, passkey_accuracy
@@ -90,6 +92,10 @@ def attention_report(model, x: torch.Tensor, topk=TOPK_KS, *, alignment: bool = 
         if n_prefix:
             entry["learned_sink_share"] = sink_share(w, sink=0, skip_first_query=False).tolist()
         rec = layer.last
+        if layer.mechanism == "principled" and rec is not None:  # the ground state and the suppress-only gate
+            entry["ground_weight"] = ground_weight(w).tolist()
+            p = rec.heads
+            entry["gate_suppression"], entry["gate_suppression_strong"] = gate_suppression(p.qg, p.kg, p.beta)
         if rec is not None and rec.qs is not None:
             H_s = rec.heads.qs.shape[1]  # scalar heads come first in a mixed layer
             # queries that see k keys or fewer hold all their mass in any k-window: leave them out

@@ -246,6 +246,11 @@ def _metrics_text(metrics: dict) -> str:
     if metrics.get("gate"):
         parts.append("**gate_low**: fraction of the output gate's values below 0.1 on the analysis batch, mean over "
                      "gated layers (— for variants without a gate)")
+    if metrics.get("principled"):
+        parts.append("**ground_weight**: principled attention's mass on the ground value v0 (1 − the key weights' sum), "
+                     "mean over queries, heads and principled layers; **gate_suppression**: mean of its suppress-only gate "
+                     "b = softplus(β)·softplus(−qg·kg) ≥ 0 over visible pairs (nats taken off a logit); "
+                     "**gate_suppression_strong**: fraction of pairs with b > 1")
     if metrics.get("windowed_loss"):
         parts.append("**wloss@k**: validation loss when every scalar/hybrid head reads only its k nearest keys in "
                      "scalar space plus the sink (what decoding through the sorted cache computes); **wgap@k**: "

@@ -195,6 +195,10 @@ def collect_metrics(run_dir: str | os.PathLike, metrics: dict) -> dict[str, floa
         out["gate_low"] = _mean_or_none([layer["gate_low"] for layer in gated])
         for i in range(GATE_BINS):
             out[f"gate_h{i + 1}"] = _mean_or_none([layer["gate_hist"][i] for layer in gated])
+    if metrics.get("principled"):  # means over principled layers (and heads)
+        for name in ("ground_weight", "gate_suppression", "gate_suppression_strong"):
+            vals = [layer[name] for layer in layers if name in layer]
+            out[name] = _mean_or_none([x for v in vals for x in (v if isinstance(v, list) else [v])])
     # windowed-decode loss at the first evaluated length (loss_at's first, else data.seq_len), and its gap to exact
     T0 = next(iter(ev.get("loss") or {}), None)
     base = (ev.get("loss") or {}).get(T0, {}).get("loss")

@@ -21,7 +21,7 @@ SPEC_KEYS = ("title", "claim", "description", "base", "seeds", "overrides", "var
              "metrics", "verdict")
 VARIANT_KEYS = ("name", "overrides", "description")
 # [metrics]: what to collect per run from attnlab.train.evaluate, and evaluate's arguments
-METRIC_KEYS = ("loss_at", "topk_mass", "entropy", "sink_share", "learned_sink_share", "alignment", "gate", "windowed_loss",
+METRIC_KEYS = ("loss_at", "topk_mass", "entropy", "sink_share", "learned_sink_share", "alignment", "gate", "principled", "windowed_loss",
                "budgets", "compress", "lengths", "passkey", "mqar_accuracy")
 EVAL_ARG_KEYS = ("max_tokens", "batch_size", "analysis_len", "analysis_batch", "split", "passkey_depths")
 OWNED_KEYS = ("run.seed", "run.name", "run.out_dir", "run.resume", "run.overwrite", "run.progress")
@@ -134,6 +134,7 @@ def metric_names(metrics: dict) -> list[str]:
     names += [n for n in ("entropy", "sink_share", "learned_sink_share") if metrics.get(n)]
     names += ["align_top", "align_ratio"] + [f"align_d{i}" for i in range(1, 11)] if metrics.get("alignment") else []
     names += ["gate_low"] + [f"gate_h{i}" for i in range(1, GATE_BINS + 1)] if metrics.get("gate") else []
+    names += ["ground_weight", "gate_suppression", "gate_suppression_strong"] if metrics.get("principled") else []
     for k in window_keys(metrics):
         names += [f"wloss@{k}", f"wgap@{k}"]
     for k in metrics.get("windowed_loss", []) if metrics.get("compress") else []:
@@ -155,7 +156,7 @@ def _check_metrics(m, key: str = "metrics") -> dict:
     for name in ("loss_at", "topk_mass", "passkey", "windowed_loss", "budgets", "lengths"):
         if name in m:
             _int_list(m[name], f"{key}.{name}", 1)
-    for name in ("entropy", "sink_share", "learned_sink_share", "alignment", "gate", "mqar_accuracy"):
+    for name in ("entropy", "sink_share", "learned_sink_share", "alignment", "gate", "principled", "mqar_accuracy"):
         if name in m:
             _need(isinstance(m[name], bool), f"{key}.{name} must be true or false, got {m[name]!r}")
     for name in ("max_tokens", "batch_size", "analysis_len", "analysis_batch"):
