@@ -9,13 +9,16 @@ backward, gradient clipping and the AdamW update (no evaluation, no logging reco
 Every variant runs the same config (default: the quickstart model, configs/quickstart.toml)
 with the default fast paths; the first `--warmup` steps are not timed. tokens/s comes from
 the fastest timed step (as timeit does: on a shared machine the slower steps measure the
-other jobs); the median is printed beside it. Prints a table and writes
+other jobs); the median is printed beside it. The "[fallback]" variants train the same model
+with the compiled CPU kernels switched off (the pure-PyTorch fast paths), so one run shows
+what the kernels buy a whole training step. Prints a table and writes
 benchmarks/results/train_speed.json.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import platform
@@ -29,8 +32,11 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "src"))
 
+from attnlab.ops import _ext  # noqa: E402
 from attnlab.train import load_config  # noqa: E402
 from attnlab.train.trainer import Trainer  # noqa: E402
+
+FALLBACK = "[fallback]"  # suffix: the variant runs with the compiled CPU kernels off
 
 # name -> overrides; the gated variants add the zero-initialised sigmoid output gate (docs/mechanisms.md#output-gate)
 VARIANTS = {
@@ -38,8 +44,10 @@ VARIANTS = {
     "scalar": ["model.attn=scalar"],
     "hybrid": ["model.attn=hybrid"],
     "principled": ["model.attn=principled"],
+    "principled[fallback]": ["model.attn=principled"],
     "cosformer": ["model.attn=cosformer"],
     "gla": ["model.attn=gla"],
+    "gla[fallback]": ["model.attn=gla"],
     "ssd": ["model.attn=ssd"],
     "softmax+gate": ["model.attn=softmax", 'model.attention={output_gate="elementwise"}'],
     "cosformer+gate": ["model.attn=cosformer", 'model.attention={output_gate="elementwise"}'],
@@ -48,32 +56,33 @@ VARIANTS = {
 
 def build(config: str, name: str, overrides: list[str], out_dir: str) -> Trainer:
     cfg = load_config(config, [
-        *overrides, *VARIANTS[name], f"run.out_dir={out_dir}", f"run.name=speed-{name.replace('+', '-')}",
+        *overrides, *VARIANTS[name], f"run.out_dir={out_dir}", f"run.name=speed-{name.replace('+', '-').replace(FALLBACK, '-fallback')}",
         "run.overwrite=true", "run.progress=false", "run.tensorboard=false",
         "train.steps=100000", "train.warmup_steps=0", "train.log_every=100000",  # no per-step records
     ])
     return Trainer(cfg)
 
 
-def timed_step(trainer: Trainer) -> float:
+def timed_step(trainer: Trainer, fallback: bool = False) -> float:
     sync = torch.cuda.synchronize if trainer.device.type == "cuda" else (lambda: None)
-    sync()
-    t0 = time.perf_counter()
-    trainer.train_step()
-    sync()
-    return time.perf_counter() - t0
+    with _ext.disabled() if fallback else contextlib.nullcontext():
+        sync()
+        t0 = time.perf_counter()
+        trainer.train_step()
+        sync()
+        return time.perf_counter() - t0
 
 
 def measure(trainers: dict[str, Trainer], steps: int, warmup: int) -> list[dict]:
     """Round-robin: each round times one step of every variant, so a change in the load of a
     shared machine falls on all of them alike rather than on whichever ran at that moment."""
-    for trainer in trainers.values():
+    for name, trainer in trainers.items():
         for _ in range(warmup):
-            timed_step(trainer)
+            timed_step(trainer, name.endswith(FALLBACK))
     times = {name: [] for name in trainers}
     for _ in range(steps):
         for name, trainer in trainers.items():
-            times[name].append(timed_step(trainer))
+            times[name].append(timed_step(trainer, name.endswith(FALLBACK)))
     rows = []
     for name, trainer in trainers.items():
         ts = sorted(times[name])
@@ -81,6 +90,7 @@ def measure(trainers: dict[str, Trainer], steps: int, warmup: int) -> list[dict]
         rows.append({
             "variant": name,
             "overrides": VARIANTS[name],
+            "compiled_kernels": not name.endswith(FALLBACK) and _ext.library() is not None,
             "params": trainer.model.num_params(),
             "tokens_per_step": tokens,
             "min_step_s": ts[0],
@@ -113,10 +123,10 @@ def main() -> None:
         trainers = {name: build(args.config, name, args.overrides, tmp) for name in names}
         rows = measure(trainers, args.steps, args.warmup)
     base = next((r["tokens_per_s"] for r in rows if r["variant"] == "softmax"), None)
-    print(f"{'variant':<16}{'params':>10}{'tokens/step':>13}{'best ms':>9}{'median ms':>11}{'tokens/s':>10}{'vs softmax':>12}")
+    print(f"{'variant':<22}{'params':>10}{'tokens/step':>13}{'best ms':>9}{'median ms':>11}{'tokens/s':>10}{'vs softmax':>12}")
     for r in rows:
         rel = f"{r['tokens_per_s'] / base:.2f}x" if base else "-"
-        print(f"{r['variant']:<16}{r['params']:>10,}{r['tokens_per_step']:>13,}{r['min_step_s'] * 1e3:>9.0f}"
+        print(f"{r['variant']:<22}{r['params']:>10,}{r['tokens_per_step']:>13,}{r['min_step_s'] * 1e3:>9.0f}"
               f"{r['median_step_s'] * 1e3:>11.0f}{r['tokens_per_s']:>10,.0f}{rel:>12}")
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
