@@ -377,3 +377,11 @@ def test_run_folder_from_before_an_option_existed_matches(reference, tmp_path):
     cfg = next(p.cfg for p in plan(spec) if p.variant == "hybrid" and p.seed == 0)
     assert "spread_start" not in str(read_toml(run / "config.toml"))
     assert config_changes(run, cfg) == []
+
+
+def test_windowed_loss_by_length_derived_from_loss_and_gap():
+    from attnlab.experiments.sweep.results import _with_derived
+
+    got = _with_derived({"loss/T=64": 2.0, "wgap@8/T=64": 0.25, "wloss@8/T=64": None, "wloss@8/T=128": None,
+                         "loss/T=128": None, "wgap@8/T=128": 0.5, "wloss@4/T=64": 1.0})
+    assert got["wloss@8/T=64"] == 2.25 and got["wloss@8/T=128"] is None and got["wloss@4/T=64"] == 1.0

@@ -51,13 +51,25 @@ def _run_entry(spec: Spec, variant: str, seed: int, cfg: RunConfig, run_dir: Pat
         "params": s["params"], "steps": s["steps"], "tokens": s["steps"] * cfg.train.tokens_per_step,
         **{k: s.get(k) for k in SUMMARY_SCALARS},
         "wall_seconds": record.get("wall_seconds"), "tau": s.get("tau"), "resumed": s.get("resumed_from") is not None,
-        "metrics": {n: (record.get("metrics") or {}).get(n) for n in metric_names(spec.metrics)},
+        "metrics": _with_derived({n: (record.get("metrics") or {}).get(n) for n in metric_names(spec.metrics)}),
         "curves": {
             "train": [[r["step"], r["loss"]] for r in log if r.get("kind") == "train" and "loss" in r],
             "val": [[r["step"], r["val_loss"]] for r in log if r.get("kind") == "eval" and "val_loss" in r],
             "tau": [[r["step"], _mean_tau(r)] for r in log if r.get("kind") == "train" and _mean_tau(r) is not None],
         },
     }
+
+
+def _with_derived(metrics: dict) -> dict:
+    """Fill wloss@k/T=T from loss/T=T + wgap@k/T=T where a run recorded only those two (runs
+    evaluated before the windowed loss by length was a metric of its own); the same numbers."""
+    for name, value in metrics.items():
+        if value is None and name.startswith("wloss@") and "/T=" in name:
+            T = name.rsplit("/T=", 1)[1]
+            gap, loss = metrics.get("wgap@" + name[len("wloss@"):]), metrics.get(f"loss/T={T}")
+            if gap is not None and loss is not None:
+                metrics[name] = loss + gap
+    return metrics
 
 
 def _mean_tau(row: dict) -> float | None:
