@@ -180,7 +180,7 @@ def measure_memory(name, B, H, T, D, groups=None, src=None) -> dict:
     if T > MEMORY_SKIP.get(name, math.inf):
         return {"note": f"not run: materialises T x T ({B * H * T * T * 4 / 2**30:.1f} GiB per copy)"}
     cmd = [sys.executable, __file__, "--memory-child", name, "--B", str(B), "--H", str(H), "--D", str(D),
-           "--T", str(T), "--groups", str(groups or H)]
+           "--T", str(T), "--groups", str(groups or H), "--threads", str(torch.get_num_threads())]
     env = dict(os.environ, PYTHONPATH=str(src)) if src else None
     proc = subprocess.run(cmd, capture_output=True, text=True, env=env)
     if proc.returncode != 0:
@@ -220,11 +220,16 @@ def main(argv=None) -> None:
     parser.add_argument("--gqa-groups", type=int, default=2, help="key/value heads of the GQA memory table (0: skip)")
     parser.add_argument("--gqa-before-src", type=Path, help="src/ of an older checkout: its GQA memory too")
     parser.add_argument("--gqa-before-label", default="", help="what --gqa-before-src is (e.g. a commit)")
+    parser.add_argument("--threads", type=int, default=0,
+                        help="torch CPU threads (0: torch's default); on a shared machine 1 avoids threads "
+                             "waiting for each other at every op's barrier")
     parser.add_argument("--out", type=Path, default=RESULTS)
     parser.add_argument("--memory-child", help=argparse.SUPPRESS)
     parser.add_argument("--groups", type=int, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     B, H, T, D = args.B, args.H, args.T, args.D
+    if args.threads:
+        torch.set_num_threads(args.threads)
     if args.memory_child:
         memory_child(args.memory_child, B, H, T, D, args.groups)
         return

@@ -206,7 +206,7 @@ def principled(q, k, qg, kg, v, c, spb, gamma, causal: bool, block_q: int | None
     c, spb, gamma: broadcastable to (B, H, Tq). Returns (key readout (B, H, Tq, Dv), w0 (B, H, Tq))."""
     B, H, Tq, _ = q.shape
     rows = [x.expand(B, H, Tq).contiguous() for x in (c, spb, gamma)]
-    blocks = (block_q or PRINCIPLED_BLOCK_Q, block_k or PRINCIPLED_BLOCK_K)
+    blocks = (min(block_q or PRINCIPLED_BLOCK_Q, Tq), min(block_k or PRINCIPLED_BLOCK_K, k.shape[2]))  # tile buffers
     return _Principled.apply(*(x.contiguous() for x in (q, k, qg, kg, v)), *rows, causal, *blocks)
 
 
