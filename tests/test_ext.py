@@ -304,3 +304,14 @@ def test_results_do_not_depend_on_the_thread_count():
         runs.append(outs)
     torch.set_num_threads(1)
     assert all(torch.equal(a, b) for a, b in zip(*runs))
+
+
+def test_backward_follows_the_forward_route():
+    """A graph built on the kernels differentiates on them even if the kernels are switched off
+    before backward (as a benchmark or a test toggling them might)."""
+    _kernels_or_skip()
+    q, k, qg, kg, v, alpha, beta, gamma, v0 = principled_inputs(20, seed=10)
+    o = principled_attention(q, k, qg, kg, v, alpha=alpha, beta=beta, gamma=gamma, v0=v0)
+    with _ext.disabled():
+        o.sum().backward()
+    assert torch.isfinite(q.grad).all()

@@ -143,8 +143,9 @@ def disabled():
 
 
 def call(name: str, dtype: torch.dtype, *args) -> None:
-    """lib.<name>_<f32|f64>(*args): tensors go as data pointers, ints as int64."""
-    fn = getattr(library(), f"{name}_{DTYPES[dtype]}")
+    """lib.<name>_<f32|f64>(*args): tensors go as data pointers, ints as int64. Uses the loaded
+    library even inside `disabled()`: a backward pass follows the route its forward pass took."""
+    fn = getattr(_lib, f"{name}_{DTYPES[dtype]}")
     fn(*(a.data_ptr() if isinstance(a, torch.Tensor) else a for a in args))
 
 
