@@ -1,7 +1,7 @@
 """attnlab's compiled CPU kernels (ops/csrc/): built on first use, cached, called through ctypes.
 
 The kernels are C++ with OpenMP and a plain C interface; `torch.utils.cpp_extension.load` builds
-them once per machine (about a second: they include no torch header) into torch's extension
+them once per machine (a few seconds: they include no torch header) into torch's extension
 cache (TORCH_EXTENSIONS_DIR, default ~/.cache/torch_extensions), and later processes load the
 cached library. They call the BLAS that libtorch carries and run on torch's OpenMP threads
 (`torch.get_num_threads()`).

@@ -2,7 +2,7 @@
 // elementwise functions the kernels apply to every score (exp2, log(1 + e), softplus).
 //
 // The kernels have a plain C interface (raw pointers and sizes) and include no torch header, so
-// that a cold build takes about a second; the Python side checks every argument before a call.
+// that a cold build takes a few seconds; the Python side checks every argument before a call.
 #pragma once
 
 #include <algorithm>
