@@ -285,3 +285,20 @@ def test_cosformer_horizon_shorter_than_seq_len_is_a_config_error():
     with pytest.raises(ConfigError, match=r"cosformer_max_len.*data\.seq_len"):
         load_config(TINY, ["model.attn=cosformer", "model.max_seq_len=16"])
     assert load_config(TINY, ["model.attn=cosformer", "model.attention.cosformer_max_len=64"])
+
+
+def test_windowed_config_is_the_evidence_winner():
+    """configs/windowed.toml trains exactly the experiments/windowed variant its comment names."""
+    from pathlib import Path
+
+    from attnlab.experiments.sweep import load_spec, run_config
+    from attnlab.train import load_config
+    from attnlab.train.config import to_dict
+
+    root = Path(__file__).resolve().parents[1]
+    spec = load_spec(root / "experiments" / "windowed" / "spec.toml")
+    variant = next(v for v in spec.variants if v.name == "scalar")
+    want, _ = run_config(spec, variant, 0, spec.out)
+    got = load_config(root / "configs" / "windowed.toml")
+    for section in ("model", "data", "train", "regularizers"):
+        assert to_dict(getattr(got, section)) == to_dict(getattr(want, section)), section
