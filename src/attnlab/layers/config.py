@@ -20,6 +20,7 @@ from ..ops.softmax import SCALES
 from .params import TAU_PARAMS
 
 # Fields every mechanism reads; each mechanism class lists the others it reads in `options`.
+LAYER_IMPLS = (*IMPLS, "approx")  # "approx": scalar heads only (see AttentionConfig)
 SHARED_FIELDS = ("d_model", "n_heads", "mechanism", "head_dim", "output_gate", "bias", "impl")
 TAU_MODES = ("global", "head", "token")
 PARAM_FORMS = ("constant", "layer", "head", "query")
@@ -198,7 +199,9 @@ class AttentionConfig:
                       before the output projection. "prenorm" (cosformer only): the gate on
                       the numerator over a per-head gate on the normaliser, σ(g) / σ(g').
       bias            biases in the q/k/v/output projections.
-      impl            the ops' "auto" | "naive" | "fast".
+      impl            the ops' "auto" | "naive" | "fast"; "approx" (mechanism "scalar" only): the
+                      scalar heads run `attnlab.ops.scalar_attention_approx` (docs/mechanisms.md#
+                      approximate-scalar-attention), dot-product heads and decoding stay exact.
     """
 
     d_model: int
@@ -331,8 +334,12 @@ class AttentionConfig:
         if self.output_gate == "prenorm" and self.mechanism != "cosformer":
             raise _err("output_gate", self.output_gate, "'prenorm' only with mechanism 'cosformer' (the normalised "
                        "linear attention it gates the normaliser of)")
-        if self.impl not in IMPLS:
-            raise _err("impl", self.impl, f"one of {IMPLS}")
+        if self.impl not in LAYER_IMPLS:
+            raise _err("impl", self.impl, f"one of {LAYER_IMPLS}")
+        if self.impl == "approx" and self.mechanism != "scalar":
+            raise _err("impl", self.impl, f"one of the exact paths {IMPLS} for mechanism {self.mechanism!r}: 'approx' "
+                       "(approximate scalar attention) exists only for mechanism 'scalar'; set it per layer "
+                       "with model.layer_attention")
 
     @property
     def n_dot_heads(self) -> int:

@@ -65,6 +65,7 @@ def _window(k_sorted, q_sorted, tau_sorted, tol: float, block: int):
     """The run of sorted keys each block of sorted queries reads: (W, start (B, H, nb))."""
     B, H, T = k_sorted.shape
     r = (tau_sorted * math.log(max(T, 2) / tol)).sqrt()  # (B, H, T)
+    k_sorted = k_sorted.contiguous()
     lo = torch.searchsorted(k_sorted, (q_sorted - r).contiguous())
     hi = torch.searchsorted(k_sorted, (q_sorted + r).contiguous(), right=True)
     nb = -(-T // block)

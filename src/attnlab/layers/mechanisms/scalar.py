@@ -10,6 +10,11 @@ Position. Scalar heads get no position signal of their own: a scalar has no rota
 position term would break the kernel's dependence on qs − ks alone (and with it the sorted
 cache). They see position through the causal mask and the residual stream.
 
+Approximate. With impl="approx" the scalar heads' full-sequence op is `scalar_attention_approx`
+(docs/mechanisms.md#approximate-scalar-attention: each query's dropped softmax mass at most 1e-4);
+the dot-product heads of a mixed layer and every decode step run the exact ops. The hybrid
+mechanism has no approximate path: its config rejects impl="approx".
+
 Sink. With `sink=True`, scalar heads see one extra key at position "−1": scalar key `sink_key`
 (a zero vector key for hybrid scores) and a learned value per value group, initialised to zero.
 It is prepended with an extra leading query whose output is dropped, so the op runs unchanged
@@ -25,12 +30,20 @@ from torch import nn
 from ...cache.exact import ExactScalarCache
 from ...cache.kv import KVCache
 from ...cache.sorted import QUERY_HISTORY, SortedScalarCache
-from ...ops import budget_evictions, hybrid_logits, scalar_attention, scalar_logits, softmax_attention, window_mask, windowed_attention
+from ...ops import (
+    budget_evictions, hybrid_logits, scalar_attention, scalar_attention_approx, scalar_logits, softmax_attention, window_mask,
+    windowed_attention,
+)
 from ...ops._sdpa import expand_heads
 from ..attention import Attention, heads
 from ..params import Temperature
 from ..record import Projected
 from . import register
+
+def exact_impl(impl: str) -> str:
+    """impl="approx" approximates only the scalar heads' full-sequence op; everything else runs "auto"."""
+    return "auto" if impl == "approx" else impl
+
 
 SCALAR_OPTIONS = ("tau", "tau_init", "tau_param", "tau_max", "sink", "sink_key")
 
@@ -111,7 +124,9 @@ class ScalarAttention(Attention):
         return None, None
 
     def scalar_op(self, qs, ks, vals, tau, q, k, impl):
-        return scalar_attention(qs, ks, vals, tau, causal=True, impl=impl)
+        if impl == "approx" and qs.shape[-1] == ks.shape[-1]:  # a whole sequence (decode steps stay exact)
+            return scalar_attention_approx(qs, ks, vals, tau)
+        return scalar_attention(qs, ks, vals, tau, causal=True, impl=exact_impl(impl))
 
     def with_sink(self, p: Projected):
         """The scalar op's inputs, with the sink prepended when on: (qs, ks, values, tau, q, k, n_prefix)."""
@@ -150,7 +165,7 @@ class ScalarAttention(Attention):
         o = self.scalar_readout(qs, ks, vals if values is None else values, tau, q, k, impl, n_pre)[:, :, n_pre:]
         if self.n_dot:  # the dot-product heads of a mixed layer
             vd = p.v if values is None else values[:, :1, n_pre:, n_pre:].expand(-1, self.n_kv, -1, -1)
-            od = softmax_attention(p.q, p.k, vd, causal=True, scale=c.scale, p=c.p, impl=impl)
+            od = softmax_attention(p.q, p.k, vd, causal=True, scale=c.scale, p=c.p, impl=exact_impl(impl))
             if n_pre and values is not None:  # the sink column, never seen by dot heads
                 od = torch.cat([od.new_zeros(od[..., :n_pre].shape), od], dim=-1)
             o = torch.cat([o, od], dim=1)  # (B, H, T, Dv): scalar heads first
@@ -236,7 +251,7 @@ class ScalarAttention(Attention):
         if self.n_dot:
             c = self.config
             full = cache.kv.append(k=p.k, v=p.v)
-            od = softmax_attention(p.q, full["k"], full["v"], scale=c.scale, p=c.p, impl=c.impl)
+            od = softmax_attention(p.q, full["k"], full["v"], scale=c.scale, p=c.p, impl=exact_impl(c.impl))
             o = torch.cat([o, od.to(o.dtype)], dim=1)  # scalar heads first
         return o
 
