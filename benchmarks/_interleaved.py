@@ -39,3 +39,19 @@ def ratios(times: dict[str, list[float]], baseline: str) -> dict[str, dict[str, 
                      "median_ratio": statistics.median(per_round), "best_ratio": min(ts) / min(base),
                      "rounds": len(ts)}
     return out
+
+
+def write_json(path, out: dict) -> None:
+    """Write a benchmark's results with the machine they were measured on, and say where."""
+    import json
+    import os
+    import platform
+    from pathlib import Path
+
+    import torch
+
+    out = {**out, "machine": {"cpu": platform.processor() or platform.machine(), "cores": os.cpu_count(),
+                              "torch": torch.__version__, "load_average": os.getloadavg()}}
+    Path(path).parent.mkdir(parents=True, exist_ok=True)
+    Path(path).write_text(json.dumps(out, indent=1) + "\n")
+    print(f"wrote {path}")

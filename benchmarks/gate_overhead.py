@@ -17,9 +17,6 @@ Writes benchmarks/results/gate_overhead.json.
 from __future__ import annotations
 
 import argparse
-import json
-import os
-import platform
 import sys
 from pathlib import Path
 
@@ -29,7 +26,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "src"))
 sys.path.insert(0, str(ROOT / "benchmarks"))
 
-from _interleaved import interleaved, ratios  # noqa: E402
+from _interleaved import interleaved, ratios, write_json  # noqa: E402
 from attnlab.models import LM, ModelConfig  # noqa: E402
 
 BASES = ("cosformer", "gla", "ssd", "softmax")
@@ -97,12 +94,8 @@ def main(argv=None) -> int:
                     print(f"{size:10s} {base:9s} {g:11s} {what:7s} median {100 * (r[g]['median_ratio'] - 1):+6.1f}%  "
                           f"best {100 * (r[g]['best_ratio'] - 1):+6.1f}%  ({1e3 * r['none']['median_s']:.1f} ms ungated)",
                           flush=True)
-    out = {"rounds": args.rounds, "threads": args.threads, "sizes": {s: SIZES[s] for s in sizes}, "rows": rows,
-           "machine": {"cpu": platform.processor() or platform.machine(), "cores": os.cpu_count(),
-                       "torch": torch.__version__}}
-    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.out).write_text(json.dumps(out, indent=1) + "\n")
-    print(f"wrote {args.out}")
+    out = {"rounds": args.rounds, "threads": args.threads, "sizes": {s: SIZES[s] for s in sizes}, "rows": rows}
+    write_json(args.out, out)
     return 0
 
 

@@ -14,9 +14,6 @@ Writes benchmarks/results/scaling_cost.json.
 from __future__ import annotations
 
 import argparse
-import json
-import os
-import platform
 import sys
 from pathlib import Path
 
@@ -26,7 +23,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "src"))
 sys.path.insert(0, str(ROOT / "benchmarks"))
 
-from _interleaved import interleaved, ratios  # noqa: E402
+from _interleaved import interleaved, ratios, write_json  # noqa: E402
 from attnlab.ops import softmax_attention  # noqa: E402
 from attnlab.ops.softmax import SCALES  # noqa: E402
 
@@ -70,11 +67,8 @@ def main(argv=None) -> int:
                 rows.append({"T": T, "pass": what, "scale": s, **r[s]})
                 print(f"T={T:5d} {what:7s} {s:8s} {1e3 * r[s]['median_s']:8.2f} ms  median x{r[s]['median_ratio']:.3f}  "
                       f"best x{r[s]['best_ratio']:.3f}", flush=True)
-    out = {"B": 1, "H": 8, "D": 64, "rounds": args.rounds, "threads": args.threads, "rows": rows,
-           "machine": {"cpu": platform.processor() or platform.machine(), "cores": os.cpu_count(), "torch": torch.__version__}}
-    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.out).write_text(json.dumps(out, indent=1) + "\n")
-    print(f"wrote {args.out}")
+    out = {"B": 1, "H": 8, "D": 64, "rounds": args.rounds, "threads": args.threads, "rows": rows}
+    write_json(args.out, out)
     return 0
 
 

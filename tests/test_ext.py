@@ -8,10 +8,9 @@ import warnings
 import pytest
 import torch
 import torch.nn.functional as F
-from torch.utils._python_dispatch import TorchDispatchMode
 
 from attnlab.ops import _ext, gla_attention, principled_attention
-from attnlab.testing import compare_fwd_bwd, rel_rms
+from attnlab.testing import LargestTensor, compare_fwd_bwd, rel_rms
 
 TOL = 1e-4
 B, H, D, DG, DV = 2, 4, 8, 4, 6
@@ -266,17 +265,6 @@ def test_failed_build_warns_once_and_falls_back(monkeypatch):
         assert_close(compare_fwd_bwd(principled("fast"), principled("naive"), inputs))
 
 
-class _Largest(TorchDispatchMode):
-    def __init__(self):
-        super().__init__()
-        self.numel = 0
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        out = func(*args, **(kwargs or {}))
-        for t in out if isinstance(out, (tuple, list)) else (out,):
-            if isinstance(t, torch.Tensor):
-                self.numel = max(self.numel, t.numel())
-        return out
 
 
 def test_grouped_heads_are_read_in_place():
@@ -284,7 +272,7 @@ def test_grouped_heads_are_read_in_place():
     _kernels_or_skip()
     q, k, qg, kg, v, alpha, beta, gamma, v0 = (x.detach() if isinstance(x, torch.Tensor) else x
                                               for x in principled_inputs(4, Tk=300, groups=(1, 1, 1)))
-    with _Largest() as seen:
+    with LargestTensor() as seen:
         principled_attention(q, k, qg, kg, v, alpha=alpha, beta=beta, gamma=gamma, v0=v0)
     assert seen.numel < B * H * 300 * D
 

@@ -7,10 +7,9 @@ import math
 import pytest
 import torch
 import torch.nn.functional as F
-from torch.utils._python_dispatch import TorchDispatchMode
 
 from attnlab.ops import principled_attention
-from attnlab.testing import compare_fwd_bwd, rel_rms
+from attnlab.testing import LargestTensor, compare_fwd_bwd, rel_rms
 
 TOL = 1e-4
 B, H, D, DG, DV = 2, 2, 8, 4, 6
@@ -235,23 +234,12 @@ def test_low_precision_inputs_are_computed_in_float32():
     assert rel_rms(out.float(), ref) < 2e-2
 
 
-class _LargestTensor(TorchDispatchMode):
-    def __init__(self):
-        super().__init__()
-        self.numel = 0
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        out = func(*args, **(kwargs or {}))
-        for t in out if isinstance(out, (tuple, list)) else (out,):
-            if isinstance(t, torch.Tensor):
-                self.numel = max(self.numel, t.numel())
-        return out
 
 
 def test_fast_path_never_builds_a_t_by_t_matrix():
     T, N = 512, B * H
     q, k, qg, kg, v, alpha, beta, gamma, v0 = make_inputs(T, form="query")
-    with _LargestTensor() as seen:
+    with LargestTensor() as seen:
         o = principled_attention(q, k, qg, kg, v, alpha=alpha, beta=beta, gamma=gamma, v0=v0, block_q=64, block_k=64)
         o.sum().backward()
     assert seen.numel <= max(N * 64 * 64, N * T * (D + 1))

@@ -6,11 +6,10 @@ import math
 import pytest
 import torch
 import torch.nn.functional as F
-from torch.utils._python_dispatch import TorchDispatchMode
 
 from attnlab.ops import hybrid_attention, scalar_attention, softmax_attention
 from attnlab.ops.scalar import hybrid_logits, scalar_logits
-from attnlab.testing import compare_fwd_bwd, rel_rms
+from attnlab.testing import LargestTensor, compare_fwd_bwd, rel_rms
 
 B, H, D, DV = 2, 4, 16, 24
 TAU_FORMS = ["float", "per-head", "per-query"]
@@ -287,19 +286,6 @@ def test_hybrid_bad_input(shapes, match):
                          torch.randn(B, H, 8), torch.randn(B, H, 8), 0.0)
 
 
-class _LargestTensor(TorchDispatchMode):
-    def __init__(self):
-        super().__init__()
-        self.numel = 0
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        out = func(*args, **(kwargs or {}))
-        for t in out if isinstance(out, (tuple, list)) else (out,):
-            if isinstance(t, torch.Tensor):
-                self.numel = max(self.numel, t.numel())
-        return out
-
-
 @pytest.mark.parametrize("op", ["scalar", "hybrid"])
 def test_grouped_values_are_not_copied_to_every_head(op):
     """G < H: the fast path reads the G value groups in place (SDPA's enable_gqa), so nothing of the
@@ -307,7 +293,7 @@ def test_grouped_values_are_not_copied_to_every_head(op):
     Tq, Tk, G = 4, 300, 1
     qs, ks = torch.randn(B, H, Tq), torch.randn(B, H, Tk)
     q, k, v = torch.randn(B, H, Tq, D), torch.randn(B, G, Tk, D), torch.randn(B, G, Tk, DV, requires_grad=True)
-    with _LargestTensor() as seen:
+    with LargestTensor() as seen:
         if op == "scalar":
             out = scalar_attention(qs, ks, v, 0.5)
         else:

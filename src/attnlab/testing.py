@@ -103,3 +103,36 @@ def compare_fwd_bwd(
             continue
         errs[f"grad{i}"] = _error(ga, gb)
     return errs
+
+
+class LargestTensor:
+    """Records the largest tensor (in elements) any torch op produces inside the block, so a test
+    can check that a fast path never materialises, say, a T x T matrix or keys for every head.
+
+    >>> with LargestTensor() as seen:
+    ...     scalar_attention(qs, ks, v, tau)
+    >>> seen.numel < T * T
+    """
+
+    def __init__(self):
+        from torch.utils._python_dispatch import TorchDispatchMode
+
+        outer = self
+
+        class _Mode(TorchDispatchMode):
+            def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+                out = func(*args, **(kwargs or {}))
+                for t in out if isinstance(out, (tuple, list)) else (out,):
+                    if isinstance(t, torch.Tensor):
+                        outer.numel = max(outer.numel, t.numel())
+                return out
+
+        self.numel = 0
+        self._mode = _Mode()
+
+    def __enter__(self) -> "LargestTensor":
+        self._mode.__enter__()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._mode.__exit__(*exc)
