@@ -37,6 +37,7 @@ __all__ = ["APPROX_TOL", "approx_plan", "scalar_attention_approx"]
 
 APPROX_TOL = 1e-4  # default bound on the dropped softmax mass per query
 FALLBACK_FRACTION = 8  # more than T / 8 exact rows in one head: run the exact path instead
+CHUNK_ELEMENTS = 1 << 18  # (block x W) weights per chunk of blocks: bounds the temporaries of one step
 
 
 def _check_tol(tol) -> float:
@@ -130,35 +131,96 @@ def _windowed(qs, ks, v, tau_full, q_perm, k_sorted, k_perm, start, W: int, tol:
     pad = nb * block - T
     qp = torch.cat([q_perm, q_perm[..., -1:].expand(B, H, pad)], dim=-1) if pad else q_perm  # (B, H, nb*block)
     kidx = start.unsqueeze(-1) + torch.arange(W, device=qs.device)  # (B, H, nb, W) sorted-key slots
-    pos_k = k_perm.gather(-1, kidx.view(B, H, nb * W)).view(B, H, nb, 1, W)
-    pos_q = qp.view(B, H, nb, block, 1)
-    q_b = qs.to(cdt).gather(-1, qp).view(B, H, nb, block, 1)
-    t_b = tau_full.to(cdt).gather(-1, qp).view(B, H, nb, block, 1)
-    k_b = ks.to(cdt).gather(-1, pos_k.view(B, H, nb * W)).view(B, H, nb, 1, W)
-    vis = pos_k <= pos_q  # (B, H, nb, block, W)
-    logits = -(q_b - k_b).pow(2) / t_b  # (B, H, nb, block, W)
-    empty = ~vis.any(-1, keepdim=True)  # rows with no visible key: computed unmasked, replaced below
-    w = torch.softmax(logits.masked_fill(~vis & ~empty, float("-inf")), dim=-1)
+    pos_k = k_perm.gather(-1, kidx.view(B, H, nb * W)).view(B, H, nb, W)  # time positions of the run's keys
+    pos_q = qp.view(B, H, nb, block)
+    q_b = qs.to(cdt).gather(-1, qp).view(B, H, nb, block)
+    t_b = tau_full.to(cdt).gather(-1, qp).view(B, H, nb, block)
+    k_b = ks.to(cdt).gather(-1, pos_k.view(B, H, nb * W)).view(B, H, nb, W)
     head_group = torch.arange(H, device=qs.device) // (H // G)  # (H,)
     rows = (torch.arange(B, device=qs.device)[:, None] * G + head_group) * T  # (B, H)
     flat = (rows[..., None] + pos_k.view(B, H, nb * W)).reshape(-1)
     v_b = v.to(cdt).reshape(B * G * T, Dv).index_select(0, flat).view(B, H, nb, W, Dv)
-    o_sorted = (w @ v_b).view(B, H, nb * block, Dv)[:, :, :T]  # (B, H, T, Dv) in sorted-query order
+    o_b, lse = _RunAttention.apply(q_b, t_b, k_b, v_b, pos_q, pos_k)  # (B, H, nb, block, Dv), (B, H, nb, block)
+    o_sorted = o_b.view(B, H, nb * block, Dv)[:, :, :T]  # (B, H, T, Dv) in sorted-query order
     inv = torch.empty_like(q_perm).scatter_(-1, q_perm, torch.arange(T, device=qs.device).expand(B, H, T))
     out = o_sorted.gather(2, inv.unsqueeze(-1).expand(B, H, T, Dv))  # (B, H, T, Dv) in time order
     with torch.no_grad():
-        lse = logits.detach().masked_fill(~vis, float("-inf")).logsumexp(-1)  # (B, H, nb, block)
-        n_out = (pos_q[..., 0] + 1) - vis.sum(-1)  # visible keys outside the run
+        n_out = (pos_q + 1) - (pos_k.unsqueeze(-2) <= pos_q.unsqueeze(-1)).sum(-1)  # visible keys outside the run
         before = torch.cat([k_sorted.new_full((B, H, 1), float("-inf")), k_sorted], dim=-1)
         after = torch.cat([k_sorted, k_sorted.new_full((B, H, 1), float("inf"))], dim=-1)
         left = before.gather(-1, start).unsqueeze(-1)  # (B, H, nb, 1): the nearest excluded key below
         right = after.gather(-1, start + W).unsqueeze(-1)
-        qd = q_b.detach()[..., 0]
+        qd = q_b.detach()
         d = torch.minimum(qd - left, right - qd).clamp(min=0)  # (B, H, nb, block)
-        log_bound = torch.log(n_out.to(cdt)) - d.pow(2) / t_b.detach()[..., 0] - lse
+        log_bound = torch.log(n_out.to(cdt)) - d.pow(2) / t_b.detach() - lse
         fail = (n_out > 0) & ~(log_bound <= math.log(tol))  # NaN (no visible key in the run) fails
         fail = fail.reshape(B, H, nb * block)[..., :T].gather(-1, inv)
     return out, fail
+
+
+def _run_logits(q, t, k, pos_q, pos_k):
+    """Masked logits (B, H, nb, block, W) of each block's queries against its run; rows that see
+    no key of their run are left unmasked (finite; their output is replaced by an exact row)."""
+    logits = -(q.unsqueeze(-1) - k.unsqueeze(-2)).pow(2) / t.unsqueeze(-1)
+    hidden = pos_k.unsqueeze(-2) > pos_q.unsqueeze(-1)
+    empty = hidden.all(-1, keepdim=True)
+    return logits.masked_fill(hidden & ~empty, float("-inf")), empty
+
+
+
+
+def _chunks(q, k):
+    """Slices of the block axis (dim 2) holding about CHUNK_ELEMENTS weights each."""
+    B, H, nb, block = q.shape
+    step = max(1, CHUNK_ELEMENTS // max(1, B * H * block * k.shape[-1]))
+    return [slice(i, min(nb, i + step)) for i in range(0, nb, step)]
+
+
+class _RunAttention(torch.autograd.Function):
+    """softmax(masked -(q - k)^2 / t) v per block and run, a chunk of blocks at a time, saving
+    only the inputs and each row's max and sum: the (block x W) weights are recomputed in backward
+    rather than kept, so a call holds O(T W Dv / block) between forward and backward and its
+    temporaries are bounded by CHUNK_ELEMENTS."""
+
+    @staticmethod
+    def forward(ctx, q, t, k, v, pos_q, pos_k):  # q, t, pos_q (B, H, nb, block); k, pos_k (B, H, nb, W); v (.., W, Dv)
+        outs, ms, zs, lses = [], [], [], []
+        for c in _chunks(q, k):
+            logits, empty = _run_logits(q[:, :, c], t[:, :, c], k[:, :, c], pos_q[:, :, c], pos_k[:, :, c])
+            # the row max and sum kept apart: logits reach -1e4 and more, where a float32 log-sum-exp
+            # would carry an absolute rounding error of ~1e-3 into every recomputed weight
+            m = logits.amax(-1, keepdim=True)
+            p = torch.exp(logits - m)
+            z = p.sum(-1, keepdim=True)
+            outs.append((p @ v[:, :, c]) / z)  # (B, H, n, block, Dv)
+            ms.append(m)
+            zs.append(z)
+            lses.append((m + z.log()).masked_fill(empty, float("-inf")).squeeze(-1))  # -inf: no visible key
+        m, z, lse = torch.cat(ms, 2), torch.cat(zs, 2), torch.cat(lses, 2)
+        ctx.save_for_backward(q, t, k, v, pos_q, pos_k, m, z)
+        ctx.mark_non_differentiable(lse)
+        return torch.cat(outs, 2), lse
+
+    @staticmethod
+    def backward(ctx, d_o, _):
+        q, t, k, v, pos_q, pos_k, m, z = ctx.saved_tensors
+        grads = [[], [], [], []]
+        for c in _chunks(q, k):
+            qc, tc, kc, doc = q[:, :, c], t[:, :, c], k[:, :, c], d_o[:, :, c]
+            logits, _ = _run_logits(qc, tc, kc, pos_q[:, :, c], pos_k[:, :, c])
+            p = torch.exp(logits - m[:, :, c]) / z[:, :, c]
+            dp = doc @ v[:, :, c].transpose(-1, -2)
+            # sum_w p dp rather than d_o . o: the same rounding as dp, so a row whose weight sits on one
+            # key gets ds = 0 exactly (else ds ~ 1e-7 times diff^2 / t^2 reaches the tau gradient)
+            ds = p * (dp - (p * dp).sum(-1, keepdim=True))  # d loss / d logits
+            diff = qc.unsqueeze(-1) - kc.unsqueeze(-2)  # (B, H, n, block, W)
+            ds_t = ds * diff / tc.unsqueeze(-1)  # d logits / d q = -2 diff / t, / d k = +2 diff / t
+            grads[0].append(-2.0 * ds_t.sum(-1))
+            grads[1].append((ds_t * diff).sum(-1) / tc)  # d logits / d t = diff^2 / t^2
+            grads[2].append(2.0 * ds_t.sum(-2))
+            grads[3].append(p.transpose(-1, -2) @ doc)
+        dq, dt, dk, dv = (torch.cat(g, 2) for g in grads)
+        return dq, dt, dk, dv, None, None
 
 
 def _exact_rows(out, fail, qs, ks, v, tau_full, cdt):
