@@ -1,0 +1,150 @@
+"""The read path of `SortedScalarCache`: a decode query checked and laid out per row, the
+candidate window from the sorted index, the op's scores of those entries and the readout.
+Functions of the cache, like `eviction.py`'s; the cache's `query`, `select`, `scores` and
+`attend` call them (module docstring of cache/sorted.py for the layout)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from .. import checks
+from ..checks import check_int
+from ..ops import hybrid_logits, scalar_logits
+from .sorted_index import radius_from_tolerance, run_keys
+
+F32_MAX = float(torch.finfo(torch.float32).max)
+
+
+def check_finite_cache(name: str, x: torch.Tensor) -> None:
+    """`attnlab.checks.check_finite`, its error saying that the cache was left as it was."""
+    try:
+        checks.check_finite(name, x)
+    except ValueError as e:
+        raise ValueError(f"{e}; the cache is unchanged") from None
+
+
+def check_float32_range(name: str, x: torch.Tensor) -> None:
+    """Finite float64 scalar keys/queries beyond float32's range would become inf in the float32
+    key index: reject them by name rather than store or compare an inf."""
+    if x.dtype == torch.float64 and x.numel():
+        big = float(x.detach().abs().max())
+        if big > F32_MAX:
+            raise ValueError(f"{name} must lie within the float32 range (|{name}| <= {F32_MAX:.4g}: the sorted "
+                             f"index holds float32 keys), got |{name}| up to {big:.4g}; the cache is unchanged")
+
+
+@dataclass(frozen=True)
+class DecodeQuery:
+    """One checked decode query in the cache's row layout (R = B * H rows, one per head):
+    qs (R, 1) float32; q (R, Dk) float32 for hybrid heads, else None; tau a float or (R, 1);
+    radius None, a float or (R, 1); window the k nearest entries to keep, None for all."""
+
+    qs: torch.Tensor
+    q: torch.Tensor | None
+    tau: float | torch.Tensor
+    radius: float | torch.Tensor | None
+    window: int | None
+
+
+
+def make_query(cache, qs: torch.Tensor, tau, q: torch.Tensor | None = None, window: int | None = 64,
+               radius=None, eps: float | None = None) -> DecodeQuery:
+    """Check the arguments of `attend` (same meaning) and lay them out per row; records nothing."""
+    B, H = cache.batch, cache.n_heads
+    cache._check_shape("qs", qs, (B, H))
+    cache._check_dtype("qs", qs, qs.dtype)
+    if cache.hybrid:
+        if q is None:
+            raise ValueError(f"q (B, H, Dk) = ({B}, {H}, {cache.d_k}) is required: this cache has hybrid heads")
+        cache._check_shape("q", q, (B, H, cache.d_k))
+        cache._check_dtype("q", q, qs.dtype)
+    elif q is not None:
+        raise ValueError("q must be None: this cache has pure scalar heads")
+    check_finite_cache("qs", qs)
+    check_float32_range("qs", qs)
+    if cache.hybrid:
+        check_finite_cache("q", q)
+        check_float32_range("q", q)
+    if window is not None:
+        check_int("window", window)
+    if radius is not None and eps is not None:
+        raise ValueError("give radius or eps, not both")
+    tau_r = cache.per_row("tau", tau)
+    r = None
+    if radius is not None:
+        r = cache.per_row("radius", radius)
+    elif eps is not None:
+        if isinstance(eps, bool) or not isinstance(eps, (int, float)) or not 0 < eps < 1:
+            raise ValueError(f"eps must be a float in (0, 1), got {eps!r}")
+        r = radius_from_tolerance(tau_r, float(eps))
+    qr = qs.reshape(cache.rows, 1)
+    if qr.dtype != torch.float32 or qr.device != cache.device:
+        qr = qr.to(cache.device, torch.float32)
+    q_rows = q.to(cache.device, torch.float32).reshape(cache.rows, cache.d_k) if cache.hybrid else None
+    return DecodeQuery(qr, q_rows, tau_r, r, window)
+
+def select(cache, query: DecodeQuery) -> tuple[torch.Tensor, torch.Tensor]:
+    """Packed candidates (C, R, k), each head's k nearest entries (within the radius, if
+    any), and their distances |qs - ks| (R, k); pads (rows with fewer entries) at inf."""
+    qr, window, r = query.qs, query.window, query.radius
+    k = cache._n_max if window is None else min(window, cache._n_max)
+    if r is not None and k > 0:
+        k = min(k, int(cache.index.count_within(qr, r).max().item()))
+    if k == 0:
+        cand = cache.index.empty(0)
+        return cand, run_keys(cand) - qr
+    cand = cache.index.candidates(qr, k)
+    dist = (run_keys(cand) - qr).abs()  # (R, M)
+    if cand.shape[2] > k:
+        dist, sel = dist.topk(k, dim=1, largest=False, sorted=False)  # (R, k)
+        cand = cand.gather(2, sel.unsqueeze(0).expand(cand.shape[0], -1, -1))
+    return cand, dist
+
+def scores(cache, entries: torch.Tensor, query: DecodeQuery, *, radius: bool = True,
+           sink: bool = False) -> torch.Tensor:
+    """Logits (R, n) of packed entries (C, R, n): the op's score (`ops.scalar_logits`, or
+    `ops.hybrid_logits` with the entries' vector keys) + the log-weight of merged entries;
+    -inf for pads and, with `radius`, beyond query.radius. With `sink`, the sink's logit is
+    appended as column n (weight 1, no radius)."""
+    B, H, R, n = cache.batch, cache.n_heads, cache.rows, entries.shape[2]
+    keys = run_keys(entries)  # (R, n) float32, pads +inf
+    hidden = ~torch.isfinite(keys)
+    if radius and query.radius is not None:
+        hidden = hidden | ((keys - query.qs).abs() > query.radius)
+    ks = torch.where(hidden, query.qs.detach(), keys)  # hidden entries: any finite key, masked below
+    kv = None
+    if cache.hybrid:
+        idx = (entries[1] + cache._key_off).reshape(-1)
+        kv = cache.vkeys.view(-1, cache.d_k).index_select(0, idx).view(R, n, cache.d_k).float()  # (R, n, Dk)
+    if sink:
+        ks = torch.cat([ks, cache._sink.key], 1)  # (R, n + 1)
+        kv = None if kv is None else torch.cat([kv, cache._sink.vkey[:, None]], 1)
+        hidden = torch.cat([hidden, hidden.new_zeros(R, 1)], 1)
+    tau = query.tau if isinstance(query.tau, float) else query.tau.view(B, H, 1)
+    qs, ks = query.qs.view(B, H, 1), ks.view(B, H, -1)
+    if kv is None:
+        logits = scalar_logits(qs, ks, tau, causal=False)  # (B, H, 1, n [+ 1])
+    else:
+        q = query.q.view(B, H, 1, cache.d_k)
+        logits = hybrid_logits(q, kv.view(B, H, -1, cache.d_k), qs, ks, tau, causal=False)
+    logits = logits.view(R, -1)
+    if cache.index.weighted:
+        logw = entries[2].view(torch.float32)  # log(count)
+        logits = logits + (torch.cat([logw, logw.new_zeros(R, 1)], 1) if sink else logw)
+    return logits.masked_fill(hidden, float("-inf"))
+
+def output(cache, cand: torch.Tensor, query: DecodeQuery) -> torch.Tensor:
+    R, k, Dv = cache.rows, cand.shape[2], cache.d_v
+    logits = scores(cache, cand, query, sink=cache.has_sink)  # (R, k [+ 1])
+    w = torch.softmax(logits, 1)
+    if not cache.has_sink:
+        w = w.nan_to_num(0.0)  # a head with no candidate (empty, or none within r) outputs 0
+    idx = (cand[1] + cache._val_off).reshape(-1)
+    vals = cache.values.view(-1, Dv).index_select(0, idx).view(R, k, Dv)  # (R, k, Dv)
+    w = w.to(vals.dtype)
+    out = torch.bmm(w[:, None, :k], vals).squeeze(1)  # (R, Dv)
+    if cache.has_sink:
+        out = out + w[:, k:] * cache._sink.value
+    return out.view(cache.batch, cache.n_heads, Dv)
