@@ -17,10 +17,13 @@ than the run, a query that sees no key of its run) get their exact row from the 
 When the run would be wider than `max_window` (default T / 4: the keys are too dense for the
 radius, as for clustered keys or a large tau), or more than T / 8 queries of one head would need
 their exact row, the whole call runs the exact fused path. The result is therefore never worse
-than the bound, at any input; only the speed depends on the key distribution.
+than the bound (up to float rounding; a fallback has the fused path's precision), at any input;
+only the speed depends on the key distribution.
 
-Gradients flow through gathers and a plain softmax (PyTorch autograd); per-token tau (B, H, T)
-is supported (each query's radius uses its own tau). Memory is O(T W) per head.
+Gradients: the run pass is a custom autograd function that recomputes the weights in backward
+(`_RunAttention`); the sorts' permutations, gathers and the exact rows go through autograd.
+Per-token tau (B, H, T) is supported (each query's radius uses its own tau). Memory: O(T W Dv /
+block) held per call, temporaries bounded by CHUNK_ELEMENTS.
 """
 
 from __future__ import annotations
@@ -138,14 +141,14 @@ def _windowed(qs, ks, v, tau_full, q_perm, k_sorted, k_perm, start, W: int, tol:
     k_b = ks.to(cdt).gather(-1, pos_k.view(B, H, nb * W)).view(B, H, nb, W)
     head_group = torch.arange(H, device=qs.device) // (H // G)  # (H,)
     rows = (torch.arange(B, device=qs.device)[:, None] * G + head_group) * T  # (B, H)
-    flat = (rows[..., None] + pos_k.view(B, H, nb * W)).reshape(-1)
-    v_b = v.to(cdt).reshape(B * G * T, Dv).index_select(0, flat).view(B, H, nb, W, Dv)
-    o_b, lse = _RunAttention.apply(q_b, t_b, k_b, v_b, pos_q, pos_k)  # (B, H, nb, block, Dv), (B, H, nb, block)
+    v_idx = rows[..., None, None] + pos_k  # (B, H, nb, W): rows of the values flattened to (B G T, Dv)
+    v_flat = v.to(cdt).reshape(B * G * T, Dv)
+    o_b, lse, n_in = _RunAttention.apply(q_b, t_b, k_b, v_flat, v_idx, pos_q, pos_k)  # (B, H, nb, block, Dv), (B, H, nb, block) x 2
     o_sorted = o_b.view(B, H, nb * block, Dv)[:, :, :T]  # (B, H, T, Dv) in sorted-query order
     inv = torch.empty_like(q_perm).scatter_(-1, q_perm, torch.arange(T, device=qs.device).expand(B, H, T))
     out = o_sorted.gather(2, inv.unsqueeze(-1).expand(B, H, T, Dv))  # (B, H, T, Dv) in time order
     with torch.no_grad():
-        n_out = (pos_q + 1) - (pos_k.unsqueeze(-2) <= pos_q.unsqueeze(-1)).sum(-1)  # visible keys outside the run
+        n_out = (pos_q + 1) - n_in  # visible keys outside the run
         before = torch.cat([k_sorted.new_full((B, H, 1), float("-inf")), k_sorted], dim=-1)
         after = torch.cat([k_sorted, k_sorted.new_full((B, H, 1), float("inf"))], dim=-1)
         left = before.gather(-1, start).unsqueeze(-1)  # (B, H, nb, 1): the nearest excluded key below
@@ -159,12 +162,13 @@ def _windowed(qs, ks, v, tau_full, q_perm, k_sorted, k_perm, start, W: int, tol:
 
 
 def _run_logits(q, t, k, pos_q, pos_k):
-    """Masked logits (B, H, nb, block, W) of each block's queries against its run; rows that see
-    no key of their run are left unmasked (finite; their output is replaced by an exact row)."""
+    """Masked logits (B, H, nb, block, W) of each block's queries against its run, and the number of
+    keys each query sees there; rows that see none are left unmasked (finite; their output is
+    replaced by an exact row)."""
     logits = -(q.unsqueeze(-1) - k.unsqueeze(-2)).pow(2) / t.unsqueeze(-1)
     hidden = pos_k.unsqueeze(-2) > pos_q.unsqueeze(-1)
-    empty = hidden.all(-1, keepdim=True)
-    return logits.masked_fill(hidden & ~empty, float("-inf")), empty
+    n_in = hidden.shape[-1] - hidden.sum(-1, keepdim=True)  # visible keys in the run
+    return logits.masked_fill(hidden & (n_in > 0), float("-inf")), n_in
 
 
 
@@ -176,40 +180,48 @@ def _chunks(q, k):
     return [slice(i, min(nb, i + step)) for i in range(0, nb, step)]
 
 
+def _gather(v_flat, idx):
+    """Rows idx (B, H, n, W) of v_flat (rows, Dv) as (B, H, n, W, Dv)."""
+    return v_flat.index_select(0, idx.reshape(-1)).view(*idx.shape, v_flat.shape[-1])
+
+
 class _RunAttention(torch.autograd.Function):
     """softmax(masked -(q - k)^2 / t) v per block and run, a chunk of blocks at a time, saving
     only the inputs and each row's max and sum: the (block x W) weights are recomputed in backward
-    rather than kept, so a call holds O(T W Dv / block) between forward and backward and its
-    temporaries are bounded by CHUNK_ELEMENTS."""
+    rather than kept, and each chunk gathers its runs' values itself (v_flat rows v_idx), so a call
+    holds O(T (W / block + Dv)) between forward and backward and its temporaries are bounded by
+    CHUNK_ELEMENTS (times Dv for the gathered values)."""
 
     @staticmethod
-    def forward(ctx, q, t, k, v, pos_q, pos_k):  # q, t, pos_q (B, H, nb, block); k, pos_k (B, H, nb, W); v (.., W, Dv)
-        outs, ms, zs, lses = [], [], [], []
+    def forward(ctx, q, t, k, v_flat, v_idx, pos_q, pos_k):  # q, t, pos_q (B, H, nb, block); k, v_idx, pos_k (B, H, nb, W)
+        outs, ms, zs, lses, counts = [], [], [], [], []
         for c in _chunks(q, k):
-            logits, empty = _run_logits(q[:, :, c], t[:, :, c], k[:, :, c], pos_q[:, :, c], pos_k[:, :, c])
+            logits, n_in = _run_logits(q[:, :, c], t[:, :, c], k[:, :, c], pos_q[:, :, c], pos_k[:, :, c])
             # the row max and sum kept apart: logits reach -1e4 and more, where a float32 log-sum-exp
             # would carry an absolute rounding error of ~1e-3 into every recomputed weight
             m = logits.amax(-1, keepdim=True)
             p = torch.exp(logits - m)
             z = p.sum(-1, keepdim=True)
-            outs.append((p @ v[:, :, c]) / z)  # (B, H, n, block, Dv)
+            outs.append((p @ _gather(v_flat, v_idx[:, :, c])) / z)  # (B, H, n, block, Dv)
             ms.append(m)
             zs.append(z)
-            lses.append((m + z.log()).masked_fill(empty, float("-inf")).squeeze(-1))  # -inf: no visible key
-        m, z, lse = torch.cat(ms, 2), torch.cat(zs, 2), torch.cat(lses, 2)
-        ctx.save_for_backward(q, t, k, v, pos_q, pos_k, m, z)
-        ctx.mark_non_differentiable(lse)
-        return torch.cat(outs, 2), lse
+            lses.append((m + z.log()).masked_fill(n_in == 0, float("-inf")).squeeze(-1))  # -inf: no visible key
+            counts.append(n_in.squeeze(-1))
+        m, z, lse, n_in = (torch.cat(x, 2) for x in (ms, zs, lses, counts))
+        ctx.save_for_backward(q, t, k, v_flat, v_idx, pos_q, pos_k, m, z)
+        ctx.mark_non_differentiable(lse, n_in)
+        return torch.cat(outs, 2), lse, n_in
 
     @staticmethod
-    def backward(ctx, d_o, _):
-        q, t, k, v, pos_q, pos_k, m, z = ctx.saved_tensors
-        grads = [[], [], [], []]
+    def backward(ctx, d_o, *_):
+        q, t, k, v_flat, v_idx, pos_q, pos_k, m, z = ctx.saved_tensors
+        grads = [[], [], []]
+        dv = torch.zeros_like(v_flat)
         for c in _chunks(q, k):
             qc, tc, kc, doc = q[:, :, c], t[:, :, c], k[:, :, c], d_o[:, :, c]
             logits, _ = _run_logits(qc, tc, kc, pos_q[:, :, c], pos_k[:, :, c])
             p = torch.exp(logits - m[:, :, c]) / z[:, :, c]
-            dp = doc @ v[:, :, c].transpose(-1, -2)
+            dp = doc @ _gather(v_flat, v_idx[:, :, c]).transpose(-1, -2)
             # sum_w p dp rather than d_o . o: the same rounding as dp, so a row whose weight sits on one
             # key gets ds = 0 exactly (else ds ~ 1e-7 times diff^2 / t^2 reaches the tau gradient)
             ds = p * (dp - (p * dp).sum(-1, keepdim=True))  # d loss / d logits
@@ -218,9 +230,9 @@ class _RunAttention(torch.autograd.Function):
             grads[0].append(-2.0 * ds_t.sum(-1))
             grads[1].append((ds_t * diff).sum(-1) / tc)  # d logits / d t = diff^2 / t^2
             grads[2].append(2.0 * ds_t.sum(-2))
-            grads[3].append(p.transpose(-1, -2) @ doc)
-        dq, dt, dk, dv = (torch.cat(g, 2) for g in grads)
-        return dq, dt, dk, dv, None, None
+            dv.index_add_(0, v_idx[:, :, c].reshape(-1), (p.transpose(-1, -2) @ doc).reshape(-1, dv.shape[-1]))
+        dq, dt, dk = (torch.cat(g, 2) for g in grads)
+        return dq, dt, dk, dv, None, None, None
 
 
 def _exact_rows(out, fail, qs, ks, v, tau_full, cdt):
