@@ -3,7 +3,6 @@ clustered keys, large and small tau, every tau form, grouped values, awkward T),
 elementwise bound with a loose tol, the exact-row fallback, argument errors, and an LM trained
 with impl="approx"."""
 
-import functools
 import math
 from pathlib import Path
 

@@ -143,7 +143,8 @@ def _windowed(qs, ks, v, tau_full, q_perm, k_sorted, k_perm, start, W: int, tol:
     rows = (torch.arange(B, device=qs.device)[:, None] * G + head_group) * T  # (B, H)
     v_idx = rows[..., None, None] + pos_k  # (B, H, nb, W): rows of the values flattened to (B G T, Dv)
     v_flat = v.to(cdt).reshape(B * G * T, Dv)
-    o_b, lse, n_in = _RunAttention.apply(q_b, t_b, k_b, v_flat, v_idx, pos_q, pos_k)  # (B, H, nb, block, Dv), (B, H, nb, block) x 2
+    # o_b (B, H, nb, block, Dv); lse, n_in (B, H, nb, block)
+    o_b, lse, n_in = _RunAttention.apply(q_b, t_b, k_b, v_flat, v_idx, pos_q, pos_k)
     o_sorted = o_b.view(B, H, nb * block, Dv)[:, :, :T]  # (B, H, T, Dv) in sorted-query order
     inv = torch.empty_like(q_perm).scatter_(-1, q_perm, torch.arange(T, device=qs.device).expand(B, H, T))
     out = o_sorted.gather(2, inv.unsqueeze(-1).expand(B, H, T, Dv))  # (B, H, T, Dv) in time order
@@ -193,7 +194,8 @@ class _RunAttention(torch.autograd.Function):
     CHUNK_ELEMENTS (times Dv for the gathered values)."""
 
     @staticmethod
-    def forward(ctx, q, t, k, v_flat, v_idx, pos_q, pos_k):  # q, t, pos_q (B, H, nb, block); k, v_idx, pos_k (B, H, nb, W)
+    def forward(ctx, q, t, k, v_flat, v_idx, pos_q, pos_k):
+        # q, t, pos_q (B, H, nb, block); k, v_idx, pos_k (B, H, nb, W); v_flat (B G T, Dv)
         outs, ms, zs, lses, counts = [], [], [], [], []
         for c in _chunks(q, k):
             logits, n_in = _run_logits(q[:, :, c], t[:, :, c], k[:, :, c], pos_q[:, :, c], pos_k[:, :, c])
