@@ -229,9 +229,11 @@ def _line(r: dict) -> str:
              f"approx {1e3 * t['approx']['median_s']:9.1f} ms"]
     for c in ("exact", "sdpa"):
         if c in t:
-            parts.append(f"{c} {1e3 * t[c]['median_s']:9.1f} ms (approx/{c} {t['approx']['median_s'] / t[c]['median_s']:.3f})")
+            ratio = t["approx"]["median_s"] / t[c]["median_s"]
+            parts.append(f"{c} {1e3 * t[c]['median_s']:9.1f} ms (approx/{c} {ratio:.3f})")
     if "error" in r:
-        parts.append("err " + json.dumps({k: {n: float(f"{e:.2e}") for n, e in v.items()} for k, v in r["error"].items()}))
+        errs = {k: {n: float(f"{e:.2e}") for n, e in v.items()} for k, v in r["error"].items()}
+        parts.append("err " + json.dumps(errs))
     if "peak_mb" in r:
         parts.append("peak MB " + json.dumps({c: None if m is None else round(m, 1) for c, m in r["peak_mb"].items()}))
     return " | ".join(parts)
