@@ -196,28 +196,31 @@ class _RunAttention(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, t, k, v_flat, v_idx, pos_q, pos_k):
         # q, t, pos_q (B, H, nb, block); k, v_idx, pos_k (B, H, nb, W); v_flat (B G T, Dv)
-        outs, ms, zs, lses, counts = [], [], [], [], []
+        B, H, nb, block = q.shape
+        # results are written into tensors allocated once: small per-chunk results kept alive between
+        # the chunks' large temporaries would fragment the CPU heap (measured: 2.6x the peak RSS at 64K)
+        o = q.new_empty(B, H, nb, block, v_flat.shape[-1])
+        m, z, lse = (q.new_empty(B, H, nb, block, 1) for _ in range(3))
+        n_in = torch.empty(B, H, nb, block, 1, dtype=torch.long, device=q.device)
         for c in _chunks(q, k):
-            logits, n_in = _run_logits(q[:, :, c], t[:, :, c], k[:, :, c], pos_q[:, :, c], pos_k[:, :, c])
+            logits, n_in[:, :, c] = _run_logits(q[:, :, c], t[:, :, c], k[:, :, c], pos_q[:, :, c], pos_k[:, :, c])
             # the row max and sum kept apart: logits reach -1e4 and more, where a float32 log-sum-exp
             # would carry an absolute rounding error of ~1e-3 into every recomputed weight
-            m = logits.amax(-1, keepdim=True)
-            p = torch.exp(logits - m)
-            z = p.sum(-1, keepdim=True)
-            outs.append((p @ _gather(v_flat, v_idx[:, :, c])) / z)  # (B, H, n, block, Dv)
-            ms.append(m)
-            zs.append(z)
-            lses.append((m + z.log()).masked_fill(n_in == 0, float("-inf")).squeeze(-1))  # -inf: no visible key
-            counts.append(n_in.squeeze(-1))
-        m, z, lse, n_in = (torch.cat(x, 2) for x in (ms, zs, lses, counts))
+            torch.amax(logits, -1, keepdim=True, out=m[:, :, c])
+            p = torch.exp(logits - m[:, :, c])
+            torch.sum(p, -1, keepdim=True, out=z[:, :, c])
+            torch.div(p @ _gather(v_flat, v_idx[:, :, c]), z[:, :, c], out=o[:, :, c])  # (B, H, n, block, Dv)
+        torch.add(m, z.log(), out=lse)
+        lse.masked_fill_(n_in == 0, float("-inf"))  # -inf: no visible key in the run
         ctx.save_for_backward(q, t, k, v_flat, v_idx, pos_q, pos_k, m, z)
+        lse, n_in = lse.squeeze(-1), n_in.squeeze(-1)
         ctx.mark_non_differentiable(lse, n_in)
-        return torch.cat(outs, 2), lse, n_in
+        return o, lse, n_in
 
     @staticmethod
     def backward(ctx, d_o, *_):
         q, t, k, v_flat, v_idx, pos_q, pos_k, m, z = ctx.saved_tensors
-        grads = [[], [], []]
+        dq, dt, dk = torch.empty_like(q), torch.empty_like(t), torch.empty_like(k)
         dv = torch.zeros_like(v_flat)
         for c in _chunks(q, k):
             qc, tc, kc, doc = q[:, :, c], t[:, :, c], k[:, :, c], d_o[:, :, c]
@@ -229,11 +232,10 @@ class _RunAttention(torch.autograd.Function):
             ds = p * (dp - (p * dp).sum(-1, keepdim=True))  # d loss / d logits
             diff = qc.unsqueeze(-1) - kc.unsqueeze(-2)  # (B, H, n, block, W)
             ds_t = ds * diff / tc.unsqueeze(-1)  # d logits / d q = -2 diff / t, / d k = +2 diff / t
-            grads[0].append(-2.0 * ds_t.sum(-1))
-            grads[1].append((ds_t * diff).sum(-1) / tc)  # d logits / d t = diff^2 / t^2
-            grads[2].append(2.0 * ds_t.sum(-2))
+            torch.mul(ds_t.sum(-1), -2.0, out=dq[:, :, c])
+            torch.div((ds_t * diff).sum(-1), tc, out=dt[:, :, c])  # d logits / d t = diff^2 / t^2
+            torch.mul(ds_t.sum(-2), 2.0, out=dk[:, :, c])
             dv.index_add_(0, v_idx[:, :, c].reshape(-1), (p.transpose(-1, -2) @ doc).reshape(-1, dv.shape[-1]))
-        dq, dt, dk = (torch.cat(g, 2) for g in grads)
         return dq, dt, dk, dv, None, None, None
 
 
