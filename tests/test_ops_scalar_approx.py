@@ -181,3 +181,19 @@ def test_lm_trains_with_approx(tmp_path, monkeypatch):
     assert calls  # the approximate op ran
     assert len(losses["approx"]) == 4 and losses["approx"][-1] < losses["approx"][0]
     assert losses["approx"] == pytest.approx(losses["fast"], rel=1e-4)
+
+
+def test_decode_steps_match_the_approximate_forward(monkeypatch):
+    """Decode steps run the exact ops; the forward (forced onto the sorted runs) agrees with them."""
+    def forced(qs, ks, v, tau):
+        return scalar_attention_approx(qs, ks, v, tau, block=4, max_window=qs.shape[-1])
+
+    monkeypatch.setattr(scalar_mechanism, "scalar_attention_approx", forced)
+    layer = Attention(AttentionConfig(32, 4, mechanism="scalar", impl="approx", n_scalar_heads=2, sink=True,
+                                      tau="token")).double()
+    x = torch.randn(2, 24, 32, dtype=torch.float64)
+    cache = layer.make_cache(2)
+    with torch.no_grad():
+        y = layer(x)
+        ys = torch.cat([layer.step(x[:, t:t + 1], cache) for t in range(x.shape[1])], dim=1)
+    assert (ys - y).abs().max() < 1e-10
