@@ -22,8 +22,8 @@ only the speed depends on the key distribution.
 
 Gradients: the run pass is a custom autograd function that recomputes the weights in backward
 (`_RunAttention`); the sorts' permutations, gathers and the exact rows go through autograd.
-Per-token tau (B, H, T) is supported (each query's radius uses its own tau). Memory: O(T W Dv /
-block) held per call, temporaries bounded by CHUNK_ELEMENTS.
+Per-token tau (B, H, T) is supported (each query's radius uses its own tau). Memory: O(T (W /
+block + Dv)) held per call and head, temporaries bounded by CHUNK_ELEMENTS.
 """
 
 from __future__ import annotations
