@@ -206,3 +206,21 @@ def test_regularizer_weights_start_late_and_ramp():
     assert RegularizersConfig(align=2.0).weights_at(0) == {"align": 2.0, "spread": 0.0, "tau": 0.0}
     with pytest.raises(Exception, match="regularizers.spread_start"):
         RegularizersConfig(spread_start=-1)
+
+
+def test_regularizers_on_a_layer_with_approximate_attention():
+    """impl="approx" layers train with every regularizer: L_align uses its exact fast path."""
+    from attnlab.layers import Attention, AttentionConfig
+    from attnlab.regularizers import regularization
+
+    torch.manual_seed(0)
+    layers = [Attention(AttentionConfig(32, 4, mechanism="scalar", impl=impl)) for impl in ("approx", "fast")]
+    layers[1].load_state_dict(layers[0].state_dict())
+    x = torch.randn(2, 40, 32)
+    totals = []
+    for layer in layers:
+        layer(x, record=True)
+        out = regularization([layer.last], {"align": 1.0, "spread": 0.1, "tau": 0.01})
+        out["total"].backward()
+        totals.append(out["total"].item())
+    assert totals[0] == pytest.approx(totals[1], rel=1e-5)

@@ -188,9 +188,10 @@ def regularization(records: Iterable, weights: Mapping[str, float], *, spread_ta
         n_prefix = getattr(rec, "n_prefix", 0)
         terms = {}
         if weights.get("align", 0.0):
-            terms["align"] = align_loss(
+            impl = getattr(rec, "impl", "auto")
+            terms["align"] = align_loss(  # a layer's approximate attention has no align counterpart: the fast one
                 rec.qs, rec.ks, rec.tau, q=getattr(rec, "q_score", None), k=getattr(rec, "k_score", None),
-                causal=rec.causal, n_prefix=n_prefix, reduction=align_reduction, impl=getattr(rec, "impl", "auto"),
+                causal=rec.causal, n_prefix=n_prefix, reduction=align_reduction, impl="auto" if impl == "approx" else impl,
             )
         if weights.get("spread", 0.0):
             terms["spread"] = spread_loss(rec.ks, target=spread_target, n_prefix=n_prefix)
