@@ -17,3 +17,13 @@ def _seed_and_nan_fill():
     torch.utils.deterministic.fill_uninitialized_memory = True
     yield
     torch.utils.deterministic.fill_uninitialized_memory = prev
+
+
+@pytest.fixture(scope="module")
+def one_thread():
+    """One intra-op thread for a module of tiny shapes: more threads only add a barrier per op
+    (slow on a busy machine). Use with `pytestmark = pytest.mark.usefixtures("one_thread")`."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)

@@ -16,12 +16,7 @@ TOL = 1e-4
 B, H, D, DG, DV = 2, 4, 8, 4, 6
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def _kernels_or_skip():

@@ -15,13 +15,7 @@ TOL = 1e-4
 B, H, D, DG, DV = 2, 2, 8, 4, 6
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    """The shapes here are tiny: intra-op threads only add a barrier per op (slow on a busy machine)."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def make_inputs(T, *, form="head", v0="head", Tk=None, heads=H, groups=None, dtype=torch.float32, seed=0):

@@ -62,14 +62,16 @@ def stepped_logits(model, idx: torch.Tensor, window: int | None, budget: int | N
     return torch.stack([model.step(idx[:, t : t + 1], caches, pos=t) for t in range(idx.shape[1])], dim=1)
 
 
-def compressed_loss(model, idx: torch.Tensor, targets: torch.Tensor, window: int, span: float) -> dict:
+def compressed_loss(model, idx: torch.Tensor, targets: torch.Tensor, window: int, span: float,
+                    exact: float | None = None) -> dict:
     """Windowed decoding with density compression at key span `span`, token by token on idx (B, T):
-    its loss, the exact loss of the same tokens, and the share of keys the sorted caches still hold
-    at the end (entries per head over tokens, mean over layers, heads and batch)."""
+    its loss, the exact loss of the same tokens (computed unless given), and the share of keys the
+    sorted caches still hold at the end (entries per head over tokens, mean over layers, heads and batch)."""
     caches = model.make_caches(idx.shape[0], window=window, compress=span)
     loss = next_token_loss(stepped_logits(model, idx, window, caches=caches), targets)
-    with torch.no_grad():
-        exact = next_token_loss(model(idx)[0], targets)
+    if exact is None:
+        with torch.no_grad():
+            exact = next_token_loss(model(idx)[0], targets)
     held = [c.scalar.n_entries().float().mean().item() / len(c.scalar) for c in caches
             if c.scalar is not None and c.window is not None]
     return {"loss": loss, "exact": exact, "kept": sum(held) / len(held), "tokens": int(targets.numel())}

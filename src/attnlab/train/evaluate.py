@@ -30,7 +30,7 @@ from attnlab.eval.metrics import (
     TOPK_KS, alignment_profile, attention_entropy, gate_profile, gate_suppression, ground_weight, loss_at_lengths,
     sink_share, topk_scalar_mass,
 )
-from attnlab.eval.window import compressed_loss, decode_window, windowed_layers
+from attnlab.eval.window import compressed_loss, decode_window, next_token_loss, windowed_layers
 from attnlab.eval.tasks import mqar_accuracy, passkey_accuracy
 
 from .checkpoint import latest_checkpoint, load_checkpoint
@@ -170,7 +170,10 @@ def evaluate(
 
     if windows and compress and windowed_layers(model):  # token by token (no batched form) on one batch
         first = next(iter(sequential_batches(stream, d.seq_len, analysis_batch, max_batches=1)))
-        out["compressed"] = {f"{k}/span={s:g}": compressed_loss(model, first.x.to(dev), first.y.to(dev), int(k), float(s))
+        x, y = first.x.to(dev), first.y.to(dev)
+        with torch.no_grad():
+            exact = next_token_loss(model(x)[0], y)  # the same for every (k, span)
+        out["compressed"] = {f"{k}/span={s:g}": compressed_loss(model, x, y, int(k), float(s), exact)
                              for k in windows for s in compress}
 
     T_a = analysis_len or min(d.seq_len, 256)

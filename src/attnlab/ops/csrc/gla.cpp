@@ -126,57 +126,51 @@ void scan(const Dims& d, T* states, const T* g, bool reverse) {
   }
 }
 
+// Runs body(ch, task, r0) for every (batch*head, chunk) task in parallel, each thread with its own
+// Chunk workspace loaded with the task's decay sums; r0 is the task's first row.
+template <typename T, typename Body>
+void each_chunk(const Dims& d, const T* a, Body&& body) {
+#pragma omp parallel num_threads(d.threads)
+  {
+    Chunk<T> ch(d);
+#pragma omp for schedule(dynamic, 1)
+    for (i64 task = 0; task < d.BH * d.chunks(); ++task) {
+      ch.load(task, a);
+      body(ch, task, ch.row());
+    }
+  }
+}
+
 template <typename T>
 void forward(const Dims& d, const T* q, const T* k, const T* v, const T* a, const T* s0, T* o, T* states, T* g) {
   const i64 N = d.chunks(), KV = d.K * d.V, K = d.K, V = d.V;
-#pragma omp parallel num_threads(d.threads)
-  {
-    Chunk<T> ch(d);
-#pragma omp for schedule(dynamic, 1)
-    for (i64 task = 0; task < d.BH * N; ++task) {
-      ch.load(task, a);
-      const i64 r0 = ch.row();
-      ch.build_A(q + r0 * K, k + r0 * K);
-      mm<T>(false, false, ch.L, V, ch.L, 1, ch.A.data(), d.C, v + r0 * V, V, 0, o + r0 * V, V);
-      ch.scale_rows(k + r0 * K, ch.tmp.data(), true);
-      T* u = states + (ch.bh * (N + 1) + ch.n + 1) * KV;  // the chunk's own contribution, for the scan
-      mm<T>(true, false, K, V, ch.L, 1, ch.tmp.data(), K, v + r0 * V, V, 0, u, V);
-      std::copy(ch.g.begin(), ch.g.end(), g + task * K);
-    }
-  }
+  each_chunk(d, a, [&](Chunk<T>& ch, i64 task, i64 r0) {
+    ch.build_A(q + r0 * K, k + r0 * K);
+    mm<T>(false, false, ch.L, V, ch.L, 1, ch.A.data(), d.C, v + r0 * V, V, 0, o + r0 * V, V);
+    ch.scale_rows(k + r0 * K, ch.tmp.data(), true);
+    T* u = states + (ch.bh * (N + 1) + ch.n + 1) * KV;  // the chunk's own contribution, for the scan
+    mm<T>(true, false, K, V, ch.L, 1, ch.tmp.data(), K, v + r0 * V, V, 0, u, V);
+    std::copy(ch.g.begin(), ch.g.end(), g + task * K);
+  });
   for (i64 bh = 0; bh < d.BH; ++bh) std::copy(s0 + bh * KV, s0 + (bh + 1) * KV, states + bh * (N + 1) * KV);
   scan(d, states, g, false);
-#pragma omp parallel num_threads(d.threads)
-  {
-    Chunk<T> ch(d);
-#pragma omp for schedule(dynamic, 1)
-    for (i64 task = 0; task < d.BH * N; ++task) {
-      ch.load(task, a);
-      const i64 r0 = ch.row();
-      ch.scale_rows(q + r0 * K, ch.tmp.data(), false);
-      const T* sn = states + (ch.bh * (N + 1) + ch.n) * KV;
-      mm<T>(false, false, ch.L, V, K, 1, ch.tmp.data(), K, sn, V, 1, o + r0 * V, V);
-    }
-  }
+  each_chunk(d, a, [&](Chunk<T>& ch, i64, i64 r0) {
+    ch.scale_rows(q + r0 * K, ch.tmp.data(), false);
+    const T* sn = states + (ch.bh * (N + 1) + ch.n) * KV;
+    mm<T>(false, false, ch.L, V, K, 1, ch.tmp.data(), K, sn, V, 1, o + r0 * V, V);
+  });
 }
 
 template <typename T>
 void backward(const Dims& d, const T* q, const T* k, const T* v, const T* a, const T* states, const T* dout,
               const T* dfinal, T* dq, T* dk, T* dv, T* da, T* ds0, T* dstates, T* g) {
   const i64 N = d.chunks(), KV = d.K * d.V, K = d.K, V = d.V;
-#pragma omp parallel num_threads(d.threads)
-  {
-    Chunk<T> ch(d);
-#pragma omp for schedule(dynamic, 1)
-    for (i64 task = 0; task < d.BH * N; ++task) {  // dS_n gets (q e^{b})^T do from its own chunk
-      ch.load(task, a);
-      const i64 r0 = ch.row();
-      ch.scale_rows(q + r0 * K, ch.tmp.data(), false);
-      T* w = dstates + (ch.bh * (N + 1) + ch.n) * KV;
-      mm<T>(true, false, K, V, ch.L, 1, ch.tmp.data(), K, dout + r0 * V, V, 0, w, V);
-      std::copy(ch.g.begin(), ch.g.end(), g + task * K);
-    }
-  }
+  each_chunk(d, a, [&](Chunk<T>& ch, i64 task, i64 r0) {  // dS_n gets (q e^{b})^T do from its own chunk
+    ch.scale_rows(q + r0 * K, ch.tmp.data(), false);
+    T* w = dstates + (ch.bh * (N + 1) + ch.n) * KV;
+    mm<T>(true, false, K, V, ch.L, 1, ch.tmp.data(), K, dout + r0 * V, V, 0, w, V);
+    std::copy(ch.g.begin(), ch.g.end(), g + task * K);
+  });
   for (i64 bh = 0; bh < d.BH; ++bh)
     std::copy(dfinal + bh * KV, dfinal + (bh + 1) * KV, dstates + (bh * (N + 1) + N) * KV);
   scan(d, dstates, g, true);
