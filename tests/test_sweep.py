@@ -145,6 +145,34 @@ def test_compare_rule_judges_b_on_its_own_metric():
     assert judge({"metric": "w", "better": "lower", "compare": ["a", "b"]}, variants)["outcome"] == "inconclusive"
 
 
+@pytest.mark.parametrize("mean_a, by, outcome", [
+    (0.0, 1.0, "supported"),        # gain 2.26 - by 1.0 = 1.26 > 1.25
+    (0.01, 1.0, "inconclusive"),    # 1.25 left: on the boundary, does not count
+    (1.0, 0.0, "supported"),        # by = 0 is the plain rule
+    (1.0, 1.0, "inconclusive"),     # gain 1.26 is above by, but not by the margin
+    (2.0, 1.5, "inconclusive"),     # gain 0.26 falls short of 1.5 by 1.24: within the margin
+    (2.1, 1.5, "not supported"),    # short by 1.34
+], ids=["beyond-by", "by-boundary", "by-zero", "above-by-within-margin", "short-within", "short-beyond"])
+def test_compare_rule_by_a_minimum_gain(mean_a, by, outcome):
+    variants = {"a": {"mean": {"m": mean_a}, "sd": {"m": SD_A}}, "b": {"mean": {"m": 2.26}, "sd": {"m": SD_B}}}
+    got = judge({"metric": "m", "better": "lower", "compare": ["a", "b"], "by": by}, variants)
+    assert got["outcome"] == verdict(mean_a, SD_A, 2.26, SD_B, "lower", by) == outcome
+    assert got["by"] == by and (by == 0) == ("+ 2·sqrt" not in got["reason"])
+
+
+def test_compare_rule_times_scales_b_and_its_sd():
+    # claim: a's share is below half of b's. b = 4.0 ± 1.0 scaled to 2.0 ± 0.5; a = 0.74 ± 0.375
+    variants = {"a": {"mean": {"s": 0.74}, "sd": {"s": SD_A}}, "b": {"mean": {"s": 4.0}, "sd": {"s": 1.0}}}
+    got = judge({"metric": "s", "better": "lower", "compare": ["a", "b"], "times": 0.5}, variants)
+    assert got["mean"] == [0.74, 2.0] and got["sd"] == [SD_A, 0.5] and got["threshold"] == 1.25
+    assert got["outcome"] == "supported" and "0.5 × b" in got["reason"]
+    variants["a"]["mean"]["s"] = 0.76  # 1.24 below half of b: within the margin
+    assert judge({"metric": "s", "better": "lower", "compare": ["a", "b"], "times": 0.5}, variants)["outcome"] == "inconclusive"
+    from attnlab.experiments.sweep.verdict import rule_text
+    text = rule_text({"metric": "s", "better": "lower", "compare": ["a", "b"], "times": 0.5, "by": 0.1})
+    assert "0.5 × b" in text and "more than 0.1" in text and "(0.5·sd_b)²" in text
+
+
 def test_several_rules_each_reach_the_report(tmp_path):
     rules = ('[[verdict]]\nname = "first"\nmetric = "val_loss"\nbetter = "lower"\ncompare = ["hybrid", "softmax"]\n'
              '[[verdict]]\nname = "bound"\nmetric = "loss@16"\nbetter = "lower"\nvariant = "hybrid"\nthreshold = 100.0\n')
@@ -255,6 +283,12 @@ BAD = [
      ["verdict.threshold", "finite number"]),
     ("verdict-metric-b", spec_text().replace('compare = ["hybrid", "softmax"]', 'compare = ["hybrid", "softmax"]\nmetric_b = "x"'),
      ["verdict.metric_b", "'x'"]),
+    ("verdict-by", spec_text().replace('compare = ["hybrid", "softmax"]', 'compare = ["hybrid", "softmax"]\nby = -0.1'),
+     ["verdict.by", ">= 0"]),
+    ("verdict-times", spec_text().replace('compare = ["hybrid", "softmax"]', 'compare = ["hybrid", "softmax"]\ntimes = 0'),
+     ["verdict.times", "> 0"]),
+    ("verdict-by-threshold", spec_text().replace('compare = ["hybrid", "softmax"]', 'variant = "hybrid"\nthreshold = 1.0\nby = 0.1'),
+     ["verdict", "either compare"]),
     ("metrics-compress", spec_text().replace("[metrics]", "[metrics]\ncompress = [0.01]"), ["metrics.compress", "windowed_loss"]),
     ("metrics-compress-value", spec_text().replace("[metrics]", "[metrics]\nwindowed_loss = [4]\ncompress = [-1]"),
      ["metrics.compress", "spans"]),

@@ -22,7 +22,8 @@ def add_sweep(sub) -> None:
         epilog="The verdict rule: a difference in the [verdict] metric counts only when it exceeds twice the combined\n"
                "sd over seeds, 2*sqrt(sd_a^2 + sd_b^2); then the claim is supported (or not supported when the other\n"
                "variant is better), else inconclusive. A threshold rule ([[verdict]] with variant and threshold)\n"
-               "needs the mean beyond the number by more than twice its sd.",
+               "needs the mean beyond the number by more than twice its sd. A compare rule with `by` needs the gain\n"
+               "to exceed `by` plus the margin; `times` scales the second variant's mean and sd first.",
     )
     p.add_argument("spec", metavar="SPEC.toml", help="the sweep spec")
     p.add_argument("--jobs", type=int, default=1, metavar="N",

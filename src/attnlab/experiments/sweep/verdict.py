@@ -6,6 +6,11 @@ Two kinds of rule, both with the same margin, twice the sample sd over seeds:
   windowed loss against a softmax model's exact loss). Supported when A's mean beats B's by more
   than 2 * sqrt(sd_A^2 + sd_B^2), not supported when B's beats A's by more than that, else
   inconclusive.
+  Two optional keys make the claim quantitative: `by` (A beats B by more than this amount, e.g. a
+  loss drop of ln 1.03 for "3 % lower perplexity") and `times` (B's mean and sd are scaled first,
+  e.g. times = 0.5 for "A's sink share is below half of B's"). The margin applies to what is left:
+  supported when A beats times * B by more than by + 2 * sqrt(sd_A^2 + (times * sd_B)^2), not
+  supported when it falls short of `by` by more than that margin.
 - threshold: "variant A's metric M is below (better = "lower") or above x". Supported when the mean
   is on the right side of x by more than 2 * sd_A, not supported when it is on the wrong side by
   more than that, else inconclusive.
@@ -22,19 +27,20 @@ from attnlab.models.config import ConfigError
 
 from ..report import fmt
 
-RULE_KEYS = ("name", "metric", "better", "compare", "metric_b", "variant", "threshold")
+RULE_KEYS = ("name", "metric", "better", "compare", "metric_b", "by", "times", "variant", "threshold")
 OUTCOMES = ("supported", "not supported", "inconclusive")
 
 
-def verdict(mean_a, sd_a, mean_b, sd_b, better: str = "lower") -> str:
-    """'supported' when A beats B by more than 2 * sqrt(sd_a^2 + sd_b^2), 'not supported' when
-    B beats A by more than that, else (or when a mean or sd is missing) 'inconclusive'.
+def verdict(mean_a, sd_a, mean_b, sd_b, better: str = "lower", by: float = 0.0) -> str:
+    """'supported' when A beats B by more than by + 2 * sqrt(sd_a^2 + sd_b^2), 'not supported'
+    when A's gain over B falls short of `by` by more than 2 * sqrt(...) (for by = 0: B beats A by
+    more than that), else (or when a mean or sd is missing) 'inconclusive'.
     A threshold is a B with sd 0."""
     if better not in ("lower", "higher"):
         raise ValueError(f"better must be 'lower' or 'higher', got {better!r}")
     if None in (mean_a, sd_a, mean_b, sd_b):
         return "inconclusive"
-    gain = (mean_b - mean_a) if better == "lower" else (mean_a - mean_b)  # > 0: A is better
+    gain = ((mean_b - mean_a) if better == "lower" else (mean_a - mean_b)) - by  # > 0: A is better by more than `by`
     threshold = 2.0 * math.sqrt(sd_a ** 2 + sd_b ** 2)
     if gain > threshold:
         return "supported"
@@ -65,14 +71,20 @@ def check_rules(raw, variants: list[str], metrics: list[str]) -> list[dict]:
                 _need(r[k] in metrics, f"{key}.{k} must be a per-run scalar: one of {', '.join(metrics)}; got {r[k]!r}")
         _need(r["better"] in ("lower", "higher"), f"{key}.better must be 'lower' or 'higher', got {r['better']!r}")
         if "threshold" in r or "variant" in r:
-            _need("compare" not in r and "metric_b" not in r,
-                  f"{key}: give either compare (and metric_b) or variant and threshold, not both")
+            _need(not {"compare", "metric_b", "by", "times"} & set(r),
+                  f"{key}: give either compare (with metric_b, by, times) or variant and threshold, not both")
             _need(r.get("variant") in variants, f"{key}.variant must name a variant ({', '.join(variants)}); "
                   f"got {r.get('variant')!r}")
             t = r.get("threshold")
             _need(isinstance(t, (int, float)) and not isinstance(t, bool) and math.isfinite(t),
                   f"{key}.threshold must be a finite number, got {t!r}")
         else:
+            for k in ("by", "times"):
+                if k in r:
+                    x = r[k]
+                    _need(isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x)
+                          and (x >= 0 if k == "by" else x > 0),
+                          f"{key}.{k} must be a finite number {'>= 0' if k == 'by' else '> 0'}, got {x!r}")
             c = r.get("compare")
             _need(isinstance(c, list) and len(c) == 2 and all(isinstance(x, str) for x in c) and c[0] != c[1],
                   f"{key}.compare must name two different variants [A, B] (the claim: A is better than B), got {c!r}")
@@ -110,20 +122,26 @@ def judge(rule: dict, variants: dict) -> dict:
                 "margin": margin, "outcome": outcome, "reason": why}
     a, b = rule["compare"]
     mb_name = rule.get("metric_b", m)
+    by, times = float(rule.get("by", 0.0)), float(rule.get("times", 1.0))
     ma, da = stat(a, m)
     mb, db = stat(b, mb_name)
-    outcome = verdict(ma, da, mb, db, better)
+    mb, db = (None if mb is None else times * mb), (None if db is None else times * db)
+    outcome = verdict(ma, da, mb, db, better, by)
     threshold = 2.0 * math.sqrt(da ** 2 + db ** 2) if None not in (da, db) else None
     diff = ma - mb if None not in (ma, mb) else None
     label_b = b if mb_name == m else f"{b} {mb_name}"
+    if times != 1.0:
+        label_b = f"{times:g} × {label_b}"
     if None in (ma, mb):
         why = f"{m if ma is None else mb_name} is missing for {a if ma is None else b}"
     elif threshold is None:
         why = "fewer than 2 finished seeds for a variant, so no sd"
     else:
+        need = f"{fmt(by)} + " if by else ""
         why = (f"{a} {fmt(ma)} ± {fmt(da)} vs {label_b} {fmt(mb)} ± {fmt(db)}: difference {fmt(diff)}, "
-               f"threshold 2·sqrt(sd_a² + sd_b²) = {fmt(threshold)}")
+               f"threshold {need}2·sqrt(sd_a² + sd_b²) = {fmt(by + threshold)}")
     return {"name": rule.get("name"), "kind": "compare", "metric": m, "metric_b": mb_name, "better": better,
+            "by": by, "times": times,
             "compare": [a, b], "mean": [ma, mb], "sd": [da, db], "difference": diff, "threshold": threshold,
             "outcome": outcome, "reason": why}
 
@@ -140,10 +158,19 @@ def rule_text(rule: dict) -> str:
                 f"**inconclusive** otherwise, and with fewer than 2 finished seeds.")
     a, b = rule["compare"]
     mb = rule.get("metric_b", m)
+    by, times = rule.get("by", 0), rule.get("times", 1)
     theirs, against = (f"{b}'s", "") if mb == m else (f"{b}'s mean {mb}", f" against {b}'s {mb}")
-    return (f"the claim ({a} is better than {b} in {m}{against}, "
-            f"{better} is better) is **supported** when {a}'s mean {m} is {better} than {theirs} by more than "
-            f"twice the combined sd, 2·sqrt(sd_{a}² + sd_{b}²) (sample sd over seeds); **not supported** when it is "
+    scaled = f"{times:g} × " if times != 1 else ""
+    sd_b = f"({times:g}·sd_{b})²" if times != 1 else f"sd_{b}²"
+    if by:
+        return (f"the claim ({a} is better than {scaled}{b} in {m}{against} by more than {fmt(by)}, {better} is better) "
+                f"is **supported** when {a}'s mean {m} is {better} than {scaled}{theirs} by more than {fmt(by)} plus "
+                f"twice the combined sd, 2·sqrt(sd_{a}² + {sd_b}) (sample sd over seeds); **not supported** when its "
+                f"gain falls short of {fmt(by)} by more than that margin; **inconclusive** otherwise, and when a variant "
+                f"has fewer than 2 finished seeds.")
+    return (f"the claim ({a} is better than {scaled}{b} in {m}{against}, "
+            f"{better} is better) is **supported** when {a}'s mean {m} is {better} than {scaled}{theirs} by more than "
+            f"twice the combined sd, 2·sqrt(sd_{a}² + {sd_b}) (sample sd over seeds); **not supported** when it is "
             f"{worse} by more than that; **inconclusive** otherwise, and when a variant has fewer than 2 finished seeds.")
 
 
