@@ -76,7 +76,7 @@ def test_capture_matches_eager_attention_and_layer_input(lm, packed):
 
 
 @pytest.mark.parametrize("grouped", [False, True], ids=["shared", "per-kv-head"])
-@pytest.mark.parametrize("method", ["learned", "learned-hnsw", "quest", "streaming"])
+@pytest.mark.parametrize("method", ["learned", "learned-hnsw", "native", "native-hnsw", "quest", "streaming"])
 def test_generation_with_full_budget_equals_full_generation(lm, proj, proj_kv, method, grouped):
     p, G = (proj_kv, lm.dims.n_kv_heads) if grouped else (proj, 1)
     ids = torch.randint(3, 250, (2, 9), generator=torch.Generator().manual_seed(3))
@@ -85,15 +85,17 @@ def test_generation_with_full_budget_equals_full_generation(lm, proj, proj_kv, m
     assert torch.equal(got, ref)
 
 
-@pytest.mark.parametrize("rope,groups", [(False, 1), (True, 1), (True, 2)], ids=["plain", "search-rope", "per-kv-head"])
-def test_decode_index_growth_matches_prefill(lm, rope, groups):
+@pytest.mark.parametrize("method,rope,groups", [("learned", False, 1), ("learned", True, 1), ("learned", True, 2),
+                                                ("native", True, 1), ("native", True, 2)],
+                         ids=["plain", "search-rope", "per-kv-head", "native", "native-per-kv-head"])
+def test_decode_index_growth_matches_prefill(lm, method, rope, groups):
     """Token-by-token decoding with a growing exact index selects what one prefill selects."""
     from transformers import DynamicCache
 
     torch.manual_seed(1)
     proj = SearchProjections([2, 3, 5], lm.dims.d_model, 16, rope=rope, groups=groups)
     ids = torch.randint(3, 250, (1, 30), generator=torch.Generator().manual_seed(4))
-    cfg = SelectorConfig("learned", K=5, groups=groups)
+    cfg = SelectorConfig(method, K=5, groups=groups)
     with substitute(lm.model, [2, 3, 5], cfg, proj):
         full = lm.model(input_ids=ids, use_cache=False).logits
         cache = DynamicCache(config=lm.model.config)

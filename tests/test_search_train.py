@@ -16,7 +16,7 @@ from attnlab.search.metrics import retrieval_stats
 from attnlab.search.projections import SearchProjections
 from attnlab.search.retrieval import oracle_select, topk_candidates
 from attnlab.search.sweep import EvalConfig, run_eval
-from attnlab.search.train import SearchTrainConfig, step_losses, train_projections
+from attnlab.search.train import SearchTrainConfig, query_rows, step_losses, train_projections
 
 CODE = "def add(a, b):\n    '''Sum.'''\n    return a + b\n\nclass Box:\n    def __init__(self, x):\n        self.x = x\n"
 
@@ -65,6 +65,70 @@ def test_projections_learn_a_teacher_they_can_express(groups):
         opt.step()
     after, _ = _mass(proj, caps, seg, 8)
     assert after > before + 0.15 and after > 0.85 * oracle, (before, after, oracle)
+
+
+@pytest.mark.parametrize("groups", [1, 2])
+def test_query_subsampling_is_unbiased(groups):
+    """Both losses are means over query rows: averaged over every choice of n rows out of T they
+    equal the full-row losses, and so do their gradients (a fixed example, every subset enumerated)."""
+    import itertools
+
+    g = torch.Generator().manual_seed(5)
+    B, T, C, H, D, n = 1, 9, 12, 4, 6, 3
+    h = torch.randn(B, T, C, generator=g)
+    q, k = torch.randn(B, H, T, D, generator=g), torch.randn(B, H // 2, T, D, generator=g)
+    caps = {0: Captured(h, q, k, 0.4), 3: Captured(h.flip(1), q.flip(2), k, 0.7)}
+    seg = torch.tensor([[0] * 4 + [1] * 5])
+    torch.manual_seed(0)
+    proj = SearchProjections([0, 3], C, 8, tau=0.2, rope=True, groups=groups)
+
+    def losses_and_grads(rows):
+        proj.zero_grad()
+        nce, kl, _ = step_losses(proj, caps, seg, k_pos=2, rows=rows)
+        (nce + 2 * kl).backward()
+        return torch.stack([nce, kl]).detach(), [p.grad.clone() for p in proj.parameters()]
+
+    full, full_grads = losses_and_grads(None)
+    subsets = list(itertools.combinations(range(T), n))
+    acc, acc_grads = torch.zeros(2), [torch.zeros_like(p) for p in proj.parameters()]
+    for rows in subsets:
+        l, gr = losses_and_grads(torch.tensor(rows))
+        acc += l / len(subsets)
+        acc_grads = [a + x / len(subsets) for a, x in zip(acc_grads, gr)]
+    assert torch.allclose(acc, full, rtol=1e-5, atol=1e-6)
+    for a, f in zip(acc_grads, full_grads):
+        assert torch.allclose(a, f, rtol=1e-4, atol=1e-6)
+    one, _ = losses_and_grads(torch.tensor([1, 6, 7]))
+    assert not torch.allclose(one, full, rtol=1e-3)  # a single subset is an estimate, not the loss
+
+
+def test_query_rows_draw_is_reproducible_and_uniform():
+    a, b = query_rows(2048, 256, seed=3, step=17), query_rows(2048, 256, seed=3, step=17)
+    assert torch.equal(a, b) and a.numel() == 256 and torch.equal(a, a.unique())  # sorted, distinct
+    assert not torch.equal(a, query_rows(2048, 256, seed=3, step=18))
+    assert query_rows(2048, 0, 0, 0) is None and query_rows(64, 64, 0, 0) is None and query_rows(64, 99, 0, 0) is None
+    counts = torch.zeros(64)
+    for step in range(2000):
+        counts[query_rows(64, 16, 0, step)] += 1
+    assert (counts / 2000 - 0.25).abs().max() < 0.05  # every position drawn with probability n / T
+
+
+def test_train_with_query_rows_resumes_like_one_run(tmp_path, corpus):
+    lm = tiny_lm("llama")
+    common = dict(model="tiny", layers="1", d_search=8, context=32, n_contexts=2, corpus=corpus, split="all",
+                  log_every=1, checkpoint_every=2, eval_k=4, warmup=1, query_rows=8, steps=4)
+    one = train_projections(SearchTrainConfig(**common, out=str(tmp_path / "one")), lm=lm, progress=False)
+    train_projections(SearchTrainConfig(**common, out=str(tmp_path / "two")), lm=lm, progress=False, until=2)
+    rest = train_projections(SearchTrainConfig(**common, out=str(tmp_path / "two")), lm=lm, progress=False)
+    a, b = SearchProjections.load(one["checkpoint"])[0], SearchProjections.load(rest["checkpoint"])[0]
+    for key, val in a.state_dict().items():
+        assert torch.allclose(val, b.state_dict()[key], atol=1e-6), key
+    full = train_projections(SearchTrainConfig(**{**common, "query_rows": 0}, out=str(tmp_path / "full")), lm=lm,
+                             progress=False)
+    c = SearchProjections.load(full["checkpoint"])[0]
+    assert any(not torch.allclose(v, c.state_dict()[k]) for k, v in a.state_dict().items())  # rows really subsampled
+    with pytest.raises(ValueError, match="query_rows must be an int >= 0"):
+        SearchTrainConfig(query_rows=-1)
 
 
 def test_train_checkpoints_and_resume_equals_one_run(tmp_path, corpus):
@@ -170,6 +234,11 @@ def test_cli_builds_configs():
                                                                                   True)
     assert train_config(parser.parse_args(["search", "train", "--no-rope"])).rope is False
     assert train_config(parser.parse_args(["search", "train", "--groups", "kv"])).groups == "kv"
+    assert train_config(parser.parse_args(["search", "train", "--query-rows", "256"])).query_rows == 256
+    with pytest.raises(ValueError, match="--query-rows must be an int >= 0"):
+        train_config(parser.parse_args(["search", "train", "--query-rows", "-5"]))
+    assert eval_config(parser.parse_args(["search", "eval", "--model", "m", "--methods", "native,native-hnsw"])).methods \
+        == ["native", "native-hnsw"]
     assert eval_config(parser.parse_args(["search", "eval", "--checkpoint", "p", "--groups", "3"])).groups == 3
     with pytest.raises(SystemExit):
         parser.parse_args(["search", "train", "--groups", "many"])

@@ -114,6 +114,8 @@ def add_search_commands(subparsers) -> argparse.ArgumentParser:
     t.add_argument("--n-contexts", dest="n_contexts", type=int, default=d.n_contexts)
     t.add_argument("--steps", type=int, default=d.steps)
     t.add_argument("--lr", type=float, default=d.lr)
+    t.add_argument("--query-rows", dest="query_rows", type=int, default=d.query_rows,
+                   help="query positions scored per step, drawn uniformly (0: all); cuts the T x T teacher to rows x T")
     t.add_argument("--activations", choices=("disk", "memory", "none"), default=d.activations,
                    help="where captured activations are kept between epochs")
     t.add_argument("--checkpoint-every", dest="checkpoint_every", type=int, default=d.checkpoint_every)

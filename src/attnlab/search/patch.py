@@ -19,7 +19,7 @@ from .hf_model import attention_modules
 from .hooks import Installed
 from .metrics import Tally, retrieval_stats
 from .projections import SearchProjections
-from .retrieval import (METHODS, ExactIndex, HNSWIndex, oracle_select, quest_select,
+from .retrieval import (METHODS, ExactIndex, HNSWIndex, native_vectors, oracle_select, quest_select,
                         streaming_select, topk_candidates)
 from .sparse import sparse_attention
 
@@ -60,11 +60,14 @@ class RetrieveThenAttend:
             if projections.groups != cfg.groups:
                 raise ValueError(f"groups={cfg.groups} but the projections were trained with groups={projections.groups}")
         self.layer, self.cfg, self.proj, self.tally = layer, cfg, projections, tally
-        if cfg.method == "learned-hnsw":
-            self.index = HNSWIndex(projections.d_search, cfg.hnsw_m, cfg.hnsw_ef_construction, cfg.hnsw_ef_search,
-                                   cfg.hnsw_pin)
-        else:
-            self.index = ExactIndex()
+        self.index = None  # learned / native: made at the first forward (the native width comes from q)
+
+    def _index(self, dim: int):
+        cfg = self.cfg
+        if self.index is None:
+            self.index = (HNSWIndex(dim, cfg.hnsw_m, cfg.hnsw_ef_construction, cfg.hnsw_ef_search, cfg.hnsw_pin)
+                          if cfg.method.endswith("-hnsw") else ExactIndex())
+        return self.index
 
     def select(self, hidden, q, k, allowed, scaling, teacher=None):
         """teacher: the group teacher (B, G, Tq, Tk) when the caller already has it (oracle + tally)."""
@@ -78,15 +81,19 @@ class RetrieveThenAttend:
         if cfg.method == "streaming":
             return streaming_select(allowed, cfg.K, cfg.n_sink, batch=q.shape[0])
         Tq, Tk = q.shape[2], k.shape[2]
-        qs, ks = self.proj(self.layer, hidden, start=Tk - Tq)  # (B, G, Tq, d_search) each, at positions Tk-Tq..
+        if cfg.method.startswith("native"):  # the model's own vectors of the Tq new positions
+            qs, ks = native_vectors(q, k[:, :, Tk - Tq:], cfg.groups)
+        else:
+            qs, ks = self.proj(self.layer, hidden, start=Tk - Tq)  # (B, G, Tq, d_search) each, at positions Tk-Tq..
+        index = self._index(qs.shape[-1])
         if Tk == Tq:  # a new sequence: start a fresh index
-            self.index.reset()
-        if self.index.ntotal != Tk - Tq:
+            index.reset()
+        if index.ntotal != Tk - Tq:
             raise RuntimeError(
-                f"layer {self.layer}: the search index holds {self.index.ntotal} keys but the KV cache had "
+                f"layer {self.layer}: the search index holds {index.ntotal} keys but the KV cache had "
                 f"{Tk - Tq}; install the substitution before the first forward of a sequence"
             )
-        return self.index.grow_and_search(qs, ks, allowed, cfg.K)
+        return index.grow_and_search(qs, ks, allowed, cfg.K)
 
     @torch.no_grad()
     def __call__(self, module, hidden, q, k, v, allowed, scaling):

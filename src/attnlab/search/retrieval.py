@@ -1,5 +1,6 @@
-"""Candidate selection at a budget of K keys per query: learned (exact or FAISS HNSW), Quest,
-oracle top-K and StreamingLLM sinks + window.
+"""Candidate selection at a budget of K keys per query: learned (exact or FAISS HNSW), native
+(the model's own post-RoPE q and k, exact or FAISS HNSW), Quest, oracle top-K and StreamingLLM
+sinks + window.
 
 Every selector returns idx (B, G, Tq, K) int64 and valid (B, G, Tq, K) bool: G candidate sets per
 query token, set g serving the H / G consecutive query heads g*H/G.. (G = 1: one set shared by all
@@ -19,7 +20,7 @@ from attnlab.ops._sdpa import expand_heads
 
 from .capture import teacher_attention
 
-METHODS = ("learned", "learned-hnsw", "quest", "oracle", "streaming")
+METHODS = ("learned", "learned-hnsw", "native", "native-hnsw", "quest", "oracle", "streaming")
 
 
 def check_group_spec(groups, allow_none: bool = False):
@@ -53,6 +54,31 @@ def oracle_select(q, k, allowed, scaling: float, K: int, groups: int = 1):
     """Top-K keys of the teacher distribution softmax(q.k * s) (the model's own q.k), averaged over
     the heads of each of the `groups` candidate groups."""
     return topk_candidates(teacher_attention(q, k, allowed, scaling, groups=groups), allowed, K)
+
+
+def native_vectors(q: torch.Tensor, k: torch.Tensor, groups: int = 1) -> tuple[torch.Tensor, torch.Tensor]:
+    """Search vectors made of the model's own post-RoPE queries and keys, one space per candidate set.
+
+    q (B, H, Tq, D), k (B, Hkv, Tk, D) -> qn (B, G, Tq, m * D), kn (B, G, Tk, m * D) with
+    qn[g, t] . kn[g, s] = the mean over the set's heads h of q_h[t] . k_kv(h)[s]: the set's mean
+    logit (up to the positive scaling), so maximum inner product search over (qn, kn) ranks keys as
+    the heads' average score does. The m key blocks are the KV heads the set reads, the query block
+    of KV head j the sum of the set's queries that read it, divided by the heads per set. When the
+    sets read different numbers of KV heads, every set gets all Hkv blocks (zeros where unread)."""
+    B, H, Tq, D = q.shape
+    Hkv = k.shape[1]
+    G = check_groups(H, groups, "groups")
+    n, r = H // G, H // Hkv  # heads per set, query heads per KV head
+    reads = [sorted({h // r for h in range(g * n, (g + 1) * n)}) for g in range(G)]
+    if len({len(j) for j in reads}) > 1:
+        reads = [list(range(Hkv))] * G
+    qn = q.new_zeros(B, G, Tq, len(reads[0]), D)
+    for g, kv in enumerate(reads):
+        for h in range(g * n, (g + 1) * n):
+            qn[:, g, :, kv.index(h // r)] += q[:, h]
+    kv = torch.tensor(reads, device=k.device)  # (G, m)
+    kn = k[:, kv]  # (B, G, m, Tk, D)
+    return (qn / n).flatten(-2), kn.transpose(2, 3).flatten(-2)
 
 
 def streaming_select(allowed: torch.Tensor, K: int, n_sink: int = 4, batch: int | None = None):

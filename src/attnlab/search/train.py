@@ -51,6 +51,7 @@ class SearchTrainConfig:
     lr: float = 2e-3
     warmup: int = 20
     eval_k: int = 64  # K of the Mass@K / Recall@K logged on the training batch
+    query_rows: int = 0  # query positions scored per step, drawn uniformly (0: all); the teacher costs rows x context
     log_every: int = 10
     checkpoint_every: int = 50
     activations: str = "disk"  # "disk" (cache under out/), "memory", or "none" (re-run the model)
@@ -61,6 +62,7 @@ class SearchTrainConfig:
     def __post_init__(self):
         for name in ("d_search", "k_pos", "context", "n_contexts", "steps", "log_every", "checkpoint_every", "eval_k"):
             check_int(name, getattr(self, name))
+        check_int("query_rows", self.query_rows, 0)
         for name in ("tau", "lr"):
             if not getattr(self, name) > 0:
                 raise ValueError(f"{name} must be > 0, got {getattr(self, name)!r}")
@@ -126,17 +128,36 @@ class ActivationStore:
         return caps
 
 
+def query_rows(T: int, n: int, seed: int, step: int) -> torch.Tensor | None:
+    """The query rows one training step scores: n of the T positions, uniformly without replacement
+    and sorted, drawn from a generator seeded by (seed, step) so a resumed run draws the same rows.
+    None (every row) when n is 0 or at least T."""
+    if not n or n >= T:
+        return None
+    g = torch.Generator().manual_seed(seed * 1000003 + step)
+    return torch.randperm(T, generator=g)[:n].sort().values
+
+
 def step_losses(proj: SearchProjections, caps: dict[int, Captured], segments: torch.Tensor, k_pos: int,
-                eval_k: int | None = None) -> tuple[torch.Tensor, torch.Tensor, dict]:
-    """Layer-averaged (L_NCE, L_KL) on one context; with eval_k also the student's Mass/Recall@K."""
+                eval_k: int | None = None, rows: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor, dict]:
+    """Layer-averaged (L_NCE, L_KL) on one context; with eval_k also the student's Mass/Recall@K.
+
+    rows: score only these query positions (every key stays a candidate). Both losses are means
+    over query rows, so over uniformly drawn rows their expectation is the full loss, while the
+    teacher and the dense logits shrink from T x T to len(rows) x T."""
     allowed4 = doc_causal_mask(segments)  # (B, 1, T, T)
+    if rows is not None:
+        allowed4 = allowed4[:, :, rows]  # (B, 1, n, T)
     G = proj.groups
-    allowed = allowed4[:, 0].repeat_interleave(G, dim=0)  # (B * G, T, T)
+    allowed = allowed4[:, 0].repeat_interleave(G, dim=0)  # (B * G, n, T)
     nce_sum, kl_sum, mass, recall = 0.0, 0.0, [], []
     for layer, c in caps.items():
+        q = c.q if rows is None else c.q[:, :, rows]
         with torch.no_grad():
-            teacher = teacher_attention(c.q, c.k, allowed4, c.scaling, groups=G)  # (B, G, T, T)
+            teacher = teacher_attention(q, c.k, allowed4, c.scaling, groups=G)  # (B, G, n, T)
         qs, ks = proj(layer, c.hidden)  # (B, G, T, d)
+        if rows is not None:
+            qs = qs[:, :, rows]
         nce, kl = search_losses(qs.flatten(0, 1), ks.flatten(0, 1), teacher.flatten(0, 1), allowed, proj.tau, k_pos)
         nce_sum, kl_sum = nce_sum + nce, kl_sum + kl
         if eval_k:
@@ -233,7 +254,8 @@ def train_projections(cfg: SearchTrainConfig, lm: FrozenLM | None = None, progre
         for g in opt.param_groups:
             g["lr"] = lr_at(step)
         want = (step + 1) % cfg.log_every == 0 or step + 1 == cfg.steps
-        nce, kl, info = step_losses(proj, caps, packed.segments[i:i + 1], cfg.k_pos, cfg.eval_k if want else None)
+        rows = query_rows(packed.segments.shape[1], cfg.query_rows, cfg.seed, step)
+        nce, kl, info = step_losses(proj, caps, packed.segments[i:i + 1], cfg.k_pos, cfg.eval_k if want else None, rows)
         loss = cfg.alpha * nce + cfg.beta * kl
         opt.zero_grad(set_to_none=True)
         loss.backward()

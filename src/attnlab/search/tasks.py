@@ -1,0 +1,411 @@
+"""Long-context retrieval tasks for retrieve-then-attend: passkey and needle-in-a-haystack.
+
+Both tasks hide "The pass key is K" at a chosen depth of a long haystack and end with the question
+"What is the pass key? The pass key is" (see `attnlab.data.passkey`). `passkey` fills the haystack
+with one fixed sentence repeated; `needle` fills it with held-out corpus text, so the needle does not
+stand out as the only non-repeating span. The frozen model reads each example once (teacher forcing):
+an example counts as solved when the argmax at every answer position is the answer token.
+
+Every cell (task, length, depth, method, K) scores the same examples: the keys are drawn from
+`seed` alone, so cells differ only in where the needle sits and how much haystack surrounds it.
+Full attention runs first; a method can only be judged on the cells full attention solves.
+Results are rewritten atomically after every cell, and a rerun with the same configuration skips
+the cells already there.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import json
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Callable
+
+import torch
+from tqdm.auto import tqdm
+
+from attnlab.checks import NotAnIntError, check_int
+from attnlab.data.cache import atomic_write_text
+from attnlab.data.synthetic import IGNORE, passkey
+from attnlab.experiments.report import markdown_table
+
+from .capture import load_texts
+from .hf_model import (LAYER_SETS, ModelDims, ModelSource, load_hf_config, load_model, load_tokenizer, model_dims,
+                       resolve_layers, resolve_source)
+from .lm import FrozenLM, _hf_encode
+from .patch import SelectorConfig, substitute
+from .projections import SearchProjections
+from .retrieval import METHODS, check_group_spec, resolve_groups
+
+TASKS = ("passkey", "needle")
+FULL = "full"  # no substitution: the model's own attention
+TASK_METHODS = (FULL, *METHODS)
+
+
+def _needs_checkpoint(method: str) -> bool:
+    return method.startswith("learned")
+
+
+def _int_list(name: str, values, low: int = 1) -> list[int]:
+    need = "positive ints" if low == 1 else f"ints >= {low}"
+    msg = f"{name} must be a non-empty list of distinct {need}, got {values!r}"
+    if not isinstance(values, (list, tuple)) or not values:
+        raise ValueError(msg)
+    for v in values:
+        try:
+            check_int(name, v, low)
+        except NotAnIntError:
+            raise NotAnIntError(msg) from None
+        except ValueError:
+            raise ValueError(msg) from None
+    if len(set(values)) != len(values):
+        raise ValueError(msg)
+    return list(values)
+
+
+def _str_list(name: str, values, allowed: tuple) -> list[str]:
+    if (not isinstance(values, (list, tuple)) or not values or len(set(values)) != len(values)
+            or any(v not in allowed for v in values)):
+        raise ValueError(f"{name} must be a non-empty list of distinct names from {allowed}, got {values!r}")
+    return list(values)
+
+
+def _check_layer_spec(spec):
+    """A layer set before the model is known: a name from LAYER_SETS, or distinct indices >= 0."""
+    idx = None
+    if isinstance(spec, str):
+        if spec in LAYER_SETS:
+            return spec
+        try:
+            idx = [int(s) for s in spec.split(",") if s.strip()]
+        except ValueError:
+            idx = None
+    elif isinstance(spec, (list, tuple)) and all(isinstance(i, int) and not isinstance(i, bool) for i in spec):
+        idx = list(spec)
+    if not idx or min(idx) < 0 or len(set(idx)) != len(idx):
+        raise ValueError(f"layer_set must be one of {LAYER_SETS} or a comma list of distinct layer indices >= 0, "
+                         f"got {spec!r}")
+    return spec
+
+
+@dataclass
+class TaskConfig:
+    """Which tasks, lengths, needle depths, methods and budgets K to score, on which model.
+
+    checkpoint: trained search projections (needed by the learned methods only); model: a hub id,
+    folder, .gguf file or 'smollm2' (default: the model the checkpoint was trained on). methods:
+    'full' (no substitution) and names from retrieval.METHODS, each run at every K of `ks` in the
+    layers of `layer_set`. groups: candidate sets per token for every method (default: the
+    checkpoint's, else 1). corpus/split: the held-out text the needle task uses as haystack.
+    """
+
+    checkpoint: str | None = None
+    model: str | None = None
+    tasks: list[str] = field(default_factory=lambda: list(TASKS))
+    lengths: list[int] = field(default_factory=lambda: [2048, 4096, 8192])
+    depths: list[float] = field(default_factory=lambda: [0.1, 0.5, 0.9])
+    n_examples: int = 4
+    methods: list[str] = field(default_factory=lambda: [FULL, "learned", "quest", "streaming"])
+    ks: list[int] = field(default_factory=lambda: [64, 256])
+    layer_set: str | list[int] = "middle6"
+    groups: int | str | None = None
+    corpus: str = "stdlib"
+    split: str = "test"
+    digits: int = 5  # digits of the pass key
+    page: int = 16  # Quest page size
+    n_sink: int = 4  # StreamingLLM sinks
+    hnsw_ef_search: int = 512
+    seed: int = 0
+    out: str = "runs/search-tasks"
+
+    def __post_init__(self):
+        self.tasks = _str_list("tasks", self.tasks, TASKS)
+        self.lengths = _int_list("lengths", self.lengths)
+        if (not isinstance(self.depths, (list, tuple)) or not self.depths or len(set(self.depths)) != len(self.depths)
+                or not all(isinstance(d, (int, float)) and not isinstance(d, bool) and 0.0 <= d <= 1.0
+                           for d in self.depths)):
+            raise ValueError(f"depths must be a non-empty list of distinct numbers in [0, 1], got {self.depths!r}")
+        self.depths = [float(d) for d in self.depths]
+        check_int("n_examples", self.n_examples)
+        self.methods = _str_list("methods", self.methods, TASK_METHODS)
+        self.ks = _int_list("ks", self.ks)
+        _check_layer_spec(self.layer_set)
+        check_group_spec(self.groups, allow_none=True)
+        for name in ("corpus", "split", "out"):
+            if not isinstance(getattr(self, name), str) or not getattr(self, name):
+                raise ValueError(f"{name} must be a non-empty string, got {getattr(self, name)!r}")
+        for name in ("digits", "page", "hnsw_ef_search"):
+            check_int(name, getattr(self, name))
+        check_int("n_sink", self.n_sink, 0)
+        check_int("seed", self.seed, 0)
+        if self.checkpoint is not None and (not isinstance(self.checkpoint, str) or not self.checkpoint):
+            raise ValueError(f"checkpoint must be None or a path, got {self.checkpoint!r}")
+        learned = [m for m in self.methods if _needs_checkpoint(m)]
+        if learned and not self.checkpoint:
+            raise ValueError(f"checkpoint is needed by the methods {learned} (trained search projections)")
+        if self.checkpoint is None and self.model is None:
+            raise ValueError("model must be given when there is no checkpoint to take it from")
+
+    def combos(self) -> list[tuple[str, int | None]]:
+        """(method, K) in run order: full attention (K None) first, then each method at each K."""
+        return _combos(self.methods, self.ks)
+
+
+def _combos(methods, ks) -> list[tuple[str, int | None]]:
+    first = [(FULL, None)] if FULL in methods else []
+    return first + [(m, K) for m in methods if m != FULL for K in ks]
+
+
+class _Tokenizer:
+    """The `encode(str) -> list[int]` interface attnlab.data.passkey needs, over FrozenLM.encode.
+    Long texts (the needle haystack) are encoded once and remembered."""
+
+    def __init__(self, encode: Callable[[str], list[int]]):
+        self._encode, self._memo = encode, {}
+
+    def encode(self, text: str) -> list[int]:
+        if len(text) < 4096:
+            return list(self._encode(text))
+        if text not in self._memo:
+            self._memo[text] = list(self._encode(text))
+        return self._memo[text]
+
+
+@dataclass
+class TaskPlan:
+    """Everything checked and generated before any weights load: the model's shapes, the resolved
+    layers and groups, the projections, and the (inputs, labels) of every (task, length, depth)."""
+
+    name: str
+    dims: ModelDims
+    layers: list[int]
+    groups: int
+    projections: SearchProjections | None
+    source: ModelSource | None  # None when a loaded FrozenLM was given
+    header: dict  # what a resumed run must match (config without `out`, model, checkpoint digest)
+    examples: dict = field(default_factory=dict)  # (task, length, depth) -> (inputs, labels) (N, length)
+    previous: list = field(default_factory=list)  # rows already in cfg.out
+
+
+def _digest(path: str) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for chunk in iter(lambda: f.read(1 << 20), b""):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+def _rows_in(out: Path, header: dict) -> list:
+    """The finished rows of an earlier run into `out`; refuses a folder holding another configuration."""
+    path = out / "results.json"
+    if not path.exists():
+        return []
+    try:
+        old = json.loads(path.read_text())
+        rows = old["rows"]
+    except (ValueError, KeyError, TypeError) as e:
+        raise ValueError(f"out={str(out)!r} holds a results.json that cannot be read ({e}); "
+                         "remove it or choose another out") from None
+    theirs = {k: old.get(k) for k in header}
+    if theirs != header:
+        keys = sorted(set(header.get("config", {})) | set(theirs.get("config") or {}))
+        diff = [k for k in keys if (theirs.get("config") or {}).get(k) != header["config"].get(k)]
+        diff += [k for k in header if k != "config" and theirs.get(k) != header[k]]
+        raise ValueError(f"out={str(out)!r} holds results of a different configuration (differs in: "
+                         f"{', '.join(diff)}); choose another out to keep both, or remove it")
+    return rows
+
+
+def plan_tasks(cfg: TaskConfig, lm: FrozenLM | None = None) -> TaskPlan:
+    """Validate `cfg` against the model config, checkpoint and `cfg.out`, then generate every
+    example. Reads the model config and tokenizer only (never the weights), writes nothing."""
+    if not isinstance(cfg, TaskConfig):
+        raise TypeError(f"cfg must be a TaskConfig, got {type(cfg).__name__}")
+    proj, meta = None, {}
+    if cfg.checkpoint:
+        try:
+            proj, meta, _ = SearchProjections.load(cfg.checkpoint)
+        except Exception as e:  # missing file, not safetensors, no projection metadata
+            raise ValueError(f"checkpoint={cfg.checkpoint!r} cannot be read as search projections: {e}") from None
+    learned = [m for m in cfg.methods if _needs_checkpoint(m)]
+    source = None
+    if lm is not None:
+        name, config, dims = lm.name, lm.model.config, lm.dims
+    else:
+        name = cfg.model or meta.get("meta", {}).get("model")
+        if not name:
+            raise ValueError(f"model is not given and the checkpoint {cfg.checkpoint!r} records none")
+        source = resolve_source(name)
+        config = load_hf_config(source)
+        dims = model_dims(config)
+
+    max_pos = getattr(config, "max_position_embeddings", None)
+    if isinstance(max_pos, int) and max(cfg.lengths) > max_pos:
+        raise ValueError(f"lengths: {max(cfg.lengths)} exceeds the model's max_position_embeddings={max_pos}")
+    try:
+        layers = resolve_layers(cfg.layer_set, dims.n_layers)
+    except ValueError as e:
+        raise ValueError(f"layer_set={cfg.layer_set!r}: {e}") from None
+    want = cfg.groups if cfg.groups is not None else (proj.groups if proj is not None else 1)
+    groups = resolve_groups(want, dims)
+    if proj is not None and learned:
+        if groups != proj.groups:
+            raise ValueError(f"groups={cfg.groups!r} gives {groups} candidate sets, but the checkpoint's projections "
+                             f"have groups={proj.groups}; the learned methods need the checkpoint's")
+        missing = sorted(set(layers) - set(proj.layers))
+        if missing:
+            raise ValueError(f"layer_set={cfg.layer_set!r} needs projections for layers {missing}, but the checkpoint "
+                             f"{cfg.checkpoint!r} has {proj.layers}")
+        if proj.d_model != dims.d_model:
+            raise ValueError(f"checkpoint {cfg.checkpoint!r} has d_model={proj.d_model}, the model {dims.d_model}")
+
+    conf = asdict(cfg)
+    conf.pop("out")
+    header = json.loads(json.dumps({"config": conf, "model": name,
+                                    "checkpoint_sha256": _digest(cfg.checkpoint) if cfg.checkpoint else None}))
+    previous = _rows_in(Path(cfg.out), header)
+
+    tok = _Tokenizer(lm.encode if lm is not None else _hf_encode(load_tokenizer(source)))
+    plan = TaskPlan(name, dims, layers, groups, proj if learned else None, source, header, previous=previous)
+    for task in cfg.tasks:
+        filler = None
+        if task == "needle":
+            filler = "\n\n".join(load_texts(cfg.corpus, cfg.split))
+            n_tok = len(tok.encode(filler)) if filler.strip() else 0
+            if n_tok < max(cfg.lengths):
+                raise ValueError(f"corpus={cfg.corpus!r} split={cfg.split!r} gives {n_tok} tokens of haystack, "
+                                 f"fewer than the longest of lengths ({max(cfg.lengths)}); the needle task would "
+                                 "repeat it")
+        for length in cfg.lengths:
+            for depth in cfg.depths:
+                try:
+                    plan.examples[task, length, depth] = passkey(tok, length, depth, cfg.n_examples, seed=cfg.seed,
+                                                                 digits=cfg.digits, filler=filler)
+                except ValueError as e:
+                    raise ValueError(f"lengths: {e}") from None
+    return plan
+
+
+@torch.no_grad()
+def answer_logits(model, input_ids: torch.Tensor, labels: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """One teacher-forced forward of `input_ids` (B, T); returns the logits (B, n, V) and labels
+    (B, n) of the last n positions, from the first labelled one on. Only those n positions go
+    through the output head (`logits_to_keep`), which keeps an 8K-token forward from holding a
+    (T, vocab) logit matrix."""
+    marked = (labels != IGNORE).any(0).nonzero()
+    if marked.numel() == 0:
+        raise ValueError("labels mark no answer position")
+    first = int(marked[0, 0])
+    keep = input_ids.shape[1] - first
+    logits = model(input_ids=input_ids, use_cache=False, logits_to_keep=keep).logits  # (B, n, V)
+    return logits, labels[:, first:]
+
+
+def score(logits: torch.Tensor, labels: torch.Tensor) -> tuple[int, int, int]:
+    """(examples with every answer token right, answer tokens right, answer tokens) of logits
+    (B, n, V) against labels (B, n) (IGNORE where nothing is asked)."""
+    asked = labels != IGNORE
+    hit = (logits.argmax(-1) == labels) & asked
+    solved = (hit | ~asked).all(-1) & asked.any(-1)
+    return int(solved.sum()), int(hit.sum()), int(asked.sum())
+
+
+def _key(row) -> tuple:
+    return row["task"], row["length"], float(row["depth"]), row["method"], row["K"]
+
+
+def run_tasks(cfg: TaskConfig, lm: FrozenLM | None = None, progress: bool = True, plan: TaskPlan | None = None) -> dict:
+    """Score every (task, length, depth, method, K) cell on cfg.n_examples examples, one forward per
+    example at batch 1; write results.json and results.md under cfg.out after each cell.
+
+    Everything that can be checked without the weights is checked first (`plan_tasks`); the weights
+    load only when some cell is still to run. Returns the results dict (config, model, layers,
+    groups, rows of {task, length, depth, method, K, accuracy, token_accuracy, n, ...})."""
+    plan = plan_tasks(cfg, lm) if plan is None else plan
+    out = Path(cfg.out)
+    rows = list(plan.previous)
+    done = {_key(r) for r in rows}
+    todo = [(m, K, t, L, d) for m, K in cfg.combos() for t in cfg.tasks for L in cfg.lengths for d in cfg.depths
+            if (t, L, d, m, K) not in done]
+    results = {**plan.header, "out": str(out), "layers": plan.layers, "groups": plan.groups, "rows": rows}
+    if not todo:
+        results["complete"] = True
+        return results
+    model = lm.model if lm is not None else load_model(plan.source)
+    bar = tqdm(total=sum(L for *_, L, _ in todo) * cfg.n_examples, desc="search tasks", unit="tok", unit_scale=True,
+               disable=not progress)
+    t0 = time.time()
+    for method, K in cfg.combos():
+        cells = [(t, L, d) for m, k, t, L, d in todo if (m, k) == (method, K)]
+        if not cells:
+            continue
+        for task, length, depth in cells:
+            inputs, labels = plan.examples[task, length, depth]
+            solved = hit = asked = 0
+            t1 = time.time()
+            with _attention(model, method, K, plan, cfg):
+                for i in range(inputs.shape[0]):  # batch 1: memory stays that of one sequence
+                    s, h, a = score(*answer_logits(model, inputs[i:i + 1], labels[i:i + 1]))
+                    solved, hit, asked = solved + s, hit + h, asked + a
+                    bar.update(length)
+            rows.append({"task": task, "length": length, "depth": depth, "method": method, "K": K,
+                         "accuracy": solved / inputs.shape[0], "token_accuracy": hit / asked, "n": inputs.shape[0],
+                         "answer_tokens": asked, "seconds": round(time.time() - t1, 3)})
+            results["elapsed_s"] = round(time.time() - t0, 3)
+            write_results(results, cfg, out)
+    bar.close()
+    results["complete"] = True
+    write_results(results, cfg, out)
+    return results
+
+
+def _attention(model, method: str, K: int | None, plan: TaskPlan, cfg: TaskConfig):
+    """The context a cell runs in: nothing for full attention, else the substitution of plan.layers."""
+    if method == FULL:
+        return contextlib.nullcontext()
+    sel = SelectorConfig(method, K, plan.groups, cfg.page, cfg.n_sink, hnsw_ef_search=cfg.hnsw_ef_search)
+    return substitute(model, plan.layers, sel, plan.projections if _needs_checkpoint(method) else None)
+
+
+def write_results(results: dict, cfg: TaskConfig, out: Path) -> None:
+    """results.json and results.md, each through a temporary file and an atomic rename."""
+    out.mkdir(parents=True, exist_ok=True)
+    atomic_write_text(out / "results.json", json.dumps(results, indent=2))
+    atomic_write_text(out / "results.md", results_markdown(results))
+
+
+def _mean(values):
+    values = [v for v in values if v is not None]
+    return sum(values) / len(values) if values else None
+
+
+def results_markdown(results: dict) -> str:
+    """Per task, two tables (whole-answer accuracy, answer-token accuracy): one row per method and K
+    (full attention first), one column per length x depth, and the mean over the columns."""
+    conf = results["config"]
+    lengths, depths = conf["lengths"], conf["depths"]
+    combos = _combos(conf["methods"], conf["ks"])
+    cols = [(L, d) for L in lengths for d in depths]
+    by_key = {_key(r): r for r in results.get("rows", [])}
+    lines = [f"Model {results.get('model')}; retrieve-then-attend in layers {results.get('layers')} "
+             f"(layer set {conf['layer_set']!r}), {results.get('groups')} candidate set(s) per token; "
+             f"{conf['n_examples']} examples per cell, scored by teacher forcing. Columns: length @ needle depth. "
+             "A method can only be judged where full attention solves the task.", ""]
+    haystack = {"passkey": "a fixed sentence repeated",
+                "needle": f"held-out text ({conf['corpus']}, split {conf['split']})"}
+    for task in conf["tasks"]:
+        for what, title in (("accuracy", "whole answer right"), ("token_accuracy", "answer tokens right")):
+            table = []
+            for method, K in combos:
+                vals = [by_key.get((task, L, float(d), method, K), {}).get(what) for L, d in cols]
+                table.append([method, K, *vals, _mean(vals) if None not in vals else None])
+            lines += [f"### {task}: {title} (haystack: {haystack[task]})", "",
+                      markdown_table(["method", "K", *[f"{L} @ {d:g}" for L, d in cols], "mean"], table, digits=3), ""]
+    if not results.get("complete"):
+        done = len(results.get("rows", []))
+        total = len(combos) * len(conf["tasks"]) * len(cols)
+        lines.append(f"Partial: {done} of {total} cells finished; rerun the same command to resume.")
+    return "\n".join(lines) + "\n"
+
