@@ -1,89 +1,142 @@
-"""Decode-step cost of candidate selection + sparse attention vs context length N (one query token).
+"""Decode-step cost and memory of retrieve-then-attend vs full attention, and the training cost per layer.
 
-SmolLM2-135M shapes (9 query / 3 KV heads, head dim 64, d_search 128) on random vectors: full
-attention over N keys, learned exact top-K (N dot products in d_search per candidate set), learned
-FAISS HNSW, Quest page selection, and the scoring-cost proxies of the seed (full N*d_h, Quest
-N/P*2*d_h, HNSW M*ef*log2(N)*d_search). --groups 3 gives one candidate set per KV head. Prints a
-table and writes JSON.
+Decode (one query token at context N; SmolLM2-135M shapes: 9 query / 3 KV heads, head dim 64,
+d_search 128, random vectors): full attention over N keys; learned exact top-K (N dot products in
+d_search per candidate set) and learned FAISS HNSW, each followed by exact attention over the K
+candidates; native HNSW (the model's own q/k in the index); Quest page selection. A decode step
+also adds the new token's key to the index: *_add_ms is the mean insertion cost per key while the
+index grows to N (HNSW insertion searches the graph too), to be added to the search time. Medians of interleaved rounds with each method's ratio to full
+attention taken within a round, and the memory each method keeps beside the KV cache (the
+search keys, the HNSW graph, Quest's page bounds). The scoring-cost proxies of the seed (full
+N*d_h, Quest N/P*2*d_h, HNSW M*ef*log2(N)*d_search) are listed too.
 
-    python benchmarks/search.py --ns 2048 8192 32768 --K 256 --reps 20 --out bench_search.json
+Training (--train): one layer's step (teacher from captured q/k, both losses, backward) on one
+context of T tokens, every query row against --query-rows subsets.
+
+    python benchmarks/search.py --ns 2048 8192 32768 --K 256 --groups 3 --out benchmarks/results/search_decode.json
+    python benchmarks/search.py --train --T 2048 --query-rows 0 512 256 --out benchmarks/results/search_train.json
 """
 
 from __future__ import annotations
 
 import argparse
-import json
 import math
+import sys
 import time
+from pathlib import Path
 
 import torch
 
-from attnlab.search.retrieval import ExactIndex, HNSWIndex, quest_select
-from attnlab.search.sparse import sparse_attention
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from _interleaved import interleaved, ratios, write_json  # noqa: E402
+
+from attnlab.search.capture import Captured  # noqa: E402
+from attnlab.search.projections import SearchProjections  # noqa: E402
+from attnlab.search.retrieval import ExactIndex, HNSWIndex, native_vectors, quest_select  # noqa: E402
+from attnlab.search.sparse import sparse_attention  # noqa: E402
+from attnlab.search.train import query_rows, step_losses  # noqa: E402
+
+SHAPES = dict(H=9, Hkv=3, D=64, ds=128, d_model=576)
 
 
-def timed(fn, reps: int) -> float:
-    fn()
-    t = time.perf_counter()
-    for _ in range(reps):
-        fn()
-    return 1e3 * (time.perf_counter() - t) / reps
+def _hnsw_bytes(index: HNSWIndex) -> int:
+    """Serialised size of every graph the index holds (vectors + links)."""
+    import faiss
+
+    return sum(int(faiss.serialize_index(g).size) for row in index.rows for g in row.values())
 
 
-def run(ns, K, reps, H=9, Hkv=3, D=64, ds=128, M=32, ef=128, page=16, groups=1):
-    torch.manual_seed(0)
-    rows = []
-    for N in ns:
-        q = torch.randn(1, H, 1, D)
-        k, v = torch.randn(1, Hkv, N, D), torch.randn(1, Hkv, N, D)
-        qs = torch.nn.functional.normalize(torch.randn(1, groups, 1, ds), dim=-1)
-        ks = torch.nn.functional.normalize(torch.randn(1, groups, N, ds), dim=-1)
-        allowed = torch.ones(1, 1, 1, N, dtype=torch.bool)
-        exact, hnsw = ExactIndex(), HNSWIndex(ds, M, 64, ef)
-        exact.add(ks)
+def decode_row(N: int, K: int, rounds: int, groups: int = 1, M: int = 32, ef: int = 128, page: int = 16) -> dict:
+    H, Hkv, D, ds = SHAPES["H"], SHAPES["Hkv"], SHAPES["D"], SHAPES["ds"]
+    g = torch.Generator().manual_seed(N)
+    k, v = torch.randn(1, Hkv, N, D, generator=g), torch.randn(1, Hkv, N, D, generator=g)
+    q = torch.randn(1, H, 1, D, generator=g)
+    unit = lambda x: torch.nn.functional.normalize(x, dim=-1)  # noqa: E731
+    ks, qs = unit(torch.randn(1, groups, N, ds, generator=g)), unit(torch.randn(1, groups, 1, ds, generator=g))
+    qn, kn = native_vectors(q, k, groups)
+    allowed = torch.ones(1, 1, 1, N, dtype=torch.bool)
+    exact, hnsw, native = ExactIndex(), HNSWIndex(ds, M, 64, ef), HNSWIndex(kn.shape[-1], M, 64, ef)
+    add_ms = {}
+    for name, index, keys in (("learned_exact", exact, ks), ("learned_hnsw", hnsw, ks), ("native_hnsw", native, kn)):
         t = time.perf_counter()
-        hnsw.add(ks)
-        build_ms = 1e3 * (time.perf_counter() - t)
-        full = lambda: torch.nn.functional.scaled_dot_product_attention(  # noqa: E731
-            q, k.repeat_interleave(H // Hkv, 1), v.repeat_interleave(H // Hkv, 1))
+        index.add(keys)
+        add_ms[name] = 1e3 * (time.perf_counter() - t) / N  # mean insertion cost per key while growing to N
+    scale = D ** -0.5
 
-        def attend(select):
-            def f():
-                idx, valid = select()
-                return sparse_attention(q, k, v, idx, valid, D ** -0.5, impl="naive")
-            return f
+    def attend(select):
+        idx, valid = select()
+        return sparse_attention(q, k, v, idx, valid, scale)
 
-        row = {"N": N, "K": K, "hnsw_build_ms": build_ms,
-               "full_ms": timed(full, reps),
-               "learned_exact_ms": timed(attend(lambda: exact.search(qs, allowed, K)), reps),
-               "learned_hnsw_ms": timed(attend(lambda: hnsw.search(qs, allowed, K)), reps),
-               "quest_ms": timed(attend(lambda: quest_select(q, k, allowed, D ** -0.5, K, page, groups)), reps),
-               "proxy_full": N * D, "proxy_quest": N / page * 2 * D, "proxy_hnsw": M * ef * math.log2(N) * ds}
-        rows.append(row)
-    return rows
+    kf, vf = k.repeat_interleave(H // Hkv, 1), v.repeat_interleave(H // Hkv, 1)
+    cases = {
+        "full": lambda: torch.nn.functional.scaled_dot_product_attention(q, kf, vf),
+        "learned_exact": lambda: attend(lambda: exact.search(qs, allowed, K)),
+        "learned_hnsw": lambda: attend(lambda: hnsw.search(qs, allowed, K)),
+        "native_hnsw": lambda: attend(lambda: native.search(qn, allowed, K)),
+        "quest": lambda: attend(lambda: quest_select(q, k, allowed, scale, K, page, groups)),
+    }
+    r = ratios(interleaved(cases, rounds), "full")
+    n_pages = math.ceil(N / page)
+    return {"N": N, "K": K, "groups": groups,
+            **{f"{name}_ms": 1e3 * s["median_s"] for name, s in r.items()},
+            **{f"{name}_x_full": s["median_ratio"] for name, s in r.items() if name != "full"},
+            **{f"{name}_add_ms": t for name, t in add_ms.items()},
+            "kv_cache_mb": 2 * Hkv * N * D * 4 / 2 ** 20,
+            "learned_exact_mb": exact.keys.numel() * 4 / 2 ** 20,
+            "learned_hnsw_mb": _hnsw_bytes(hnsw) / 2 ** 20,
+            "native_hnsw_mb": _hnsw_bytes(native) / 2 ** 20,
+            "quest_mb": 2 * Hkv * n_pages * D * 4 / 2 ** 20,
+            "proxy_full": N * D, "proxy_quest": N / page * 2 * D, "proxy_hnsw": M * ef * math.log2(N) * ds}
+
+
+def train_rows(T: int, rows_list: list[int], rounds: int, groups: int = 3) -> list[dict]:
+    H, Hkv, D, C, ds = SHAPES["H"], SHAPES["Hkv"], SHAPES["D"], SHAPES["d_model"], SHAPES["ds"]
+    g = torch.Generator().manual_seed(T)
+    caps = {0: Captured(torch.randn(1, T, C, generator=g), torch.randn(1, H, T, D, generator=g),
+                        torch.randn(1, Hkv, T, D, generator=g), D ** -0.5)}
+    seg = torch.zeros(1, T, dtype=torch.long)
+    proj = SearchProjections([0], C, ds, groups=groups, rope=True)
+
+    def step(n):
+        def f():
+            rows = query_rows(T, n, 0, 0)
+            nce, kl, _ = step_losses(proj, caps, seg, 16, rows=rows)
+            proj.zero_grad(set_to_none=True)
+            (nce + kl).backward()
+        return f
+
+    cases = {f"rows={n or T}": step(n) for n in rows_list}
+    r = ratios(interleaved(cases, rounds), next(iter(cases)))
+    return [{"T": T, "query_rows": n or T, "groups": groups, "step_s": r[name]["median_s"],
+             "x_first": r[name]["median_ratio"], "teacher_mb": (n or T) * T * groups * 4 / 2 ** 20}
+            for n, name in zip(rows_list, cases)]
 
 
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--ns", type=int, nargs="+", default=[2048, 8192, 32768])
     ap.add_argument("--K", type=int, default=256)
-    ap.add_argument("--reps", type=int, default=20)
+    ap.add_argument("--rounds", type=int, default=9)
     ap.add_argument("--groups", type=int, default=1, help="candidate sets per token (3: one per KV head)")
+    ap.add_argument("--train", action="store_true", help="time one layer's training step instead")
+    ap.add_argument("--T", type=int, default=2048, help="--train: context length")
+    ap.add_argument("--query-rows", type=int, nargs="+", default=[0, 512, 256], help="--train: 0 = every row")
     ap.add_argument("--threads", type=int, default=0, help="torch threads (0: leave the default)")
     ap.add_argument("--out", default="bench_search.json")
     args = ap.parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)
-    rows = run(args.ns, args.K, args.reps, groups=args.groups)
-    cols = ["N", "full_ms", "learned_exact_ms", "learned_hnsw_ms", "quest_ms", "hnsw_build_ms", "proxy_full",
-            "proxy_quest", "proxy_hnsw"]
+    if args.train:
+        rows = train_rows(args.T, args.query_rows, args.rounds, args.groups)
+    else:
+        rows = [decode_row(N, args.K, args.rounds, args.groups) for N in args.ns]
+    cols = list(rows[0])
     print("| " + " | ".join(cols) + " |")
     print("|" + "---|" * len(cols))
     for r in rows:
         print("| " + " | ".join(f"{r[c]:.3g}" if isinstance(r[c], float) else str(r[c]) for c in cols) + " |")
-    with open(args.out, "w") as f:
-        json.dump({"K": args.K, "groups": args.groups, "reps": args.reps, "threads": torch.get_num_threads(), "rows": rows}, f, indent=2)
-    print(f"wrote {args.out}")
+    write_json(args.out, {"kind": "train" if args.train else "decode", "rounds": args.rounds,
+                          "threads": torch.get_num_threads(), "shapes": SHAPES, "rows": rows})
 
 
 if __name__ == "__main__":

@@ -24,7 +24,8 @@ def _random_candidates(B, G, T, K, allowed):
     return topk_candidates(scores, allowed, K)
 
 
-@pytest.mark.parametrize("H,Hkv,G", [(4, 2, 1), (6, 3, 3), (2, 2, 2)], ids=["gqa-shared", "per-kv-group", "mha"])
+@pytest.mark.parametrize("H,Hkv,G", [(4, 2, 1), (6, 3, 3), (2, 2, 2), (6, 3, 6), (6, 2, 3)],
+                         ids=["gqa-shared", "per-kv-group", "mha", "per-head-sets", "sets-across-kv-heads"])
 @pytest.mark.parametrize("T,K", [(1, 4), (37, 8), (64, 80)], ids=["T1", "T37-K8", "T64-K80-fillers"])
 def test_sparse_attention_fast_matches_naive(H, Hkv, G, T, K):
     B, D = 2, 16
@@ -35,6 +36,28 @@ def test_sparse_attention_fast_matches_naive(H, Hkv, G, T, K):
     errs = compare_fwd_bwd(lambda q, k, v: sparse_attention(q, k, v, idx, valid, 0.25, impl="fast"),
                            lambda q, k, v: sparse_attention(q, k, v, idx, valid, 0.25, impl="naive"), [q, k, v])
     assert max(errs.values()) < 1e-10, errs
+
+
+@pytest.mark.parametrize("G", [1, 3])
+def test_sparse_attention_never_copies_the_cache_per_head(G):
+    """A decode step gathers K keys per head from the KV heads in place (no per-head copy of k or v),
+    and the masked path builds one (Tq, Tk) mask per candidate set, not per head."""
+    from attnlab.testing import LargestTensor
+
+    B, H, Hkv, Tk, D, K = 1, 9, 3, 4096, 16, 32
+    k, v = torch.randn(B, Hkv, Tk, D), torch.randn(B, Hkv, Tk, D)
+    q1 = torch.randn(B, H, 1, D)
+    idx, valid = torch.randint(0, Tk, (B, G, 1, K)), torch.ones(B, G, 1, K, dtype=torch.bool)
+    with LargestTensor() as seen:
+        sparse_attention(q1, k, v, idx, valid, 0.25, impl="naive")
+    assert seen.numel <= H * K * D
+    Tq = 64
+    q = torch.randn(B, H, Tq, D)
+    allowed = torch.ones(B, 1, Tq, Tk, dtype=torch.bool)
+    idx, valid = topk_candidates(torch.randn(B, G, Tq, Tk), allowed, K)
+    with LargestTensor() as seen:
+        sparse_attention(q, k, v, idx, valid, 0.25, impl="fast")
+    assert seen.numel <= max(G * Tq * (Tk + 1), B * Hkv * Tk * D)  # a mask per set; at most one k-sized tensor
 
 
 def test_sparse_attention_all_keys_is_full_attention():
@@ -296,5 +319,10 @@ def test_search_benchmark_runs_shared_and_grouped(tmp_path):
     mod = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(mod)
     for groups in (1, 3):
-        (row,) = mod.run([300], K=16, reps=1, groups=groups)
-        assert row["N"] == 300 and all(row[k] > 0 for k in ("full_ms", "learned_exact_ms", "learned_hnsw_ms", "quest_ms"))
+        row = mod.decode_row(300, K=16, rounds=1, groups=groups)
+        assert row["N"] == 300 and all(row[f"{m}_ms"] > 0 and row[f"{m}_x_full"] > 0
+                                       for m in ("learned_exact", "learned_hnsw", "native_hnsw", "quest"))
+        assert row["learned_exact_mb"] == 300 * groups * 128 * 4 / 2 ** 20 and row["learned_hnsw_mb"] > row["learned_exact_mb"]
+        assert row["kv_cache_mb"] == 2 * 3 * 300 * 64 * 4 / 2 ** 20
+    rows = mod.train_rows(96, [0, 32], rounds=1)
+    assert [r["query_rows"] for r in rows] == [96, 32] and rows[0]["x_first"] == 1.0 and rows[1]["step_s"] > 0

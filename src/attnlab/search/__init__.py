@@ -20,14 +20,15 @@ from .retrieval import (METHODS, ExactIndex, HNSWIndex, oracle_select, quest_bou
                         topk_candidates)
 from .sparse import sparse_attention
 from .sweep import EvalConfig, run_eval
+from .tasks import TASKS, TaskConfig, plan_tasks, run_tasks
 from .train import SearchTrainConfig, train_projections
 
 __all__ = [
     "LAYER_SETS", "FrozenLM", "METHODS", "EvalConfig", "ExactIndex", "HNSWIndex", "ModelSource", "Packed",
-    "RetrieveThenAttend", "SearchProjections", "SearchTrainConfig", "SelectorConfig", "attention_modules",
-    "capture", "fetch_smollm2", "forward_packed", "generate", "load_lm", "load_model", "load_tokenizer", "mass_at_k",
-    "oracle_select", "pack_contexts", "prepare", "quest_bounds", "quest_select", "recall_at_k", "rel_gap",
-    "resolve_layers", "resolve_source", "retrieval_stats", "run_eval", "search_losses", "sparse_attention",
-    "streaming_select", "substitute", "teacher_attention", "tiny_lm", "tiny_model", "topk_candidates",
-    "train_projections",
+    "RetrieveThenAttend", "SearchProjections", "SearchTrainConfig", "SelectorConfig", "TASKS", "TaskConfig",
+    "attention_modules", "capture", "fetch_smollm2", "forward_packed", "generate", "load_lm", "load_model",
+    "load_tokenizer", "mass_at_k", "oracle_select", "pack_contexts", "plan_tasks", "prepare", "quest_bounds",
+    "quest_select", "recall_at_k", "rel_gap", "resolve_layers", "resolve_source", "retrieval_stats", "run_eval",
+    "run_tasks", "search_losses", "sparse_attention", "streaming_select", "substitute", "teacher_attention", "tiny_lm",
+    "tiny_model", "topk_candidates", "train_projections",
 ]

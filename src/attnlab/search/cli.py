@@ -15,6 +15,7 @@ from dataclasses import fields
 from attnlab.layers.config import field_problem
 from attnlab.models.config import ConfigError
 
+from . import tasks
 from .retrieval import METHODS
 from .sweep import DEFAULT_KS, DEFAULT_LAYER_SETS, EvalConfig
 from .train import SearchTrainConfig
@@ -88,6 +89,25 @@ def _eval(args) -> int:
     return 0
 
 
+def tasks_config(args) -> tasks.TaskConfig:
+    return _build(tasks.TaskConfig, args, "tasks")
+
+
+def _tasks(args) -> int:
+    """Validate the options, then everything checkable without weights (model config, layers,
+    checkpoint, lengths, the out folder), each failure a one-line error naming the option; then run."""
+    cfg = tasks_config(args)
+    try:
+        plan = tasks.plan_tasks(cfg)
+    except ValueError as e:
+        names = {f.name for f in fields(tasks.TaskConfig)}
+        text = re.sub(r"^(\w+)", lambda m: _option(m.group(1)) if m.group(1) in names else m.group(1), str(e))
+        raise ConfigError(f"attnlab search tasks: {text}") from None
+    print(tasks.tasks_markdown(tasks.run_tasks(cfg, plan=plan)))
+    print(f"wrote {cfg.out}/results.json, results.md")
+    return 0
+
+
 def add_search_commands(subparsers) -> argparse.ArgumentParser:
     """Register `search` with `train` and `eval` under an argparse subparsers object. Each leaf
     parser sets `func`; the caller runs `args.func(args)` (returns an exit code)."""
@@ -141,4 +161,29 @@ def add_search_commands(subparsers) -> argparse.ArgumentParser:
     e.add_argument("--out", default="runs/search-eval")
     e.add_argument("--seed", type=int, default=0)
     e.set_defaults(func=_eval)
+
+    k = sub.add_parser("tasks", help="passkey / needle-in-a-haystack accuracy: methods x K x length x depth (resumes)")
+    k.add_argument("--checkpoint", default=None, help="projections.safetensors (needed by the learned methods)")
+    k.add_argument("--model", default=None, help="default: the checkpoint's model")
+    k.add_argument("--tasks", type=_csv(str), default=None, help=f"comma list from {','.join(tasks.TASKS)}")
+    k.add_argument("--lengths", type=_csv(int), default=None,
+                   help=f"context lengths in tokens (default {','.join(map(str, tasks.DEFAULT_LENGTHS))})")
+    k.add_argument("--depths", type=_csv(float), default=None,
+                   help=f"needle depths in [0, 1] (default {','.join(map(str, tasks.DEFAULT_DEPTHS))})")
+    k.add_argument("--methods", type=_csv(str), default=None,
+                   help=f"comma list from {','.join(tasks.TASK_METHODS)} (default {','.join(tasks.DEFAULT_METHODS)})")
+    k.add_argument("--ks", type=_csv(int), default=None,
+                   help=f"budgets K (default {','.join(map(str, tasks.DEFAULT_KS))})")
+    k.add_argument("--layer-set", dest="layer_set", default=None,
+                   help="substituted layers: middle6 | all | reserved-edge | comma list (default middle6)")
+    k.add_argument("--groups", type=_groups, default=None,
+                   help="candidate sets per token for every method (default: the checkpoint's, else 1)")
+    k.add_argument("--n-examples", dest="n_examples", type=int, default=None,
+                   help="examples per cell (default 4)")
+    k.add_argument("--corpus", default=None, help="held-out text for the needle task (default stdlib)")
+    k.add_argument("--split", default=None, help="(default test)")
+    k.add_argument("--hnsw-ef-search", dest="hnsw_ef_search", type=int, default=None)
+    k.add_argument("--seed", type=int, default=None)
+    k.add_argument("--out", default=None, help="(default runs/search-tasks)")
+    k.set_defaults(func=_tasks)
     return search

@@ -1,4 +1,5 @@
-"""Sweep results as JSON, a markdown table, and a PNG of perplexity gap (and Mass@K) vs K per method."""
+"""Sweep results as JSON, a markdown table, and a PNG of perplexity gap (and Mass@K) vs K per method;
+the markdown of the long-context tasks (`attnlab search tasks`)."""
 
 from __future__ import annotations
 
@@ -9,6 +10,7 @@ from pathlib import Path
 from attnlab.data.cache import atomic_write_text
 from attnlab.experiments.report import fmt, markdown_table, pyplot, save_figure
 
+FULL = "full"  # long-context tasks: no substitution, the model's own attention
 HEADERS = ("layer set", "layers", "method", "K", "PPL", "rel. PPL gap (%)", "Recall@K", "Mass@K", "filler rate")
 
 
@@ -73,3 +75,51 @@ def write_results(results: dict, out: str | Path, png: bool = True) -> dict[str,
     if png:
         plot(results, paths["png"])
     return {k: str(v) for k, v in paths.items()}
+
+
+# ---------------------------------------------------------------- long-context tasks
+
+
+def task_combos(methods, ks) -> list[tuple[str, int | None]]:
+    """(method, K) in run order: full attention (K None) first, then each method at each K."""
+    first = [(FULL, None)] if FULL in methods else []
+    return first + [(m, K) for m in methods if m != FULL for K in ks]
+
+
+def task_key(row) -> tuple:
+    return row["task"], row["length"], float(row["depth"]), row["method"], row["K"]
+
+
+def _mean(values):
+    values = [v for v in values if v is not None]
+    return sum(values) / len(values) if values else None
+
+
+def tasks_markdown(results: dict) -> str:
+    """Per task, two tables (whole-answer accuracy, answer-token accuracy): one row per method and K
+    (full attention first), one column per length x depth, and the mean over the columns."""
+    conf = results["config"]
+    lengths, depths = conf["lengths"], conf["depths"]
+    combos = task_combos(conf["methods"], conf["ks"])
+    cols = [(L, d) for L in lengths for d in depths]
+    by_key = {task_key(r): r for r in results.get("rows", [])}
+    lines = [f"Model {results.get('model')}; retrieve-then-attend in layers {results.get('layers')} "
+             f"(layer set {conf['layer_set']!r}), {results.get('groups')} candidate set(s) per token; "
+             f"{conf['n_examples']} examples per cell, scored by teacher forcing. Columns: length @ needle depth. "
+             "A method can only be judged where full attention solves the task.", ""]
+    haystack = {"passkey": "a fixed sentence repeated",
+                "needle": f"held-out text ({conf['corpus']}, split {conf['split']})"}
+    for task in conf["tasks"]:
+        for what, title in (("accuracy", "whole answer right"), ("token_accuracy", "answer tokens right")):
+            table = []
+            for method, K in combos:
+                vals = [by_key.get((task, L, float(d), method, K), {}).get(what) for L, d in cols]
+                table.append([method, K, *vals, _mean(vals) if None not in vals else None])
+            lines += [f"### {task}: {title} (haystack: {haystack[task]})", "",
+                      markdown_table(["method", "K", *[f"{L} @ {d:g}" for L, d in cols], "mean"], table, digits=3), ""]
+    if not results.get("complete"):
+        done = len(results.get("rows", []))
+        total = len(combos) * len(conf["tasks"]) * len(cols)
+        lines.append(f"Partial: {done} of {total} cells finished; rerun the same command to resume.")
+    return "\n".join(lines) + "\n"
+

@@ -36,15 +36,25 @@ def _check(q, k, v, idx, valid):
     check_groups(q.shape[1], idx.shape[1], "idx")
 
 
+def _head_maps(H: int, Hkv: int, G: int, device):
+    """(KV head, candidate set) of each query head: head h reads KV head h // (H / Hkv) and set h // (H / G)."""
+    h = torch.arange(H, device=device)
+    return h // (H // Hkv), h // (H // G)
+
+
 def sparse_attention_naive(q, k, v, idx, valid, scaling: float) -> torch.Tensor:
-    """Gather the K candidate keys/values of every query and softmax over the valid ones."""
+    """Gather the K candidate keys/values of every query and softmax over the valid ones.
+
+    The gather indexes the KV heads in place (no copy of k or v per query head), so a decode step
+    costs O(H * K * D) whatever the context length."""
     B, H, Tq, D = q.shape
-    K = idx.shape[-1]
-    kh, vh = expand_heads(k, H), expand_heads(v, H)  # (B, H, Tk, D)
-    ih = expand_heads(idx, H).clamp(min=0).long().reshape(B, H, Tq * K, 1).expand(-1, -1, -1, D)
-    ks = kh.gather(2, ih).view(B, H, Tq, K, D)
-    vs = vh.gather(2, ih).view(B, H, Tq, K, -1)
-    ok = expand_heads(valid, H)  # (B, H, Tq, K)
+    kv_of, set_of = _head_maps(H, k.shape[1], idx.shape[1], q.device)
+    ih = idx[:, set_of].clamp(min=0).long()  # (B, H, Tq, K)
+    b = torch.arange(B, device=q.device)[:, None, None, None]
+    kvh = kv_of[None, :, None, None]
+    ks = k[b, kvh, ih]  # (B, H, Tq, K, D)
+    vs = v[b, kvh, ih]
+    ok = valid[:, set_of]  # (B, H, Tq, K)
     s = torch.einsum("bhtd,bhtkd->bhtk", q, ks) * scaling
     s = s.masked_fill(~ok, float("-inf"))
     wide = s if s.dtype == torch.float64 else s.float()
@@ -61,14 +71,25 @@ def candidate_mask(idx: torch.Tensor, valid: torch.Tensor, n_keys: int) -> torch
 
 
 def sparse_attention_fast(q, k, v, idx, valid, scaling: float) -> torch.Tensor:
-    """Scatter the candidates into a boolean mask and run the fused SDPA kernel with it."""
+    """Scatter the candidates into a boolean mask and run the fused SDPA kernel with it.
+
+    The (B, G, Tq, Tk) mask is never copied out to the H heads: the heads are taken in H / G
+    passes, pass j holding the j-th head of every candidate set (G heads, one mask each), and each
+    pass reads its heads' KV heads (in place when they are the KV heads in order)."""
     B, H, Tq, D = q.shape
+    G, Hkv = idx.shape[1], k.shape[1]
     mask = candidate_mask(idx, valid, k.shape[2])  # (B, G, Tq, Tk)
     empty = ~mask.any(-1, keepdim=True)  # (B, G, Tq, 1)
     mask = mask | (empty & (torch.arange(k.shape[2], device=q.device) == 0))
-    mask = expand_heads(mask, H) if mask.shape[1] != 1 else mask
-    kh, vh = expand_heads(k, H), expand_heads(v, H)
-    out = F.scaled_dot_product_attention(q, kh, vh, attn_mask=mask, scale=scaling)  # (B, H, Tq, D)
+    kv_of, _ = _head_maps(H, Hkv, G, q.device)
+    n = H // G
+    out = q.new_empty(B, H, Tq, v.shape[-1])
+    for j in range(n):
+        heads = torch.arange(j, H, n, device=q.device)  # the j-th head of each set, (G,)
+        kv = kv_of[heads]
+        same = G == Hkv and bool((kv == torch.arange(Hkv, device=q.device)).all())
+        kj, vj = (k, v) if same else (k[:, kv], v[:, kv])
+        out[:, heads] = F.scaled_dot_product_attention(q[:, heads], kj, vj, attn_mask=mask, scale=scaling)
     return out.masked_fill(expand_heads(empty, H), 0.0)
 
 

@@ -29,7 +29,6 @@ from tqdm.auto import tqdm
 from attnlab.checks import NotAnIntError, check_int
 from attnlab.data.cache import atomic_write_text
 from attnlab.data.synthetic import IGNORE, passkey
-from attnlab.experiments.report import markdown_table
 
 from .capture import load_texts
 from .hf_model import (LAYER_SETS, ModelDims, ModelSource, load_hf_config, load_model, load_tokenizer, model_dims,
@@ -37,11 +36,15 @@ from .hf_model import (LAYER_SETS, ModelDims, ModelSource, load_hf_config, load_
 from .lm import FrozenLM, _hf_encode
 from .patch import SelectorConfig, substitute
 from .projections import SearchProjections
+from .report import FULL, task_combos, task_key, tasks_markdown
 from .retrieval import METHODS, check_group_spec, resolve_groups
 
 TASKS = ("passkey", "needle")
-FULL = "full"  # no substitution: the model's own attention
 TASK_METHODS = (FULL, *METHODS)
+DEFAULT_LENGTHS = (2048, 4096, 8192)
+DEFAULT_DEPTHS = (0.1, 0.5, 0.9)
+DEFAULT_METHODS = (FULL, "learned", "quest", "streaming")
+DEFAULT_KS = (64, 256)
 
 
 def _needs_checkpoint(method: str) -> bool:
@@ -104,11 +107,11 @@ class TaskConfig:
     checkpoint: str | None = None
     model: str | None = None
     tasks: list[str] = field(default_factory=lambda: list(TASKS))
-    lengths: list[int] = field(default_factory=lambda: [2048, 4096, 8192])
-    depths: list[float] = field(default_factory=lambda: [0.1, 0.5, 0.9])
+    lengths: list[int] = field(default_factory=lambda: list(DEFAULT_LENGTHS))
+    depths: list[float] = field(default_factory=lambda: list(DEFAULT_DEPTHS))
     n_examples: int = 4
-    methods: list[str] = field(default_factory=lambda: [FULL, "learned", "quest", "streaming"])
-    ks: list[int] = field(default_factory=lambda: [64, 256])
+    methods: list[str] = field(default_factory=lambda: list(DEFAULT_METHODS))
+    ks: list[int] = field(default_factory=lambda: list(DEFAULT_KS))
     layer_set: str | list[int] = "middle6"
     groups: int | str | None = None
     corpus: str = "stdlib"
@@ -150,12 +153,7 @@ class TaskConfig:
 
     def combos(self) -> list[tuple[str, int | None]]:
         """(method, K) in run order: full attention (K None) first, then each method at each K."""
-        return _combos(self.methods, self.ks)
-
-
-def _combos(methods, ks) -> list[tuple[str, int | None]]:
-    first = [(FULL, None)] if FULL in methods else []
-    return first + [(m, K) for m in methods if m != FULL for K in ks]
+        return task_combos(self.methods, self.ks)
 
 
 class _Tokenizer:
@@ -190,11 +188,8 @@ class TaskPlan:
 
 
 def _digest(path: str) -> str:
-    h = hashlib.sha256()
     with open(path, "rb") as f:
-        for chunk in iter(lambda: f.read(1 << 20), b""):
-            h.update(chunk)
-    return h.hexdigest()
+        return hashlib.file_digest(f, "sha256").hexdigest()
 
 
 def _rows_in(out: Path, header: dict) -> list:
@@ -312,21 +307,19 @@ def score(logits: torch.Tensor, labels: torch.Tensor) -> tuple[int, int, int]:
     return int(solved.sum()), int(hit.sum()), int(asked.sum())
 
 
-def _key(row) -> tuple:
-    return row["task"], row["length"], float(row["depth"]), row["method"], row["K"]
-
-
 def run_tasks(cfg: TaskConfig, lm: FrozenLM | None = None, progress: bool = True, plan: TaskPlan | None = None) -> dict:
     """Score every (task, length, depth, method, K) cell on cfg.n_examples examples, one forward per
     example at batch 1; write results.json and results.md under cfg.out after each cell.
 
     Everything that can be checked without the weights is checked first (`plan_tasks`); the weights
-    load only when some cell is still to run. Returns the results dict (config, model, layers,
-    groups, rows of {task, length, depth, method, K, accuracy, token_accuracy, n, ...})."""
+    load only when some cell is still to run. `plan`: what plan_tasks(cfg, lm) returned, when the
+    caller has already planned (the CLI does, to report bad input as a usage error). Returns the
+    results dict (config, model, layers, groups, rows of {task, length, depth, method, K, accuracy,
+    token_accuracy, n, ...})."""
     plan = plan_tasks(cfg, lm) if plan is None else plan
     out = Path(cfg.out)
     rows = list(plan.previous)
-    done = {_key(r) for r in rows}
+    done = {task_key(r) for r in rows}
     todo = [(m, K, t, L, d) for m, K in cfg.combos() for t in cfg.tasks for L in cfg.lengths for d in cfg.depths
             if (t, L, d, m, K) not in done]
     results = {**plan.header, "out": str(out), "layers": plan.layers, "groups": plan.groups, "rows": rows}
@@ -373,39 +366,4 @@ def write_results(results: dict, cfg: TaskConfig, out: Path) -> None:
     """results.json and results.md, each through a temporary file and an atomic rename."""
     out.mkdir(parents=True, exist_ok=True)
     atomic_write_text(out / "results.json", json.dumps(results, indent=2))
-    atomic_write_text(out / "results.md", results_markdown(results))
-
-
-def _mean(values):
-    values = [v for v in values if v is not None]
-    return sum(values) / len(values) if values else None
-
-
-def results_markdown(results: dict) -> str:
-    """Per task, two tables (whole-answer accuracy, answer-token accuracy): one row per method and K
-    (full attention first), one column per length x depth, and the mean over the columns."""
-    conf = results["config"]
-    lengths, depths = conf["lengths"], conf["depths"]
-    combos = _combos(conf["methods"], conf["ks"])
-    cols = [(L, d) for L in lengths for d in depths]
-    by_key = {_key(r): r for r in results.get("rows", [])}
-    lines = [f"Model {results.get('model')}; retrieve-then-attend in layers {results.get('layers')} "
-             f"(layer set {conf['layer_set']!r}), {results.get('groups')} candidate set(s) per token; "
-             f"{conf['n_examples']} examples per cell, scored by teacher forcing. Columns: length @ needle depth. "
-             "A method can only be judged where full attention solves the task.", ""]
-    haystack = {"passkey": "a fixed sentence repeated",
-                "needle": f"held-out text ({conf['corpus']}, split {conf['split']})"}
-    for task in conf["tasks"]:
-        for what, title in (("accuracy", "whole answer right"), ("token_accuracy", "answer tokens right")):
-            table = []
-            for method, K in combos:
-                vals = [by_key.get((task, L, float(d), method, K), {}).get(what) for L, d in cols]
-                table.append([method, K, *vals, _mean(vals) if None not in vals else None])
-            lines += [f"### {task}: {title} (haystack: {haystack[task]})", "",
-                      markdown_table(["method", "K", *[f"{L} @ {d:g}" for L, d in cols], "mean"], table, digits=3), ""]
-    if not results.get("complete"):
-        done = len(results.get("rows", []))
-        total = len(combos) * len(conf["tasks"]) * len(cols)
-        lines.append(f"Partial: {done} of {total} cells finished; rerun the same command to resume.")
-    return "\n".join(lines) + "\n"
-
+    atomic_write_text(out / "results.md", tasks_markdown(results))
