@@ -67,9 +67,8 @@ def decode_row(N: int, K: int, rounds: int, groups: int = 1, M: int = 32, ef: in
         idx, valid = select()
         return sparse_attention(q, k, v, idx, valid, scale)
 
-    kf, vf = k.repeat_interleave(H // Hkv, 1), v.repeat_interleave(H // Hkv, 1)
-    cases = {
-        "full": lambda: torch.nn.functional.scaled_dot_product_attention(q, kf, vf),
+    cases = {  # full attention reads the KV heads in place (grouped-query SDPA), as a decoder would
+        "full": lambda: torch.nn.functional.scaled_dot_product_attention(q, k, v, enable_gqa=True),
         "learned_exact": lambda: attend(lambda: exact.search(qs, allowed, K)),
         "learned_hnsw": lambda: attend(lambda: hnsw.search(qs, allowed, K)),
         "native_hnsw": lambda: attend(lambda: native.search(qn, allowed, K)),

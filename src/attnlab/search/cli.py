@@ -89,6 +89,17 @@ def _eval(args) -> int:
     return 0
 
 
+def _trial(args) -> int:
+    from .trial import load_trial, run_trial
+
+    trial = load_trial(args.spec)  # every run's configs checked before any work
+    res = run_trial(trial, report_only=args.report_only)
+    for v in res["verdicts"]:
+        print(f"{v.get('name') or v['metric']}: {v['outcome']} ({v['reason']})")
+    print(f"wrote {trial.out}/results.json, report.md")
+    return 0
+
+
 def tasks_config(args) -> tasks.TaskConfig:
     return _build(tasks.TaskConfig, args, "tasks")
 
@@ -186,4 +197,9 @@ def add_search_commands(subparsers) -> argparse.ArgumentParser:
     k.add_argument("--seed", type=int, default=None)
     k.add_argument("--out", default=None, help="(default runs/search-tasks)")
     k.set_defaults(func=_tasks)
+
+    r = sub.add_parser("trial", help="a learned-search experiment over training seeds: train, evaluate, report, verdict")
+    r.add_argument("spec", metavar="SPEC.toml", help="the trial spec (format in attnlab.search.trial)")
+    r.add_argument("--report-only", action="store_true", help="rebuild results.json and report.md from finished runs")
+    r.set_defaults(func=_trial)
     return search

@@ -1,0 +1,266 @@
+"""`attnlab search trial SPEC.toml`: a learned-search experiment over training seeds, with a verdict.
+
+A trial spec names shared `[train]` settings (SearchTrainConfig fields) and `[eval]` settings
+(EvalConfig fields), variants that override either, and seeds. Every (variant, seed) trains its
+projections (`train_projections`, which resumes) into OUT/runs/<variant>/seed<k> and evaluates
+them on the same held-out contexts (the eval seed is fixed; the training seed draws the training
+contexts and the initial projections). The learned methods are evaluated in every run; the
+methods that do not depend on the projections (oracle, quest, native, streaming) only in each
+variant's first seed, and their numbers are repeated for the others (their sd over training seeds
+is 0 by construction). The report gives mean ± sd over seeds per (variant, method, K) of the
+perplexity gap (%), Mass@K and Recall@K, and the spec's `[[verdict]]` rules, judged as in
+`attnlab sweep` on metrics named "<method>/gap@<K>", "<method>/mass@<K>", "<method>/recall@<K>".
+
+    title = "..."
+    claim = "..."
+    seeds = [0, 1, 2]
+    [train]
+    layers = "15"
+    context = 2048
+    [eval]
+    layer_sets = ["15"]
+    ks = [64]
+    methods = ["learned"]
+    [[variants]]
+    name = "all-rows"
+    [[variants]]
+    name = "256-rows"
+    train = { query_rows = 256 }
+    [[verdict]]
+    metric = "learned/mass@64"
+    better = "higher"
+    compare = ["256-rows", "all-rows"]
+"""
+
+from __future__ import annotations
+
+import json
+import statistics
+from dataclasses import asdict, dataclass, fields
+from pathlib import Path
+
+from attnlab.data.cache import atomic_write_text
+from attnlab.experiments.report import fmt, markdown_table
+from attnlab.experiments.sweep.verdict import check_rules, judge, verdict_lines
+from attnlab.models.config import ConfigError
+from attnlab.train.config import read_toml
+
+from .lm import FrozenLM
+from .retrieval import METHODS
+from .sweep import EvalConfig, run_eval
+from .train import CHECKPOINT, SearchTrainConfig, train_projections
+
+SPEC_KEYS = ("title", "claim", "description", "seeds", "train", "eval", "variants", "verdict", "out")
+STATS = ("gap", "mass", "recall")
+OWNED = {"train": ("seed", "out", "resume"), "eval": ("checkpoint", "out")}
+
+
+@dataclass
+class TrialRun:
+    variant: str
+    seed: int
+    folder: Path
+    train: SearchTrainConfig
+    eval: EvalConfig
+
+
+@dataclass
+class Trial:
+    path: Path
+    title: str
+    claim: str
+    description: str
+    seeds: list[int]
+    variants: list[str]
+    runs: list[TrialRun]
+    rules: list[dict]
+    out: Path
+
+
+def _need(cond: bool, message: str) -> None:
+    if not cond:
+        raise ConfigError(message)
+
+
+def _table(raw, key: str) -> dict:
+    _need(isinstance(raw, dict), f"{key} must be a table, got {raw!r}")
+    return raw
+
+
+def _config(cls, shared: dict, own: dict, where: str, **owned):
+    allowed = {f.name for f in fields(cls)}
+    section = "train" if cls is SearchTrainConfig else "eval"
+    for k in {**shared, **own}:
+        _need(k in allowed and k not in OWNED[section],
+              f"{where}: unknown or owned key {section}.{k}; the trial sets {', '.join(OWNED[section])}")
+    try:
+        return cls(**{**shared, **own, **owned})
+    except (TypeError, ValueError) as e:
+        raise ConfigError(f"{where}: {section}: {e}") from None
+
+
+def metric_names(ev: EvalConfig) -> list[str]:
+    return [f"{m}/{s}@{K}" for m in ev.methods for K in ev.ks for s in STATS]
+
+
+def load_trial(path) -> Trial:
+    """Read and check the spec and build every run's configs; raises ConfigError naming the key."""
+    path = Path(path)
+    _need(path.is_file(), f"spec file {str(path)!r} does not exist")
+    raw = read_toml(path)
+    unknown = sorted(set(raw) - set(SPEC_KEYS))
+    _need(not unknown, f"unknown key(s) {', '.join(unknown)} in the spec; allowed: {', '.join(SPEC_KEYS)}")
+    for k in ("title", "claim", "description"):
+        _need(isinstance(raw.get(k, ""), str), f"{k} must be a string")
+    seeds = raw.get("seeds", [0, 1, 2])
+    _need(isinstance(seeds, list) and seeds and len(set(seeds)) == len(seeds)
+          and all(isinstance(s, int) and not isinstance(s, bool) and s >= 0 for s in seeds),
+          f"seeds must be a list of distinct integers >= 0, got {seeds!r}")
+    train, ev = _table(raw.get("train", {}), "train"), _table(raw.get("eval", {}), "eval")
+    variants = raw.get("variants", [{"name": "default"}])
+    _need(isinstance(variants, list) and variants and all(isinstance(v, dict) for v in variants),
+          "variants must be an array of tables")
+    out = (path.parent / raw["out"]) if "out" in raw else path.parent
+    runs, names = [], []
+    for i, v in enumerate(variants):
+        bad = sorted(set(v) - {"name", "train", "eval"})
+        _need(not bad, f"variants[{i}]: unknown key(s) {', '.join(bad)}")
+        name = v.get("name")
+        _need(isinstance(name, str) and name and "/" not in name and name not in names,
+              f"variants[{i}].name must be a unique non-empty string without '/', got {name!r}")
+        names.append(name)
+        for seed in seeds:
+            folder = out / "runs" / name / f"seed{seed}"
+            where = f"variant {name!r}, seed {seed}"
+            tc = _config(SearchTrainConfig, train, _table(v.get("train", {}), f"variants[{i}].train"), where,
+                         seed=seed, out=str(folder))
+            own = _table(v.get("eval", {}), f"variants[{i}].eval")
+            methods = {**ev, **own}.get("methods", METHODS)
+            learned = any(str(m).startswith("learned") for m in methods)
+            ec = _config(EvalConfig, ev, own, where, out=str(folder / "eval"),
+                         **({"checkpoint": str(folder / CHECKPOINT)} if learned else
+                            {"checkpoint": None, "model": {**ev, **own}.get("model") or tc.model}))
+            runs.append(TrialRun(name, seed, folder, tc, ec))
+    metrics = sorted({m for r in runs for m in metric_names(r.eval)})
+    rules = check_rules(raw["verdict"], names, metrics) if "verdict" in raw else []
+    return Trial(path, raw.get("title", path.parent.name), raw.get("claim", ""), raw.get("description", ""),
+                 list(seeds), names, runs, rules, out)
+
+
+def _eval_config(run: TrialRun, first: bool) -> EvalConfig:
+    """The run's evaluation: every method in a variant's first seed, else the learned ones only."""
+    if first:
+        return run.eval
+    learned = [m for m in run.eval.methods if m.startswith("learned")]
+    return EvalConfig(**{**asdict(run.eval), "methods": learned}) if learned else None
+
+
+def _finished(cfg: EvalConfig) -> dict | None:
+    try:
+        res = json.loads((Path(cfg.out) / "results.json").read_text())
+    except (OSError, ValueError):
+        return None
+    want = json.loads(json.dumps(asdict(cfg)))
+    n = len(cfg.layer_sets) * len(cfg.methods) * len(cfg.ks)
+    return res if res.get("config") == want and len(res.get("rows", [])) == n and "full" in res else None
+
+
+def run_trial(trial: Trial, lm: FrozenLM | None = None, progress: bool = True, report_only: bool = False) -> dict:
+    """Train and evaluate every run that is not finished, then write OUT/results.json and report.md."""
+    seen = set()
+    for run in trial.runs:
+        first = run.variant not in seen
+        seen.add(run.variant)
+        cfg = _eval_config(run, first)
+        if report_only or cfg is None or _finished(cfg) is not None:
+            continue
+        if cfg.checkpoint:
+            train_projections(run.train, lm=lm, progress=progress)
+        run_eval(cfg, lm=lm, progress=progress)
+    return write_report(trial)
+
+
+def _row_metrics(res: dict, n_sets: int) -> dict:
+    out = {}
+    for r in res["rows"]:
+        prefix = r["method"] if n_sets == 1 else f"{r['layer_set']}:{r['method']}"
+        out.update({f"{prefix}/gap@{r['K']}": 100 * r["rel_gap"], f"{prefix}/mass@{r['K']}": r.get("mass"),
+                    f"{prefix}/recall@{r['K']}": r.get("recall")})
+    return out
+
+
+def collect(trial: Trial) -> dict:
+    """Per variant: each finished seed's metrics, and their mean and sd over those seeds."""
+    out = {}
+    for v in trial.variants:
+        runs = [r for r in trial.runs if r.variant == v]
+        done, shared = {}, {}
+        for i, run in enumerate(runs):
+            cfg = _eval_config(run, i == 0)
+            res = _finished(cfg) if cfg is not None else None
+            if res is None:
+                continue
+            vals = _row_metrics(res, len(run.eval.layer_sets))
+            if i == 0:  # the projection-free methods, evaluated here only
+                shared = {k: x for k, x in vals.items() if not k.split("/")[0].split(":")[-1].startswith("learned")}
+            done[run.seed] = {**shared, **vals}
+        names = sorted({k for m in done.values() for k in m})
+        mean, sd = {}, {}
+        for k in names:
+            xs = [m[k] for m in done.values() if m.get(k) is not None]
+            mean[k] = statistics.fmean(xs) if xs else None
+            sd[k] = statistics.stdev(xs) if len(xs) >= 2 else None
+        out[v] = {"seeds": sorted(done), "runs": {str(s): m for s, m in done.items()}, "mean": mean, "sd": sd}
+    return out
+
+
+def write_report(trial: Trial) -> dict:
+    stats = collect(trial)
+    judged = [judge(r, stats) for r in trial.rules]
+    results = {"title": trial.title, "claim": trial.claim, "spec": str(trial.path), "variants": stats,
+               "verdicts": judged, "train": {r.variant: asdict(r.train) for r in trial.runs},
+               "eval": {r.variant: asdict(r.eval) for r in trial.runs}}
+    trial.out.mkdir(parents=True, exist_ok=True)
+    atomic_write_text(trial.out / "results.json", json.dumps(results, indent=1, default=str) + "\n")
+    atomic_write_text(trial.out / "report.md", report_markdown(trial, stats, judged))
+    return results
+
+
+def _pm(mean, sd) -> str:
+    return fmt(mean) if sd is None else f"{fmt(mean)} ± {fmt(sd)}"
+
+
+def report_markdown(trial: Trial, stats: dict, judged: list[dict]) -> str:
+    first = {r.variant: r for r in reversed(trial.runs)}
+    lines = [f"# {trial.title}", "",
+             f"*Generated by `attnlab search trial` from `{trial.path.name}`; rebuild it with "
+             f"`attnlab search trial {trial.path.name} --report-only`, do not edit it.*", ""]
+    if trial.claim:
+        lines += [f"**Claim.** {trial.claim}", ""]
+    if trial.description:
+        lines += [trial.description, ""]
+    lines += ["## Setup", ""]
+    for v in trial.variants:
+        r = first[v]
+        t, e = r.train, r.eval
+        lines.append(f"- **{v}**: projections for layers {t.layers} of {t.model}, groups {t.groups}, trained {t.steps} "
+                     f"steps on {t.n_contexts} contexts of {t.context} tokens ({t.split} split), k_pos {t.k_pos}, "
+                     f"query rows {t.query_rows or 'all'}; evaluated on {e.n_contexts} held-out contexts of "
+                     f"{e.context} tokens ({e.split} split), layer sets {e.layer_sets}, methods {e.methods}, "
+                     f"K {e.ks}; seeds {stats[v]['seeds']}.")
+    lines += ["", "## Results: mean ± sd over training seeds", "",
+              "gap: perplexity gap against full attention in %; Mass@K and Recall@K against each layer's own "
+              "attention. Methods that do not use the projections are evaluated once per variant (sd 0).", ""]
+    rows = []
+    for v in trial.variants:
+        m, s = stats[v]["mean"], stats[v]["sd"]
+        keys = sorted({k.rsplit("/", 1)[0] + "@" + k.rsplit("@", 1)[1] for k in m},
+                      key=lambda k: (k.split("@")[0], int(k.split("@")[1])))
+        for key in keys:
+            method, K = key.split("@")
+            row = [v, method, int(K), len(stats[v]["seeds"])]
+            row += [_pm(m.get(f"{method}/{st}@{K}"), s.get(f"{method}/{st}@{K}")) for st in STATS]
+            rows.append(row)
+    lines += [markdown_table(["variant", "method", "K", "seeds", "gap (%)", "Mass@K", "Recall@K"], rows), ""]
+    lines += verdict_lines(trial.rules, judged)
+    return "\n".join(lines).rstrip() + "\n"

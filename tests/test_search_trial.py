@@ -1,0 +1,112 @@
+"""`attnlab search trial`: spec checks before any work, seeds x variants trained and evaluated once,
+mean ± sd and verdicts from the runs' own results, resuming without new work."""
+
+import json
+import statistics
+
+import pytest
+
+import attnlab.search.trial as trial_mod
+from attnlab.cli import main
+from attnlab.models.config import ConfigError
+from attnlab.search.lm import tiny_lm
+from attnlab.search.trial import load_trial, run_trial
+
+CODE = "def add(a, b):\n    '''Sum.'''\n    return a + b\n\nclass Box:\n    def __init__(self, x):\n        self.x = x\n"
+
+
+@pytest.fixture(scope="module")
+def corpus(tmp_path_factory):
+    d = tmp_path_factory.mktemp("corpus")
+    for i in range(6):
+        (d / f"m{i}.py").write_text(CODE.replace("add", f"add{i}") * (i + 1))
+    return str(d)
+
+
+def spec(tmp_path, corpus, extra=""):
+    text = f'''title = "rows"
+claim = "subsampled rows train as well"
+seeds = [0, 1]
+[train]
+model = "tiny"
+layers = "2,5"
+d_search = 8
+context = 32
+n_contexts = 2
+corpus = "{corpus}"
+split = "all"
+steps = 3
+log_every = 1
+eval_k = 4
+warmup = 1
+[eval]
+layer_sets = ["2,5"]
+ks = [4, 8]
+methods = ["learned", "oracle"]
+context = 40
+n_contexts = 1
+corpus = "{corpus}"
+split = "all"
+[[variants]]
+name = "some"
+train = {{ query_rows = 8 }}
+[[verdict]]
+metric = "learned/mass@4"
+better = "higher"
+variant = "some"
+threshold = 0.0
+{extra}'''
+    path = tmp_path / "spec.toml"
+    path.write_text(text)
+    return path
+
+
+def test_trial_trains_evaluates_and_reports(tmp_path, corpus, monkeypatch):
+    lm = tiny_lm("llama")
+    trial = load_trial(spec(tmp_path, corpus))
+    assert [(r.variant, r.seed) for r in trial.runs] == [("some", 0), ("some", 1)]
+    assert trial.runs[1].train.query_rows == 8 and trial.runs[1].train.seed == 1 and trial.runs[1].eval.seed == 0
+    evals = []
+    real = trial_mod.run_eval
+    monkeypatch.setattr(trial_mod, "run_eval", lambda cfg, **kw: evals.append(cfg.methods) or real(cfg, **kw))
+    res = run_trial(trial, lm=lm, progress=False)
+    assert evals == [["learned", "oracle"], ["learned"]]  # oracle once per variant
+    for v in ("some",):
+        st = res["variants"][v]
+        assert st["seeds"] == [0, 1]
+        xs = [st["runs"][s]["learned/mass@4"] for s in ("0", "1")]
+        assert st["mean"]["learned/mass@4"] == pytest.approx(statistics.fmean(xs))
+        assert st["sd"]["learned/mass@4"] == pytest.approx(statistics.stdev(xs))
+        assert st["runs"]["0"]["oracle/mass@4"] == st["runs"]["1"]["oracle/mass@4"] and st["sd"]["oracle/mass@4"] == 0
+        own = json.loads((tmp_path / "runs" / v / "seed1" / "eval" / "results.json").read_text())
+        (row,) = [r for r in own["rows"] if r["method"] == "learned" and r["K"] == 8]
+        assert st["runs"]["1"]["learned/gap@8"] == pytest.approx(100 * row["rel_gap"])
+    assert res["verdicts"][0]["outcome"] == "supported"  # some mass is kept, beyond 2 sd of 0
+    report = (tmp_path / "report.md").read_text()
+    assert "| variant" in report and "Rule:" in report and "query rows 8" in report
+    evals.clear()
+    again = run_trial(load_trial(tmp_path / "spec.toml"), lm=lm, progress=False)  # finished: no new work
+    assert evals == [] and again["variants"] == json.loads(json.dumps(res["variants"]))
+
+
+@pytest.mark.parametrize("extra, words", [
+    ("[other]\nx = 1\n", ["unknown key", "other"]),
+    ('[[variants]]\nname = "some"\n', ["variants[1].name", "unique"]),
+    ('[[variants]]\nname = "bad"\ntrain = { steps = 0 }\n', ["variant 'bad'", "steps"]),
+    ('[[variants]]\nname = "own"\ntrain = { seed = 3 }\n', ["train.seed", "owned"]),
+    ('[[variants]]\nname = "ks"\neval = { ks = [0] }\n', ["variant 'ks'", "K must be"]),
+])
+def test_bad_specs_fail_before_any_work(tmp_path, corpus, extra, words):
+    with pytest.raises(ConfigError) as e:
+        load_trial(spec(tmp_path, corpus, extra))
+    assert all(w in str(e.value) for w in words), str(e.value)
+    assert not (tmp_path / "runs").exists()
+
+
+def test_bad_verdict_metric_and_cli_error(tmp_path, corpus, capsys):
+    path = spec(tmp_path, corpus)
+    path.write_text(path.read_text().replace('metric = "learned/mass@4"', 'metric = "learned/mass@99"'))
+    with pytest.raises(ConfigError, match="verdict"):
+        load_trial(path)
+    assert main(["search", "trial", str(path)]) == 2
+    assert "mass@99" in capsys.readouterr().err and not (tmp_path / "runs").exists()
