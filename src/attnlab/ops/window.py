@@ -18,9 +18,18 @@ and this op can differ by which of the tied entries fill the last places of the 
 
 Queries are processed in row chunks (`query_chunk`), so memory is O(query_chunk x Tk) per head
 rather than O(Tk^2).
+
+Other selection rules. `keep_fn` replaces the window rule by any other choice of keys (the key
+selectors of `attnlab.eval.selectors`: oracle top-K, Quest pages, learned search vectors): it is
+called once per query chunk as keep_fn(a, b, logits) with the chunk's query rows a..b-1 (the keys
+are 0..b-1) and their logits (B, H, b - a, b), -inf where a key is hidden, and returns the
+(B, H, b - a, b) bool mask of the keys each query reads. The softmax then runs over those keys,
+as it does over a window; the rule itself decides whether the prefix entries are in.
 """
 
 from __future__ import annotations
+
+from typing import Callable
 
 import torch
 
@@ -112,10 +121,13 @@ def windowed_attention(
     budget: int | None = None,
     history: int = 256,
     query_chunk: int = 512,
+    keep_fn: Callable[[int, int, torch.Tensor], torch.Tensor] | None = None,
 ) -> torch.Tensor:
     """Causal scalar attention (q, k None) or hybrid attention (q, k given) over each query's
     scalar window; see the module docstring. window None: every key the query sees. budget: the
     keys are those a sorted cache capped at `budget` entries still holds (`budget_evictions`).
+    keep_fn: another rule for the keys each query reads, in place of the window (see the module
+    docstring); it takes no window or budget.
 
     qs, ks: (B, H, T); v: (B, G, T, Dv) with G dividing H; tau: as `scalar_attention` takes it
     ((H,) or (B, H, T)); q: (B, H, T, D), k: (B, G', T, D). Returns (B, H, T, Dv) in v's dtype.
@@ -126,6 +138,12 @@ def windowed_attention(
     check_int("n_prefix", n_prefix, 0)
     if (q is None) != (k is None):
         raise ValueError("q and k must be given together (hybrid) or both be None (scalar)")
+    if keep_fn is not None:
+        if not callable(keep_fn):
+            raise TypeError(f"keep_fn must be callable as keep_fn(a, b, logits), got {type(keep_fn).__name__}")
+        if window is not None or budget is not None:
+            raise ValueError(f"keep_fn replaces the window rule: give window=None and budget=None, "
+                             f"got window={window!r}, budget={budget!r}")
     # the exact ops' checks, all before any work (attnlab's input policy)
     if q is None:
         B, H, T = _check_scalars(qs, ks)
@@ -148,9 +166,23 @@ def windowed_attention(
             logits = scalar_logits(qs[..., a:b], ks[..., :b], tau_c)
         else:
             logits = hybrid_logits(q[:, :, a:b], k[:, :, :b], qs[..., a:b], ks[..., :b], tau_c)
-        keep = window_mask(qs[..., a:b], ks[..., :b], max(window, 1), n_prefix=n_prefix, evicted_at=evicted)
+        if keep_fn is None:
+            keep = window_mask(qs[..., a:b], ks[..., :b], max(window, 1), n_prefix=n_prefix, evicted_at=evicted)
+        else:
+            keep = _chunk_keep(keep_fn, a, b, logits)
         w = torch.softmax(logits.masked_fill(~keep, float("-inf")), dim=-1)
         outs.append(w.to(cdt) @ vals[:, :, :b].to(cdt))
     if not outs:
         return v.new_zeros(B, H, 0, v.shape[-1])
     return torch.cat(outs, dim=2).to(v.dtype)
+
+
+def _chunk_keep(keep_fn, a: int, b: int, logits: torch.Tensor) -> torch.Tensor:
+    """keep_fn's mask for query rows a..b-1, checked: a bool tensor of the logits' shape."""
+    keep = keep_fn(a, b, logits)
+    if not isinstance(keep, torch.Tensor) or keep.dtype != torch.bool or keep.shape != logits.shape:
+        got = f"{keep.dtype} {tuple(keep.shape)}" if isinstance(keep, torch.Tensor) else type(keep).__name__
+        raise ValueError(f"keep_fn must return a bool mask of the chunk's logits shape {tuple(logits.shape)}, got {got}")
+    if not bool((keep & (logits > float("-inf"))).any(-1).all()):  # an empty softmax would be NaN
+        raise ValueError(f"keep_fn must keep at least one key each query sees, for every query of rows {a}..{b - 1}")
+    return keep

@@ -60,6 +60,11 @@ class ScalarAttention(Attention):
     # attnlab.eval.window.decode_window; None (default) is exact attention.
     decode_window: int | None = None
     decode_budget: int | None = None  # ... and keys beyond a memory budget evicted (SortedScalarCache.evict_to_budget)
+    # Another key selector in place of the window (attnlab.eval.selectors.select_keys): a callable
+    # select(qs, ks, tau, q, k, n_prefix) taking the scalar op's inputs (sink included) and
+    # returning the keep_fn of `windowed_attention`; each scalar head then reads only the keys it
+    # keeps. None (default): no selector. Not combined with decode_window / decode_budget.
+    decode_select = None
 
     @classmethod
     def configure(cls, config) -> None:
@@ -152,11 +157,21 @@ class ScalarAttention(Attention):
         return qs, ks, vals, tau, q, k, 1
 
     def scalar_readout(self, qs, ks, vals, tau, q, k, impl, n_prefix: int):
-        """The scalar op, or its windowed form while `decode_window` is set."""
+        """The scalar op, or its windowed form while `decode_window` (or a `decode_select`) is set."""
+        if self.decode_select is not None:
+            return windowed_attention(qs, ks, vals, tau, None, q=q, k=k, n_prefix=n_prefix,
+                                      keep_fn=self.selected_keys(qs, ks, tau, q, k, n_prefix))
         if self.decode_window is None and self.decode_budget is None:
             return self.scalar_op(qs, ks, vals, tau, q, k, impl)
         return windowed_attention(qs, ks, vals, tau, self.decode_window, q=q, k=k, n_prefix=n_prefix,
                                   budget=self.decode_budget, history=QUERY_HISTORY)
+
+    def selected_keys(self, qs, ks, tau, q, k, n_prefix: int):
+        """The installed selector's keep_fn for these op inputs (see `decode_select`)."""
+        if self.decode_window is not None or self.decode_budget is not None:
+            raise ValueError(f"decode_select and decode_window/decode_budget are both set on this layer "
+                             f"(window={self.decode_window!r}, budget={self.decode_budget!r}): choose one key rule")
+        return self.decode_select(qs, ks, tau, q, k, n_prefix)
 
     def attend(self, p: Projected, values=None, impl: str | None = None):
         c = self.config
@@ -175,13 +190,16 @@ class ScalarAttention(Attention):
         """As `Attention.attention_weights`, computed as the softmax of the mechanism's logits
         (O(T²) per head rather than the O(T³) of reading out an identity value matrix) when every
         head is a scalar/hybrid head (not a mixed layer, not goat_hybrid's prior); with
-        `decode_window` set, the windowed weights."""
+        `decode_window` set, the windowed weights, and with `decode_select` the selected ones."""
         if self.n_scalar < self.config.n_heads or not self.sorted_decode:
             return super().attention_weights(x)
         self.check_input(x)
         qs, ks, _, tau, q, k, n_pre = self.with_sink(self.project(x, 0))
         logits = scalar_logits(qs, ks, tau) if q is None else hybrid_logits(q, k, qs, ks, tau)
-        if self.decode_window is not None or self.decode_budget is not None:
+        if self.decode_select is not None:
+            keep = self.selected_keys(qs, ks, tau, q, k, n_pre)(0, qs.shape[-1], logits)
+            logits = logits.masked_fill(~keep, float("-inf"))
+        elif self.decode_window is not None or self.decode_budget is not None:
             evicted = None if self.decode_budget is None else budget_evictions(
                 qs, ks, self.decode_budget, history=QUERY_HISTORY, n_prefix=n_pre)
             keep = window_mask(qs, ks, self.decode_window or qs.shape[-1] or 1, n_prefix=n_pre, evicted_at=evicted)
