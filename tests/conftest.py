@@ -27,3 +27,15 @@ def one_thread():
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(before)
+
+
+CODE = "def add(a, b):\n    '''Sum.'''\n    return a + b\n\nclass Box:\n    def __init__(self, x):\n        self.x = x\n"
+
+
+@pytest.fixture(scope="module")
+def code_corpus(tmp_path_factory) -> str:
+    """A folder of six small Python files (the search tests' training and evaluation text)."""
+    d = tmp_path_factory.mktemp("corpus")
+    for i in range(6):
+        (d / f"m{i}.py").write_text(CODE.replace("add", f"add{i}") * (i + 1))
+    return str(d)

@@ -18,15 +18,9 @@ from attnlab.search.retrieval import METHODS, oracle_select, topk_candidates
 from attnlab.search.sweep import EvalConfig, run_eval
 from attnlab.search.train import SearchTrainConfig, query_rows, step_losses, train_projections
 
-CODE = "def add(a, b):\n    '''Sum.'''\n    return a + b\n\nclass Box:\n    def __init__(self, x):\n        self.x = x\n"
-
-
 @pytest.fixture(scope="module")
-def corpus(tmp_path_factory):
-    d = tmp_path_factory.mktemp("corpus")
-    for i in range(6):
-        (d / f"m{i}.py").write_text(CODE.replace("add", f"add{i}") * (i + 1))
-    return str(d)
+def corpus(code_corpus):
+    return code_corpus
 
 
 def _mass(proj, caps, seg, K):

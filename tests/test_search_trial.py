@@ -12,15 +12,10 @@ from attnlab.models.config import ConfigError
 from attnlab.search.lm import tiny_lm
 from attnlab.search.trial import load_trial, run_trial
 
-CODE = "def add(a, b):\n    '''Sum.'''\n    return a + b\n\nclass Box:\n    def __init__(self, x):\n        self.x = x\n"
-
 
 @pytest.fixture(scope="module")
-def corpus(tmp_path_factory):
-    d = tmp_path_factory.mktemp("corpus")
-    for i in range(6):
-        (d / f"m{i}.py").write_text(CODE.replace("add", f"add{i}") * (i + 1))
-    return str(d)
+def corpus(code_corpus):
+    return code_corpus
 
 
 def spec(tmp_path, corpus, extra=""):

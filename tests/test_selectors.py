@@ -27,18 +27,9 @@ CONFIGS = [
     ("scalar", {}),
     ("scalar", {"sink": True, "n_scalar_heads": 2}),
 ]
+from test_window import _model  # noqa: E402  (the same tiny LMs, learned positions: no tied keys)
+
 IDS = ["hybrid", "hybrid-sink-gqa", "scalar", "scalar-sink-mixed"]
-
-
-def _model(attn, **attention):
-    cfg = ModelConfig(vocab_size=50, d_model=32, n_layers=2, n_heads=4, attn=attn, max_seq_len=64,
-                      attention=attention, pos_embedding="learned")
-    torch.manual_seed(0)
-    model = LM(cfg).eval()
-    for name, p in model.named_parameters():  # a trained-looking sink value, not the zero init
-        if name.endswith("sink_value"):
-            p.data.normal_()
-    return model
 
 
 def _projections(model, seed=0):
