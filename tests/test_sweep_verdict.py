@@ -79,3 +79,15 @@ def test_compare_rule_times_scales_b_and_its_sd():
     from attnlab.experiments.sweep.verdict import rule_text
     text = rule_text({"metric": "s", "better": "lower", "compare": ["a", "b"], "times": 0.5, "by": 0.1})
     assert "0.5 × b" in text and "more than 0.1" in text and "(0.5·sd_b)²" in text
+
+
+def test_one_variant_against_itself_on_another_metric():
+    from attnlab.experiments.sweep.verdict import check_rules
+
+    rule = {"metric": "learned/mass@64", "metric_b": "quest/mass@64", "better": "higher", "compare": ["m", "m"]}
+    assert check_rules(rule, ["m"], ["learned/mass@64", "quest/mass@64"])
+    stats = {"m": {"mean": {"learned/mass@64": 0.92, "quest/mass@64": 0.78},
+                   "sd": {"learned/mass@64": 0.01, "quest/mass@64": 0.02}}}
+    assert judge(rule, stats)["outcome"] == "supported"
+    with pytest.raises(ValueError, match="one variant twice with a metric_b"):
+        check_rules({**rule, "metric_b": "learned/mass@64"}, ["m"], ["learned/mass@64"])

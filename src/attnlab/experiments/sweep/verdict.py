@@ -3,7 +3,8 @@
 Two kinds of rule, both with the same margin, twice the sample sd over seeds:
 
 - compare: "A is better than B in metric M" (B may be judged on another metric, metric_b, e.g. a
-  windowed loss against a softmax model's exact loss). Supported when A's mean beats B's by more
+  windowed loss against a softmax model's exact loss; then A and B may be the same variant, e.g.
+  one model's learned selector against its Quest selector). Supported when A's mean beats B's by more
   than 2 * sqrt(sd_A^2 + sd_B^2), not supported when B's beats A's by more than that, else
   inconclusive.
   Two optional keys make the claim quantitative: `by` (A beats B by more than this amount, e.g. a
@@ -86,8 +87,10 @@ def check_rules(raw, variants: list[str], metrics: list[str]) -> list[dict]:
                           and (x >= 0 if k == "by" else x > 0),
                           f"{key}.{k} must be a finite number {'>= 0' if k == 'by' else '> 0'}, got {x!r}")
             c = r.get("compare")
-            _need(isinstance(c, list) and len(c) == 2 and all(isinstance(x, str) for x in c) and c[0] != c[1],
-                  f"{key}.compare must name two different variants [A, B] (the claim: A is better than B), got {c!r}")
+            same_ok = r.get("metric_b", r["metric"]) != r["metric"]  # one variant, two of its metrics
+            _need(isinstance(c, list) and len(c) == 2 and all(isinstance(x, str) for x in c) and (c[0] != c[1] or same_ok),
+                  f"{key}.compare must name two different variants [A, B] (the claim: A is better than B), or one "
+                  f"variant twice with a metric_b other than metric; got {c!r}")
             for x in c:
                 _need(x in variants, f"{key}.compare: {x!r} is not a variant; variants: {', '.join(variants)}")
         if "name" in r:
