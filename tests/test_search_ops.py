@@ -91,6 +91,12 @@ def test_sparse_attention_rejects_bad_input():
         sparse_attention(q, k, v, idx, valid, 1.0, impl="slow")
     with pytest.raises(ValueError, match="value groups"):
         sparse_attention(q, torch.randn(1, 3, 5, 8), torch.randn(1, 3, 5, 8), idx, valid, 1.0)
+    for bad in (5, -1):  # a valid slot outside the keys; an invalid (filler) slot may hold anything
+        for impl in ("naive", "fast"):
+            with pytest.raises(ValueError, match="idx: a valid slot points outside the 5 keys"):
+                sparse_attention(q, k, v, idx.clone().fill_(bad), valid, 1.0, impl=impl)
+    out = sparse_attention(q, k, v, idx.clone().fill_(7), torch.zeros_like(valid), 1.0, impl="naive")
+    assert torch.equal(out, torch.zeros_like(out))  # no valid slot: zero output, no error
 
 
 @pytest.mark.parametrize("k_pos", [1, 3, 50], ids=["kpos1", "kpos3", "kpos-exceeds-keys"])

@@ -34,6 +34,8 @@ def _check(q, k, v, idx, valid):
     check_same("q", q.shape[2], "idx", idx.shape[2], "query length")
     check_groups(q.shape[1], k.shape[1], "k")
     check_groups(q.shape[1], idx.shape[1], "idx")
+    if idx.numel() and bool(((idx < 0) | (idx >= k.shape[2]))[valid].any()):
+        raise ValueError(f"idx: a valid slot points outside the {k.shape[2]} keys (valid indices are 0..{k.shape[2] - 1})")
 
 
 def _head_maps(H: int, Hkv: int, G: int, device):
@@ -49,7 +51,7 @@ def sparse_attention_naive(q, k, v, idx, valid, scaling: float) -> torch.Tensor:
     costs O(H * K * D) whatever the context length."""
     B, H, Tq, D = q.shape
     kv_of, set_of = _head_maps(H, k.shape[1], idx.shape[1], q.device)
-    ih = idx[:, set_of].clamp(min=0).long()  # (B, H, Tq, K)
+    ih = idx[:, set_of].clamp(0, max(k.shape[2] - 1, 0)).long()  # (B, H, Tq, K); filler slots may hold anything
     b = torch.arange(B, device=q.device)[:, None, None, None]
     kvh = kv_of[None, :, None, None]
     ks = k[b, kvh, ih]  # (B, H, Tq, K, D)
