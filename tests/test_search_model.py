@@ -148,3 +148,49 @@ def test_unsupported_family_is_rejected(tmp_path):
     with pytest.raises(ValueError, match="does not exist"):
         resolve_source(str(tmp_path / "missing.gguf"))
     assert json.loads((tmp_path / "config.json").read_text())["model_type"] == "gpt2"
+
+
+def test_middle_layer_sets_nest_and_reject_bad_sizes():
+    sets = [resolve_layers(f"middle{n}", 30) for n in (6, 12, 18, 24)]
+    assert sets[0] == list(range(12, 18)) and sets[3] == list(range(3, 27))
+    assert all(set(a) < set(b) for a, b in zip(sets, sets[1:]))
+    assert set(sets[3]) < set(resolve_layers("reserved-edge", 30)) < set(resolve_layers("all", 30))
+    assert resolve_layers("middle30", 30) == list(range(30))
+    for bad in ("middle0", "middle31"):
+        with pytest.raises(ValueError, match=f"layers='{bad}' needs 1 <="):
+            resolve_layers(bad, 30)
+    with pytest.raises(ValueError, match="comma list"):
+        resolve_layers("middle-2", 30)
+
+
+def test_layer_k_gives_chosen_layers_their_own_budget(lm, packed, proj):
+    from attnlab.search.metrics import Tally
+
+    ref = forward_packed(lm.model, packed)
+    small = SelectorConfig("oracle", K=3)
+    with substitute(lm.model, [0, 3], small, layer_k={0: 48, 3: 48}):  # every layer wide enough: exact
+        assert rel_rms(forward_packed(lm.model, packed), ref) < 1e-5
+    with substitute(lm.model, [3], small):
+        only3 = forward_packed(lm.model, packed)
+    with substitute(lm.model, [0, 3], small, layer_k={0: 48}):  # layer 0 exact, layer 3 narrow: = only 3
+        assert rel_rms(forward_packed(lm.model, packed), only3) < 1e-5
+    per = []
+    for layer_k in ({}, {3: 12}):
+        tally = Tally()
+        with substitute(lm.model, [3], SelectorConfig("learned", K=3), proj, tally, layer_k=layer_k):
+            forward_packed(lm.model, packed)
+        per.append(tally.summary()["per_layer"]["3"])
+    assert per[1]["mass"] > per[0]["mass"]  # the wide layer's exact top-12 holds its top-3 and more
+    for bad, words in (({5: 8}, "not substituted"), ({3: 0}, "layer_k[3]")):
+        with pytest.raises(ValueError, match=words.replace("[", r"\[").replace("]", r"\]")):
+            substitute(lm.model, [0, 3], small, layer_k=bad)
+    assert lm.model.config._attn_implementation == "sdpa"
+
+
+def test_wide_search_config_checks():
+    from attnlab.search.sweep import EvalConfig
+
+    with pytest.raises(ValueError, match="wide_factor=4 needs wide_layers"):
+        EvalConfig(model="tiny", wide_factor=4)
+    with pytest.raises(ValueError, match="wide_factor must be a positive int"):
+        EvalConfig(model="tiny", wide_layers="0", wide_factor=0)

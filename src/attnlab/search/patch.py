@@ -8,7 +8,7 @@ tokens' search keys at every step (exact index or FAISS HNSW `add`).
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
@@ -108,9 +108,10 @@ class RetrieveThenAttend:
 
 
 def substitute(model, layers, cfg: SelectorConfig, projections: SearchProjections | None = None,
-               tally: Tally | None = None) -> Installed:
+               tally: Tally | None = None, layer_k: dict[int, int] | None = None) -> Installed:
     """Replace attention in `layers` by retrieve-then-attend; use as a context manager or call
-    `.remove()`. Validates everything before touching the model."""
+    `.remove()`. `layer_k` gives chosen layers their own budget in place of cfg.K (a wider search for
+    weak layers). Validates everything before touching the model."""
     n = len(attention_modules(model))
     if not isinstance(cfg, SelectorConfig):
         raise TypeError(f"cfg must be a SelectorConfig, got {type(cfg).__name__}")
@@ -121,7 +122,14 @@ def substitute(model, layers, cfg: SelectorConfig, projections: SearchProjection
     if projections is not None and projections.d_model != model.config.hidden_size:
         raise ValueError(
             f"projections were trained for d_model={projections.d_model}, the model has {model.config.hidden_size}")
-    handlers = {i: RetrieveThenAttend(i, cfg, projections, tally) for i in layers}
+    layer_k = dict(layer_k or {})
+    extra = sorted(set(layer_k) - set(layers))
+    if extra:
+        raise ValueError(f"layer_k names layers {extra} that are not substituted ({list(layers)})")
+    for i, k in layer_k.items():
+        check_int(f"layer_k[{i}]", k)
+    handlers = {i: RetrieveThenAttend(i, replace(cfg, K=layer_k[i]) if i in layer_k else cfg, projections, tally)
+                for i in layers}
     return Installed(model, handlers)
 
 

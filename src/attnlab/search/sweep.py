@@ -46,10 +46,15 @@ class EvalConfig:
     n_sink: int = 4
     hnsw_m: int = 32
     hnsw_ef_search: int = 512
+    wide_layers: str | None = None  # a layer set whose substituted layers search wide_factor x K keys
+    wide_factor: int = 1
     out: str = "runs/search-eval"
 
     def __post_init__(self):
         self.ks = [check_int("K", k) for k in self.ks]
+        check_int("wide_factor", self.wide_factor)
+        if self.wide_factor > 1 and not self.wide_layers:
+            raise ValueError(f"wide_factor={self.wide_factor} needs wide_layers (which layers search wider)")
         check_group_spec(self.groups, allow_none=True)
         bad = [m for m in self.methods if m not in METHODS]
         if bad or not self.methods:
@@ -86,8 +91,10 @@ def run_eval(cfg: EvalConfig, lm: FrozenLM | None = None, progress: bool = True)
                 raise ValueError(f"layer set {spec!r} needs projections for layers {missing}, but the checkpoint "
                                  f"has {proj.layers}; train with --layers all or drop that set")
 
-    lm, sets, packed = prepare(model_spec, cfg.layer_sets, cfg.corpus, cfg.split, cfg.context, cfg.n_contexts,
+    specs = list(cfg.layer_sets) + ([cfg.wide_layers] if cfg.wide_layers else [])
+    lm, sets, packed = prepare(model_spec, specs, cfg.corpus, cfg.split, cfg.context, cfg.n_contexts,
                                cfg.seed, lm=lm, check=check)
+    wide = set(sets.pop()) if cfg.wide_layers else set()
     if proj is not None and proj.d_model != lm.dims.d_model:
         raise ValueError(f"checkpoint d_model={proj.d_model} does not match the model's {lm.dims.d_model}")
     out = Path(cfg.out)
@@ -112,13 +119,15 @@ def run_eval(cfg: EvalConfig, lm: FrozenLM | None = None, progress: bool = True)
                                          hnsw_ef_search=cfg.hnsw_ef_search)
                     tally = Tally()
                     t1 = time.time()
+                    layer_k = {l: K * cfg.wide_factor for l in layers if l in wide}
                     for i in range(len(packed)):
                         b = packed.batch(i)
-                        with substitute(lm.model, layers, sel, proj, tally):
+                        with substitute(lm.model, layers, sel, proj, tally, layer_k):
                             tally.add_nll(forward_packed(lm.model, b), b.input_ids, b.segments)
                         bar.update()
                     s = tally.summary()
                     results["rows"].append({"layer_set": spec, "n_layers": len(layers), "method": method, "K": K,
+                                            "wide_layers": sorted(layer_k), "wide_K": K * cfg.wide_factor,
                                             **s, "rel_gap": rel_gap(s["ppl"], results["full"]["ppl"]),
                                             "seconds": time.time() - t1})
                     results["elapsed_s"] = time.time() - t0

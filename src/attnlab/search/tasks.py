@@ -79,7 +79,7 @@ def _check_layer_spec(spec):
     """A layer set before the model is known: a name from LAYER_SETS, or distinct indices >= 0."""
     idx = None
     if isinstance(spec, str):
-        if spec in LAYER_SETS:
+        if spec in LAYER_SETS or (spec.startswith("middle") and spec[6:].isdigit() and int(spec[6:]) > 0):
             return spec
         try:
             idx = [int(s) for s in spec.split(",") if s.strip()]

@@ -3,7 +3,8 @@
 A trial spec names shared `[train]` settings (SearchTrainConfig fields) and `[eval]` settings
 (EvalConfig fields), variants that override either, and seeds. Every (variant, seed) trains its
 projections (`train_projections`, which resumes) into OUT/runs/<variant>/seed<k> and evaluates
-them on the same held-out contexts (the eval seed is fixed; the training seed draws the training
+them (variants whose training settings are identical train once, in the first one's folder, and
+differ only in how they are evaluated) on the same held-out contexts (the eval seed is fixed; the training seed draws the training
 contexts and the initial projections). The learned methods are evaluated in every run; the
 methods that do not depend on the projections (oracle, quest, native, streaming) only in each
 variant's first seed, and their numbers are repeated for the others (their sd over training seeds
@@ -36,7 +37,7 @@ from __future__ import annotations
 
 import json
 import statistics
-from dataclasses import asdict, dataclass, fields
+from dataclasses import MISSING, asdict, dataclass, field, fields
 from pathlib import Path
 
 from attnlab.data.cache import atomic_write_text
@@ -45,12 +46,13 @@ from attnlab.experiments.sweep.verdict import check_rules, judge, verdict_lines
 from attnlab.models.config import ConfigError
 from attnlab.train.config import read_toml
 
+from .coverage import check_references, coverage_markdown, plot_coverage
 from .lm import FrozenLM
 from .retrieval import METHODS
 from .sweep import EvalConfig, run_eval
 from .train import CHECKPOINT, SearchTrainConfig, train_projections
 
-SPEC_KEYS = ("title", "claim", "description", "seeds", "train", "eval", "variants", "verdict", "out")
+SPEC_KEYS = ("title", "claim", "description", "seeds", "train", "eval", "variants", "verdict", "references", "out")
 STATS = ("gap", "mass", "recall")
 OWNED = {"train": ("seed", "out", "resume"), "eval": ("checkpoint", "out")}
 
@@ -75,6 +77,7 @@ class Trial:
     runs: list[TrialRun]
     rules: list[dict]
     out: Path
+    references: list[dict] = field(default_factory=list)  # published points drawn beside a coverage frontier
 
 
 def _need(cond: bool, message: str) -> None:
@@ -100,7 +103,9 @@ def _config(cls, shared: dict, own: dict, where: str, **owned):
 
 
 def metric_names(ev: EvalConfig) -> list[str]:
-    return [f"{m}/{s}@{K}" for m in ev.methods for K in ev.ks for s in STATS]
+    """The metrics a run reports: '<method>/<stat>@<K>', prefixed by '<layer set>:' when there are several."""
+    prefixes = [f"{spec}:" for spec in ev.layer_sets] if len(ev.layer_sets) > 1 else [""]
+    return [f"{p}{m}/{s}@{K}" for p in prefixes for m in ev.methods for K in ev.ks for s in STATS]
 
 
 def load_trial(path) -> Trial:
@@ -121,7 +126,7 @@ def load_trial(path) -> Trial:
     _need(isinstance(variants, list) and variants and all(isinstance(v, dict) for v in variants),
           "variants must be an array of tables")
     out = (path.parent / raw["out"]) if "out" in raw else path.parent
-    runs, names = [], []
+    runs, names, trained = [], [], {}
     for i, v in enumerate(variants):
         bad = sorted(set(v) - {"name", "train", "eval"})
         _need(not bad, f"variants[{i}]: unknown key(s) {', '.join(bad)}")
@@ -134,17 +139,19 @@ def load_trial(path) -> Trial:
             where = f"variant {name!r}, seed {seed}"
             tc = _config(SearchTrainConfig, train, _table(v.get("train", {}), f"variants[{i}].train"), where,
                          seed=seed, out=str(folder))
+            key = json.dumps({**asdict(tc), "out": None}, sort_keys=True, default=str)
+            tc.out = trained.setdefault(key, tc.out)  # variants that differ only in [eval] share one training
             own = _table(v.get("eval", {}), f"variants[{i}].eval")
             methods = {**ev, **own}.get("methods", METHODS)
             learned = any(str(m).startswith("learned") for m in methods)
             ec = _config(EvalConfig, ev, own, where, out=str(folder / "eval"),
-                         **({"checkpoint": str(folder / CHECKPOINT)} if learned else
+                         **({"checkpoint": str(Path(tc.out) / CHECKPOINT)} if learned else
                             {"checkpoint": None, "model": {**ev, **own}.get("model") or tc.model}))
             runs.append(TrialRun(name, seed, folder, tc, ec))
     metrics = sorted({m for r in runs for m in metric_names(r.eval)})
     rules = check_rules(raw["verdict"], names, metrics) if "verdict" in raw else []
     return Trial(path, raw.get("title", path.parent.name), raw.get("claim", ""), raw.get("description", ""),
-                 list(seeds), names, runs, rules, out)
+                 list(seeds), names, runs, rules, out, check_references(raw.get("references", [])))
 
 
 def _eval_config(run: TrialRun, first: bool) -> EvalConfig:
@@ -161,8 +168,10 @@ def _finished(cfg: EvalConfig) -> dict | None:
     except (OSError, ValueError):
         return None
     want = json.loads(json.dumps(asdict(cfg)))
+    # results written before a field existed ran with that field's default
+    have = {**{f.name: f.default for f in fields(EvalConfig) if f.default is not MISSING}, **res.get("config", {})}
     n = len(cfg.layer_sets) * len(cfg.methods) * len(cfg.ks)
-    return res if res.get("config") == want and len(res.get("rows", [])) == n and "full" in res else None
+    return res if have == want and len(res.get("rows", [])) == n and "full" in res else None
 
 
 def run_trial(trial: Trial, lm: FrozenLM | None = None, progress: bool = True, report_only: bool = False) -> dict:
@@ -194,12 +203,14 @@ def collect(trial: Trial) -> dict:
     out = {}
     for v in trial.variants:
         runs = [r for r in trial.runs if r.variant == v]
-        done, shared = {}, {}
+        done, shared, sizes = {}, {}, {}
         for i, run in enumerate(runs):
             cfg = _eval_config(run, i == 0)
             res = _finished(cfg) if cfg is not None else None
             if res is None:
                 continue
+            sizes = {"n_layers": res["dims"]["n_layers"],
+                     "sets": {k: len(v) for k, v in res["layer_sets"].items()}}
             vals = _row_metrics(res, len(run.eval.layer_sets))
             if i == 0:  # the projection-free methods, evaluated here only
                 shared = {k: x for k, x in vals.items() if not k.split("/")[0].split(":")[-1].startswith("learned")}
@@ -210,7 +221,8 @@ def collect(trial: Trial) -> dict:
             xs = [m[k] for m in done.values() if m.get(k) is not None]
             mean[k] = statistics.fmean(xs) if xs else None
             sd[k] = statistics.stdev(xs) if len(xs) >= 2 else None
-        out[v] = {"seeds": sorted(done), "runs": {str(s): m for s, m in done.items()}, "mean": mean, "sd": sd}
+        out[v] = {"seeds": sorted(done), "runs": {str(s): m for s, m in done.items()}, "mean": mean, "sd": sd,
+                  **({"coverage": sizes} if len(runs[0].eval.layer_sets) > 1 and sizes else {})}
     return out
 
 
@@ -223,6 +235,8 @@ def write_report(trial: Trial) -> dict:
     trial.out.mkdir(parents=True, exist_ok=True)
     atomic_write_text(trial.out / "results.json", json.dumps(results, indent=1, default=str) + "\n")
     atomic_write_text(trial.out / "report.md", report_markdown(trial, stats, judged))
+    if any("coverage" in s for s in stats.values()):
+        plot_coverage(stats, trial.references, trial.out / "coverage.png")
     return results
 
 
@@ -256,5 +270,6 @@ def report_markdown(trial: Trial, stats: dict, judged: list[dict]) -> str:
             row += [_pm(m.get(f"{method}/{st}@{K}"), s.get(f"{method}/{st}@{K}")) for st in STATS]
             rows.append(row)
     lines += [markdown_table(["variant", "method", "K", "seeds", "gap (%)", "Mass@K", "Recall@K"], rows), ""]
+    lines += coverage_markdown(stats, trial.references, "coverage.png")
     lines += verdict_lines(trial.rules, judged)
     return "\n".join(lines).rstrip() + "\n"
