@@ -133,13 +133,17 @@ def test_eval_only_variants_share_training_and_report_a_coverage_frontier(tmp_pa
     res = run_trial(trial, lm=lm, progress=False)
     assert trained == [0, 3]  # the second variant finds the first one's finished training
     st = res["variants"]["frontier"]
-    assert st["coverage"] == {"n_layers": 8, "sets": {"5": 1, "2,5": 2}}
+    cov = st["coverage"]
+    assert cov["n_layers"] == 8 and cov["sets"] == {"5": 1, "2,5": 2}
+    assert set(cov["per_layer_mass"]) == {"learned K=4", "learned K=8", "oracle K=4", "oracle K=8"}
+    assert set(cov["per_layer_mass"]["oracle K=4"]) == {"2", "5"}
     assert "2,5:learned/gap@8" in st["mean"] and "learned/gap@8" in res["variants"]["some"]["mean"]
     own = json.loads((tmp_path / "runs" / "frontier" / "seed0" / "eval" / "results.json").read_text())
     assert {(r["layer_set"], r["K"], tuple(r["wide_layers"]), r["wide_K"]) for r in own["rows"]} >= {
         ("2,5", 4, (2,), 8), ("5", 4, (), 8)}
     report = (tmp_path / "report.md").read_text()
     assert "## Coverage frontier: frontier" in report and "| 2,5" in report and "paper, every layer: 3.23" in report
+    assert "| layer | learned K=4" in report
     assert (tmp_path / "coverage.png").stat().st_size > 1000
     # rules may name a layer set's metrics when a variant has several
     path.write_text(path.read_text() + '[[verdict]]\nmetric = "2,5:learned/gap@8"\nbetter = "lower"\n'

@@ -29,6 +29,22 @@ def check_references(refs) -> list[dict]:
     return out
 
 
+def layer_masses(res: dict) -> dict:
+    """Each layer's Mass@K in the largest layer set of one evaluation: {"<method> K=<K>": {layer: mass}}."""
+    biggest = max(res["layer_sets"], key=lambda k: len(res["layer_sets"][k]))
+    return {f"{r['method']} K={r['K']}": {str(l): d["mass"] for l, d in r["per_layer"].items()}
+            for r in res["rows"] if r["layer_set"] == biggest and r.get("per_layer")}
+
+
+def mean_masses(runs: list[dict]) -> dict:
+    """The per-layer masses averaged over runs (training seeds)."""
+    out = {}
+    for col in sorted({c for r in runs for c in r}):
+        rs = [r[col] for r in runs if col in r]
+        out[col] = {l: sum(r[l] for r in rs) / len(rs) for l in sorted(rs[0], key=int) if all(l in r for r in rs)}
+    return out
+
+
 def frontier(stat: dict) -> tuple[list[tuple[str, int]], list[tuple[str, int]]]:
     """(layer sets sorted by size with their sizes, the (method, K) pairs with a gap for every set)."""
     sets = sorted(stat["coverage"]["sets"].items(), key=lambda kv: (kv[1], kv[0]))
@@ -61,6 +77,14 @@ def coverage_markdown(stats: dict, refs: list[dict], png: str) -> list[str]:
                   "Perplexity gap (%) against full attention with the layer set substituted, "
                   f"over {len(stat['seeds'])} training seed(s).", "",
                   markdown_table(["layer set", "layers", "coverage", *[f"{m} K={K}" for m, K in pairs]], rows), ""]
+        masses = stat["coverage"].get("per_layer_mass") or {}
+        if masses:
+            cols = sorted(masses, key=lambda c: (c.split(" K=")[0], int(c.split(" K=")[1])))
+            layers = sorted({l for c in cols for l in masses[c]}, key=int)
+            lines += [f"Mass@K of each layer when the largest set ({sets[-1][0]}) retrieves: how much of its "
+                      "own attention each layer keeps, which is where the weak layers show.", "",
+                      markdown_table(["layer", *cols], [[int(l), *[masses[c].get(l) for c in cols]] for l in layers]),
+                      ""]
     if lines and refs:
         lines += ["Published points drawn beside it: " + "; ".join(
             f"{r['label']}: {fmt(r['gap'])} % at coverage {fmt(r['coverage'])}" for r in refs) + ".", ""]

@@ -46,7 +46,7 @@ from attnlab.experiments.sweep.verdict import check_rules, judge, verdict_lines
 from attnlab.models.config import ConfigError
 from attnlab.train.config import read_toml
 
-from .coverage import check_references, coverage_markdown, plot_coverage
+from .coverage import check_references, coverage_markdown, layer_masses, mean_masses, plot_coverage
 from .lm import FrozenLM
 from .retrieval import METHODS
 from .sweep import EvalConfig, run_eval
@@ -203,7 +203,7 @@ def collect(trial: Trial) -> dict:
     out = {}
     for v in trial.variants:
         runs = [r for r in trial.runs if r.variant == v]
-        done, shared, sizes = {}, {}, {}
+        done, shared, sizes, per_layer = {}, {}, {}, []
         for i, run in enumerate(runs):
             cfg = _eval_config(run, i == 0)
             res = _finished(cfg) if cfg is not None else None
@@ -211,6 +211,7 @@ def collect(trial: Trial) -> dict:
                 continue
             sizes = {"n_layers": res["dims"]["n_layers"],
                      "sets": {k: len(v) for k, v in res["layer_sets"].items()}}
+            per_layer.append(layer_masses(res))
             vals = _row_metrics(res, len(run.eval.layer_sets))
             if i == 0:  # the projection-free methods, evaluated here only
                 shared = {k: x for k, x in vals.items() if not k.split("/")[0].split(":")[-1].startswith("learned")}
@@ -222,7 +223,8 @@ def collect(trial: Trial) -> dict:
             mean[k] = statistics.fmean(xs) if xs else None
             sd[k] = statistics.stdev(xs) if len(xs) >= 2 else None
         out[v] = {"seeds": sorted(done), "runs": {str(s): m for s, m in done.items()}, "mean": mean, "sd": sd,
-                  **({"coverage": sizes} if len(runs[0].eval.layer_sets) > 1 and sizes else {})}
+                  **({"coverage": {**sizes, "per_layer_mass": mean_masses(per_layer)}}
+                     if len(runs[0].eval.layer_sets) > 1 and sizes else {})}
     return out
 
 
