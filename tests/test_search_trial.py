@@ -66,6 +66,7 @@ def test_trial_trains_evaluates_and_reports(tmp_path, corpus, monkeypatch):
     monkeypatch.setattr(trial_mod, "run_eval", lambda cfg, **kw: evals.append(cfg.methods) or real(cfg, **kw))
     res = run_trial(trial, lm=lm, progress=False)
     assert evals == [["learned", "oracle"], ["learned"]]  # oracle once per variant
+    assert len(list((tmp_path / "runs" / "full").glob("full-*.json"))) == 1  # full attention once per trial
     for v in ("some",):
         st = res["variants"][v]
         assert st["seeds"] == [0, 1]
@@ -156,3 +157,22 @@ def test_bad_reference_fails_before_work(tmp_path, corpus, ref):
     with pytest.raises(ConfigError, match=r"references\[0\]"):
         load_trial(spec(tmp_path, corpus, f"[[references]]\n{ref}\n"))
     assert not (tmp_path / "runs").exists()
+
+
+def test_full_baseline_is_computed_once_per_model_and_contexts(tmp_path, corpus, monkeypatch):
+    import attnlab.search.sweep as sweep_mod
+    from attnlab.search.capture import pack_contexts
+
+    lm = tiny_lm("llama")
+    texts = ["def f(x):\n    return x\n" * 3, "class A:\n    pass\n" * 4]
+    packed = pack_contexts(texts, lm.encode, lm.eos_id, context=24, n_contexts=2, seed=None)
+    calls = []
+    real = sweep_mod.forward_packed
+    monkeypatch.setattr(sweep_mod, "forward_packed", lambda m, b: calls.append(1) or real(m, b))
+    plain = sweep_mod.full_baseline(lm, packed)
+    first = sweep_mod.full_baseline(lm, packed, tmp_path)
+    assert len(calls) == 4 and first == plain and len(list(tmp_path.glob("full-*.json"))) == 1
+    assert sweep_mod.full_baseline(lm, packed, tmp_path) == plain and len(calls) == 4  # read back
+    other = pack_contexts(texts[::-1], lm.encode, lm.eos_id, context=24, n_contexts=2, seed=None)
+    sweep_mod.full_baseline(lm, other, tmp_path)  # other tokens: another file
+    assert len(calls) == 6 and len(list(tmp_path.glob("full-*.json"))) == 2

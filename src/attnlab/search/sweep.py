@@ -8,6 +8,8 @@ configuration, so an interrupted sweep keeps what it finished.
 
 from __future__ import annotations
 
+import hashlib
+import json
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -16,6 +18,7 @@ import torch
 from tqdm.auto import tqdm
 
 from attnlab.checks import check_int
+from attnlab.data.cache import atomic_write_text
 
 from .capture import forward_packed
 from .lm import FrozenLM, prepare
@@ -67,8 +70,39 @@ class EvalConfig:
             raise ValueError("model must be given when there is no checkpoint to take it from")
 
 
-def run_eval(cfg: EvalConfig, lm: FrozenLM | None = None, progress: bool = True) -> dict:
-    """Run the sweep; returns the results dict (also written as JSON, markdown and PNG under cfg.out)."""
+def _full_key(lm: FrozenLM, packed) -> str:
+    """What full attention's numbers depend on: the model's weights and name, and the exact tokens."""
+    h = hashlib.sha256(json.dumps({"name": lm.name, "dims": asdict(lm.dims)}, sort_keys=True).encode())
+    with torch.no_grad():
+        h.update(repr([float(p.double().sum()) for p in lm.model.parameters()]).encode())
+    for t in (packed.input_ids, packed.segments):
+        h.update(t.contiguous().numpy().tobytes())
+    return h.hexdigest()[:24]
+
+
+def full_baseline(lm: FrozenLM, packed, cache_dir=None, bar=None) -> dict:
+    """Full attention's perplexity on the packed contexts; with `cache_dir`, read from or written to
+    a file named by `_full_key`, so the runs of a trial that share contexts compute it once."""
+    path = Path(cache_dir) / f"full-{_full_key(lm, packed)}.json" if cache_dir is not None else None
+    if path is not None and path.is_file():
+        if bar is not None:
+            bar.update(len(packed))
+        return json.loads(path.read_text())
+    full = Tally()
+    for i in range(len(packed)):
+        b = packed.batch(i)
+        full.add_nll(forward_packed(lm.model, b), b.input_ids, b.segments)
+        if bar is not None:
+            bar.update()
+    summary = full.summary()
+    if path is not None:
+        atomic_write_text(path, json.dumps(summary) + "\n")
+    return summary
+
+
+def run_eval(cfg: EvalConfig, lm: FrozenLM | None = None, progress: bool = True, full_cache=None) -> dict:
+    """Run the sweep; returns the results dict (also written as JSON, markdown and PNG under cfg.out).
+    full_cache: a folder where full attention's perplexity is kept per (model, contexts)."""
     proj, meta = None, {}
     if cfg.checkpoint:
         proj, meta, _ = SearchProjections.load(cfg.checkpoint)
@@ -105,12 +139,7 @@ def run_eval(cfg: EvalConfig, lm: FrozenLM | None = None, progress: bool = True)
                "layer_sets": {}, "rows": []}
     t0 = time.time()
     with torch.no_grad():
-        full = Tally()
-        for i in range(len(packed)):
-            b = packed.batch(i)
-            full.add_nll(forward_packed(lm.model, b), b.input_ids, b.segments)
-            bar.update()
-        results["full"] = full.summary()
+        results["full"] = full_baseline(lm, packed, full_cache, bar)
         for spec, layers in zip(cfg.layer_sets, sets):
             results["layer_sets"][spec] = layers
             for method in cfg.methods:

@@ -185,7 +185,7 @@ def run_trial(trial: Trial, lm: FrozenLM | None = None, progress: bool = True, r
             continue
         if cfg.checkpoint:
             train_projections(run.train, lm=lm, progress=progress)
-        run_eval(cfg, lm=lm, progress=progress)
+        run_eval(cfg, lm=lm, progress=progress, full_cache=trial.out / "runs" / "full")
     return write_report(trial)
 
 
