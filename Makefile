@@ -7,6 +7,8 @@ BIN    := $(VENV)/bin
 # attnlab with any torch satisfying the lower bound in pyproject.toml.
 TORCH_SPEC ?= torch==2.13.0
 PYTEST_ARGS ?=
+# make test spreads the tests over 2 worker processes (pytest-xdist); TEST_WORKERS=0 runs them in one.
+TEST_WORKERS ?= 2
 
 .PHONY: venv test test-slow quickstart bench clean
 
@@ -20,7 +22,7 @@ $(BIN)/.installed: pyproject.toml
 venv: $(BIN)/.installed
 
 test: venv
-	$(BIN)/python -m pytest -q -m "not slow" $(PYTEST_ARGS)
+	$(BIN)/python -m pytest -q -m "not slow" -n $(TEST_WORKERS) $(PYTEST_ARGS)
 
 test-slow: venv
 	$(BIN)/python -m pytest -q -m slow $(PYTEST_ARGS)

@@ -29,7 +29,7 @@ from attnlab.data import (
     wikitext103,
     wikitext_articles,
 )
-from attnlab.data.cache import atomic_write_text
+from attnlab.data.cache import WriteError, atomic_write_text
 from attnlab.data.corpus import stdlib_root
 
 # ----------------------------------------------------------------------------- corpus
@@ -156,7 +156,7 @@ def test_atomic_write_leaves_old_file_on_failure(tmp_path, monkeypatch):
         raise OSError("disk full")
 
     monkeypatch.setattr(os, "replace", boom)
-    with pytest.raises(OSError):
+    with pytest.raises(WriteError, match=r"could not write file '.*f\.json': disk full"):
         atomic_write_text(path, "new")
     assert path.read_text() == "old" and [p.name for p in tmp_path.iterdir()] == ["f.json"]
 

@@ -4,6 +4,8 @@ argument, what it got and what it needs. Public, so code built on attnlab can ch
 from __future__ import annotations
 
 import math
+import threading
+from contextlib import contextmanager
 from typing import Iterable, Sequence
 
 import torch
@@ -83,13 +85,59 @@ def broadcast_param(name: str, value, B: int, H: int, T: int, like: torch.Tensor
     raise ValueError(f"{name} must be a float, (H,) or (B, H, T), got shape {tuple(value.shape)}")
 
 
+_async = threading.local()  # .depth: how many `async_value_checks()` blocks this thread is in
+COMPILED_VALUE_CHECKS = True  # read while torch.compile traces: False leaves the value checks out of compiled graphs
+
+
+@contextmanager
+def async_value_checks():
+    """Inside this block (in this thread), value checks of tensors on an accelerator are device-side
+    asserts (`torch._assert_async`), queued with the work instead of a host sync per check: a
+    training step (`attnlab.models.LM.forward`) keeps every check without stalling the device at
+    each layer. A failed one stops the process with a device-side assert, not a ValueError.
+    CPU tensors are checked as everywhere else (reading a CPU value costs no sync)."""
+    _async.depth = getattr(_async, "depth", 0) + 1
+    try:
+        yield
+    finally:
+        _async.depth -= 1
+
+
+def value_check_mode(x: torch.Tensor) -> str:
+    """How a value check of x runs here: "eager" (read the value, raise ValueError), "assert" (an
+    in-graph or device-side assert, no host sync: while torch.compile traces, and on an accelerator
+    inside `async_value_checks()`), or "off" (traced with COMPILED_VALUE_CHECKS False)."""
+    if torch.compiler.is_compiling():
+        return "assert" if COMPILED_VALUE_CHECKS else "off"
+    if x.device.type != "cpu" and getattr(_async, "depth", 0) > 0:
+        return "assert"
+    return "eager"
+
+
+def assert_values(ok: torch.Tensor, message: str) -> None:
+    """`torch._assert_async(ok, message)`: traceable by torch.compile without a graph break; on the
+    CPU it raises RuntimeError(message) when ok is False, on an accelerator it is a device-side
+    assert (no host sync)."""
+    torch._assert_async(ok, message)
+
+
 def check_finite(name: str, value) -> None:
     """NaN or +-inf anywhere in a float or floating tensor raises ValueError naming `name`.
 
     attnlab's input policy: non-finite inputs are rejected before any work, never propagated
-    (a NaN key would otherwise reach earlier rows through 0 * NaN in a masked matmul)."""
+    (a NaN key would otherwise reach earlier rows through 0 * NaN in a masked matmul).
+
+    Under torch.compile a ValueError would need the value on the host (a graph break, and a sync on
+    an accelerator), so there the check is an assert inside the graph (`value_check_mode`): the
+    compiled call raises RuntimeError("<name> must be finite ...") on the CPU, a device-side assert
+    on an accelerator. Python floats are always checked eagerly."""
     if isinstance(value, torch.Tensor):
         if not (value.is_floating_point() or value.is_complex()) or value.numel() == 0:
+            return
+        mode = value_check_mode(value)
+        if mode != "eager":
+            if mode == "assert":
+                assert_values(torch.isfinite(value.detach()).all(), f"{name} must be finite (checked in a compiled graph)")
             return
         x = value.detach()
         # A few values (decode steps, per-head parameters) are cheaper to check in Python than with a
@@ -115,13 +163,48 @@ def check_finite(name: str, value) -> None:
         raise ValueError(f"{name} must be finite, got {value}")
 
 
+def check_output_finite(name: str, out: torch.Tensor, module: torch.nn.Module | None = None) -> None:
+    """A model's check of its own output (LM: the logits), after its layers checked their inputs:
+    it catches what no layer input shows, a non-finite parameter after the last attention op (the
+    last MLP, the final norm, the head) or an overflow there.
+
+    Eager: `check_finite(name, out)`; the ValueError also names the first non-finite parameter of
+    `module`, or says that none is (an activation overflowed). Under torch.compile (`value_check_mode`)
+    it is an assert inside the graph: RuntimeError("<name> must be finite ...") on the CPU, a
+    device-side assert on an accelerator; the parameter is not named there."""
+    mode = value_check_mode(out)
+    if mode != "eager":
+        if mode == "assert":
+            assert_values(
+                torch.isfinite(out.detach()).all(),
+                f"{name} must be finite: a parameter or an activation of the compiled model is NaN or inf "
+                f"(run the model uncompiled to name the first non-finite parameter)",
+            )
+        return
+    try:
+        check_finite(name, out)
+    except ValueError as err:
+        why = "no parameter is non-finite: an activation overflowed"
+        for pname, p in (module.named_parameters() if module is not None else ()):
+            if p.is_floating_point() and not bool(torch.isfinite(p.detach()).all()):
+                n_nan = int(torch.isnan(p.detach()).sum())
+                why = f"parameter {pname} has {n_nan} NaN and {int((~torch.isfinite(p.detach())).sum()) - n_nan} inf"
+                break
+        raise ValueError(f"{err}; {why}") from None
+
+
 def check_positive(name: str, value) -> None:
-    """A finite value > 0 (every entry, for a tensor)."""
+    """A finite value > 0 (every entry, for a tensor; an in-graph assert under torch.compile)."""
     check_finite(name, value)
     if isinstance(value, (int, float)):
         if not value > 0:
             raise ValueError(f"{name} must be > 0, got {value}")
     elif isinstance(value, torch.Tensor) and value.numel():
+        mode = value_check_mode(value)
+        if mode != "eager":
+            if mode == "assert":
+                assert_values((value.detach() > 0).all(), f"{name} must be > 0 everywhere (checked in a compiled graph)")
+            return
         if not bool((value > 0).all()):
             raise ValueError(f"{name} must be > 0 everywhere, got min {value.detach().min().item():.4g}")
 

@@ -16,11 +16,13 @@ before anything is written: the config is validated, the model is built on the m
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 from typing import Sequence
 
 from ._common import EXIT_USAGE, UsageError, command_line, Formatter, Parser
 from .eval import cmd_eval
+from .export import add_export
 from .search import add_search, run_search
 from .sweep import add_sweep
 from .train import cmd_quickstart, cmd_train
@@ -142,6 +144,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     add_sweep(sub)
     add_search(sub)
+    add_export(sub)
     return parser
 
 
@@ -160,12 +163,32 @@ def _take_overrides(parser, ns, extra: list[str]) -> None:
         setattr(ns, target, list(getattr(ns, target)) + extra)
 
 
+def resume_command(ns, argv: Sequence[str]) -> str:
+    """The command that continues an interrupted `argv`: the same command, made to resume."""
+    words = list(argv)
+    if getattr(ns, "command", None) == "train":
+        words = [w for w in words if w not in ("run.overwrite=true", "run.resume=false")]
+        if "--resume" not in words and "run.resume=true" not in words:
+            words.append("--resume")
+    elif getattr(ns, "command", None) == "search":
+        words = [w for w in words if w != "--no-resume"]
+    return command_line(words)
+
+
 def main(argv: Sequence[str] | None = None) -> int:
-    """Run `attnlab` with `argv` (default sys.argv[1:]); returns the exit status."""
+    """Run `attnlab` with `argv` (default sys.argv[1:]); returns the exit status.
+
+    Errors are one line on stderr: usage and configuration errors, a folder another process is
+    writing (FolderBusy) exit 2; a failed write (WriteError) exits 1; a run stopped by SIGINT or
+    SIGTERM after saving its state says where it stopped and how to resume, and exits 130 / 143."""
+    from attnlab.data.cache import WriteError
+    from attnlab.interrupt import Interrupted, exit_on_next_signal
+    from attnlab.lock import FolderBusy
     from attnlab.models.config import ConfigError
 
     argv = list(sys.argv[1:] if argv is None else argv)
     parser = build_parser()
+    ns = None
     try:
         ns, extra = parser.parse_known_args(argv)
         _take_overrides(parser, ns, extra)
@@ -173,10 +196,18 @@ def main(argv: Sequence[str] | None = None) -> int:
             parser.print_help()
             return EXIT_USAGE
         ns.command_line = command_line(argv)
+        os.environ["ATTNLAB_COMMAND"] = ns.command_line  # a folder lock names its holder by it
         status = run_search(ns) if ns.command == "search" else ns.func(ns)
-    except (UsageError, ConfigError) as e:
+    except (UsageError, ConfigError, FolderBusy) as e:
         print(f"error: {e}", file=sys.stderr)
         return EXIT_USAGE
+    except WriteError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 1
+    except Interrupted as e:
+        exit_on_next_signal()
+        print(f"{e}; resume with: {resume_command(ns, argv)}", file=sys.stderr)
+        return e.exit_status
     return 0 if status is None else int(status)
 
 

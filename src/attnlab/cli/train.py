@@ -11,6 +11,7 @@ from ._common import UsageError, check_model_builds, positive_options, print_tab
 
 
 def _train_cfg(ns):
+    from attnlab.lock import check_free
     from attnlab.train.checkpoint import CheckpointError, latest_checkpoint
     from attnlab.train.config import load_config
     from attnlab.train.trainer import CKPT_DIR, ResumeError, check_resume
@@ -25,6 +26,7 @@ def _train_cfg(ns):
         overrides.append("run.resume=true")
     cfg = load_config(path, overrides)
     run_dir = Path(cfg.run_dir)
+    check_free(run_dir)  # another process writing this run folder: FolderBusy, exit 2, before anything
     has_state = (run_dir / "log.jsonl").exists() or latest_checkpoint(run_dir / CKPT_DIR) is not None
     if has_state and not (cfg.run.resume or cfg.run.overwrite):
         raise UsageError(

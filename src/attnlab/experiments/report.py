@@ -190,9 +190,9 @@ def eval_markdown(result: dict, *, title: str | None = None) -> str:
 
 def write_eval_report(result: dict, run_dir: str | os.PathLike) -> Path:
     """Write `eval.md` into the run folder beside the `eval.json` that evaluate() wrote."""
-    path = Path(run_dir) / "eval.md"
-    path.write_text(eval_markdown(result) + "\n")
-    return path
+    from attnlab.data.cache import atomic_write_text
+
+    return atomic_write_text(Path(run_dir) / "eval.md", eval_markdown(result) + "\n")
 
 
 # --------------------------------------------------------------------------- plots
@@ -209,8 +209,13 @@ def pyplot():
 
 def save_figure(fig, path: str | os.PathLike, dpi: int | None = None) -> Path:
     """Lay out, write and close a figure; returns the path."""
+    import io
+
+    from attnlab.data.cache import atomic_write_bytes
+
     fig.tight_layout()
     path = Path(path)
-    fig.savefig(path, dpi=dpi)
+    buf = io.BytesIO()
+    fig.savefig(buf, dpi=dpi, format=path.suffix[1:] or "png")
     pyplot().close(fig)
-    return path
+    return atomic_write_bytes(path, buf.getvalue())  # a reader never sees half a plot; WriteError names it

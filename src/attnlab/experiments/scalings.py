@@ -40,6 +40,7 @@ from pathlib import Path
 import torch
 
 from ..ops.softmax import SCALES as SCALINGS, _divisor_naive
+from ..data.cache import atomic_write_text
 from .report import fmt, machine_info, markdown_table, pyplot, save_figure
 from .sweep.results import mean_sd
 from .sweep.verdict import judge, rule_text
@@ -234,9 +235,9 @@ def run(out: str | os.PathLike, *, dims=DIMS, keys=KEYS, dists=DISTRIBUTIONS, se
                "scalings": list(SCALINGS), "p": P, "rows": rows, "summary": summary, "machine": machine_info(None)}
     results["verdicts"] = verdicts(summary)
     out.mkdir(parents=True, exist_ok=True)
-    (out / "results.json").write_text(json.dumps(results, indent=1) + "\n")
+    atomic_write_text(out / "results.json", json.dumps(results, indent=1) + "\n")
     plot(results, out / "simulation.png")
-    (out / "report.md").write_text(report(results, out) + "\n")
+    atomic_write_text(out / "report.md", report(results, out) + "\n")
     return results
 
 

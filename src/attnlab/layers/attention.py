@@ -146,6 +146,15 @@ class Attention(nn.Module):
         """Readout (B, H, 1, D) of one token's projections `p`, appending to `cache`."""
         raise NotImplementedError(f"{type(self).__name__} must define step_readout()")
 
+    def prefill_readout(self, p: Projected, cache: LayerCache) -> torch.Tensor | None:
+        """Readout (B, H, T, D) of T tokens' projections `p` at once, appending them to `cache`;
+        or None, having changed nothing, when this cache takes one token at a time.
+
+        By default `step_readout`: a step appends its keys and calls the op with fewer queries than
+        keys (causal, bottom-right aligned), which is the same call for T queries as for one. A
+        mechanism whose step reads only token 0 of `p` overrides this (the linear family)."""
+        return self.step_readout(p, cache)
+
     # ------------------------------------------------------------------ shared pieces
 
     def build_vectors(self, c: AttentionConfig, n_heads: int, qk_dim: int | None = None) -> None:
@@ -280,6 +289,23 @@ class Attention(nn.Module):
         o = self.step_readout(self.project(x_t, cache.pos), cache)
         cache.pos += 1
         return self.finish(o, x_t)  # (B, 1, C)
+
+    def prefill(self, x: torch.Tensor, cache: LayerCache) -> torch.Tensor:
+        """T tokens at once: x (B, T, C) -> y (B, T, C), appending them to `cache` (empty or not).
+        Equals T calls of `step` (one parallel op call instead of T; tested for every mechanism)."""
+        if not isinstance(cache, LayerCache):
+            raise TypeError(f"cache must come from make_cache, got {type(cache).__name__}")
+        self.check_input(x)
+        if x.shape[0] != cache.batch_size:
+            raise ValueError(f"x has batch {x.shape[0]}, the cache was made for batch_size={cache.batch_size}")
+        T = x.shape[1]
+        if T == 0:
+            return x.new_zeros(x.shape)
+        o = self.prefill_readout(self.project(x, cache.pos), cache)
+        if o is None:  # this cache (e.g. a sorted cache that evicts) takes one token at a time
+            return torch.cat([self.step(x[:, t : t + 1], cache) for t in range(T)], dim=1)
+        cache.pos += T
+        return self.finish(o, x)  # (B, T, C)
 
     def extra_repr(self) -> str:
         c = self.config

@@ -19,8 +19,17 @@ class RotaryEmbedding(nn.Module):
             raise ValueError(f"head_dim must be even for RoPE, got {head_dim}")
         self.head_dim = head_dim
         self.base = float(base)
-        inv_freq = base ** (-torch.arange(0, head_dim, 2, dtype=torch.float64) / head_dim)
-        self.register_buffer("inv_freq", inv_freq, persistent=False)  # (D/2,)
+        self.register_buffer("inv_freq", self.frequencies(), persistent=False)  # (D/2,)
+
+    def frequencies(self, device=None) -> torch.Tensor:
+        """base^(-2i/D) for i < D/2, float64: the value of the (non-persistent) buffer inv_freq."""
+        return self.base ** (-torch.arange(0, self.head_dim, 2, dtype=torch.float64, device=device) / self.head_dim)
+
+    @torch.no_grad()
+    def reset_buffers(self) -> None:
+        """Recompute inv_freq in place (a loader that builds modules on the meta device, as
+        transformers' from_pretrained does, leaves non-persistent buffers unset)."""
+        self.inv_freq.copy_(self.frequencies(self.inv_freq.device))
 
     def angles(self, start_pos: int, length: int, device=None) -> tuple[torch.Tensor, torch.Tensor]:
         """cos and sin of the rotation angles, each (length, D/2), in float64."""

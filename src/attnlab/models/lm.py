@@ -30,11 +30,13 @@ and the result equals running each document alone.
 from __future__ import annotations
 
 import math
+from contextlib import nullcontext
 
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from attnlab.checks import async_value_checks, check_output_finite
 from attnlab.layers import Attention
 from attnlab.ops._sdpa import upcast
 
@@ -99,6 +101,10 @@ class Block(nn.Module):
     def step(self, x_t: torch.Tensor, cache) -> torch.Tensor:
         x_t = x_t + self.attn.step(self.norm1(x_t), cache)  # (B, 1, C)
         return x_t + self.mlp(self.norm2(x_t))
+
+    def prefill(self, x: torch.Tensor, cache) -> torch.Tensor:
+        x = x + self.attn.prefill(self.norm1(x), cache)  # (B, T, C)
+        return x + self.mlp(self.norm2(x))
 
 
 class LM(nn.Module):
@@ -176,6 +182,7 @@ class LM(nn.Module):
         else:
             x = self._trunk(idx, record)  # (B, T, C)
         logits = self.head(self.norm_f(x))  # (B, T, V)
+        check_output_finite("logits", logits, self)  # what no layer input shows: the last MLP, norm_f, head
         loss = None
         if targets is not None:
             if targets.shape != idx.shape:
@@ -185,9 +192,13 @@ class LM(nn.Module):
         return logits, loss
 
     def _trunk(self, idx: torch.Tensor, record: bool) -> torch.Tensor:
+        # Every layer and op still checks its inputs' values (the input policy); here checks of
+        # accelerator tensors are device-side asserts rather than a host sync per check, and under
+        # torch.compile every check is an assert inside the graph (attnlab.checks.value_check_mode).
         x = self.embed(idx)  # (B, T, C)
-        for blk in self.blocks:
-            x = blk(x, record=record)
+        with nullcontext() if torch.compiler.is_compiling() else async_value_checks():
+            for blk in self.blocks:
+                x = blk(x, record=record)
         return x
 
     # ------------------------------------------------------------------ decoding
@@ -211,6 +222,21 @@ class LM(nn.Module):
             x = blk.step(x, cache)
         return self.head(self.norm_f(x))[:, -1]  # (B, V)
 
+    def prefill(self, idx: torch.Tensor, caches: list, last: int | None = None) -> torch.Tensor:
+        """T tokens at once: idx (B, T), at the positions after what `caches` hold (pos = caches[0].pos),
+        -> logits (B, T, V), or of the `last` positions only (B, last, V). One parallel forward per
+        layer that also fills its cache; equals T calls of `step` (tested for every mechanism)."""
+        if idx.dim() != 2:
+            raise ValueError(f"idx must be (B, T), got shape {tuple(idx.shape)}")
+        if len(caches) != len(self.blocks):
+            raise ValueError(f"caches must hold one cache per layer ({len(self.blocks)}), got {len(caches)}")
+        x = self.embed(idx, start_pos=caches[0].pos)  # (B, T, C)
+        for blk, cache in zip(self.blocks, caches):
+            x = blk.prefill(x, cache)
+        if last is not None:
+            x = x[:, x.shape[1] - last:]
+        return self.head(self.norm_f(x))  # (B, T, V)
+
     @torch.no_grad()
     def generate(
         self,
@@ -221,12 +247,18 @@ class LM(nn.Module):
         temperature: float = 1.0,
         window: int | None = None,
         generator: torch.Generator | None = None,
+        attention_mask: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        """Extend idx (B, T0) by max_new_tokens, decoding token by token through each layer's
-        cache (the prompt is fed step by step too, so every token goes through `step`).
+        """Extend idx (B, T0) by max_new_tokens: the prompt goes through every layer in one parallel
+        forward that fills its decode cache (`prefill`), then one `step` per new token.
 
         greedy=True takes the argmax; otherwise samples from softmax(logits / temperature).
-        window=k decodes scalar/hybrid layers from the sorted scalar cache over the k nearest keys."""
+        window=k decodes scalar/hybrid layers from the sorted scalar cache over the k nearest keys
+        (the prompt's readout is the windowed op, which equals stepping that cache).
+        attention_mask (B, T0) of 0/1, left padding only: each row starts at its first 1 and decodes
+        as if alone (positions from 0, no pad in any cache or state); see `DecodeState`."""
+        from .decode import DecodeState
+
         if idx.dim() != 2 or idx.shape[1] < 1:
             raise ValueError(f"idx must be (B, T0) with T0 >= 1, got shape {tuple(idx.shape)}")
         if max_new_tokens < 0:
@@ -240,11 +272,9 @@ class LM(nn.Module):
             )
         was_training = self.training
         self.eval()
-        caches = self.make_caches(idx.shape[0], window=window)
+        state = DecodeState(self, idx.shape[0], window=window)
         out = idx
-        logits = None
-        for t in range(idx.shape[1]):
-            logits = self.step(idx[:, t : t + 1], caches, pos=t)  # (B, V)
+        logits = state.feed(idx, attention_mask, last=1)[:, -1]  # (B, V)
         for i in range(max_new_tokens):
             if greedy:
                 nxt = logits.argmax(-1, keepdim=True)  # (B, 1)
@@ -253,6 +283,6 @@ class LM(nn.Module):
                 nxt = torch.multinomial(probs, 1, generator=generator)
             out = torch.cat([out, nxt], dim=1)
             if i + 1 < max_new_tokens:
-                logits = self.step(nxt, caches, pos=out.shape[1] - 1)
+                logits = state.feed(nxt)[:, -1]
         self.train(was_training)
         return out

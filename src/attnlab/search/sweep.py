@@ -9,6 +9,7 @@ configuration, so an interrupted sweep keeps what it finished.
 from __future__ import annotations
 
 import hashlib
+import contextlib
 import json
 import time
 from dataclasses import asdict, dataclass, field
@@ -19,6 +20,8 @@ from tqdm.auto import tqdm
 
 from attnlab.checks import check_int
 from attnlab.data.cache import atomic_write_text
+from attnlab import interrupt
+from attnlab.lock import FolderLock, check_free
 
 from .capture import forward_packed
 from .lm import FrozenLM, prepare
@@ -102,7 +105,15 @@ def full_baseline(lm: FrozenLM, packed, cache_dir=None, bar=None) -> dict:
 
 def run_eval(cfg: EvalConfig, lm: FrozenLM | None = None, progress: bool = True, full_cache=None) -> dict:
     """Run the sweep; returns the results dict (also written as JSON, markdown and PNG under cfg.out).
-    full_cache: a folder where full attention's perplexity is kept per (model, contexts)."""
+    full_cache: a folder where full attention's perplexity is kept per (model, contexts).
+    cfg.out is locked while it is written (FolderBusy if another process writes it); SIGINT/SIGTERM
+    stop it after the current (method, K), with the rows so far written."""
+    check_free(cfg.out)
+    with contextlib.ExitStack() as stack:
+        return _run_eval(cfg, lm, progress, full_cache, stack)
+
+
+def _run_eval(cfg: EvalConfig, lm: FrozenLM | None, progress: bool, full_cache, stack: contextlib.ExitStack) -> dict:
     proj, meta = None, {}
     if cfg.checkpoint:
         proj, meta, _ = SearchProjections.load(cfg.checkpoint)
@@ -132,7 +143,8 @@ def run_eval(cfg: EvalConfig, lm: FrozenLM | None = None, progress: bool = True,
     if proj is not None and proj.d_model != lm.dims.d_model:
         raise ValueError(f"checkpoint d_model={proj.d_model} does not match the model's {lm.dims.d_model}")
     out = Path(cfg.out)
-    out.mkdir(parents=True, exist_ok=True)
+    stack.enter_context(FolderLock(out))
+    stack.enter_context(interrupt.graceful())
     n_cfg = len(sets) * len(cfg.methods) * len(cfg.ks)
     bar = tqdm(total=len(packed) * (1 + n_cfg), desc="search eval", disable=not progress)
     results = {"config": asdict(cfg), "groups": resolved["groups"], "model": lm.name, "dims": asdict(lm.dims),
@@ -161,6 +173,8 @@ def run_eval(cfg: EvalConfig, lm: FrozenLM | None = None, progress: bool = True,
                                             "seconds": time.time() - t1})
                     results["elapsed_s"] = time.time() - t0
                     write_results(results, out, png=False)  # partial results survive an interruption
+                    interrupt.check(lambda: f"{out} stopped after {len(results['rows'])} of {n_cfg}"
+                                  f" evaluations, written to results.json; the rerun evaluates them all")
     bar.close()
     results["elapsed_s"] = time.time() - t0
     write_results(results, out)

@@ -27,7 +27,9 @@ import torch
 from tqdm.auto import tqdm
 
 from attnlab.checks import NotAnIntError, check_int
+from attnlab import interrupt
 from attnlab.data.cache import atomic_write_text
+from attnlab.lock import FolderLock, check_free
 from attnlab.data.synthetic import IGNORE, passkey
 
 from .capture import load_texts
@@ -326,7 +328,14 @@ def run_tasks(cfg: TaskConfig, lm: FrozenLM | None = None, progress: bool = True
     if not todo:
         results["complete"] = True
         return results
+    check_free(out)
     model = lm.model if lm is not None else load_model(plan.source)
+    with FolderLock(out), interrupt.graceful():
+        return _run_cells(cfg, plan, model, todo, results, rows, progress)
+
+
+def _run_cells(cfg: TaskConfig, plan: TaskPlan, model, todo: list, results: dict, rows: list, progress: bool) -> dict:
+    out = Path(cfg.out)
     bar = tqdm(total=sum(L for *_, L, _ in todo) * cfg.n_examples, desc="search tasks", unit="tok", unit_scale=True,
                disable=not progress)
     t0 = time.time()
@@ -348,6 +357,8 @@ def run_tasks(cfg: TaskConfig, lm: FrozenLM | None = None, progress: bool = True
                          "answer_tokens": asked, "seconds": round(time.time() - t1, 3)})
             results["elapsed_s"] = round(time.time() - t0, 3)
             write_results(results, cfg, out)
+            interrupt.check(lambda: f"{out} stopped after {len(rows)} cells, written to results.json; the rerun "
+                                    f"scores the rest")
     bar.close()
     results["complete"] = True
     write_results(results, cfg, out)

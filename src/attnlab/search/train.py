@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import json
 import math
-import os
 import random
 import time
 from dataclasses import asdict, dataclass
@@ -21,6 +20,9 @@ from tqdm.auto import tqdm
 
 from attnlab.checks import check_int
 
+from attnlab.data.cache import atomic_save_tensors, atomic_write_text
+from attnlab.interrupt import Interrupted, graceful, requested
+from attnlab.lock import FolderLock, check_free
 from attnlab.data.packing import doc_causal_mask
 
 from .capture import Captured, Packed, capture, teacher_attention
@@ -101,17 +103,12 @@ class ActivationStore:
                                 f.get_tensor(f"{l}.k").float(), sc[str(l)]) for l in self.layers}
 
     def _write(self, i: int, caps: dict[int, Captured]) -> None:
-        from safetensors.torch import save_file
-
-        self.folder.mkdir(parents=True, exist_ok=True)
         tensors = {}
         for l, c in caps.items():
             tensors.update({f"{l}.hidden": c.hidden.half().contiguous(), f"{l}.q": c.q.half().contiguous(),
                             f"{l}.k": c.k.half().contiguous()})
         meta = {"tag": self.tag, "scaling": json.dumps({str(l): c.scaling for l, c in caps.items()})}
-        tmp = self._path(i).with_suffix(".tmp")
-        save_file(tensors, str(tmp), metadata=meta)
-        os.replace(tmp, self._path(i))
+        atomic_save_tensors(self._path(i), tensors, meta)
 
     def get(self, i: int) -> dict[int, Captured]:
         if i in self.mem:
@@ -195,6 +192,13 @@ def _load_optim(opt: torch.optim.Optimizer, tensors: dict, meta: dict) -> None:
     opt.load_state_dict({"state": state, "param_groups": groups})
 
 
+def _logged_step(line: str) -> float:
+    try:
+        return float(json.loads(line)["step"])
+    except (ValueError, KeyError, TypeError):
+        return math.inf  # a line cut short by a kill
+
+
 def train_projections(cfg: SearchTrainConfig, lm: FrozenLM | None = None, progress: bool = True,
                       until: int | None = None) -> dict:
     """Train (or resume) search projections; returns a summary with the checkpoint path.
@@ -206,11 +210,16 @@ def train_projections(cfg: SearchTrainConfig, lm: FrozenLM | None = None, progre
     def check(sets, dims):
         resolved["groups"] = resolve_groups(cfg.groups, dims)
 
+    check_free(cfg.out)  # another process writing this output: FolderBusy before the model is loaded
     lm, (layers,), packed = prepare(cfg.model, [cfg.layers], cfg.corpus, cfg.split, cfg.context,
                                     cfg.n_contexts, cfg.seed, lm=lm, check=check)
-    groups = resolved["groups"]
+    with FolderLock(cfg.out), graceful():
+        return _train(cfg, lm, layers, packed, resolved["groups"], progress, until)
+
+
+def _train(cfg: SearchTrainConfig, lm: FrozenLM, layers: list[int], packed: Packed, groups, progress: bool,
+           until: int | None) -> dict:
     out = Path(cfg.out)
-    out.mkdir(parents=True, exist_ok=True)
     ckpt = out / CHECKPOINT
     torch.manual_seed(cfg.seed)
     proj = SearchProjections(layers, lm.dims.d_model, cfg.d_search, cfg.tau, meta={"model": lm.name},
@@ -238,7 +247,11 @@ def train_projections(cfg: SearchTrainConfig, lm: FrozenLM | None = None, progre
         proj.save(ckpt, tensors, {"step": step, "optim": ometa, "config": asdict(cfg)})
 
     store = ActivationStore(lm, packed, layers, cfg.activations, out / "activations")
-    log = open(out / "train_log.jsonl", "a")
+    log_path = out / "train_log.jsonl"
+    if log_path.is_file():  # rows a killed run logged past its checkpoint are logged again: keep them once
+        kept = [line for line in log_path.read_text().splitlines(keepends=True) if _logged_step(line) <= start]
+        atomic_write_text(log_path, "".join(kept))
+    log = open(log_path, "a")
     bar = tqdm(range(start, cfg.steps), initial=start, total=cfg.steps, desc="search train", disable=not progress)
     last = {}
     t0 = time.time()
@@ -268,6 +281,12 @@ def train_projections(cfg: SearchTrainConfig, lm: FrozenLM | None = None, progre
             bar.set_postfix(loss=f"{last['loss']:.3f}", mass=f"{info.get('mass', float('nan')):.3f}")
         if (step + 1) % cfg.checkpoint_every == 0 or step + 1 in (cfg.steps, stop):
             save(step + 1)
+        if requested() is not None and step + 1 < stop:
+            save(step + 1)
+            log.close()
+            bar.close()
+            raise Interrupted(requested(), f"{out} stopped after step {step + 1} of {cfg.steps}; "
+                                           f"checkpoint {ckpt} saved")
     log.close()
     if start >= cfg.steps and not ckpt.is_file():
         save(start)

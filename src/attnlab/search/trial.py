@@ -40,7 +40,9 @@ import statistics
 from dataclasses import MISSING, asdict, dataclass, field, fields
 from pathlib import Path
 
+from attnlab import interrupt
 from attnlab.data.cache import atomic_write_text
+from attnlab.lock import FolderLock, check_free
 from attnlab.experiments.report import fmt, markdown_table, report_head
 from attnlab.experiments.sweep.verdict import check_rules, judge, verdict_lines
 from attnlab.models.config import ConfigError
@@ -175,7 +177,15 @@ def _finished(cfg: EvalConfig) -> dict | None:
 
 
 def run_trial(trial: Trial, lm: FrozenLM | None = None, progress: bool = True, report_only: bool = False) -> dict:
-    """Train and evaluate every run that is not finished, then write OUT/results.json and report.md."""
+    """Train and evaluate every run that is not finished, then write OUT/results.json and report.md.
+    OUT is locked meanwhile; SIGINT/SIGTERM stop it after the current step (training) or evaluation,
+    and the same command resumes."""
+    check_free(trial.out)
+    with FolderLock(trial.out), interrupt.graceful():
+        return _run_trial(trial, lm, progress, report_only)
+
+
+def _run_trial(trial: Trial, lm: FrozenLM | None, progress: bool, report_only: bool) -> dict:
     seen = set()
     for run in trial.runs:
         first = run.variant not in seen

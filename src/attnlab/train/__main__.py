@@ -36,9 +36,27 @@ def main(argv: list[str] | None = None) -> int:
     except ConfigError as e:
         print(f"config error: {e}", file=sys.stderr)
         return 2
+    from attnlab.data.cache import WriteError
+    from attnlab.interrupt import Interrupted, exit_on_next_signal
+    from attnlab.lock import FolderBusy
+
     from .trainer import train
 
-    summary = train(cfg)
+    try:
+        summary = train(cfg)
+    except FolderBusy as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    except WriteError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 1
+    except Interrupted as e:
+        exit_on_next_signal()
+        again = [a for a in (argv if argv is not None else sys.argv[1:]) if a != "run.overwrite=true"]
+        again += [] if ns.resume or "run.resume=true" in again else ["--resume"]
+        if int(os.environ.get("RANK", 0)) == 0:
+            print(f"{e}; resume with: python -m attnlab.train {' '.join(again)}", file=sys.stderr)
+        return e.exit_status
     brief = {k: summary[k] for k in ("run_dir", "steps", "val_loss", "val_ppl", "tokens_per_s", "tau") if k in summary}
     if int(os.environ.get("RANK", 0)) == 0:
         print(json.dumps(brief))

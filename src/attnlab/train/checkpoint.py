@@ -37,7 +37,7 @@ import torch
 from safetensors import SafetensorError, safe_open
 from safetensors.torch import load_file, load_model, save_file, save_model
 
-from attnlab.data.cache import atomic_write_text
+from attnlab.data.cache import WriteError, atomic_write_text
 
 LATEST = "latest"
 _PREFIX = "step_"
@@ -143,39 +143,60 @@ def save_checkpoint(
     """Write checkpoint `step` atomically into `folder`, point `latest` at it, keep the newest `keep`.
 
     `state` is any JSON-able dict (the trainer puts the data position, scheduler, config and
-    RNG states there); "step" is added to it."""
+    RNG states there); "step" is added to it. A write that fails part-way (disk full, permission)
+    raises WriteError naming the file; the temporary folder is removed and `latest` still names
+    the previous checkpoint, which stays the one resume and eval use."""
     folder = Path(folder)
-    folder.mkdir(parents=True, exist_ok=True)
     final = folder / checkpoint_name(step)
-    if final.exists() and latest_checkpoint(folder) == final:
-        return final  # this step is already saved and current
-    tmp = Path(tempfile.mkdtemp(prefix=f".tmp-{final.name}-", dir=folder))
+    current, tmp = folder, None
     try:
+        folder.mkdir(parents=True, exist_ok=True)
+        if final.exists() and latest_checkpoint(folder) == final:
+            return final  # this step is already saved and current
+        tmp = Path(tempfile.mkdtemp(prefix=f".tmp-{final.name}-", dir=folder))
+        current = final / "model.safetensors"
         save_model(model, str(tmp / "model.safetensors"))
         files = ["model.safetensors"]
         payload = dict(state, step=step)
         if optimizer is not None:
+            current = final / "optimizer.safetensors"
             tensors, meta = _optimizer_to_flat(optimizer)
             save_file(tensors, str(tmp / "optimizer.safetensors"))
             files.append("optimizer.safetensors")
             payload["optimizer"] = meta
         payload["files"] = {name: _digest(tmp / name) for name in files}
+        current = final / "state.json"
         with open(tmp / "state.json", "w") as f:
             json.dump(payload, f)
         files.append("state.json")
         for name in files:
+            current = final / name
             _fsync_file(tmp / name)
+        current = final
         _fsync_dir(tmp)
         if final.exists():  # a stale copy no pointer refers to (e.g. left by a killed run)
             shutil.rmtree(final)
         os.replace(tmp, final)
         _fsync_dir(folder)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
+        current = folder / LATEST
+        _write_text_atomic(folder / LATEST, final.name + "\n")
+    except BaseException as e:
+        if tmp is not None:
+            shutil.rmtree(tmp, ignore_errors=True)
+        if isinstance(e, WriteError):
+            raise _write_failed(folder, current, e.reason) from e
+        if isinstance(e, (OSError, SafetensorError)):
+            raise _write_failed(folder, current, getattr(e, "strerror", None) or str(e)) from e
         raise
-    _write_text_atomic(folder / LATEST, final.name + "\n")
     _prune(folder, keep, final)
     return final
+
+
+def _write_failed(folder: Path, file: Path, reason: str) -> WriteError:
+    kept = latest_checkpoint(folder)
+    then = (f"; the previous checkpoint {kept.name} is still the latest" if kept is not None
+            else "; no earlier checkpoint exists")
+    return WriteError(file, f"{reason}{then}", what="checkpoint file")
 
 
 def _prune(folder: Path, keep: int, current: Path) -> None:

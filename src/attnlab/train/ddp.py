@@ -89,6 +89,16 @@ def mean_over_ranks(values: list[float], env: DistEnv) -> list[float]:
     return (t / env.world_size).tolist()
 
 
+def max_over_ranks(value: float, env: DistEnv) -> float:
+    """The largest of one float across ranks (identity in a single process)."""
+    if not env.distributed:
+        return value
+    device = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" else "cpu"
+    t = torch.tensor([value], dtype=torch.float64, device=device)
+    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    return float(t.item())
+
+
 def barrier(env: DistEnv) -> None:
     if env.distributed:
         dist.barrier()

@@ -24,6 +24,7 @@ from pathlib import Path
 
 import torch
 
+from attnlab.data.cache import atomic_write_text
 from attnlab.data.corpus import load_corpus
 from attnlab.data.packing import pack_documents, sequential_batches
 from attnlab.eval.metrics import (
@@ -33,7 +34,7 @@ from attnlab.eval.metrics import (
 from attnlab.eval.window import compressed_loss, decode_window, next_token_loss, windowed_layers
 from attnlab.eval.tasks import mqar_accuracy, passkey_accuracy
 
-from .checkpoint import latest_checkpoint, load_checkpoint
+from .checkpoint import CheckpointError, latest_checkpoint, load_checkpoint
 from .config import RunConfig, load_config
 from .data import data_tokenizer
 from .trainer import CKPT_DIR, build_model, resolve_device
@@ -54,7 +55,16 @@ def load_run(source: RunConfig | str | os.PathLike, overrides: list[str] | None 
     if not cfg.model.vocab_size:
         raise ValueError(f"the config of {cfg.run_dir!r} has no resolved model.vocab_size; load the run folder's config.toml")
     model = build_model(cfg, cfg.model.vocab_size)
-    state = load_checkpoint(ckpt, model)
+    for _ in range(5):
+        try:
+            state = load_checkpoint(ckpt, model)
+            break
+        except (FileNotFoundError, CheckpointError):
+            # a run in progress may prune the checkpoint we picked while we read it: take the newest again
+            newer = None if checkpoint or ckpt.exists() else latest_checkpoint(Path(cfg.run_dir) / CKPT_DIR)
+            if newer is None or newer == ckpt:
+                raise
+            ckpt = newer
     return cfg, model.eval(), state
 
 
@@ -246,6 +256,6 @@ def by_length(model, fn, stream, lengths, windows, topk, *, max_tokens, batch_si
 def _finish(out: dict, cfg: RunConfig, write: bool) -> dict:
     if write:
         path = Path(cfg.run_dir) / "eval.json"
-        path.write_text(json.dumps(out, indent=2) + "\n")
+        atomic_write_text(path, json.dumps(out, indent=2) + "\n")  # beside a run in progress: never half-written
         out["written_to"] = str(path)
     return out

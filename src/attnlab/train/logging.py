@@ -14,7 +14,7 @@ import math
 import os
 from pathlib import Path
 
-from attnlab.data.cache import atomic_write_text
+from attnlab.data.cache import WriteError, atomic_write_text
 
 LOG_JSONL = "log.jsonl"
 
@@ -73,19 +73,23 @@ class RunLogger:
             return
         if "step" not in row:
             raise ValueError(f"a log row needs a 'step', got keys {sorted(row)}")
-        with open(self.dir / LOG_JSONL, "a") as f:
-            f.write(json.dumps(_json_safe({"kind": kind, **row})) + "\n")
-        flat = _flat(row)
-        path = self.dir / f"{kind}.csv"
-        columns = self._csv_columns.get(kind)
-        new_file = columns is None
-        if new_file:
-            columns = self._csv_columns[kind] = list(flat)
-        with open(path, "a", newline="") as f:
-            writer = csv.DictWriter(f, fieldnames=columns, extrasaction="ignore")
+        path = self.dir / LOG_JSONL
+        try:  # a line cut short by a failed write is skipped by read_log and dropped on resume
+            with open(path, "a") as f:
+                f.write(json.dumps(_json_safe({"kind": kind, **row})) + "\n")
+            flat = _flat(row)
+            path = self.dir / f"{kind}.csv"
+            columns = self._csv_columns.get(kind)
+            new_file = columns is None
             if new_file:
-                writer.writeheader()
-            writer.writerow(flat)
+                columns = self._csv_columns[kind] = list(flat)
+            with open(path, "a", newline="") as f:
+                writer = csv.DictWriter(f, fieldnames=columns, extrasaction="ignore")
+                if new_file:
+                    writer.writeheader()
+                writer.writerow(flat)
+        except OSError as e:
+            raise WriteError(path, e, what="log file") from e
         if self.tb is not None:
             for name, value in flat.items():
                 if name != "step" and isinstance(value, (int, float)) and not isinstance(value, bool):

@@ -28,12 +28,15 @@ import numpy as np
 import torch
 from tqdm.auto import tqdm
 
+from attnlab.data.cache import atomic_write_text
+from attnlab.interrupt import Interrupted, graceful, requested
+from attnlab.lock import FolderLock
 from attnlab.models import LM
 from attnlab.models.config import format_changes, model_config_changes
 from attnlab.regularizers import regularization
 
 from . import ddp
-from .checkpoint import (capture_rng, latest_checkpoint, load_checkpoint, read_state, restore_rng, save_checkpoint,
+from .checkpoint import (capture_rng, checkpoint_name, latest_checkpoint, load_checkpoint, read_state, restore_rng, save_checkpoint,
                          verify_checkpoint)
 from .config import RunConfig, load_config, save_config, to_dict
 from .data import RunData, build_data
@@ -143,7 +146,14 @@ class Trainer:
         except (ValueError, OSError) as e:  # a source that cannot be read: named, before any folder exists
             raise DataError(f"data.source={cfg.data.source!r} could not be loaded: {e}") from e
         self.model = build_model(cfg, self.data.vocab_size).to(self.device)
-        self._prepare_run_dir()  # only now, so a run that cannot start leaves nothing on disk
+        # only now, so a run that cannot start leaves nothing on disk; one writer per run folder
+        self._lock = FolderLock(self.run_dir).acquire() if self.env.is_main else None
+        try:
+            self._check_run_dir()  # again, under the lock: another run may have finished here meanwhile
+            self._prepare_run_dir()
+        except BaseException:
+            self.close()
+            raise
         self.cfg = cfg = dataclasses.replace(cfg, model=self.model.cfg)  # vocab_size resolved
         self.optimizer = make_optimizer(self.model, cfg.train)
         unused = self.env.distributed and has_unused_parameters(self.model, self.device)
@@ -159,6 +169,11 @@ class Trainer:
 
     def _has_state(self) -> bool:
         return (self.run_dir / "log.jsonl").exists() or latest_checkpoint(self.ckpt_dir) is not None
+
+    def close(self) -> None:
+        """Release the run folder (the trainer holds its lock from construction on)."""
+        if getattr(self, "_lock", None) is not None:
+            self._lock.release()
 
     def _check_run_dir(self) -> None:
         if self._has_state() and not self.cfg.run.resume and not self.cfg.run.overwrite:
@@ -284,9 +299,31 @@ class Trainer:
             tqdm.write(f"{self.run_dir}: {self.model.num_params():,} parameters; {self.data.description}")
         bar = tqdm(total=t_cfg.steps, initial=self.step, disable=not (main and cfg.run.progress),
                    desc=self.run_dir.name, dynamic_ncols=True, unit="step")
+        with graceful():
+            last_eval = self._loop(bar)
+        bar.close()
+        if last_eval is None:  # resumed at the end: nothing left to train
+            last_eval = {"step": self.step, **self.evaluate()}
+        summary = self._summary(last_eval, self._tokens_done, self._train_time)
+        if main:
+            atomic_write_text(self.run_dir / "summary.json", json.dumps(summary, indent=2, default=str) + "\n")
+        self.logger.close()
+        return summary
+
+    def _stop_requested(self) -> int | None:
+        """The signal that asked this run to stop, agreed by every rank (the highest number any saw)."""
+        signum = requested() or 0
+        if self.env.distributed:
+            signum = int(ddp.max_over_ranks(signum, self.env))
+        return signum or None
+
+    def _loop(self, bar) -> dict | None:
+        """Train to train.steps; on SIGINT/SIGTERM finish the step, checkpoint and raise Interrupted."""
+        cfg, t_cfg, main = self.cfg, self.cfg.train, self.env.is_main
         train_time, tokens_done = 0.0, 0
         window_time, window_tokens = 0.0, 0
         last_eval = None
+        self._train_time, self._tokens_done = 0.0, 0
         while self.step < t_cfg.steps:
             t0 = time.perf_counter()
             row = self.train_step()
@@ -313,14 +350,15 @@ class Trainer:
                     tqdm.write(f"step {self.step}: val loss {last_eval['val_loss']:.4f}, ppl {last_eval['val_ppl']:.2f}")
             if (t_cfg.ckpt_every and self.step % t_cfg.ckpt_every == 0) or self.step == t_cfg.steps:
                 self.save()
-        bar.close()
-        if last_eval is None:  # resumed at the end: nothing left to train
-            last_eval = {"step": self.step, **self.evaluate()}
-        summary = self._summary(last_eval, tokens_done, train_time)
-        if main:
-            (self.run_dir / "summary.json").write_text(json.dumps(summary, indent=2, default=str) + "\n")
-        self.logger.close()
-        return summary
+            self._train_time, self._tokens_done = train_time, tokens_done
+            signum = self._stop_requested()
+            if signum is not None and self.step < t_cfg.steps:
+                self.save()
+                bar.close()
+                self.logger.close()
+                raise Interrupted(signum, f"{self.run_dir} stopped after step {self.step} of {t_cfg.steps}; "
+                                          f"checkpoint {self.ckpt_dir / checkpoint_name(self.step)} saved")
+        return last_eval
 
     def _summary(self, last_eval: dict, tokens: int, seconds: float) -> dict:
         history = read_log(self.run_dir) if self.env.is_main else []
@@ -373,4 +411,5 @@ def train(cfg: RunConfig | str | os.PathLike, overrides: list[str] | None = None
     try:
         return trainer.fit()
     finally:
+        trainer.close()
         ddp.shutdown(trainer.env)

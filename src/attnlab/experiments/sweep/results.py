@@ -9,6 +9,7 @@ import os
 from pathlib import Path
 from typing import Sequence
 
+from attnlab.data.cache import atomic_write_text
 from attnlab.train.config import RunConfig
 
 from .profiles import is_profile, profile_sections
@@ -140,10 +141,10 @@ def write_results(spec: Spec, out: str | os.PathLike | None = None, *, command: 
         raise SweepError(f"no finished runs under {str(out / 'runs')!r}: run the sweep first")
     results["command"] = command or f"attnlab.experiments.sweep.run({str(spec.path)!r})"
     out.mkdir(parents=True, exist_ok=True)
-    (out / "results.json").write_text(json.dumps(results, indent=2, default=str) + "\n")
+    atomic_write_text(out / "results.json", json.dumps(results, indent=2, default=str) + "\n")
     plot_curves(spec, results, out / "loss_curves.png")
     metrics_png = plot_metrics(spec, results, out / "metrics.png")
-    (out / "report.md").write_text(report_markdown(spec, results, out, metrics_png is not None) + "\n")
+    atomic_write_text(out / "report.md", report_markdown(spec, results, out, metrics_png is not None) + "\n")
     if not quiet:
         print("\n" + results_table(results))
         for v in results.get("verdicts") or []:

@@ -14,7 +14,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from attnlab import interrupt
+from attnlab.data.cache import atomic_write_text
 from attnlab.eval.metrics import GATE_BINS
+from attnlab.lock import FolderLock, check_free
 from attnlab.models.config import ConfigError
 from attnlab.train.config import RunConfig, apply_overrides, config_from_dict, read_toml, to_dict
 
@@ -235,60 +238,36 @@ def _mean_or_none(values) -> float | None:
 
 def execute(job: dict) -> dict:
     """Train (or resume) one run and collect its metrics; writes RUN_DIR/sweep.json. `job` is
-    picklable: {"raw": run config dict, "state": ..., "metrics": the spec's [metrics]}."""
+    picklable: {"raw": run config dict, "state": ..., "metrics": the spec's [metrics]}. Holds the
+    run folder's lock throughout; a stop already requested (SIGINT/SIGTERM) starts nothing."""
     import torch
 
     from attnlab.train import train
 
     cfg = config_from_dict(job["raw"])
     run_dir = Path(cfg.run_dir)
+    interrupt.check(f"{run_dir} not started")
     threads = torch.get_num_threads()
     t0 = time.perf_counter()
     try:
-        with _run_lock(run_dir):
+        with FolderLock(run_dir):
             if job["state"] != "evaluate":
                 train(cfg)
             metrics = collect_metrics(run_dir, job["metrics"])
+            old = _record_of(run_dir) or {}
+            wall = time.perf_counter() - t0 if job["state"] != "evaluate" else old.get("wall_seconds")
+            record = {"metrics_spec": job["metrics"], "metrics": metrics, "wall_seconds": wall,
+                      "threads": cfg.run.threads or threads}
+            atomic_write_text(run_dir / RECORD, json.dumps(record, indent=2) + "\n")
     finally:
         torch.set_num_threads(threads)  # run.threads is process-wide: leave the caller's setting
-    old = _record_of(run_dir) or {}
-    wall = time.perf_counter() - t0 if job["state"] != "evaluate" else old.get("wall_seconds")
-    record = {"metrics_spec": job["metrics"], "metrics": metrics, "wall_seconds": wall,
-              "threads": cfg.run.threads or threads}
-    tmp = run_dir / f".{RECORD}.tmp"
-    tmp.write_text(json.dumps(record, indent=2) + "\n")
-    os.replace(tmp, run_dir / RECORD)
     return record
 
 
-class _run_lock:
-    """An exclusive lock beside the run folder while a process trains it, so two sweeps (or an
-    orphaned worker) never write one run at once."""
-
-    def __init__(self, run_dir: Path):
-        self.path = run_dir.parent / f".{run_dir.name}.lock"
-
-    def __enter__(self):
-        self.path.parent.mkdir(parents=True, exist_ok=True)
-        self.f = open(self.path, "w")
-        try:
-            import fcntl
-
-            fcntl.flock(self.f, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except ImportError:  # pragma: no cover - not POSIX
-            pass
-        except OSError:
-            self.f.close()
-            raise SweepError(f"run folder {str(self.path.parent / self.path.name[1:-5])!r} is being trained by "
-                             f"another process (another sweep of the same spec?)") from None
-        return self
-
-    def __exit__(self, *exc):
-        self.f.close()
-
-
 def _worker_init(parent: int) -> None:
-    """A pool worker dies with the sweep (Linux), so a killed sweep leaves no run training."""
+    """A pool worker dies with the sweep (Linux), so a killed sweep leaves no run training. It runs
+    in a session of its own, so a terminal's Ctrl-C reaches the sweep alone, which passes one
+    signal on to each worker: the worker finishes its step, checkpoints and stops."""
     if sys.platform.startswith("linux"):
         try:
             import ctypes
@@ -299,6 +278,11 @@ def _worker_init(parent: int) -> None:
             pass
     if os.getppid() != parent:
         os._exit(1)
+    try:
+        os.setsid()
+    except OSError:
+        pass
+    interrupt.install()
 
 
 # --------------------------------------------------------------------------- the sweep
@@ -329,31 +313,77 @@ def run(
         print(f"sweep {spec.title!r}: {len(spec.variants)} variants x {len(spec.seeds)} seeds = {len(plans)} runs "
               f"({', '.join(f'{n} {s}' for s, n in counts.items() if n)}) in {out}", flush=True)
     jobs_list = [{"raw": p.raw, "state": p.state, "metrics": spec.metrics} for p in todo]
-    bar = tqdm(total=len(plans), initial=len(plans) - len(todo), desc="sweep", unit="run", disable=not progress,
-               dynamic_ncols=True)
-    try:
-        if jobs == 1 or len(todo) <= 1:
-            for p, job in zip(todo, jobs_list):
-                bar.set_postfix_str(f"{p.variant}/seed{p.seed}")
-                execute(job)
-                bar.update(1)
-        else:
-            import multiprocessing as mp
-
-            with ProcessPoolExecutor(max_workers=min(jobs, len(todo)), mp_context=mp.get_context("spawn"),
-                                     initializer=_worker_init, initargs=(os.getpid(),)) as pool:
-                futures = {pool.submit(execute, job): p for p, job in zip(todo, jobs_list)}
-                try:
-                    for fut in as_completed(futures):
-                        fut.result()
-                        p = futures[fut]
+    for folder in [out] + [p.run_dir for p in todo]:  # another sweep of it, or a manual run of one of its runs
+        check_free(folder)
+    with FolderLock(out):
+        bar = tqdm(total=len(plans), initial=len(plans) - len(todo), desc="sweep", unit="run", disable=not progress,
+                   dynamic_ncols=True)
+        try:
+            if jobs == 1 or len(todo) <= 1:
+                with interrupt.graceful():
+                    for p, job in zip(todo, jobs_list):
                         bar.set_postfix_str(f"{p.variant}/seed{p.seed}")
+                        execute(job)
                         bar.update(1)
-                except BaseException:
-                    pool.shutdown(wait=False, cancel_futures=True)
-                    raise
-    finally:
-        bar.close()
-    from .results import write_results  # results reads the runs' folders: it imports this module
+                        interrupt.check(lambda: _stopped(plans, todo))
+            else:
+                _run_pool(todo, jobs_list, jobs, bar, plans)
+        finally:
+            bar.close()
+        from .results import write_results  # results reads the runs' folders: it imports this module
 
-    return write_results(spec, out, command=command, quiet=quiet)
+        return write_results(spec, out, command=command, quiet=quiet)
+
+
+def _stopped(plans: list[RunPlan], todo: list[RunPlan]) -> str:
+    """Where an interrupted sweep stands: runs finished, and those saved to resume."""
+    done = sum(summary_of(p.run_dir, p.cfg.train.steps) is not None for p in plans)
+    return f"sweep stopped with {done} of {len(plans)} runs finished; the others resume from their checkpoints"
+
+
+def _run_pool(todo: list[RunPlan], jobs_list: list[dict], jobs: int, bar, plans: list[RunPlan]) -> None:
+    """Train `todo` in `jobs` worker processes. The first SIGINT/SIGTERM is passed on to every
+    worker (each finishes its step, checkpoints and stops); queued runs are not started; then
+    Interrupted is raised here. A second signal ends the sweep at once, and its workers with it."""
+    import multiprocessing as mp
+
+    pool = ProcessPoolExecutor(max_workers=min(jobs, len(todo)), mp_context=mp.get_context("spawn"),
+                               initializer=_worker_init, initargs=(os.getpid(),))
+
+    def forward(signum: int) -> None:
+        for proc in list((getattr(pool, "_processes", None) or {}).values()):
+            try:
+                os.kill(proc.pid, signum)
+            except (ProcessLookupError, AttributeError):
+                pass
+
+    failure: BaseException | None = None
+    with interrupt.graceful(on_signal=forward):
+        futures = {pool.submit(execute, job): p for p, job in zip(todo, jobs_list)}
+        try:
+            for fut in as_completed(futures):
+                if interrupt.requested() is not None:
+                    for f in futures:
+                        f.cancel()
+                if fut.cancelled():
+                    continue
+                try:
+                    fut.result()
+                except interrupt.Interrupted:
+                    continue
+                except BaseException as e:  # a run that failed: stop the others, then report it
+                    if failure is None:
+                        failure = e
+                        for f in futures:
+                            f.cancel()
+                    continue
+                p = futures[fut]
+                bar.set_postfix_str(f"{p.variant}/seed{p.seed}")
+                bar.update(1)
+        finally:
+            pool.shutdown(wait=True, cancel_futures=True)
+        if failure is not None:
+            raise failure
+        interrupt.check(lambda: _stopped(plans, todo))
+
+

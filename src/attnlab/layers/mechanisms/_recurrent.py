@@ -1,5 +1,6 @@
 """What the linear family (cosformer, gla, ssd) shares layer-side: vector heads without
-grouping, a recurrent decode state advanced by the op's `*_step` function."""
+grouping, a recurrent decode state advanced by the op's `*_step` function, and a prefill that
+runs the op over the whole prompt from that state (the op's `initial_state`)."""
 
 from __future__ import annotations
 
@@ -28,3 +29,16 @@ class RecurrentAttention(Attention):
         o, new = self.step_op(q, k, v, p, cache.state.state, cache)
         cache.state.update(new)
         return o.unsqueeze(2)  # (B, H, 1, D)
+
+    def chunk_op(self, p: Projected, state, cache):
+        """The op over all T tokens of `p` from `state`: (o (B, H, T, D), the state after them), or
+        None when the mechanism has no such call (its prefill then steps token by token)."""
+        return None
+
+    def prefill_readout(self, p: Projected, cache):
+        got = self.chunk_op(p, cache.state.state, cache)
+        if got is None:
+            return None
+        o, new = got
+        cache.state.update(new, steps=p.q.shape[2])
+        return o  # (B, H, T, D)

@@ -43,5 +43,10 @@ class CosformerAttention(RecurrentAttention):
                 "pass make_cache(..., max_len=M) or set AttentionConfig.cosformer_max_len"
             )
 
+    def chunk_op(self, p: Projected, state, cache):
+        c = self.config
+        return cosformer_attention(p.q, p.k, p.v, causal=True, max_len=cache.max_len, normalize=c.cosformer_normalize,
+                                   initial_state=state, impl=c.impl)
+
     def step_op(self, q, k, v, p: Projected, state, cache):
         return cosformer_step(q, k, v, state, max_len=cache.max_len, normalize=self.config.cosformer_normalize)

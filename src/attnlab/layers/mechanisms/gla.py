@@ -35,5 +35,8 @@ class GLAAttention(RecurrentAttention):
         o, _ = gla_attention(p.q, p.k, v, p.log_decay, causal=True, impl=impl or self.config.impl)
         return o, None
 
+    def chunk_op(self, p: Projected, state, cache):
+        return gla_attention(p.q, p.k, p.v, p.log_decay, initial_state=state, causal=True, impl=self.config.impl)
+
     def step_op(self, q, k, v, p: Projected, state, cache):
         return gla_step(q, k, v, p.log_decay[:, :, 0], state)

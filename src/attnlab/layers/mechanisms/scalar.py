@@ -264,6 +264,36 @@ class ScalarAttention(Attention):
             cache.scalar.compress_density(cache.compress)
         return o
 
+    def prefill_readout(self, p: Projected, cache):
+        """T tokens at once. Exact caches take them through the op's offset form (`step_readout`).
+        An empty sorted cache (window=k, no budget, no compression): the prompt's readout is the
+        windowed op (`windowed_attention`, equal to stepping the sorted cache), and the cache is
+        bulk-loaded from the prompt's keys (one sort per head, `SortedScalarCache.from_tensors`).
+        A sorted cache that already holds keys, evicts or compresses takes one token at a time."""
+        if not isinstance(cache.scalar, SortedScalarCache):
+            return self.step_readout(p, cache)
+        if len(cache.scalar) or cache.budget is not None or cache.compress is not None or self.decode_select is not None:
+            return None
+        saved = self.decode_window, self.decode_budget
+        self.decode_window, self.decode_budget = cache.window, None
+        try:
+            o, _ = self.attend(p)  # (B, H, T, D): scalar heads windowed, dot heads of a mixed layer exact
+        finally:
+            self.decode_window, self.decode_budget = saved
+        cache.scalar = self.sorted_from_prompt(p, cache.batch_size)
+        if cache.kv is not None:  # the dot-product heads of a mixed layer
+            cache.kv.append(k=p.k, v=p.v)
+        return o
+
+    def sorted_from_prompt(self, p: Projected, batch_size: int) -> SortedScalarCache:
+        """The sorted scalar cache holding the T keys of `p` (and the sink), built in bulk."""
+        c = self.config
+        _, k = self.score_vectors(p)
+        return SortedScalarCache.from_tensors(
+            p.ks, self.scalar_values(p), k=None if k is None else expand_heads(k, self.n_scalar),
+            sink_key=c.sink_key if c.sink else None, sink_value=self.sink_value.detach() if c.sink else None,
+        )
+
     def step_readout(self, p: Projected, cache) -> torch.Tensor:
         o = self.scalar_step(p, cache)
         if self.n_dot:

@@ -33,7 +33,9 @@ class SSDAttention(RecurrentAttention):
 
     def project(self, x, start_pos: int = 0) -> Projected:
         p = super().project(x, start_pos)
-        dt = F.softplus(self.dt_proj(x)).transpose(1, 2)  # (B, H, T)
+        # softplus of a contiguous (B, H, T): on the transposed view, torch.compile's backward (AOTAutograd,
+        # torch 2.13) gets the strides of softplus_backward wrong and fails on a view
+        dt = F.softplus(self.dt_proj(x).transpose(1, 2).contiguous())  # (B, H, T)
         p.log_decay = -torch.exp(self.A_log).to(dt.dtype)[None, :, None] * dt  # (B, H, T), in q's dtype
         p.k = p.k * dt.unsqueeze(-1)  # discretised input B·Δ
         return p
@@ -42,6 +44,9 @@ class SSDAttention(RecurrentAttention):
         v = p.v if values is None else values
         o, _ = ssd_attention(p.q, p.k, v, p.log_decay, causal=True, impl=impl or self.config.impl)
         return o, None
+
+    def chunk_op(self, p: Projected, state, cache):
+        return ssd_attention(p.q, p.k, p.v, p.log_decay, initial_state=state, causal=True, impl=self.config.impl)
 
     def step_op(self, q, k, v, p: Projected, state, cache):
         return ssd_step(q, k, v, p.log_decay[:, :, 0], state)

@@ -1,0 +1,126 @@
+"""`AttnlabCache`: a transformers `Cache` holding attnlab's own decode state, for `generate`.
+
+transformers' caches hold key/value tensors that the model's attention reads back; attnlab's
+layers keep what each mechanism needs instead (plain KV, the exact scalar cache of augmented keys,
+the sorted scalar cache with its window, recurrent states, GOAT's keys). So this class is a shell
+around `attnlab.models.decode.DecodeState`: the model feeds it the next columns of the batch
+(`feed`), and generate sees a Cache whose length is the number of columns consumed, pads
+included (what generate slices its inputs with). Per-layer state: `layer_caches(i)`.
+
+What a Cache must offer and attnlab's state cannot (rolling back or reordering rows: beam search,
+assisted decoding, contrastive search, `crop`) raises NotImplementedError naming the method, rather
+than corrupting a state silently; `AttnlabForCausalLM.generate` rejects num_beams > 1 up front.
+
+Version notes: transformers 4.56 made `Cache` a list of per-layer objects (`layers=`) and 5.x
+renamed and moved several methods; this class calls none of the per-layer machinery and overrides
+every method generate uses (get_seq_length, get_mask_sizes, is_compileable, reorder_cache, crop,
+batch_repeat_interleave, batch_select_indices, reset). `_base_init` is the one version-specific
+call. Tested with transformers 4.56.2 and 5.23.0.
+"""
+
+from __future__ import annotations
+
+import inspect
+
+import torch
+from transformers.cache_utils import Cache
+
+from attnlab.models.decode import DecodeState
+
+
+def _base_init(cache: Cache) -> None:
+    """Cache.__init__ across versions: >= 4.56 takes `layers=` (a list of layer objects; attnlab
+    keeps none there), older ones take nothing."""
+    params = inspect.signature(Cache.__init__).parameters
+    if "layers" in params:
+        Cache.__init__(cache, layers=[])
+    else:  # pragma: no cover - transformers < 4.56
+        Cache.__init__(cache)
+
+
+class AttnlabCache(Cache):
+    """Decode state of an attnlab model for a batch (made on the first forward).
+
+    window: scalar/hybrid layers decode from the sorted scalar cache over the `window` nearest
+    keys (None: exact caches everywhere)."""
+
+    is_compileable = False
+
+    def __init__(self, window: int | None = None):
+        if window is not None and (isinstance(window, bool) or not isinstance(window, int) or window < 1):
+            raise ValueError(f"window must be an int >= 1 or None, got {window!r}")
+        _base_init(self)
+        self.window = window
+        self.state: DecodeState | None = None
+
+    def __repr__(self) -> str:
+        rows = "empty" if self.state is None else f"batch={self.state.batch_size}, columns={self.state.seen}"
+        return f"AttnlabCache({rows}, window={self.window})"
+
+    # ------------------------------------------------------------------ attnlab side
+
+    def feed(self, model, input_ids: torch.Tensor, mask: torch.Tensor | None, last: int | None = None) -> torch.Tensor:
+        """Run `model` (an attnlab LM) on the next columns input_ids (B, T), mask (B, T) or None,
+        advancing every row's caches -> logits (B, T or last, V); zeros at pad positions."""
+        if self.state is None:
+            self.state = DecodeState(model, input_ids.shape[0], window=self.window)
+        elif input_ids.shape[0] != self.state.batch_size:
+            raise ValueError(f"input_ids has batch {input_ids.shape[0]}, this cache holds {self.state.batch_size} rows; "
+                             f"use a new cache for a new batch")
+        return self.state.feed(input_ids, mask, last=last)
+
+    def layer_caches(self, layer_idx: int) -> list:
+        """The `LayerCache` of layer `layer_idx` of every row group (rows of equal length share one)."""
+        return [] if self.state is None else [g.caches[layer_idx] for g in self.state.groups]
+
+    def lengths(self) -> torch.Tensor | None:
+        """Real tokens held per row (B,), or None before the first forward."""
+        return None if self.state is None else self.state.lengths()
+
+    # ------------------------------------------------------------------ what generate asks of a Cache
+
+    def get_seq_length(self, layer_idx: int | None = 0) -> int:
+        return 0 if self.state is None else self.state.seen
+
+    def get_mask_sizes(self, query_length: int, layer_idx: int = 0, *args, **kwargs) -> tuple[int, int]:
+        return self.get_seq_length() + query_length, 0
+
+    def get_max_length(self, layer_idx: int | None = None) -> int:
+        return -1
+
+    def __len__(self) -> int:
+        return 0 if self.state is None else len(self.state.model.blocks)
+
+    @property
+    def is_initialized(self) -> bool:
+        return self.state is not None
+
+    @property
+    def is_croppable(self) -> bool:
+        return False
+
+    @property
+    def batch_size(self) -> int:
+        return -1 if self.state is None else self.state.batch_size
+
+    def reset(self) -> None:
+        self.state = None
+
+    def _unsupported(self, what: str):
+        raise NotImplementedError(
+            f"AttnlabCache.{what}: attnlab's decode states (recurrent states, sorted scalar caches) cannot be "
+            f"reordered or rolled back, so beam search, assisted decoding and contrastive search are not supported; "
+            f"use greedy decoding or sampling (num_beams=1)")
+
+    def reorder_cache(self, beam_idx: torch.LongTensor):
+        self._unsupported("reorder_cache")
+
+    def crop(self, max_length: int):
+        self._unsupported("crop")
+
+    def batch_repeat_interleave(self, repeats: int):
+        if self.state is not None:
+            self._unsupported("batch_repeat_interleave")
+
+    def batch_select_indices(self, indices: torch.Tensor):
+        self._unsupported("batch_select_indices")

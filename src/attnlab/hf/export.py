@@ -1,0 +1,152 @@
+"""`export_run(run_dir, out_dir)`: a trained attnlab run as a Hugging Face model folder.
+
+    out_dir/  config.json  model.safetensors  generation_config.json
+              tokenizer.json  tokenizer_config.json  (special_tokens_map.json, by version)
+
+`import attnlab.hf` then `AutoModelForCausalLM.from_pretrained(out_dir)` and
+`AutoTokenizer.from_pretrained(out_dir)` load it (no trust_remote_code). Before anything is
+written, the run is checked (a folder with config.toml, a config attnlab accepts, an intact
+checkpoint that fits it) and so is out_dir (absent or an empty folder): bad input is one
+`ExportError` naming what is wrong. The folder is built in a hidden temporary sibling, checked
+(the saved model, loaded back through transformers, gives the run's logits within 1e-6
+relative), and renamed into place, so a failure at any point leaves no out_dir behind.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import tempfile
+from pathlib import Path
+
+import torch
+from transformers.utils import logging as hf_logging
+
+from attnlab.lock import FolderLock, check_free
+
+
+class ExportError(ValueError):
+    """Bad input to `export_run` (no run, no checkpoint, a non-empty out_dir, ...): one line."""
+
+
+def _check_out_dir(out_dir: Path) -> None:
+    if out_dir.exists() and not out_dir.is_dir():
+        raise ExportError(f"OUT_DIR {str(out_dir)!r} is a file; give a new or empty folder")
+    if out_dir.is_dir() and any(out_dir.iterdir()):
+        raise ExportError(f"OUT_DIR {str(out_dir)!r} is not empty; give a new or empty folder (nothing was written)")
+
+
+def _load_checked_run(run_dir: Path, checkpoint: str | None):
+    """(cfg, model, tokenizer or None) of run_dir, each problem an ExportError."""
+    from attnlab.models.config import ConfigError, format_changes, model_config_changes
+    from attnlab.train.checkpoint import CheckpointError, find_checkpoint, load_checkpoint, verify_checkpoint
+    from attnlab.train.config import load_config
+    from attnlab.train.trainer import CKPT_DIR, build_model
+
+    if not run_dir.is_dir():
+        raise ExportError(f"RUN_DIR {str(run_dir)!r} is not a folder; give a run folder written by attnlab train")
+    if not (run_dir / "config.toml").is_file():
+        raise ExportError(f"RUN_DIR {str(run_dir)!r} has no config.toml: not a run folder (train it with attnlab train)")
+    where = [f"run.out_dir={json.dumps(str(run_dir.resolve().parent))}", f"run.name={json.dumps(run_dir.resolve().name)}"]
+    try:
+        cfg = load_config(run_dir / "config.toml", where)
+    except (ConfigError, ValueError) as e:
+        raise ExportError(f"{str(run_dir / 'config.toml')!r}: {e}") from None
+    try:
+        ckpt = find_checkpoint(Path(checkpoint) if checkpoint else run_dir / CKPT_DIR)
+        state = verify_checkpoint(ckpt)
+    except FileNotFoundError:
+        raise ExportError(f"no checkpoint in {str(Path(checkpoint) if checkpoint else run_dir / CKPT_DIR)!r}: "
+                          f"train the run first") from None
+    except CheckpointError as e:
+        raise ExportError(str(e)) from None
+    saved = (state.get("config") or {}).get("model")
+    if isinstance(saved, dict):
+        changes = model_config_changes(saved, cfg.model, ignore=() if cfg.model.vocab_size else ("vocab_size",))
+        if changes:
+            raise ExportError(f"checkpoint {str(ckpt)!r} was trained with another model config than "
+                              f"{str(run_dir / 'config.toml')!r}: {format_changes(changes)}")
+    if not cfg.model.vocab_size:
+        raise ExportError(f"{str(run_dir / 'config.toml')!r} has no resolved model.vocab_size; export the run folder "
+                          f"that attnlab train wrote")
+    try:
+        model = build_model(cfg, cfg.model.vocab_size)
+        load_checkpoint(ckpt, model)
+    except (ValueError, RuntimeError, KeyError) as e:
+        raise ExportError(f"checkpoint {str(ckpt)!r} does not load into the run's model: {e}") from None
+    tokenizer = None
+    if cfg.data.source != "mqar":
+        from attnlab.train.data import data_tokenizer
+
+        tokenizer = data_tokenizer(cfg.data)
+    return cfg, model.eval(), tokenizer
+
+
+def save_folder(model, folder: Path, tokenizer=None, window: int | None = None) -> None:
+    """Write attnlab LM `model` (and its attnlab tokenizer) into `folder` as a transformers folder."""
+    from transformers import GenerationConfig
+
+    from .configuration import AttnlabConfig
+    from .modeling import AttnlabForCausalLM
+    from .tokenizer import hf_tokenizer
+
+    eos = getattr(tokenizer, "eos_id", None)
+    tok_ids = {"eos_token_id": eos, "pad_token_id": eos, "bos_token_id": None}
+    config = AttnlabConfig.from_model_config(model.cfg, window=window, **tok_ids)
+    hf = AttnlabForCausalLM(config)
+    hf.model.load_state_dict(model.state_dict())
+    hf.generation_config = GenerationConfig(**tok_ids)
+    hf.save_pretrained(folder)
+    if tokenizer is not None:
+        hf_tokenizer(tokenizer, model.cfg.max_seq_len or None).save_pretrained(folder)
+
+
+def check_folder(model, folder: Path, rtol: float = 1e-6) -> None:
+    """The folder, loaded back through transformers, gives `model`'s logits within rtol (relative RMS)."""
+    from .modeling import AttnlabForCausalLM
+
+    loaded = AttnlabForCausalLM.from_pretrained(folder).eval()
+    T = min(16, model.cfg.max_seq_len or 16)
+    idx = torch.randint(model.cfg.vocab_size, (2, T), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        want = model(idx)[0].double()
+        got = loaded(idx).logits.double()
+    err = float((got - want).pow(2).mean().sqrt() / want.pow(2).mean().sqrt().clamp_min(1e-30))
+    if not err <= rtol:
+        raise RuntimeError(f"the exported model's logits differ from the run's by {err:.2e} relative (> {rtol}); "
+                           f"nothing was written")
+
+
+def export_run(run_dir: str | os.PathLike, out_dir: str | os.PathLike, *, checkpoint: str | None = None,
+               window: int | None = None) -> Path:
+    """Write run_dir's newest checkpoint (or `checkpoint`) into out_dir as a Hugging Face folder;
+    returns out_dir. window: the default decode window `generate` uses (config.json's `window`)."""
+    run_dir, out_dir = Path(run_dir), Path(out_dir)
+    if window is not None and (isinstance(window, bool) or not isinstance(window, int) or window < 1):
+        raise ExportError(f"window must be an int >= 1 or None, got {window!r}")
+    _check_out_dir(out_dir)
+    cfg, model, tokenizer = _load_checked_run(run_dir, checkpoint)
+    if window is not None and not any(blk.attn.n_scalar for blk in model.blocks):
+        raise ExportError(f"window={window} is for scalar/hybrid layers; this run has none ({cfg.model.layer_attn})")
+    check_free(out_dir, beside=True)  # another export into out_dir: FolderBusy, nothing written
+    with FolderLock(out_dir, beside=True):  # the lock file sits beside out_dir, which must stay empty
+        _check_out_dir(out_dir)  # again, under the lock
+        return _write(model, out_dir, tokenizer, window)
+
+
+def _write(model, out_dir: Path, tokenizer, window: int | None) -> Path:
+    tmp = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.tmp-", dir=out_dir.parent))
+    bars = hf_logging.is_progress_bar_enabled()
+    hf_logging.disable_progress_bar()  # transformers' per-shard bars say nothing for one small file
+    try:
+        save_folder(model, tmp, tokenizer, window)
+        check_folder(model, tmp)
+        os.replace(tmp, out_dir)  # atomic; replaces an empty out_dir
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    finally:
+        if bars:
+            hf_logging.enable_progress_bar()
+    return out_dir

@@ -1,0 +1,184 @@
+"""`AttnlabForCausalLM`: an `attnlab.models.LM` as a transformers `PreTrainedModel` + `GenerationMixin`.
+
+A shell, not a second model: `self.model` is the attnlab LM (weights `model.tok_emb.weight`, ...),
+its forward is the LM's forward, and decoding goes through the LM's own caches (`AttnlabCache`).
+
+- forward without a cache: the LM's forward. An `attention_mask` with left padding becomes the LM's
+  `doc_ids` (pads and real tokens are separate segments, so the real tokens start at position 0
+  with fresh states, exactly as if alone); right padding changes nothing (the model is strictly
+  causal: a real token never sees a later pad); anything else (a 0 between 1s) is a ValueError.
+- forward with a cache (`generate`, or `use_cache=True`): the next columns go through
+  `AttnlabCache.feed`: the prompt in one parallel forward per distinct length (prefill), then one
+  step per token; pads enter no cache or state and positions count from each row's first token.
+- `generate(..., window=k)` (or `window` in the GenerationConfig or the model config): scalar and
+  hybrid layers decode from the sorted scalar cache over the k nearest keys. Beam search is
+  rejected up front (attnlab's states cannot be reordered); greedy, sampling, max_new_tokens,
+  eos_token_id, stopping criteria and the logits processors work as for any causal LM.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+import transformers
+from transformers import GenerationConfig, GenerationMixin, PreTrainedModel
+from transformers.cache_utils import Cache
+from transformers.modeling_outputs import CausalLMOutputWithPast
+
+from attnlab.layers.rope import RotaryEmbedding
+from attnlab.models import LM
+
+from .cache import AttnlabCache
+from .configuration import AttnlabConfig
+
+_TF_MAJOR = int(transformers.__version__.split(".")[0])
+
+
+def padding_doc_ids(attention_mask: torch.Tensor) -> torch.Tensor | None:
+    """doc_ids for the LM's forward from a (B, T) 0/1 mask: None when no row starts with a pad
+    (all real, or right padding: causal attention never reads a later pad), else the mask itself
+    (each row's pad runs and its real run become separate segments, so the real tokens start at
+    position 0 with fresh states). A pad between real tokens is a ValueError."""
+    m = attention_mask.bool()
+    runs = (m[:, 1:] & ~m[:, :-1]).sum(1) + m[:, 0].long()  # runs of real tokens per row
+    if bool((runs > 1).any()):
+        row = int((runs > 1).nonzero()[0])
+        raise ValueError(f"attention_mask row {row} has pads between real tokens; only left or right padding is supported")
+    return m.long() if bool((~m[:, 0] & m.any(1)).any()) else None
+
+
+class AttnlabPreTrainedModel(PreTrainedModel):
+    config_class = AttnlabConfig
+    base_model_prefix = "model"
+    main_input_name = "input_ids"
+    _no_split_modules = ["Block"]
+    _is_stateful = True  # recurrent and sorted states cannot be rolled back: no assisted decoding
+    supports_gradient_checkpointing = False
+
+    def _init_weights(self, module):
+        """attnlab's layers initialise their own parameters when built (gates, τ, sinks and priors
+        have meaningful starts), and a checkpoint overwrites every one of them. What no checkpoint
+        holds is recomputed: RoPE's non-persistent inv_freq, left unset by transformers' meta-device
+        loading (transformers >= 5 calls this for it)."""
+        if isinstance(module, RotaryEmbedding):
+            module.reset_buffers()
+
+
+class AttnlabForCausalLM(AttnlabPreTrainedModel, GenerationMixin):
+    # tied head: transformers >= 5 maps target -> source, 4.x lists the tied keys
+    _tied_weights_keys = {"model.head.weight": "model.tok_emb.weight"} if _TF_MAJOR >= 5 else ["model.head.weight"]
+
+    def __init__(self, config: AttnlabConfig):
+        super().__init__(config)
+        self.model = LM(config.model_config())
+        self.post_init()
+
+    @classmethod
+    def _supports_default_dynamic_cache(cls) -> bool:
+        return False  # attnlab makes its own cache (AttnlabCache), never a DynamicCache
+
+    def get_input_embeddings(self):
+        return self.model.tok_emb
+
+    def set_input_embeddings(self, value):
+        self.model.tok_emb = value
+
+    def get_output_embeddings(self):
+        return self.model.head
+
+    def set_output_embeddings(self, value):
+        self.model.head = value
+
+    # ------------------------------------------------------------------ forward
+
+    def forward(
+        self,
+        input_ids: torch.LongTensor | None = None,
+        attention_mask: torch.Tensor | None = None,
+        past_key_values: Cache | None = None,
+        use_cache: bool | None = None,
+        labels: torch.LongTensor | None = None,
+        inputs_embeds: torch.Tensor | None = None,
+        logits_to_keep: int = 0,
+        return_dict: bool | None = None,
+        **kwargs,
+    ):
+        """input_ids (B, T) -> CausalLMOutputWithPast(loss, logits (B, T, V), past_key_values).
+
+        attention_mask (B, T) without a cache, (B, past + T) with one. position_ids, if given, are
+        not read: positions come from the mask (each row counts from its first real token).
+        use_cache=True without past_key_values starts an AttnlabCache (plain forwards, such as
+        lm-eval's loglikelihood calls, build none). labels: shifted inside, -100 ignored."""
+        if inputs_embeds is not None:
+            raise ValueError("inputs_embeds is not supported by attnlab models; pass input_ids")
+        for name in ("output_attentions", "output_hidden_states"):
+            if kwargs.get(name):
+                raise ValueError(f"{name}=True is not supported by attnlab models (use attnlab's own "
+                                 f"layer.attention_weights / forward hooks)")
+        if input_ids is None or input_ids.dim() != 2:
+            raise ValueError(f"input_ids must be a (B, T) tensor of token ids, got "
+                             f"{None if input_ids is None else tuple(input_ids.shape)}")
+        T = input_ids.shape[1]
+        if past_key_values is not None and not isinstance(past_key_values, AttnlabCache):
+            if past_key_values.get_seq_length() != 0:
+                raise TypeError(f"past_key_values must be an AttnlabCache (attnlab's decode state), got a non-empty "
+                                f"{type(past_key_values).__name__}")
+            past_key_values = None
+            use_cache = True
+        if past_key_values is None and use_cache:
+            past_key_values = AttnlabCache(window=getattr(self.config, "window", None))
+        last = logits_to_keep if isinstance(logits_to_keep, int) and logits_to_keep > 0 else None
+        if past_key_values is not None:
+            mask = None
+            if attention_mask is not None:
+                want = past_key_values.get_seq_length() + T
+                if attention_mask.dim() != 2 or attention_mask.shape != (input_ids.shape[0], want):
+                    raise ValueError(f"attention_mask must be (B, past + T) = ({input_ids.shape[0]}, {want}) with a cache, "
+                                     f"got {tuple(attention_mask.shape)}")
+                mask = attention_mask[:, -T:]
+            logits = past_key_values.feed(self.model, input_ids, mask, last=last)
+        else:
+            doc_ids = None
+            if attention_mask is not None:
+                if tuple(attention_mask.shape) != tuple(input_ids.shape):
+                    raise ValueError(f"attention_mask must have the shape of input_ids {tuple(input_ids.shape)}, "
+                                     f"got {tuple(attention_mask.shape)}")
+                doc_ids = padding_doc_ids(attention_mask)
+            logits = self.model(input_ids, doc_ids=doc_ids)[0]
+            if doc_ids is not None:
+                logits = logits.masked_fill(~attention_mask.bool()[..., None], 0.0)
+            if last is not None:
+                logits = logits[:, -last:]
+        loss = None
+        if labels is not None:
+            if labels.shape != input_ids.shape or logits.shape[1] != T:
+                raise ValueError(f"labels must have the shape of input_ids {tuple(input_ids.shape)} "
+                                 f"(and logits_to_keep=0), got {tuple(labels.shape)}")
+            lg = logits[:, :-1].float()
+            loss = F.cross_entropy(lg.reshape(-1, lg.shape[-1]), labels[:, 1:].reshape(-1), ignore_index=-100)
+        out = CausalLMOutputWithPast(loss=loss, logits=logits, past_key_values=past_key_values)
+        return out if return_dict is not False else out.to_tuple()
+
+    # ------------------------------------------------------------------ generate
+
+    def generate(self, inputs: torch.Tensor | None = None, generation_config: GenerationConfig | None = None,
+                 window: int | None = None, **kwargs):
+        """transformers' generate, decoding through attnlab's caches.
+
+        window (or `generation_config.window`, or `config.window`): the sorted scalar cache's
+        window for scalar/hybrid layers. num_beams > 1 is a ValueError (see `AttnlabCache`)."""
+        gc = generation_config if generation_config is not None else self.generation_config
+        if window is None:
+            window = getattr(gc, "window", None)
+        if window is None:
+            window = getattr(self.config, "window", None)
+        if window is not None and not any(blk.attn.n_scalar for blk in self.model.blocks):
+            raise ValueError(f"window={window} selects the sorted scalar cache, but no layer has scalar heads "
+                             f"(attn={self.model.cfg.layer_attn}); leave window unset")
+        beams = kwargs.get("num_beams", getattr(gc, "num_beams", 1)) or 1
+        if beams > 1:
+            raise ValueError(f"num_beams={beams}: beam search reorders cache rows, which attnlab's decode states "
+                             f"(recurrent, sorted scalar) do not support; use greedy decoding or sampling")
+        if kwargs.get("past_key_values") is None and kwargs.get("use_cache", getattr(gc, "use_cache", True)) is not False:
+            kwargs["past_key_values"] = AttnlabCache(window=window)
+        return super().generate(inputs, generation_config=generation_config, **kwargs)

@@ -1,0 +1,135 @@
+"""Decoding a batch whose prompts have different lengths (left padding) through attnlab's caches.
+
+A left-padded batch is decoded as if every prompt were alone:
+
+    row 0:  pad pad  a  b  c | x ...        positions 0 1 2 for a b c, then 3, 4, ...
+    row 1:   d   e   f  g  h | y ...        positions 0 1 2 3 4, then 5, 6, ...
+
+Rows that have seen the same number of real tokens sit at the same positions, so they share one
+set of per-layer caches (a *group*) and run batched; rows of different lengths are different
+groups. A pad token never reaches a model: it enters no key set, recurrent state or sorted cache,
+and RoPE, GOAT and cosFormer positions (and learned position embeddings) count from each row's
+first real token. Outputs are exact, not masked approximations: a group computes what its rows
+would alone. The price is one forward per distinct prompt length at the prefill and one attention
+call per group per step; a batch of equal lengths (no padding) is one group, the plain batched
+path. `LM.generate(..., attention_mask=)` and the Hugging Face wrapper (`attnlab.hf`) decode
+through this class.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass
+class Group:
+    """Rows `rows` (indices into the batch) sharing per-layer caches: they hold the same count of
+    real tokens (caches[0].pos)."""
+
+    rows: torch.Tensor
+    caches: list
+
+
+class DecodeState:
+    """Per-row decode state of a batch of `batch_size` rows for `model` (an `LM`).
+
+    >>> state = DecodeState(model, batch_size=2, window=None)
+    >>> logits = state.feed(prompt, attention_mask)   # (B, T, V): the prompt, one forward per length
+    >>> logits = state.feed(next_tokens)              # (B, 1, V): one step
+
+    `feed(idx, mask)` takes the next T columns of the batch; mask (B, T) marks real tokens (1)
+    and pads (0). Only left padding is accepted: a row's zeros come before its first real token,
+    never after (a 0 after a 1 is a ValueError naming the row). Logits at pad positions are zero.
+    window, budget, compress: as `LM.make_caches`.
+    """
+
+    def __init__(self, model, batch_size: int, window: int | None = None, budget: int | None = None,
+                 compress: float | None = None):
+        if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1:
+            raise ValueError(f"batch_size must be an int >= 1, got {batch_size!r}")
+        self.model, self.batch_size = model, batch_size
+        self.cache_args = {"window": window, "budget": budget, "compress": compress}
+        self.groups: list[Group] = []
+        self.waiting = torch.arange(batch_size)  # rows that have not seen a real token yet
+        self.seen = 0  # columns fed so far, pads included
+
+    @property
+    def window(self) -> int | None:
+        return self.cache_args["window"]
+
+    def lengths(self) -> torch.Tensor:
+        """Real tokens each row holds, (B,)."""
+        n = torch.zeros(self.batch_size, dtype=torch.long)
+        for g in self.groups:
+            n[g.rows] = g.caches[0].pos
+        return n
+
+    def _check(self, idx: torch.Tensor, mask) -> torch.Tensor | None:
+        if not isinstance(idx, torch.Tensor) or idx.dim() != 2 or idx.shape[0] != self.batch_size:
+            got = tuple(idx.shape) if isinstance(idx, torch.Tensor) else type(idx).__name__
+            raise ValueError(f"idx must be (B={self.batch_size}, T) token ids, got {got}")
+        if mask is None:
+            return None
+        if not isinstance(mask, torch.Tensor) or tuple(mask.shape) != tuple(idx.shape):
+            got = tuple(mask.shape) if isinstance(mask, torch.Tensor) else type(mask).__name__
+            raise ValueError(f"attention_mask must have the shape of the tokens fed {tuple(idx.shape)}, got {got}")
+        if mask.dtype != torch.bool:
+            if mask.is_floating_point() or not bool(((mask == 0) | (mask == 1)).all()):
+                raise ValueError("attention_mask must hold 0 (pad) and 1 (real token) only")
+            mask = mask.bool()
+        mask = mask.cpu()
+        started = torch.ones(self.batch_size, dtype=torch.bool)  # rows holding real tokens: no more pads
+        started[self.waiting] = False
+        bad = (started[:, None] & ~mask).any(1) | (mask[:, :-1] & ~mask[:, 1:]).any(1)
+        if bool(bad.any()):
+            row = int(bad.nonzero()[0])
+            raise ValueError(f"attention_mask row {row} has a pad (0) after a real token (1); only left padding "
+                             f"is supported (zeros, then ones): pad prompts on the left (tokenizer.padding_side='left')")
+        return mask
+
+    def feed(self, idx: torch.Tensor, mask: torch.Tensor | None = None, last: int | None = None) -> torch.Tensor:
+        """The next T columns: idx (B, T), mask (B, T) or None (all real) -> logits (B, T, V), or of
+        the `last` columns only. Advances every row's caches by its real tokens."""
+        mask = self._check(idx, mask)
+        T = idx.shape[1]
+        L = T if last is None else min(last, T)
+        model = self.model
+        if mask is None and not self.groups and T:  # no padding: one group of every row
+            caches = model.make_caches(self.batch_size, **self.cache_args)
+            self.groups = [Group(self.waiting, caches)]
+            self.waiting = self.waiting[:0]
+            self.seen += T
+            return model.prefill(idx, caches, last=L)
+        parts = []  # (rows, logits of their last k columns)
+        for g in self.groups:
+            x = idx[g.rows.to(idx.device)] if len(self.groups) > 1 else idx
+            if T == 1:
+                logits = model.step(x, g.caches, pos=g.caches[0].pos)[:, None]  # (b, 1, V)
+            else:
+                logits = model.prefill(x, g.caches, last=L)
+            parts.append((g.rows, logits))
+        if len(self.waiting):
+            real = torch.full((self.batch_size,), T, dtype=torch.long) if mask is None else mask.sum(1)
+            still = []
+            for m in real[self.waiting].unique().tolist():
+                rows = self.waiting[real[self.waiting] == m]
+                if m == 0:
+                    still.append(rows)
+                    continue
+                caches = model.make_caches(len(rows), **self.cache_args)
+                logits = model.prefill(idx[rows.to(idx.device), T - m:], caches, last=min(L, m))
+                self.groups.append(Group(rows, caches))
+                parts.append((rows, logits))
+            self.waiting = torch.cat(still) if still else self.waiting[:0]
+        self.seen += T
+        if len(parts) == 1 and len(parts[0][0]) == self.batch_size and parts[0][1].shape[1] == L:
+            rows, logits = parts[0]
+            if bool((rows == torch.arange(self.batch_size)).all()):
+                return logits
+        head = model.head.weight
+        out = head.new_zeros(self.batch_size, L, head.shape[0])
+        for rows, logits in parts:
+            out[rows.to(out.device), L - logits.shape[1]:] = logits.to(out.dtype)
+        return out

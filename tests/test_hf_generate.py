@@ -1,0 +1,140 @@
+"""transformers' generate() through attnlab's caches: greedy output equals LM.generate token for
+token (exact and windowed, the window from the call, the GenerationConfig or the model config);
+a left-padded batch gives, for every mechanism, each prompt's own tokens and logits; sampling,
+max_new_tokens, eos_token_id, stopping criteria and chunked prefill work; beam search is refused."""
+
+import pytest
+import torch
+
+pytest.importorskip("transformers")
+
+from transformers import AutoModelForCausalLM, GenerationConfig, StoppingCriteria, StoppingCriteriaList  # noqa: E402
+
+import attnlab.hf as H  # noqa: E402
+from attnlab.cache.sorted import SortedScalarCache  # noqa: E402
+from attnlab.data.tokenizer import ByteTokenizer  # noqa: E402
+from attnlab.models import LM, MECHANISMS, ModelConfig  # noqa: E402
+from attnlab.testing import rel_rms  # noqa: E402
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+V, PAD = 257, 256
+
+
+def tiny(attn="softmax", **kw) -> LM:
+    kw.setdefault("max_seq_len", 32)
+    if any(a.startswith("goat") for a in ([attn] if isinstance(attn, str) else attn)):
+        kw.setdefault("attention", {"goat_rank": 2})
+    torch.manual_seed(0)
+    return LM(ModelConfig(vocab_size=V, d_model=32, n_layers=2, n_heads=4, attn=attn, **kw)).eval()
+
+
+@pytest.fixture(scope="module")
+def folder(tmp_path_factory):
+    """Each model exported once per module: {name: (attnlab LM, transformers model)}."""
+    root, made = tmp_path_factory.mktemp("hf"), {}
+
+    def get(attn):
+        key = str(attn)
+        if key not in made:
+            lm = tiny(attn)
+            H.export.save_folder(lm, root / key, ByteTokenizer())
+            made[key] = lm, AutoModelForCausalLM.from_pretrained(root / key).eval()
+        return made[key]
+    return get
+
+
+def greedy(hf, ids, n, **kw):
+    return hf.generate(ids, max_new_tokens=n, do_sample=False, attention_mask=torch.ones_like(ids), **kw)
+
+
+@pytest.mark.parametrize("attn", ["softmax", "gla", ["softmax", "hybrid"]], ids=["softmax", "gla", "softmax+hybrid"])
+def test_greedy_generate_equals_lm_generate(attn, folder):
+    lm, hf = folder(attn)
+    ids = torch.randint(256, (2, 7))
+    out = greedy(hf, ids, 9)
+    assert torch.equal(out, lm.generate(ids, 9))
+
+
+@pytest.mark.parametrize("window", [64, 3])
+def test_windowed_generate_equals_lm_generate(window, folder):
+    """The window reaches the sorted caches from generate(window=), a GenerationConfig or the config."""
+    lm, hf = folder(["softmax", "hybrid"])
+    ids = torch.randint(256, (2, 12))
+    want = lm.generate(ids, 8, window=window)
+    assert torch.equal(greedy(hf, ids, 8, window=window), want)
+    gc = GenerationConfig(max_new_tokens=8, do_sample=False, eos_token_id=None, pad_token_id=PAD, window=window)
+    assert torch.equal(hf.generate(ids, generation_config=gc, attention_mask=torch.ones_like(ids)), want)
+    if window == 64:
+        assert torch.equal(want, lm.generate(ids, 8))  # the window covers everything: exact
+    out = greedy(hf, ids, 3, window=window, return_dict_in_generate=True)
+    cache = out.past_key_values
+    assert isinstance(cache, H.AttnlabCache) and cache.window == window
+    assert isinstance(cache.layer_caches(1)[0].scalar, SortedScalarCache) and cache.get_seq_length() == 14
+    hf.config.window = window
+    try:
+        assert torch.equal(greedy(hf, ids, 8), want)
+    finally:
+        hf.config.window = None
+    with pytest.raises(ValueError, match="no layer has scalar heads"):
+        greedy(folder("softmax")[1], ids, 2, window=4)
+
+
+@pytest.mark.parametrize("attn", MECHANISMS)
+def test_left_padded_batch_equals_each_prompt_alone(attn, folder):
+    """Left padding for every mechanism: the same greedy tokens as each prompt alone, and the
+    logits of every generated step within 2e-3 (they agree to float rounding)."""
+    lm, hf = folder(attn)
+    prompts = [torch.randint(256, (n,)) for n in (4, 9, 1)]
+    T = 9
+    ids = torch.stack([torch.cat([torch.full((T - len(p),), PAD), p]) for p in prompts])
+    mask = torch.stack([torch.cat([torch.zeros(T - len(p), dtype=torch.long), torch.ones(len(p), dtype=torch.long)])
+                        for p in prompts])
+    out = hf.generate(ids, attention_mask=mask, max_new_tokens=6, do_sample=False, eos_token_id=None,
+                      return_dict_in_generate=True, output_logits=True)
+    batch_logits = torch.stack(out.logits, 1)  # (B, 6, V)
+    for i, p in enumerate(prompts):
+        alone = hf.generate(p[None], attention_mask=torch.ones(1, len(p), dtype=torch.long), max_new_tokens=6,
+                            do_sample=False, eos_token_id=None, return_dict_in_generate=True, output_logits=True)
+        assert torch.equal(out.sequences[i, T:], alone.sequences[0, len(p):])
+        assert (batch_logits[i] - torch.stack(alone.logits, 1)[0]).abs().max() < 2e-3
+        assert torch.equal(alone.sequences, lm.generate(p[None], 6))
+    if attn in ("hybrid", "gla"):  # without a cache, every step is a plain forward of the left-padded batch
+        assert torch.equal(hf.generate(ids, attention_mask=mask, max_new_tokens=6, do_sample=False, eos_token_id=None,
+                                       use_cache=False), out.sequences)
+
+
+def test_sampling_eos_and_stopping_criteria(folder):
+    lm, hf = folder(["softmax", "hybrid"])
+    ids = torch.randint(256, (2, 5))
+    mask = torch.ones_like(ids)
+    torch.manual_seed(3)
+    a = hf.generate(ids, attention_mask=mask, do_sample=True, temperature=0.8, top_k=20, max_new_tokens=7)
+    torch.manual_seed(3)
+    b = hf.generate(ids, attention_mask=mask, do_sample=True, temperature=0.8, top_k=20, max_new_tokens=7)
+    assert torch.equal(a, b) and a.shape == (2, 12)
+    ref = lm.generate(ids, 7)
+    new = ref[0, 5:].tolist()
+    stop = max(j for j in range(len(new)) if new[j] not in new[:j])  # row 0 emits this token first here
+    out = greedy(hf, ids, 7, eos_token_id=new[stop], pad_token_id=PAD)
+    assert torch.equal(out[0, :6 + stop], ref[0, :6 + stop]) and bool((out[0, 6 + stop:] == PAD).all())
+
+    class AfterFour(StoppingCriteria):
+        def __call__(self, input_ids, scores, **kw):
+            return torch.full((input_ids.shape[0],), input_ids.shape[1] >= 9, dtype=torch.bool)
+
+    out = greedy(hf, ids, 7, stopping_criteria=StoppingCriteriaList([AfterFour()]))
+    assert torch.equal(out, ref[:, :9])
+
+
+def test_chunked_prefill_and_refused_modes(folder):
+    lm, hf = folder(["gla", "hybrid"])
+    ids = torch.randint(256, (2, 11))
+    assert torch.equal(greedy(hf, ids, 5, prefill_chunk_size=4), lm.generate(ids, 5))
+    with pytest.raises(ValueError, match="num_beams=2"):
+        greedy(hf, ids, 3, num_beams=2)
+    cache = H.AttnlabCache()
+    with pytest.raises(NotImplementedError, match="reorder_cache"):
+        cache.reorder_cache(torch.tensor([1, 0]))
+    with pytest.raises(ValueError, match="window"):
+        H.AttnlabCache(window=0)
