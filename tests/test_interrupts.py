@@ -89,8 +89,9 @@ def test_sigint_sigterm_sigkill_at_random_steps_then_resume_equal_an_uninterrupt
     resumes; SIGKILL loses the steps since the last checkpoint, which the resume trains again. While
     they run, a second training of one of their run folders is refused before it writes anything."""
     sigs = (signal.SIGINT, signal.SIGTERM, signal.SIGKILL)
-    at = {sig: random.randint(2, STEPS - 12) for sig in sigs}
-    at[signal.SIGKILL] = random.randint(16, 20)  # past the first checkpoint (step 15)
+    rng = random.Random()  # its own, from the OS: the training in this process seeds the global one
+    at = {sig: rng.randint(2, STEPS - 12) for sig in sigs}
+    at[signal.SIGKILL] = rng.randint(16, 20)  # past the first checkpoint (step 15)
     dirs = {sig: tmp_path / sig.name for sig in sigs}
     victims = {sig: attnlab(*train_args(dirs[sig])) for sig in sigs}
     try:
