@@ -311,3 +311,41 @@ def test_smollm2_from_pypi_wheel_end_to_end(tmp_path):
     oracle = {r["K"]: r for r in res["rows"] if r["method"] == "oracle"}
     quest = {r["K"]: r for r in res["rows"] if r["method"] == "quest"}
     assert all(oracle[k]["mass"] >= quest[k]["mass"] - 1e-6 for k in (16, 64))
+
+
+@pytest.mark.parametrize("sig", ["SIGINT", "SIGTERM"])
+def test_signal_mid_training_saves_the_step_and_resume_equals_one_run(tmp_path, corpus, monkeypatch, sig):
+    """A real SIGINT / SIGTERM to this process during step 3: the step finishes, the projections are
+    saved, Interrupted says where (step 3, or 4 when the signal thread is heard only after step 3's
+    check); the resumed run equals an uninterrupted one exactly."""
+    import os
+    import signal
+
+    import attnlab.search.train as search_train
+    from attnlab.interrupt import Interrupted
+
+    lm = tiny_lm("llama")
+    common = dict(model="tiny", layers="2,5", d_search=8, context=32, n_contexts=2, corpus=corpus, split="all",
+                  log_every=1, checkpoint_every=10, eval_k=4, warmup=2, steps=5)
+    one = train_projections(SearchTrainConfig(**common, out=str(tmp_path / "one")), lm=lm, progress=False)
+    calls = {"n": 0}
+    real = search_train.step_losses
+
+    def signalled(*args, **kwargs):
+        calls["n"] += 1
+        if calls["n"] == 3:
+            os.kill(os.getpid(), getattr(signal, sig))
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(search_train, "step_losses", signalled)
+    with pytest.raises(Interrupted, match="stopped after step [34] of 5") as info:
+        train_projections(SearchTrainConfig(**common, out=str(tmp_path / "two")), lm=lm, progress=False)
+    assert info.value.exit_status == 128 + getattr(signal, sig)
+    monkeypatch.undo()
+    rest = train_projections(SearchTrainConfig(**common, out=str(tmp_path / "two")), lm=lm, progress=False)
+    assert rest["resumed_from"] == int(info.value.where.split("after step ")[1][0])
+    a, _, _ = SearchProjections.load(one["checkpoint"])
+    b, _, _ = SearchProjections.load(rest["checkpoint"])
+    assert all(torch.equal(v, b.state_dict()[k]) for k, v in a.state_dict().items())
+    log = [json.loads(line) for line in (tmp_path / "two" / "train_log.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in log] == [1, 2, 3, 4, 5]
