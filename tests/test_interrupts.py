@@ -206,7 +206,7 @@ def sweep_spec(folder: Path, steps: int) -> Path:
 
 
 def test_sweep_with_workers_stops_them_on_sigterm_refuses_a_manual_run_and_resumes(tmp_path, capsys):
-    spec = sweep_spec(tmp_path / "exp", steps=100)
+    spec = sweep_spec(tmp_path / "exp", steps=200)
     runs = [tmp_path / "exp" / "runs" / v / "seed0" for v in ("softmax", "hybrid")]
     sw = attnlab("sweep", spec, "--jobs", "2", "--no-progress")
     try:
@@ -224,10 +224,10 @@ def test_sweep_with_workers_stops_them_on_sigterm_refuses_a_manual_run_and_resum
     assert "sweep stopped" in err.strip().splitlines()[-1] and "resume with: attnlab sweep" in err, err[-2000:]
     for r in runs:  # each worker finished its step and saved it
         stopped = logged_steps(r)[-1]
-        assert 3 <= stopped < 100 and ckpt.latest_checkpoint(r / "checkpoints").name == ckpt.checkpoint_name(stopped)
+        assert 3 <= stopped < 200 and ckpt.latest_checkpoint(r / "checkpoints").name == ckpt.checkpoint_name(stopped)
     assert main(printed_command(err)) == 0
     for r in runs:
-        assert logged_steps(r) == list(range(1, 101))
+        assert logged_steps(r) == list(range(1, 201))
     assert json.loads((tmp_path / "exp" / "results.json").read_text())["runs"]
 
 

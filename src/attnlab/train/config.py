@@ -204,11 +204,15 @@ class RunSection:
     resume: bool = opt(False, "continue from the newest checkpoint in the run folder (a fresh start when there is none)")
     overwrite: bool = opt(False, "start afresh in a run folder that already holds logs or checkpoints, deleting them")
     threads: int = opt(0, "torch CPU threads (0 leaves the default)")
+    nproc: int = opt(1, "processes per run when a sweep launches it as a cluster job (--launcher): N > 1 starts "
+                        "torchrun --nproc_per_node=N inside the job (plain `attnlab train` uses torchrun itself)")
     progress: bool = opt(True, "show a progress bar with ETA")
     tensorboard: bool = opt(True, "also log to TensorBoard when torch.utils.tensorboard imports")
 
     def __post_init__(self):
         check_fields(self, "run.")
+        if self.nproc < 1:
+            raise ConfigError(f"run.nproc must be >= 1, got {self.nproc!r}")
 
 
 @dataclass

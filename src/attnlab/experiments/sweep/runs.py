@@ -297,9 +297,11 @@ def run(
     quiet: bool = False,
     command: str | None = None,
     plans: list[RunPlan] | None = None,
+    launcher=None,
 ) -> dict:
     """Train every run that is not finished (`jobs` at once), then write OUT/results.json,
-    report.md and plots from all run folders; returns the results dict."""
+    report.md and plots from all run folders; returns the results dict. With a
+    `attnlab.experiments.launch.Launcher`, each unfinished run is a submitit job instead."""
     from tqdm.auto import tqdm
 
     spec = spec if isinstance(spec, Spec) else load_spec(spec)
@@ -313,13 +315,19 @@ def run(
         print(f"sweep {spec.title!r}: {len(spec.variants)} variants x {len(spec.seeds)} seeds = {len(plans)} runs "
               f"({', '.join(f'{n} {s}' for s, n in counts.items() if n)}) in {out}", flush=True)
     jobs_list = [{"raw": p.raw, "state": p.state, "metrics": spec.metrics} for p in todo]
-    for folder in [out] + [p.run_dir for p in todo]:  # another sweep of it, or a manual run of one of its runs
+    collect = launcher is not None and launcher.kind == "slurm"  # its runs may be training in jobs left running
+    for folder in [out] + ([] if collect else [p.run_dir for p in todo]):  # another sweep, or a manual run
         check_free(folder)
     with FolderLock(out):
         bar = tqdm(total=len(plans), initial=len(plans) - len(todo), desc="sweep", unit="run", disable=not progress,
                    dynamic_ncols=True)
         try:
-            if jobs == 1 or len(todo) <= 1:
+            if launcher is not None:
+                from ..launch import SUBMITIT_DIR, SweepJob, launch
+
+                launch([(f"{p.variant}/seed{p.seed}", SweepJob(job)) for p, job in zip(todo, jobs_list)], launcher,
+                       out / SUBMITIT_DIR, bar=bar, stopped=lambda: _stopped(plans, todo), quiet=quiet)
+            elif jobs == 1 or len(todo) <= 1:
                 with interrupt.graceful():
                     for p, job in zip(todo, jobs_list):
                         bar.set_postfix_str(f"{p.variant}/seed{p.seed}")
