@@ -176,3 +176,40 @@ def test_full_baseline_is_computed_once_per_model_and_contexts(tmp_path, corpus,
     other = pack_contexts(texts[::-1], lm.encode, lm.eos_id, context=24, n_contexts=2, seed=None)
     sweep_mod.full_baseline(lm, other, tmp_path)  # other tokens: another file
     assert len(calls) == 6 and len(list(tmp_path.glob("full-*.json"))) == 2
+
+
+def test_trial_launcher_options_are_checked_before_any_work(tmp_path, corpus, capsys):
+    pytest.importorskip("submitit")
+    path = spec(tmp_path, corpus)
+    for bad, words in ((["--launcher", "local", "--slurm-time", "5"], "needs --launcher slurm"),
+                       (["--launcher", "local", "--report-only"], "--report-only"),
+                       (["--launcher", "slurm"], "not on PATH")):
+        assert main(["search", "trial", str(path), *bad]) == 2
+        err = capsys.readouterr().err.strip()
+        assert err.count("\n") == 0 and words in err, err
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["spec.toml"]
+
+
+@pytest.mark.slow
+def test_trial_through_the_local_launcher_equals_the_trial_in_one_process(tmp_path, corpus):
+    """`attnlab search trial --launcher local`: one submitit job per training folder (real subprocesses,
+    each loading the model from a folder), the same results as the trial run in this process."""
+    pytest.importorskip("submitit")
+    model = tmp_path / "model"  # a folder the jobs load the model from, as they would a real one
+    tiny_lm("llama").model.save_pretrained(model)
+    from attnlab.data.tokenizer import ByteTokenizer
+    from attnlab.hf.tokenizer import hf_tokenizer
+
+    hf_tokenizer(ByteTokenizer(), None).save_pretrained(model)
+    paths = {}
+    for name in ("here", "jobs"):
+        (tmp_path / name).mkdir()
+        paths[name] = spec(tmp_path / name, corpus)
+        paths[name].write_text(paths[name].read_text().replace('model = "tiny"', f'model = "{model.as_posix()}"'))
+    here = run_trial(load_trial(paths["here"]), progress=False)
+    path = paths["jobs"]
+    assert main(["search", "trial", str(path), "--launcher", "local"]) == 0
+    jobs = json.loads((tmp_path / "jobs" / "results.json").read_text())
+    assert jobs["variants"]["some"]["runs"] == here["variants"]["some"]["runs"]
+    assert sorted(json.loads((tmp_path / "jobs" / "submitit" / "jobs.json").read_text())) == [
+        "runs/some/seed0", "runs/some/seed1"]

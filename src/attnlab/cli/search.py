@@ -42,7 +42,21 @@ def add_search(sub) -> None:
 
         p.set_defaults(func=unavailable)
         return
-    add_search_commands(sub)
+    from attnlab.experiments.launch import add_launcher_options
+
+    add_search_commands(sub, trial_options=add_launcher_options)
+
+
+def _trial_launch(ns) -> None:
+    """`search trial --launcher ...`: check the options before anything (ConfigError names the option),
+    then hand run_trial a function that runs its jobs through attnlab.experiments.launch."""
+    from functools import partial
+
+    from attnlab.experiments.launch import launch, launcher_from_options
+
+    launcher = launcher_from_options(ns)
+    if launcher is not None:
+        ns.launch = lambda work, folder: partial(launch, launcher=launcher, folder=folder)(work)
 
 
 def _installed(name: str) -> bool:
@@ -58,8 +72,15 @@ def run_search(ns) -> int:
     missing = [name for name in HF_PACKAGES if not _installed(name)]
     if missing:
         raise _extra_error(missing)
+    from attnlab.experiments.launch import JobFailed
+
     try:
+        if getattr(ns, "search_command", None) == "trial":
+            _trial_launch(ns)
         return ns.func(ns)
+    except JobFailed as e:  # a cluster job raised: one line naming its log, exit 1
+        print(f"error: {e}", file=sys.stderr)
+        return 1
     except ImportError as e:
         missing_now = _missing_extra(e)
         if missing_now is None:

@@ -93,7 +93,7 @@ def _trial(args) -> int:
     from .trial import load_trial, run_trial
 
     trial = load_trial(args.spec)  # every run's configs checked before any work
-    res = run_trial(trial, report_only=args.report_only)
+    res = run_trial(trial, report_only=args.report_only, launch=getattr(args, "launch", None))
     for v in res["verdicts"]:
         print(f"{v.get('name') or v['metric']}: {v['outcome']} ({v['reason']})")
     print(f"wrote {trial.out}/results.json, report.md")
@@ -119,9 +119,11 @@ def _tasks(args) -> int:
     return 0
 
 
-def add_search_commands(subparsers) -> argparse.ArgumentParser:
+def add_search_commands(subparsers, trial_options=None) -> argparse.ArgumentParser:
     """Register `search` with `train` and `eval` under an argparse subparsers object. Each leaf
-    parser sets `func`; the caller runs `args.func(args)` (returns an exit code)."""
+    parser sets `func`; the caller runs `args.func(args)` (returns an exit code). `trial_options(parser)`
+    adds options to `search trial` (the main CLI's --launcher options); the caller then sets
+    `args.launch(work, folder)` for `run_trial`."""
     search = subparsers.add_parser("search", help="learned search projections on a frozen pretrained LM")
     sub = search.add_subparsers(dest="search_command", required=True)
     d = SearchTrainConfig()
@@ -204,5 +206,7 @@ def add_search_commands(subparsers) -> argparse.ArgumentParser:
     r = sub.add_parser("trial", help="a learned-search experiment over training seeds: train, evaluate, report, verdict")
     r.add_argument("spec", metavar="SPEC.toml", help="the trial spec (format in attnlab.search.trial)")
     r.add_argument("--report-only", action="store_true", help="rebuild results.json and report.md from finished runs")
+    if trial_options is not None:
+        trial_options(r)
     r.set_defaults(func=_trial)
     return search

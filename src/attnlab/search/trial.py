@@ -39,6 +39,7 @@ import json
 import statistics
 from dataclasses import MISSING, asdict, dataclass, field, fields
 from pathlib import Path
+from typing import Callable
 
 from attnlab import interrupt
 from attnlab.data.cache import atomic_write_text
@@ -176,27 +177,70 @@ def _finished(cfg: EvalConfig) -> dict | None:
     return res if have == want and len(res.get("rows", [])) == n and "full" in res else None
 
 
-def run_trial(trial: Trial, lm: FrozenLM | None = None, progress: bool = True, report_only: bool = False) -> dict:
+def run_trial(trial: Trial, lm: FrozenLM | None = None, progress: bool = True, report_only: bool = False,
+              launch: Callable[[list, Path], object] | None = None) -> dict:
     """Train and evaluate every run that is not finished, then write OUT/results.json and report.md.
     OUT is locked meanwhile; SIGINT/SIGTERM stop it after the current step (training) or evaluation,
-    and the same command resumes."""
+    and the same command resumes. `launch(work, folder)`: run `trial_jobs(trial)` as cluster jobs
+    instead (attnlab.experiments.launch, which `attnlab search trial --launcher` passes in)."""
     check_free(trial.out)
     with FolderLock(trial.out), interrupt.graceful():
-        return _run_trial(trial, lm, progress, report_only)
+        if launch is not None and not report_only:
+            work = trial_jobs(trial)
+            if work:
+                launch(work, trial.out / "submitit")
+        else:
+            for tc, ev in _todo(trial, report_only):
+                _train_and_evaluate(tc, ev, trial.out, lm, progress)
+        return write_report(trial)
 
 
-def _run_trial(trial: Trial, lm: FrozenLM | None, progress: bool, report_only: bool) -> dict:
-    seen = set()
+def _todo(trial: Trial, report_only: bool = False) -> list[tuple[SearchTrainConfig, EvalConfig]]:
+    """(training, evaluation) of every run whose evaluation is not finished."""
+    seen, todo = set(), []
     for run in trial.runs:
         first = run.variant not in seen
         seen.add(run.variant)
         cfg = _eval_config(run, first)
-        if report_only or cfg is None or _finished(cfg) is not None:
-            continue
-        if cfg.checkpoint:
-            train_projections(run.train, lm=lm, progress=progress)
-        run_eval(cfg, lm=lm, progress=progress, full_cache=trial.out / "runs" / "full")
-    return write_report(trial)
+        if not (report_only or cfg is None or _finished(cfg) is not None):
+            todo.append((run.train, cfg))
+    return todo
+
+
+def _train_and_evaluate(tc: SearchTrainConfig, ev: EvalConfig, out: Path, lm: FrozenLM | None, progress: bool) -> None:
+    if ev.checkpoint:
+        train_projections(tc, lm=lm, progress=progress)
+    run_eval(ev, lm=lm, progress=progress, full_cache=out / "runs" / "full")
+
+
+class TrialJob:
+    """The unfinished runs of a trial that share one training, as one cluster job: train (or resume) the
+    projections, then evaluate each. Running it again resumes (training from its checkpoint; finished
+    evaluations are skipped), so submitit's `checkpoint()` (time limit, preemption) hands back the same job."""
+
+    def __init__(self, items: list[tuple[SearchTrainConfig, EvalConfig]], out: str):
+        self.items, self.out = items, out
+
+    def __call__(self) -> int:
+        with interrupt.graceful():
+            for tc, ev in self.items:
+                if _finished(ev) is None:
+                    _train_and_evaluate(tc, ev, Path(self.out), None, False)
+        return len(self.items)
+
+    def checkpoint(self, *args, **kwargs):
+        import submitit
+
+        return submitit.helpers.DelayedSubmission(TrialJob(self.items, self.out))
+
+
+def trial_jobs(trial: Trial) -> list[tuple[str, TrialJob]]:
+    """One (name, job) per training folder with unfinished runs (runs sharing a training share a job)."""
+    groups: dict[str, list] = {}
+    for tc, ev in _todo(trial):
+        groups.setdefault(tc.out, []).append((tc, ev))
+    return [(Path(folder).relative_to(trial.out).as_posix() if Path(folder).is_relative_to(trial.out) else folder,
+             TrialJob(items, str(trial.out))) for folder, items in groups.items()]
 
 
 def _row_metrics(res: dict, n_sets: int) -> dict:
