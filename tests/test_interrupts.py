@@ -222,9 +222,10 @@ def test_sweep_with_workers_stops_them_on_sigterm_refuses_a_manual_run_and_resum
         sw.kill()
     assert sw.returncode == 143, err[-3000:]
     assert "sweep stopped" in err.strip().splitlines()[-1] and "resume with: attnlab sweep" in err, err[-2000:]
-    for r in runs:  # each worker finished its step and saved it
-        stopped = logged_steps(r)[-1]
-        assert 3 <= stopped < 200 and ckpt.latest_checkpoint(r / "checkpoints").name == ckpt.checkpoint_name(stopped)
+    stopped = {r: logged_steps(r)[-1] for r in runs}  # a worker finished its step and saved it (a fast one
+    assert any(s < 200 for s in stopped.values()), stopped  # may have finished its run before the signal)
+    for r, step in stopped.items():
+        assert ckpt.latest_checkpoint(r / "checkpoints").name == ckpt.checkpoint_name(step)
     assert main(printed_command(err)) == 0
     for r in runs:
         assert logged_steps(r) == list(range(1, 201))

@@ -23,6 +23,7 @@ from typing import Sequence
 from ._common import EXIT_USAGE, UsageError, command_line, Formatter, Parser
 from .eval import cmd_eval
 from .export import add_export
+from .retrofit import add_retrofit
 from .search import add_search, run_search
 from .sweep import add_sweep
 from .train import cmd_quickstart, cmd_train
@@ -145,6 +146,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_sweep(sub)
     add_search(sub)
     add_export(sub)
+    add_retrofit(sub)
     return parser
 
 

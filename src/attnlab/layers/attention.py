@@ -89,7 +89,7 @@ class Attention(nn.Module):
         self.n_dot, self.n_kv = c.n_dot_heads, c.n_kv_heads  # vector-scoring heads and their kv groups
         self.n_scalar = self.scalar_heads(c)  # heads with scalar queries/keys
         self.build(c)
-        self.gate = OutputGate(c.output_gate, c.d_model, c.n_heads, c.head_dim) if c.output_gate else None
+        self.gate = OutputGate(c.output_gate, c.d_model, c.n_heads, c.head_dim, c.output_gate_scale) if c.output_gate else None
         self.wo = nn.Linear(c.n_heads * c.head_dim, c.d_model, bias=c.bias)
         self.last: AttentionRecord | None = None
 

@@ -21,11 +21,13 @@ from .params import TAU_PARAMS
 
 # Fields every mechanism reads; each mechanism class lists the others it reads in `options`.
 LAYER_IMPLS = (*IMPLS, "approx")  # "approx": scalar heads only (see AttentionConfig)
-SHARED_FIELDS = ("d_model", "n_heads", "mechanism", "head_dim", "output_gate", "bias", "impl")
+SHARED_FIELDS = ("d_model", "n_heads", "mechanism", "head_dim", "output_gate", "output_gate_scale", "bias", "impl")
 TAU_MODES = ("global", "head", "token")
 PARAM_FORMS = ("constant", "layer", "head", "query")
 V0_FORMS = ("zero", "layer", "head")
 OUTPUT_GATES = (None, "elementwise", "headwise", "prenorm")
+GOAT_WIDTHS = ("shared", "extra")
+GOAT_PRIOR_INITS = ("alibi", "zero")
 
 
 # --------------------------------------------------------------------------- typed fields
@@ -167,6 +169,9 @@ class AttentionConfig:
       tau_param       "softplus" (τ = 1e-6 + softplus(raw)) or "log" (τ = 1e-6 + exp(raw)): the
                       parameter the optimizer moves; in log space a step changes τ relatively.
       tau_max         optional upper cap: τ = 1e-6 + (tau_max − 1e-6)·sigmoid(raw), smooth, ≤ tau_max.
+      scalar_gain     "hybrid" only: None (default), or a learned per-head scale λ on the scalar
+                      term, q·k/√d − λ(qs − ks)²/τ, starting at this value. 0.0 starts exactly at
+                      standard attention with a nonzero gradient on λ (docs/retrofit.md).
       sink            add a learned sink: one extra key, visible to every query, with fixed
                       scalar key `sink_key` (and a zero vector key for hybrid heads) and a learned
                       value per value group.
@@ -192,12 +197,22 @@ class AttentionConfig:
       goat_base       base of both frequency ladders, w_r = base^(−r/(R−1)).
       goat_train_len  positions are normalised by this length in the key-only term (a model sets
                       it to its max_seq_len), so a layer's output never depends on T.
+      goat_width      "shared" (default): the content q·k uses head_dim − 2R − 1 dims and the prior
+                      the rest; "extra": q·k keeps all head_dim dims and the prior is appended
+                      (as a retrofit of a pretrained head needs).
+      goat_prior_init "alibi" (default: the authors' init, ALiBi recency slopes) or "zero": the
+                      log-prior starts at exactly 0 (zero spectral weights, network output and
+                      bump; a linear slope from 0), every piece with a nonzero gradient.
+      goat_rope       RoPE on GOAT's q and k (with rope_base; default off: the prior carries
+                      position); a retrofit of a RoPE model turns it on.
 
     Everything
       output_gate     None | "elementwise" | "headwise": post-readout sigmoid gate from the layer
                       input, zero-initialised weights (starts at sigmoid(0) = 0.5), applied
                       before the output projection. "prenorm" (cosformer only): the gate on
                       the numerator over a per-head gate on the normaliser, σ(g) / σ(g').
+      output_gate_scale  c in the gate c·σ(x W_g) (elementwise, headwise; default 1). With c = 2
+                      the gate starts at exactly 1, the identity (docs/retrofit.md).
       bias            biases in the q/k/v/output projections.
       impl            the ops' "auto" | "naive" | "fast"; "approx" (mechanism "scalar" only): the
                       scalar heads run `attnlab.ops.scalar_attention_approx` (docs/mechanisms.md#
@@ -219,6 +234,7 @@ class AttentionConfig:
     tau_init: float = 0.1
     tau_param: str = "softplus"
     tau_max: float | None = None
+    scalar_gain: float | None = None
     sink: bool = False
     sink_key: float = 0.0
     alpha: str = "head"
@@ -237,7 +253,11 @@ class AttentionConfig:
     goat_abs_rank: int = 8
     goat_base: float = 10000.0
     goat_train_len: int = 1024
+    goat_width: str = "shared"
+    goat_prior_init: str = "alibi"
+    goat_rope: bool = False
     output_gate: str | None = None
+    output_gate_scale: float = 1.0
     bias: bool = False
     impl: str = "auto"
 
@@ -305,7 +325,7 @@ class AttentionConfig:
         else:
             _pos("scale", self.scale)
         _pos("p", self.p)
-        if self.rope and self.head_dim % 2:
+        if (self.rope or self.goat_rope) and self.head_dim % 2:
             raise _err("rope", self.rope, f"an even head_dim to rotate pairs (head_dim={self.head_dim})")
         _pos("rope_base", self.rope_base)
         if self.tau not in TAU_MODES:
@@ -331,6 +351,14 @@ class AttentionConfig:
         _pos("gla_normalizer", self.gla_normalizer)
         if self.output_gate not in OUTPUT_GATES:
             raise _err("output_gate", self.output_gate, f"one of {OUTPUT_GATES}")
+        _pos("output_gate_scale", self.output_gate_scale)
+        if self.output_gate_scale != 1.0 and self.output_gate not in ("elementwise", "headwise"):
+            raise _err("output_gate_scale", self.output_gate_scale,
+                       f"1.0 unless output_gate is 'elementwise' or 'headwise' (output_gate={self.output_gate!r})")
+        if self.goat_width not in GOAT_WIDTHS:
+            raise _err("goat_width", self.goat_width, f"one of {GOAT_WIDTHS}")
+        if self.goat_prior_init not in GOAT_PRIOR_INITS:
+            raise _err("goat_prior_init", self.goat_prior_init, f"one of {GOAT_PRIOR_INITS}")
         if self.output_gate == "prenorm" and self.mechanism != "cosformer":
             raise _err("output_gate", self.output_gate, "'prenorm' only with mechanism 'cosformer' (the normalised "
                        "linear attention it gates the normaliser of)")

@@ -10,6 +10,10 @@ the output projection absorbs in the first steps, while the gate's gradient is l
 ô = (o ⊙ σ(g)) / (z · σ(g')), the numerator o gated per channel and the normaliser z by a separate
 per-head gate g'. Since the readout is o / z, that is the readout times σ(g) / σ(g'), a factor in
 (0, ∞) that starts at 1 (both projections zero-initialised).
+
+`scale` c (elementwise, headwise) makes the gate c·σ(x W_g): c = 2 starts it at exactly 1, so a
+layer given a gate computes what it computed without one (a retrofit's exact start,
+docs/retrofit.md), while W_g's gradient, 2σ'(0) = 0.5 per unit, is as large as ever.
 """
 
 from __future__ import annotations
@@ -19,11 +23,15 @@ from torch import nn
 
 
 class OutputGate(nn.Module):
-    def __init__(self, mode: str, d_model: int, n_heads: int, d_v: int):
+    def __init__(self, mode: str, d_model: int, n_heads: int, d_v: int, scale: float = 1.0):
         super().__init__()
         if mode not in ("elementwise", "headwise", "prenorm"):
             raise ValueError(f"mode must be 'elementwise', 'headwise' or 'prenorm', got {mode!r}")
-        self.mode, self.n_heads = mode, n_heads
+        if not (isinstance(scale, (int, float)) and not isinstance(scale, bool) and 0 < scale < float("inf")):
+            raise ValueError(f"scale must be a finite number > 0, got {scale!r}")
+        if mode == "prenorm" and scale != 1.0:
+            raise ValueError(f"scale must be 1.0 for mode 'prenorm' (it starts at 1 already), got {scale!r}")
+        self.mode, self.n_heads, self.scale = mode, n_heads, float(scale)
         self.width = {"elementwise": d_v, "headwise": 1, "prenorm": d_v + 1}[mode]  # prenorm: D channels + g'
         self.proj = nn.Linear(d_model, n_heads * self.width, bias=False)
         nn.init.zeros_(self.proj.weight)
@@ -34,4 +42,4 @@ class OutputGate(nn.Module):
         g = torch.sigmoid(self.proj(x)).view(B, T, self.n_heads, self.width).transpose(1, 2)  # (B, H, T, W)
         if self.mode == "prenorm":
             return g[..., :-1] / g[..., -1:]  # sigma(g) / sigma(g'): numerator gate over normaliser gate
-        return g
+        return g if self.scale == 1.0 else g * self.scale

@@ -81,10 +81,11 @@ def scalar_logits(qs, ks, tau, causal: bool = True) -> torch.Tensor:
     return logits if not causal else logits.masked_fill(~visible_keys(T, ks.shape[2], True, qs.device), float("-inf"))
 
 
-def hybrid_logits(q, k, qs, ks, tau, causal: bool = True) -> torch.Tensor:
-    """q_t . k_s / sqrt(d) - (qs_t - ks_s)^2 / tau_t as (B, H, Tq, Tk), -inf where key s is hidden.
+def hybrid_logits(q, k, qs, ks, tau, causal: bool = True, scalar_scale=None) -> torch.Tensor:
+    """q_t . k_s / sqrt(d) - lam (qs_t - ks_s)^2 / tau_t as (B, H, Tq, Tk), -inf where key s is hidden.
 
-    k may have G heads dividing H (GQA). Materialises Tq x Tk (see `scalar_logits`).
+    k may have G heads dividing H (GQA). lam: `scalar_scale` (see `hybrid_attention`), 1 when None.
+    Materialises Tq x Tk (see `scalar_logits`).
     """
     B, H, T, D = check_qkv(q, k, k, causal)  # no values here: k stands in for v's checks
     _check_scalars(qs, ks, q, "q", causal)
@@ -94,6 +95,10 @@ def hybrid_logits(q, k, qs, ks, tau, causal: bool = True) -> torch.Tensor:
             f"from q and k, got {tuple(qs.shape)} and {tuple(ks.shape)}"
         )
     scal = scalar_logits(qs, ks, tau, causal)  # (B, H, Tq, Tk)
+    if scalar_scale is not None:  # hidden keys stay -inf; the product never sees them (no 0 * inf in grads)
+        lam = _scalar_scale(scalar_scale, H, scal.dtype, q.device)[..., None]  # (1, H, 1, 1)
+        hidden = torch.isinf(scal)
+        scal = (scal.masked_fill(hidden, 0.0) * lam).masked_fill(hidden, float("-inf"))
     dots = q.to(scal.dtype) @ expand_heads(k, H).to(scal.dtype).transpose(-1, -2)
     return dots / math.sqrt(D) + scal
 
@@ -124,13 +129,17 @@ def scalar_attention(qs, ks, v, tau, *, causal: bool = True, impl: str = "auto")
     return fused_attention(qa, ka, v.to(cdt), causal=causal).to(v.dtype)
 
 
-def hybrid_attention(q, k, v, qs, ks, tau, *, causal: bool = True, impl: str = "auto") -> torch.Tensor:
-    """Hybrid attention o_t = sum_s softmax_s(q_t . k_s / sqrt(d) - (qs_t - ks_s)^2 / tau_t) v_s.
+def hybrid_attention(q, k, v, qs, ks, tau, *, causal: bool = True, impl: str = "auto",
+                     scalar_scale=None) -> torch.Tensor:
+    """Hybrid attention o_t = sum_s softmax_s(q_t . k_s / sqrt(d) - lam (qs_t - ks_s)^2 / tau_t) v_s.
 
     q (B, H, Tq, D); k (B, G, Tk, D), v (B, G', Tk, Dv) with G, G' dividing H (GQA);
     qs (B, H, Tq), ks (B, H, Tk); tau > 0: a float, (H,) or (B, H, Tq); Tq <= Tk under causal
     masking (queries at the last positions). Returns (B, H, Tq, Dv) in v's dtype.
     As tau -> inf this is standard scaled dot-product attention.
+    scalar_scale: lam >= 0, a float or (H,) tensor (None: lam = 1) scaling the scalar term; at
+    lam = 0 this is exactly standard attention, and the gradient of lam is not zero there
+    (docs/retrofit.md: the hybrid's silent start). Gradients reach a tensor scalar_scale.
 
     impl: "naive" materialises the (T, T) logits; "fast"/"auto" runs one fused SDPA call on
     [q / sqrt(d), q'] . [k, k'] with the shifted scalar parts of the module docstring.
@@ -145,16 +154,31 @@ def hybrid_attention(q, k, v, qs, ks, tau, *, causal: bool = True, impl: str = "
             f"from q and k, got {tuple(qs.shape)} and {tuple(ks.shape)}"
         )
     if impl == "naive":
-        w = torch.softmax(hybrid_logits(q, k, qs, ks, tau, causal), dim=-1)  # (B, H, Tq, Tk)
+        w = torch.softmax(hybrid_logits(q, k, qs, ks, tau, causal, scalar_scale), dim=-1)  # (B, H, Tq, Tk)
         return (w @ expand_heads(v, H).to(w.dtype)).to(v.dtype)  # (B, H, Tq, Dv)
     cdt = upcast(q.dtype)
     inv_tau = 1.0 / _tau(tau, B, H, T, cdt, q.device)
+    if scalar_scale is not None:
+        inv_tau = inv_tau * _scalar_scale(scalar_scale, H, cdt, q.device)  # lam / tau: (1|B, H, 1|T)
     qa, ka = _augment(qs, ks, inv_tau, cdt, causal)  # (B, H, T, 2) each
     G = math.lcm(k.shape[1], v.shape[1])  # one grouping for keys and values
     qa, ka = _slots(qa, ka, G)  # (B, H, Tq, 2H/G), (B, G, Tk, 2H/G)
     qa = torch.cat([q.to(cdt) * (1.0 / math.sqrt(D)), qa], dim=-1)  # (B, H, T, D + 2H/G)
     ka = torch.cat([expand_heads(k, G).to(cdt), ka], dim=-1)  # (B, G, T, D + 2H/G)
     return fused_attention(qa, ka, expand_heads(v, G).to(cdt), causal=causal).to(v.dtype)
+
+
+def _scalar_scale(scale, H: int, dtype, device) -> torch.Tensor:
+    """The hybrid's scalar-term scale lam (a float >= 0 or an (H,) tensor) as (1, H, 1)."""
+    if isinstance(scale, torch.Tensor):
+        if tuple(scale.shape) != (H,) or not scale.is_floating_point():
+            raise ValueError(f"scalar_scale must be a float or a floating (H,) = ({H},) tensor, got shape "
+                             f"{tuple(scale.shape)} dtype {scale.dtype}")
+        check_finite("scalar_scale", scale)
+        return scale.to(dtype=dtype, device=device)[None, :, None]
+    if isinstance(scale, bool) or not isinstance(scale, (int, float)) or not 0 <= scale < math.inf:
+        raise ValueError(f"scalar_scale must be a finite float >= 0 or an (H,) tensor, got {scale!r}")
+    return torch.full((1, H, 1), float(scale), dtype=dtype, device=device)
 
 
 def _check_values(v, qs, B: int, H: int, T: int) -> None:

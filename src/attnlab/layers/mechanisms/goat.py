@@ -2,9 +2,14 @@
 (docs/mechanisms.md#goat; arXiv 2601.15380). The op is `attnlab.ops.goat_attention`; this module
 owns the prior's parameters (`GoatPrior`) and evaluates its key-only term for the positions at hand.
 
-GOAT carries position in its prior and takes no RoPE. Each head's width is shared: the content
-dot product uses head_dim − 2R − 1 dims and the prior the rest, as in the authors' module, so the
-fused kernel runs at the head size of standard attention.
+GOAT carries position in its prior and takes no RoPE by default. Each head's width is shared: the
+content dot product uses head_dim − 2R − 1 dims and the prior the rest, as in the authors' module,
+so the fused kernel runs at the head size of standard attention.
+
+For a retrofit of a pretrained RoPE model (docs/retrofit.md): `goat_width="extra"` keeps all
+head_dim dims for q·k and appends the prior's 2R + 1 columns, `goat_rope=True` keeps the model's
+rotation, and `goat_prior_init="zero"` starts the log-prior at exactly 0, so the layer starts as
+the model's softmax attention.
 """
 
 from __future__ import annotations
@@ -18,10 +23,12 @@ from torch import nn
 from ...cache.kv import KVCache
 from ...ops import goat_attention
 from ..attention import Attention
+from ..rope import RotaryEmbedding
 from ..record import Projected
 from . import register
 
 GOAT_OPTIONS = ("goat_rank", "goat_abs_rank", "goat_base", "goat_train_len")
+GOAT_LAYER_OPTIONS = ("goat_width", "goat_prior_init", "goat_rope", "rope_base")  # "goat" only, not goat_hybrid
 
 
 def check_goat_options(config, extra: int = 0) -> None:
@@ -31,13 +38,16 @@ def check_goat_options(config, extra: int = 0) -> None:
     for name in ("goat_rank", "goat_abs_rank", "goat_train_len"):
         config.require_int(name)
     config.require_positive("goat_base")
-    if content_dim(config, extra) < 1:
+    if getattr(config, "goat_width", "shared") == "shared" and content_dim(config, extra) < 1:
         raise config.error("goat_rank", config.goat_rank,
                            f"2·goat_rank + {1 + extra} < head_dim={config.head_dim} (the prior shares the head's width)")
 
 
 def content_dim(config, extra: int = 0) -> int:
-    """Width of the content q·k: head_dim less the prior's 2R + 1 columns (and `extra` more)."""
+    """Width of the content q·k: head_dim less the prior's 2R + 1 columns (and `extra` more), or all
+    of head_dim with goat_width="extra"."""
+    if getattr(config, "goat_width", "shared") == "extra":
+        return config.head_dim
     return config.head_dim - 2 * config.goat_rank - 1 - extra
 
 
@@ -60,12 +70,18 @@ class GoatPrior(nn.Module):
 
     with f a two-layer SiLU network (hidden width 4, no output bias) of [cos ν_m j, sin ν_m j, j / L, log(1 + j) / log(1 + L)],
     L = train_len. Initialised as the authors do: lam_sym ~ N(0, 0.01²), lam_asym = 0, f's weights
-    ~ N(0, init_scale²), gain 1, bump 0, slopes the ALiBi slopes of G heads."""
+    ~ N(0, init_scale²), gain 1, bump 0, slopes the ALiBi slopes of G heads.
+
+    init="zero": the prior starts at exactly 0 with a gradient on every piece: lam_sym = 0, f's output
+    weights 0 (its hidden layer random), and the slope is slope_raw itself (starting at 0; softplus
+    could only reach 0 in the limit), so u_j = gain_g · f + bump_g · [j = 0] + slope_g · j."""
 
     def __init__(self, n_groups: int, rank: int, abs_rank: int, base: float, train_len: int,
-                 causal: bool = True, init_scale: float = 1e-3):
+                 causal: bool = True, init_scale: float = 1e-3, init: str = "alibi"):
         super().__init__()
-        self.causal, self.train_len = causal, train_len
+        if init not in ("alibi", "zero"):
+            raise ValueError(f"init must be 'alibi' or 'zero', got {init!r}")
+        self.causal, self.train_len, self.init = causal, train_len, init
         self.register_buffer("freqs", base ** (-torch.arange(rank, dtype=torch.float32) / max(rank - 1, 1)))
         self.register_buffer("abs_freqs", base ** (-torch.arange(abs_rank, dtype=torch.float32) / max(abs_rank - 1, 1)))
         self.lam_sym = nn.Parameter(torch.randn(n_groups, rank) * 1e-2)
@@ -81,6 +97,11 @@ class GoatPrior(nn.Module):
         self.bump = nn.Parameter(torch.zeros(n_groups))
         slopes = alibi_slopes(n_groups)
         self.slope_raw = nn.Parameter(slopes + torch.log(-torch.expm1(-slopes)))  # softplus^-1
+        if init == "zero":
+            with torch.no_grad():
+                self.lam_sym.zero_()
+                self.fc2.weight.zero_()
+                self.slope_raw.zero_()
 
     def key_term(self, n_keys: int) -> torch.Tensor:
         """u for key positions 0 .. n_keys − 1: (1, G, n_keys), float32."""
@@ -91,19 +112,23 @@ class GoatPrior(nn.Module):
         f = self.fc2(F.silu(self.fc1(feats))).squeeze(-1).float()  # (n,)
         u = self.gain[:, None] * f[None, :] + self.bump[:, None] * (t == 0).float()[None, :]
         if self.causal:
-            u = u + F.softplus(self.slope_raw)[:, None] * t[None, :]
+            slope = self.slope_raw if self.init == "zero" else F.softplus(self.slope_raw)
+            u = u + slope[:, None] * t[None, :]
         return u[None]  # (1, G, n)
 
 
 @register
 class GoatAttention(Attention):
     mechanism = "goat"
-    options = ("n_kv_heads", *GOAT_OPTIONS)
+    options = ("n_kv_heads", *GOAT_OPTIONS, *GOAT_LAYER_OPTIONS)
 
     @classmethod
     def configure(cls, config) -> None:
         config.set_vector_heads(config.n_heads)
         check_goat_options(config)
+        if config.goat_rope and content_dim(config) % 2:
+            raise config.error("goat_rope", True, f"an even q·k width to rotate pairs; it is {content_dim(config)} "
+                               f"(goat_width={config.goat_width!r}; 'extra' keeps head_dim={config.head_dim})")
 
     @classmethod
     def model_defaults(cls, max_seq_len: int) -> dict:
@@ -111,7 +136,10 @@ class GoatAttention(Attention):
 
     def build(self, c) -> None:
         self.build_vectors(c, c.n_heads, content_dim(c))
-        self.prior = GoatPrior(self.n_kv, c.goat_rank, c.goat_abs_rank, c.goat_base, c.goat_train_len)
+        if c.goat_rope:  # a field of its own, so a model-wide `rope` never reaches GOAT layers
+            self.rope = RotaryEmbedding(self.qk_dim, c.rope_base)
+        self.prior = GoatPrior(self.n_kv, c.goat_rank, c.goat_abs_rank, c.goat_base, c.goat_train_len,
+                               init=c.goat_prior_init)
 
     def goat(self, q, k, v, impl, **scalar):
         pr = self.prior

@@ -3,10 +3,18 @@
 The scalar part (projections, τ, sink, the plain or sorted decode cache) is the scalar
 mechanism's; this class adds the vector queries/keys to the score and reads the vector values.
 As τ → ∞ it is standard scaled dot-product attention.
+
+`scalar_gain` (None by default) adds a learned per-head scale λ on the scalar term,
+q·k/√d − λ(qs − ks)²/τ; at λ = 0 the layer is exactly standard attention, yet λ's gradient is not
+zero there (docs/retrofit.md). Decoding then reads every key (no sorted cache).
 """
 
 from __future__ import annotations
 
+import torch
+from torch import nn
+
+from ...cache.kv import KVCache
 from ...ops import hybrid_attention
 from ..record import Projected
 from . import register
@@ -16,8 +24,13 @@ from .scalar import SCALAR_OPTIONS, ScalarAttention
 @register
 class HybridAttention(ScalarAttention):
     mechanism = "hybrid"
-    options = (*SCALAR_OPTIONS, "n_kv_heads", "rope", "rope_base")
+    options = (*SCALAR_OPTIONS, "scalar_gain", "n_kv_heads", "rope", "rope_base")
     value_key = "v"
+
+    def build(self, c) -> None:
+        super().build(c)
+        gain = getattr(c, "scalar_gain", None)  # the learned λ, (H,); None (no parameter) when not configured
+        self.register_parameter("scalar_scale", None if gain is None else nn.Parameter(torch.full((self.n_scalar,), float(gain))))
 
     @classmethod
     def configure(cls, config) -> None:
@@ -48,7 +61,32 @@ class HybridAttention(ScalarAttention):
         return p.q, p.k
 
     def scalar_op(self, qs, ks, vals, tau, q, k, impl):
-        return hybrid_attention(q, k, vals, qs, ks, tau, causal=True, impl=impl)
+        return hybrid_attention(q, k, vals, qs, ks, tau, causal=True, impl=impl, scalar_scale=self.scalar_scale)
+
+    def _no_gain(self, what: str) -> None:
+        if self.scalar_scale is not None:
+            raise ValueError(f"{what}: the sorted scalar cache and the key windows know nothing of the learned scalar "
+                             f"gain (scalar_gain={self.config.scalar_gain}); decode this layer exactly (window=None)")
+
+    def scalar_readout(self, qs, ks, vals, tau, q, k, impl, n_prefix: int):
+        if self.decode_window is not None or self.decode_budget is not None or self.decode_select is not None:
+            self._no_gain("decode_window/decode_budget/decode_select")
+        return super().scalar_readout(qs, ks, vals, tau, q, k, impl, n_prefix)
+
+    def attention_weights(self, x):
+        if self.scalar_scale is not None:  # the readout of identity values, through scalar_op and its gain
+            return super(ScalarAttention, self).attention_weights(x)
+        return super().attention_weights(x)
+
+    def scalar_cache(self, batch_size: int, window):
+        if self.scalar_scale is None:
+            return super().scalar_cache(batch_size, window)
+        if window is not None:
+            self._no_gain(f"window={window}")
+        cache = KVCache(batch_size)  # every key; each step is the op (and its gain) in its offset form
+        if self.config.sink:
+            cache.append(**self.sink_entry(batch_size))
+        return cache
 
     def attend(self, p: Projected, values=None, impl: str | None = None):
         scal = qs, ks, vals, tau, q, k, n_pre = self.with_sink(p)

@@ -1,0 +1,27 @@
+"""Retrofit a pretrained Hugging Face Llama / Qwen2 model with any attnlab mechanism (needs the [hf] extra).
+
+    from attnlab.retrofit import retrofit, save
+    model = retrofit("smollm2", layers="middle6", attn="hybrid")        # an AttnlabForCausalLM
+    model = retrofit(hf_model, layers=[1, 2], attn="softmax", settings={"output_gate": "elementwise"})
+    save(model, "runs/retrofit/hybrid", tokenizer=tok)                    # from_pretrained after `import attnlab.hf`
+
+The chosen layers get attnlab's layer for the mechanism, built from the registry through
+`AttentionConfig` and holding the model's q/k/v/o weights, GQA layout and RoPE; every other
+layer becomes attnlab's softmax layer, equal to the model's own. Exact starts (docs/retrofit.md)
+make the retrofitted model compute the original's logits where the math allows. `convert.py`
+holds the config plan and the weight copy; `io.py` loading by spec and the atomic folder write.
+"""
+
+from __future__ import annotations
+
+from .convert import (
+    FAMILIES, PRINCIPLED_START, Plan, RetrofitError, convert, logit_error, new_parameters, plan,
+    principled_logit_bound, start_overrides,
+)
+from .io import check_out, load_source, parse_settings, plan_source, retrofit, save
+
+__all__ = [
+    "FAMILIES", "PRINCIPLED_START", "Plan", "RetrofitError", "check_out", "convert", "load_source", "logit_error",
+    "new_parameters", "parse_settings", "plan", "plan_source", "principled_logit_bound", "retrofit", "save",
+    "start_overrides",
+]

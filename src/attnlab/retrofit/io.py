@@ -1,0 +1,148 @@
+"""Loading a model to retrofit by spec, `--set` values, and writing the result as an HF folder.
+
+    OUT/  config.json  model.safetensors  generation_config.json  (tokenizer files)  retrofit.json
+
+The folder is built in a hidden temporary sibling, loaded back and checked (same logits within
+1e-6 relative), and renamed into place, under `FolderLock(out, beside=True)`: a failure leaves no
+OUT behind, and a second writer of the same OUT gets FolderBusy before any work.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import shutil
+import tempfile
+from pathlib import Path
+
+import torch
+
+from attnlab.lock import FolderLock, check_free
+
+from .convert import Plan, RetrofitError, convert, logit_error, plan
+
+
+def parse_settings(items: list[str] | dict | None) -> dict:
+    """`KEY=VALUE` words (values as TOML literals, bare words as strings, none/null as None) -> dict."""
+    from attnlab.layers import AttentionConfig
+    from attnlab.train.config import parse_value
+
+    if isinstance(items, dict) or items is None:
+        return dict(items or {})
+    fields = {f.name for f in dataclasses.fields(AttentionConfig) if f.init}
+    out = {}
+    for item in items:
+        key, eq, text = item.partition("=")
+        key = key.strip()
+        if not eq or not key:
+            raise RetrofitError(f"--set {item!r} must look like KEY=VALUE (e.g. output_gate=elementwise)")
+        if key not in fields:
+            raise RetrofitError(f"--set {key}: unknown AttentionConfig field; known: {', '.join(sorted(fields))}")
+        value = parse_value(text)
+        out[key] = None if isinstance(value, str) and value.lower() in ("none", "null") else value
+    return out
+
+
+def _source(spec: str):
+    from attnlab.search.hf_model import DEFAULT_MODEL, resolve_source
+
+    if not isinstance(spec, str) or not spec:
+        raise RetrofitError(f"--model must be 'smollm2', a model folder or a .gguf file, got {spec!r}")
+    if spec != DEFAULT_MODEL and not spec.endswith(".gguf") and not Path(spec).is_dir():
+        raise RetrofitError(f"--model {spec!r} is not 'smollm2', an existing folder or a .gguf file")
+    try:
+        return resolve_source(spec)
+    except ValueError as e:
+        raise RetrofitError(f"--model: {e}") from None
+
+
+def plan_source(spec: str, layers, mechanism: str, settings: dict | None = None):
+    """(source, Plan) of a model spec, from its config alone: no weights are read."""
+    from transformers import AutoConfig
+
+    source = _source(spec)
+    kw = {"gguf_file": source.gguf_file} if source.gguf_file else {}
+    try:
+        config = AutoConfig.from_pretrained(source.path, **kw)
+    except (OSError, ValueError) as e:
+        raise RetrofitError(f"--model {spec!r}: no readable model config ({str(e).splitlines()[0]})") from None
+    return source, plan(config, layers, mechanism, settings)
+
+
+def load_source(source):
+    """(hf model in float32, tokenizer or None) of a resolved ModelSource."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    kw = {"gguf_file": source.gguf_file} if source.gguf_file else {}
+    model = AutoModelForCausalLM.from_pretrained(source.path, dtype=torch.float32, **kw).eval()
+    try:
+        tok = AutoTokenizer.from_pretrained(source.path, **kw)
+    except (OSError, ValueError):
+        tok = None
+    return model, tok
+
+
+def retrofit(model, layers="middle6", attn: str = "softmax", settings=None, seed: int = 0):
+    """The retrofitted model (an AttnlabForCausalLM). model: a transformers LlamaForCausalLM /
+    Qwen2ForCausalLM, or a spec: 'smollm2', a folder, a .gguf file. Everything that can be checked
+    without weights is checked first (RetrofitError)."""
+    settings = parse_settings(settings)
+    if isinstance(model, str):
+        source, _ = plan_source(model, layers, attn, settings)
+        model, _ = load_source(source)
+    return convert(model, layers, attn, settings, seed)
+
+
+def check_out(out: str | os.PathLike) -> Path:
+    out = Path(out)
+    if out.exists() and not out.is_dir():
+        raise RetrofitError(f"--out {str(out)!r} is a file; give a new or empty folder")
+    if out.is_dir() and any(out.iterdir()):
+        raise RetrofitError(f"--out {str(out)!r} is not empty; give a new or empty folder (nothing was written)")
+    return out
+
+
+def _summary(p: Plan) -> dict:
+    return {"family": p.family, "layers": p.layers, "mechanism": p.mechanism, "settings": p.settings}
+
+
+def save(model, out: str | os.PathLike, tokenizer=None, rtol: float = 1e-6) -> Path:
+    """Write retrofitted `model` (with `tokenizer`) into the new or empty folder `out`, atomically."""
+    from transformers.utils import logging as hf_logging
+
+    out = check_out(out)
+    check_free(out, beside=True)
+    with FolderLock(out, beside=True):
+        check_out(out)
+        out.parent.mkdir(parents=True, exist_ok=True)
+        tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.tmp-", dir=out.parent))
+        bars = hf_logging.is_progress_bar_enabled()
+        hf_logging.disable_progress_bar()
+        try:
+            model.save_pretrained(tmp)
+            if tokenizer is not None:
+                tokenizer.save_pretrained(tmp)
+            plan_ = getattr(model, "retrofit_plan", None)
+            if plan_ is not None:
+                (tmp / "retrofit.json").write_text(json.dumps(_summary(plan_), indent=2) + "\n")
+            _check_saved(model, tmp, rtol)
+            os.replace(tmp, out)
+        except BaseException:
+            shutil.rmtree(tmp, ignore_errors=True)
+            raise
+        finally:
+            if bars:
+                hf_logging.enable_progress_bar()
+    return out
+
+
+def _check_saved(model, folder: Path, rtol: float) -> None:
+    from attnlab.hf import AttnlabForCausalLM
+
+    loaded = AttnlabForCausalLM.from_pretrained(folder).eval()
+    idx = torch.randint(model.config.vocab_size, (1, 16), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        err = logit_error(loaded(idx).logits, model(idx).logits)
+    if not err <= rtol:
+        raise RuntimeError(f"the saved model's logits differ from the retrofitted model's by {err:.2e} relative; nothing written")
