@@ -278,7 +278,7 @@ def test_trainer_resume_checks_the_model_config_before_loading(run_copy):
     """Library use (no CLI): the same named error, not a tensor shape mismatch from safetensors."""
     from attnlab.train import train
     from attnlab.train.config import load_config
-    from attnlab.train.trainer import ResumeError
+    from attnlab.train.resume import ResumeError
 
     cfg = load_config(TINY, [f"run.out_dir={run_copy.parent}", f"run.name={run_copy.name}", *CLI_RUN,
                              "train.steps=6", "run.resume=true", "model.d_model=64"])

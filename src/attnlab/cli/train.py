@@ -14,7 +14,7 @@ def _train_cfg(ns):
     from attnlab.lock import check_free
     from attnlab.train.checkpoint import CheckpointError, latest_checkpoint
     from attnlab.train.config import load_config
-    from attnlab.train.trainer import CKPT_DIR, ResumeError, check_resume
+    from attnlab.train.resume import CKPT_DIR, ResumeError, check_resume
 
     path, overrides = split_config_args(ns.args)
     if ns.run_dir:

@@ -32,18 +32,17 @@ from attnlab.data.cache import atomic_write_text
 from attnlab.interrupt import Interrupted, graceful, requested
 from attnlab.lock import FolderLock
 from attnlab.models import LM
-from attnlab.models.config import format_changes, model_config_changes
 from attnlab.regularizers import regularization
 
 from . import ddp
-from .checkpoint import (capture_rng, checkpoint_name, latest_checkpoint, load_checkpoint, read_state, restore_rng, save_checkpoint,
-                         verify_checkpoint)
+from .checkpoint import (capture_rng, checkpoint_name, latest_checkpoint, load_checkpoint, read_state, restore_rng,
+                         save_checkpoint)
 from .config import RunConfig, load_config, save_config, to_dict
+from .resume import CKPT_DIR, check_same_model
 from .data import RunData, build_data
 from .logging import RunLogger, read_log
 from .stats import attention_stats
 
-CKPT_DIR = "checkpoints"
 
 
 def resolve_device(name: str) -> torch.device:
@@ -70,37 +69,6 @@ def build_model(cfg: RunConfig, vocab_size: int) -> LM:
 
 class DataError(ValueError):
     """The configured data source could not be loaded (missing, unreachable or empty)."""
-
-
-class ResumeError(ValueError):
-    """The run to resume was trained with another model config than the one given now."""
-
-
-def check_resume(cfg: RunConfig, path: str | os.PathLike | None = None) -> dict | None:
-    """Check that `cfg` can resume from checkpoint `path` (default: the newest in its run folder)
-    before anything is built or loaded: the checkpoint is intact (`verify_checkpoint`, raising
-    CheckpointError naming a damaged file) and was trained with the same model config (raising
-    ResumeError naming each dotted key that differs, with its saved and its new value). An unset
-    model.vocab_size (0: the tokenizer's) is compared once resolved, in `Trainer._resume`.
-    Returns the checkpoint's JSON state, or None when there is no checkpoint to resume from."""
-    path = latest_checkpoint(Path(cfg.run_dir) / CKPT_DIR) if path is None else Path(path)
-    if path is None:
-        return None
-    state = verify_checkpoint(path)
-    _check_same_model(cfg, path, state)
-    return state
-
-
-def _check_same_model(cfg: RunConfig, path: Path, state: dict) -> None:
-    saved = (state.get("config") or {}).get("model")
-    if not isinstance(saved, dict):
-        return
-    changes = model_config_changes(saved, cfg.model, ignore=() if cfg.model.vocab_size else ("vocab_size",))
-    if changes:
-        raise ResumeError(
-            f"cannot resume from {str(path)!r}: it was trained with another model config: {format_changes(changes)}; "
-            f"resume with the run's model settings, or start a new run (--run-dir / run.name, or run.overwrite=true)"
-        )
 
 
 def make_optimizer(model: torch.nn.Module, tcfg) -> torch.optim.AdamW:
@@ -197,7 +165,7 @@ class Trainer:
         path = latest_checkpoint(self.ckpt_dir)
         if path is None:
             return  # nothing to resume: a fresh start
-        _check_same_model(self.cfg, path, read_state(path))  # before a tensor is read into this model
+        check_same_model(self.cfg, path, read_state(path))  # before a tensor is read into this model
         state = load_checkpoint(path, self.model, self.optimizer, device=self.device)
         self.data.train.load_state_dict(state["data"])
         self.step = int(state["step"])

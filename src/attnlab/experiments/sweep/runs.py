@@ -119,7 +119,7 @@ def plan(spec: Spec, out: str | os.PathLike | None = None, *, jobs: int = 1) -> 
     trainer rejects, SweepError for a run folder trained with another config or whose
     checkpoint is damaged. Writes nothing."""
     from attnlab.train.checkpoint import CheckpointError
-    from attnlab.train.trainer import ResumeError, check_resume
+    from attnlab.train.resume import ResumeError, check_resume
 
     plans = []
     for v in spec.variants:
