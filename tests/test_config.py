@@ -8,9 +8,10 @@ from pathlib import Path
 
 import pytest
 
+from attnlab.train.config_help import config_keys, format_config_keys
 from attnlab.train.config import (
-    ConfigError, RunConfig, TrainConfig, apply_overrides, config_from_dict, config_keys, dumps_toml,
-    format_config_keys, load_config, parse_value, save_config, to_dict,
+    ConfigError, RunConfig, TrainConfig, apply_overrides, config_from_dict, dumps_toml,
+    load_config, parse_value, save_config, to_dict,
 )
 
 if sys.version_info >= (3, 11):

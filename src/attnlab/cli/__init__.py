@@ -33,7 +33,7 @@ from .train import cmd_quickstart, cmd_train
 
 
 def _keys_epilog(intro: str) -> str:
-    from attnlab.train.config import format_config_keys
+    from attnlab.train.config_help import format_config_keys
 
     return intro + "\n\nconfig keys (section.key  type  default, then meaning):\n" + format_config_keys()
 

@@ -12,8 +12,9 @@
 from .checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
 from .config import (
     ConfigError, DataConfig, RegularizersConfig, RunConfig, RunSection, TrainConfig,
-    config_keys, dumps_toml, format_config_keys, load_config, save_config, to_dict,
+    dumps_toml, load_config, save_config, to_dict,
 )
+from .config_help import config_keys, format_config_keys
 from .evaluate import evaluate, load_run
 from .logging import read_log
 from .trainer import Trainer, train

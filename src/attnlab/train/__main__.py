@@ -10,7 +10,8 @@ import json
 import os
 import sys
 
-from .config import ConfigError, format_config_keys, load_config
+from .config import ConfigError, load_config
+from .config_help import format_config_keys
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -1,0 +1,80 @@
+"""Every configurable key of a run, with its type, default and help: `attnlab train --help` and
+`python -m attnlab.train --keys`."""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+import typing
+from typing import Any
+
+from attnlab.models.config import field_help, type_name
+
+from .config import RunConfig
+
+
+
+def config_keys() -> list[tuple[str, str, Any, str]]:
+    """Every configurable key as (dotted key, type, default, help), model.attention.* included."""
+    rows = []
+
+    def walk(cls, prefix):
+        hints = typing.get_type_hints(cls)
+        for f in dataclasses.fields(cls):
+            if not f.init:
+                continue
+            tp = hints[f.name]
+            if dataclasses.is_dataclass(tp):
+                walk(tp, f"{prefix}{f.name}.")
+                continue
+            default = f.default if f.default is not dataclasses.MISSING else f.default_factory()
+            rows.append((f"{prefix}{f.name}", type_name(tp), default, field_help(f)))
+
+    walk(RunConfig, "")
+    from attnlab.layers import AttentionConfig
+
+    hints = typing.get_type_hints(AttentionConfig)
+    doc = docstring_help(AttentionConfig)
+    for f in dataclasses.fields(AttentionConfig):
+        if f.init and f.name not in ("mechanism", "d_model", "n_heads"):
+            default = f.default if f.default is not dataclasses.MISSING else None
+            help_text = field_help(f) or doc.get(f.name, "see attnlab.layers.AttentionConfig")
+            if f.name == "rope":
+                default = "on for softmax/scalar/hybrid/principled layers, off for the linear family"
+            if f.name == "cosformer_max_len":
+                default = "model.max_seq_len"
+            rows.append((f"model.attention.{f.name}", type_name(hints[f.name]), default, help_text))
+    return rows
+
+
+_DOC_ENTRY = re.compile(r"^(\s{4,})([a-z_]\w*(?:, [a-z_]\w*)*)\s{2,}(\S.*)$")
+
+
+def docstring_help(cls) -> dict[str, str]:
+    """Field descriptions from a docstring laid out as `name   text` lines (continuation
+    lines indented further), as AttentionConfig's is."""
+    out: dict[str, str] = {}
+    names, indent = [], 0
+    for line in (cls.__doc__ or "").splitlines():
+        m = _DOC_ENTRY.match(line)
+        if m:
+            names, indent = m.group(2).split(", "), len(m.group(1))
+            for n in names:
+                out[n] = m.group(3).strip()
+        elif names and line.strip() and len(line) - len(line.lstrip()) > indent:
+            for n in names:
+                out[n] += " " + line.strip()
+        else:
+            names = []
+    return out
+
+
+def format_config_keys() -> str:
+    """The key listing as aligned text, for `--help`."""
+    rows = config_keys()
+    w_key = max(len(r[0]) for r in rows)
+    w_type = min(28, max(len(r[1]) for r in rows))
+    lines = []
+    for key, tp, default, help_text in rows:
+        lines.append(f"  {key:<{w_key}}  {tp:<{w_type}}  default {default!r}" + (f"\n  {'':<{w_key}}  {help_text}" if help_text else ""))
+    return "\n".join(lines)
