@@ -2,8 +2,10 @@
 
 Every check that needs no weights runs first (model family and config, RoPE scaling, layer spec,
 mechanism, --set fields, whether the new layers' shapes can carry the model's q/k/v/o, OUT new or
-empty, no other writer of OUT): a problem is one line `error: ...` with exit status 2, before any
-weights load. The folder is written atomically under a lock (`attnlab.retrofit.save`)."""
+empty, no other writer of OUT, the --transfer-* values): a problem is one line `error: ...` with exit
+status 2, before any weights load. With --transfer-steps N the new layers are then trained to
+reproduce the original attention outputs (`attnlab.retrofit.transfer`; resumable from OUT/transfer/,
+Ctrl-C saves and exits 130). The folder is written atomically under a lock (`attnlab.retrofit.save`)."""
 
 from __future__ import annotations
 
@@ -33,6 +35,14 @@ def add_retrofit(sub) -> None:
                    help="an AttentionConfig field of the new layers, e.g. output_gate=elementwise (repeatable)")
     p.add_argument("--out", required=True, metavar="OUT", help="the folder to write (must not exist, or be empty)")
     p.add_argument("--seed", type=int, default=0, help="seed of the new parameters' random init (default: 0)")
+    t = p.add_argument_group("attention transfer (docs/retrofit.md#attention-transfer)")
+    t.add_argument("--transfer-steps", type=int, default=0, metavar="N",
+                   help="train each new layer N AdamW steps to reproduce the original attention output (MSE); "
+                        "0: none (default: 0). Resumes from OUT/transfer/ after an interruption")
+    t.add_argument("--transfer-contexts", type=int, default=None, metavar="M",
+                   help="packed stdlib-corpus contexts captured for transfer (default: 8)")
+    t.add_argument("--transfer-context", type=int, default=None, metavar="T", help="tokens per context (default: 256)")
+    t.add_argument("--transfer-lr", type=float, default=None, metavar="LR", help="AdamW learning rate (default: 1e-3)")
     p.set_defaults(func=cmd_retrofit)
 
 
@@ -45,17 +55,44 @@ def cmd_retrofit(ns) -> int:
             raise UsageError(f"attnlab retrofit needs the optional package {e.name.split('.')[0]}, not installed here; "
                              f"install the [hf] extra: {HF_EXTRA}") from None
         raise
-    from attnlab.lock import check_free
+    from attnlab.lock import FolderLock, check_free
+    from attnlab.retrofit.transfer import TransferConfig, transfer_attention
 
     try:
         settings = parse_settings(ns.settings)
-        check_out(ns.out)
+        tcfg = _transfer_config(ns, TransferConfig)
+        check_out(ns.out, resume=tcfg.steps > 0)
         source, plan = plan_source(ns.model, ns.layers, ns.attn, settings)
+        tcfg.check(plan.model.max_seq_len or None)
     except RetrofitError as e:
         raise UsageError(str(e)) from None
     check_free(ns.out, beside=True)  # FolderBusy (exit 2) before any weights load
     model, tok = load_source(source)
-    out = save(convert(model, plan.layers, ns.attn, settings, ns.seed), ns.out, tok)
+    retro = convert(model, plan.layers, ns.attn, settings, ns.seed)
+    with FolderLock(ns.out, beside=True):
+        if tcfg.steps > 0:
+            encode = eos = None
+            if tok is not None:
+                encode = lambda text: tok(text, add_special_tokens=False)["input_ids"]  # noqa: E731
+                eos = tok.eos_token_id
+            try:
+                transfer_attention(model, retro, plan.layers, tcfg, ns.out, encode, eos, log=print)
+            except RetrofitError as e:
+                raise UsageError(str(e)) from None
+        out = save(retro, ns.out, tok)
     print(f"wrote {out}: layers {plan.layers} of {plan.model.n_layers} now {ns.attn!r} "
           f"(load with: import attnlab.hf; AutoModelForCausalLM.from_pretrained({str(out)!r}))")
     return 0
+
+
+def _transfer_config(ns, TransferConfig):
+    """The TransferConfig of the --transfer-* options (RetrofitError for a bad value, or for a
+    --transfer-* option given without --transfer-steps)."""
+    from attnlab.retrofit import RetrofitError
+
+    given = {k: getattr(ns, f"transfer_{k}") for k in ("contexts", "context", "lr")}
+    given = {k: v for k, v in given.items() if v is not None}
+    if ns.transfer_steps == 0 and given:
+        flags = ", ".join(f"--transfer-{k}" for k in given)
+        raise RetrofitError(f"{flags} given without --transfer-steps N (N > 0): no transfer would run")
+    return TransferConfig(steps=ns.transfer_steps, **given).check()

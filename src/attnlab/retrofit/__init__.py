@@ -9,7 +9,8 @@ The chosen layers get attnlab's layer for the mechanism, built from the registry
 `AttentionConfig` and holding the model's q/k/v/o weights, GQA layout and RoPE; every other
 layer becomes attnlab's softmax layer, equal to the model's own. Exact starts (docs/retrofit.md)
 make the retrofitted model compute the original's logits where the math allows. `convert.py`
-holds the config plan and the weight copy; `io.py` loading by spec and the atomic folder write.
+holds the config plan and the weight copy; `io.py` loading by spec and the atomic folder write;
+`transfer.py` attention transfer (new layers trained to reproduce the original attention outputs).
 """
 
 from __future__ import annotations
@@ -19,9 +20,10 @@ from .convert import (
     principled_logit_bound, start_overrides,
 )
 from .io import check_out, load_source, parse_settings, plan_source, retrofit, save
+from .transfer import TransferConfig, transfer_attention
 
 __all__ = [
     "FAMILIES", "PRINCIPLED_START", "Plan", "RetrofitError", "check_out", "convert", "load_source", "logit_error",
     "new_parameters", "parse_settings", "plan", "plan_source", "principled_logit_bound", "retrofit", "save",
-    "start_overrides",
+    "start_overrides", "TransferConfig", "transfer_attention",
 ]

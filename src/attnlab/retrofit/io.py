@@ -21,6 +21,7 @@ import torch
 from attnlab.lock import FolderLock, check_free
 
 from .convert import Plan, RetrofitError, convert, logit_error, plan
+from .transfer import TRANSFER_DIR
 
 
 def parse_settings(items: list[str] | dict | None) -> dict:
@@ -94,12 +95,17 @@ def retrofit(model, layers="middle6", attn: str = "softmax", settings=None, seed
     return convert(model, layers, attn, settings, seed)
 
 
-def check_out(out: str | os.PathLike) -> Path:
+def check_out(out: str | os.PathLike, resume: bool = False) -> Path:
+    """`out` as a Path, RetrofitError unless it is new or empty (with resume=True it may also hold the
+    `transfer/` checkpoints of an interrupted attention transfer, which the run continues)."""
     out = Path(out)
     if out.exists() and not out.is_dir():
         raise RetrofitError(f"--out {str(out)!r} is a file; give a new or empty folder")
-    if out.is_dir() and any(out.iterdir()):
-        raise RetrofitError(f"--out {str(out)!r} is not empty; give a new or empty folder (nothing was written)")
+    keep = {TRANSFER_DIR} if resume else set()
+    if out.is_dir() and any(p.name not in keep for p in out.iterdir()):
+        raise RetrofitError(f"--out {str(out)!r} is not empty; give a new or empty folder (nothing was written)"
+                            + ("" if resume or not (out / TRANSFER_DIR).is_dir() else
+                               "; it holds an interrupted transfer: rerun with the same --transfer-* options"))
     return out
 
 
@@ -108,13 +114,16 @@ def _summary(p: Plan) -> dict:
 
 
 def save(model, out: str | os.PathLike, tokenizer=None, rtol: float = 1e-6) -> Path:
-    """Write retrofitted `model` (with `tokenizer`) into the new or empty folder `out`, atomically."""
+    """Write retrofitted `model` (with `tokenizer`) into the new or empty folder `out`, atomically.
+    A model that went through `transfer` also gets transfer.json (its report); the transfer's
+    checkpoints in OUT/transfer/ are removed once the folder is in place."""
     from transformers.utils import logging as hf_logging
 
-    out = check_out(out)
+    resume = getattr(model, "transfer_report", None) is not None  # OUT may hold its transfer/ checkpoints
+    out = check_out(out, resume)
     check_free(out, beside=True)
     with FolderLock(out, beside=True):
-        check_out(out)
+        check_out(out, resume)
         out.parent.mkdir(parents=True, exist_ok=True)
         tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.tmp-", dir=out.parent))
         bars = hf_logging.is_progress_bar_enabled()
@@ -126,9 +135,17 @@ def save(model, out: str | os.PathLike, tokenizer=None, rtol: float = 1e-6) -> P
             plan_ = getattr(model, "retrofit_plan", None)
             if plan_ is not None:
                 (tmp / "retrofit.json").write_text(json.dumps(_summary(plan_), indent=2) + "\n")
+            report = getattr(model, "transfer_report", None)
+            if report is not None:
+                (tmp / "transfer.json").write_text(json.dumps(report, indent=2) + "\n")
             _check_saved(model, tmp, rtol)
+            if (out / TRANSFER_DIR).is_dir():  # the finished transfer's checkpoints: not part of the model
+                os.replace(out / TRANSFER_DIR, tmp / TRANSFER_DIR)
             os.replace(tmp, out)
+            shutil.rmtree(out / TRANSFER_DIR, ignore_errors=True)
         except BaseException:
+            if (tmp / TRANSFER_DIR).is_dir() and out.is_dir() and not (out / TRANSFER_DIR).exists():
+                os.replace(tmp / TRANSFER_DIR, out / TRANSFER_DIR)  # keep the checkpoints for a rerun
             shutil.rmtree(tmp, ignore_errors=True)
             raise
         finally:

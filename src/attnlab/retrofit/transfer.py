@@ -1,0 +1,232 @@
+"""Attention transfer: train each new attention layer to reproduce the original layer's output.
+
+For a mechanism with no exact start (scalar, cosFormer, GLA, SSD) the converted layer holds the
+model's q/k/v/o weights but computes something else. Transfer fits it back, layer by layer:
+
+1. the original HF model runs once over `contexts` packed contexts of `context` tokens of a corpus
+   (attnlab.search.capture.pack_contexts, stdlib by default; the packed stream is read as one
+   causal sequence, positions 0..T-1); for every replaced layer i a hook keeps the input of its
+   self-attention x_i (the normed hidden state, on the original residual stream) and its output y_i;
+2. for each replaced layer in turn, every parameter of the new layer `blocks[i].attn` (and nothing
+   else) is trained with AdamW (no weight decay, constant lr) on MSE(attn(x_i), y_i), full batch,
+   `steps` steps;
+3. the relative error  mean((attn(x) − y)²) / mean(y²)  is reported before and after.
+
+Resumable: `OUT/transfer/layer<i>.safetensors` holds the layer's parameters, the optimizer state,
+the step and the error before, written atomically every `checkpoint_every` steps, at the end of a
+layer and when SIGINT/SIGTERM stops the loop (attnlab.interrupt: the step finishes, the state is
+saved, Interrupted says where). A rerun with the same options continues from there and ends with
+exactly the parameters of one uninterrupted run; other options are refused (RetrofitError).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import torch
+
+from attnlab.data.cache import atomic_save_tensors
+from attnlab.interrupt import Interrupted, graceful, requested
+from attnlab.lock import FolderLock
+
+from .convert import RetrofitError
+
+TRANSFER_DIR = "transfer"
+
+
+@dataclass
+class TransferConfig:
+    """Options of attention transfer (`--transfer-*`)."""
+
+    steps: int = 0
+    contexts: int = 8
+    context: int = 256
+    lr: float = 1e-3
+    corpus: str = "stdlib"
+    split: str = "train"
+    seed: int = 0
+    checkpoint_every: int = 50
+
+    def check(self, max_positions: int | None = None) -> "TransferConfig":
+        """RetrofitError naming the option, for a value that cannot work."""
+        for name, flag, low in (("steps", "--transfer-steps", 0), ("contexts", "--transfer-contexts", 1),
+                                ("context", "--transfer-context", 2), ("checkpoint_every", "checkpoint_every", 1)):
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, int) or v < low:
+                raise RetrofitError(f"{flag} must be an integer >= {low}, got {v!r}")
+        lr = self.lr
+        if isinstance(lr, bool) or not isinstance(lr, (int, float)) or not math.isfinite(lr) or lr <= 0:
+            raise RetrofitError(f"--transfer-lr must be a finite number > 0, got {lr!r}")
+        if max_positions and self.context > max_positions:
+            raise RetrofitError(f"--transfer-context {self.context} exceeds the model's max_position_embeddings "
+                                f"{max_positions}")
+        return self
+
+
+def byte_encode(vocab_size: int):
+    """A tokenizer-free encoding (UTF-8 bytes folded into ids 3..vocab-1) for models without a tokenizer."""
+    span = max(1, vocab_size - 3)
+    return lambda text: [3 + b % span for b in text.encode("utf-8")]
+
+
+def pack(cfg: TransferConfig, encode, eos_id: int) -> torch.Tensor:
+    """(contexts, context) token ids of the corpus."""
+    from attnlab.search.capture import load_texts, pack_contexts
+
+    try:
+        return pack_contexts(load_texts(cfg.corpus, cfg.split), encode, eos_id, cfg.context, cfg.contexts,
+                             cfg.seed).input_ids
+    except ValueError as e:
+        raise RetrofitError(f"--transfer-contexts/--transfer-context: {e}") from None
+
+
+@torch.no_grad()
+def capture(hf_model, layers: list[int], input_ids: torch.Tensor) -> dict[int, tuple[torch.Tensor, torch.Tensor]]:
+    """{layer: (input of its self-attention (N, T, C), its output (N, T, C))} of the original model, float32."""
+    caps: dict[int, list] = {i: [None, None] for i in layers}
+    hooks = []
+    for i in layers:
+        attn = hf_model.model.layers[i].self_attn
+
+        def pre(module, args, kwargs, i=i):
+            caps[i][0] = (kwargs["hidden_states"] if "hidden_states" in kwargs else args[0]).detach().float()
+
+        def post(module, args, kwargs, output, i=i):
+            caps[i][1] = (output[0] if isinstance(output, tuple) else output).detach().float()
+
+        hooks.append(attn.register_forward_pre_hook(pre, with_kwargs=True))
+        hooks.append(attn.register_forward_hook(post, with_kwargs=True))
+    try:
+        hf_model(input_ids=input_ids, use_cache=False)
+    finally:
+        for h in hooks:
+            h.remove()
+    return {i: (x, y) for i, (x, y) in caps.items()}
+
+
+def relative_error(attn, x: torch.Tensor, y: torch.Tensor) -> float:
+    with torch.no_grad():
+        return float(_loss(attn, x, y) / y.pow(2).mean().clamp_min(1e-30))
+
+
+def _loss(attn, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    return torch.nn.functional.mse_loss(attn(x), y)
+
+
+def _fingerprint(cfg: TransferConfig, layer: int, mechanism: str) -> dict:
+    d = asdict(cfg)
+    d.pop("checkpoint_every")
+    return {**d, "layer": layer, "mechanism": mechanism}
+
+
+def _save(path: Path, attn, opt, step: int, state: dict) -> None:
+    tensors = {f"param.{k}": v.detach().clone().contiguous() for k, v in attn.state_dict().items()}
+    sd = opt.state_dict()
+    for i, st in sd["state"].items():
+        for k, v in st.items():
+            tensors[f"optim.{i}.{k}"] = v.detach().clone().contiguous() if torch.is_tensor(v) else torch.tensor(v)
+    meta = {**state, "step": step, "param_groups": sd["param_groups"]}
+    atomic_save_tensors(path, tensors, {"state": json.dumps(meta)})
+
+
+def _load(path: Path) -> tuple[dict, dict, dict]:
+    from safetensors import safe_open
+    from safetensors.torch import load_file
+
+    with safe_open(str(path), "pt") as f:
+        meta = json.loads(f.metadata()["state"])
+    tensors = load_file(str(path))
+    params = {k[len("param."):]: v for k, v in tensors.items() if k.startswith("param.")}
+    optim: dict = {}
+    for k, v in tensors.items():
+        if k.startswith("optim."):
+            _, i, name = k.split(".", 2)
+            optim.setdefault(int(i), {})[name] = v
+    return params, optim, meta
+
+
+def transfer_attention(hf_model, model, layers: list[int], cfg: TransferConfig, out, encode=None, eos_id: int | None = None,
+             until: int | None = None, log=None) -> dict:
+    """Train the attention of `layers` of `model` (an AttnlabForCausalLM converted from `hf_model`)
+    to reproduce `hf_model`'s attention outputs; checkpoints in OUT/transfer/ (resumed when present).
+
+    encode/eos_id: the tokenizer (default: byte_encode and the config's EOS). `until`: stop after
+    that many optimizer steps of this call (a part of the run that a later call resumes). `log`: a
+    function called with one line per layer. Returns the report {"config", "layers": {i: {...}}},
+    also kept as `model.transfer_report` (written to transfer.json by `save`)."""
+    cfg.check()
+    layers = sorted(int(i) for i in layers)
+    plan_ = getattr(model, "retrofit_plan", None)
+    mechanism = plan_.mechanism if plan_ is not None else "?"
+    if encode is None:
+        encode = byte_encode(hf_model.config.vocab_size)
+    if eos_id is None:
+        eos = getattr(hf_model.config, "eos_token_id", None)
+        eos_id = int((eos[0] if isinstance(eos, (list, tuple)) else eos) or 0)
+    folder = Path(out) / TRANSFER_DIR
+    report = {"config": _fingerprint(cfg, -1, mechanism), "layers": {}}
+    report["config"].pop("layer")
+    if cfg.steps == 0:
+        return report
+    ids = pack(cfg, encode, eos_id)
+    caps = capture(hf_model, layers, ids)
+    budget = math.inf if until is None else until
+    with FolderLock(out, beside=True), graceful():
+        for i in layers:
+            attn = model.model.blocks[i].attn
+            x, y = caps[i]
+            rec = _layer(attn, x, y, cfg, folder / f"layer{i}.safetensors", _fingerprint(cfg, i, mechanism), budget)
+            budget -= rec.pop("ran")
+            report["layers"][str(i)] = rec
+            if log is not None and rec["step"] == cfg.steps:
+                log(f"layer {i}: relative error {rec['before']:.4g} -> {rec['after']:.4g} ({cfg.steps} steps)")
+            if rec["step"] < cfg.steps:
+                report["stopped"] = f"layer {i} at step {rec['step']} of {cfg.steps}"
+                break
+            if requested() is not None and i != layers[-1]:
+                raise Interrupted(requested(), f"{folder} stopped after layer {i}; rerun the same command to resume")
+    model.eval()
+    model.transfer_report = report
+    return report
+
+
+def _layer(attn, x, y, cfg: TransferConfig, path: Path, fingerprint: dict, budget: float) -> dict:
+    for p in attn.parameters():
+        p.requires_grad_(True)
+    opt = torch.optim.AdamW(attn.parameters(), lr=cfg.lr, weight_decay=0.0)
+    start, before = 0, None
+    if path.is_file():
+        params, optim, meta = _load(path)
+        if meta.get("fingerprint") != fingerprint:
+            raise RetrofitError(f"{path} was made with transfer options {meta.get('fingerprint')}; this run asks "
+                                f"{fingerprint}: rerun with the same options or use another --out")
+        attn.load_state_dict(params)
+        groups = meta["param_groups"]
+        for g in groups:
+            g["betas"] = tuple(g["betas"])
+        opt.load_state_dict({"state": optim, "param_groups": groups})
+        start, before = int(meta["step"]), meta["before"]
+    if before is None:
+        before = relative_error(attn, x, y)
+    state = {"fingerprint": fingerprint, "before": before}
+    step, ran = start, 0
+    while step < cfg.steps and ran < budget:
+        loss = _loss(attn, x, y)
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        opt.step()
+        step += 1
+        ran += 1
+        if step % cfg.checkpoint_every == 0 or step == cfg.steps or ran >= budget:
+            _save(path, attn, opt, step, state)
+        if requested() is not None and step < cfg.steps:
+            _save(path, attn, opt, step, state)
+            raise Interrupted(requested(), f"{path} stopped after step {step} of {cfg.steps}; rerun the same "
+                                           f"command to resume")
+    for p in attn.parameters():
+        p.grad = None
+    after = relative_error(attn, x, y)
+    return {"before": before, "after": after, "step": step, "resumed_from": start, "ran": ran}

@@ -1,0 +1,144 @@
+"""Attention transfer: new retrofit layers trained to reproduce the original attention outputs."""
+
+import json
+
+import pytest
+import torch
+
+pytest.importorskip("transformers")
+
+import attnlab.hf  # noqa: E402,F401
+from attnlab.cli import main  # noqa: E402
+from attnlab.retrofit import RetrofitError, TransferConfig, convert, transfer_attention as transfer  # noqa: E402
+
+from test_retrofit import tiny  # noqa: E402
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+
+@pytest.fixture(scope="module")
+def llama():
+    return tiny("llama", n_layers=3)
+
+
+def _params(model, layers):
+    return {f"{i}.{k}": v.detach().clone() for i in layers for k, v in model.model.blocks[i].attn.state_dict().items()}
+
+
+@pytest.mark.parametrize("mech", ["scalar", "gla"])
+def test_transfer_lowers_each_layers_error(llama, mech, tmp_path):
+    r = convert(llama, "1,2", mech)
+    untouched = _params(r, [0])
+    rep = transfer(llama, r, [1, 2], TransferConfig(steps=30, contexts=4, context=64), tmp_path / "out")
+    assert set(rep["layers"]) == {"1", "2"} and r.transfer_report is rep
+    for i, rec in rep["layers"].items():
+        assert rec["step"] == 30 and rec["after"] < 0.7 * rec["before"], (i, rec)
+    after = _params(r, [0])
+    assert all(torch.equal(v, after[k]) for k, v in untouched.items())  # only the chosen layers train
+    assert not any(p.requires_grad and p.grad is not None for p in r.parameters())
+
+
+def test_signal_mid_transfer_saves_and_resume_equals_one_run(llama, tmp_path, monkeypatch):
+    """A real SIGINT during step 3 of layer 1: the step finishes, the layer's state is saved,
+    Interrupted says where; the rerun ends with exactly the parameters of one uninterrupted run.
+    A run cut by `until` resumes to the same parameters too."""
+    import os
+    import signal
+
+    from attnlab.interrupt import Interrupted
+
+    cfg = TransferConfig(steps=5, contexts=2, context=32)
+    one = convert(llama, "1,2", "scalar")
+    transfer(llama, one, [1, 2], cfg, tmp_path / "one")
+    want = _params(one, [1, 2])
+
+    import attnlab.retrofit.transfer as tr
+    calls = {"n": 0}
+    real = tr._loss
+
+    def signalled(*args):
+        if torch.is_grad_enabled():
+            calls["n"] += 1
+            if calls["n"] == 3:
+                os.kill(os.getpid(), signal.SIGINT)
+        return real(*args)
+
+    monkeypatch.setattr(tr, "_loss", signalled)
+    with pytest.raises(Interrupted, match="stopped after step [34] of 5") as info:
+        transfer(llama, convert(llama, "1,2", "scalar"), [1, 2], cfg, tmp_path / "two")
+    assert info.value.exit_status == 130
+    monkeypatch.undo()
+    assert (tmp_path / "two" / "transfer" / "layer1.safetensors").is_file()
+    two = convert(llama, "1,2", "scalar")
+    rep = transfer(llama, two, [1, 2], cfg, tmp_path / "two")
+    assert rep["layers"]["1"]["resumed_from"] in (3, 4) and rep["layers"]["2"]["resumed_from"] == 0
+    got = _params(two, [1, 2])
+    assert all(torch.equal(v, got[k]) for k, v in want.items())
+
+    three = convert(llama, "1,2", "scalar")
+    part = transfer(llama, three, [1, 2], cfg, tmp_path / "three", until=7)  # layer 1 whole, layer 2 two steps
+    assert part["stopped"] == "layer 2 at step 2 of 5"
+    three = convert(llama, "1,2", "scalar")
+    rep = transfer(llama, three, [1, 2], cfg, tmp_path / "three")
+    assert rep["layers"]["2"]["resumed_from"] == 2
+    got = _params(three, [1, 2])
+    assert all(torch.equal(v, got[k]) for k, v in want.items())
+
+    with pytest.raises(RetrofitError, match="same options or use another --out"):
+        transfer(llama, convert(llama, "1,2", "scalar"), [1, 2], TransferConfig(steps=6, contexts=2, context=32),
+                 tmp_path / "three")
+
+
+def test_cli_transfer_writes_report_and_resumes(llama, tmp_path, capsys):
+    from safetensors.torch import load_file
+
+    src = tmp_path / "llama"
+    llama.save_pretrained(src)
+    common = ["retrofit", "--model", str(src), "--layers", "1,2", "--attn", "scalar", "--transfer-steps", "12",
+              "--transfer-contexts", "2", "--transfer-context", "32"]
+    assert main([*common, "--out", str(tmp_path / "a")]) == 0
+    rep = json.loads((tmp_path / "a" / "transfer.json").read_text())
+    assert all(r["after"] < r["before"] for r in rep["layers"].values())
+    assert not (tmp_path / "a" / "transfer").exists()
+    assert "layer 1: relative error" in capsys.readouterr().out
+
+    # an interrupted transfer left in OUT/transfer/: the same command resumes it, to the same weights
+    from attnlab.retrofit import load_source, plan_source
+
+    source, _ = plan_source(str(src), "1,2", "scalar")
+    hf, _ = load_source(source)
+    transfer(hf, convert(hf, [1, 2], "scalar"), [1, 2], TransferConfig(steps=12, contexts=2, context=32),
+             tmp_path / "b", until=5)
+    assert main(["retrofit", "--model", str(src), "--layers", "1,2", "--attn", "scalar", "--out",
+                 str(tmp_path / "b")]) == 2  # without --transfer-steps a leftover transfer/ is not empty
+    assert "interrupted transfer" in capsys.readouterr().err
+    assert main([*common, "--out", str(tmp_path / "b")]) == 0
+    a, b = (load_file(str(tmp_path / x / "model.safetensors")) for x in "ab")
+    assert all(torch.equal(v, b[k]) for k, v in a.items())
+
+
+def test_cli_bad_transfer_options_are_one_line_errors(tmp_path, capsys, monkeypatch):
+    import attnlab.retrofit as rt
+
+    src = tmp_path / "llama"
+    tiny("llama", n_layers=2).save_pretrained(src)
+
+    def no_weights(*a, **k):
+        raise AssertionError("weights loaded before the input was checked")
+
+    monkeypatch.setattr(rt, "load_source", no_weights)
+    for args, msg in [
+        (["--transfer-steps", "-1"], "--transfer-steps must be an integer >= 0"),
+        (["--transfer-steps", "5", "--transfer-lr", "0"], "--transfer-lr must be a finite number > 0"),
+        (["--transfer-steps", "5", "--transfer-lr", "nan"], "--transfer-lr must be a finite number > 0"),
+        (["--transfer-steps", "5", "--transfer-contexts", "0"], "--transfer-contexts must be an integer >= 1"),
+        (["--transfer-steps", "5", "--transfer-context", "1"], "--transfer-context must be an integer >= 2"),
+        (["--transfer-steps", "5", "--transfer-context", "1000"], "exceeds the model's max_position_embeddings"),
+        (["--transfer-contexts", "4"], "given without --transfer-steps"),
+    ]:
+        capsys.readouterr()
+        assert main(["retrofit", "--model", str(src), "--layers", "1", "--attn", "scalar", *args,
+                     "--out", str(tmp_path / "new")]) == 2
+        err = capsys.readouterr().err.strip()
+        assert err.startswith("error: ") and msg in err and "\n" not in err, err
+    assert not (tmp_path / "new").exists()
