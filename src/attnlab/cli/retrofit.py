@@ -2,10 +2,12 @@
 
 Every check that needs no weights runs first (model family and config, RoPE scaling, layer spec,
 mechanism, --set fields, whether the new layers' shapes can carry the model's q/k/v/o, OUT new or
-empty, no other writer of OUT, the --transfer-* values): a problem is one line `error: ...` with exit
-status 2, before any weights load. With --transfer-steps N the new layers are then trained to
-reproduce the original attention outputs (`attnlab.retrofit.transfer`; resumable from OUT/transfer/,
-Ctrl-C saves and exits 130). The folder is written atomically under a lock (`attnlab.retrofit.save`)."""
+empty, no other writer of OUT, the --transfer-* and --finetune-* values): a problem is one line
+`error: ...` with exit status 2, before any weights load. With --transfer-steps N the new layers are
+then trained to reproduce the original attention outputs (`attnlab.retrofit.transfer`; resumable
+from OUT/transfer/), and with --finetune-steps N the new parameters are fine-tuned end to end on
+next-token loss (`attnlab.retrofit.finetune`; resumable from OUT/finetune/, finetune.json in OUT);
+Ctrl-C saves and exits 130. The folder is written atomically under a lock (`attnlab.retrofit.save`)."""
 
 from __future__ import annotations
 
@@ -43,6 +45,19 @@ def add_retrofit(sub) -> None:
                    help="packed stdlib-corpus contexts captured for transfer (default: 8)")
     t.add_argument("--transfer-context", type=int, default=None, metavar="T", help="tokens per context (default: 256)")
     t.add_argument("--transfer-lr", type=float, default=None, metavar="LR", help="AdamW learning rate (default: 1e-3)")
+    f = p.add_argument_group("fine-tuning (docs/retrofit.md#fine-tuning)")
+    f.add_argument("--finetune-steps", type=int, default=0, metavar="N",
+                   help="fine-tune N AdamW steps on next-token loss over the stdlib corpus, after transfer; 0: none "
+                        "(default: 0). Resumes from OUT/finetune/ after an interruption")
+    f.add_argument("--finetune-lr", type=float, default=None, metavar="LR",
+                   help="peak learning rate, linear warmup then cosine decay (default: 1e-3)")
+    f.add_argument("--finetune-kl", type=float, default=None, metavar="W",
+                   help="weight of KL(original || retrofit) on the next-token distributions (default: 0)")
+    f.add_argument("--finetune-context", type=int, default=None, metavar="T", help="tokens per context (default: 256)")
+    f.add_argument("--finetune-batch", type=int, default=None, metavar="B", help="contexts per step (default: 4)")
+    f.add_argument("--finetune-train", choices=["new", "all"], default=None,
+                   help="new: only the retrofit's new parameters (gates, scalar projections, τ, ...); all: every "
+                        "parameter (default: new)")
     p.set_defaults(func=cmd_retrofit)
 
 
@@ -56,29 +71,37 @@ def cmd_retrofit(ns) -> int:
                              f"install the [hf] extra: {HF_EXTRA}") from None
         raise
     from attnlab.lock import FolderLock, check_free
+    from attnlab.retrofit.finetune import FinetuneConfig, check_trainable, finetune
     from attnlab.retrofit.transfer import TransferConfig, transfer_attention
 
     try:
         settings = parse_settings(ns.settings)
         tcfg = _transfer_config(ns, TransferConfig)
-        check_out(ns.out, resume=tcfg.steps > 0)
+        fcfg = _finetune_config(ns, FinetuneConfig)
+        check_out(ns.out, resume=tcfg.steps > 0 or fcfg.steps > 0)
         source, plan = plan_source(ns.model, ns.layers, ns.attn, settings)
         tcfg.check(plan.model.max_seq_len or None)
+        fcfg.check(plan.model.max_seq_len or None)
+        if fcfg.steps > 0:
+            check_trainable(plan, fcfg.train)
     except RetrofitError as e:
         raise UsageError(str(e)) from None
     check_free(ns.out, beside=True)  # FolderBusy (exit 2) before any weights load
     model, tok = load_source(source)
     retro = convert(model, plan.layers, ns.attn, settings, ns.seed)
     with FolderLock(ns.out, beside=True):
-        if tcfg.steps > 0:
-            encode = eos = None
-            if tok is not None:
-                encode = lambda text: tok(text, add_special_tokens=False)["input_ids"]  # noqa: E731
-                eos = tok.eos_token_id
-            try:
+        encode = eos = None
+        if tok is not None:
+            encode = lambda text: tok(text, add_special_tokens=False)["input_ids"]  # noqa: E731
+            eos = tok.eos_token_id
+        try:
+            if tcfg.steps > 0:
                 transfer_attention(model, retro, plan.layers, tcfg, ns.out, encode, eos, log=print)
-            except RetrofitError as e:
-                raise UsageError(str(e)) from None
+            if fcfg.steps > 0:
+                finetune(retro, fcfg, ns.out, original=model if fcfg.kl > 0 else None, encode=encode, eos_id=eos,
+                         log=print)
+        except RetrofitError as e:
+            raise UsageError(str(e)) from None
         out = save(retro, ns.out, tok)
     print(f"wrote {out}: layers {plan.layers} of {plan.model.n_layers} now {ns.attn!r} "
           f"(load with: import attnlab.hf; AutoModelForCausalLM.from_pretrained({str(out)!r}))")
@@ -96,3 +119,19 @@ def _transfer_config(ns, TransferConfig):
         flags = ", ".join(f"--transfer-{k}" for k in given)
         raise RetrofitError(f"{flags} given without --transfer-steps N (N > 0): no transfer would run")
     return TransferConfig(steps=ns.transfer_steps, **given).check()
+
+
+def _finetune_config(ns, FinetuneConfig):
+    """The FinetuneConfig of the --finetune-* options (RetrofitError for a bad value, or for a
+    --finetune-* option given without --finetune-steps)."""
+    from attnlab.retrofit import RetrofitError
+
+    given = {k: getattr(ns, f"finetune_{k}") for k in ("lr", "kl", "context", "batch", "train")}
+    given = {k: v for k, v in given.items() if v is not None}
+    if ns.finetune_steps == 0 and given:
+        flags = ", ".join(f"--finetune-{k}" for k in given)
+        raise RetrofitError(f"{flags} given without --finetune-steps N (N > 0): no fine-tuning would run")
+    cfg = FinetuneConfig(steps=ns.finetune_steps, **given)
+    if "batch" in given and cfg.batch > cfg.contexts:  # the pool of contexts grows with the batch
+        cfg.contexts = cfg.batch
+    return cfg.check()

@@ -10,7 +10,8 @@ The chosen layers get attnlab's layer for the mechanism, built from the registry
 layer becomes attnlab's softmax layer, equal to the model's own. Exact starts (docs/retrofit.md)
 make the retrofitted model compute the original's logits where the math allows. `convert.py`
 holds the config plan and the weight copy; `io.py` loading by spec and the atomic folder write;
-`transfer.py` attention transfer (new layers trained to reproduce the original attention outputs).
+`transfer.py` attention transfer (new layers trained to reproduce the original attention outputs);
+`finetune.py` end-to-end fine-tuning of the new parameters (next-token loss, optional KL to the original).
 """
 
 from __future__ import annotations
@@ -19,11 +20,12 @@ from .convert import (
     FAMILIES, PRINCIPLED_START, Plan, RetrofitError, convert, logit_error, new_parameters, plan,
     principled_logit_bound, start_overrides,
 )
+from .finetune import FinetuneConfig, finetune
 from .io import check_out, load_source, parse_settings, plan_source, retrofit, save
 from .transfer import TransferConfig, transfer_attention
 
 __all__ = [
-    "FAMILIES", "PRINCIPLED_START", "Plan", "RetrofitError", "check_out", "convert", "load_source", "logit_error",
+    "FAMILIES", "FinetuneConfig", "PRINCIPLED_START", "Plan", "RetrofitError", "check_out", "convert", "finetune", "load_source", "logit_error",
     "new_parameters", "parse_settings", "plan", "plan_source", "principled_logit_bound", "retrofit", "save",
     "start_overrides", "TransferConfig", "transfer_attention",
 ]

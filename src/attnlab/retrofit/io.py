@@ -21,7 +21,10 @@ import torch
 from attnlab.lock import FolderLock, check_free
 
 from .convert import Plan, RetrofitError, convert, logit_error, plan
+from .finetune import FINETUNE_DIR
 from .transfer import TRANSFER_DIR
+
+RESUMABLE = (TRANSFER_DIR, FINETUNE_DIR)  # checkpoint folders a rerun continues from
 
 
 def parse_settings(items: list[str] | dict | None) -> dict:
@@ -97,15 +100,17 @@ def retrofit(model, layers="middle6", attn: str = "softmax", settings=None, seed
 
 def check_out(out: str | os.PathLike, resume: bool = False) -> Path:
     """`out` as a Path, RetrofitError unless it is new or empty (with resume=True it may also hold the
-    `transfer/` checkpoints of an interrupted attention transfer, which the run continues)."""
+    `transfer/` and `finetune/` checkpoints of an interrupted transfer or fine-tuning, which the run
+    continues)."""
     out = Path(out)
     if out.exists() and not out.is_dir():
         raise RetrofitError(f"--out {str(out)!r} is a file; give a new or empty folder")
-    keep = {TRANSFER_DIR} if resume else set()
+    keep = set(RESUMABLE) if resume else set()
     if out.is_dir() and any(p.name not in keep for p in out.iterdir()):
         raise RetrofitError(f"--out {str(out)!r} is not empty; give a new or empty folder (nothing was written)"
-                            + ("" if resume or not (out / TRANSFER_DIR).is_dir() else
-                               "; it holds an interrupted transfer: rerun with the same --transfer-* options"))
+                            + ("" if resume or not any((out / d).is_dir() for d in RESUMABLE) else
+                               "; it holds an interrupted transfer or fine-tuning: rerun with the same "
+                               "--transfer-*/--finetune-* options"))
     return out
 
 
@@ -115,11 +120,11 @@ def _summary(p: Plan) -> dict:
 
 def save(model, out: str | os.PathLike, tokenizer=None, rtol: float = 1e-6) -> Path:
     """Write retrofitted `model` (with `tokenizer`) into the new or empty folder `out`, atomically.
-    A model that went through `transfer` also gets transfer.json (its report); the transfer's
-    checkpoints in OUT/transfer/ are removed once the folder is in place."""
+    A model that went through `transfer` / `finetune` also gets transfer.json / finetune.json (their
+    reports); their checkpoints in OUT/transfer/ and OUT/finetune/ are removed once the folder is in place."""
     from transformers.utils import logging as hf_logging
 
-    resume = getattr(model, "transfer_report", None) is not None  # OUT may hold its transfer/ checkpoints
+    resume = any(getattr(model, f"{d}_report", None) is not None for d in RESUMABLE)  # OUT may hold checkpoints
     out = check_out(out, resume)
     check_free(out, beside=True)
     with FolderLock(out, beside=True):
@@ -135,17 +140,21 @@ def save(model, out: str | os.PathLike, tokenizer=None, rtol: float = 1e-6) -> P
             plan_ = getattr(model, "retrofit_plan", None)
             if plan_ is not None:
                 (tmp / "retrofit.json").write_text(json.dumps(_summary(plan_), indent=2) + "\n")
-            report = getattr(model, "transfer_report", None)
-            if report is not None:
-                (tmp / "transfer.json").write_text(json.dumps(report, indent=2) + "\n")
+            for d in RESUMABLE:
+                report = getattr(model, f"{d}_report", None)
+                if report is not None:
+                    (tmp / f"{d}.json").write_text(json.dumps(report, indent=2) + "\n")
             _check_saved(model, tmp, rtol)
-            if (out / TRANSFER_DIR).is_dir():  # the finished transfer's checkpoints: not part of the model
-                os.replace(out / TRANSFER_DIR, tmp / TRANSFER_DIR)
+            for d in RESUMABLE:  # the finished transfer's / fine-tuning's checkpoints: not part of the model
+                if (out / d).is_dir():
+                    os.replace(out / d, tmp / d)
             os.replace(tmp, out)
-            shutil.rmtree(out / TRANSFER_DIR, ignore_errors=True)
+            for d in RESUMABLE:
+                shutil.rmtree(out / d, ignore_errors=True)
         except BaseException:
-            if (tmp / TRANSFER_DIR).is_dir() and out.is_dir() and not (out / TRANSFER_DIR).exists():
-                os.replace(tmp / TRANSFER_DIR, out / TRANSFER_DIR)  # keep the checkpoints for a rerun
+            for d in RESUMABLE:
+                if (tmp / d).is_dir() and out.is_dir() and not (out / d).exists():
+                    os.replace(tmp / d, out / d)  # keep the checkpoints for a rerun
             shutil.rmtree(tmp, ignore_errors=True)
             raise
         finally:

@@ -1,0 +1,321 @@
+"""Fine-tuning a retrofitted model end to end on next-token loss (optionally with a KL to the original).
+
+After the exact start (and attention transfer, for mechanisms without one) the retrofit's new
+parameters are trained with the trainer's machinery on `contexts` packed contexts of `context`
+tokens of a corpus (stdlib by default, read as in transfer.py):
+
+- trained: the new parameters (`convert.new_parameters`: gates, scalar projections, τ, priors) with
+  train="new" (default), or every parameter with train="all"; everything else has requires_grad
+  False and stays bit-identical;
+- AdamW (attnlab.train.trainer.make_optimizer: weight decay on matrices only), linear warmup then
+  cosine decay (attnlab.train.config.TrainConfig.lr_at), global-norm gradient clipping;
+- loss = CE(next token) + kl · KL(p_original ‖ p_new), the KL per token on the next-token
+  distributions, the original HF model's logits under no_grad (only when kl > 0 and it is given);
+- the batch of step s is a pure function of (seed, s): `batch_indices`;
+- held-out perplexity on `eval_contexts` contexts of the corpus's test split, before and after.
+
+Resumable: `OUT/finetune/state.safetensors` holds the trained parameters, the optimizer state, the
+step (= the data position) and the loss/perplexity before, written atomically every
+`checkpoint_every` steps, at the end and when SIGINT/SIGTERM stops the loop (the step finishes, the
+state is saved, Interrupted says where). `OUT/finetune/log.jsonl` (+ train.csv) has one row per
+step (attnlab.train.logging.RunLogger; rows past the checkpoint are dropped on resume). A rerun with
+the same options ends with exactly the parameters of one uninterrupted run; other options are
+refused (RetrofitError).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+from attnlab.data.cache import atomic_save_tensors
+from attnlab.interrupt import Interrupted, graceful, requested
+from attnlab.lock import FolderLock
+
+from .convert import RetrofitError, new_parameters
+from .transfer import byte_encode
+
+FINETUNE_DIR = "finetune"
+STATE = "state.safetensors"
+TRAIN_CHOICES = ("new", "all")
+
+
+@dataclass
+class FinetuneConfig:
+    """Options of fine-tuning (`--finetune-*`)."""
+
+    steps: int = 0
+    lr: float = 1e-3
+    warmup: int = 10
+    min_lr_ratio: float = 0.1
+    batch: int = 4
+    context: int = 256
+    contexts: int = 64
+    eval_contexts: int = 4
+    corpus: str = "stdlib"
+    kl: float = 0.0
+    seed: int = 0
+    train: str = "new"
+    weight_decay: float = 0.0
+    grad_clip: float = 1.0
+    checkpoint_every: int = 50
+
+    def check(self, max_positions: int | None = None) -> "FinetuneConfig":
+        """RetrofitError naming the option, for a value that cannot work."""
+        for name, low in (("steps", 0), ("warmup", 0), ("batch", 1), ("context", 2), ("contexts", 1),
+                          ("eval_contexts", 1), ("seed", 0), ("checkpoint_every", 1)):
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, int) or v < low:
+                raise RetrofitError(f"--finetune-{name.replace('_', '-')} must be an integer >= {low}, got {v!r}")
+        for name, positive in (("lr", True), ("kl", False), ("weight_decay", False), ("grad_clip", False)):
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) or v < 0 or (positive and v == 0):
+                raise RetrofitError(f"--finetune-{name.replace('_', '-')} must be a finite number "
+                                    f"{'> 0' if positive else '>= 0'}, got {v!r}")
+        if not (isinstance(self.min_lr_ratio, (int, float)) and 0 <= self.min_lr_ratio <= 1):
+            raise RetrofitError(f"--finetune-min-lr-ratio must be in [0, 1], got {self.min_lr_ratio!r}")
+        if self.batch > self.contexts:
+            raise RetrofitError(f"--finetune-batch {self.batch} exceeds --finetune-contexts {self.contexts}")
+        if self.train not in TRAIN_CHOICES:
+            raise RetrofitError(f"--finetune-train must be one of {TRAIN_CHOICES}, got {self.train!r}")
+        if max_positions and self.context > max_positions:
+            raise RetrofitError(f"--finetune-context {self.context} exceeds the model's max_position_embeddings "
+                                f"{max_positions}")
+        return self
+
+    def schedule(self):
+        """The trainer's TrainConfig with these optimizer settings (for lr_at and make_optimizer)."""
+        from attnlab.train.config import TrainConfig
+
+        return TrainConfig(steps=max(1, self.steps), lr=float(self.lr), warmup_steps=min(self.warmup, self.steps),
+                           min_lr_ratio=float(self.min_lr_ratio), weight_decay=float(self.weight_decay),
+                           grad_clip=float(self.grad_clip), betas=(0.9, 0.95))
+
+
+def batch_indices(seed: int, step: int, n: int, batch: int) -> torch.Tensor:
+    """The contexts of step `step`: `batch` distinct indices in [0, n), a pure function of (seed, step)."""
+    g = torch.Generator().manual_seed(seed * 1_000_003 + step)
+    return torch.randperm(n, generator=g)[:batch]
+
+
+def _pack(cfg: FinetuneConfig, split: str, n: int, encode, eos_id: int) -> torch.Tensor:
+    from attnlab.search.capture import load_texts, pack_contexts
+
+    try:
+        return pack_contexts(load_texts(cfg.corpus, split), encode, eos_id, cfg.context, n, cfg.seed).input_ids
+    except ValueError as e:
+        flag = "--finetune-contexts" if split == "train" else "eval_contexts"
+        raise RetrofitError(f"{flag}/--finetune-context ({cfg.corpus} {split} split): {e}") from None
+
+
+def _logits(model, ids: torch.Tensor) -> torch.Tensor:
+    out = model(input_ids=ids, use_cache=False)
+    return out.logits if hasattr(out, "logits") else out[0]
+
+
+def _losses(model, ids: torch.Tensor, original, kl: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """(total, next-token CE, KL(original ‖ model) or None), each a mean over predicted tokens."""
+    logits = _logits(model, ids)[:, :-1].float()  # (B, T-1, V)
+    ce = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), ids[:, 1:].reshape(-1))
+    if kl > 0 and original is not None:
+        with torch.no_grad():
+            ref = F.log_softmax(_logits(original, ids)[:, :-1].float(), -1)
+        div = F.kl_div(F.log_softmax(logits, -1), ref, log_target=True, reduction="none").sum(-1).mean()
+        return ce + kl * div, ce, div
+    return ce, ce, None
+
+
+@torch.no_grad()
+def perplexity(model, ids: torch.Tensor) -> float:
+    """exp(mean next-token CE) of `model` over the contexts `ids` (N, T), one context at a time."""
+    was = model.training
+    model.eval()
+    total = 0.0
+    for row in ids:
+        total += float(_losses(model, row[None], None, 0.0)[1])
+    model.train(was)
+    return math.exp(total / len(ids))
+
+
+def check_trainable(plan_, train: str) -> None:
+    """RetrofitError when train="new" and the planned layers have no new parameters (checked on
+    layers built on the meta device: no weights, no memory)."""
+    from types import SimpleNamespace
+
+    from attnlab.layers import Attention
+
+    if train != "new":
+        return
+    configs = plan_.model.attention_configs()
+    with torch.device("meta"):
+        blocks = {i: SimpleNamespace(attn=Attention(configs[i])) for i in plan_.layers}
+    _trainable(SimpleNamespace(model=SimpleNamespace(blocks=blocks)), plan_, train)
+
+
+def _trainable(model, plan_, train: str) -> dict[str, torch.nn.Parameter]:
+    if train == "all":
+        return dict(model.model.named_parameters())
+    if plan_ is None:
+        raise RetrofitError("--finetune-train new needs a retrofitted model (one with .retrofit_plan)")
+    params = new_parameters(model.model, plan_)
+    if not params:
+        raise RetrofitError(f"--finetune-train new: the {plan_.mechanism!r} layers with settings {plan_.settings} "
+                            f"have no new parameters to train; add one (e.g. --set output_gate=elementwise) or "
+                            f"use --finetune-train all")
+    return params
+
+
+def _fingerprint(cfg: FinetuneConfig, plan_) -> dict:
+    d = asdict(cfg)
+    d.pop("checkpoint_every")
+    if plan_ is not None:
+        d.update(layers=list(plan_.layers), mechanism=plan_.mechanism, settings=plan_.settings)
+    return json.loads(json.dumps(d, default=str))
+
+
+def _save(path: Path, params: dict, opt, step: int, state: dict) -> None:
+    tensors = {f"param.{k}": v.detach().clone().contiguous() for k, v in params.items()}
+    sd = opt.state_dict()
+    for i, st in sd["state"].items():
+        for k, v in st.items():
+            tensors[f"optim.{i}.{k}"] = v.detach().clone().contiguous() if torch.is_tensor(v) else torch.tensor(v)
+    meta = {**state, "step": step, "param_groups": sd["param_groups"]}
+    atomic_save_tensors(path, tensors, {"state": json.dumps(meta)})
+
+
+def _load(path: Path, params: dict, opt, fingerprint: dict) -> dict:
+    from safetensors import safe_open
+    from safetensors.torch import load_file
+
+    with safe_open(str(path), "pt") as f:
+        meta = json.loads(f.metadata()["state"])
+    if meta.get("fingerprint") != fingerprint:
+        raise RetrofitError(f"{path} was made with fine-tuning options {meta.get('fingerprint')}; this run asks "
+                            f"{fingerprint}: rerun with the same options or use another --out")
+    tensors = load_file(str(path))
+    with torch.no_grad():
+        for k, p in params.items():
+            p.copy_(tensors[f"param.{k}"])
+    optim: dict = {}
+    for k, v in tensors.items():
+        if k.startswith("optim."):
+            _, i, name = k.split(".", 2)
+            optim.setdefault(int(i), {})[name] = v
+    groups = meta["param_groups"]
+    for g in groups:
+        g["betas"] = tuple(g["betas"])
+    opt.load_state_dict({"state": optim, "param_groups": groups})
+    return meta
+
+
+def finetune(model, cfg: FinetuneConfig, out, original=None, encode=None, eos_id: int | None = None,
+             until: int | None = None, progress: bool = True, log=None) -> dict:
+    """Fine-tune `model` (an AttnlabForCausalLM, usually from `convert`) in place; state in OUT/finetune/
+    (resumed when present). original: the HF model it came from (the KL target when cfg.kl > 0).
+    encode/eos_id: the tokenizer (default: byte_encode and the config's EOS). `until`: stop after that
+    many optimizer steps of this call. `log`: a function called with a summary line. Returns the report
+    {"config", "loss_start", "loss_end", "perplexity_before", "perplexity_after", "steps", "history"},
+    also kept as `model.finetune_report` (written to finetune.json by `save`)."""
+    from tqdm.auto import tqdm
+
+    from attnlab.train.logging import RunLogger
+    from attnlab.train.trainer import make_optimizer
+
+    cfg.check()
+    plan_ = getattr(model, "retrofit_plan", None)
+    fingerprint = _fingerprint(cfg, plan_)
+    report: dict = {"config": fingerprint}
+    if cfg.steps == 0:
+        return report
+    if cfg.kl > 0 and original is None:
+        raise RetrofitError("--finetune-kl > 0 needs the original model (finetune(..., original=hf_model))")
+    if encode is None:
+        encode = byte_encode(model.config.vocab_size)
+    if eos_id is None:
+        eos = getattr(model.config, "eos_token_id", None)
+        eos_id = int((eos[0] if isinstance(eos, (list, tuple)) else eos) or 0)
+    train_ids = _pack(cfg, "train", cfg.contexts, encode, eos_id)
+    eval_ids = _pack(cfg, "test", cfg.eval_contexts, encode, eos_id)
+    params = _trainable(model, plan_, cfg.train)
+    flags = {n: p.requires_grad for n, p in model.named_parameters()}
+    trained = {id(p) for p in params.values()}
+    for p in model.parameters():
+        p.requires_grad_(id(p) in trained)
+    if original is not None:
+        original.eval()
+    tcfg = cfg.schedule()
+    opt = make_optimizer(model, tcfg)
+    folder = Path(out) / FINETUNE_DIR
+    path = folder / STATE
+    try:
+        with FolderLock(out, beside=True):
+            folder.mkdir(parents=True, exist_ok=True)
+            start, state = 0, {"fingerprint": fingerprint}
+            if path.is_file():
+                meta = _load(path, params, opt, fingerprint)
+                start = int(meta["step"])
+                state.update({k: meta[k] for k in ("perplexity_before", "loss_start")})
+            else:
+                state["perplexity_before"] = perplexity(model, eval_ids)
+            logger = RunLogger(folder, tensorboard=False)
+            logger.truncate_after(start)
+            model.train()
+            step, ran, budget = start, 0, math.inf if until is None else until
+            bar = tqdm(range(start, cfg.steps), initial=start, total=cfg.steps, desc="retrofit finetune",
+                       disable=not progress)
+            with graceful():
+                while step < cfg.steps and ran < budget:
+                    lr = tcfg.lr_at(step)
+                    for g in opt.param_groups:
+                        g["lr"] = lr
+                    ids = train_ids[batch_indices(cfg.seed, step, cfg.contexts, cfg.batch)]
+                    loss, ce, div = _losses(model, ids, original, cfg.kl)
+                    opt.zero_grad(set_to_none=True)
+                    loss.backward()
+                    norm = torch.nn.utils.clip_grad_norm_(list(params.values()), tcfg.grad_clip) \
+                        if tcfg.grad_clip > 0 else None
+                    opt.step()
+                    row = {"step": step + 1, "loss": float(loss.detach()), "ce": float(ce.detach()), "lr": lr}
+                    if div is not None:
+                        row["kl"] = float(div.detach())
+                    if norm is not None:
+                        row["grad_norm"] = float(norm)
+                    if step == 0:
+                        state["loss_start"] = row["loss"]
+                    logger.log("train", row)
+                    step += 1
+                    ran += 1
+                    bar.update(1)
+                    bar.set_postfix(loss=f"{row['loss']:.4f}")
+                    if step % cfg.checkpoint_every == 0 or step == cfg.steps or ran >= budget:
+                        _save(path, params, opt, step, state)
+                    if requested() is not None and step < cfg.steps:
+                        _save(path, params, opt, step, state)
+                        bar.close()
+                        raise Interrupted(requested(), f"{path} stopped after step {step} of {cfg.steps}; rerun the "
+                                                       f"same command to resume")
+            bar.close()
+            logger.close()
+            history = logger.history("train")
+    finally:
+        opt.zero_grad(set_to_none=True)
+        for n, p in model.named_parameters():
+            p.requires_grad_(flags[n])
+        model.eval()
+    report.update(steps=step, resumed_from=start, trained=sorted(params), loss_start=state["loss_start"],
+                  loss_end=history[-1]["loss"] if history else None, perplexity_before=state["perplexity_before"],
+                  history=history)
+    if step < cfg.steps:
+        report["stopped"] = f"at step {step} of {cfg.steps}"
+        return report
+    report["perplexity_after"] = perplexity(model, eval_ids)
+    model.finetune_report = report
+    if log is not None:
+        log(f"finetune: loss {report['loss_start']:.4f} -> {report['loss_end']:.4f} ({cfg.steps} steps); held-out "
+            f"perplexity {report['perplexity_before']:.4g} -> {report['perplexity_after']:.4g}")
+    return report
