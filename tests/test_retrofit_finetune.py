@@ -148,3 +148,25 @@ def test_cli_bad_finetune_options_are_one_line_errors(tmp_path, capsys, monkeypa
         err = capsys.readouterr().err.strip()
         assert err.startswith("error: ") and msg in err and "\n" not in err, err
     assert not (tmp_path / "new").exists()
+
+
+def test_lora_adapters_train_then_merge_into_the_projections(llama, tmp_path):
+    """--finetune-lora: peft LoRA on every layer's q/k/v/o trains beside the new parameters; once finished
+    it is merged, so the model has attnlab's plain structure again and the projections moved; stopped
+    part-way, the adapters are dropped unmerged (base weights as they were) and the rerun resumes exactly."""
+    pytest.importorskip("peft")
+    r = convert(llama, "1,2", "softmax", {"output_gate": "elementwise"})
+    names, before = set(r.state_dict()), _state(r)
+    cfg = FinetuneConfig(steps=6, lr=1e-2, lora=2, **SMALL)
+    rep = finetune(r, cfg, tmp_path / "one", progress=False)
+    assert any("lora_A" in n for n in rep["trained"]) and set(r.state_dict()) == names  # merged, no adapters left
+    assert not torch.equal(before["model.blocks.0.attn.wq.weight"], r.state_dict()["model.blocks.0.attn.wq.weight"])
+    assert rep["loss_end"] < rep["loss_start"]
+    two = convert(llama, "1,2", "softmax", {"output_gate": "elementwise"})
+    part = finetune(two, cfg, tmp_path / "two", progress=False, until=3)
+    assert part["stopped"] == "at step 3 of 6" and all(torch.equal(v, two.state_dict()[k]) for k, v in before.items()
+                                                      if "gate" not in k)  # unmerged: q/k/v/o untouched
+    finetune(two, cfg, tmp_path / "two", progress=False)
+    assert all(torch.equal(v, two.state_dict()[k]) for k, v in r.state_dict().items())
+    with pytest.raises(RetrofitError, match="--finetune-lora must be an integer >= 0"):
+        FinetuneConfig(steps=1, lora=-1).check()

@@ -58,6 +58,9 @@ def add_retrofit(sub) -> None:
     f.add_argument("--finetune-train", choices=["new", "all"], default=None,
                    help="new: only the retrofit's new parameters (gates, scalar projections, τ, ...); all: every "
                         "parameter (default: new)")
+    f.add_argument("--finetune-lora", type=int, default=None, metavar="R",
+                   help="also train LoRA adapters of rank R (peft) on every layer's q/k/v/o projections, merged into "
+                        "them when fine-tuning ends (default: none)")
     p.set_defaults(func=cmd_retrofit)
 
 
@@ -83,7 +86,7 @@ def cmd_retrofit(ns) -> int:
         tcfg.check(plan.model.max_seq_len or None)
         fcfg.check(plan.model.max_seq_len or None)
         if fcfg.steps > 0:
-            check_trainable(plan, fcfg.train)
+            check_trainable(plan, fcfg.train, fcfg.lora)
     except RetrofitError as e:
         raise UsageError(str(e)) from None
     check_free(ns.out, beside=True)  # FolderBusy (exit 2) before any weights load
@@ -126,7 +129,7 @@ def _finetune_config(ns, FinetuneConfig):
     --finetune-* option given without --finetune-steps)."""
     from attnlab.retrofit import RetrofitError
 
-    given = {k: getattr(ns, f"finetune_{k}") for k in ("lr", "kl", "context", "batch", "train")}
+    given = {k: getattr(ns, f"finetune_{k}") for k in ("lr", "kl", "context", "batch", "train", "lora")}
     given = {k: v for k, v in given.items() if v is not None}
     if ns.finetune_steps == 0 and given:
         flags = ", ".join(f"--finetune-{k}" for k in given)

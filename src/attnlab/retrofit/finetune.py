@@ -64,15 +64,18 @@ class FinetuneConfig:
     weight_decay: float = 0.0
     grad_clip: float = 1.0
     checkpoint_every: int = 50
+    lora: int = 0  # LoRA rank on every layer's q/k/v/o projections (peft); 0: none
+    lora_alpha: float = 16.0
 
     def check(self, max_positions: int | None = None) -> "FinetuneConfig":
         """RetrofitError naming the option, for a value that cannot work."""
         for name, low in (("steps", 0), ("warmup", 0), ("batch", 1), ("context", 2), ("contexts", 1),
-                          ("eval_contexts", 1), ("seed", 0), ("checkpoint_every", 1)):
+                          ("eval_contexts", 1), ("seed", 0), ("checkpoint_every", 1), ("lora", 0)):
             v = getattr(self, name)
             if isinstance(v, bool) or not isinstance(v, int) or v < low:
                 raise RetrofitError(f"--finetune-{name.replace('_', '-')} must be an integer >= {low}, got {v!r}")
-        for name, positive in (("lr", True), ("kl", False), ("weight_decay", False), ("grad_clip", False)):
+        for name, positive in (("lr", True), ("kl", False), ("weight_decay", False), ("grad_clip", False),
+                               ("lora_alpha", True)):
             v = getattr(self, name)
             if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) or v < 0 or (positive and v == 0):
                 raise RetrofitError(f"--finetune-{name.replace('_', '-')} must be a finite number "
@@ -142,14 +145,16 @@ def perplexity(model, ids: torch.Tensor) -> float:
     return math.exp(total / len(ids))
 
 
-def check_trainable(plan_, train: str) -> None:
-    """RetrofitError when train="new" and the planned layers have no new parameters (checked on
-    layers built on the meta device: no weights, no memory)."""
+def check_trainable(plan_, train: str, lora: int = 0) -> None:
+    """RetrofitError when train="new", no LoRA is asked for and the planned layers have no new parameters
+    (checked on layers built on the meta device: no weights, no memory); or LoRA without peft installed."""
     from types import SimpleNamespace
 
     from attnlab.layers import Attention
 
-    if train != "new":
+    if lora:
+        _peft()
+    if train != "new" or lora:
         return
     configs = plan_.model.attention_configs()
     with torch.device("meta"):
@@ -157,13 +162,49 @@ def check_trainable(plan_, train: str) -> None:
     _trainable(SimpleNamespace(model=SimpleNamespace(blocks=blocks)), plan_, train)
 
 
-def _trainable(model, plan_, train: str) -> dict[str, torch.nn.Parameter]:
+LORA_TARGETS = ["wq", "wk", "wv", "wo"]  # every attention layer's projections (attnlab.layers.Attention)
+
+
+def _peft():
+    try:
+        import peft
+    except ImportError:
+        raise RetrofitError("--finetune-lora needs the optional package peft, not installed here: pip install peft") from None
+    return peft
+
+
+def add_lora(model, cfg: FinetuneConfig) -> dict[str, torch.nn.Parameter]:
+    """LoRA adapters (rank cfg.lora, peft) on the q/k/v/o projections of every layer of `model` (an
+    AttnlabForCausalLM), initialised from cfg.seed; returns them by name."""
+    peft = _peft()
+    torch.manual_seed(cfg.seed)
+    peft.inject_adapter_in_model(peft.LoraConfig(r=cfg.lora, lora_alpha=cfg.lora_alpha, lora_dropout=0.0,
+                                                 target_modules=LORA_TARGETS), model.model)
+    return {n: p for n, p in model.model.named_parameters() if "lora_" in n}
+
+
+def remove_lora(model, merge: bool) -> None:
+    """Take the adapters out again, each folded into its projection first when `merge` (the saved model
+    then has attnlab's plain structure), else dropped (the base weights as they were)."""
+    from peft.tuners.lora import LoraLayer
+
+    for name, module in list(model.model.named_modules()):
+        if isinstance(module, LoraLayer):
+            if merge:
+                module.merge()
+            parent = model.model.get_submodule(name.rsplit(".", 1)[0]) if "." in name else model.model
+            setattr(parent, name.rsplit(".", 1)[-1], module.get_base_layer())
+    if hasattr(model.model, "peft_config"):  # what peft's injection left on the module
+        del model.model.peft_config
+
+
+def _trainable(model, plan_, train: str, lora: bool = False) -> dict[str, torch.nn.Parameter]:
     if train == "all":
         return dict(model.model.named_parameters())
     if plan_ is None:
         raise RetrofitError("--finetune-train new needs a retrofitted model (one with .retrofit_plan)")
     params = new_parameters(model.model, plan_)
-    if not params:
+    if not params and not lora:
         raise RetrofitError(f"--finetune-train new: the {plan_.mechanism!r} layers with settings {plan_.settings} "
                             f"have no new parameters to train; add one (e.g. --set output_gate=elementwise) or "
                             f"use --finetune-train all")
@@ -241,8 +282,10 @@ def finetune(model, cfg: FinetuneConfig, out, original=None, encode=None, eos_id
         eos_id = int((eos[0] if isinstance(eos, (list, tuple)) else eos) or 0)
     train_ids = _pack(cfg, "train", cfg.contexts, encode, eos_id)
     eval_ids = _pack(cfg, "test", cfg.eval_contexts, encode, eos_id)
-    params = _trainable(model, plan_, cfg.train)
+    params = _trainable(model, plan_, cfg.train, lora=cfg.lora > 0)
     flags = {n: p.requires_grad for n, p in model.named_parameters()}
+    if cfg.lora:
+        params = {**params, **add_lora(model, cfg)}
     trained = {id(p) for p in params.values()}
     for p in model.parameters():
         p.requires_grad_(id(p) in trained)
@@ -304,6 +347,8 @@ def finetune(model, cfg: FinetuneConfig, out, original=None, encode=None, eos_id
             history = logger.history("train")
     finally:
         opt.zero_grad(set_to_none=True)
+        if cfg.lora:  # merged only once finished; an interrupted run leaves the base weights as they were
+            remove_lora(model, merge=step >= cfg.steps if "step" in locals() else False)
         for n, p in model.named_parameters():
             p.requires_grad_(flags[n])
         model.eval()
