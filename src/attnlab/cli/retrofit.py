@@ -61,6 +61,12 @@ def add_retrofit(sub) -> None:
     f.add_argument("--finetune-lora", type=int, default=None, metavar="R",
                    help="also train LoRA adapters of rank R (peft) on every layer's q/k/v/o projections, merged into "
                         "them when fine-tuning ends (default: none)")
+    e = p.add_argument_group("evaluation (eval.json in OUT)")
+    e.add_argument("--eval-contexts", type=int, default=0, metavar="N",
+                   help="held-out contexts (stdlib test split) for the perplexity of the retrofitted and the original "
+                        "model and the per-layer first-token share, sink share, ground-state mass and gate values; "
+                        "0: no evaluation (default: 0)")
+    e.add_argument("--eval-context", type=int, default=None, metavar="T", help="tokens per context (default: 256)")
     p.set_defaults(func=cmd_retrofit)
 
 
@@ -74,6 +80,7 @@ def cmd_retrofit(ns) -> int:
                              f"install the [hf] extra: {HF_EXTRA}") from None
         raise
     from attnlab.lock import FolderLock, check_free
+    from attnlab.retrofit.evaluate import EvalConfig, evaluate_retrofit
     from attnlab.retrofit.finetune import FinetuneConfig, check_trainable, finetune
     from attnlab.retrofit.transfer import TransferConfig, transfer_attention
 
@@ -81,10 +88,13 @@ def cmd_retrofit(ns) -> int:
         settings = parse_settings(ns.settings)
         tcfg = _transfer_config(ns, TransferConfig)
         fcfg = _finetune_config(ns, FinetuneConfig)
+        ecfg = _eval_config(ns, EvalConfig)
         check_out(ns.out, resume=tcfg.steps > 0 or fcfg.steps > 0)
         source, plan = plan_source(ns.model, ns.layers, ns.attn, settings)
         tcfg.check(plan.model.max_seq_len or None)
         fcfg.check(plan.model.max_seq_len or None)
+        if ecfg is not None:
+            ecfg.check(plan.model.max_seq_len or None)
         if fcfg.steps > 0:
             check_trainable(plan, fcfg.train, fcfg.lora)
     except RetrofitError as e:
@@ -103,12 +113,30 @@ def cmd_retrofit(ns) -> int:
             if fcfg.steps > 0:
                 finetune(retro, fcfg, ns.out, original=model if fcfg.kl > 0 else None, encode=encode, eos_id=eos,
                          log=print)
+            if ecfg is not None:
+                rep = evaluate_retrofit(retro, ecfg, original=model, encode=encode, eos_id=eos)
+                print(f"eval: held-out perplexity {rep['perplexity']:.4g} (original {rep['perplexity_original']:.4g}, "
+                      f"{100 * rep['perplexity_gap']:+.3f} %) on {ecfg.contexts} x {ecfg.context} tokens")
         except RetrofitError as e:
             raise UsageError(str(e)) from None
         out = save(retro, ns.out, tok)
     print(f"wrote {out}: layers {plan.layers} of {plan.model.n_layers} now {ns.attn!r} "
           f"(load with: import attnlab.hf; AutoModelForCausalLM.from_pretrained({str(out)!r}))")
     return 0
+
+
+def _eval_config(ns, EvalConfig):
+    """The EvalConfig of --eval-contexts / --eval-context (None: no evaluation)."""
+    from attnlab.retrofit import RetrofitError
+
+    if ns.eval_contexts == 0:
+        if ns.eval_context is not None:
+            raise RetrofitError("--eval-context given without --eval-contexts N (N > 0): no evaluation would run")
+        return None
+    given = {"context": ns.eval_context} if ns.eval_context is not None else {}
+    cfg = EvalConfig(contexts=ns.eval_contexts, **given)
+    cfg.analysis_contexts = min(cfg.analysis_contexts, max(cfg.contexts, 1))
+    return cfg.check()
 
 
 def _transfer_config(ns, TransferConfig):

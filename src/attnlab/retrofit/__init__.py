@@ -22,10 +22,11 @@ from .convert import (
 )
 from .finetune import FinetuneConfig, finetune
 from .io import check_out, load_source, parse_settings, plan_source, retrofit, save
+from .evaluate import EvalConfig, evaluate_retrofit
 from .transfer import TransferConfig, transfer_attention
 
 __all__ = [
     "FAMILIES", "FinetuneConfig", "PRINCIPLED_START", "Plan", "RetrofitError", "check_out", "convert", "finetune", "load_source", "logit_error",
     "new_parameters", "parse_settings", "plan", "plan_source", "principled_logit_bound", "retrofit", "save",
-    "start_overrides", "TransferConfig", "transfer_attention",
+    "start_overrides", "TransferConfig", "transfer_attention", "EvalConfig", "evaluate_retrofit",
 ]

@@ -120,8 +120,8 @@ def _summary(p: Plan) -> dict:
 
 def save(model, out: str | os.PathLike, tokenizer=None, rtol: float = 1e-6) -> Path:
     """Write retrofitted `model` (with `tokenizer`) into the new or empty folder `out`, atomically.
-    A model that went through `transfer` / `finetune` also gets transfer.json / finetune.json (their
-    reports); their checkpoints in OUT/transfer/ and OUT/finetune/ are removed once the folder is in place."""
+    A model that went through `transfer` / `finetune` / `evaluate_retrofit` also gets transfer.json /
+    finetune.json / eval.json (their reports); their checkpoints in OUT/transfer/ and OUT/finetune/ are removed once the folder is in place."""
     from transformers.utils import logging as hf_logging
 
     resume = any(getattr(model, f"{d}_report", None) is not None for d in RESUMABLE)  # OUT may hold checkpoints
@@ -140,7 +140,7 @@ def save(model, out: str | os.PathLike, tokenizer=None, rtol: float = 1e-6) -> P
             plan_ = getattr(model, "retrofit_plan", None)
             if plan_ is not None:
                 (tmp / "retrofit.json").write_text(json.dumps(_summary(plan_), indent=2) + "\n")
-            for d in RESUMABLE:
+            for d in (*RESUMABLE, "eval"):
                 report = getattr(model, f"{d}_report", None)
                 if report is not None:
                     (tmp / f"{d}.json").write_text(json.dumps(report, indent=2) + "\n")
