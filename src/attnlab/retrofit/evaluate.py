@@ -63,14 +63,10 @@ def evaluate_retrofit(model, cfg: EvalConfig, original=None, encode=None, eos_id
     from attnlab.train.evaluate import attention_report
 
     from .finetune import FinetuneConfig, _pack
-    from .transfer import byte_encode
+    from .transfer import text_encoding
 
     cfg.check()
-    if encode is None:
-        encode = byte_encode(model.config.vocab_size)
-    if eos_id is None:
-        eos = getattr(model.config, "eos_token_id", None)
-        eos_id = int((eos[0] if isinstance(eos, (list, tuple)) else eos) or 0)
+    encode, eos_id = text_encoding(model.config, encode, eos_id)
     pack = FinetuneConfig(context=cfg.context, corpus=cfg.corpus, seed=cfg.seed)
     ids = _pack(pack, "test", cfg.contexts, encode, eos_id)  # (N, T)
     was = model.training

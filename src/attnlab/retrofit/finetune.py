@@ -33,12 +33,11 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from attnlab.data.cache import atomic_save_tensors
 from attnlab.interrupt import Interrupted, graceful, requested
 from attnlab.lock import FolderLock
 
 from .convert import RetrofitError, new_parameters
-from .transfer import byte_encode
+from .transfer import load_state, save_state, text_encoding
 
 FINETUNE_DIR = "finetune"
 STATE = "state.safetensors"
@@ -219,41 +218,6 @@ def _fingerprint(cfg: FinetuneConfig, plan_) -> dict:
     return json.loads(json.dumps(d, default=str))
 
 
-def _save(path: Path, params: dict, opt, step: int, state: dict) -> None:
-    tensors = {f"param.{k}": v.detach().clone().contiguous() for k, v in params.items()}
-    sd = opt.state_dict()
-    for i, st in sd["state"].items():
-        for k, v in st.items():
-            tensors[f"optim.{i}.{k}"] = v.detach().clone().contiguous() if torch.is_tensor(v) else torch.tensor(v)
-    meta = {**state, "step": step, "param_groups": sd["param_groups"]}
-    atomic_save_tensors(path, tensors, {"state": json.dumps(meta)})
-
-
-def _load(path: Path, params: dict, opt, fingerprint: dict) -> dict:
-    from safetensors import safe_open
-    from safetensors.torch import load_file
-
-    with safe_open(str(path), "pt") as f:
-        meta = json.loads(f.metadata()["state"])
-    if meta.get("fingerprint") != fingerprint:
-        raise RetrofitError(f"{path} was made with fine-tuning options {meta.get('fingerprint')}; this run asks "
-                            f"{fingerprint}: rerun with the same options or use another --out")
-    tensors = load_file(str(path))
-    with torch.no_grad():
-        for k, p in params.items():
-            p.copy_(tensors[f"param.{k}"])
-    optim: dict = {}
-    for k, v in tensors.items():
-        if k.startswith("optim."):
-            _, i, name = k.split(".", 2)
-            optim.setdefault(int(i), {})[name] = v
-    groups = meta["param_groups"]
-    for g in groups:
-        g["betas"] = tuple(g["betas"])
-    opt.load_state_dict({"state": optim, "param_groups": groups})
-    return meta
-
-
 def finetune(model, cfg: FinetuneConfig, out, original=None, encode=None, eos_id: int | None = None,
              until: int | None = None, progress: bool = True, log=None) -> dict:
     """Fine-tune `model` (an AttnlabForCausalLM, usually from `convert`) in place; state in OUT/finetune/
@@ -275,11 +239,7 @@ def finetune(model, cfg: FinetuneConfig, out, original=None, encode=None, eos_id
         return report
     if cfg.kl > 0 and original is None:
         raise RetrofitError("--finetune-kl > 0 needs the original model (finetune(..., original=hf_model))")
-    if encode is None:
-        encode = byte_encode(model.config.vocab_size)
-    if eos_id is None:
-        eos = getattr(model.config, "eos_token_id", None)
-        eos_id = int((eos[0] if isinstance(eos, (list, tuple)) else eos) or 0)
+    encode, eos_id = text_encoding(model.config, encode, eos_id)
     train_ids = _pack(cfg, "train", cfg.contexts, encode, eos_id)
     eval_ids = _pack(cfg, "test", cfg.eval_contexts, encode, eos_id)
     params = _trainable(model, plan_, cfg.train, lora=cfg.lora > 0)
@@ -300,7 +260,10 @@ def finetune(model, cfg: FinetuneConfig, out, original=None, encode=None, eos_id
             folder.mkdir(parents=True, exist_ok=True)
             start, state = 0, {"fingerprint": fingerprint}
             if path.is_file():
-                meta = _load(path, params, opt, fingerprint)
+                tensors, meta = load_state(path, opt, fingerprint, "fine-tuning")
+                with torch.no_grad():
+                    for k, p in params.items():
+                        p.copy_(tensors[k])
                 start = int(meta["step"])
                 state.update({k: meta[k] for k in ("perplexity_before", "loss_start")})
             else:
@@ -336,9 +299,9 @@ def finetune(model, cfg: FinetuneConfig, out, original=None, encode=None, eos_id
                     bar.update(1)
                     bar.set_postfix(loss=f"{row['loss']:.4f}")
                     if step % cfg.checkpoint_every == 0 or step == cfg.steps or ran >= budget:
-                        _save(path, params, opt, step, state)
+                        save_state(path, params, opt, step, state)
                     if requested() is not None and step < cfg.steps:
-                        _save(path, params, opt, step, state)
+                        save_state(path, params, opt, step, state)
                         bar.close()
                         raise Interrupted(requested(), f"{path} stopped after step {step} of {cfg.steps}; rerun the "
                                                        f"same command to resume")

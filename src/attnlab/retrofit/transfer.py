@@ -72,6 +72,16 @@ def byte_encode(vocab_size: int):
     return lambda text: [3 + b % span for b in text.encode("utf-8")]
 
 
+def text_encoding(config, encode=None, eos_id: int | None = None):
+    """(encode, eos_id): those given, else byte_encode and the EOS id of the model `config`."""
+    if encode is None:
+        encode = byte_encode(config.vocab_size)
+    if eos_id is None:
+        eos = getattr(config, "eos_token_id", None)
+        eos_id = int((eos[0] if isinstance(eos, (list, tuple)) else eos) or 0)
+    return encode, eos_id
+
+
 def pack(cfg: TransferConfig, encode, eos_id: int) -> torch.Tensor:
     """(contexts, context) token ids of the corpus."""
     from attnlab.search.capture import load_texts, pack_contexts
@@ -122,8 +132,10 @@ def _fingerprint(cfg: TransferConfig, layer: int, mechanism: str) -> dict:
     return {**d, "layer": layer, "mechanism": mechanism}
 
 
-def _save(path: Path, attn, opt, step: int, state: dict) -> None:
-    tensors = {f"param.{k}": v.detach().clone().contiguous() for k, v in attn.state_dict().items()}
+def save_state(path: Path, params: dict, opt, step: int, state: dict) -> None:
+    """Tensors being trained (by name), the optimizer's state and a JSON `state` (+ step) in one
+    safetensors file, atomically: the checkpoint of transfer and of fine-tuning."""
+    tensors = {f"param.{k}": v.detach().clone().contiguous() for k, v in params.items()}
     sd = opt.state_dict()
     for i, st in sd["state"].items():
         for k, v in st.items():
@@ -132,20 +144,28 @@ def _save(path: Path, attn, opt, step: int, state: dict) -> None:
     atomic_save_tensors(path, tensors, {"state": json.dumps(meta)})
 
 
-def _load(path: Path) -> tuple[dict, dict, dict]:
+def load_state(path: Path, opt, fingerprint: dict, what: str) -> tuple[dict, dict]:
+    """(tensors by name, JSON state) of a `save_state` file, the optimizer restored; RetrofitError when
+    it was written with other options (`fingerprint`)."""
     from safetensors import safe_open
     from safetensors.torch import load_file
 
     with safe_open(str(path), "pt") as f:
         meta = json.loads(f.metadata()["state"])
+    if meta.get("fingerprint") != fingerprint:
+        raise RetrofitError(f"{path} was made with {what} options {meta.get('fingerprint')}; this run asks "
+                            f"{fingerprint}: rerun with the same options or use another --out")
     tensors = load_file(str(path))
-    params = {k[len("param."):]: v for k, v in tensors.items() if k.startswith("param.")}
     optim: dict = {}
     for k, v in tensors.items():
         if k.startswith("optim."):
             _, i, name = k.split(".", 2)
             optim.setdefault(int(i), {})[name] = v
-    return params, optim, meta
+    groups = meta["param_groups"]
+    for g in groups:
+        g["betas"] = tuple(g["betas"])
+    opt.load_state_dict({"state": optim, "param_groups": groups})
+    return {k[len("param."):]: v for k, v in tensors.items() if k.startswith("param.")}, meta
 
 
 def transfer_attention(hf_model, model, layers: list[int], cfg: TransferConfig, out, encode=None, eos_id: int | None = None,
@@ -161,11 +181,7 @@ def transfer_attention(hf_model, model, layers: list[int], cfg: TransferConfig, 
     layers = sorted(int(i) for i in layers)
     plan_ = getattr(model, "retrofit_plan", None)
     mechanism = plan_.mechanism if plan_ is not None else "?"
-    if encode is None:
-        encode = byte_encode(hf_model.config.vocab_size)
-    if eos_id is None:
-        eos = getattr(hf_model.config, "eos_token_id", None)
-        eos_id = int((eos[0] if isinstance(eos, (list, tuple)) else eos) or 0)
+    encode, eos_id = text_encoding(hf_model.config, encode, eos_id)
     folder = Path(out) / TRANSFER_DIR
     report = {"config": _fingerprint(cfg, -1, mechanism), "layers": {}}
     report["config"].pop("layer")
@@ -199,15 +215,8 @@ def _layer(attn, x, y, cfg: TransferConfig, path: Path, fingerprint: dict, budge
     opt = torch.optim.AdamW(attn.parameters(), lr=cfg.lr, weight_decay=0.0)
     start, before = 0, None
     if path.is_file():
-        params, optim, meta = _load(path)
-        if meta.get("fingerprint") != fingerprint:
-            raise RetrofitError(f"{path} was made with transfer options {meta.get('fingerprint')}; this run asks "
-                                f"{fingerprint}: rerun with the same options or use another --out")
+        params, meta = load_state(path, opt, fingerprint, "transfer")
         attn.load_state_dict(params)
-        groups = meta["param_groups"]
-        for g in groups:
-            g["betas"] = tuple(g["betas"])
-        opt.load_state_dict({"state": optim, "param_groups": groups})
         start, before = int(meta["step"]), meta["before"]
     if before is None:
         before = relative_error(attn, x, y)
@@ -221,9 +230,9 @@ def _layer(attn, x, y, cfg: TransferConfig, path: Path, fingerprint: dict, budge
         step += 1
         ran += 1
         if step % cfg.checkpoint_every == 0 or step == cfg.steps or ran >= budget:
-            _save(path, attn, opt, step, state)
+            save_state(path, attn.state_dict(), opt, step, state)
         if requested() is not None and step < cfg.steps:
-            _save(path, attn, opt, step, state)
+            save_state(path, attn.state_dict(), opt, step, state)
             raise Interrupted(requested(), f"{path} stopped after step {step} of {cfg.steps}; rerun the same "
                                            f"command to resume")
     for p in attn.parameters():
