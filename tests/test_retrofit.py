@@ -218,3 +218,30 @@ def test_hybrid_scalar_scale_fast_equals_naive(scale):
         assert rel_rms(b, a) < 1e-10
     if scale == 0.0:  # exactly softmax attention: the scalar inputs get no gradient
         assert float(outs[0][4].abs().max()) == 0.0
+
+
+@pytest.mark.parametrize("T", [0, 1, 63])
+def test_hybrid_scalar_scale_hostile_inputs(T):
+    """scalar_scale: NaN/inf, negative, wrong shape or dtype are errors naming it; T = 0, 1, 63 agree
+    between the paths; a huge later key never changes an earlier row (causal)."""
+    from attnlab.ops import hybrid_attention
+    from attnlab.testing import rel_rms
+
+    g = torch.Generator().manual_seed(1)
+    B, H, D = 1, 2, 4
+    q, k, v = (torch.randn(B, H, T, D, generator=g) for _ in range(3))
+    qs, ks = (torch.randn(B, H, T, generator=g) for _ in range(2))
+    lam = torch.tensor([0.3, 0.0])
+    for bad, words in ((torch.tensor([float("nan"), 1.0]), "scalar_scale"), (torch.tensor([float("inf"), 1.0]), "scalar_scale"),
+                       (-0.5, "scalar_scale"), (torch.ones(3), "scalar_scale"), (torch.ones(2, dtype=torch.long), "scalar_scale"),
+                       (True, "scalar_scale")):
+        with pytest.raises(ValueError, match=words):
+            hybrid_attention(q, k, v, qs, ks, 1.0, impl="fast", scalar_scale=bad)
+    a = hybrid_attention(q, k, v, qs, ks, 1.0, impl="naive", scalar_scale=lam)
+    b = hybrid_attention(q, k, v, qs, ks, 1.0, impl="fast", scalar_scale=lam)
+    assert a.shape == (B, H, T, D) and (T == 0 or rel_rms(b, a) < 1e-5)
+    if T > 1:
+        ks2 = ks.clone()
+        ks2[..., -1] = 1e4  # an extreme last key: every earlier row stays as it was
+        c = hybrid_attention(q, k, v, qs, ks2, 1.0, impl="fast", scalar_scale=lam)
+        assert torch.allclose(c[:, :, :-1], b[:, :, :-1], atol=1e-6)
