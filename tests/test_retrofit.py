@@ -50,6 +50,7 @@ EXACT = {
     "gate-headwise": ("softmax", {"output_gate": "headwise"}, ["gate.proj.weight"]),
     "hybrid": ("hybrid", {}, ["scalar_scale"]),
     "hybrid-gate": ("hybrid", {"output_gate": "elementwise"}, ["scalar_scale", "gate.proj.weight"]),
+    "hybrid-sink": ("hybrid", {"sink": True}, ["scalar_scale", "sink_weight"]),
     "goat": ("goat", {}, ["prior.lam_sym", "prior.lam_asym", "prior.bump", "prior.slope_raw", "prior.fc2.weight"]),
 }
 
@@ -89,11 +90,15 @@ def test_new_parameters_change_the_model(base):
         assert logit_error(r(idx).logits, ref) > 1e-4
 
 
-def test_sink_is_not_an_exact_start(base):
-    """A sink key (sink=true) takes mass from the model's keys at the hybrid's silent start: not exact."""
+def test_sink_start_has_no_mass_and_weight_one_would(base):
+    """The retrofit starts a learned sink at weight 0 (sink_weight=0.0, exact); at weight 1 (a plain
+    sink key) it would take mass from the model's keys at the hybrid's silent start."""
     model, idx, ref = base
+    r = convert(model, "1", "hybrid", {"sink": True})
+    assert r.model.blocks[1].attn.config.sink_weight == 0.0
     with torch.no_grad():
-        assert logit_error(convert(model, "1", "hybrid", {"sink": True})(idx).logits, ref) > 1e-3
+        assert logit_error(r(idx).logits, ref) < 1e-5
+        assert logit_error(convert(model, "1", "hybrid", {"sink": True, "sink_weight": 1.0})(idx).logits, ref) > 1e-3
 
 
 def test_save_round_trip_and_generate(base, tmp_path):
@@ -183,7 +188,8 @@ def test_layer_options_default_off():
 
 @pytest.mark.slow
 @pytest.mark.parametrize("attn,settings", [("softmax", {"output_gate": "elementwise"}), ("hybrid", {}), ("goat", {}),
-                                           ("principled", {})], ids=["gate", "hybrid", "goat", "principled"])
+                                           ("principled", {}), ("hybrid", {"sink": True})],
+                         ids=["gate", "hybrid", "goat", "principled", "hybrid-sink"])
 def test_smollm2_exact_starts(attn, settings):
     from attnlab.retrofit import load_source, plan_source
 

@@ -19,11 +19,13 @@ from ..ops._sdpa import expand_heads
 @dataclass(frozen=True)
 class SinkRows:
     """The sink entry per index row (R = B * H): key (R, 1) float32, value (R, Dv) in the cache's
-    dtype, vkey (R, Dk) float32 for hybrid heads, else None."""
+    dtype, vkey (R, Dk) float32 for hybrid heads, else None; logw (R, 1) float32, the log of the
+    sink's weight in the normaliser (0: weight 1, like any key; -inf: no mass)."""
 
     key: torch.Tensor
     value: torch.Tensor
     vkey: torch.Tensor | None
+    logw: torch.Tensor
 
 
 def _finite(name: str, x: torch.Tensor, cast: torch.Tensor | None = None) -> None:
@@ -72,12 +74,30 @@ def _sink_key(cache, sink_key) -> torch.Tensor:
     return key
 
 
-def sink_rows(cache, sink_key, sink_value, sink_vkey) -> SinkRows | None:
-    """The sink per row (key (R, 1) float32, value (R, Dv), hybrid vector key (R, Dk)), or None.
+def _sink_logw(cache, sink_logw) -> torch.Tensor:
+    """None, a float, 0-d or (H,) tensor -> (H,) float32; finite or -inf (a sink with no mass)."""
+    H = cache.n_heads
+    if sink_logw is None:
+        return torch.zeros(H, device=cache.device)
+    if isinstance(sink_logw, bool) or not isinstance(sink_logw, (int, float, torch.Tensor)):
+        raise TypeError(f"sink_logw must be a float or a tensor, got {type(sink_logw).__name__}")
+    x = torch.as_tensor(sink_logw).detach().to(cache.device, torch.float32)
+    if not x.is_floating_point() or x.dim() > 1 or (x.dim() == 1 and x.shape[0] != H):
+        raise ValueError(f"sink_logw must be a float, 0-d or ({H},) floating tensor, got {tuple(x.shape)}")
+    if bool(torch.isnan(x).any()) or bool((x == float("inf")).any()):
+        raise ValueError(f"sink_logw must be finite or -inf (log of a weight >= 0), got {x.tolist()}")
+    return x.expand(H).contiguous()
+
+
+def sink_rows(cache, sink_key, sink_value, sink_vkey, sink_logw=None) -> SinkRows | None:
+    """The sink per row (key (R, 1) float32, value (R, Dv), hybrid vector key (R, Dk), log-weight
+    (R, 1)), or None.
 
     sink_key: float, 0-d or (H,); sink_value: (Dv,), (G, Dv) or (H, Dv); sink_vkey: (Dk,) or
-    (H, Dk), hybrid only, default zeros (the sink then scores by scalar distance alone).
-    Every one must be finite (floating tensors of any dtype; the value is stored in the cache's)."""
+    (H, Dk), hybrid only, default zeros (the sink then scores by scalar distance alone);
+    sink_logw: float, 0-d or (H,), the log of the sink's weight in the normaliser (default 0).
+    Every one must be finite (floating tensors of any dtype; the value is stored in the cache's),
+    except sink_logw, which may be -inf."""
     B = cache.batch
     if (sink_key is None) != (sink_value is None):
         raise ValueError("sink_key and sink_value must be given together (or neither), "
@@ -86,8 +106,11 @@ def sink_rows(cache, sink_key, sink_value, sink_vkey) -> SinkRows | None:
     if sink_vkey is not None and (sink_key is None or cache.d_k is None):
         raise ValueError("sink_vkey needs sink_key and sink_value, and a hybrid cache (d_k given)")
     if sink_key is None:
+        if sink_logw is not None:
+            raise ValueError("sink_logw weighs the sink: give sink_key and sink_value as well")
         return None
     key = _sink_key(cache, sink_key)
+    logw = _sink_logw(cache, sink_logw)
     val = _per_head(cache, "sink_value", sink_value, cache.d_v, allow_groups=True)
     val_c = val.to(cache.dtype)
     _finite("sink_value", val, val_c)
@@ -98,7 +121,7 @@ def sink_rows(cache, sink_key, sink_value, sink_vkey) -> SinkRows | None:
         vk32 = vk.float()
         _finite("sink_vkey", vk, vk32)
         vk = vk32.repeat(B, 1)  # (R, Dk)
-    return SinkRows(key.repeat(B).view(-1, 1), val_c.repeat(B, 1), vk)
+    return SinkRows(key.repeat(B).view(-1, 1), val_c.repeat(B, 1), vk, logw.repeat(B).view(-1, 1))
 
 
 def parse_zone(zone):

@@ -79,13 +79,14 @@ class SortedScalarCache:
     None grows by doubling; when full, dead slots are reclaimed, then RuntimeError.
     sink_key (float, 0-d or (H,)) and sink_value ((d_v,), (G, d_v) or (H, d_v)): the learned
     scalar sink entry, always a candidate and never evicted; sink_vkey ((d_k,) or (H, d_k),
-    hybrid only, default zeros); all finite. sink_zone=(lo, hi): keys in this range are never evicted
+    hybrid only, default zeros); all finite. sink_logw (float, 0-d or (H,), finite or -inf): the
+    log of the sink's weight in the normaliser, w·e^score (default 0, weight 1). sink_zone=(lo, hi): keys in this range are never evicted
     or compressed. query_history: recent queries kept per head for geometric eviction.
     buffer_size, level_ratio: the index's insertion buffer and level growth factor."""
 
     def __init__(self, batch: int, n_heads: int, n_groups: int, d_v: int, d_k: int | None = None,
                  capacity: int | None = None, dtype: torch.dtype = torch.float32, device=None,
-                 sink_key=None, sink_value=None, sink_vkey=None, sink_zone=None,
+                 sink_key=None, sink_value=None, sink_vkey=None, sink_zone=None, sink_logw=None,
                  query_history: int = QUERY_HISTORY, buffer_size: int = 256, level_ratio: int = 64):
         self.batch, self.n_heads = check_int("batch", batch), check_int("n_heads", n_heads)
         self.n_groups, self.d_v = check_int("n_groups", n_groups), check_int("d_v", d_v)
@@ -110,7 +111,7 @@ class SortedScalarCache:
         self._row_head = torch.arange(R, device=self.device).view(R, 1)  # (R, 1) vector-key row b*H+h
         self._qhist = torch.zeros(R, query_history, device=self.device)
         self._qpos = self._qcount = 0
-        self._sink = sink_rows(self, sink_key, sink_value, sink_vkey)
+        self._sink = sink_rows(self, sink_key, sink_value, sink_vkey, sink_logw)
         self.has_sink = self._sink is not None
         self.sink_zone = parse_zone(sink_zone)
         self._alloc(self.capacity or 1024)

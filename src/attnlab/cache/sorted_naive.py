@@ -45,6 +45,8 @@ def attend_naive(cache, query) -> torch.Tensor:
 
     if cache.index.weighted:
         score = score + with_sink(ent[2].view(torch.float32))  # + log(count)
+    if sink is not None:
+        score = torch.cat([score[:, :-1], score[:, -1:] + sink.logw], 1)  # the sink's weight in the normaliser
     d = keys - query.qs  # (R, N)
     keep = live if query.radius is None else live & (d.abs() <= query.radius)
     k = cache.max_entries if query.window is None else min(query.window, cache.max_entries)

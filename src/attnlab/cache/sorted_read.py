@@ -107,7 +107,7 @@ def scores(cache, entries: torch.Tensor, query: DecodeQuery, *, radius: bool = T
     """Logits (R, n) of packed entries (C, R, n): the op's score (`ops.scalar_logits`, or
     `ops.hybrid_logits` with the entries' vector keys) + the log-weight of merged entries;
     -inf for pads and, with `radius`, beyond query.radius. With `sink`, the sink's logit is
-    appended as column n (weight 1, no radius)."""
+    appended as column n (its log-weight `sink.logw` added, no radius)."""
     B, H, R, n = cache.batch, cache.n_heads, cache.rows, entries.shape[2]
     keys = run_keys(entries)  # (R, n) float32, pads +inf
     hidden = ~torch.isfinite(keys)
@@ -133,14 +133,15 @@ def scores(cache, entries: torch.Tensor, query: DecodeQuery, *, radius: bool = T
     if cache.index.weighted:
         logw = entries[2].view(torch.float32)  # log(count)
         logits = logits + (torch.cat([logw, logw.new_zeros(R, 1)], 1) if sink else logw)
+    if sink:
+        logits = torch.cat([logits[:, :-1], logits[:, -1:] + cache._sink.logw], 1)  # the sink's weight
     return logits.masked_fill(hidden, float("-inf"))
 
 def output(cache, cand: torch.Tensor, query: DecodeQuery) -> torch.Tensor:
     R, k, Dv = cache.rows, cand.shape[2], cache.d_v
     logits = scores(cache, cand, query, sink=cache.has_sink)  # (R, k [+ 1])
-    w = torch.softmax(logits, 1)
-    if not cache.has_sink:
-        w = w.nan_to_num(0.0)  # a head with no candidate (empty, or none within r) outputs 0
+    w = torch.softmax(logits, 1).nan_to_num(0.0)  # a head with no candidate (empty, or none within r,
+    # and no sink or a sink of weight 0) outputs 0
     idx = (cand[1] + cache._val_off).reshape(-1)
     vals = cache.values.view(-1, Dv).index_select(0, idx).view(R, k, Dv)  # (R, k, Dv)
     w = w.to(vals.dtype)

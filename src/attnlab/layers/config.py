@@ -175,6 +175,10 @@ class AttentionConfig:
       sink            add a learned sink: one extra key, visible to every query, with fixed
                       scalar key `sink_key` (and a zero vector key for hybrid heads) and a learned
                       value per value group.
+      sink_weight     with sink: None (default; the sink's term in the normaliser is e^score like
+                      any key's), or a learned per-head weight w on that term, w·e^score, starting
+                      at this value (>= 0; the layer uses |w|). 0.0 starts with no sink mass and a
+                      nonzero gradient on w (docs/retrofit.md#the-sink).
 
     Principled options (docs/mechanisms.md#principled-attention)
       alpha, beta, gamma   form of each: "constant" (the *_init value), "layer" (one learned
@@ -237,6 +241,7 @@ class AttentionConfig:
     scalar_gain: float | None = None
     sink: bool = False
     sink_key: float = 0.0
+    sink_weight: float | None = None
     alpha: str = "head"
     beta: str = "head"
     gamma: str = "head"
@@ -338,6 +343,12 @@ class AttentionConfig:
             _pos("tau_max", self.tau_max)
             if not self.tau_init < self.tau_max:
                 raise _err("tau_max", self.tau_max, f"a value > tau_init={self.tau_init}")
+        if self.sink_weight is not None:
+            w = self.sink_weight
+            if isinstance(w, bool) or not isinstance(w, (int, float)) or not 0 <= w < math.inf:
+                raise _err("sink_weight", w, "a finite number >= 0 (the sink's weight in the normaliser) or None")
+            if not self.sink:
+                raise _err("sink_weight", w, "None unless sink is true (it weighs the sink's term)")
         for name in ("alpha", "beta", "gamma"):
             if getattr(self, name) not in PARAM_FORMS:
                 raise _err(name, getattr(self, name), f"one of {PARAM_FORMS}")

@@ -40,6 +40,8 @@ def start_overrides(mechanism: str, settings: dict) -> dict:
     start = {}
     if settings.get("output_gate") in ("elementwise", "headwise"):
         start["output_gate_scale"] = 2.0  # 2σ(0) = 1: the identity
+    if settings.get("sink") in (True, "true"):
+        start["sink_weight"] = 0.0  # w·e^score with w = 0: no mass, a nonzero gradient on w
     if mechanism == "hybrid":
         start["scalar_gain"] = 0.0  # −0·(qs − ks)²/τ: silent, with a nonzero gradient on the gain
     if mechanism == "goat":

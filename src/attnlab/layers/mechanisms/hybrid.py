@@ -90,7 +90,7 @@ class HybridAttention(ScalarAttention):
 
     def attend(self, p: Projected, values=None, impl: str | None = None):
         scal = qs, ks, vals, tau, q, k, n_pre = self.with_sink(p)
-        o = self.scalar_readout(qs, ks, vals if values is None else values, tau, q, k, impl or self.config.impl, n_pre)
+        o = self.sink_readout(qs, ks, vals if values is None else values, tau, q, k, impl or self.config.impl, n_pre)
         return o[:, :, n_pre:], scal
 
     def sink_entry(self, batch_size: int) -> dict:

@@ -20,6 +20,15 @@ Sink. With `sink=True`, scalar heads see one extra key at position "−1": scala
 It is prepended with an extra leading query whose output is dropped, so the op runs unchanged
 on T + 1 positions. Decoding keeps it as the plain cache's first entry or as the sorted cache's
 built-in sink entry, a candidate at every step besides the window.
+
+Sink weight. With `sink_weight` set, the sink's term in the normaliser is w·e^score with a
+learned per-head w (|w| is used), so w = 0 is a sink with no mass whose w still gets a gradient.
+The ops take no per-key weight, so the readout runs on values with two extra channels: the
+sink's value is zeroed, channel D is 1 for the model's keys and channel D + 1 is 1 for the sink.
+The op then returns o' = N/(Z + E), q0 = Z/(Z + E) and p = E/(Z + E) (N, Z: the numerator and
+normaliser over the model's keys, E: the sink's e^score), each a sum of positive terms, and
+`mix_sink` forms (o' + w·p·v_sink)/(q0 + w·p) = (N + wE·v_sink)/(Z + wE) without cancellation.
+Plain decode caches store values in that layout; the sorted cache adds log w to the sink's logit.
 """
 
 from __future__ import annotations
@@ -45,7 +54,38 @@ def exact_impl(impl: str) -> str:
     return "auto" if impl == "approx" else impl
 
 
-SCALAR_OPTIONS = ("tau", "tau_init", "tau_param", "tau_max", "sink", "sink_key")
+SCALAR_OPTIONS = ("tau", "tau_init", "tau_param", "tau_max", "sink", "sink_key", "sink_weight")
+
+
+def sink_weight_value(w: torch.Tensor) -> torch.Tensor:
+    """|w|, with gradient +1 at w = 0 (abs's is 0 there), so a sink of weight 0 can grow."""
+    return torch.where(w >= 0, w, -w)
+
+
+def split_sink_values(vals: torch.Tensor) -> torch.Tensor:
+    """Values (B, G, n, D) whose entry 0 is the sink -> (B, G, n, D + 2): the sink's value zeroed,
+    channel D marking the model's keys and channel D + 1 the sink (module docstring)."""
+    B, G, n, _ = vals.shape
+    ind = torch.zeros(n, 2, dtype=vals.dtype, device=vals.device)
+    ind[1:, 0] = 1
+    ind[:1, 1] = 1
+    body = torch.cat([torch.zeros_like(vals[:, :, :1]), vals[:, :, 1:]], dim=2)
+    return torch.cat([body, ind.expand(B, G, n, 2)], dim=-1)
+
+
+def token_values(vals: torch.Tensor) -> torch.Tensor:
+    """Values (B, G, T, D) of model tokens in the weighted-sink layout (B, G, T, D + 2)."""
+    ones = torch.ones_like(vals[..., :1])
+    return torch.cat([vals, ones, torch.zeros_like(ones)], dim=-1)
+
+
+def mix_sink(o: torch.Tensor, sink_v: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    """A readout o (B, H, T, D + 2) of weighted-sink values, the sink's value sink_v (B or 1, G, 1, D)
+    and its weight parameter w (H,) -> the readout (B, H, T, D) with the sink weighted by |w|."""
+    H, D = o.shape[1], o.shape[-1] - 2
+    wp = sink_weight_value(w).to(o.dtype).view(1, H, 1, 1) * o[..., D + 1 :]  # w·p
+    num = o[..., :D] + wp * expand_heads(sink_v.to(o.dtype), H)
+    return num / (o[..., D : D + 1] + wp).clamp_min(torch.finfo(o.dtype).tiny)
 
 
 @register
@@ -93,6 +133,8 @@ class ScalarAttention(Attention):
         self.build_values(c)
         if c.sink:
             self.sink_value = nn.Parameter(torch.zeros(self.value_groups, c.head_dim))  # (G, D)
+        w = c.sink_weight if c.sink else None  # the sink's learned weight in the normaliser, (H_s,)
+        self.register_parameter("sink_weight", None if w is None else nn.Parameter(torch.full((self.n_scalar,), float(w))))
 
     def build_values(self, c) -> None:
         """Grouped values of the scalar heads, and the dot-product heads of a mixed layer."""
@@ -166,6 +208,13 @@ class ScalarAttention(Attention):
         return windowed_attention(qs, ks, vals, tau, self.decode_window, q=q, k=k, n_prefix=n_prefix,
                                   budget=self.decode_budget, history=QUERY_HISTORY)
 
+    def sink_readout(self, qs, ks, vals, tau, q, k, impl, n_prefix: int):
+        """`scalar_readout` on the op inputs of `with_sink`, weighing the sink by `sink_weight` when set."""
+        if self.sink_weight is None or not n_prefix:
+            return self.scalar_readout(qs, ks, vals, tau, q, k, impl, n_prefix)
+        o = self.scalar_readout(qs, ks, split_sink_values(vals), tau, q, k, impl, n_prefix)
+        return mix_sink(o, vals[:, :, :1], self.sink_weight)
+
     def selected_keys(self, qs, ks, tau, q, k, n_prefix: int):
         """The installed selector's keep_fn for these op inputs (see `decode_select`)."""
         if self.decode_window is not None or self.decode_budget is not None:
@@ -177,7 +226,7 @@ class ScalarAttention(Attention):
         c = self.config
         impl = impl or c.impl
         scal = qs, ks, vals, tau, q, k, n_pre = self.with_sink(p)
-        o = self.scalar_readout(qs, ks, vals if values is None else values, tau, q, k, impl, n_pre)[:, :, n_pre:]
+        o = self.sink_readout(qs, ks, vals if values is None else values, tau, q, k, impl, n_pre)[:, :, n_pre:]
         if self.n_dot:  # the dot-product heads of a mixed layer
             vd = p.v if values is None else values[:, :1, n_pre:, n_pre:].expand(-1, self.n_kv, -1, -1)
             od = softmax_attention(p.q, p.k, vd, causal=True, scale=c.scale, p=c.p, impl=exact_impl(impl))
@@ -204,6 +253,9 @@ class ScalarAttention(Attention):
                 qs, ks, self.decode_budget, history=QUERY_HISTORY, n_prefix=n_pre)
             keep = window_mask(qs, ks, self.decode_window or qs.shape[-1] or 1, n_prefix=n_pre, evicted_at=evicted)
             logits = logits.masked_fill(~keep, float("-inf"))
+        if n_pre and self.sink_weight is not None:  # the sink's weight: log|w| on its column
+            logw = sink_weight_value(self.sink_weight).log().to(logits.dtype).view(1, -1, 1, 1)
+            logits = torch.cat([logits[..., :1] + logw, logits[..., 1:]], dim=-1)
         return torch.softmax(logits, dim=-1)[:, :, n_pre:].to(x.dtype)
 
     # ------------------------------------------------------------------ decode
@@ -227,32 +279,52 @@ class ScalarAttention(Attention):
                 e = self.sink_entry(batch_size)
                 cache.append(e["ks"], e[self.value_key], k=e.get("k"))
             return cache
-        w = self.sink_value.detach() if c.sink else None  # (G, D): the sorted cache's own sink entry
         return SortedScalarCache(
             batch_size, self.n_scalar, self.value_groups, c.head_dim, d_k=self.hybrid_key_dim,
-            dtype=self.wo.weight.dtype, device=self.wo.weight.device,
-            sink_key=c.sink_key if c.sink else None, sink_value=w,
+            dtype=self.wo.weight.dtype, device=self.wo.weight.device, **self.sorted_sink(),
         )
+
+    def sorted_sink(self) -> dict:
+        """The sorted cache's sink arguments: its key, value (G, D) and log-weight (H_s,), or none."""
+        c = self.config
+        if not c.sink:
+            return {}
+        logw = None if self.sink_weight is None else sink_weight_value(self.sink_weight.detach()).log()
+        return {"sink_key": c.sink_key, "sink_value": self.sink_value.detach(), "sink_logw": logw}
 
     hybrid_key_dim = None  # vector key width the sorted cache keeps (hybrid: head_dim)
 
     def sink_entry(self, batch_size: int) -> dict:
-        """The sink as one plain-cache entry: ks (B, H_s, 1) and values (B, G, 1, D)."""
+        """The sink as one plain-cache entry: ks (B, H_s, 1) and values (B, G, 1, D), or
+        (B, G, 1, D + 2) in the weighted-sink layout when `sink_weight` is set."""
         w = self.sink_value.detach()  # (G, D)
-        return {"ks": w.new_full((batch_size, self.n_scalar, 1), self.config.sink_key),
-                self.value_key: w[None, :, None, :].expand(batch_size, -1, 1, -1)}
+        v = w[None, :, None, :].expand(batch_size, -1, 1, -1)
+        if self.sink_weight is not None:
+            v = split_sink_values(v)
+        return {"ks": w.new_full((batch_size, self.n_scalar, 1), self.config.sink_key), self.value_key: v}
+
+    def plain_step(self, op, vals: torch.Tensor) -> torch.Tensor:
+        """op(values) over a plain cache (sink first) with this step's values (B, G, T, D): the
+        weighted-sink layout in and `mix_sink` out when `sink_weight` is set."""
+        if self.sink_weight is None:
+            return op(vals)
+        o = op(token_values(vals))
+        return mix_sink(o, self.sink_value.detach()[None, :, None, :], self.sink_weight.detach())
 
     def scalar_step(self, p: Projected, cache) -> torch.Tensor:
         """Readout (B, H_s, 1, D) of the scalar heads for one token."""
         vals = self.scalar_values(p)  # (B, G, 1, D)
         q, k = self.score_vectors(p)
         if isinstance(cache.scalar, ExactScalarCache):  # every cached key, each augmented once (cache/exact.py)
-            cache.scalar.append(p.ks, vals, k=k)
-            return cache.scalar.attend(p.qs, p.tau, q=q)
+            def exact(v):
+                cache.scalar.append(p.ks, v, k=k)
+                return cache.scalar.attend(p.qs, p.tau, q=q)
+            return self.plain_step(exact, vals)
         if cache.window is None:  # impl="naive": the op's reference, one query against every cached key
-            new = {"ks": p.ks, self.value_key: vals, **({"k": k} if k is not None else {})}
-            full = cache.scalar.append(**new)
-            return self.scalar_op(p.qs, full["ks"], full[self.value_key], p.tau, q, full.get("k"), self.config.impl)
+            def naive(v):
+                full = cache.scalar.append(**{"ks": p.ks, self.value_key: v, **({"k": k} if k is not None else {})})
+                return self.scalar_op(p.qs, full["ks"], full[self.value_key], p.tau, q, full.get("k"), self.config.impl)
+            return self.plain_step(naive, vals)
         k_t = expand_heads(k, self.n_scalar)[:, :, 0] if k is not None else None  # (B, H, D)
         cache.scalar.append(p.ks[..., 0], vals[:, :, 0], k=k_t)
         tau = p.tau if p.tau.dim() == 1 else p.tau[..., 0]  # (H,) or (B, H)
@@ -287,11 +359,9 @@ class ScalarAttention(Attention):
 
     def sorted_from_prompt(self, p: Projected, batch_size: int) -> SortedScalarCache:
         """The sorted scalar cache holding the T keys of `p` (and the sink), built in bulk."""
-        c = self.config
         _, k = self.score_vectors(p)
         return SortedScalarCache.from_tensors(
-            p.ks, self.scalar_values(p), k=None if k is None else expand_heads(k, self.n_scalar),
-            sink_key=c.sink_key if c.sink else None, sink_value=self.sink_value.detach() if c.sink else None,
+            p.ks, self.scalar_values(p), k=None if k is None else expand_heads(k, self.n_scalar), **self.sorted_sink(),
         )
 
     def step_readout(self, p: Projected, cache) -> torch.Tensor:
