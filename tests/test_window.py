@@ -53,9 +53,15 @@ def test_windowed_attention_matches_reference(hybrid, n_prefix, per_query_tau):
     tau = torch.rand(B, H, T) * 0.5 + 0.1 if per_query_tau else torch.tensor([0.1, 0.3, 1.0, 2.0])
     kw = {"q": q, "k": k} if hybrid else {}
     for window, chunk in ((1, 512), (5, 7), (40, 4)):
-        got = windowed_attention(qs, ks, v, tau, window, n_prefix=n_prefix, query_chunk=chunk, **kw)
         want = _reference(qs, ks, v, tau, window, n_prefix=n_prefix, **kw)
+        got = windowed_attention(qs, ks, v, tau, window, n_prefix=n_prefix, query_chunk=chunk, impl="naive", **kw)
         torch.testing.assert_close(got.double(), want, rtol=1e-5, atol=1e-6)
+        # the selected-keys path scores through the fused path's augmented dot products (float32 here)
+        fast = windowed_attention(qs, ks, v, tau, window, n_prefix=n_prefix, query_chunk=chunk, impl="fast", **kw)
+        torch.testing.assert_close(fast.double(), want, rtol=1e-4, atol=2e-5)
+        fast64 = windowed_attention(qs.double(), ks.double(), v.double(), tau.double(), window, n_prefix=n_prefix,
+                                    query_chunk=chunk, impl="fast", **{n: x.double() for n, x in kw.items()})
+        torch.testing.assert_close(fast64, want, rtol=1e-9, atol=1e-10)
 
 
 def test_windowed_gradients_match_reference():
@@ -75,9 +81,11 @@ def test_full_window_is_exact_attention():
     qs, ks, v, q, k = _inputs()
     tau = torch.tensor([0.1, 0.3, 1.0, 2.0])
     T = qs.shape[-1]
-    torch.testing.assert_close(windowed_attention(qs, ks, v, tau, T), scalar_attention(qs, ks, v, tau, impl="naive"), rtol=1e-5, atol=1e-6)
-    torch.testing.assert_close(windowed_attention(qs, ks, v, tau, T, q=q, k=k),
-                               hybrid_attention(q, k, v, qs, ks, tau, impl="naive"), rtol=1e-5, atol=1e-6)
+    for impl, tol in (("naive", dict(rtol=1e-5, atol=1e-6)), ("fast", dict(rtol=1e-4, atol=2e-5))):
+        torch.testing.assert_close(windowed_attention(qs, ks, v, tau, T, impl=impl),
+                                   scalar_attention(qs, ks, v, tau, impl=impl), **tol)
+        torch.testing.assert_close(windowed_attention(qs, ks, v, tau, T, q=q, k=k, impl=impl),
+                                   hybrid_attention(q, k, v, qs, ks, tau, impl=impl), **tol)
 
 
 def test_window_mask_counts_and_offset():

@@ -316,16 +316,22 @@ class SortedScalarCache:
         self._n_max += 1
 
     def attend(self, qs: torch.Tensor, tau, q: torch.Tensor | None = None, window: int | None = 64,
-               radius=None, eps: float | None = None, impl: str = "auto") -> torch.Tensor:
+               radius=None, eps: float | None = None, impl: str = "auto", extra=None) -> torch.Tensor:
         """One decode step: qs (B, H) scalar queries, q (B, H, Dk) vector queries (hybrid) -> (B, H, Dv).
 
         tau: float, 0-d, (H,) or (B, H). window: k nearest entries (None: all, i.e. exact);
-        clamped to what a head holds. radius (float/(H,)/(B, H)) or eps (r = sqrt(-tau log eps)):
-        keep only entries within r (at most ``window``). impl: "fast" searches the sorted index,
-        "naive" scores every cached entry by the formula and masks outside the window."""
+        clamped to what a head holds (among equal distances the newest entries first). radius
+        (float/(H,)/(B, H)) or eps (r = sqrt(-tau log eps)): keep only entries within r (at most
+        ``window``). impl: "fast" searches the sorted index, "naive" scores every cached entry by the
+        formula and masks outside the window. extra (fast only): (logits (B, H, m), values (B, H, m, Dv))
+        of m keys held outside the cache (a local ring of recent tokens), in the same softmax."""
         check_impl(impl)
         query = self.query(qs, tau, q, window, radius, eps)
-        if self._n_max == 0 and not self.has_sink:
+        if extra is not None:
+            extra = self._check_extra(extra)
+            if impl == "naive":
+                raise ValueError("extra columns are read by impl='fast' / 'auto' only")
+        if self._n_max == 0 and not self.has_sink and extra is None:
             raise ValueError("the cache is empty and has no sink: append a token before attend")
         hist = self._qhist.shape[1]
         self._qhist.select(1, self._qpos).copy_(self._plain(query.qs, torch.float32).view(self.rows))
@@ -333,7 +339,22 @@ class SortedScalarCache:
         if impl == "naive":
             return attend_naive(self, query)
         cand, _ = self.select(query)
-        return sorted_read.output(self, cand, query)
+        return sorted_read.output(self, cand, query, extra)
+
+    def _check_extra(self, extra):
+        """(logits (B, H, m), values (B, H, m, Dv)) -> per row (R, m), (R, m, Dv); finite values."""
+        B, H, Dv = self.batch, self.n_heads, self.d_v
+        if not isinstance(extra, (tuple, list)) or len(extra) != 2 or not all(isinstance(x, torch.Tensor) for x in extra):
+            raise TypeError("extra must be a pair of tensors (logits (B, H, m), values (B, H, m, Dv))")
+        lg, v = extra
+        if lg.dim() != 3 or tuple(lg.shape[:2]) != (B, H) or tuple(v.shape) != (B, H, lg.shape[2], Dv):
+            raise ValueError(f"extra must be logits (B, H, m) = ({B}, {H}, m) and values (B, H, m, Dv) = "
+                             f"({B}, {H}, m, {Dv}), got {tuple(lg.shape)} and {tuple(v.shape)}")
+        if bool(torch.isnan(lg).any()) or bool((lg == float("inf")).any()):
+            raise ValueError("extra logits must be finite or -inf")
+        _check_finite("extra values", v)
+        m = lg.shape[2]
+        return lg.reshape(self.rows, m).to(torch.float32), v.reshape(self.rows, m, Dv)
 
     def query(self, qs: torch.Tensor, tau, q: torch.Tensor | None = None, window: int | None = 64,
               radius=None, eps: float | None = None) -> DecodeQuery:

@@ -13,6 +13,7 @@ import torch
 
 from ..ops import hybrid_logits, scalar_logits
 from .sorted_index import run_keys
+from .sorted_read import newest_first
 
 
 def attend_naive(cache, query) -> torch.Tensor:
@@ -50,7 +51,7 @@ def attend_naive(cache, query) -> torch.Tensor:
     d = keys - query.qs  # (R, N)
     keep = live if query.radius is None else live & (d.abs() <= query.radius)
     k = cache.max_entries if query.window is None else min(query.window, cache.max_entries)
-    order = torch.where(keep, d.abs(), float("inf")).argsort(dim=1, stable=True)
+    order = newest_first(torch.where(keep, d.abs(), float("inf")), slots)  # nearest first, then the newest
     ranks = torch.arange(order.shape[1], device=order.device).expand_as(order)
     rank = torch.empty_like(order).scatter_(1, order, ranks)  # rank of each entry by distance
     score = score.masked_fill(with_sink(~(keep & (rank < k))), float("-inf"))

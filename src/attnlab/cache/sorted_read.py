@@ -98,9 +98,22 @@ def select(cache, query: DecodeQuery) -> tuple[torch.Tensor, torch.Tensor]:
     cand = cache.index.candidates(qr, k)
     dist = (run_keys(cand) - qr).abs()  # (R, M)
     if cand.shape[2] > k:
-        dist, sel = dist.topk(k, dim=1, largest=False, sorted=False)  # (R, k)
+        full = dist
+        dist, sel = full.topk(k, dim=1, largest=False, sorted=False)  # (R, k)
+        kth = dist.amax(1, keepdim=True)
+        if bool(((full == kth).sum(1) > (dist == kth).sum(1)).any()):  # a tie at the window's edge
+            sel = newest_first(full, cand[1], k)
+            dist = full.gather(1, sel)
         cand = cand.gather(2, sel.unsqueeze(0).expand(cand.shape[0], -1, -1))
     return cand, dist
+
+
+def newest_first(dist: torch.Tensor, slots: torch.Tensor, k: int | None = None) -> torch.Tensor:
+    """Column order (R, k) of the k smallest distances (R, M), the newest entry (the highest value
+    slot) first among equal distances: the window rule of `attnlab.ops.window_mask`."""
+    perm = slots.argsort(dim=1, descending=True, stable=True)
+    order = perm.gather(1, dist.gather(1, perm).argsort(dim=1, stable=True))
+    return order if k is None else order[:, :k]
 
 def scores(cache, entries: torch.Tensor, query: DecodeQuery, *, radius: bool = True,
            sink: bool = False) -> torch.Tensor:
@@ -137,9 +150,14 @@ def scores(cache, entries: torch.Tensor, query: DecodeQuery, *, radius: bool = T
         logits = torch.cat([logits[:, :-1], logits[:, -1:] + cache._sink.logw], 1)  # the sink's weight
     return logits.masked_fill(hidden, float("-inf"))
 
-def output(cache, cand: torch.Tensor, query: DecodeQuery) -> torch.Tensor:
+def output(cache, cand: torch.Tensor, query: DecodeQuery, extra=None) -> torch.Tensor:
+    """The readout (B, H, Dv) over candidates cand (C, R, k), the sink, and `extra` columns
+    (logits (R, m), values (R, m, Dv)) from outside the cache, one softmax over all of them."""
     R, k, Dv = cache.rows, cand.shape[2], cache.d_v
     logits = scores(cache, cand, query, sink=cache.has_sink)  # (R, k [+ 1])
+    n = logits.shape[1]
+    if extra is not None:
+        logits = torch.cat([logits, extra[0].to(logits.dtype)], 1)  # (R, n + m)
     w = torch.softmax(logits, 1).nan_to_num(0.0)  # a head with no candidate (empty, or none within r,
     # and no sink or a sink of weight 0) outputs 0
     idx = (cand[1] + cache._val_off).reshape(-1)
@@ -147,5 +165,7 @@ def output(cache, cand: torch.Tensor, query: DecodeQuery) -> torch.Tensor:
     w = w.to(vals.dtype)
     out = torch.bmm(w[:, None, :k], vals).squeeze(1)  # (R, Dv)
     if cache.has_sink:
-        out = out + w[:, k:] * cache._sink.value
+        out = out + w[:, k:n] * cache._sink.value
+    if extra is not None:
+        out = out + torch.bmm(w[:, None, n:], extra[1].to(vals.dtype)).squeeze(1)
     return out.view(cache.batch, cache.n_heads, Dv)

@@ -55,6 +55,7 @@ class LayerCache:
     budget: int | None = None
     compress: float | None = None
     max_len: int | None = None
+    ring: Any = None  # the last local_window tokens of a window-trained scalar/hybrid layer
 
 
 class Attention(nn.Module):

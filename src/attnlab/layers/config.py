@@ -179,6 +179,13 @@ class AttentionConfig:
                       any key's), or a learned per-head weight w on that term, w·e^score, starting
                       at this value (>= 0; the layer uses |w|). 0.0 starts with no sink mass and a
                       nonzero gradient on w (docs/retrofit.md#the-sink).
+      train_window    None (default: exact attention), or k: every scalar/hybrid head reads only
+                      each query's k nearest keys in scalar space (newest first among equal
+                      distances), the sink, and the local window: what the sorted cache decodes
+                      with, in training too (ops.windowed_attention, O(T·k) memory). Decoding
+                      then defaults to the sorted cache with window k.
+      local_window    with train_window: the last w keys are always read (a ring buffer in
+                      decoding) and the k nearest are taken among the older keys (default 0).
 
     Principled options (docs/mechanisms.md#principled-attention)
       alpha, beta, gamma   form of each: "constant" (the *_init value), "layer" (one learned
@@ -242,6 +249,8 @@ class AttentionConfig:
     sink: bool = False
     sink_key: float = 0.0
     sink_weight: float | None = None
+    train_window: int | None = None
+    local_window: int = 0
     alpha: str = "head"
     beta: str = "head"
     gamma: str = "head"
@@ -349,6 +358,15 @@ class AttentionConfig:
                 raise _err("sink_weight", w, "a finite number >= 0 (the sink's weight in the normaliser) or None")
             if not self.sink:
                 raise _err("sink_weight", w, "None unless sink is true (it weighs the sink's term)")
+        if self.train_window is not None:
+            _int("train_window", self.train_window)
+            if self.impl == "approx":
+                raise _err("train_window", self.train_window, "None with impl='approx' (the window is its own selection)")
+            if self.scalar_gain is not None:
+                raise _err("train_window", self.train_window, "None with scalar_gain (the sorted cache knows no gain)")
+        _int("local_window", self.local_window, 0)
+        if self.local_window and self.train_window is None:
+            raise _err("local_window", self.local_window, "0 unless train_window is set (the ring beside the window)")
         for name in ("alpha", "beta", "gamma"):
             if getattr(self, name) not in PARAM_FORMS:
                 raise _err(name, getattr(self, name), f"one of {PARAM_FORMS}")

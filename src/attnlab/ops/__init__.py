@@ -12,7 +12,7 @@ from .cosformer import CosformerState, cosformer_attention, cosformer_step
 from .gla import gla_attention, gla_step, ssd_attention, ssd_step
 from .goat import goat_attention, goat_prior
 from .scalar_approx import approx_plan, scalar_attention_approx
-from .window import budget_evictions, range_distance, window_mask, windowed_attention
+from .window import budget_evictions, range_distance, window_indices, window_mask, windowed_attention
 
 __all__ = [
     "softmax_attention",
@@ -33,6 +33,7 @@ __all__ = [
     "scalar_logits",
     "hybrid_logits",
     "budget_evictions",
+    "window_indices",
     "window_mask",
     "windowed_attention",
 ]

@@ -16,8 +16,18 @@ own order, which for a scalar head does not matter (tied keys carry the same val
 hybrid head with RoPE does (tied entries differ in their rotated vector keys); there the cache
 and this op can differ by which of the tied entries fill the last places of the window.
 
-Queries are processed in row chunks (`query_chunk`), so memory is O(query_chunk x Tk) per head
-rather than O(Tk^2).
+Local window. With `local = w`, the last w keys a query sees (its own among them) are always in,
+and the window's k keys are the nearest among the older keys: k + w keys (+ the prefix) in all, two
+disjoint sets. A decoder keeps the last w keys in a ring buffer and the older ones in the sorted
+cache (`attnlab.layers`, `train_window` / `local_window`).
+
+Two paths. impl="naive" scores every key (row chunks of `query_chunk`, O(query_chunk x Tk) per
+head) and masks outside the window: the reference. impl="auto" / "fast" (no budget, no keep_fn)
+selects each query's keys first (under no_grad: O(query_chunk x Tk) per chunk for the distances,
+kept only as O(T x m) indices, m = k + w + n_prefix) and scores, normalises and reads only those:
+memory O(T x m) per head and never T x T, the chunk's gathers recomputed in the backward pass
+(activation checkpointing) so training through the window keeps O(T x m) as well. Tests compare
+the two paths' outputs and every gradient, with ties and the local window.
 
 Other selection rules. `keep_fn` replaces the window rule by any other choice of keys (the key
 selectors of `attnlab.eval.selectors`: oracle top-K, Quest pages, learned search vectors): it is
@@ -29,17 +39,20 @@ as it does over a window; the rule itself decides whether the prefix entries are
 
 from __future__ import annotations
 
+import math
 from typing import Callable
 
 import torch
+import torch.nn.functional as F
 
 from ..checks import check_int, check_same, visible_keys
 from ._sdpa import check_qkv, expand_heads, upcast
-from .scalar import _check_scalars, _check_values, _tau, hybrid_logits, scalar_logits
+from .scalar import _augment, _check_scalars, _check_values, _tau, hybrid_logits, scalar_logits
 
-__all__ = ["budget_evictions", "range_distance", "window_mask", "windowed_attention"]
+__all__ = ["budget_evictions", "range_distance", "window_indices", "window_mask", "windowed_attention"]
 
 NEVER = torch.iinfo(torch.int64).max
+SELECT_CHUNK = 64  # query rows per chunk of the selected-keys path (fastest of 32, 64, 128 measured at T = 256)
 
 
 def range_distance(keys: torch.Tensor, lo: torch.Tensor, hi: torch.Tensor) -> torch.Tensor:
@@ -81,19 +94,27 @@ def budget_evictions(qs: torch.Tensor, ks: torch.Tensor, budget: int, *, history
 
 
 def window_mask(qs: torch.Tensor, ks: torch.Tensor, window: int, *, n_prefix: int = 0,
-                causal: bool = True, evicted_at: torch.Tensor | None = None) -> torch.Tensor:
+                causal: bool = True, evicted_at: torch.Tensor | None = None, local: int = 0) -> torch.Tensor:
     """(B, H, Tq, Tk) bool: key s is in query t's window. Queries are the last Tq of the Tk
     positions (causal; causal=False: every key is a candidate); the first `n_prefix` keys are
     always in and do not count toward `window`. evicted_at (B, H, Tk), from `budget_evictions`:
-    key s is a candidate for query t only while evicted_at[s] >= t."""
+    key s is a candidate for query t only while evicted_at[s] >= t. local (causal only): the last
+    `local` keys t - local < s <= t are always in too, and the window's keys are the nearest among
+    the older ones (module docstring)."""
     check_int("window", window, 1)
     check_int("n_prefix", n_prefix, 0)
+    check_int("local", local, 0)
     Tq, Tk = qs.shape[-1], ks.shape[-1]
     cdt = upcast(qs.dtype)
     dist = (qs.to(cdt).unsqueeze(-1) - ks.to(cdt).unsqueeze(-2)).abs()  # (B, H, Tq, Tk)
     pos_q = torch.arange(Tk - Tq, Tk, device=qs.device)[:, None]
     candidate = visible_keys(Tq, Tk, causal, qs.device)  # (Tq, Tk)
     candidate[:, :n_prefix] = False
+    recent = None
+    if local:
+        pos_k = torch.arange(Tk, device=qs.device)
+        recent = candidate & (pos_k > pos_q - local)  # (Tq, Tk): the local window
+        candidate = candidate & ~recent
     if evicted_at is not None:
         candidate = candidate & (evicted_at[..., None, :Tk] >= pos_q)  # (B, H, Tq, Tk)
     dist = dist.masked_fill(~candidate, float("inf"))
@@ -103,9 +124,104 @@ def window_mask(qs: torch.Tensor, ks: torch.Tensor, window: int, *, n_prefix: in
         newest_first = dist.flip(-1).sort(dim=-1, stable=True).indices[..., :n]
         keep.scatter_(-1, Tk - 1 - newest_first, True)
         keep &= candidate
+    if recent is not None:
+        keep |= recent
     if n_prefix:
         keep[..., :n_prefix] = True
     return keep
+
+
+def window_indices(qs: torch.Tensor, ks: torch.Tensor, window: int, *, n_prefix: int = 0, local: int = 0,
+                   query_chunk: int = 256) -> tuple[torch.Tensor, torch.Tensor]:
+    """The keys of `window_mask` (causal, Tq = Tk = T) as indices: (B, H, T, m) int64 and a (B, H, T, m)
+    bool validity mask, m = n_prefix + local + min(window, T). Memory O(query_chunk x T) per
+    head while computing, O(T x m) kept; no gradient. Columns: the prefix, the local keys
+    (newest first), then the window's keys."""
+    B, H, T = ks.shape
+    k = min(window, max(T - n_prefix, 0))
+    m = n_prefix + local + k
+    idx = torch.zeros(B, H, T, m, dtype=torch.long, device=ks.device)
+    ok = torch.zeros(B, H, T, m, dtype=torch.bool, device=ks.device)
+    if T == 0:
+        return idx, ok
+    pos = torch.arange(T, device=ks.device)
+    idx[..., :n_prefix] = torch.arange(n_prefix, device=ks.device)
+    ok[..., :n_prefix] = True
+    if local:
+        rec = pos[:, None] - torch.arange(local, device=ks.device)  # (T, local): t, t-1, ...
+        idx[..., n_prefix : n_prefix + local] = rec.clamp_min(0)
+        ok[..., n_prefix : n_prefix + local] = rec >= n_prefix
+    if not k:
+        return idx, ok
+    cdt = upcast(qs.dtype)
+    with torch.no_grad():
+        q32, k32 = qs.detach().to(cdt), ks.detach().to(cdt)
+        for a in range(0, T, query_chunk):
+            b = min(T, a + query_chunk)
+            dist = (q32[..., a:b, None] - k32[..., None, :b]).abs()  # (B, H, c, b)
+            cand = (pos[:b] >= n_prefix) & (pos[:b] <= pos[a:b, None] - local)  # (c, b)
+            dist = dist.masked_fill(~cand, float("inf"))
+            kk = min(k, b)  # a chunk's keys 0..b-1 may be fewer than k
+            if dist.dtype == torch.float32:  # one exact top-k: (distance bits, newest first) as one int64
+                order = (dist.view(torch.int32).to(torch.int64) << 32) | (b - 1 - pos[:b])
+                sel = order.topk(kk, dim=-1, largest=False).indices  # (B, H, c, kk)
+                idx[:, :, a:b, n_prefix + local : n_prefix + local + kk] = sel
+                ok[:, :, a:b, n_prefix + local : n_prefix + local + kk] = dist.gather(-1, sel) < float("inf")
+                continue
+            kth = dist.topk(kk, dim=-1, largest=False).values[..., -1:]  # (B, H, c, 1): the k-th distance
+            below = dist < kth
+            tied = (dist == kth) & cand
+            need = kk - below.sum(-1, keepdim=True)  # places the ties at the k-th distance fill, newest first
+            from_newest = tied.flip(-1).cumsum(-1).flip(-1)  # rank among the tied, counted from the newest
+            keep = below | (tied & (from_newest <= need))
+            sel = keep.to(torch.int8).topk(kk, dim=-1).indices  # (B, H, c, kk), kept ones first
+            idx[:, :, a:b, n_prefix + local : n_prefix + local + kk] = sel
+            ok[:, :, a:b, n_prefix + local : n_prefix + local + kk] = keep.gather(-1, sel)
+    return idx, ok
+
+
+def _chunk_mask(idx: torch.Tensor, ok: torch.Tensor, b: int) -> torch.Tensor:
+    """Indices (B, H, c, m) and their validity -> the (B, H, c, b) bool mask of the keys they select."""
+    idx = idx.masked_fill(~ok, b)  # invalid picks land on a spare column b, sliced off
+    keep = torch.zeros(*idx.shape[:3], b + 1, dtype=torch.bool, device=idx.device)
+    return keep.scatter_(-1, idx, True)[..., :b]
+
+
+def _selected_chunk(qa, ka, vals, idx, ok):
+    """Query rows qa (B, H, c, E) over keys ka (B, H, b, E), vals (B, H, b, Dv), reading only the keys
+    idx / ok (B, H, c, m) select: one fused SDPA call with their mask -> (B, H, c, Dv)."""
+    keep = _chunk_mask(idx, ok, ka.shape[2])
+    width = max(qa.shape[-1], vals.shape[-1])
+    pad = lambda x: F.pad(x, (0, width - x.shape[-1])) if x.shape[-1] < width else x  # noqa: E731
+    out = F.scaled_dot_product_attention(pad(qa), pad(ka), pad(vals), attn_mask=keep, scale=1.0)
+    return out[..., : vals.shape[-1]]
+
+
+def _selected_attention(qs, ks, v, tau, window, q, k, n_prefix, local, query_chunk):
+    """The selected-keys path of `windowed_attention` (module docstring): the scores are the fused
+    path's augmented dot products ([q / sqrt(d), q'] . [k, k'], `ops.scalar._augment`), masked to
+    each query's selected keys chunk by chunk, each chunk recomputed in the backward pass."""
+    from torch.utils.checkpoint import checkpoint
+
+    B, H, T = qs.shape
+    cdt = upcast(v.dtype)
+    idx, ok = window_indices(qs, ks, window, n_prefix=n_prefix, local=local, query_chunk=query_chunk)
+    inv_tau = 1.0 / _tau(tau, B, H, T, cdt, qs.device)
+    qa, ka = _augment(qs, ks, inv_tau, cdt, True)  # (B, H, T, 2)
+    if q is not None:
+        qa = torch.cat([q.to(cdt) * (1.0 / math.sqrt(q.shape[-1])), qa], dim=-1)
+        ka = torch.cat([expand_heads(k, H).to(cdt), ka], dim=-1)
+    vals = expand_heads(v, H).to(cdt)
+    grad = torch.is_grad_enabled() and any(x is not None and x.requires_grad for x in (qs, ks, v, q, k, tau)
+                                           if isinstance(x, torch.Tensor))
+    outs = []
+    for a in range(0, T, query_chunk):
+        b = min(T, a + query_chunk)
+        args = (qa[:, :, a:b], ka[:, :, :b], vals[:, :, :b], idx[:, :, a:b], ok[:, :, a:b])
+        outs.append(checkpoint(_selected_chunk, *args, use_reentrant=False) if grad else _selected_chunk(*args))
+    if not outs:
+        return v.new_zeros(B, H, 0, v.shape[-1])
+    return torch.cat(outs, dim=2).to(v.dtype)
 
 
 def windowed_attention(
@@ -122,12 +238,16 @@ def windowed_attention(
     history: int = 256,
     query_chunk: int = 512,
     keep_fn: Callable[[int, int, torch.Tensor], torch.Tensor] | None = None,
+    local: int = 0,
+    impl: str = "auto",
 ) -> torch.Tensor:
     """Causal scalar attention (q, k None) or hybrid attention (q, k given) over each query's
     scalar window; see the module docstring. window None: every key the query sees. budget: the
     keys are those a sorted cache capped at `budget` entries still holds (`budget_evictions`).
     keep_fn: another rule for the keys each query reads, in place of the window (see the module
-    docstring); it takes no window or budget.
+    docstring); it takes no window or budget. local: the last `local` keys are always read and
+    the window's keys are the nearest among the older ones. impl: "naive" (dense scores, masked),
+    "fast" / "auto" (the selected keys only; "auto" falls back to "naive" with a budget or keep_fn).
 
     qs, ks: (B, H, T); v: (B, G, T, Dv) with G dividing H; tau: as `scalar_attention` takes it
     ((H,) or (B, H, T)); q: (B, H, T, D), k: (B, G', T, D). Returns (B, H, T, Dv) in v's dtype.
@@ -136,6 +256,13 @@ def windowed_attention(
         check_int("window", window, 1)
     check_int("query_chunk", query_chunk, 1)
     check_int("n_prefix", n_prefix, 0)
+    check_int("local", local, 0)
+    if impl not in ("auto", "naive", "fast"):
+        raise ValueError(f"impl must be 'auto', 'naive' or 'fast', got {impl!r}")
+    if impl == "fast" and (budget is not None or keep_fn is not None):
+        raise ValueError("impl='fast' selects by the window rule: it takes no budget or keep_fn")
+    if local and keep_fn is not None:
+        raise ValueError(f"keep_fn replaces the window rule: give local=0, got local={local!r}")
     if (q is None) != (k is None):
         raise ValueError("q and k must be given together (hybrid) or both be None (scalar)")
     if keep_fn is not None:
@@ -157,6 +284,8 @@ def windowed_attention(
     vals = expand_heads(v, H)
     per_query_tau = torch.is_tensor(tau) and tau.dim() == 3
     window = T if window is None else window
+    if impl != "naive" and budget is None and keep_fn is None:
+        return _selected_attention(qs, ks, v, tau, max(window, 1), q, k, n_prefix, local, min(query_chunk, SELECT_CHUNK))
     evicted = None if budget is None else budget_evictions(qs, ks, budget, history=history, n_prefix=n_prefix)
     outs = []
     for a in range(0, T, query_chunk):
@@ -167,7 +296,8 @@ def windowed_attention(
         else:
             logits = hybrid_logits(q[:, :, a:b], k[:, :, :b], qs[..., a:b], ks[..., :b], tau_c)
         if keep_fn is None:
-            keep = window_mask(qs[..., a:b], ks[..., :b], max(window, 1), n_prefix=n_prefix, evicted_at=evicted)
+            keep = window_mask(qs[..., a:b], ks[..., :b], max(window, 1), n_prefix=n_prefix, evicted_at=evicted,
+                               local=local)
         else:
             keep = _chunk_keep(keep_fn, a, b, logits)
         w = torch.softmax(logits.masked_fill(~keep, float("-inf")), dim=-1)

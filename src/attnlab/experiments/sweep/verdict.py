@@ -11,7 +11,8 @@ Two kinds of rule, both with the same margin, twice the sample sd over seeds:
   loss drop of ln 1.03 for "3 % lower perplexity") and `times` (B's mean and sd are scaled first,
   e.g. times = 0.5 for "A's sink share is below half of B's"). The margin applies to what is left:
   supported when A beats times * B by more than by + 2 * sqrt(sd_A^2 + (times * sd_B)^2), not
-  supported when it falls short of `by` by more than that margin.
+  supported when it falls short of `by` by more than that margin. A negative `by` is a
+  non-inferiority margin (A worse than B by less than |by|).
 - threshold: "variant A's metric M is below (better = "lower") or above x". Supported when the mean
   is on the right side of x by more than 2 * sd_A, not supported when it is on the wrong side by
   more than that, else inconclusive.
@@ -84,8 +85,8 @@ def check_rules(raw, variants: list[str], metrics: list[str]) -> list[dict]:
                 if k in r:
                     x = r[k]
                     _need(isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x)
-                          and (x >= 0 if k == "by" else x > 0),
-                          f"{key}.{k} must be a finite number {'>= 0' if k == 'by' else '> 0'}, got {x!r}")
+                          and (x > 0 if k == "times" else True),
+                          f"{key}.{k} must be a finite number{' > 0' if k == 'times' else ''}, got {x!r}")
             c = r.get("compare")
             same_ok = r.get("metric_b", r["metric"]) != r["metric"]  # one variant, two of its metrics
             _need(isinstance(c, list) and len(c) == 2 and all(isinstance(x, str) for x in c) and (c[0] != c[1] or same_ok),

@@ -99,7 +99,7 @@ class HybridAttention(ScalarAttention):
         return entry
 
     def init_cache(self, cache, window, max_len) -> None:
-        cache.scalar = self.scalar_cache(cache.batch_size, window)
+        cache.scalar = self.scalar_cache(cache.batch_size, self.trained_window(cache, window))
 
     def step_readout(self, p: Projected, cache):
         return self.scalar_step(p, cache)

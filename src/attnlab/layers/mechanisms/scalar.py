@@ -21,6 +21,12 @@ It is prepended with an extra leading query whose output is dropped, so the op r
 on T + 1 positions. Decoding keeps it as the plain cache's first entry or as the sorted cache's
 built-in sink entry, a candidate at every step besides the window.
 
+Training through the window. With `train_window = k` (and `local_window = w`) the full-sequence
+forward reads, per scalar head, each query's k nearest keys in scalar space among those older
+than its last w, the last w, and the sink: `ops.windowed_attention`'s gather path, O(T·(k + w))
+memory. A decode cache then defaults to the sorted cache with window k and a ring buffer of the
+last w tokens (a token leaving the ring enters the sorted cache), which reads the same keys.
+
 Sink weight. With `sink_weight` set, the sink's term in the normaliser is w·e^score with a
 learned per-head w (|w| is used), so w = 0 is a sink with no mass whose w still gets a gradient.
 The ops take no per-key weight, so the readout runs on values with two extra channels: the
@@ -54,7 +60,8 @@ def exact_impl(impl: str) -> str:
     return "auto" if impl == "approx" else impl
 
 
-SCALAR_OPTIONS = ("tau", "tau_init", "tau_param", "tau_max", "sink", "sink_key", "sink_weight")
+SCALAR_OPTIONS = ("tau", "tau_init", "tau_param", "tau_max", "sink", "sink_key", "sink_weight", "train_window",
+                  "local_window")
 
 
 def sink_weight_value(w: torch.Tensor) -> torch.Tensor:
@@ -199,14 +206,18 @@ class ScalarAttention(Attention):
         return qs, ks, vals, tau, q, k, 1
 
     def scalar_readout(self, qs, ks, vals, tau, q, k, impl, n_prefix: int):
-        """The scalar op, or its windowed form while `decode_window` (or a `decode_select`) is set."""
+        """The scalar op, or its windowed form while `decode_window` (or a `decode_select`) is set,
+        or under `train_window`."""
+        c = self.config
         if self.decode_select is not None:
             return windowed_attention(qs, ks, vals, tau, None, q=q, k=k, n_prefix=n_prefix,
                                       keep_fn=self.selected_keys(qs, ks, tau, q, k, n_prefix))
-        if self.decode_window is None and self.decode_budget is None:
+        window = self.decode_window if self.decode_window is not None else c.train_window
+        if window is None and self.decode_budget is None:
             return self.scalar_op(qs, ks, vals, tau, q, k, impl)
-        return windowed_attention(qs, ks, vals, tau, self.decode_window, q=q, k=k, n_prefix=n_prefix,
-                                  budget=self.decode_budget, history=QUERY_HISTORY)
+        return windowed_attention(qs, ks, vals, tau, window, q=q, k=k, n_prefix=n_prefix, local=c.local_window,
+                                  budget=self.decode_budget, history=QUERY_HISTORY,
+                                  impl="naive" if impl == "naive" else "auto")
 
     def sink_readout(self, qs, ks, vals, tau, q, k, impl, n_prefix: int):
         """`scalar_readout` on the op inputs of `with_sink`, weighing the sink by `sink_weight` when set."""
@@ -248,10 +259,11 @@ class ScalarAttention(Attention):
         if self.decode_select is not None:
             keep = self.selected_keys(qs, ks, tau, q, k, n_pre)(0, qs.shape[-1], logits)
             logits = logits.masked_fill(~keep, float("-inf"))
-        elif self.decode_window is not None or self.decode_budget is not None:
+        elif self.decode_window is not None or self.decode_budget is not None or self.config.train_window is not None:
             evicted = None if self.decode_budget is None else budget_evictions(
                 qs, ks, self.decode_budget, history=QUERY_HISTORY, n_prefix=n_pre)
-            keep = window_mask(qs, ks, self.decode_window or qs.shape[-1] or 1, n_prefix=n_pre, evicted_at=evicted)
+            window = self.decode_window or self.config.train_window or qs.shape[-1] or 1
+            keep = window_mask(qs, ks, window, n_prefix=n_pre, evicted_at=evicted, local=self.config.local_window)
             logits = logits.masked_fill(~keep, float("-inf"))
         if n_pre and self.sink_weight is not None:  # the sink's weight: log|w| on its column
             logw = sink_weight_value(self.sink_weight).log().to(logits.dtype).view(1, -1, 1, 1)
@@ -263,7 +275,16 @@ class ScalarAttention(Attention):
     def init_cache(self, cache, window, max_len) -> None:
         if self.n_dot:
             cache.kv = KVCache(cache.batch_size)
-        cache.scalar = self.scalar_cache(cache.batch_size, window)
+        cache.scalar = self.scalar_cache(cache.batch_size, self.trained_window(cache, window))
+
+    def trained_window(self, cache, window):
+        """A window-trained layer decodes through its window by default (and its local ring)."""
+        c = self.config
+        if window is None and c.train_window is not None:
+            cache.window = window = c.train_window
+        if window is not None and c.local_window:
+            cache.ring = {"ks": [], "v": [], "k": []}
+        return window
 
     def scalar_cache(self, batch_size: int, window: int | None):
         """The plain cache of every scalar key (window None, exact) or the sorted scalar cache."""
@@ -326,15 +347,39 @@ class ScalarAttention(Attention):
                 return self.scalar_op(p.qs, full["ks"], full[self.value_key], p.tau, q, full.get("k"), self.config.impl)
             return self.plain_step(naive, vals)
         k_t = expand_heads(k, self.n_scalar)[:, :, 0] if k is not None else None  # (B, H, D)
-        cache.scalar.append(p.ks[..., 0], vals[:, :, 0], k=k_t)
         tau = p.tau if p.tau.dim() == 1 else p.tau[..., 0]  # (H,) or (B, H)
         q_t = q[:, :, 0] if q is not None else None
-        o = cache.scalar.attend(p.qs[..., 0], tau, q=q_t, window=cache.window).unsqueeze(2)  # (B, H, 1, D)
+        extra = None
+        if cache.ring is None:
+            cache.scalar.append(p.ks[..., 0], vals[:, :, 0], k=k_t)
+        else:
+            extra = self.ring_step(cache, p, vals, k_t)
+        o = cache.scalar.attend(p.qs[..., 0], tau, q=q_t, window=cache.window, extra=extra).unsqueeze(2)  # (B, H, 1, D)
         if cache.budget is not None:
             cache.scalar.evict_to_budget(cache.budget)
         if cache.compress is not None:
             cache.scalar.compress_density(cache.compress)
         return o
+
+    def ring_step(self, cache, p: Projected, vals, k_t):
+        """Push this token into the ring of the last `local_window` tokens (the one leaving it goes
+        into the sorted cache) and score the ring for this step's query: the sorted cache's `extra`
+        columns, logits (B, H, w) and values (B, H, w, D)."""
+        ring, H = cache.ring, self.n_scalar
+        ring["ks"].append(p.ks[..., 0])
+        ring["v"].append(vals[:, :, 0])
+        ring["k"].append(k_t)
+        if len(ring["ks"]) > self.config.local_window:
+            ks_o, v_o, k_o = ring["ks"].pop(0), ring["v"].pop(0), ring["k"].pop(0)
+            cache.scalar.append(ks_o, v_o, k=k_o)
+        rks = torch.stack(ring["ks"], -1)  # (B, H, w)
+        rv = expand_heads(torch.stack(ring["v"], 2), H)  # (B, H, w, D)
+        tau = p.tau if p.tau.dim() == 1 else p.tau[..., :1]
+        if k_t is None:
+            logits = scalar_logits(p.qs[..., :1], rks, tau, causal=False)
+        else:
+            logits = hybrid_logits(p.q, torch.stack(ring["k"], 2), p.qs[..., :1], rks, tau, causal=False)
+        return logits[:, :, 0], rv
 
     def prefill_readout(self, p: Projected, cache):
         """T tokens at once. Exact caches take them through the op's offset form (`step_readout`).
@@ -344,7 +389,8 @@ class ScalarAttention(Attention):
         A sorted cache that already holds keys, evicts or compresses takes one token at a time."""
         if not isinstance(cache.scalar, SortedScalarCache):
             return self.step_readout(p, cache)
-        if len(cache.scalar) or cache.budget is not None or cache.compress is not None or self.decode_select is not None:
+        if (len(cache.scalar) or cache.budget is not None or cache.compress is not None or self.decode_select is not None
+                or cache.ring is not None):
             return None
         saved = self.decode_window, self.decode_budget
         self.decode_window, self.decode_budget = cache.window, None

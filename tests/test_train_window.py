@@ -1,0 +1,113 @@
+"""Training through the window (train_window, local_window): the gather path equals the dense
+reference (outputs and every gradient, with ties), and decoding reads exactly the trained keys."""
+
+import pytest
+import torch
+
+from attnlab.cache.sorted import SortedScalarCache
+from attnlab.layers import Attention, AttentionConfig
+from attnlab.ops import window_indices, windowed_attention
+from attnlab.testing import rel_rms
+
+
+def scalars(B=2, H=4, G=2, T=37, D=8, hybrid=False, ties=False, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    qs, ks = (torch.randn(B, H, T, generator=g, dtype=torch.float64) for _ in range(2))
+    if ties:
+        ks = ks.round()  # many keys at exactly the same distance
+    v = torch.randn(B, G, T, D, generator=g, dtype=torch.float64)
+    tau = torch.rand(H, generator=g, dtype=torch.float64) + 0.3
+    q = torch.randn(B, H, T, D, generator=g, dtype=torch.float64) if hybrid else None
+    k = torch.randn(B, G, T, D, generator=g, dtype=torch.float64) if hybrid else None
+    return qs, ks, v, tau, q, k
+
+
+@pytest.mark.parametrize("ties", [False, True])
+@pytest.mark.parametrize("n_prefix", [0, 1])
+@pytest.mark.parametrize("local", [0, 3])
+@pytest.mark.parametrize("hybrid", [False, True])
+def test_gather_path_equals_dense_with_gradients(hybrid, local, n_prefix, ties):
+    qs, ks, v, tau, q, k = scalars(hybrid=hybrid, ties=ties)
+    leaves = [x.requires_grad_() for x in (qs, ks, v, tau, q, k) if x is not None]
+    res = []
+    for impl in ("naive", "fast"):
+        o = windowed_attention(qs, ks, v, tau, 5, q=q, k=k, n_prefix=n_prefix, local=local, impl=impl, query_chunk=7)
+        res.append([o, *torch.autograd.grad(o.square().sum(), leaves)])
+    for a, b in zip(*res):
+        assert rel_rms(b, a) < 1e-12
+
+
+def test_indices_are_the_window_and_small():
+    qs, ks, *_ = scalars(T=50, ties=True)
+    idx, ok = window_indices(qs, ks, 4, n_prefix=1, local=2, query_chunk=16)
+    assert idx.shape == (2, 4, 50, 1 + 2 + 4)  # O(T x (k + w + prefix)) per head, never T x T
+    from attnlab.ops import window_mask
+    dense = window_mask(qs, ks, 4, n_prefix=1, local=2)
+    got = torch.zeros_like(dense).scatter_(-1, idx, ok)  # valid indices -> mask (an index may repeat if invalid)
+    got[..., 0] = True
+    assert torch.equal(got, dense)
+    tau = torch.ones(4)
+    windowed_attention(qs, ks, torch.zeros(2, 4, 50, 3, dtype=torch.float64), tau, 4, local=2)  # runs at T=50
+
+
+LAYERS = [("scalar", {}), ("hybrid", {"rope": True}), ("scalar", {"sink": True}),
+          ("hybrid", {"sink": True, "sink_weight": 0.5}), ("scalar", {"n_scalar_heads": 2, "rope": True})]
+
+
+@pytest.mark.parametrize("local", [0, 3])
+@pytest.mark.parametrize("mech,extra", LAYERS, ids=["scalar", "hybrid-rope", "scalar-sink", "hybrid-wsink", "mixed"])
+def test_decode_reads_what_training_read(mech, extra, local):
+    """Token-by-token decode (sorted cache + ring of the last w) and prefill equal the training forward,
+    on inputs with repeated tokens (exact ties in scalar space, broken newest first by both)."""
+    torch.manual_seed(0)
+    cfg = dict(d_model=32, n_heads=4, mechanism=mech, train_window=3, local_window=local, **extra)
+    m = Attention(AttentionConfig(**cfg)).double()
+    ref_m = Attention(AttentionConfig(**cfg, impl="naive")).double()
+    if "sink" in extra:
+        with torch.no_grad():
+            m.sink_value.normal_()
+    ref_m.load_state_dict(m.state_dict())
+    x = torch.randn(2, 30, 32, dtype=torch.float64, generator=torch.Generator().manual_seed(3))
+    x[:, 10:20] = x[:, 0:10]
+    x[:, 20:25] = x[:, 0:5]
+    xx = x.clone().requires_grad_()
+    y = m(xx)
+    g1 = torch.autograd.grad(y.square().sum(), [xx, *m.parameters()])
+    g2 = torch.autograd.grad(ref_m(xx).square().sum(), [xx, *ref_m.parameters()])
+    assert max(rel_rms(b, a) for a, b in zip(g1, g2)) < 1e-12
+    ref = y.detach()
+    with torch.no_grad():
+        c = m.make_cache(2)  # a window-trained layer decodes through its window by default
+        assert c.window == 3 and (c.ring is not None) == bool(local)
+        step = torch.cat([m.step(x[:, t : t + 1], c) for t in range(30)], 1)
+        c = m.make_cache(2)
+        pre = torch.cat([m.prefill(x[:, :7], c), m.prefill(x[:, 7:], c)], 1)
+    assert rel_rms(step, ref) < 1e-6 and rel_rms(pre, ref) < 1e-6  # the sorted cache keeps float32 keys
+    exact = Attention(AttentionConfig(**{**cfg, "train_window": None, "local_window": 0})).double()
+    exact.load_state_dict(m.state_dict())
+    assert rel_rms(exact(x), ref) > 1e-3  # the window is not exact attention here
+
+
+def test_config_errors_and_extra_columns():
+    for field, bad in (("train_window", 0), ("train_window", 2.0), ("local_window", -1)):
+        with pytest.raises(ValueError, match=field):
+            AttentionConfig(d_model=32, n_heads=4, mechanism="scalar", **{"train_window": 4, field: bad})
+    with pytest.raises(ValueError, match="local_window"):
+        AttentionConfig(d_model=32, n_heads=4, mechanism="scalar", local_window=4)
+    with pytest.raises(ValueError, match="train_window"):
+        AttentionConfig(d_model=32, n_heads=4, mechanism="softmax", train_window=4)
+    with pytest.raises(ValueError, match="train_window"):
+        AttentionConfig(d_model=32, n_heads=4, mechanism="hybrid", train_window=4, scalar_gain=0.0)
+    with pytest.raises(ValueError, match="train_window"):
+        AttentionConfig(d_model=32, n_heads=4, mechanism="scalar", train_window=4, impl="approx")
+    cache = SortedScalarCache(1, 2, 2, 3)
+    for bad in ((torch.zeros(1, 2, 1),), (torch.zeros(1, 2, 1), torch.zeros(1, 2, 2, 3)),
+                (torch.full((1, 2, 1), float("nan")), torch.zeros(1, 2, 1, 3))):
+        with pytest.raises((TypeError, ValueError), match="extra"):
+            cache.attend(torch.zeros(1, 2), 1.0, extra=bad)
+    out = cache.attend(torch.zeros(1, 2), 1.0, extra=(torch.zeros(1, 2, 1), torch.ones(1, 2, 1, 3)))  # empty + ring
+    assert torch.equal(out, torch.ones(1, 2, 3))
+    with pytest.raises(ValueError, match="local"):
+        windowed_attention(*scalars()[:4], 4, local=-1)
+    with pytest.raises(ValueError, match="impl"):
+        windowed_attention(*scalars()[:4], 4, impl="gpu")
