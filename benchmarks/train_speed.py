@@ -38,7 +38,8 @@ from attnlab.train.trainer import Trainer  # noqa: E402
 
 FALLBACK = "[fallback]"  # suffix: the variant runs with the compiled CPU kernels off
 
-# name -> overrides; the gated variants add the zero-initialised sigmoid output gate (docs/mechanisms.md#output-gate)
+# name -> overrides; the gated variants add the zero-initialised sigmoid output gate (docs/mechanisms.md#output-gate),
+# the +window variants train through the sorted cache's selection (train_window, local_window)
 VARIANTS = {
     "softmax": ["model.attn=softmax"],
     "scalar": ["model.attn=scalar"],
@@ -49,6 +50,9 @@ VARIANTS = {
     "gla": ["model.attn=gla"],
     "gla[fallback]": ["model.attn=gla"],
     "ssd": ["model.attn=ssd"],
+    "scalar+window64": ["model.attn=scalar", "model.attention={train_window=64}"],
+    "hybrid+window64": ["model.attn=hybrid", "model.attention={train_window=64}"],
+    "hybrid+window64+local32": ["model.attn=hybrid", "model.attention={train_window=64, local_window=32}"],
     "softmax+gate": ["model.attn=softmax", 'model.attention={output_gate="elementwise"}'],
     "cosformer+gate": ["model.attn=cosformer", 'model.attention={output_gate="elementwise"}'],
 }
