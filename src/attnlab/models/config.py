@@ -16,7 +16,8 @@ from dataclasses import dataclass, field
 from typing import Any, Literal, Union
 
 from attnlab.layers import MECHANISMS, REGISTRY, mechanism_class
-from attnlab.layers.config import SHARED_FIELDS, field_problem, value_problem
+from attnlab.layers.config import SHARED_FIELDS
+from attnlab.layers.typed_fields import field_problem, value_problem
 
 
 class ConfigError(ValueError):

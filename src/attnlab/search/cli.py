@@ -12,7 +12,7 @@ import json
 import re
 from dataclasses import fields
 
-from attnlab.layers.config import field_problem
+from attnlab.layers.typed_fields import field_problem
 from attnlab.models.config import ConfigError
 
 from . import tasks
