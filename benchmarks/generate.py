@@ -113,7 +113,7 @@ class MassProbe:
 def decode(model, ids: torch.Tensor, ks: list[int]) -> dict:
     n = ids.shape[1] - 1
     names = ["exact"] + [f"k={k}" for k in ks]
-    caches = {"exact": model.make_caches(1)} | {f"k={k}": model.make_caches(1, window=k) for k in ks}
+    caches = {"exact": model.make_caches(1, exact=True)} | {f"k={k}": model.make_caches(1, window=k) for k in ks}
     nll = {m: torch.empty(n) for m in names}
     wall = {m: torch.empty(n) for m in names}
     probe = MassProbe(model, ks, {hi - 1 for _, hi in buckets(n)})

@@ -86,6 +86,12 @@ def test_decode_reads_what_training_read(mech, extra, local):
     exact = Attention(AttentionConfig(**{**cfg, "train_window": None, "local_window": 0})).double()
     exact.load_state_dict(m.state_dict())
     assert rel_rms(exact(x), ref) > 1e-3  # the window is not exact attention here
+    with torch.no_grad():  # exact=True decodes a window-trained layer over every key
+        c = m.make_cache(2, exact=True)
+        every = torch.cat([m.step(x[:, t : t + 1], c) for t in range(30)], 1)
+    assert c.window is None and c.ring is None and rel_rms(every, exact(x)) < 1e-6
+    with pytest.raises(ValueError, match="exact"):
+        m.make_cache(2, exact=True, window=4)
 
 
 def test_config_errors_and_extra_columns():

@@ -56,6 +56,7 @@ class LayerCache:
     compress: float | None = None
     max_len: int | None = None
     ring: Any = None  # the last local_window tokens of a window-trained scalar/hybrid layer
+    exact: bool = False  # decode every key even where the layer was trained through a window
 
 
 class Attention(nn.Module):
@@ -245,13 +246,15 @@ class Attention(nn.Module):
     # ------------------------------------------------------------------ decode
 
     def make_cache(self, batch_size: int, *, window: int | None = None, max_len: int | None = None,
-                   budget: int | None = None, compress: float | None = None) -> LayerCache:
+                   budget: int | None = None, compress: float | None = None, exact: bool = False) -> LayerCache:
         """A decode cache for `step`. window (scalar/hybrid heads only): use the sorted scalar cache
         attending the `window` nearest keys instead of the exact cache (None: every key).
         budget (with window): after each step the sorted cache keeps at most `budget` keys per head
         (`SortedScalarCache.evict_to_budget`). compress (with window): after each step the sorted
         cache merges every aligned run of 4 keys spanning <= compress (`compress_density`).
-        max_len (cosformer): the position horizon M; default config.cosformer_max_len."""
+        max_len (cosformer): the position horizon M; default config.cosformer_max_len.
+        A layer trained through a window (`train_window`) decodes through it when window is None;
+        exact=True decodes it over every key instead (what the window saves, or costs)."""
         if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1:
             raise ValueError(f"batch_size must be an int >= 1, got {batch_size!r}")
         if window is not None:
@@ -273,7 +276,10 @@ class Attention(nn.Module):
                 raise ValueError(f"compress={compress!r} merges keys of the sorted scalar cache: give a window as well")
             if isinstance(compress, bool) or not isinstance(compress, (int, float)) or not 0 <= compress < math.inf:
                 raise ValueError(f"compress must be a finite float >= 0 (the key span merged) or None, got {compress!r}")
-        cache = LayerCache(batch_size, window=window, budget=budget, compress=None if compress is None else float(compress))
+        if not isinstance(exact, bool) or (exact and window is not None):
+            raise ValueError(f"exact must be a bool, and exact=True takes no window (got exact={exact!r}, window={window!r})")
+        cache = LayerCache(batch_size, window=window, budget=budget, compress=None if compress is None else float(compress),
+                           exact=exact)
         self.init_cache(cache, window, max_len)
         return cache
 

@@ -204,15 +204,17 @@ class LM(nn.Module):
     # ------------------------------------------------------------------ decoding
 
     def make_caches(self, batch_size: int, window: int | None = None, budget: int | None = None,
-                    compress: float | None = None) -> list:
+                    compress: float | None = None, exact: bool = False) -> list:
         """One decode cache per layer. window=k makes layers with scalar heads (scalar, hybrid)
         use the sorted scalar cache over the k nearest keys; other layers keep their exact cache.
         budget=M (with window) caps each sorted cache at M keys per head (evicted after each step);
-        compress=s (with window) merges runs of 4 keys spanning <= s after each step."""
+        compress=s (with window) merges runs of 4 keys spanning <= s after each step. Layers trained
+        through a window (`train_window`) decode through it by default; exact=True reads every key."""
         return [
             blk.attn.make_cache(batch_size, window=window if blk.attn.n_scalar else None,
                                 budget=budget if blk.attn.n_scalar else None,
-                                compress=compress if blk.attn.n_scalar else None) for blk in self.blocks
+                                compress=compress if blk.attn.n_scalar else None,
+                                exact=exact and bool(blk.attn.n_scalar)) for blk in self.blocks
         ]
 
     def step(self, idx_t: torch.Tensor, caches: list, pos: int) -> torch.Tensor:

@@ -250,7 +250,7 @@ class ScalarAttention(Attention):
     def trained_window(self, cache, window):
         """A window-trained layer decodes through its window by default (and its local ring)."""
         c = self.config
-        if window is None and c.train_window is not None:
+        if window is None and c.train_window is not None and not cache.exact:
             cache.window = window = c.train_window
         if window is not None and c.local_window:
             cache.ring = {"ks": [], "v": [], "k": []}
