@@ -139,3 +139,27 @@ def test_equals_the_authors_reference_with_the_same_weights(kv_heads):
     y_ref.backward(cot)
     y.backward(cot)
     assert rel_rms(x_ours.grad, x_ref.grad) <= 1e-5
+
+
+@pytest.mark.parametrize("width", ["shared", "extra"])
+def test_goat_hybrid_width_fast_naive_decode(width):
+    """goat_hybrid with the prior on extra columns (goat_width="extra": the content q·k keeps all of
+    head_dim, as wide as softmax's): fast equals naive, outputs and every gradient, and decoding equals forward."""
+    from attnlab.layers import Attention, AttentionConfig
+    from attnlab.testing import rel_rms
+
+    cfg = dict(d_model=64, n_heads=2, mechanism="goat_hybrid", goat_rank=4, goat_width=width, goat_train_len=32)
+    torch.manual_seed(0)
+    fast = Attention(AttentionConfig(**cfg)).double()
+    naive = Attention(AttentionConfig(**cfg, impl="naive")).double()
+    naive.load_state_dict(fast.state_dict())
+    assert fast.qk_dim == (32 if width == "extra" else 32 - 2 * 4 - 1 - 2)
+    x = torch.randn(2, 13, 64, dtype=torch.float64, requires_grad=True)
+    y = fast(x)
+    g1 = torch.autograd.grad(y.square().sum(), [x, *fast.parameters()])
+    g2 = torch.autograd.grad(naive(x).square().sum(), [x, *naive.parameters()])
+    assert max(rel_rms(b, a) for a, b in zip(g1, g2)) < 1e-12
+    cache = fast.make_cache(2)
+    with torch.no_grad():
+        steps = torch.cat([fast.step(x[:, t : t + 1].detach(), cache) for t in range(13)], 1)
+    assert rel_rms(steps, y.detach()) < 1e-12

@@ -119,7 +119,8 @@ class AttentionConfig:
                       it to its max_seq_len), so a layer's output never depends on T.
       goat_width      "shared" (default): the content q·k uses head_dim − 2R − 1 dims and the prior
                       the rest; "extra": q·k keeps all head_dim dims and the prior is appended
-                      (as a retrofit of a pretrained head needs).
+                      (as a retrofit of a pretrained head needs; goat_hybrid
+                      too, its scalar term's two columns appended as well).
       goat_prior_init "alibi" (default: the authors' init, ALiBi recency slopes) or "zero": the
                       log-prior starts at exactly 0 (zero spectral weights, network output and
                       bump; a linear slope from 0), every piece with a nonzero gradient.

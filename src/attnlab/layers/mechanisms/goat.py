@@ -28,7 +28,7 @@ from ..record import Projected
 from . import register
 
 GOAT_OPTIONS = ("goat_rank", "goat_abs_rank", "goat_base", "goat_train_len")
-GOAT_LAYER_OPTIONS = ("goat_width", "goat_prior_init", "goat_rope", "rope_base")  # "goat" only, not goat_hybrid
+GOAT_LAYER_OPTIONS = ("goat_width", "goat_prior_init", "goat_rope", "rope_base")  # "goat"; goat_hybrid takes goat_width only
 
 
 def check_goat_options(config, extra: int = 0) -> None:

@@ -16,7 +16,7 @@ from .hybrid import HybridAttention
 @register
 class GoatHybridAttention(HybridAttention):
     mechanism = "goat_hybrid"
-    options = ("tau", "tau_init", "tau_param", "tau_max", "n_kv_heads", *GOAT_OPTIONS)
+    options = ("tau", "tau_init", "tau_param", "tau_max", "n_kv_heads", *GOAT_OPTIONS, "goat_width")
     sorted_decode = False
 
     @classmethod
