@@ -10,7 +10,7 @@ PYTEST_ARGS ?=
 # make test spreads the tests over 2 worker processes (pytest-xdist); TEST_WORKERS=0 runs them in one.
 TEST_WORKERS ?= 2
 
-.PHONY: venv test test-slow quickstart bench clean
+.PHONY: venv test test-slow quickstart bench docs clean
 
 $(BIN)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -30,10 +30,14 @@ test-slow: venv
 quickstart: venv
 	$(BIN)/attnlab quickstart
 
+# The documentation site (mkdocs.yml, docs/) into site/; --strict fails on any broken link or anchor.
+docs: venv
+	NO_MKDOCS_2_WARNING=1 $(BIN)/mkdocs build --strict --site-dir site
+
 bench: venv
 	$(BIN)/python benchmarks/ops.py
 	$(BIN)/python benchmarks/decode.py
 	$(BIN)/python benchmarks/train_speed.py
 
 clean:
-	rm -rf $(VENV) build *.egg-info src/*.egg-info .pytest_cache
+	rm -rf $(VENV) build site *.egg-info src/*.egg-info .pytest_cache

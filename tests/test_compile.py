@@ -1,5 +1,5 @@
 """torch.compile(LM, fullgraph=True): no graph break in forward or backward, the same numbers as the
-eager model, and the input policy kept (README, "Input policy"): eagerly every op and layer raises a
+eager model, and the input policy kept (docs/guide/input-policy.md): eagerly every op and layer raises a
 ValueError naming a non-finite input, and the model names a non-finite parameter that only its
 logits show; compiled, the same checks are asserts inside the graph (RuntimeError on the CPU).
 

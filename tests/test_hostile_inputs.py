@@ -1,5 +1,5 @@
 """Every public op through hostile inputs, table-driven, each case asserting the input policy
-(README, "Input policy"):
+(docs/guide/input-policy.md):
 
 - a NaN or inf in any argument raises ValueError naming the argument, before any work;
 - under causal masking no row depends on later positions: with outliers up to +-1e4 at the

@@ -1,4 +1,4 @@
-"""Every layer configuration through hostile inputs (README, "Input policy"): a non-finite or
+"""Every layer configuration through hostile inputs (docs/guide/input-policy.md): a non-finite or
 wrongly typed x raises naming it; T = 0 gives (B, 0, C); later tokens, however extreme, never
 change earlier outputs; bf16 autocast runs forward and backward for every mechanism."""
 

@@ -27,7 +27,7 @@ from pathlib import Path
 
 LOCK_FILE = ".attnlab.lock"
 
-try:  # POSIX; elsewhere folders are not locked (documented in the README's input policy)
+try:  # POSIX; elsewhere folders are not locked (documented in docs/guide/input-policy.md)
     import fcntl
 except ImportError:  # pragma: no cover
     fcntl = None

@@ -22,7 +22,7 @@ def add_sweep(sub) -> None:
                     "interrupted run resumes from its checkpoint. Every run config is loaded and checked before\n"
                     "anything is trained or written. The spec format is in experiments/README.md.\n\n"
                     "--launcher runs each unfinished run as a submitit job (SLURM, or local subprocesses); jobs that\n"
-                    "die or time out are resubmitted and resume from their checkpoints (README: Sweeps on a cluster).",
+                    "die or time out are resubmitted and resume from their checkpoints (docs/guide/experiments.md: Sweeps on a cluster).",
         epilog="The verdict rule: a difference in the [verdict] metric counts only when it exceeds twice the combined\n"
                "sd over seeds, 2*sqrt(sd_a^2 + sd_b^2); then the claim is supported (or not supported when the other\n"
                "variant is better), else inconclusive. A threshold rule ([[verdict]] with variant and threshold)\n"

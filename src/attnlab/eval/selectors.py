@@ -59,6 +59,7 @@ class SelectionTally:
     layers: dict = field(default_factory=dict)
 
     def add(self, layer: int, n: int, mass: float, recall: float) -> None:
+        """Add n (query, head) pairs of `layer` with their summed Mass@K and Recall@K."""
         cur = self.layers.setdefault(int(layer), {"n": 0, "mass": 0.0, "recall": 0.0})
         cur["n"] += int(n)
         cur["mass"] += float(mass)
@@ -83,6 +84,7 @@ class SelectionTally:
         return self._mean("recall", self.layers.values())
 
     def summary(self) -> dict:
+        """{"n", "mass", "recall", "per_layer": {layer: {"n", "mass", "recall"}}}: the means so far."""
         return {"n": self.n, "mass": self.mass, "recall": self.recall,
                 "per_layer": {str(i): {"n": r["n"], "mass": self._mean("mass", [r]), "recall": self._mean("recall", [r])}
                               for i, r in sorted(self.layers.items())}}

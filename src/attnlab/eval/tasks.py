@@ -71,7 +71,11 @@ def mqar_accuracy(
     device: torch.device | str | None = None,
 ) -> float:
     """MQAR accuracy (share of queries whose value is predicted, as Zoology reports it) on
-    `num_examples` fresh examples; the default seed differs from the training default 0."""
+    `num_examples` fresh examples; the default seed differs from the training default 0.
+
+    model: any callable x (B, T) int64 -> logits (B, T, V); vocab_size, seq_len, num_kv_pairs,
+    power_a, num_queries: the task as `attnlab.data.synthetic.mqar` generates it (num_queries None:
+    every pair is asked). Returns a float in [0, 1]."""
     inputs, labels = mqar(
         vocab_size, seq_len, num_kv_pairs, num_examples, seed=seed, power_a=power_a, num_queries=num_queries
     )
@@ -91,7 +95,13 @@ def passkey_accuracy(
     batch_size: int = 8,
     device: torch.device | str | None = None,
 ) -> dict[tuple[int, float], float]:
-    """Share of examples whose whole passkey is retrieved, per (length, depth)."""
+    """Share of examples whose whole passkey is retrieved, per (length, depth).
+
+    model: any callable x (B, T) int64 -> logits (B, T, V); tokenizer: the run's tokenizer; lengths:
+    prompt lengths in tokens; depths: where the passkey sits, 0 (start) .. 1 (end); digits: the
+    passkey's length; filler: the haystack sentence (default `attnlab.data.synthetic`'s). Teacher
+    forced: an example counts when the argmax at every answer token is right. Returns
+    {(length, depth): share}; ValueError when lengths or depths is empty."""
     if not lengths or not depths:
         raise ValueError(f"lengths and depths must be non-empty, got {list(lengths)} and {list(depths)}")
     out = {}

@@ -237,6 +237,8 @@ class SweepJob:
             raise RuntimeError(f"torchrun for {run_dir} exited with status {code}")
 
     def checkpoint(self, *args, **kwargs):
+        """submitit's hook on a time limit or preemption: stop a torchrun child (it checkpoints on
+        SIGTERM) and return this same job for requeueing; its rerun resumes from the checkpoint."""
         import submitit
 
         child = self._child

@@ -93,6 +93,7 @@ def machine_info(threads: int | None = None) -> dict:
 
 
 def mean(values) -> float | None:
+    """Mean of the values that are not None or NaN; None when there are none."""
     values = [float(v) for v in values if v is not None and not (isinstance(v, float) and math.isnan(v))]
     return sum(values) / len(values) if values else None
 
@@ -199,6 +200,7 @@ def write_eval_report(result: dict, run_dir: str | os.PathLike) -> Path:
 
 
 def pyplot():
+    """matplotlib.pyplot on the Agg backend (no display needed), imported on first use."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -208,7 +210,8 @@ def pyplot():
 
 
 def save_figure(fig, path: str | os.PathLike, dpi: int | None = None) -> Path:
-    """Lay out, write and close a figure; returns the path."""
+    """Lay out, write and close a figure; returns the path. The format follows the suffix (png by
+    default); the file is written atomically (WriteError naming it when that fails)."""
     import io
 
     from attnlab.data.cache import atomic_write_bytes

@@ -115,7 +115,11 @@ def measure(q: torch.Tensor, k: torch.Tensor, scale: str) -> dict[str, float]:
 
 
 def simulate(dims=DIMS, keys=KEYS, dists=DISTRIBUTIONS, seeds=SEEDS, queries: int = QUERIES, progress: bool = True) -> list[dict]:
-    """One row per (distribution, d, n, scaling, seed)."""
+    """One row per (distribution, d, n, scaling, seed): the measures of the module docstring (shape_ks,
+    entropy, max_weight, grad_s, grad_z) and the divisor, each a mean over the `queries` query rows.
+
+    dims, keys, dists, seeds: the grid (the seed's own setting, normal / d = 256 / n = 32, is always
+    included when "normal" is); progress: a bar on stderr."""
     rows = []
     settings = [(dist, d, n) for dist in dists for d in dims for n in keys]
     if SEED_SETTING[0] in dists and SEED_SETTING not in settings:
@@ -158,6 +162,8 @@ RULES = [  # the seed's claims at its own setting, decided by the sweep's verdic
 
 
 def verdicts(summary: dict) -> list[dict]:
+    """The seed's claims (RULES) judged at its own setting by the sweep's verdict rule, from the
+    output of `summarize`; one verdict dict (outcome, reason, numbers) per rule."""
     dist, d, n = SEED_SETTING
     variants = {s: {"mean": {m: summary[f"{dist}/{d}/{n}/{s}"][m][0] for m in MEASURES},
                     "sd": {m: summary[f"{dist}/{d}/{n}/{s}"][m][1] for m in MEASURES}} for s in SCALINGS}
@@ -170,6 +176,8 @@ def _cell(pair) -> str:
 
 
 def report(results: dict, out: Path) -> str:
+    """The markdown report of a `run` result: the claims, the measures, the seed's setting, the
+    verdicts and every setting's table. Returns the text (`run` writes it to out/report.md)."""
     summary = results["summary"]
     dist, d, n = SEED_SETTING
     lines = ["# Seed 003, simulation: what each divisor of q·k does to softmax", "",
@@ -207,6 +215,8 @@ def report(results: dict, out: Path) -> str:
 
 
 def plot(results: dict, path: Path) -> Path:
+    """shape_ks, grad_s and entropy against d for every scaling, one row of panels per distribution,
+    written to `path` (PNG); returns the path."""
     plt = pyplot()
     summary = results["summary"]
     fig, axes = plt.subplots(len(results["dists"]), 3, figsize=(13, 3.2 * len(results["dists"])), dpi=110, squeeze=False)
@@ -227,6 +237,9 @@ def plot(results: dict, path: Path) -> Path:
 
 
 def run(out: str | os.PathLike, *, dims=DIMS, keys=KEYS, dists=DISTRIBUTIONS, seeds=SEEDS, progress: bool = True) -> dict:
+    """Simulate the grid, judge the claims and write out/results.json, out/simulation.png and
+    out/report.md (created if needed); returns the results dict (grid, rows, summary, verdicts,
+    machine)."""
     out = Path(out)
     torch.set_num_threads(max(1, torch.get_num_threads()))
     rows = simulate(dims, keys, dists, seeds, progress=progress)
@@ -242,6 +255,8 @@ def run(out: str | os.PathLike, *, dims=DIMS, keys=KEYS, dists=DISTRIBUTIONS, se
 
 
 def main(argv=None) -> int:
+    """`python -m attnlab.experiments.scalings [--out DIR] [--no-progress]`: `run`, then one line per
+    verdict. Returns the exit status (0)."""
     p = argparse.ArgumentParser(description="Seed 003's simulation of the q·k scalings (results.json, report.md, simulation.png)")
     p.add_argument("--out", default="experiments/seed003/simulation", help="output folder")
     p.add_argument("--no-progress", action="store_true")

@@ -80,12 +80,15 @@ class AttnlabCache(Cache):
     # ------------------------------------------------------------------ what generate asks of a Cache
 
     def get_seq_length(self, layer_idx: int | None = 0) -> int:
+        """Tokens seen so far (0 before the first forward)."""
         return 0 if self.state is None else self.state.seen
 
     def get_mask_sizes(self, query_length: int, layer_idx: int = 0, *args, **kwargs) -> tuple[int, int]:
+        """(key length, offset) of the attention mask transformers builds for the next forward."""
         return self.get_seq_length() + query_length, 0
 
     def get_max_length(self, layer_idx: int | None = None) -> int:
+        """-1: no maximum length (the caches grow, or stay bounded by their window)."""
         return -1
 
     def __len__(self) -> int:
@@ -104,6 +107,7 @@ class AttnlabCache(Cache):
         return -1 if self.state is None else self.state.batch_size
 
     def reset(self) -> None:
+        """Drop the decode state; the next forward starts a new one."""
         self.state = None
 
     def _unsupported(self, what: str):
@@ -113,14 +117,18 @@ class AttnlabCache(Cache):
             f"use greedy decoding or sampling (num_beams=1)")
 
     def reorder_cache(self, beam_idx: torch.LongTensor):
+        """Not supported (beam search): raises NotImplementedError."""
         self._unsupported("reorder_cache")
 
     def crop(self, max_length: int):
+        """Not supported (assisted decoding): raises NotImplementedError."""
         self._unsupported("crop")
 
     def batch_repeat_interleave(self, repeats: int):
+        """Allowed before the first forward only (then a no-op); raises NotImplementedError after it."""
         if self.state is not None:
             self._unsupported("batch_repeat_interleave")
 
     def batch_select_indices(self, indices: torch.Tensor):
+        """Not supported (contrastive search): raises NotImplementedError."""
         self._unsupported("batch_select_indices")

@@ -24,6 +24,15 @@ MODEL_FIELDS = tuple(f.name for f in dataclasses.fields(ModelConfig) if f.init)
 
 
 class AttnlabConfig(PretrainedConfig):
+    """The transformers config of an attnlab model (model_type "attnlab"): the fields of
+    `attnlab.models.ModelConfig` (vocab_size, d_model, n_layers, n_heads, attn, attention,
+    layer_attention, d_ff, tie_embeddings, norm_eps, pos_embedding, max_seq_len, init_std) plus
+    `window`, the default decode window of `generate` (None: exact caches). hidden_size,
+    num_hidden_layers, num_attention_heads and max_position_embeddings map to attnlab's names.
+    Raises ConfigError (a ValueError) naming model.<key> for anything `attnlab train` would reject,
+    ValueError for a window that is not an int >= 1.
+    """
+
     model_type = MODEL_TYPE
     attribute_map = {
         "hidden_size": "d_model",

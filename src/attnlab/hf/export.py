@@ -121,7 +121,14 @@ def check_folder(model, folder: Path, rtol: float = 1e-6) -> None:
 def export_run(run_dir: str | os.PathLike, out_dir: str | os.PathLike, *, checkpoint: str | None = None,
                window: int | None = None) -> Path:
     """Write run_dir's newest checkpoint (or `checkpoint`) into out_dir as a Hugging Face folder;
-    returns out_dir. window: the default decode window `generate` uses (config.json's `window`)."""
+    returns out_dir. window: the default decode window `generate` uses (config.json's `window`).
+
+    The folder holds config.json, model.safetensors, generation_config.json and the tokenizer; it
+    is built beside out_dir, loaded back through transformers to compare logits, then renamed into
+    place. Raises ExportError (nothing written) when run_dir is not a run folder, its checkpoint is
+    missing, damaged or does not match its config, out_dir is a file or not empty, or `window` is
+    given for a run without scalar/hybrid layers; FolderBusy when another export writes out_dir;
+    RuntimeError when the reloaded model's logits differ by more than 1e-6 relative."""
     run_dir, out_dir = Path(run_dir), Path(out_dir)
     if window is not None and (isinstance(window, bool) or not isinstance(window, int) or window < 1):
         raise ExportError(f"window must be an int >= 1 or None, got {window!r}")

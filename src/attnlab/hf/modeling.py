@@ -48,6 +48,9 @@ def padding_doc_ids(attention_mask: torch.Tensor) -> torch.Tensor | None:
 
 
 class AttnlabPreTrainedModel(PreTrainedModel):
+    """The transformers base class of attnlab models: config class, weight initialisation and the
+    facts transformers reads (stateful decoding: no assisted decoding; no gradient checkpointing)."""
+
     config_class = AttnlabConfig
     base_model_prefix = "model"
     main_input_name = "input_ids"
@@ -65,6 +68,13 @@ class AttnlabPreTrainedModel(PreTrainedModel):
 
 
 class AttnlabForCausalLM(AttnlabPreTrainedModel, GenerationMixin):
+    """An `attnlab.models.LM` (as `.model`) as a transformers causal LM: `from_pretrained` /
+    `save_pretrained`, `forward` returning CausalLMOutputWithPast, and `generate` decoding through
+    attnlab's own caches (`AttnlabCache`): greedy and sampled, left-padded batches decoded as if each
+    row were alone, `window=k` for the sorted scalar cache. Beam search and assisted decoding raise,
+    since recurrent and sorted states cannot be reordered.
+    """
+
     # tied head: transformers >= 5 maps target -> source, 4.x lists the tied keys
     _tied_weights_keys = {"model.head.weight": "model.tok_emb.weight"} if _TF_MAJOR >= 5 else ["model.head.weight"]
 
@@ -78,15 +88,19 @@ class AttnlabForCausalLM(AttnlabPreTrainedModel, GenerationMixin):
         return False  # attnlab makes its own cache (AttnlabCache), never a DynamicCache
 
     def get_input_embeddings(self):
+        """The token embedding (`model.tok_emb`)."""
         return self.model.tok_emb
 
     def set_input_embeddings(self, value):
+        """Replace the token embedding."""
         self.model.tok_emb = value
 
     def get_output_embeddings(self):
+        """The output head (`model.head`), tied to the embedding by default."""
         return self.model.head
 
     def set_output_embeddings(self, value):
+        """Replace the output head."""
         self.model.head = value
 
     # ------------------------------------------------------------------ forward

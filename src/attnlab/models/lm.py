@@ -66,6 +66,7 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(dim))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """x (..., dim) -> the same shape and dtype, normalised over the last dimension."""
         xf = x.to(upcast(x.dtype))
         y = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
         return (y * self.weight.to(y.dtype)).type_as(x)
@@ -81,6 +82,7 @@ class SwiGLU(nn.Module):
         self.w2 = nn.Linear(hidden, d_model, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """x (B, T, d_model) -> (B, T, d_model)."""
         return self.w2(F.silu(self.w1(x)) * self.w3(x))  # (B, T, C) -> (B, T, hidden) -> (B, T, C)
 
 
@@ -108,7 +110,15 @@ class Block(nn.Module):
 
 
 class LM(nn.Module):
-    """Decoder-only LM. `forward(idx, targets=None, record=False) -> (logits, loss)`."""
+    """Decoder-only LM: token embedding, `n_layers` pre-norm blocks (RMSNorm, the layer's attention,
+    RMSNorm, SwiGLU), a final RMSNorm and the output head (tied to the embedding by default).
+
+    Each block's attention is `attnlab.layers.Attention` for the mechanism `cfg.layer_attn[i]`, built
+    from `cfg.attention_configs()`. `forward(idx, targets=None, record=False, doc_ids=None)` maps
+    idx (B, T) int64 to (logits (B, T, V), loss or None); `make_caches`, `prefill`, `step` and
+    `generate` decode. Raises ValueError when cfg.vocab_size is not resolved (0) or a learned
+    position table has no max_seq_len.
+    """
 
     def __init__(self, cfg: ModelConfig):
         super().__init__()
@@ -140,12 +150,17 @@ class LM(nn.Module):
             nn.init.normal_(blk.mlp.w2.weight, std=std / math.sqrt(2 * self.cfg.n_layers))
 
     def attention_layers(self) -> list:
+        """The attention layer of every block, in order."""
         return [blk.attn for blk in self.blocks]
 
     def num_params(self) -> int:
+        """Number of parameters (a tied head counted once)."""
         return sum(p.numel() for p in self.parameters())
 
     def embed(self, idx: torch.Tensor, start_pos: int = 0) -> torch.Tensor:
+        """idx (B, T) -> token embeddings (B, T, C), plus the learned position embedding of
+        positions start_pos .. start_pos + T - 1 when the model has one (ValueError past
+        model.max_seq_len)."""
         x = self.tok_emb(idx)  # (B, T) -> (B, T, C)
         if self.pos_emb is not None:
             T = idx.shape[1]

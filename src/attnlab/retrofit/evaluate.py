@@ -26,6 +26,8 @@ class EvalConfig:
     seed: int = 0
 
     def check(self, max_positions: int | None = None) -> "EvalConfig":
+        """Validate the options (and the context against the model's `max_positions`, when given);
+        returns self, or raises RetrofitError naming the `--eval-*` option."""
         for name, low in (("contexts", 1), ("context", 2), ("analysis_contexts", 1), ("seed", 0)):
             v = getattr(self, name)
             if isinstance(v, bool) or not isinstance(v, int) or v < low:

@@ -46,7 +46,13 @@ TRAIN_CHOICES = ("new", "all")
 
 @dataclass
 class FinetuneConfig:
-    """Options of fine-tuning (`--finetune-*`)."""
+    """Options of fine-tuning (`--finetune-*`): `steps` of AdamW at `lr` (`warmup` steps, then a cosine
+    down to min_lr_ratio · lr; weight_decay; gradient clipping at grad_clip) on batches of `batch` contexts of `context`
+    tokens drawn from `contexts` packed contexts of `corpus`; kl: the weight of a KL to the original
+    model's next-token distribution; train: "new" (the retrofit's new parameters) or "all"; lora:
+    the rank of peft LoRA adapters on every q/k/v/o (0: none), merged at the end; eval_contexts:
+    held-out contexts of the perplexity before and after. `check()` raises RetrofitError naming the
+    option."""
 
     steps: int = 0
     lr: float = 1e-3

@@ -90,7 +90,14 @@ def load_source(source):
 def retrofit(model, layers="middle6", attn: str = "softmax", settings=None, seed: int = 0):
     """The retrofitted model (an AttnlabForCausalLM). model: a transformers LlamaForCausalLM /
     Qwen2ForCausalLM, or a spec: 'smollm2', a folder, a .gguf file. Everything that can be checked
-    without weights is checked first (RetrofitError)."""
+    without weights is checked first (RetrofitError).
+
+    layers: the layers that get `attn` ('middle<N>', 'all', '3,4,5' or a list of ints); every other
+    layer becomes attnlab's softmax layer, equal to the model's own. attn: a registered mechanism
+    name. settings: AttentionConfig overrides for the chosen layers, a dict or `KEY=VALUE` words
+    (`parse_settings`); they win over the exact-start values. seed: the initialisation of the new
+    parameters that have no exact start. Raises RetrofitError naming what is wrong (family, RoPE
+    scaling, layer spec, mechanism, a setting, shapes that cannot carry the model's weights)."""
     settings = parse_settings(settings)
     if isinstance(model, str):
         source, _ = plan_source(model, layers, attn, settings)
@@ -121,7 +128,13 @@ def _summary(p: Plan) -> dict:
 def save(model, out: str | os.PathLike, tokenizer=None, rtol: float = 1e-6) -> Path:
     """Write retrofitted `model` (with `tokenizer`) into the new or empty folder `out`, atomically.
     A model that went through `transfer` / `finetune` / `evaluate_retrofit` also gets transfer.json /
-    finetune.json / eval.json (their reports); their checkpoints in OUT/transfer/ and OUT/finetune/ are removed once the folder is in place."""
+    finetune.json / eval.json (their reports); their checkpoints in OUT/transfer/ and OUT/finetune/
+    are removed once the folder is in place.
+
+    The folder is written beside `out`, loaded back as AttnlabForCausalLM and compared on 16 random
+    tokens, then renamed into place; returns `out` as a Path. Raises RetrofitError when `out` is a
+    file or not empty, FolderBusy when another process writes it, RuntimeError (nothing written)
+    when the reloaded logits differ by more than `rtol` relative."""
     from transformers.utils import logging as hf_logging
 
     resume = any(getattr(model, f"{d}_report", None) is not None for d in RESUMABLE)  # OUT may hold checkpoints

@@ -39,7 +39,10 @@ TRANSFER_DIR = "transfer"
 
 @dataclass
 class TransferConfig:
-    """Options of attention transfer (`--transfer-*`)."""
+    """Options of attention transfer (`--transfer-*`): `steps` optimizer steps per layer at `lr` on
+    `contexts` captured contexts of `context` tokens from corpus/split (drawn with `seed`), each new
+    layer trained alone to reproduce the replaced layer's output (MSE); checkpoints every
+    checkpoint_every steps. `check()` raises RetrofitError naming the option."""
 
     steps: int = 0
     contexts: int = 8

@@ -38,6 +38,7 @@ class Packed:
         return self.input_ids.shape[0]
 
     def batch(self, i: int, n: int = 1) -> "Packed":
+        """Contexts i .. i + n - 1 as a Packed of their own (rows of every field)."""
         return Packed(self.input_ids[i:i + n], self.position_ids[i:i + n], self.segments[i:i + n])
 
 

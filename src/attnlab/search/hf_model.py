@@ -103,6 +103,7 @@ def check_family(config) -> None:
 
 
 def load_tokenizer(source: ModelSource):
+    """The model's tokenizer through transformers' AutoTokenizer (from the GGUF file when the source is one)."""
     from transformers import AutoTokenizer
 
     kw = {"gguf_file": source.gguf_file} if source.gguf_file else {}
@@ -110,7 +111,10 @@ def load_tokenizer(source: ModelSource):
 
 
 def load_model(source: ModelSource, dtype: torch.dtype = torch.float32):
-    """The frozen causal LM in eval mode with every parameter's requires_grad off."""
+    """The frozen causal LM in eval mode with every parameter's requires_grad off.
+
+    source: a `ModelSource` (`resolve_source('smollm2' | hub id | folder | .gguf)`); dtype: the
+    weights' dtype (GGUF weights are dequantised to it)."""
     from transformers import AutoModelForCausalLM
 
     kw = {"gguf_file": source.gguf_file} if source.gguf_file else {}

@@ -47,6 +47,9 @@ def tiny_lm(family: str = "llama", n_layers: int = 8, seed: int = 0) -> FrozenLM
 
 
 def load_lm(spec: str) -> FrozenLM:
+    """The frozen model, its tokenizer's encode function and EOS id for a model spec ('smollm2', a hub
+    id, a folder or a .gguf file). Raises ValueError for an unsupported model family or a tokenizer
+    without an EOS token."""
     source = resolve_source(spec)
     config = load_hf_config(source)
     tok = load_tokenizer(source)

@@ -26,7 +26,16 @@ from .sparse import sparse_attention
 
 @dataclass
 class SelectorConfig:
-    """How candidates are chosen: method and budget K, plus each method's own knobs."""
+    """How candidates are chosen: method and budget K, plus each method's own knobs.
+
+    method: one of `retrieval.METHODS`: "learned" / "learned-hnsw" (the trained projections, exact
+    top-K or an HNSW graph), "native" / "native-hnsw" (the model's own post-RoPE q and k), "quest"
+    (page bounds), "oracle" (top-K of the model's own attention) or "streaming" (sinks + the most
+    recent keys). K: keys per query and candidate set; groups: candidate sets per token, each serving
+    H / groups query heads (a learned method must match its projections). page: Quest's page size;
+    n_sink: StreamingLLM's sinks; hnsw_*: the graph's M, efConstruction, efSearch and the block-start
+    keys scored exactly beside it. Bad values raise ValueError naming the field.
+    """
 
     method: str = "learned"
     K: int = 256
@@ -48,7 +57,14 @@ class SelectorConfig:
 
 
 class RetrieveThenAttend:
-    """The handler of one substituted layer (see hooks.Installed)."""
+    """The handler of one substituted layer (see hooks.Installed): selects K keys per query with
+    `cfg`'s method and attends over them with the model's own q, k, v (`sparse_attention`).
+
+    layer: the layer index; projections: needed by the learned methods (ValueError when missing, when
+    the layer was not trained or when its groups differ from cfg.groups); tally: a `metrics.Tally`
+    that also accumulates Recall@K and Mass@K against the full attention (costs the teacher). The
+    learned and native methods keep a search index that grows with the sequence.
+    """
 
     def __init__(self, layer: int, cfg: SelectorConfig, projections: SearchProjections | None = None,
                  tally: Tally | None = None):
@@ -111,7 +127,14 @@ def substitute(model, layers, cfg: SelectorConfig, projections: SearchProjection
                tally: Tally | None = None, layer_k: dict[int, int] | None = None) -> Installed:
     """Replace attention in `layers` by retrieve-then-attend; use as a context manager or call
     `.remove()`. `layer_k` gives chosen layers their own budget in place of cfg.K (a wider search for
-    weak layers). Validates everything before touching the model."""
+    weak layers). Validates everything before touching the model.
+
+    model: a transformers Llama/Qwen-family causal LM; layers: layer indices; cfg: the selector;
+    projections: trained `SearchProjections` (learned methods); tally: a `metrics.Tally` that
+    accumulates retrieval statistics of every forward. Returns the installed handlers (a context
+    manager). Raises TypeError when cfg is not a SelectorConfig, ValueError for layers out of range,
+    groups that do not divide the heads, projections of another width or layer_k naming a layer not
+    substituted."""
     n = len(attention_modules(model))
     if not isinstance(cfg, SelectorConfig):
         raise TypeError(f"cfg must be a SelectorConfig, got {type(cfg).__name__}")
@@ -137,7 +160,11 @@ def substitute(model, layers, cfg: SelectorConfig, projections: SearchProjection
 def generate(model, input_ids: torch.Tensor, max_new_tokens: int, layers=None,
              cfg: SelectorConfig | None = None, projections: SearchProjections | None = None) -> torch.Tensor:
     """Greedy decoding with the KV cache; with `layers` given, those layers retrieve-then-attend and
-    their indexes grow by one search key per generated token. Returns (B, T + max_new_tokens)."""
+    their indexes grow by one search key per generated token. Returns (B, T + max_new_tokens).
+
+    input_ids: (B, T) int64; cfg: the selector (default: learned, K = 256, the projections' groups);
+    projections: as for `substitute`. Raises ValueError as `substitute` does, and for
+    max_new_tokens < 1."""
     check_int("max_new_tokens", max_new_tokens)
     if layers is None:
         return _greedy(model, input_ids, max_new_tokens)

@@ -29,7 +29,16 @@ from attnlab.checks import check_impl, check_int, check_positive, check_tensor
 
 
 class SearchProjections(nn.Module):
-    """Two bias-free d_model -> d_search maps per selected layer; the base model stays frozen."""
+    """Two bias-free d_model -> d_search maps per selected layer; the base model stays frozen.
+
+    layers: the layer indices it holds maps for; d_model: the model's width; d_search: the search
+    width (even with rope); tau: the temperature of the training losses; rope / rope_theta: rotate
+    search vectors by position; groups: candidate sets per token, each with its own d_search-wide
+    map (the maps are groups · d_search wide). `forward(layer, hidden, start)` gives unit search
+    queries and keys (B, G, T, d_search); `save(path)` / `SearchProjections.load(path)` keep them in
+    one safetensors file with their metadata. Raises ValueError for an empty `layers`, a
+    non-positive width, tau or theta, or an odd d_search with rope.
+    """
 
     def __init__(self, layers: list[int], d_model: int, d_search: int = 128, tau: float = 0.05, meta=None,
                  rope: bool = False, rope_theta: float = 10000.0, groups: int = 1):
@@ -92,7 +101,8 @@ class SearchProjections(nn.Module):
 
     @classmethod
     def load(cls, path: str | Path) -> tuple["SearchProjections", dict, dict]:
-        """(projections, all metadata, the extra tensors saved beside the weights)."""
+        """(projections, all metadata, the extra tensors saved beside the weights) of a file written by
+        `save`. Raises ValueError when the file does not exist or is not a search-projection checkpoint."""
         from safetensors import safe_open
 
         path = Path(path)

@@ -156,6 +156,7 @@ class ExactIndex:
         return 0 if self.keys is None else self.keys.shape[2]
 
     def reset(self) -> None:
+        """Forget every key (a new sequence starts)."""
         self.keys = None
 
     def add(self, ks: torch.Tensor) -> None:
@@ -197,6 +198,7 @@ class HNSWIndex:
         return self.count
 
     def reset(self) -> None:
+        """Forget every key and graph (a new sequence starts)."""
         self.rows, self.pins, self.count = [], [], 0
 
     def _new(self):

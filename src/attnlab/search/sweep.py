@@ -37,6 +37,18 @@ DEFAULT_LAYER_SETS = ("middle6", "all", "reserved-edge")
 
 @dataclass
 class EvalConfig:
+    """What `run_eval` (`attnlab search eval`) measures; each field is a command-line option.
+
+    checkpoint: trained projections (needed by the learned methods); model: default the checkpoint's.
+    Every method of `methods` runs in every layer set of `layer_sets` at every K of `ks`, on
+    n_contexts held-out contexts of `context` tokens from corpus/split (drawn with `seed`); groups:
+    candidate sets per token (default the checkpoint's, else 1). page, n_sink, hnsw_m,
+    hnsw_ef_search: the methods' knobs (`SelectorConfig`); wide_layers / wide_factor: a layer set
+    whose layers retrieve wide_factor × K keys. Results go to `out`. Raises ValueError for methods
+    not in METHODS, an empty layer_sets, a learned method without checkpoint, or neither checkpoint
+    nor model.
+    """
+
     checkpoint: str | None = None  # trained projections; needed by the learned methods
     model: str | None = None  # default: the model the checkpoint was trained on
     layer_sets: list = field(default_factory=lambda: list(DEFAULT_LAYER_SETS))
@@ -104,7 +116,10 @@ def full_baseline(lm: FrozenLM, packed, cache_dir=None, bar=None) -> dict:
 
 
 def run_eval(cfg: EvalConfig, lm: FrozenLM | None = None, progress: bool = True, full_cache=None) -> dict:
-    """Run the sweep; returns the results dict (also written as JSON, markdown and PNG under cfg.out).
+    """Run the evaluation; returns the results dict (also written as results.json, results.md and
+    gap_vs_k.png under cfg.out): full attention's perplexity, and per (layer set, method, K) the
+    perplexity, its relative gap in %, Recall@K, Mass@K and the filler rate. lm: an already loaded
+    `FrozenLM` (default: load the model).
     full_cache: a folder where full attention's perplexity is kept per (model, contexts).
     cfg.out is locked while it is written (FolderBusy if another process writes it); SIGINT/SIGTERM
     stop it after the current (method, K), with the rows so far written."""

@@ -35,6 +35,20 @@ CHECKPOINT = "projections.safetensors"
 
 @dataclass
 class SearchTrainConfig:
+    """What `train_projections` (`attnlab search train`) does; each field is a command-line option.
+
+    model: 'smollm2', a hub id, a folder or a .gguf file; layers: the layer set trained ('all',
+    'middle<N>', 'reserved-edge' or '3,4,5'). The projections map the hidden state entering attention
+    to d_search dims (rotated by position with `rope`), one search space per candidate group
+    (`groups`: an int dividing the query heads, or 'kv'); the loss is alpha · InfoNCE over the
+    teacher's k_pos top keys (temperature tau) + beta · KL to the teacher distribution. Data:
+    n_contexts packed contexts of `context` tokens from corpus/split; steps of AdamW at lr with
+    `warmup` steps; `query_rows` scores that many query rows per step (0: all). `activations` keeps
+    captured activations on disk under `out`, in memory, or recomputes them. Checkpoints go to
+    out/projections.safetensors every checkpoint_every steps and `resume` continues from it. Bad
+    values raise ValueError (or NotAnIntError) naming the field.
+    """
+
     model: str = "smollm2"
     layers: str = "all"  # trained once; any subset can be substituted at evaluation
     d_search: int = 128
@@ -204,7 +218,12 @@ def train_projections(cfg: SearchTrainConfig, lm: FrozenLM | None = None, progre
     """Train (or resume) search projections; returns a summary with the checkpoint path.
 
     `until` stops after that many steps of the cfg.steps schedule (a time-boxed part of a run that a
-    later call resumes); the learning-rate schedule always spans cfg.steps."""
+    later call resumes); the learning-rate schedule always spans cfg.steps. lm: an already loaded
+    `FrozenLM` (default: load cfg.model); progress: show a bar.
+
+    The summary holds checkpoint, layers, steps_done, resumed_from, the last logged row and
+    trainable_params. Raises ValueError for layers or groups the model does not have, FolderBusy when
+    another process writes cfg.out; SIGINT/SIGTERM stop it after the current step with a checkpoint."""
     resolved = {}
 
     def check(sets, dims):

@@ -215,7 +215,12 @@ class RunSection:
 
 @dataclass
 class RunConfig:
-    """The whole configuration of one training run."""
+    """The whole configuration of one training run: the sections [model], [data], [train],
+    [regularizers] and [run] of a config file, each a dataclass whose fields `attnlab train --help`
+    lists. Derived: run_dir = run.out_dir / run.name, and model.max_seq_len = data.seq_len when unset.
+    Build it with `load_config(path, overrides)`; a value that cannot work raises ConfigError naming
+    the dotted key (a cosFormer horizon shorter than data.seq_len, a learned position table too short).
+    """
 
     model: ModelConfig = field(default_factory=ModelConfig, metadata={"help": "the language model"})
     data: DataConfig = field(default_factory=DataConfig, metadata={"help": "corpus, tokenizer, packing"})

@@ -43,7 +43,11 @@ from .trainer import CKPT_DIR, build_model, resolve_device
 
 def load_run(source: RunConfig | str | os.PathLike, overrides: list[str] | None = None, checkpoint: str | None = None):
     """(cfg, model, state) of a run folder (its config.toml and newest checkpoint), or of a
-    RunConfig / TOML path whose run folder holds a checkpoint. `checkpoint` picks another one."""
+    RunConfig / TOML path whose run folder holds a checkpoint. `checkpoint` picks another one.
+
+    The model is in eval mode on the CPU; state is the checkpoint's JSON state with its "path".
+    Raises FileNotFoundError when there is no checkpoint and CheckpointError when it is damaged; a
+    checkpoint pruned by a run in progress while it is read is replaced by the newest one."""
     if isinstance(source, RunConfig):
         cfg = source
     else:
@@ -144,8 +148,25 @@ def evaluate(
     device: str | None = None,
     write: bool = True,
 ) -> dict:
-    """Evaluate the newest checkpoint of a run (see the module docstring). Returns a dict and,
-    with `write`, stores it as run_dir/eval.json."""
+    """Evaluate the newest checkpoint of a run (what is measured: the module docstring).
+
+    source: a run folder (its config.toml), a TOML path or a RunConfig whose run folder holds a
+    checkpoint; overrides: dotted overrides applied to a TOML path; checkpoint: another checkpoint
+    folder than the newest. split: "val" or "test"; seq_lens: context lengths of the loss (default
+    data.seq_len); max_tokens: text budget per length (None: the whole split); batch_size: default
+    train.batch_size. analysis_len / analysis_batch: the one batch whose attention weights are
+    analysed (default min(seq_len, 256) tokens, 4 rows); topk: the k of the top-k scalar mass.
+    passkey_lengths / passkey_depths: passkey accuracy at these lengths and needle depths.
+    windows: k of the windowed-decode loss; budgets: also with the sorted cache capped at M keys per
+    head; compress: also with density compression at these key spans (token by token, one batch);
+    context_lengths: everything again per context length T, with the slope of the missed mass
+    against ln T. device: default run.device.
+
+    Returns a dict: "loss" {T: {"loss", "ppl", "tokens", "batches"}}, "layers" (per layer and head),
+    and "windowed_loss", "compressed", "by_length", "passkey" or "mqar_accuracy" when asked for;
+    with `write` it is also stored as run_dir/eval.json ("written_to"). Raises FileNotFoundError
+    when the run has no checkpoint, CheckpointError when it is damaged, ConfigError for a bad
+    override."""
     cfg, model, state = load_run(source, overrides, checkpoint)
     dev = resolve_device(device or cfg.run.device)
     model.to(dev)

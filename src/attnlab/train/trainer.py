@@ -97,7 +97,10 @@ def autocast(device: torch.device, dtype: str):
 
 
 class Trainer:
-    """One run: build everything from the config, then `fit()`."""
+    """One run: build everything from the config, then `fit()`. Construction checks the run folder
+    (FileExistsError when it holds a run and neither run.resume nor run.overwrite is set), loads the
+    data (DataError), builds model and optimizer, takes the folder's lock (FolderBusy) and, with
+    run.resume, restores the newest checkpoint exactly; `close()` releases the folder."""
 
     def __init__(self, cfg: RunConfig):
         self.cfg = cfg
@@ -247,6 +250,8 @@ class Trainer:
     # ------------------------------------------------------------------ checkpoints
 
     def save(self) -> None:
+        """Write a checkpoint of the current step atomically (model, optimizer, data position,
+        schedule, RNG states); on the main process only, keeping the newest train.keep_checkpoints."""
         if not self.env.is_main:
             return
         state = {
@@ -261,6 +266,10 @@ class Trainer:
     # ------------------------------------------------------------------ the loop
 
     def fit(self) -> dict:
+        """Train to train.steps (from the resumed step), evaluating every train.eval_every steps and
+        checkpointing every train.ckpt_every; returns the summary `train` returns and writes it to
+        run_dir/summary.json. On SIGINT/SIGTERM the current step finishes, a checkpoint is written
+        and `attnlab.interrupt.Interrupted` is raised with the command that resumes."""
         cfg, t_cfg = self.cfg, self.cfg.train
         main = self.env.is_main
         if main and cfg.run.progress:
@@ -370,7 +379,12 @@ def _ordered(row: dict) -> dict:
 def train(cfg: RunConfig | str | os.PathLike, overrides: list[str] | None = None) -> dict:
     """Train one run and return its summary (also written to run_dir/summary.json).
 
-    `cfg` is a RunConfig, or a TOML path loaded with the dotted `overrides`."""
+    `cfg` is a RunConfig, or a TOML path loaded with the dotted `overrides`. The summary holds
+    run_dir, attn, params, steps, val_loss, val_ppl, train_loss, tokens_per_s, train_seconds, τ per
+    layer and resumed_from. Raises ConfigError for a bad config (naming the key), ValueError when
+    overrides come with a RunConfig, FileExistsError when the run folder already holds a run and
+    neither run.resume nor run.overwrite is set, FolderBusy when another process writes it.
+    SIGINT/SIGTERM stop it after the current step with a checkpoint (`attnlab.interrupt`)."""
     if not isinstance(cfg, RunConfig):
         cfg = load_config(cfg, overrides)
     elif overrides:

@@ -300,8 +300,10 @@ def run(
     launcher=None,
 ) -> dict:
     """Train every run that is not finished (`jobs` at once), then write OUT/results.json,
-    report.md and plots from all run folders; returns the results dict. With a
-    `attnlab.experiments.launch.Launcher`, each unfinished run is a submitit job instead."""
+    report.md and plots from all run folders (OUT: `out` or the spec's); returns the results dict
+    (every run, mean and sd per variant, "verdicts" with outcome and reason). spec: a Spec or a path;
+    plans: what `plan` returned; `launcher` (a launch.Launcher) makes each unfinished run a submitit
+    job. Raises ConfigError / SweepError as `plan` does, FolderBusy when another process writes OUT."""
     from tqdm.auto import tqdm
 
     spec = spec if isinstance(spec, Spec) else load_spec(spec)

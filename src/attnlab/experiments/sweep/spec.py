@@ -41,6 +41,9 @@ class SweepError(ValueError):
 
 @dataclass
 class Variant:
+    """One [[variants]] entry: its folder-safe `name`, the dotted `overrides` it applies after the
+    spec's shared ones, and an optional `description` shown in the report."""
+
     name: str
     overrides: list[str]
     description: str = ""
@@ -48,6 +51,15 @@ class Variant:
 
 @dataclass
 class Spec:
+    """A loaded and checked sweep spec (`load_spec`; the format: experiments/README.md).
+
+    path: the spec file; title, claim, description: the report's heading and hypothesis; base: the
+    base run config as written (a path relative to the spec, or an inline table) and base_raw the raw
+    config it gives; seeds; overrides shared by every run; variants; out: the output folder (default
+    the spec's); per_seed: also a table per run; metrics: the [metrics] table; verdict: the first
+    rule and verdicts every rule (empty without any); raw: the TOML as read.
+    """
+
     path: Path
     title: str
     claim: str
@@ -65,6 +77,7 @@ class Spec:
     raw: dict = field(repr=False, default_factory=dict)
 
     def run_dir(self, variant: str, seed: int, out: str | os.PathLike | None = None) -> Path:
+        """The run folder of (variant, seed): OUT/runs/<variant>/seed<k>, OUT = `out` or the spec's."""
         return Path(out if out is not None else self.out) / "runs" / variant / f"seed{seed}"
 
 
