@@ -11,6 +11,11 @@ At build time this adds to the site, without copying anything into docs/:
 - `results/benchmarks/index.md`: every benchmark file;
 - `guide/spec-format.md`: `experiments/README.md`, the spec format, as written.
 
+It also expands the table markers of the pages, `<!-- table: NAME FILE... -->` on a line of their
+own: docs/result_tables.py generates table NAME from the committed FILEs, so a results table shows
+what its file holds instead of numbers typed from it. An unknown name, a file list that is not the
+generator's, or a missing file fails the build.
+
 Run folders (`runs/`) are skipped. Links inside an included file that point at something the site
 does not hold (the spec, a run folder) become plain text, so a --strict build fails only on broken
 links in the pages of docs/ itself.
@@ -18,11 +23,14 @@ links in the pages of docs/ itself.
 
 from __future__ import annotations
 
+import json
 import logging
 import re
 from pathlib import Path
 
+from mkdocs.exceptions import PluginError
 from mkdocs.structure.files import File, Files
+from result_tables import TABLES  # docs/result_tables.py: mkdocs puts this folder on the path to load the hook
 
 ROOT = Path(__file__).resolve().parents[1]
 EXPERIMENTS = ROOT / "experiments"
@@ -36,6 +44,7 @@ log = logging.getLogger("mkdocs.hooks.results")
 LINK = re.compile(r"(!?)\[([^\]]*)\]\(([^)\s]+)(\s+\"[^\"]*\")?\)")
 TITLE = re.compile(r"^#\s+(.+?)\s*$", re.M)
 CLAIM = re.compile(r"^\*\*Claim\.\*\*\s*(.+?)\s*$", re.M)
+TABLE_MARKER = re.compile(r"^<!--\s*table:\s*(.*?)\s*-->[ \t]*$", re.M)
 
 
 def _visible(path: Path, base: Path) -> bool:
@@ -183,6 +192,24 @@ def _page(path: Path, site_dir: str, base: Path) -> str:
     return f"{site_dir}/{path.relative_to(base).as_posix()}"
 
 
+def _expand_tables(markdown: str, page: str) -> str:
+    """Replace every table marker of a page by the table its generator makes from the files named."""
+
+    def sub(m: re.Match) -> str:
+        name, *files = m.group(1).split() or [""]
+        if name not in TABLES:
+            raise PluginError(f"{page}: unknown table {name!r} in {m.group(0)!r}; known: {', '.join(TABLES)}")
+        make, sources = TABLES[name]
+        if tuple(files) != sources:
+            raise PluginError(f"{page}: table {name!r} reads {' '.join(sources)}, the marker names {' '.join(files)}")
+        missing = [f for f in files if not (ROOT / f).is_file()]
+        if missing:
+            raise PluginError(f"{page}: table {name!r}: {', '.join(missing)} does not exist")
+        return make(*(json.loads((ROOT / f).read_text(encoding="utf-8")) for f in files))
+
+    return TABLE_MARKER.sub(sub, markdown)
+
+
 # --------------------------------------------------------------------------- mkdocs events
 
 
@@ -220,3 +247,8 @@ def on_files(files: Files, config) -> Files:
     add(f"{BENCH_SITE}/index.md", content=_bench_index())
     add(SPEC_PAGE, content=_spec_format())
     return files
+
+
+def on_page_markdown(markdown: str, page, config, files) -> str:
+    """Expand the table markers (docs/result_tables.py)."""
+    return _expand_tables(markdown, page.file.src_uri)

@@ -303,3 +303,13 @@ def test_windowed_config_is_the_evidence_winner():
     got = load_config(root / "configs" / "windowed.toml")
     for section in ("model", "data", "train", "regularizers"):
         assert to_dict(getattr(got, section)) == to_dict(getattr(want, section)), section
+
+
+def test_every_attention_field_has_help():
+    """`attnlab train --help` describes every model.attention key from AttentionConfig's docstring."""
+    from attnlab.train.config_help import config_keys
+
+    rows = [r for r in config_keys() if r[0].startswith("model.attention.")]
+    assert len(rows) > 30
+    missing = [r[0] for r in rows if not r[3] or r[3].startswith("see attnlab.layers")]
+    assert not missing, missing

@@ -1,10 +1,13 @@
 """The documentation site builds with `mkdocs build --strict`: no broken link or anchor in docs/,
-every API page renders from the docstrings, and docs/hooks.py turns the committed reports and
-benchmark files into the results pages. Skipped when the [docs] extra is not installed."""
+every API page renders from the docstrings, docs/hooks.py turns the committed reports and
+benchmark files into the results pages, and every table marker of the pages becomes the table
+docs/result_tables.py makes from its committed file. Skipped when the [docs] extra is not installed."""
 
 from __future__ import annotations
 
+import json
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -18,14 +21,20 @@ pytest.importorskip("material", reason="the [docs] extra is not installed (mkdoc
 pytest.importorskip("mkdocstrings_handlers.python", reason="the [docs] extra is not installed (mkdocstrings[python])")
 
 
-def test_site_builds_strictly(tmp_path):
-    site = tmp_path / "site"
+@pytest.fixture(scope="module")
+def site(tmp_path_factory):
+    """The site, built once for the tests of this module."""
+    site = tmp_path_factory.mktemp("docs") / "site"
     env = {**os.environ, "NO_MKDOCS_2_WARNING": "1"}
     proc = subprocess.run(
         [sys.executable, "-m", "mkdocs", "build", "--strict", "--quiet", "-f", str(ROOT / "mkdocs.yml"), "-d", str(site)],
         cwd=ROOT, env=env, capture_output=True, text=True, timeout=300,
     )
     assert proc.returncode == 0, f"mkdocs build --strict failed:\n{proc.stdout}\n{proc.stderr}"
+    return site
+
+
+def test_site_builds_strictly(site):
     pages = sorted(p.relative_to(site).as_posix() for p in site.rglob("index.html"))
     assert len(pages) >= 8, pages
     for page in ("guide/ops/index.html", "mechanisms/index.html", "reference/ops/index.html",
@@ -42,3 +51,33 @@ def test_site_builds_strictly(tmp_path):
     # the API reference rendered the docstrings, not an empty page
     ops = (site / "reference" / "ops" / "index.html").read_text(encoding="utf-8")
     assert "hybrid_attention" in ops and "scalar_attention_approx" in ops
+
+
+TABLE_MARKER = "<!-- table:"
+
+
+def test_table_markers_expanded(site):
+    """Every table marker of docs/ became a table: none is left in the built HTML."""
+    marked = {p.relative_to(ROOT / "docs").as_posix(): p.read_text(encoding="utf-8").count(TABLE_MARKER)
+              for p in (ROOT / "docs").rglob("*.md")}
+    assert marked.get("results/measured.md", 0) >= 10, marked
+    left = [p.relative_to(site).as_posix() for p in site.rglob("*.html") if TABLE_MARKER in p.read_text(encoding="utf-8")]
+    assert not left, f"table markers left unexpanded in {left}"
+    measured = (site / "results" / "measured" / "index.html").read_text(encoding="utf-8")
+    assert measured.count("<table>") >= marked["results/measured.md"]
+
+
+def cells(html: str) -> set[str]:
+    return {c.strip() for c in re.findall(r"<td[^>]*>(.*?)</td>", html, re.S)}
+
+
+def test_generated_tables_hold_the_files_numbers(site):
+    """Numbers read here from the committed JSON are in the tables of the built page."""
+    measured = cells((site / "results" / "measured" / "index.html").read_text(encoding="utf-8"))
+    speed = json.loads((ROOT / "benchmarks" / "results" / "train_speed.json").read_text(encoding="utf-8"))
+    for row in speed["rows"]:
+        assert f"{row['tokens_per_s']:,.0f}" in measured, row["variant"]
+    ops = json.loads((ROOT / "benchmarks" / "results" / "ops.json").read_text(encoding="utf-8"))
+    scalar = next(r for r in ops["rows"] if r["op"] == "scalar")
+    assert f"{scalar['median_ratio_vs_sdpa']:.2f}" in measured
+    assert f"{scalar['mem_mb_T2048']:.0f}" in measured

@@ -47,6 +47,7 @@ class ExactScalarCache:
         return len(self.kv)
 
     def nbytes(self) -> int:
+        """Bytes of the cached tokens (`KVCache.nbytes`)."""
         return self.kv.nbytes()
 
     def append(self, ks: torch.Tensor, v: torch.Tensor, k: torch.Tensor | None = None) -> None:

@@ -20,9 +20,20 @@ TIME_DIM = 2
 class KVCache:
     """Named tensors growing along dim 2; every `append` must bring the same names and shapes.
 
-    >>> cache = KVCache(batch_size=2)
-    >>> full = cache.append(k=k_t, v=v_t, ks=ks_t)   # k_t (B, G, 1, D), ks_t (B, H, 1)
-    >>> full["k"].shape                               # (B, G, len(cache), D)
+    ```python
+    cache = KVCache(batch_size=2)
+    full = cache.append(k=k_t, v=v_t, ks=ks_t)  # k_t (B, G, 1, D), ks_t (B, H, 1)
+    full["k"].shape                             # (B, G, len(cache), D)
+    ```
+
+    Args:
+        batch_size: B, the batch every appended tensor must have; an int >= 1.
+        initial_capacity: time steps the buffers hold before their first doubling; an int >= 1
+            (the first append allocates max(initial_capacity, its steps), doubled as needed).
+
+    Raises:
+        ValueError: batch_size or initial_capacity is not a positive int (for a non-int, a
+            NotAnIntError, which is a TypeError too).
     """
 
     def __init__(self, batch_size: int, initial_capacity: int = 64):
@@ -38,6 +49,7 @@ class KVCache:
 
     @property
     def names(self) -> tuple[str, ...]:
+        """The names cached so far, in the order of the first append (empty before it)."""
         return tuple(self._buf)
 
     def _check(self, tensors: dict[str, torch.Tensor]) -> int:
@@ -78,7 +90,23 @@ class KVCache:
         self.capacity = new_cap
 
     def append(self, **tensors: torch.Tensor) -> dict[str, torch.Tensor]:
-        """Append `steps` tokens of each named tensor; return views of everything cached so far."""
+        """Append `steps` tokens of each named tensor; return views of everything cached so far.
+
+        Args:
+            **tensors: the tensors to append, by name, each with the batch on dim 0 and time on
+                dim 2: vectors (B, H, steps, D), scalars (B, H, steps). All bring the same
+                number of steps; after the first append, the same names and the same shapes but
+                for dim 2. They are detached and copied into the buffers (in each buffer's
+                dtype, the first append's).
+
+        Returns:
+            A dict of views, name -> the tensor cached so far with time length len(self).
+
+        Raises:
+            ValueError: no tensor; a value that is not a tensor of >= 3 dims; another batch size;
+                different step counts; names or shapes that differ from the first append's. The
+                cache is unchanged.
+        """
         steps = self._check(tensors)
         if not self._buf:
             while self.capacity < steps:
@@ -108,6 +136,13 @@ class RecurrentState:
 
     `state` is whatever the op returned as its final state (None before the first token);
     `pos` counts the tokens folded into it.
+
+    Args:
+        batch_size: B, the batch of the layer's inputs; an int >= 1.
+
+    Raises:
+        ValueError: batch_size is not a positive int (for a non-int, a NotAnIntError, which is a
+            TypeError too).
     """
 
     def __init__(self, batch_size: int):
@@ -117,11 +152,18 @@ class RecurrentState:
         self.pos = 0
 
     def update(self, state: Any, steps: int = 1) -> None:
-        """Replace the state with the op's final state after `steps` more tokens."""
+        """Replace the state with the op's final state after `steps` more tokens.
+
+        Args:
+            state: the op's final state: a tensor, a tuple or list of them, or a NamedTuple such
+                as `attnlab.ops.CosformerState`; its tensors are detached.
+            steps: the tokens the op folded in since the last update (added to `pos`).
+        """
         self.state = _detach(state)
         self.pos += steps
 
     def nbytes(self) -> int:
+        """Bytes of the tensors the state holds (0 before the first update)."""
         return sum(t.element_size() * t.numel() for t in _tensors(self.state))
 
 

@@ -1,33 +1,14 @@
 """Sorted scalar KV cache: O(log n + k) decode for scalar and hybrid attention.
 
-Scalar keys can be kept in sorted order, so a decode step binary-searches its scalar
-query among the cached keys and attends over a window of the k nearest keys only:
-
-    scalar:  softmax_j( -(qs - ks_j)^2 / tau + log c_j ) over the window, @ V_window
-    hybrid:  softmax_j( q . k_j / sqrt(d_k) - (qs - ks_j)^2 / tau + log c_j )
-
-(c_j = number of tokens entry j stands for; 1 unless density compression merged it.)
-
-Layout. Each head keeps its own sorted key index (one sort order cannot serve several
-heads' keys) holding the key and the slot of every entry; values are stored once per
-value group (grouped value attention: the heads of a group read one value store through
-their own indexes). Hybrid heads also store one vector key per head and slot. All state
-is batched over batch x heads as tensors; the hot path has no Python loop over heads.
-
-Window. The window is the k entries nearest to the query (the seed's "k/2 on each side"
-made optimal: for a Gaussian kernel the nearest keys carry the largest weights), or by
-radius: every entry with |qs - ks| <= r, where r is given or r = sqrt(-tau log eps)
-(at most ``window`` of them, the nearest, when window is not None). A window larger
-than what a head holds is clamped to what it holds: that is exact attention. The sink
-entry, when configured, is always a candidate in addition to the window.
-
-Inference only: appended tensors are detached. Gradients flow to the query arguments
-(qs, q, tau) of ``attend``, which is what the naive/fast comparison checks.
-
-Input (attnlab's input policy): every appended tensor (ks, v, k), the sink (key, value, vector
-key) and every query argument (qs, q, tau, radius) must be finite, or ValueError names it;
-appended tensors must have the cache's dtype and query tensors a floating one, or TypeError.
-Every check runs before anything changes: a rejected call leaves the cache bit-identical.
+A decode step binary-searches its scalar query among the sorted cached keys and attends over the
+k nearest only: softmax_j(-(qs - ks_j)^2 / tau + log c_j) for scalar heads, with q . k_j / sqrt(d_k)
+added for hybrid heads; c_j is the number of tokens entry j stands for (1 unless density compression
+merged it). Layout, search and window: docs/mechanisms.md#sorted-scalar-cache. Each head keeps its own
+sorted index of (key, slot) entries; values are stored once per value group, hybrid heads' vector
+keys once per head and slot; all state is batched over batch x heads, with no Python loop over heads
+on the hot path. Inference only: appended tensors are detached; gradients flow to the query
+arguments (qs, q, tau) of ``attend``, which is what the naive/fast comparison checks. Input checks:
+the class docstring (a rejected call leaves the cache as it was).
 """
 
 from __future__ import annotations
@@ -52,12 +33,14 @@ QUERY_HISTORY = 256  # recent queries kept per head (geometric and budget evicti
 
 def bytes_per_token(n_heads: int, n_groups: int, d_v: int, d_k: int | None = None,
                     dtype: torch.dtype = torch.float32, weighted: bool = False) -> dict[str, int]:
-    """Bytes one cached token costs in one layer, by part.
+    """Bytes one cached token costs in one layer, by part, as a dict of ints, for n_heads heads, n_groups
+    value groups of size d_v, vector keys of size d_k (hybrid; None for scalar heads), values in `dtype`,
+    and `weighted` entries (density compression on). No argument is checked.
 
-    key_index: per head a float32 key + an int32 slot (+ a float32 log-weight once density
-    compression is on): 8 (12) bytes per head. values: one d_v vector per value group.
-    vector_keys: hybrid heads only, one d_k vector per head. full_attention_kv: an
-    ordinary per-head K and V cache of the same head sizes, for comparison."""
+    key_index: per head a float32 key + an int32 slot (+ a float32 log-weight when weighted): 8 (12)
+    bytes per head (key_index_per_head). values: one d_v vector per value group. vector_keys: hybrid
+    heads only, one d_k vector per head. total: their sum. full_attention_kv: an ordinary per-head K
+    and V cache of the same head sizes, for comparison."""
     item = torch.empty((), dtype=dtype).element_size()
     per_head = 12 if weighted else 8
     parts = {
@@ -74,15 +57,32 @@ def bytes_per_token(n_heads: int, n_groups: int, d_v: int, d_k: int | None = Non
 class SortedScalarCache:
     """Decode-time cache for one layer of scalar (or hybrid, when ``d_k`` is given) heads.
 
-    batch, n_heads, n_groups, d_v: B, H, G (H % G == 0), value size. d_k: vector key size of
-    hybrid heads. capacity: value slots to hold (tokens + compressed representatives);
-    None grows by doubling; when full, dead slots are reclaimed, then RuntimeError.
-    sink_key (float, 0-d or (H,)) and sink_value ((d_v,), (G, d_v) or (H, d_v)): the learned
-    scalar sink entry, always a candidate and never evicted; sink_vkey ((d_k,) or (H, d_k),
-    hybrid only, default zeros); all finite. sink_logw (float, 0-d or (H,), finite or -inf): the
-    log of the sink's weight in the normaliser, w·e^score (default 0, weight 1). sink_zone=(lo, hi): keys in this range are never evicted
-    or compressed. query_history: recent queries kept per head for geometric eviction.
-    buffer_size, level_ratio: the index's insertion buffer and level growth factor."""
+    Args:
+        batch: B (every size is an int >= 1).
+        n_heads: H.
+        n_groups: G value groups, dividing H (head h reads group h // (H / G)).
+        d_v: the value size Dv.
+        d_k: the vector key size Dk of hybrid heads; None for pure scalar heads.
+        capacity: value slots (tokens + merged entries); None grows by doubling. When full, dead
+            slots are reclaimed, then RuntimeError.
+        dtype: the floating dtype of the stored values and vector keys (scalar keys are float32).
+        device: where the cache lives; None for the CPU.
+        sink_key: the scalar sink's key (float, 0-d or (H,)), always a candidate; None: no sink.
+        sink_value: the sink's value, (d_v,), (G, d_v) or (H, d_v).
+        sink_vkey: the sink's vector key, (d_k,) or (H, d_k) (hybrid); None for zeros.
+        sink_zone: (lo, hi); keys in this range are never evicted or compressed.
+        sink_logw: the log of the sink's weight w in the normaliser, w·e^score (float, 0-d or
+            (H,), finite or -inf); None for 0, weight 1.
+        query_history: recent queries kept per head (eviction reads them).
+        buffer_size: the sorted index's insertion buffer.
+        level_ratio: the sorted index's level growth factor, an int >= 2.
+
+    Raises:
+        TypeError: dtype not floating; a size not an int (NotAnIntError, also a ValueError). Later calls:
+            an appended tensor not of the cache's dtype, a query tensor not floating.
+        ValueError: a size out of range, G not dividing H, a bad sink. Later calls: a bad shape, NaN or
+            inf in any argument (checked before anything changes), attend on an empty cache without sink.
+    """
 
     def __init__(self, batch: int, n_heads: int, n_groups: int, d_v: int, d_k: int | None = None,
                  capacity: int | None = None, dtype: torch.dtype = torch.float32, device=None,
@@ -150,11 +150,11 @@ class SortedScalarCache:
     @classmethod
     def from_tensors(cls, ks: torch.Tensor, v: torch.Tensor, k: torch.Tensor | None = None,
                      **kwargs) -> "SortedScalarCache":
-        """Bulk-load a cache from a whole context: ks (B, H, N), v (B, G, N, Dv), k (B, H, N, Dk)
-        for hybrid heads. Sorts each head's keys once (O(N log N)); other keyword arguments go
-        to the constructor (dtype defaults to v's, device to ks'). ks, v and k must have the cache's
-        dtype and be finite, as in ``append``. Without a capacity the store holds N and doubles when
-        full: give a capacity of N + the tokens still to come to avoid that copy during decode."""
+        """Bulk-load a cache from a whole context: ks (B, H, N), v (B, G, N, Dv), k (B, H, N, Dk) for hybrid
+        heads. Sorts each head's keys once (O(N log N)); other keyword arguments go to the constructor
+        (dtype defaults to v's, device to ks'). ks, v and k must have the cache's dtype and be finite, as in
+        ``append``. Without a capacity the store holds N and doubles when full: give a capacity of N + the
+        tokens still to come to avoid that copy during decode."""
         for name, x, dims in (("ks", ks, "(B, H, N)"), ("v", v, "(B, G, N, Dv)"), ("k", k, "(B, H, N, Dk)")):
             if x is None and name == "k":
                 continue
@@ -197,6 +197,7 @@ class SortedScalarCache:
     # ---- properties ---------------------------------------------------------------------
     @property
     def hybrid(self) -> bool:
+        """True when the heads are hybrid (the cache was built with d_k)."""
         return self.d_k is not None
 
     @property
@@ -247,8 +248,7 @@ class SortedScalarCache:
         return x
 
     def _check_dtype(self, name: str, x: torch.Tensor, dtype: torch.dtype | None = None) -> None:
-        """Appended tensors must have the cache's dtype (no silent rounding into a narrower store);
-        query tensors need a floating dtype (``dtype``: the one they must share, or None)."""
+        """Appended tensors: the cache's dtype (no silent rounding); query tensors: floating (``dtype``: the one they share)."""
         if dtype is None and x.dtype != self.dtype:
             raise TypeError(f"{name} must have the cache's dtype {self.dtype}, got {x.dtype}")
         if not x.is_floating_point():
@@ -257,8 +257,8 @@ class SortedScalarCache:
             raise TypeError(f"{name} must have the dtype of qs ({dtype}), got {x.dtype}")
 
     def per_row(self, name: str, value):
-        """A finite positive float, 0-d, (H,) or (B, H) parameter (tau, radius) as a float or an
-        (R, 1) float32 tensor; errors name it and leave the cache unchanged."""
+        """Parameter `value` (tau, radius), a finite float > 0 or such a 0-d, (H,) or (B, H) floating
+        tensor, as a float or an (R, 1) float32 tensor; TypeError or ValueError naming it (`name`)."""
         B, H = self.batch, self.n_heads
         if isinstance(value, bool) or not isinstance(value, (int, float, torch.Tensor)):
             raise TypeError(f"{name} must be a float or a tensor, got {type(value).__name__}")
@@ -319,12 +319,12 @@ class SortedScalarCache:
                radius=None, eps: float | None = None, impl: str = "auto", extra=None) -> torch.Tensor:
         """One decode step: qs (B, H) scalar queries, q (B, H, Dk) vector queries (hybrid) -> (B, H, Dv).
 
-        tau: float, 0-d, (H,) or (B, H). window: k nearest entries (None: all, i.e. exact);
-        clamped to what a head holds (among equal distances the newest entries first). radius
-        (float/(H,)/(B, H)) or eps (r = sqrt(-tau log eps)): keep only entries within r (at most
-        ``window``). impl: "fast" searches the sorted index, "naive" scores every cached entry by the
-        formula and masks outside the window. extra (fast only): (logits (B, H, m), values (B, H, m, Dv))
-        of m keys held outside the cache (a local ring of recent tokens), in the same softmax."""
+        tau: float, 0-d, (H,) or (B, H). window: k nearest entries (None: all, i.e. exact); clamped to what
+        a head holds (among equal distances the newest entries first). radius (float/(H,)/(B, H)) or eps
+        (r = sqrt(-tau log eps), eps in (0, 1)): keep only entries within r (at most ``window``). impl:
+        "fast" searches the sorted index, "naive" scores every cached entry by the formula and masks
+        outside the window. extra (fast only): (logits (B, H, m), values (B, H, m, Dv)) of m keys held
+        outside the cache (a local ring of recent tokens), in the same softmax. Raises as the class says."""
         check_impl(impl)
         query = self.query(qs, tau, q, window, radius, eps)
         if extra is not None:
@@ -358,17 +358,19 @@ class SortedScalarCache:
 
     def query(self, qs: torch.Tensor, tau, q: torch.Tensor | None = None, window: int | None = 64,
               radius=None, eps: float | None = None) -> DecodeQuery:
-        """Check the arguments of `attend` (same meaning) and lay them out per row; records nothing."""
+        """Check the arguments of `attend` (same meaning and errors) and lay them out per row as a
+        `DecodeQuery` (R = B * H rows); records nothing."""
         return sorted_read.make_query(self, qs, tau, q, window, radius, eps)
 
     def select(self, query: DecodeQuery) -> tuple[torch.Tensor, torch.Tensor]:
-        """Packed candidates (C, R, k), each head's k nearest entries (within the radius, if
-        any), and their distances |qs - ks| (R, k); pads (rows with fewer entries) at inf."""
+        """The window of a `query()`: packed candidates (C, R, k), each head's k nearest entries
+        (within the radius, if any), and their distances |qs - ks| (R, k); pads at inf."""
         return sorted_read.select(self, query)
 
     def scores(self, entries: torch.Tensor, query: DecodeQuery, *, radius: bool = True,
                sink: bool = False) -> torch.Tensor:
-        """Logits (R, n) of packed entries (C, R, n): see `sorted_read.scores`."""
+        """Logits (R, n) of packed entries (C, R, n) for a `query()`, -inf beyond its radius if
+        `radius`; `sink` appends the sink's logit as column n (`sorted_read.scores`)."""
         return sorted_read.scores(self, entries, query, radius=radius, sink=sink)
 
     # ---- eviction and compression (see cache/eviction.py) ---------------------------------
@@ -377,7 +379,9 @@ class SortedScalarCache:
         return self._qhist[:, : min(self._qcount, self._qhist.shape[1])]
 
     def evict_geometric(self, radius=None, *, tau=None, eps: float | None = None, reclaim: bool = True) -> int:
-        """Evict keys outside [min recent qs - r, max recent qs + r] per head (sink zone kept)."""
+        """Evict keys outside [min recent qs - r, max recent qs + r] per head (sink zone kept), r the
+        `radius` (float, (H,) or (B, H)) or sqrt(-tau log eps) from `tau` and `eps` in (0, 1); `reclaim`:
+        free dead value slots. Returns the entries evicted; ValueError before any attend or for bad r."""
         return eviction.evict_geometric(self, radius, tau=tau, eps=eps, reclaim=reclaim)
 
     def evict_to_budget(self, budget: int) -> int:
@@ -385,7 +389,9 @@ class SortedScalarCache:
         return eviction.evict_to_budget(self, budget)
 
     def compress_density(self, max_span: float, group: int = 4, reclaim: bool = True) -> int:
-        """Merge runs of ``group`` adjacent keys spanning <= max_span into one weighted entry."""
+        """Merge aligned runs of ``group`` (>= 2) adjacent keys spanning <= max_span (>= 0) into one
+        weighted entry; `reclaim`: free dead value slots. Returns the entries removed (ValueError for
+        bad arguments; RuntimeError, the cache unchanged, when a fixed capacity has no room)."""
         return eviction.compress_density(self, max_span, group=group, reclaim=reclaim)
 
     def reclaim(self) -> int:

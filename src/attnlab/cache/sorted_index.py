@@ -89,6 +89,7 @@ class SortedKeyIndex:
 
     @property
     def weighted(self) -> bool:
+        """True once entries carry a log-weight channel (density compression)."""
         return self.channels == 3
 
     def empty(self, width: int) -> torch.Tensor:
@@ -98,9 +99,11 @@ class SortedKeyIndex:
         return data
 
     def capacity(self, level: int) -> int:
+        """Entries level `level` holds before it is merged into the next."""
         return self.buffer_size * self.level_ratio ** (level + 1)
 
     def runs(self) -> list[torch.Tensor]:
+        """The sorted runs in use, packed (C, R, width) each, level 0 first."""
         return [d for d in self.levels if d is not None]
 
     def ensure_weighted(self) -> None:

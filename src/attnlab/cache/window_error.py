@@ -32,7 +32,16 @@ __all__ = ["WindowError", "window_error", "erfc_bound"]
 
 
 def erfc_bound(radius, tau):
-    """erfc(radius / sqrt(tau)): the seed's bound on the mass outside radius (floats or tensors)."""
+    """erfc(radius / sqrt(tau)): the seed's bound on the mass outside radius (module docstring).
+
+    Args:
+        radius: the window's radius r >= 0, a float or a tensor.
+        tau: the temperature > 0, a float or a tensor broadcastable with radius.
+
+    Returns:
+        A float for floats, else a float64 tensor of the broadcast shape. Nothing is checked; a
+        negative tensor tau gives NaN, a negative float tau a ValueError from math.sqrt.
+    """
     if isinstance(radius, torch.Tensor) or isinstance(tau, torch.Tensor):
         r = torch.as_tensor(radius, dtype=torch.float64)
         return torch.special.erfc(r / torch.as_tensor(tau, dtype=torch.float64).sqrt())
@@ -41,9 +50,15 @@ def erfc_bound(radius, tau):
 
 @dataclass
 class WindowError:
-    """Per head (B, H): mass_out, the fraction of the full softmax mass outside the window;
-    radius, the distance from the query to the nearest cached key left out (inf if none);
-    bound, erfc(radius / sqrt(tau)) (meaningful for pure scalar heads, see module docstring)."""
+    """What `window_error` measures, per head.
+
+    Attributes:
+        mass_out: (B, H), the fraction of the full softmax mass outside the window.
+        radius: (B, H), the distance from the query to the nearest cached key left out (inf if
+            none).
+        bound: (B, H), erfc(radius / sqrt(tau)) (meaningful for pure scalar heads, see the module
+            docstring).
+    """
 
     mass_out: torch.Tensor
     radius: torch.Tensor
@@ -54,7 +69,25 @@ class WindowError:
 def window_error(cache, qs: torch.Tensor, tau, q: torch.Tensor | None = None, window: int | None = 64,
                  radius=None, eps: float | None = None) -> WindowError:
     """Measure the attention mass that ``cache.attend`` with these arguments leaves out.
-    Does not record the queries for eviction. O(n) per head: a diagnostic, not a decode path."""
+
+    Does not record the queries for eviction. O(n) per head: a diagnostic, not a decode path.
+
+    Args:
+        cache: the `attnlab.cache.SortedScalarCache` to measure.
+        qs: scalar queries (B, H).
+        tau: temperature: a float, 0-d, (H,) or (B, H).
+        q: vector queries (B, H, Dk) for hybrid heads; None for scalar heads.
+        window: the k nearest entries, as ``attend`` takes it; None for all.
+        radius: keep only entries within this radius (float, (H,) or (B, H)), as ``attend``.
+        eps: or the radius sqrt(-tau log eps), eps in (0, 1).
+
+    Returns:
+        A `WindowError` of (B, H) float64 tensors.
+
+    Raises:
+        TypeError: as ``cache.attend`` (its argument checks, through ``cache.query``).
+        ValueError: as ``cache.attend``.
+    """
     query = cache.query(qs, tau, q, window, radius, eps)
     cand, dist_w = cache.select(query)
     full = cache.index.all_entries()

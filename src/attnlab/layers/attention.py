@@ -39,11 +39,21 @@ def heads(x: torch.Tensor, n: int, d: int) -> torch.Tensor:
 
 @dataclass
 class LayerCache:
-    """Decode state of one layer. pos: tokens seen (the next token's position).
+    """Decode state of one layer, made by `Attention.make_cache` (whose arguments set the options).
 
-    kv: plain cache of the vector heads (k, v, and what else a mechanism keeps per key);
-    scalar: the scalar heads' cache (a KVCache of ks and values, or a SortedScalarCache);
-    state: the recurrent state of the linear family.
+    Args:
+        batch_size: B, the batch of every step.
+        pos: tokens seen (the next token's position).
+        kv: plain cache of the vector heads (k, v, and what else a mechanism keeps per key).
+        scalar: the scalar heads' cache (a KVCache of ks and values, an exact scalar cache or a
+            SortedScalarCache).
+        state: the recurrent state of the linear family.
+        window: the sorted cache's window k; None for exact decoding.
+        budget: with window, the entries per head the sorted cache keeps after each step.
+        compress: with window, the key span merged after each step (density compression).
+        max_len: the cosformer horizon M.
+        ring: the last local_window tokens of a window-trained scalar/hybrid layer.
+        exact: decode every key even where the layer was trained through a window.
     """
 
     batch_size: int
@@ -64,7 +74,16 @@ class Attention(nn.Module):
 
     A mechanism subclass sets the class attributes below and implements `attend` and
     `step_readout`, and `build`, `project` and `init_cache` where the defaults (vector q/k/v for
-    every head, a plain KV cache) do not fit."""
+    every head, a plain KV cache) do not fit.
+
+    Args:
+        config: the layer's configuration; `Attention(config)` builds the class registered for
+            ``config.mechanism``.
+
+    Raises:
+        TypeError: config is not an AttentionConfig.
+        ValueError: a subclass given a config of another mechanism.
+    """
 
     mechanism: ClassVar[str] = ""
     options: ClassVar[tuple[str, ...]] = ()  # AttentionConfig fields this mechanism reads
@@ -100,7 +119,7 @@ class Attention(nn.Module):
     @classmethod
     def configure(cls, config: AttentionConfig) -> None:
         """Fill the mechanism's derived fields of `config` and check its options (ValueError
-        naming the field). Called by AttentionConfig.__post_init__."""
+        naming the field). Called by `AttentionConfig.__post_init__`."""
 
     @classmethod
     def scalar_heads(cls, config: AttentionConfig) -> int:
@@ -118,7 +137,11 @@ class Attention(nn.Module):
         return None
 
     def build(self, c: AttentionConfig) -> None:
-        """Create the mechanism's parameters: by default q, k, v projections (and RoPE) for every head."""
+        """Create the mechanism's parameters: by default q, k, v projections (and RoPE) for every head.
+
+        Args:
+            c: the layer's config (``self.config``).
+        """
         self.build_vectors(c, c.n_heads)
 
     def project(self, x: torch.Tensor, start_pos: int = 0) -> Projected:
@@ -130,9 +153,19 @@ class Attention(nn.Module):
         return Projected(start_pos=start_pos, q=q, k=k, v=v)
 
     def attend(self, p: Projected, values=None, impl: str | None = None):
-        """Readout (B, H, T, D) of the whole sequence, and the scalar-op inputs to record (or None).
+        """Attend over the whole sequence (causal).
 
-        values: replaces every head's values (for `attention_weights`), shape (B, G, T[+1], Dv)."""
+        Args:
+            p: the per-head tensors of `project` (T tokens).
+            values: replaces every head's values (for `attention_weights`), shape (B, G, T[+1], Dv)
+                with G = `value_groups` (T + 1 with a sink); None for the projected values.
+            impl: the ops' path, ``"auto"``, ``"naive"`` or ``"fast"``; None for ``config.impl``.
+
+        Returns:
+            The readout (B, H, T, D) (Dv = the values' width when values is given), and the
+            scalar-op inputs to record (qs, ks, values, tau, q_score, k_score, n_prefix), or
+            None for mechanisms without scalar heads.
+        """
         raise NotImplementedError(f"{type(self).__name__} must define attend()")
 
     @property
@@ -141,7 +174,13 @@ class Attention(nn.Module):
         return self.n_kv
 
     def init_cache(self, cache: LayerCache, window: int | None, max_len: int | None) -> None:
-        """Set up `cache` for decoding: by default a plain KV cache of the vector heads."""
+        """Set up `cache` for decoding: by default a plain KV cache of the vector heads.
+
+        Args:
+            cache: the new LayerCache to fill (`make_cache` made it).
+            window: the sorted cache's window (scalar/hybrid heads), or None.
+            max_len: the cosformer horizon, or None.
+        """
         cache.kv = KVCache(cache.batch_size)
 
     def step_readout(self, p: Projected, cache: LayerCache) -> torch.Tensor:
@@ -169,12 +208,26 @@ class Attention(nn.Module):
         self.rope = RotaryEmbedding(self.qk_dim, c.rope_base) if c.rope else None
 
     def vectors(self, x: torch.Tensor, n_heads: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """q (B, n_heads, T, qk_dim), k (B, n_kv, T, qk_dim) and v (B, n_kv, T, head_dim), before RoPE."""
+        """The vector projections of x, before RoPE.
+
+        Args:
+            x: the layer input (B, T, C).
+            n_heads: the query heads to project (the vector-scoring heads of the layer).
+
+        Returns:
+            q (B, n_heads, T, qk_dim), k (B, n_kv, T, qk_dim) and v (B, n_kv, T, head_dim).
+        """
         d = self.qk_dim
         return heads(self.wq(x), n_heads, d), heads(self.wk(x), self.n_kv, d), heads(self.wv(x), self.n_kv, self.config.head_dim)
 
     def rotate(self, q: torch.Tensor, k: torch.Tensor, start_pos: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """RoPE on vector queries/keys at absolute positions start_pos.., when configured."""
+        """q and k rotated by RoPE at absolute positions start_pos.. (unchanged without RoPE).
+
+        Args:
+            q: queries (B, H, T, qk_dim).
+            k: keys (B, G, T, qk_dim).
+            start_pos: the absolute position of token 0, an int >= 0.
+        """
         if self.rope is None:
             return q, k
         return self.rope(q, start_pos), self.rope(k, start_pos)
@@ -198,6 +251,8 @@ class Attention(nn.Module):
 
     @staticmethod
     def check_start(start_pos) -> None:
+        """start_pos, the absolute position of a call's first token, must be an int >= 0
+        (ValueError naming it otherwise)."""
         if isinstance(start_pos, bool) or not isinstance(start_pos, int) or start_pos < 0:
             raise ValueError(f"start_pos must be an int >= 0, got {start_pos!r}")
 
@@ -228,13 +283,23 @@ class Attention(nn.Module):
         return y
 
     def attention_weights(self, x: torch.Tensor) -> torch.Tensor:
-        """The mixing weights of every head, from the naive ops: (B, H, T, T), or (B, H, T, T+1)
-        with a sink (column 0 is the sink; dot-product heads of a mixed layer put 0 there).
+        """The mixing weights of every head, from the naive ops.
 
         Every mechanism's readout is linear in v, so the weights are its output with v = I.
         Principled rows sum to 1 − w0 (the ground weight is left out). For the linear family this
         is the effective causal matrix A with o = A v: cosformer's normalised scores, GLA/SSD's
         decayed scale·q·k (not normalised). Materialises T×T (and T×T values): for small T.
+
+        Args:
+            x: the layer input (B, T, C), checked as in `forward`.
+
+        Returns:
+            (B, H, T, T), or (B, H, T, T+1) with a sink (column 0 is the sink; dot-product heads
+            of a mixed layer put 0 there), in x's dtype.
+
+        Raises:
+            TypeError: x is not a floating tensor of the layer's dtype.
+            ValueError: x is not (B, T, d_model), or holds NaN or inf.
         """
         self.check_input(x)
         p = self.project(x, 0)
@@ -247,14 +312,28 @@ class Attention(nn.Module):
 
     def make_cache(self, batch_size: int, *, window: int | None = None, max_len: int | None = None,
                    budget: int | None = None, compress: float | None = None, exact: bool = False) -> LayerCache:
-        """A decode cache for `step`. window (scalar/hybrid heads only): use the sorted scalar cache
-        attending the `window` nearest keys instead of the exact cache (None: every key).
-        budget (with window): after each step the sorted cache keeps at most `budget` keys per head
-        (`SortedScalarCache.evict_to_budget`). compress (with window): after each step the sorted
-        cache merges every aligned run of 4 keys spanning <= compress (`compress_density`).
-        max_len (cosformer): the position horizon M; default config.cosformer_max_len.
+        """A new, empty decode cache for `step` and `prefill`.
+
         A layer trained through a window (`train_window`) decodes through it when window is None;
-        exact=True decodes it over every key instead (what the window saves, or costs)."""
+        exact=True decodes it over every key instead (what the window saves, or costs).
+
+        Args:
+            batch_size: B, the batch of every step; an int >= 1.
+            window: (scalar/hybrid heads only) use the sorted scalar cache attending the `window`
+                nearest keys instead of the exact cache; None for every key.
+            max_len: (cosformer) the position horizon M; None for config.cosformer_max_len.
+            budget: (with window) after each step the sorted cache keeps at most `budget` keys per
+                head (`SortedScalarCache.evict_to_budget`); an int >= 1 or None.
+            compress: (with window) after each step the sorted cache merges every aligned run of 4
+                keys spanning <= compress (`compress_density`); a finite float >= 0 or None.
+            exact: decode a window-trained layer over every key; takes no window.
+
+        Raises:
+            ValueError: an argument out of range or not an int (a float for compress), a window
+                for a layer without scalar heads, max_len for a mechanism other than cosformer,
+                budget or compress without a window, exact that is not a bool or comes with a
+                window.
+        """
         if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1:
             raise ValueError(f"batch_size must be an int >= 1, got {batch_size!r}")
         if window is not None:
@@ -315,5 +394,6 @@ class Attention(nn.Module):
         return self.finish(o, x)  # (B, T, C)
 
     def extra_repr(self) -> str:
+        """The line `print(layer)` shows: mechanism, heads, head size, kv heads, scalar heads."""
         c = self.config
         return f"mechanism={c.mechanism}, heads={c.n_heads}, head_dim={c.head_dim}, kv_heads={self.n_kv}, scalar_heads={self.n_scalar}"

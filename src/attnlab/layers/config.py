@@ -45,99 +45,107 @@ class AttentionConfig:
     """Configuration of one attention layer; `(B, T, d_model) -> (B, T, d_model)`.
 
     Every mechanism reads the shared fields (d_model, n_heads, mechanism, head_dim, output_gate,
-    bias, impl) and the fields its class lists in `options` (`attnlab.layers.mechanism_class(name)
-    .options`); a field it does not read must keep its default, and setting it is an error. The
-    groups below say which mechanism reads what; docs/mechanisms.md has the math.
+    output_gate_scale, bias, impl) and the fields its class lists in `options`
+    (`attnlab.layers.mechanism_class(name).options`); a field it does not read must keep its
+    default, and setting it is an error. Each field below says which mechanisms read it;
+    docs/mechanisms.md has the math. Derived fields are filled in when left None.
 
-    Heads and shapes
-      d_model         width of the residual stream C.
-      n_heads         H, the number of query heads (scalar and dot-product together).
-      mechanism       a registered name: "softmax" | "scalar" | "hybrid" | "principled" | "cosformer"
-                      | "gla" | "ssd" | ... (`attnlab.layers.MECHANISMS`).
-      head_dim        D, the per-head width of q, k and v (derived: d_model // n_heads).
-      n_kv_heads      key/value heads of the dot-product heads (GQA); must divide their number
-                      (derived: all of them). The linear family needs n_kv_heads == n_heads.
-      n_scalar_heads  mechanism "scalar" only: how many of the H heads are scalar heads
-                      (derived: all). The other H - n_scalar_heads heads are standard softmax
-                      dot-product heads, and the head outputs are concatenated: the proposal's
-                      hybrid architecture.
-      n_value_groups  G, value groups read by the scalar heads (grouped value attention; head h
-                      reads group h // (H_s / G)); must divide n_scalar_heads (derived: one
-                      group per scalar head). For "hybrid", use n_kv_heads instead.
+    Args:
+        d_model: width of the residual stream C.
+        n_heads: H, the number of query heads (scalar and dot-product together).
+        mechanism: a registered name: "softmax", "scalar", "hybrid", "principled", "cosformer",
+            "gla", "ssd", "goat", "goat_hybrid", ... (`attnlab.layers.MECHANISMS`).
+        head_dim: D, the per-head width of q, k and v (derived: d_model // n_heads).
+        n_kv_heads: key/value heads of the dot-product heads (GQA); must divide their number
+            (derived: all of them). The linear family needs n_kv_heads == n_heads.
+        n_scalar_heads: mechanism "scalar" only: how many of the H heads are scalar heads
+            (derived: all). The other H - n_scalar_heads heads are standard softmax dot-product
+            heads, and the head outputs are concatenated: the proposal's hybrid architecture.
+        n_value_groups: G, value groups read by the scalar heads (grouped value attention; head h
+            reads group h // (H_s / G)); must divide n_scalar_heads (derived: one group per
+            scalar head). For "hybrid", use n_kv_heads instead.
+        scale: softmax, and the dot-product heads of "scalar": the score scaling of
+            `softmax_attention` ("sqrt_d", "ktotal", "kmean", "krms", "pnorm", "n_sqrt_d" or a
+            float > 0).
+        p: the p of scale "pnorm" (> 0).
+        rope: every mechanism but goat and goat_hybrid: rotary position embedding on vector
+            queries/keys (never on scalar ones: a scalar has no rotation).
+        rope_base: RoPE's frequency base (> 0), for rope and goat_rope.
+        tau: scalar, hybrid, goat_hybrid: the temperature form, "global" (one τ), "head" (one
+            per head) or "token" (one per head and token, from the input). Kept positive.
+        tau_init: τ at initialisation (> 1e-6).
+        tau_param: "softplus" (τ = 1e-6 + softplus(raw)) or "log" (τ = 1e-6 + exp(raw)): the
+            parameter the optimizer moves; in log space a step changes τ relatively.
+        tau_max: optional upper cap: τ = 1e-6 + (tau_max − 1e-6)·sigmoid(raw), smooth, ≤ tau_max
+            (> tau_init).
+        scalar_gain: "hybrid" only: None (default), or a learned per-head scale λ on the scalar
+            term, q·k/√d − λ(qs − ks)²/τ, starting at this value. 0.0 starts exactly at standard
+            attention with a nonzero gradient on λ (docs/retrofit.md).
+        sink: scalar, hybrid: add a learned sink: one extra key, visible to every query, with fixed scalar key
+            `sink_key` (and a zero vector key for hybrid heads) and a learned value per value
+            group.
+        sink_key: the sink's scalar key.
+        sink_weight: with sink: None (default; the sink's term in the normaliser is e^score like
+            any key's), or a learned per-head weight w on that term, w·e^score, starting at this
+            value (>= 0; the layer uses |w|). 0.0 starts with no sink mass and a nonzero gradient
+            on w (docs/retrofit.md#the-sink).
+        train_window: scalar, hybrid: None (default: exact attention), or k: every scalar/hybrid head reads only
+            each query's k nearest keys in scalar space (newest first among equal distances), the
+            sink, and the local window: what the sorted cache decodes with, in training too
+            (ops.windowed_attention, O(T·k) memory). Decoding then defaults to the sorted cache
+            with window k. Not with impl "approx" or scalar_gain.
+        local_window: with train_window: the last w keys are always read (a ring buffer in
+            decoding) and the k nearest are taken among the older keys (default 0).
+        alpha: principled (docs/mechanisms.md#principled-attention): the form of α, "constant"
+            (the alpha_init value), "layer" (one learned scalar), "head" (one per head) or
+            "query" (learned from q_i per head).
+        beta: principled: the form of β, as alpha.
+        gamma: principled: the form of γ, as alpha.
+        alpha_init: principled: α's initial value (standard attention is the limit of α, β and
+            γ at -inf; large negative values approach it).
+        beta_init: principled: β's initial value.
+        gamma_init: principled: γ's initial value.
+        v0: principled: the ground value, "zero", "layer" (one learned vector) or "head" (one
+            per head).
+        gate_dim: principled: width of the gate projections qg, kg (derived: head_dim).
+        cosformer_normalize: cosformer: keep cosFormer's normaliser (True) or drop it.
+        cosformer_max_len: cosformer: the horizon M of the cos reweighting cos(π(i−j)/2M); None:
+            M = T of each forward call (the original choice); decoding then needs
+            `make_cache(..., max_len=M)` and equals forward on sequences of length M.
+        gla_rank: gla: rank of the low-rank decay gate.
+        gla_normalizer: gla: divides the gate's log-sigmoid (> 0).
+        goat_rank: goat and goat_hybrid (as the next four): R, frequencies of the
+            relative-position Fourier prior.
+        goat_abs_rank: M, absolute Fourier features of the key-only term's network.
+        goat_base: base of both frequency ladders, w_r = base^(−r/(R−1)).
+        goat_train_len: positions are normalised by this length in the key-only term (a model
+            sets it to its max_seq_len), so a layer's output never depends on T.
+        goat_width: "shared" (default), the content q·k uses head_dim − 2R − 1 dims and the
+            prior the rest; "extra", q·k keeps all head_dim dims and the prior is appended (as a
+            retrofit of a pretrained head needs; goat_hybrid too, its scalar term's two columns
+            appended as well). goat_hybrid also reads the scalar options above, but no sink.
+        goat_prior_init: goat: "alibi" (default: the authors' init, ALiBi recency slopes) or
+            "zero": the log-prior starts at exactly 0 (zero spectral weights, network output and
+            bump; a linear slope from 0), every piece with a nonzero gradient.
+        goat_rope: goat: RoPE on GOAT's q and k (with rope_base; default off: the prior carries
+            position); a retrofit of a RoPE model turns it on.
+        output_gate: None, "elementwise" or "headwise": a post-readout sigmoid gate from the layer
+            input, zero-initialised weights (starts at sigmoid(0) = 0.5), applied before the
+            output projection. "prenorm" (cosformer only): the gate on the numerator over a
+            per-head gate on the normaliser, σ(g) / σ(g').
+        output_gate_scale: c in the gate c·σ(x W_g) (elementwise, headwise; default 1). With
+            c = 2 the gate starts at exactly 1, the identity (docs/retrofit.md).
+        bias: biases in the q/k/v/output projections.
+        impl: the ops' "auto", "naive" or "fast"; "approx" (mechanism "scalar" only): the scalar
+            heads run `attnlab.ops.scalar_attention_approx`
+            (docs/mechanisms.md#approximate-scalar-attention), dot-product heads and decoding
+            stay exact.
 
-    Dot-product options
-      scale, p        the score scaling of `softmax_attention` ("sqrt_d", "ktotal", "kmean",
-                      "krms", "pnorm", "n_sqrt_d" or a float) and the p of "pnorm".
-      rope            rotary position embedding on vector queries/keys (never on scalar
-                      ones: a scalar has no rotation). rope_base is its frequency base.
-
-    Scalar / hybrid options
-      tau             temperature form: "global" (one τ), "head" (one per head) or "token"
-                      (one per head and token, from the input). Kept positive by softplus.
-      tau_init        τ at initialisation (> 0).
-      tau_param       "softplus" (τ = 1e-6 + softplus(raw)) or "log" (τ = 1e-6 + exp(raw)): the
-                      parameter the optimizer moves; in log space a step changes τ relatively.
-      tau_max         optional upper cap: τ = 1e-6 + (tau_max − 1e-6)·sigmoid(raw), smooth, ≤ tau_max.
-      scalar_gain     "hybrid" only: None (default), or a learned per-head scale λ on the scalar
-                      term, q·k/√d − λ(qs − ks)²/τ, starting at this value. 0.0 starts exactly at
-                      standard attention with a nonzero gradient on λ (docs/retrofit.md).
-      sink            add a learned sink: one extra key, visible to every query, with fixed
-                      scalar key `sink_key` (and a zero vector key for hybrid heads) and a learned
-                      value per value group.
-      sink_weight     with sink: None (default; the sink's term in the normaliser is e^score like
-                      any key's), or a learned per-head weight w on that term, w·e^score, starting
-                      at this value (>= 0; the layer uses |w|). 0.0 starts with no sink mass and a
-                      nonzero gradient on w (docs/retrofit.md#the-sink).
-      train_window    None (default: exact attention), or k: every scalar/hybrid head reads only
-                      each query's k nearest keys in scalar space (newest first among equal
-                      distances), the sink, and the local window: what the sorted cache decodes
-                      with, in training too (ops.windowed_attention, O(T·k) memory). Decoding
-                      then defaults to the sorted cache with window k.
-      local_window    with train_window: the last w keys are always read (a ring buffer in
-                      decoding) and the k nearest are taken among the older keys (default 0).
-
-    Principled options (docs/mechanisms.md#principled-attention)
-      alpha, beta, gamma   form of each: "constant" (the *_init value), "layer" (one learned
-                      scalar), "head" (one per head) or "query" (learned from q_i per head).
-      alpha_init, beta_init, gamma_init   their initial values (standard attention is the
-                      limit of all three at -inf; large negative values approach it).
-      v0              ground value: "zero", "layer" (one learned vector) or "head" (one per head).
-      gate_dim        width of the gate projections qg, kg (derived: head_dim).
-
-    Linear family
-      cosformer_normalize  keep cosFormer's normaliser (True) or drop it.
-      cosformer_max_len    the horizon M of the cos reweighting cos(π(i−j)/2M); None: M = T of
-                      each forward call (the original choice); decoding then needs
-                      `make_cache(..., max_len=M)` and equals forward on sequences of length M.
-      gla_rank        rank of GLA's low-rank decay gate; gla_normalizer divides its log-sigmoid.
-
-    GOAT ("goat", and "goat_hybrid" with the scalar options above but no sink)
-      goat_rank       R, frequencies of the relative-position Fourier prior (> 0).
-      goat_abs_rank   M, absolute Fourier features of the key-only term's network (> 0).
-      goat_base       base of both frequency ladders, w_r = base^(−r/(R−1)).
-      goat_train_len  positions are normalised by this length in the key-only term (a model sets
-                      it to its max_seq_len), so a layer's output never depends on T.
-      goat_width      "shared" (default): the content q·k uses head_dim − 2R − 1 dims and the prior
-                      the rest; "extra": q·k keeps all head_dim dims and the prior is appended
-                      (as a retrofit of a pretrained head needs; goat_hybrid
-                      too, its scalar term's two columns appended as well).
-      goat_prior_init "alibi" (default: the authors' init, ALiBi recency slopes) or "zero": the
-                      log-prior starts at exactly 0 (zero spectral weights, network output and
-                      bump; a linear slope from 0), every piece with a nonzero gradient.
-      goat_rope       RoPE on GOAT's q and k (with rope_base; default off: the prior carries
-                      position); a retrofit of a RoPE model turns it on.
-
-    Everything
-      output_gate     None | "elementwise" | "headwise": post-readout sigmoid gate from the layer
-                      input, zero-initialised weights (starts at sigmoid(0) = 0.5), applied
-                      before the output projection. "prenorm" (cosformer only): the gate on
-                      the numerator over a per-head gate on the normaliser, σ(g) / σ(g').
-      output_gate_scale  c in the gate c·σ(x W_g) (elementwise, headwise; default 1). With c = 2
-                      the gate starts at exactly 1, the identity (docs/retrofit.md).
-      bias            biases in the q/k/v/output projections.
-      impl            the ops' "auto" | "naive" | "fast"; "approx" (mechanism "scalar" only): the
-                      scalar heads run `attnlab.ops.scalar_attention_approx` (docs/mechanisms.md#
-                      approximate-scalar-attention), dot-product heads and decoding stay exact.
+    Raises:
+        ValueError: any bad value, naming the field (`AttentionConfig.<field>`), what it got and
+            what it needs: a value that does not fit its type (a bool for an int, NaN), a number
+            out of range, an unknown choice, a field the mechanism does not read set away from
+            its default, or sizes that do not divide.
     """
 
     d_model: int
@@ -210,10 +218,14 @@ class AttentionConfig:
         return _err(field, got, need)
 
     def require_int(self, field: str, lo: int = 1) -> int:
+        """The value of `field`, checked to be an int >= lo (ValueError naming the field otherwise);
+        for a mechanism's `configure`."""
         _int(field, getattr(self, field), lo)
         return getattr(self, field)
 
     def require_positive(self, field: str) -> float:
+        """The value of `field`, checked to be a number > 0 (ValueError naming the field otherwise);
+        for a mechanism's `configure`."""
         _pos(field, getattr(self, field))
         return getattr(self, field)
 

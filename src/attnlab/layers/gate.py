@@ -23,6 +23,21 @@ from torch import nn
 
 
 class OutputGate(nn.Module):
+    """The post-readout sigmoid gate c·σ(x W_g) of one layer (module docstring), W_g zero-initialised.
+
+    Args:
+        mode: "elementwise" (one gate per head and channel), "headwise" (one per head) or
+            "prenorm" (cosFormer's numerator gate over a per-head normaliser gate).
+        d_model: C, the width of the layer input the gate reads.
+        n_heads: H.
+        d_v: the width Dv of each head's readout.
+        scale: c > 0, finite; 1.0 for "prenorm" (it starts at 1 already).
+
+    Raises:
+        ValueError: an unknown mode, or a scale that is not a finite number > 0 (or not 1.0
+            with "prenorm").
+    """
+
     def __init__(self, mode: str, d_model: int, n_heads: int, d_v: int, scale: float = 1.0):
         super().__init__()
         if mode not in ("elementwise", "headwise", "prenorm"):

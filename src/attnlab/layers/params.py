@@ -34,6 +34,17 @@ class Temperature(nn.Module):
     above τ ≈ 1, where a step moves τ by lr, not by lr·τ; the capped sigmoid form behaves like the
     log form well below the cap. The per-token form is raw = x·W + b per head with W zero-initialised, so
     every token starts at tau_init and learns its own bandwidth from there.
+
+    Args:
+        mode: "global" (one τ), "head" (one per head) or "token" (per head and token, from x).
+        n_heads: H.
+        d_model: C, the width of the input x (read by the token form).
+        init: τ at initialisation, in (1e-6, tau_max).
+        tau_max: an optional cap on τ; None for none.
+        param: "softplus" or "log", the parametrisation of raw (without a cap).
+
+    Raises:
+        ValueError: an unknown mode or param, or init outside (1e-6, tau_max).
     """
 
     def __init__(self, mode: str, n_heads: int, d_model: int, init: float, tau_max: float | None = None,
@@ -59,6 +70,8 @@ class Temperature(nn.Module):
             self.raw = nn.Parameter(torch.full((1 if mode == "global" else n_heads,), raw0))
 
     def squash(self, raw: torch.Tensor) -> torch.Tensor:
+        """τ from the raw parameter (any shape, the same out): floor + softplus(raw) or floor +
+        exp(raw) (raw clamped at 80), or with a cap floor + (tau_max − floor)·sigmoid(raw)."""
         if self.tau_max is None:
             # exp saturates at raw = 80 (τ ≈ 5.5e34, finite in float32) rather than overflowing to inf
             return (raw.clamp(max=80.0).exp() if self.param == "log" else F.softplus(raw)) + TAU_FLOOR
@@ -77,6 +90,15 @@ class HeadParam(nn.Module):
     constant: the fixed float `init`; layer: one learned scalar; head: one learned scalar per head;
     query: learned from the (un-rotated) query, value_h(t) = q_{h,t}·w_h + b_h with w zero-initialised
     and b = init, so every form starts at `init`.
+
+    Args:
+        form: "constant", "layer", "head" or "query".
+        n_heads: H.
+        head_dim: D, the width of the queries the "query" form reads.
+        init: the initial (for "constant", the fixed) value.
+
+    Raises:
+        ValueError: an unknown form.
     """
 
     def __init__(self, form: str, n_heads: int, head_dim: int, init: float):
@@ -107,6 +129,14 @@ class GroundValue(nn.Module):
     """Principled attention's ground value v0: zero (None), one learned vector per layer, or per head.
 
     Learned forms start at zero, i.e. exactly the "zero" form.
+
+    Args:
+        form: "zero", "layer" or "head".
+        n_heads: H (read by the "head" form).
+        d_v: Dv, the width of the values.
+
+    Raises:
+        ValueError: an unknown form.
     """
 
     def __init__(self, form: str, n_heads: int, d_v: int):
@@ -120,4 +150,5 @@ class GroundValue(nn.Module):
             self.value = nn.Parameter(torch.zeros(n_heads, d_v))  # (H, Dv)
 
     def forward(self) -> torch.Tensor | None:
+        """v0: None for the "zero" form, else the parameter, (Dv,) per layer or (H, Dv) per head."""
         return None if self.form == "zero" else self.value

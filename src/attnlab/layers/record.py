@@ -12,15 +12,26 @@ import torch
 class Projected:
     """Per-head tensors of one call of `Attention.project(x, start_pos)`; T is x's length.
 
-    q, k, v       vector heads: q (B, H_d, T, D), k and v (B, G_kv, T, D), RoPE applied if on.
-                  H_d counts the dot-product heads (all heads for hybrid/principled/linear family).
-    qs, ks        scalar queries/keys (B, H_s, T): the scalar heads, or every hybrid head.
-    vs            values of the scalar heads, (B, G, T, D) (mechanism "scalar" only).
-    tau           temperature of the scalar heads: (H_s,) or (B, H_s, T).
-    qg, kg        principled gate vectors (B, H, T, Dg) and (B, G_kv, T, Dg).
-    alpha, beta, gamma   principled parameters: a float, (H,) or (B, H, T).
-    v0            principled ground value: None, (D,) or (H, D).
-    log_decay     gla (B, H, T, D) or ssd (B, H, T), <= 0 (ssd's k already carries its step size).
+    H_d counts the dot-product heads (all heads for hybrid, principled and the linear family), H_s
+    the scalar heads (every head for hybrid). A field a mechanism does not use stays None.
+
+    Args:
+        start_pos: the absolute position of token 0.
+        q: vector queries (B, H_d, T, D), RoPE applied if on.
+        k: vector keys (B, G_kv, T, D), RoPE applied if on.
+        v: values of the vector heads (B, G_kv, T, D).
+        qs: scalar queries (B, H_s, T).
+        ks: scalar keys (B, H_s, T).
+        vs: values of the scalar heads (B, G, T, D) (mechanism "scalar" only).
+        tau: temperature of the scalar heads, (H_s,) or (B, H_s, T).
+        qg: principled gate queries (B, H, T, Dg).
+        kg: principled gate keys (B, G_kv, T, Dg).
+        alpha: principled α: a float, (H,) or (B, H, T).
+        beta: principled β, in the same forms.
+        gamma: principled γ, in the same forms.
+        v0: principled ground value: None, (D,) or (H, D).
+        log_decay: gla (B, H, T, D) or ssd (B, H, T), <= 0 (ssd's k already carries its step
+            size).
     """
 
     start_pos: int
@@ -44,11 +55,23 @@ class Projected:
 class AttentionRecord:
     """What one `forward(x, record=True)` leaves in `layer.last`, with the autograd graph.
 
-    qs, ks, tau, q_score, k_score are exactly what the scalar/hybrid op received: with a sink they
-    carry one extra leading position (the sink key, and an extra leading query whose output is
-    dropped), counted by n_prefix. q_score/k_score are set for hybrid-score heads only. These are
-    the inputs of `attnlab.regularizers`. `heads` holds every per-head tensor without the sink,
-    `gate` the output-gate values (B, H, T, D or 1), `readout` the attention output before the gate.
+    qs, ks, tau, q_score, k_score are exactly what the scalar/hybrid op received, the inputs of
+    `attnlab.regularizers`: with a sink they carry one extra leading position (the sink key, and an
+    extra leading query whose output is dropped), counted by n_prefix.
+
+    Args:
+        mechanism: the layer's mechanism name.
+        heads: every per-head tensor of the call (`Projected`), without the sink.
+        readout: the attention output before the gate, (B, H, T, D).
+        gate: the output-gate values (B, H, T, D or 1); None without a gate.
+        qs: scalar queries the op received (B, H_s, n_prefix + T).
+        ks: scalar keys the op received (B, H_s, n_prefix + T).
+        tau: the temperature the op received, (H_s,) or per query (B, H_s, n_prefix + T).
+        q_score: the vector queries the op received, for hybrid-score heads only (else None).
+        k_score: the vector keys the op received, for hybrid-score heads only (else None).
+        n_prefix: the leading positions added for the sink (0 or 1).
+        causal: the op's causal flag (always True for a layer).
+        impl: the op path in use (config.impl).
     """
 
     mechanism: str

@@ -11,7 +11,15 @@ from torch import nn
 
 
 class RotaryEmbedding(nn.Module):
-    """Rotates (B, H, T, D) tensors by their absolute positions start_pos .. start_pos+T-1."""
+    """Rotates (B, H, T, D) tensors by their absolute positions start_pos .. start_pos+T-1.
+
+    Args:
+        head_dim: D, the width of the rotated vectors; even (pairs (x_i, x_{i+D/2}) rotate).
+        base: the frequency base (angles pos·base^(-2i/D)).
+
+    Raises:
+        ValueError: head_dim is odd.
+    """
 
     def __init__(self, head_dim: int, base: float = 10000.0):
         super().__init__()
@@ -38,6 +46,18 @@ class RotaryEmbedding(nn.Module):
         return ang.cos(), ang.sin()
 
     def forward(self, x: torch.Tensor, start_pos: int = 0) -> torch.Tensor:
+        """Rotate x.
+
+        Args:
+            x: queries or keys (B, H, T, D), D = head_dim.
+            start_pos: the absolute position of x's token 0.
+
+        Returns:
+            The rotated tensor (B, H, T, D), in x's dtype (angles computed in float64).
+
+        Raises:
+            ValueError: x is not (B, H, T, head_dim).
+        """
         if x.dim() != 4 or x.shape[-1] != self.head_dim:
             raise ValueError(f"x must be (B, H, T, {self.head_dim}), got shape {tuple(x.shape)}")
         cos, sin = self.angles(start_pos, x.shape[2], x.device)

@@ -40,9 +40,14 @@ from ._sdpa import upcast
 class CosformerState(NamedTuple):
     """State of cosformer_attention after ``offset`` positions.
 
-    kv: (B, H, F, Dv), sum of phi(k_j) v_j^T; k_sum: (B, H, F), sum of phi(k_j) (the normaliser);
-    F = 2 Dk with reweighting (cos channels then sin channels), Dk without.
-    offset: position of the next token; max_len: the horizon M (None without reweighting).
+    F = 2 Dk with reweighting (cos channels then sin channels), Dk without. kv and k_sum are in the
+    compute dtype (float32 for 16-bit inputs).
+
+    Attributes:
+        kv: (B, H, F, Dv), the sum of phi(k_j) v_j^T.
+        k_sum: (B, H, F), the sum of phi(k_j) (the normaliser).
+        offset: the position of the next token.
+        max_len: the horizon M; None without reweighting.
     """
 
     kv: torch.Tensor
@@ -150,11 +155,33 @@ def cosformer_attention(
 ) -> tuple[torch.Tensor, CosformerState]:
     """cosFormer attention (see the module docstring for the formula).
 
-    q, k: (B, H, T, Dk) before the ReLU feature map; v: (B, H, T, Dv).
-    max_len: the position horizon M (default: the state's, else offset + T);
-    normalize: divide by the cosFormer normaliser (+ eps); reweight: apply the cos reweighting;
-    initial_state: a CosformerState from an earlier call (positions continue from its offset).
-    Returns o (B, H, T, Dv) and the CosformerState after the last position.
+    Args:
+        q: queries (B, H, T, Dk), before the ReLU feature map.
+        k: keys (B, H, T, Dk), before the ReLU feature map.
+        v: values (B, H, T, Dv).
+        causal: position i reads keys j <= i (a chunked scan); False reads every key (global
+            sums, the bidirectional cosFormer).
+        max_len: the position horizon M, an int >= offset + T; None for the state's, else
+            offset + T. Ignored without reweighting.
+        normalize: divide by the cosFormer normaliser (+ eps).
+        reweight: apply the cos reweighting (False: plain ReLU linear attention).
+        eps: added to the normaliser, > 0 (read only with normalize).
+        initial_state: a CosformerState from an earlier call, whose positions this call
+            continues from its offset; None starts at position 0 with a zero state.
+        impl: ``"naive"`` loops over positions; ``"fast"`` and ``"auto"`` run the chunked form
+            (causal) or global sums (non-causal).
+        chunk_size: positions per chunk of the chunked form, an int >= 1.
+
+    Returns:
+        o (B, H, T, Dv) in q's dtype, and the CosformerState after the last position.
+
+    Raises:
+        TypeError: q, k or v is not a tensor, not floating or not of q's dtype; causal is not a
+            bool; initial_state is not a CosformerState (or its tensors not in the compute dtype).
+        ValueError: shapes that do not fit (q and k one shape, v's (B, H, T), the state's sizes),
+            another device, NaN or inf in any input or in the state, eps <= 0, a chunk_size or
+            max_len that is not a positive int, a max_len that disagrees with the state's or is
+            below offset + T, a state without horizon under reweighting, or an unknown impl.
     """
     check_impl(impl)
     if not isinstance(causal, bool):
@@ -200,8 +227,25 @@ def cosformer_step(
 ) -> tuple[torch.Tensor, CosformerState]:
     """One causal decode step of cosformer_attention at position state.offset (0 without a state).
 
-    q_t, k_t: (B, H, Dk); v_t: (B, H, Dv); state: a CosformerState or None, in which case
-    max_len is required when reweight=True. Returns o_t (B, H, Dv) and the new state.
+    Args:
+        q_t: the token's query (B, H, Dk).
+        k_t: its key (B, H, Dk).
+        v_t: its value (B, H, Dv).
+        state: the CosformerState so far; None for the first token.
+        max_len: the horizon M; required with reweighting when state is None, else the state's
+            (a given value must agree with it).
+        normalize: divide by the cosFormer normaliser (+ eps), as `cosformer_attention`.
+        reweight: apply the cos reweighting, as `cosformer_attention`.
+        eps: added to the normaliser, > 0 (read only with normalize).
+
+    Returns:
+        o_t (B, H, Dv) in q_t's dtype, and the new CosformerState (offset + 1).
+
+    Raises:
+        TypeError: q_t, k_t or v_t is not a tensor, not floating or not of q_t's dtype; state is
+            not a CosformerState (or its tensors not in the compute dtype).
+        ValueError: shapes that do not fit, another device, NaN or inf, eps <= 0, a missing,
+            disagreeing or too small max_len, or a state without horizon under reweighting.
     """
     B, H, Dk, Dv = check_qkv_step(q_t, k_t, v_t)
     if normalize:

@@ -106,10 +106,30 @@ def gla_attention(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Gated linear attention: S_t = diag(exp(log_decay_t)) S_{t-1} + k_t v_t^T, o_t = (scale q_t)^T S_t.
 
-    q, k: (B, H, T, Dk); v: (B, H, T, Dv); log_decay: (B, H, T, Dk), finite and <= 0;
-    scale: default 1/sqrt(Dk); initial_state: (B, H, Dk, Dv) or None (zeros).
-    Returns o (B, H, T, Dv) and the final state (B, H, Dk, Dv), which ``gla_step`` or a
-    later call (as initial_state) continues from.
+    Args:
+        q: queries (B, H, T, Dk).
+        k: keys (B, H, T, Dk).
+        v: values (B, H, T, Dv).
+        log_decay: the log of each key channel's decay (B, H, T, Dk), finite and <= 0.
+        scale: a float > 0 multiplying q; None for 1/sqrt(Dk).
+        initial_state: the state (B, H, Dk, Dv) to start from, in the compute dtype (float32 for
+            16-bit inputs); None for zeros.
+        causal: must be True (a recurrence in time has no non-causal form).
+        impl: ``"naive"`` applies the recurrence step by step; ``"fast"`` and ``"auto"`` run the
+            chunked form (the compiled kernel on the CPU when it can be built).
+        chunk_size: steps per chunk of the chunked form, an int >= 1 (a multiple of 16 is the
+            efficient choice).
+
+    Returns:
+        o (B, H, T, Dv) in q's dtype, and the final state (B, H, Dk, Dv) in the compute dtype,
+        which ``gla_step`` or a later call (as initial_state) continues from.
+
+    Raises:
+        TypeError: q, k, v or log_decay is not a tensor, not floating or not of q's dtype; scale
+            is not a float; initial_state is not in the compute dtype.
+        ValueError: shapes that do not fit, another device, NaN or inf in any input, log_decay
+            > 0, scale <= 0, causal=False, a chunk_size that is not a positive int, or an
+            unknown impl.
     """
     return _run(q, k, v, log_decay, scale, initial_state, causal, impl, chunk_size, True, "gla_attention")
 
@@ -128,9 +148,27 @@ def ssd_attention(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Mamba-2 SSD readout: the GLA recurrence with one decay per head and step.
 
-    q (= C), k (= B): (B, H, T, Dk); v (= x): (B, H, T, Dv); log_decay: (B, H, T), finite and
-    <= 0; scale: default 1/sqrt(Dk) (1.0 for the plain Mamba-2 readout);
-    initial_state: (B, H, Dk, Dv) or None. Returns o (B, H, T, Dv) and the final state.
+    Args:
+        q: queries, Mamba-2's C (B, H, T, Dk).
+        k: keys, Mamba-2's B with the step size folded in (B, H, T, Dk).
+        v: values, Mamba-2's x (B, H, T, Dv).
+        log_decay: the log of each head's decay per step (B, H, T), finite and <= 0.
+        scale: a float > 0 multiplying q; None for 1/sqrt(Dk) (1.0 gives the plain Mamba-2
+            readout).
+        initial_state: the state (B, H, Dk, Dv) to start from, in the compute dtype; None for
+            zeros.
+        causal: must be True (a recurrence in time has no non-causal form).
+        impl: ``"naive"`` applies the recurrence step by step; ``"fast"`` and ``"auto"`` run the
+            chunked (segment-sum) form.
+        chunk_size: steps per chunk of the chunked form, an int >= 1.
+
+    Returns:
+        o (B, H, T, Dv) in q's dtype, and the final state (B, H, Dk, Dv), which ``ssd_step`` or
+        a later call continues from.
+
+    Raises:
+        TypeError: as `gla_attention`.
+        ValueError: as `gla_attention`, with log_decay of shape (B, H, T).
     """
     return _run(q, k, v, log_decay, scale, initial_state, causal, impl, chunk_size, False, "ssd_attention")
 
@@ -184,8 +222,25 @@ def gla_step(
     *,
     scale: float | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """One decode step of gla_attention. q_t, k_t: (B, H, Dk); v_t: (B, H, Dv);
-    log_decay_t: (B, H, Dk); state: (B, H, Dk, Dv) or None. Returns o_t (B, H, Dv) and the new state."""
+    """One decode step of gla_attention.
+
+    Args:
+        q_t: the token's query (B, H, Dk).
+        k_t: its key (B, H, Dk).
+        v_t: its value (B, H, Dv).
+        log_decay_t: its log decay per key channel (B, H, Dk), finite and <= 0.
+        state: the state so far (B, H, Dk, Dv), in the compute dtype; None for zeros.
+        scale: a float > 0 multiplying q_t; None for 1/sqrt(Dk).
+
+    Returns:
+        o_t (B, H, Dv) in q_t's dtype, and the new state (B, H, Dk, Dv).
+
+    Raises:
+        TypeError: a tensor argument that is not a tensor, not floating or not of q_t's dtype (the
+            state: not in the compute dtype); scale is not a float.
+        ValueError: shapes that do not fit, another device, NaN or inf, log_decay_t > 0, or
+            scale <= 0.
+    """
     return _step_public(q_t, k_t, v_t, log_decay_t, state, scale, True)
 
 
@@ -198,6 +253,22 @@ def ssd_step(
     *,
     scale: float | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """One decode step of ssd_attention. q_t, k_t: (B, H, Dk); v_t: (B, H, Dv);
-    log_decay_t: (B, H); state: (B, H, Dk, Dv) or None. Returns o_t (B, H, Dv) and the new state."""
+    """One decode step of ssd_attention.
+
+    Args:
+        q_t: the token's query (B, H, Dk).
+        k_t: its key (B, H, Dk).
+        v_t: its value (B, H, Dv).
+        log_decay_t: each head's log decay at this step (B, H), finite and <= 0.
+        state: the state so far (B, H, Dk, Dv), in the compute dtype; None for zeros.
+        scale: a float > 0 multiplying q_t; None for 1/sqrt(Dk) (1.0 for the plain Mamba-2
+            readout).
+
+    Returns:
+        o_t (B, H, Dv) in q_t's dtype, and the new state (B, H, Dk, Dv).
+
+    Raises:
+        TypeError: as `gla_step`.
+        ValueError: as `gla_step`, with log_decay_t of shape (B, H).
+    """
     return _step_public(q_t, k_t, v_t, log_decay_t, state, scale, False)

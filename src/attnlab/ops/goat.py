@@ -62,8 +62,22 @@ def _phases(freqs: torch.Tensor, start: int, n: int, dtype) -> tuple[torch.Tenso
 
 
 def goat_prior(freqs, lam_sym, lam_asym, u, Tq: int, causal: bool = True) -> torch.Tensor:
-    """The log-prior log pi as a (B|1, G, Tq, Tk) tensor, -inf where key j is hidden from query i
-    (queries at the last Tq positions). Materialises Tq x Tk: the naive path and analysis."""
+    """The log-prior log pi as a (B|1, G, Tq, Tk) tensor, -inf where key j is hidden from query i.
+
+    Materialises Tq x Tk: the naive path and analysis. It does not check its arguments;
+    `goat_attention` checks the same ones before calling it.
+
+    Args:
+        freqs: the prior's frequencies w_r (R,).
+        lam_sym: the symmetric (cosine) spectral weights a (G, R), one row per key group.
+        lam_asym: the antisymmetric (sine) spectral weights b (G, R).
+        u: the key-only term (B or 1, G, Tk); its last dimension sets Tk.
+        Tq: the number of queries, the last Tq of the Tk positions.
+        causal: -inf where key j comes after query i.
+
+    Returns:
+        (B or 1, G, Tq, Tk), in u's dtype (float32 for 16-bit u).
+    """
     Tk = u.shape[-1]
     dt = upcast(u.dtype)
     rel = torch.arange(Tk - Tq, Tk, device=u.device, dtype=torch.float64)[:, None] - torch.arange(Tk, device=u.device, dtype=torch.float64)
@@ -80,15 +94,33 @@ def goat_attention(
 ) -> torch.Tensor:
     """GOAT attention o_i = sum_j softmax_j(q_i . k_j / sqrt(d) + log pi_ij [- (qs_i - ks_j)^2 / tau_i]) v_j.
 
-    q (B, H, Tq, D); k (B, G, Tk, D) and v (B, G', Tk, Dv) with G, G' dividing H (head h reads group
-    h // (H / G)); freqs (R,) the prior's frequencies; lam_sym, lam_asym (G, R) its spectral weights
-    per key group; u (B or 1, G, Tk) the key-only term. With qs (B, H, Tq), ks (B, H, Tk) and tau
-    (float, (H,) or (B, H, Tq)) the hybrid scalar term is added. Under causal masking Tq <= Tk and
-    the queries are the last Tq positions. Returns (B, H, Tq, Dv) in v's dtype; gradients reach
-    q, k, v, lam_sym, lam_asym, u (and qs, ks, a tensor tau).
+    Gradients reach q, k, v, lam_sym, lam_asym, u (and qs, ks, a tensor tau).
 
-    impl: "naive" adds the explicit (Tq, Tk) prior to the scores; "fast"/"auto" is one fused SDPA
-    call on the augmented vectors of the module docstring.
+    Args:
+        q: queries (B, H, Tq, D).
+        k: keys (B, G, Tk, D), G dividing H (head h reads group h // (H / G)).
+        v: values (B, G', Tk, Dv), G' dividing H.
+        freqs: the prior's frequencies w_r (R,).
+        lam_sym: the symmetric (cosine) spectral weights (G, R), one row per key group.
+        lam_asym: the antisymmetric (sine) spectral weights (G, R).
+        u: the key-only term (B or 1, G, Tk).
+        qs: scalar queries (B, H, Tq) of the hybrid term; qs, ks and tau go together, or all None.
+        ks: scalar keys (B, H, Tk) of the hybrid term.
+        tau: the hybrid term's temperature > 0: a float, (H,) or (B, H, Tq).
+        causal: hide the keys after each query; the queries are the last Tq positions, so causal
+            masking needs Tq <= Tk.
+        impl: ``"naive"`` adds the explicit (Tq, Tk) prior to the scores; ``"fast"`` and ``"auto"``
+            run one fused SDPA call on the augmented vectors of the module docstring.
+
+    Returns:
+        (B, H, Tq, Dv) in v's dtype.
+
+    Raises:
+        TypeError: a tensor argument that is not a tensor or not floating (q, k, v, qs, ks: not
+            of q's dtype); tau neither a float nor a tensor; causal is not a bool.
+        ValueError: shapes that do not fit (batch, groups, lengths, (G, R) weights, u, qs and
+            ks), another device, NaN or inf in any input, tau <= 0, only some of qs, ks and tau
+            given, or an unknown impl.
     """
     check_impl(impl)
     check_causal(causal)

@@ -302,17 +302,37 @@ def principled_attention(
     """Principled attention: semantic scores s = q.k/sqrt(d), suppress-only gates from qg.kg,
     a ground state v0 with relevance threshold gamma, and log K margin amplification.
 
-    q (B, H, Tq, D), k (B, G, Tk, D), qg (B, H, Tq, Dg), kg (B, Gg, Tk, Dg), v (B, Gv, Tk, Dv);
-    each of G, Gg, Gv divides H (grouped heads: head h reads group h // (H / G)).
-    alpha, beta, gamma: float, (H,) or per query (B, H, Tq). v0: (Dv,), (H, Dv) or None (zeros).
-    Under causal masking query t sees keys 0 .. t + Tk - Tq (Tq <= Tk) and K = t + 1 + Tk - Tq.
-    Returns o (B, H, Tq, Dv), and w0 (B, H, Tq) too when return_ground. As alpha, beta, gamma
-    -> -inf this is standard scaled softmax attention. impl "fast" (= "auto") tiles queries
-    and keys in block_q x block_k blocks and never builds a Tq x Tk matrix; "naive" does.
-    On the CPU "fast" is the fused compiled kernel (default tiles 128 x 128) when it is available;
-    the PyTorch fallback defaults to block_k = 256 and a block_q sized so a tile holds about 2M
-    scores over all heads.
-    Low-precision inputs (fp16, bf16) are computed in float32 and the outputs cast back.
+    As alpha, beta, gamma -> -inf this is standard scaled softmax attention. Low-precision inputs
+    (fp16, bf16) are computed in float32 and the outputs cast back.
+
+    Args:
+        q: queries (B, H, Tq, D).
+        k: keys (B, G, Tk, D); each of G, Gg, Gv divides H (head h reads group h // (H / G)).
+        qg: gate queries (B, H, Tq, Dg).
+        kg: gate keys (B, Gg, Tk, Dg).
+        v: values (B, Gv, Tk, Dv).
+        alpha: the margin amplification's parameter: a float, (H,) or per query (B, H, Tq).
+        beta: the gate's strength, in the same forms.
+        gamma: the relevance threshold, in the same forms.
+        v0: the ground value (Dv,) or (H, Dv), of v's dtype; None for zeros.
+        causal: query t sees keys 0 .. t + Tk - Tq (needs Tq <= Tk) and K = t + 1 + Tk - Tq.
+        impl: ``"fast"`` (= ``"auto"``) tiles queries and keys in block_q x block_k blocks and
+            never builds a Tq x Tk matrix (on the CPU the fused compiled kernel when it is
+            available); ``"naive"`` does.
+        return_ground: also return the ground weight w0.
+        block_q: queries per tile, an int >= 1; None for the default (128 in the compiled
+            kernel; in the PyTorch fallback a size that holds about 2M scores over all heads).
+        block_k: keys per tile, an int >= 1; None for 128 (compiled kernel) or 256 (fallback).
+
+    Returns:
+        o (B, H, Tq, Dv) in q's dtype; with return_ground, (o, w0) with w0 (B, H, Tq).
+
+    Raises:
+        TypeError: a tensor argument that is not a tensor, not floating or not of q's dtype (v0:
+            of v's); alpha, beta or gamma neither a float nor a floating tensor; causal not a bool.
+        ValueError: shapes that do not fit (batch, heads, lengths, D, Dg, groups, v0, the
+            parameters' forms, Tq > Tk under causal masking), another device, NaN or inf in any
+            input, a block size that is not a positive int, or an unknown impl.
     """
     check_impl(impl)
     _check_inputs(q, k, qg, kg, v)

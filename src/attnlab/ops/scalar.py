@@ -68,9 +68,24 @@ def _tau(tau, B: int, H: int, T: int, dtype: torch.dtype, device) -> torch.Tenso
 def scalar_logits(qs, ks, tau, causal: bool = True) -> torch.Tensor:
     """-(qs_t - ks_s)^2 / tau_t as a (B, H, Tq, Tk) tensor, -inf where key s is hidden from query t.
 
-    The queries are the last Tq of the Tk positions (causal: query t sees keys s <= t + Tk - Tq).
-    Computed in qs's dtype, float32 for 16-bit inputs. Materialises Tq x Tk: meant for the naive
-    path, analysis, regularizers at small T, and scoring a decode window (Tq = 1, causal=False).
+    Materialises Tq x Tk: meant for the naive path, analysis, regularizers at small T, and scoring
+    a decode window (Tq = 1, causal=False).
+
+    Args:
+        qs: scalar queries (B, H, Tq).
+        ks: scalar keys (B, H, Tk), of qs's dtype and device.
+        tau: temperature > 0: a float, per head (H,) or per query (B, H, Tq).
+        causal: hide key s from query t when s > t + Tk - Tq (the queries are the last Tq of the
+            Tk positions; needs Tq <= Tk).
+
+    Returns:
+        The logits (B, H, Tq, Tk), in qs's dtype (float32 for 16-bit inputs).
+
+    Raises:
+        TypeError: qs, ks or tau is not a tensor (tau: nor a float) or not floating, or ks has
+            another dtype than qs; causal is not a bool.
+        ValueError: shapes that do not fit (qs and ks (B, H), tau's shape, Tq > Tk under causal
+            masking), another device, NaN or inf in qs, ks or tau, or tau <= 0.
     """
     check_causal(causal)
     B, H, T = _check_scalars(qs, ks, causal=causal)
@@ -84,8 +99,25 @@ def scalar_logits(qs, ks, tau, causal: bool = True) -> torch.Tensor:
 def hybrid_logits(q, k, qs, ks, tau, causal: bool = True, scalar_scale=None) -> torch.Tensor:
     """q_t . k_s / sqrt(d) - lam (qs_t - ks_s)^2 / tau_t as (B, H, Tq, Tk), -inf where key s is hidden.
 
-    k may have G heads dividing H (GQA). lam: `scalar_scale` (see `hybrid_attention`), 1 when None.
     Materialises Tq x Tk (see `scalar_logits`).
+
+    Args:
+        q: vector queries (B, H, Tq, D).
+        k: vector keys (B, G, Tk, D), G dividing H (GQA).
+        qs: scalar queries (B, H, Tq).
+        ks: scalar keys (B, H, Tk).
+        tau: temperature > 0: a float, (H,) or (B, H, Tq).
+        causal: hide key s from query t when s > t + Tk - Tq (needs Tq <= Tk).
+        scalar_scale: lam, as `hybrid_attention` takes it; None for lam = 1.
+
+    Returns:
+        The logits (B, H, Tq, Tk), in float32 for 16-bit inputs, else in q's dtype.
+
+    Raises:
+        TypeError: a tensor argument that is not a tensor, not floating or not of q's dtype;
+            causal is not a bool.
+        ValueError: shapes that do not fit q and k (batch, heads, lengths, D, groups), another
+            device, NaN or inf in any input, tau <= 0, or a bad scalar_scale.
     """
     B, H, T, D = check_qkv(q, k, k, causal)  # no values here: k stands in for v's checks
     _check_scalars(qs, ks, q, "q", causal)
@@ -106,14 +138,29 @@ def hybrid_logits(q, k, qs, ks, tau, causal: bool = True, scalar_scale=None) -> 
 def scalar_attention(qs, ks, v, tau, *, causal: bool = True, impl: str = "auto") -> torch.Tensor:
     """Scalar attention o_t = sum_s softmax_s(-(qs_t - ks_s)^2 / tau_t) v_s.
 
-    qs (B, H, Tq), ks (B, H, Tk); v (B, G, Tk, Dv) with H % G == 0: head h reads value group
-    h // (H / G) (grouped value attention). tau > 0: a float, per head (H,) or per query
-    (B, H, Tq). Under causal masking Tq <= Tk and the queries are the last Tq positions (decode:
-    one query against n cached keys). Returns (B, H, Tq, Dv) in v's dtype; gradients reach qs,
-    ks, v and a tensor tau.
+    Gradients reach qs, ks, v and a tensor tau.
 
-    impl: "naive" materialises the (T, T) logits; "fast"/"auto" runs one fused SDPA call on
-    the shifted augmented vectors described in the module docstring (memory linear in T).
+    Args:
+        qs: scalar queries (B, H, Tq).
+        ks: scalar keys (B, H, Tk).
+        v: values (B, G, Tk, Dv) with H % G == 0: head h reads value group h // (H / G)
+            (grouped value attention).
+        tau: temperature > 0: a float, per head (H,) or per query (B, H, Tq).
+        causal: hide the keys after each query. The queries are the last Tq positions, so causal
+            masking needs Tq <= Tk (decode: one query against n cached keys).
+        impl: ``"naive"`` materialises the (Tq, Tk) logits; ``"fast"`` and ``"auto"`` run one
+            fused SDPA call on the shifted augmented vectors of the module docstring (memory
+            linear in T).
+
+    Returns:
+        (B, H, Tq, Dv) in v's dtype.
+
+    Raises:
+        TypeError: qs, ks, v or tau is not a tensor (tau: nor a float) or not floating, or ks or v
+            has another dtype than qs; causal is not a bool.
+        ValueError: shapes that do not fit (batch, heads, lengths, groups, tau's shape, Tq > Tk
+            under causal masking), another device, NaN or inf in any input, tau <= 0, or an
+            unknown impl.
     """
     check_impl(impl)
     check_causal(causal)
@@ -133,16 +180,34 @@ def hybrid_attention(q, k, v, qs, ks, tau, *, causal: bool = True, impl: str = "
                      scalar_scale=None) -> torch.Tensor:
     """Hybrid attention o_t = sum_s softmax_s(q_t . k_s / sqrt(d) - lam (qs_t - ks_s)^2 / tau_t) v_s.
 
-    q (B, H, Tq, D); k (B, G, Tk, D), v (B, G', Tk, Dv) with G, G' dividing H (GQA);
-    qs (B, H, Tq), ks (B, H, Tk); tau > 0: a float, (H,) or (B, H, Tq); Tq <= Tk under causal
-    masking (queries at the last positions). Returns (B, H, Tq, Dv) in v's dtype.
-    As tau -> inf this is standard scaled dot-product attention.
-    scalar_scale: lam >= 0, a float or (H,) tensor (None: lam = 1) scaling the scalar term; at
-    lam = 0 this is exactly standard attention, and the gradient of lam is not zero there
-    (docs/retrofit.md: the hybrid's silent start). Gradients reach a tensor scalar_scale.
+    As tau -> inf this is standard scaled dot-product attention. Gradients reach every tensor
+    argument, a tensor tau and a tensor scalar_scale among them.
 
-    impl: "naive" materialises the (T, T) logits; "fast"/"auto" runs one fused SDPA call on
-    [q / sqrt(d), q'] . [k, k'] with the shifted scalar parts of the module docstring.
+    Args:
+        q: vector queries (B, H, Tq, D).
+        k: vector keys (B, G, Tk, D), G dividing H (GQA).
+        v: values (B, G', Tk, Dv), G' dividing H.
+        qs: scalar queries (B, H, Tq).
+        ks: scalar keys (B, H, Tk).
+        tau: temperature > 0: a float, (H,) or (B, H, Tq).
+        causal: hide the keys after each query; the queries are the last Tq positions, so causal
+            masking needs Tq <= Tk.
+        impl: ``"naive"`` materialises the (Tq, Tk) logits; ``"fast"`` and ``"auto"`` run one
+            fused SDPA call on [q / sqrt(d), q'] . [k, k'] with the shifted scalar parts of the
+            module docstring.
+        scalar_scale: lam >= 0 scaling the scalar term, a float or an (H,) tensor; None for
+            lam = 1. At lam = 0 this is exactly standard attention, and the gradient of lam is
+            not zero there (docs/retrofit.md: the hybrid's silent start).
+
+    Returns:
+        (B, H, Tq, Dv) in v's dtype.
+
+    Raises:
+        TypeError: a tensor argument that is not a tensor, not floating or not of q's dtype; tau
+            neither a float nor a tensor; causal is not a bool.
+        ValueError: shapes that do not fit (batch, heads, lengths, D, groups, qs and ks against q
+            and k, Tq > Tk under causal masking), another device, NaN or inf in any input,
+            tau <= 0, a scalar_scale that is negative, not finite or not (H,), or an unknown impl.
     """
     check_impl(impl)
     check_causal(causal)

@@ -86,8 +86,26 @@ def _window(k_sorted, q_sorted, tau_sorted, tol: float, block: int):
 
 
 def approx_plan(qs, ks, tau, *, tol: float = APPROX_TOL, block: int = 64) -> dict:
-    """What `scalar_attention_approx` would do on these inputs: the key-run width W it needs and
-    the width at which it would give up (T / 4), for benchmarks and diagnostics."""
+    """What `scalar_attention_approx` would do on these inputs, for benchmarks and diagnostics.
+
+    Args:
+        qs: scalar queries (B, H, T).
+        ks: scalar keys (B, H, T).
+        tau: temperature > 0: a float, (H,) or (B, H, T).
+        tol: the bound on each query's dropped softmax mass, a float in (0, 1).
+        block: sorted queries per block (each block reads one run of keys), an int >= 1.
+
+    Returns:
+        A dict with ``"T"``, the sequence length; ``"window"``, the key-run width W the call
+        needs (a multiple of 8, at least 8, capped at T); ``"max_window"``, the width beyond which
+        a call with the default max_window runs the exact fused path instead (T // 4, at least 1).
+
+    Raises:
+        TypeError: qs, ks or tau is not a tensor (tau: nor a float) or not floating, ks has
+            another dtype than qs, tol is not a float, block is not an int.
+        ValueError: shapes that do not fit, another device, NaN or inf, tau <= 0, tol outside
+            (0, 1), block < 1.
+    """
     tol = _check_tol(tol)
     check_int("block", block, 1)
     B, H, T = _check_scalars(qs, ks, causal=True)
@@ -103,10 +121,27 @@ def scalar_attention_approx(qs, ks, v, tau, *, tol: float = APPROX_TOL, block: i
     """Causal scalar attention o_t = sum_{s<=t} softmax_s(-(qs_t - ks_s)^2 / tau_t) v_s, with each
     query's dropped softmax mass at most `tol` (see the module docstring for the bound).
 
-    qs, ks (B, H, T); v (B, G, T, Dv) with G dividing H (grouped values); tau > 0: a float, (H,)
-    or (B, H, T). tol in (0, 1); block: sorted queries per block; max_window: the widest run of
-    keys to read before running the exact fused path instead (default T // 4). Returns
-    (B, H, T, Dv) in v's dtype; gradients reach qs, ks, v and a tensor tau.
+    Gradients reach qs, ks, v and a tensor tau.
+
+    Args:
+        qs: scalar queries (B, H, T).
+        ks: scalar keys (B, H, T), as many as queries (whole sequences only).
+        v: values (B, G, T, Dv), G dividing H (grouped values).
+        tau: temperature > 0: a float, (H,) or (B, H, T).
+        tol: the bound on each query's dropped softmax mass, a float in (0, 1).
+        block: sorted queries per block (each block reads one run of keys), an int >= 1.
+        max_window: the widest run of keys to read before running the exact fused path instead;
+            None for T // 4.
+
+    Returns:
+        (B, H, T, Dv) in v's dtype.
+
+    Raises:
+        TypeError: a tensor argument that is not a tensor, not floating or not of qs's dtype; tau
+            neither a float nor a tensor; tol not a float; block or max_window not an int.
+        ValueError: shapes that do not fit (batch, heads, groups, ks or v of another length than
+            qs), another device, NaN or inf in any input, tau <= 0, tol outside (0, 1), block or
+            max_window < 1.
     """
     B, H, T, tol, tau_b = _check(qs, ks, v, tau, tol, block, max_window)
     cap = max(1, T // 4) if max_window is None else max_window

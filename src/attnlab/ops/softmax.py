@@ -20,28 +20,40 @@ SCALES = ("sqrt_d", "ktotal", "kmean", "krms", "pnorm", "n_sqrt_d")
 def softmax_attention(q, k, v, *, causal: bool = True, scale="sqrt_d", p: float = 2.0, impl: str = "auto"):
     """o_t = sum_s softmax_s(q_t . k_s / c_t) v_s over the keys s visible to query t.
 
-    q (B, H, Tq, D); k (B, G, Tk, D) and v (B, G', Tk, Dv) with G, G' dividing H (GQA: head h
-    reads group h // (H / G)). Returns (B, H, Tq, Dv) in v's dtype. Under causal masking
-    Tq <= Tk and the queries are the last Tq positions (decode: one query against n keys).
-
-    N_t is the set of visible keys (s <= t + Tk - Tq if ``causal``, else all Tk) and n_t = |N_t|.
-    ``scale`` picks the divisor c_t:
-
-    - ``"sqrt_d"``:   c_t = sqrt(D)                                  (standard attention)
-    - ``"ktotal"``:   c_t = sum_{s in N_t} ||k_s||                   (sum of key lengths)
-    - ``"kmean"``:    c_t = (1 / n_t) sum_{s in N_t} ||k_s||         (mean key length)
-    - ``"krms"``:     c_t = sqrt((1 / n_t) sum_{s in N_t} ||k_s||^2) (RMS key length)
-    - ``"pnorm"``:    c_t = (sum_{s in N_t} ||k_s||^p)^(1/p)         (p = 1 is ktotal)
-    - ``"n_sqrt_d"``: c_t = n_t sqrt(D)                              (cheap stand-in for ktotal)
-    - a float a > 0:  the logits are a * q_t . k_s (a multiplier, as SDPA's ``scale``).
-
-    Under causal masking the key-norm divisors are prefix sums over s <= t, so a query never
-    depends on later keys; key norms are taken per key head (group). A divisor of zero (all
+    N_t is the set of keys query t sees (s <= t + Tk - Tq if ``causal``, else all Tk) and
+    n_t = |N_t|. Under causal masking the key-norm divisors are prefix sums over s <= t, so a query
+    never depends on later keys; key norms are taken per key head (group). A divisor of zero (all
     visible keys zero) is not guarded against.
 
-    impl: "naive" builds the (T, T) logits and the divisors from the visibility mask, as the
-    formula reads; "fast" (and "auto") computes the divisors with cumulative sums and runs
-    one fused SDPA call on q / c_t, memory linear in T.
+    Args:
+        q: queries (B, H, Tq, D).
+        k: keys (B, G, Tk, D), G dividing H (GQA: head h reads group h // (H / G)).
+        v: values (B, G', Tk, Dv), G' dividing H.
+        causal: hide the keys after each query. The queries are the last Tq positions, so causal
+            masking needs Tq <= Tk (decode: one query against n keys).
+        scale: the divisor c_t, by name, or a float:
+
+            - ``"sqrt_d"``: c_t = sqrt(D), standard attention (the default);
+            - ``"ktotal"``: c_t = sum_{s in N_t} ||k_s||, the sum of key lengths;
+            - ``"kmean"``: c_t = (1 / n_t) sum_{s in N_t} ||k_s||, the mean key length;
+            - ``"krms"``: c_t = sqrt((1 / n_t) sum_{s in N_t} ||k_s||^2), the RMS key length;
+            - ``"pnorm"``: c_t = (sum_{s in N_t} ||k_s||^p)^(1/p) (p = 1 is ktotal);
+            - ``"n_sqrt_d"``: c_t = n_t sqrt(D), a cheap stand-in for ktotal;
+            - a float a > 0: the logits are a * q_t . k_s (a multiplier, as SDPA's ``scale``).
+        p: the exponent of ``"pnorm"``, a float > 0; ignored by the other scalings.
+        impl: ``"naive"`` builds the (Tq, Tk) logits and the divisors from the visibility mask, as
+            the formula reads; ``"fast"`` and ``"auto"`` compute the divisors with cumulative sums
+            and run one fused SDPA call on q / c_t, memory linear in T.
+
+    Returns:
+        (B, H, Tq, Dv) in v's dtype.
+
+    Raises:
+        TypeError: q, k or v is not a tensor, not floating or not of q's dtype; causal is not a
+            bool; scale is neither a name nor a float; p is not a float.
+        ValueError: a shape that does not fit the others (batch, lengths, D, groups, Tq > Tk under
+            causal masking), a tensor on another device, NaN or inf in q, k or v, an unknown
+            scale or impl, a scale or p that is not finite and > 0.
     """
     check_impl(impl)
     check_causal(causal)

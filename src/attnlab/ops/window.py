@@ -63,14 +63,31 @@ def range_distance(keys: torch.Tensor, lo: torch.Tensor, hi: torch.Tensor) -> to
 
 def budget_evictions(qs: torch.Tensor, ks: torch.Tensor, budget: int, *, history: int = 256,
                      n_prefix: int = 0) -> torch.Tensor:
-    """(B, H, T) int64: the step after whose query each key is evicted when a sorted cache decoding
-    this sequence calls `evict_to_budget(budget)` after every step (query t still sees it when
-    evicted_at >= t); NEVER for keys still held at the end, and for the n_prefix sink positions.
+    """The step after whose query each key is evicted when a sorted cache decoding this sequence
+    calls `evict_to_budget(budget)` after every step.
 
     At step t the cache holds the surviving keys <= t; when that is more than `budget`, the key
     farthest from the range [min, max] of the last `history` queries (distance 0 inside) goes,
     the oldest first among equal distances (`attnlab.cache.eviction.evict_to_budget`'s rule:
-    keep the nearest, the newest first). Sequential over t, vectorised over batch x heads."""
+    keep the nearest, the newest first). Sequential over t, vectorised over batch x heads. No
+    gradient.
+
+    Args:
+        qs: scalar queries (B, H, T), one per step.
+        ks: scalar keys (B, H, T).
+        budget: entries a head keeps, an int >= 1.
+        history: how many recent queries span the range, an int >= 1.
+        n_prefix: leading positions (a sink) that are never evicted nor counted, an int >= 0.
+
+    Returns:
+        evicted_at (B, H, T) int64; query t still sees key s when evicted_at[s] >= t. NEVER (the
+        largest int64) for keys still held at the end and for the n_prefix positions.
+
+    Raises:
+        ValueError: budget or history is not a positive int (for a non-int, a NotAnIntError,
+            which is a TypeError too). qs and ks are not checked (`windowed_attention` checks
+            them before calling this).
+    """
     check_int("budget", budget)
     check_int("history", history)
     B, H, T = ks.shape
@@ -95,12 +112,28 @@ def budget_evictions(qs: torch.Tensor, ks: torch.Tensor, budget: int, *, history
 
 def window_mask(qs: torch.Tensor, ks: torch.Tensor, window: int, *, n_prefix: int = 0,
                 causal: bool = True, evicted_at: torch.Tensor | None = None, local: int = 0) -> torch.Tensor:
-    """(B, H, Tq, Tk) bool: key s is in query t's window. Queries are the last Tq of the Tk
-    positions (causal; causal=False: every key is a candidate); the first `n_prefix` keys are
-    always in and do not count toward `window`. evicted_at (B, H, Tk), from `budget_evictions`:
-    key s is a candidate for query t only while evicted_at[s] >= t. local (causal only): the last
-    `local` keys t - local < s <= t are always in too, and the window's keys are the nearest among
-    the older ones (module docstring)."""
+    """Which keys are in each query's window: the `window` candidates nearest to it in scalar
+    space, the newest first among equal distances.
+
+    Args:
+        qs: scalar queries (B, H, Tq), the last Tq of the Tk positions.
+        ks: scalar keys (B, H, Tk).
+        window: keys per window, an int >= 1 (all candidates while a query has fewer).
+        n_prefix: leading keys (a sink) that are always in and do not count toward `window`,
+            an int >= 0.
+        causal: only keys s <= t + Tk - Tq are candidates; False makes every key one.
+        evicted_at: (B, H, Tk) from `budget_evictions`: key s is a candidate for query t only
+            while evicted_at[s] >= t; None keeps every key.
+        local: (causal only) the last `local` keys t - local < s <= t are always in too, and the
+            window's keys are the nearest among the older ones (module docstring); an int >= 0.
+
+    Returns:
+        (B, H, Tq, Tk) bool, True where key s is in query t's window.
+
+    Raises:
+        ValueError: window, n_prefix or local is not an int in range (for a non-int, a
+            NotAnIntError, which is a TypeError too). qs, ks and evicted_at are not checked.
+    """
     check_int("window", window, 1)
     check_int("n_prefix", n_prefix, 0)
     check_int("local", local, 0)
@@ -133,10 +166,25 @@ def window_mask(qs: torch.Tensor, ks: torch.Tensor, window: int, *, n_prefix: in
 
 def window_indices(qs: torch.Tensor, ks: torch.Tensor, window: int, *, n_prefix: int = 0, local: int = 0,
                    query_chunk: int = 256) -> tuple[torch.Tensor, torch.Tensor]:
-    """The keys of `window_mask` (causal, Tq = Tk = T) as indices: (B, H, T, m) int64 and a (B, H, T, m)
-    bool validity mask, m = n_prefix + local + min(window, T). Memory O(query_chunk x T) per
-    head while computing, O(T x m) kept; no gradient. Columns: the prefix, the local keys
-    (newest first), then the window's keys."""
+    """The keys of `window_mask` (causal, Tq = Tk = T) as indices.
+
+    Memory O(query_chunk x T) per head while computing, O(T x m) kept; no gradient. The arguments
+    are not checked (`windowed_attention` checks them before calling this).
+
+    Args:
+        qs: scalar queries (B, H, T).
+        ks: scalar keys (B, H, T).
+        window: keys per window, an int >= 1.
+        n_prefix: leading keys (a sink) always selected, not counted toward `window`.
+        local: the last `local` keys each query sees, always selected.
+        query_chunk: query rows whose distances are computed at once.
+
+    Returns:
+        idx (B, H, T, m) int64 key indices and ok (B, H, T, m) bool, True where the column
+        holds a key (a query that sees fewer keys leaves columns unused), with
+        m = n_prefix + local + min(window, T - n_prefix). Columns: the prefix, the local keys
+        (newest first), then the window's keys.
+    """
     B, H, T = ks.shape
     k = min(window, max(T - n_prefix, 0))
     m = n_prefix + local + k
@@ -242,15 +290,42 @@ def windowed_attention(
     impl: str = "auto",
 ) -> torch.Tensor:
     """Causal scalar attention (q, k None) or hybrid attention (q, k given) over each query's
-    scalar window; see the module docstring. window None: every key the query sees. budget: the
-    keys are those a sorted cache capped at `budget` entries still holds (`budget_evictions`).
-    keep_fn: another rule for the keys each query reads, in place of the window (see the module
-    docstring); it takes no window or budget. local: the last `local` keys are always read and
-    the window's keys are the nearest among the older ones. impl: "naive" (dense scores, masked),
-    "fast" / "auto" (the selected keys only; "auto" falls back to "naive" with a budget or keep_fn).
+    scalar window; see the module docstring.
 
-    qs, ks: (B, H, T); v: (B, G, T, Dv) with G dividing H; tau: as `scalar_attention` takes it
-    ((H,) or (B, H, T)); q: (B, H, T, D), k: (B, G', T, D). Returns (B, H, T, Dv) in v's dtype.
+    Args:
+        qs: scalar queries (B, H, T).
+        ks: scalar keys (B, H, T).
+        v: values (B, G, T, Dv), G dividing H.
+        tau: temperature > 0, as `scalar_attention` takes it: a float, (H,) or (B, H, T).
+        window: keys per query (an int >= 1); None for every key the query sees.
+        q: vector queries (B, H, T, D) of hybrid heads; None for scalar heads.
+        k: vector keys (B, G', T, D), G' dividing H; given with q.
+        n_prefix: leading positions (a sink) every query reads, not counted toward `window`;
+            an int >= 0.
+        budget: read only the keys a sorted cache capped at `budget` entries per head still holds
+            (`budget_evictions`); None for no cap.
+        history: recent queries that span the budget rule's range (with budget).
+        query_chunk: query rows scored at once by the dense path (the selected-keys path takes
+            at most 64), an int >= 1.
+        keep_fn: another rule for the keys each query reads, in place of the window (module
+            docstring); it takes no window, budget or local.
+        local: the last `local` keys are always read and the window's keys are the nearest among
+            the older ones; an int >= 0.
+        impl: ``"naive"`` scores every key and masks; ``"fast"`` reads the selected keys only;
+            ``"auto"`` is ``"fast"``, or ``"naive"`` with a budget or keep_fn.
+
+    Returns:
+        (B, H, T, Dv) in v's dtype.
+
+    Raises:
+        TypeError: a tensor argument that is not a tensor, not floating or not of the first
+            query's dtype; tau neither a float nor a tensor; keep_fn not callable.
+        ValueError: shapes that do not fit (batch, heads, groups, ks of another length than qs),
+            another device, NaN or inf, tau <= 0, window, query_chunk, n_prefix, local, budget
+            or history out of range (a non-int: NotAnIntError, a TypeError too), q without k,
+            impl="fast" with a budget or keep_fn, keep_fn with a window, budget or local, a
+            keep_fn mask that is not bool of the chunk's shape or leaves a query no key, or an
+            unknown impl.
     """
     if window is not None:
         check_int("window", window, 1)

@@ -47,25 +47,33 @@ def config_keys() -> list[tuple[str, str, Any, str]]:
     return rows
 
 
-_DOC_ENTRY = re.compile(r"^(\s{4,})([a-z_]\w*(?:, [a-z_]\w*)*)\s{2,}(\S.*)$")
+_DOC_ENTRY = re.compile(r"^(\s+)([a-z_]\w*(?:, [a-z_]\w*)*):\s+(\S.*)$")
 
 
 def docstring_help(cls) -> dict[str, str]:
-    """Field descriptions from a docstring laid out as `name   text` lines (continuation
-    lines indented further), as AttentionConfig's is."""
+    """Field descriptions from the `Args:` section of a Google-style docstring: `name: text` lines
+    (several names joined by ", " share one text), continuation lines indented further, as
+    AttentionConfig's is."""
     out: dict[str, str] = {}
-    names, indent = [], 0
+    names, indent, in_args = [], 0, False
     for line in (cls.__doc__ or "").splitlines():
+        if line.strip() == "Args:":
+            in_args = True
+            continue
+        if not in_args:
+            continue
         m = _DOC_ENTRY.match(line)
-        if m:
+        if m and (not names or len(m.group(1)) <= indent):
             names, indent = m.group(2).split(", "), len(m.group(1))
             for n in names:
                 out[n] = m.group(3).strip()
         elif names and line.strip() and len(line) - len(line.lstrip()) > indent:
             for n in names:
                 out[n] += " " + line.strip()
+        elif line.strip() and names and len(line) - len(line.lstrip()) < indent:
+            break  # the section ended
         else:
-            names = []
+            names = [] if not line.strip() else names
     return out
 
 

@@ -1,0 +1,363 @@
+"""The tables of the results pages, made from the committed files they cite (docs/hooks.py).
+
+A page asks for a table with a marker on a line of its own, naming the table and the committed
+files it reads, in order:
+
+    <!-- table: ops benchmarks/results/ops.json -->
+
+`TABLES` maps each name to its generator and those files; the hook checks that the marker names
+the same files, reads them and puts the generator's markdown in place of the marker. Every number
+in a table comes from the files; what a generator adds is labels, the choice of rows and columns,
+and the rounding.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Sequence
+
+Json = dict
+
+MINUS = "\u2212"
+
+
+# --------------------------------------------------------------------------- formatting
+
+
+def _table(header: Sequence[str], align: str, rows: Sequence[Sequence[str]]) -> str:
+    """A markdown table; align holds one letter per column: l (left) or r (right)."""
+    rule = ["---:" if a == "r" else "---" for a in align]
+    lines = [header, rule, *rows]
+    return "\n".join("| " + " | ".join(cells) + " |" for cells in lines)
+
+
+def _f(x: float, digits: int) -> str:
+    """Fixed-point, with a typographic minus."""
+    return f"{x:.{digits}f}".replace("-", MINUS)
+
+
+def _signed(x: float, digits: int) -> str:
+    """+0.17, −0.007; a value that rounds to zero keeps its sign (−0.0000: below zero, not by much)."""
+    return ("+" if x >= 0 else MINUS) + f"{abs(x):.{digits}f}"
+
+
+def _sig2(x: float) -> str:
+    """Two significant figures, never in exponent form: 5.8, 27, 0.65, 154."""
+    return f"{x:.0f}" if abs(x) >= 100 else f"{x:.2g}"
+
+
+def _ratio(x: float) -> str:
+    """A time ratio: two decimals, three below 0.1."""
+    return _f(x, 3 if x < 0.1 else 2)
+
+
+def _sci(x: float) -> str:
+    """8.7e-8 (two significant figures, no zero-padded exponent)."""
+    mantissa, exp = f"{x:.1e}".split("e")
+    return f"{mantissa}e{int(exp)}"
+
+
+def _span(values: Sequence[float], fmt: Callable[[float], str]) -> str:
+    """The range of values as formatted: '0.99–1.04', or one value when both ends agree."""
+    lo, hi = fmt(min(values)), fmt(max(values))
+    return lo if lo == hi else f"{lo}–{hi}"
+
+
+def _tokens(n: int) -> str:
+    """128, 1K, 64K, 1M."""
+    if n >= 1 << 20 and n % (1 << 20) == 0:
+        return f"{n >> 20}M"
+    return f"{n >> 10}K" if n >= 1024 and n % 1024 == 0 else str(n)
+
+
+# --------------------------------------------------------------------------- the tables
+
+
+OPS_LABELS = {
+    "sdpa": "SDPA (fused)",
+    "sdpa_math": "SDPA math path (what a mask with grad gets)",
+    "goat": "goat (R = 8)",
+    "goat_hybrid": "goat_hybrid (R = 8)",
+    "principled": "principled (fused C++ kernel)",
+    "principled[fallback]": "principled [fallback]",
+    "gla": "gla (chunked C++ kernel)",
+    "gla[fallback]": "gla [fallback]",
+}
+
+
+def ops_table(ops: Json) -> str:
+    """benchmarks/ops.py: forward + backward against SDPA at T = 2048, with the memory of one call.
+    The softmax scalings share one row (their ranges)."""
+    t_long = ops["config"]["long_T"]
+
+    def mem(r: Json, t: int) -> str:
+        mb = r.get(f"mem_mb_T{t}")
+        if mb is not None:
+            return f"{mb:.0f}"
+        note = r.get(f"mem_note_T{t}", "not run")
+        size = note[note.find("(") + 1:note.find(" per copy")] if "(" in note else ""
+        return f"(not run: {size})" if size else "(not run)"
+
+    def row(label: str, rs: list[Json]) -> list[str]:
+        target = next((r["target"] for r in rs if "target" in r), None)
+        return [label,
+                _span([r["time_ms"] for r in rs], lambda x: f"{x:.0f}"),
+                _span([r["median_ratio_vs_sdpa"] for r in rs], _ratio),
+                _span([r["ratio_vs_sdpa"] for r in rs], _ratio),
+                f"≤ {target}" if target is not None else "",
+                _span([r["mem_mb_T2048"] for r in rs], lambda x: f"{x:.0f}"),
+                mem(rs[0], t_long) if len(rs) == 1 else _span([r[f"mem_mb_T{t_long}"] for r in rs],
+                                                                  lambda x: f"{x:.0f}")]
+
+    rows, softmax = [], [r for r in ops["rows"] if r["op"].startswith("softmax[")]
+    for r in ops["rows"]:
+        if r is softmax[0]:
+            scales = " / ".join(f"`{s['op'][8:-1]}`" for s in softmax)
+            rows.append(row(f"softmax {scales}", softmax))
+        elif r not in softmax:
+            rows.append(row(OPS_LABELS.get(r["op"], r["op"]), [r]))
+    header = ["op", "ms (best)", "× SDPA (median)", "× SDPA (best)", "target (median)",
+              "MB at T=2048", f"MB at T={t_long}"]
+    return _table(header, "lrrrrrr", rows)
+
+
+def scalar_approx_table(res: Json) -> str:
+    """benchmarks/scalar_approx.py: the approximate op against the exact fused path and SDPA, one row
+    per (T, keys); spread keys first."""
+    rows = []
+    for r in sorted(res["rows"], key=lambda r: (r["keys"] != "spread", r["T"])):
+        time, err = r["time"], r["error"]
+        sorted_runs = r["route"] == "sorted runs"
+        route = "sorted runs" if sorted_runs else "exact path (W > T/4)"
+        if "exact" not in time:
+            vs_exact = f"(exact not run) {_sig2(time['approx']['median_s'])} s"
+        else:
+            vs_exact = _ratio(time["approx"]["median_ratio"])
+            if time["exact"]["median_s"] >= 1:
+                vs_exact += f" ({_sig2(time['approx']['median_s'])} s vs {_sig2(time['exact']['median_s'])} s)"
+        vs_sdpa = _ratio(r["approx_over_sdpa_median_ratio"]) if "approx_over_sdpa_median_ratio" in r else ""
+        if not sorted_runs:
+            error = "as the exact path"
+        elif "out_rows" in err["approx"]:
+            error = f"{_sci(err['approx']['out_rows'])} on {err['approx']['rows']} rows"
+        else:
+            error = f"{_sci(err['approx']['out'])} / {_sci(err['approx']['tau'])}"
+        rows.append([_tokens(r["T"]), r["keys"], route, str(r["window"]), vs_exact, vs_sdpa, error])
+    header = ["T", "keys", "route", "key run W", "× exact fused (median)", "× SDPA",
+              "error of output / τ-gradient vs float64"]
+    return _table(header, "lllrrrl", rows)
+
+
+def decode_table(dec: Json) -> str:
+    """benchmarks/decode.py: one decode step (CPU time, one thread) at the smallest and the largest
+    cache, every window k and the hybrid heads, against SDPA over a plain KV cache."""
+    full = {r["n"]: r["cpu_1thread_ms"] for r in dec["full_attention"]}
+    ns = (min(full), max(full))
+    rows = []
+    for r in dec["decode"]:
+        if r["n"] not in ns:
+            continue
+        sdpa, step = full[r["n"]], r["cpu_mean_ms"]
+        k = f"{r['k']}, hybrid heads" if r["mode"] == "hybrid" else str(r["k"])
+        rows.append([_tokens(r["n"]), k, f"{step:.3f} ms", f"{_f(sdpa, 1 if sdpa >= 100 else 2)} ms",
+                     f"{sdpa / step:.0f}×"])
+    header = ["n", "k", "sorted cache step", "SDPA over a plain KV cache", "speedup"]
+    return _table(header, "llrrr", rows)
+
+
+def generate_table(gen: Json) -> str:
+    """benchmarks/generate.py: per bucket of context, the median step and the loss gap of the window
+    decoders; mass left out at the bucket's last position, mean over layers and heads."""
+    by = {(r["from"], r["decoder"]): r for r in gen["rows"]}
+    mass: dict[int, list[float]] = {}
+    for m in gen["mass_out"]:
+        if m["k"] == 64:
+            mass.setdefault(m["n"], []).extend(m["mass_out"])
+
+    def gap(x: float) -> str:
+        s = _signed(x, 2)
+        return "0.00" if s[1:] == "0.00" else s
+
+    rows = []
+    for start in sorted({r["from"] for r in gen["rows"]}):
+        exact, k64, k256 = by[(start, "exact")], by[(start, "k=64")], by[(start, "k=256")]
+        end = exact["to"]
+        out = mass.get(end)
+        rows.append([f"{_tokens(start)}–{_tokens(end)}", f"{exact['step_ms_median']:.1f} ms",
+                     f"{k64['step_ms_median']:.1f} ms", gap(k64["gap"]), gap(k256["gap"]),
+                     f"{sum(out) / len(out):.2f}" if out else ""])
+    header = ["context", "exact step", "k = 64 step", "k = 64 loss gap (nats)", "k = 256 loss gap",
+              "k = 64 mass left out (at the bucket end)"]
+    return _table(header, "lrrrrr", rows)
+
+
+WINDOWED_ROWS = {"scalar": "scalar (`configs/windowed.toml`)", "softmax": "softmax",
+                 "hybrid": "hybrid (the quickstart's)"}
+
+
+def windowed_table(res: Json) -> str:
+    """experiments/windowed: exact and windowed loss at the training length and at 4× it (mean ± sd
+    over seeds for the exact losses and for the k = 64 loss at 4×, the claim's number); the
+    perplexity change e^gap − 1 beside each windowed loss."""
+    lengths = res["spec"]["metrics"]["lengths"]
+    ks = res["spec"]["metrics"]["windowed_loss"]
+
+    def pct(gap: float) -> str:
+        p = 100 * math.expm1(gap)
+        return f"{_signed(p, 2 if abs(p) < 1 else 1 if abs(p) < 20 else 0)} %"
+
+    rows = []
+    for name, label in WINDOWED_ROWS.items():
+        mean, sd = res["variants"][name]["mean"], res["variants"][name]["sd"]
+        row = [label]
+        for t in lengths:
+            row.append(f"{mean[f'loss/T={t}']:.3f} ± {sd[f'loss/T={t}']:.3f}")
+            for k in ks:
+                w = mean.get(f"wloss@{k}/T={t}")
+                if w is None:
+                    row.append("")
+                    continue
+                claim = t == lengths[-1] and k == ks[-1]
+                spread = f" ± {sd[f'wloss@{k}/T={t}']:.3f}" if claim else ""
+                row.append(f"{w:.3f}{spread} ({pct(mean[f'wgap@{k}/T={t}'])})")
+        rows.append(row)
+    base = lengths[0]
+    header = ["model"]
+    for t in lengths:
+        header.append(f"exact, T = {t}" if t == base else f"exact, T = {t} ({t // base}×)")
+        header += [f"k = {k}" for k in ks]
+    return _table(header, "l" + "r" * (len(header) - 1), rows)
+
+
+SELECTORS = (("window", "window"), ("quest", "Quest"), ("learned", "learned"), ("oracle", "oracle"))
+
+
+def selectors_table(sel: Json, k: int = 64) -> str:
+    """benchmarks/key_selectors.py: loss gap (Mass@K) of each selector at K = 64, mean ± sd over the
+    models; a gap below 0.005 nats gets a fourth decimal."""
+    summary = {(s["T"], s["K"], s["method"]): s for s in sel["summary"]}
+    ts = sel["config"]["T"]
+    rows = []
+    for t in ts:
+        label = f"T = {t}: loss gap (Mass@{k})" if t == ts[0] else f"T = {t} ({t // ts[0]}×)"
+        cells = [label]
+        for method, _ in SELECTORS:
+            s = summary[(t, k, method)]
+            d = 4 if abs(s["gap"]["mean"]) < 0.005 else 3
+            cells.append(f"{_signed(s['gap']['mean'], d)} ± {s['gap']['sd']:.{d}f} ({s['mass']['mean']:.3f})")
+        rows.append(cells)
+    return _table([f"K = {k}", *(name for _, name in SELECTORS)], "lrrrr", rows)
+
+
+def train_speed_table(speed: Json) -> str:
+    """benchmarks/train_speed.py: training tokens/s (best step) of each variant."""
+    def name(v: str) -> str:
+        return v.replace("[fallback]", " [fallback]").replace("+", " + ")
+
+    rows = speed["rows"]
+    return _table([name(r["variant"]) for r in rows], "r" * len(rows),
+                  [[f"{r['tokens_per_s']:,.0f}" for r in rows]])
+
+
+def compile_table(warm: Json, cold: Json) -> str:
+    """benchmarks/compile.py: eager and compiled training steps (medians), with the compile time from
+    a warm inductor cache (first file) and a cold one (second file)."""
+    mechs = [r["mechanism"] for r in warm["rows"]]
+    w = {r["mechanism"]: r for r in warm["rows"]}
+    c = {r["mechanism"]: r for r in cold["rows"]}
+    rows = [
+        ["eager step", *(f"{w[m]['eager_ms']:.0f} ms" for m in mechs)],
+        ["compiled (inductor) step, speedup",
+         *(f"{w[m]['compiled_ms']:.0f} ms, {w[m]['compiled_speedup']:.2f}×" for m in mechs)],
+        ["compiled without the in-graph value checks", *(f"{w[m]['unchecked_speedup']:.2f}×" for m in mechs)],
+        ["compile time, cache cold / warm",
+         *(f"{_sig2(c[m]['compiled_compile_s'])} s / {_sig2(w[m]['compiled_compile_s'])} s" for m in mechs)],
+    ]
+    return _table(["", *mechs], "l" + "r" * len(mechs), rows)
+
+
+def middle6_table(res: Json) -> str:
+    """experiments/seed001/ci-middle6: perplexity gap and Mass@K per K, mean ± sd over training
+    seeds; the oracle and Quest do not depend on the projections (sd 0) and show one value."""
+    v = res["variants"]["m6kv"]
+    ks = res["eval"]["m6kv"]["ks"]
+
+    def cell(method: str, metric: str, k: int) -> str:
+        key = f"{method}/{metric}@{k}"
+        mean, sd = v["mean"][key], v["sd"][key]
+        text = f"{_signed(mean, 3)} %" if metric == "gap" else f"{mean:.4f}"
+        if sd > 0:
+            text += f" ± {sd:.3f}" if metric == "gap" else f" ± {sd:.4f}"
+        return text
+
+    rows = []
+    for method, label in (("learned", "learned (exact top-K)"), ("oracle", "oracle top-K"), ("quest", "Quest")):
+        rows.append([f"{label}: PPL gap", *(cell(method, "gap", k) for k in ks)])
+        rows.append([f"{label}: Mass@K", *(cell(method, "mass", k) for k in ks)])
+    return _table(["6 middle layers, K keys per KV head", *(f"K={k}" for k in ks)], "l" + "r" * len(ks), rows)
+
+
+def coverage_table(res: Json) -> str:
+    """experiments/seed001/all-layers: the perplexity gap of learned search with nested sets of
+    substituted layers (one training seed)."""
+    v = res["variants"]["all30"]
+    cov, ks = v["coverage"], res["eval"]["all30"]["ks"]
+    rows = [[name, f"{n} of {cov['n_layers']}", *(f"{_signed(v['mean'][f'{name}:learned/gap@{k}'], 3)} %" for k in ks)]
+            for name, n in cov["sets"].items()]
+    return _table(["substituted layers", "layers", *(f"K = {k}: gap" for k in ks)], "lr" + "r" * len(ks), rows)
+
+
+TASK_METHODS = (("learned", "learned"), ("quest", "Quest"), ("streaming", "StreamingLLM"))
+
+
+def tasks_table(res: Json) -> str:
+    """attnlab search tasks: whole answers right per task and length, summed over depths and
+    examples; one cell per K for the selectors."""
+    cfg = res["config"]
+    right: dict[tuple, int] = {}
+    for r in res["rows"]:
+        key = (r["method"], r["K"], r["task"], r["length"])
+        right[key] = right.get(key, 0) + round(r["accuracy"] * r["n"])
+    cols = [(task, n) for task in cfg["tasks"] for n in cfg["lengths"]]
+    rows = [["full attention", *(str(right[("full", None, t, n)]) for t, n in cols)]]
+    for method, label in TASK_METHODS:
+        ks = " / ".join(str(k) for k in cfg["ks"])
+        rows.append([f"{label}, K = {ks}",
+                     *(" / ".join(str(right[(method, k, t, n)]) for k in cfg["ks"]) for t, n in cols)])
+    return _table(["", *(f"{t} {_tokens(n)}" for t, n in cols)], "l" + "r" * len(cols), rows)
+
+
+def search_decode_table(res: Json) -> str:
+    """benchmarks/search.py: one decode step per layer, each selector as a multiple of full
+    attention's time, and the index memory beside the KV cache."""
+    def mb(x: float) -> str:
+        return f"{x:.1f}" if x < 10 else f"{x:.0f}"
+
+    rows = []
+    for r in res["rows"]:
+        full = r["full_ms"]
+        rows.append([f"{r['N']:,}", f"{full:.{1 if full >= 10 else 2}f} ms",
+                     *(f"{_sig2(r[f'{m}_x_full'])}×" for m in ("learned_exact", "learned_hnsw", "native_hnsw", "quest")),
+                     f"{mb(r['learned_exact_mb'])} / {mb(r['learned_hnsw_mb'])} MB, {r['kv_cache_mb']:.0f} MB"])
+    header = ["context", "full attention", "learned, exact", "learned, HNSW", "native, HNSW", "Quest",
+              "index memory (exact / HNSW) beside a KV cache of"]
+    return _table(header, "rrrrrrl", rows)
+
+
+# --------------------------------------------------------------------------- the registry
+
+B = "benchmarks/results"
+TABLES: dict[str, tuple[Callable[..., str], tuple[str, ...]]] = {
+    "ops": (ops_table, (f"{B}/ops.json",)),
+    "scalar-approx": (scalar_approx_table, (f"{B}/scalar_approx.json",)),
+    "decode": (decode_table, (f"{B}/decode.json",)),
+    "generate": (generate_table, (f"{B}/generate.json",)),
+    "windowed": (windowed_table, ("experiments/windowed/results.json",)),
+    "selectors": (selectors_table, (f"{B}/selectors.json",)),
+    "train-speed": (train_speed_table, (f"{B}/train_speed.json",)),
+    "compile": (compile_table, (f"{B}/compile.json", f"{B}/compile_cold.json")),
+    "middle6": (middle6_table, ("experiments/seed001/ci-middle6/results.json",)),
+    "coverage": (coverage_table, ("experiments/seed001/all-layers/results.json",)),
+    "tasks": (tasks_table, (f"{B}/search/tasks_m6kv_2k4k/results.json",)),
+    "search-decode": (search_decode_table, (f"{B}/search_decode.json",)),
+}
