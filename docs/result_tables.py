@@ -191,7 +191,7 @@ def generate_table(gen: Json) -> str:
     return _table(header, "lrrrrr", rows)
 
 
-WINDOWED_ROWS = {"scalar": "scalar (`configs/windowed.toml`)", "softmax": "softmax",
+WINDOWED_ROWS = {"scalar": "scalar (the earlier `configs/windowed.toml`)", "softmax": "softmax",
                  "hybrid": "hybrid (the quickstart's)"}
 
 
@@ -227,6 +227,29 @@ def windowed_table(res: Json) -> str:
         header.append(f"exact, T = {t}" if t == base else f"exact, T = {t} ({t // base}×)")
         header += [f"k = {k}" for k in ks]
     return _table(header, "l" + "r" * (len(header) - 1), rows)
+
+
+def train_window_table(res: Json) -> str:
+    """experiments/seed000/train-through-window: per variant, the loss at each evaluated length (mean ±
+    sd over seeds): a window-trained variant's own loss (its windowed decode), an exact-trained one's
+    exact loss and, for scalar/hybrid heads, its loss through a k = 64 window."""
+    lengths = res["spec"]["metrics"]["lengths"]
+    base = lengths[0]
+    rows = []
+    for name, v in res["variants"].items():
+        mean, sd = v["mean"], v["sd"]
+        trained = any("train_window" in o for o in v["overrides"])
+        reads = "its window" if trained else "every key"
+        row = [name, reads]
+        for t in lengths:
+            row.append(f"{mean[f'loss/T={t}']:.3f} ± {sd[f'loss/T={t}']:.3f}")
+        for t in lengths:
+            w = None if trained else mean.get(f"wloss@64/T={t}")
+            row.append("" if w is None else f"{w:.3f} ± {sd[f'wloss@64/T={t}']:.3f}")
+        rows.append(row)
+    header = ["variant", "reads"] + [f"loss, T = {t}" + ("" if t == base else f" ({t // base}×)") for t in lengths]
+    header += [f"exact-trained through k = 64, T = {t}" for t in lengths]
+    return _table(header, "ll" + "r" * (len(header) - 2), rows)
 
 
 SELECTORS = (("window", "window"), ("quest", "Quest"), ("learned", "learned"), ("oracle", "oracle"))
@@ -353,6 +376,7 @@ TABLES: dict[str, tuple[Callable[..., str], tuple[str, ...]]] = {
     "decode": (decode_table, (f"{B}/decode.json",)),
     "generate": (generate_table, (f"{B}/generate.json",)),
     "windowed": (windowed_table, ("experiments/windowed/results.json",)),
+    "train_window": (train_window_table, ("experiments/seed000/train-through-window/results.json",)),
     "selectors": (selectors_table, (f"{B}/selectors.json",)),
     "train-speed": (train_speed_table, (f"{B}/train_speed.json",)),
     "compile": (compile_table, (f"{B}/compile.json", f"{B}/compile_cold.json")),

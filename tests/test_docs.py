@@ -27,7 +27,7 @@ def site(tmp_path_factory):
     site = tmp_path_factory.mktemp("docs") / "site"
     env = {**os.environ, "NO_MKDOCS_2_WARNING": "1"}
     proc = subprocess.run(
-        [sys.executable, "-m", "mkdocs", "build", "--strict", "--quiet", "-f", str(ROOT / "mkdocs.yml"), "-d", str(site)],
+        [sys.executable, "-m", "mkdocs", "build", "--strict", "-f", str(ROOT / "mkdocs.yml"), "-d", str(site)],
         cwd=ROOT, env=env, capture_output=True, text=True, timeout=300,
     )
     assert proc.returncode == 0, f"mkdocs build --strict failed:\n{proc.stdout}\n{proc.stderr}"
