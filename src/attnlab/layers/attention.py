@@ -257,11 +257,11 @@ class Attention(nn.Module):
             raise ValueError(f"start_pos must be an int >= 0, got {start_pos!r}")
 
     def _finish(self, o: torch.Tensor, x: torch.Tensor):
-        g = self.gate(x) if self.gate is not None else None  # (B, H, T, D or 1)
-        if g is not None:
-            o = o * g.to(o.dtype)
+        if self.gate is not None:  # the gate applied in the copy to W_O's layout (OutputGate.gated)
+            y, g = self.gate.gated(o, x)
+            return self.wo(y), g
         B, H, T, D = o.shape
-        return self.wo(o.transpose(1, 2).reshape(B, T, H * D)), g  # (B, T, C)
+        return self.wo(o.transpose(1, 2).reshape(B, T, H * D)), None  # (B, T, C)
 
     def finish(self, o: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
         """Readout o (B, H, T, D) and the layer input x (B, T, C) -> output (B, T, C): gate, then W_O."""

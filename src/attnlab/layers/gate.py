@@ -51,6 +51,22 @@ class OutputGate(nn.Module):
         self.proj = nn.Linear(d_model, n_heads * self.width, bias=False)
         nn.init.zeros_(self.proj.weight)
 
+    def gated(self, o: torch.Tensor, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The readout o (B, H, T, Dv) gated, laid out for W_O: (B, T, H·Dv), and the gate values
+        (B, H, T, W) as `forward` gives them. The product is written straight in (B, T, H, Dv)
+        order (the gate's own layout), so gating costs one pass over the readout instead of a
+        multiply and then the transposing copy W_O needs anyway."""
+        B, H, T, D = o.shape
+        if self.mode == "prenorm":
+            g = self(x)
+            return (o * g.to(o.dtype)).transpose(1, 2).reshape(B, T, H * D), g
+        s = torch.sigmoid(self.proj(x)).view(B, T, H, self.width).to(o.dtype)  # (B, T, H, W)
+        y = s * o.transpose(1, 2)  # (B, T, H, Dv), contiguous: s leads, so the output takes its layout
+        if self.scale != 1.0:
+            y = y * self.scale
+        g = s.transpose(1, 2)
+        return y.reshape(B, T, H * D), (g if self.scale == 1.0 else g * self.scale)
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """x (B, T, C) -> gate values (B, H, T, Dv) elementwise or prenorm, (B, H, T, 1) headwise."""
         B, T, _ = x.shape
