@@ -191,6 +191,23 @@ def generate_table(gen: Json) -> str:
     return _table(header, "lrrrrr", rows)
 
 
+def generate_window_table(gen: Json) -> str:
+    """benchmarks/generate.py on a model trained through its window: per bucket of context, the
+    median step of decoding over every key (exact=True) and through the trained window (the sorted
+    cache and the ring of recent tokens), their ratio, and the mean NLL of each on the same tokens."""
+    k = gen["ks"][0]
+    by = {(r["from"], r["decoder"]): r for r in gen["rows"]}
+    rows = []
+    for start in sorted({r["from"] for r in gen["rows"]}):
+        exact, win = by[(start, "exact")], by[(start, f"k={k}")]
+        rows.append([f"{_tokens(start)}–{_tokens(exact['to'])}", f"{exact['step_ms_median']:.1f} ms",
+                     f"{win['step_ms_median']:.1f} ms", f"{exact['step_ms_median'] / win['step_ms_median']:.1f}×",
+                     f"{exact['nll']:.3f}", f"{win['nll']:.3f}"])
+    header = ["context", "every key: step", f"window (k = {k} + ring): step", "speed-up", "every key: NLL",
+              "window: NLL"]
+    return _table(header, "lrrrrr", rows)
+
+
 WINDOWED_ROWS = {"scalar": "scalar (the earlier `configs/windowed.toml`)", "softmax": "softmax",
                  "hybrid": "hybrid (the quickstart's)"}
 
@@ -376,6 +393,7 @@ TABLES: dict[str, tuple[Callable[..., str], tuple[str, ...]]] = {
     "decode": (decode_table, (f"{B}/decode.json",)),
     "generate": (generate_table, (f"{B}/generate.json",)),
     "windowed": (windowed_table, ("experiments/windowed/results.json",)),
+    "generate-window": (generate_window_table, (f"{B}/generate_train_window.json",)),
     "train_window": (train_window_table, ("experiments/seed000/train-through-window/results.json",)),
     "selectors": (selectors_table, (f"{B}/selectors.json",)),
     "train-speed": (train_speed_table, (f"{B}/train_speed.json",)),
