@@ -11,7 +11,7 @@ import torch
 
 from .. import checks
 from ..checks import check_int
-from ..ops import hybrid_logits, scalar_logits
+from ..ops.scalar import hybrid_scores, scalar_scores
 from .sorted_index import radius_from_tolerance, run_keys
 
 F32_MAX = float(torch.finfo(torch.float32).max)
@@ -135,13 +135,14 @@ def scores(cache, entries: torch.Tensor, query: DecodeQuery, *, radius: bool = T
         ks = torch.cat([ks, cache._sink.key], 1)  # (R, n + 1)
         kv = None if kv is None else torch.cat([kv, cache._sink.vkey[:, None]], 1)
         hidden = torch.cat([hidden, hidden.new_zeros(R, 1)], 1)
-    tau = query.tau if isinstance(query.tau, float) else query.tau.view(B, H, 1)
+    # the ops' score formula, unchecked: the keys were checked when appended, the query by make_query
+    tau = torch.as_tensor(query.tau, dtype=torch.float32) if isinstance(query.tau, float) else query.tau.view(B, H, 1)
     qs, ks = query.qs.view(B, H, 1), ks.view(B, H, -1)
     if kv is None:
-        logits = scalar_logits(qs, ks, tau, causal=False)  # (B, H, 1, n [+ 1])
+        logits = scalar_scores(qs, ks, tau)  # (B, H, 1, n [+ 1])
     else:
         q = query.q.view(B, H, 1, cache.d_k)
-        logits = hybrid_logits(q, kv.view(B, H, -1, cache.d_k), qs, ks, tau, causal=False)
+        logits = hybrid_scores(q, kv.view(B, H, -1, cache.d_k), qs, ks, tau)
     logits = logits.view(R, -1)
     if cache.index.weighted:
         logw = entries[2].view(torch.float32)  # log(count)

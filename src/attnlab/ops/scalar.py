@@ -91,9 +91,25 @@ def scalar_logits(qs, ks, tau, causal: bool = True) -> torch.Tensor:
     B, H, T = _check_scalars(qs, ks, causal=causal)
     cdt = upcast(qs.dtype)
     tau_b = _tau(tau, B, H, T, cdt, qs.device)  # (1|B, 1|H, 1|Tq)
-    diff = qs.to(cdt).unsqueeze(-1) - ks.to(cdt).unsqueeze(-2)  # (B, H, Tq, Tk)
-    logits = -diff.pow(2) / tau_b.unsqueeze(-1)
+    logits = scalar_scores(qs, ks, tau_b)
     return logits if not causal else logits.masked_fill(~visible_keys(T, ks.shape[2], True, qs.device), float("-inf"))
+
+
+def scalar_scores(qs, ks, tau_b) -> torch.Tensor:
+    """The formula of `scalar_logits` with no checks and no mask: qs (B, H, Tq), ks (B, H, Tk), tau_b
+    a tensor broadcastable to (B, H, Tq) -> (B, H, Tq, Tk). For callers whose inputs were checked
+    once already (a decode cache's stored keys and its checked query)."""
+    cdt = upcast(qs.dtype)
+    diff = qs.to(cdt).unsqueeze(-1) - ks.to(cdt).unsqueeze(-2)  # (B, H, Tq, Tk)
+    return -diff.pow(2) / tau_b.to(cdt).unsqueeze(-1)
+
+
+def hybrid_scores(q, k, qs, ks, tau_b) -> torch.Tensor:
+    """The formula of `hybrid_logits` (no scalar_scale) with no checks and no mask: q (B, H, Tq, D),
+    k (B, G, Tk, D), qs (B, H, Tq), ks (B, H, Tk), tau_b broadcastable to (B, H, Tq) -> (B, H, Tq, Tk)."""
+    scal = scalar_scores(qs, ks, tau_b)
+    dots = q.to(scal.dtype) @ expand_heads(k, q.shape[1]).to(scal.dtype).transpose(-1, -2)
+    return dots / math.sqrt(q.shape[-1]) + scal
 
 
 def hybrid_logits(q, k, qs, ks, tau, causal: bool = True, scalar_scale=None) -> torch.Tensor:

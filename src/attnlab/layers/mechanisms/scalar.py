@@ -51,6 +51,7 @@ from ...ops import (
 )
 from ...ops._sdpa import expand_heads
 from ..attention import Attention, heads
+from ...ops.scalar import hybrid_scores, scalar_scores
 from ..params import Temperature
 from ..sink import mix_sink, sink_weight_value, split_sink_values, token_values
 from ..record import Projected
@@ -344,11 +345,11 @@ class ScalarAttention(Attention):
             cache.scalar.append(ks_o, v_o, k=k_o)
         rks = torch.stack(ring["ks"], -1)  # (B, H, w)
         rv = expand_heads(torch.stack(ring["v"], 2), H)  # (B, H, w, D)
-        tau = p.tau if p.tau.dim() == 1 else p.tau[..., :1]
-        if k_t is None:
-            logits = scalar_logits(p.qs[..., :1], rks, tau, causal=False)
+        tau = p.tau.view(1, H, 1) if p.tau.dim() == 1 else p.tau[..., :1]  # checked by the projection's Temperature
+        if k_t is None:  # the ops' score formula; the ring's keys were projected (and are finite) like the query
+            logits = scalar_scores(p.qs[..., :1], rks, tau)
         else:
-            logits = hybrid_logits(p.q, torch.stack(ring["k"], 2), p.qs[..., :1], rks, tau, causal=False)
+            logits = hybrid_scores(p.q, torch.stack(ring["k"], 2), p.qs[..., :1], rks, tau)
         return logits[:, :, 0], rv
 
     def prefill_readout(self, p: Projected, cache):
