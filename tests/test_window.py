@@ -238,6 +238,12 @@ def test_windowed_attention_hostile_inputs():
         windowed_attention(qs, ks, v.double(), tau, 4)  # mixed dtypes
     with pytest.raises(ValueError, match="sequence length"):
         windowed_attention(qs[..., 2:], ks, v, tau, 4)
+    for bad in (qs, ks, v):  # the selected-keys path with a local window checks the same, before any work
+        hurt = bad.clone()
+        hurt.view(-1)[0] = float("inf")
+        args = [hurt if x is bad else x for x in (qs, ks, v)]
+        with pytest.raises(ValueError):
+            windowed_attention(*args, tau, 4, local=2, impl="fast")
 
 
 def test_windowed_attention_never_sees_the_future():
@@ -252,11 +258,28 @@ def test_windowed_attention_never_sees_the_future():
     assert torch.equal(out[:, :, :8], base[:, :, :8])
 
 
+@pytest.mark.parametrize("local", [0, 3])
+@pytest.mark.parametrize("impl", ["naive", "fast"])
+def test_windowed_attention_selected_path_never_sees_the_future(impl, local):
+    """The same causal isolation for both paths of the window rule, with and without a local window:
+    later outliers (keys, values, queries at 1e4) leave earlier rows and their gradients unchanged."""
+    qs, ks, v, q, k = _inputs(B=1, T=16)
+    tau = torch.tensor([0.2, 0.5, 1.0, 3.0])
+    base = windowed_attention(qs, ks, v, tau, 3, q=q, k=k, local=local, impl=impl)
+    qs2, ks2, v2, k2 = qs.clone(), ks.clone(), v.clone(), k.clone()
+    qs2[..., 8:], ks2[..., 8:], v2[:, :, 8:], k2[:, :, 8:] = 1e4, -1e4, 1e4, 1e4
+    out = windowed_attention(qs2, ks2, v2, tau, 3, q=q, k=k2, local=local, impl=impl)
+    torch.testing.assert_close(out[:, :, :8], base[:, :, :8], rtol=0, atol=1e-6)
+    assert torch.isfinite(out).all()
+
+
+@pytest.mark.parametrize("local", [0, 2])
+@pytest.mark.parametrize("impl", ["naive", "fast"])
 @pytest.mark.parametrize("T", [0, 1])
-def test_windowed_attention_tiny_lengths(T):
+def test_windowed_attention_tiny_lengths(T, impl, local):
     qs, ks, v, q, k = _inputs(B=1, T=T)
     tau = torch.tensor([0.2, 0.5, 1.0, 3.0])
-    out = windowed_attention(qs, ks, v, tau, 4, q=q, k=k)
+    out = windowed_attention(qs, ks, v, tau, 4, q=q, k=k, impl=impl, local=local)
     assert out.shape == (1, 4, T, v.shape[-1])
     if T:  # one key: the output is its value
         torch.testing.assert_close(out, expand_heads_ref(v, 4))
