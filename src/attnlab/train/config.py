@@ -119,6 +119,11 @@ class TrainConfig:
     log_every: int = opt(10, "write a log row every N steps")
     ckpt_every: int = opt(100, "write a checkpoint every N steps (0 = only at the end)")
     keep_checkpoints: int = opt(2, "checkpoints kept in the run folder (the newest ones)")
+    early_stop_patience: int = opt(0, "stop after this many evaluations in a row without improvement of "
+                                      "train.early_stop_metric, and end with the best evaluation's weights (0 = off)")
+    early_stop_metric: Literal["val_loss", "val_accuracy"] = opt(
+        "val_loss", "what early stopping watches: val_loss (lower is better) or val_accuracy (MQAR; higher is better)")
+    early_stop_min_delta: float = opt(0.0, "an evaluation improves on the best only by more than this")
 
     tokens_per_step: int = field(init=False, default=0)  # derived in RunConfig: global tokens per optimizer step
 
@@ -127,7 +132,7 @@ class TrainConfig:
         for name in ("steps", "batch_size", "grad_accum", "eval_batches", "log_every", "keep_checkpoints"):
             if getattr(self, name) < 1:
                 raise ConfigError(f"train.{name} must be >= 1, got {getattr(self, name)}")
-        for name in ("warmup_steps", "eval_every", "ckpt_every"):
+        for name in ("warmup_steps", "eval_every", "ckpt_every", "early_stop_patience"):
             if getattr(self, name) < 0:
                 raise ConfigError(f"train.{name} must be >= 0, got {getattr(self, name)}")
         if not self.lr > 0:
@@ -140,6 +145,11 @@ class TrainConfig:
             raise ConfigError("train.weight_decay and train.grad_clip must be >= 0 and train.eps > 0")
         if not all(0 <= b < 1 for b in self.betas):
             raise ConfigError(f"train.betas must both be in [0, 1), got {self.betas}")
+        if not self.early_stop_min_delta >= 0:
+            raise ConfigError(f"train.early_stop_min_delta must be >= 0, got {self.early_stop_min_delta}")
+        if self.early_stop_patience and not self.eval_every:
+            raise ConfigError("train.early_stop_patience needs train.eval_every > 0: early stopping watches the "
+                              "periodic evaluations")
 
     def lr_at(self, step: int) -> float:
         """Learning rate for optimizer step `step` (0-based): linear warmup, then cosine to min_lr."""
@@ -255,6 +265,9 @@ class RunConfig:
                 f"model.vocab_size must be set to at least {2 * self.data.mqar_pairs + 2} for data.source='mqar' "
                 f"(keys and values come from disjoint halves of it), got {self.model.vocab_size}"
             )
+        if self.train.early_stop_patience and self.train.early_stop_metric == "val_accuracy" and self.data.source != "mqar":
+            raise ConfigError("train.early_stop_metric='val_accuracy' needs data.source='mqar' (the only source "
+                              "with an accuracy); use 'val_loss'")
         self.train.tokens_per_step = self.train.batch_size * self.train.grad_accum * self.data.seq_len
         name = self.run.name or "-".join(dict.fromkeys(self.model.layer_attn))
         self.run_dir = str(Path(self.run.out_dir) / name)

@@ -14,24 +14,20 @@ losses as a run that was never interrupted (bit for bit on the same machine and 
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import json
 import math
 import os
-import random
 import shutil
 import time
 from pathlib import Path
 
-import numpy as np
 import torch
 from tqdm.auto import tqdm
 
 from attnlab.data.cache import atomic_write_text
 from attnlab.interrupt import Interrupted, graceful, requested
 from attnlab.lock import FolderLock
-from attnlab.models import LM
 from attnlab.regularizers import regularization
 
 from . import ddp
@@ -40,60 +36,11 @@ from .checkpoint import (capture_rng, checkpoint_name, latest_checkpoint, load_c
 from .config import RunConfig, load_config, save_config, to_dict
 from .resume import CKPT_DIR, check_same_model
 from .data import RunData, build_data
+from .early_stop import EarlyStopping
 from .logging import RunLogger, read_log
 from .stats import attention_stats
-
-
-
-def resolve_device(name: str) -> torch.device:
-    if name == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    if name == "cuda" and not torch.cuda.is_available():
-        raise ValueError("run.device is 'cuda' but no CUDA device is available; use 'cpu' or 'auto'")
-    return torch.device(name)
-
-
-def seed_everything(seed: int) -> None:
-    random.seed(seed)
-    np.random.seed(seed % 2**32)
-    torch.manual_seed(seed)
-
-
-def build_model(cfg: RunConfig, vocab_size: int) -> LM:
-    """The LM of `cfg` with model.vocab_size resolved (0 takes the tokenizer's)."""
-    mcfg = cfg.model if cfg.model.vocab_size else dataclasses.replace(cfg.model, vocab_size=vocab_size)
-    if mcfg.vocab_size < vocab_size:
-        raise ValueError(f"model.vocab_size ({mcfg.vocab_size}) is smaller than the tokenizer's vocabulary ({vocab_size})")
-    return LM(mcfg)
-
-
-class DataError(ValueError):
-    """The configured data source could not be loaded (missing, unreachable or empty)."""
-
-
-def make_optimizer(model: torch.nn.Module, tcfg) -> torch.optim.AdamW:
-    """AdamW; weight decay on matrices (dim >= 2) only, not on norms, biases, τ or other vectors."""
-    params = [p for p in model.parameters() if p.requires_grad]
-    decay = [p for p in params if p.dim() >= 2]
-    no_decay = [p for p in params if p.dim() < 2]
-    groups = [{"params": decay, "weight_decay": tcfg.weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
-    return torch.optim.AdamW(groups, lr=tcfg.lr, betas=tcfg.betas, eps=tcfg.eps)
-
-
-def has_unused_parameters(model: LM, device: torch.device) -> bool:
-    """Whether some parameter gets no gradient from a forward pass (probed on 2 tokens;
-    parameters and RNG are left untouched)."""
-    logits, _ = model(torch.zeros(1, 2, dtype=torch.long, device=device))
-    logits.sum().backward()
-    unused = any(p.grad is None for p in model.parameters() if p.requires_grad)
-    model.zero_grad(set_to_none=True)
-    return unused
-
-
-def autocast(device: torch.device, dtype: str):
-    if dtype == "bfloat16":
-        return torch.autocast(device_type=device.type, dtype=torch.bfloat16)
-    return contextlib.nullcontext()
+from .setup import (DataError, autocast, build_model, has_unused_parameters, make_optimizer, resolve_device,  # noqa: F401
+                    seed_everything)
 
 
 class Trainer:
@@ -131,6 +78,8 @@ class Trainer:
         self.ddp_model = ddp.wrap_model(self.model, self.env, find_unused_parameters=unused)
         self.logger = RunLogger(self.run_dir, enabled=self.env.is_main, tensorboard=cfg.run.tensorboard)
         self.step = 0  # optimizer steps completed
+        t = cfg.train
+        self.early = EarlyStopping(t.early_stop_patience, t.early_stop_metric, t.early_stop_min_delta)
         if cfg.run.resume:
             self._resume()
         if self.env.is_main:
@@ -172,6 +121,8 @@ class Trainer:
         state = load_checkpoint(path, self.model, self.optimizer, device=self.device)
         self.data.train.load_state_dict(state["data"])
         self.step = int(state["step"])
+        if self.early.active and "early_stop" in state:
+            self.early.load_state_dict(state["early_stop"])
         restore_rng(state["rng"])
         self.logger.truncate_after(self.step)
         self._resumed_from = str(path)
@@ -261,6 +212,8 @@ class Trainer:
             "config": to_dict(self.cfg),
             "world_size": self.env.world_size,
         }
+        if self.early.active:
+            state["early_stop"] = self.early.state_dict()
         save_checkpoint(self.ckpt_dir, self.step, self.model, self.optimizer, state, keep=self.cfg.train.keep_checkpoints)
 
     # ------------------------------------------------------------------ the loop
@@ -280,7 +233,7 @@ class Trainer:
             last_eval = self._loop(bar)
         bar.close()
         if last_eval is None:  # resumed at the end: nothing left to train
-            last_eval = {"step": self.step, **self.evaluate()}
+            last_eval = dict(self.early.best_eval) if self.early.ended else {"step": self.step, **self.evaluate()}
         summary = self._summary(last_eval, self._tokens_done, self._train_time)
         if main:
             atomic_write_text(self.run_dir / "summary.json", json.dumps(summary, indent=2, default=str) + "\n")
@@ -301,7 +254,7 @@ class Trainer:
         window_time, window_tokens = 0.0, 0
         last_eval = None
         self._train_time, self._tokens_done = 0.0, 0
-        while self.step < t_cfg.steps:
+        while self.step < t_cfg.steps and not self.early.ended:
             t0 = time.perf_counter()
             row = self.train_step()
             if self.device.type == "cuda":
@@ -325,6 +278,10 @@ class Trainer:
                 self.logger.log("eval", last_eval)
                 if main and cfg.run.progress:
                     tqdm.write(f"step {self.step}: val loss {last_eval['val_loss']:.4f}, ppl {last_eval['val_ppl']:.2f}")
+                if self.early.active:
+                    last_eval = self._watch(last_eval)
+            if self.early.ended:
+                break
             if (t_cfg.ckpt_every and self.step % t_cfg.ckpt_every == 0) or self.step == t_cfg.steps:
                 self.save()
             self._train_time, self._tokens_done = train_time, tokens_done
@@ -336,6 +293,24 @@ class Trainer:
                 raise Interrupted(signum, f"{self.run_dir} stopped after step {self.step} of {t_cfg.steps}; "
                                           f"checkpoint {self.ckpt_dir / checkpoint_name(self.step)} saved")
         return last_eval
+
+    def _watch(self, row: dict) -> dict:
+        """Early stopping after an evaluation: keep the best weights; at the end (patience spent or
+        the last step) restore them and save them as the final checkpoint. Returns the evaluation
+        the run reports: this one, or at the end the best one."""
+        improved, stop = self.early.update(row)
+        if improved and self.env.is_main:
+            self.early.save_best(self.ckpt_dir, self.model)
+        if not (stop or self.step >= self.cfg.train.steps):
+            return row
+        ddp.barrier(self.env)  # the best checkpoint is on disk before any rank reads it
+        self.early.restore_best(self.ckpt_dir, self.model, self.device)
+        self.early.ended = True
+        self.save()
+        if self.env.is_main and self.cfg.run.progress:
+            tqdm.write(f"early stopping at step {self.step}: the best {self.early.metric} "
+                       f"{self.early.best:.4f} was at step {self.early.best_step}; its weights are the run's")
+        return dict(self.early.best_eval)
 
     def _summary(self, last_eval: dict, tokens: int, seconds: float) -> dict:
         history = read_log(self.run_dir) if self.env.is_main else []
@@ -355,6 +330,8 @@ class Trainer:
             "tau": [layer.get("tau_mean") for layer in layers],
             "layers": layers,
             "resumed_from": getattr(self, "_resumed_from", None),
+            **({"stopped_at": self.step, "best_step": self.early.best_step,
+                "early_stop": {"metric": self.early.metric, "best": self.early.best}} if self.early.active else {}),
             "history": {
                 "train": train_rows,
                 "eval": [r for r in history if r.get("kind") == "eval"],

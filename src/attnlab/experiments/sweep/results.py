@@ -106,7 +106,7 @@ def aggregate(spec: Spec, out: str | os.PathLike | None = None) -> dict:
                 "d_model": cfg.model.d_model, "n_layers": cfg.model.n_layers, "n_heads": cfg.model.n_heads,
                 "seq_len": cfg.data.seq_len, "batch_size": cfg.train.batch_size, "grad_accum": cfg.train.grad_accum,
                 "steps": cfg.train.steps, "tokens_per_run": cfg.train.steps * cfg.train.tokens_per_step,
-                "lr": cfg.train.lr, "data": cfg.data.source, "tokenizer": cfg.data.tokenizer, "max_docs": cfg.data.max_docs,
+                "lr": cfg.train.lr, "early_stop": _early_stop_of(cfg), "data": cfg.data.source, "tokenizer": cfg.data.tokenizer, "max_docs": cfg.data.max_docs,
             })
     names = scalar_names(spec, runs)
     variants = {}
@@ -199,7 +199,7 @@ def report_markdown(spec: Spec, results: dict, out: Path, metrics_png: bool = Tr
               f" (d_model {common('d_model')}, {common('n_layers')} layers, {common('n_heads')} heads).",
               f"- Scale per run: {common('steps')} optimizer steps x {common('batch_size')} x {common('grad_accum')} "
               f"sequences of {common('seq_len')} tokens (context) = {common('tokens_per_run', fmt)} training tokens; "
-              f"AdamW lr {common('lr')}.",
+              f"AdamW lr {common('lr')}" + _early_stop_text(first.get("early_stop")) + ".",
               f"- Data: {common('data')} ({first['tokenizer']} tokens"
               f"{', ' + str(first['max_docs']) + ' documents per split' if first['max_docs'] else ''}).",
               f"- Seeds: {', '.join(map(str, spec.seeds))}; {len(results['runs'])} of "
@@ -230,6 +230,20 @@ def report_markdown(spec: Spec, results: dict, out: Path, metrics_png: bool = Tr
               f"summary.json, sweep.json). Machine: Python {m['python']}, torch {m['torch']}, {m['platform']}, "
               f"{m['cpus']} CPUs, torch threads per run: {m['torch_threads']}{', ' + m['cuda'] if m['cuda'] else ''}."]
     return "\n".join(lines)
+
+
+def _early_stop_of(cfg: RunConfig) -> dict | None:
+    t = cfg.train
+    return ({"patience": t.early_stop_patience, "metric": t.early_stop_metric, "every": t.eval_every}
+            if t.early_stop_patience else None)
+
+
+def _early_stop_text(early: dict | None) -> str:
+    if not early:
+        return ""
+    return (f"; steps and tokens are the most a run may take: each stops early after {early['patience']} evaluations "
+            f"(every {early['every']} steps) without a better {early['metric']} on the validation split and ends "
+            f"with the best evaluation's weights (stopped_at: the steps it trained; best_step: the weights kept)")
 
 
 def _metrics_text(metrics: dict) -> str:

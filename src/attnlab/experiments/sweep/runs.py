@@ -82,14 +82,15 @@ def config_changes(run_dir: Path, cfg: RunConfig) -> list[tuple[str, Any, Any]]:
 
 
 def summary_of(run_dir: Path, steps: int | None = None) -> dict | None:
-    """The run's summary.json when it is present and complete, else None."""
+    """The run's summary.json when it is present and complete (trained to `steps`, or ended
+    earlier by early stopping), else None."""
     try:
         s = json.loads((run_dir / "summary.json").read_text())
     except (OSError, ValueError):
         return None
     if not isinstance(s, dict) or not all(k in s for k in ("val_loss", "steps", "params", "history")):
         return None
-    return s if steps is None or s["steps"] == steps else None
+    return s if steps is None or s["steps"] == steps or "early_stop" in s else None
 
 
 def _record_of(run_dir: Path) -> dict | None:

@@ -25,7 +25,8 @@ METRIC_KEYS = ("loss_at", "topk_mass", "entropy", "sink_share", "learned_sink_sh
                "budgets", "compress", "lengths", "passkey", "mqar_accuracy")
 EVAL_ARG_KEYS = ("max_tokens", "batch_size", "analysis_len", "analysis_batch", "split", "passkey_depths")
 OWNED_KEYS = ("run.seed", "run.name", "run.out_dir", "run.resume", "run.overwrite", "run.progress")
-SUMMARY_SCALARS = ("val_loss", "val_ppl", "val_accuracy", "train_loss", "tokens_per_s", "train_seconds")
+SUMMARY_SCALARS = ("val_loss", "val_ppl", "val_accuracy", "train_loss", "tokens_per_s", "train_seconds",
+                   "stopped_at", "best_step")
 RECORD = "sweep.json"  # per run folder: the collected metrics and the wall time of the run
 NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.+-]*$")
 

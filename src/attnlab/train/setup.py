@@ -1,0 +1,65 @@
+"""What a training run is built from: the device, the seeds, the model, the optimizer, autocast."""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import random
+
+import numpy as np
+import torch
+
+from attnlab.models import LM
+
+from .config import RunConfig
+
+
+def resolve_device(name: str) -> torch.device:
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if name == "cuda" and not torch.cuda.is_available():
+        raise ValueError("run.device is 'cuda' but no CUDA device is available; use 'cpu' or 'auto'")
+    return torch.device(name)
+
+
+def seed_everything(seed: int) -> None:
+    random.seed(seed)
+    np.random.seed(seed % 2**32)
+    torch.manual_seed(seed)
+
+
+def build_model(cfg: RunConfig, vocab_size: int) -> LM:
+    """The LM of `cfg` with model.vocab_size resolved (0 takes the tokenizer's)."""
+    mcfg = cfg.model if cfg.model.vocab_size else dataclasses.replace(cfg.model, vocab_size=vocab_size)
+    if mcfg.vocab_size < vocab_size:
+        raise ValueError(f"model.vocab_size ({mcfg.vocab_size}) is smaller than the tokenizer's vocabulary ({vocab_size})")
+    return LM(mcfg)
+
+
+class DataError(ValueError):
+    """The configured data source could not be loaded (missing, unreachable or empty)."""
+
+
+def make_optimizer(model: torch.nn.Module, tcfg) -> torch.optim.AdamW:
+    """AdamW; weight decay on matrices (dim >= 2) only, not on norms, biases, τ or other vectors."""
+    params = [p for p in model.parameters() if p.requires_grad]
+    decay = [p for p in params if p.dim() >= 2]
+    no_decay = [p for p in params if p.dim() < 2]
+    groups = [{"params": decay, "weight_decay": tcfg.weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
+    return torch.optim.AdamW(groups, lr=tcfg.lr, betas=tcfg.betas, eps=tcfg.eps)
+
+
+def has_unused_parameters(model: LM, device: torch.device) -> bool:
+    """Whether some parameter gets no gradient from a forward pass (probed on 2 tokens;
+    parameters and RNG are left untouched)."""
+    logits, _ = model(torch.zeros(1, 2, dtype=torch.long, device=device))
+    logits.sum().backward()
+    unused = any(p.grad is None for p in model.parameters() if p.requires_grad)
+    model.zero_grad(set_to_none=True)
+    return unused
+
+
+def autocast(device: torch.device, dtype: str):
+    if dtype == "bfloat16":
+        return torch.autocast(device_type=device.type, dtype=torch.bfloat16)
+    return contextlib.nullcontext()
