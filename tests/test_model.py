@@ -86,9 +86,9 @@ def test_sorted_cache_window_covering_everything_is_exact(attn, sink):
         if calls is not None:
             append, attend = cache.append, cache.attend
 
-            def recorded_append(ks, v, k=None):
+            def recorded_append(ks, v, k=None, **kw):
                 calls.append(("append", ks, v, k))
-                append(ks, v, k)
+                append(ks, v, k, **kw)
 
             def recorded_attend(qs, tau, q=None, window=64, **kw):
                 out = attend(qs, tau, q=q, window=window, **kw)

@@ -117,3 +117,40 @@ def test_config_errors_and_extra_columns():
         windowed_attention(*scalars()[:4], 4, local=-1)
     with pytest.raises(ValueError, match="impl"):
         windowed_attention(*scalars()[:4], 4, impl="gpu")
+
+
+def test_ring_hands_its_oldest_token_to_the_sorted_cache():
+    from attnlab.cache.ring import Ring
+
+    ring, left = Ring(3), []
+    for t in range(5):
+        ring.push(torch.full((1, 2), float(t)), torch.full((1, 1, 4), float(t)), None,
+                  lambda ks, v, k: left.append((ks.clone(), v.clone(), k)))
+    assert [int(ks[0, 0]) for ks, _, _ in left] == [0, 1] and all(k is None for *_, k in left)
+    ks, v, k = ring.view()
+    assert len(ring) == 3 and sorted(ks[0, 0].tolist()) == [2.0, 3.0, 4.0] and k is None
+    assert torch.equal(ks[0, 0], v[0, 0, :, 0])  # keys and values stay paired
+    with pytest.raises(ValueError, match="size"):
+        Ring(0)
+
+
+def test_a_step_whose_projections_overflow_is_refused_and_changes_nothing():
+    torch.manual_seed(0)
+    m = Attention(AttentionConfig(d_model=32, n_heads=4, mechanism="hybrid", train_window=3, local_window=2))
+    x = torch.randn(1, 6, 32)
+    with torch.no_grad():
+        c = m.make_cache(1)
+        for t in range(6):
+            m.step(x[:, t : t + 1], c)
+        before = (c.pos, len(c.scalar), len(c.ring), c.ring.ks.clone())
+        m.wk.weight.mul_(1e38)  # finite input, keys overflow to inf
+        with pytest.raises(ValueError, match="must be finite.*the cache is unchanged"):
+            m.step(torch.full((1, 1, 32), 10.0), c)
+    assert (c.pos, len(c.scalar), len(c.ring)) == before[:3] and torch.equal(c.ring.ks, before[3])
+    cache = SortedScalarCache(1, 2, 1, 3)
+    nan_key = torch.tensor([[0.0, float("nan")]])
+    with pytest.raises(ValueError, match="ks must be finite"):
+        cache.append(nan_key, torch.zeros(1, 1, 3))
+    assert len(cache) == 0
+    cache.append(torch.zeros(1, 2), torch.zeros(1, 1, 3), check_values=False)  # a caller that checked already
+    assert len(cache) == 1

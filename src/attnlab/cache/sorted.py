@@ -286,10 +286,12 @@ class SortedScalarCache:
         return x if x.dtype == dtype and x.device == self.device else x.to(self.device, dtype)
 
     # ---- decode step --------------------------------------------------------------------
-    def append(self, ks: torch.Tensor, v: torch.Tensor, k: torch.Tensor | None = None) -> None:
+    def append(self, ks: torch.Tensor, v: torch.Tensor, k: torch.Tensor | None = None, *, check_values: bool = True) -> None:
         """Insert one token: ks (B, H) scalar keys, v (B, G, Dv) values, k (B, H, Dk) vector keys
         (hybrid only), all in the cache's dtype. Every argument is checked (shape, dtype, finite)
-        before anything changes: a rejected append leaves the cache exactly as it was."""
+        before anything changes: a rejected append leaves the cache exactly as it was.
+        check_values=False skips the finiteness and float32-range checks, for a caller that has
+        checked these tensors already (a decoding layer checks its projections once per step)."""
         B, H = self.batch, self.n_heads
         args = [("ks", ks, (B, H)), ("v", v, (B, self.n_groups, self.d_v))]
         if self.hybrid:
@@ -301,9 +303,10 @@ class SortedScalarCache:
         for name, x, shape in args:
             self._check_shape(name, x, shape)
             self._check_dtype(name, x)
-        for name, x, _ in args:
-            _check_finite(name, x)
-        check_float32_range("ks", ks)
+        if check_values:
+            for name, x, _ in args:
+                _check_finite(name, x)
+            check_float32_range("ks", ks)
         if self.n_slots == self.values.shape[2]:
             self.reserve_slots(1)  # a full fixed capacity raises before anything changes
         s = self.n_slots
@@ -316,7 +319,8 @@ class SortedScalarCache:
         self._n_max += 1
 
     def attend(self, qs: torch.Tensor, tau, q: torch.Tensor | None = None, window: int | None = 64,
-               radius=None, eps: float | None = None, impl: str = "auto", extra=None) -> torch.Tensor:
+               radius=None, eps: float | None = None, impl: str = "auto", extra=None, *,
+               check_values: bool = True) -> torch.Tensor:
         """One decode step: qs (B, H) scalar queries, q (B, H, Dk) vector queries (hybrid) -> (B, H, Dv).
 
         tau: float, 0-d, (H,) or (B, H). window: k nearest entries (None: all, i.e. exact); clamped to what
@@ -324,11 +328,13 @@ class SortedScalarCache:
         (r = sqrt(-tau log eps), eps in (0, 1)): keep only entries within r (at most ``window``). impl:
         "fast" searches the sorted index, "naive" scores every cached entry by the formula and masks
         outside the window. extra (fast only): (logits (B, H, m), values (B, H, m, Dv)) of m keys held
-        outside the cache (a local ring of recent tokens), in the same softmax. Raises as the class says."""
+        outside the cache (a local ring of recent tokens), in the same softmax. check_values=False skips
+        the finiteness and float32-range checks of qs, q and extra (shapes are always checked), for a
+        caller that has checked them already. Raises as the class says."""
         check_impl(impl)
-        query = self.query(qs, tau, q, window, radius, eps)
+        query = sorted_read.make_query(self, qs, tau, q, window, radius, eps, check_values=check_values)
         if extra is not None:
-            extra = self._check_extra(extra)
+            extra = sorted_read.check_extra(self, extra, check_values)
             if impl == "naive":
                 raise ValueError("extra columns are read by impl='fast' / 'auto' only")
         if self._n_max == 0 and not self.has_sink and extra is None:
@@ -340,21 +346,6 @@ class SortedScalarCache:
             return attend_naive(self, query)
         cand, _ = self.select(query)
         return sorted_read.output(self, cand, query, extra)
-
-    def _check_extra(self, extra):
-        """(logits (B, H, m), values (B, H, m, Dv)) -> per row (R, m), (R, m, Dv); finite values."""
-        B, H, Dv = self.batch, self.n_heads, self.d_v
-        if not isinstance(extra, (tuple, list)) or len(extra) != 2 or not all(isinstance(x, torch.Tensor) for x in extra):
-            raise TypeError("extra must be a pair of tensors (logits (B, H, m), values (B, H, m, Dv))")
-        lg, v = extra
-        if lg.dim() != 3 or tuple(lg.shape[:2]) != (B, H) or tuple(v.shape) != (B, H, lg.shape[2], Dv):
-            raise ValueError(f"extra must be logits (B, H, m) = ({B}, {H}, m) and values (B, H, m, Dv) = "
-                             f"({B}, {H}, m, {Dv}), got {tuple(lg.shape)} and {tuple(v.shape)}")
-        if bool(torch.isnan(lg).any()) or bool((lg == float("inf")).any()):
-            raise ValueError("extra logits must be finite or -inf")
-        _check_finite("extra values", v)
-        m = lg.shape[2]
-        return lg.reshape(self.rows, m).to(torch.float32), v.reshape(self.rows, m, Dv)
 
     def query(self, qs: torch.Tensor, tau, q: torch.Tensor | None = None, window: int | None = 64,
               radius=None, eps: float | None = None) -> DecodeQuery:

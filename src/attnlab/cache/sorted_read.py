@@ -50,8 +50,9 @@ class DecodeQuery:
 
 
 def make_query(cache, qs: torch.Tensor, tau, q: torch.Tensor | None = None, window: int | None = 64,
-               radius=None, eps: float | None = None) -> DecodeQuery:
-    """Check the arguments of `attend` (same meaning) and lay them out per row; records nothing."""
+               radius=None, eps: float | None = None, *, check_values: bool = True) -> DecodeQuery:
+    """Check the arguments of `attend` (same meaning; check_values=False: shapes and options only)
+    and lay them out per row; records nothing."""
     B, H = cache.batch, cache.n_heads
     cache._check_shape("qs", qs, (B, H))
     cache._check_dtype("qs", qs, qs.dtype)
@@ -62,11 +63,12 @@ def make_query(cache, qs: torch.Tensor, tau, q: torch.Tensor | None = None, wind
         cache._check_dtype("q", q, qs.dtype)
     elif q is not None:
         raise ValueError("q must be None: this cache has pure scalar heads")
-    check_finite_cache("qs", qs)
-    check_float32_range("qs", qs)
-    if cache.hybrid:
-        check_finite_cache("q", q)
-        check_float32_range("q", q)
+    if check_values:
+        check_finite_cache("qs", qs)
+        check_float32_range("qs", qs)
+        if cache.hybrid:
+            check_finite_cache("q", q)
+            check_float32_range("q", q)
     if window is not None:
         check_int("window", window)
     if radius is not None and eps is not None:
@@ -84,6 +86,36 @@ def make_query(cache, qs: torch.Tensor, tau, q: torch.Tensor | None = None, wind
         qr = qr.to(cache.device, torch.float32)
     q_rows = q.to(cache.device, torch.float32).reshape(cache.rows, cache.d_k) if cache.hybrid else None
     return DecodeQuery(qr, q_rows, tau_r, r, window)
+
+def check_step_values(*tensors: torch.Tensor | None) -> None:
+    """One decode step's projections (scalar queries and keys, values, vector queries and keys;
+    None skipped) checked at once: finite, and float64 ones within float32's range (the sorted
+    index holds float32 keys). One check in place of one per tensor per cache call."""
+    xs = [x for x in tensors if x is not None]
+    dtype = torch.float64 if any(x.dtype == torch.float64 for x in xs) else xs[0].dtype
+    flat = torch.cat([x.detach().reshape(-1).to(dtype) for x in xs])
+    check_finite_cache("the step's queries, keys and values", flat)
+    check_float32_range("the step's queries, keys and values", flat)
+
+
+def check_extra(cache, extra, check_values: bool = True):
+    """`attend`'s extra columns (logits (B, H, m), values (B, H, m, Dv)) checked (values finite,
+    logits finite or -inf, unless check_values is False) -> per row (R, m) float32, (R, m, Dv)."""
+    B, H, Dv = cache.batch, cache.n_heads, cache.d_v
+    if not isinstance(extra, (tuple, list)) or len(extra) != 2 or not all(isinstance(x, torch.Tensor) for x in extra):
+        raise TypeError("extra must be a pair of tensors (logits (B, H, m), values (B, H, m, Dv))")
+    lg, v = extra
+    if lg.dim() != 3 or tuple(lg.shape[:2]) != (B, H) or tuple(v.shape) != (B, H, lg.shape[2], Dv):
+        raise ValueError(f"extra must be logits (B, H, m) = ({B}, {H}, m) and values (B, H, m, Dv) = "
+                         f"({B}, {H}, m, {Dv}), got {tuple(lg.shape)} and {tuple(v.shape)}")
+    if check_values:
+        if bool(torch.isnan(lg).any()) or bool((lg == float("inf")).any()):
+            raise ValueError("extra logits must be finite or -inf")
+        check_finite_cache("extra values", v)
+    m = lg.shape[2]
+    lg = lg.reshape(cache.rows, m)
+    return lg if lg.dtype == torch.float32 else lg.float(), v.reshape(cache.rows, m, Dv)
+
 
 def select(cache, query: DecodeQuery) -> tuple[torch.Tensor, torch.Tensor]:
     """Packed candidates (C, R, k), each head's k nearest entries (within the radius, if

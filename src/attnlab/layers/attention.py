@@ -230,7 +230,7 @@ class Attention(nn.Module):
         """
         if self.rope is None:
             return q, k
-        return self.rope(q, start_pos), self.rope(k, start_pos)
+        return self.rope.rotate_pair(q, k, start_pos)
 
     def check_input(self, x, name: str = "x") -> None:
         """x: a finite floating (B, T, d_model) tensor in the parameters' dtype (any float dtype

@@ -58,9 +58,19 @@ class RotaryEmbedding(nn.Module):
         Raises:
             ValueError: x is not (B, H, T, head_dim).
         """
-        if x.dim() != 4 or x.shape[-1] != self.head_dim:
-            raise ValueError(f"x must be (B, H, T, {self.head_dim}), got shape {tuple(x.shape)}")
-        cos, sin = self.angles(start_pos, x.shape[2], x.device)
-        cos, sin = cos.to(x.dtype), sin.to(x.dtype)  # (T, D/2)
-        x1, x2 = x.chunk(2, dim=-1)  # (B, H, T, D/2) each
-        return torch.cat([x1 * cos - x2 * sin, x1 * sin + x2 * cos], dim=-1)
+        return self.rotate_pair(x, None, start_pos)[0]
+
+    def rotate_pair(self, q: torch.Tensor, k: torch.Tensor | None, start_pos: int = 0):
+        """q and k (or None) rotated, the angles computed once: each (B, H, T, D) with the same T."""
+        for name, x in (("x", q), ("k", k)):
+            if x is not None and (x.dim() != 4 or x.shape[-1] != self.head_dim or x.shape[2] != q.shape[2]):
+                raise ValueError(f"{name} must be (B, H, T, {self.head_dim}), got shape {tuple(x.shape)}")
+        cos64, sin64 = self.angles(start_pos, q.shape[2], q.device)
+        cos, sin = cos64.to(q.dtype), sin64.to(q.dtype)  # (T, D/2)
+
+        def turn(x):
+            c, s = (cos, sin) if x.dtype == q.dtype else (cos64.to(x.dtype), sin64.to(x.dtype))
+            x1, x2 = x.chunk(2, dim=-1)  # (B, H, T, D/2) each
+            return torch.cat([x1 * c - x2 * s, x1 * s + x2 * c], dim=-1)
+
+        return turn(q), None if k is None else turn(k)

@@ -44,7 +44,9 @@ from torch import nn
 
 from ...cache.exact import ExactScalarCache
 from ...cache.kv import KVCache
+from ...cache.ring import Ring
 from ...cache.sorted import QUERY_HISTORY, SortedScalarCache
+from ...cache.sorted_read import check_step_values
 from ...ops import (
     budget_evictions, hybrid_logits, scalar_attention, scalar_attention_approx, scalar_logits, softmax_attention, window_mask,
     windowed_attention,
@@ -254,7 +256,7 @@ class ScalarAttention(Attention):
         if window is None and c.train_window is not None and not cache.exact:
             cache.window = window = c.train_window
         if window is not None and c.local_window:
-            cache.ring = {"ks": [], "v": [], "k": []}
+            cache.ring = Ring(c.local_window)
         return window
 
     def scalar_cache(self, batch_size: int, window: int | None):
@@ -320,12 +322,14 @@ class ScalarAttention(Attention):
         k_t = expand_heads(k, self.n_scalar)[:, :, 0] if k is not None else None  # (B, H, D)
         tau = p.tau if p.tau.dim() == 1 else p.tau[..., 0]  # (H,) or (B, H)
         q_t = q[:, :, 0] if q is not None else None
+        check_step_values(p.qs, p.ks, vals, q, k)  # once here; the cache's calls skip their own value checks
         extra = None
         if cache.ring is None:
-            cache.scalar.append(p.ks[..., 0], vals[:, :, 0], k=k_t)
+            cache.scalar.append(p.ks[..., 0], vals[:, :, 0], k=k_t, check_values=False)
         else:
             extra = self.ring_step(cache, p, vals, k_t)
-        o = cache.scalar.attend(p.qs[..., 0], tau, q=q_t, window=cache.window, extra=extra).unsqueeze(2)  # (B, H, 1, D)
+        o = cache.scalar.attend(p.qs[..., 0], tau, q=q_t, window=cache.window, extra=extra,
+                                check_values=False).unsqueeze(2)  # (B, H, 1, D)
         if cache.budget is not None:
             cache.scalar.evict_to_budget(cache.budget)
         if cache.compress is not None:
@@ -337,20 +341,21 @@ class ScalarAttention(Attention):
         into the sorted cache) and score the ring for this step's query: the sorted cache's `extra`
         columns, logits (B, H, w) and values (B, H, w, D)."""
         ring, H = cache.ring, self.n_scalar
-        ring["ks"].append(p.ks[..., 0])
-        ring["v"].append(vals[:, :, 0])
-        ring["k"].append(k_t)
-        if len(ring["ks"]) > self.config.local_window:
-            ks_o, v_o, k_o = ring["ks"].pop(0), ring["v"].pop(0), ring["k"].pop(0)
-            cache.scalar.append(ks_o, v_o, k=k_o)
-        rks = torch.stack(ring["ks"], -1)  # (B, H, w)
-        rv = expand_heads(torch.stack(ring["v"], 2), H)  # (B, H, w, D)
+        ring.push(p.ks[..., 0], vals[:, :, 0], k_t, self._into_sorted(cache))  # a token leaving the ring: sorted cache
+        rks, rv, rk = ring.view()  # (B, H, w), (B, G, w, D), (B, H, w, Dk)
+        rv = expand_heads(rv, H)  # (B, H, w, D)
         tau = p.tau.view(1, H, 1) if p.tau.dim() == 1 else p.tau[..., :1]  # checked by the projection's Temperature
-        if k_t is None:  # the ops' score formula; the ring's keys were projected (and are finite) like the query
+        if rk is None:  # the ops' score formula; the ring's keys were projected (and are finite) like the query
             logits = scalar_scores(p.qs[..., :1], rks, tau)
         else:
-            logits = hybrid_scores(p.q, torch.stack(ring["k"], 2), p.qs[..., :1], rks, tau)
+            logits = hybrid_scores(p.q, rk, p.qs[..., :1], rks, tau)
         return logits[:, :, 0], rv
+
+    @staticmethod
+    def _into_sorted(cache):
+        def append(ks, v, k):  # a ring token: checked when it entered the ring
+            cache.scalar.append(ks, v, k=k, check_values=False)
+        return append
 
     def prefill_readout(self, p: Projected, cache):
         """T tokens at once. Exact caches take them through the op's offset form (`step_readout`).
