@@ -306,3 +306,28 @@ def test_ground_weight_and_gate_suppression_against_the_naive_op():
     mean, strong = gate_suppression(qg, kg, beta)
     assert mean == pytest.approx(sum(vals) / len(vals), rel=1e-5)
     assert strong == pytest.approx(sum(x > 1 for x in vals) / len(vals))
+
+
+def test_by_length_analyses_attention_only_up_to_its_cap(monkeypatch):
+    """Past ANALYSIS_MAX_LEN the loss is still measured but the T x T attention analysis is skipped
+    (at 16K tokens it would need gigabytes per layer); the slope uses the lengths analysed."""
+    import importlib
+    import types
+
+    from attnlab.models import LM, ModelConfig
+    ev = importlib.import_module("attnlab.train.evaluate")
+
+    torch.manual_seed(0)
+    model = LM(ModelConfig(vocab_size=257, d_model=16, n_layers=1, n_heads=2, attn="hybrid", max_seq_len=64)).eval()
+    stream = pack_documents(["def f(x):\n    return x * 2\n" * 40], ByteTokenizer())
+    monkeypatch.setattr(ev, "ANALYSIS_MAX_LEN", 32)
+    seen = []
+    real = ev.attention_report
+    monkeypatch.setattr(ev, "attention_report", lambda m, x, *a, **k: seen.append(x.shape[1]) or real(m, x, *a, **k))
+    with torch.no_grad():
+        out = ev.by_length(model, lambda x: model(x)[0], stream, [16, 32, 64], [], (4,), max_tokens=256, batch_size=2,
+                           data=types.SimpleNamespace(cross_doc=True), device="cpu")
+    rows = out["lengths"]
+    assert seen == [16, 32] and all(math.isfinite(rows[T]["loss"]) for T in ("16", "32", "64"))
+    assert rows["64"]["topk_mass"] == {} and rows["64"]["entropy"] is None and "4" in rows["32"]["topk_mass"]
+    assert set(out["miss_slope"]) == {"4"}

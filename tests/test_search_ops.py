@@ -9,7 +9,7 @@ from attnlab.data.packing import doc_causal_mask
 from attnlab.search.capture import pack_contexts, teacher_attention
 from attnlab.search.metrics import mass_at_k, recall_at_k, rel_gap, retrieval_stats, token_nll
 from attnlab.search.projections import SearchProjections, search_losses
-from attnlab.search.retrieval import (ExactIndex, HNSWIndex, oracle_select, quest_bounds, quest_select,
+from attnlab.search.retrieval import (ExactIndex, HNSWIndex, block_starts, oracle_select, quest_bounds, quest_select,
                                       streaming_select, topk_candidates)
 from attnlab.search.sparse import candidate_mask, sparse_attention
 from attnlab.testing import compare_fwd_bwd, rel_rms
@@ -223,6 +223,35 @@ def test_hnsw_blocks_and_pinned_sinks_track_exact_search():
     assert pinned >= exact >= T - 4
     assert graph_only < T // 2  # what the pins are for
     assert torch.equal(v1.sum(-1), v2.sum(-1))
+
+
+@pytest.mark.parametrize("pin", [0, 3])
+def test_batched_hnsw_search_equals_one_call_per_query(pin):
+    """Queries sharing their admissible range are searched in one FAISS call: the same ids as one call
+    per query, for causal rows, rows that see a whole block, two batch rows with two blocks each, and
+    a decode step (the range is the whole graph: no id selector)."""
+    import faiss
+
+    torch.manual_seed(4)
+    B, T, d, K = 2, 160, 12, 6
+    x = torch.nn.functional.normalize(torch.randn(B, 1, T, d), dim=-1)
+    q = torch.nn.functional.normalize(torch.randn(B, 1, T, d), dim=-1)
+    docs = torch.tensor([[0] * 70 + [1] * 90, [0] * 100 + [1] * 60])
+    allowed = doc_causal_mask(docs).expand(B, 1, T, T).clone()
+    allowed[:, :, 120:140] = allowed[:, :, 159:160]  # 20 queries that see the whole second block: one range
+    hn = HNSWIndex(d, M=8, ef_construction=32, ef_search=16, pin=pin)
+    hn.add(x, block_starts(doc_causal_mask(docs), B))
+    qs = q.reshape(B, T, d)
+    i1, v1 = hn._search_rows(qs, allowed, K)
+    i2, v2 = hn._search_rows(qs, allowed, K, batched=False)
+    assert torch.equal(i1[v1], i2[v2]) and torch.equal(v1, v2)
+    assert v1.sum(-1).min() == 1 and v1[:, :, 120:140].sum(-1).min() == K
+    # the decode step's search without a selector equals the one with a selector over every id
+    g = hn.rows[0][70]
+    xq = qs[0, 150:151].numpy()
+    plain = g.search(xq, K, params=faiss.SearchParametersHNSW(efSearch=16))
+    ranged = g.search(xq, K, params=faiss.SearchParametersHNSW(sel=faiss.IDSelectorRange(0, g.ntotal), efSearch=16))
+    assert (plain[1] == ranged[1]).all()
 
 
 def test_search_rope_is_norm_preserving_and_relative():

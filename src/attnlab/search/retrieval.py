@@ -246,28 +246,55 @@ class HNSWIndex:
                 t = e
         self.count += Tn
 
-    def _search_rows(self, qs: torch.Tensor, allowed: torch.Tensor, K: int):
-        B, Tq, _ = qs.shape
+    def _ranges(self, allowed: torch.Tensor, B: int, Tq: int):
+        """Each query's admissible stored positions as one range [lo, hi) (its block, up to itself):
+        al (B, Tq, N), lo, hi (B, Tq) int64 numpy, any (B, Tq) bool numpy."""
         al = allowed.expand(B, 1, Tq, allowed.shape[-1])[:, 0, :, : self.count].cpu()  # (B, Tq, N)
-        any_ok = al.any(-1)
-        lo = al.float().argmax(-1)
-        hi = al.shape[-1] - al.flip(-1).float().argmax(-1)
+        N = al.shape[-1]
+        a8 = al.to(torch.uint8)
+        lo = a8.argmax(-1)
+        hi = N - a8.flip(-1).argmax(-1)
+        return al, lo.numpy(), hi.numpy(), al.any(-1).numpy()
+
+    def _graph_search(self, b: int, a: int, z: int, xq: np.ndarray, K: int) -> np.ndarray:
+        """Block-relative ids (n, K) of queries xq (n, d) that all admit positions [a, z) of row b's
+        block starting at a: one FAISS call (no id selector when the range is the whole graph, as in
+        a decode step), then the pinned keys merged in."""
+        g = self.rows[b][a]
+        ef = max(self.ef_search, K)
+        if z - a == g.ntotal:
+            params = self.faiss.SearchParametersHNSW(efSearch=ef)
+        else:
+            params = self.faiss.SearchParametersHNSW(sel=self.faiss.IDSelectorRange(0, z - a), efSearch=ef)
+        sc, found = g.search(np.ascontiguousarray(xq), K, params=params)
+        pins = self.pins[b].get(a, np.zeros((0, self.dim), dtype=np.float32))[: z - a]
+        return self._merge_pins(xq, sc, found, pins, K)
+
+    def _search_rows(self, qs: torch.Tensor, allowed: torch.Tensor, K: int, batched: bool = True):
+        """idx, valid (B, 1, Tq, K) of queries qs (B, Tq, d). The queries of a row that share their
+        admissible range are searched in one FAISS call; `batched=False` makes one call per query
+        (the reference the batched search is tested against: same ids)."""
+        B, Tq, _ = qs.shape
+        al, lo, hi, any_ok = self._ranges(allowed, B, Tq)
         idx = np.full((B, Tq, K), -1, dtype=np.int64)
         xq = qs.detach().float().cpu().numpy()
         for b in range(B):
-            for t in range(Tq):
-                if not any_ok[b, t]:
-                    continue
-                a, z = int(lo[b, t]), int(hi[b, t])
-                if z - a <= K:
-                    idx[b, t, : z - a] = np.arange(a, z)
-                    continue
-                g = self.rows[b][a]
-                params = self.faiss.SearchParametersHNSW(
-                    sel=self.faiss.IDSelectorRange(0, z - a), efSearch=max(self.ef_search, K))
-                sc, found = g.search(xq[b, t:t + 1], K, params=params)
-                pins = self.pins[b].get(a, np.zeros((0, self.dim), dtype=np.float32))[: z - a]
-                idx[b, t] = self._merge_pins(xq[b, t], sc[0], found[0], pins, K) + a
+            ts = np.flatnonzero(any_ok[b])
+            if not ts.size:
+                continue
+            small = hi[b, ts] - lo[b, ts] <= K  # the whole range fits: every admissible key, exactly
+            for t in ts[small]:
+                idx[b, t, : hi[b, t] - lo[b, t]] = np.arange(lo[b, t], hi[b, t])
+            ts = ts[~small]
+            if batched:
+                keys = lo[b, ts] * (self.count + 1) + hi[b, ts]
+                _, first, inverse = np.unique(keys, return_index=True, return_inverse=True)
+                groups = [ts[inverse.reshape(-1) == i] for i in range(len(first))]
+            else:
+                groups = [ts[i:i + 1] for i in range(ts.size)]
+            for grp in groups:
+                a, z = int(lo[b, grp[0]]), int(hi[b, grp[0]])
+                idx[b, grp] = self._graph_search(b, a, z, xq[b, grp], K) + a
         idx_t = torch.from_numpy(idx).to(qs.device)[:, None]  # (B, 1, Tq, K)
         valid = idx_t >= 0
         idx_t = idx_t.clamp(min=0)
@@ -275,15 +302,20 @@ class HNSWIndex:
         return idx_t, valid
 
     @staticmethod
-    def _merge_pins(q, scores, ids, pins, K):
-        """Block-relative ids of the top K among the graph's results and the exactly scored pinned keys
-        (ids 0..pin-1); empty slots get a large negative id, which stays negative after the offset."""
-        ok = ids >= 0
-        cand = dict(zip(ids[ok].tolist(), scores[ok].tolist()))
-        cand.update({i: float(v) for i, v in enumerate(pins @ q)})
-        best = sorted(cand.items(), key=lambda kv: -kv[1])[:K]
-        out = np.full(K, -(10 ** 12), dtype=np.int64)
-        out[: len(best)] = [i for i, _ in best]
+    def _merge_pins(q: np.ndarray, scores: np.ndarray, ids: np.ndarray, pins: np.ndarray, K: int) -> np.ndarray:
+        """Block-relative ids (n, K) of the top K among the graph's results (scores, ids (n, K), id -1
+        for none) and the exactly scored pinned keys (ids 0..P-1, which replace the graph's entries
+        for those ids), best first; empty slots get a large negative id, which stays negative after
+        the offset. q: the queries (n, d)."""
+        n, P = ids.shape[0], pins.shape[0]
+        sc = np.where((ids >= 0) & (ids >= P), scores, -np.inf)  # the graph's pinned ids are rescored below
+        all_ids = np.concatenate([ids, np.broadcast_to(np.arange(P), (n, P))], 1)
+        all_sc = np.concatenate([sc, q @ pins.T if P else np.zeros((n, 0), np.float32)], 1)
+        order = np.argsort(-all_sc, axis=1, kind="stable")[:, :K]
+        out = np.take_along_axis(all_ids, order, 1)
+        out = np.where(np.isfinite(np.take_along_axis(all_sc, order, 1)), out, -(10 ** 12))
+        if out.shape[1] < K:
+            out = np.concatenate([out, np.full((n, K - out.shape[1]), -(10 ** 12), np.int64)], 1)
         return out
 
     def grow_and_search(self, qs, ks, allowed, K, chunk: int = 64):

@@ -236,10 +236,14 @@ def _windowed_losses(model, fn, stream, lens, windows, batch_size, max_tokens, d
     return out
 
 
+ANALYSIS_MAX_LEN = 4096  # by_length's attention analysis (T x T weights per head) stops here
+
+
 def by_length(model, fn, stream, lengths, windows, topk, *, max_tokens, batch_size, data, device, budgets=None) -> dict:
     """Per context length T: exact loss, windowed-decode loss per k, top-k scalar mass (mean over
-    scalar heads) and attention entropy; and per k the least-squares slope of (1 - mass@k) against
-    ln T. Batches shrink with T (at most max_tokens / T rows, at least one), so every length reads
+    scalar heads) and attention entropy (up to T = ANALYSIS_MAX_LEN: they form the full T x T
+    weights; beyond it {} and None); and per k the least-squares slope of (1 - mass@k) against
+    ln T over the lengths analysed. Batches shrink with T (at most max_tokens / T rows, at least one), so every length reads
     about the same text; the attention analysis uses one sequence of length T."""
     import math
 
@@ -255,18 +259,21 @@ def by_length(model, fn, stream, lengths, windows, topk, *, max_tokens, batch_si
             row["windowed_loss"] = {str(k): v[T]["loss"] for k, v in
                                     _windowed_losses(model, fn, stream, [T], windows, B, max_tokens, data, device,
                                                                      budgets).items()}
-        batch = next(iter(sequential_batches(stream, T, 1, max_batches=1)))
-        layers = attention_report(model, batch.x.to(device), topk, alignment=False)
-        row["topk_mass"] = topk_summary(layers)
-        ent = [h for layer in layers for h in layer.get("entropy", [])]
-        row["entropy"] = sum(ent) / len(ent) if ent else None
+        row["topk_mass"], row["entropy"] = {}, None
+        if T <= ANALYSIS_MAX_LEN:  # the analysis forms every head's T x T weights
+            batch = next(iter(sequential_batches(stream, T, 1, max_batches=1)))
+            layers = attention_report(model, batch.x.to(device), topk, alignment=False)
+            row["topk_mass"] = topk_summary(layers)
+            ent = [h for layer in layers for h in layer.get("entropy", [])]
+            row["entropy"] = sum(ent) / len(ent) if ent else None
         rows[str(T)] = row
     out = {"lengths": rows}
-    if len(lengths) >= 2:
-        xs = [math.log(T) for T in lengths]
+    analysed = [T for T in lengths if T <= ANALYSIS_MAX_LEN]
+    if len(analysed) >= 2:
+        xs = [math.log(T) for T in analysed]
         slopes = {}
         for k in topk:
-            ys = [1.0 - rows[str(T)]["topk_mass"][str(k)] for T in lengths if str(k) in rows[str(T)]["topk_mass"]]
+            ys = [1.0 - rows[str(T)]["topk_mass"][str(k)] for T in analysed if str(k) in rows[str(T)]["topk_mass"]]
             if len(ys) == len(xs):
                 mx, my = sum(xs) / len(xs), sum(ys) / len(ys)
                 slopes[str(k)] = sum((x - mx) * (y - my) for x, y in zip(xs, ys)) / sum((x - mx) ** 2 for x in xs)
