@@ -9,7 +9,8 @@ from attnlab.data.packing import doc_causal_mask
 from attnlab.search.capture import pack_contexts, teacher_attention
 from attnlab.search.metrics import mass_at_k, recall_at_k, rel_gap, retrieval_stats, token_nll
 from attnlab.search.projections import SearchProjections, search_losses
-from attnlab.search.retrieval import (ExactIndex, HNSWIndex, block_starts, oracle_select, quest_bounds, quest_select,
+from attnlab.search.quest import QuestIndex, quest_bounds, quest_select
+from attnlab.search.retrieval import (ExactIndex, HNSWIndex, block_starts, oracle_select,
                                       streaming_select, topk_candidates)
 from attnlab.search.sparse import candidate_mask, sparse_attention
 from attnlab.testing import compare_fwd_bwd, rel_rms
@@ -171,6 +172,31 @@ def test_quest_select_respects_budget_and_mask():
     assert valid[0, 0, 0].sum() == 1 and valid[0, 0, 69].sum() == 32  # whole pages once enough exist
     idx, valid = quest_select(q, k, allowed, 0.35, K=T, page=16)
     assert torch.equal(valid.sum(-1)[0, 0], torch.arange(1, T + 1))  # K >= context: every key
+
+
+@pytest.mark.parametrize("chunks", [[70], [1] * 70, [5, 11, 16, 1, 37]])
+def test_quest_index_kept_as_keys_arrive_equals_quest_select(chunks):
+    """Page bounds updated per added chunk (pages split across chunks, storage growing) select the
+    same keys as quest_select over all the keys; decode steps (one query at the newest position) too."""
+    torch.manual_seed(3)
+    B, H, Hkv, T, D, page, K = 2, 6, 3, 70, 8, 8, 24
+    q, k = torch.randn(B, H, T, D), torch.randn(B, Hkv, T, D)
+    index, at = QuestIndex(page), 0
+    for n in chunks:
+        index.add(k[:, :, at:at + n])
+        at += n
+        step_q = q[:, :, at - 1:at]  # the newest token's query: every stored key admissible
+        got = index.select(step_q, torch.ones(1, 1, 1, at, dtype=torch.bool), 0.35, K, groups=3)
+        ref = quest_select(step_q, k[:, :, :at], torch.ones(1, 1, 1, at, dtype=torch.bool), 0.35, K, page, groups=3)
+        assert torch.equal(got[1], ref[1]) and torch.equal(got[0][got[1]], ref[0][ref[1]])
+    assert index.ntotal == T and index.pages == 9
+    assert torch.allclose(index._min[:, :, :9], torch.nn.functional.pad(k, (0, 0, 0, 2), value=float("inf"))
+                          .view(B, Hkv, 9, page, D).amin(3))
+    allowed = _causal(T)
+    got, ref = index.select(q, allowed, 0.35, K, groups=3), quest_select(q, k, allowed, 0.35, K, page, groups=3)
+    assert torch.equal(got[0], ref[0]) and torch.equal(got[1], ref[1])
+    with pytest.raises(ValueError, match="page"):
+        QuestIndex(0)
 
 
 def test_streaming_keeps_sinks_and_recent_window():

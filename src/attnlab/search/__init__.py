@@ -16,7 +16,8 @@ from .lm import FrozenLM, load_lm, prepare, tiny_lm
 from .metrics import mass_at_k, recall_at_k, rel_gap, retrieval_stats
 from .patch import RetrieveThenAttend, SelectorConfig, generate, substitute
 from .projections import SearchProjections, search_losses
-from .retrieval import (METHODS, ExactIndex, HNSWIndex, oracle_select, quest_bounds, quest_select, streaming_select,
+from .quest import QuestIndex, quest_bounds, quest_select
+from .retrieval import (METHODS, ExactIndex, HNSWIndex, oracle_select, streaming_select,
                         topk_candidates)
 from .sparse import sparse_attention
 from .sweep import EvalConfig, run_eval
@@ -24,7 +25,7 @@ from .tasks import TASKS, TaskConfig, plan_tasks, run_tasks
 from .train import SearchTrainConfig, train_projections
 
 __all__ = [
-    "LAYER_SETS", "FrozenLM", "METHODS", "EvalConfig", "ExactIndex", "HNSWIndex", "ModelSource", "Packed",
+    "LAYER_SETS", "FrozenLM", "METHODS", "EvalConfig", "ExactIndex", "HNSWIndex", "ModelSource", "Packed", "QuestIndex",
     "RetrieveThenAttend", "SearchProjections", "SearchTrainConfig", "SelectorConfig", "TASKS", "TaskConfig",
     "attention_modules", "capture", "fetch_smollm2", "forward_packed", "generate", "load_lm", "load_model",
     "load_tokenizer", "mass_at_k", "oracle_select", "pack_contexts", "plan_tasks", "prepare", "quest_bounds",

@@ -19,7 +19,8 @@ from .hf_model import attention_modules
 from .hooks import Installed
 from .metrics import Tally, retrieval_stats
 from .projections import SearchProjections
-from .retrieval import (METHODS, ExactIndex, HNSWIndex, native_vectors, oracle_select, quest_select,
+from .quest import quest_select
+from .retrieval import (METHODS, ExactIndex, HNSWIndex, native_vectors, oracle_select,
                         streaming_select, topk_candidates)
 from .sparse import sparse_attention
 

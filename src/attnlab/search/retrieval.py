@@ -10,13 +10,11 @@ heads); filler slots (fewer than K admissible keys) have valid False.
 
 from __future__ import annotations
 
-import math
 
 import numpy as np
 import torch
 
 from attnlab.checks import check_groups
-from attnlab.ops._sdpa import expand_heads
 
 from .capture import teacher_attention
 
@@ -91,52 +89,6 @@ def streaming_select(allowed: torch.Tensor, K: int, n_sink: int = 4, batch: int 
     sink = (pos - first) < n_sink
     score = torch.where(sink, pos + 2.0 * Tk, pos)  # sinks first, then by recency
     return topk_candidates(score.expand(allowed.shape), allowed, K)
-
-
-def quest_bounds(q: torch.Tensor, k: torch.Tensor, page: int = 16) -> torch.Tensor:
-    """Quest's per-page upper bound on q.k: sum_c max(q_c * min_c, q_c * max_c) over each page's
-    per-channel key min/max. q (B, H, Tq, D), k (B, Hkv, Tk, D) -> (B, H, Tq, n_pages)."""
-    B, Hkv, Tk, D = k.shape
-    H = q.shape[1]
-    n_pages = math.ceil(Tk / page)
-    pad = n_pages * page - Tk
-    kf = k.float()
-    kmax = torch.nn.functional.pad(kf, (0, 0, 0, pad), value=float("-inf")).view(B, Hkv, n_pages, page, D).amax(3)
-    kmin = torch.nn.functional.pad(kf, (0, 0, 0, pad), value=float("inf")).view(B, Hkv, n_pages, page, D).amin(3)
-    kmax, kmin = expand_heads(kmax, H), expand_heads(kmin, H)  # (B, H, P, D)
-    qf = q.float()
-    return qf.clamp(min=0) @ kmax.transpose(-1, -2) + qf.clamp(max=0) @ kmin.transpose(-1, -2)
-
-
-def quest_select(q, k, allowed, scaling: float, K: int, page: int = 16, groups: int = 1):
-    """Quest-style page selection at budget K: rank pages by the softmax of their bounds (averaged
-    over the heads of each candidate group, so one set serves those heads), take the best
-    ceil(K / page) pages, keep their admissible keys in page-rank order, truncated to K."""
-    B, H, Tq, _ = q.shape
-    Tk = k.shape[2]
-    G = check_groups(H, groups, "groups")
-    n_pages = math.ceil(Tk / page)
-    al = allowed.expand(B, 1, Tq, Tk)
-    al_p = torch.nn.functional.pad(al, (0, n_pages * page - Tk)).view(B, 1, Tq, n_pages, page)
-    page_ok = al_p.any(-1)  # (B, 1, Tq, P)
-    bound = (quest_bounds(q, k, page) * scaling).masked_fill(~page_ok, float("-inf"))
-    score = torch.softmax(bound, dim=-1).nan_to_num(0.0)  # (B, H, Tq, P)
-    score = score.view(B, G, H // G, Tq, n_pages).mean(2)  # (B, G, Tq, P)
-    score = score.masked_fill(~page_ok, -1.0)
-    n_sel = min(math.ceil(K / page), n_pages)
-    top = score.topk(n_sel, dim=-1).indices  # (B, G, Tq, n_sel)
-    tok = (top[..., None] * page + torch.arange(page, device=q.device)).flatten(-2)  # (B, G, Tq, n_sel*page)
-    ok = al_p.expand(B, G, Tq, n_pages, page).gather(3, top[..., None].expand(-1, -1, -1, -1, page)).flatten(-2)
-    ok = ok & (tok < Tk)
-    tok = tok.clamp(max=Tk - 1)
-    # admissible keys first (stable: keeps page rank order), then truncate / pad to K
-    order = torch.sort((~ok).to(torch.int8), dim=-1, stable=True).indices
-    tok, ok = tok.gather(-1, order), ok.gather(-1, order)
-    if tok.shape[-1] >= K:
-        return tok[..., :K], ok[..., :K]
-    pad = K - tok.shape[-1]
-    return (torch.cat([tok, tok.new_zeros(*tok.shape[:-1], pad)], -1),
-            torch.cat([ok, ok.new_zeros(*ok.shape[:-1], pad)], -1))
 
 
 def block_starts(allowed: torch.Tensor, batch: int) -> torch.Tensor:
