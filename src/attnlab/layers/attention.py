@@ -45,15 +45,14 @@ class LayerCache:
         batch_size: B, the batch of every step.
         pos: tokens seen (the next token's position).
         kv: plain cache of the vector heads (k, v, and what else a mechanism keeps per key).
-        scalar: the scalar heads' cache (a KVCache of ks and values, an exact scalar cache or a
-            SortedScalarCache).
+        scalar: the scalar heads' cache (KVCache, ExactScalarCache or SortedScalarCache).
         state: the recurrent state of the linear family.
         window: the sorted cache's window k; None for exact decoding.
-        budget: with window, the entries per head the sorted cache keeps after each step.
-        compress: with window, the key span merged after each step (density compression).
-        max_len: the cosformer horizon M.
+        budget, compress: with window, the entries per head kept / the key span merged (density
+            compression) after each step. max_len: the cosformer horizon M.
         ring: the last local_window tokens of a window-trained scalar/hybrid layer.
         exact: decode every key even where the layer was trained through a window.
+        selector: the scalar/hybrid heads' learned key selector (`attnlab.cache.selected`), or None.
     """
 
     batch_size: int
@@ -65,8 +64,9 @@ class LayerCache:
     budget: int | None = None
     compress: float | None = None
     max_len: int | None = None
-    ring: Any = None  # the last local_window tokens of a window-trained scalar/hybrid layer
-    exact: bool = False  # decode every key even where the layer was trained through a window
+    ring: Any = None
+    exact: bool = False
+    selector: Any = None
 
 
 class Attention(nn.Module):

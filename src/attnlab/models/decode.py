@@ -42,15 +42,15 @@ class DecodeState:
     `feed(idx, mask)` takes the next T columns of the batch; mask (B, T) marks real tokens (1)
     and pads (0). Only left padding is accepted: a row's zeros come before its first real token,
     never after (a 0 after a 1 is a ValueError naming the row). Logits at pad positions are zero.
-    window, budget, compress: as `LM.make_caches`.
+    window, budget, compress, selector: as `LM.make_caches`.
     """
 
     def __init__(self, model, batch_size: int, window: int | None = None, budget: int | None = None,
-                 compress: float | None = None):
+                 compress: float | None = None, selector=None):
         if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1:
             raise ValueError(f"batch_size must be an int >= 1, got {batch_size!r}")
         self.model, self.batch_size = model, batch_size
-        self.cache_args = {"window": window, "budget": budget, "compress": compress}
+        self.cache_args = {"window": window, "budget": budget, "compress": compress, "selector": selector}
         self.groups: list[Group] = []
         self.waiting = torch.arange(batch_size)  # rows that have not seen a real token yet
         self.seen = 0  # columns fed so far, pads included

@@ -101,11 +101,13 @@ class Block(nn.Module):
         return x + self.mlp(self.norm2(x))
 
     def step(self, x_t: torch.Tensor, cache) -> torch.Tensor:
-        x_t = x_t + self.attn.step(self.norm1(x_t), cache)  # (B, 1, C)
-        return x_t + self.mlp(self.norm2(x_t))
+        return self.prefill(x_t, cache, step=True)  # (B, 1, C)
 
-    def prefill(self, x: torch.Tensor, cache) -> torch.Tensor:
-        x = x + self.attn.prefill(self.norm1(x), cache)  # (B, T, C)
+    def prefill(self, x: torch.Tensor, cache, step: bool = False) -> torch.Tensor:
+        h = self.norm1(x)
+        if getattr(cache, "selector", None) is not None:  # a learned key selector reads the layer's input
+            cache.selector.observe(h, cache.pos)
+        x = x + (self.attn.step(h, cache) if step else self.attn.prefill(h, cache))  # (B, T, C)
         return x + self.mlp(self.norm2(x))
 
 
@@ -219,18 +221,36 @@ class LM(nn.Module):
     # ------------------------------------------------------------------ decoding
 
     def make_caches(self, batch_size: int, window: int | None = None, budget: int | None = None,
-                    compress: float | None = None, exact: bool = False) -> list:
+                    compress: float | None = None, exact: bool = False, selector=None) -> list:
         """One decode cache per layer. window=k makes layers with scalar heads (scalar, hybrid)
         use the sorted scalar cache over the k nearest keys; other layers keep their exact cache.
         budget=M (with window) caps each sorted cache at M keys per head (evicted after each step);
         compress=s (with window) merges runs of 4 keys spanning <= s after each step. Layers trained
-        through a window (`train_window`) decode through it by default; exact=True reads every key."""
-        return [
+        through a window (`train_window`) decode through it by default; exact=True reads every key.
+        selector: an `attnlab.cache.selected.DecodeSelector`: scalar/hybrid layers read the K keys
+        their learned search projections find (no window then)."""
+        if selector is not None:
+            from attnlab.cache.selected import DecodeSelector
+            from attnlab.eval.selectors import selectable_layers
+
+            if not isinstance(selector, DecodeSelector):
+                raise TypeError(f"selector must be a DecodeSelector, got {type(selector).__name__}")
+            if window is not None or budget is not None or compress is not None:
+                raise ValueError("selector reads keys through search projections: give no window, budget or compress")
+            layers = dict(selectable_layers(self))
+            if not layers:
+                raise ValueError(f"selector needs scalar or hybrid layers (model.attn={self.cfg.layer_attn})")
+            selector.check(list(layers.items()))
+            exact = True
+        caches = [
             blk.attn.make_cache(batch_size, window=window if blk.attn.n_scalar else None,
                                 budget=budget if blk.attn.n_scalar else None,
                                 compress=compress if blk.attn.n_scalar else None,
                                 exact=exact and bool(blk.attn.n_scalar)) for blk in self.blocks
         ]
+        for i, layer in (layers.items() if selector is not None else ()):
+            selector.attach(layer, caches[i], i)
+        return caches
 
     def step(self, idx_t: torch.Tensor, caches: list, pos: int) -> torch.Tensor:
         """One decode step: idx_t (B, 1) at position `pos` -> logits (B, V)."""
@@ -263,6 +283,7 @@ class LM(nn.Module):
         greedy: bool = True,
         temperature: float = 1.0,
         window: int | None = None,
+        selector=None,
         generator: torch.Generator | None = None,
         attention_mask: torch.Tensor | None = None,
     ) -> torch.Tensor:
@@ -271,7 +292,8 @@ class LM(nn.Module):
 
         greedy=True takes the argmax; otherwise samples from softmax(logits / temperature).
         window=k decodes scalar/hybrid layers from the sorted scalar cache over the k nearest keys
-        (the prompt's readout is the windowed op, which equals stepping that cache).
+        (the prompt's readout is the windowed op, which equals stepping that cache); selector (an
+        `attnlab.cache.selected.DecodeSelector`) decodes them through learned key selection instead.
         attention_mask (B, T0) of 0/1, left padding only: each row starts at its first 1 and decodes
         as if alone (positions from 0, no pad in any cache or state); see `DecodeState`."""
         from .decode import DecodeState
@@ -289,7 +311,7 @@ class LM(nn.Module):
             )
         was_training = self.training
         self.eval()
-        state = DecodeState(self, idx.shape[0], window=window)
+        state = DecodeState(self, idx.shape[0], window=window, selector=selector)
         out = idx
         logits = state.feed(idx, attention_mask, last=1)[:, -1]  # (B, V)
         for i in range(max_new_tokens):

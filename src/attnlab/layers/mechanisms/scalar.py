@@ -45,6 +45,7 @@ from torch import nn
 from ...cache.exact import ExactScalarCache
 from ...cache.kv import KVCache
 from ...cache.ring import Ring
+from ...cache.selected import selected_step
 from ...cache.sorted import QUERY_HISTORY, SortedScalarCache
 from ...cache.sorted_read import check_step_values
 from ...ops import (
@@ -309,6 +310,8 @@ class ScalarAttention(Attention):
         """Readout (B, H_s, 1, D) of the scalar heads for one token."""
         vals = self.scalar_values(p)  # (B, G, 1, D)
         q, k = self.score_vectors(p)
+        if cache.selector is not None:  # a learned key selector (cache/selected.py)
+            return self.plain_step(lambda v: selected_step(self, p, cache, v, q, k), vals)
         if isinstance(cache.scalar, ExactScalarCache):  # every cached key, each augmented once (cache/exact.py)
             def exact(v):
                 cache.scalar.append(p.ks, v, k=k)
@@ -341,7 +344,8 @@ class ScalarAttention(Attention):
         into the sorted cache) and score the ring for this step's query: the sorted cache's `extra`
         columns, logits (B, H, w) and values (B, H, w, D)."""
         ring, H = cache.ring, self.n_scalar
-        ring.push(p.ks[..., 0], vals[:, :, 0], k_t, self._into_sorted(cache))  # a token leaving the ring: sorted cache
+        ring.push(p.ks[..., 0], vals[:, :, 0], k_t,  # a token leaving the ring enters the sorted cache (checked already)
+                  lambda ks, v, k: cache.scalar.append(ks, v, k=k, check_values=False))
         rks, rv, rk = ring.view()  # (B, H, w), (B, G, w, D), (B, H, w, Dk)
         rv = expand_heads(rv, H)  # (B, H, w, D)
         tau = p.tau.view(1, H, 1) if p.tau.dim() == 1 else p.tau[..., :1]  # checked by the projection's Temperature
@@ -351,12 +355,6 @@ class ScalarAttention(Attention):
             logits = hybrid_scores(p.q, rk, p.qs[..., :1], rks, tau)
         return logits[:, :, 0], rv
 
-    @staticmethod
-    def _into_sorted(cache):
-        def append(ks, v, k):  # a ring token: checked when it entered the ring
-            cache.scalar.append(ks, v, k=k, check_values=False)
-        return append
-
     def prefill_readout(self, p: Projected, cache):
         """T tokens at once. Exact caches take them through the op's offset form (`step_readout`).
         An empty sorted cache (window=k, no budget, no compression): the prompt's readout is the
@@ -364,7 +362,7 @@ class ScalarAttention(Attention):
         bulk-loaded from the prompt's keys (one sort per head, `SortedScalarCache.from_tensors`).
         A sorted cache that already holds keys, evicts or compresses takes one token at a time."""
         if not isinstance(cache.scalar, SortedScalarCache):
-            return self.step_readout(p, cache)
+            return None if cache.selector is not None else self.step_readout(p, cache)
         if (len(cache.scalar) or cache.budget is not None or cache.compress is not None or self.decode_select is not None
                 or cache.ring is not None):
             return None

@@ -1,0 +1,125 @@
+"""Decoding scalar and hybrid layers through a learned key selector.
+
+Search projections trained on a model (`attnlab.eval.selector_training.train_selector_projections`)
+map each layer's input to unit search vectors, one search space per scalar/hybrid head. A layer
+decoded through a `DecodeSelector` keeps every key in a plain cache and, per step, adds the new
+token's search key to a growing index (exact maximum inner product, or FAISS HNSW), searches it
+with the token's search query, and attends over the K keys found (and the sink) with the layer's
+own op. Token by token, this reads the keys `attnlab.eval.selectors.select_keys(model, "learned",
+K, projections=...)` reads in a full-sequence forward (tested with the exact index).
+
+    sel = DecodeSelector(projections, K=64)                # or index="hnsw"
+    out = model.generate(prompt, 100, selector=sel)
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from ..checks import check_choice, check_int
+from ..ops._sdpa import expand_heads
+from .kv import KVCache
+
+INDEXES = ("exact", "hnsw")
+
+
+@dataclass(frozen=True)
+class DecodeSelector:
+    """How scalar/hybrid layers pick their keys when decoding (`LM.make_caches(selector=...)`).
+
+    Args:
+        projections: an `attnlab.search.SearchProjections` with one search space per scalar/hybrid
+            head for every such layer of the model.
+        K: keys each head reads per step (besides the sink).
+        index: "exact" (every search key scored, O(n) per step) or "hnsw" (FAISS HNSW graphs, one
+            per batch row and head; needs faiss-cpu).
+        hnsw_m, ef_construction, ef_search, pin: the HNSW graph's links per node, build and search
+            beam widths, and the first keys scored exactly beside the graph (`HNSWIndex`).
+    """
+
+    projections: object
+    K: int
+    index: str = "exact"
+    hnsw_m: int = 32
+    ef_construction: int = 64
+    ef_search: int = 128
+    pin: int = 4
+
+    def __post_init__(self):
+        check_int("K", self.K)
+        check_choice("index", self.index, INDEXES)
+        for name in ("hnsw_m", "ef_construction", "ef_search"):
+            check_int(name, getattr(self, name))
+        check_int("pin", self.pin, low=0)
+
+    def check(self, layers) -> None:
+        """The projections fit these (block index, layer) pairs (ValueError/TypeError naming them)."""
+        from ..eval.selectors import _check_projections
+
+        _check_projections(self.projections, layers)
+
+    def attach(self, layer, cache, i: int) -> None:
+        """Make `cache` (an exact decode cache of block i's layer) decode through this selector."""
+        cache.scalar = KVCache(cache.batch_size)
+        if layer.config.sink:
+            cache.scalar.append(**layer.sink_entry(cache.batch_size))
+        cache.selector = KeySelector(self, i)
+
+
+class KeySelector:
+    """One layer's selection state: the search vectors of positions observed but not yet decoded,
+    and the index of the decoded tokens' search keys."""
+
+    def __init__(self, spec: DecodeSelector, layer: int):
+        from ..search.retrieval import ExactIndex, HNSWIndex
+
+        self.spec, self.layer = spec, layer
+        proj = spec.projections
+        self.index = ExactIndex() if spec.index == "exact" else HNSWIndex(
+            proj.d_search, spec.hnsw_m, spec.ef_construction, spec.ef_search, spec.pin)
+        self._pending: list[tuple[torch.Tensor, torch.Tensor]] = []
+
+    @torch.no_grad()
+    def observe(self, hidden: torch.Tensor, pos: int) -> None:
+        """The layer's input (B, T, C) at positions pos..pos+T-1, before the layer decodes them."""
+        sq, sk = self.spec.projections(self.layer, hidden, start=pos)  # (B, H, T, d)
+        self._pending.extend((sq[:, :, t:t + 1], sk[:, :, t:t + 1]) for t in range(hidden.shape[1]))
+
+    @torch.no_grad()
+    def select(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """Add the next observed token's search key, search with its query: positions (B, H, k)
+        among the n tokens decoded so far (this one included), k = min(K, n), and their validity."""
+        if not self._pending:
+            raise RuntimeError(f"layer {self.layer}: a step came before its input was observed; decode through "
+                               f"LM.step / LM.prefill, which feed the selector")
+        sq, sk = self._pending.pop(0)
+        self.index.add(sk)
+        n = self.index.ntotal
+        allowed = torch.ones(1, 1, 1, n, dtype=torch.bool, device=sq.device)
+        idx, valid = self.index.search(sq, allowed, min(self.spec.K, n))  # (B, H, 1, k)
+        return idx[:, :, 0], valid[:, :, 0]
+
+
+def selected_step(layer, p, cache, vals: torch.Tensor, q, k) -> torch.Tensor:
+    """Readout (B, H_s, 1, D) of one token through `cache.selector`: the token's keys appended to the
+    plain cache (the sink first), then the layer's op over the sink and the selected keys."""
+    if p.qs.shape[-1] != 1:
+        raise RuntimeError("a selector cache decodes one token at a time")
+    full = cache.scalar.append(**{"ks": p.ks, layer.value_key: vals, **({"k": k} if k is not None else {})})
+    idx, valid = cache.selector.select()  # (B, H, k)
+    H, pre = layer.n_scalar, 1 if layer.config.sink else 0
+    pick = torch.cat([idx.new_zeros(*idx.shape[:2], pre), idx + pre], -1)  # the sink, then the selection
+    ok = torch.cat([valid.new_ones(*valid.shape[:2], pre), valid], -1)
+
+    def gather(x):  # (B, G, n[, D]) -> (B, H, 1 + k[, D]) per head
+        x = expand_heads(x, H) if x.dim() == 4 else x
+        return x.gather(2, pick[..., None].expand(-1, -1, -1, x.shape[-1])) if x.dim() == 4 else x.gather(2, pick)
+
+    ks = gather(full["ks"])
+    if not bool(ok.all()):  # a graph search that found fewer keys: park the empty slots far away (weight 0)
+        far = p.qs.detach()[..., :1] + 1e4 * (1.0 + p.tau.detach().abs().max().sqrt())
+        ks = torch.where(ok, ks, far.expand_as(ks))
+    kk = gather(full["k"]) if k is not None else None
+    return layer.scalar_op(p.qs, ks, gather(full[layer.value_key]), p.tau, q, kk, layer.config.impl)

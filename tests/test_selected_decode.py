@@ -1,0 +1,93 @@
+"""Decoding attnlab models through learned key selection (`attnlab.cache.selected`): token by token,
+with prefill, through `LM.generate` with left padding, it reads the keys the full-sequence
+`select_keys(model, "learned", K)` forward reads; the HNSW index; bad arguments refused."""
+
+import pytest
+import torch
+
+from attnlab.cache.selected import DecodeSelector
+from attnlab.eval.selectors import select_keys
+from attnlab.testing import rel_rms
+
+from test_selectors import CONFIGS, IDS, _projections, _tokens
+from test_window import _model
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+CASES = CONFIGS + [("hybrid", {"sink": True, "sink_weight": 0.5}), (["hybrid", "softmax"], {})]
+CASE_IDS = IDS + ["hybrid-weighted-sink", "hybrid-then-softmax"]
+
+
+def _stepped(model, idx, selector, prefill=0):
+    caches = model.make_caches(idx.shape[0], selector=selector)
+    out = [model.prefill(idx[:, :prefill], caches)] if prefill else []
+    out += [model.step(idx[:, t:t + 1], caches, pos=t)[:, None] for t in range(prefill, idx.shape[1])]
+    return torch.cat(out, 1)
+
+
+@pytest.mark.parametrize("attn,attention", CASES, ids=CASE_IDS)
+def test_decode_through_the_selector_equals_the_selection_forward(attn, attention):
+    model = _model(attn, **attention)
+    proj, idx, K = _projections(model), _tokens(), 5
+    with torch.no_grad():
+        with select_keys(model, "learned", K, projections=proj):
+            ref = model(idx)[0]
+        full = model(idx)[0]
+        stepped = _stepped(model, idx, DecodeSelector(proj, K))
+        prefilled = _stepped(model, idx, DecodeSelector(proj, K), prefill=11)
+    assert rel_rms(stepped, ref) < 1e-5 and rel_rms(prefilled, ref) < 1e-5
+    assert rel_rms(stepped, full) > 1e-3  # K = 5 of up to 28 keys: not exact attention
+
+
+def test_generate_with_a_selector_and_left_padding():
+    model = _model("hybrid", sink=True)
+    proj, idx = _projections(model), _tokens(T=12)
+    sel = DecodeSelector(proj, 4)
+    out = model.generate(idx, 6, selector=sel)
+    with torch.no_grad():  # greedy by hand from the selection forward
+        seq = idx
+        for _ in range(6):
+            with select_keys(model, "learned", 4, projections=proj):
+                seq = torch.cat([seq, model(seq)[0][:, -1].argmax(-1, keepdim=True)], 1)
+    assert torch.equal(out, seq)
+    padded = torch.cat([torch.zeros(1, 3, dtype=torch.long), idx[1:]], 1)
+    mask = torch.cat([torch.zeros(1, 3, dtype=torch.long), torch.ones(1, 12, dtype=torch.long)], 1)
+    alone = model.generate(idx[1:], 6, selector=sel)
+    assert torch.equal(model.generate(padded, 6, selector=sel, attention_mask=mask)[:, 3:], alone)
+
+
+def test_hnsw_index_reads_every_key_while_they_fit_and_stays_close_after():
+    pytest.importorskip("faiss")
+    model = _model("hybrid")
+    proj, idx = _projections(model), _tokens(T=40)
+    with torch.no_grad():
+        exact = _stepped(model, idx, DecodeSelector(proj, 8))
+        graph = _stepped(model, idx, DecodeSelector(proj, 8, index="hnsw", hnsw_m=8, ef_search=32))
+        full = _stepped(model, idx, DecodeSelector(proj, 40, index="hnsw", hnsw_m=8))
+    assert rel_rms(graph[:, :8], exact[:, :8]) < 1e-6  # n <= K: every key, no graph search
+    assert rel_rms(graph, exact) < 0.05 and rel_rms(full, model(idx)[0]) < 1e-5
+
+
+@pytest.mark.parametrize("kwargs, error, words", [
+    ({"K": 0}, ValueError, "K"),
+    ({"K": 4, "index": "ivf"}, ValueError, "index"),
+    ({"K": 4, "ef_search": 0}, ValueError, "ef_search"),
+])
+def test_bad_selector_settings_name_the_argument(kwargs, error, words):
+    model = _model("hybrid")
+    with pytest.raises(error, match=words):
+        DecodeSelector(_projections(model), **kwargs)
+
+
+def test_bad_selector_uses_are_refused_before_any_cache_exists():
+    model = _model("hybrid")
+    sel = DecodeSelector(_projections(model), 4)
+    with pytest.raises(ValueError, match="window"):
+        model.make_caches(1, window=4, selector=sel)
+    with pytest.raises(TypeError, match="DecodeSelector"):
+        model.make_caches(1, selector=_projections(model))
+    with pytest.raises(ValueError, match="scalar or hybrid"):
+        _model("softmax").make_caches(1, selector=sel)
+    other = _model("scalar", n_scalar_heads=2)
+    with pytest.raises(ValueError, match="search spaces"):
+        other.make_caches(1, selector=sel)
