@@ -32,6 +32,7 @@ import torch.nn.functional as F
 from tqdm import tqdm
 
 HERE = os.path.dirname(os.path.abspath(__file__))
+SELECTORS = ("learned", "learned-hnsw")
 
 
 def parse_args(argv=None):
@@ -42,6 +43,16 @@ def parse_args(argv=None):
     p.add_argument("--split", default="val", choices=("val", "test"))
     p.add_argument("--threads", type=int, default=1)
     p.add_argument("--out", default=None, help="JSON path (PNG beside it); default benchmarks/results/generate.json")
+    p.add_argument("--selector", nargs="*", default=[], choices=SELECTORS,
+                   help="also decode through learned key selection: search projections trained on the run "
+                        "(--selector-steps), with an exact index (learned) or FAISS HNSW (learned-hnsw), K keys")
+    p.add_argument("--K", type=int, default=64, help="keys per head and step of --selector")
+    p.add_argument("--selector-steps", type=int, default=200, help="training steps of the search projections")
+    p.add_argument("--selector-batches", type=int, default=16,
+                   help="training-split sequences (of the run's context) the projections are distilled on")
+    p.add_argument("--softmax-run", default=None,
+                   help="a run with the same tokenizer decoded exactly on the same tokens (gap_softmax: the loss "
+                        "of each decoder minus this model's)")
     args = p.parse_args(argv)
     try:
         args.ks = [int(x) for x in args.ks.split(",")]
@@ -49,6 +60,10 @@ def parse_args(argv=None):
         p.error(f"--ks must be comma-separated integers, got {args.ks!r}")
     if args.tokens < 2 or any(k < 1 for k in args.ks):
         p.error("--tokens must be >= 2 and every --ks window >= 1")
+    if args.K < 1 or args.selector_steps < 0 or args.selector_batches < 1:
+        p.error("--K and --selector-batches must be >= 1 and --selector-steps >= 0")
+    if args.softmax_run is not None and not os.path.isfile(os.path.join(args.softmax_run, "config.toml")):
+        p.error(f"--softmax-run {args.softmax_run!r} is not a run folder (no config.toml)")
     if not os.path.isfile(os.path.join(args.run, "config.toml")):
         p.error(f"--run {args.run!r} is not a run folder (no config.toml)")
     args.out = args.out or os.path.join(HERE, "results", "generate.json")
@@ -110,19 +125,23 @@ class MassProbe:
 
 
 @torch.no_grad()
-def decode(model, ids: torch.Tensor, ks: list[int]) -> dict:
+def decode(model, ids: torch.Tensor, ks: list[int], extra: dict | None = None) -> dict:
+    """extra: name -> (model, caches) of further decoders (selectors, another model)."""
     n = ids.shape[1] - 1
-    names = ["exact"] + [f"k={k}" for k in ks]
+    extra = extra or {}
+    names = ["exact"] + [f"k={k}" for k in ks] + list(extra)
     caches = {"exact": model.make_caches(1, exact=True)} | {f"k={k}": model.make_caches(1, window=k) for k in ks}
+    caches |= {m: c for m, (_, c) in extra.items()}
+    models = {m: extra[m][0] if m in extra else model for m in names}
     nll = {m: torch.empty(n) for m in names}
     wall = {m: torch.empty(n) for m in names}
     probe = MassProbe(model, ks, {hi - 1 for _, hi in buckets(n)})
     for t in tqdm(range(n), desc="decode", mininterval=5):
         x_t, y_t = ids[:, t : t + 1], ids[0, t + 1]
         for m in names:
-            probe.pos = t if m == names[-1] else None  # probe through the widest window's caches, untimed below
+            probe.pos = t if m == f"k={ks[-1]}" else None  # probe through the widest window's caches, untimed below
             t0 = time.perf_counter()
-            logits = model.step(x_t, caches[m], pos=t)
+            logits = models[m].step(x_t, caches[m], pos=t)
             wall[m][t] = time.perf_counter() - t0
             nll[m][t] = F.cross_entropy(logits.float(), y_t[None])
     return {"nll": nll, "wall": wall, "names": names, "mass_out": probe.rows}
@@ -130,14 +149,39 @@ def decode(model, ids: torch.Tensor, ks: list[int]) -> dict:
 
 def summarize(res: dict, n: int) -> list[dict]:
     rows = []
-    exact = res["nll"]["exact"]
+    exact, soft = res["nll"]["exact"], res["nll"].get("softmax")
     for lo, hi in buckets(n):
         for m in res["names"]:
             nll = res["nll"][m][lo:hi]
             rows.append({"from": lo, "to": hi, "decoder": m, "nll": nll.mean().item(),
                          "gap": (nll - exact[lo:hi]).mean().item(),
+                         **({"gap_softmax": (nll - soft[lo:hi]).mean().item()} if soft is not None else {}),
                          "step_ms_median": statistics.median((res["wall"][m][lo:hi] * 1e3).tolist())})
     return rows
+
+
+def selector_decoders(args, cfg, model) -> tuple[dict, dict]:
+    """The --selector decoders (name -> (model, caches)) and how their projections were trained."""
+    if not args.selector:
+        return {}, {}
+    from attnlab.cache.selected import DecodeSelector
+    from attnlab.data.corpus import load_corpus
+    from attnlab.data.packing import pack_documents, sequential_batches
+    from attnlab.eval.selector_training import train_selector_projections
+    from attnlab.train.data import data_tokenizer
+
+    d = cfg.data
+    stream = pack_documents(load_corpus(d.source, "train", cache_dir=d.cache_dir or None), data_tokenizer(d))
+    batches = [b.x for b in sequential_batches(stream, d.seq_len, 8, max_batches=max(1, args.selector_batches // 8))]
+    t0 = time.perf_counter()
+    proj = train_selector_projections(model, batches, args.selector_steps)
+    info = {"K": args.K, "steps": args.selector_steps, "sequences": sum(len(b) for b in batches),
+            "seq_len": d.seq_len, "train_seconds": time.perf_counter() - t0}
+    out = {}
+    for name in args.selector:
+        sel = DecodeSelector(proj, args.K, index="hnsw" if name == "learned-hnsw" else "exact")
+        out[f"{name}@{args.K}"] = (model, model.make_caches(1, selector=sel))
+    return out, info
 
 
 def plot(result: dict, path: str) -> None:
@@ -189,8 +233,15 @@ def main(argv=None):
         raise SystemExit(f"error: --run {args.run!r} has no layer that decodes through the sorted scalar cache "
                          f"(model.attn={cfg.model.layer_attn})")
     ids = long_text(cfg, args.tokens, args.split)
+    extra, selector_info = selector_decoders(args, cfg, model)
+    if args.softmax_run is not None:
+        scfg, smodel, _ = load_run(args.softmax_run)
+        if (scfg.data.tokenizer, scfg.data.source, scfg.model.vocab_size) != (cfg.data.tokenizer, cfg.data.source,
+                                                                           cfg.model.vocab_size):
+            raise SystemExit(f"error: --softmax-run {args.softmax_run!r} reads other tokens (tokenizer, source or vocabulary)")
+        extra["softmax"] = (smodel, smodel.make_caches(1))
     t0 = time.perf_counter()
-    res = decode(model, ids, args.ks)
+    res = decode(model, ids, args.ks, extra)
     n = args.tokens
     result = {
         "run": args.run, "checkpoint": state["path"], "attn": cfg.model.layer_attn, "train_seq_len": cfg.data.seq_len,
@@ -198,6 +249,7 @@ def main(argv=None):
         "overall": {m: {"nll": res["nll"][m].mean().item(), "gap": (res["nll"][m] - res["nll"]["exact"]).mean().item(),
                         "step_ms_median": statistics.median((res["wall"][m] * 1e3).tolist())} for m in res["names"]},
         "rows": summarize(res, n), "mass_out": res["mass_out"], "seconds": time.perf_counter() - t0,
+        "selector": selector_info, "softmax_run": args.softmax_run,
         "machine": {"python": platform.python_version(), "torch": torch.__version__, "platform": platform.platform(),
                     "threads": torch.get_num_threads()},
     }

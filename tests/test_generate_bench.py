@@ -39,3 +39,23 @@ def test_generate_benchmark_on_a_tiny_run(tmp_path):
     small = [m for row in r["mass_out"] if row["k"] == 2 and row["n"] > 2 for m in row["mass_out"]]
     assert full and max(full) < 1e-9 and max(small) > 0
     assert (tmp_path / "gen.png").read_bytes()[:4] == b"\x89PNG"
+
+
+def test_generate_benchmark_with_learned_selection_and_a_softmax_model(tmp_path):
+    """--selector decodes through search projections trained on the run (K as large as the text:
+    every key, so no gap), --softmax-run adds another model's exact loss on the same tokens."""
+    base = ["model.d_model=16", "model.n_heads=2", "data.seq_len=16", f"data.source={CORPUS}", "train.steps=2",
+            "train.warmup_steps=0", "train.eval_batches=1", "run.tensorboard=false", "run.threads=1",
+            f"run.out_dir={tmp_path.as_posix()}", "run.progress=false"]
+    for attn in ("hybrid", "softmax"):
+        train(load_config(ROOT / "configs" / "tiny.toml", [f"model.attn={attn}", f"run.name={attn}", *base]))
+    out = tmp_path / "gen.json"
+    _bench().main(["--run", str(tmp_path / "hybrid"), "--tokens", "30", "--ks", "2", "--selector", "learned",
+                   "learned-hnsw", "--K", "40", "--selector-steps", "2", "--selector-batches", "8",
+                   "--softmax-run", str(tmp_path / "softmax"), "--out", str(out)])
+    r = json.loads(out.read_text())
+    assert r["decoders"] == ["exact", "k=2", "learned@40", "learned-hnsw@40", "softmax"]
+    assert abs(r["overall"]["learned@40"]["gap"]) < 1e-5 and abs(r["overall"]["learned-hnsw@40"]["gap"]) < 1e-5
+    assert r["selector"]["steps"] == 2 and all("gap_softmax" in row for row in r["rows"])
+    soft = r["overall"]["softmax"]["nll"] - r["overall"]["exact"]["nll"]
+    assert abs(r["overall"]["softmax"]["gap"] - soft) < 1e-5
