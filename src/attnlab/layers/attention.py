@@ -48,8 +48,9 @@ class LayerCache:
         scalar: the scalar heads' cache (KVCache, ExactScalarCache or SortedScalarCache).
         state: the recurrent state of the linear family.
         window: the sorted cache's window k; None for exact decoding.
-        budget, compress: with window, the entries per head kept / the key span merged (density
-            compression) after each step. max_len: the cosformer horizon M.
+        budget: with window, the entries per head the sorted cache keeps after each step.
+        compress: with window, the key span merged after each step (density compression).
+        max_len: the cosformer horizon M.
         ring: the last local_window tokens of a window-trained scalar/hybrid layer.
         exact: decode every key even where the layer was trained through a window.
         selector: the scalar/hybrid heads' learned key selector (`attnlab.cache.selected`), or None.
