@@ -156,6 +156,28 @@ def generate_window_table(gen: Json) -> str:
     return _table(header, "lrrrrr", rows)
 
 
+def generate_selector_table(*runs: Json) -> str:
+    """benchmarks/generate.py --selector on trained hybrids: in the buckets ending at 4x and 16x the
+    training length, each decoder's loss gap against the model's own exact decoding and against the
+    softmax model on the same tokens (nats/token), and its median step against the exact step."""
+    rows = []
+    for gen in runs:
+        model = gen["run"].split("/runs/")[-1].split("/")[0]
+        T = gen["train_seq_len"]
+        by = {(r["to"], r["decoder"]): r for r in gen["rows"]}
+        for end in (4 * T, 16 * T):
+            exact = by[(end, "exact")]
+            for name in gen["decoders"]:
+                if name in ("exact", "softmax"):
+                    continue
+                r = by[(end, name)]
+                rows.append([model, f"{end // T}× ({_tokens(exact['from'])}–{_tokens(end)})", name,
+                             _signed(r["gap"], 3), _signed(r["gap_softmax"], 3), f"{r['step_ms_median']:.1f} ms",
+                             f"{r['step_ms_median'] / exact['step_ms_median']:.2f}×"])
+    header = ["model", "context", "decoder", "gap to its exact", "gap to softmax", "step", "step / exact step"]
+    return _table(header, "lllrrrr", rows)
+
+
 WINDOWED_ROWS = {"scalar": "scalar (the earlier `configs/windowed.toml`)", "softmax": "softmax",
                  "hybrid": "hybrid (the quickstart's)"}
 
@@ -350,4 +372,7 @@ TABLES: dict[str, tuple[Callable[..., str], tuple[str, ...]]] = {
     "coverage": (coverage_table, ("experiments/seed001/all-layers/results.json",)),
     "tasks": (tasks_table, (f"{B}/search/tasks_m6kv_2k4k/results.json",)),
     "search-decode": (search_decode_table, (f"{B}/search_decode.json",)),
+    "generate-selector": (generate_selector_table, (f"{B}/generate_selector_windowed.json",
+                                                    f"{B}/generate_selector_hybrid.json")),
+    "train_window_1024": (train_window_table, ("experiments/seed000/train-through-window-1024/results.json",)),
 }
