@@ -12,11 +12,11 @@ TEST_WORKERS ?= 2
 
 .PHONY: venv test test-slow quickstart bench docs clean
 
-$(BIN)/.installed: pyproject.toml
+$(BIN)/.installed: pyproject.toml constraints.txt
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/pip install -q --upgrade pip
 	$(BIN)/pip install -q "$(TORCH_SPEC)"
-	$(BIN)/pip install -q -e ".[dev]"
+	$(BIN)/pip install -q -c constraints.txt -e ".[dev]"
 	touch $@
 
 venv: $(BIN)/.installed

@@ -29,6 +29,11 @@ from attnlab.layers.rope import RotaryEmbedding
 from attnlab.models import LM
 
 from .cache import AttnlabCache
+
+# transformers 5.24 renamed the decode state from `past_key_values` to `cache` (in forward's
+# arguments, generate's and the output classes); attnlab accepts either name and answers in the
+# installed version's own.
+CACHE_NAME = "cache" if "cache" in getattr(CausalLMOutputWithPast, "__dataclass_fields__", {}) else "past_key_values"
 from .configuration import AttnlabConfig
 
 _TF_MAJOR = int(transformers.__version__.split(".")[0])
@@ -129,6 +134,10 @@ class AttnlabForCausalLM(AttnlabPreTrainedModel, GenerationMixin):
             if kwargs.get(name):
                 raise ValueError(f"{name}=True is not supported by attnlab models (use attnlab's own "
                                  f"layer.attention_weights / forward hooks)")
+        if kwargs.get("cache") is not None:
+            if past_key_values is not None:
+                raise ValueError("pass the decode state as cache or as past_key_values, not both")
+            past_key_values = kwargs.pop("cache")
         if input_ids is None or input_ids.dim() != 2:
             raise ValueError(f"input_ids must be a (B, T) tensor of token ids, got "
                              f"{None if input_ids is None else tuple(input_ids.shape)}")
@@ -170,7 +179,7 @@ class AttnlabForCausalLM(AttnlabPreTrainedModel, GenerationMixin):
                                  f"(and logits_to_keep=0), got {tuple(labels.shape)}")
             lg = logits[:, :-1].float()
             loss = F.cross_entropy(lg.reshape(-1, lg.shape[-1]), labels[:, 1:].reshape(-1), ignore_index=-100)
-        out = CausalLMOutputWithPast(loss=loss, logits=logits, past_key_values=past_key_values)
+        out = CausalLMOutputWithPast(loss=loss, logits=logits, **{CACHE_NAME: past_key_values})
         return out if return_dict is not False else out.to_tuple()
 
     # ------------------------------------------------------------------ generate
@@ -193,6 +202,8 @@ class AttnlabForCausalLM(AttnlabPreTrainedModel, GenerationMixin):
         if beams > 1:
             raise ValueError(f"num_beams={beams}: beam search reorders cache rows, which attnlab's decode states "
                              f"(recurrent, sorted scalar) do not support; use greedy decoding or sampling")
-        if kwargs.get("past_key_values") is None and kwargs.get("use_cache", getattr(gc, "use_cache", True)) is not False:
-            kwargs["past_key_values"] = AttnlabCache(window=window)
+        given = kwargs.get("cache", kwargs.get("past_key_values"))
+        if given is None and kwargs.get("use_cache", getattr(gc, "use_cache", True)) is not False:
+            kwargs.pop("past_key_values", None)
+            kwargs[CACHE_NAME] = AttnlabCache(window=window)
         return super().generate(inputs, generation_config=generation_config, **kwargs)

@@ -178,15 +178,17 @@ def generate(model, input_ids: torch.Tensor, max_new_tokens: int, layers=None,
 def _greedy(model, input_ids, max_new_tokens):
     from transformers import DynamicCache
 
+    from attnlab.hf.modeling import CACHE_NAME
+
     try:
         cache = DynamicCache(config=model.config)
     except TypeError:  # older transformers: no config argument
         cache = DynamicCache()
-    out = model(input_ids=input_ids, past_key_values=cache, use_cache=True)
+    out = model(input_ids=input_ids, use_cache=True, **{CACHE_NAME: cache})
     ids = input_ids
     for step in range(max_new_tokens):
         nxt = out.logits[:, -1:].argmax(-1)  # (B, 1)
         ids = torch.cat([ids, nxt], dim=1)
         if step + 1 < max_new_tokens:
-            out = model(input_ids=nxt, past_key_values=out.past_key_values, use_cache=True)
+            out = model(input_ids=nxt, use_cache=True, **{CACHE_NAME: getattr(out, CACHE_NAME)})
     return ids
