@@ -7,7 +7,11 @@ empty, no other writer of OUT, the --transfer-* and --finetune-* values): a prob
 then trained to reproduce the original attention outputs (`attnlab.retrofit.transfer`; resumable
 from OUT/transfer/), and with --finetune-steps N the new parameters are fine-tuned end to end on
 next-token loss (`attnlab.retrofit.finetune`; resumable from OUT/finetune/, finetune.json in OUT);
-Ctrl-C saves and exits 130. The folder is written atomically under a lock (`attnlab.retrofit.save`)."""
+Ctrl-C saves and exits 130. The folder is written atomically under a lock (`attnlab.retrofit.save`).
+
+`attnlab retrofit trial SPEC.toml` runs a retrofit experiment over training seeds (variants x seeds,
+each converted, transferred, fine-tuned and evaluated; resumable) and writes its report with the
+spec's verdicts (`attnlab.retrofit.trial`)."""
 
 from __future__ import annotations
 
@@ -26,16 +30,21 @@ def add_retrofit(sub) -> None:
                     "`import attnlab.hf`). New layers start exactly at the original where the math allows\n"
                     "(docs/retrofit.md): softmax with an output gate, hybrid, goat; principled within ~1e-6.\n\n"
                     "  attnlab retrofit --model smollm2 --layers middle6 --attn hybrid --out runs/retrofit/hybrid\n"
-                    "  attnlab retrofit --model smollm2 --layers all --attn softmax --set output_gate=elementwise --out OUT",
+                    "  attnlab retrofit --model smollm2 --layers all --attn softmax --set output_gate=elementwise --out OUT\n"
+                    "  attnlab retrofit trial experiments/retrofit/gate/spec.toml   # an experiment: variants x seeds, report",
     )
+    p.add_argument("trial", nargs="*", metavar="trial SPEC.toml",
+                   help="run the retrofit experiment SPEC.toml (variants x seeds, resumable) and write its report")
+    p.add_argument("--report-only", action="store_true", help="with trial: rebuild the report from finished runs")
+    p.add_argument("--no-progress", action="store_true", help="with trial: no progress bars")
     p.add_argument("--model", default="smollm2", metavar="M",
                    help="smollm2 (SmolLM2-135M from its PyPI GGUF), a model folder, or a .gguf file (default: smollm2)")
     p.add_argument("--layers", default="middle6", metavar="SPEC",
                    help="middle6 | middle<N> | all | reserved-edge | comma list of indices (default: middle6)")
-    p.add_argument("--attn", required=True, metavar="MECHANISM", help="the attnlab mechanism of the chosen layers")
+    p.add_argument("--attn", metavar="MECHANISM", help="the attnlab mechanism of the chosen layers")
     p.add_argument("--set", dest="settings", action="append", default=[], metavar="KEY=VALUE",
                    help="an AttentionConfig field of the new layers, e.g. output_gate=elementwise (repeatable)")
-    p.add_argument("--out", required=True, metavar="OUT", help="the folder to write (must not exist, or be empty)")
+    p.add_argument("--out", metavar="OUT", help="the folder to write (must not exist, or be empty)")
     p.add_argument("--seed", type=int, default=0, help="seed of the new parameters' random init (default: 0)")
     t = p.add_argument_group("attention transfer (docs/retrofit.md#attention-transfer)")
     t.add_argument("--transfer-steps", type=int, default=0, metavar="N",
@@ -58,6 +67,8 @@ def add_retrofit(sub) -> None:
     f.add_argument("--finetune-train", choices=["new", "all"], default=None,
                    help="new: only the retrofit's new parameters (gates, scalar projections, τ, ...); all: every "
                         "parameter (default: new)")
+    f.add_argument("--finetune-new-lr-scale", type=float, default=None, metavar="X",
+                   help="the new parameters' learning rate as X times --finetune-lr (default: 1)")
     f.add_argument("--finetune-lora", type=int, default=None, metavar="R",
                    help="also train LoRA adapters of rank R (peft) on every layer's q/k/v/o projections, merged into "
                         "them when fine-tuning ends (default: none)")
@@ -71,6 +82,13 @@ def add_retrofit(sub) -> None:
 
 
 def cmd_retrofit(ns) -> int:
+    if ns.trial:
+        return cmd_trial(ns)
+    for flag in ("attn", "out"):
+        if getattr(ns, flag) is None:
+            raise UsageError(f"attnlab retrofit: --{flag} is required (or: attnlab retrofit trial SPEC.toml)")
+    if ns.report_only or ns.no_progress:
+        raise UsageError("--report-only and --no-progress belong to `attnlab retrofit trial SPEC.toml`")
     try:
         import attnlab.hf  # noqa: F401
         from attnlab.retrofit import RetrofitError, check_out, convert, load_source, parse_settings, plan_source, save
@@ -157,7 +175,7 @@ def _finetune_config(ns, FinetuneConfig):
     --finetune-* option given without --finetune-steps)."""
     from attnlab.retrofit import RetrofitError
 
-    given = {k: getattr(ns, f"finetune_{k}") for k in ("lr", "kl", "context", "batch", "train", "lora")}
+    given = {k: getattr(ns, f"finetune_{k}") for k in ("lr", "kl", "context", "batch", "train", "lora", "new_lr_scale")}
     given = {k: v for k, v in given.items() if v is not None}
     if ns.finetune_steps == 0 and given:
         flags = ", ".join(f"--finetune-{k}" for k in given)
@@ -166,3 +184,32 @@ def _finetune_config(ns, FinetuneConfig):
     if "batch" in given and cfg.batch > cfg.contexts:  # the pool of contexts grows with the batch
         cfg.contexts = cfg.batch
     return cfg.check()
+
+
+def cmd_trial(ns) -> int:
+    """`attnlab retrofit trial SPEC.toml`: every other retrofit option is refused (the spec holds them)."""
+    from pathlib import Path
+
+    if len(ns.trial) != 2 or ns.trial[0] != "trial":
+        raise UsageError(f"expected `attnlab retrofit trial SPEC.toml`, got positional arguments {ns.trial}")
+    defaults = {"model": "smollm2", "layers": "middle6", "attn": None, "settings": [], "out": None, "seed": 0,
+                "transfer_steps": 0, "finetune_steps": 0, "eval_contexts": 0}
+    given = [k for k, v in vars(ns).items()
+             if (k in defaults and v != defaults[k]) or (k.split("_")[0] in ("transfer", "finetune", "eval")
+                                                         and k not in defaults and v is not None)]
+    if given:
+        raise UsageError(f"attnlab retrofit trial takes its settings from the spec; remove "
+                         f"{', '.join('--' + k.replace('_', '-') for k in sorted(given))}")
+    try:
+        from attnlab.retrofit.trial import load_trial, run_trial
+    except ImportError as e:
+        raise UsageError(f"attnlab retrofit trial needs the optional package {e.name}; install the [hf] extra: "
+                         f"{HF_EXTRA}") from None
+    if not Path(ns.trial[1]).is_file():
+        raise UsageError(f"spec file {ns.trial[1]!r} does not exist")
+    trial = load_trial(ns.trial[1])  # ConfigError names the key; every variant's plan checked
+    res = run_trial(trial, progress=not ns.no_progress, report_only=ns.report_only)
+    for v in res["verdicts"]:
+        print(f"{v['name'] or v['metric']}: {v['outcome']}")
+    print(f"wrote {trial.out}/results.json, report.md")
+    return 0

@@ -51,8 +51,9 @@ class FinetuneConfig:
     tokens drawn from `contexts` packed contexts of `corpus`; kl: the weight of a KL to the original
     model's next-token distribution; train: "new" (the retrofit's new parameters) or "all"; lora:
     the rank of peft LoRA adapters on every q/k/v/o (0: none), merged at the end; eval_contexts:
-    held-out contexts of the perplexity before and after. `check()` raises RetrofitError naming the
-    option."""
+    held-out contexts of the perplexity before and after; new_lr_scale: the new parameters' learning
+    rate as a multiple of lr (LoRA adapters and train="all" weights keep lr). `check()` raises
+    RetrofitError naming the option."""
 
     steps: int = 0
     lr: float = 1e-3
@@ -71,6 +72,7 @@ class FinetuneConfig:
     checkpoint_every: int = 50
     lora: int = 0  # LoRA rank on every layer's q/k/v/o projections (peft); 0: none
     lora_alpha: float = 16.0
+    new_lr_scale: float = 1.0
 
     def check(self, max_positions: int | None = None) -> "FinetuneConfig":
         """RetrofitError naming the option, for a value that cannot work."""
@@ -80,7 +82,7 @@ class FinetuneConfig:
             if isinstance(v, bool) or not isinstance(v, int) or v < low:
                 raise RetrofitError(f"--finetune-{name.replace('_', '-')} must be an integer >= {low}, got {v!r}")
         for name, positive in (("lr", True), ("kl", False), ("weight_decay", False), ("grad_clip", False),
-                               ("lora_alpha", True)):
+                               ("lora_alpha", True), ("new_lr_scale", True)):
             v = getattr(self, name)
             if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) or v < 0 or (positive and v == 0):
                 raise RetrofitError(f"--finetune-{name.replace('_', '-')} must be a finite number "
@@ -216,9 +218,27 @@ def _trainable(model, plan_, train: str, lora: bool = False) -> dict[str, torch.
     return params
 
 
+def _scale_new(opt, new: dict, scale: float) -> None:
+    """Split each of the optimizer's groups into the retrofit's new parameters (learning rate × scale,
+    kept as the group's "lr_scale") and the rest; before any step, so no state moves."""
+    ids = {id(p) for p in new.values()}
+    groups = []
+    for g in opt.param_groups:
+        for mine in (True, False):
+            ps = [p for p in g["params"] if (id(p) in ids) == mine]
+            if ps:
+                groups.append({**{k: v for k, v in g.items() if k != "params"}, "params": ps,
+                               "lr_scale": scale if mine else 1.0})
+    opt.param_groups.clear()
+    for g in groups:
+        opt.add_param_group(g)
+
+
 def _fingerprint(cfg: FinetuneConfig, plan_) -> dict:
     d = asdict(cfg)
     d.pop("checkpoint_every")
+    if d["new_lr_scale"] == 1.0:  # states written before the option existed stay resumable
+        d.pop("new_lr_scale")
     if plan_ is not None:
         d.update(layers=list(plan_.layers), mechanism=plan_.mechanism, settings=plan_.settings)
     return json.loads(json.dumps(d, default=str))
@@ -259,6 +279,8 @@ def finetune(model, cfg: FinetuneConfig, out, original=None, encode=None, eos_id
         original.eval()
     tcfg = cfg.schedule()
     opt = make_optimizer(model, tcfg)
+    if cfg.new_lr_scale != 1.0 and plan_ is not None:
+        _scale_new(opt, new_parameters(model.model, plan_), cfg.new_lr_scale)
     folder = Path(out) / FINETUNE_DIR
     path = folder / STATE
     try:
@@ -284,7 +306,7 @@ def finetune(model, cfg: FinetuneConfig, out, original=None, encode=None, eos_id
                 while step < cfg.steps and ran < budget:
                     lr = tcfg.lr_at(step)
                     for g in opt.param_groups:
-                        g["lr"] = lr
+                        g["lr"] = lr * g.get("lr_scale", 1.0)
                     ids = train_ids[batch_indices(cfg.seed, step, cfg.contexts, cfg.batch)]
                     loss, ce, div = _losses(model, ids, original, cfg.kl)
                     opt.zero_grad(set_to_none=True)

@@ -91,7 +91,8 @@ def attention_report(model, x: torch.Tensor, topk=TOPK_KS, *, alignment: bool = 
         layer = blk.attn
         entry = {"layer": i, "mechanism": layer.mechanism}
         if layer.gate is not None and layer.gate.mode != "prenorm":  # sparsity of the sigmoid gate's values
-            entry["gate_low"], entry["gate_hist"] = gate_profile(layer.gate(inputs[i]))
+            # σ itself: a gate c·σ (c = output_gate_scale, 2 in a retrofit's identity start) is divided by c
+            entry["gate_low"], entry["gate_hist"] = gate_profile(layer.gate(inputs[i]) / layer.gate.scale)
         if layer.recurrent:
             # the effective causal matrix A (o = A v) is not a distribution for GLA/SSD: the
             # first-token share is that of |A|'s row mass; entropy and top-k do not apply

@@ -1,0 +1,394 @@
+"""`attnlab retrofit trial SPEC.toml`: a retrofit experiment over training seeds, with a verdict.
+
+A trial spec gives shared `[retrofit]` settings (model, layers, attn, settings: what `attnlab
+retrofit` takes), shared `[transfer]`, `[finetune]` and `[eval]` settings (TransferConfig,
+FinetuneConfig and EvalConfig fields), variants that override any of the four, and seeds. Every
+(variant, seed) converts the model, runs attention transfer and fine-tuning (each resumable from
+its state in OUT/runs/<variant>/seed<k>/) with that seed, evaluates on the same held-out contexts
+(the eval seed is fixed) and writes `result.json` there; a finished run is not repeated. The
+original model is evaluated once (OUT/runs/original/result.json) and reported as the variant
+"original" (sd 0: nothing in it depends on a training seed).
+
+A control is a variant whose layers keep the model's attention (attn = "softmax", no settings) and
+that fine-tunes the same way (e.g. the same LoRA adapters): it separates the fine-tuning's own
+effect from the mechanism's.
+
+Per-run metrics (the names `[[verdict]]` rules use): ppl, nll (ln ppl), ppl_gap (% against the
+original model), and the per-layer statistics of `evaluate_retrofit` averaged over the replaced
+layers (first_token_share, gate_low, ground_weight, learned_sink_share) and over all layers
+(first_token_share_all); first_token_share_before: the original model's share averaged over the
+same layers (a rule can compare a variant's first_token_share with its own _before); new_change_rms (root mean square of how far the new parameters moved in
+transfer and fine-tuning) and wall_s. The report adds each layer's first-token share (and gate and
+ground-state statistics where a variant has them) per variant.
+
+    title = "..."
+    seeds = [0, 1, 2]
+    [retrofit]
+    model = "smollm2"
+    layers = "all"
+    attn = "softmax"
+    [finetune]
+    steps = 40
+    lora = 8
+    [eval]
+    contexts = 8
+    context = 2048
+    [[variants]]
+    name = "control"
+    [[variants]]
+    name = "gate"
+    retrofit = { settings = { output_gate = "elementwise" } }
+    [[verdict]]
+    metric = "nll"
+    better = "lower"
+    compare = ["gate", "control"]
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import statistics
+import time
+from dataclasses import asdict, dataclass, field, fields
+from pathlib import Path
+
+import torch
+
+from attnlab import interrupt
+from attnlab.data.cache import atomic_write_text
+from attnlab.experiments.report import fmt, markdown_table, report_head
+from attnlab.experiments.sweep.verdict import check_rules, judge, verdict_lines
+from attnlab.lock import FolderLock, check_free
+from attnlab.models.config import ConfigError
+from attnlab.train.config import read_toml
+
+from .convert import RetrofitError, new_parameters
+from .evaluate import PER_LAYER, EvalConfig
+from .finetune import FinetuneConfig
+from .transfer import TransferConfig
+
+SPEC_KEYS = ("title", "claim", "description", "seeds", "retrofit", "transfer", "finetune", "eval", "variants",
+             "verdict", "out")
+ORIGINAL = "original"
+RESULT = "result.json"
+SCALARS = ("ppl", "nll", "ppl_gap", *PER_LAYER, "first_token_share_before", "first_token_share_all",
+           "new_change_rms", "wall_s")
+
+
+@dataclass
+class RetrofitSpec:
+    """What is converted: `attnlab retrofit --model/--layers/--attn/--set`."""
+
+    model: str = "smollm2"
+    layers: str = "middle6"
+    attn: str = "softmax"
+    settings: dict = field(default_factory=dict)
+
+
+@dataclass
+class TrialRun:
+    variant: str
+    seed: int
+    folder: Path
+    retrofit: RetrofitSpec
+    transfer: TransferConfig
+    finetune: FinetuneConfig
+    eval: EvalConfig
+
+
+@dataclass
+class Trial:
+    path: Path
+    title: str
+    claim: str
+    description: str
+    seeds: list[int]
+    variants: list[str]
+    runs: list[TrialRun]
+    rules: list[dict]
+    out: Path
+
+
+SECTIONS = {"retrofit": (RetrofitSpec, ()), "transfer": (TransferConfig, ("seed",)),
+            "finetune": (FinetuneConfig, ("seed", "checkpoint_every")), "eval": (EvalConfig, ())}
+
+
+def _need(cond: bool, message: str) -> None:
+    if not cond:
+        raise ConfigError(message)
+
+
+def _table(raw, key: str) -> dict:
+    _need(isinstance(raw, dict), f"{key} must be a table, got {raw!r}")
+    return raw
+
+
+def _section(name: str, shared: dict, own: dict, where: str, **owned):
+    cls, fixed = SECTIONS[name]
+    allowed = {f.name for f in fields(cls)} - set(fixed)
+    for k in {**shared, **own}:
+        _need(k in allowed, f"{where}: unknown or owned key {name}.{k}; allowed: {', '.join(sorted(allowed))}"
+                            + (f" (the trial sets {', '.join(fixed)})" if fixed else ""))
+    merged = {**shared, **own}
+    if name == "retrofit":  # a variant's settings add to the shared ones
+        merged["settings"] = {**_table(shared.get("settings", {}), "retrofit.settings"),
+                              **_table(own.get("settings", {}), f"{where}: retrofit.settings")}
+    try:
+        return cls(**merged, **owned)
+    except (TypeError, ValueError) as e:
+        raise ConfigError(f"{where}: {name}: {e}") from None
+
+
+def load_trial(path) -> Trial:
+    """Read and check the spec and build every run's configs (ConfigError naming the key); the layer
+    plan of each variant is checked against the model's config (RetrofitError) before any weights load."""
+    from .finetune import check_trainable
+    from .io import parse_settings, plan_source
+
+    path = Path(path)
+    _need(path.is_file(), f"spec file {str(path)!r} does not exist")
+    raw = read_toml(path)
+    unknown = sorted(set(raw) - set(SPEC_KEYS))
+    _need(not unknown, f"unknown key(s) {', '.join(unknown)} in the spec; allowed: {', '.join(SPEC_KEYS)}")
+    for k in ("title", "claim", "description"):
+        _need(isinstance(raw.get(k, ""), str), f"{k} must be a string")
+    seeds = raw.get("seeds", [0, 1, 2])
+    _need(isinstance(seeds, list) and seeds and len(set(seeds)) == len(seeds)
+          and all(isinstance(s, int) and not isinstance(s, bool) and s >= 0 for s in seeds),
+          f"seeds must be a list of distinct integers >= 0, got {seeds!r}")
+    shared = {k: _table(raw.get(k, {}), k) for k in SECTIONS}
+    variants = raw.get("variants", [{"name": "default"}])
+    _need(isinstance(variants, list) and variants and all(isinstance(v, dict) for v in variants),
+          "variants must be an array of tables")
+    out = (path.parent / raw["out"]) if "out" in raw else path.parent
+    runs, names, plans = [], [], {}
+    for i, v in enumerate(variants):
+        bad = sorted(set(v) - {"name", *SECTIONS})
+        _need(not bad, f"variants[{i}]: unknown key(s) {', '.join(bad)}")
+        name = v.get("name")
+        _need(isinstance(name, str) and name and "/" not in name and name not in names and name != ORIGINAL,
+              f"variants[{i}].name must be a unique non-empty string without '/', not {ORIGINAL!r}; got {name!r}")
+        names.append(name)
+        for seed in seeds:
+            where = f"variant {name!r}, seed {seed}"
+            cfg = {k: _section(k, shared[k], _table(v.get(k, {}), f"variants[{i}].{k}"), where,
+                               **({"seed": seed} if k in ("transfer", "finetune") else {})) for k in SECTIONS}
+            rs = cfg["retrofit"]
+            try:
+                rs.settings = parse_settings(rs.settings)
+                for k in ("transfer", "finetune", "eval"):
+                    cfg[k].check()
+                if name not in plans:
+                    plans[name] = plan_source(rs.model, rs.layers, rs.attn, rs.settings)[1]
+                    if cfg["finetune"].steps > 0:
+                        check_trainable(plans[name], cfg["finetune"].train, cfg["finetune"].lora)
+            except RetrofitError as e:
+                raise ConfigError(f"{where}: {e}") from None
+            runs.append(TrialRun(name, seed, out / "runs" / name / f"seed{seed}", rs, cfg["transfer"],
+                                 cfg["finetune"], cfg["eval"]))
+    _need(len({r.retrofit.model for r in runs}) == 1, "every variant must retrofit the same model (retrofit.model)")
+    _need(len({json.dumps(asdict(r.eval), sort_keys=True) for r in runs}) == 1,
+          "every variant must be evaluated the same way ([eval] is shared, not set per variant)")
+    rules = check_rules(raw["verdict"], [*names, ORIGINAL], list(SCALARS)) if "verdict" in raw else []
+    return Trial(path, raw.get("title", path.parent.name), raw.get("claim", ""), raw.get("description", ""),
+                 list(seeds), names, runs, rules, out)
+
+
+def _fingerprint(run: TrialRun | None, ev: EvalConfig) -> dict:
+    d = {"eval": asdict(ev)}
+    if run is not None:
+        d.update(retrofit=asdict(run.retrofit), transfer=asdict(run.transfer), finetune=asdict(run.finetune))
+    return json.loads(json.dumps(d, default=str))
+
+
+def finished(folder: Path, want: dict) -> dict | None:
+    """The run's result.json when it was written for exactly these settings, else None."""
+    try:
+        res = json.loads((folder / RESULT).read_text())
+    except (OSError, ValueError):
+        return None
+    return res if res.get("fingerprint") == want else None
+
+
+def _summary(report: dict, replaced: set[int]) -> dict:
+    """The run's scalars from an `evaluate_retrofit` report."""
+    layers = report["layers"]
+    out = {"ppl": report["perplexity"], "nll": math.log(report["perplexity"])}
+    for key in PER_LAYER:
+        xs = [row[key] for row in layers if row.get(key) is not None and row["layer"] in replaced]
+        out[key] = statistics.fmean(xs) if xs else None
+    xs = [row["first_token_share"] for row in layers if row.get("first_token_share") is not None]
+    out["first_token_share_all"] = statistics.fmean(xs) if xs else None
+    return out
+
+
+def _encoding(tok):
+    if tok is None:
+        return None, None
+    return (lambda text: tok(text, add_special_tokens=False)["input_ids"]), tok.eos_token_id
+
+
+def run_one(run: TrialRun | None, ev: EvalConfig, folder: Path, hf_model, tok, progress: bool = True) -> dict:
+    """Convert, transfer, fine-tune and evaluate one run (run=None: the original model, through a
+    softmax conversion that computes exactly its attention); writes and returns folder/result.json."""
+    from .convert import convert
+    from .evaluate import evaluate_retrofit
+    from .finetune import finetune
+    from .transfer import transfer_attention
+
+    t0 = time.perf_counter()
+    encode, eos = _encoding(tok)
+    rs = run.retrofit if run is not None else RetrofitSpec(layers="0")
+    model = convert(hf_model, rs.layers, rs.attn, rs.settings, run.seed if run is not None else 0)
+    plan = model.retrofit_plan
+    start = {n: p.detach().clone() for n, p in new_parameters(model.model, plan).items()}
+    res: dict = {"variant": run.variant if run else ORIGINAL, "seed": run.seed if run else None,
+                 "layers": list(plan.layers) if run else []}
+    folder.mkdir(parents=True, exist_ok=True)
+    if run is not None and run.transfer.steps > 0:
+        rep = transfer_attention(hf_model, model, plan.layers, run.transfer, folder, encode, eos)
+        res["transfer"] = json.loads(json.dumps(rep, default=str))
+    if run is not None and run.finetune.steps > 0:
+        rep = finetune(model, run.finetune, folder, original=hf_model if run.finetune.kl > 0 else None,
+                       encode=encode, eos_id=eos, progress=progress)
+        res["finetune"] = {k: rep.get(k) for k in ("steps", "resumed_from", "loss_start", "loss_end",
+                                                   "perplexity_before", "perplexity_after", "trained")}
+        res["finetune"]["trained"] = len(rep.get("trained") or [])
+        f = run.finetune
+        res["finetune"]["tokens"] = f.steps * f.batch * f.context
+    report = evaluate_retrofit(model, ev, original=hf_model if run is None else None, encode=encode, eos_id=eos)
+    moved = [(p.detach() - start[n]).pow(2) for n, p in new_parameters(model.model, plan).items()]
+    res.update(_summary(report, set(res["layers"])), eval=report,
+               new_change_rms=math.sqrt(sum(float(x.sum()) for x in moved) / sum(x.numel() for x in moved))
+               if moved else None, wall_s=time.perf_counter() - t0,
+               fingerprint=_fingerprint(run, ev))
+    if run is None:
+        res["ppl_original_hf"] = report.get("perplexity_original")
+    atomic_write_text(folder / RESULT, json.dumps(res, indent=1, default=str) + "\n")
+    return res
+
+
+def run_trial(trial: Trial, hf_model=None, tok=None, progress: bool = True, report_only: bool = False) -> dict:
+    """Run every unfinished (variant, seed), then write OUT/results.json and report.md. OUT is locked
+    meanwhile; SIGINT/SIGTERM stop it after the current step, and the same command resumes."""
+    ev = trial.runs[0].eval
+    check_free(trial.out)
+    with FolderLock(trial.out), interrupt.graceful():
+        todo = [] if report_only else [r for r in trial.runs if finished(r.folder, _fingerprint(r, ev)) is None]
+        orig = trial.out / "runs" / ORIGINAL
+        if not report_only and finished(orig, _fingerprint(None, ev)) is None:
+            todo.insert(0, None)
+        if todo and hf_model is None:
+            from .io import load_source, plan_source
+
+            hf_model, tok = load_source(plan_source(trial.runs[0].retrofit.model, "0", "softmax")[0])
+        for run in todo:
+            torch.manual_seed(0)
+            run_one(run, ev, orig if run is None else run.folder, hf_model, tok, progress)
+            if interrupt.requested() is not None:
+                raise interrupt.Interrupted(interrupt.requested(), "stopped between runs; rerun to resume")
+        return write_report(trial)
+
+
+def seed_stats(per_seed: dict) -> dict:
+    """{"seeds", "runs", "mean", "sd"} of per-seed metric dicts (sd over >= 2 seeds, else None)."""
+    names = sorted({k for m in per_seed.values() for k in m})
+    mean, sd = {}, {}
+    for k in names:
+        xs = [m[k] for m in per_seed.values() if m.get(k) is not None]
+        mean[k] = statistics.fmean(xs) if xs else None
+        sd[k] = statistics.stdev(xs) if len(xs) >= 2 else None
+    return {"seeds": sorted(per_seed), "runs": {str(s): m for s, m in per_seed.items()}, "mean": mean, "sd": sd}
+
+
+def collect(trial: Trial) -> tuple[dict, dict]:
+    """(per-variant statistics over finished seeds, per-variant per-layer means), the original included."""
+    ev = trial.runs[0].eval
+    stats, layers = {}, {}
+    orig = finished(trial.out / "runs" / ORIGINAL, _fingerprint(None, ev))
+    if orig is not None:
+        base = {"ppl": orig["ppl"], "nll": orig["nll"], "ppl_gap": 0.0, "wall_s": orig["wall_s"],
+                "first_token_share_all": orig["first_token_share_all"]}
+        stats[ORIGINAL] = seed_stats({s: base for s in trial.seeds})
+        stats[ORIGINAL]["sd"] = {k: (0.0 if v is not None else None) for k, v in stats[ORIGINAL]["mean"].items()}
+        layers[ORIGINAL] = {k: [row.get(k) for row in orig["eval"]["layers"]] for k in PER_LAYER}
+    for v in trial.variants:
+        done, per_layer = {}, []
+        for run in (r for r in trial.runs if r.variant == v):
+            res = finished(run.folder, _fingerprint(run, ev))
+            if res is None:
+                continue
+            m = {k: res.get(k) for k in SCALARS}
+            if orig is not None:
+                m["ppl_gap"] = 100.0 * (res["ppl"] / orig["ppl"] - 1.0)
+                m["first_token_share_before"] = _mean_or_none(
+                    [row.get("first_token_share") for row in orig["eval"]["layers"] if row["layer"] in res["layers"]])
+            done[run.seed] = m
+            per_layer.append(res["eval"]["layers"])
+        stats[v] = seed_stats(done)
+        stats[v]["tokens"] = next((r.finetune.steps * r.finetune.batch * r.finetune.context
+                                   for r in trial.runs if r.variant == v), 0)
+        if per_layer:
+            layers[v] = {k: [_mean_or_none([rows[i].get(k) for rows in per_layer]) for i in range(len(per_layer[0]))]
+                         for k in PER_LAYER}
+    return stats, layers
+
+
+def _mean_or_none(xs):
+    xs = [x for x in xs if x is not None]
+    return statistics.fmean(xs) if xs else None
+
+
+def write_report(trial: Trial) -> dict:
+    stats, layers = collect(trial)
+    judged = [judge(r, stats) for r in trial.rules]
+    results = {"title": trial.title, "claim": trial.claim, "spec": str(trial.path), "variants": stats,
+               "per_layer": layers, "verdicts": judged,
+               "runs": {r.variant: _fingerprint(r, r.eval) for r in trial.runs}}
+    trial.out.mkdir(parents=True, exist_ok=True)
+    atomic_write_text(trial.out / "results.json", json.dumps(results, indent=1, default=str) + "\n")
+    atomic_write_text(trial.out / "report.md", report_markdown(trial, stats, layers, judged))
+    return results
+
+
+def _pm(mean, sd) -> str:
+    return fmt(mean) if sd is None or mean is None else f"{fmt(mean)} ± {fmt(sd)}"
+
+
+def report_markdown(trial: Trial, stats: dict, layers: dict, judged: list[dict]) -> str:
+    first = {r.variant: r for r in reversed(trial.runs)}
+    lines = report_head(trial.title, "attnlab retrofit trial", trial.path.name, trial.claim, trial.description)
+    ev = trial.runs[0].eval
+    lines += ["## Setup", "",
+              f"Model {trial.runs[0].retrofit.model}; evaluated on {ev.contexts} held-out contexts of {ev.context} "
+              f"tokens ({ev.corpus} test split, the same for every run; per-layer statistics on the first "
+              f"{ev.analysis_contexts}); seeds {trial.seeds}. The variant `original` is the unmodified model.", ""]
+    for v in trial.variants:
+        r, f, t = first[v].retrofit, first[v].finetune, first[v].transfer
+        tune = (f"fine-tuned {f.steps} steps × {f.batch} × {f.context} tokens = {f.steps * f.batch * f.context:,} "
+                f"tokens (train {f.train}{f', LoRA rank {f.lora}' if f.lora else ''}, lr {f.lr:g}"
+                f"{f', new parameters × {f.new_lr_scale:g}' if f.new_lr_scale != 1 else ''}"
+                f"{f', KL {f.kl:g}' if f.kl else ''})" if f.steps else "not fine-tuned")
+        moved = f"attention transfer {t.steps} steps per layer on {t.contexts} × {t.context} tokens; " if t.steps else ""
+        wall = stats[v]["mean"].get("wall_s")
+        lines.append(f"- **{v}**: layers {r.layers} → {r.attn} {r.settings or ''}; {moved}{tune}; "
+                     f"wall time per run {fmt(wall, 3) if wall else '—'} s; seeds done {stats[v]['seeds']}.")
+    lines += ["", "## Results: mean ± sd over training seeds", "",
+              "ppl: held-out perplexity; ppl_gap: % against the original model; nll = ln ppl. first-token share, "
+              "gate_low (share of gate values below 0.1), ground_weight (the ground state's mass) and "
+              "learned_sink_share: means over the replaced layers' heads; first_token_share_all: over every layer. "
+              "new_change_rms: how far the new parameters moved.", ""]
+    shown = [k for k in SCALARS if k != "wall_s" and any(s["mean"].get(k) is not None for s in stats.values())]
+    rows = [[v, len(stats[v]["seeds"])] + [_pm(stats[v]["mean"].get(k), stats[v]["sd"].get(k)) for k in shown]
+            for v in [ORIGINAL, *trial.variants] if v in stats]
+    lines += [markdown_table(["variant", "seeds", *shown], rows), ""]
+    for key in PER_LAYER:
+        have = [v for v in [ORIGINAL, *trial.variants] if v in layers and any(x is not None for x in layers[v][key])]
+        if not have:
+            continue
+        n = len(layers[have[0]][key])
+        lines += [f"### {key} per layer (mean over seeds)", "",
+                  markdown_table(["layer", *have], [[i, *[layers[v][key][i] for v in have]] for i in range(n)]), ""]
+    lines += verdict_lines(trial.rules, judged)
+    return "\n".join(lines).rstrip() + "\n"

@@ -1,0 +1,160 @@
+"""`attnlab retrofit trial`: variants x seeds converted, fine-tuned and evaluated, resumed, reported with verdicts."""
+
+import json
+
+import pytest
+import torch
+
+pytest.importorskip("transformers")
+pytest.importorskip("peft")
+
+import attnlab.hf  # noqa: E402,F401
+from attnlab.cli import main  # noqa: E402
+from attnlab.experiments.sweep.verdict import OUTCOMES  # noqa: E402
+from attnlab.models.config import ConfigError  # noqa: E402
+from attnlab.retrofit import FinetuneConfig, convert, finetune, new_parameters  # noqa: E402
+from attnlab.retrofit.trial import ORIGINAL, load_trial  # noqa: E402
+
+from test_retrofit import tiny  # noqa: E402
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+SPEC = """
+title = "tiny gate trial"
+claim = "the gate lowers the loss"
+seeds = [0, 1]
+[retrofit]
+model = "{model}"
+layers = "1,2"
+[finetune]
+steps = 3
+lr = 0.01
+context = 32
+contexts = 4
+batch = 2
+eval_contexts = 1
+warmup = 1
+lora = 2
+[eval]
+contexts = 2
+context = 32
+[[variants]]
+name = "control"
+[[variants]]
+name = "gate"
+retrofit = {{ settings = {{ output_gate = "elementwise" }} }}
+[[variants]]
+name = "gate-lr10"
+retrofit = {{ settings = {{ output_gate = "elementwise" }} }}
+finetune = {{ new_lr_scale = 10.0 }}
+[[verdict]]
+name = "gate vs control"
+metric = "nll"
+better = "lower"
+compare = ["gate", "control"]
+[[verdict]]
+name = "sink share falls"
+metric = "first_token_share"
+metric_b = "first_token_share_before"
+better = "lower"
+compare = ["gate", "gate"]
+"""
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    d = tmp_path_factory.mktemp("tiny-llama")
+    tiny("llama", n_layers=3).save_pretrained(d)
+    return d
+
+
+def _spec(tmp_path, model_dir, text=SPEC):
+    (tmp_path / "exp").mkdir(exist_ok=True)
+    path = tmp_path / "exp" / "spec.toml"
+    path.write_text(text.format(model=model_dir))
+    return path
+
+
+def test_trial_runs_reports_and_resumes(tmp_path, model_dir, capsys):
+    spec = _spec(tmp_path, model_dir)
+    assert main(["retrofit", "trial", str(spec), "--no-progress"]) == 0
+    printed = capsys.readouterr().out
+    assert "gate vs control:" in printed and "wrote" in printed
+    res = json.loads((spec.parent / "results.json").read_text())
+    assert set(res["variants"]) == {ORIGINAL, "control", "gate", "gate-lr10"}
+    for v in ("control", "gate", "gate-lr10"):
+        st = res["variants"][v]
+        assert st["seeds"] == [0, 1] and st["sd"]["nll"] is not None
+        assert st["mean"]["nll"] == pytest.approx(torch.tensor(st["mean"]["ppl"]).log().item(), rel=1e-2)
+        assert st["mean"]["first_token_share_before"] is not None
+    assert res["variants"]["control"]["mean"]["gate_low"] is None  # no gate in the control's layers
+    assert res["variants"]["gate"]["mean"]["gate_low"] is not None
+    orig = res["variants"][ORIGINAL]
+    assert orig["mean"]["ppl_gap"] == 0.0 and orig["sd"]["ppl"] == 0.0
+    original = json.loads((spec.parent / "runs" / ORIGINAL / "result.json").read_text())
+    assert original["ppl"] == pytest.approx(original["ppl_original_hf"], rel=1e-5)  # softmax conversion = the model
+    # the control fine-tunes (LoRA) and so moves away from the original; a 10x rate moves the gate further
+    assert res["variants"]["control"]["mean"]["ppl"] != pytest.approx(orig["mean"]["ppl"], rel=1e-6)
+    assert res["variants"]["gate-lr10"]["mean"]["new_change_rms"] > 3 * res["variants"]["gate"]["mean"]["new_change_rms"]
+    assert [v["outcome"] for v in res["verdicts"]] and all(v["outcome"] in OUTCOMES for v in res["verdicts"])
+    report = (spec.parent / "report.md").read_text()
+    assert "attnlab retrofit trial" in report and "first_token_share per layer" in report and "gate vs control" in report
+    assert "3 steps × 2 × 32 tokens = 192 tokens" in report
+    # a second call trains nothing: every result.json stays as it was
+    stamps = {p: p.stat().st_mtime_ns for p in spec.parent.rglob("result.json")}
+    assert len(stamps) == 7
+    assert main(["retrofit", "trial", str(spec), "--no-progress"]) == 0
+    assert stamps == {p: p.stat().st_mtime_ns for p in spec.parent.rglob("result.json")}
+    assert main(["retrofit", "trial", str(spec), "--report-only"]) == 0
+
+
+BAD = {
+    "unknown key(s) bogus": ("title =", "bogus = 1\ntitle ="),
+    "finetune.bogus": ("lora = 2\n", "lora = 2\nbogus = 1\n"),
+    "unique": ('name = "gate"\n', 'name = "control"\n'),
+    "owned key finetune.seed": ("lora = 2\n", "lora = 2\nseed = 3\n"),
+    "every variant must be evaluated the same way": ('name = "control"\n', 'name = "control"\neval = {{ context = 16 }}\n'),
+    "layers": ('layers = "1,2"', 'layers = "7"'),
+    "metric must be a per-run scalar": ('metric = "nll"', 'metric = "loss"'),
+}
+
+
+@pytest.mark.parametrize("match", list(BAD))
+def test_bad_spec_is_one_error_naming_the_key(tmp_path, model_dir, match):
+    old, new = BAD[match]
+    text = SPEC.replace(old, new, 1)
+    spec = _spec(tmp_path, model_dir, text)
+    with pytest.raises(ConfigError, match=match.replace("(", r"\(").replace(")", r"\)")):
+        load_trial(spec)
+    assert main(["retrofit", "trial", str(spec)]) == 2
+    assert sorted(p.name for p in spec.parent.iterdir()) == ["spec.toml"]  # nothing written
+
+
+def test_cli_refuses_options_beside_a_trial(tmp_path, model_dir, capsys):
+    spec = _spec(tmp_path, model_dir)
+    assert main(["retrofit", "trial", str(spec), "--attn", "hybrid"]) == 2
+    assert "--attn" in capsys.readouterr().err
+    assert main(["retrofit", "trial"]) == 2
+    assert main(["retrofit", "--attn", "hybrid"]) == 2  # the single retrofit still needs --out
+    assert main(["retrofit", "trial", str(tmp_path / "missing.toml")]) == 2
+    assert sorted(p.name for p in spec.parent.iterdir()) == ["spec.toml"]
+
+
+def test_new_lr_scale_moves_only_the_new_parameters_faster(model_dir, tmp_path):
+    from transformers import AutoModelForCausalLM
+
+    hf = AutoModelForCausalLM.from_pretrained(model_dir)
+    moved = {}
+    for scale in (1.0, 10.0):
+        r = convert(hf, "1,2", "softmax", {"output_gate": "elementwise"})
+        new = new_parameters(r.model, r.retrofit_plan)
+        start = {k: p.detach().clone() for k, p in new.items()}
+        base = {k: v.detach().clone() for k, v in r.state_dict().items()}
+        cfg = FinetuneConfig(steps=4, lr=1e-3, warmup=0, context=32, contexts=4, batch=2, eval_contexts=1,
+                             new_lr_scale=scale)
+        finetune(r, cfg, tmp_path / f"s{scale}", progress=False)
+        moved[scale] = max(float((p.detach() - start[k]).abs().max()) for k, p in new.items())
+        names = {f"model.{k}" for k in new}
+        assert all(torch.equal(v, r.state_dict()[k]) for k, v in base.items() if k not in names)
+    # Adam moves each parameter by about lr per step: ten times the rate, about ten times the distance
+    assert 5 * moved[1.0] < moved[10.0] < 15 * moved[1.0], moved
