@@ -138,3 +138,27 @@ def test_chunked_prefill_and_refused_modes(folder):
         cache.reorder_cache(torch.tensor([1, 0]))
     with pytest.raises(ValueError, match="window"):
         H.AttnlabCache(window=0)
+
+
+def test_generate_through_a_learned_selector(folder):
+    """generate(selector=...) decodes through the learned key selection, as LM.generate does, left
+    padding included; bad combinations are refused before any work."""
+    from attnlab.cache.selected import DecodeSelector
+    from test_selectors import _projections
+
+    lm, hf = folder(["softmax", "hybrid"])
+    sel = DecodeSelector(_projections(lm), 3)
+    ids = torch.randint(256, (2, 12))
+    out = greedy(hf, ids, 6, selector=sel)
+    assert torch.equal(out, lm.generate(ids, 6, selector=sel))
+    assert not torch.equal(out, lm.generate(ids, 6))  # 3 of up to 17 keys: not exact attention
+    padded = torch.cat([torch.zeros(1, 4, dtype=torch.long), ids[1:]], 1)
+    mask = torch.cat([torch.zeros(1, 4, dtype=torch.long), torch.ones(1, 12, dtype=torch.long)], 1)
+    got = hf.generate(padded, max_new_tokens=6, do_sample=False, attention_mask=mask, selector=sel)
+    assert torch.equal(got[:, 4:], out[1:])
+    with pytest.raises(ValueError, match="not both|no window"):
+        greedy(hf, ids, 2, selector=sel, window=4)
+    with pytest.raises(ValueError, match="use_cache"):
+        greedy(hf, ids, 2, selector=sel, use_cache=False)
+    with pytest.raises(TypeError, match="DecodeSelector"):
+        greedy(hf, ids, 2, selector="learned")

@@ -92,6 +92,8 @@ def test_decode_index_growth_matches_prefill(lm, method, rope, groups):
     """Token-by-token decoding with a growing exact index selects what one prefill selects."""
     from transformers import DynamicCache
 
+    from attnlab.hf.modeling import CACHE_NAME
+
     torch.manual_seed(1)
     proj = SearchProjections([2, 3, 5], lm.dims.d_model, 16, rope=rope, groups=groups)
     ids = torch.randint(3, 250, (1, 30), generator=torch.Generator().manual_seed(4))
@@ -99,9 +101,9 @@ def test_decode_index_growth_matches_prefill(lm, method, rope, groups):
     with substitute(lm.model, [2, 3, 5], cfg, proj):
         full = lm.model(input_ids=ids, use_cache=False).logits
         cache = DynamicCache(config=lm.model.config)
-        steps = [lm.model(input_ids=ids[:, :10], past_key_values=cache, use_cache=True).logits]
+        steps = [lm.model(input_ids=ids[:, :10], use_cache=True, **{CACHE_NAME: cache}).logits]
         for t in range(10, 30):
-            steps.append(lm.model(input_ids=ids[:, t:t + 1], past_key_values=cache, use_cache=True).logits)
+            steps.append(lm.model(input_ids=ids[:, t:t + 1], use_cache=True, **{CACHE_NAME: cache}).logits)
     assert rel_rms(torch.cat(steps, 1), full) < 1e-5
 
 

@@ -42,15 +42,24 @@ class AttnlabCache(Cache):
     """Decode state of an attnlab model for a batch (made on the first forward).
 
     window: scalar/hybrid layers decode from the sorted scalar cache over the `window` nearest
-    keys (None: exact caches everywhere)."""
+    keys (None: exact caches everywhere). selector: an `attnlab.cache.selected.DecodeSelector`:
+    scalar/hybrid layers read the K keys its search projections pick (not with a window)."""
 
     is_compileable = False
 
-    def __init__(self, window: int | None = None):
+    def __init__(self, window: int | None = None, selector=None):
         if window is not None and (isinstance(window, bool) or not isinstance(window, int) or window < 1):
             raise ValueError(f"window must be an int >= 1 or None, got {window!r}")
+        if selector is not None:
+            from attnlab.cache.selected import DecodeSelector
+
+            if not isinstance(selector, DecodeSelector):
+                raise TypeError(f"selector must be an attnlab.cache.selected.DecodeSelector, got "
+                                f"{type(selector).__name__}")
+            if window is not None:
+                raise ValueError(f"give window={window} or a selector, not both: the selector picks the keys")
         _base_init(self)
-        self.window = window
+        self.window, self.selector = window, selector
         self.state: DecodeState | None = None
 
     def __repr__(self) -> str:
@@ -63,7 +72,7 @@ class AttnlabCache(Cache):
         """Run `model` (an attnlab LM) on the next columns input_ids (B, T), mask (B, T) or None,
         advancing every row's caches -> logits (B, T or last, V); zeros at pad positions."""
         if self.state is None:
-            self.state = DecodeState(model, input_ids.shape[0], window=self.window)
+            self.state = DecodeState(model, input_ids.shape[0], window=self.window, selector=self.selector)
         elif input_ids.shape[0] != self.state.batch_size:
             raise ValueError(f"input_ids has batch {input_ids.shape[0]}, this cache holds {self.state.batch_size} rows; "
                              f"use a new cache for a new batch")

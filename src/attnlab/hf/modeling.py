@@ -185,16 +185,20 @@ class AttnlabForCausalLM(AttnlabPreTrainedModel, GenerationMixin):
     # ------------------------------------------------------------------ generate
 
     def generate(self, inputs: torch.Tensor | None = None, generation_config: GenerationConfig | None = None,
-                 window: int | None = None, **kwargs):
+                 window: int | None = None, selector=None, **kwargs):
         """transformers' generate, decoding through attnlab's caches.
 
         window (or `generation_config.window`, or `config.window`): the sorted scalar cache's
-        window for scalar/hybrid layers. num_beams > 1 is a ValueError (see `AttnlabCache`)."""
+        window for scalar/hybrid layers. selector (an `attnlab.cache.selected.DecodeSelector`):
+        scalar/hybrid layers read the K keys its search projections pick, from an index that grows
+        per token (not with a window). num_beams > 1 is a ValueError (see `AttnlabCache`)."""
         gc = generation_config if generation_config is not None else self.generation_config
         if window is None:
             window = getattr(gc, "window", None)
-        if window is None:
+        if window is None and selector is None:
             window = getattr(self.config, "window", None)
+        if selector is not None:
+            self.model.make_caches(1, window=window, selector=selector)  # a bad selector: its error, before any work
         if window is not None and not any(blk.attn.n_scalar for blk in self.model.blocks):
             raise ValueError(f"window={window} selects the sorted scalar cache, but no layer has scalar heads "
                              f"(attn={self.model.cfg.layer_attn}); leave window unset")
@@ -203,7 +207,10 @@ class AttnlabForCausalLM(AttnlabPreTrainedModel, GenerationMixin):
             raise ValueError(f"num_beams={beams}: beam search reorders cache rows, which attnlab's decode states "
                              f"(recurrent, sorted scalar) do not support; use greedy decoding or sampling")
         given = kwargs.get("cache", kwargs.get("past_key_values"))
-        if given is None and kwargs.get("use_cache", getattr(gc, "use_cache", True)) is not False:
+        caching = kwargs.get("use_cache", getattr(gc, "use_cache", True)) is not False
+        if selector is not None and (given is not None or not caching):
+            raise ValueError("selector decodes through the cache generate makes: pass no cache and leave use_cache on")
+        if given is None and caching:
             kwargs.pop("past_key_values", None)
-            kwargs[CACHE_NAME] = AttnlabCache(window=window)
+            kwargs[CACHE_NAME] = AttnlabCache(window=window, selector=selector)
         return super().generate(inputs, generation_config=generation_config, **kwargs)
