@@ -170,3 +170,21 @@ def test_lora_adapters_train_then_merge_into_the_projections(llama, tmp_path):
     assert all(torch.equal(v, two.state_dict()[k]) for k, v in r.state_dict().items())
     with pytest.raises(RetrofitError, match="--finetune-lora must be an integer >= 0"):
         FinetuneConfig(steps=1, lora=-1).check()
+
+
+def test_align_term_is_logged_and_refused_without_scalar_heads(llama, tmp_path):
+    from attnlab.regularizers import regularization
+
+    r = convert(llama, "1,2", "hybrid")
+    ids = torch.randint(3, 90, (2, 32), generator=torch.Generator().manual_seed(5))
+    with torch.no_grad():  # the logged term is the regularizer on the LM's own recorded forward
+        r.model(ids, record=True)
+        want = float(regularization([a.last for a in r.model.attention_layers()], {"align": 1.0})["total"])
+    assert want > 0
+    rep = finetune(r, FinetuneConfig(steps=3, align=0.5, **SMALL), tmp_path / "out", progress=False)
+    for h in rep["history"]:
+        assert h["align"] > 0 and h["loss"] == pytest.approx(h["ce"] + 0.5 * h["align"], rel=1e-6)
+    gated = convert(llama, "1", "softmax", {"output_gate": "elementwise"})
+    with pytest.raises(RetrofitError, match="L_align needs scalar or hybrid heads"):
+        finetune(gated, FinetuneConfig(steps=3, align=0.5, **SMALL), tmp_path / "o2", progress=False)
+    assert not (tmp_path / "o2").exists()

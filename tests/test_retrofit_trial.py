@@ -1,6 +1,7 @@
 """`attnlab retrofit trial`: variants x seeds converted, fine-tuned and evaluated, resumed, reported with verdicts."""
 
 import json
+import math
 
 import pytest
 import torch
@@ -158,3 +159,41 @@ def test_new_lr_scale_moves_only_the_new_parameters_faster(model_dir, tmp_path):
         assert all(torch.equal(v, r.state_dict()[k]) for k, v in base.items() if k not in names)
     # Adam moves each parameter by about lr per step: ten times the rate, about ten times the distance
     assert 5 * moved[1.0] < moved[10.0] < 15 * moved[1.0], moved
+
+
+def test_decode_metrics_and_align_in_a_trial(tmp_path, model_dir):
+    """[eval] windows: the windowed and learned-selection losses beside the exact one, their gaps, a
+    control without scalar layers reporting the exact loss only; finetune.align trains with L_align."""
+    text = SPEC.split("[[variants]]")[0].replace("[eval]", "[eval]\nwindows = [4]\nwindow_lengths = [24]\n"
+                                                 "window_contexts = 2\nlearned_steps = 2\nlearned_context = 16\n"
+                                                 "learned_contexts = 2")
+    text = text.replace("seeds = [0, 1]", "seeds = [0]") + '''
+[[variants]]
+name = "control"
+[[variants]]
+name = "hybrid-align"
+retrofit = {{ attn = "scalar" }}
+transfer = {{ steps = 2, contexts = 2, context = 16 }}
+finetune = {{ align = 0.1 }}
+[[verdict]]
+metric = "gap:window4@24"
+better = "lower"
+compare = ["hybrid-align", "hybrid-align"]
+metric_b = "gap:learned4@24"
+'''
+    spec = _spec(tmp_path, model_dir, text)
+    assert main(["retrofit", "trial", str(spec), "--no-progress"]) == 0
+    res = json.loads((spec.parent / "results.json").read_text())
+    hyb, ctl = res["variants"]["hybrid-align"]["mean"], res["variants"]["control"]["mean"]
+    for name in ("exact@24", "window4@24", "learned4@24"):
+        assert hyb[name] is not None and hyb[name] > 0
+    assert hyb["gap:window4@24"] == pytest.approx(100 * math.expm1(hyb["window4@24"] - hyb["exact@24"]))
+    assert ctl["exact@24"] is not None and ctl["window4@24"] is None and ctl["gap:window4@24"] is None
+    log = (spec.parent / "runs" / "hybrid-align" / "seed0" / "finetune" / "log.jsonl").read_text()
+    assert '"align"' in log
+    assert "Decoding through key selection" in (spec.parent / "report.md").read_text()
+    assert json.loads((spec.parent / "runs" / "hybrid-align" / "seed0" / "result.json").read_text())["transfer"]
+    gained = spec.read_text().replace('attn = "scalar"', 'attn = "hybrid"')
+    spec.write_text(gained)
+    with pytest.raises(ConfigError, match="learned scalar gain"):
+        load_trial(spec)

@@ -69,6 +69,9 @@ def add_retrofit(sub) -> None:
                         "parameter (default: new)")
     f.add_argument("--finetune-new-lr-scale", type=float, default=None, metavar="X",
                    help="the new parameters' learning rate as X times --finetune-lr (default: 1)")
+    f.add_argument("--finetune-align", type=float, default=None, metavar="W",
+                   help="weight of L_align (scalar distance against attention weight) over the scalar/hybrid "
+                        "layers (default: 0)")
     f.add_argument("--finetune-lora", type=int, default=None, metavar="R",
                    help="also train LoRA adapters of rank R (peft) on every layer's q/k/v/o projections, merged into "
                         "them when fine-tuning ends (default: none)")
@@ -92,6 +95,7 @@ def cmd_retrofit(ns) -> int:
     try:
         import attnlab.hf  # noqa: F401
         from attnlab.retrofit import RetrofitError, check_out, convert, load_source, parse_settings, plan_source, save
+        from attnlab.retrofit.io import tokenizer_encoding
     except ImportError as e:
         if (e.name or "").split(".")[0] in ("transformers", "tokenizers", "safetensors", "gguf"):
             raise UsageError(f"attnlab retrofit needs the optional package {e.name.split('.')[0]}, not installed here; "
@@ -114,17 +118,14 @@ def cmd_retrofit(ns) -> int:
         if ecfg is not None:
             ecfg.check(plan.model.max_seq_len or None)
         if fcfg.steps > 0:
-            check_trainable(plan, fcfg.train, fcfg.lora)
+            check_trainable(plan, fcfg.train, fcfg.lora, fcfg.align)
     except RetrofitError as e:
         raise UsageError(str(e)) from None
     check_free(ns.out, beside=True)  # FolderBusy (exit 2) before any weights load
     model, tok = load_source(source)
     retro = convert(model, plan.layers, ns.attn, settings, ns.seed)
     with FolderLock(ns.out, beside=True):
-        encode = eos = None
-        if tok is not None:
-            encode = lambda text: tok(text, add_special_tokens=False)["input_ids"]  # noqa: E731
-            eos = tok.eos_token_id
+        encode, eos = tokenizer_encoding(tok)
         try:
             if tcfg.steps > 0:
                 transfer_attention(model, retro, plan.layers, tcfg, ns.out, encode, eos, log=print)
@@ -175,7 +176,7 @@ def _finetune_config(ns, FinetuneConfig):
     --finetune-* option given without --finetune-steps)."""
     from attnlab.retrofit import RetrofitError
 
-    given = {k: getattr(ns, f"finetune_{k}") for k in ("lr", "kl", "context", "batch", "train", "lora", "new_lr_scale")}
+    given = {k: getattr(ns, f"finetune_{k}") for k in ("lr", "kl", "context", "batch", "train", "lora", "new_lr_scale", "align")}
     given = {k: v for k, v in given.items() if v is not None}
     if ns.finetune_steps == 0 and given:
         flags = ", ".join(f"--finetune-{k}" for k in given)

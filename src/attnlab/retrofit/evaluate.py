@@ -6,7 +6,7 @@ sink's share, the ground state's mass, the output gate's low values), through th
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -24,6 +24,26 @@ class EvalConfig:
     analysis_contexts: int = 1  # contexts the per-layer statistics read (they build T x T weights)
     corpus: str = "stdlib"
     seed: int = 0
+    # decoding through key selection (scalar/hybrid layers): each K in `windows` reads the sorted
+    # cache's K nearest keys ("window"), and with learned_steps > 0 also the K keys of search
+    # projections trained on the model (`eval.selector_training`, learned_contexts x learned_context
+    # training-split tokens); loss on window_contexts held-out contexts of each length in
+    # window_lengths (default: context), beside the exact loss on the same contexts
+    windows: list = field(default_factory=list)
+    window_lengths: list = field(default_factory=list)
+    window_contexts: int = 2
+    learned_steps: int = 0
+    learned_context: int = 512
+    learned_contexts: int = 4
+
+    def decode_names(self) -> list[str]:
+        """The decode metrics this config reports: exact@T, window<K>@T, learned<K>@T (nats per token)."""
+        out = []
+        for T in self.window_lengths or ([self.context] if self.windows else []):
+            out.append(f"exact@{T}")
+            for k in self.windows:
+                out += [f"window{k}@{T}"] + ([f"learned{k}@{T}"] if self.learned_steps else [])
+        return out
 
     def check(self, max_positions: int | None = None) -> "EvalConfig":
         """Validate the options (and the context against the model's `max_positions`, when given);
@@ -32,6 +52,20 @@ class EvalConfig:
             v = getattr(self, name)
             if isinstance(v, bool) or not isinstance(v, int) or v < low:
                 raise RetrofitError(f"--eval-{name.replace('_', '-')} must be an integer >= {low}, got {v!r}")
+        for name in ("window_contexts", "learned_steps", "learned_context", "learned_contexts"):
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, int) or v < (0 if name == "learned_steps" else 1):
+                raise RetrofitError(f"eval {name} must be an integer >= {0 if name == 'learned_steps' else 1}, "
+                                    f"got {v!r}")
+        for name in ("windows", "window_lengths"):
+            v = getattr(self, name)
+            if not isinstance(v, list) or not all(isinstance(x, int) and not isinstance(x, bool) and x >= 2 for x in v):
+                raise RetrofitError(f"eval {name} must be a list of integers >= 2, got {v!r}")
+        if self.window_lengths and not self.windows:
+            raise RetrofitError("eval window_lengths given without windows: no decode would be measured")
+        if max_positions and max(self.window_lengths or [0]) > max_positions:
+            raise RetrofitError(f"eval window_lengths {self.window_lengths} exceed the model's max_position_embeddings "
+                                f"{max_positions}")
         if self.analysis_contexts > self.contexts:
             raise RetrofitError(f"--eval-analysis-contexts {self.analysis_contexts} exceeds --eval-contexts "
                                 f"{self.contexts}")
@@ -47,24 +81,13 @@ def _mean(values) -> float | None:
 
 
 @torch.no_grad()
-def _perplexity(model, ids: torch.Tensor) -> float:
-    """exp(mean next-token cross-entropy) over the contexts ids (N, T), one at a time."""
-    total = 0.0
-    for row in ids:
-        out = model(input_ids=row[None], use_cache=False)
-        logits = out.logits if hasattr(out, "logits") else out[0]
-        total += float(torch.nn.functional.cross_entropy(logits[0, :-1].float(), row[1:]))
-    return math.exp(total / len(ids))
-
-
-@torch.no_grad()
 def evaluate_retrofit(model, cfg: EvalConfig, original=None, encode=None, eos_id: int | None = None) -> dict:
     """Held-out perplexity of `model` (an AttnlabForCausalLM, e.g. from `convert`) and of `original` (the
     HF model it came from, when given), and per layer the means over heads and analysed contexts of
     PER_LAYER where the layer has them; also kept as `model.eval_report` (written to eval.json by `save`)."""
     from attnlab.train.evaluate import attention_report
 
-    from .finetune import FinetuneConfig, _pack
+    from .finetune import FinetuneConfig, _pack, perplexity as _perplexity
     from .transfer import text_encoding
 
     cfg.check()
@@ -87,7 +110,41 @@ def evaluate_retrofit(model, cfg: EvalConfig, original=None, encode=None, eos_id
             row.update({k: _mean(entry[k]) for k in PER_LAYER if k in entry})
             layers.append(row)
         report["layers"] = layers
+        if cfg.windows:
+            report["decode"] = _decode_losses(model, cfg, encode, eos_id)
     finally:
         model.train(was)
     model.eval_report = report
     return report
+
+
+def _decode_losses(model, cfg: EvalConfig, encode, eos_id) -> dict:
+    """{name: nats per token} of `EvalConfig.decode_names`: exact, through the sorted cache's window and
+    through learned search projections, on the same held-out contexts of each length (the exact loss
+    only for a model without scalar/hybrid layers)."""
+    from attnlab.eval.selectors import select_keys, selectable_layers
+
+    from .finetune import FinetuneConfig, _pack, perplexity
+
+    lm, proj = model.model, None
+    selectable = bool(selectable_layers(lm))  # no scalar/hybrid layer (a control): the exact loss only
+    if cfg.learned_steps and selectable:
+        from attnlab.eval.selector_training import train_selector_projections
+
+        pack = FinetuneConfig(context=cfg.learned_context, corpus=cfg.corpus, seed=cfg.seed)
+        train = _pack(pack, "train", cfg.learned_contexts, encode, eos_id)
+        with torch.enable_grad():  # evaluate_retrofit runs under no_grad; the projections train
+            proj = train_selector_projections(lm, [row[None] for row in train], cfg.learned_steps, seed=cfg.seed)
+    out = {}
+    for T in cfg.window_lengths or [cfg.context]:
+        ids = _pack(FinetuneConfig(context=T, corpus=cfg.corpus, seed=cfg.seed), "test", cfg.window_contexts,
+                    encode, eos_id)
+        out[f"exact@{T}"] = math.log(perplexity(model, ids))
+        for k in cfg.windows if selectable else ():
+            with select_keys(lm, "window", k):
+                out[f"window{k}@{T}"] = math.log(perplexity(model, ids))
+            if proj is not None:
+                with select_keys(lm, "learned", k, projections=proj):
+                    out[f"learned{k}@{T}"] = math.log(perplexity(model, ids))
+    return out
+

@@ -73,6 +73,7 @@ class FinetuneConfig:
     lora: int = 0  # LoRA rank on every layer's q/k/v/o projections (peft); 0: none
     lora_alpha: float = 16.0
     new_lr_scale: float = 1.0
+    align: float = 0.0  # weight of L_align (attnlab.regularizers) over the scalar/hybrid layers
 
     def check(self, max_positions: int | None = None) -> "FinetuneConfig":
         """RetrofitError naming the option, for a value that cannot work."""
@@ -82,7 +83,7 @@ class FinetuneConfig:
             if isinstance(v, bool) or not isinstance(v, int) or v < low:
                 raise RetrofitError(f"--finetune-{name.replace('_', '-')} must be an integer >= {low}, got {v!r}")
         for name, positive in (("lr", True), ("kl", False), ("weight_decay", False), ("grad_clip", False),
-                               ("lora_alpha", True), ("new_lr_scale", True)):
+                               ("lora_alpha", True), ("new_lr_scale", True), ("align", False)):
             v = getattr(self, name)
             if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) or v < 0 or (positive and v == 0):
                 raise RetrofitError(f"--finetune-{name.replace('_', '-')} must be a finite number "
@@ -128,16 +129,25 @@ def _logits(model, ids: torch.Tensor) -> torch.Tensor:
     return out.logits if hasattr(out, "logits") else out[0]
 
 
-def _losses(model, ids: torch.Tensor, original, kl: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
-    """(total, next-token CE, KL(original ‖ model) or None), each a mean over predicted tokens."""
-    logits = _logits(model, ids)[:, :-1].float()  # (B, T-1, V)
+def _losses(model, ids: torch.Tensor, original, kl: float, align: float = 0.0) -> tuple[torch.Tensor, torch.Tensor, dict]:
+    """(total, next-token CE, {"kl": KL(original ‖ model), "align": Σ_layers L_align} where weighted),
+    each a mean over predicted tokens (L_align: over the scalar/hybrid layers' query-key pairs)."""
+    extra = {}
+    if align > 0:  # the LM's own forward, recording the scalar layers' qs/ks for L_align
+        from attnlab.regularizers import regularization
+
+        logits = model.model(ids, record=True)[0][:, :-1].float()
+        extra["align"] = regularization([a.last for a in model.model.attention_layers()], {"align": 1.0})["total"]
+    else:
+        logits = _logits(model, ids)[:, :-1].float()  # (B, T-1, V)
     ce = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), ids[:, 1:].reshape(-1))
+    total = ce + align * extra["align"] if align > 0 else ce
     if kl > 0 and original is not None:
         with torch.no_grad():
             ref = F.log_softmax(_logits(original, ids)[:, :-1].float(), -1)
-        div = F.kl_div(F.log_softmax(logits, -1), ref, log_target=True, reduction="none").sum(-1).mean()
-        return ce + kl * div, ce, div
-    return ce, ce, None
+        extra["kl"] = F.kl_div(F.log_softmax(logits, -1), ref, log_target=True, reduction="none").sum(-1).mean()
+        total = total + kl * extra["kl"]
+    return total, ce, extra
 
 
 @torch.no_grad()
@@ -152,20 +162,24 @@ def perplexity(model, ids: torch.Tensor) -> float:
     return math.exp(total / len(ids))
 
 
-def check_trainable(plan_, train: str, lora: int = 0) -> None:
+def check_trainable(plan_, train: str, lora: int = 0, align: float = 0.0) -> None:
     """RetrofitError when train="new", no LoRA is asked for and the planned layers have no new parameters
-    (checked on layers built on the meta device: no weights, no memory); or LoRA without peft installed."""
+    (checked on layers built on the meta device: no weights, no memory); when L_align is weighted and
+    no planned layer has scalar heads; or LoRA without peft installed."""
     from types import SimpleNamespace
 
     from attnlab.layers import Attention
 
     if lora:
         _peft()
-    if train != "new" or lora:
-        return
     configs = plan_.model.attention_configs()
     with torch.device("meta"):
         blocks = {i: SimpleNamespace(attn=Attention(configs[i])) for i in plan_.layers}
+    if align and not any(b.attn.n_scalar for b in blocks.values()):
+        raise RetrofitError(f"--finetune-align {align}: L_align needs scalar or hybrid heads, and the "
+                            f"{plan_.mechanism!r} layers have none")
+    if train != "new" or lora:
+        return
     _trainable(SimpleNamespace(model=SimpleNamespace(blocks=blocks)), plan_, train)
 
 
@@ -237,8 +251,9 @@ def _scale_new(opt, new: dict, scale: float) -> None:
 def _fingerprint(cfg: FinetuneConfig, plan_) -> dict:
     d = asdict(cfg)
     d.pop("checkpoint_every")
-    if d["new_lr_scale"] == 1.0:  # states written before the option existed stay resumable
-        d.pop("new_lr_scale")
+    for k in ("new_lr_scale", "align"):  # states written before these options existed stay resumable
+        if d[k] == FinetuneConfig.__dataclass_fields__[k].default:
+            d.pop(k)
     if plan_ is not None:
         d.update(layers=list(plan_.layers), mechanism=plan_.mechanism, settings=plan_.settings)
     return json.loads(json.dumps(d, default=str))
@@ -265,6 +280,8 @@ def finetune(model, cfg: FinetuneConfig, out, original=None, encode=None, eos_id
         return report
     if cfg.kl > 0 and original is None:
         raise RetrofitError("--finetune-kl > 0 needs the original model (finetune(..., original=hf_model))")
+    if cfg.align and not any(blk.attn.n_scalar for blk in model.model.blocks):
+        raise RetrofitError(f"--finetune-align {cfg.align}: L_align needs scalar or hybrid heads; this model has none")
     encode, eos_id = text_encoding(model.config, encode, eos_id)
     train_ids = _pack(cfg, "train", cfg.contexts, encode, eos_id)
     eval_ids = _pack(cfg, "test", cfg.eval_contexts, encode, eos_id)
@@ -308,15 +325,14 @@ def finetune(model, cfg: FinetuneConfig, out, original=None, encode=None, eos_id
                     for g in opt.param_groups:
                         g["lr"] = lr * g.get("lr_scale", 1.0)
                     ids = train_ids[batch_indices(cfg.seed, step, cfg.contexts, cfg.batch)]
-                    loss, ce, div = _losses(model, ids, original, cfg.kl)
+                    loss, ce, extra = _losses(model, ids, original, cfg.kl, cfg.align)
                     opt.zero_grad(set_to_none=True)
                     loss.backward()
                     norm = torch.nn.utils.clip_grad_norm_(list(params.values()), tcfg.grad_clip) \
                         if tcfg.grad_clip > 0 else None
                     opt.step()
                     row = {"step": step + 1, "loss": float(loss.detach()), "ce": float(ce.detach()), "lr": lr}
-                    if div is not None:
-                        row["kl"] = float(div.detach())
+                    row.update({k: float(v.detach()) for k, v in extra.items()})
                     if norm is not None:
                         row["grad_norm"] = float(norm)
                     if step == 0:

@@ -87,6 +87,13 @@ def load_source(source):
     return model, tok
 
 
+def tokenizer_encoding(tok):
+    """(encode: text -> token ids, eos id) of a tokenizer, or (None, None) for none (bytes then)."""
+    if tok is None:
+        return None, None
+    return (lambda text: tok(text, add_special_tokens=False)["input_ids"]), tok.eos_token_id
+
+
 def retrofit(model, layers="middle6", attn: str = "softmax", settings=None, seed: int = 0):
     """The retrofitted model (an AttnlabForCausalLM). model: a transformers LlamaForCausalLM /
     Qwen2ForCausalLM, or a spec: 'smollm2', a folder, a .gguf file. Everything that can be checked

@@ -16,32 +16,13 @@ effect from the mechanism's.
 Per-run metrics (the names `[[verdict]]` rules use): ppl, nll (ln ppl), ppl_gap (% against the
 original model), and the per-layer statistics of `evaluate_retrofit` averaged over the replaced
 layers (first_token_share, gate_low, ground_weight, learned_sink_share) and over all layers
-(first_token_share_all); first_token_share_before: the original model's share averaged over the
-same layers (a rule can compare a variant's first_token_share with its own _before); new_change_rms (root mean square of how far the new parameters moved in
-transfer and fine-tuning) and wall_s. The report adds each layer's first-token share (and gate and
-ground-state statistics where a variant has them) per variant.
+(first_token_share_all); first_token_share_before: the original's share over the same layers;
+new_change_rms (how far the new parameters moved) and wall_s. The report adds each layer's
+statistics per variant.
 
-    title = "..."
-    seeds = [0, 1, 2]
-    [retrofit]
-    model = "smollm2"
-    layers = "all"
-    attn = "softmax"
-    [finetune]
-    steps = 40
-    lora = 8
-    [eval]
-    contexts = 8
-    context = 2048
-    [[variants]]
-    name = "control"
-    [[variants]]
-    name = "gate"
-    retrofit = { settings = { output_gate = "elementwise" } }
-    [[verdict]]
-    metric = "nll"
-    better = "lower"
-    compare = ["gate", "control"]
+The format, with an example: experiments/README.md ("Retrofit trials"); the metrics: docs/retrofit.md.
+Decode metrics (with `[eval] windows`): exact@T, window<K>@T, learned<K>@T in nats per token and
+gap:<name>, the perplexity gap in % against exact@T.
 """
 
 from __future__ import annotations
@@ -57,7 +38,7 @@ import torch
 
 from attnlab import interrupt
 from attnlab.data.cache import atomic_write_text
-from attnlab.experiments.report import fmt, markdown_table, report_head
+from attnlab.experiments.report import fmt, markdown_table, mean as _mean_or_none, report_head
 from attnlab.experiments.sweep.verdict import check_rules, judge, verdict_lines
 from attnlab.lock import FolderLock, check_free
 from attnlab.models.config import ConfigError
@@ -181,8 +162,14 @@ def load_trial(path) -> Trial:
                     cfg[k].check()
                 if name not in plans:
                     plans[name] = plan_source(rs.model, rs.layers, rs.attn, rs.settings)[1]
+                    configs = plans[name].model.attention_configs()
+                    if cfg["eval"].windows and any(getattr(configs[j], "scalar_gain", None) is not None
+                                                   for j in plans[name].layers):
+                        raise RetrofitError("eval windows: the sorted-cache window and key selection do not "
+                                            "support the hybrid's learned scalar gain (its exact start) yet")
                     if cfg["finetune"].steps > 0:
-                        check_trainable(plans[name], cfg["finetune"].train, cfg["finetune"].lora)
+                        check_trainable(plans[name], cfg["finetune"].train, cfg["finetune"].lora,
+                                        cfg["finetune"].align)
             except RetrofitError as e:
                 raise ConfigError(f"{where}: {e}") from None
             runs.append(TrialRun(name, seed, out / "runs" / name / f"seed{seed}", rs, cfg["transfer"],
@@ -190,7 +177,7 @@ def load_trial(path) -> Trial:
     _need(len({r.retrofit.model for r in runs}) == 1, "every variant must retrofit the same model (retrofit.model)")
     _need(len({json.dumps(asdict(r.eval), sort_keys=True) for r in runs}) == 1,
           "every variant must be evaluated the same way ([eval] is shared, not set per variant)")
-    rules = check_rules(raw["verdict"], [*names, ORIGINAL], list(SCALARS)) if "verdict" in raw else []
+    rules = check_rules(raw["verdict"], [*names, ORIGINAL], metric_names(runs[0].eval)) if "verdict" in raw else []
     return Trial(path, raw.get("title", path.parent.name), raw.get("claim", ""), raw.get("description", ""),
                  list(seeds), names, runs, rules, out)
 
@@ -202,13 +189,25 @@ def _fingerprint(run: TrialRun | None, ev: EvalConfig) -> dict:
     return json.loads(json.dumps(d, default=str))
 
 
+def _filled(fp: dict) -> dict | None:
+    """A fingerprint with every section's fields present (fields added since it was written take
+    their defaults, which is what such a run used); None if it names a field that no longer exists."""
+    classes = {"eval": EvalConfig, "transfer": TransferConfig, "finetune": FinetuneConfig, "retrofit": RetrofitSpec}
+    try:
+        return json.loads(json.dumps({k: asdict(classes[k](**v)) if k in classes else v for k, v in fp.items()},
+                                     default=str))
+    except TypeError:
+        return None
+
+
 def finished(folder: Path, want: dict) -> dict | None:
     """The run's result.json when it was written for exactly these settings, else None."""
     try:
         res = json.loads((folder / RESULT).read_text())
     except (OSError, ValueError):
         return None
-    return res if res.get("fingerprint") == want else None
+    have = _filled(res.get("fingerprint") or {})
+    return res if have is not None and have == _filled(want) else None
 
 
 def _summary(report: dict, replaced: set[int]) -> dict:
@@ -216,17 +215,19 @@ def _summary(report: dict, replaced: set[int]) -> dict:
     layers = report["layers"]
     out = {"ppl": report["perplexity"], "nll": math.log(report["perplexity"])}
     for key in PER_LAYER:
-        xs = [row[key] for row in layers if row.get(key) is not None and row["layer"] in replaced]
-        out[key] = statistics.fmean(xs) if xs else None
-    xs = [row["first_token_share"] for row in layers if row.get("first_token_share") is not None]
-    out["first_token_share_all"] = statistics.fmean(xs) if xs else None
+        out[key] = _mean_or_none([row.get(key) for row in layers if row["layer"] in replaced])
+    out["first_token_share_all"] = _mean_or_none([row.get("first_token_share") for row in layers])
+    decode = report.get("decode", {})
+    for name, nll in decode.items():  # nats per token, and the perplexity gap (%) against exact at that length
+        out[name] = nll
+        if not name.startswith("exact@"):
+            out["gap:" + name] = 100.0 * math.expm1(nll - decode["exact@" + name.split("@")[1]])
     return out
 
 
-def _encoding(tok):
-    if tok is None:
-        return None, None
-    return (lambda text: tok(text, add_special_tokens=False)["input_ids"]), tok.eos_token_id
+def metric_names(ev: EvalConfig) -> list[str]:
+    """Every per-run scalar a `[[verdict]]` rule may name."""
+    return [*SCALARS, *ev.decode_names(), *("gap:" + n for n in ev.decode_names() if not n.startswith("exact@"))]
 
 
 def run_one(run: TrialRun | None, ev: EvalConfig, folder: Path, hf_model, tok, progress: bool = True) -> dict:
@@ -235,10 +236,11 @@ def run_one(run: TrialRun | None, ev: EvalConfig, folder: Path, hf_model, tok, p
     from .convert import convert
     from .evaluate import evaluate_retrofit
     from .finetune import finetune
+    from .io import tokenizer_encoding
     from .transfer import transfer_attention
 
     t0 = time.perf_counter()
-    encode, eos = _encoding(tok)
+    encode, eos = tokenizer_encoding(tok)
     rs = run.retrofit if run is not None else RetrofitSpec(layers="0")
     model = convert(hf_model, rs.layers, rs.attn, rs.settings, run.seed if run is not None else 0)
     plan = model.retrofit_plan
@@ -319,7 +321,7 @@ def collect(trial: Trial) -> tuple[dict, dict]:
             res = finished(run.folder, _fingerprint(run, ev))
             if res is None:
                 continue
-            m = {k: res.get(k) for k in SCALARS}
+            m = {k: res.get(k) for k in metric_names(ev)}
             if orig is not None:
                 m["ppl_gap"] = 100.0 * (res["ppl"] / orig["ppl"] - 1.0)
                 m["first_token_share_before"] = _mean_or_none(
@@ -333,11 +335,6 @@ def collect(trial: Trial) -> tuple[dict, dict]:
             layers[v] = {k: [_mean_or_none([rows[i].get(k) for rows in per_layer]) for i in range(len(per_layer[0]))]
                          for k in PER_LAYER}
     return stats, layers
-
-
-def _mean_or_none(xs):
-    xs = [x for x in xs if x is not None]
-    return statistics.fmean(xs) if xs else None
 
 
 def write_report(trial: Trial) -> dict:
@@ -383,6 +380,15 @@ def report_markdown(trial: Trial, stats: dict, layers: dict, judged: list[dict])
     rows = [[v, len(stats[v]["seeds"])] + [_pm(stats[v]["mean"].get(k), stats[v]["sd"].get(k)) for k in shown]
             for v in [ORIGINAL, *trial.variants] if v in stats]
     lines += [markdown_table(["variant", "seeds", *shown], rows), ""]
+    decode = [n for n in ev.decode_names() if not n.startswith("exact@")]
+    if decode:
+        lines += ["### Decoding through key selection: perplexity gap (%) against each model's exact loss", "",
+                  markdown_table(["variant", *(f"exact@{n.split('@')[1]} (nats)" for n in ev.decode_names()
+                                               if n.startswith("exact@")), *decode],
+                                 [[v, *(_pm(stats[v]["mean"].get(n), stats[v]["sd"].get(n)) for n in ev.decode_names()
+                                        if n.startswith("exact@")),
+                                   *(_pm(stats[v]["mean"].get("gap:" + n), stats[v]["sd"].get("gap:" + n)) for n in decode)]
+                                  for v in trial.variants]), ""]
     for key in PER_LAYER:
         have = [v for v in [ORIGINAL, *trial.variants] if v in layers and any(x is not None for x in layers[v][key])]
         if not have:
