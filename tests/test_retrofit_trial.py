@@ -193,7 +193,8 @@ metric_b = "gap:learned4@24"
     assert '"align"' in log
     assert "Decoding through key selection" in (spec.parent / "report.md").read_text()
     assert json.loads((spec.parent / "runs" / "hybrid-align" / "seed0" / "result.json").read_text())["transfer"]
-    gained = spec.read_text().replace('attn = "scalar"', 'attn = "hybrid"')
-    spec.write_text(gained)
-    with pytest.raises(ConfigError, match="learned scalar gain"):
-        load_trial(spec)
+    # a hybrid retrofit (its learned scalar gain at 0, the exact start) is windowed through that gain
+    spec.write_text(spec.read_text().replace('attn = "scalar"', 'attn = "hybrid"').replace("steps = 2, ", "steps = 0, "))
+    assert main(["retrofit", "trial", str(spec), "--no-progress"]) == 0
+    hyb = json.loads((spec.parent / "results.json").read_text())["variants"]["hybrid-align"]["mean"]
+    assert hyb["window4@24"] is not None and hyb["learned4@24"] is not None

@@ -312,3 +312,51 @@ def test_density_compression_in_decoding(attn, attention):
     for bad in (-1.0, float("inf"), True):
         with pytest.raises(ValueError, match="compress must be"):
             model.blocks[0].attn.make_cache(1, window=4, compress=bad)
+
+
+@pytest.mark.parametrize("impl", ["naive", "fast"])
+def test_windowed_attention_scalar_scale(impl):
+    """The hybrid's learned gain lam on the scalar term (any sign, zero included): both paths equal the
+    reference with lam folded into tau (1/tau -> lam/tau), in the outputs and every gradient, lam's too."""
+    qs, ks, v, q, k = (x.double() for x in _inputs(B=1, T=14))
+    tau = torch.tensor([0.2, 0.5, 1.0, 3.0], dtype=torch.float64)
+    lam = torch.tensor([0.7, 0.0, -0.4, 2.0], dtype=torch.float64)
+    leaves = [t.clone().requires_grad_() for t in (qs, ks, v, q, k, lam)]
+    got = windowed_attention(*leaves[:3], tau, 5, q=leaves[3], k=leaves[4], query_chunk=6, impl=impl,
+                             scalar_scale=leaves[5])
+    # reference: per head, -lam (qs - ks)^2 / tau = -(sqrt|lam| qs - sqrt|lam| ks)^2 / tau * sign(lam); the
+    # window (nearest |qs - ks|) is unchanged by lam, so compare with a masked softmax over hybrid_logits
+    from attnlab.ops.scalar import hybrid_logits
+
+    ref = [t.clone().requires_grad_() for t in (qs, ks, v, q, k, lam)]
+    logits = hybrid_logits(ref[3], ref[4], ref[0], ref[1], tau, scalar_scale=ref[5])
+    keep = window_mask(qs, ks, 5)
+    want = torch.softmax(logits.masked_fill(~keep, float("-inf")), -1) @ ref[2].repeat_interleave(2, dim=1)
+    torch.testing.assert_close(got, want, rtol=1e-9, atol=1e-10)
+    for name, a, b in zip(("qs", "ks", "v", "q", "k", "lam"), torch.autograd.grad(got.square().sum(), leaves),
+                          torch.autograd.grad(want.square().sum(), ref)):
+        torch.testing.assert_close(a, b, rtol=1e-7, atol=1e-9, msg=f"grad of {name}")
+    with pytest.raises(ValueError, match="give q and k"):
+        windowed_attention(qs, ks, v, tau, 5, scalar_scale=lam)
+    with pytest.raises(ValueError, match="scalar_scale"):
+        windowed_attention(qs, ks, v, tau, 5, q=q, k=k, scalar_scale=lam[:2])
+
+
+def test_gained_hybrid_layer_windows_through_its_gain():
+    """A hybrid layer with a learned gain of 1 windows exactly as the same layer without a gain; with
+    another gain its windowed forward changes (the gain reaches the scores)."""
+    torch.manual_seed(0)
+    plain = LM(ModelConfig(vocab_size=50, d_model=32, n_layers=1, n_heads=4, attn="hybrid", max_seq_len=64))
+    gained = LM(ModelConfig(vocab_size=50, d_model=32, n_layers=1, n_heads=4, attn="hybrid", max_seq_len=64,
+                            attention={"scalar_gain": 1.0}))
+    gained.load_state_dict(plain.state_dict(), strict=False)
+    idx = torch.randint(50, (2, 20))
+    with torch.no_grad():
+        with decode_window(plain, 4):
+            want = plain(idx)[0]
+        with decode_window(gained, 4):
+            got = gained(idx)[0]
+            gained.blocks[0].attn.scalar_scale.fill_(3.0)
+            other = gained(idx)[0]
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
+    assert (other - want).abs().max() > 1e-3

@@ -6,20 +6,17 @@ token; here it is computed for a whole sequence at once, so the loss of windowed
 be measured at long contexts without stepping the model (`attnlab.eval.window`). For query t
 (causal) the candidates are the keys s <= t; the window is the `window` of them with the
 smallest |qs_t - ks_s| (all of them while t sees fewer; among keys at the same distance the
-newest are taken first), and the softmax runs over the window
-plus the prefix columns 0 .. n_prefix - 1. Logits come from `scalar_logits` / `hybrid_logits`,
-the mechanisms' one score formula.
+newest are taken first), and the softmax runs over the window plus the prefix columns
+0 .. n_prefix - 1. Logits come from `scalar_logits` / `hybrid_logits` (one score formula).
 
-Ties. Identical scalar keys are common: with no position embedding, a first layer's keys are a
-function of the token alone, so repeated tokens tie. The sorted cache breaks exact ties in its
-own order, which for a scalar head does not matter (tied keys carry the same value) but for a
-hybrid head with RoPE does (tied entries differ in their rotated vector keys); there the cache
-and this op can differ by which of the tied entries fill the last places of the window.
+Ties. Identical scalar keys are common (with no position embedding a first layer's keys depend on
+the token alone). The sorted cache breaks exact ties in its own order: no matter for a scalar head
+(tied keys carry the same value), but a hybrid head with RoPE can differ from this op in which
+tied entries fill the window's last places.
 
 Local window. With `local = w`, the last w keys a query sees (its own among them) are always in,
-and the window's k keys are the nearest among the older keys: k + w keys (+ the prefix) in all, two
-disjoint sets. A decoder keeps the last w keys in a ring buffer and the older ones in the sorted
-cache (`attnlab.layers`, `train_window` / `local_window`).
+and the window's k keys are the nearest among the older ones: k + w keys (+ the prefix). A decoder
+keeps the last w keys in a ring and the older ones in the sorted cache (`train_window` / `local_window`).
 
 Two paths. impl="naive" scores every key (row chunks of `query_chunk`, O(query_chunk x Tk) per
 head) and masks outside the window: the reference. impl="auto" / "fast" (no budget, no keep_fn)
@@ -33,8 +30,7 @@ Other selection rules. `keep_fn` replaces the window rule by any other choice of
 selectors of `attnlab.eval.selectors`: oracle top-K, Quest pages, learned search vectors): it is
 called once per query chunk as keep_fn(a, b, logits) with the chunk's query rows a..b-1 (the keys
 are 0..b-1) and their logits (B, H, b - a, b), -inf where a key is hidden, and returns the
-(B, H, b - a, b) bool mask of the keys each query reads. The softmax then runs over those keys,
-as it does over a window; the rule itself decides whether the prefix entries are in.
+(B, H, b - a, b) bool mask of the keys each query reads (the prefix entries too, if it wants them).
 """
 
 from __future__ import annotations
@@ -47,7 +43,7 @@ import torch.nn.functional as F
 
 from ..checks import check_int, check_same, visible_keys
 from ._sdpa import check_qkv, expand_heads, upcast
-from .scalar import _augment, _check_scalars, _check_values, _tau, hybrid_logits, scalar_logits
+from .scalar import _augment, _check_scalars, _check_values, _scalar_scale, _tau, hybrid_logits, scalar_logits
 
 __all__ = ["budget_evictions", "range_distance", "window_indices", "window_mask", "windowed_attention"]
 
@@ -245,7 +241,7 @@ def _selected_chunk(qa, ka, vals, idx, ok):
     return out[..., : vals.shape[-1]]
 
 
-def _selected_attention(qs, ks, v, tau, window, q, k, n_prefix, local, query_chunk):
+def _selected_attention(qs, ks, v, tau, window, q, k, n_prefix, local, query_chunk, scalar_scale=None):
     """The selected-keys path of `windowed_attention` (module docstring): the scores are the fused
     path's augmented dot products ([q / sqrt(d), q'] . [k, k'], `ops.scalar._augment`), masked to
     each query's selected keys chunk by chunk, each chunk recomputed in the backward pass."""
@@ -255,13 +251,15 @@ def _selected_attention(qs, ks, v, tau, window, q, k, n_prefix, local, query_chu
     cdt = upcast(v.dtype)
     idx, ok = window_indices(qs, ks, window, n_prefix=n_prefix, local=local, query_chunk=query_chunk)
     inv_tau = 1.0 / _tau(tau, B, H, T, cdt, qs.device)
+    if scalar_scale is not None:  # -lam (qs - ks)^2 / tau: lam folds into 1 / tau (of any sign)
+        inv_tau = inv_tau * _scalar_scale(scalar_scale, H, cdt, qs.device)
     qa, ka = _augment(qs, ks, inv_tau, cdt, True)  # (B, H, T, 2)
     if q is not None:
         qa = torch.cat([q.to(cdt) * (1.0 / math.sqrt(q.shape[-1])), qa], dim=-1)
         ka = torch.cat([expand_heads(k, H).to(cdt), ka], dim=-1)
     vals = expand_heads(v, H).to(cdt)
-    grad = torch.is_grad_enabled() and any(x is not None and x.requires_grad for x in (qs, ks, v, q, k, tau)
-                                           if isinstance(x, torch.Tensor))
+    grad = torch.is_grad_enabled() and any(isinstance(x, torch.Tensor) and x.requires_grad
+                                           for x in (qs, ks, v, q, k, tau, scalar_scale))
     outs = []
     for a in range(0, T, query_chunk):
         b = min(T, a + query_chunk)
@@ -288,6 +286,7 @@ def windowed_attention(
     keep_fn: Callable[[int, int, torch.Tensor], torch.Tensor] | None = None,
     local: int = 0,
     impl: str = "auto",
+    scalar_scale=None,
 ) -> torch.Tensor:
     """Causal scalar attention (q, k None) or hybrid attention (q, k given) over each query's
     scalar window; see the module docstring.
@@ -313,6 +312,8 @@ def windowed_attention(
             the older ones; an int >= 0.
         impl: ``"naive"`` scores every key and masks; ``"fast"`` reads the selected keys only;
             ``"auto"`` is ``"fast"``, or ``"naive"`` with a budget or keep_fn.
+        scalar_scale: hybrid only: lam in q·k/√D − lam (qs − ks)²/τ, as `hybrid_attention` takes it;
+            None for 1. It changes the scores, not which keys the window selects.
 
     Returns:
         (B, H, T, Dv) in v's dtype.
@@ -340,6 +341,8 @@ def windowed_attention(
         raise ValueError(f"keep_fn replaces the window rule: give local=0, got local={local!r}")
     if (q is None) != (k is None):
         raise ValueError("q and k must be given together (hybrid) or both be None (scalar)")
+    if scalar_scale is not None and q is None:
+        raise ValueError("scalar_scale scales the hybrid's scalar term: give q and k with it")
     if keep_fn is not None:
         if not callable(keep_fn):
             raise TypeError(f"keep_fn must be callable as keep_fn(a, b, logits), got {type(keep_fn).__name__}")
@@ -355,12 +358,15 @@ def windowed_attention(
         _check_scalars(qs, ks, q, "q")
     check_same("qs", T, "ks", ks.shape[2], "sequence length (windowed attention runs on whole sequences)")
     _tau(tau, B, H, T, upcast(qs.dtype), qs.device)
+    if scalar_scale is not None:
+        _scalar_scale(scalar_scale, H, upcast(qs.dtype), qs.device)
     cdt = upcast(v.dtype)
     vals = expand_heads(v, H)
     per_query_tau = torch.is_tensor(tau) and tau.dim() == 3
     window = T if window is None else window
     if impl != "naive" and budget is None and keep_fn is None:
-        return _selected_attention(qs, ks, v, tau, max(window, 1), q, k, n_prefix, local, min(query_chunk, SELECT_CHUNK))
+        return _selected_attention(qs, ks, v, tau, max(window, 1), q, k, n_prefix, local, min(query_chunk, SELECT_CHUNK),
+                                   scalar_scale)
     evicted = None if budget is None else budget_evictions(qs, ks, budget, history=history, n_prefix=n_prefix)
     outs = []
     for a in range(0, T, query_chunk):
@@ -369,7 +375,8 @@ def windowed_attention(
         if q is None:
             logits = scalar_logits(qs[..., a:b], ks[..., :b], tau_c)
         else:
-            logits = hybrid_logits(q[:, :, a:b], k[:, :, :b], qs[..., a:b], ks[..., :b], tau_c)
+            logits = hybrid_logits(q[:, :, a:b], k[:, :, :b], qs[..., a:b], ks[..., :b], tau_c,
+                                   scalar_scale=scalar_scale)
         if keep_fn is None:
             keep = window_mask(qs[..., a:b], ks[..., :b], max(window, 1), n_prefix=n_prefix, evicted_at=evicted,
                                local=local)

@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import json
 import math
+import shutil
 import statistics
 import time
 from dataclasses import asdict, dataclass, field, fields
@@ -162,11 +163,6 @@ def load_trial(path) -> Trial:
                     cfg[k].check()
                 if name not in plans:
                     plans[name] = plan_source(rs.model, rs.layers, rs.attn, rs.settings)[1]
-                    configs = plans[name].model.attention_configs()
-                    if cfg["eval"].windows and any(getattr(configs[j], "scalar_gain", None) is not None
-                                                   for j in plans[name].layers):
-                        raise RetrofitError("eval windows: the sorted-cache window and key selection do not "
-                                            "support the hybrid's learned scalar gain (its exact start) yet")
                     if cfg["finetune"].steps > 0:
                         check_trainable(plans[name], cfg["finetune"].train, cfg["finetune"].lora,
                                         cfg["finetune"].align)
@@ -247,7 +243,11 @@ def run_one(run: TrialRun | None, ev: EvalConfig, folder: Path, hf_model, tok, p
     start = {n: p.detach().clone() for n, p in new_parameters(model.model, plan).items()}
     res: dict = {"variant": run.variant if run else ORIGINAL, "seed": run.seed if run else None,
                  "layers": list(plan.layers) if run else []}
+    mark = folder / "fingerprint.json"  # a run folder left by other settings (an edited spec) starts afresh
+    if mark.is_file() and _filled(json.loads(mark.read_text())) != _filled(_fingerprint(run, ev)):
+        shutil.rmtree(folder)
     folder.mkdir(parents=True, exist_ok=True)
+    atomic_write_text(mark, json.dumps(_fingerprint(run, ev)) + "\n")
     if run is not None and run.transfer.steps > 0:
         rep = transfer_attention(hf_model, model, plan.layers, run.transfer, folder, encode, eos)
         res["transfer"] = json.loads(json.dumps(rep, default=str))

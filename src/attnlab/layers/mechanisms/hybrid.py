@@ -6,7 +6,8 @@ As τ → ∞ it is standard scaled dot-product attention.
 
 `scalar_gain` (None by default) adds a learned per-head scale λ on the scalar term,
 q·k/√d − λ(qs − ks)²/τ; at λ = 0 the layer is exactly standard attention, yet λ's gradient is not
-zero there (docs/retrofit.md). Decoding then reads every key (no sorted cache).
+zero there (docs/retrofit.md). Token-by-token decoding then reads every key (no sorted cache); the
+whole-sequence windows and key selections (decode_window, select_keys) carry λ into their scores.
 """
 
 from __future__ import annotations
@@ -65,13 +66,9 @@ class HybridAttention(ScalarAttention):
 
     def _no_gain(self, what: str) -> None:
         if self.scalar_scale is not None:
-            raise ValueError(f"{what}: the sorted scalar cache and the key windows know nothing of the learned scalar "
-                             f"gain (scalar_gain={self.config.scalar_gain}); decode this layer exactly (window=None)")
-
-    def scalar_readout(self, qs, ks, vals, tau, q, k, impl, n_prefix: int):
-        if self.decode_window is not None or self.decode_budget is not None or self.decode_select is not None:
-            self._no_gain("decode_window/decode_budget/decode_select")
-        return super().scalar_readout(qs, ks, vals, tau, q, k, impl, n_prefix)
+            raise ValueError(f"{what}: the sorted scalar cache knows nothing of the learned scalar gain (scalar_gain="
+                             f"{self.config.scalar_gain}); decode this layer exactly (window=None), or measure the "
+                             f"window on whole sequences (decode_window, select_keys)")
 
     def attention_weights(self, x):
         if self.scalar_scale is not None:  # the readout of identity values, through scalar_op and its gain

@@ -183,14 +183,15 @@ class ScalarAttention(Attention):
         """The scalar op, or its windowed form while `decode_window` (or a `decode_select`) is set,
         or under `train_window`."""
         c = self.config
+        lam = getattr(self, "scalar_scale", None)  # the hybrid's learned gain on the scalar term, if any
         if self.decode_select is not None:
-            return windowed_attention(qs, ks, vals, tau, None, q=q, k=k, n_prefix=n_prefix,
+            return windowed_attention(qs, ks, vals, tau, None, q=q, k=k, n_prefix=n_prefix, scalar_scale=lam,
                                       keep_fn=self.selected_keys(qs, ks, tau, q, k, n_prefix))
         window = self.decode_window if self.decode_window is not None else c.train_window
         if window is None and self.decode_budget is None:
             return self.scalar_op(qs, ks, vals, tau, q, k, impl)
         return windowed_attention(qs, ks, vals, tau, window, q=q, k=k, n_prefix=n_prefix, local=c.local_window,
-                                  budget=self.decode_budget, history=QUERY_HISTORY,
+                                  budget=self.decode_budget, history=QUERY_HISTORY, scalar_scale=lam,
                                   impl="naive" if impl == "naive" else "auto")
 
     def sink_readout(self, qs, ks, vals, tau, q, k, impl, n_prefix: int):
