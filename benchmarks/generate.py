@@ -32,7 +32,7 @@ import torch.nn.functional as F
 from tqdm import tqdm
 
 HERE = os.path.dirname(os.path.abspath(__file__))
-SELECTORS = ("learned", "learned-hnsw")
+SELECTORS = ("learned", "learned-hnsw", "quest")
 
 
 def parse_args(argv=None):
@@ -44,8 +44,9 @@ def parse_args(argv=None):
     p.add_argument("--threads", type=int, default=1)
     p.add_argument("--out", default=None, help="JSON path (PNG beside it); default benchmarks/results/generate.json")
     p.add_argument("--selector", nargs="*", default=[], choices=SELECTORS,
-                   help="also decode through learned key selection: search projections trained on the run "
-                        "(--selector-steps), with an exact index (learned) or FAISS HNSW (learned-hnsw), K keys")
+                   help="also decode through key selection, K keys: search projections trained on the run "
+                        "(--selector-steps) with an exact index (learned) or FAISS HNSW (learned-hnsw), or Quest's "
+                        "pages of the layers' own keys (quest, page 16)")
     p.add_argument("--K", type=int, default=64, help="keys per head and step of --selector")
     p.add_argument("--selector-steps", type=int, default=200, help="training steps of the search projections")
     p.add_argument("--selector-batches", type=int, default=16,
@@ -162,25 +163,28 @@ def summarize(res: dict, n: int) -> list[dict]:
 
 def selector_decoders(args, cfg, model) -> tuple[dict, dict]:
     """The --selector decoders (name -> (model, caches)) and how their projections were trained."""
-    if not args.selector:
-        return {}, {}
     from attnlab.cache.selected import DecodeSelector
-    from attnlab.data.corpus import load_corpus
-    from attnlab.data.packing import pack_documents, sequential_batches
-    from attnlab.eval.selector_training import train_selector_projections
-    from attnlab.train.data import data_tokenizer
 
-    d = cfg.data
-    stream = pack_documents(load_corpus(d.source, "train", cache_dir=d.cache_dir or None), data_tokenizer(d))
-    batches = [b.x for b in sequential_batches(stream, d.seq_len, 8, max_batches=max(1, args.selector_batches // 8))]
-    t0 = time.perf_counter()
-    proj = train_selector_projections(model, batches, args.selector_steps)
-    info = {"K": args.K, "steps": args.selector_steps, "sequences": sum(len(b) for b in batches),
-            "seq_len": d.seq_len, "train_seconds": time.perf_counter() - t0}
-    out = {}
-    for name in args.selector:
-        sel = DecodeSelector(proj, args.K, index="hnsw" if name == "learned-hnsw" else "exact")
-        out[f"{name}@{args.K}"] = (model, model.make_caches(1, selector=sel))
+    out, info = {}, {"K": args.K} if args.selector else {}
+    learned = [n for n in args.selector if n != "quest"]
+    if learned:
+        from attnlab.data.corpus import load_corpus
+        from attnlab.data.packing import pack_documents, sequential_batches
+        from attnlab.eval.selector_training import train_selector_projections
+        from attnlab.train.data import data_tokenizer
+
+        d = cfg.data
+        stream = pack_documents(load_corpus(d.source, "train", cache_dir=d.cache_dir or None), data_tokenizer(d))
+        batches = [b.x for b in sequential_batches(stream, d.seq_len, 8, max_batches=max(1, args.selector_batches // 8))]
+        t0 = time.perf_counter()
+        proj = train_selector_projections(model, batches, args.selector_steps)
+        info.update(steps=args.selector_steps, sequences=sum(len(b) for b in batches), seq_len=d.seq_len,
+                    train_seconds=time.perf_counter() - t0)
+        for name in learned:
+            sel = DecodeSelector(proj, args.K, index="hnsw" if name == "learned-hnsw" else "exact")
+            out[f"{name}@{args.K}"] = (model, model.make_caches(1, selector=sel))
+    if "quest" in args.selector:  # pages of the layers' own keys: no projections to train
+        out[f"quest@{args.K}"] = (model, model.make_caches(1, selector=DecodeSelector(None, args.K, index="quest")))
     return out, info
 
 

@@ -91,3 +91,32 @@ def test_bad_selector_uses_are_refused_before_any_cache_exists():
     other = _model("scalar", n_scalar_heads=2)
     with pytest.raises(ValueError, match="search spaces"):
         other.make_caches(1, selector=sel)
+
+
+@pytest.mark.parametrize("attn,attention", CASES, ids=CASE_IDS)
+@pytest.mark.parametrize("page", [3, 4])
+def test_quest_decode_equals_the_quest_forward(attn, attention, page):
+    """DecodeSelector(None, K, index="quest"): per-page key ranges grown token by token read the keys
+    select_keys(model, "quest", K, page=...) reads in one forward, step by step and after a prefill."""
+    model = _model(attn, **attention)
+    idx, K = _tokens(), 5
+    with torch.no_grad():
+        with select_keys(model, "quest", K, page=page):
+            ref = model(idx)[0]
+        full = model(idx)[0]
+        stepped = _stepped(model, idx, DecodeSelector(None, K, index="quest", page=page))
+        prefilled = _stepped(model, idx, DecodeSelector(None, K, index="quest", page=page), prefill=9)
+    assert rel_rms(stepped, ref) < 1e-5 and rel_rms(prefilled, ref) < 1e-5
+    assert rel_rms(stepped, full) > 1e-3
+
+
+def test_quest_selector_arguments():
+    model = _model("hybrid")
+    with pytest.raises(ValueError, match="projections=None"):
+        DecodeSelector(_projections(model), 4, index="quest")
+    with pytest.raises(ValueError, match="needs search projections"):
+        DecodeSelector(None, 4)
+    with pytest.raises(ValueError, match="page"):
+        DecodeSelector(None, 4, index="quest", page=0)
+    out = model.generate(_tokens(T=10), 5, selector=DecodeSelector(None, 4, index="quest", page=2))
+    assert out.shape == (_tokens(T=10).shape[0], 15)

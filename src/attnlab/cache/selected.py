@@ -10,10 +10,16 @@ K, projections=...)` reads in a full-sequence forward (tested with the exact ind
 
     sel = DecodeSelector(projections, K=64)                # or index="hnsw"
     out = model.generate(prompt, 100, selector=sel)
+
+`DecodeSelector(None, K, index="quest", page=16)` needs no projections: each layer keeps per-page
+ranges of its own keys (scalar and per channel), updated as tokens arrive, and reads the keys of
+the pages whose bound on the logits is highest, as `select_keys(model, "quest", K, page=...)` does
+in a full-sequence forward (tested equal).
 """
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import torch
@@ -22,7 +28,7 @@ from ..checks import check_choice, check_int
 from ..ops._sdpa import expand_heads
 from .kv import KVCache
 
-INDEXES = ("exact", "hnsw")
+INDEXES = ("exact", "hnsw", "quest")
 
 
 @dataclass(frozen=True)
@@ -31,10 +37,12 @@ class DecodeSelector:
 
     Args:
         projections: an `attnlab.search.SearchProjections` with one search space per scalar/hybrid
-            head for every such layer of the model.
+            head for every such layer of the model; None with index="quest".
         K: keys each head reads per step (besides the sink).
-        index: "exact" (every search key scored, O(n) per step) or "hnsw" (FAISS HNSW graphs, one
-            per batch row and head; needs faiss-cpu).
+        index: "exact" (every search key scored, O(n) per step), "hnsw" (FAISS HNSW graphs, one
+            per batch row and head; needs faiss-cpu) or "quest" (pages of the layer's own keys
+            ranked by a bound on their logits, no projections).
+        page: Quest's page size (index="quest").
         hnsw_m, ef_construction, ef_search, pin: the HNSW graph's links per node, build and search
             beam widths, and the first keys scored exactly beside the graph (`HNSWIndex`).
     """
@@ -46,10 +54,15 @@ class DecodeSelector:
     ef_construction: int = 64
     ef_search: int = 128
     pin: int = 4
+    page: int = 16
 
     def __post_init__(self):
         check_int("K", self.K)
+        check_int("page", self.page)
         check_choice("index", self.index, INDEXES)
+        if (self.projections is None) != (self.index == "quest"):
+            raise ValueError(f"index={self.index!r}: " + ("Quest reads the layers' own keys, give projections=None"
+                             if self.index == "quest" else "needs search projections (train_selector_projections)"))
         for name in ("hnsw_m", "ef_construction", "ef_search"):
             check_int(name, getattr(self, name))
         check_int("pin", self.pin, low=0)
@@ -58,14 +71,15 @@ class DecodeSelector:
         """The projections fit these (block index, layer) pairs (ValueError/TypeError naming them)."""
         from ..eval.selectors import _check_projections
 
-        _check_projections(self.projections, layers)
+        if self.index != "quest":
+            _check_projections(self.projections, layers)
 
     def attach(self, layer, cache, i: int) -> None:
         """Make `cache` (an exact decode cache of block i's layer) decode through this selector."""
         cache.scalar = KVCache(cache.batch_size)
         if layer.config.sink:
             cache.scalar.append(**layer.sink_entry(cache.batch_size))
-        cache.selector = KeySelector(self, i)
+        cache.selector = QuestKeys(self, i) if self.index == "quest" else KeySelector(self, i)
 
 
 class KeySelector:
@@ -88,9 +102,10 @@ class KeySelector:
         self._pending.extend((sq[:, :, t:t + 1], sk[:, :, t:t + 1]) for t in range(hidden.shape[1]))
 
     @torch.no_grad()
-    def select(self) -> tuple[torch.Tensor, torch.Tensor]:
+    def select(self, p=None, q=None, k=None) -> tuple[torch.Tensor, torch.Tensor]:
         """Add the next observed token's search key, search with its query: positions (B, H, k)
-        among the n tokens decoded so far (this one included), k = min(K, n), and their validity."""
+        among the n tokens decoded so far (this one included), k = min(K, n), and their validity.
+        (p, q, k: the step's projections, read by `QuestKeys` only.)"""
         if not self._pending:
             raise RuntimeError(f"layer {self.layer}: a step came before its input was observed; decode through "
                                f"LM.step / LM.prefill, which feed the selector")
@@ -108,7 +123,7 @@ def selected_step(layer, p, cache, vals: torch.Tensor, q, k) -> torch.Tensor:
     if p.qs.shape[-1] != 1:
         raise RuntimeError("a selector cache decodes one token at a time")
     full = cache.scalar.append(**{"ks": p.ks, layer.value_key: vals, **({"k": k} if k is not None else {})})
-    idx, valid = cache.selector.select()  # (B, H, k)
+    idx, valid = cache.selector.select(p, q, k)  # (B, H, k)
     H, pre = layer.n_scalar, 1 if layer.config.sink else 0
     pick = torch.cat([idx.new_zeros(*idx.shape[:2], pre), idx + pre], -1)  # the sink, then the selection
     ok = torch.cat([valid.new_ones(*valid.shape[:2], pre), valid], -1)
@@ -123,3 +138,53 @@ def selected_step(layer, p, cache, vals: torch.Tensor, q, k) -> torch.Tensor:
         ks = torch.where(ok, ks, far.expand_as(ks))
     kk = gather(full["k"]) if k is not None else None
     return layer.scalar_op(p.qs, ks, gather(full[layer.value_key]), p.tau, q, kk, layer.config.impl)
+
+
+class QuestKeys:
+    """One layer's Quest state while decoding: per page of `page` tokens the range of its scalar keys
+    and, for hybrid heads, of its vector keys per channel, extended by each new token."""
+
+    def __init__(self, spec: DecodeSelector, layer: int):
+        self.spec, self.layer, self.n = spec, layer, 0
+        self.lo = self.hi = self.k_lo = self.k_hi = None  # (B, H, P), (B, H, P, D)
+
+    def observe(self, hidden: torch.Tensor, pos: int) -> None:
+        pass  # Quest reads the layer's own keys, given to `select`
+
+    @staticmethod
+    def _extend(lo, hi, x, new_page: bool):
+        if lo is None or new_page:
+            return (x, x) if lo is None else (torch.cat([lo, x], 2), torch.cat([hi, x], 2))
+        return torch.cat([lo[:, :, :-1], torch.minimum(lo[:, :, -1:], x)], 2), \
+            torch.cat([hi[:, :, :-1], torch.maximum(hi[:, :, -1:], x)], 2)
+
+    @torch.no_grad()
+    def select(self, p, q=None, k=None) -> tuple[torch.Tensor, torch.Tensor]:
+        """Add the step's keys to their page, bound every page's logits for its query (the bound of
+        `eval.selectors.quest_page_bounds`), and return the keys of the best pages: positions
+        (B, H, m) among the n tokens so far and their validity, at most K of them."""
+        from ..eval.selectors import _dot_bound, _quest_keep
+        from ..ops._sdpa import upcast
+        from ..ops.window import range_distance
+
+        cdt = upcast(p.qs.dtype)
+        H, new_page = p.qs.shape[1], self.n % self.spec.page == 0
+        self.lo, self.hi = self._extend(self.lo, self.hi, p.ks.to(cdt), new_page)
+        if q is not None:
+            kk = expand_heads(k, H).to(cdt)
+            self.k_lo, self.k_hi = self._extend(self.k_lo, self.k_hi, kk, new_page)
+        self.n += 1
+        tau = torch.as_tensor(p.tau, dtype=cdt, device=p.qs.device)
+        tau = tau.view(1, -1, 1) if tau.dim() == 1 else tau.reshape(-1, H, 1) if tau.dim() else tau.view(1, 1, 1)
+        qs = p.qs.to(cdt)  # (B, H, 1)
+        bound = -range_distance(qs, self.lo, self.hi).square() / tau  # (B, H, P)
+        if q is not None:  # full pages by matmul, the query's own (last) page by a sum, as the forward does
+            qq, D = q.to(cdt), q.shape[-1]
+            dots = (qq.clamp(min=0) @ self.k_hi.transpose(-1, -2) + qq.clamp(max=0) @ self.k_lo.transpose(-1, -2))
+            own = _dot_bound(qq, self.k_hi[:, :, -1:], self.k_lo[:, :, -1:]).sum(-1)  # (B, H, 1)
+            bound = bound + torch.cat([dots[:, :, 0, :-1], own], -1) / math.sqrt(D)
+        keep = _quest_keep(bound[:, :, None], self.n - 1, self.n, self.spec.K, self.spec.page, 0)[:, :, 0]  # (B, H, n)
+        m = min(self.spec.K, self.n)
+        valid, idx = keep.to(torch.int8).topk(m, dim=-1, sorted=False)  # the kept positions first
+        return idx, valid.bool()
+
