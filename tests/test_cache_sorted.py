@@ -396,3 +396,25 @@ def test_growth_keeps_contents():
     qs = torch.randn(2, 4)
     assert cache.values.shape[2] >= 1500
     assert rel_rms(cache.attend(qs, 0.4, window=None), reference(ks, v, qs, 0.4, 2)) < TOL
+
+
+def test_scalar_scale_scores_the_window_with_the_gain():
+    """attend(scalar_scale=lam): the k nearest entries (chosen by distance) scored q·k/√d − lam (qs − ks)²/τ,
+    for lam of any sign and 0; fast equals naive in outputs and gradients (lam's too); refused for
+    pure scalar heads."""
+    cache, ks, v, k, sk = fill(N=120, d_k=8, sink=True)
+    qs, q = torch.randn(2, 4), torch.randn(2, 4, 8)
+    lam = torch.tensor([0.6, 0.0, -0.5, 2.0])
+    ref = reference(ks * lam.abs().sqrt(), v, qs * lam.abs().sqrt(), 0.5 * lam.sign().where(lam != 0, torch.ones(4)),
+                    2, k, q, (sk[0] * lam.abs().sqrt(), sk[1], sk[2]), select=nearest(9))
+    # lam = 0: the scalar term vanishes (a huge tau does the same in the reference)
+    zero = reference(ks, v, qs, torch.tensor([0.5, 1e30, 0.5, 0.5]), 2, k, q, sk, select=nearest(9))
+    got = cache.attend(qs, 0.5, q=q, window=9, scalar_scale=lam)
+    assert rel_rms(got[:, [0, 2, 3]], ref[:, [0, 2, 3]]) < TOL and rel_rms(got[:, 1], zero[:, 1]) < TOL
+    leaves = [qs.clone().requires_grad_(), q.clone().requires_grad_(), lam.clone().requires_grad_()]
+    errs = compare_fwd_bwd(lambda a, b, c: cache.attend(a, 0.5, q=b, window=9, impl="fast", scalar_scale=c),
+                           lambda a, b, c: cache.attend(a, 0.5, q=b, window=9, impl="naive", scalar_scale=c), leaves)
+    assert max(errs.values()) < TOL, errs
+    scalar, *_ = fill(N=10)
+    with pytest.raises(ValueError, match="pure scalar heads"):
+        scalar.attend(torch.randn(2, 4), 0.5, window=3, scalar_scale=lam)

@@ -320,7 +320,7 @@ class SortedScalarCache:
 
     def attend(self, qs: torch.Tensor, tau, q: torch.Tensor | None = None, window: int | None = 64,
                radius=None, eps: float | None = None, impl: str = "auto", extra=None, *,
-               check_values: bool = True) -> torch.Tensor:
+               check_values: bool = True, scalar_scale=None) -> torch.Tensor:
         """One decode step: qs (B, H) scalar queries, q (B, H, Dk) vector queries (hybrid) -> (B, H, Dv).
 
         tau: float, 0-d, (H,) or (B, H). window: k nearest entries (None: all, i.e. exact); clamped to what
@@ -330,9 +330,11 @@ class SortedScalarCache:
         outside the window. extra (fast only): (logits (B, H, m), values (B, H, m, Dv)) of m keys held
         outside the cache (a local ring of recent tokens), in the same softmax. check_values=False skips
         the finiteness and float32-range checks of qs, q and extra (shapes are always checked), for a
-        caller that has checked them already. Raises as the class says."""
+        caller that has checked them already. scalar_scale (hybrid): lam in q·k/√d − lam (qs − ks)²/τ,
+        a float >= 0 or an (H,) tensor. Raises as the class says."""
         check_impl(impl)
-        query = sorted_read.make_query(self, qs, tau, q, window, radius, eps, check_values=check_values)
+        query = sorted_read.make_query(self, qs, tau, q, window, radius, eps, check_values=check_values,
+                                       scalar_scale=scalar_scale)
         if extra is not None:
             extra = sorted_read.check_extra(self, extra, check_values)
             if impl == "naive":

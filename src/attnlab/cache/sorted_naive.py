@@ -38,7 +38,8 @@ def attend_naive(cache, query) -> torch.Tensor:
     if kv is None:
         score = scalar_logits(qs, ks, tau, causal=False)  # (B, H, 1, N [+ 1])
     else:
-        score = hybrid_logits(query.q.view(B, H, 1, -1), kv.view(B, H, -1, cache.d_k), qs, ks, tau, causal=False)
+        score = hybrid_logits(query.q.view(B, H, 1, -1), kv.view(B, H, -1, cache.d_k), qs, ks, tau, causal=False,
+                              scalar_scale=query.lam)
     score = score.view(B * H, -1)
 
     def with_sink(x: torch.Tensor) -> torch.Tensor:  # (R, N) -> (R, N [+ 1]), 0 / False for the sink

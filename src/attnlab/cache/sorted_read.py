@@ -39,18 +39,21 @@ def check_float32_range(name: str, x: torch.Tensor) -> None:
 class DecodeQuery:
     """One checked decode query in the cache's row layout (R = B * H rows, one per head):
     qs (R, 1) float32; q (R, Dk) float32 for hybrid heads, else None; tau a float or (R, 1);
-    radius None, a float or (R, 1); window the k nearest entries to keep, None for all."""
+    radius None, a float or (R, 1); window the k nearest entries to keep, None for all; lam the
+    hybrid's scale of its scalar term (any sign; the entries are still chosen by distance)."""
 
     qs: torch.Tensor
     q: torch.Tensor | None
     tau: float | torch.Tensor
     radius: float | torch.Tensor | None
     window: int | None
+    lam: torch.Tensor | None = None  # (H,) the hybrid's gain on the scalar term, None for 1
 
 
 
 def make_query(cache, qs: torch.Tensor, tau, q: torch.Tensor | None = None, window: int | None = 64,
-               radius=None, eps: float | None = None, *, check_values: bool = True) -> DecodeQuery:
+               radius=None, eps: float | None = None, *, check_values: bool = True,
+               scalar_scale=None) -> DecodeQuery:
     """Check the arguments of `attend` (same meaning; check_values=False: shapes and options only)
     and lay them out per row; records nothing."""
     B, H = cache.batch, cache.n_heads
@@ -85,7 +88,14 @@ def make_query(cache, qs: torch.Tensor, tau, q: torch.Tensor | None = None, wind
     if qr.dtype != torch.float32 or qr.device != cache.device:
         qr = qr.to(cache.device, torch.float32)
     q_rows = q.to(cache.device, torch.float32).reshape(cache.rows, cache.d_k) if cache.hybrid else None
-    return DecodeQuery(qr, q_rows, tau_r, r, window)
+    lam = None
+    if scalar_scale is not None:
+        if not cache.hybrid:
+            raise ValueError("scalar_scale scales the hybrid's scalar term: this cache has pure scalar heads")
+        from ..ops.scalar import _scalar_scale
+
+        lam = _scalar_scale(scalar_scale, H, torch.float32, cache.device).view(H)
+    return DecodeQuery(qr, q_rows, tau_r, r, window, lam)
 
 def check_step_values(*tensors: torch.Tensor | None) -> None:
     """One decode step's projections (scalar queries and keys, values, vector queries and keys;
@@ -169,6 +179,8 @@ def scores(cache, entries: torch.Tensor, query: DecodeQuery, *, radius: bool = T
         hidden = torch.cat([hidden, hidden.new_zeros(R, 1)], 1)
     # the ops' score formula, unchecked: the keys were checked when appended, the query by make_query
     tau = torch.as_tensor(query.tau, dtype=torch.float32) if isinstance(query.tau, float) else query.tau.view(B, H, 1)
+    if query.lam is not None:  # -lam d^2 / tau = -d^2 / (tau / lam), lam of any sign (0: tau / 0 = inf, the term 0)
+        tau = tau / query.lam.view(1, H, 1)
     qs, ks = query.qs.view(B, H, 1), ks.view(B, H, -1)
     if kv is None:
         logits = scalar_scores(qs, ks, tau)  # (B, H, 1, n [+ 1])

@@ -284,8 +284,6 @@ class AttentionConfig:
             _int("train_window", self.train_window)
             if self.impl == "approx":
                 raise _err("train_window", self.train_window, "None with impl='approx' (the window is its own selection)")
-            if self.scalar_gain is not None:
-                raise _err("train_window", self.train_window, "None with scalar_gain (the sorted cache knows no gain)")
         _int("local_window", self.local_window, 0)
         if self.local_window and self.train_window is None:
             raise _err("local_window", self.local_window, "0 unless train_window is set (the ring beside the window)")

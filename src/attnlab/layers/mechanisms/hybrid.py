@@ -6,8 +6,9 @@ As τ → ∞ it is standard scaled dot-product attention.
 
 `scalar_gain` (None by default) adds a learned per-head scale λ on the scalar term,
 q·k/√d − λ(qs − ks)²/τ; at λ = 0 the layer is exactly standard attention, yet λ's gradient is not
-zero there (docs/retrofit.md). Token-by-token decoding then reads every key (no sorted cache); the
-whole-sequence windows and key selections (decode_window, select_keys) carry λ into their scores.
+zero there (docs/retrofit.md). Exact decoding reads every key through the op (and its gain); the sorted
+cache, the whole-sequence windows and the key selections carry λ into the scores of the keys they
+choose by scalar distance.
 """
 
 from __future__ import annotations
@@ -64,22 +65,14 @@ class HybridAttention(ScalarAttention):
     def scalar_op(self, qs, ks, vals, tau, q, k, impl):
         return hybrid_attention(q, k, vals, qs, ks, tau, causal=True, impl=impl, scalar_scale=self.scalar_scale)
 
-    def _no_gain(self, what: str) -> None:
-        if self.scalar_scale is not None:
-            raise ValueError(f"{what}: the sorted scalar cache knows nothing of the learned scalar gain (scalar_gain="
-                             f"{self.config.scalar_gain}); decode this layer exactly (window=None), or measure the "
-                             f"window on whole sequences (decode_window, select_keys)")
-
     def attention_weights(self, x):
         if self.scalar_scale is not None:  # the readout of identity values, through scalar_op and its gain
             return super(ScalarAttention, self).attention_weights(x)
         return super().attention_weights(x)
 
     def scalar_cache(self, batch_size: int, window):
-        if self.scalar_scale is None:
+        if self.scalar_scale is None or window is not None:  # the sorted cache scales its scores by the gain
             return super().scalar_cache(batch_size, window)
-        if window is not None:
-            self._no_gain(f"window={window}")
         cache = KVCache(batch_size)  # every key; each step is the op (and its gain) in its offset form
         if self.config.sink:
             cache.append(**self.sink_entry(batch_size))

@@ -332,8 +332,8 @@ class ScalarAttention(Attention):
             cache.scalar.append(p.ks[..., 0], vals[:, :, 0], k=k_t, check_values=False)
         else:
             extra = self.ring_step(cache, p, vals, k_t)
-        o = cache.scalar.attend(p.qs[..., 0], tau, q=q_t, window=cache.window, extra=extra,
-                                check_values=False).unsqueeze(2)  # (B, H, 1, D)
+        o = cache.scalar.attend(p.qs[..., 0], tau, q=q_t, window=cache.window, extra=extra, check_values=False,
+                                scalar_scale=getattr(self, "scalar_scale", None)).unsqueeze(2)  # (B, H, 1, D)
         if cache.budget is not None:
             cache.scalar.evict_to_budget(cache.budget)
         if cache.compress is not None:
@@ -350,6 +350,8 @@ class ScalarAttention(Attention):
         rks, rv, rk = ring.view()  # (B, H, w), (B, G, w, D), (B, H, w, Dk)
         rv = expand_heads(rv, H)  # (B, H, w, D)
         tau = p.tau.view(1, H, 1) if p.tau.dim() == 1 else p.tau[..., :1]  # checked by the projection's Temperature
+        if getattr(self, "scalar_scale", None) is not None:  # the hybrid's gain: -lam d^2 / tau = -d^2 / (tau / lam)
+            tau = tau / self.scalar_scale.view(1, H, 1)
         if rk is None:  # the ops' score formula; the ring's keys were projected (and are finite) like the query
             logits = scalar_scores(p.qs[..., :1], rks, tau)
         else:
