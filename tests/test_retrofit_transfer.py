@@ -64,14 +64,16 @@ def test_signal_mid_transfer_saves_and_resume_equals_one_run(llama, tmp_path, mo
         return real(*args)
 
     monkeypatch.setattr(tr, "_loss", signalled)
-    with pytest.raises(Interrupted, match="stopped after step [34] of 5") as info:
+    # the handler runs at the main thread's next bytecode: normally within step 3 (so "after step 3"),
+    # on a loaded machine possibly a step or the layer's end later; each must save and resume exactly
+    with pytest.raises(Interrupted, match=r"stopped after (step [345] of 5|layer 1)") as info:
         transfer(llama, convert(llama, "1,2", "scalar"), [1, 2], cfg, tmp_path / "two")
     assert info.value.exit_status == 130
     monkeypatch.undo()
     assert (tmp_path / "two" / "transfer" / "layer1.safetensors").is_file()
     two = convert(llama, "1,2", "scalar")
     rep = transfer(llama, two, [1, 2], cfg, tmp_path / "two")
-    assert rep["layers"]["1"]["resumed_from"] in (3, 4) and rep["layers"]["2"]["resumed_from"] == 0
+    assert rep["layers"]["1"]["resumed_from"] in (3, 4, 5) and rep["layers"]["2"]["resumed_from"] == 0
     got = _params(two, [1, 2])
     assert all(torch.equal(v, got[k]) for k, v in want.items())
 
