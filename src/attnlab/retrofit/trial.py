@@ -369,7 +369,7 @@ def report_markdown(trial: Trial, stats: dict, layers: dict, judged: list[dict])
                 f"{f', KL {f.kl:g}' if f.kl else ''})" if f.steps else "not fine-tuned")
         moved = f"attention transfer {t.steps} steps per layer on {t.contexts} × {t.context} tokens; " if t.steps else ""
         wall = stats[v]["mean"].get("wall_s")
-        lines.append(f"- **{v}**: layers {r.layers} → {r.attn} {r.settings or ''}; {moved}{tune}; "
+        lines.append(f"- **{v}**: layers {r.layers} → {r.attn}{' ' + str(r.settings) if r.settings else ''}; {moved}{tune}; "
                      f"wall time per run {fmt(wall, 3) if wall else '—'} s; seeds done {stats[v]['seeds']}.")
     lines += ["", "## Results: mean ± sd over training seeds", "",
               "ppl: held-out perplexity; ppl_gap: % against the original model; nll = ln ppl. first-token share, "
