@@ -90,7 +90,7 @@ def evict_geometric(cache, radius=None, *, tau=None, eps=None, reclaim: bool = T
             raise ValueError("give radius, or both tau and eps (r = sqrt(-tau log eps))")
         if not 0 < eps < 1:
             raise ValueError(f"eps must be in (0, 1), got {eps!r}")
-        r = radius_from_tolerance(cache.per_row("tau", tau), float(eps))
+        r = radius_from_tolerance(cache.per_row("tau", tau), float(eps), cache.kernel)
     else:
         r = cache.per_row("radius", radius)
     lo = hist.amin(1, keepdim=True) - r  # (R, 1)

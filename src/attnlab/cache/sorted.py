@@ -19,6 +19,7 @@ import torch
 
 from .. import checks
 from ..checks import check_groups, check_impl, check_int, check_positive
+from ..ops.scalar import check_kernel
 from . import eviction, sorted_read
 from .sink import SinkRows, parse_zone, sink_rows
 from .sorted_index import SortedKeyIndex
@@ -76,6 +77,7 @@ class SortedScalarCache:
         query_history: recent queries kept per head (eviction reads them).
         buffer_size: the sorted index's insertion buffer.
         level_ratio: the sorted index's level growth factor, an int >= 2.
+        kernel: the scalar term's kernel, "gaussian" or "cauchy" (`attnlab.ops.scalar`).
 
     Raises:
         TypeError: dtype not floating; a size not an int (NotAnIntError, also a ValueError). Later calls:
@@ -87,7 +89,10 @@ class SortedScalarCache:
     def __init__(self, batch: int, n_heads: int, n_groups: int, d_v: int, d_k: int | None = None,
                  capacity: int | None = None, dtype: torch.dtype = torch.float32, device=None,
                  sink_key=None, sink_value=None, sink_vkey=None, sink_zone=None, sink_logw=None,
-                 query_history: int = QUERY_HISTORY, buffer_size: int = 256, level_ratio: int = 64):
+                 query_history: int = QUERY_HISTORY, buffer_size: int = 256, level_ratio: int = 64,
+                 kernel: str = "gaussian"):
+        check_kernel(kernel)
+        self.kernel = kernel
         self.batch, self.n_heads = check_int("batch", batch), check_int("n_heads", n_heads)
         self.n_groups, self.d_v = check_int("n_groups", n_groups), check_int("d_v", d_v)
         check_groups(n_heads, n_groups, "n_groups")
@@ -325,7 +330,7 @@ class SortedScalarCache:
 
         tau: float, 0-d, (H,) or (B, H). window: k nearest entries (None: all, i.e. exact); clamped to what
         a head holds (among equal distances the newest entries first). radius (float/(H,)/(B, H)) or eps
-        (r = sqrt(-tau log eps), eps in (0, 1)): keep only entries within r (at most ``window``). impl:
+        (r = sqrt(-tau log eps), Cauchy: sqrt(tau (1/eps - 1)); eps in (0, 1)): keep only entries within r (at most ``window``). impl:
         "fast" searches the sorted index, "naive" scores every cached entry by the formula and masks
         outside the window. extra (fast only): (logits (B, H, m), values (B, H, m, Dv)) of m keys held
         outside the cache (a local ring of recent tokens), in the same softmax. check_values=False skips

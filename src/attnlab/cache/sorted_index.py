@@ -278,8 +278,10 @@ class SortedKeyIndex:
         return sum(d.numel() * 4 for d in self.runs()) + self.buf.numel() * 4
 
 
-def radius_from_tolerance(tau, eps: float):
-    """The seed's window radius r = sqrt(-tau * log(eps)): beyond it exp(-d^2 / tau) < eps."""
+def radius_from_tolerance(tau, eps: float, kernel: str = "gaussian"):
+    """The seed's window radius r = sqrt(-tau * log(eps)): beyond it exp(-d^2 / tau) < eps (the
+    Cauchy kernel's: r = sqrt(tau * (1/eps - 1)), beyond which 1 / (1 + d^2 / tau) < eps)."""
+    c = -math.log(eps) if kernel == "gaussian" else 1.0 / eps - 1.0
     if isinstance(tau, torch.Tensor):
-        return (tau * -math.log(eps)).sqrt()
-    return math.sqrt(-tau * math.log(eps))
+        return (tau * c).sqrt()
+    return math.sqrt(tau * c)

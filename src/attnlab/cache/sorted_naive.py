@@ -36,10 +36,10 @@ def attend_naive(cache, query) -> torch.Tensor:
     tau = query.tau if isinstance(query.tau, float) else query.tau.view(B, H, 1)
     qs, ks = query.qs.view(B, H, 1), ks.view(B, H, -1)
     if kv is None:
-        score = scalar_logits(qs, ks, tau, causal=False)  # (B, H, 1, N [+ 1])
+        score = scalar_logits(qs, ks, tau, causal=False, kernel=cache.kernel)  # (B, H, 1, N [+ 1])
     else:
         score = hybrid_logits(query.q.view(B, H, 1, -1), kv.view(B, H, -1, cache.d_k), qs, ks, tau, causal=False,
-                              scalar_scale=query.lam)
+                              scalar_scale=query.lam, kernel=cache.kernel)
     score = score.view(B * H, -1)
 
     def with_sink(x: torch.Tensor) -> torch.Tensor:  # (R, N) -> (R, N [+ 1]), 0 / False for the sink

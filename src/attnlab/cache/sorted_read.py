@@ -83,7 +83,7 @@ def make_query(cache, qs: torch.Tensor, tau, q: torch.Tensor | None = None, wind
     elif eps is not None:
         if isinstance(eps, bool) or not isinstance(eps, (int, float)) or not 0 < eps < 1:
             raise ValueError(f"eps must be a float in (0, 1), got {eps!r}")
-        r = radius_from_tolerance(tau_r, float(eps))
+        r = radius_from_tolerance(tau_r, float(eps), cache.kernel)
     qr = qs.reshape(cache.rows, 1)
     if qr.dtype != torch.float32 or qr.device != cache.device:
         qr = qr.to(cache.device, torch.float32)
@@ -179,14 +179,13 @@ def scores(cache, entries: torch.Tensor, query: DecodeQuery, *, radius: bool = T
         hidden = torch.cat([hidden, hidden.new_zeros(R, 1)], 1)
     # the ops' score formula, unchecked: the keys were checked when appended, the query by make_query
     tau = torch.as_tensor(query.tau, dtype=torch.float32) if isinstance(query.tau, float) else query.tau.view(B, H, 1)
-    if query.lam is not None:  # -lam d^2 / tau = -d^2 / (tau / lam), lam of any sign (0: tau / 0 = inf, the term 0)
-        tau = tau / query.lam.view(1, H, 1)
+    lam = None if query.lam is None else query.lam.view(1, H, 1)  # the hybrid's gain on the scalar term, any sign
     qs, ks = query.qs.view(B, H, 1), ks.view(B, H, -1)
     if kv is None:
-        logits = scalar_scores(qs, ks, tau)  # (B, H, 1, n [+ 1])
+        logits = scalar_scores(qs, ks, tau, cache.kernel, lam)  # (B, H, 1, n [+ 1])
     else:
         q = query.q.view(B, H, 1, cache.d_k)
-        logits = hybrid_scores(q, kv.view(B, H, -1, cache.d_k), qs, ks, tau)
+        logits = hybrid_scores(q, kv.view(B, H, -1, cache.d_k), qs, ks, tau, cache.kernel, lam)
     logits = logits.view(R, -1)
     if cache.index.weighted:
         logw = entries[2].view(torch.float32)  # log(count)

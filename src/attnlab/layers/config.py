@@ -11,6 +11,7 @@ import math
 from dataclasses import dataclass
 
 from ..checks import IMPLS
+from ..ops.scalar import KERNELS
 from ..ops.softmax import SCALES
 from .params import TAU_PARAMS
 from .typed_fields import field_problem
@@ -93,9 +94,13 @@ class AttentionConfig:
             each query's k nearest keys in scalar space (newest first among equal distances), the
             sink, and the local window: what the sorted cache decodes with, in training too
             (ops.windowed_attention, O(T·k) memory). Decoding then defaults to the sorted cache
-            with window k. Not with impl "approx" or scalar_gain.
+            with window k. Not with impl "approx".
         local_window: with train_window: the last w keys are always read (a ring buffer in
             decoding) and the k nearest are taken among the older keys (default 0).
+        kernel: scalar, hybrid: the scalar term's kernel, "gaussian" (default, −(qs − ks)²/τ) or
+            "cauchy" (−log(1 + (qs − ks)²/τ), weights 1/(1 + (qs − ks)²/τ), heavier-tailed as in
+            ZETA). Both select the same nearest keys, so the sorted cache and train_window carry
+            over; "cauchy" has no fused path (query chunks; docs/mechanisms.md). Not with impl "approx".
         alpha: principled (docs/mechanisms.md#principled-attention): the form of α, "constant"
             (the alpha_init value), "layer" (one learned scalar), "head" (one per head) or
             "query" (learned from q_i per head).
@@ -169,6 +174,7 @@ class AttentionConfig:
     sink_weight: float | None = None
     train_window: int | None = None
     local_window: int = 0
+    kernel: str = "gaussian"
     alpha: str = "head"
     beta: str = "head"
     gamma: str = "head"
@@ -285,6 +291,10 @@ class AttentionConfig:
             if self.impl == "approx":
                 raise _err("train_window", self.train_window, "None with impl='approx' (the window is its own selection)")
         _int("local_window", self.local_window, 0)
+        if self.kernel not in KERNELS:
+            raise _err("kernel", self.kernel, f"one of {KERNELS}")
+        if self.kernel != "gaussian" and self.impl == "approx":
+            raise _err("kernel", self.kernel, "'gaussian' with impl='approx' (the approximation is the Gaussian's)")
         if self.local_window and self.train_window is None:
             raise _err("local_window", self.local_window, "0 unless train_window is set (the ring beside the window)")
         for name in ("alpha", "beta", "gamma"):

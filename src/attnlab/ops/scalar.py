@@ -3,6 +3,13 @@
 scalar: softmax_s(-(qs_t - ks_s)^2 / tau) v_s
 hybrid: softmax_s(q_t . k_s / sqrt(d) - (qs_t - ks_s)^2 / tau) v_s
 
+Kernel. kernel="cauchy" replaces the Gaussian weight exp(-x), x = (qs - ks)^2 / tau, by the
+heavier-tailed 1 / (1 + x) (ZETA's kernel), i.e. the scalar logit -x by -log(1 + x). It has no
+fused path (the logit is not a quadratic in qs - ks): impl="naive" materialises Tq x Tk and
+"auto" / "fast" run query chunks (`attnlab.ops.kernel`). Both kernels fall with |qs - ks|, so
+the nearest keys in scalar space are the heaviest under either, and every window and sorted
+cache selects the same keys.
+
 Fast path. -(qs - ks)^2 = -qs^2 + 2 qs ks - ks^2 and -qs^2 is constant along a softmax
 row, so the score equals (up to that row constant) the dot product of augmented vectors
 q' = [2 qs / tau, -1 / tau] and k' = [ks, ks^2] (hybrid: concatenated after q / sqrt(d)
@@ -65,8 +72,9 @@ def _tau(tau, B: int, H: int, T: int, dtype: torch.dtype, device) -> torch.Tenso
     return out
 
 
-def scalar_logits(qs, ks, tau, causal: bool = True) -> torch.Tensor:
-    """-(qs_t - ks_s)^2 / tau_t as a (B, H, Tq, Tk) tensor, -inf where key s is hidden from query t.
+def scalar_logits(qs, ks, tau, causal: bool = True, kernel: str = "gaussian") -> torch.Tensor:
+    """-(qs_t - ks_s)^2 / tau_t as a (B, H, Tq, Tk) tensor, -inf where key s is hidden from query t
+    (kernel="cauchy": -log(1 + (qs_t - ks_s)^2 / tau_t)).
 
     Materialises Tq x Tk: meant for the naive path, analysis, regularizers at small T, and scoring
     a decode window (Tq = 1, causal=False).
@@ -88,32 +96,53 @@ def scalar_logits(qs, ks, tau, causal: bool = True) -> torch.Tensor:
             masking), another device, NaN or inf in qs, ks or tau, or tau <= 0.
     """
     check_causal(causal)
+    check_kernel(kernel)
     B, H, T = _check_scalars(qs, ks, causal=causal)
     cdt = upcast(qs.dtype)
     tau_b = _tau(tau, B, H, T, cdt, qs.device)  # (1|B, 1|H, 1|Tq)
-    logits = scalar_scores(qs, ks, tau_b)
+    logits = scalar_scores(qs, ks, tau_b, kernel)
     return logits if not causal else logits.masked_fill(~visible_keys(T, ks.shape[2], True, qs.device), float("-inf"))
 
 
-def scalar_scores(qs, ks, tau_b) -> torch.Tensor:
+KERNELS = ("gaussian", "cauchy")
+
+
+def check_kernel(kernel) -> None:
+    if kernel not in KERNELS:
+        raise ValueError(f"kernel must be one of {KERNELS}, got {kernel!r}")
+
+
+def kernel_term(x: torch.Tensor, kernel: str = "gaussian") -> torch.Tensor:
+    """The scalar logit of x = (qs - ks)^2 / tau >= 0: -x (Gaussian) or -log(1 + x) (Cauchy)."""
+    return -x if kernel == "gaussian" else -torch.log1p(x)
+
+
+def scalar_scores(qs, ks, tau_b, kernel: str = "gaussian", lam=None) -> torch.Tensor:
     """The formula of `scalar_logits` with no checks and no mask: qs (B, H, Tq), ks (B, H, Tk), tau_b
-    a tensor broadcastable to (B, H, Tq) -> (B, H, Tq, Tk). For callers whose inputs were checked
-    once already (a decode cache's stored keys and its checked query)."""
+    a tensor broadcastable to (B, H, Tq) -> (B, H, Tq, Tk); lam (broadcastable to (B, H, Tq), any
+    sign) multiplies the kernel's term. For callers whose inputs were checked once already (a
+    decode cache's stored keys and its checked query)."""
     cdt = upcast(qs.dtype)
     diff = qs.to(cdt).unsqueeze(-1) - ks.to(cdt).unsqueeze(-2)  # (B, H, Tq, Tk)
-    return -diff.pow(2) / tau_b.to(cdt).unsqueeze(-1)
+    if kernel == "gaussian":
+        out = -diff.pow(2) / tau_b.to(cdt).unsqueeze(-1)
+    else:
+        out = kernel_term(diff.pow(2) / tau_b.to(cdt).unsqueeze(-1), kernel)
+    return out if lam is None else out * lam.to(cdt).unsqueeze(-1)
 
 
-def hybrid_scores(q, k, qs, ks, tau_b) -> torch.Tensor:
-    """The formula of `hybrid_logits` (no scalar_scale) with no checks and no mask: q (B, H, Tq, D),
-    k (B, G, Tk, D), qs (B, H, Tq), ks (B, H, Tk), tau_b broadcastable to (B, H, Tq) -> (B, H, Tq, Tk)."""
-    scal = scalar_scores(qs, ks, tau_b)
+def hybrid_scores(q, k, qs, ks, tau_b, kernel: str = "gaussian", lam=None) -> torch.Tensor:
+    """The formula of `hybrid_logits` with no checks and no mask: q (B, H, Tq, D), k (B, G, Tk, D),
+    qs (B, H, Tq), ks (B, H, Tk), tau_b and lam (the scalar term's gain, or None) broadcastable
+    to (B, H, Tq) -> (B, H, Tq, Tk)."""
+    scal = scalar_scores(qs, ks, tau_b, kernel, lam)
     dots = q.to(scal.dtype) @ expand_heads(k, q.shape[1]).to(scal.dtype).transpose(-1, -2)
     return dots / math.sqrt(q.shape[-1]) + scal
 
 
-def hybrid_logits(q, k, qs, ks, tau, causal: bool = True, scalar_scale=None) -> torch.Tensor:
-    """q_t . k_s / sqrt(d) - lam (qs_t - ks_s)^2 / tau_t as (B, H, Tq, Tk), -inf where key s is hidden.
+def hybrid_logits(q, k, qs, ks, tau, causal: bool = True, scalar_scale=None, kernel: str = "gaussian") -> torch.Tensor:
+    """q_t . k_s / sqrt(d) - lam (qs_t - ks_s)^2 / tau_t as (B, H, Tq, Tk), -inf where key s is hidden
+    (kernel="cauchy": the scalar term -lam log(1 + (qs_t - ks_s)^2 / tau_t)).
 
     Materialises Tq x Tk (see `scalar_logits`).
 
@@ -142,7 +171,7 @@ def hybrid_logits(q, k, qs, ks, tau, causal: bool = True, scalar_scale=None) -> 
             f"qs must have shape (B, H, Tq) = {(B, H, T)} and ks (B, H, Tk) = {(B, H, k.shape[2])} "
             f"from q and k, got {tuple(qs.shape)} and {tuple(ks.shape)}"
         )
-    scal = scalar_logits(qs, ks, tau, causal)  # (B, H, Tq, Tk)
+    scal = scalar_logits(qs, ks, tau, causal, kernel)  # (B, H, Tq, Tk)
     if scalar_scale is not None:  # hidden keys stay -inf; the product never sees them (no 0 * inf in grads)
         lam = _scalar_scale(scalar_scale, H, scal.dtype, q.device)[..., None]  # (1, H, 1, 1)
         hidden = torch.isinf(scal)
@@ -151,7 +180,7 @@ def hybrid_logits(q, k, qs, ks, tau, causal: bool = True, scalar_scale=None) -> 
     return dots / math.sqrt(D) + scal
 
 
-def scalar_attention(qs, ks, v, tau, *, causal: bool = True, impl: str = "auto") -> torch.Tensor:
+def scalar_attention(qs, ks, v, tau, *, causal: bool = True, impl: str = "auto", kernel: str = "gaussian") -> torch.Tensor:
     """Scalar attention o_t = sum_s softmax_s(-(qs_t - ks_s)^2 / tau_t) v_s.
 
     Gradients reach qs, ks, v and a tensor tau.
@@ -167,6 +196,8 @@ def scalar_attention(qs, ks, v, tau, *, causal: bool = True, impl: str = "auto")
         impl: ``"naive"`` materialises the (Tq, Tk) logits; ``"fast"`` and ``"auto"`` run one
             fused SDPA call on the shifted augmented vectors of the module docstring (memory
             linear in T).
+        kernel: ``"gaussian"`` (default) or ``"cauchy"``, weight 1 / (1 + (qs_t - ks_s)^2 / tau_t)
+            (module docstring): no fused path, "auto" / "fast" run query chunks.
 
     Returns:
         (B, H, Tq, Dv) in v's dtype.
@@ -176,15 +207,21 @@ def scalar_attention(qs, ks, v, tau, *, causal: bool = True, impl: str = "auto")
             has another dtype than qs; causal is not a bool.
         ValueError: shapes that do not fit (batch, heads, lengths, groups, tau's shape, Tq > Tk
             under causal masking), another device, NaN or inf in any input, tau <= 0, or an
-            unknown impl.
+            unknown impl or kernel.
     """
     check_impl(impl)
     check_causal(causal)
+    check_kernel(kernel)
     B, H, T = _check_scalars(qs, ks, causal=causal)
     _check_values(v, qs, B, H, ks.shape[2])
     if impl == "naive":
-        w = torch.softmax(scalar_logits(qs, ks, tau, causal), dim=-1)  # (B, H, Tq, Tk)
+        w = torch.softmax(scalar_logits(qs, ks, tau, causal, kernel), dim=-1)  # (B, H, Tq, Tk)
         return (w @ expand_heads(v, H).to(w.dtype)).to(v.dtype)  # (B, H, Tq, Dv)
+    if kernel != "gaussian":
+        from .kernel import chunked_kernel_attention
+
+        _tau(tau, B, H, T, upcast(qs.dtype), qs.device)
+        return chunked_kernel_attention(qs, ks, v, tau, None, None, kernel, causal, None)
     cdt = upcast(qs.dtype)
     inv_tau = 1.0 / _tau(tau, B, H, T, cdt, qs.device)  # (1|B, 1|H, 1|T)
     qa, ka = _augment(qs, ks, inv_tau, cdt, causal)  # (B, H, T, 2) each
@@ -193,7 +230,7 @@ def scalar_attention(qs, ks, v, tau, *, causal: bool = True, impl: str = "auto")
 
 
 def hybrid_attention(q, k, v, qs, ks, tau, *, causal: bool = True, impl: str = "auto",
-                     scalar_scale=None) -> torch.Tensor:
+                     scalar_scale=None, kernel: str = "gaussian") -> torch.Tensor:
     """Hybrid attention o_t = sum_s softmax_s(q_t . k_s / sqrt(d) - lam (qs_t - ks_s)^2 / tau_t) v_s.
 
     As tau -> inf this is standard scaled dot-product attention. Gradients reach every tensor
@@ -214,6 +251,8 @@ def hybrid_attention(q, k, v, qs, ks, tau, *, causal: bool = True, impl: str = "
         scalar_scale: lam >= 0 scaling the scalar term, a float or an (H,) tensor; None for
             lam = 1. At lam = 0 this is exactly standard attention, and the gradient of lam is
             not zero there (docs/retrofit.md: the hybrid's silent start).
+        kernel: ``"gaussian"`` (default) or ``"cauchy"``: the scalar term -lam log(1 + (qs_t -
+            ks_s)^2 / tau_t) (module docstring); "auto" / "fast" run query chunks.
 
     Returns:
         (B, H, Tq, Dv) in v's dtype.
@@ -223,10 +262,12 @@ def hybrid_attention(q, k, v, qs, ks, tau, *, causal: bool = True, impl: str = "
             neither a float nor a tensor; causal is not a bool.
         ValueError: shapes that do not fit (batch, heads, lengths, D, groups, qs and ks against q
             and k, Tq > Tk under causal masking), another device, NaN or inf in any input,
-            tau <= 0, a scalar_scale that is negative, not finite or not (H,), or an unknown impl.
+            tau <= 0, a scalar_scale that is negative, not finite or not (H,), or an unknown impl
+            or kernel.
     """
     check_impl(impl)
     check_causal(causal)
+    check_kernel(kernel)
     B, H, T, D = check_qkv(q, k, v, causal)
     _check_scalars(qs, ks, q, "q", causal)
     if tuple(qs.shape) != (B, H, T) or ks.shape[2] != k.shape[2]:
@@ -235,8 +276,15 @@ def hybrid_attention(q, k, v, qs, ks, tau, *, causal: bool = True, impl: str = "
             f"from q and k, got {tuple(qs.shape)} and {tuple(ks.shape)}"
         )
     if impl == "naive":
-        w = torch.softmax(hybrid_logits(q, k, qs, ks, tau, causal, scalar_scale), dim=-1)  # (B, H, Tq, Tk)
+        w = torch.softmax(hybrid_logits(q, k, qs, ks, tau, causal, scalar_scale, kernel), dim=-1)  # (B, H, Tq, Tk)
         return (w @ expand_heads(v, H).to(w.dtype)).to(v.dtype)  # (B, H, Tq, Dv)
+    if kernel != "gaussian":
+        from .kernel import chunked_kernel_attention
+
+        _tau(tau, B, H, T, upcast(q.dtype), q.device)
+        if scalar_scale is not None:
+            _scalar_scale(scalar_scale, H, upcast(q.dtype), q.device)
+        return chunked_kernel_attention(qs, ks, v, tau, q, k, kernel, causal, scalar_scale)
     cdt = upcast(q.dtype)
     inv_tau = 1.0 / _tau(tau, B, H, T, cdt, q.device)
     if scalar_scale is not None:

@@ -35,15 +35,14 @@ are 0..b-1) and their logits (B, H, b - a, b), -inf where a key is hidden, and r
 
 from __future__ import annotations
 
-import math
 from typing import Callable
 
 import torch
-import torch.nn.functional as F
 
 from ..checks import check_int, check_same, visible_keys
 from ._sdpa import check_qkv, expand_heads, upcast
-from .scalar import _augment, _check_scalars, _check_values, _scalar_scale, _tau, hybrid_logits, scalar_logits
+from ._selected import selected_attention
+from .scalar import _check_scalars, _check_values, _scalar_scale, _tau, check_kernel, hybrid_logits, scalar_logits
 
 __all__ = ["budget_evictions", "range_distance", "window_indices", "window_mask", "windowed_attention"]
 
@@ -224,52 +223,6 @@ def window_indices(qs: torch.Tensor, ks: torch.Tensor, window: int, *, n_prefix:
     return idx, ok
 
 
-def _chunk_mask(idx: torch.Tensor, ok: torch.Tensor, b: int) -> torch.Tensor:
-    """Indices (B, H, c, m) and their validity -> the (B, H, c, b) bool mask of the keys they select."""
-    idx = idx.masked_fill(~ok, b)  # invalid picks land on a spare column b, sliced off
-    keep = torch.zeros(*idx.shape[:3], b + 1, dtype=torch.bool, device=idx.device)
-    return keep.scatter_(-1, idx, True)[..., :b]
-
-
-def _selected_chunk(qa, ka, vals, idx, ok):
-    """Query rows qa (B, H, c, E) over keys ka (B, H, b, E), vals (B, H, b, Dv), reading only the keys
-    idx / ok (B, H, c, m) select: one fused SDPA call with their mask -> (B, H, c, Dv)."""
-    keep = _chunk_mask(idx, ok, ka.shape[2])
-    width = max(qa.shape[-1], vals.shape[-1])
-    pad = lambda x: F.pad(x, (0, width - x.shape[-1])) if x.shape[-1] < width else x  # noqa: E731
-    out = F.scaled_dot_product_attention(pad(qa), pad(ka), pad(vals), attn_mask=keep, scale=1.0)
-    return out[..., : vals.shape[-1]]
-
-
-def _selected_attention(qs, ks, v, tau, window, q, k, n_prefix, local, query_chunk, scalar_scale=None):
-    """The selected-keys path of `windowed_attention` (module docstring): the scores are the fused
-    path's augmented dot products ([q / sqrt(d), q'] . [k, k'], `ops.scalar._augment`), masked to
-    each query's selected keys chunk by chunk, each chunk recomputed in the backward pass."""
-    from torch.utils.checkpoint import checkpoint
-
-    B, H, T = qs.shape
-    cdt = upcast(v.dtype)
-    idx, ok = window_indices(qs, ks, window, n_prefix=n_prefix, local=local, query_chunk=query_chunk)
-    inv_tau = 1.0 / _tau(tau, B, H, T, cdt, qs.device)
-    if scalar_scale is not None:  # -lam (qs - ks)^2 / tau: lam folds into 1 / tau (of any sign)
-        inv_tau = inv_tau * _scalar_scale(scalar_scale, H, cdt, qs.device)
-    qa, ka = _augment(qs, ks, inv_tau, cdt, True)  # (B, H, T, 2)
-    if q is not None:
-        qa = torch.cat([q.to(cdt) * (1.0 / math.sqrt(q.shape[-1])), qa], dim=-1)
-        ka = torch.cat([expand_heads(k, H).to(cdt), ka], dim=-1)
-    vals = expand_heads(v, H).to(cdt)
-    grad = torch.is_grad_enabled() and any(isinstance(x, torch.Tensor) and x.requires_grad
-                                           for x in (qs, ks, v, q, k, tau, scalar_scale))
-    outs = []
-    for a in range(0, T, query_chunk):
-        b = min(T, a + query_chunk)
-        args = (qa[:, :, a:b], ka[:, :, :b], vals[:, :, :b], idx[:, :, a:b], ok[:, :, a:b])
-        outs.append(checkpoint(_selected_chunk, *args, use_reentrant=False) if grad else _selected_chunk(*args))
-    if not outs:
-        return v.new_zeros(B, H, 0, v.shape[-1])
-    return torch.cat(outs, dim=2).to(v.dtype)
-
-
 def windowed_attention(
     qs: torch.Tensor,
     ks: torch.Tensor,
@@ -287,6 +240,7 @@ def windowed_attention(
     local: int = 0,
     impl: str = "auto",
     scalar_scale=None,
+    kernel: str = "gaussian",
 ) -> torch.Tensor:
     """Causal scalar attention (q, k None) or hybrid attention (q, k given) over each query's
     scalar window; see the module docstring.
@@ -314,6 +268,8 @@ def windowed_attention(
             ``"auto"`` is ``"fast"``, or ``"naive"`` with a budget or keep_fn.
         scalar_scale: hybrid only: lam in q·k/√D − lam (qs − ks)²/τ, as `hybrid_attention` takes it;
             None for 1. It changes the scores, not which keys the window selects.
+        kernel: the scalar term's kernel, "gaussian" or "cauchy" (`attnlab.ops.scalar`); both
+            select the same keys.
 
     Returns:
         (B, H, T, Dv) in v's dtype.
@@ -335,6 +291,7 @@ def windowed_attention(
     check_int("local", local, 0)
     if impl not in ("auto", "naive", "fast"):
         raise ValueError(f"impl must be 'auto', 'naive' or 'fast', got {impl!r}")
+    check_kernel(kernel)
     if impl == "fast" and (budget is not None or keep_fn is not None):
         raise ValueError("impl='fast' selects by the window rule: it takes no budget or keep_fn")
     if local and keep_fn is not None:
@@ -365,18 +322,18 @@ def windowed_attention(
     per_query_tau = torch.is_tensor(tau) and tau.dim() == 3
     window = T if window is None else window
     if impl != "naive" and budget is None and keep_fn is None:
-        return _selected_attention(qs, ks, v, tau, max(window, 1), q, k, n_prefix, local, min(query_chunk, SELECT_CHUNK),
-                                   scalar_scale)
+        return selected_attention(qs, ks, v, tau, max(window, 1), q, k, n_prefix, local, min(query_chunk, SELECT_CHUNK),
+                                  scalar_scale, kernel)
     evicted = None if budget is None else budget_evictions(qs, ks, budget, history=history, n_prefix=n_prefix)
     outs = []
     for a in range(0, T, query_chunk):
         b = min(T, a + query_chunk)
         tau_c = tau[..., a:b] if per_query_tau else tau
         if q is None:
-            logits = scalar_logits(qs[..., a:b], ks[..., :b], tau_c)
+            logits = scalar_logits(qs[..., a:b], ks[..., :b], tau_c, kernel=kernel)
         else:
             logits = hybrid_logits(q[:, :, a:b], k[:, :, :b], qs[..., a:b], ks[..., :b], tau_c,
-                                   scalar_scale=scalar_scale)
+                                   scalar_scale=scalar_scale, kernel=kernel)
         if keep_fn is None:
             keep = window_mask(qs[..., a:b], ks[..., :b], max(window, 1), n_prefix=n_prefix, evicted_at=evicted,
                                local=local)

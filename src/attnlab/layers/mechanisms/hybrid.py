@@ -63,7 +63,8 @@ class HybridAttention(ScalarAttention):
         return p.q, p.k
 
     def scalar_op(self, qs, ks, vals, tau, q, k, impl):
-        return hybrid_attention(q, k, vals, qs, ks, tau, causal=True, impl=impl, scalar_scale=self.scalar_scale)
+        return hybrid_attention(q, k, vals, qs, ks, tau, causal=True, impl=impl, scalar_scale=self.scalar_scale,
+                                kernel=self.config.kernel)
 
     def attention_weights(self, x):
         if self.scalar_scale is not None:  # the readout of identity values, through scalar_op and its gain

@@ -42,35 +42,24 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from ...cache.exact import ExactScalarCache
-from ...cache.kv import KVCache
-from ...cache.ring import Ring
-from ...cache.selected import selected_step
-from ...cache.sorted import QUERY_HISTORY, SortedScalarCache
-from ...cache.sorted_read import check_step_values
+from ...cache.sorted import QUERY_HISTORY
 from ...ops import (
     budget_evictions, hybrid_logits, scalar_attention, scalar_attention_approx, scalar_logits, softmax_attention, window_mask,
     windowed_attention,
 )
-from ...ops._sdpa import expand_heads
 from ..attention import Attention, heads
-from ...ops.scalar import hybrid_scores, scalar_scores
 from ..params import Temperature
-from ..sink import mix_sink, sink_weight_value, split_sink_values, token_values
 from ..record import Projected
+from ..sink import mix_sink, sink_weight_value, split_sink_values
 from . import register
-
-def exact_impl(impl: str) -> str:
-    """impl="approx" approximates only the scalar heads' full-sequence op; everything else runs "auto"."""
-    return "auto" if impl == "approx" else impl
-
+from .scalar_decode import ScalarDecode, exact_impl
 
 SCALAR_OPTIONS = ("tau", "tau_init", "tau_param", "tau_max", "sink", "sink_key", "sink_weight", "train_window",
-                  "local_window")
+                  "local_window", "kernel")
 
 
 @register
-class ScalarAttention(Attention):
+class ScalarAttention(ScalarDecode, Attention):
     mechanism = "scalar"
     scalar = True
     options = ("n_scalar_heads", "n_value_groups", *SCALAR_OPTIONS, "n_kv_heads", "scale", "p", "rope", "rope_base")
@@ -154,7 +143,7 @@ class ScalarAttention(Attention):
     def scalar_op(self, qs, ks, vals, tau, q, k, impl):
         if impl == "approx" and qs.shape[-1] == ks.shape[-1]:  # a whole sequence (decode steps stay exact)
             return scalar_attention_approx(qs, ks, vals, tau)
-        return scalar_attention(qs, ks, vals, tau, causal=True, impl=exact_impl(impl))
+        return scalar_attention(qs, ks, vals, tau, causal=True, impl=exact_impl(impl), kernel=self.config.kernel)
 
     def with_sink(self, p: Projected):
         """The scalar op's inputs, with the sink prepended when on: (qs, ks, values, tau, q, k, n_prefix)."""
@@ -186,13 +175,13 @@ class ScalarAttention(Attention):
         lam = getattr(self, "scalar_scale", None)  # the hybrid's learned gain on the scalar term, if any
         if self.decode_select is not None:
             return windowed_attention(qs, ks, vals, tau, None, q=q, k=k, n_prefix=n_prefix, scalar_scale=lam,
-                                      keep_fn=self.selected_keys(qs, ks, tau, q, k, n_prefix))
+                                      keep_fn=self.selected_keys(qs, ks, tau, q, k, n_prefix), kernel=c.kernel)
         window = self.decode_window if self.decode_window is not None else c.train_window
         if window is None and self.decode_budget is None:
             return self.scalar_op(qs, ks, vals, tau, q, k, impl)
         return windowed_attention(qs, ks, vals, tau, window, q=q, k=k, n_prefix=n_prefix, local=c.local_window,
                                   budget=self.decode_budget, history=QUERY_HISTORY, scalar_scale=lam,
-                                  impl="naive" if impl == "naive" else "auto")
+                                  impl="naive" if impl == "naive" else "auto", kernel=c.kernel)
 
     def sink_readout(self, qs, ks, vals, tau, q, k, impl, n_prefix: int):
         """`scalar_readout` on the op inputs of `with_sink`, weighing the sink by `sink_weight` when set."""
@@ -230,7 +219,8 @@ class ScalarAttention(Attention):
             return super().attention_weights(x)
         self.check_input(x)
         qs, ks, _, tau, q, k, n_pre = self.with_sink(self.project(x, 0))
-        logits = scalar_logits(qs, ks, tau) if q is None else hybrid_logits(q, k, qs, ks, tau)
+        kernel = self.config.kernel
+        logits = scalar_logits(qs, ks, tau, kernel=kernel) if q is None else hybrid_logits(q, k, qs, ks, tau, kernel=kernel)
         if self.decode_select is not None:
             keep = self.selected_keys(qs, ks, tau, q, k, n_pre)(0, qs.shape[-1], logits)
             logits = logits.masked_fill(~keep, float("-inf"))
@@ -244,155 +234,3 @@ class ScalarAttention(Attention):
             logw = sink_weight_value(self.sink_weight).log().to(logits.dtype).view(1, -1, 1, 1)
             logits = torch.cat([logits[..., :1] + logw, logits[..., 1:]], dim=-1)
         return torch.softmax(logits, dim=-1)[:, :, n_pre:].to(x.dtype)
-
-    # ------------------------------------------------------------------ decode
-
-    def init_cache(self, cache, window, max_len) -> None:
-        if self.n_dot:
-            cache.kv = KVCache(cache.batch_size)
-        cache.scalar = self.scalar_cache(cache.batch_size, self.trained_window(cache, window))
-
-    def trained_window(self, cache, window):
-        """A window-trained layer decodes through its window by default (and its local ring)."""
-        c = self.config
-        if window is None and c.train_window is not None and not cache.exact:
-            cache.window = window = c.train_window
-        if window is not None and c.local_window:
-            cache.ring = Ring(c.local_window)
-        return window
-
-    def scalar_cache(self, batch_size: int, window: int | None):
-        """The plain cache of every scalar key (window None, exact) or the sorted scalar cache."""
-        c = self.config
-        if window is None and c.impl == "naive":  # the op's reference over the plain cache
-            cache = KVCache(batch_size)
-            if c.sink:
-                cache.append(**self.sink_entry(batch_size))
-            return cache
-        if window is None:
-            cache = ExactScalarCache(batch_size, self.n_scalar)
-            if c.sink:
-                e = self.sink_entry(batch_size)
-                cache.append(e["ks"], e[self.value_key], k=e.get("k"))
-            return cache
-        return SortedScalarCache(
-            batch_size, self.n_scalar, self.value_groups, c.head_dim, d_k=self.hybrid_key_dim,
-            dtype=self.wo.weight.dtype, device=self.wo.weight.device, **self.sorted_sink(),
-        )
-
-    def sorted_sink(self) -> dict:
-        """The sorted cache's sink arguments: its key, value (G, D) and log-weight (H_s,), or none."""
-        c = self.config
-        if not c.sink:
-            return {}
-        logw = None if self.sink_weight is None else sink_weight_value(self.sink_weight.detach()).log()
-        return {"sink_key": c.sink_key, "sink_value": self.sink_value.detach(), "sink_logw": logw}
-
-    hybrid_key_dim = None  # vector key width the sorted cache keeps (hybrid: head_dim)
-
-    def sink_entry(self, batch_size: int) -> dict:
-        """The sink as one plain-cache entry: ks (B, H_s, 1) and values (B, G, 1, D), or
-        (B, G, 1, D + 2) in the weighted-sink layout when `sink_weight` is set."""
-        w = self.sink_value.detach()  # (G, D)
-        v = w[None, :, None, :].expand(batch_size, -1, 1, -1)
-        if self.sink_weight is not None:
-            v = split_sink_values(v)
-        return {"ks": w.new_full((batch_size, self.n_scalar, 1), self.config.sink_key), self.value_key: v}
-
-    def plain_step(self, op, vals: torch.Tensor) -> torch.Tensor:
-        """op(values) over a plain cache (sink first) with this step's values (B, G, T, D): the
-        weighted-sink layout in and `mix_sink` out when `sink_weight` is set."""
-        if self.sink_weight is None:
-            return op(vals)
-        o = op(token_values(vals))
-        return mix_sink(o, self.sink_value.detach()[None, :, None, :], self.sink_weight.detach())
-
-    def scalar_step(self, p: Projected, cache) -> torch.Tensor:
-        """Readout (B, H_s, 1, D) of the scalar heads for one token."""
-        vals = self.scalar_values(p)  # (B, G, 1, D)
-        q, k = self.score_vectors(p)
-        if cache.selector is not None:  # a learned key selector (cache/selected.py)
-            return self.plain_step(lambda v: selected_step(self, p, cache, v, q, k), vals)
-        if isinstance(cache.scalar, ExactScalarCache):  # every cached key, each augmented once (cache/exact.py)
-            def exact(v):
-                cache.scalar.append(p.ks, v, k=k)
-                return cache.scalar.attend(p.qs, p.tau, q=q)
-            return self.plain_step(exact, vals)
-        if cache.window is None:  # impl="naive": the op's reference, one query against every cached key
-            def naive(v):
-                full = cache.scalar.append(**{"ks": p.ks, self.value_key: v, **({"k": k} if k is not None else {})})
-                return self.scalar_op(p.qs, full["ks"], full[self.value_key], p.tau, q, full.get("k"), self.config.impl)
-            return self.plain_step(naive, vals)
-        k_t = expand_heads(k, self.n_scalar)[:, :, 0] if k is not None else None  # (B, H, D)
-        tau = p.tau if p.tau.dim() == 1 else p.tau[..., 0]  # (H,) or (B, H)
-        q_t = q[:, :, 0] if q is not None else None
-        check_step_values(p.qs, p.ks, vals, q, k)  # once here; the cache's calls skip their own value checks
-        extra = None
-        if cache.ring is None:
-            cache.scalar.append(p.ks[..., 0], vals[:, :, 0], k=k_t, check_values=False)
-        else:
-            extra = self.ring_step(cache, p, vals, k_t)
-        o = cache.scalar.attend(p.qs[..., 0], tau, q=q_t, window=cache.window, extra=extra, check_values=False,
-                                scalar_scale=getattr(self, "scalar_scale", None)).unsqueeze(2)  # (B, H, 1, D)
-        if cache.budget is not None:
-            cache.scalar.evict_to_budget(cache.budget)
-        if cache.compress is not None:
-            cache.scalar.compress_density(cache.compress)
-        return o
-
-    def ring_step(self, cache, p: Projected, vals, k_t):
-        """Push this token into the ring of the last `local_window` tokens (the one leaving it goes
-        into the sorted cache) and score the ring for this step's query: the sorted cache's `extra`
-        columns, logits (B, H, w) and values (B, H, w, D)."""
-        ring, H = cache.ring, self.n_scalar
-        ring.push(p.ks[..., 0], vals[:, :, 0], k_t,  # a token leaving the ring enters the sorted cache (checked already)
-                  lambda ks, v, k: cache.scalar.append(ks, v, k=k, check_values=False))
-        rks, rv, rk = ring.view()  # (B, H, w), (B, G, w, D), (B, H, w, Dk)
-        rv = expand_heads(rv, H)  # (B, H, w, D)
-        tau = p.tau.view(1, H, 1) if p.tau.dim() == 1 else p.tau[..., :1]  # checked by the projection's Temperature
-        if getattr(self, "scalar_scale", None) is not None:  # the hybrid's gain: -lam d^2 / tau = -d^2 / (tau / lam)
-            tau = tau / self.scalar_scale.view(1, H, 1)
-        if rk is None:  # the ops' score formula; the ring's keys were projected (and are finite) like the query
-            logits = scalar_scores(p.qs[..., :1], rks, tau)
-        else:
-            logits = hybrid_scores(p.q, rk, p.qs[..., :1], rks, tau)
-        return logits[:, :, 0], rv
-
-    def prefill_readout(self, p: Projected, cache):
-        """T tokens at once. Exact caches take them through the op's offset form (`step_readout`).
-        An empty sorted cache (window=k, no budget, no compression): the prompt's readout is the
-        windowed op (`windowed_attention`, equal to stepping the sorted cache), and the cache is
-        bulk-loaded from the prompt's keys (one sort per head, `SortedScalarCache.from_tensors`).
-        A sorted cache that already holds keys, evicts or compresses takes one token at a time."""
-        if not isinstance(cache.scalar, SortedScalarCache):
-            return None if cache.selector is not None else self.step_readout(p, cache)
-        if (len(cache.scalar) or cache.budget is not None or cache.compress is not None or self.decode_select is not None
-                or cache.ring is not None):
-            return None
-        saved = self.decode_window, self.decode_budget
-        self.decode_window, self.decode_budget = cache.window, None
-        try:
-            o, _ = self.attend(p)  # (B, H, T, D): scalar heads windowed, dot heads of a mixed layer exact
-        finally:
-            self.decode_window, self.decode_budget = saved
-        cache.scalar = self.sorted_from_prompt(p, cache.batch_size)
-        if cache.kv is not None:  # the dot-product heads of a mixed layer
-            cache.kv.append(k=p.k, v=p.v)
-        return o
-
-    def sorted_from_prompt(self, p: Projected, batch_size: int) -> SortedScalarCache:
-        """The sorted scalar cache holding the T keys of `p` (and the sink), built in bulk."""
-        _, k = self.score_vectors(p)
-        return SortedScalarCache.from_tensors(
-            p.ks, self.scalar_values(p), k=None if k is None else expand_heads(k, self.n_scalar), **self.sorted_sink(),
-        )
-
-    def step_readout(self, p: Projected, cache) -> torch.Tensor:
-        o = self.scalar_step(p, cache)
-        if self.n_dot:
-            c = self.config
-            full = cache.kv.append(k=p.k, v=p.v)
-            od = softmax_attention(p.q, full["k"], full["v"], scale=c.scale, p=c.p, impl=exact_impl(c.impl))
-            o = torch.cat([o, od.to(o.dtype)], dim=1)  # scalar heads first
-        return o
-

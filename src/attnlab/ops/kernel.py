@@ -1,0 +1,109 @@
+"""Scalar and hybrid attention under a kernel with no fused path (kernel="cauchy").
+
+The Gaussian scalar logit -(qs - ks)^2 / tau is a quadratic in qs - ks and runs through SDPA as
+an augmented dot product (`attnlab.ops.scalar`). The Cauchy logit -log(1 + (qs - ks)^2 / tau)
+is not, so its scores are formed explicitly, with the ops' one score formula
+(`scalar_scores` / `hybrid_scores`), in two shapes that bound memory:
+
+- `chunked_kernel_attention`, the exact op's "auto" path: query rows in chunks of `chunk`,
+  each chunk's (chunk x Tk) logits recomputed in the backward pass (activation checkpointing),
+  so memory is O(chunk x Tk) per head, never Tq x Tk; the naive path of the ops is its reference.
+- `selected_kernel_attention`, `windowed_attention`'s selected-keys path: query rows in chunks,
+  each chunk's scores masked to its queries' m selected keys (window, local window, prefix;
+  `window_indices`) and recomputed in the backward pass, as the Gaussian's SDPA path does: the
+  indices kept are O(T x m) per head. (Gathering the m keys per query instead was about 6x slower
+  here, forward + backward at T = 256, B = 16, H = 4, k = 16 + 32 recent, one thread: the
+  gathers' backward scatters.) The dense masked path is its reference.
+
+Both take checked inputs (the public ops check before calling them).
+"""
+
+from __future__ import annotations
+
+
+import torch
+
+from ..checks import visible_keys
+from ._sdpa import expand_heads, upcast
+from .scalar import _scalar_scale, _tau, hybrid_scores, scalar_scores
+
+__all__ = ["chunked_kernel_attention", "selected_kernel_attention"]
+
+CHUNK = 256  # query rows per chunk of the explicit-score paths
+
+
+def _needs_grad(*xs) -> bool:
+    return torch.is_grad_enabled() and any(isinstance(x, torch.Tensor) and x.requires_grad for x in xs)
+
+
+def _per_query(x: torch.Tensor, a: int, b: int) -> torch.Tensor:
+    """Rows a..b-1 of a tensor broadcastable to (B, H, Tq) (a per-head one is returned whole)."""
+    return x[..., a:b] if x.shape[-1] > 1 else x
+
+
+def _dense_chunk(qs, ks, vals, tau_b, lam, q, k, hidden, kernel):
+    scores = scalar_scores(qs, ks, tau_b, kernel, lam) if q is None else hybrid_scores(q, k, qs, ks, tau_b, kernel, lam)
+    w = torch.softmax(scores.masked_fill(hidden, float("-inf")), dim=-1)
+    return w.to(vals.dtype) @ vals
+
+
+def chunked_kernel_attention(qs, ks, v, tau, q, k, kernel: str, causal: bool, scalar_scale,
+                             chunk: int = CHUNK) -> torch.Tensor:
+    """softmax over keys of the kernel's scores (`hybrid_logits` when q is given) times v, query
+    rows `chunk` at a time: qs (B, H, Tq), ks (B, H, Tk), v (B, G, Tk, Dv), q (B, H, Tq, D) and
+    k (B, G', Tk, D) or None; queries are the last Tq positions under `causal` -> (B, H, Tq, Dv)."""
+    from torch.utils.checkpoint import checkpoint
+
+    B, H, Tq = qs.shape
+    Tk = ks.shape[2]
+    cdt = upcast(v.dtype)
+    tau_b = _tau(tau, B, H, Tq, cdt, qs.device)
+    lam = None if scalar_scale is None else _scalar_scale(scalar_scale, H, cdt, qs.device)
+    vals = expand_heads(v, H).to(cdt)
+    kk = None if k is None else expand_heads(k, H)
+    grad = _needs_grad(qs, ks, v, q, k, tau, scalar_scale)
+    off = Tk - Tq
+    outs = []
+    for a in range(0, Tq, chunk):
+        b = min(Tq, a + chunk)
+        n = b + off if causal else Tk  # keys the chunk's queries may see
+        hidden = ~visible_keys(Tq, Tk, causal, qs.device)[a:b, :n]
+        args = (qs[..., a:b], ks[..., :n], vals[:, :, :n], _per_query(tau_b, a, b), lam,
+                None if q is None else q[:, :, a:b], None if kk is None else kk[:, :, :n], hidden, kernel)
+        outs.append(checkpoint(_dense_chunk, *args, use_reentrant=False) if grad else _dense_chunk(*args))
+    if not outs:
+        return v.new_zeros(B, H, 0, v.shape[-1])
+    return torch.cat(outs, dim=2).to(v.dtype)
+
+
+def _selected_chunk(qs, ks, vals, tau_b, lam, q, k, idx, ok, kernel):
+    """Query rows qs (B, H, c) (and q (B, H, c, D)) over keys ks (B, H, b) (k (B, H, b, D)), reading
+    only those idx / ok (B, H, c, m) select -> (B, H, c, Dv)."""
+    from ._selected import chunk_mask
+
+    return _dense_chunk(qs, ks, vals, tau_b, lam, q, k, ~chunk_mask(idx, ok, ks.shape[2]), kernel)
+
+
+def selected_kernel_attention(qs, ks, v, tau, idx, ok, q, k, kernel: str, scalar_scale,
+                              query_chunk: int) -> torch.Tensor:
+    """`windowed_attention`'s selected-keys path under `kernel`: each query row reads only the keys
+    idx / ok (B, H, T, m) of `window_indices`, gathered (module docstring) -> (B, H, T, Dv)."""
+    from torch.utils.checkpoint import checkpoint
+
+    B, H, T = qs.shape
+    cdt = upcast(v.dtype)
+    tau_b = _tau(tau, B, H, T, cdt, qs.device)
+    lam = None if scalar_scale is None else _scalar_scale(scalar_scale, H, cdt, qs.device)
+    vals = expand_heads(v, H).to(cdt)
+    kk = None if k is None else expand_heads(k, H)
+    grad = _needs_grad(qs, ks, v, q, k, tau, scalar_scale)
+    outs = []
+    for a in range(0, T, query_chunk):
+        b = min(T, a + query_chunk)
+        args = (qs[..., a:b], ks[..., :b], vals[:, :, :b], _per_query(tau_b, a, b), lam,
+                None if q is None else q[:, :, a:b], None if kk is None else kk[:, :, :b],
+                idx[:, :, a:b], ok[:, :, a:b], kernel)
+        outs.append(checkpoint(_selected_chunk, *args, use_reentrant=False) if grad else _selected_chunk(*args))
+    if not outs:
+        return v.new_zeros(B, H, 0, v.shape[-1])
+    return torch.cat(outs, dim=2).to(v.dtype)
