@@ -39,7 +39,8 @@ from attnlab.train.trainer import Trainer  # noqa: E402
 FALLBACK = "[fallback]"  # suffix: the variant runs with the compiled CPU kernels off
 
 # name -> overrides; the gated variants add the zero-initialised sigmoid output gate (docs/mechanisms.md#output-gate),
-# the +window variants train through the sorted cache's selection (train_window, local_window)
+# the +window variants train through the sorted cache's selection (train_window, local_window), the +cauchy
+# ones under the Cauchy kernel (docs/mechanisms.md#a-heavier-tailed-kernel)
 VARIANTS = {
     "softmax": ["model.attn=softmax"],
     "scalar": ["model.attn=scalar"],
@@ -53,6 +54,10 @@ VARIANTS = {
     "scalar+window64": ["model.attn=scalar", "model.attention={train_window=64}"],
     "hybrid+window64": ["model.attn=hybrid", "model.attention={train_window=64}"],
     "hybrid+window64+local32": ["model.attn=hybrid", "model.attention={train_window=64, local_window=32}"],
+    "hybrid+window16+local32": ["model.attn=hybrid", "model.attention={train_window=16, local_window=32}"],
+    "hybrid+window16+local32+cauchy": ["model.attn=hybrid",
+                                       'model.attention={train_window=16, local_window=32, kernel="cauchy"}'],
+    "hybrid+cauchy": ["model.attn=hybrid", 'model.attention={kernel="cauchy"}'],
     "softmax+gate": ["model.attn=softmax", 'model.attention={output_gate="elementwise"}'],
     "cosformer+gate": ["model.attn=cosformer", 'model.attention={output_gate="elementwise"}'],
 }
