@@ -233,3 +233,21 @@ def test_out_of_window_mass_does_not_grow_with_n_at_fixed_density():
         masses.append(window_error(cache, torch.zeros(1, 2), tau, window=k).mass_out)
     assert torch.allclose(masses[0], masses[1], rtol=1e-3, atol=1e-12)
     assert float(masses[0].max()) <= erfc_bound(k / 2 / 500, tau) * 1.05
+
+
+@pytest.mark.parametrize("rel_r", [1.0, 3.0, 10.0])
+def test_cauchy_bound_is_the_continuum_value_at_uniform_density(rel_r):
+    """The Cauchy kernel's leftover mass, 1 - (2/pi) atan(r / sqrt(tau)) over an unbounded continuum:
+    measured on keys of constant density over +-20 sqrt(tau) it sits just below it (the tail beyond
+    the keys' range, 2 / (20 pi) of the mass at most, is missing), and far above the Gaussian's."""
+    from attnlab.cache.window_error import cauchy_bound
+
+    tau = 0.01
+    ks = torch.linspace(-2.0, 2.0, 4001, dtype=torch.float64).float().expand(1, 2, -1).contiguous()
+    cache = SortedScalarCache.from_tensors(ks, torch.randn(1, 1, 4001, 4), kernel="cauchy")
+    r = rel_r * math.sqrt(tau)
+    err = window_error(cache, torch.zeros(1, 2), tau, radius=r, window=None)
+    bound = cauchy_bound(r, tau)
+    assert bool((err.mass_out <= bound + 1e-3).all()) and bool((err.mass_out >= bound - 2 / (20 * math.pi)).all())
+    assert torch.allclose(err.bound, torch.tensor(bound, dtype=torch.float64).expand(1, 2), rtol=0.1)
+    assert bound > erfc_bound(r, tau) * (100 if rel_r >= 3 else 3)
