@@ -144,3 +144,50 @@ def test_cauchy_layer_decodes_what_it_trained_on(mech, extra, local):
     assert rel_rms(full, ref) > 1e-3  # the window is not exact attention here
     w = exact.attention_weights(x[:1])
     assert torch.allclose(w.sum(-1), torch.ones_like(w.sum(-1)))
+
+
+@pytest.mark.parametrize("d_k", [None, 8], ids=["scalar", "hybrid"])
+def test_sorted_cache_under_cauchy_fast_equals_naive_and_the_formula(d_k):
+    """SortedScalarCache(kernel="cauchy"): the fast path equals the naive one (outputs and gradients,
+    window, radius, eps, the hybrid's gain), the window's output is the formula over the k nearest,
+    and eps maps to the Cauchy radius sqrt(tau (1/eps - 1))."""
+    import math
+
+    from attnlab.cache.sorted import SortedScalarCache
+    from attnlab.testing import compare_fwd_bwd
+
+    g = torch.Generator().manual_seed(1)
+    B, H, G, Dv, N = 2, 4, 2, 6, 120
+    ks, v = torch.randn(N, B, H, generator=g), torch.randn(N, B, G, Dv, generator=g)
+    k = torch.randn(N, B, H, d_k, generator=g) if d_k else None
+    cache = SortedScalarCache(B, H, G, Dv, d_k=d_k, buffer_size=8, level_ratio=4, kernel="cauchy",
+                              sink_key=torch.zeros(H), sink_value=torch.randn(H, Dv, generator=g))
+    for t in range(N):
+        cache.append(ks[t], v[t], None if k is None else k[t])
+    qs = torch.randn(B, H, generator=g)
+    q = torch.randn(B, H, d_k, generator=g) if d_k else None
+    tau = torch.rand(B, H, generator=g) + 0.2
+    lam = torch.tensor([0.5, 0.0, -0.5, 2.0]) if d_k else None
+    inputs = [qs.clone().requires_grad_(), tau.clone().requires_grad_()] + ([q.clone().requires_grad_()] if d_k else [])
+    for kw in (dict(window=7), dict(window=None), dict(eps=0.2, window=None), dict(radius=0.3, window=4)):
+        errs = compare_fwd_bwd(
+            lambda *a: cache.attend(a[0], a[1], *a[2:], impl="fast", scalar_scale=lam, **kw),
+            lambda *a: cache.attend(a[0], a[1], *a[2:], impl="naive", scalar_scale=lam, **kw), inputs)
+        assert max(errs.values()) < 1e-5, (kw, errs)
+    # the formula over the 7 nearest keys and the sink, per head
+    out = cache.attend(qs, tau, q=q, window=7, scalar_scale=lam)
+    keys = torch.cat([ks.permute(1, 2, 0), torch.zeros(B, H, 1)], -1)  # (B, H, N + 1), the sink last
+    d = (keys - qs[..., None]).abs()
+    near = d[..., :N].argsort(-1)[..., :7]
+    logit = -torch.log1p(d ** 2 / tau[..., None]) * (lam.view(1, H, 1) if d_k else 1.0)
+    if d_k:
+        kv = torch.cat([k.permute(1, 2, 0, 3), torch.zeros(B, H, 1, d_k)], 2)
+        logit = logit + (kv @ q[..., None]).squeeze(-1) / math.sqrt(d_k)
+    keep = torch.zeros(B, H, N + 1, dtype=torch.bool).scatter_(-1, near, True)
+    keep[..., N] = True
+    w = torch.softmax(logit.masked_fill(~keep, float("-inf")), -1)
+    vals = torch.cat([v.permute(1, 2, 0, 3).repeat_interleave(H // G, 1), cache.sink.value.view(B, H, 1, Dv)], 2)
+    assert rel_rms(out, (w[..., None] * vals).sum(2)) < 1e-5
+    r = (0.5 * (1 / 0.2 - 1)) ** 0.5
+    assert torch.equal(cache.attend(qs, 0.5, q=q, eps=0.2, window=None, scalar_scale=lam),
+                       cache.attend(qs, 0.5, q=q, radius=r, window=None, scalar_scale=lam))
