@@ -110,6 +110,22 @@ def test_quest_decode_equals_the_quest_forward(attn, attention, page):
     assert rel_rms(stepped, full) > 1e-3
 
 
+@pytest.mark.parametrize("kernel", ["gaussian", "cauchy"])
+def test_quest_decode_bounds_the_layers_own_logits(kernel):
+    """Under the Cauchy kernel and a learned gain of either sign per head, the decoded Quest reads the
+    keys of the forward's Quest, whose page bounds are over the layer's own logits."""
+    model = _model("hybrid", kernel=kernel, scalar_gain=1.0)
+    with torch.no_grad():
+        for blk in model.blocks:
+            blk.attn.scalar_scale.copy_(torch.tensor([1.5, -0.7, 0.0, 0.3])[:blk.attn.n_scalar])
+    idx, K, page = _tokens(), 5, 3
+    with torch.no_grad():
+        with select_keys(model, "quest", K, page=page):
+            ref = model(idx)[0]
+        stepped = _stepped(model, idx, DecodeSelector(None, K, index="quest", page=page))
+    assert rel_rms(stepped, ref) < 1e-5
+
+
 def test_quest_selector_arguments():
     model = _model("hybrid")
     with pytest.raises(ValueError, match="projections=None"):

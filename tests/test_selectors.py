@@ -102,17 +102,20 @@ def test_selection_never_sees_the_future(method):
 # --------------------------------------------------------------------------- Quest's bound
 
 
-@pytest.mark.parametrize("hybrid", [True, False], ids=["hybrid", "scalar"])
+@pytest.mark.parametrize("hybrid", [True, False, "gain"], ids=["hybrid", "scalar", "hybrid-gain"])
 @pytest.mark.parametrize("n_prefix", [0, 1])
 @pytest.mark.parametrize("per_query_tau", [False, True])
-def test_quest_bound_is_an_upper_bound_on_every_logit_of_its_page(hybrid, n_prefix, per_query_tau):
+@pytest.mark.parametrize("kernel", ["gaussian", "cauchy"])
+def test_quest_bound_is_an_upper_bound_on_every_logit_of_its_page(hybrid, n_prefix, per_query_tau, kernel):
     g = torch.Generator().manual_seed(4)
     B, H, T, D, page = 2, 4, 23, 8, 4
     qs, ks = torch.randn(B, H, T, generator=g), torch.randn(B, H, T, generator=g)
     q, k = (torch.randn(B, H, T, D, generator=g), torch.randn(B, 2, T, D, generator=g)) if hybrid else (None, None)
     tau = torch.rand(B, H, T, generator=g) * 0.5 + 0.05 if per_query_tau else torch.tensor([0.05, 0.2, 1.0, 3.0])
-    logits = hybrid_logits(q, k, qs, ks, tau) if hybrid else scalar_logits(qs, ks, tau)  # (B, H, T, T)
-    bound = quest_page_bounds(qs, ks, tau, q, k, page=page, n_prefix=n_prefix)
+    lam = torch.tensor([1.5, -0.7, 0.0, 0.3]) if hybrid == "gain" else None  # a hybrid's learned gain, any sign
+    logits = (hybrid_logits(q, k, qs, ks, tau, scalar_scale=lam, kernel=kernel) if hybrid
+              else scalar_logits(qs, ks, tau, kernel=kernel))  # (B, H, T, T)
+    bound = quest_page_bounds(qs, ks, tau, q, k, page=page, n_prefix=n_prefix, kernel=kernel, lam=lam)
     P = math.ceil((T - n_prefix) / page)
     assert bound.shape == (B, H, T, P)
     for t in range(T):
@@ -124,11 +127,11 @@ def test_quest_bound_is_an_upper_bound_on_every_logit_of_its_page(hybrid, n_pref
             best = logits[:, :, t, keys].amax(-1)
             assert bool((best <= bound[:, :, t, j] + 1e-5).all()), (t, j)
     # one key per page: the bound is the logit itself (both terms are tight on a point)
-    tight = quest_page_bounds(qs, ks, tau, q, k, page=1, n_prefix=n_prefix)
+    tight = quest_page_bounds(qs, ks, tau, q, k, page=1, n_prefix=n_prefix, kernel=kernel, lam=lam)
     seen = logits[..., n_prefix:] > float("-inf")
     torch.testing.assert_close(tight[seen], logits[..., n_prefix:][seen], rtol=1e-5, atol=1e-5)
     # rows of a chunk are the same rows of the whole
-    part = quest_page_bounds(qs, ks, tau, q, k, page=page, n_prefix=n_prefix, rows=(5, 17))
+    part = quest_page_bounds(qs, ks, tau, q, k, page=page, n_prefix=n_prefix, rows=(5, 17), kernel=kernel, lam=lam)
     assert torch.equal(part, bound[:, :, 5:17])
     with pytest.raises(ValueError, match="page"):
         quest_page_bounds(qs, ks, tau, q, k, page=0)
@@ -136,6 +139,8 @@ def test_quest_bound_is_an_upper_bound_on_every_logit_of_its_page(hybrid, n_pref
         quest_page_bounds(qs, ks[..., 1:], tau, q, k)
     with pytest.raises(ValueError, match="rows"):
         quest_page_bounds(qs, ks, tau, q, k, rows=(3, T + 1))
+    with pytest.raises(ValueError, match="kernel"):
+        quest_page_bounds(qs, ks, tau, q, k, kernel="laplace")
 
 
 def test_quest_bound_scalar_term_is_the_interval_maximum():

@@ -102,10 +102,10 @@ class KeySelector:
         self._pending.extend((sq[:, :, t:t + 1], sk[:, :, t:t + 1]) for t in range(hidden.shape[1]))
 
     @torch.no_grad()
-    def select(self, p=None, q=None, k=None) -> tuple[torch.Tensor, torch.Tensor]:
+    def select(self, p=None, q=None, k=None, layer=None) -> tuple[torch.Tensor, torch.Tensor]:
         """Add the next observed token's search key, search with its query: positions (B, H, k)
         among the n tokens decoded so far (this one included), k = min(K, n), and their validity.
-        (p, q, k: the step's projections, read by `QuestKeys` only.)"""
+        (p, q, k, layer: the step's projections and its layer, read by `QuestKeys` only.)"""
         if not self._pending:
             raise RuntimeError(f"layer {self.layer}: a step came before its input was observed; decode through "
                                f"LM.step / LM.prefill, which feed the selector")
@@ -123,7 +123,7 @@ def selected_step(layer, p, cache, vals: torch.Tensor, q, k) -> torch.Tensor:
     if p.qs.shape[-1] != 1:
         raise RuntimeError("a selector cache decodes one token at a time")
     full = cache.scalar.append(**{"ks": p.ks, layer.value_key: vals, **({"k": k} if k is not None else {})})
-    idx, valid = cache.selector.select(p, q, k)  # (B, H, k)
+    idx, valid = cache.selector.select(p, q, k, layer)  # (B, H, k)
     H, pre = layer.n_scalar, 1 if layer.config.sink else 0
     pick = torch.cat([idx.new_zeros(*idx.shape[:2], pre), idx + pre], -1)  # the sink, then the selection
     ok = torch.cat([valid.new_ones(*valid.shape[:2], pre), valid], -1)
@@ -132,12 +132,21 @@ def selected_step(layer, p, cache, vals: torch.Tensor, q, k) -> torch.Tensor:
         x = expand_heads(x, H) if x.dim() == 4 else x
         return x.gather(2, pick[..., None].expand(-1, -1, -1, x.shape[-1])) if x.dim() == 4 else x.gather(2, pick)
 
-    ks = gather(full["ks"])
-    if not bool(ok.all()):  # a graph search that found fewer keys: park the empty slots far away (weight 0)
-        far = p.qs.detach()[..., :1] + 1e4 * (1.0 + p.tau.detach().abs().max().sqrt())
-        ks = torch.where(ok, ks, far.expand_as(ks))
+    ks, vv = gather(full["ks"]), gather(full[layer.value_key])
     kk = gather(full["k"]) if k is not None else None
-    return layer.scalar_op(p.qs, ks, gather(full[layer.value_key]), p.tau, q, kk, layer.config.impl)
+    if bool(ok.all()):
+        return layer.scalar_op(p.qs, ks, vv, p.tau, q, kk, layer.config.impl)
+    # fewer keys than slots (a graph search that found fewer, Quest's partial pages): the op's scores
+    # over the slots with the empty ones masked out, whatever the kernel and the sign of the gain
+    from ..ops.scalar import hybrid_scores, scalar_scores
+
+    tau = p.tau.view(1, H, 1) if p.tau.dim() == 1 else p.tau[..., :1]
+    lam = getattr(layer, "scalar_scale", None)
+    lam = None if lam is None else lam.view(1, H, 1)
+    logits = (scalar_scores(p.qs, ks, tau, layer.config.kernel, lam) if kk is None
+              else hybrid_scores(q, kk, p.qs, ks, tau, layer.config.kernel, lam))  # (B, H, 1, m)
+    logits = logits.masked_fill(~ok[:, :, None], float("-inf"))
+    return (torch.softmax(logits, -1) @ vv.to(logits.dtype)).to(vv.dtype)
 
 
 class QuestKeys:
@@ -159,13 +168,13 @@ class QuestKeys:
             torch.cat([hi[:, :, :-1], torch.maximum(hi[:, :, -1:], x)], 2)
 
     @torch.no_grad()
-    def select(self, p, q=None, k=None) -> tuple[torch.Tensor, torch.Tensor]:
+    def select(self, p, q=None, k=None, layer=None) -> tuple[torch.Tensor, torch.Tensor]:
         """Add the step's keys to their page, bound every page's logits for its query (the bound of
-        `eval.selectors.quest_page_bounds`), and return the keys of the best pages: positions
-        (B, H, m) among the n tokens so far and their validity, at most K of them."""
-        from ..eval.selectors import _dot_bound, _quest_keep
+        `eval.selectors.quest_page_bounds`, under `layer`'s kernel and gain), and return the keys of
+        the best pages: positions (B, H, m) among the n tokens so far and their validity, at most K
+        of them."""
+        from ..eval.selectors import _dot_bound, _lam_rows, _quest_keep, scalar_range_bound, scalar_term
         from ..ops._sdpa import upcast
-        from ..ops.window import range_distance
 
         cdt = upcast(p.qs.dtype)
         H, new_page = p.qs.shape[1], self.n % self.spec.page == 0
@@ -177,7 +186,8 @@ class QuestKeys:
         tau = torch.as_tensor(p.tau, dtype=cdt, device=p.qs.device)
         tau = tau.view(1, -1, 1) if tau.dim() == 1 else tau.reshape(-1, H, 1) if tau.dim() else tau.view(1, 1, 1)
         qs = p.qs.to(cdt)  # (B, H, 1)
-        bound = -range_distance(qs, self.lo, self.hi).square() / tau  # (B, H, P)
+        kernel, lam = scalar_term(layer) if layer is not None else ("gaussian", None)
+        bound = scalar_range_bound(qs, self.lo, self.hi, tau, kernel, _lam_rows(lam, qs))  # (B, H, P)
         if q is not None:  # full pages by matmul, the query's own (last) page by a sum, as the forward does
             qq, D = q.to(cdt), q.shape[-1]
             dots = (qq.clamp(min=0) @ self.k_hi.transpose(-1, -2) + qq.clamp(max=0) @ self.k_lo.transpose(-1, -2))

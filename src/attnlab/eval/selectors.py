@@ -39,6 +39,7 @@ import torch
 from ..checks import check_choice, check_int, check_tensor
 from ..ops import range_distance, window_mask
 from ..ops._sdpa import expand_heads, upcast
+from ..ops.scalar import check_kernel, kernel_term
 
 METHODS = ("window", "oracle", "quest", "learned")
 
@@ -180,9 +181,36 @@ def _dot_bound(q: torch.Tensor, hi: torch.Tensor, lo: torch.Tensor) -> torch.Ten
     return q.clamp(min=0) * hi + q.clamp(max=0) * lo
 
 
+def scalar_range_bound(qs: torch.Tensor, lo: torch.Tensor, hi: torch.Tensor, tau, kernel: str = "gaussian",
+                       lam=None) -> torch.Tensor:
+    """The largest scalar term lam * kernel((qs - ks)^2 / tau) over keys ks in [lo, hi] (all
+    broadcast together): at the nearest point of the range when lam >= 0 (or None, i.e. 1), at its
+    farthest end when lam < 0 (a hybrid's learned gain may have either sign)."""
+    near = kernel_term(range_distance(qs, lo, hi).square() / tau, kernel)
+    if lam is None:
+        return near
+    far = kernel_term(torch.maximum((qs - lo).abs(), (qs - hi).abs()).square() / tau, kernel)
+    return torch.where(lam >= 0, lam * near, lam * far)
+
+
+def scalar_term(layer) -> tuple[str, torch.Tensor | None]:
+    """(kernel, per-head gain on the scalar term or None) of a scalar/hybrid layer, detached."""
+    lam = getattr(layer, "scalar_scale", None)
+    return layer.config.kernel, None if lam is None else lam.detach()
+
+
+def _lam_rows(lam, like: torch.Tensor):
+    """A per-head gain (H,) shaped to broadcast against (B, H, Tq[, P]) (None stays None)."""
+    if lam is None:
+        return None
+    lam = torch.as_tensor(lam, dtype=like.dtype, device=like.device)
+    return lam.reshape(1, -1, 1) if lam.dim() == 1 else lam
+
+
 def quest_page_bounds(qs: torch.Tensor, ks: torch.Tensor, tau, q: torch.Tensor | None = None,
                       k: torch.Tensor | None = None, *, page: int = 16, n_prefix: int = 0,
-                      rows: tuple[int, int] | None = None, _ranges: _PageRanges | None = None) -> torch.Tensor:
+                      rows: tuple[int, int] | None = None, _ranges: _PageRanges | None = None,
+                      kernel: str = "gaussian", lam=None) -> torch.Tensor:
     """Upper bounds on the logits of each page of keys, for the queries in `rows` = (a, b) (op
     positions; default all): (B, H, b - a, P), P = ceil((Tk - n_prefix) / page), -inf for pages
     the query cannot see. qs (B, H, Tq), ks (B, H, Tk), tau a float, (H,) or (B, H, Tq);
@@ -190,7 +218,10 @@ def quest_page_bounds(qs: torch.Tensor, ks: torch.Tensor, tau, q: torch.Tensor |
     op's positions 0..Tq-1 with Tq = Tk (a whole sequence), key positions past the prefix in pages.
 
     Page j of a query at op position t covers keys n_prefix + j*page .. and is bounded over the
-    keys of it that t sees: for the page holding t itself, those up to t."""
+    keys of it that t sees: for the page holding t itself, those up to t. kernel ("gaussian" or
+    "cauchy") and lam (the hybrid's per-head gain on the scalar term, (H,), any sign) are the
+    layer's: the bound is over its actual logits."""
+    check_kernel(kernel)
     check_int("page", page)
     check_int("n_prefix", n_prefix, 0)
     check_tensor("qs", qs, 3)
@@ -216,11 +247,12 @@ def quest_page_bounds(qs: torch.Tensor, ks: torch.Tensor, tau, q: torch.Tensor |
     tq = _tau_rows(tau, a, b, qs.to(cdt))  # (1|B, 1|H, Tq)
     qsr = qs[..., a:b].to(cdt)
     # full pages: the range of the whole page (the running range at its last key)
-    scal = -range_distance(qsr[..., None], R.ks_lo[..., R.last][..., None, :], R.ks_hi[..., R.last][..., None, :]).square()
-    bound = scal / tq[..., None]  # (B, H, Tq, P)
+    lam = _lam_rows(lam, qsr)
+    bound = scalar_range_bound(qsr[..., None], R.ks_lo[..., R.last][..., None, :], R.ks_hi[..., R.last][..., None, :],
+                               tq[..., None], kernel, None if lam is None else lam[..., None])  # (B, H, Tq, P)
     # the page a query sits in: the range of its keys up to the query
     rc = r.clamp(min=0, max=max(R.N - 1, 0))
-    part = -range_distance(qsr, R.ks_lo[..., rc], R.ks_hi[..., rc]).square() / tq  # (B, H, Tq)
+    part = scalar_range_bound(qsr, R.ks_lo[..., rc], R.ks_hi[..., rc], tq, kernel, lam)  # (B, H, Tq)
     if q is not None:
         D = q.shape[-1]
         qr = q[:, :, a:b].to(cdt)
@@ -255,7 +287,8 @@ def _quest_keep(bounds: torch.Tensor, a: int, b: int, K: int, page: int, n_prefi
 # --------------------------------------------------------------------------- the selectors
 
 
-def _keep_fn(method: str, K: int, page: int, qs, ks, tau, q, k, n_prefix: int, search=None):
+def _keep_fn(method: str, K: int, page: int, qs, ks, tau, q, k, n_prefix: int, search=None,
+             kernel: str = "gaussian", lam=None):
     """keep_fn(a, b, logits) of `method` for one call of a layer's op (see `windowed_attention`)."""
     if method == "window":
         return lambda a, b, logits: window_mask(qs[..., a:b], ks[..., :b], K, n_prefix=n_prefix)
@@ -267,7 +300,8 @@ def _keep_fn(method: str, K: int, page: int, qs, ks, tau, q, k, n_prefix: int, s
         ranges = _PageRanges(ks[..., n_prefix:].to(cdt), kk, page)
 
         def quest(a, b, logits):
-            bounds = quest_page_bounds(qs, ks, tau, q, k, page=page, n_prefix=n_prefix, rows=(a, b), _ranges=ranges)
+            bounds = quest_page_bounds(qs, ks, tau, q, k, page=page, n_prefix=n_prefix, rows=(a, b), _ranges=ranges,
+                                       kernel=kernel, lam=lam)
             return _with_prefix(_quest_keep(bounds, a, b, K, page, n_prefix), n_prefix)
 
         return quest
@@ -339,11 +373,11 @@ def select_keys(model, method: str, K: int, *, projections=None, page: int = 16,
     inputs: dict[int, torch.Tensor] = {}
     hooks = []
 
-    def selector(i: int):
+    def selector(i: int, layer):
         @torch.no_grad()  # keys are chosen, not differentiated
         def select(qs, ks, tau, q, k, n_prefix):
             search = _search_vectors(projections, i, inputs.pop(i, None), qs, n_prefix) if method == "learned" else None
-            fn = _keep_fn(method, K, page, qs, ks, tau, q, k, n_prefix, search)
+            fn = _keep_fn(method, K, page, qs, ks, tau, q, k, n_prefix, search, *scalar_term(layer))
             if tally is None:
                 return torch.no_grad()(fn)
 
@@ -363,7 +397,7 @@ def select_keys(model, method: str, K: int, *, projections=None, page: int = 16,
 
     try:
         for i, layer in layers:
-            layer.decode_select = selector(i)
+            layer.decode_select = selector(i, layer)
             if method == "learned":
                 hooks.append(layer.register_forward_pre_hook(
                     lambda mod, args, i=i: inputs.__setitem__(i, args[0].detach())))
