@@ -173,7 +173,7 @@ class QuestKeys:
         `eval.selectors.quest_page_bounds`, under `layer`'s kernel and gain), and return the keys of
         the best pages: positions (B, H, m) among the n tokens so far and their validity, at most K
         of them."""
-        from ..eval.selectors import _dot_bound, _lam_rows, _quest_keep, scalar_range_bound, scalar_term
+        from ..eval.quest_pages import _dot_bound, _lam_rows, _quest_keep, scalar_range_bound, scalar_term
         from ..ops._sdpa import upcast
 
         cdt = upcast(p.qs.dtype)
