@@ -271,6 +271,20 @@ def train_speed_table(speed: Json) -> str:
                   [[f"{r['tokens_per_s']:,.0f}" for r in rows]])
 
 
+def train_window_speed_table(speed: Json) -> str:
+    """benchmarks/train_speed.py over window-trained variants: tokens/s (best step) of each, and its
+    ratio to the exact-trained variant of the same mechanism and kernel (the name before the first
+    "+window", with the kernel's suffix kept)."""
+    tps = {r["variant"]: r["tokens_per_s"] for r in speed["rows"]}
+    rows = []
+    for r in speed["rows"]:
+        v = r["variant"]
+        base = v.split("+window")[0] + ("+cauchy" if v.endswith("+cauchy") and "+window" in v else "")
+        ratio = f"{r['tokens_per_s'] / tps[base]:.2f}×" if base != v and base in tps else ""
+        rows.append([v.replace("+", " + "), f"{r['tokens_per_s']:,.0f}", ratio])
+    return _table(["variant", "tokens/s", "× exact training"], "lrr", rows)
+
+
 def compile_table(warm: Json, cold: Json) -> str:
     """benchmarks/compile.py: eager and compiled training steps (medians), with the compile time from
     a warm inductor cache (first file) and a cold one (second file)."""
@@ -366,9 +380,11 @@ TABLES: dict[str, tuple[Callable[..., str], tuple[str, ...]]] = {
     "generate": (generate_table, (f"{B}/generate.json",)),
     "windowed": (windowed_table, ("experiments/windowed/results.json",)),
     "generate-window": (generate_window_table, (f"{B}/generate_train_window.json",)),
+    "generate-window-cauchy": (generate_window_table, (f"{B}/generate_train_window_cauchy.json",)),
     "train_window": (train_window_table, ("experiments/seed000/train-through-window/results.json",)),
     "selectors": (selectors_table, (f"{B}/selectors.json",)),
     "train-speed": (train_speed_table, (f"{B}/train_speed.json",)),
+    "train-window-speed": (train_window_speed_table, (f"{B}/train_window_speed.json",)),
     "compile": (compile_table, (f"{B}/compile.json", f"{B}/compile_cold.json")),
     "middle6": (middle6_table, ("experiments/seed001/ci-middle6/results.json",)),
     "coverage": (coverage_table, ("experiments/seed001/all-layers/results.json",)),
