@@ -51,16 +51,21 @@ def test_indices_are_the_window_and_small():
 
 
 LAYERS = [("scalar", {}), ("hybrid", {"rope": True}), ("scalar", {"sink": True}),
-          ("hybrid", {"sink": True, "sink_weight": 0.5}), ("scalar", {"n_scalar_heads": 2, "rope": True})]
+          ("hybrid", {"sink": True, "sink_weight": 0.5}), ("scalar", {"n_scalar_heads": 2, "rope": True}),
+          ("hybrid", {"scalar_gain": 0.5})]
 
 
+@pytest.mark.parametrize("kernel", ["gaussian", "cauchy"])
 @pytest.mark.parametrize("local", [0, 3])
-@pytest.mark.parametrize("mech,extra", LAYERS, ids=["scalar", "hybrid-rope", "scalar-sink", "hybrid-wsink", "mixed"])
-def test_decode_reads_what_training_read(mech, extra, local):
-    """Token-by-token decode (sorted cache + ring of the last w) and prefill equal the training forward,
-    on inputs with repeated tokens (exact ties in scalar space, broken newest first by both)."""
+@pytest.mark.parametrize("mech,extra", LAYERS,
+                         ids=["scalar", "hybrid-rope", "scalar-sink", "hybrid-wsink", "mixed", "hybrid-gain"])
+def test_decode_reads_what_training_read(mech, extra, local, kernel):
+    """Under either kernel: the window's fast path equals the naive layer (outputs and gradients),
+    token-by-token decode (sorted cache + ring of the last w) and prefill equal the training forward,
+    on inputs with repeated tokens (exact ties in scalar space, broken newest first by both), and
+    exact=True decodes over every key like the exact layer."""
     torch.manual_seed(0)
-    cfg = dict(d_model=32, n_heads=4, mechanism=mech, train_window=3, local_window=local, **extra)
+    cfg = dict(d_model=32, n_heads=4, mechanism=mech, train_window=3, local_window=local, kernel=kernel, **extra)
     m = Attention(AttentionConfig(**cfg)).double()
     ref_m = Attention(AttentionConfig(**cfg, impl="naive")).double()
     if "sink" in extra:
@@ -83,9 +88,15 @@ def test_decode_reads_what_training_read(mech, extra, local):
         c = m.make_cache(2)
         pre = torch.cat([m.prefill(x[:, :7], c), m.prefill(x[:, 7:], c)], 1)
     assert rel_rms(step, ref) < 1e-6 and rel_rms(pre, ref) < 1e-6  # the sorted cache keeps float32 keys
+    if kernel == "cauchy":  # the kernel is used, not ignored
+        gauss = Attention(AttentionConfig(**{**cfg, "kernel": "gaussian"})).double()
+        gauss.load_state_dict(m.state_dict())
+        assert rel_rms(gauss(x), ref) > 1e-3
     exact = Attention(AttentionConfig(**{**cfg, "train_window": None, "local_window": 0})).double()
     exact.load_state_dict(m.state_dict())
     assert rel_rms(exact(x), ref) > 1e-3  # the window is not exact attention here
+    w = exact.attention_weights(x[:1])
+    assert torch.allclose(w.sum(-1), torch.ones_like(w.sum(-1)))
     with torch.no_grad():  # exact=True decodes a window-trained layer over every key
         c = m.make_cache(2, exact=True)
         every = torch.cat([m.step(x[:, t : t + 1], c) for t in range(30)], 1)
