@@ -41,9 +41,9 @@ from attnlab import interrupt
 from attnlab.data.cache import atomic_write_text
 from attnlab.experiments.report import fmt, markdown_table, mean as _mean_or_none, report_head
 from attnlab.experiments.sweep.verdict import check_rules, judge, verdict_lines
+from attnlab.experiments.trial_spec import Trial, need, pm, read_spec, table as _table, variant_name
 from attnlab.lock import FolderLock, check_free
 from attnlab.models.config import ConfigError
-from attnlab.train.config import read_toml
 
 from .convert import RetrofitError, new_parameters
 from .evaluate import PER_LAYER, EvalConfig
@@ -79,39 +79,16 @@ class TrialRun:
     eval: EvalConfig
 
 
-@dataclass
-class Trial:
-    path: Path
-    title: str
-    claim: str
-    description: str
-    seeds: list[int]
-    variants: list[str]
-    runs: list[TrialRun]
-    rules: list[dict]
-    out: Path
-
-
 SECTIONS = {"retrofit": (RetrofitSpec, ()), "transfer": (TransferConfig, ("seed",)),
             "finetune": (FinetuneConfig, ("seed", "checkpoint_every")), "eval": (EvalConfig, ())}
-
-
-def _need(cond: bool, message: str) -> None:
-    if not cond:
-        raise ConfigError(message)
-
-
-def _table(raw, key: str) -> dict:
-    _need(isinstance(raw, dict), f"{key} must be a table, got {raw!r}")
-    return raw
 
 
 def _section(name: str, shared: dict, own: dict, where: str, **owned):
     cls, fixed = SECTIONS[name]
     allowed = {f.name for f in fields(cls)} - set(fixed)
     for k in {**shared, **own}:
-        _need(k in allowed, f"{where}: unknown or owned key {name}.{k}; allowed: {', '.join(sorted(allowed))}"
-                            + (f" (the trial sets {', '.join(fixed)})" if fixed else ""))
+        need(k in allowed, f"{where}: unknown or owned key {name}.{k}; allowed: {', '.join(sorted(allowed))}"
+                           + (f" (the trial sets {', '.join(fixed)})" if fixed else ""))
     merged = {**shared, **own}
     if name == "retrofit":  # a variant's settings add to the shared ones
         merged["settings"] = {**_table(shared.get("settings", {}), "retrofit.settings"),
@@ -128,30 +105,12 @@ def load_trial(path) -> Trial:
     from .finetune import check_trainable
     from .io import parse_settings, plan_source
 
-    path = Path(path)
-    _need(path.is_file(), f"spec file {str(path)!r} does not exist")
-    raw = read_toml(path)
-    unknown = sorted(set(raw) - set(SPEC_KEYS))
-    _need(not unknown, f"unknown key(s) {', '.join(unknown)} in the spec; allowed: {', '.join(SPEC_KEYS)}")
-    for k in ("title", "claim", "description"):
-        _need(isinstance(raw.get(k, ""), str), f"{k} must be a string")
-    seeds = raw.get("seeds", [0, 1, 2])
-    _need(isinstance(seeds, list) and seeds and len(set(seeds)) == len(seeds)
-          and all(isinstance(s, int) and not isinstance(s, bool) and s >= 0 for s in seeds),
-          f"seeds must be a list of distinct integers >= 0, got {seeds!r}")
+    head = read_spec(path, SPEC_KEYS)
+    raw, seeds, out = head.raw, head.seeds, head.out
     shared = {k: _table(raw.get(k, {}), k) for k in SECTIONS}
-    variants = raw.get("variants", [{"name": "default"}])
-    _need(isinstance(variants, list) and variants and all(isinstance(v, dict) for v in variants),
-          "variants must be an array of tables")
-    out = (path.parent / raw["out"]) if "out" in raw else path.parent
     runs, names, plans = [], [], {}
-    for i, v in enumerate(variants):
-        bad = sorted(set(v) - {"name", *SECTIONS})
-        _need(not bad, f"variants[{i}]: unknown key(s) {', '.join(bad)}")
-        name = v.get("name")
-        _need(isinstance(name, str) and name and "/" not in name and name not in names and name != ORIGINAL,
-              f"variants[{i}].name must be a unique non-empty string without '/', not {ORIGINAL!r}; got {name!r}")
-        names.append(name)
+    for i, v in enumerate(head.variants):
+        name = variant_name(v, i, names, set(SECTIONS), reserved=ORIGINAL)
         for seed in seeds:
             where = f"variant {name!r}, seed {seed}"
             cfg = {k: _section(k, shared[k], _table(v.get(k, {}), f"variants[{i}].{k}"), where,
@@ -170,12 +129,11 @@ def load_trial(path) -> Trial:
                 raise ConfigError(f"{where}: {e}") from None
             runs.append(TrialRun(name, seed, out / "runs" / name / f"seed{seed}", rs, cfg["transfer"],
                                  cfg["finetune"], cfg["eval"]))
-    _need(len({r.retrofit.model for r in runs}) == 1, "every variant must retrofit the same model (retrofit.model)")
-    _need(len({json.dumps(asdict(r.eval), sort_keys=True) for r in runs}) == 1,
-          "every variant must be evaluated the same way ([eval] is shared, not set per variant)")
+    need(len({r.retrofit.model for r in runs}) == 1, "every variant must retrofit the same model (retrofit.model)")
+    need(len({json.dumps(asdict(r.eval), sort_keys=True) for r in runs}) == 1,
+         "every variant must be evaluated the same way ([eval] is shared, not set per variant)")
     rules = check_rules(raw["verdict"], [*names, ORIGINAL], metric_names(runs[0].eval)) if "verdict" in raw else []
-    return Trial(path, raw.get("title", path.parent.name), raw.get("claim", ""), raw.get("description", ""),
-                 list(seeds), names, runs, rules, out)
+    return Trial(head.path, head.title, head.claim, head.description, seeds, names, runs, rules, out)
 
 
 def _fingerprint(run: TrialRun | None, ev: EvalConfig) -> dict:
@@ -349,10 +307,6 @@ def write_report(trial: Trial) -> dict:
     return results
 
 
-def _pm(mean, sd) -> str:
-    return fmt(mean) if sd is None or mean is None else f"{fmt(mean)} ± {fmt(sd)}"
-
-
 def report_markdown(trial: Trial, stats: dict, layers: dict, judged: list[dict]) -> str:
     first = {r.variant: r for r in reversed(trial.runs)}
     lines = report_head(trial.title, "attnlab retrofit trial", trial.path.name, trial.claim, trial.description)
@@ -377,7 +331,7 @@ def report_markdown(trial: Trial, stats: dict, layers: dict, judged: list[dict])
               "learned_sink_share: means over the replaced layers' heads; first_token_share_all: over every layer. "
               "new_change_rms: how far the new parameters moved.", ""]
     shown = [k for k in SCALARS if k != "wall_s" and any(s["mean"].get(k) is not None for s in stats.values())]
-    rows = [[v, len(stats[v]["seeds"])] + [_pm(stats[v]["mean"].get(k), stats[v]["sd"].get(k)) for k in shown]
+    rows = [[v, len(stats[v]["seeds"])] + [pm(stats[v]["mean"].get(k), stats[v]["sd"].get(k)) for k in shown]
             for v in [ORIGINAL, *trial.variants] if v in stats]
     lines += [markdown_table(["variant", "seeds", *shown], rows), ""]
     decode = [n for n in ev.decode_names() if not n.startswith("exact@")]
@@ -385,9 +339,9 @@ def report_markdown(trial: Trial, stats: dict, layers: dict, judged: list[dict])
         lines += ["### Decoding through key selection: perplexity gap (%) against each model's exact loss", "",
                   markdown_table(["variant", *(f"exact@{n.split('@')[1]} (nats)" for n in ev.decode_names()
                                                if n.startswith("exact@")), *decode],
-                                 [[v, *(_pm(stats[v]["mean"].get(n), stats[v]["sd"].get(n)) for n in ev.decode_names()
+                                 [[v, *(pm(stats[v]["mean"].get(n), stats[v]["sd"].get(n)) for n in ev.decode_names()
                                         if n.startswith("exact@")),
-                                   *(_pm(stats[v]["mean"].get("gap:" + n), stats[v]["sd"].get("gap:" + n)) for n in decode)]
+                                   *(pm(stats[v]["mean"].get("gap:" + n), stats[v]["sd"].get("gap:" + n)) for n in decode)]
                                   for v in trial.variants]), ""]
     for key in PER_LAYER:
         have = [v for v in [ORIGINAL, *trial.variants] if v in layers and any(x is not None for x in layers[v][key])]

@@ -44,10 +44,10 @@ from typing import Callable
 from attnlab import interrupt
 from attnlab.data.cache import atomic_write_text
 from attnlab.lock import FolderLock, check_free
-from attnlab.experiments.report import fmt, markdown_table, report_head
+from attnlab.experiments.report import markdown_table, report_head
 from attnlab.experiments.sweep.verdict import check_rules, judge, verdict_lines
+from attnlab.experiments.trial_spec import Trial as _Trial, need, pm, read_spec, table as _table, variant_name
 from attnlab.models.config import ConfigError
-from attnlab.train.config import read_toml
 
 from .coverage import check_references, coverage_markdown, layer_masses, mean_masses, plot_coverage
 from .lm import FrozenLM
@@ -70,35 +70,16 @@ class TrialRun:
 
 
 @dataclass
-class Trial:
-    path: Path
-    title: str
-    claim: str
-    description: str
-    seeds: list[int]
-    variants: list[str]
-    runs: list[TrialRun]
-    rules: list[dict]
-    out: Path
+class Trial(_Trial):
     references: list[dict] = field(default_factory=list)  # published points drawn beside a coverage frontier
-
-
-def _need(cond: bool, message: str) -> None:
-    if not cond:
-        raise ConfigError(message)
-
-
-def _table(raw, key: str) -> dict:
-    _need(isinstance(raw, dict), f"{key} must be a table, got {raw!r}")
-    return raw
 
 
 def _config(cls, shared: dict, own: dict, where: str, **owned):
     allowed = {f.name for f in fields(cls)}
     section = "train" if cls is SearchTrainConfig else "eval"
     for k in {**shared, **own}:
-        _need(k in allowed and k not in OWNED[section],
-              f"{where}: unknown or owned key {section}.{k}; the trial sets {', '.join(OWNED[section])}")
+        need(k in allowed and k not in OWNED[section],
+             f"{where}: unknown or owned key {section}.{k}; the trial sets {', '.join(OWNED[section])}")
     try:
         return cls(**{**shared, **own, **owned})
     except (TypeError, ValueError) as e:
@@ -113,30 +94,12 @@ def metric_names(ev: EvalConfig) -> list[str]:
 
 def load_trial(path) -> Trial:
     """Read and check the spec and build every run's configs; raises ConfigError naming the key."""
-    path = Path(path)
-    _need(path.is_file(), f"spec file {str(path)!r} does not exist")
-    raw = read_toml(path)
-    unknown = sorted(set(raw) - set(SPEC_KEYS))
-    _need(not unknown, f"unknown key(s) {', '.join(unknown)} in the spec; allowed: {', '.join(SPEC_KEYS)}")
-    for k in ("title", "claim", "description"):
-        _need(isinstance(raw.get(k, ""), str), f"{k} must be a string")
-    seeds = raw.get("seeds", [0, 1, 2])
-    _need(isinstance(seeds, list) and seeds and len(set(seeds)) == len(seeds)
-          and all(isinstance(s, int) and not isinstance(s, bool) and s >= 0 for s in seeds),
-          f"seeds must be a list of distinct integers >= 0, got {seeds!r}")
+    head = read_spec(path, SPEC_KEYS)
+    raw, seeds, out = head.raw, head.seeds, head.out
     train, ev = _table(raw.get("train", {}), "train"), _table(raw.get("eval", {}), "eval")
-    variants = raw.get("variants", [{"name": "default"}])
-    _need(isinstance(variants, list) and variants and all(isinstance(v, dict) for v in variants),
-          "variants must be an array of tables")
-    out = (path.parent / raw["out"]) if "out" in raw else path.parent
     runs, names, trained = [], [], {}
-    for i, v in enumerate(variants):
-        bad = sorted(set(v) - {"name", "train", "eval"})
-        _need(not bad, f"variants[{i}]: unknown key(s) {', '.join(bad)}")
-        name = v.get("name")
-        _need(isinstance(name, str) and name and "/" not in name and name not in names,
-              f"variants[{i}].name must be a unique non-empty string without '/', got {name!r}")
-        names.append(name)
+    for i, v in enumerate(head.variants):
+        name = variant_name(v, i, names, {"train", "eval"})
         for seed in seeds:
             folder = out / "runs" / name / f"seed{seed}"
             where = f"variant {name!r}, seed {seed}"
@@ -153,8 +116,8 @@ def load_trial(path) -> Trial:
             runs.append(TrialRun(name, seed, folder, tc, ec))
     metrics = sorted({m for r in runs for m in metric_names(r.eval)})
     rules = check_rules(raw["verdict"], names, metrics) if "verdict" in raw else []
-    return Trial(path, raw.get("title", path.parent.name), raw.get("claim", ""), raw.get("description", ""),
-                 list(seeds), names, runs, rules, out, check_references(raw.get("references", [])))
+    return Trial(head.path, head.title, head.claim, head.description, seeds, names, runs, rules, out,
+                 check_references(raw.get("references", [])))
 
 
 def _eval_config(run: TrialRun, first: bool) -> EvalConfig:
@@ -296,10 +259,6 @@ def write_report(trial: Trial) -> dict:
     return results
 
 
-def _pm(mean, sd) -> str:
-    return fmt(mean) if sd is None else f"{fmt(mean)} ± {fmt(sd)}"
-
-
 def report_markdown(trial: Trial, stats: dict, judged: list[dict]) -> str:
     first = {r.variant: r for r in reversed(trial.runs)}
     lines = report_head(trial.title, "attnlab search trial", trial.path.name, trial.claim, trial.description)
@@ -323,7 +282,7 @@ def report_markdown(trial: Trial, stats: dict, judged: list[dict]) -> str:
         for key in keys:
             method, K = key.split("@")
             row = [v, method, int(K), len(stats[v]["seeds"])]
-            row += [_pm(m.get(f"{method}/{st}@{K}"), s.get(f"{method}/{st}@{K}")) for st in STATS]
+            row += [pm(m.get(f"{method}/{st}@{K}"), s.get(f"{method}/{st}@{K}")) for st in STATS]
             rows.append(row)
     lines += [markdown_table(["variant", "method", "K", "seeds", "gap (%)", "Mass@K", "Recall@K"], rows), ""]
     lines += coverage_markdown(stats, trial.references, "coverage.png")

@@ -1,0 +1,92 @@
+"""What the experiment runners over seeds (`attnlab retrofit trial`, `attnlab search trial`) read
+alike from a spec file: the header (title, claim, description), the seeds, the variants and the
+output folder, each checked with a ConfigError naming the key before any work."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+from attnlab.experiments.report import fmt
+from attnlab.models.config import ConfigError
+from attnlab.train.config import read_toml
+
+
+def need(cond: bool, message: str) -> None:
+    """ConfigError(message) unless cond."""
+    if not cond:
+        raise ConfigError(message)
+
+
+def table(raw, key: str) -> dict:
+    """raw, checked to be a TOML table (a dict), named `key` in the error."""
+    need(isinstance(raw, dict), f"{key} must be a table, got {raw!r}")
+    return raw
+
+
+@dataclass
+class SpecHead:
+    """A spec's shared part: its path, the raw TOML, the header strings, seeds, variant tables and
+    the folder its runs and report go to (`out`, relative to the spec; default the spec's folder)."""
+    path: Path
+    raw: dict
+    title: str
+    claim: str
+    description: str
+    seeds: list[int]
+    variants: list[dict]
+    out: Path
+
+
+@dataclass
+class Trial:
+    """A loaded experiment over seeds: the spec's header, the variant names in order, one run per
+    (variant, seed) (the runner's own TrialRun), the checked verdict rules and the output folder."""
+    path: Path
+    title: str
+    claim: str
+    description: str
+    seeds: list[int]
+    variants: list[str]
+    runs: list
+    rules: list[dict]
+    out: Path
+
+
+def read_spec(path, allowed: tuple[str, ...]) -> SpecHead:
+    """Read the spec file at `path` (top-level keys in `allowed`) and check its shared part."""
+    path = Path(path)
+    need(path.is_file(), f"spec file {str(path)!r} does not exist")
+    raw = read_toml(path)
+    unknown = sorted(set(raw) - set(allowed))
+    need(not unknown, f"unknown key(s) {', '.join(unknown)} in the spec; allowed: {', '.join(allowed)}")
+    for k in ("title", "claim", "description"):
+        need(isinstance(raw.get(k, ""), str), f"{k} must be a string")
+    seeds = raw.get("seeds", [0, 1, 2])
+    need(isinstance(seeds, list) and seeds and len(set(seeds)) == len(seeds)
+         and all(isinstance(s, int) and not isinstance(s, bool) and s >= 0 for s in seeds),
+         f"seeds must be a list of distinct integers >= 0, got {seeds!r}")
+    variants = raw.get("variants", [{"name": "default"}])
+    need(isinstance(variants, list) and variants and all(isinstance(v, dict) for v in variants),
+         "variants must be an array of tables")
+    out = (path.parent / raw["out"]) if "out" in raw else path.parent
+    return SpecHead(path, raw, raw.get("title", path.parent.name), raw.get("claim", ""), raw.get("description", ""),
+                    list(seeds), variants, out)
+
+
+def variant_name(v: dict, i: int, names: list[str], keys: set[str], reserved: str | None = None) -> str:
+    """variants[i]'s name, checked (unique, non-empty, no '/', not `reserved`) and appended to
+    `names`; its other keys must be in `keys`."""
+    bad = sorted(set(v) - {"name", *keys})
+    need(not bad, f"variants[{i}]: unknown key(s) {', '.join(bad)}")
+    name = v.get("name")
+    need(isinstance(name, str) and name and "/" not in name and name not in names and name != reserved,
+         f"variants[{i}].name must be a unique non-empty string without '/'"
+         + (f", not {reserved!r}" if reserved else "") + f"; got {name!r}")
+    names.append(name)
+    return name
+
+
+def pm(mean, sd) -> str:
+    """'mean ± sd' for a report (the mean alone without an sd, '—' without a mean)."""
+    return fmt(mean) if sd is None or mean is None else f"{fmt(mean)} ± {fmt(sd)}"
