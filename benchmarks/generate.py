@@ -32,7 +32,7 @@ import torch.nn.functional as F
 from tqdm import tqdm
 
 HERE = os.path.dirname(os.path.abspath(__file__))
-SELECTORS = ("learned", "learned-hnsw", "quest")
+SELECTORS = ("learned", "learned-hnsw", "learned-ivf", "quest")
 
 
 def parse_args(argv=None):
@@ -45,8 +45,11 @@ def parse_args(argv=None):
     p.add_argument("--out", default=None, help="JSON path (PNG beside it); default benchmarks/results/generate.json")
     p.add_argument("--selector", nargs="*", default=[], choices=SELECTORS,
                    help="also decode through key selection, K keys: search projections trained on the run "
-                        "(--selector-steps) with an exact index (learned) or FAISS HNSW (learned-hnsw), or Quest's "
+                        "(--selector-steps) with an exact index (learned), FAISS HNSW (learned-hnsw) or FAISS IVF "
+                        "(learned-ivf: --ivf-nprobe of --ivf-nlist lists, learned at 16 keys per list), or Quest's "
                         "pages of the layers' own keys (quest, page 16)")
+    p.add_argument("--ivf-nlist", type=int, default=32, help="learned-ivf: lists per layer and head")
+    p.add_argument("--ivf-nprobe", type=int, default=4, help="learned-ivf: lists a step scores")
     p.add_argument("--K", type=int, default=64, help="keys per head and step of --selector")
     p.add_argument("--selector-steps", type=int, default=200, help="training steps of the search projections")
     p.add_argument("--selector-batches", type=int, default=16,
@@ -63,6 +66,8 @@ def parse_args(argv=None):
         p.error("--tokens must be >= 2 and every --ks window >= 1")
     if args.K < 1 or args.selector_steps < 0 or args.selector_batches < 1:
         p.error("--K and --selector-batches must be >= 1 and --selector-steps >= 0")
+    if not 1 <= args.ivf_nprobe <= args.ivf_nlist:
+        p.error(f"--ivf-nprobe must be between 1 and --ivf-nlist ({args.ivf_nlist}), got {args.ivf_nprobe}")
     if args.softmax_run is not None and not os.path.isfile(os.path.join(args.softmax_run, "config.toml")):
         p.error(f"--softmax-run {args.softmax_run!r} is not a run folder (no config.toml)")
     if not os.path.isfile(os.path.join(args.run, "config.toml")):
@@ -180,8 +185,11 @@ def selector_decoders(args, cfg, model) -> tuple[dict, dict]:
         proj = train_selector_projections(model, batches, args.selector_steps)
         info.update(steps=args.selector_steps, sequences=sum(len(b) for b in batches), seq_len=d.seq_len,
                     train_seconds=time.perf_counter() - t0)
+        if "learned-ivf" in learned:
+            info.update(ivf_nlist=args.ivf_nlist, ivf_nprobe=args.ivf_nprobe)
         for name in learned:
-            sel = DecodeSelector(proj, args.K, index="hnsw" if name == "learned-hnsw" else "exact")
+            index = {"learned": "exact", "learned-hnsw": "hnsw", "learned-ivf": "ivf"}[name]
+            sel = DecodeSelector(proj, args.K, index=index, nlist=args.ivf_nlist, nprobe=args.ivf_nprobe)
             out[f"{name}@{args.K}"] = (model, model.make_caches(1, selector=sel))
     if "quest" in args.selector:  # pages of the layers' own keys: no projections to train
         out[f"quest@{args.K}"] = (model, model.make_caches(1, selector=DecodeSelector(None, args.K, index="quest")))

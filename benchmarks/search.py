@@ -2,11 +2,15 @@
 
 Decode (one query token at context N; SmolLM2-135M shapes: 9 query / 3 KV heads, head dim 64,
 d_search 128, random vectors): full attention over N keys; learned exact top-K (N dot products in
-d_search per candidate set) and learned FAISS HNSW, each followed by exact attention over the K
-candidates; native HNSW (the model's own q/k in the index); Quest page selection. A decode step
-also adds the new token's key to the index: *_add_ms is the mean insertion cost per key while the
-index grows to N (HNSW insertion searches the graph too; Quest updates one page's bounds), to be
-added to the search time. Quest keeps its page bounds as keys arrive (`QuestIndex`), so a step reads
+d_search per candidate set; learned_exact16 with the search keys in fp16), learned FAISS HNSW and
+learned FAISS IVF-flat (N / 128 lists, 1 in 16 probed, centroids learned on the first 16 keys per
+list), each followed by exact attention over the K candidates; native HNSW (the model's own q/k in
+the index); Quest page selection. A decode step also adds the new token's key to the index:
+*_add_ms is the mean insertion cost per key while the index grows to N (HNSW insertion searches
+the graph too; Quest updates one page's bounds; the exact index and Quest are timed one key per
+add over the last 64 keys, as a decoder adds them), to be added to the search time; *_recall is
+the share of the exact top-K an approximate index returns on these random vectors (the hardest
+case for a partitioned index: trained keys cluster, random ones do not). Quest keeps its page bounds as keys arrive (`QuestIndex`), so a step reads
 N / page bounds, not N keys. Medians of interleaved rounds with each method's ratio to full
 attention taken within a round, and the memory each method keeps beside the KV cache (the
 search keys, the HNSW graph, Quest's page bounds). The scoring-cost proxies of the seed (full
@@ -33,6 +37,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _interleaved import interleaved, ratios, write_json  # noqa: E402
 
 from attnlab.search.capture import Captured  # noqa: E402
+from attnlab.search.ivf import IVFIndex  # noqa: E402
 from attnlab.search.projections import SearchProjections  # noqa: E402
 from attnlab.search.quest import QuestIndex  # noqa: E402
 from attnlab.search.retrieval import ExactIndex, HNSWIndex, native_vectors  # noqa: E402
@@ -58,19 +63,34 @@ def decode_row(N: int, K: int, rounds: int, groups: int = 1, M: int = 32, ef: in
     ks, qs = unit(torch.randn(1, groups, N, ds, generator=g)), unit(torch.randn(1, groups, 1, ds, generator=g))
     qn, kn = native_vectors(q, k, groups)
     allowed = torch.ones(1, 1, 1, N, dtype=torch.bool)
-    exact, hnsw, native = ExactIndex(), HNSWIndex(ds, M, 64, ef), HNSWIndex(kn.shape[-1], M, 64, ef)
+    exact, exact16 = ExactIndex(), ExactIndex(torch.float16)
+    hnsw, native = HNSWIndex(ds, M, 64, ef), HNSWIndex(kn.shape[-1], M, 64, ef)
+    nlist = max(16, N // 128)
+    first = min(N, 16 * nlist)
+    ivf = IVFIndex(ds, nlist, max(1, nlist // 16), train_at=first)
     quest = QuestIndex(page)
     add_ms = {}
-    for name, index, keys in (("learned_exact", exact, ks), ("learned_hnsw", hnsw, ks), ("native_hnsw", native, kn)):
+    for name, index, keys in (("learned_hnsw", hnsw, ks), ("native_hnsw", native, kn)):
         t = time.perf_counter()
         index.add(keys)
         add_ms[name] = 1e3 * (time.perf_counter() - t) / N  # mean insertion cost per key while growing to N
-    tail = min(N, 64)  # Quest: a bulk add costs less per key than a decoder's one key per step; time the latter
-    quest.add(k[:, :, : N - tail])
     t = time.perf_counter()
-    for i in range(N - tail, N):
-        quest.add(k[:, :, i:i + 1])
-    add_ms["quest"] = 1e3 * (time.perf_counter() - t) / tail
+    ivf.add(ks[:, :, :first])
+    ivf_train_s = time.perf_counter() - t  # k-means once, on the first keys
+    t = time.perf_counter()
+    if N > first:
+        ivf.add(ks[:, :, first:])
+    add_ms["learned_ivf"] = 1e3 * (time.perf_counter() - t) / max(1, N - first)
+    tail = min(N, 64)  # a bulk add costs less per key than a decoder's one key per step; time the latter
+    for name, index, keys in (("learned_exact", exact, ks), ("learned_exact16", exact16, ks), ("quest", quest, k)):
+        index.add(keys[:, :, : N - tail])
+        t = time.perf_counter()
+        for i in range(N - tail, N):
+            index.add(keys[:, :, i:i + 1])
+        add_ms[name] = 1e3 * (time.perf_counter() - t) / tail
+    top, _ = exact.search(qs, allowed, K)
+    recall = {name: (ix.search(qs, allowed, K)[0][..., :, None] == top[..., None, :]).any(-1).float().mean().item()
+              for name, ix in (("learned_hnsw", hnsw), ("learned_ivf", ivf), ("learned_exact16", exact16))}
     scale = D ** -0.5
 
     def attend(select):
@@ -80,7 +100,9 @@ def decode_row(N: int, K: int, rounds: int, groups: int = 1, M: int = 32, ef: in
     cases = {  # full attention reads the KV heads in place (grouped-query SDPA), as a decoder would
         "full": lambda: torch.nn.functional.scaled_dot_product_attention(q, k, v, enable_gqa=True),
         "learned_exact": lambda: attend(lambda: exact.search(qs, allowed, K)),
+        "learned_exact16": lambda: attend(lambda: exact16.search(qs, allowed, K)),
         "learned_hnsw": lambda: attend(lambda: hnsw.search(qs, allowed, K)),
+        "learned_ivf": lambda: attend(lambda: ivf.search(qs, allowed, K)),
         "native_hnsw": lambda: attend(lambda: native.search(qn, allowed, K)),
         "quest": lambda: attend(lambda: quest.select(q, allowed, scale, K, groups)),
     }
@@ -90,8 +112,12 @@ def decode_row(N: int, K: int, rounds: int, groups: int = 1, M: int = 32, ef: in
             **{f"{name}_ms": 1e3 * s["median_s"] for name, s in r.items()},
             **{f"{name}_x_full": s["median_ratio"] for name, s in r.items() if name != "full"},
             **{f"{name}_add_ms": t for name, t in add_ms.items()},
+            **{f"{name}_recall": r for name, r in recall.items()},
+            "ivf_nlist": nlist, "ivf_nprobe": ivf.nprobe, "ivf_train_s": ivf_train_s,
             "kv_cache_mb": 2 * Hkv * N * D * 4 / 2 ** 20,
             "learned_exact_mb": exact.keys.numel() * 4 / 2 ** 20,
+            "learned_exact16_mb": exact16.keys.numel() * 2 / 2 ** 20,
+            "learned_ivf_mb": (ks.numel() * 4 + groups * nlist * ds * 4 + ks[..., 0].numel() * 8) / 2 ** 20,
             "learned_hnsw_mb": _hnsw_bytes(hnsw) / 2 ** 20,
             "native_hnsw_mb": _hnsw_bytes(native) / 2 ** 20,
             "quest_mb": 2 * Hkv * n_pages * D * 4 / 2 ** 20,

@@ -382,7 +382,9 @@ def test_search_benchmark_runs_shared_and_grouped(tmp_path):
     for groups in (1, 3):
         row = mod.decode_row(300, K=16, rounds=1, groups=groups)
         assert row["N"] == 300 and all(row[f"{m}_ms"] > 0 and row[f"{m}_x_full"] > 0
-                                       for m in ("learned_exact", "learned_hnsw", "native_hnsw", "quest"))
+                                       for m in ("learned_exact", "learned_exact16", "learned_hnsw", "learned_ivf",
+                                                 "native_hnsw", "quest"))
+        assert all(0 <= row[f"{m}_recall"] <= 1 for m in ("learned_hnsw", "learned_ivf", "learned_exact16"))
         assert row["learned_exact_mb"] == 300 * groups * 128 * 4 / 2 ** 20 and row["learned_hnsw_mb"] > row["learned_exact_mb"]
         assert row["kv_cache_mb"] == 2 * 3 * 300 * 64 * 4 / 2 ** 20
     rows = mod.train_rows(96, [0, 32], rounds=1)

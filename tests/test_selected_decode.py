@@ -1,6 +1,7 @@
 """Decoding attnlab models through learned key selection (`attnlab.cache.selected`): token by token,
 with prefill, through `LM.generate` with left padding, it reads the keys the full-sequence
-`select_keys(model, "learned", K)` forward reads; the HNSW index; bad arguments refused."""
+`select_keys(model, "learned", K)` forward reads; the HNSW and IVF indexes and half-precision
+search keys; bad arguments refused."""
 
 import pytest
 import torch
@@ -68,10 +69,28 @@ def test_hnsw_index_reads_every_key_while_they_fit_and_stays_close_after():
     assert rel_rms(graph, exact) < 0.05 and rel_rms(full, model(idx)[0]) < 1e-5
 
 
+def test_ivf_probing_every_list_and_half_keys_decode_as_the_exact_index():
+    pytest.importorskip("faiss")
+    model = _model("hybrid")
+    proj, idx = _projections(model), _tokens(T=40)
+    with torch.no_grad():
+        exact = _stepped(model, idx, DecodeSelector(proj, 6))
+        ivf = _stepped(model, idx, DecodeSelector(proj, 6, index="ivf", nlist=4, nprobe=4, train_at=12))
+        few = _stepped(model, idx, DecodeSelector(proj, 6, index="ivf", nlist=4, nprobe=1, train_at=12))
+        half = _stepped(model, idx, DecodeSelector(proj, 6, key_dtype="float16"))
+    assert rel_rms(ivf, exact) < 1e-5  # lists learned at the 12th key, every list scored: exact search
+    assert rel_rms(few[:, :11], exact[:, :11]) < 1e-5  # exact until the lists are learned
+    assert torch.isfinite(few).all() and rel_rms(few, exact) > 1e-3  # then one list of four: other keys
+    assert rel_rms(half, exact) < 0.05
+
+
 @pytest.mark.parametrize("kwargs, error, words", [
     ({"K": 0}, ValueError, "K"),
-    ({"K": 4, "index": "ivf"}, ValueError, "index"),
+    ({"K": 4, "index": "lsh"}, ValueError, "index"),
     ({"K": 4, "ef_search": 0}, ValueError, "ef_search"),
+    ({"K": 4, "index": "ivf", "nlist": 4, "nprobe": 5}, ValueError, "nprobe"),
+    ({"K": 4, "index": "ivf", "nlist": 8, "nprobe": 2, "train_at": 4}, ValueError, "train_at"),
+    ({"K": 4, "key_dtype": "int8"}, ValueError, "key_dtype"),
 ])
 def test_bad_selector_settings_name_the_argument(kwargs, error, words):
     model = _model("hybrid")

@@ -3,12 +3,12 @@
 Search projections trained on a model (`attnlab.eval.selector_training.train_selector_projections`)
 map each layer's input to unit search vectors, one search space per scalar/hybrid head. A layer
 decoded through a `DecodeSelector` keeps every key in a plain cache and, per step, adds the new
-token's search key to a growing index (exact maximum inner product, or FAISS HNSW), searches it
+token's search key to a growing index (exact maximum inner product, FAISS HNSW or FAISS IVF), searches it
 with the token's search query, and attends over the K keys found (and the sink) with the layer's
 own op. Token by token, this reads the keys `attnlab.eval.selectors.select_keys(model, "learned",
 K, projections=...)` reads in a full-sequence forward (tested with the exact index).
 
-    sel = DecodeSelector(projections, K=64)                # or index="hnsw"
+    sel = DecodeSelector(projections, K=64)                # or index="hnsw" / "ivf"
     out = model.generate(prompt, 100, selector=sel)
 
 `DecodeSelector(None, K, index="quest", page=16)` needs no projections: each layer keeps per-page
@@ -28,7 +28,8 @@ from ..checks import check_choice, check_int
 from ..ops._sdpa import expand_heads
 from .kv import KVCache
 
-INDEXES = ("exact", "hnsw", "quest")
+INDEXES = ("exact", "hnsw", "ivf", "quest")
+KEY_DTYPES = {"float32": torch.float32, "float16": torch.float16}
 
 
 @dataclass(frozen=True)
@@ -40,11 +41,16 @@ class DecodeSelector:
             head for every such layer of the model; None with index="quest".
         K: keys each head reads per step (besides the sink).
         index: "exact" (every search key scored, O(n) per step), "hnsw" (FAISS HNSW graphs, one
-            per batch row and head; needs faiss-cpu) or "quest" (pages of the layer's own keys
-            ranked by a bound on their logits, no projections).
+            per batch row and head; needs faiss-cpu), "ivf" (FAISS IVF-flat: a step scores the
+            keys of `nprobe` of `nlist` lists, `attnlab.search.ivf.IVFIndex`) or "quest" (pages of
+            the layer's own keys ranked by a bound on their logits, no projections).
         page: Quest's page size (index="quest").
         hnsw_m, ef_construction, ef_search, pin: the HNSW graph's links per node, build and search
             beam widths, and the first keys scored exactly beside the graph (`HNSWIndex`).
+        nlist, nprobe, train_at: index="ivf": lists per sequence, lists a step scores, and the
+            keys held when the lists' centroids are learned (None: 16 * nlist; exact until then).
+        key_dtype: index="exact": "float16" stores the search keys in half precision (half the
+            bytes a step reads).
     """
 
     projections: object
@@ -55,6 +61,10 @@ class DecodeSelector:
     ef_search: int = 128
     pin: int = 4
     page: int = 16
+    nlist: int = 256
+    nprobe: int = 16
+    train_at: int | None = None
+    key_dtype: str = "float32"
 
     def __post_init__(self):
         check_int("K", self.K)
@@ -66,6 +76,11 @@ class DecodeSelector:
         for name in ("hnsw_m", "ef_construction", "ef_search"):
             check_int(name, getattr(self, name))
         check_int("pin", self.pin, low=0)
+        check_choice("key_dtype", self.key_dtype, tuple(KEY_DTYPES))
+        if self.index == "ivf":
+            from ..search.ivf import IVFIndex
+
+            IVFIndex.check_args(self.nlist, self.nprobe, self.train_at)
 
     def check(self, layers) -> None:
         """The projections fit these (block index, layer) pairs (ValueError/TypeError naming them)."""
@@ -87,12 +102,14 @@ class KeySelector:
     and the index of the decoded tokens' search keys."""
 
     def __init__(self, spec: DecodeSelector, layer: int):
+        from ..search.ivf import IVFIndex
         from ..search.retrieval import ExactIndex, HNSWIndex
 
         self.spec, self.layer = spec, layer
-        proj = spec.projections
-        self.index = ExactIndex() if spec.index == "exact" else HNSWIndex(
-            proj.d_search, spec.hnsw_m, spec.ef_construction, spec.ef_search, spec.pin)
+        d = spec.projections.d_search
+        self.index = (ExactIndex(KEY_DTYPES[spec.key_dtype]) if spec.index == "exact"
+                      else IVFIndex(d, spec.nlist, spec.nprobe, spec.train_at, spec.pin) if spec.index == "ivf"
+                      else HNSWIndex(d, spec.hnsw_m, spec.ef_construction, spec.ef_search, spec.pin))
         self._pending: list[tuple[torch.Tensor, torch.Tensor]] = []
 
     @torch.no_grad()

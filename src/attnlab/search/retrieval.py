@@ -36,11 +36,14 @@ def resolve_groups(groups, dims) -> int:
 
 def topk_candidates(scores: torch.Tensor, allowed: torch.Tensor, K: int) -> tuple[torch.Tensor, torch.Tensor]:
     """The K best admissible keys by score; scores (B, G, Tq, Tk) -> idx, valid (B, G, Tq, K)."""
-    allowed = allowed.expand_as(scores)
-    s = scores.float().masked_fill(~allowed, float("-inf"))
-    kk = min(K, s.shape[-1])
-    val, idx = s.topk(kk, dim=-1)
-    valid = allowed.gather(-1, idx)
+    kk = min(K, scores.shape[-1])
+    if allowed.shape[-2] == 1 and bool(allowed.all()):  # a decode step admitting every key: no mask to apply
+        idx = scores.float().topk(kk, dim=-1).indices
+        valid = torch.ones_like(idx, dtype=torch.bool)
+    else:
+        allowed = allowed.expand_as(scores)
+        idx = scores.float().masked_fill(~allowed, float("-inf")).topk(kk, dim=-1).indices
+        valid = allowed.gather(-1, idx)
     if kk < K:  # fewer keys than K: filler slots
         pad = K - kk
         idx = torch.cat([idx, idx.new_zeros(*idx.shape[:-1], pad)], dim=-1)
@@ -98,26 +101,49 @@ def block_starts(allowed: torch.Tensor, batch: int) -> torch.Tensor:
 
 
 class ExactIndex:
-    """Exact maximum-inner-product search over a growing set of search keys (B, G, N, d)."""
+    """Exact maximum-inner-product search over a growing set of search keys (B, G, N, d).
 
-    def __init__(self):
-        self.keys: torch.Tensor | None = None
+    A step reads every stored key, so its cost is memory traffic: `dtype=torch.float16` stores the
+    keys (and scores the queries) in half precision, half the bytes per step; the ranking then
+    holds up to fp16 rounding of the scores (near-ties may swap)."""
+
+    def __init__(self, dtype: torch.dtype = torch.float32):
+        if dtype not in (torch.float32, torch.float16, torch.bfloat16):
+            raise ValueError(f"dtype must be torch.float32, float16 or bfloat16, got {dtype}")
+        self.dtype = dtype
+        self._buf: torch.Tensor | None = None  # (B, G, capacity, d): one key per step appends in place
+        self.count = 0
+
+    @property
+    def keys(self) -> torch.Tensor | None:
+        """The stored keys (B, G, N, d), a view of the buffer."""
+        return None if self._buf is None else self._buf[:, :, : self.count]
 
     @property
     def ntotal(self) -> int:
-        return 0 if self.keys is None else self.keys.shape[2]
+        return self.count
 
     def reset(self) -> None:
         """Forget every key (a new sequence starts)."""
-        self.keys = None
+        self._buf, self.count = None, 0
 
     def add(self, ks: torch.Tensor) -> None:
-        """Append search keys (B, G, Tnew, d) as the next positions."""
-        self.keys = ks.detach() if self.keys is None else torch.cat([self.keys, ks.detach()], dim=2)
+        """Append search keys (B, G, Tnew, d) as the next positions (amortised O(Tnew): the buffer
+        doubles when full instead of being copied at every step)."""
+        ks = ks.detach().to(self.dtype)
+        n = self.count + ks.shape[2]
+        if self._buf is None or n > self._buf.shape[2]:
+            cap = max(n, 2 * (0 if self._buf is None else self._buf.shape[2]), 64)
+            buf = ks.new_empty(*ks.shape[:2], cap, ks.shape[3])
+            if self.count:
+                buf[:, :, : self.count] = self._buf[:, :, : self.count]
+            self._buf = buf
+        self._buf[:, :, self.count:n] = ks
+        self.count = n
 
     def search(self, qs: torch.Tensor, allowed: torch.Tensor, K: int):
         """qs (B, G, Tq, d) -> idx, valid (B, G, Tq, K) among admissible stored positions."""
-        scores = qs.float() @ self.keys.float().transpose(-1, -2)  # (B, G, Tq, N)
+        scores = qs.to(self.dtype) @ self.keys.transpose(-1, -2)  # (B, G, Tq, N)
         return topk_candidates(scores, allowed[..., : self.ntotal], K)
 
     def grow_and_search(self, qs, ks, allowed, K):
@@ -169,9 +195,31 @@ class HNSWIndex:
     def search(self, qs: torch.Tensor, allowed: torch.Tensor, K: int):
         """qs (B, G, Tq, d) -> idx, valid (B, G, Tq, K) among admissible stored positions."""
         B, G, Tq, d = qs.shape
+        if self._whole(allowed, B * G, K):
+            return self._search_whole(qs, K)
         al = allowed.expand(B, *allowed.shape[1:]).repeat_interleave(G, dim=0)
         idx, valid = self._search_rows(qs.reshape(B * G, Tq, d), al, K)  # (B * G, 1, Tq, K)
         return idx.view(B, G, Tq, K), valid.view(B, G, Tq, K)
+
+    def _whole(self, allowed: torch.Tensor, rows: int, K: int) -> bool:
+        """A decode step's case: one block per row, more than K keys, every query admits them all."""
+        return (len(self.rows) == rows and self.count > K and all(len(r) == 1 and 0 in r for r in self.rows)
+                and bool(allowed[..., : self.count].all()))
+
+    def _search_whole(self, qs: torch.Tensor, K: int):
+        """`search` when `_whole` holds: one FAISS call per row and one merge of the pinned keys for
+        all rows, no per-query ranges (equal to the general path, tested)."""
+        B, G, Tq, d = qs.shape
+        R = B * G
+        xq = qs.detach().float().cpu().numpy().reshape(R, Tq, d)
+        found = [self._block_search(self.rows[r][0], np.ascontiguousarray(xq[r]), K, self.count) for r in range(R)]
+        sc = np.stack([f[0] for f in found]).reshape(R * Tq, K)
+        ids = np.stack([f[1] for f in found]).reshape(R * Tq, K)
+        none = np.zeros((0, d), dtype=np.float32)
+        pins = np.stack([self.pins[r].get(0, none) for r in range(R)])  # (R, P, d): the same P in every row
+        pin_sc = np.einsum("rtd,rpd->rtp", xq, pins).reshape(R * Tq, pins.shape[1])
+        idx = torch.from_numpy(self._merge(sc, ids, pin_sc, K)).view(B, G, Tq, K).to(qs.device)
+        return idx.clamp(min=0), idx >= 0
 
     def _add_rows(self, ks: torch.Tensor, starts: torch.Tensor | None) -> None:
         B, Tn, _ = ks.shape
@@ -212,15 +260,18 @@ class HNSWIndex:
         """Block-relative ids (n, K) of queries xq (n, d) that all admit positions [a, z) of row b's
         block starting at a: one FAISS call (no id selector when the range is the whole graph, as in
         a decode step), then the pinned keys merged in."""
-        g = self.rows[b][a]
-        ef = max(self.ef_search, K)
-        if z - a == g.ntotal:
-            params = self.faiss.SearchParametersHNSW(efSearch=ef)
-        else:
-            params = self.faiss.SearchParametersHNSW(sel=self.faiss.IDSelectorRange(0, z - a), efSearch=ef)
-        sc, found = g.search(np.ascontiguousarray(xq), K, params=params)
+        sc, found = self._block_search(self.rows[b][a], np.ascontiguousarray(xq), K, z - a)
         pins = self.pins[b].get(a, np.zeros((0, self.dim), dtype=np.float32))[: z - a]
         return self._merge_pins(xq, sc, found, pins, K)
+
+    def _block_search(self, g, xq: np.ndarray, K: int, n: int):
+        """Scores and block-relative ids (n_q, K) of the K best of the block's first n keys (-1: none)."""
+        ef = max(self.ef_search, K)
+        if n == g.ntotal:
+            params = self.faiss.SearchParametersHNSW(efSearch=ef)
+        else:
+            params = self.faiss.SearchParametersHNSW(sel=self.faiss.IDSelectorRange(0, n), efSearch=ef)
+        return g.search(xq, K, params=params)
 
     def _search_rows(self, qs: torch.Tensor, allowed: torch.Tensor, K: int, batched: bool = True):
         """idx, valid (B, 1, Tq, K) of queries qs (B, Tq, d). The queries of a row that share their
@@ -259,10 +310,15 @@ class HNSWIndex:
         for none) and the exactly scored pinned keys (ids 0..P-1, which replace the graph's entries
         for those ids), best first; empty slots get a large negative id, which stays negative after
         the offset. q: the queries (n, d)."""
-        n, P = ids.shape[0], pins.shape[0]
+        return HNSWIndex._merge(scores, ids, q @ pins.T if pins.shape[0] else np.zeros((len(q), 0), np.float32), K)
+
+    @staticmethod
+    def _merge(scores: np.ndarray, ids: np.ndarray, pin_scores: np.ndarray, K: int) -> np.ndarray:
+        """`_merge_pins` with the pinned keys' scores (n, P) given."""
+        n, P = ids.shape[0], pin_scores.shape[1]
         sc = np.where((ids >= 0) & (ids >= P), scores, -np.inf)  # the graph's pinned ids are rescored below
         all_ids = np.concatenate([ids, np.broadcast_to(np.arange(P), (n, P))], 1)
-        all_sc = np.concatenate([sc, q @ pins.T if P else np.zeros((n, 0), np.float32)], 1)
+        all_sc = np.concatenate([sc, pin_scores], 1)
         order = np.argsort(-all_sc, axis=1, kind="stable")[:, :K]
         out = np.take_along_axis(all_ids, order, 1)
         out = np.where(np.isfinite(np.take_along_axis(all_sc, order, 1)), out, -(10 ** 12))

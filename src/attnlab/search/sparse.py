@@ -64,6 +64,31 @@ def sparse_attention_naive(q, k, v, idx, valid, scaling: float) -> torch.Tensor:
     return torch.einsum("bhtk,bhtkd->bhtd", p, vs)  # (B, H, Tq, D)
 
 
+def sparse_attention_grouped(q, k, v, idx, valid, scaling: float) -> torch.Tensor:
+    """The gather path when candidate set g is read by exactly the query heads of KV head g (G = Hkv,
+    as `groups="kv"` gives): each set's K keys and values are gathered once from their KV head and
+    shared by its H / G query heads, instead of once per query head. Equal to the naive path."""
+    B, H, Tq, D = q.shape
+    G, K = idx.shape[1], idx.shape[-1]
+    n = H // G
+    ih = idx.clamp(0, max(k.shape[2] - 1, 0)).long().reshape(B, G, Tq * K, 1)
+    ks = k.gather(2, ih.expand(-1, -1, -1, D)).view(B, G, Tq, K, D)
+    vs = v.gather(2, ih.expand(-1, -1, -1, v.shape[-1])).view(B, G, Tq, K, v.shape[-1])
+    qg = q.view(B, G, n, Tq, D)
+    if Tq == 1:  # a decode step: plain batched matmuls over the set's heads
+        s = (qg[:, :, :, 0] @ ks[:, :, 0].transpose(-1, -2))[:, :, :, None] * scaling  # (B, G, n, 1, K)
+    else:
+        s = torch.einsum("bgntd,bgtkd->bgntk", qg, ks) * scaling
+    s = s.masked_fill(~valid[:, :, None], float("-inf"))
+    wide = s if s.dtype == torch.float64 else s.float()
+    p = torch.softmax(wide, dim=-1).nan_to_num(0.0).to(q.dtype)
+    if Tq == 1:
+        out = (p[:, :, :, 0] @ vs[:, :, 0])[:, :, :, None]
+    else:
+        out = torch.einsum("bgntk,bgtkd->bgntd", p, vs)
+    return out.reshape(B, H, Tq, v.shape[-1])
+
+
 def candidate_mask(idx: torch.Tensor, valid: torch.Tensor, n_keys: int) -> torch.Tensor:
     """The dense (B, G, Tq, Tk) boolean mask of the valid candidate slots."""
     m = torch.zeros(*idx.shape[:-1], n_keys + 1, dtype=torch.bool, device=idx.device)
@@ -98,10 +123,15 @@ def sparse_attention_fast(q, k, v, idx, valid, scaling: float) -> torch.Tensor:
 def sparse_attention(q, k, v, idx, valid, scaling: float, impl: str = "auto") -> torch.Tensor:
     """q (B, H, Tq, D), k/v (B, Hkv, Tk, D), idx/valid (B, G, Tq, K) -> (B, H, Tq, D).
 
-    auto: gather for a few queries (decode, cost O(K)), fused masked SDPA otherwise.
+    auto: gather for a few queries (decode, cost O(K); once per set when the sets are the KV heads'),
+    fused masked SDPA otherwise.
     """
     check_impl(impl)
     _check(q, k, v, idx, valid)
-    if impl == "naive" or (impl == "auto" and q.shape[2] * idx.shape[-1] <= 4096):
+    if impl == "naive":
+        return sparse_attention_naive(q, k, v, idx, valid, scaling)
+    if impl == "auto" and q.shape[2] * idx.shape[-1] <= 4096:
+        if idx.shape[1] == k.shape[1]:  # set g is KV head g's: gather once per set
+            return sparse_attention_grouped(q, k, v, idx, valid, scaling)
         return sparse_attention_naive(q, k, v, idx, valid, scaling)
     return sparse_attention_fast(q, k, v, idx, valid, scaling)
