@@ -100,3 +100,16 @@ def test_decode_step_fast_path_equals_the_general_search(kind, pin):
     i1, v1 = ix.search(qs, allowed, K)
     i2, v2 = ix._search_rows(qs.reshape(B * G, 2, d), allowed.expand(B * G, 1, 2, N), K, batched=False)
     assert torch.equal(i1, i2.view(B, G, 2, K)) and torch.equal(v1, v2.view(B, G, 2, K))
+
+
+def test_eval_and_task_configs_check_the_ivf_settings():
+    from attnlab.search.patch import SelectorConfig
+    from attnlab.search.sweep import EvalConfig
+    from attnlab.search.tasks import TaskConfig
+
+    with pytest.raises(ValueError, match="nprobe"):
+        EvalConfig(model="tiny-llama", methods=["quest"], ivf_nlist=8, ivf_nprobe=9)
+    with pytest.raises(ValueError, match="nlist"):
+        TaskConfig(model="tiny-llama", methods=["full"], ivf_nlist=0)
+    with pytest.raises(ValueError, match="train_at"):
+        SelectorConfig("learned-ivf", ivf_nlist=64, ivf_nprobe=4, ivf_train_at=8)

@@ -76,7 +76,8 @@ def test_capture_matches_eager_attention_and_layer_input(lm, packed):
 
 
 @pytest.mark.parametrize("grouped", [False, True], ids=["shared", "per-kv-head"])
-@pytest.mark.parametrize("method", ["learned", "learned-hnsw", "native", "native-hnsw", "quest", "streaming"])
+@pytest.mark.parametrize("method", ["learned", "learned-hnsw", "learned-ivf", "native", "native-hnsw", "quest",
+                                    "streaming"])
 def test_generation_with_full_budget_equals_full_generation(lm, proj, proj_kv, method, grouped):
     p, G = (proj_kv, lm.dims.n_kv_heads) if grouped else (proj, 1)
     ids = torch.randint(3, 250, (2, 9), generator=torch.Generator().manual_seed(3))

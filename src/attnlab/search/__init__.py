@@ -10,6 +10,7 @@ then attend exactly, with the model's own q, k, v, over the K retrieved keys onl
 """
 
 from .capture import Packed, capture, forward_packed, pack_contexts, teacher_attention
+from .ivf import IVFIndex
 from .hf_model import (LAYER_SETS, ModelSource, attention_modules, fetch_smollm2, load_model, load_tokenizer,
                        resolve_layers, resolve_source, tiny_model)
 from .lm import FrozenLM, load_lm, prepare, tiny_lm
@@ -25,7 +26,7 @@ from .tasks import TASKS, TaskConfig, plan_tasks, run_tasks
 from .train import SearchTrainConfig, train_projections
 
 __all__ = [
-    "LAYER_SETS", "FrozenLM", "METHODS", "EvalConfig", "ExactIndex", "HNSWIndex", "ModelSource", "Packed", "QuestIndex",
+    "LAYER_SETS", "FrozenLM", "METHODS", "EvalConfig", "ExactIndex", "HNSWIndex", "IVFIndex", "ModelSource", "Packed", "QuestIndex",
     "RetrieveThenAttend", "SearchProjections", "SearchTrainConfig", "SelectorConfig", "TASKS", "TaskConfig",
     "attention_modules", "capture", "fetch_smollm2", "forward_packed", "generate", "load_lm", "load_model",
     "load_tokenizer", "mass_at_k", "oracle_select", "pack_contexts", "plan_tasks", "prepare", "quest_bounds",

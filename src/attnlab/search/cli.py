@@ -171,6 +171,8 @@ def add_search_commands(subparsers, trial_options=None) -> argparse.ArgumentPars
     e.add_argument("--context", type=int, default=2048)
     e.add_argument("--n-contexts", dest="n_contexts", type=int, default=4)
     e.add_argument("--hnsw-ef-search", dest="hnsw_ef_search", type=int, default=512)
+    e.add_argument("--ivf-nlist", dest="ivf_nlist", type=int, default=256, help="learned-ivf: lists per index")
+    e.add_argument("--ivf-nprobe", dest="ivf_nprobe", type=int, default=16, help="learned-ivf: lists a query scores")
     e.add_argument("--wide-layers", dest="wide_layers", default=None,
                    help="a layer set whose substituted layers search --wide-factor x K keys (e.g. '0,1,2,29')")
     e.add_argument("--wide-factor", dest="wide_factor", type=int, default=1)
@@ -199,6 +201,8 @@ def add_search_commands(subparsers, trial_options=None) -> argparse.ArgumentPars
     k.add_argument("--corpus", default=None, help="held-out text for the needle task (default stdlib)")
     k.add_argument("--split", default=None, help="(default test)")
     k.add_argument("--hnsw-ef-search", dest="hnsw_ef_search", type=int, default=None)
+    k.add_argument("--ivf-nlist", dest="ivf_nlist", type=int, default=None, help="learned-ivf: lists (default 256)")
+    k.add_argument("--ivf-nprobe", dest="ivf_nprobe", type=int, default=None, help="learned-ivf: lists probed (default 16)")
     k.add_argument("--seed", type=int, default=None)
     k.add_argument("--out", default=None, help="(default runs/search-tasks)")
     k.set_defaults(func=_tasks)

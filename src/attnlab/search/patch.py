@@ -19,6 +19,7 @@ from .hf_model import attention_modules
 from .hooks import Installed
 from .metrics import Tally, retrieval_stats
 from .projections import SearchProjections
+from .ivf import IVFIndex
 from .quest import quest_select
 from .retrieval import (METHODS, ExactIndex, HNSWIndex, native_vectors, oracle_select,
                         streaming_select, topk_candidates)
@@ -29,13 +30,15 @@ from .sparse import sparse_attention
 class SelectorConfig:
     """How candidates are chosen: method and budget K, plus each method's own knobs.
 
-    method: one of `retrieval.METHODS`: "learned" / "learned-hnsw" (the trained projections, exact
-    top-K or an HNSW graph), "native" / "native-hnsw" (the model's own post-RoPE q and k), "quest"
+    method: one of `retrieval.METHODS`: "learned" / "learned-hnsw" / "learned-ivf" (the trained
+    projections, exact top-K, an HNSW graph or an IVF index), "native" / "native-hnsw" (the model's own post-RoPE q and k), "quest"
     (page bounds), "oracle" (top-K of the model's own attention) or "streaming" (sinks + the most
     recent keys). K: keys per query and candidate set; groups: candidate sets per token, each serving
     H / groups query heads (a learned method must match its projections). page: Quest's page size;
     n_sink: StreamingLLM's sinks; hnsw_*: the graph's M, efConstruction, efSearch and the block-start
-    keys scored exactly beside it. Bad values raise ValueError naming the field.
+    keys scored exactly beside it (also beside the IVF lists); ivf_*: the IVF index's lists, lists
+    probed per query and keys held when the lists are learned (None: 16 per list). Bad values raise
+    ValueError naming the field.
     """
 
     method: str = "learned"
@@ -47,6 +50,9 @@ class SelectorConfig:
     hnsw_ef_construction: int = 64
     hnsw_ef_search: int = 512
     hnsw_pin: int = 4  # block-start keys scored exactly beside the graph search
+    ivf_nlist: int = 256
+    ivf_nprobe: int = 16
+    ivf_train_at: int | None = None
 
     def __post_init__(self):
         check_choice("method", self.method, METHODS)
@@ -55,6 +61,8 @@ class SelectorConfig:
             check_int(name, getattr(self, name))
         for name in ("n_sink", "hnsw_pin"):
             check_int(name, getattr(self, name), 0)
+        if self.method.endswith("-ivf"):
+            IVFIndex.check_args(self.ivf_nlist, self.ivf_nprobe, self.ivf_train_at)
 
 
 class RetrieveThenAttend:
@@ -83,7 +91,9 @@ class RetrieveThenAttend:
         cfg = self.cfg
         if self.index is None:
             self.index = (HNSWIndex(dim, cfg.hnsw_m, cfg.hnsw_ef_construction, cfg.hnsw_ef_search, cfg.hnsw_pin)
-                          if cfg.method.endswith("-hnsw") else ExactIndex())
+                          if cfg.method.endswith("-hnsw")
+                          else IVFIndex(dim, cfg.ivf_nlist, cfg.ivf_nprobe, cfg.ivf_train_at, cfg.hnsw_pin)
+                          if cfg.method.endswith("-ivf") else ExactIndex())
         return self.index
 
     def select(self, hidden, q, k, allowed, scaling, teacher=None):

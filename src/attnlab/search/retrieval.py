@@ -1,4 +1,4 @@
-"""Candidate selection at a budget of K keys per query: learned (exact or FAISS HNSW), native
+"""Candidate selection at a budget of K keys per query: learned (exact, FAISS HNSW or FAISS IVF), native
 (the model's own post-RoPE q and k, exact or FAISS HNSW), Quest, oracle top-K and StreamingLLM
 sinks + window.
 
@@ -18,7 +18,7 @@ from attnlab.checks import check_groups
 
 from .capture import teacher_attention
 
-METHODS = ("learned", "learned-hnsw", "native", "native-hnsw", "quest", "oracle", "streaming")
+METHODS = ("learned", "learned-hnsw", "learned-ivf", "native", "native-hnsw", "quest", "oracle", "streaming")
 
 
 def check_group_spec(groups, allow_none: bool = False):

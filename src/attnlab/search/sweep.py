@@ -29,6 +29,7 @@ from .metrics import Tally, rel_gap
 from .patch import SelectorConfig, substitute
 from .projections import SearchProjections
 from .report import write_results
+from .ivf import IVFIndex
 from .retrieval import METHODS, check_group_spec, resolve_groups
 
 DEFAULT_KS = (16, 32, 64, 128, 256)
@@ -43,7 +44,7 @@ class EvalConfig:
     Every method of `methods` runs in every layer set of `layer_sets` at every K of `ks`, on
     n_contexts held-out contexts of `context` tokens from corpus/split (drawn with `seed`); groups:
     candidate sets per token (default the checkpoint's, else 1). page, n_sink, hnsw_m,
-    hnsw_ef_search: the methods' knobs (`SelectorConfig`); wide_layers / wide_factor: a layer set
+    hnsw_ef_search, ivf_nlist, ivf_nprobe: the methods' knobs (`SelectorConfig`); wide_layers / wide_factor: a layer set
     whose layers retrieve wide_factor × K keys. Results go to `out`. Raises ValueError for methods
     not in METHODS, an empty layer_sets, a learned method without checkpoint, or neither checkpoint
     nor model.
@@ -64,6 +65,8 @@ class EvalConfig:
     n_sink: int = 4
     hnsw_m: int = 32
     hnsw_ef_search: int = 512
+    ivf_nlist: int = 256
+    ivf_nprobe: int = 16
     wide_layers: str | None = None  # a layer set whose substituted layers search wide_factor x K keys
     wide_factor: int = 1
     out: str = "runs/search-eval"
@@ -74,6 +77,7 @@ class EvalConfig:
         if self.wide_factor > 1 and not self.wide_layers:
             raise ValueError(f"wide_factor={self.wide_factor} needs wide_layers (which layers search wider)")
         check_group_spec(self.groups, allow_none=True)
+        IVFIndex.check_args(self.ivf_nlist, self.ivf_nprobe, None)
         bad = [m for m in self.methods if m not in METHODS]
         if bad or not self.methods:
             raise ValueError(f"methods must be a non-empty subset of {METHODS}, got {self.methods!r}")
@@ -172,7 +176,8 @@ def _run_eval(cfg: EvalConfig, lm: FrozenLM | None, progress: bool, full_cache, 
             for method in cfg.methods:
                 for K in cfg.ks:
                     sel = SelectorConfig(method, K, resolved["groups"], cfg.page, cfg.n_sink, cfg.hnsw_m,
-                                         hnsw_ef_search=cfg.hnsw_ef_search)
+                                         hnsw_ef_search=cfg.hnsw_ef_search, ivf_nlist=cfg.ivf_nlist,
+                                         ivf_nprobe=cfg.ivf_nprobe)
                     tally = Tally()
                     t1 = time.time()
                     layer_k = {l: K * cfg.wide_factor for l in layers if l in wide}

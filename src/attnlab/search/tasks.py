@@ -36,6 +36,7 @@ from .capture import load_texts
 from .hf_model import (LAYER_SETS, ModelDims, ModelSource, load_hf_config, load_model, load_tokenizer, model_dims,
                        resolve_layers, resolve_source)
 from .lm import FrozenLM, _hf_encode
+from .ivf import IVFIndex
 from .patch import SelectorConfig, substitute
 from .projections import SearchProjections
 from .report import FULL, task_combos, task_key, tasks_markdown
@@ -122,6 +123,8 @@ class TaskConfig:
     page: int = 16  # Quest page size
     n_sink: int = 4  # StreamingLLM sinks
     hnsw_ef_search: int = 512
+    ivf_nlist: int = 256
+    ivf_nprobe: int = 16
     seed: int = 0
     out: str = "runs/search-tasks"
 
@@ -141,10 +144,11 @@ class TaskConfig:
         for name in ("corpus", "split", "out"):
             if not isinstance(getattr(self, name), str) or not getattr(self, name):
                 raise ValueError(f"{name} must be a non-empty string, got {getattr(self, name)!r}")
-        for name in ("digits", "page", "hnsw_ef_search"):
+        for name in ("digits", "page", "hnsw_ef_search", "ivf_nlist", "ivf_nprobe"):
             check_int(name, getattr(self, name))
         check_int("n_sink", self.n_sink, 0)
         check_int("seed", self.seed, 0)
+        IVFIndex.check_args(self.ivf_nlist, self.ivf_nprobe, None)
         if self.checkpoint is not None and (not isinstance(self.checkpoint, str) or not self.checkpoint):
             raise ValueError(f"checkpoint must be None or a path, got {self.checkpoint!r}")
         learned = [m for m in self.methods if _needs_checkpoint(m)]
@@ -369,7 +373,8 @@ def _attention(model, method: str, K: int | None, plan: TaskPlan, cfg: TaskConfi
     """The context a cell runs in: nothing for full attention, else the substitution of plan.layers."""
     if method == FULL:
         return contextlib.nullcontext()
-    sel = SelectorConfig(method, K, plan.groups, cfg.page, cfg.n_sink, hnsw_ef_search=cfg.hnsw_ef_search)
+    sel = SelectorConfig(method, K, plan.groups, cfg.page, cfg.n_sink, hnsw_ef_search=cfg.hnsw_ef_search,
+                         ivf_nlist=cfg.ivf_nlist, ivf_nprobe=cfg.ivf_nprobe)
     return substitute(model, plan.layers, sel, plan.projections if _needs_checkpoint(method) else None)
 
 
