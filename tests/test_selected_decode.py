@@ -57,31 +57,24 @@ def test_generate_with_a_selector_and_left_padding():
     assert torch.equal(model.generate(padded, 6, selector=sel, attention_mask=mask)[:, 3:], alone)
 
 
-def test_hnsw_index_reads_every_key_while_they_fit_and_stays_close_after():
+def test_hnsw_ivf_and_half_keys_decode_as_the_exact_index_where_they_are_exact():
+    """HNSW reads every key while they fit in K and stays close after; IVF probing every list is exact
+    search (exact too before its lists are learned); half-precision search keys stay close."""
     pytest.importorskip("faiss")
     model = _model("hybrid")
     proj, idx = _projections(model), _tokens(T=40)
     with torch.no_grad():
-        exact = _stepped(model, idx, DecodeSelector(proj, 8))
-        graph = _stepped(model, idx, DecodeSelector(proj, 8, index="hnsw", hnsw_m=8, ef_search=32))
-        full = _stepped(model, idx, DecodeSelector(proj, 40, index="hnsw", hnsw_m=8))
-    assert rel_rms(graph[:, :8], exact[:, :8]) < 1e-6  # n <= K: every key, no graph search
-    assert rel_rms(graph, exact) < 0.05 and rel_rms(full, model(idx)[0]) < 1e-5
-
-
-def test_ivf_probing_every_list_and_half_keys_decode_as_the_exact_index():
-    pytest.importorskip("faiss")
-    model = _model("hybrid")
-    proj, idx = _projections(model), _tokens(T=40)
-    with torch.no_grad():
-        exact = _stepped(model, idx, DecodeSelector(proj, 6))
-        ivf = _stepped(model, idx, DecodeSelector(proj, 6, index="ivf", nlist=4, nprobe=4, train_at=12))
-        few = _stepped(model, idx, DecodeSelector(proj, 6, index="ivf", nlist=4, nprobe=1, train_at=12))
-        half = _stepped(model, idx, DecodeSelector(proj, 6, key_dtype="float16"))
-    assert rel_rms(ivf, exact) < 1e-5  # lists learned at the 12th key, every list scored: exact search
-    assert rel_rms(few[:, :11], exact[:, :11]) < 1e-5  # exact until the lists are learned
-    assert torch.isfinite(few).all() and rel_rms(few, exact) > 1e-3  # then one list of four: other keys
-    assert rel_rms(half, exact) < 0.05
+        run = lambda K, **kw: _stepped(model, idx, DecodeSelector(proj, K, **kw))  # noqa: E731
+        exact8, exact6 = run(8), run(6)
+        graph, full = run(8, index="hnsw", hnsw_m=8, ef_search=32), run(40, index="hnsw", hnsw_m=8)
+        ivf = run(6, index="ivf", nlist=4, nprobe=4, train_at=12)  # lists learned at the 12th key
+        few = run(6, index="ivf", nlist=4, nprobe=1, train_at=12)
+        half = run(6, key_dtype="float16")
+    assert rel_rms(graph[:, :8], exact8[:, :8]) < 1e-6  # n <= K: every key, no graph search
+    assert rel_rms(graph, exact8) < 0.05 and rel_rms(full, model(idx)[0]) < 1e-5
+    assert rel_rms(ivf, exact6) < 1e-5 and rel_rms(few[:, :11], exact6[:, :11]) < 1e-5
+    assert torch.isfinite(few).all() and rel_rms(few, exact6) > 1e-3  # one list of four: other keys
+    assert rel_rms(half, exact6) < 0.05
 
 
 @pytest.mark.parametrize("kwargs, error, words", [
