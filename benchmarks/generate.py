@@ -48,6 +48,8 @@ def parse_args(argv=None):
                         "(--selector-steps) with an exact index (learned), FAISS HNSW (learned-hnsw) or FAISS IVF "
                         "(learned-ivf: --ivf-nprobe of --ivf-nlist lists, learned at 16 keys per list), or Quest's "
                         "pages of the layers' own keys (quest, page 16)")
+    p.add_argument("--selector-rope", choices=("on", "off"), default="on",
+                   help="whether the search projections rotate their vectors by position (RoPE in search space)")
     p.add_argument("--ivf-nlist", type=int, default=32, help="learned-ivf: lists per layer and head")
     p.add_argument("--ivf-nprobe", type=int, default=4, help="learned-ivf: lists a step scores")
     p.add_argument("--K", type=int, default=64, help="keys per head and step of --selector")
@@ -182,8 +184,9 @@ def selector_decoders(args, cfg, model) -> tuple[dict, dict]:
         stream = pack_documents(load_corpus(d.source, "train", cache_dir=d.cache_dir or None), data_tokenizer(d))
         batches = [b.x for b in sequential_batches(stream, d.seq_len, 8, max_batches=max(1, args.selector_batches // 8))]
         t0 = time.perf_counter()
-        proj = train_selector_projections(model, batches, args.selector_steps)
+        proj = train_selector_projections(model, batches, args.selector_steps, rope=args.selector_rope == "on")
         info.update(steps=args.selector_steps, sequences=sum(len(b) for b in batches), seq_len=d.seq_len,
+                    rope=args.selector_rope == "on",
                     train_seconds=time.perf_counter() - t0)
         if "learned-ivf" in learned:
             info.update(ivf_nlist=args.ivf_nlist, ivf_nprobe=args.ivf_nprobe)

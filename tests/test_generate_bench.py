@@ -51,11 +51,11 @@ def test_generate_benchmark_with_learned_selection_and_a_softmax_model(tmp_path)
         train(load_config(ROOT / "configs" / "tiny.toml", [f"model.attn={attn}", f"run.name={attn}", *base]))
     out = tmp_path / "gen.json"
     _bench().main(["--run", str(tmp_path / "hybrid"), "--tokens", "30", "--ks", "2", "--selector", "learned",
-                   "learned-hnsw", "learned-ivf", "quest", "--ivf-nlist", "1", "--ivf-nprobe", "1", "--K", "40", "--selector-steps", "2", "--selector-batches", "8",
+                   "learned-hnsw", "learned-ivf", "quest", "--ivf-nlist", "1", "--ivf-nprobe", "1", "--selector-rope", "off", "--K", "40", "--selector-steps", "2", "--selector-batches", "8",
                    "--softmax-run", str(tmp_path / "softmax"), "--out", str(out)])
     r = json.loads(out.read_text())
     assert r["decoders"] == ["exact", "k=2", "learned@40", "learned-hnsw@40", "learned-ivf@40", "quest@40", "softmax"]
-    assert r["selector"]["ivf_nlist"] == 1
+    assert r["selector"]["ivf_nlist"] == 1 and r["selector"]["rope"] is False
     for name in ("learned@40", "learned-hnsw@40", "learned-ivf@40", "quest@40"):
         assert abs(r["overall"][name]["gap"]) < 1e-5, name
     assert r["selector"]["steps"] == 2 and all("gap_softmax" in row for row in r["rows"])
