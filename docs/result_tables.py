@@ -355,19 +355,27 @@ def tasks_table(res: Json) -> str:
 
 def search_decode_table(res: Json) -> str:
     """benchmarks/search.py: one decode step per layer, each selector as a multiple of full
-    attention's time, and the index memory beside the KV cache."""
+    attention's time (recall of the exact top-K on the benchmark's random vectors for the
+    approximate indexes), the largest insertion cost as a share of its own step, and the index
+    memory beside the KV cache."""
     def mb(x: float) -> str:
         return f"{x:.1f}" if x < 10 else f"{x:.0f}"
 
+    methods = ("learned_exact", "learned_exact16", "learned_hnsw", "learned_ivf", "native_hnsw", "quest")
     rows = []
     for r in res["rows"]:
         full = r["full_ms"]
-        rows.append([f"{r['N']:,}", f"{full:.{1 if full >= 10 else 2}f} ms",
-                     *(f"{_sig2(r[f'{m}_x_full'])}×" for m in ("learned_exact", "learned_hnsw", "native_hnsw", "quest")),
-                     f"{mb(r['learned_exact_mb'])} / {mb(r['learned_hnsw_mb'])} MB, {r['kv_cache_mb']:.0f} MB"])
-    header = ["context", "full attention", "learned, exact", "learned, HNSW", "native, HNSW", "Quest",
-              "index memory (exact / HNSW) beside a KV cache of"]
-    return _table(header, "rrrrrrl", rows)
+        cells = [f"{_sig2(r[f'{m}_x_full'])}×" + (f" ({r[f'{m}_recall']:.2f})" if f"{m}_recall" in r and m != "learned_exact16"
+                                                   else "") for m in methods]
+        add = max(methods, key=lambda m: r[f"{m}_add_ms"] / r[f"{m}_ms"])
+        rows.append([f"{r['N']:,}", f"{full:.{1 if full >= 10 else 2}f} ms", *cells,
+                     f"{100 * r[f'{add}_add_ms'] / r[f'{add}_ms']:.0f} % ({add.replace('_', ' ')})",
+                     f"{mb(r['learned_exact_mb'])} / {mb(r['learned_exact16_mb'])} / {mb(r['learned_hnsw_mb'])} / "
+                     f"{mb(r['learned_ivf_mb'])} MB, {r['kv_cache_mb']:.0f} MB"])
+    header = ["context", "full attention", "learned, exact", "exact, fp16 keys", "learned, HNSW (recall)",
+              "learned, IVF (recall)", "native, HNSW", "Quest", "largest insertion / step",
+              "index memory (exact / fp16 / HNSW / IVF) beside a KV cache of"]
+    return _table(header, "rrrrrrrrrl", rows)
 
 
 # --------------------------------------------------------------------------- the registry

@@ -128,12 +128,12 @@ class ExactIndex:
         self._buf, self.count = None, 0
 
     def add(self, ks: torch.Tensor) -> None:
-        """Append search keys (B, G, Tnew, d) as the next positions (amortised O(Tnew): the buffer
-        doubles when full instead of being copied at every step)."""
+        """Append search keys (B, G, Tnew, d) as the next positions (amortised O(Tnew): a full buffer
+        grows to 1.5x what it must hold instead of being copied at every step)."""
         ks = ks.detach().to(self.dtype)
         n = self.count + ks.shape[2]
         if self._buf is None or n > self._buf.shape[2]:
-            cap = max(n, 2 * (0 if self._buf is None else self._buf.shape[2]), 64)
+            cap = max(n + n // 2, 64)  # 1.5x headroom: a copy every few doublings' worth of steps
             buf = ks.new_empty(*ks.shape[:2], cap, ks.shape[3])
             if self.count:
                 buf[:, :, : self.count] = self._buf[:, :, : self.count]
