@@ -163,6 +163,8 @@ def generate_selector_table(*runs: Json) -> str:
     rows = []
     for gen in runs:
         model = gen["run"].split("/runs/")[-1].split("/")[0]
+        if gen.get("selector", {}).get("rope") is False:
+            model += ", search without RoPE"
         T = gen["train_seq_len"]
         by = {(r["to"], r["decoder"]): r for r in gen["rows"]}
         for end in (4 * T, 16 * T):
@@ -399,7 +401,8 @@ TABLES: dict[str, tuple[Callable[..., str], tuple[str, ...]]] = {
     "tasks": (tasks_table, (f"{B}/search/tasks_m6kv_2k4k/results.json",)),
     "search-decode": (search_decode_table, (f"{B}/search_decode.json",)),
     "generate-selector": (generate_selector_table, (f"{B}/generate_selector_windowed.json",
-                                                    f"{B}/generate_selector_hybrid.json")),
+                                                    f"{B}/generate_selector_hybrid.json",
+                                                    f"{B}/generate_selector_hybrid_norope.json")),
     "train_window_1024": (train_window_table, ("experiments/seed000/train-through-window-1024/results.json",)),
     "train_window_cauchy": (train_window_table, ("experiments/seed000/train-through-window-cauchy/results.json",)),
 }
