@@ -105,6 +105,34 @@ def budget_evictions(qs: torch.Tensor, ks: torch.Tensor, budget: int, *, history
     return evicted
 
 
+def nearest_newest_naive(dist: torch.Tensor, n: int) -> torch.Tensor:
+    """The reference of `nearest_newest`: a stable sort of each row, newest first."""
+    Tk = dist.shape[-1]
+    keep = torch.zeros(dist.shape, dtype=torch.bool, device=dist.device)
+    keep.scatter_(-1, Tk - 1 - dist.flip(-1).sort(dim=-1, stable=True).indices[..., :n], True)
+    return keep
+
+
+def nearest_newest(dist: torch.Tensor, n: int) -> torch.Tensor:
+    """Bool mask of the n smallest entries of each row of dist (..., Tk), the newest (rightmost)
+    first among equal values. A topk of n + 1 finds them; only the rows where the n-th and the
+    (n+1)-th smallest are equal (a tie at the boundary, e.g. rows with fewer than n finite entries)
+    take the stable sort of `nearest_newest_naive`, which it equals (tested with ties and
+    infinities; a tensor holding NaN takes the sort throughout)."""
+    Tk = dist.shape[-1]
+    if n >= Tk or bool(torch.isnan(dist).any()):
+        return nearest_newest_naive(dist, n)
+    vals, idx = dist.topk(n + 1, dim=-1, largest=False, sorted=True)
+    keep = torch.zeros(dist.shape, dtype=torch.bool, device=dist.device)
+    keep.scatter_(-1, idx[..., :n], True)
+    tied = (vals[..., n - 1] == vals[..., n]).reshape(-1)
+    if bool(tied.any()):
+        rows = tied.nonzero().squeeze(1)
+        flat = keep.view(-1, Tk)
+        flat[rows] = nearest_newest_naive(dist.reshape(-1, Tk)[rows], n)
+    return keep
+
+
 def window_mask(qs: torch.Tensor, ks: torch.Tensor, window: int, *, n_prefix: int = 0,
                 causal: bool = True, evicted_at: torch.Tensor | None = None, local: int = 0) -> torch.Tensor:
     """Which keys are in each query's window: the `window` candidates nearest to it in scalar
@@ -147,11 +175,7 @@ def window_mask(qs: torch.Tensor, ks: torch.Tensor, window: int, *, n_prefix: in
         candidate = candidate & (evicted_at[..., None, :Tk] >= pos_q)  # (B, H, Tq, Tk)
     dist = dist.masked_fill(~candidate, float("inf"))
     n = min(window, max(Tk - n_prefix, 0))
-    keep = torch.zeros(dist.shape, dtype=torch.bool, device=qs.device)
-    if n:  # nearest first; at equal distance (identical keys) the newest first
-        newest_first = dist.flip(-1).sort(dim=-1, stable=True).indices[..., :n]
-        keep.scatter_(-1, Tk - 1 - newest_first, True)
-        keep &= candidate
+    keep = nearest_newest(dist, n) & candidate if n else torch.zeros(dist.shape, dtype=torch.bool, device=qs.device)
     if recent is not None:
         keep |= recent
     if n_prefix:
