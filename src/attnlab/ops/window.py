@@ -117,7 +117,8 @@ def nearest_newest(dist: torch.Tensor, n: int) -> torch.Tensor:
     """Bool mask of the n smallest entries of each row of dist (..., Tk), the newest (rightmost)
     first among equal values. A topk of n + 1 finds them; only the rows where the n-th and the
     (n+1)-th smallest are equal (a tie at the boundary, e.g. rows with fewer than n finite entries)
-    take the stable sort of `nearest_newest_naive`, which it equals (tested with ties and
+    are redone: every entry below the n-th value, and of the entries equal to it the rightmost ones
+    still needed. Equal to the stable sort of `nearest_newest_naive` (tested with ties and
     infinities; a tensor holding NaN takes the sort throughout)."""
     Tk = dist.shape[-1]
     if n >= Tk or bool(torch.isnan(dist).any()):
@@ -126,10 +127,14 @@ def nearest_newest(dist: torch.Tensor, n: int) -> torch.Tensor:
     keep = torch.zeros(dist.shape, dtype=torch.bool, device=dist.device)
     keep.scatter_(-1, idx[..., :n], True)
     tied = (vals[..., n - 1] == vals[..., n]).reshape(-1)
-    if bool(tied.any()):
+    if bool(tied.any()):  # those rows: everything below the n-th value, then the newest of its ties
         rows = tied.nonzero().squeeze(1)
-        flat = keep.view(-1, Tk)
-        flat[rows] = nearest_newest_naive(dist.reshape(-1, Tk)[rows], n)
+        d = dist.reshape(-1, Tk)[rows]
+        thr = vals.reshape(-1, n + 1)[rows, n - 1 : n]
+        below, tie = d < thr, d == thr
+        need = n - below.sum(-1, keepdim=True, dtype=torch.int32)
+        from_right = tie.flip(-1).cumsum(-1, dtype=torch.int32).flip(-1)  # ties at or right of each slot
+        keep.view(-1, Tk)[rows] = below | (tie & (from_right <= need))
     return keep
 
 
