@@ -74,19 +74,12 @@ def sparse_attention_grouped(q, k, v, idx, valid, scaling: float) -> torch.Tenso
     ih = idx.clamp(0, max(k.shape[2] - 1, 0)).long().reshape(B, G, Tq * K, 1)
     ks = k.gather(2, ih.expand(-1, -1, -1, D)).view(B, G, Tq, K, D)
     vs = v.gather(2, ih.expand(-1, -1, -1, v.shape[-1])).view(B, G, Tq, K, v.shape[-1])
-    qg = q.view(B, G, n, Tq, D)
-    if Tq == 1:  # a decode step: plain batched matmuls over the set's heads
-        s = (qg[:, :, :, 0] @ ks[:, :, 0].transpose(-1, -2))[:, :, :, None] * scaling  # (B, G, n, 1, K)
-    else:
-        s = torch.einsum("bgntd,bgtkd->bgntk", qg, ks) * scaling
-    s = s.masked_fill(~valid[:, :, None], float("-inf"))
+    qg = q.reshape(B, G, n, Tq, D).transpose(2, 3)  # (B, G, Tq, n, D): the set's heads share its keys
+    s = (qg @ ks.transpose(-1, -2)) * scaling  # (B, G, Tq, n, K)
+    s = s.masked_fill(~valid[:, :, :, None], float("-inf"))
     wide = s if s.dtype == torch.float64 else s.float()
     p = torch.softmax(wide, dim=-1).nan_to_num(0.0).to(q.dtype)
-    if Tq == 1:
-        out = (p[:, :, :, 0] @ vs[:, :, 0])[:, :, :, None]
-    else:
-        out = torch.einsum("bgntk,bgtkd->bgntd", p, vs)
-    return out.reshape(B, H, Tq, v.shape[-1])
+    return (p @ vs).transpose(2, 3).reshape(B, H, Tq, v.shape[-1])
 
 
 def candidate_mask(idx: torch.Tensor, valid: torch.Tensor, n_keys: int) -> torch.Tensor:
