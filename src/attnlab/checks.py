@@ -55,6 +55,32 @@ def check_int(name: str, value, low: int = 1) -> int:
     return value
 
 
+def check_int_list(name: str, values, low: int = 1) -> list[int]:
+    """A non-empty list of distinct ints >= low (ValueError naming `name`; NotAnIntError for a non-int)."""
+    need = "positive ints" if low == 1 else f"ints >= {low}"
+    msg = f"{name} must be a non-empty list of distinct {need}, got {values!r}"
+    if not isinstance(values, (list, tuple)) or not values:
+        raise ValueError(msg)
+    for v in values:
+        try:
+            check_int(name, v, low)
+        except NotAnIntError:
+            raise NotAnIntError(msg) from None
+        except ValueError:
+            raise ValueError(msg) from None
+    if len(set(values)) != len(values):
+        raise ValueError(msg)
+    return list(values)
+
+
+def check_name_list(name: str, values, allowed: tuple) -> list[str]:
+    """A non-empty list of distinct names from `allowed` (ValueError naming `name`)."""
+    if (not isinstance(values, (list, tuple)) or not values or len(set(values)) != len(values)
+            or any(v not in allowed for v in values)):
+        raise ValueError(f"{name} must be a non-empty list of distinct names from {allowed}, got {values!r}")
+    return list(values)
+
+
 def check_groups(n_heads: int, n_groups, name: str = "v") -> int:
     """H query/key heads read G groups (value groups, KV heads, candidate sets): G an int with
     G <= H and H % G == 0, each group serving H / G consecutive heads. Returns G."""

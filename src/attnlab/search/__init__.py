@@ -16,6 +16,7 @@ from .hf_model import (LAYER_SETS, ModelSource, attention_modules, fetch_smollm2
 from .lm import FrozenLM, load_lm, prepare, tiny_lm
 from .metrics import mass_at_k, recall_at_k, rel_gap, retrieval_stats
 from .patch import RetrieveThenAttend, SelectorConfig, generate, substitute
+from .prefill import PrefixRecord, prefilled_logits, record_prefix
 from .projections import SearchProjections, search_losses
 from .quest import QuestIndex, quest_bounds, quest_select
 from .retrieval import (METHODS, ExactIndex, HNSWIndex, oracle_select, streaming_select,
@@ -27,10 +28,10 @@ from .train import SearchTrainConfig, train_projections
 
 __all__ = [
     "LAYER_SETS", "FrozenLM", "METHODS", "EvalConfig", "ExactIndex", "HNSWIndex", "IVFIndex", "ModelSource", "Packed", "QuestIndex",
-    "RetrieveThenAttend", "SearchProjections", "SearchTrainConfig", "SelectorConfig", "TASKS", "TaskConfig",
+    "PrefixRecord", "RetrieveThenAttend", "SearchProjections", "SearchTrainConfig", "SelectorConfig", "TASKS", "TaskConfig",
     "attention_modules", "capture", "fetch_smollm2", "forward_packed", "generate", "load_lm", "load_model",
     "load_tokenizer", "mass_at_k", "oracle_select", "pack_contexts", "plan_tasks", "prepare", "quest_bounds",
-    "quest_select", "recall_at_k", "rel_gap", "resolve_layers", "resolve_source", "retrieval_stats", "run_eval",
+    "prefilled_logits", "quest_select", "recall_at_k", "record_prefix", "rel_gap", "resolve_layers", "resolve_source", "retrieval_stats", "run_eval",
     "run_tasks", "search_losses", "sparse_attention", "streaming_select", "substitute", "teacher_attention", "tiny_lm",
     "tiny_model", "topk_candidates", "train_projections",
 ]

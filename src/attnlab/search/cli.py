@@ -203,6 +203,9 @@ def add_search_commands(subparsers, trial_options=None) -> argparse.ArgumentPars
     k.add_argument("--hnsw-ef-search", dest="hnsw_ef_search", type=int, default=None)
     k.add_argument("--ivf-nlist", dest="ivf_nlist", type=int, default=None, help="learned-ivf: lists (default 256)")
     k.add_argument("--ivf-nprobe", dest="ivf_nprobe", type=int, default=None, help="learned-ivf: lists probed (default 16)")
+    k.add_argument("--prefill", choices=tasks.PREFILLS, default=None,
+                   help="selected: every position through the method (default); full: the haystack read exactly, "
+                        "the question and answer through the method (a decoder's protocol; one prefill per example)")
     k.add_argument("--seed", type=int, default=None)
     k.add_argument("--out", default=None, help="(default runs/search-tasks)")
     k.set_defaults(func=_tasks)

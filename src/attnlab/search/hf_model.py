@@ -170,6 +170,24 @@ def model_dims(config) -> ModelDims:
     )
 
 
+def check_layer_spec(spec):
+    """A layer set before the model is known: a name from LAYER_SETS, or distinct indices >= 0."""
+    idx = None
+    if isinstance(spec, str):
+        if spec in LAYER_SETS or (spec.startswith("middle") and spec[6:].isdigit() and int(spec[6:]) > 0):
+            return spec
+        try:
+            idx = [int(s) for s in spec.split(",") if s.strip()]
+        except ValueError:
+            idx = None
+    elif isinstance(spec, (list, tuple)) and all(isinstance(i, int) and not isinstance(i, bool) for i in spec):
+        idx = list(spec)
+    if not idx or min(idx) < 0 or len(set(idx)) != len(idx):
+        raise ValueError(f"layer_set must be one of {LAYER_SETS} or a comma list of distinct layer indices >= 0, "
+                         f"got {spec!r}")
+    return spec
+
+
 def resolve_layers(spec, n_layers: int) -> list[int]:
     """A layer set by name ('all', 'middle<N>', 'reserved-edge'), a comma list '3,4,5', or a list of ints.
 

@@ -123,6 +123,26 @@ class RetrieveThenAttend:
         return index.grow_and_search(qs, ks, allowed, cfg.K)
 
     @torch.no_grad()
+    def prime(self, hidden: torch.Tensor, k: torch.Tensor, n_heads: int) -> None:
+        """Start a sequence whose first T positions were read with full attention (a decode-time
+        protocol: prefill exactly, select from the next forward on): a search index then holds
+        those positions' search keys, and the next forward's queries select among them.
+
+        hidden: the layer's input over the T positions (B, T, d_model); k: their post-RoPE keys
+        (B, Hkv, T, D); n_heads: the layer's query heads. Quest, StreamingLLM and the oracle read
+        the KV cache itself and keep no index: nothing to do for them."""
+        method = self.cfg.method
+        if method.startswith("learned"):
+            _, ks = self.proj(self.layer, hidden, start=0)  # (B, G, T, d_search)
+        elif method.startswith("native"):
+            _, ks = native_vectors(k.new_zeros(k.shape[0], n_heads, 0, k.shape[3]), k, self.cfg.groups)
+        else:
+            return
+        index = self._index(ks.shape[-1])
+        index.reset()
+        index.add(ks)
+
+    @torch.no_grad()
     def __call__(self, module, hidden, q, k, v, allowed, scaling):
         teacher = None
         if self.tally is not None:
@@ -146,12 +166,9 @@ def substitute(model, layers, cfg: SelectorConfig, projections: SearchProjection
     manager). Raises TypeError when cfg is not a SelectorConfig, ValueError for layers out of range,
     groups that do not divide the heads, projections of another width or layer_k naming a layer not
     substituted."""
-    n = len(attention_modules(model))
     if not isinstance(cfg, SelectorConfig):
         raise TypeError(f"cfg must be a SelectorConfig, got {type(cfg).__name__}")
-    bad = [i for i in layers if not (isinstance(i, int) and 0 <= i < n)]
-    if bad or not layers:
-        raise ValueError(f"layers must be a non-empty list of layer indices in 0..{n - 1}, got {list(layers)}")
+    _check_layers(model, layers)
     check_groups(model.config.num_attention_heads, cfg.groups, "groups")
     if projections is not None and projections.d_model != model.config.hidden_size:
         raise ValueError(
@@ -165,6 +182,13 @@ def substitute(model, layers, cfg: SelectorConfig, projections: SearchProjection
     handlers = {i: RetrieveThenAttend(i, replace(cfg, K=layer_k[i]) if i in layer_k else cfg, projections, tally)
                 for i in layers}
     return Installed(model, handlers)
+
+
+def _check_layers(model, layers) -> None:
+    n = len(attention_modules(model))
+    bad = [i for i in layers if not (isinstance(i, int) and 0 <= i < n)]
+    if bad or not layers:
+        raise ValueError(f"layers must be a non-empty list of layer indices in 0..{n - 1}, got {list(layers)}")
 
 
 @torch.no_grad()
@@ -185,15 +209,20 @@ def generate(model, input_ids: torch.Tensor, max_new_tokens: int, layers=None,
         return _greedy(model, input_ids, max_new_tokens)
 
 
-def _greedy(model, input_ids, max_new_tokens):
+def new_cache(model):
+    """An empty transformers DynamicCache for `model`."""
     from transformers import DynamicCache
 
+    try:
+        return DynamicCache(config=model.config)
+    except TypeError:  # older transformers: no config argument
+        return DynamicCache()
+
+
+def _greedy(model, input_ids, max_new_tokens):
     from attnlab.hf.modeling import CACHE_NAME
 
-    try:
-        cache = DynamicCache(config=model.config)
-    except TypeError:  # older transformers: no config argument
-        cache = DynamicCache()
+    cache = new_cache(model)
     out = model(input_ids=input_ids, use_cache=True, **{CACHE_NAME: cache})
     ids = input_ids
     for step in range(max_new_tokens):

@@ -9,6 +9,13 @@ an example counts as solved when the argmax at every answer position is the answ
 Every cell (task, length, depth, method, K) scores the same examples: the keys are drawn from
 `seed` alone, so cells differ only in where the needle sits and how much haystack surrounds it.
 Full attention runs first; a method can only be judged on the cells full attention solves.
+
+`prefill` sets what the selector reads: "selected" (every query of the example, haystack included,
+attends through the method) or "full" (the haystack is read once with full attention into the KV
+cache, and only the question and answer positions attend through the method: the protocol of a
+decoder that prefills exactly and retrieves at each step, as Quest and RetrievalAttention are
+evaluated). Under "full" one exact prefill per example serves every method: its selectors are
+primed from it (`patch.record_prefix`).
 Results are rewritten atomically after every cell, and a rerun with the same configuration skips
 the cells already there.
 """
@@ -26,18 +33,19 @@ from typing import Callable
 import torch
 from tqdm.auto import tqdm
 
-from attnlab.checks import NotAnIntError, check_int
+from attnlab.checks import check_choice, check_int, check_int_list, check_name_list
 from attnlab import interrupt
 from attnlab.data.cache import atomic_write_text
 from attnlab.lock import FolderLock, check_free
-from attnlab.data.synthetic import IGNORE, passkey
+from attnlab.data.synthetic import IGNORE, PASSKEY_QUESTION, passkey
 
 from .capture import load_texts
-from .hf_model import (LAYER_SETS, ModelDims, ModelSource, load_hf_config, load_model, load_tokenizer, model_dims,
-                       resolve_layers, resolve_source)
+from .hf_model import (ModelDims, ModelSource, check_layer_spec, load_hf_config, load_model, load_tokenizer,
+                       model_dims, resolve_layers, resolve_source)
 from .lm import FrozenLM, _hf_encode
 from .ivf import IVFIndex
 from .patch import SelectorConfig, substitute
+from .prefill import prefilled_logits
 from .projections import SearchProjections
 from .report import FULL, task_combos, task_key, tasks_markdown
 from .retrieval import METHODS, check_group_spec, resolve_groups
@@ -48,52 +56,11 @@ DEFAULT_LENGTHS = (2048, 4096, 8192)
 DEFAULT_DEPTHS = (0.1, 0.5, 0.9)
 DEFAULT_METHODS = (FULL, "learned", "quest", "streaming")
 DEFAULT_KS = (64, 256)
+PREFILLS = ("selected", "full")
 
 
 def _needs_checkpoint(method: str) -> bool:
     return method.startswith("learned")
-
-
-def _int_list(name: str, values, low: int = 1) -> list[int]:
-    need = "positive ints" if low == 1 else f"ints >= {low}"
-    msg = f"{name} must be a non-empty list of distinct {need}, got {values!r}"
-    if not isinstance(values, (list, tuple)) or not values:
-        raise ValueError(msg)
-    for v in values:
-        try:
-            check_int(name, v, low)
-        except NotAnIntError:
-            raise NotAnIntError(msg) from None
-        except ValueError:
-            raise ValueError(msg) from None
-    if len(set(values)) != len(values):
-        raise ValueError(msg)
-    return list(values)
-
-
-def _str_list(name: str, values, allowed: tuple) -> list[str]:
-    if (not isinstance(values, (list, tuple)) or not values or len(set(values)) != len(values)
-            or any(v not in allowed for v in values)):
-        raise ValueError(f"{name} must be a non-empty list of distinct names from {allowed}, got {values!r}")
-    return list(values)
-
-
-def _check_layer_spec(spec):
-    """A layer set before the model is known: a name from LAYER_SETS, or distinct indices >= 0."""
-    idx = None
-    if isinstance(spec, str):
-        if spec in LAYER_SETS or (spec.startswith("middle") and spec[6:].isdigit() and int(spec[6:]) > 0):
-            return spec
-        try:
-            idx = [int(s) for s in spec.split(",") if s.strip()]
-        except ValueError:
-            idx = None
-    elif isinstance(spec, (list, tuple)) and all(isinstance(i, int) and not isinstance(i, bool) for i in spec):
-        idx = list(spec)
-    if not idx or min(idx) < 0 or len(set(idx)) != len(idx):
-        raise ValueError(f"layer_set must be one of {LAYER_SETS} or a comma list of distinct layer indices >= 0, "
-                         f"got {spec!r}")
-    return spec
 
 
 @dataclass
@@ -105,6 +72,8 @@ class TaskConfig:
     'full' (no substitution) and names from retrieval.METHODS, each run at every K of `ks` in the
     layers of `layer_set`. groups: candidate sets per token for every method (default: the
     checkpoint's, else 1). corpus/split: the held-out text the needle task uses as haystack.
+    prefill: "selected" (every position through the method) or "full" (the haystack exactly, the
+    question and answer through the method; module docstring).
     """
 
     checkpoint: str | None = None
@@ -126,20 +95,21 @@ class TaskConfig:
     ivf_nlist: int = 256
     ivf_nprobe: int = 16
     seed: int = 0
+    prefill: str = "selected"
     out: str = "runs/search-tasks"
 
     def __post_init__(self):
-        self.tasks = _str_list("tasks", self.tasks, TASKS)
-        self.lengths = _int_list("lengths", self.lengths)
+        self.tasks = check_name_list("tasks", self.tasks, TASKS)
+        self.lengths = check_int_list("lengths", self.lengths)
         if (not isinstance(self.depths, (list, tuple)) or not self.depths or len(set(self.depths)) != len(self.depths)
                 or not all(isinstance(d, (int, float)) and not isinstance(d, bool) and 0.0 <= d <= 1.0
                            for d in self.depths)):
             raise ValueError(f"depths must be a non-empty list of distinct numbers in [0, 1], got {self.depths!r}")
         self.depths = [float(d) for d in self.depths]
         check_int("n_examples", self.n_examples)
-        self.methods = _str_list("methods", self.methods, TASK_METHODS)
-        self.ks = _int_list("ks", self.ks)
-        _check_layer_spec(self.layer_set)
+        self.methods = check_name_list("methods", self.methods, TASK_METHODS)
+        self.ks = check_int_list("ks", self.ks)
+        check_layer_spec(self.layer_set)
         check_group_spec(self.groups, allow_none=True)
         for name in ("corpus", "split", "out"):
             if not isinstance(getattr(self, name), str) or not getattr(self, name):
@@ -149,6 +119,7 @@ class TaskConfig:
         check_int("n_sink", self.n_sink, 0)
         check_int("seed", self.seed, 0)
         IVFIndex.check_args(self.ivf_nlist, self.ivf_nprobe, None)
+        check_choice("prefill", self.prefill, PREFILLS)
         if self.checkpoint is not None and (not isinstance(self.checkpoint, str) or not self.checkpoint):
             raise ValueError(f"checkpoint must be None or a path, got {self.checkpoint!r}")
         learned = [m for m in self.methods if _needs_checkpoint(m)]
@@ -190,6 +161,7 @@ class TaskPlan:
     source: ModelSource | None  # None when a loaded FrozenLM was given
     header: dict  # what a resumed run must match (config without `out`, model, checkpoint digest)
     examples: dict = field(default_factory=dict)  # (task, length, depth) -> (inputs, labels) (N, length)
+    question: int = 0  # tokens of the question that precedes each answer
     previous: list = field(default_factory=list)  # rows already in cfg.out
 
 
@@ -269,7 +241,8 @@ def plan_tasks(cfg: TaskConfig, lm: FrozenLM | None = None) -> TaskPlan:
     previous = _rows_in(Path(cfg.out), header)
 
     tok = _Tokenizer(lm.encode if lm is not None else _hf_encode(load_tokenizer(source)))
-    plan = TaskPlan(name, dims, layers, groups, proj if learned else None, source, header, previous=previous)
+    plan = TaskPlan(name, dims, layers, groups, proj if learned else None, source, header, previous=previous,
+                    question=len(tok.encode(PASSKEY_QUESTION)))
     for task in cfg.tasks:
         filler = None
         if task == "needle":
@@ -340,6 +313,15 @@ def run_tasks(cfg: TaskConfig, lm: FrozenLM | None = None, progress: bool = True
 
 def _run_cells(cfg: TaskConfig, plan: TaskPlan, model, todo: list, results: dict, rows: list, progress: bool) -> dict:
     out = Path(cfg.out)
+    if cfg.prefill == "full":
+        todo_cells = list(dict.fromkeys((t, L, d) for *_, t, L, d in todo))  # run order, each once
+        bar = tqdm(total=sum(L for _, L, _ in todo_cells) * cfg.n_examples, desc="search tasks", unit="tok",
+                   unit_scale=True, disable=not progress)
+        _run_prefilled(cfg, plan, model, todo, todo_cells, results, rows, bar)
+        bar.close()
+        results["complete"] = True
+        write_results(results, cfg, out)
+        return results
     bar = tqdm(total=sum(L for *_, L, _ in todo) * cfg.n_examples, desc="search tasks", unit="tok", unit_scale=True,
                disable=not progress)
     t0 = time.time()
@@ -367,6 +349,36 @@ def _run_cells(cfg: TaskConfig, plan: TaskPlan, model, todo: list, results: dict
     results["complete"] = True
     write_results(results, cfg, out)
     return results
+
+
+def _run_prefilled(cfg: TaskConfig, plan: TaskPlan, model, todo: list, todo_cells: list, results: dict, rows: list,
+                   bar) -> None:
+    """prefill="full": per example one exact prefill of everything before the question; each method
+    still to run on the cell reads the question and answer through its selector (`prefill.prefilled_logits`)."""
+    out, t0, todo = Path(cfg.out), time.time(), set(todo)
+    for task, length, depth in todo_cells:
+        combos = [(m, K) for m, K in cfg.combos() if (m, K, task, length, depth) in todo]
+        inputs, labels = plan.examples[task, length, depth]
+        counts = {c: [0, 0, 0, 0.0] for c in combos}  # solved, hit, asked, seconds
+        prefill_s = 0.0
+        for i in range(inputs.shape[0]):  # batch 1: memory stays that of one sequence
+            y = labels[i:i + 1]
+            first = int((y[0] != IGNORE).nonzero()[0, 0])  # the last question token: it predicts the answer
+            got, secs = prefilled_logits(model, plan.layers, inputs[i:i + 1], first + 1 - plan.question, length - first,
+                                         [(c, lambda c=c: _attention(model, *c, plan, cfg)) for c in combos])
+            prefill_s += secs
+            for combo, (logits, t) in got.items():
+                c, (s, h, a) = counts[combo], score(logits, y[:, first:])
+                c[0], c[1], c[2], c[3] = c[0] + s, c[1] + h, c[2] + a, c[3] + t
+            bar.update(length)
+        for (method, K), (solved, hit, asked, secs) in counts.items():
+            rows.append({"task": task, "length": length, "depth": depth, "method": method, "K": K,
+                         "accuracy": solved / inputs.shape[0], "token_accuracy": hit / asked, "n": inputs.shape[0],
+                         "answer_tokens": asked, "seconds": round(secs, 3), "prefill_seconds": round(prefill_s, 3)})
+        results["elapsed_s"] = round(time.time() - t0, 3)
+        write_results(results, cfg, out)
+        interrupt.check(lambda: f"{out} stopped after {len(rows)} cells, written to results.json; the rerun "
+                                f"scores the rest")
 
 
 def _attention(model, method: str, K: int | None, plan: TaskPlan, cfg: TaskConfig):

@@ -1,0 +1,89 @@
+"""An exact prefill shared by several selectors: the decode-time protocol of retrieve-then-attend.
+
+A decoder that retrieves at each step usually reads its prompt with full attention first (Quest and
+RetrievalAttention are evaluated this way): the prompt's keys go into the KV cache and the search
+index, and only the positions after it attend through the selector. `record_prefix` records what a
+selector needs from such a prefill (each substituted layer's input and keys), `PrefixRecord.prime`
+fills the indexes of a `substitute`d model from it, and `prefilled_logits` scores one example's
+continuation through several selectors after one shared prefill.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Callable, Iterable
+
+import torch
+
+from .hooks import Installed
+from .patch import _check_layers, new_cache
+
+
+class PrefixRecord:
+    """Records, during one forward with full attention, each chosen layer's input hidden state and
+    post-RoPE keys: what `RetrieveThenAttend.prime` needs to continue that sequence through a
+    selector, so that several selectors can share one exact prefill (see `record_prefix`)."""
+
+    def __init__(self):
+        self.hidden: dict[int, torch.Tensor] = {}
+        self.keys: dict[int, torch.Tensor] = {}
+        self.n_heads: dict[int, int] = {}
+
+    def handler(self, layer: int):
+        def record(module, hidden, q, k, v, allowed, scaling):
+            self.hidden[layer], self.keys[layer], self.n_heads[layer] = hidden.detach(), k.detach(), q.shape[1]
+            return None  # attend with the model's own SDPA
+
+        return record
+
+    def prime(self, installed: Installed) -> None:
+        """Prime every RetrieveThenAttend handler of `installed` with this record (ValueError when a
+        handled layer was not recorded)."""
+        for module in installed.mods:
+            handler = module._attnlab_handler
+            if handler.layer not in self.hidden:
+                raise ValueError(f"layer {handler.layer} is substituted but its prefill was not recorded "
+                                 f"(recorded: {sorted(self.hidden)})")
+            handler.prime(self.hidden[handler.layer], self.keys[handler.layer], self.n_heads[handler.layer])
+
+
+def record_prefix(model, layers) -> tuple[Installed, PrefixRecord]:
+    """Hooks that record `layers`' inputs and keys while the model attends exactly; use the first as a
+    context manager around the prefill, then `record.prime(substitute(...))` before the next forward."""
+    _check_layers(model, layers)
+    record = PrefixRecord()
+    return Installed(model, {i: record.handler(i) for i in layers}), record
+
+
+
+
+@torch.no_grad()
+def prefilled_logits(model, layers, input_ids: torch.Tensor, split: int, keep: int,
+                     contexts: Iterable[tuple[object, Callable]]) -> tuple[dict, float]:
+    """input_ids (1, T): positions before `split` read once with full attention, then for each
+    (name, make_context) of `contexts` the positions from `split` on read inside make_context() (a
+    `substitute`d model, primed from the prefill, or None / a null context for full attention), the
+    cache cut back to the prefill after each. Returns ({name: (logits of the last `keep` positions
+    (1, keep, V), seconds)}, the prefill's seconds)."""
+    from attnlab.hf.modeling import CACHE_NAME
+
+    T = input_ids.shape[1]
+    if not 0 < split < T or not 0 < keep <= T - split:
+        raise ValueError(f"split must be in 1..{T - 1} and keep in 1..T - split, got split={split}, keep={keep}")
+    t0 = time.time()
+    installed, record = record_prefix(model, layers)
+    cache = new_cache(model)
+    with installed:
+        model(input_ids=input_ids[:, :split], use_cache=True, logits_to_keep=1, **{CACHE_NAME: cache})
+    prefill_s = time.time() - t0
+    out = {}
+    for name, make in contexts:
+        t1 = time.time()
+        with make() as sub:
+            if sub is not None:
+                record.prime(sub)
+            logits = model(input_ids=input_ids[:, split:], use_cache=True, logits_to_keep=keep,
+                           **{CACHE_NAME: cache}).logits
+        cache.crop(split - T)  # back to the prefill
+        out[name] = (logits, time.time() - t1)
+    return out, prefill_s
