@@ -198,3 +198,26 @@ metric_b = "gap:learned4@24"
     assert main(["retrofit", "trial", str(spec), "--no-progress"]) == 0
     hyb = json.loads((spec.parent / "results.json").read_text())["variants"]["hybrid-align"]["mean"]
     assert hyb["window4@24"] is not None and hyb["learned4@24"] is not None
+
+
+def test_jobs_run_side_by_side_and_match_one_at_a_time(tmp_path, model_dir, capsys):
+    """--jobs 2: the runs in two worker processes, each on its own copy of the model, give the
+    results of the runs made one after another in this process."""
+    text = SPEC.replace("seeds = [0, 1]", "seeds = [0]").split("[[variants]]\nname = \"gate-lr10\"")[0]
+    text += '[[verdict]]\nmetric = "nll"\nbetter = "lower"\ncompare = ["gate", "control"]\n'
+    for name in ("one", "two"):
+        (tmp_path / name).mkdir()
+    one, two = _spec(tmp_path / "one", model_dir, text), _spec(tmp_path / "two", model_dir, text)
+    assert main(["retrofit", "trial", str(one), "--no-progress"]) == 0
+    assert main(["retrofit", "trial", str(two), "--no-progress", "--jobs", "2"]) == 0
+    runs = sorted(p.relative_to(one.parent) for p in one.parent.rglob("result.json"))
+    assert len(runs) == 3  # the original, control and gate
+    for rel in runs:
+        a, b = (json.loads((s.parent / rel).read_text()) for s in (one, two))
+        assert b["nll"] == pytest.approx(a["nll"], rel=1e-5, abs=1e-6), rel
+        assert b["first_token_share_all"] == pytest.approx(a["first_token_share_all"], rel=1e-4), rel
+    capsys.readouterr()
+    assert main(["retrofit", "trial", str(two), "--jobs", "0"]) == 2
+    assert "--jobs must be an int >= 1" in capsys.readouterr().err
+    assert main(["retrofit", "--attn", "hybrid", "--out", str(tmp_path / "x"), "--jobs", "2"]) == 2
+    assert not (tmp_path / "x").exists()

@@ -37,6 +37,9 @@ def add_retrofit(sub) -> None:
                    help="run the retrofit experiment SPEC.toml (variants x seeds, resumable) and write its report")
     p.add_argument("--report-only", action="store_true", help="with trial: rebuild the report from finished runs")
     p.add_argument("--no-progress", action="store_true", help="with trial: no progress bars")
+    p.add_argument("--jobs", type=int, default=1, metavar="N",
+                   help="with trial: run N (variant, seed) runs at once, each in its own process with 1/N of the "
+                        "threads (default: 1)")
     p.add_argument("--model", default="smollm2", metavar="M",
                    help="smollm2 (SmolLM2-135M from its PyPI GGUF), a model folder, or a .gguf file (default: smollm2)")
     p.add_argument("--layers", default="middle6", metavar="SPEC",
@@ -90,8 +93,8 @@ def cmd_retrofit(ns) -> int:
     for flag in ("attn", "out"):
         if getattr(ns, flag) is None:
             raise UsageError(f"attnlab retrofit: --{flag} is required (or: attnlab retrofit trial SPEC.toml)")
-    if ns.report_only or ns.no_progress:
-        raise UsageError("--report-only and --no-progress belong to `attnlab retrofit trial SPEC.toml`")
+    if ns.report_only or ns.no_progress or ns.jobs != 1:
+        raise UsageError("--report-only, --no-progress and --jobs belong to `attnlab retrofit trial SPEC.toml`")
     try:
         import attnlab.hf  # noqa: F401
         from attnlab.retrofit import RetrofitError, check_out, convert, load_source, parse_settings, plan_source, save
@@ -206,10 +209,12 @@ def cmd_trial(ns) -> int:
     except ImportError as e:
         raise UsageError(f"attnlab retrofit trial needs the optional package {e.name}; install the [hf] extra: "
                          f"{HF_EXTRA}") from None
+    if ns.jobs < 1:
+        raise UsageError(f"--jobs must be an int >= 1, got {ns.jobs}")
     if not Path(ns.trial[1]).is_file():
         raise UsageError(f"spec file {ns.trial[1]!r} does not exist")
     trial = load_trial(ns.trial[1])  # ConfigError names the key; every variant's plan checked
-    res = run_trial(trial, progress=not ns.no_progress, report_only=ns.report_only)
+    res = run_trial(trial, progress=not ns.no_progress, report_only=ns.report_only, jobs=ns.jobs)
     for v in res["verdicts"]:
         print(f"{v['name'] or v['metric']}: {v['outcome']}")
     print(f"wrote {trial.out}/results.json, report.md")

@@ -42,7 +42,9 @@ from attnlab.data.cache import atomic_write_text
 from attnlab.experiments.report import fmt, markdown_table, mean as _mean_or_none, report_head
 from attnlab.experiments.sweep.verdict import check_rules, judge, verdict_lines
 from attnlab.experiments.trial_spec import Trial, need, pm, read_spec, table as _table, variant_name
+from attnlab.checks import check_int
 from attnlab.lock import FolderLock, check_free
+from attnlab.pool import run_pool
 from attnlab.models.config import ConfigError
 
 from .convert import RetrofitError, new_parameters
@@ -229,9 +231,14 @@ def run_one(run: TrialRun | None, ev: EvalConfig, folder: Path, hf_model, tok, p
     return res
 
 
-def run_trial(trial: Trial, hf_model=None, tok=None, progress: bool = True, report_only: bool = False) -> dict:
+def run_trial(trial: Trial, hf_model=None, tok=None, progress: bool = True, report_only: bool = False,
+              jobs: int = 1) -> dict:
     """Run every unfinished (variant, seed), then write OUT/results.json and report.md. OUT is locked
-    meanwhile; SIGINT/SIGTERM stop it after the current step, and the same command resumes."""
+    meanwhile; SIGINT/SIGTERM stop it after the current step, and the same command resumes.
+
+    jobs > 1 runs that many (variant, seed) runs at once, each in a worker process with its own copy
+    of the model and 1/jobs of this process's threads (`attnlab.pool`); the runs' folders are disjoint."""
+    check_int("jobs", jobs)
     ev = trial.runs[0].eval
     check_free(trial.out)
     with FolderLock(trial.out), interrupt.graceful():
@@ -239,6 +246,12 @@ def run_trial(trial: Trial, hf_model=None, tok=None, progress: bool = True, repo
         orig = trial.out / "runs" / ORIGINAL
         if not report_only and finished(orig, _fingerprint(None, ev)) is None:
             todo.insert(0, None)
+        if jobs > 1 and len(todo) > 1:
+            threads = max(1, torch.get_num_threads() // jobs)
+            keys = [None if r is None else (r.variant, r.seed) for r in todo]
+            run_pool(_trial_job, [(str(trial.path), key, threads) for key in keys], jobs,
+                     stopped=lambda: "stopped; finished runs are kept and the rerun resumes the others")
+            todo = []
         if todo and hf_model is None:
             from .io import load_source, plan_source
 
@@ -249,6 +262,19 @@ def run_trial(trial: Trial, hf_model=None, tok=None, progress: bool = True, repo
             if interrupt.requested() is not None:
                 raise interrupt.Interrupted(interrupt.requested(), "stopped between runs; rerun to resume")
         return write_report(trial)
+
+
+def _trial_job(spec: str, key: tuple[str, int] | None, threads: int) -> None:
+    """One run of a trial in a pool worker: key (variant, seed), or None for the original model."""
+    from .io import load_source, plan_source
+
+    torch.set_num_threads(threads)
+    trial = load_trial(spec)
+    run = None if key is None else next(r for r in trial.runs if (r.variant, r.seed) == tuple(key))
+    hf_model, tok = load_source(plan_source(trial.runs[0].retrofit.model, "0", "softmax")[0])
+    torch.manual_seed(0)
+    run_one(run, trial.runs[0].eval, trial.out / "runs" / ORIGINAL if run is None else run.folder, hf_model, tok,
+            progress=False)
 
 
 def seed_stats(per_seed: dict) -> dict:

@@ -7,9 +7,7 @@ from __future__ import annotations
 import copy
 import json
 import os
-import sys
 import time
-from concurrent.futures import ProcessPoolExecutor, as_completed
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -19,6 +17,7 @@ from attnlab.data.cache import atomic_write_text
 from attnlab.eval.metrics import GATE_BINS
 from attnlab.lock import FolderLock, check_free
 from attnlab.models.config import ConfigError
+from attnlab.pool import run_pool
 from attnlab.train.config import RunConfig, apply_overrides, config_from_dict, read_toml, to_dict
 
 from ..report import topk_summary
@@ -265,27 +264,6 @@ def execute(job: dict) -> dict:
     return record
 
 
-def _worker_init(parent: int) -> None:
-    """A pool worker dies with the sweep (Linux), so a killed sweep leaves no run training. It runs
-    in a session of its own, so a terminal's Ctrl-C reaches the sweep alone, which passes one
-    signal on to each worker: the worker finishes its step, checkpoints and stops."""
-    if sys.platform.startswith("linux"):
-        try:
-            import ctypes
-            import signal
-
-            ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
-        except (OSError, AttributeError):
-            pass
-    if os.getppid() != parent:
-        os._exit(1)
-    try:
-        os.setsid()
-    except OSError:
-        pass
-    interrupt.install()
-
-
 # --------------------------------------------------------------------------- the sweep
 
 
@@ -353,48 +331,11 @@ def _stopped(plans: list[RunPlan], todo: list[RunPlan]) -> str:
 
 
 def _run_pool(todo: list[RunPlan], jobs_list: list[dict], jobs: int, bar, plans: list[RunPlan]) -> None:
-    """Train `todo` in `jobs` worker processes. The first SIGINT/SIGTERM is passed on to every
-    worker (each finishes its step, checkpoints and stops); queued runs are not started; then
-    Interrupted is raised here. A second signal ends the sweep at once, and its workers with it."""
-    import multiprocessing as mp
+    """Train `todo` in `jobs` worker processes (`attnlab.pool.run_pool`: the first SIGINT/SIGTERM
+    reaches every worker, each finishes its step, checkpoints and stops; queued runs are not started)."""
 
-    pool = ProcessPoolExecutor(max_workers=min(jobs, len(todo)), mp_context=mp.get_context("spawn"),
-                               initializer=_worker_init, initargs=(os.getpid(),))
+    def done(i: int) -> None:
+        bar.set_postfix_str(f"{todo[i].variant}/seed{todo[i].seed}")
+        bar.update(1)
 
-    def forward(signum: int) -> None:
-        for proc in list((getattr(pool, "_processes", None) or {}).values()):
-            try:
-                os.kill(proc.pid, signum)
-            except (ProcessLookupError, AttributeError):
-                pass
-
-    failure: BaseException | None = None
-    with interrupt.graceful(on_signal=forward):
-        futures = {pool.submit(execute, job): p for p, job in zip(todo, jobs_list)}
-        try:
-            for fut in as_completed(futures):
-                if interrupt.requested() is not None:
-                    for f in futures:
-                        f.cancel()
-                if fut.cancelled():
-                    continue
-                try:
-                    fut.result()
-                except interrupt.Interrupted:
-                    continue
-                except BaseException as e:  # a run that failed: stop the others, then report it
-                    if failure is None:
-                        failure = e
-                        for f in futures:
-                            f.cancel()
-                    continue
-                p = futures[fut]
-                bar.set_postfix_str(f"{p.variant}/seed{p.seed}")
-                bar.update(1)
-        finally:
-            pool.shutdown(wait=True, cancel_futures=True)
-        if failure is not None:
-            raise failure
-        interrupt.check(lambda: _stopped(plans, todo))
-
-
+    run_pool(execute, [(job,) for job in jobs_list], jobs, on_done=done, stopped=lambda: _stopped(plans, todo))
