@@ -52,7 +52,7 @@ def tasks_table(res: Json) -> str:
         right[key] = right.get(key, 0) + round(r["accuracy"] * r["n"])
     cols = [(task, n) for task in cfg["tasks"] for n in cfg["lengths"]]
     rows = [["full attention", *(str(right[("full", None, t, n)]) for t, n in cols)]]
-    for method, label in TASK_METHODS:
+    for method, label in [(m, label) for m, label in TASK_METHODS if m in cfg["methods"]]:
         ks = " / ".join(str(k) for k in cfg["ks"])
         rows.append([f"{label}, K = {ks}",
                      *(" / ".join(str(right[(method, k, t, n)]) for k in cfg["ks"]) for t, n in cols)])
