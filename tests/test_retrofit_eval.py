@@ -56,3 +56,40 @@ def test_cli_writes_eval_json_and_checks_its_options_first(llama, tmp_path, caps
         assert err.count("\n") == 0 and msg in err, err
     with pytest.raises(RetrofitError, match="--eval-analysis-contexts"):
         EvalConfig(contexts=1, analysis_contexts=2).check()
+
+
+def test_an_interrupted_decode_evaluation_keeps_what_it_measured(llama, tmp_path, monkeypatch):
+    """partial=: each decode loss is written as soon as it is measured; a rerun with the same config
+    measures only the missing ones and reports what an uninterrupted evaluation reports."""
+    import sys
+
+    ft = sys.modules["attnlab.retrofit.finetune"]  # the package exports a function of the same name
+
+    cfg = EvalConfig(contexts=1, context=32, windows=[4], window_lengths=[24, 32], window_contexts=1,
+                     learned_steps=2, learned_context=16, learned_contexts=2)
+    model = convert(llama, "1,2", "scalar")
+    whole = evaluate_retrofit(model, cfg)["decode"]
+    assert list(whole) == cfg.decode_names() and len(whole) == 6
+    path = tmp_path / "decode.partial.json"
+    real, calls = ft.perplexity, []
+
+    def flaky(m, ids):
+        calls.append(ids.shape[1])
+        if len(calls) == 1 + 4:  # the held-out perplexity, then three decode losses, then stop
+            raise KeyboardInterrupt("stopped by the test")
+        return real(m, ids)
+
+    monkeypatch.setattr(ft, "perplexity", flaky)
+    with pytest.raises(KeyboardInterrupt):
+        evaluate_retrofit(model, cfg, partial=path)
+    kept = json.loads(path.read_text())["decode"]
+    assert list(kept) == cfg.decode_names()[:3]
+    calls.clear()
+    monkeypatch.setattr(ft, "perplexity", lambda m, ids: calls.append(ids.shape[1]) or real(m, ids))
+    again = evaluate_retrofit(model, cfg, partial=path)["decode"]
+    assert len(calls) == 1 + 3  # the held-out perplexity and the three missing losses
+    assert again == pytest.approx(whole, rel=1e-5)
+    other = EvalConfig(**{**vars(cfg), "window_contexts": 2})  # another config ignores the file
+    calls.clear()
+    evaluate_retrofit(model, other, partial=path)
+    assert len(calls) == 1 + 6

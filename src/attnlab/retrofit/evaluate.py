@@ -5,10 +5,15 @@ sink's share, the ground state's mass, the output gate's low values), through th
 
 from __future__ import annotations
 
+import contextlib
+import json
 import math
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import torch
+
+from attnlab.data.cache import atomic_write_text
 
 from .convert import RetrofitError
 
@@ -81,10 +86,14 @@ def _mean(values) -> float | None:
 
 
 @torch.no_grad()
-def evaluate_retrofit(model, cfg: EvalConfig, original=None, encode=None, eos_id: int | None = None) -> dict:
+def evaluate_retrofit(model, cfg: EvalConfig, original=None, encode=None, eos_id: int | None = None,
+                      partial=None) -> dict:
     """Held-out perplexity of `model` (an AttnlabForCausalLM, e.g. from `convert`) and of `original` (the
     HF model it came from, when given), and per layer the means over heads and analysed contexts of
-    PER_LAYER where the layer has them; also kept as `model.eval_report` (written to eval.json by `save`)."""
+    PER_LAYER where the layer has them; also kept as `model.eval_report` (written to eval.json by `save`).
+
+    partial: a json path where each decode loss is kept as soon as it is measured (the long part of
+    an evaluation); a rerun with the same cfg measures only the ones missing there."""
     from attnlab.train.evaluate import attention_report
 
     from .finetune import FinetuneConfig, _pack, perplexity as _perplexity
@@ -111,14 +120,14 @@ def evaluate_retrofit(model, cfg: EvalConfig, original=None, encode=None, eos_id
             layers.append(row)
         report["layers"] = layers
         if cfg.windows:
-            report["decode"] = _decode_losses(model, cfg, encode, eos_id)
+            report["decode"] = _decode_losses(model, cfg, encode, eos_id, partial)
     finally:
         model.train(was)
     model.eval_report = report
     return report
 
 
-def _decode_losses(model, cfg: EvalConfig, encode, eos_id) -> dict:
+def _decode_losses(model, cfg: EvalConfig, encode, eos_id, partial=None) -> dict:
     """{name: nats per token} of `EvalConfig.decode_names`: exact, through the sorted cache's window and
     through learned search projections, on the same held-out contexts of each length (the exact loss
     only for a model without scalar/hybrid layers)."""
@@ -128,23 +137,46 @@ def _decode_losses(model, cfg: EvalConfig, encode, eos_id) -> dict:
 
     lm, proj = model.model, None
     selectable = bool(selectable_layers(lm))  # no scalar/hybrid layer (a control): the exact loss only
-    if cfg.learned_steps and selectable:
+    out = _kept(partial, cfg)
+    lengths = cfg.window_lengths or [cfg.context]
+    learned = [f"learned{k}@{T}" for T in lengths for k in cfg.windows]
+    if cfg.learned_steps and selectable and any(n not in out for n in learned):
         from attnlab.eval.selector_training import train_selector_projections
 
         pack = FinetuneConfig(context=cfg.learned_context, corpus=cfg.corpus, seed=cfg.seed)
         train = _pack(pack, "train", cfg.learned_contexts, encode, eos_id)
         with torch.enable_grad():  # evaluate_retrofit runs under no_grad; the projections train
             proj = train_selector_projections(lm, [row[None] for row in train], cfg.learned_steps, seed=cfg.seed)
-    out = {}
-    for T in cfg.window_lengths or [cfg.context]:
+
+    def measure(name: str, ids, selection=None) -> None:
+        if name in out:
+            return
+        with selection if selection is not None else contextlib.nullcontext():
+            out[name] = math.log(perplexity(model, ids))
+        if partial is not None:
+            atomic_write_text(Path(partial), json.dumps({"config": _plain(cfg), "decode": out}) + "\n")
+
+    for T in lengths:
         ids = _pack(FinetuneConfig(context=T, corpus=cfg.corpus, seed=cfg.seed), "test", cfg.window_contexts,
                     encode, eos_id)
-        out[f"exact@{T}"] = math.log(perplexity(model, ids))
+        measure(f"exact@{T}", ids)
         for k in cfg.windows if selectable else ():
-            with select_keys(lm, "window", k):
-                out[f"window{k}@{T}"] = math.log(perplexity(model, ids))
-            if proj is not None:
-                with select_keys(lm, "learned", k, projections=proj):
-                    out[f"learned{k}@{T}"] = math.log(perplexity(model, ids))
-    return out
+            measure(f"window{k}@{T}", ids, select_keys(lm, "window", k))
+            if proj is not None or f"learned{k}@{T}" in out:
+                measure(f"learned{k}@{T}", ids, None if proj is None else select_keys(lm, "learned", k, projections=proj))
+    return {n: out[n] for n in cfg.decode_names() if n in out} if selectable else out
 
+
+def _plain(cfg: EvalConfig) -> dict:
+    return json.loads(json.dumps(vars(cfg), default=str))
+
+
+def _kept(partial, cfg: EvalConfig) -> dict:
+    """The decode losses an interrupted evaluation with the same cfg left in `partial` ({} if none)."""
+    if partial is None:
+        return {}
+    try:
+        saved = json.loads(Path(partial).read_text())
+    except (OSError, ValueError):
+        return {}
+    return dict(saved.get("decode") or {}) if saved.get("config") == _plain(cfg) else {}

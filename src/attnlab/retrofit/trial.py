@@ -56,6 +56,7 @@ SPEC_KEYS = ("title", "claim", "description", "seeds", "retrofit", "transfer", "
              "verdict", "out")
 ORIGINAL = "original"
 RESULT = "result.json"
+PARTIAL = "decode.partial.json"  # the decode losses of an evaluation not yet finished
 SCALARS = ("ppl", "nll", "ppl_gap", *PER_LAYER, "first_token_share_before", "first_token_share_all",
            "new_change_rms", "wall_s")
 
@@ -219,7 +220,8 @@ def run_one(run: TrialRun | None, ev: EvalConfig, folder: Path, hf_model, tok, p
         res["finetune"]["trained"] = len(rep.get("trained") or [])
         f = run.finetune
         res["finetune"]["tokens"] = f.steps * f.batch * f.context
-    report = evaluate_retrofit(model, ev, original=hf_model if run is None else None, encode=encode, eos_id=eos)
+    report = evaluate_retrofit(model, ev, original=hf_model if run is None else None, encode=encode, eos_id=eos,
+                               partial=folder / PARTIAL)  # an interrupted evaluation keeps its decode losses
     moved = [(p.detach() - start[n]).pow(2) for n, p in new_parameters(model.model, plan).items()]
     res.update(_summary(report, set(res["layers"])), eval=report,
                new_change_rms=math.sqrt(sum(float(x.sum()) for x in moved) / sum(x.numel() for x in moved))
@@ -228,6 +230,7 @@ def run_one(run: TrialRun | None, ev: EvalConfig, folder: Path, hf_model, tok, p
     if run is None:
         res["ppl_original_hf"] = report.get("perplexity_original")
     atomic_write_text(folder / RESULT, json.dumps(res, indent=1, default=str) + "\n")
+    (folder / PARTIAL).unlink(missing_ok=True)
     return res
 
 
