@@ -93,3 +93,31 @@ def test_an_interrupted_decode_evaluation_keeps_what_it_measured(llama, tmp_path
     calls.clear()
     evaluate_retrofit(model, other, partial=path)
     assert len(calls) == 1 + 6
+
+
+def test_a_signal_stops_the_evaluation_after_the_loss_it_is_measuring(llama, tmp_path, monkeypatch):
+    """Under interrupt.graceful (a trial's run), SIGINT lets the decode loss in progress finish and be
+    kept, then stops the evaluation with Interrupted."""
+    import os
+    import signal
+    import sys
+
+    from attnlab import interrupt
+
+    ft = sys.modules["attnlab.retrofit.finetune"]
+    cfg = EvalConfig(contexts=1, context=32, windows=[4], window_lengths=[24], window_contexts=1)
+    model = convert(llama, "1", "scalar")
+    path = tmp_path / "decode.partial.json"
+    real, calls = ft.perplexity, []
+
+    def signalled(m, ids):
+        calls.append(1)
+        if len(calls) == 2:  # during the first decode loss
+            os.kill(os.getpid(), signal.SIGINT)
+        return real(m, ids)
+
+    monkeypatch.setattr(ft, "perplexity", signalled)
+    with pytest.raises(interrupt.Interrupted, match="evaluation stopped after exact@24"):
+        with interrupt.graceful():
+            evaluate_retrofit(model, cfg, partial=path)
+    assert list(json.loads(path.read_text())["decode"]) == ["exact@24"]

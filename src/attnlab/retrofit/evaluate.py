@@ -13,6 +13,7 @@ from pathlib import Path
 
 import torch
 
+from attnlab import interrupt
 from attnlab.data.cache import atomic_write_text
 
 from .convert import RetrofitError
@@ -155,6 +156,7 @@ def _decode_losses(model, cfg: EvalConfig, encode, eos_id, partial=None) -> dict
             out[name] = math.log(perplexity(model, ids))
         if partial is not None:
             atomic_write_text(Path(partial), json.dumps({"config": _plain(cfg), "decode": out}) + "\n")
+            interrupt.check(lambda: f"evaluation stopped after {name}; {partial} keeps {len(out)} decode losses")
 
     for T in lengths:
         ids = _pack(FinetuneConfig(context=T, corpus=cfg.corpus, seed=cfg.seed), "test", cfg.window_contexts,
