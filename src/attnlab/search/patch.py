@@ -168,7 +168,7 @@ def substitute(model, layers, cfg: SelectorConfig, projections: SearchProjection
     substituted."""
     if not isinstance(cfg, SelectorConfig):
         raise TypeError(f"cfg must be a SelectorConfig, got {type(cfg).__name__}")
-    _check_layers(model, layers)
+    check_layers(model, layers)
     check_groups(model.config.num_attention_heads, cfg.groups, "groups")
     if projections is not None and projections.d_model != model.config.hidden_size:
         raise ValueError(
@@ -184,7 +184,8 @@ def substitute(model, layers, cfg: SelectorConfig, projections: SearchProjection
     return Installed(model, handlers)
 
 
-def _check_layers(model, layers) -> None:
+def check_layers(model, layers) -> None:
+    """ValueError unless `layers` is a non-empty list of the model's attention layer indices."""
     n = len(attention_modules(model))
     bad = [i for i in layers if not (isinstance(i, int) and 0 <= i < n)]
     if bad or not layers:

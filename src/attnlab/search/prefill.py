@@ -16,7 +16,7 @@ from typing import Callable, Iterable
 import torch
 
 from .hooks import Installed
-from .patch import _check_layers, new_cache
+from .patch import check_layers, new_cache
 
 
 class PrefixRecord:
@@ -50,7 +50,7 @@ class PrefixRecord:
 def record_prefix(model, layers) -> tuple[Installed, PrefixRecord]:
     """Hooks that record `layers`' inputs and keys while the model attends exactly; use the first as a
     context manager around the prefill, then `record.prime(substitute(...))` before the next forward."""
-    _check_layers(model, layers)
+    check_layers(model, layers)
     record = PrefixRecord()
     return Installed(model, {i: record.handler(i) for i in layers}), record
 

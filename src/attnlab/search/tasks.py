@@ -9,15 +9,15 @@ an example counts as solved when the argmax at every answer position is the answ
 Every cell (task, length, depth, method, K) scores the same examples: the keys are drawn from
 `seed` alone, so cells differ only in where the needle sits and how much haystack surrounds it.
 Full attention runs first; a method can only be judged on the cells full attention solves.
+Results are rewritten atomically after every cell, and a rerun with the same configuration skips
+the cells already there.
 
 `prefill` sets what the selector reads: "selected" (every query of the example, haystack included,
 attends through the method) or "full" (the haystack is read once with full attention into the KV
 cache, and only the question and answer positions attend through the method: the protocol of a
 decoder that prefills exactly and retrieves at each step, as Quest and RetrievalAttention are
 evaluated). Under "full" one exact prefill per example serves every method: its selectors are
-primed from it (`patch.record_prefix`).
-Results are rewritten atomically after every cell, and a rerun with the same configuration skips
-the cells already there.
+primed from it (`prefill.record_prefix`).
 """
 
 from __future__ import annotations
