@@ -2,7 +2,8 @@
 
 Decode (one query token at context N; SmolLM2-135M shapes: 9 query / 3 KV heads, head dim 64,
 d_search 128, random vectors): full attention over N keys; learned exact top-K (N dot products in
-d_search per candidate set; learned_exact16 with the search keys in fp16), learned FAISS HNSW and
+d_search per candidate set; learned_exact16 with the search keys in fp16), learned FAISS HNSW
+(learned_hnsw16: the graph's vectors in fp16, FAISS's fp16 scalar quantizer) and
 learned FAISS IVF-flat (N / 128 lists, 1 in 16 probed, centroids learned on the first 16 keys per
 list), each followed by exact attention over the K candidates; native HNSW (the model's own q/k in
 the index); Quest page selection. A decode step also adds the new token's key to the index:
@@ -65,12 +66,13 @@ def decode_row(N: int, K: int, rounds: int, groups: int = 1, M: int = 32, ef: in
     allowed = torch.ones(1, 1, 1, N, dtype=torch.bool)
     exact, exact16 = ExactIndex(), ExactIndex(torch.float16)
     hnsw, native = HNSWIndex(ds, M, 64, ef), HNSWIndex(kn.shape[-1], M, 64, ef)
+    hnsw16 = HNSWIndex(ds, M, 64, ef, dtype=torch.float16)
     nlist = max(16, N // 128)
     first = min(N, 16 * nlist)
     ivf = IVFIndex(ds, nlist, max(1, nlist // 16), train_at=first)
     quest = QuestIndex(page)
     add_ms = {}
-    for name, index, keys in (("learned_hnsw", hnsw, ks), ("native_hnsw", native, kn)):
+    for name, index, keys in (("learned_hnsw", hnsw, ks), ("learned_hnsw16", hnsw16, ks), ("native_hnsw", native, kn)):
         t = time.perf_counter()
         index.add(keys)
         add_ms[name] = 1e3 * (time.perf_counter() - t) / N  # mean insertion cost per key while growing to N
@@ -90,7 +92,8 @@ def decode_row(N: int, K: int, rounds: int, groups: int = 1, M: int = 32, ef: in
         add_ms[name] = 1e3 * (time.perf_counter() - t) / tail
     top, _ = exact.search(qs, allowed, K)
     recall = {name: (ix.search(qs, allowed, K)[0][..., :, None] == top[..., None, :]).any(-1).float().mean().item()
-              for name, ix in (("learned_hnsw", hnsw), ("learned_ivf", ivf), ("learned_exact16", exact16))}
+              for name, ix in (("learned_hnsw", hnsw), ("learned_hnsw16", hnsw16), ("learned_ivf", ivf),
+                               ("learned_exact16", exact16))}
     scale = D ** -0.5
 
     def attend(select):
@@ -102,6 +105,7 @@ def decode_row(N: int, K: int, rounds: int, groups: int = 1, M: int = 32, ef: in
         "learned_exact": lambda: attend(lambda: exact.search(qs, allowed, K)),
         "learned_exact16": lambda: attend(lambda: exact16.search(qs, allowed, K)),
         "learned_hnsw": lambda: attend(lambda: hnsw.search(qs, allowed, K)),
+        "learned_hnsw16": lambda: attend(lambda: hnsw16.search(qs, allowed, K)),
         "learned_ivf": lambda: attend(lambda: ivf.search(qs, allowed, K)),
         "native_hnsw": lambda: attend(lambda: native.search(qn, allowed, K)),
         "quest": lambda: attend(lambda: quest.select(q, allowed, scale, K, groups)),
@@ -119,6 +123,7 @@ def decode_row(N: int, K: int, rounds: int, groups: int = 1, M: int = 32, ef: in
             "learned_exact16_mb": exact16.keys.numel() * 2 / 2 ** 20,
             "learned_ivf_mb": (ks.numel() * 4 + groups * nlist * ds * 4 + ks[..., 0].numel() * 8) / 2 ** 20,
             "learned_hnsw_mb": _hnsw_bytes(hnsw) / 2 ** 20,
+            "learned_hnsw16_mb": _hnsw_bytes(hnsw16) / 2 ** 20,
             "native_hnsw_mb": _hnsw_bytes(native) / 2 ** 20,
             "quest_mb": 2 * Hkv * n_pages * D * 4 / 2 ** 20,
             "proxy_full": N * D, "proxy_quest": N / page * 2 * D, "proxy_hnsw": M * ef * math.log2(N) * ds}

@@ -67,7 +67,14 @@ def search_decode_table(res: Json) -> str:
     def mb(x: float) -> str:
         return f"{x:.1f}" if x < 10 else f"{x:.0f}"
 
-    methods = ("learned_exact", "learned_exact16", "learned_hnsw", "learned_ivf", "native_hnsw", "quest")
+    labels = {"learned_exact": "learned, exact", "learned_exact16": "exact, fp16 keys",
+              "learned_hnsw": "learned, HNSW (recall)", "learned_hnsw16": "HNSW, fp16 graph (recall)",
+              "learned_ivf": "learned, IVF (recall)", "native_hnsw": "native, HNSW", "quest": "Quest"}
+    methods = [m for m in labels if f"{m}_x_full" in res["rows"][0]]  # older runs lack the fp16 graph
+    memory = [m for m in ("learned_exact", "learned_exact16", "learned_hnsw", "learned_hnsw16", "learned_ivf")
+              if f"{m}_mb" in res["rows"][0]]
+    names = {"learned_exact": "exact", "learned_exact16": "fp16", "learned_hnsw": "HNSW",
+             "learned_hnsw16": "HNSW fp16", "learned_ivf": "IVF"}
     rows = []
     for r in res["rows"]:
         full = r["full_ms"]
@@ -76,9 +83,7 @@ def search_decode_table(res: Json) -> str:
         add = max(methods, key=lambda m: r[f"{m}_add_ms"] / r[f"{m}_ms"])
         rows.append([f"{r['N']:,}", f"{full:.{1 if full >= 10 else 2}f} ms", *cells,
                      f"{100 * r[f'{add}_add_ms'] / r[f'{add}_ms']:.0f} % ({add.replace('_', ' ')})",
-                     f"{mb(r['learned_exact_mb'])} / {mb(r['learned_exact16_mb'])} / {mb(r['learned_hnsw_mb'])} / "
-                     f"{mb(r['learned_ivf_mb'])} MB, {r['kv_cache_mb']:.0f} MB"])
-    header = ["context", "full attention", "learned, exact", "exact, fp16 keys", "learned, HNSW (recall)",
-              "learned, IVF (recall)", "native, HNSW", "Quest", "largest insertion / step",
-              "index memory (exact / fp16 / HNSW / IVF) beside a KV cache of"]
-    return _table(header, "rrrrrrrrrl", rows)
+                     " / ".join(mb(r[f"{m}_mb"]) for m in memory) + f" MB, {r['kv_cache_mb']:.0f} MB"])
+    header = ["context", "full attention", *(labels[m] for m in methods), "largest insertion / step",
+              f"index memory ({' / '.join(names[m] for m in memory)}) beside a KV cache of"]
+    return _table(header, "rr" + "r" * len(methods) + "rl", rows)

@@ -207,12 +207,14 @@ def test_streaming_keeps_sinks_and_recent_window():
     assert valid[0, 0, 2].sum() == 3 and sorted(idx[0, 0, 2][valid[0, 0, 2]].tolist()) == [0, 1, 2]
 
 
-def test_exact_and_hnsw_indexes_agree_and_are_causal():
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_exact_and_hnsw_indexes_agree_and_are_causal(dtype):
+    """Also with the keys stored in half precision (the exact index and the graph's fp16 quantizer)."""
     torch.manual_seed(2)
     T, d, K = 120, 16, 10
     x = torch.nn.functional.normalize(torch.randn(1, 1, T, d), dim=-1)  # (B, G, T, d)
     allowed = _causal(T)
-    ex, hn = ExactIndex(), HNSWIndex(d, M=16, ef_construction=80, ef_search=120)
+    ex, hn = ExactIndex(dtype), HNSWIndex(d, M=16, ef_construction=80, ef_search=120, dtype=dtype)
     for s in range(0, T, 40):  # grows as tokens arrive
         ex.add(x[:, :, s:s + 40])
         hn.add(x[:, :, s:s + 40])
@@ -223,6 +225,12 @@ def test_exact_and_hnsw_indexes_agree_and_are_causal():
     assert torch.equal(v1.sum(-1), v2.sum(-1))
     overlap = (torch.sort(i1, -1).values == torch.sort(i2, -1).values).float().mean()
     assert overlap > 0.9
+    if dtype == torch.float16:  # the graph holds fp16 vectors: half the bytes of the float32 graph
+        flat = HNSWIndex(d, M=16, ef_construction=80, ef_search=120)
+        flat.add(x)
+        assert len(hn.faiss.serialize_index(hn.rows[0][0])) < len(hn.faiss.serialize_index(flat.rows[0][0])) - T * d
+        with pytest.raises(ValueError, match="dtype"):
+            HNSWIndex(8, dtype=torch.bfloat16)
 
 
 def test_hnsw_blocks_and_pinned_sinks_track_exact_search():
@@ -382,10 +390,11 @@ def test_search_benchmark_runs_shared_and_grouped(tmp_path):
     for groups in (1, 3):
         row = mod.decode_row(300, K=16, rounds=1, groups=groups)
         assert row["N"] == 300 and all(row[f"{m}_ms"] > 0 and row[f"{m}_x_full"] > 0
-                                       for m in ("learned_exact", "learned_exact16", "learned_hnsw", "learned_ivf",
-                                                 "native_hnsw", "quest"))
-        assert all(0 <= row[f"{m}_recall"] <= 1 for m in ("learned_hnsw", "learned_ivf", "learned_exact16"))
+                                       for m in ("learned_exact", "learned_exact16", "learned_hnsw", "learned_hnsw16",
+                                                 "learned_ivf", "native_hnsw", "quest"))
+        assert all(0 <= row[f"{m}_recall"] <= 1 for m in ("learned_hnsw", "learned_hnsw16", "learned_ivf", "learned_exact16"))
         assert row["learned_exact_mb"] == 300 * groups * 128 * 4 / 2 ** 20 and row["learned_hnsw_mb"] > row["learned_exact_mb"]
+        assert row["learned_hnsw16_mb"] < row["learned_hnsw_mb"]
         assert row["kv_cache_mb"] == 2 * 3 * 300 * 64 * 4 / 2 ** 20
     rows = mod.train_rows(96, [0, 32], rounds=1)
     assert [r["query_rows"] for r in rows] == [96, 32] and rows[0]["x_first"] == 1.0 and rows[1]["step_s"] > 0

@@ -70,11 +70,13 @@ def test_hnsw_ivf_and_half_keys_decode_as_the_exact_index_where_they_are_exact()
         ivf = run(6, index="ivf", nlist=4, nprobe=4, train_at=12)  # lists learned at the 12th key
         few = run(6, index="ivf", nlist=4, nprobe=1, train_at=12)
         half = run(6, key_dtype="float16")
+        graph16 = run(8, index="hnsw", hnsw_m=8, ef_search=32, key_dtype="float16")
     assert rel_rms(graph[:, :8], exact8[:, :8]) < 1e-6  # n <= K: every key, no graph search
     assert rel_rms(graph, exact8) < 0.05 and rel_rms(full, model(idx)[0]) < 1e-5
     assert rel_rms(ivf, exact6) < 1e-5 and rel_rms(few[:, :11], exact6[:, :11]) < 1e-5
     assert torch.isfinite(few).all() and rel_rms(few, exact6) > 1e-3  # one list of four: other keys
     assert rel_rms(half, exact6) < 0.05
+    assert rel_rms(graph16[:, :8], exact8[:, :8]) < 1e-6 and rel_rms(graph16, exact8) < 0.05
 
 
 @pytest.mark.parametrize("kwargs, error, words", [
@@ -84,6 +86,7 @@ def test_hnsw_ivf_and_half_keys_decode_as_the_exact_index_where_they_are_exact()
     ({"K": 4, "index": "ivf", "nlist": 4, "nprobe": 5}, ValueError, "nprobe"),
     ({"K": 4, "index": "ivf", "nlist": 8, "nprobe": 2, "train_at": 4}, ValueError, "train_at"),
     ({"K": 4, "key_dtype": "int8"}, ValueError, "key_dtype"),
+    ({"K": 4, "index": "ivf", "key_dtype": "float16"}, ValueError, "key_dtype"),
 ])
 def test_bad_selector_settings_name_the_argument(kwargs, error, words):
     model = _model("hybrid")

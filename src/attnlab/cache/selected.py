@@ -49,8 +49,8 @@ class DecodeSelector:
             beam widths, and the first keys scored exactly beside the graph (`HNSWIndex`).
         nlist, nprobe, train_at: index="ivf": lists per sequence, lists a step scores, and the
             keys held when the lists' centroids are learned (None: 16 * nlist; exact until then).
-        key_dtype: index="exact": "float16" stores the search keys in half precision (half the
-            bytes a step reads).
+        key_dtype: index="exact" or "hnsw": "float16" stores the search keys in half precision
+            (half the vector bytes a step reads; HNSW through FAISS's fp16 scalar quantizer).
     """
 
     projections: object
@@ -77,6 +77,8 @@ class DecodeSelector:
             check_int(name, getattr(self, name))
         check_int("pin", self.pin, low=0)
         check_choice("key_dtype", self.key_dtype, tuple(KEY_DTYPES))
+        if self.key_dtype != "float32" and self.index not in ("exact", "hnsw"):
+            raise ValueError(f"key_dtype={self.key_dtype!r} applies to index='exact' or 'hnsw', not {self.index!r}")
         if self.index == "ivf":
             from ..search.ivf import IVFIndex
 
@@ -109,7 +111,8 @@ class KeySelector:
         d = spec.projections.d_search
         self.index = (ExactIndex(KEY_DTYPES[spec.key_dtype]) if spec.index == "exact"
                       else IVFIndex(d, spec.nlist, spec.nprobe, spec.train_at, spec.pin) if spec.index == "ivf"
-                      else HNSWIndex(d, spec.hnsw_m, spec.ef_construction, spec.ef_search, spec.pin))
+                      else HNSWIndex(d, spec.hnsw_m, spec.ef_construction, spec.ef_search, spec.pin,
+                                     KEY_DTYPES[spec.key_dtype]))
         self._pending: list[tuple[torch.Tensor, torch.Tensor]] = []
 
     @torch.no_grad()
