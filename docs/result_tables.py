@@ -325,6 +325,7 @@ TABLES: dict[str, tuple[Callable[..., str], tuple[str, ...]]] = {
     "coverage": (coverage_table, ("experiments/seed001/all-layers/results.json",)),
     "tasks": (tasks_table, (f"{B}/search/tasks_m6kv_2k4k/results.json",)),
     "tasks-prefill": (tasks_table, (f"{B}/search/tasks_m6kv4k_prefill/results.json",)),
+    "tasks-prefill-8k": (tasks_table, (f"{B}/search/tasks_m6kv8k_prefill/results.json",)),
     "search-decode": (search_decode_table, (f"{B}/search_decode.json",)),
     "generate-selector": (generate_selector_table, (f"{B}/generate_selector_windowed.json",
                                                     f"{B}/generate_selector_hybrid.json",
