@@ -9,7 +9,7 @@ from attnlab.data.packing import doc_causal_mask
 from attnlab.search.capture import capture, forward_packed, pack_contexts, teacher_attention
 from attnlab.search.hf_model import attention_modules, check_family, load_hf_config, resolve_layers, resolve_source
 from attnlab.search.lm import prepare, tiny_lm
-from attnlab.search.patch import SelectorConfig, generate, substitute
+from attnlab.search.patch import RetrieveThenAttend, SelectorConfig, generate, substitute
 from attnlab.search.projections import SearchProjections
 from attnlab.search.retrieval import METHODS
 from attnlab.testing import rel_rms
@@ -84,6 +84,9 @@ def test_generation_with_full_budget_equals_full_generation(lm, proj, proj_kv, m
     ref = generate(lm.model, ids, 10)
     got = generate(lm.model, ids, 10, [1, 2, 6], SelectorConfig(method, K=19, groups=G), p)
     assert torch.equal(got, ref)
+    if method.endswith("-hnsw"):  # an fp16 graph too: every key while they fit in K
+        half = SelectorConfig(method, K=19, groups=G, hnsw_dtype="float16")
+        assert torch.equal(generate(lm.model, ids, 10, [1, 2, 6], half, p), ref)
 
 
 @pytest.mark.parametrize("method,rope,groups", [("learned", False, 1), ("learned", True, 1), ("learned", True, 2),
@@ -108,6 +111,19 @@ def test_decode_index_growth_matches_prefill(lm, method, rope, groups):
     assert rel_rms(torch.cat(steps, 1), full) < 1e-5
 
 
+def test_fp16_hnsw_graph_selects_close_to_the_float32_graph(lm, proj):
+    """Past K keys the graph is searched: the fp16 graph's logits stay close to the float32 graph's."""
+    ids = torch.randint(3, 250, (1, 40), generator=torch.Generator().manual_seed(5))
+    out = {}
+    for dtype in ("float32", "float16"):
+        with substitute(lm.model, [1, 2, 6], SelectorConfig("learned-hnsw", K=6, hnsw_dtype=dtype), proj):
+            out[dtype] = lm.model(input_ids=ids, use_cache=False).logits
+    assert rel_rms(out["float16"], out["float32"]) < 1e-2
+    assert rel_rms(out["float32"], lm.model(input_ids=ids, use_cache=False).logits) > 0.05  # K = 6 of 40: selective
+    half = SelectorConfig("learned-hnsw", K=6, hnsw_dtype="float16")
+    assert RetrieveThenAttend(1, half, proj)._index(proj.d_search).dtype == torch.float16
+
+
 def test_bad_input_fails_before_heavy_work(lm, tmp_path, proj):
     with pytest.raises(ValueError, match="K must be a positive int"):
         SelectorConfig("learned", K=0)
@@ -115,6 +131,8 @@ def test_bad_input_fails_before_heavy_work(lm, tmp_path, proj):
         SelectorConfig("quest", K=-4)
     with pytest.raises(ValueError, match="method must be one of"):
         SelectorConfig("random", K=4)
+    with pytest.raises(ValueError, match="hnsw_dtype"):
+        SelectorConfig("learned-hnsw", K=4, hnsw_dtype="int8")
     with pytest.raises(ValueError, match="layer index 30 is out of range: the model has 30 layers"):
         resolve_layers([3, 30], 30)
     with pytest.raises(ValueError, match="out of range"):

@@ -36,7 +36,8 @@ class SelectorConfig:
     recent keys). K: keys per query and candidate set; groups: candidate sets per token, each serving
     H / groups query heads (a learned method must match its projections). page: Quest's page size;
     n_sink: StreamingLLM's sinks; hnsw_*: the graph's M, efConstruction, efSearch and the block-start
-    keys scored exactly beside it (also beside the IVF lists); ivf_*: the IVF index's lists, lists
+    keys scored exactly beside it (also beside the IVF lists); hnsw_dtype "float16": the graph's
+    vectors in half precision (`HNSWIndex(dtype=)`); ivf_*: the IVF index's lists, lists
     probed per query and keys held when the lists are learned (None: 16 per list). Bad values raise
     ValueError naming the field.
     """
@@ -50,6 +51,7 @@ class SelectorConfig:
     hnsw_ef_construction: int = 64
     hnsw_ef_search: int = 512
     hnsw_pin: int = 4  # block-start keys scored exactly beside the graph search
+    hnsw_dtype: str = "float32"  # or "float16": the graph's vectors in half precision
     ivf_nlist: int = 256
     ivf_nprobe: int = 16
     ivf_train_at: int | None = None
@@ -61,6 +63,7 @@ class SelectorConfig:
             check_int(name, getattr(self, name))
         for name in ("n_sink", "hnsw_pin"):
             check_int(name, getattr(self, name), 0)
+        check_choice("hnsw_dtype", self.hnsw_dtype, ("float32", "float16"))
         if self.method.endswith("-ivf"):
             IVFIndex.check_args(self.ivf_nlist, self.ivf_nprobe, self.ivf_train_at)
 
@@ -90,7 +93,8 @@ class RetrieveThenAttend:
     def _index(self, dim: int):
         cfg = self.cfg
         if self.index is None:
-            self.index = (HNSWIndex(dim, cfg.hnsw_m, cfg.hnsw_ef_construction, cfg.hnsw_ef_search, cfg.hnsw_pin)
+            self.index = (HNSWIndex(dim, cfg.hnsw_m, cfg.hnsw_ef_construction, cfg.hnsw_ef_search, cfg.hnsw_pin,
+                                    getattr(torch, cfg.hnsw_dtype))
                           if cfg.method.endswith("-hnsw")
                           else IVFIndex(dim, cfg.ivf_nlist, cfg.ivf_nprobe, cfg.ivf_train_at, cfg.hnsw_pin)
                           if cfg.method.endswith("-ivf") else ExactIndex())
