@@ -26,26 +26,43 @@ class KVCache:
     full["k"].shape                             # (B, G, len(cache), D)
     ```
 
+    With `window=w` it is the cache of a sliding window (`AttentionConfig.sliding_window`): it
+    holds the first `keep` tokens (a sink) and the last w, in buffers of fixed size that never
+    grow past keep + 2w + the largest append (the held tokens are moved to the front when the
+    buffers fill: amortised O(1) per token, constant memory at any context length).
+
     Args:
         batch_size: B, the batch every appended tensor must have; an int >= 1.
         initial_capacity: time steps the buffers hold before their first doubling; an int >= 1
             (the first append allocates max(initial_capacity, its steps), doubled as needed).
+        window: None (every token is kept), or w: only the last w tokens (and the first `keep`)
+            are kept; an int >= 1.
+        keep: with a window, the leading tokens kept for good (a sink); an int >= 0.
 
     Raises:
-        ValueError: batch_size or initial_capacity is not a positive int (for a non-int, a
+        ValueError: batch_size or initial_capacity is not a positive int, window not None or an
+            int >= 1, keep not an int >= 0 or set without a window (for a non-int, a
             NotAnIntError, which is a TypeError too).
     """
 
-    def __init__(self, batch_size: int, initial_capacity: int = 64):
+    def __init__(self, batch_size: int, initial_capacity: int = 64, *, window: int | None = None, keep: int = 0):
         check_int("batch_size", batch_size)
         check_int("initial_capacity", initial_capacity)
+        if window is not None:
+            check_int("window", window)
+        check_int("keep", keep, 0)
+        if keep and window is None:
+            raise ValueError(f"keep={keep!r} keeps leading tokens beside a sliding window: give a window as well")
         self.batch_size = batch_size
-        self.capacity = initial_capacity
-        self.length = 0
+        self.window, self.keep = window, keep
+        self.capacity = initial_capacity if window is None else max(initial_capacity, keep + 2 * window)
+        self.length = 0  # tokens in the buffers (with a window: the kept ones, then the recent run)
         self._buf: dict[str, torch.Tensor] = {}
 
     def __len__(self) -> int:
-        return self.length
+        if self.window is None:
+            return self.length
+        return min(self.length, self.keep) + min(max(self.length - self.keep, 0), self.window)
 
     @property
     def names(self) -> tuple[str, ...]:
@@ -100,7 +117,9 @@ class KVCache:
                 dtype, the first append's).
 
         Returns:
-            A dict of views, name -> the tensor cached so far with time length len(self).
+            A dict of views, name -> the tensor cached so far with time length len(self); with a
+            window, the kept tokens and the last window - 1 + steps (every key the appended
+            tokens' sliding windows reach, the new ones last).
 
         Raises:
             ValueError: no tensor; a value that is not a tensor of >= 3 dims; another batch size;
@@ -116,19 +135,46 @@ class KVCache:
                 shape[TIME_DIM] = self.capacity
                 self._buf[name] = x.new_empty(shape)
         elif self.length + steps > self.capacity:
-            self._grow(self.length + steps)
+            if self.window is not None:
+                self._compact()
+            if self.length + steps > self.capacity:
+                self._grow(self.length + steps)
         for name, x in tensors.items():
             self._buf[name].narrow(TIME_DIM, self.length, steps).copy_(x.detach())
         self.length += steps
-        return self.view()
+        if self.window is None:
+            return self.view()
+        return self._span(self.window - 1 + steps)
+
+    def _compact(self) -> None:
+        """Move the last window - 1 recent tokens (what the next queries can still see) to just
+        after the kept ones."""
+        keep, n = self.keep, min(self.window - 1, max(self.length - self.keep, 0))
+        if self.length - keep > n:
+            for buf in self._buf.values():
+                buf.narrow(TIME_DIM, keep, n).copy_(buf.narrow(TIME_DIM, self.length - n, n).clone())
+            self.length = keep + n
+
+    def _span(self, recent: int) -> dict[str, torch.Tensor]:
+        """The kept tokens, then the last `recent` (those held): views when nothing is kept."""
+        keep = min(self.keep, self.length)
+        n = min(recent, self.length - keep)
+        out = {}
+        for name, buf in self._buf.items():
+            last = buf.narrow(TIME_DIM, self.length - n, n)
+            out[name] = last if not keep else torch.cat([buf.narrow(TIME_DIM, 0, keep), last], dim=TIME_DIM)
+        return out
 
     def view(self) -> dict[str, torch.Tensor]:
-        """Views (no copy) of every cached tensor, time length len(self)."""
+        """Every cached tensor, time length len(self): views (no copy), except that a window that
+        keeps leading tokens joins them to the recent ones."""
+        if self.window is not None:
+            return self._span(self.window)
         return {name: buf.narrow(TIME_DIM, 0, self.length) for name, buf in self._buf.items()}
 
     def nbytes(self) -> int:
         """Bytes of the cached tokens (not the spare capacity)."""
-        return sum(b.element_size() * b.numel() // b.shape[TIME_DIM] * self.length for b in self._buf.values())
+        return sum(b.element_size() * b.numel() // b.shape[TIME_DIM] * len(self) for b in self._buf.values())
 
 
 class RecurrentState:

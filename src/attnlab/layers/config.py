@@ -95,6 +95,12 @@ class AttentionConfig:
             sink, and the local window: what the sorted cache decodes with, in training too
             (ops.windowed_attention, O(T·k) memory). Decoding then defaults to the sorted cache
             with window k. Not with impl "approx".
+        sliding_window: softmax, goat, goat_hybrid, principled, scalar and hybrid (not with
+            train_window): None (default: every earlier key), or w: each query reads only the last
+            w keys, itself included (Mistral / Gemma's sliding-window attention), and the sink
+            where the mechanism has one (scalar, hybrid: `sink`), as StreamingLLM keeps it. Trained
+            and evaluated as such, and decoded from a cache of the last w keys (constant memory
+            and cost per step at any context length). docs/mechanisms.md#sliding-window.
         local_window: with train_window: the last w keys are always read (a ring buffer in
             decoding) and the k nearest are taken among the older keys (default 0).
         kernel: scalar, hybrid: the scalar term's kernel, "gaussian" (default, −(qs − ks)²/τ) or
@@ -173,6 +179,7 @@ class AttentionConfig:
     sink_key: float = 0.0
     sink_weight: float | None = None
     train_window: int | None = None
+    sliding_window: int | None = None
     local_window: int = 0
     kernel: str = "gaussian"
     alpha: str = "head"
@@ -291,6 +298,13 @@ class AttentionConfig:
             if self.impl == "approx":
                 raise _err("train_window", self.train_window, "None with impl='approx' (the window is its own selection)")
         _int("local_window", self.local_window, 0)
+        if self.sliding_window is not None:
+            _int("sliding_window", self.sliding_window)
+            if self.train_window is not None:
+                raise _err("sliding_window", self.sliding_window,
+                           f"None with train_window={self.train_window} (the window's local part is local_window)")
+            if self.impl == "approx":
+                raise _err("sliding_window", self.sliding_window, "None with impl='approx'")
         if self.kernel not in KERNELS:
             raise _err("kernel", self.kernel, f"one of {KERNELS}")
         if self.kernel != "gaussian" and self.impl == "approx":

@@ -32,8 +32,35 @@ def expand_heads(x: torch.Tensor, n_heads: int) -> torch.Tensor:
     return x.repeat_interleave(n_heads // G, dim=1)
 
 
+BAND_CHUNK = 256  # query rows per SDPA call of a sliding window
+
+
+def band_spans(Tq: int, Tk: int, window: int, chunk: int = BAND_CHUNK, n_prefix: int = 0):
+    """The (a, b, lo, hi) spans that compute a causal sliding window of `window` keys by query
+    chunks: query rows a..b-1 (the last Tq of Tk positions) see no key outside n_prefix's leading
+    keys and lo..hi-1, so each chunk reads (b - a) x (n_prefix + hi - lo) scores, never Tq x Tk."""
+    off = Tk - Tq
+    for a in range(0, Tq, chunk):
+        b = min(Tq, a + chunk)
+        yield a, b, max(n_prefix, a + off - window + 1), b + off
+
+
+def band_keys(x: torch.Tensor, lo: int, hi: int, n_prefix: int, dim: int = 2) -> torch.Tensor:
+    """The keys a span of `band_spans` reads along `dim`: the prefix, then lo..hi-1."""
+    part = x.narrow(dim, lo, hi - lo)
+    return part if not n_prefix else torch.cat([x.narrow(dim, 0, n_prefix), part], dim=dim)
+
+
+def band_mask(a: int, b: int, lo: int, hi: int, off: int, window: int, n_prefix: int, device) -> torch.Tensor:
+    """(b - a, n_prefix + hi - lo) bool: which keys of `band_keys` query rows a..b-1 see."""
+    rows = torch.arange(a + off, b + off, device=device)[:, None]  # query positions
+    cols = torch.cat([torch.arange(n_prefix, device=device), torch.arange(lo, hi, device=device)])[None, :]
+    return (cols <= rows) & ((cols > rows - window) | (cols < n_prefix))
+
+
 def fused_attention(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool, scale: float = 1.0
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool, scale: float = 1.0,
+    window: int | None = None, n_prefix: int = 0,
 ) -> torch.Tensor:
     """softmax(scale * q k^T, causally masked if asked) v through the fused kernel.
 
@@ -42,6 +69,10 @@ def fused_attention(
     key; SDPA's own is_causal would align them with the first keys instead).
     Zero columns appended to q/k add nothing to any score, and zero columns appended to v
     are sliced off the output, so padding to one head width is exact. Returns (B, H, Tq, Dv).
+
+    window (causal only): each query sees only the last `window` keys up to it, and the first
+    `n_prefix` keys always; it runs as query chunks of BAND_CHUNK rows over their band of keys
+    under a bool mask (no gradient: the kernel stays fused), memory O(Tq x (chunk + window)).
     """
     H, E, Dv = q.shape[1], q.shape[-1], v.shape[-1]
     if k.shape[1] != v.shape[1]:  # SDPA wants one grouping of k and v: the coarsest that refines both
@@ -54,12 +85,22 @@ def fused_attention(
     if Dv < width:
         v = F.pad(v, (0, width - Dv))
     Tq, Tk = q.shape[2], k.shape[2]
+    gqa = k.shape[1] != H
+    if causal and window is not None and window < Tk - n_prefix:  # some key lies outside some window
+        outs = []
+        for a, b, lo, hi in band_spans(Tq, Tk, window, n_prefix=n_prefix):
+            mask = band_mask(a, b, lo, hi, Tk - Tq, window, n_prefix, q.device)
+            outs.append(F.scaled_dot_product_attention(
+                q[:, :, a:b], band_keys(k, lo, hi, n_prefix), band_keys(v, lo, hi, n_prefix), attn_mask=mask,
+                scale=float(scale), enable_gqa=gqa))  # (B, H, b - a, width)
+        out = torch.cat(outs, dim=2) if outs else q.new_zeros(*q.shape[:3], width)
+        return out[..., :Dv] if Dv < width else out
     mask = None
     if causal and Tq != Tk:  # bottom-right alignment: a bool mask (no grad) keeps the fused kernel
         mask = visible_keys(Tq, Tk, True, q.device) if Tq > 1 else None
         causal = False
     out = F.scaled_dot_product_attention(
-        q, k, v, attn_mask=mask, is_causal=causal, scale=float(scale), enable_gqa=k.shape[1] != H
+        q, k, v, attn_mask=mask, is_causal=causal, scale=float(scale), enable_gqa=gqa
     )  # (B, H, Tq, width)
     return out[..., :Dv] if Dv < width else out
 

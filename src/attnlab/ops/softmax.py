@@ -11,13 +11,14 @@ import math
 
 import torch
 
-from ..checks import check_choice, check_impl, check_positive, key_counts, visible_keys
+from ..checks import check_choice, check_impl, check_positive, check_window, key_counts, visible_keys
 from ._sdpa import check_causal, check_qkv, expand_heads, fused_attention, upcast
 
 SCALES = ("sqrt_d", "ktotal", "kmean", "krms", "pnorm", "n_sqrt_d")
 
 
-def softmax_attention(q, k, v, *, causal: bool = True, scale="sqrt_d", p: float = 2.0, impl: str = "auto"):
+def softmax_attention(q, k, v, *, causal: bool = True, scale="sqrt_d", p: float = 2.0, impl: str = "auto",
+                      window: int | None = None):
     """o_t = sum_s softmax_s(q_t . k_s / c_t) v_s over the keys s visible to query t.
 
     N_t is the set of keys query t sees (s <= t + Tk - Tq if ``causal``, else all Tk) and
@@ -41,6 +42,9 @@ def softmax_attention(q, k, v, *, causal: bool = True, scale="sqrt_d", p: float 
             - ``"n_sqrt_d"``: c_t = n_t sqrt(D), a cheap stand-in for ktotal;
             - a float a > 0: the logits are a * q_t . k_s (a multiplier, as SDPA's ``scale``).
         p: the exponent of ``"pnorm"``, a float > 0; ignored by the other scalings.
+        window: a causal sliding window: N_t is only the last ``window`` keys up to query t, itself
+            included (Mistral / Gemma's sliding-window attention; the key-norm divisors then sum
+            over the window too); None (default) for every earlier key. Needs causal=True.
         impl: ``"naive"`` builds the (Tq, Tk) logits and the divisors from the visibility mask, as
             the formula reads; ``"fast"`` and ``"auto"`` compute the divisors with cumulative sums
             and run one fused SDPA call on q / c_t, memory linear in T.
@@ -53,10 +57,12 @@ def softmax_attention(q, k, v, *, causal: bool = True, scale="sqrt_d", p: float 
             bool; scale is neither a name nor a float; p is not a float.
         ValueError: a shape that does not fit the others (batch, lengths, D, groups, Tq > Tk under
             causal masking), a tensor on another device, NaN or inf in q, k or v, an unknown
-            scale or impl, a scale or p that is not finite and > 0.
+            scale or impl, a scale or p that is not finite and > 0, a window that is not an int
+            >= 1 or comes without causal masking.
     """
     check_impl(impl)
     check_causal(causal)
+    check_window(window, causal)
     B, H, T, D = check_qkv(q, k, v, causal)
     if isinstance(scale, str):
         check_choice("scale", scale, SCALES)
@@ -71,15 +77,15 @@ def softmax_attention(q, k, v, *, causal: bool = True, scale="sqrt_d", p: float 
             raise TypeError(f"p must be a float, got {type(p).__name__}")
         check_positive("p", float(p))
     if impl == "naive":
-        return _softmax_naive(q, k, v, causal, scale, float(p))
-    return _softmax_fast(q, k, v, causal, scale, float(p))
+        return _softmax_naive(q, k, v, causal, scale, float(p), window)
+    return _softmax_fast(q, k, v, causal, scale, float(p), window)
 
 
-def _softmax_naive(q, k, v, causal, scale, p):
+def _softmax_naive(q, k, v, causal, scale, p, window=None):
     B, H, T, D = q.shape
     k_h, v_h = expand_heads(k, H), expand_heads(v, H)  # (B, H, Tk, D), (B, H, Tk, Dv)
     dots = q @ k_h.transpose(-1, -2)  # (B, H, Tq, Tk)
-    visible = visible_keys(T, k.shape[2], causal, q.device)  # (Tq, Tk)
+    visible = visible_keys(T, k.shape[2], causal, q.device, window)  # (Tq, Tk)
     if isinstance(scale, str):
         c = _divisor_naive(k_h, visible, scale, p)  # (B, H, Tq) or (Tq,)
         logits = dots / (c.unsqueeze(-1) if c.dim() == 3 else c.view(T, 1))
@@ -113,29 +119,40 @@ def _divisor_naive(k_h, visible, scale, p):
     return row_sum(norms**p) ** (1.0 / p)  # pnorm
 
 
-def _softmax_fast(q, k, v, causal, scale, p):
+def _softmax_fast(q, k, v, causal, scale, p, window=None):
     B, H, T, D = q.shape
     if not isinstance(scale, str):
-        return fused_attention(q, k, v, causal=causal, scale=float(scale)).to(v.dtype)
+        return fused_attention(q, k, v, causal=causal, scale=float(scale), window=window).to(v.dtype)
     if scale == "sqrt_d":
-        return fused_attention(q, k, v, causal=causal, scale=1.0 / math.sqrt(D)).to(v.dtype)
-    c = _divisor_fast(k, T, causal, scale, p)  # (B, G, Tq) or (1, 1, Tq), in fp32 or wider
+        return fused_attention(q, k, v, causal=causal, scale=1.0 / math.sqrt(D), window=window).to(v.dtype)
+    c = _divisor_fast(k, T, causal, scale, p, window)  # (B, G, Tq) or (1, 1, Tq), in fp32 or wider
     if c.shape[1] != 1:
         c = expand_heads(c.unsqueeze(-1), H).squeeze(-1)  # (B, H, T)
     q_scaled = (q.to(c.dtype) / c.unsqueeze(-1)).to(q.dtype)  # (B, H, Tq, D)
-    return fused_attention(q_scaled, k, v, causal=causal, scale=1.0).to(v.dtype)
+    return fused_attention(q_scaled, k, v, causal=causal, scale=1.0, window=window).to(v.dtype)
 
 
-def _divisor_fast(k, Tq, causal, scale, p):
+def _windows(x: torch.Tensor, window: int, fill: float) -> torch.Tensor:
+    """(..., Tk) -> (..., Tk, window): row s holds x at s - window + 1 .. s, `fill` before 0 (a view
+    of one padded copy: the sliding window's reductions read it without a Tk x Tk matrix)."""
+    pad = x.new_full((*x.shape[:-1], window - 1), fill)
+    return torch.cat([pad, x], dim=-1).unfold(-1, window, 1)
+
+
+def _divisor_fast(k, Tq, causal, scale, p, window=None):
     """c_t by prefix reductions (causal) or full reductions (non-causal), O(T) memory; the
-    queries are the last Tq of the Tk key positions.
+    queries are the last Tq of the Tk key positions. With a sliding window the reductions run
+    over each query's last `window` keys (O(T x window) for pnorm's log-sum-exp, a view otherwise).
 
     Reductions run in at least fp32, since bf16 prefix sums over long T lose the digits.
     """
     B, G, Tk, D = k.shape
     kf = k.to(upcast(k.dtype))
-    n = key_counts(Tq, Tk, causal, k.device, kf.dtype)  # (Tq,)
-    if causal:
+    n = key_counts(Tq, Tk, causal, k.device, kf.dtype, window)  # (Tq,)
+    if causal and window is not None:
+        def reduce(x):  # (B, G, Tk) -> (B, G, Tq): the window each query sees
+            return _windows(x[..., max(0, Tk - Tq - window + 1):], window, 0.0)[..., -Tq:, :].sum(-1)
+    elif causal:
         def reduce(x):  # (B, G, Tk) -> (B, G, Tq): the prefix each query sees
             return x.cumsum(-1)[..., Tk - Tq:]
     else:
@@ -155,7 +172,9 @@ def _divisor_fast(k, Tq, causal, scale, p):
     # underflow for large p. Zero norms are floored at the smallest normal float: their
     # term (tiny^p) is zero to working precision and their gradient stays finite.
     log_norms = norms.clamp_min(torch.finfo(kf.dtype).tiny).log() * p  # (B, G, Tk)
-    if causal:
+    if causal and window is not None:
+        lse = torch.logsumexp(_windows(log_norms, window, float("-inf"))[..., Tk - Tq:, :], dim=-1)
+    elif causal:
         lse = torch.logcumsumexp(log_norms, dim=-1)[..., Tk - Tq:]
     else:
         lse = torch.logsumexp(log_norms, dim=-1, keepdim=True).expand(B, G, Tq)

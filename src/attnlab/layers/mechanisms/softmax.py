@@ -12,7 +12,7 @@ from . import register
 @register
 class SoftmaxAttention(Attention):
     mechanism = "softmax"
-    options = ("n_kv_heads", "scale", "p", "rope", "rope_base")
+    options = ("n_kv_heads", "scale", "p", "rope", "rope_base", "sliding_window")
 
     @classmethod
     def configure(cls, config) -> None:
@@ -21,9 +21,10 @@ class SoftmaxAttention(Attention):
     def attend(self, p: Projected, values=None, impl: str | None = None):
         c = self.config
         v = p.v if values is None else values
-        return softmax_attention(p.q, p.k, v, causal=True, scale=c.scale, p=c.p, impl=impl or c.impl), None
+        return softmax_attention(p.q, p.k, v, causal=True, scale=c.scale, p=c.p, impl=impl or c.impl,
+                                 window=c.sliding_window), None
 
     def step_readout(self, p: Projected, cache):
         full = cache.kv.append(k=p.k, v=p.v)  # one query against every cached key: the op's offset form
         c = self.config
-        return softmax_attention(p.q, full["k"], full["v"], scale=c.scale, p=c.p, impl=c.impl)
+        return softmax_attention(p.q, full["k"], full["v"], scale=c.scale, p=c.p, impl=c.impl, window=c.sliding_window)
