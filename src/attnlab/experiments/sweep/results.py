@@ -14,7 +14,7 @@ from attnlab.train.config import RunConfig
 
 from .profiles import is_profile, profile_sections
 from ..report import MISSING, fmt, machine_info, markdown_table, report_head, save_figure
-from .runs import RunPlan, _record_of, collect_metrics, execute, plan, run, run_config, summary_of
+from .runs import RunPlan, _record_of, collect_metrics, execute, plan, recorded_runs, run, run_config, summary_of
 from .verdict import judge, verdict, verdict_lines
 from .spec import EVAL_ARG_KEYS, OWNED_KEYS, SUMMARY_SCALARS, Spec, SweepError, Variant, load_spec, metric_names
 
@@ -90,13 +90,18 @@ def _scalar(run: dict, name: str):
 
 
 def aggregate(spec: Spec, out: str | os.PathLike | None = None) -> dict:
-    """Results from the run folders: every finished run, and per variant the mean ± sd over seeds."""
+    """Results from the run folders: every finished run, and per variant the mean ± sd over seeds.
+    A run whose folder is absent is taken from OUT/results.json where that records it
+    (`recorded_runs`: the committed results of an experiment stand for its runs)."""
     out = Path(out) if out is not None else spec.out
     runs, missing, setup = [], [], {}
+    recorded = recorded_runs(spec, out)
     for v in spec.variants:
         for seed in spec.seeds:
             cfg, _ = run_config(spec, v, seed, out)
             entry = _run_entry(spec, v.name, seed, cfg, Path(cfg.run_dir), out)
+            if entry is None and not Path(cfg.run_dir).exists():
+                entry = recorded.get((v.name, seed))
             if entry is None:
                 missing.append(f"{v.name}/seed{seed}")
             else:
@@ -122,6 +127,8 @@ def aggregate(spec: Spec, out: str | os.PathLike | None = None) -> dict:
             "tau": [mean_sd([t[i] if i < len(t) else None for t in taus])[0] for i in range(n_layers)],
         }
     threads = {((_record_of(out / r["run_dir"]) or {}).get("threads")) for r in runs} - {None}
+    if not threads and recorded:  # every run recorded: the threads they were measured with
+        threads = {_recorded_threads(out)} - {None}
     return {
         "title": spec.title, "claim": spec.claim, "description": spec.description,
         "spec": {"path": str(spec.path), **spec.raw}, "seeds": spec.seeds, "scalars": names,
@@ -132,13 +139,21 @@ def aggregate(spec: Spec, out: str | os.PathLike | None = None) -> dict:
     }
 
 
+def _recorded_threads(out: Path) -> int | None:
+    try:
+        return json.loads((out / "results.json").read_text())["machine"]["torch_threads"]
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+
+
 def write_results(spec: Spec, out: str | os.PathLike | None = None, *, command: str | None = None,
                   quiet: bool = True) -> dict:
     """Rebuild OUT/results.json, report.md, loss_curves.png and metrics.png from the run folders."""
     out = Path(out) if out is not None else spec.out
     results = aggregate(spec, out)
     if not results["runs"]:
-        raise SweepError(f"no finished runs under {str(out / 'runs')!r}: run the sweep first")
+        raise SweepError(f"no finished runs under {str(out / 'runs')!r} and none recorded in its results.json: "
+                         f"run the sweep first")
     results["command"] = command or f"attnlab.experiments.sweep.run({str(spec.path)!r})"
     out.mkdir(parents=True, exist_ok=True)
     atomic_write_text(out / "results.json", json.dumps(results, indent=2, default=str) + "\n")

@@ -51,7 +51,7 @@ class RunPlan:
     variant: str
     seed: int
     run_dir: Path
-    state: str  # done | evaluate | resume | restart | new
+    state: str  # done | recorded | evaluate | resume | restart | new
     cfg: RunConfig
     raw: dict
 
@@ -112,6 +112,28 @@ def _run_state(run_dir: Path, cfg: RunConfig, metrics: dict) -> str:
     return "restart" if (run_dir / "log.jsonl").exists() else "new"
 
 
+def recorded_runs(spec: Spec, out: str | os.PathLike | None = None) -> dict[tuple[str, int], dict]:
+    """The finished runs that OUT/results.json records, by (variant, seed), for the runs this spec
+    still trains the same way: the same base, shared overrides and variant overrides as when they
+    were recorded. Run folders are not committed with an experiment; its results.json is, so a
+    spec given a new variant (a control) trains only that one on a fresh clone, and the report
+    is rebuilt from the recorded runs and the new ones alike. Unreadable files count as empty."""
+    out = Path(out) if out is not None else spec.out
+    try:
+        old = json.loads((out / "results.json").read_text())
+        old_spec, runs = old["spec"], old["runs"]
+        same_base = old_spec.get("base") == spec.raw.get("base") and old_spec.get("overrides", []) == spec.overrides
+        before = {v["name"]: v.get("overrides", []) for v in old_spec.get("variants", [])}
+    except (OSError, ValueError, KeyError, TypeError, AttributeError):
+        return {}
+    if not same_base:
+        return {}
+    now = {v.name: v.overrides for v in spec.variants}
+    return {(r["variant"], r["seed"]): r for r in runs
+            if isinstance(r, dict) and r.get("variant") in now and before.get(r["variant"]) == now[r["variant"]]
+            and r.get("seed") in spec.seeds}
+
+
 def plan(spec: Spec, out: str | os.PathLike | None = None, *, jobs: int = 1) -> list[RunPlan]:
     """Load and validate the config of every (variant, seed), and find what each run folder
     needs: nothing (done), only the metrics (evaluate), a resume from its checkpoint, a restart
@@ -122,12 +144,15 @@ def plan(spec: Spec, out: str | os.PathLike | None = None, *, jobs: int = 1) -> 
     from attnlab.train.resume import ResumeError, check_resume
 
     plans = []
+    recorded = recorded_runs(spec, out)
     for v in spec.variants:
         for seed in spec.seeds:
             cfg, _ = run_config(spec, v, seed, out, jobs=jobs)
             _check_eval_lengths(cfg, spec.metrics, v.name)
             run_dir = Path(cfg.run_dir)
             state = _run_state(run_dir, cfg, spec.metrics)
+            if state == "new" and (v.name, seed) in recorded:
+                state = "recorded"
             if state in ("done", "evaluate", "resume") and (run_dir / "config.toml").is_file():
                 changes = config_changes(run_dir, cfg)
                 if changes:
@@ -290,8 +315,8 @@ def run(
         raise ConfigError(f"jobs must be an int >= 1, got {jobs!r}")
     out = Path(out) if out is not None else spec.out
     plans = plans if plans is not None else plan(spec, out, jobs=jobs)
-    todo = [p for p in plans if p.state != "done"]
-    counts = {s: sum(p.state == s for p in plans) for s in ("done", "evaluate", "resume", "restart", "new")}
+    todo = [p for p in plans if p.state not in ("done", "recorded")]
+    counts = {s: sum(p.state == s for p in plans) for s in ("done", "recorded", "evaluate", "resume", "restart", "new")}
     if not quiet:
         print(f"sweep {spec.title!r}: {len(spec.variants)} variants x {len(spec.seeds)} seeds = {len(plans)} runs "
               f"({', '.join(f'{n} {s}' for s, n in counts.items() if n)}) in {out}", flush=True)
