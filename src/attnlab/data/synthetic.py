@@ -33,6 +33,7 @@ def mqar(
     power_a: float = 0.01,
     num_queries: int | None = None,
     random_non_queries: bool = True,
+    min_gap: int = 0,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Multi-query associative recall as the Zoology benchmark defines it.
 
@@ -46,7 +47,12 @@ def mqar(
     uniform random tokens from the whole vocabulary (or 0 if random_non_queries is False).
 
     num_queries: how many pairs are queried (default all, as in Zoology; the seed's MVE
-    queries 2 of 4). Returns inputs, labels: (num_examples, seq_len) int64."""
+    queries 2 of 4). min_gap: every query lies at least this many positions after every
+    pair token (query position - pair position >= min_gap for every pair, the last value at
+    2*num_kv_pairs - 1 included), so a model that reads only the last min_gap tokens sees
+    no pair: the query slots start at offset max(0, min_gap - 1) after the pairs instead of
+    0 (min_gap <= 1 is Zoology's layout, the same sequences bit for bit). Returns inputs,
+    labels: (num_examples, seq_len) int64."""
     check_int("vocab_size", vocab_size, 4)
     check_int("num_kv_pairs", num_kv_pairs)
     check_int("num_examples", num_examples)
@@ -61,11 +67,15 @@ def mqar(
         )
     if not isinstance(power_a, (int, float)) or isinstance(power_a, bool) or not 0 < power_a <= 1:
         raise ValueError(f"power_a must be a float in (0, 1], got {power_a!r}")
+    check_int("min_gap", min_gap, 0)
     ctx = 2 * num_kv_pairs
-    space = (check_int("seq_len", seq_len) - ctx) // 2
+    start = ctx + max(0, min_gap - 1)  # the first query slot: min_gap after the last value (ctx - 1)
+    space = (check_int("seq_len", seq_len) - start) // 2
     if space < n_q:
+        need = start + 2 * n_q
         raise ValueError(
-            f"seq_len must be >= 2*num_kv_pairs + 2*num_queries = {ctx + 2 * n_q} to fit the pairs and their queries, got {seq_len}"
+            f"seq_len must be >= 2*num_kv_pairs + max(0, min_gap - 1) + 2*num_queries = {need} to fit the pairs and "
+            f"their queries (num_kv_pairs={num_kv_pairs}, num_queries={n_q}, min_gap={min_gap}), got {seq_len}"
         )
     g = torch.Generator().manual_seed(seed)
     N = num_examples
@@ -82,7 +92,7 @@ def mqar(
     full = torch.zeros(N, seq_len, dtype=torch.long)
     full[:, 0:ctx:2] = keys
     full[:, 1:ctx:2] = values
-    qpos = ctx + 2 * gaps  # (N, Q) position of each query key
+    qpos = start + 2 * gaps  # (N, Q) position of each query key
     full.scatter_(1, qpos, keys.gather(1, asked))
     labels = torch.full((N, seq_len), IGNORE, dtype=torch.long)
     labels.scatter_(1, qpos, values.gather(1, asked))

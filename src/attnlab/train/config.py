@@ -41,6 +41,12 @@ else:  # pragma: no cover
 DATA_SOURCES = CORPORA + ("mqar",)  # what data.source may name besides hf:<path> and files
 
 
+def mqar_min_len(pairs: int, queries: int, min_gap: int = 0) -> int:
+    """The shortest MQAR sequence that holds `pairs` pairs and `queries` queries, each query at
+    least `min_gap` tokens after every pair token (`attnlab.data.synthetic.mqar`'s layout)."""
+    return 2 * pairs + max(0, min_gap - 1) + 2 * queries
+
+
 @dataclass
 class DataConfig:
     """What the model reads: the corpus, its tokenizer and how sequences are packed."""
@@ -63,6 +69,8 @@ class DataConfig:
     mqar_queries: int = opt(0, "MQAR pairs queried per sequence (0 = all of them, as in Zoology)")
     mqar_train_size: int = opt(0, "MQAR training sequences: a fixed set of this many, drawn from run.seed and cycled "
                                   "in a shuffled order per epoch (0 = fresh sequences every step)")
+    mqar_min_gap: int = opt(0, "MQAR: every query lies at least this many tokens after every key-value pair token, "
+                               "so a local window of fewer keys sees no pair (0 = Zoology's layout)")
 
     def __post_init__(self):
         check_fields(self, "data.")
@@ -86,11 +94,13 @@ class DataConfig:
             raise ConfigError(f"data.mqar_queries must be in [0, data.mqar_pairs={self.mqar_pairs}], got {self.mqar_queries}")
         if self.mqar_train_size < 0:
             raise ConfigError(f"data.mqar_train_size must be >= 0 (0 = fresh sequences), got {self.mqar_train_size}")
-        need = 2 * self.mqar_pairs + 2 * (self.mqar_queries or self.mqar_pairs)
+        if self.mqar_min_gap < 0:
+            raise ConfigError(f"data.mqar_min_gap must be >= 0, got {self.mqar_min_gap}")
+        need = mqar_min_len(self.mqar_pairs, self.mqar_queries or self.mqar_pairs, self.mqar_min_gap)
         if src == "mqar" and self.seq_len < need:
             raise ConfigError(
-                f"data.seq_len ({self.seq_len}) must be >= 2 * data.mqar_pairs + 2 * queried pairs ({need}) "
-                f"to hold the pairs and their queries"
+                f"data.seq_len ({self.seq_len}) must be >= 2 * data.mqar_pairs + max(0, data.mqar_min_gap - 1) "
+                f"+ 2 * queried pairs ({need}) to hold the pairs and their queries"
             )
 
     @property
