@@ -19,8 +19,10 @@ from ..checks import check_int
 
 
 def windowed_layers(model) -> list:
-    """The attention layers of `model` that decode through the sorted scalar cache."""
-    return [blk.attn for blk in model.blocks if getattr(blk.attn, "sorted_decode", False) and blk.attn.n_scalar]
+    """The attention layers of `model` that decode through the sorted scalar cache (not those that
+    read a sliding window)."""
+    return [blk.attn for blk in model.blocks if getattr(blk.attn, "sorted_decode", False) and blk.attn.n_scalar
+            and getattr(blk.attn.config, "sliding_window", None) is None]
 
 
 @contextlib.contextmanager

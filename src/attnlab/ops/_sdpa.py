@@ -42,7 +42,7 @@ def band_spans(Tq: int, Tk: int, window: int, chunk: int = BAND_CHUNK, n_prefix:
     off = Tk - Tq
     for a in range(0, Tq, chunk):
         b = min(Tq, a + chunk)
-        yield a, b, max(n_prefix, a + off - window + 1), b + off
+        yield a, b, min(max(n_prefix, a + off - window + 1), b + off), b + off
 
 
 def band_keys(x: torch.Tensor, lo: int, hi: int, n_prefix: int, dim: int = 2) -> torch.Tensor:

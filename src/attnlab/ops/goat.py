@@ -32,7 +32,7 @@ import math
 
 import torch
 
-from ..checks import check_finite, check_impl, check_tensor, visible_keys
+from ..checks import check_finite, check_impl, check_tensor, check_window, visible_keys
 from ._sdpa import check_causal, check_qkv, expand_heads, fused_attention, upcast
 from .scalar import _augment, _check_scalars, _tau, scalar_logits
 
@@ -61,7 +61,7 @@ def _phases(freqs: torch.Tensor, start: int, n: int, dtype) -> tuple[torch.Tenso
     return ph.cos().to(dtype), ph.sin().to(dtype)
 
 
-def goat_prior(freqs, lam_sym, lam_asym, u, Tq: int, causal: bool = True) -> torch.Tensor:
+def goat_prior(freqs, lam_sym, lam_asym, u, Tq: int, causal: bool = True, window: int | None = None) -> torch.Tensor:
     """The log-prior log pi as a (B|1, G, Tq, Tk) tensor, -inf where key j is hidden from query i.
 
     Materialises Tq x Tk: the naive path and analysis. It does not check its arguments;
@@ -74,6 +74,7 @@ def goat_prior(freqs, lam_sym, lam_asym, u, Tq: int, causal: bool = True) -> tor
         u: the key-only term (B or 1, G, Tk); its last dimension sets Tk.
         Tq: the number of queries, the last Tq of the Tk positions.
         causal: -inf where key j comes after query i.
+        window: with causal, -inf too where key j is not among query i's last `window` keys.
 
     Returns:
         (B or 1, G, Tq, Tk), in u's dtype (float32 for 16-bit u).
@@ -85,12 +86,13 @@ def goat_prior(freqs, lam_sym, lam_asym, u, Tq: int, causal: bool = True) -> tor
     prior = torch.einsum("ijr,gr->gij", ph.cos().to(dt), lam_sym.to(dt)) + torch.einsum("ijr,gr->gij", ph.sin().to(dt), lam_asym.to(dt))
     prior = prior[None] + u.to(dt)[:, :, None, :]  # (B|1, G, Tq, Tk)
     if causal:
-        prior = prior.masked_fill(~visible_keys(Tq, Tk, True, u.device), float("-inf"))
+        prior = prior.masked_fill(~visible_keys(Tq, Tk, True, u.device, window), float("-inf"))
     return prior
 
 
 def goat_attention(
-    q, k, v, freqs, lam_sym, lam_asym, u, *, qs=None, ks=None, tau=None, causal: bool = True, impl: str = "auto"
+    q, k, v, freqs, lam_sym, lam_asym, u, *, qs=None, ks=None, tau=None, causal: bool = True, impl: str = "auto",
+    window: int | None = None,
 ) -> torch.Tensor:
     """GOAT attention o_i = sum_j softmax_j(q_i . k_j / sqrt(d) + log pi_ij [- (qs_i - ks_j)^2 / tau_i]) v_j.
 
@@ -111,6 +113,9 @@ def goat_attention(
             masking needs Tq <= Tk.
         impl: ``"naive"`` adds the explicit (Tq, Tk) prior to the scores; ``"fast"`` and ``"auto"``
             run one fused SDPA call on the augmented vectors of the module docstring.
+        window: a causal sliding window: each query reads only its last ``window`` keys (itself
+            included); None (default) for every earlier key. u still holds every key position's
+            term (a decode cache passes the held keys' terms).
 
     Returns:
         (B, H, Tq, Dv) in v's dtype.
@@ -120,10 +125,11 @@ def goat_attention(
             of q's dtype); tau neither a float nor a tensor; causal is not a bool.
         ValueError: shapes that do not fit (batch, groups, lengths, (G, R) weights, u, qs and
             ks), another device, NaN or inf in any input, tau <= 0, only some of qs, ks and tau
-            given, or an unknown impl.
+            given, an unknown impl, or a window that is not an int >= 1 or comes without causal.
     """
     check_impl(impl)
     check_causal(causal)
+    check_window(window, causal)
     B, H, Tq, D = check_qkv(q, k, v, causal)
     G, Tk = k.shape[1], k.shape[2]
     _check_prior(freqs, lam_sym, lam_asym, u, B, G, Tk, q)
@@ -140,9 +146,9 @@ def goat_attention(
     cdt = upcast(q.dtype)
     if impl == "naive":
         scores = q.to(cdt) @ expand_heads(k, H).to(cdt).transpose(-1, -2) / math.sqrt(D)  # (B, H, Tq, Tk)
-        scores = scores + expand_heads(goat_prior(freqs, lam_sym, lam_asym, u, Tq, causal), H)
+        scores = scores + expand_heads(goat_prior(freqs, lam_sym, lam_asym, u, Tq, causal, window), H)
         if scalar:
-            scores = scores + scalar_logits(qs, ks, tau, causal)
+            scores = scores + scalar_logits(qs, ks, tau, causal, window=window)
         w = torch.softmax(scores, dim=-1)
         return (w @ expand_heads(v, H).to(w.dtype)).to(v.dtype)  # (B, H, Tq, Dv)
 
@@ -166,7 +172,7 @@ def goat_attention(
         sq, sk = _augment(qs, ks, inv_tau, cdt, causal)  # (B, H, Tq, 2), (B, H, Tk, 2)
         qa = torch.cat([qa, sq], dim=-1)
         ka = torch.cat([expand_heads(ka, H), sk], dim=-1)  # the scalar keys are per head
-    return fused_attention(qa, ka, v.to(cdt), causal=causal).to(v.dtype)
+    return fused_attention(qa, ka, v.to(cdt), causal=causal, window=window).to(v.dtype)
 
 
 __all__ = ["goat_attention", "goat_prior"]

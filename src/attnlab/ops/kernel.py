@@ -24,7 +24,7 @@ from __future__ import annotations
 import torch
 
 from ..checks import visible_keys
-from ._sdpa import expand_heads, upcast
+from ._sdpa import band_keys, band_mask, band_spans, expand_heads, upcast
 from .scalar import _scalar_scale, _tau, hybrid_scores, scalar_scores
 
 __all__ = ["chunked_kernel_attention", "selected_kernel_attention"]
@@ -48,10 +48,12 @@ def _dense_chunk(qs, ks, vals, tau_b, lam, q, k, hidden, kernel):
 
 
 def chunked_kernel_attention(qs, ks, v, tau, q, k, kernel: str, causal: bool, scalar_scale,
-                             chunk: int = CHUNK) -> torch.Tensor:
+                             chunk: int = CHUNK, window: int | None = None, n_prefix: int = 0) -> torch.Tensor:
     """softmax over keys of the kernel's scores (`hybrid_logits` when q is given) times v, query
     rows `chunk` at a time: qs (B, H, Tq), ks (B, H, Tk), v (B, G, Tk, Dv), q (B, H, Tq, D) and
-    k (B, G', Tk, D) or None; queries are the last Tq positions under `causal` -> (B, H, Tq, Dv)."""
+    k (B, G', Tk, D) or None; queries are the last Tq positions under `causal` -> (B, H, Tq, Dv).
+    With a sliding `window` each chunk reads only its band of keys and the first n_prefix
+    (`_sdpa.band_spans`): O(chunk x (chunk + window)) per head."""
     from torch.utils.checkpoint import checkpoint
 
     B, H, Tq = qs.shape
@@ -63,13 +65,19 @@ def chunked_kernel_attention(qs, ks, v, tau, q, k, kernel: str, causal: bool, sc
     kk = None if k is None else expand_heads(k, H)
     grad = _needs_grad(qs, ks, v, q, k, tau, scalar_scale)
     off = Tk - Tq
+    n_prefix = min(n_prefix, Tk)
+    if causal and window is not None:
+        spans = band_spans(Tq, Tk, window, chunk, n_prefix)
+    else:
+        spans = ((a, min(Tq, a + chunk), 0, min(Tq, a + chunk) + off if causal else Tk) for a in range(0, Tq, chunk))
     outs = []
-    for a in range(0, Tq, chunk):
-        b = min(Tq, a + chunk)
-        n = b + off if causal else Tk  # keys the chunk's queries may see
-        hidden = ~visible_keys(Tq, Tk, causal, qs.device)[a:b, :n]
-        args = (qs[..., a:b], ks[..., :n], vals[:, :, :n], _per_query(tau_b, a, b), lam,
-                None if q is None else q[:, :, a:b], None if kk is None else kk[:, :, :n], hidden, kernel)
+    for a, b, lo, hi in spans:
+        if causal and window is not None:
+            hidden, pre = ~band_mask(a, b, lo, hi, off, window, n_prefix, qs.device), n_prefix
+        else:
+            hidden, pre = ~visible_keys(Tq, Tk, causal, qs.device)[a:b, :hi], 0
+        args = (qs[..., a:b], band_keys(ks, lo, hi, pre), band_keys(vals, lo, hi, pre), _per_query(tau_b, a, b), lam,
+                None if q is None else q[:, :, a:b], None if kk is None else band_keys(kk, lo, hi, pre), hidden, kernel)
         outs.append(checkpoint(_dense_chunk, *args, use_reentrant=False) if grad else _dense_chunk(*args))
     if not outs:
         return v.new_zeros(B, H, 0, v.shape[-1])

@@ -39,7 +39,8 @@ from torch.autograd.function import once_differentiable
 from ..checks import (
     check_finite, check_groups, check_impl, check_like, check_param, check_same, check_tensor, empty_result,
 )
-from ..checks import key_counts
+from ..checks import check_window, key_counts
+from ._sdpa import band_spans
 from . import _ext
 from .principled_naive import principled_naive
 
@@ -282,6 +283,24 @@ def _heads(x: torch.Tensor, H: int) -> torch.Tensor:
     return x[:, :, None].expand(B, G, H // G, T, D).reshape(B, H, T, D)
 
 
+def _principled_band(q, k, qg, kg, v, params, v0, window):
+    """The sliding-window fast path: `principled_naive` on each query chunk's band of keys, under
+    activation checkpointing when a gradient is needed (inputs validated, heads expanded)."""
+    from torch.utils.checkpoint import checkpoint
+
+    Tq, Tk = q.shape[2], k.shape[2]
+    grad = torch.is_grad_enabled() and any(
+        isinstance(x, torch.Tensor) and x.requires_grad for x in (q, k, qg, kg, v, v0, *params.values()))
+    outs, grounds = [], []
+    for a, b, lo, hi in band_spans(Tq, Tk, window):
+        rows = [x[..., a:b] if x.shape[-1] > 1 else x for x in (params["alpha"], params["beta"], params["gamma"])]
+        args = (q[:, :, a:b], k[:, :, lo:hi], qg[:, :, a:b], kg[:, :, lo:hi], v[:, :, lo:hi], *rows, v0, True, window)
+        o, w0 = checkpoint(principled_naive, *args, use_reentrant=False) if grad else principled_naive(*args)
+        outs.append(o)
+        grounds.append(w0)
+    return torch.cat(outs, dim=2), torch.cat(grounds, dim=2)
+
+
 def principled_attention(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -298,6 +317,7 @@ def principled_attention(
     return_ground: bool = False,
     block_q: int | None = None,
     block_k: int | None = None,
+    window: int | None = None,
 ):
     """Principled attention: semantic scores s = q.k/sqrt(d), suppress-only gates from qg.kg,
     a ground state v0 with relevance threshold gamma, and log K margin amplification.
@@ -323,6 +343,10 @@ def principled_attention(
         block_q: queries per tile, an int >= 1; None for the default (128 in the compiled
             kernel; in the PyTorch fallback a size that holds about 2M scores over all heads).
         block_k: keys per tile, an int >= 1; None for 128 (compiled kernel) or 256 (fallback).
+        window: a causal sliding window: query t sees only its last ``window`` keys (itself
+            included) and K counts them; None (default) for every earlier key. The fast path then
+            runs the formula over query chunks and their band of keys (`_sdpa.band_spans`), each
+            recomputed in the backward pass: memory O(chunk x (chunk + window)) per head.
 
     Returns:
         o (B, H, Tq, Dv) in q's dtype; with return_ground, (o, w0) with w0 (B, H, Tq).
@@ -332,12 +356,14 @@ def principled_attention(
             of v's); alpha, beta or gamma neither a float nor a floating tensor; causal not a bool.
         ValueError: shapes that do not fit (batch, heads, lengths, D, Dg, groups, v0, the
             parameters' forms, Tq > Tk under causal masking), another device, NaN or inf in any
-            input, a block size that is not a positive int, or an unknown impl.
+            input, a block size that is not a positive int, an unknown impl, or a window that is
+            not an int >= 1 or comes without causal masking.
     """
     check_impl(impl)
     _check_inputs(q, k, qg, kg, v)
     if not isinstance(causal, bool):
         raise TypeError(f"causal must be a bool, got {type(causal).__name__}")
+    check_window(window, causal)
     for name, n in (("block_q", block_q), ("block_k", block_k)):
         if n is not None and (not isinstance(n, int) or n < 1):
             raise ValueError(f"{name} must be a positive int or None, got {n!r}")
@@ -362,7 +388,9 @@ def principled_attention(
 
     if impl == "naive":
         k, kg, v = _heads(k, H), _heads(kg, H), _heads(v, H)
-        o, w0 = principled_naive(q, k, qg, kg, v, params["alpha"], params["beta"], params["gamma"], v0, causal)
+        o, w0 = principled_naive(q, k, qg, kg, v, params["alpha"], params["beta"], params["gamma"], v0, causal, window)
+    elif window is not None and window < Tk:
+        o, w0 = _principled_band(q, _heads(k, H), qg, _heads(kg, H), _heads(v, H), params, v0, window)
     else:
         log_k = key_counts(Tq, Tk, causal, q.device, work).log()  # (Tq,)
         c = (1 + F.softplus(params["alpha"]) * log_k).expand(B, H, Tq)  # margin amplification

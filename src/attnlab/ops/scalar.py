@@ -43,8 +43,8 @@ import math
 import torch
 
 from ..checks import (
-    check_finite, check_groups, check_impl, check_lengths, check_like, check_param, check_positive, check_same,
-    check_tensor, visible_keys,
+    check_finite, check_groups, check_impl, check_int, check_lengths, check_like, check_param, check_positive,
+    check_same, check_tensor, check_window, visible_keys,
 )
 from ._sdpa import check_causal, check_qkv, expand_heads, fused_attention, upcast
 
@@ -72,7 +72,8 @@ def _tau(tau, B: int, H: int, T: int, dtype: torch.dtype, device) -> torch.Tenso
     return out
 
 
-def scalar_logits(qs, ks, tau, causal: bool = True, kernel: str = "gaussian") -> torch.Tensor:
+def scalar_logits(qs, ks, tau, causal: bool = True, kernel: str = "gaussian", window: int | None = None,
+                  n_prefix: int = 0) -> torch.Tensor:
     """-(qs_t - ks_s)^2 / tau_t as a (B, H, Tq, Tk) tensor, -inf where key s is hidden from query t
     (kernel="cauchy": -log(1 + (qs_t - ks_s)^2 / tau_t)).
 
@@ -85,6 +86,8 @@ def scalar_logits(qs, ks, tau, causal: bool = True, kernel: str = "gaussian") ->
         tau: temperature > 0: a float, per head (H,) or per query (B, H, Tq).
         causal: hide key s from query t when s > t + Tk - Tq (the queries are the last Tq of the
             Tk positions; needs Tq <= Tk).
+        window, n_prefix: a causal sliding window (`checks.visible_keys`): also hide the keys
+            before each query's last `window`, except the first n_prefix (a sink).
 
     Returns:
         The logits (B, H, Tq, Tk), in qs's dtype (float32 for 16-bit inputs).
@@ -97,11 +100,14 @@ def scalar_logits(qs, ks, tau, causal: bool = True, kernel: str = "gaussian") ->
     """
     check_causal(causal)
     check_kernel(kernel)
+    check_window(window, causal)
     B, H, T = _check_scalars(qs, ks, causal=causal)
     cdt = upcast(qs.dtype)
     tau_b = _tau(tau, B, H, T, cdt, qs.device)  # (1|B, 1|H, 1|Tq)
     logits = scalar_scores(qs, ks, tau_b, kernel)
-    return logits if not causal else logits.masked_fill(~visible_keys(T, ks.shape[2], True, qs.device), float("-inf"))
+    if not causal:
+        return logits
+    return logits.masked_fill(~visible_keys(T, ks.shape[2], True, qs.device, window, n_prefix), float("-inf"))
 
 
 KERNELS = ("gaussian", "cauchy")
@@ -140,7 +146,8 @@ def hybrid_scores(q, k, qs, ks, tau_b, kernel: str = "gaussian", lam=None) -> to
     return dots / math.sqrt(q.shape[-1]) + scal
 
 
-def hybrid_logits(q, k, qs, ks, tau, causal: bool = True, scalar_scale=None, kernel: str = "gaussian") -> torch.Tensor:
+def hybrid_logits(q, k, qs, ks, tau, causal: bool = True, scalar_scale=None, kernel: str = "gaussian",
+                  window: int | None = None, n_prefix: int = 0) -> torch.Tensor:
     """q_t . k_s / sqrt(d) - lam (qs_t - ks_s)^2 / tau_t as (B, H, Tq, Tk), -inf where key s is hidden
     (kernel="cauchy": the scalar term -lam log(1 + (qs_t - ks_s)^2 / tau_t)).
 
@@ -154,6 +161,7 @@ def hybrid_logits(q, k, qs, ks, tau, causal: bool = True, scalar_scale=None, ker
         tau: temperature > 0: a float, (H,) or (B, H, Tq).
         causal: hide key s from query t when s > t + Tk - Tq (needs Tq <= Tk).
         scalar_scale: lam, as `hybrid_attention` takes it; None for lam = 1.
+        window, n_prefix: a causal sliding window, as `scalar_logits` takes it.
 
     Returns:
         The logits (B, H, Tq, Tk), in float32 for 16-bit inputs, else in q's dtype.
@@ -171,7 +179,7 @@ def hybrid_logits(q, k, qs, ks, tau, causal: bool = True, scalar_scale=None, ker
             f"qs must have shape (B, H, Tq) = {(B, H, T)} and ks (B, H, Tk) = {(B, H, k.shape[2])} "
             f"from q and k, got {tuple(qs.shape)} and {tuple(ks.shape)}"
         )
-    scal = scalar_logits(qs, ks, tau, causal, kernel)  # (B, H, Tq, Tk)
+    scal = scalar_logits(qs, ks, tau, causal, kernel, window, n_prefix)  # (B, H, Tq, Tk)
     if scalar_scale is not None:  # hidden keys stay -inf; the product never sees them (no 0 * inf in grads)
         lam = _scalar_scale(scalar_scale, H, scal.dtype, q.device)[..., None]  # (1, H, 1, 1)
         hidden = torch.isinf(scal)
@@ -180,7 +188,8 @@ def hybrid_logits(q, k, qs, ks, tau, causal: bool = True, scalar_scale=None, ker
     return dots / math.sqrt(D) + scal
 
 
-def scalar_attention(qs, ks, v, tau, *, causal: bool = True, impl: str = "auto", kernel: str = "gaussian") -> torch.Tensor:
+def scalar_attention(qs, ks, v, tau, *, causal: bool = True, impl: str = "auto", kernel: str = "gaussian",
+                     window: int | None = None, n_prefix: int = 0) -> torch.Tensor:
     """Scalar attention o_t = sum_s softmax_s(-(qs_t - ks_s)^2 / tau_t) v_s.
 
     Gradients reach qs, ks, v and a tensor tau.
@@ -198,6 +207,9 @@ def scalar_attention(qs, ks, v, tau, *, causal: bool = True, impl: str = "auto",
             linear in T).
         kernel: ``"gaussian"`` (default) or ``"cauchy"``, weight 1 / (1 + (qs_t - ks_s)^2 / tau_t)
             (module docstring): no fused path, "auto" / "fast" run query chunks.
+        window: a causal sliding window: each query reads only the last ``window`` keys up to it
+            (itself included); None (default) for every earlier key.
+        n_prefix: with a window, the first n_prefix keys (a sink) are read by every query too.
 
     Returns:
         (B, H, Tq, Dv) in v's dtype.
@@ -206,31 +218,35 @@ def scalar_attention(qs, ks, v, tau, *, causal: bool = True, impl: str = "auto",
         TypeError: qs, ks, v or tau is not a tensor (tau: nor a float) or not floating, or ks or v
             has another dtype than qs; causal is not a bool.
         ValueError: shapes that do not fit (batch, heads, lengths, groups, tau's shape, Tq > Tk
-            under causal masking), another device, NaN or inf in any input, tau <= 0, or an
-            unknown impl or kernel.
+            under causal masking), another device, NaN or inf in any input, tau <= 0, an unknown
+            impl or kernel, a window that is not an int >= 1 or comes without causal masking.
     """
     check_impl(impl)
     check_causal(causal)
     check_kernel(kernel)
+    check_window(window, causal)
+    check_int("n_prefix", n_prefix, 0)
     B, H, T = _check_scalars(qs, ks, causal=causal)
     _check_values(v, qs, B, H, ks.shape[2])
     if impl == "naive":
-        w = torch.softmax(scalar_logits(qs, ks, tau, causal, kernel), dim=-1)  # (B, H, Tq, Tk)
+        w = torch.softmax(scalar_logits(qs, ks, tau, causal, kernel, window, n_prefix), dim=-1)  # (B, H, Tq, Tk)
         return (w @ expand_heads(v, H).to(w.dtype)).to(v.dtype)  # (B, H, Tq, Dv)
     if kernel != "gaussian":
         from .kernel import chunked_kernel_attention
 
         _tau(tau, B, H, T, upcast(qs.dtype), qs.device)
-        return chunked_kernel_attention(qs, ks, v, tau, None, None, kernel, causal, None)
+        return chunked_kernel_attention(qs, ks, v, tau, None, None, kernel, causal, None, window=window,
+                                        n_prefix=n_prefix)
     cdt = upcast(qs.dtype)
     inv_tau = 1.0 / _tau(tau, B, H, T, cdt, qs.device)  # (1|B, 1|H, 1|T)
     qa, ka = _augment(qs, ks, inv_tau, cdt, causal)  # (B, H, T, 2) each
     qa, ka = _slots(qa, ka, v.shape[1])  # (B, H, Tq, 2H/G), (B, G, Tk, 2H/G)
-    return fused_attention(qa, ka, v.to(cdt), causal=causal).to(v.dtype)
+    return fused_attention(qa, ka, v.to(cdt), causal=causal, window=window, n_prefix=n_prefix).to(v.dtype)
 
 
 def hybrid_attention(q, k, v, qs, ks, tau, *, causal: bool = True, impl: str = "auto",
-                     scalar_scale=None, kernel: str = "gaussian") -> torch.Tensor:
+                     scalar_scale=None, kernel: str = "gaussian", window: int | None = None,
+                     n_prefix: int = 0) -> torch.Tensor:
     """Hybrid attention o_t = sum_s softmax_s(q_t . k_s / sqrt(d) - lam (qs_t - ks_s)^2 / tau_t) v_s.
 
     As tau -> inf this is standard scaled dot-product attention. Gradients reach every tensor
@@ -253,6 +269,8 @@ def hybrid_attention(q, k, v, qs, ks, tau, *, causal: bool = True, impl: str = "
             not zero there (docs/retrofit.md: the hybrid's silent start).
         kernel: ``"gaussian"`` (default) or ``"cauchy"``: the scalar term -lam log(1 + (qs_t -
             ks_s)^2 / tau_t) (module docstring); "auto" / "fast" run query chunks.
+        window, n_prefix: a causal sliding window and the sink keys it always reads, as
+            `scalar_attention` takes them.
 
     Returns:
         (B, H, Tq, Dv) in v's dtype.
@@ -262,12 +280,14 @@ def hybrid_attention(q, k, v, qs, ks, tau, *, causal: bool = True, impl: str = "
             neither a float nor a tensor; causal is not a bool.
         ValueError: shapes that do not fit (batch, heads, lengths, D, groups, qs and ks against q
             and k, Tq > Tk under causal masking), another device, NaN or inf in any input,
-            tau <= 0, a scalar_scale that is negative, not finite or not (H,), or an unknown impl
-            or kernel.
+            tau <= 0, a scalar_scale that is negative, not finite or not (H,), an unknown impl
+            or kernel, or a bad window (as `scalar_attention`).
     """
     check_impl(impl)
     check_causal(causal)
     check_kernel(kernel)
+    check_window(window, causal)
+    check_int("n_prefix", n_prefix, 0)
     B, H, T, D = check_qkv(q, k, v, causal)
     _check_scalars(qs, ks, q, "q", causal)
     if tuple(qs.shape) != (B, H, T) or ks.shape[2] != k.shape[2]:
@@ -276,7 +296,7 @@ def hybrid_attention(q, k, v, qs, ks, tau, *, causal: bool = True, impl: str = "
             f"from q and k, got {tuple(qs.shape)} and {tuple(ks.shape)}"
         )
     if impl == "naive":
-        w = torch.softmax(hybrid_logits(q, k, qs, ks, tau, causal, scalar_scale, kernel), dim=-1)  # (B, H, Tq, Tk)
+        w = torch.softmax(hybrid_logits(q, k, qs, ks, tau, causal, scalar_scale, kernel, window, n_prefix), dim=-1)
         return (w @ expand_heads(v, H).to(w.dtype)).to(v.dtype)  # (B, H, Tq, Dv)
     if kernel != "gaussian":
         from .kernel import chunked_kernel_attention
@@ -284,7 +304,8 @@ def hybrid_attention(q, k, v, qs, ks, tau, *, causal: bool = True, impl: str = "
         _tau(tau, B, H, T, upcast(q.dtype), q.device)
         if scalar_scale is not None:
             _scalar_scale(scalar_scale, H, upcast(q.dtype), q.device)
-        return chunked_kernel_attention(qs, ks, v, tau, q, k, kernel, causal, scalar_scale)
+        return chunked_kernel_attention(qs, ks, v, tau, q, k, kernel, causal, scalar_scale, window=window,
+                                        n_prefix=n_prefix)
     cdt = upcast(q.dtype)
     inv_tau = 1.0 / _tau(tau, B, H, T, cdt, q.device)
     if scalar_scale is not None:
@@ -294,7 +315,8 @@ def hybrid_attention(q, k, v, qs, ks, tau, *, causal: bool = True, impl: str = "
     qa, ka = _slots(qa, ka, G)  # (B, H, Tq, 2H/G), (B, G, Tk, 2H/G)
     qa = torch.cat([q.to(cdt) * (1.0 / math.sqrt(D)), qa], dim=-1)  # (B, H, T, D + 2H/G)
     ka = torch.cat([expand_heads(k, G).to(cdt), ka], dim=-1)  # (B, G, T, D + 2H/G)
-    return fused_attention(qa, ka, expand_heads(v, G).to(cdt), causal=causal).to(v.dtype)
+    return fused_attention(qa, ka, expand_heads(v, G).to(cdt), causal=causal, window=window,
+                           n_prefix=n_prefix).to(v.dtype)
 
 
 def _scalar_scale(scale, H: int, dtype, device) -> torch.Tensor:

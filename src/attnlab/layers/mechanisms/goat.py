@@ -20,7 +20,6 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ...cache.kv import KVCache
 from ...ops import goat_attention
 from ..attention import Attention
 from ..rope import RotaryEmbedding
@@ -103,9 +102,9 @@ class GoatPrior(nn.Module):
                 self.fc2.weight.zero_()
                 self.slope_raw.zero_()
 
-    def key_term(self, n_keys: int) -> torch.Tensor:
-        """u for key positions 0 .. n_keys − 1: (1, G, n_keys), float32."""
-        t = torch.arange(n_keys, device=self.freqs.device, dtype=torch.float32)
+    def key_term(self, n_keys: int, start: int = 0) -> torch.Tensor:
+        """u for key positions start .. start + n_keys − 1: (1, G, n_keys), float32."""
+        t = torch.arange(start, start + n_keys, device=self.freqs.device, dtype=torch.float32)
         ph = t[:, None] * self.abs_freqs[None, :]  # (n, M)
         L = float(self.train_len)
         feats = torch.cat([ph.cos(), ph.sin(), (t / L)[:, None], (torch.log1p(t) / math.log1p(L))[:, None]], dim=-1)
@@ -120,7 +119,7 @@ class GoatPrior(nn.Module):
 @register
 class GoatAttention(Attention):
     mechanism = "goat"
-    options = ("n_kv_heads", *GOAT_OPTIONS, *GOAT_LAYER_OPTIONS)
+    options = ("n_kv_heads", *GOAT_OPTIONS, *GOAT_LAYER_OPTIONS, "sliding_window")
 
     @classmethod
     def configure(cls, config) -> None:
@@ -141,17 +140,17 @@ class GoatAttention(Attention):
         self.prior = GoatPrior(self.n_kv, c.goat_rank, c.goat_abs_rank, c.goat_base, c.goat_train_len,
                                init=c.goat_prior_init)
 
-    def goat(self, q, k, v, impl, **scalar):
+    def goat(self, q, k, v, impl, start: int = 0, **scalar):
+        """The op over keys at positions start .. start + Tk − 1 (a sliding window's cache holds the
+        last ones only: the key-only term follows their positions)."""
         pr = self.prior
-        return goat_attention(q, k, v, pr.freqs, pr.lam_sym, pr.lam_asym, pr.key_term(k.shape[2]),
-                              causal=True, impl=impl, **scalar)
+        return goat_attention(q, k, v, pr.freqs, pr.lam_sym, pr.lam_asym, pr.key_term(k.shape[2], start),
+                              causal=True, impl=impl, window=self.config.sliding_window, **scalar)
 
     def attend(self, p: Projected, values=None, impl: str | None = None):
         return self.goat(p.q, p.k, p.v if values is None else values, impl or self.config.impl), None
 
-    def init_cache(self, cache, window, max_len) -> None:
-        cache.kv = KVCache(cache.batch_size)
-
     def step_readout(self, p: Projected, cache):
         full = cache.kv.append(k=p.k, v=p.v)  # one query against every cached key: the op's offset form
-        return self.goat(p.q, full["k"], full["v"], self.config.impl)
+        start = cache.pos + p.k.shape[2] - full["k"].shape[2]  # the first held key's position
+        return self.goat(p.q, full["k"], full["v"], self.config.impl, start)

@@ -16,7 +16,7 @@ from .hybrid import HybridAttention
 @register
 class GoatHybridAttention(HybridAttention):
     mechanism = "goat_hybrid"
-    options = ("tau", "tau_init", "tau_param", "tau_max", "n_kv_heads", *GOAT_OPTIONS, "goat_width")
+    options = ("tau", "tau_init", "tau_param", "tau_max", "n_kv_heads", *GOAT_OPTIONS, "goat_width", "sliding_window")
     sorted_decode = False
 
     @classmethod
@@ -35,14 +35,19 @@ class GoatHybridAttention(HybridAttention):
         super().build(c)
         self.prior = GoatPrior(self.n_kv, c.goat_rank, c.goat_abs_rank, c.goat_base, c.goat_train_len)
 
-    def scalar_op(self, qs, ks, vals, tau, q, k, impl):
-        pr = self.prior
-        return goat_attention(q, k, vals, pr.freqs, pr.lam_sym, pr.lam_asym, pr.key_term(k.shape[2]),
-                              qs=qs, ks=ks, tau=tau, causal=True, impl=impl)
+    def scalar_op(self, qs, ks, vals, tau, q, k, impl, n_prefix: int = 0, start: int = 0):
+        pr = self.prior  # keys at positions start .. (a sliding window's cache holds the last ones only)
+        return goat_attention(q, k, vals, pr.freqs, pr.lam_sym, pr.lam_asym, pr.key_term(k.shape[2], start),
+                              qs=qs, ks=ks, tau=tau, causal=True, impl=impl, window=self.config.sliding_window)
+
+    def step_readout(self, p, cache):
+        full = cache.scalar.append(ks=p.ks, v=p.v, k=p.k)  # no sink: the op's offset form over the cached keys
+        start = cache.pos + p.ks.shape[-1] - full["ks"].shape[-1]
+        return self.scalar_op(p.qs, full["ks"], full["v"], p.tau, p.q, full["k"], self.config.impl, start=start)
 
     def init_cache(self, cache, window, max_len) -> None:
         if window is not None:
             raise ValueError(
                 f"window={window}: the sorted scalar cache cannot apply GOAT's prior; decode goat_hybrid exactly (window=None)"
             )
-        cache.scalar = KVCache(cache.batch_size)
+        cache.scalar = self.kv_cache(cache.batch_size)

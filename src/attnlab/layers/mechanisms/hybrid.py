@@ -16,7 +16,6 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from ...cache.kv import KVCache
 from ...ops import hybrid_attention
 from ..record import Projected
 from . import register
@@ -62,9 +61,9 @@ class HybridAttention(ScalarAttention):
     def score_vectors(self, p: Projected):
         return p.q, p.k
 
-    def scalar_op(self, qs, ks, vals, tau, q, k, impl):
+    def scalar_op(self, qs, ks, vals, tau, q, k, impl, n_prefix: int = 0):
         return hybrid_attention(q, k, vals, qs, ks, tau, causal=True, impl=impl, scalar_scale=self.scalar_scale,
-                                kernel=self.config.kernel)
+                                kernel=self.config.kernel, window=self.config.sliding_window, n_prefix=n_prefix)
 
     def attention_weights(self, x):
         if self.scalar_scale is not None:  # the readout of identity values, through scalar_op and its gain
@@ -74,7 +73,7 @@ class HybridAttention(ScalarAttention):
     def scalar_cache(self, batch_size: int, window):
         if self.scalar_scale is None or window is not None:  # the sorted cache scales its scores by the gain
             return super().scalar_cache(batch_size, window)
-        cache = KVCache(batch_size)  # every key; each step is the op (and its gain) in its offset form
+        cache = self.kv_cache(batch_size, keep=int(self.config.sink))  # each step is the op (and its gain) in its offset form
         if self.config.sink:
             cache.append(**self.sink_entry(batch_size))
         return cache

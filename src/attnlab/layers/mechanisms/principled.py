@@ -20,7 +20,7 @@ from . import register
 class PrincipledAttention(Attention):
     mechanism = "principled"
     options = ("n_kv_heads", "rope", "rope_base", "alpha", "beta", "gamma", "alpha_init", "beta_init", "gamma_init",
-               "v0", "gate_dim")
+               "v0", "gate_dim", "sliding_window")
 
     @classmethod
     def configure(cls, config) -> None:
@@ -53,7 +53,7 @@ class PrincipledAttention(Attention):
 
     def _op(self, p: Projected, k, kg, v, v0, impl):
         return principled_attention(p.q, k, p.qg, kg, v, alpha=p.alpha, beta=p.beta, gamma=p.gamma, v0=v0,
-                                    causal=True, impl=impl)
+                                    causal=True, impl=impl, window=self.config.sliding_window)
 
     def attend(self, p: Projected, values=None, impl: str | None = None):
         v, v0 = (p.v, p.v0) if values is None else (values, None)  # weights leave the ground value out

@@ -55,7 +55,7 @@ from . import register
 from .scalar_decode import ScalarDecode, exact_impl
 
 SCALAR_OPTIONS = ("tau", "tau_init", "tau_param", "tau_max", "sink", "sink_key", "sink_weight", "train_window",
-                  "local_window", "kernel")
+                  "local_window", "kernel", "sliding_window")
 
 
 @register
@@ -140,10 +140,13 @@ class ScalarAttention(ScalarDecode, Attention):
         """Vector queries/keys added to the scalar score (hybrid), or (None, None)."""
         return None, None
 
-    def scalar_op(self, qs, ks, vals, tau, q, k, impl):
+    def scalar_op(self, qs, ks, vals, tau, q, k, impl, n_prefix: int = 0):
+        """The exact op over every key (n_prefix: the sink's leading entries, which a sliding window
+        always reads)."""
         if impl == "approx" and qs.shape[-1] == ks.shape[-1]:  # a whole sequence (decode steps stay exact)
             return scalar_attention_approx(qs, ks, vals, tau)
-        return scalar_attention(qs, ks, vals, tau, causal=True, impl=exact_impl(impl), kernel=self.config.kernel)
+        return scalar_attention(qs, ks, vals, tau, causal=True, impl=exact_impl(impl), kernel=self.config.kernel,
+                                window=self.config.sliding_window, n_prefix=n_prefix)
 
     def with_sink(self, p: Projected):
         """The scalar op's inputs, with the sink prepended when on: (qs, ks, values, tau, q, k, n_prefix)."""
@@ -178,7 +181,10 @@ class ScalarAttention(ScalarDecode, Attention):
                                       keep_fn=self.selected_keys(qs, ks, tau, q, k, n_prefix), kernel=c.kernel)
         window = self.decode_window if self.decode_window is not None else c.train_window
         if window is None and self.decode_budget is None:
-            return self.scalar_op(qs, ks, vals, tau, q, k, impl)
+            return self.scalar_op(qs, ks, vals, tau, q, k, impl, n_prefix)
+        if c.sliding_window is not None:
+            raise ValueError(f"this layer reads a sliding window of {c.sliding_window} keys: it has no scalar window "
+                             f"or budget to decode through (got window={window!r}, budget={self.decode_budget!r})")
         return windowed_attention(qs, ks, vals, tau, window, q=q, k=k, n_prefix=n_prefix, local=c.local_window,
                                   budget=self.decode_budget, history=QUERY_HISTORY, scalar_scale=lam,
                                   impl="naive" if impl == "naive" else "auto", kernel=c.kernel)
@@ -204,7 +210,8 @@ class ScalarAttention(ScalarDecode, Attention):
         o = self.sink_readout(qs, ks, vals if values is None else values, tau, q, k, impl, n_pre)[:, :, n_pre:]
         if self.n_dot:  # the dot-product heads of a mixed layer
             vd = p.v if values is None else values[:, :1, n_pre:, n_pre:].expand(-1, self.n_kv, -1, -1)
-            od = softmax_attention(p.q, p.k, vd, causal=True, scale=c.scale, p=c.p, impl=exact_impl(impl))
+            od = softmax_attention(p.q, p.k, vd, causal=True, scale=c.scale, p=c.p, impl=exact_impl(impl),
+                                   window=c.sliding_window)
             if n_pre and values is not None:  # the sink column, never seen by dot heads
                 od = torch.cat([od.new_zeros(od[..., :n_pre].shape), od], dim=-1)
             o = torch.cat([o, od], dim=1)  # (B, H, T, Dv): scalar heads first

@@ -7,7 +7,6 @@ from __future__ import annotations
 import torch
 
 from ...cache.exact import ExactScalarCache
-from ...cache.kv import KVCache
 from ...cache.ring import Ring
 from ...cache.selected import selected_step
 from ...cache.sorted import SortedScalarCache
@@ -32,12 +31,15 @@ class ScalarDecode:
 
     def init_cache(self, cache, window, max_len) -> None:
         if self.n_dot:
-            cache.kv = KVCache(cache.batch_size)
+            cache.kv = self.kv_cache(cache.batch_size)
         cache.scalar = self.scalar_cache(cache.batch_size, self.trained_window(cache, window))
 
     def trained_window(self, cache, window):
         """A window-trained layer decodes through its window by default (and its local ring)."""
         c = self.config
+        if window is not None and c.sliding_window is not None:
+            raise ValueError(f"window={window}: this layer reads a sliding window of {c.sliding_window} keys "
+                             f"(model.attention.sliding_window), not a sorted cache's window; decode it with window=None")
         if window is None and c.train_window is not None and not cache.exact:
             cache.window = window = c.train_window
         if window is not None and c.local_window:
@@ -47,8 +49,8 @@ class ScalarDecode:
     def scalar_cache(self, batch_size: int, window: int | None):
         """The plain cache of every scalar key (window None, exact) or the sorted scalar cache."""
         c = self.config
-        if window is None and (c.impl == "naive" or c.kernel != "gaussian"):  # the op over the plain cache
-            cache = KVCache(batch_size)
+        if window is None and (c.impl == "naive" or c.kernel != "gaussian" or c.sliding_window is not None):
+            cache = self.kv_cache(batch_size, keep=int(c.sink))  # the op over the plain cache (a sliding window's)
             if c.sink:
                 cache.append(**self.sink_entry(batch_size))
             return cache
@@ -102,7 +104,8 @@ class ScalarDecode:
         if cache.window is None:  # impl="naive": the op's reference, one query against every cached key
             def naive(v):
                 full = cache.scalar.append(**{"ks": p.ks, self.value_key: v, **({"k": k} if k is not None else {})})
-                return self.scalar_op(p.qs, full["ks"], full[self.value_key], p.tau, q, full.get("k"), self.config.impl)
+                return self.scalar_op(p.qs, full["ks"], full[self.value_key], p.tau, q, full.get("k"), self.config.impl,
+                                      int(self.config.sink))
             return self.plain_step(naive, vals)
         k_t = expand_heads(k, self.n_scalar)[:, :, 0] if k is not None else None  # (B, H, D)
         tau = p.tau if p.tau.dim() == 1 else p.tau[..., 0]  # (H,) or (B, H)
@@ -174,7 +177,8 @@ class ScalarDecode:
         if self.n_dot:
             c = self.config
             full = cache.kv.append(k=p.k, v=p.v)
-            od = softmax_attention(p.q, full["k"], full["v"], scale=c.scale, p=c.p, impl=exact_impl(c.impl))
+            od = softmax_attention(p.q, full["k"], full["v"], scale=c.scale, p=c.p, impl=exact_impl(c.impl),
+                                   window=c.sliding_window)
             o = torch.cat([o, od.to(o.dtype)], dim=1)  # scalar heads first
         return o
 
