@@ -200,6 +200,8 @@ def windowed_table(res: Json) -> str:
     for name, label in WINDOWED_ROWS.items():
         mean, sd = res["variants"][name]["mean"], res["variants"][name]["sd"]
         row = [label]
+        if not v.get("n"):  # a variant with no finished run yet
+            continue
         for t in lengths:
             row.append(f"{mean[f'loss/T={t}']:.3f} ± {sd[f'loss/T={t}']:.3f}")
             for k in ks:
@@ -221,16 +223,20 @@ def windowed_table(res: Json) -> str:
 
 def train_window_table(res: Json) -> str:
     """experiments/seed000/train-through-window: per variant, the loss at each evaluated length (mean ±
-    sd over seeds): a window-trained variant's own loss (its windowed decode), an exact-trained one's
-    exact loss and, for scalar/hybrid heads, its loss through a k = 64 window."""
+    sd over seeds): a window-trained variant's own loss (its windowed decode), a sliding-window
+    control's, an exact-trained one's exact loss and, for scalar/hybrid heads, its loss through a
+    k = 64 window."""
     lengths = res["spec"]["metrics"]["lengths"]
     base = lengths[0]
     rows = []
     for name, v in res["variants"].items():
         mean, sd = v["mean"], v["sd"]
         trained = any("train_window" in o for o in v["overrides"])
-        reads = "its window" if trained else "every key"
+        slide = next((o.split("=", 1)[1] for o in v["overrides"] if "sliding_window" in o), None)
+        reads = "its window" if trained else f"the last {slide} keys" if slide else "every key"
         row = [name, reads]
+        if not v.get("n"):  # a variant with no finished run yet
+            continue
         for t in lengths:
             row.append(f"{mean[f'loss/T={t}']:.3f} ± {sd[f'loss/T={t}']:.3f}")
         for t in lengths:

@@ -344,3 +344,29 @@ def test_windowed_loss_by_length_derived_from_loss_and_gap():
     got = _with_derived({"loss/T=64": 2.0, "wgap@8/T=64": 0.25, "wloss@8/T=64": None, "wloss@8/T=128": None,
                          "loss/T=128": None, "wgap@8/T=128": 0.5, "wloss@4/T=64": 1.0})
     assert got["wloss@8/T=64"] == 2.25 and got["wloss@8/T=128"] is None and got["wloss@4/T=64"] == 1.0
+
+
+def test_recorded_runs_stand_for_absent_run_folders(reference, tmp_path):
+    """A fresh clone holds results.json, not the run folders: --report-only rebuilds the same results,
+    and a spec given a new variant trains only that one; a variant whose overrides changed trains again."""
+    out, res = reference
+    clone = tmp_path / "clone"
+    clone.mkdir()
+    for name in ("spec.toml", "results.json"):
+        shutil.copy(out / name, clone / name)
+    again = sweep(clone, "--report-only")
+    assert per_run(again) == per_run(res) and again["verdict"] == res["verdict"]
+    more = {**VARIANTS, "swa": ["model.attn=softmax", "model.attention.sliding_window=4"]}
+    states = {(p.variant, p.seed): p.state for p in plan(load_spec(_write(clone, spec_text(variants=more))))}
+    assert states == {**{(v, s): "recorded" for v in VARIANTS for s in SEEDS}, **{("swa", s): "new" for s in SEEDS}}
+    grown = sweep(clone)
+    assert sorted(p.name for p in (clone / "runs").iterdir()) == ["swa"]
+    assert {k: v for k, v in per_run(grown).items() if k[0] != "swa"} == per_run(res)
+    changed = {**more, "hybrid": ["model.attn=hybrid", "model.attention.tau_init=0.2"]}
+    states = {(p.variant, p.seed): p.state for p in plan(load_spec(_write(clone, spec_text(variants=changed))))}
+    assert states[("hybrid", 0)] == "new" and states[("softmax", 0)] == "recorded" and states[("swa", 0)] == "done"
+
+
+def _write(folder: Path, text: str) -> Path:
+    (folder / "spec.toml").write_text(text)
+    return folder / "spec.toml"
