@@ -97,3 +97,138 @@ def test_training_batches_keep_the_distance_rule(tmp_path):
         q = (batch.y != IGNORE).nonzero()[:, 1]
         assert q.numel() == 8 * 6 and int(q.min()) - 11 >= 100
     assert "100 tokens after every pair" in data.description
+
+
+# --------------------------------------------------------------------------- the metrics
+
+
+class ReachOracle(torch.nn.Module):
+    """An LM-shaped MQAR solver that reads only the last `reach` tokens (None: all of them): at a
+    position holding one of the opening keys it predicts that key's value when the value lies
+    within reach, else token 0, which is never a value."""
+
+    def __init__(self, pairs_per_len: float, vocab_size: int, reach: int | None = None):
+        super().__init__()
+        self.rate, self.vocab_size, self.reach = pairs_per_len, vocab_size, reach
+
+    def forward(self, x, targets=None, record=False, doc_ids=None):
+        T = x.shape[1]
+        n = 2 * round(self.rate * T)  # pairs scale with the length
+        keys, values = x[:, 0:n:2], x[:, 1:n:2]  # (B, P)
+        hit = x[:, :, None] == keys[:, None, :]  # (B, T, P)
+        hit[:, :n] = False
+        if self.reach is not None:  # value of pair j at 2j + 1: within reach of position t?
+            t = torch.arange(T)[:, None]
+            hit &= (t - (2 * torch.arange(n // 2) + 1)[None, :] < self.reach)[None]
+        answer = (hit * values[:, None, :]).sum(-1)  # (B, T)
+        return torch.nn.functional.one_hot(answer, self.vocab_size).float(), None
+
+
+MQAR_RUN = ["data.source=mqar", "model.vocab_size=64", "data.seq_len=96", "data.mqar_pairs=4", "data.mqar_min_gap=40",
+            "model.d_model=32", "model.n_layers=2", "model.n_heads=2", "train.steps=2", "train.warmup_steps=1",
+            "train.batch_size=4", "train.eval_every=0", "run.progress=false", "run.tensorboard=false", "run.threads=1"]
+
+
+@pytest.fixture(scope="module")
+def hybrid_run(tmp_path_factory):
+    from attnlab.train import train
+
+    out = tmp_path_factory.mktemp("mqar-window")
+    cfg = load_config(None, [*MQAR_RUN, "model.attn=hybrid", f"run.out_dir={out}", "run.name=hybrid"])
+    train(cfg)
+    return out / "hybrid"
+
+
+def _evaluate_with(monkeypatch, wrap, *args, **kwargs):
+    import importlib
+
+    module = importlib.import_module("attnlab.train.evaluate")
+    real = module.load_run
+
+    def wrapped(*a, **k):
+        cfg, model, state = real(*a, **k)
+        return cfg, wrap(model), state
+
+    monkeypatch.setattr(module, "load_run", wrapped)
+    return module.evaluate(*args, write=False, **kwargs)
+
+
+def test_scaled_accuracy_keeps_the_distance_rule(hybrid_run, monkeypatch):
+    """At 1x and 4x every pair lies >= 40 tokens before every query: an oracle reading the last 40
+    tokens answers nothing, one reading everything answers everything (4 pairs in 96 tokens, 16 in 384)."""
+    full = _evaluate_with(monkeypatch, lambda m: ReachOracle(4 / 96, 64), hybrid_run, mqar_scales=[4])
+    assert full["mqar"] == {"1x": {"exact": 1.0}, "4x": {"exact": 1.0}} and full["mqar_accuracy"] == 1.0
+    near = _evaluate_with(monkeypatch, lambda m: ReachOracle(4 / 96, 64, reach=40), hybrid_run, mqar_scales=[4])
+    assert near["mqar"] == {"1x": {"exact": 0.0}, "4x": {"exact": 0.0}}
+    far = _evaluate_with(monkeypatch, lambda m: ReachOracle(4 / 96, 64, reach=41), hybrid_run, mqar_scales=[4])
+    # one more token of reach: the last pair's value at gap exactly 40 (the slot power_a favours)
+    assert far["mqar"]["1x"]["exact"] > 0 and far["mqar"]["4x"]["exact"] > 0
+
+
+def test_scaled_and_windowed_accuracy_of_a_model_equal_a_direct_count(hybrid_run):
+    from attnlab.eval.tasks import mqar_accuracy
+    from attnlab.eval.window import decode_window
+    from attnlab.train.evaluate import evaluate, load_run
+
+    ev = evaluate(hybrid_run, mqar_scales=[2], mqar_windows=[8, 400], write=False)
+    _, model, _ = load_run(hybrid_run)
+
+    def acc(T, P, window=None):
+        with decode_window(model, window):
+            return mqar_accuracy(lambda x: model(x)[0], vocab_size=64, seq_len=T, num_kv_pairs=P, min_gap=40)
+
+    assert ev["mqar_accuracy"] == ev["mqar"]["1x"]["exact"] == acc(96, 4)
+    assert ev["mqar"]["2x"]["exact"] == acc(192, 8)
+    assert ev["mqar"]["1x"]["window=8"] == acc(96, 4, 8)
+    assert ev["mqar"]["2x"]["window=8"] == acc(192, 8, 8)
+    assert ev["mqar"]["2x"]["window=400"] == ev["mqar"]["2x"]["exact"]  # a window holding every key is exact
+    assert set(ev["mqar"]["1x"]) == {"exact", "window=8", "window=400"}
+
+
+def test_mqar_metric_errors_before_any_work(hybrid_run, tmp_path):
+    from attnlab.train.evaluate import check_mqar_scales, evaluate
+
+    cfg = load_config(hybrid_run / "config.toml")
+    assert check_mqar_scales(cfg, [2, 7]) == [2, 7]  # 7 x 4 = 28 keys fit [1, 32)
+    with pytest.raises(ValueError, match=r"mqar_scales: 8x needs .* = 32 distinct keys .*model\.vocab_size=64 holds 31.*>= 66"):
+        evaluate(hybrid_run, mqar_scales=[8], write=False)
+    with pytest.raises(ValueError, match="mqar_scales must be a list of ints >= 1"):
+        check_mqar_scales(cfg, [0])
+    text = load_config(None, ["data.source=stdlib"])
+    with pytest.raises(ValueError, match="data.source is 'stdlib'"):
+        check_mqar_scales(text, [4])
+
+
+def test_sweep_metric_names_values_and_checks(tmp_path):
+    from attnlab.experiments.sweep.runs import plan
+    from attnlab.experiments.sweep.spec import load_spec, metric_names, mqar_values
+
+    m = {"mqar_accuracy": True, "mqar_scales": [4], "mqar_windows": [32]}
+    names = ["mqar_accuracy", "mqar_accuracy/window=32", "mqar_accuracy@4x", "mqar_accuracy@4x/window=32"]
+    assert metric_names(m) == names
+    assert metric_names({"mqar_scales": [4]}) == ["mqar_accuracy@4x"]
+    ev = {"mqar": {"1x": {"exact": 0.9, "window=32": 0.5}, "4x": {"exact": 0.7}}}
+    assert mqar_values(ev, m) == dict(zip(names, [0.9, 0.5, 0.7, None]))
+
+    def spec(metrics: str, vocab: int = 64):
+        path = tmp_path / "spec.toml"
+        path.write_text(f"""seeds = [0]
+[base]
+model = {{ attn = "hybrid", vocab_size = {vocab}, d_model = 32, n_layers = 1, n_heads = 2 }}
+data = {{ source = "mqar", seq_len = 96, mqar_pairs = 4, mqar_min_gap = 40 }}
+[[variants]]
+name = "hybrid"
+[metrics]
+{metrics}
+""")
+        return load_spec(path)
+
+    from attnlab.models.config import ConfigError
+
+    with pytest.raises(ConfigError, match=r"metrics\.mqar_scales must be a list of integers >= 2 .*1x"):
+        spec("mqar_accuracy = true\nmqar_scales = [1, 4]")
+    with pytest.raises(ConfigError, match=r"metrics\.mqar_windows .* set metrics\.mqar_accuracy"):
+        spec("mqar_windows = [32]")
+    with pytest.raises(ConfigError, match=r"variant 'hybrid': metrics\.mqar_scales: 8x needs"):
+        plan(spec("mqar_accuracy = true\nmqar_scales = [8]"))
+    assert len(plan(spec("mqar_accuracy = true\nmqar_scales = [8]", vocab=66))) == 1

@@ -10,7 +10,9 @@
 - for principled attention, the ground weight w0 per head and the mean suppression of its gate;
 - windowed decoding (k nearest keys per scalar head): its loss over the same text, optionally
   under a memory budget (eviction) and, token by token on one batch, with density compression;
-- MQAR accuracy for MQAR runs, passkey accuracy at the requested lengths and depths.
+- MQAR accuracy for MQAR runs (also at s times the length with s times the pairs, same distance
+  rule, and through a decode window of k scalar-nearest keys), passkey accuracy at the requested
+  lengths and depths.
 
 The weights come from each layer's `attention_weights`, which builds (B, H, T, T): the
 analysis runs at a small length (`analysis_len`, default min(seq_len, 256)).
@@ -146,6 +148,8 @@ def evaluate(
     budgets: list[int] | None = None,
     context_lengths: list[int] | None = None,
     compress: list[float] | None = None,
+    mqar_scales: list[int] | None = None,
+    mqar_windows: list[int] | None = None,
     device: str | None = None,
     write: bool = True,
 ) -> dict:
@@ -161,10 +165,14 @@ def evaluate(
     windows: k of the windowed-decode loss; budgets: also with the sorted cache capped at M keys per
     head; compress: also with density compression at these key spans (token by token, one batch);
     context_lengths: everything again per context length T, with the slope of the missed mass
-    against ln T. device: default run.device.
+    against ln T. MQAR runs: `mqar_scales` also measures the accuracy at s x data.seq_len with s x
+    the pairs (and queries), the same data.mqar_min_gap; `windows` also measures it with every
+    scalar/hybrid head reading its k nearest keys (`decode_window`), at each length. device:
+    default run.device.
 
     Returns a dict: "loss" {T: {"loss", "ppl", "tokens", "batches"}}, "layers" (per layer and head),
-    and "windowed_loss", "compressed", "by_length", "passkey" or "mqar_accuracy" when asked for;
+    and "windowed_loss", "compressed", "by_length", "passkey" or "mqar_accuracy" when asked for
+    (MQAR: "mqar_accuracy" and "mqar" {"<s>x": {"exact": acc, "window=<k>": acc}});
     with `write` it is also stored as run_dir/eval.json ("written_to"). Raises FileNotFoundError
     when the run has no checkpoint, CheckpointError when it is damaged, ConfigError for a bad
     override."""
@@ -179,10 +187,9 @@ def evaluate(
         return model(x)[0]
 
     if d.source == "mqar":
-        out["mqar_accuracy"] = mqar_accuracy(
-            logits_of, vocab_size=cfg.model.vocab_size, seq_len=d.seq_len, num_kv_pairs=d.mqar_pairs,
-            power_a=d.mqar_power_a, num_queries=d.mqar_queries or None, device=dev,
-        )
+        mw = mqar_windows if mqar_windows is not None else windows
+        out["mqar"] = mqar_report(model, cfg, [1, *(mqar_scales or [])], list(mw or []), dev)
+        out["mqar_accuracy"] = out["mqar"]["1x"]["exact"]
         return _finish(out, cfg, write)
 
     cache_dir, max_docs = d.cache_dir or None, d.max_docs or None
@@ -221,6 +228,51 @@ def evaluate(
         acc = passkey_accuracy(logits_of, tok, lengths=passkey_lengths, depths=passkey_depths, device=dev)
         out["passkey"] = {f"{L}@{dep}": v for (L, dep), v in acc.items()}
     return _finish(out, cfg, write)
+
+
+def check_mqar_scales(cfg: RunConfig, scales, key: str = "mqar_scales") -> list[int]:
+    """The MQAR scales s (ints >= 1) that the run's vocabulary and positions can hold: s x data.mqar_pairs
+    distinct keys must fit [1, V // 2) and s x data.seq_len a learned position table. Raises
+    ValueError naming `key` (and the config keys) before any work."""
+    if isinstance(scales, (int, bool)) or not all(isinstance(s, int) and not isinstance(s, bool) and s >= 1
+                                                   for s in scales or []):
+        raise ValueError(f"{key} must be a list of ints >= 1, got {scales!r}")
+    d, V = cfg.data, cfg.model.vocab_size
+    if scales and d.source != "mqar":
+        raise ValueError(f"{key}={list(scales)} measures MQAR accuracy; data.source is {d.source!r}, not 'mqar'")
+    for s in scales or []:
+        if s * d.mqar_pairs > V // 2 - 1:
+            raise ValueError(
+                f"{key}: {s}x needs {s} x data.mqar_pairs = {s * d.mqar_pairs} distinct keys from [1, V // 2), but "
+                f"model.vocab_size={V} holds {V // 2 - 1}; set model.vocab_size >= {2 * s * d.mqar_pairs + 2} or drop {s}")
+        if cfg.model.pos_embedding == "learned" and s * d.seq_len > cfg.model.max_seq_len:
+            raise ValueError(f"{key}: {s}x is {s * d.seq_len} tokens, beyond model.max_seq_len={cfg.model.max_seq_len} "
+                             f"of the learned position embedding")
+    return list(scales or [])
+
+
+def mqar_report(model, cfg: RunConfig, scales: list[int], windows: list[int], device) -> dict:
+    """MQAR accuracy per scale s: {"<s>x": {"exact": acc, "window=<k>": acc}} on 256 test sequences of
+    s x data.seq_len tokens with s x the pairs (and queries) and the same data.mqar_min_gap, exactly as
+    the model runs and, for each k in `windows` where the model has scalar/hybrid layers, with each of
+    them reading only its k nearest keys (`decode_window`; a window-trained layer keeps its local window)."""
+    d = cfg.data
+    check_mqar_scales(cfg, scales)
+
+    def logits_of(x):
+        return model(x)[0]
+
+    out = {}
+    for s in dict.fromkeys(scales):
+        task = dict(vocab_size=cfg.model.vocab_size, seq_len=s * d.seq_len, num_kv_pairs=s * d.mqar_pairs,
+                    power_a=d.mqar_power_a, num_queries=s * d.mqar_queries or None, min_gap=d.mqar_min_gap,
+                    batch_size=max(1, 64 // s), device=device)
+        row = {"exact": mqar_accuracy(logits_of, **task)}
+        for k in windows if windows and windowed_layers(model) else []:
+            with decode_window(model, int(k)):
+                row[f"window={k}"] = mqar_accuracy(logits_of, **task)
+        out[f"{s}x"] = row
+    return out
 
 
 def _windowed_losses(model, fn, stream, lens, windows, batch_size, max_tokens, d, dev, budgets=None) -> dict:

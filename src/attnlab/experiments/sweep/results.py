@@ -301,7 +301,15 @@ def _metrics_text(metrics: dict) -> str:
     if metrics.get("passkey"):
         parts.append("**passkey@L**: passkey retrieval accuracy at length L, mean over depths")
     if metrics.get("mqar_accuracy"):
-        parts.append("**mqar_accuracy**: MQAR accuracy at the query positions")
+        parts.append("**mqar_accuracy**: MQAR accuracy at the query positions (256 test sequences of the training "
+                     "length, a seed no run trains or validates on)")
+    if metrics.get("mqar_scales"):
+        parts.append("**mqar_accuracy@sx**: the same at s times the training length with s times the pairs (and "
+                     "queries), every query as far from every pair as in training (data.mqar_min_gap)")
+    if metrics.get("mqar_windows"):
+        parts.append("**…/window=k**: the same with every scalar/hybrid head reading only its k nearest keys in scalar "
+                     "space (`attnlab.eval.window.decode_window`; a window-trained layer keeps its local window; "
+                     "— for variants without such heads)")
     args = {k: metrics[k] for k in EVAL_ARG_KEYS if k in metrics}
     how = f" (`attnlab.train.evaluate` on each run's final checkpoint{', ' + ', '.join(f'{k}={v}' for k, v in args.items()) if args else ''})"
     return "Collected metrics" + how + ": " + "; ".join(parts) + "."

@@ -21,7 +21,7 @@ from attnlab.pool import run_pool
 from attnlab.train.config import RunConfig, apply_overrides, config_from_dict, read_toml, to_dict
 
 from ..report import topk_summary
-from .spec import RECORD, Spec, SweepError, Variant, _need, load_spec, metric_names, window_keys
+from .spec import RECORD, Spec, SweepError, Variant, _need, load_spec, metric_names, mqar_values, window_keys
 
 
 
@@ -171,6 +171,14 @@ def plan(spec: Spec, out: str | os.PathLike | None = None, *, jobs: int = 1) -> 
 
 
 def _check_eval_lengths(cfg: RunConfig, metrics: dict, variant: str) -> None:
+    if metrics.get("mqar_scales") or metrics.get("mqar_windows"):
+        from attnlab.train.evaluate import check_mqar_scales
+
+        try:
+            check_mqar_scales(cfg, metrics.get("mqar_scales") or [1],
+                              key="metrics.mqar_scales" if metrics.get("mqar_scales") else "metrics.mqar_windows")
+        except ValueError as e:
+            raise ConfigError(f"variant {variant!r}: {e}") from None
     lengths = list(metrics.get("loss_at", [])) + list(metrics.get("passkey", []))
     if not lengths:
         return
@@ -196,6 +204,7 @@ def collect_metrics(run_dir: str | os.PathLike, metrics: dict) -> dict[str, floa
                   passkey_depths=tuple(metrics.get("passkey_depths", (0.0, 0.5, 1.0))),
                   windows=metrics.get("windowed_loss") or None, budgets=metrics.get("budgets") or None,
                   compress=metrics.get("compress") or None, context_lengths=metrics.get("lengths") or None,
+                  mqar_scales=metrics.get("mqar_scales") or None, mqar_windows=metrics.get("mqar_windows") or None,
                   write=False, **args)
     layers = ev.get("layers", [])
     topk = topk_summary(layers)
@@ -251,8 +260,7 @@ def collect_metrics(run_dir: str | os.PathLike, metrics: dict) -> dict[str, floa
             out[f"miss_slope@{k}"] = ((ev.get("by_length") or {}).get("miss_slope") or {}).get(str(k))
     for L in metrics.get("passkey", []):
         out[f"passkey@{L}"] = _mean_or_none([v for key, v in (ev.get("passkey") or {}).items() if key.split("@")[0] == str(L)])
-    if metrics.get("mqar_accuracy"):
-        out["mqar_accuracy"] = ev.get("mqar_accuracy")
+    out.update(mqar_values(ev, metrics))
     return out
 
 

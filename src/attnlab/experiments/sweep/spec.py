@@ -22,7 +22,7 @@ SPEC_KEYS = ("title", "claim", "description", "base", "seeds", "overrides", "var
 VARIANT_KEYS = ("name", "overrides", "description")
 # [metrics]: what to collect per run from attnlab.train.evaluate, and evaluate's arguments
 METRIC_KEYS = ("loss_at", "topk_mass", "entropy", "sink_share", "learned_sink_share", "alignment", "gate", "principled", "windowed_loss",
-               "budgets", "compress", "lengths", "passkey", "mqar_accuracy")
+               "budgets", "compress", "lengths", "passkey", "mqar_accuracy", "mqar_scales", "mqar_windows")
 EVAL_ARG_KEYS = ("max_tokens", "batch_size", "analysis_len", "analysis_batch", "split", "passkey_depths")
 OWNED_KEYS = ("run.seed", "run.name", "run.out_dir", "run.resume", "run.overwrite", "run.progress")
 SUMMARY_SCALARS = ("val_loss", "val_ppl", "val_accuracy", "train_loss", "tokens_per_s", "train_seconds",
@@ -160,16 +160,46 @@ def metric_names(metrics: dict) -> list[str]:
     if len(metrics.get("lengths", [])) >= 2:
         names += [f"miss_slope@{k}" for k in metrics.get("topk_mass", [])]
     names += [f"passkey@{L}" for L in metrics.get("passkey", [])]
-    names += ["mqar_accuracy"] if metrics.get("mqar_accuracy") else []
+    names += mqar_metric_names(metrics)
     return names
+
+
+def mqar_metric_names(metrics: dict) -> list[str]:
+    """MQAR accuracy at the training length ("mqar_accuracy"), at s times it with s times the pairs
+    ("mqar_accuracy@<s>x", mqar_scales), and each through a decode window of k keys
+    ("mqar_accuracy/window=<k>", "mqar_accuracy@<s>x/window=<k>", mqar_windows)."""
+    scales = [""] + [f"@{s}x" for s in metrics.get("mqar_scales", [])]
+    if not metrics.get("mqar_accuracy"):
+        scales = scales[1:]
+    return [f"mqar_accuracy{s}{w}" for s in scales for w in [""] + [f"/window={k}" for k in metrics.get("mqar_windows", [])]]
+
+
+def mqar_values(ev: dict, metrics: dict) -> dict[str, float | None]:
+    """The MQAR scalars of `mqar_metric_names` from what `attnlab.train.evaluate` returned (its "mqar"
+    table); None where a run has no value (a window for a model without scalar/hybrid layers)."""
+    table = ev.get("mqar") or {}
+    out = {}
+    for name in mqar_metric_names(metrics):
+        head, _, window = name.partition("/")
+        scale = head.partition("@")[2] or "1x"
+        out[name] = (table.get(scale) or {}).get(window or "exact")
+    return out
 
 
 def _check_metrics(m, key: str = "metrics") -> dict:
     _need(isinstance(m, dict), f"{key} must be a table, got {m!r}")
     _unknown(m, METRIC_KEYS + EVAL_ARG_KEYS, f"{key}.")
-    for name in ("loss_at", "topk_mass", "passkey", "windowed_loss", "budgets", "lengths"):
+    for name in ("loss_at", "topk_mass", "passkey", "windowed_loss", "budgets", "lengths", "mqar_windows"):
         if name in m:
             _int_list(m[name], f"{key}.{name}", 1)
+    if "mqar_scales" in m:
+        v = m["mqar_scales"]
+        ok = isinstance(v, list) and all(isinstance(s, int) and not isinstance(s, bool) and s >= 2 for s in v)
+        _need(ok, f"{key}.mqar_scales must be a list of integers >= 2 (the training length, 1x, is "
+                  f"{key}.mqar_accuracy), got {v!r}")
+    _need(not m.get("mqar_windows") or m.get("mqar_accuracy") or m.get("mqar_scales"),
+          f"{key}.mqar_windows reads MQAR accuracy through a decode window: set {key}.mqar_accuracy = true "
+          f"or {key}.mqar_scales as well")
     for name in ("entropy", "sink_share", "learned_sink_share", "alignment", "gate", "principled", "mqar_accuracy"):
         if name in m:
             _need(isinstance(m[name], bool), f"{key}.{name} must be true or false, got {m[name]!r}")
