@@ -1,4 +1,4 @@
-"""The scalar-space regularizers L_align, L_spread, L_tau (docs/mechanisms.md#regularizers).
+"""The scalar-space regularizers L_align, L_spread, L_tau, L_kl (docs/mechanisms.md#regularizers).
 
 They shape the scalar keys of scalar and hybrid heads so that the sorted cache needs only a
 small window at decode time:
@@ -6,7 +6,11 @@ small window at decode time:
 - `align_loss`: attention-weighted squared scalar distance, weights stop-gradiented, so the
   scalar projections learn to predict what the heads attend to;
 - `spread_loss`: sorted keys against uniform quantile targets, so keys do not collapse;
-- `tau_loss`: log(1 + τ) summed over heads, so the bandwidth stays narrow.
+- `tau_loss`: log(1 + τ) summed over heads, so the bandwidth stays narrow;
+- `dense_kl_loss`: KL from the head's dense dot-product attention (detached) to the softmax of
+  its scalar kernel, on a sample of query rows, as DeepSeek's DSA trains its indexer: the scalar
+  keys learn to rank first the keys that q·k would attend to, including those a top-k window
+  did not select (which the LM loss through the window cannot reach).
 
 Each takes tensors; `regularization(records, weights)` feeds them from the records that
 `Attention(..., record=True)` leaves in `layer.last` (any object with the same attributes works).
@@ -14,13 +18,14 @@ Each takes tensors; `regularization(records, weights)` feeds them from the recor
 
 from __future__ import annotations
 
-from typing import Iterable, Mapping
+from typing import Iterable, Mapping, Sequence
 
 import torch
 
 from .checks import check_choice, check_impl, check_positive, check_same, check_tensor
 from .ops import hybrid_attention, hybrid_logits, scalar_attention, scalar_logits
-from .ops._sdpa import upcast
+from .ops._sdpa import expand_heads, upcast
+from .ops.scalar import scalar_scores
 
 REDUCTIONS = ("pairs", "queries")
 
@@ -170,19 +175,90 @@ def tau_loss(tau) -> torch.Tensor:
     raise ValueError(f"tau must be (H,) or (B, H, T), got shape {tuple(tau.shape)}")
 
 
-def regularization(records: Iterable, weights: Mapping[str, float], *, spread_target="adaptive", align_reduction="pairs") -> dict[str, torch.Tensor]:
-    """Σ over layer records of λ_a·L_align + λ_s·L_spread + λ_t·L_tau.
+def dense_kl_loss(
+    qs: torch.Tensor,
+    ks: torch.Tensor,
+    tau,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    *,
+    queries: int | None = None,
+    kernel: str = "gaussian",
+    n_prefix: int = 0,
+    generator: torch.Generator | None = None,
+) -> torch.Tensor:
+    """L_kl = mean over sampled query rows t (and batch, heads) of KL(p_t ‖ r_t), where over the keys
+    s <= t that t sees
+        p_t = softmax_s(q_t·k_s / √d), detached: the head's dense dot-product attention, the teacher;
+        r_t = softmax_s(kernel(qs_t − ks_s; τ_t)): the scalar kernel alone, −(qs − ks)²/τ (Gaussian) or
+              −log(1 + (qs − ks)²/τ) (Cauchy), the distribution whose top-k a window reads.
+    As DSA trains its indexer against the main attention: the gradient reaches qs and ks only (τ is
+    detached as in L_align, the teacher entirely), and pulls every key q·k favours toward the query
+    in scalar space, also the keys that a window trained through the LM loss never selected.
+
+    qs, ks (B, H, T); τ a float, (H,) or (B, H, T); q (B, H, T, D), k (B, G, T, D), G dividing H.
+    queries: rows drawn per sequence, uniformly without replacement from the counted rows (None, or
+    at least as many rows as there are: every row), with `generator` (or the global RNG of qs's
+    device); memory O(B·H·queries·T), never T×T. The first `n_prefix` positions (a sink's extra
+    query and key) are left out of both distributions. Computed in float32 for 16-bit inputs.
+    """
+    B, H, T = _check_scalars(qs, ks, q, k)
+    if not isinstance(n_prefix, int) or not 0 <= n_prefix < T:
+        raise ValueError(f"n_prefix must be an int in [0, T={T}), got {n_prefix!r}")
+    if queries is not None and (isinstance(queries, bool) or not isinstance(queries, int) or queries < 1):
+        raise ValueError(f"queries must be None (every row) or an int >= 1, got {queries!r}")
+    check_choice("kernel", kernel, ("gaussian", "cauchy"))
+    check_positive("tau", tau)
+    cdt = upcast(qs.dtype)
+    qs, ks = qs[..., n_prefix:].to(cdt), ks[..., n_prefix:].to(cdt)
+    q, k = q[:, :, n_prefix:].to(cdt), k[:, :, n_prefix:].to(cdt)
+    n = T - n_prefix
+    tau = tau.detach().to(cdt) if isinstance(tau, torch.Tensor) else float(tau)
+    if isinstance(tau, torch.Tensor) and tau.dim() == 3:
+        tau = tau[..., n_prefix:]
+    if queries is None or queries >= n:
+        rows = torch.arange(n, device=qs.device).expand(B, n)  # (B, R)
+    else:
+        u = torch.rand(B, n, generator=generator, device=qs.device if generator is None else generator.device)
+        rows = u.to(qs.device).topk(queries, dim=1).indices  # (B, R): a uniform sample without replacement
+    R = rows.shape[1]
+    at = rows[:, None, :].expand(B, H, R)  # (B, H, R)
+    if isinstance(tau, torch.Tensor):
+        tau_b = tau.gather(-1, at) if tau.dim() == 3 else tau.view(1, -1, 1)
+    else:
+        tau_b = torch.tensor(tau, dtype=cdt, device=qs.device).view(1, 1, 1)
+    hidden = torch.arange(n, device=qs.device).view(1, 1, 1, n) > rows.view(B, 1, R, 1)  # (B, 1, R, T): s > t
+    with torch.no_grad():
+        q_rows = q.gather(2, at[..., None].expand(B, H, R, q.shape[-1]))  # (B, H, R, D)
+        dots = q_rows @ expand_heads(k, H).transpose(-1, -2) / q.shape[-1] ** 0.5  # (B, H, R, T)
+        log_p = torch.log_softmax(dots.masked_fill(hidden, float("-inf")), dim=-1)
+    student = scalar_scores(qs.gather(-1, at), ks, tau_b, kernel)  # (B, H, R, T), gradient into qs and ks
+    log_r = torch.log_softmax(student.masked_fill(hidden, float("-inf")), dim=-1)
+    terms = log_p.exp() * (log_p - log_r)
+    return terms.masked_fill(hidden, 0.0).sum(-1).mean()
+
+
+def regularization(records: Iterable, weights: Mapping[str, float], *, spread_target="adaptive", align_reduction="pairs",
+                   kl_queries: int | None = None, kernels: Sequence[str] | None = None) -> dict[str, torch.Tensor]:
+    """Σ over layer records of λ_a·L_align + λ_s·L_spread + λ_t·L_tau + λ_kl·L_kl.
 
     records: the `last` of each `Attention` layer run with record=True (layers without scalar
-    heads are skipped). weights: {"align": λ_a, "spread": λ_s, "tau": λ_t}; missing terms count 0
-    and terms with weight 0 are not computed. Returns {"total", "align", "spread", "tau"} with each
+    heads are skipped, and L_kl skips layers without hybrid scores: it needs q·k). weights:
+    {"align": λ_a, "spread": λ_s, "tau": λ_t, "kl_dense": λ_kl}; missing terms count 0 and terms
+    with weight 0 are not computed. kl_queries: the query rows L_kl samples per sequence (None:
+    all); kernels: each record's scalar kernel, the student of L_kl (None: Gaussian for every
+    layer). Returns {"total", "align", "spread", "tau", "kl_dense"} (those computed) with each
     unweighted term summed over layers.
     """
-    unknown = set(weights) - {"align", "spread", "tau"}
+    unknown = set(weights) - {"align", "spread", "tau", "kl_dense"}
     if unknown:
-        raise ValueError(f"weights has unknown terms {sorted(unknown)}; allowed: 'align', 'spread', 'tau'")
+        raise ValueError(f"weights has unknown terms {sorted(unknown)}; allowed: 'align', 'spread', 'tau', 'kl_dense'")
+    records = list(records)
+    kernels = list(kernels) if kernels is not None else ["gaussian"] * len(records)
+    if len(kernels) != len(records):
+        raise ValueError(f"kernels must name one kernel per record ({len(records)}), got {len(kernels)}")
     parts: dict[str, torch.Tensor] = {}
-    for rec in records:
+    for rec, kernel in zip(records, kernels):
         if rec is None or getattr(rec, "qs", None) is None:
             continue
         n_prefix = getattr(rec, "n_prefix", 0)
@@ -197,6 +273,9 @@ def regularization(records: Iterable, weights: Mapping[str, float], *, spread_ta
             terms["spread"] = spread_loss(rec.ks, target=spread_target, n_prefix=n_prefix)
         if weights.get("tau", 0.0):  # the τ of the sink's extra leading query is left out
             terms["tau"] = tau_loss(rec.tau[..., n_prefix:] if rec.tau.dim() == 3 else rec.tau)
+        if weights.get("kl_dense", 0.0) and getattr(rec, "q_score", None) is not None:
+            terms["kl_dense"] = dense_kl_loss(rec.qs, rec.ks, rec.tau, rec.q_score, rec.k_score, queries=kl_queries,
+                                              kernel=kernel, n_prefix=n_prefix)
         for name, val in terms.items():
             parts[name] = parts[name] + val if name in parts else val
     total = sum((weights[name] * val for name, val in parts.items()), torch.zeros(()))

@@ -27,6 +27,7 @@ from typing import Literal
 from attnlab.data.corpus import NAMED_SOURCES as CORPORA
 from attnlab.data.tokenizer import BYTE_VOCAB_SIZE, MIN_BPE_VOCAB_SIZE
 from attnlab.layers import mechanism_class
+from attnlab.layers.mechanisms.hybrid import HybridAttention
 from attnlab.models.config import ConfigError, ModelConfig, build_dataclass, check_fields, opt
 
 from attnlab.data.cache import atomic_write_text
@@ -173,7 +174,7 @@ class TrainConfig:
 
 @dataclass
 class RegularizersConfig:
-    """Weights of the scalar-attention regularizers, L_reg = λa L_align + λs L_spread + λt L_tau
+    """Weights of the scalar-attention regularizers, L_reg = λa L_align + λs L_spread + λt L_tau + λkl L_kl
     (docs/mechanisms.md#regularizers).
 
     Layer records are gathered (`record=True`) only when some weight is nonzero."""
@@ -181,17 +182,23 @@ class RegularizersConfig:
     align: float = opt(0.0, "λ_align: pull high-weight query/key pairs together in scalar space")
     spread: float = opt(0.0, "λ_spread: push sorted scalar keys toward uniform quantiles")
     tau: float = opt(0.0, "λ_tau: keep the temperature small (sum over heads of log(1 + τ))")
+    kl_dense: float = opt(0.0, "λ_kl: KL from each hybrid head's dense q·k attention (detached) to the softmax of its "
+                               "scalar kernel alone, on regularizers.kl_queries sampled query rows (how DSA trains its "
+                               "indexer: teaches the scalar selection the keys a window never selected)")
+    kl_queries: int = opt(64, "query rows per sequence that λ_kl samples (0 = every row; memory O(rows x T) per head)")
     spread_range: Literal["adaptive", "fixed"] = opt("adaptive", "L_spread targets over mean ± 3σ of the keys, or over [spread_low, spread_high]")
     spread_low: float = opt(-3.0, "lower end of the fixed L_spread range")
     spread_high: float = opt(3.0, "upper end of the fixed L_spread range")
     align_start: int = opt(0, "optimizer step at which λ_align switches on (0: from the start)")
     spread_start: int = opt(0, "optimizer step at which λ_spread switches on (e.g. after initial convergence)")
     tau_start: int = opt(0, "optimizer step at which λ_tau switches on")
+    kl_dense_start: int = opt(0, "optimizer step at which λ_kl switches on")
     ramp: int = opt(0, "steps over which each weight rises linearly from 0 to its value after its start (0: at once)")
 
     def __post_init__(self):
         check_fields(self, "regularizers.")
-        for name in ("align", "spread", "tau", "align_start", "spread_start", "tau_start", "ramp"):
+        for name in ("align", "spread", "tau", "kl_dense", "kl_queries", "align_start", "spread_start", "tau_start",
+                     "kl_dense_start", "ramp"):
             if getattr(self, name) < 0:
                 raise ConfigError(f"regularizers.{name} must be >= 0, got {getattr(self, name)}")
         if not self.spread_low < self.spread_high:
@@ -199,12 +206,13 @@ class RegularizersConfig:
 
     @property
     def active(self) -> bool:
-        return self.align > 0 or self.spread > 0 or self.tau > 0
+        return self.align > 0 or self.spread > 0 or self.tau > 0 or self.kl_dense > 0
 
     def weights_at(self, step: int) -> dict[str, float]:
-        """Each weight at optimizer step `step` (0-based): 0 before its start, then linear over `ramp` steps."""
+        """Each weight at optimizer step `step` (0-based): 0 before its start, then linear over `ramp` steps
+        (kl_dense only when it is set)."""
         out = {}
-        for name in ("align", "spread", "tau"):
+        for name in ("align", "spread", "tau") + (("kl_dense",) if self.kl_dense else ()):
             since = step - getattr(self, f"{name}_start")
             frac = 0.0 if since < 0 else 1.0 if self.ramp == 0 else min(1.0, (since + 1) / self.ramp)
             out[name] = getattr(self, name) * frac
@@ -269,6 +277,12 @@ class RunConfig:
             raise ConfigError(
                 f"regularizers act on scalar/hybrid heads but model.attn is {self.model.attn!r}: "
                 f"set regularizers.align/spread/tau to 0 or use a scalar or hybrid layer"
+            )
+        if self.regularizers.kl_dense > 0 and not any(issubclass(mechanism_class(n), HybridAttention)
+                                                      for n in self.model.layer_attn):
+            raise ConfigError(
+                f"regularizers.kl_dense teaches scalar keys from a head's own q·k, which only hybrid heads have; "
+                f"model.attn is {self.model.attn!r}: set regularizers.kl_dense to 0 or use a hybrid layer"
             )
         if self.data.source == "mqar" and self.model.vocab_size < 2 * self.data.mqar_pairs + 2:
             raise ConfigError(

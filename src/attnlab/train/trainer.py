@@ -155,7 +155,10 @@ class Trainer:
                     _, loss = model(x, y, record=record, doc_ids=doc_ids)
                 total = loss
                 if cfg.regularizers.active:
-                    reg = regularization([a.last for a in self.model.attention_layers()], reg_w, spread_target=spread_target)
+                    layers = self.model.attention_layers()
+                    reg = regularization([a.last for a in layers], reg_w, spread_target=spread_target,
+                                         kl_queries=cfg.regularizers.kl_queries or None,
+                                         kernels=[getattr(a.config, "kernel", "gaussian") for a in layers])
                     total = total + reg["total"]
                     for k, v in reg.items():
                         reg_parts[k] = reg_parts.get(k, 0.0) + v.detach().float() / accum
