@@ -232,3 +232,39 @@ name = "hybrid"
     with pytest.raises(ConfigError, match=r"variant 'hybrid': metrics\.mqar_scales: 8x needs"):
         plan(spec("mqar_accuracy = true\nmqar_scales = [8]"))
     assert len(plan(spec("mqar_accuracy = true\nmqar_scales = [8]", vocab=66))) == 1
+
+
+def test_zero_filler_reaches_training_batches_and_the_metrics(tmp_path, monkeypatch):
+    from attnlab.train.data import build_data
+    from attnlab.train.ddp import DistEnv
+
+    zero = ["data.source=mqar", "model.vocab_size=64", "data.seq_len=128", "data.mqar_pairs=4", "data.mqar_min_gap=50",
+            "data.mqar_filler=zero", "train.batch_size=4", f"run.out_dir={tmp_path}"]
+    data = build_data(load_config(None, zero), DistEnv())
+    batch = data.train.batch(1)
+    asked = batch.y != IGNORE
+    rest = ~asked
+    rest[:, :8] = False
+    assert (batch.x[rest] == 0).all() and (batch.x[asked] > 0).all()
+    want = mqar(64, 128, 4, 4, seed=0, min_gap=50, random_non_queries=False)[1]
+    assert ((want != IGNORE).sum(1) == asked.sum(1)).all()
+    with pytest.raises(ConfigError, match=r"data\.mqar_filler"):
+        load_config(None, ["data.mqar_filler=noise"])
+    # the metrics read the same kind of sequence: an oracle that answers only where token 0 fills
+    # the sequence scores 1 with the zero filler
+    from attnlab.train import train
+
+    cfg = load_config(None, [*zero, "model.attn=softmax", "model.d_model=16", "model.n_layers=1", "model.n_heads=1",
+                             "train.steps=1", "train.warmup_steps=1", "train.eval_every=0", "run.progress=false",
+                             "run.tensorboard=false", "run.name=zero"])
+    train(cfg)
+
+    class ZeroOracle(ReachOracle):
+        def forward(self, x, targets=None, record=False, doc_ids=None):
+            logits, _ = super().forward(x)
+            n = 2 * round(self.rate * x.shape[1])
+            other = (x[:, n:] != 0) & (logits[:, n:].argmax(-1) == 0)  # a nonzero token that is not a query
+            return logits * (1 - float(other.any())), None
+
+    ev = _evaluate_with(monkeypatch, lambda m: ZeroOracle(4 / 128, 64), tmp_path / "zero", mqar_scales=[2])
+    assert ev["mqar"] == {"1x": {"exact": 1.0}, "2x": {"exact": 1.0}}

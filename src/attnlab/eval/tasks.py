@@ -68,6 +68,7 @@ def mqar_accuracy(
     power_a: float = 0.01,
     num_queries: int | None = None,
     min_gap: int = 0,
+    random_non_queries: bool = True,
     batch_size: int = 64,
     device: torch.device | str | None = None,
 ) -> float:
@@ -75,12 +76,12 @@ def mqar_accuracy(
     `num_examples` fresh examples; the default seed differs from the training default 0.
 
     model: any callable x (B, T) int64 -> logits (B, T, V); vocab_size, seq_len, num_kv_pairs,
-    power_a, num_queries, min_gap: the task as `attnlab.data.synthetic.mqar` generates it
-    (num_queries None: every pair is asked; min_gap: every query that far after every pair
-    token). Returns a float in [0, 1]."""
+    power_a, num_queries, min_gap, random_non_queries: the task as `attnlab.data.synthetic.mqar`
+    generates it (num_queries None: every pair is asked; min_gap: every query that far after every
+    pair token; random_non_queries False: token 0 between them). Returns a float in [0, 1]."""
     inputs, labels = mqar(
         vocab_size, seq_len, num_kv_pairs, num_examples, seed=seed, power_a=power_a, num_queries=num_queries,
-        min_gap=min_gap,
+        min_gap=min_gap, random_non_queries=random_non_queries,
     )
     return recall_accuracy(model, inputs, labels, batch_size=batch_size, device=device)["token_acc"]
 

@@ -72,6 +72,8 @@ class DataConfig:
                                   "in a shuffled order per epoch (0 = fresh sequences every step)")
     mqar_min_gap: int = opt(0, "MQAR: every query lies at least this many tokens after every key-value pair token, "
                                "so a local window of fewer keys sees no pair (0 = Zoology's layout)")
+    mqar_filler: Literal["random", "zero"] = opt(
+        "random", "MQAR: the positions that are neither pairs nor queries hold uniform random tokens (Zoology) or token 0")
 
     def __post_init__(self):
         check_fields(self, "data.")

@@ -59,7 +59,8 @@ class MQARBatches(StepBatches):
     def _sample(self, n: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
         d = self.cfg.data
         return mqar(self.vocab_size, d.seq_len, d.mqar_pairs, n, seed=seed, power_a=d.mqar_power_a,
-                    num_queries=d.mqar_queries or None, min_gap=d.mqar_min_gap)
+                    num_queries=d.mqar_queries or None, min_gap=d.mqar_min_gap,
+                    random_non_queries=d.mqar_filler == "random")
 
     def _order(self, epoch: int) -> torch.Tensor:
         if epoch not in self._orders:
@@ -124,6 +125,7 @@ def build_data(cfg: RunConfig, env: DistEnv) -> RunData:
         desc = (f"MQAR: vocab {vocab}, {d.mqar_pairs} key-value pairs ({d.mqar_queries or d.mqar_pairs} queried), "
                 f"seq_len {d.seq_len}, power_a {d.mqar_power_a}, "
                 + (f"every query >= {d.mqar_min_gap} tokens after every pair, " if d.mqar_min_gap > 1 else "")
+                + ("token 0 between them, " if d.mqar_filler == "zero" else "")
                 + (f"a fixed set of {d.mqar_train_size} training sequences" if d.mqar_train_size else "fresh sequences each step"))
         return RunData(None, vocab, train, val, desc)
 

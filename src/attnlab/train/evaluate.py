@@ -253,7 +253,7 @@ def check_mqar_scales(cfg: RunConfig, scales, key: str = "mqar_scales") -> list[
 
 def mqar_report(model, cfg: RunConfig, scales: list[int], windows: list[int], device) -> dict:
     """MQAR accuracy per scale s: {"<s>x": {"exact": acc, "window=<k>": acc}} on 256 test sequences of
-    s x data.seq_len tokens with s x the pairs (and queries) and the same data.mqar_min_gap, exactly as
+    s x data.seq_len tokens with s x the pairs (and queries), the same data.mqar_min_gap and filler, exactly as
     the model runs and, for each k in `windows` where the model has scalar/hybrid layers, with each of
     them reading only its k nearest keys (`decode_window`; a window-trained layer keeps its local window)."""
     d = cfg.data
@@ -266,6 +266,7 @@ def mqar_report(model, cfg: RunConfig, scales: list[int], windows: list[int], de
     for s in dict.fromkeys(scales):
         task = dict(vocab_size=cfg.model.vocab_size, seq_len=s * d.seq_len, num_kv_pairs=s * d.mqar_pairs,
                     power_a=d.mqar_power_a, num_queries=s * d.mqar_queries or None, min_gap=d.mqar_min_gap,
+                    random_non_queries=d.mqar_filler == "random",
                     batch_size=max(1, 64 // s), device=device)
         row = {"exact": mqar_accuracy(logits_of, **task)}
         for k in windows if windows and windowed_layers(model) else []:
