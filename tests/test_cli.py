@@ -197,7 +197,12 @@ def test_eval_windowed_and_by_length(trained, capsys):
     assert comp["64/span=0"]["loss"] == pytest.approx(comp["64/span=0"]["exact"], abs=1e-5)  # nothing merged, all keys
     md = (trained / "eval.md").read_text()
     assert "## Windowed-decode loss" in md and "## By context length" in md and "Slope of" in md
-    assert "## Windowed decoding with density compression" in md
+    assert "## Windowed decoding with density compression" in md and "A negative gap means" in md
+    # an earlier call with other options keeps its own files (test_eval_writes_json_and_markdown's)
+    kept = trained / "evals" / "seq-lens=16,32.json"
+    assert kept.is_file() and set(json.loads(kept.read_text())["loss"]) == {"16", "32"}
+    mine = trained / "evals" / "seq-lens=16_windows=2,64_budgets=4_compress=0_lengths=16,48.json"
+    assert json.loads(mine.read_text()) == result and mine.with_suffix(".md").read_text() == md
 
 
 @pytest.mark.parametrize(

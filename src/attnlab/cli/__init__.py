@@ -70,7 +70,7 @@ def build_parser() -> argparse.ArgumentParser:
                     "Reports validation loss and perplexity at each --seq-lens; per layer and head the attention\n"
                     "entropy and attention-sink share (mass on the first token); for scalar and hybrid heads the share\n"
                     "of each query's mass inside its k nearest keys in scalar space (k = 8, 16, 32, 64); MQAR accuracy\n"
-                    "for MQAR runs and passkey accuracy with --passkey. Writes eval.json and eval.md into the run folder.\n\n"
+                    "for MQAR runs and passkey accuracy with --passkey. Writes eval.json and eval.md into the run folder (the latest call's) and keeps a copy per set of options under evals/.\n\n"
                     "  attnlab eval runs/hybrid --seq-lens 128,256,512",
         epilog=_keys_epilog("Overrides after RUN_DIR_OR_CONFIG change the loaded run config (e.g. data.max_docs=50)."),
     )
@@ -201,7 +201,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         os.environ["ATTNLAB_COMMAND"] = ns.command_line  # a folder lock names its holder by it
         status = run_search(ns) if ns.command == "search" else ns.func(ns)
     except (UsageError, ConfigError, FolderBusy) as e:
-        print(f"error: {e}", file=sys.stderr)
+        if int(os.environ.get("RANK", 0)) == 0:  # under torchrun every rank refuses alike: say it once
+            print(f"error: {e}", file=sys.stderr)
         return EXIT_USAGE
     except WriteError as e:
         print(f"error: {e}", file=sys.stderr)

@@ -124,20 +124,60 @@ def _check_passkey_lengths(cfg, lengths: list[int], depths) -> None:
             raise UsageError(f"--passkey: {e}") from None
 
 
+KEYED = ("checkpoint", "split", "seq_lens", "passkey", "passkey_depths", "windows", "budgets", "compress", "lengths",
+         "overrides")
+
+
+def eval_key(ns) -> str:
+    """A file name for the measurement options a call was given, e.g. 'seq-lens=256,1024_windows=16,64'
+    ('default' for none), so that evaluations with other options keep their own files."""
+    parts = []
+    for name in KEYED:
+        value = getattr(ns, name, None)
+        if value in (None, [], ()) or (name == "split" and value == "val"):
+            continue
+        if name == "passkey_depths" and not getattr(ns, "passkey", None):
+            continue
+        value = ",".join(value) if isinstance(value, (list, tuple)) else str(value)
+        value = "".join(ch if ch.isalnum() or ch in ",.-+" else "-" for ch in value)
+        parts.append(f"{name.replace('_', '-')}={value}")
+    key = "_".join(parts) or "default"
+    if len(key) <= 120:
+        return key
+    import hashlib
+
+    return key[:100] + "-" + hashlib.sha1(key.encode()).hexdigest()[:10]
+
+
+def _keep(run_dir: Path, key: str, *paths: Path) -> Path:
+    """Copies of this call's eval.json / eval.md under run_dir/evals/<key>.*: eval.json and eval.md are
+    the latest call's, the copies keep every set of options' own results."""
+    import shutil
+
+    folder = run_dir / "evals"
+    folder.mkdir(exist_ok=True)
+    for path in paths:
+        if path and Path(path).is_file():
+            shutil.copyfile(path, folder / f"{key}{Path(path).suffix}")
+    return folder / f"{key}.json"
+
+
 def cmd_eval(ns) -> int:
     plan = _eval_plan(ns)
     from attnlab.experiments.report import eval_markdown, topk_summary, write_eval_report
     from attnlab.train import evaluate
 
+    key = eval_key(ns)
     source = plan.pop("source")
     result = evaluate(source, analysis_batch=ns.analysis_batch, **plan)
     md = write_eval_report(result, Path(result["run_dir"]))
+    kept = _keep(Path(result["run_dir"]), key, Path(result.get("written_to") or ""), md)
     if ns.quiet:
-        print(f"wrote {result.get('written_to')} and {md}")
+        print(f"wrote {result.get('written_to')} and {md} (kept as {kept.with_suffix('.*')})")
         return 0
     print(eval_markdown(result))
     summary = topk_summary(result.get("layers", []))
     if summary:
         print("mean top-k scalar mass over scalar heads: " + ", ".join(f"k={k}: {v:.4f}" for k, v in summary.items()))
-    print(f"\nwrote {result.get('written_to')} and {md}")
+    print(f"\nwrote {result.get('written_to')} and {md} (this call's options kept as {kept.with_suffix('.*')})")
     return 0

@@ -61,7 +61,7 @@ def cmd_train(ns) -> int:
 
     try:
         summary = train(cfg)
-    except DataError as e:  # raised before the run folder is created
+    except (DataError, FileExistsError) as e:  # raised before the run folder is created or changed
         raise UsageError(str(e)) from None
     if int(os.environ.get("RANK", 0)) == 0:
         taus = [f"{t:.4g}" for t in summary["tau"] if t is not None]

@@ -123,7 +123,8 @@ def eval_markdown(result: dict, *, title: str | None = None) -> str:
     if result.get("windowed_loss"):
         lines += ["## Windowed-decode loss", "",
                   "Every scalar/hybrid head reads only its k nearest keys in scalar space (plus the sink), as decoding "
-                  "through the sorted cache does; gap = windowed minus exact loss on the same tokens.", ""]
+                  "through the sorted cache does; gap = windowed minus exact loss on the same tokens. "
+                  + NEGATIVE_GAP, ""]
         rows = [(int(T), k, r["loss"], r["loss"] - result["loss"][T]["loss"], r["ppl"])
                 for T, per_k in result["windowed_loss"].items() for k, r in per_k.items()]
         lines += [markdown_table(["context", "k (/M = memory budget)", "loss", "gap (nats)", "perplexity"], rows), ""]
@@ -147,6 +148,8 @@ def eval_markdown(result: dict, *, title: str | None = None) -> str:
                         + [r["topk_mass"].get(str(k)) for k in ks] + [r.get("entropy")])
         lines += [markdown_table(["context", "exact loss"] + [f"gap k={k}" for k in ws] + [f"top-{k} mass" for k in ks]
                                  + ["entropy"], rows), ""]
+        if ws:
+            lines += ["gap k: windowed minus exact loss at that context. " + NEGATIVE_GAP, ""]
         if by.get("miss_slope"):
             lines += ["Slope of (1 − top-k mass) against ln T: " + ", ".join(f"k={k}: {fmt(v)}" for k, v in by["miss_slope"].items())
                       + " (positive: the window misses more as the context grows).", ""]
@@ -187,6 +190,11 @@ def eval_markdown(result: dict, *, title: str | None = None) -> str:
         if any(layer["mechanism"] in LINEAR_FAMILY for layer in result["layers"]):
             lines += ["Linear-family layers have unnormalised mixing matrices: entropy and shares do not apply (—).", ""]
     return "\n".join(lines)
+
+
+NEGATIVE_GAP = ("A negative gap means reading only the window predicts better than reading every key on these "
+                "tokens: the window drops far keys that exact attention over-weights (past a model's training "
+                "length, or in a model trained through the window).")
 
 
 def write_eval_report(result: dict, run_dir: str | os.PathLike) -> Path:

@@ -20,6 +20,14 @@ from attnlab.layers.config import SHARED_FIELDS
 from attnlab.layers.typed_fields import field_problem, value_problem
 
 
+def did_you_mean(name: str, allowed) -> str:
+    """' (did you mean X?)' for the allowed name nearest to a mistyped one, or '' when none is near."""
+    import difflib
+
+    near = difflib.get_close_matches(name, [str(a) for a in allowed], n=1, cutoff=0.6)
+    return f" (did you mean {near[0]!r}?)" if near else ""
+
+
 class ConfigError(ValueError):
     """A configuration value is unknown, of the wrong type, or impossible in combination."""
 
@@ -115,7 +123,8 @@ def build_dataclass(cls, data: dict, prefix: str = ""):
         if key not in init_fields:
             where = f"under [{prefix.rstrip('.')}]" if prefix else "at the top level"
             raise ConfigError(
-                f"unknown key {prefix}{key!s}; allowed keys {where}: {', '.join(sorted(init_fields))}"
+                f"unknown key {prefix}{key!s}{did_you_mean(str(key), init_fields)}; allowed keys {where}: "
+                f"{', '.join(sorted(init_fields))}"
             )
         tp = hints[key]
         if dataclasses.is_dataclass(tp):
@@ -199,7 +208,9 @@ class ModelConfig:
             )
         for i, name in enumerate(names):
             if name not in REGISTRY:
-                raise ConfigError(f"model.attn[{i}] must be one of {tuple(REGISTRY)}, got {name!r}")
+                where = "model.attn" if isinstance(self.attn, str) else f"model.attn[{i}]"
+                raise ConfigError(f"{where} must be one of {tuple(REGISTRY)}, got {name!r}"
+                                  f"{did_you_mean(str(name), REGISTRY)}")
         if self.layer_attention and len(self.layer_attention) != self.n_layers:
             raise ConfigError(
                 f"model.layer_attention has {len(self.layer_attention)} tables but model.n_layers is {self.n_layers}"
@@ -254,7 +265,7 @@ def attention_config(cls, cfg: ModelConfig, layer: int):
             owner = "model.attn" if key == "mechanism" else f"model.{key}"
             raise ConfigError(f"{where} is set by {owner}; remove it from {sources[key]}")
         if key not in allowed:
-            raise ConfigError(f"unknown key {where}; allowed keys: {', '.join(sorted(allowed))}")
+            raise ConfigError(f"unknown key {where}{did_you_mean(key, allowed)}; allowed keys: {', '.join(sorted(allowed))}")
         kwargs[key] = coerce(where, value, hints[key])
     for key, value in mechanism_class(mechanism).model_defaults(cfg.max_seq_len).items():
         if kwargs.get(key) is None:

@@ -104,6 +104,17 @@ def barrier(env: DistEnv) -> None:
         dist.barrier()
 
 
-def shutdown(env: DistEnv) -> None:
+def shutdown(env: DistEnv, synchronize: bool = True) -> None:
+    """Leave the process group. Call it after the last DDP wrapper is gone (`Trainer.release`).
+
+    The order matters: gloo's process group joins its worker threads when it is destroyed, and a
+    DDP reducer that held the last reference would destroy it from Python with the GIL held while
+    a worker thread, releasing the last gradient all-reduce, waits for the GIL to free its tensors:
+    a deadlock that left a finished rank alive until killed (seen about one launch in four with
+    the other core busy). Dropping the wrapper first, then a barrier (the GIL is released while it
+    waits, so those threads finish), then destroying the group leaves nothing to wait for.
+    synchronize=False skips the barrier (a rank that failed must not wait for the others)."""
     if env.distributed and dist.is_initialized():
+        if synchronize:
+            dist.barrier()
         dist.destroy_process_group()

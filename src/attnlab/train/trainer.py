@@ -15,6 +15,7 @@ losses as a run that was never interrupted (bit for bit on the same machine and 
 from __future__ import annotations
 
 import dataclasses
+import gc
 import json
 import math
 import os
@@ -94,6 +95,13 @@ class Trainer:
         """Release the run folder (the trainer holds its lock from construction on)."""
         if getattr(self, "_lock", None) is not None:
             self._lock.release()
+
+    def release(self) -> None:
+        """Drop the DDP wrapper (its reducer) while the process group still exists: see
+        `ddp.shutdown` for why it must go first."""
+        if getattr(self, "ddp_model", None) is not None and self.ddp_model is not self.model:
+            self.ddp_model = self.model
+            gc.collect()
 
     def _check_run_dir(self) -> None:
         if self._has_state() and not self.cfg.run.resume and not self.cfg.run.overwrite:
@@ -369,9 +377,20 @@ def train(cfg: RunConfig | str | os.PathLike, overrides: list[str] | None = None
         cfg = load_config(cfg, overrides)
     elif overrides:
         raise ValueError("overrides are only applied to a config path; pass a RunConfig already resolved, or a path")
-    trainer = Trainer(cfg)
     try:
-        return trainer.fit()
+        trainer = Trainer(cfg)
+    except BaseException:  # e.g. a busy run folder: every rank refuses alike; leave the group it joined
+        ddp.shutdown(ddp.env_from_environment(), synchronize=False)
+        raise
+    together = False  # every rank reached the end, or the same agreed stop: they can meet at a barrier
+    try:
+        summary = trainer.fit()
+        together = True
+        return summary
+    except Interrupted:
+        together = True
+        raise
     finally:
         trainer.close()
-        ddp.shutdown(trainer.env)
+        trainer.release()
+        ddp.shutdown(trainer.env, synchronize=together)
