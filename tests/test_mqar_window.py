@@ -268,3 +268,25 @@ def test_zero_filler_reaches_training_batches_and_the_metrics(tmp_path, monkeypa
 
     ev = _evaluate_with(monkeypatch, lambda m: ZeroOracle(4 / 128, 64), tmp_path / "zero", mqar_scales=[2])
     assert ev["mqar"] == {"1x": {"exact": 1.0}, "2x": {"exact": 1.0}}
+
+
+def test_scales_that_keep_the_pairs(hybrid_run, tmp_path):
+    """mqar_scale_pairs = false: s x the length with the training's pairs, which a vocabulary too small
+    for s x the pairs still holds."""
+    from attnlab.eval.tasks import mqar_accuracy
+    from attnlab.experiments.sweep.spec import load_spec, metric_names
+    from attnlab.models.config import ConfigError
+    from attnlab.train.evaluate import evaluate, load_run
+
+    ev = evaluate(hybrid_run, mqar_scales=[8], mqar_scale_pairs=False, write=False)
+    _, model, _ = load_run(hybrid_run)
+    want = mqar_accuracy(lambda x: model(x)[0], vocab_size=64, seq_len=768, num_kv_pairs=4, min_gap=40, batch_size=8)
+    assert ev["mqar"]["8x"]["exact"] == want
+    path = tmp_path / "spec.toml"
+    path.write_text('seeds = [0]\n[base]\nmodel = { attn = "hybrid", vocab_size = 64 }\n'
+                    'data = { source = "mqar", seq_len = 96, mqar_pairs = 4 }\n[[variants]]\nname = "h"\n'
+                    '[metrics]\nmqar_scale_pairs = false\n')
+    with pytest.raises(ConfigError, match=r"metrics\.mqar_scale_pairs .* give metrics\.mqar_scales"):
+        load_spec(path)
+    path.write_text(path.read_text() + "mqar_scales = [8]\n")
+    assert metric_names(load_spec(path).metrics) == ["mqar_accuracy@8x"]

@@ -150,6 +150,7 @@ def evaluate(
     compress: list[float] | None = None,
     mqar_scales: list[int] | None = None,
     mqar_windows: list[int] | None = None,
+    mqar_scale_pairs: bool = True,
     device: str | None = None,
     write: bool = True,
 ) -> dict:
@@ -166,7 +167,7 @@ def evaluate(
     head; compress: also with density compression at these key spans (token by token, one batch);
     context_lengths: everything again per context length T, with the slope of the missed mass
     against ln T. MQAR runs: `mqar_scales` also measures the accuracy at s x data.seq_len with s x
-    the pairs (and queries), the same data.mqar_min_gap; `windows` also measures it with every
+    the pairs (and queries; the same pairs with mqar_scale_pairs=False), the same data.mqar_min_gap; `windows` also measures it with every
     scalar/hybrid head reading its k nearest keys (`decode_window`), at each length. device:
     default run.device.
 
@@ -188,7 +189,7 @@ def evaluate(
 
     if d.source == "mqar":
         mw = mqar_windows if mqar_windows is not None else windows
-        out["mqar"] = mqar_report(model, cfg, [1, *(mqar_scales or [])], list(mw or []), dev)
+        out["mqar"] = mqar_report(model, cfg, [1, *(mqar_scales or [])], list(mw or []), dev, mqar_scale_pairs)
         out["mqar_accuracy"] = out["mqar"]["1x"]["exact"]
         return _finish(out, cfg, write)
 
@@ -230,10 +231,10 @@ def evaluate(
     return _finish(out, cfg, write)
 
 
-def check_mqar_scales(cfg: RunConfig, scales, key: str = "mqar_scales") -> list[int]:
+def check_mqar_scales(cfg: RunConfig, scales, key: str = "mqar_scales", scale_pairs: bool = True) -> list[int]:
     """The MQAR scales s (ints >= 1) that the run's vocabulary and positions can hold: s x data.mqar_pairs
-    distinct keys must fit [1, V // 2) and s x data.seq_len a learned position table. Raises
-    ValueError naming `key` (and the config keys) before any work."""
+    distinct keys (data.mqar_pairs without scale_pairs) must fit [1, V // 2) and s x data.seq_len a
+    learned position table. Raises ValueError naming `key` (and the config keys) before any work."""
     if isinstance(scales, (int, bool)) or not all(isinstance(s, int) and not isinstance(s, bool) and s >= 1
                                                    for s in scales or []):
         raise ValueError(f"{key} must be a list of ints >= 1, got {scales!r}")
@@ -241,31 +242,34 @@ def check_mqar_scales(cfg: RunConfig, scales, key: str = "mqar_scales") -> list[
     if scales and d.source != "mqar":
         raise ValueError(f"{key}={list(scales)} measures MQAR accuracy; data.source is {d.source!r}, not 'mqar'")
     for s in scales or []:
-        if s * d.mqar_pairs > V // 2 - 1:
+        if scale_pairs and s * d.mqar_pairs > V // 2 - 1:
             raise ValueError(
                 f"{key}: {s}x needs {s} x data.mqar_pairs = {s * d.mqar_pairs} distinct keys from [1, V // 2), but "
-                f"model.vocab_size={V} holds {V // 2 - 1}; set model.vocab_size >= {2 * s * d.mqar_pairs + 2} or drop {s}")
+                f"model.vocab_size={V} holds {V // 2 - 1}; set model.vocab_size >= {2 * s * d.mqar_pairs + 2}, drop {s} "
+                f"or keep the pairs (mqar_scale_pairs = false)")
         if cfg.model.pos_embedding == "learned" and s * d.seq_len > cfg.model.max_seq_len:
             raise ValueError(f"{key}: {s}x is {s * d.seq_len} tokens, beyond model.max_seq_len={cfg.model.max_seq_len} "
                              f"of the learned position embedding")
     return list(scales or [])
 
 
-def mqar_report(model, cfg: RunConfig, scales: list[int], windows: list[int], device) -> dict:
+def mqar_report(model, cfg: RunConfig, scales: list[int], windows: list[int], device, scale_pairs: bool = True) -> dict:
     """MQAR accuracy per scale s: {"<s>x": {"exact": acc, "window=<k>": acc}} on 256 test sequences of
-    s x data.seq_len tokens with s x the pairs (and queries), the same data.mqar_min_gap and filler, exactly as
+    s x data.seq_len tokens with s x the pairs and queries (the same ones without `scale_pairs`), the
+    same data.mqar_min_gap and filler, exactly as
     the model runs and, for each k in `windows` where the model has scalar/hybrid layers, with each of
     them reading only its k nearest keys (`decode_window`; a window-trained layer keeps its local window)."""
     d = cfg.data
-    check_mqar_scales(cfg, scales)
+    check_mqar_scales(cfg, scales, scale_pairs=scale_pairs)
 
     def logits_of(x):
         return model(x)[0]
 
     out = {}
     for s in dict.fromkeys(scales):
-        task = dict(vocab_size=cfg.model.vocab_size, seq_len=s * d.seq_len, num_kv_pairs=s * d.mqar_pairs,
-                    power_a=d.mqar_power_a, num_queries=s * d.mqar_queries or None, min_gap=d.mqar_min_gap,
+        m = s if scale_pairs else 1
+        task = dict(vocab_size=cfg.model.vocab_size, seq_len=s * d.seq_len, num_kv_pairs=m * d.mqar_pairs,
+                    power_a=d.mqar_power_a, num_queries=m * d.mqar_queries or None, min_gap=d.mqar_min_gap,
                     random_non_queries=d.mqar_filler == "random",
                     batch_size=max(1, 64 // s), device=device)
         row = {"exact": mqar_accuracy(logits_of, **task)}

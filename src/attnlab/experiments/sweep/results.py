@@ -304,8 +304,10 @@ def _metrics_text(metrics: dict) -> str:
         parts.append("**mqar_accuracy**: MQAR accuracy at the query positions (256 test sequences of the training "
                      "length, a seed no run trains or validates on)")
     if metrics.get("mqar_scales"):
-        parts.append("**mqar_accuracy@sx**: the same at s times the training length with s times the pairs (and "
-                     "queries), every query as far from every pair as in training (data.mqar_min_gap)")
+        parts.append("**mqar_accuracy@sx**: the same at s times the training length with "
+                     + ("s times the pairs (and queries)" if metrics.get("mqar_scale_pairs", True) else
+                        "the training's pairs and queries (mqar_scale_pairs = false)")
+                     + ", every query as far from every pair as in training (data.mqar_min_gap)")
     if metrics.get("mqar_windows"):
         parts.append("**…/window=k**: the same with every scalar/hybrid head reading only its k nearest keys in scalar "
                      "space (`attnlab.eval.window.decode_window`; a window-trained layer keeps its local window; "

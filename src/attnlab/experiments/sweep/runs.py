@@ -176,7 +176,8 @@ def _check_eval_lengths(cfg: RunConfig, metrics: dict, variant: str) -> None:
 
         try:
             check_mqar_scales(cfg, metrics.get("mqar_scales") or [1],
-                              key="metrics.mqar_scales" if metrics.get("mqar_scales") else "metrics.mqar_windows")
+                              key="metrics.mqar_scales" if metrics.get("mqar_scales") else "metrics.mqar_windows",
+                              scale_pairs=metrics.get("mqar_scale_pairs", True))
         except ValueError as e:
             raise ConfigError(f"variant {variant!r}: {e}") from None
     lengths = list(metrics.get("loss_at", [])) + list(metrics.get("passkey", []))
@@ -205,6 +206,7 @@ def collect_metrics(run_dir: str | os.PathLike, metrics: dict) -> dict[str, floa
                   windows=metrics.get("windowed_loss") or None, budgets=metrics.get("budgets") or None,
                   compress=metrics.get("compress") or None, context_lengths=metrics.get("lengths") or None,
                   mqar_scales=metrics.get("mqar_scales") or None, mqar_windows=metrics.get("mqar_windows") or None,
+                  mqar_scale_pairs=metrics.get("mqar_scale_pairs", True),
                   write=False, **args)
     layers = ev.get("layers", [])
     topk = topk_summary(layers)

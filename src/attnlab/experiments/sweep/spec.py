@@ -22,7 +22,7 @@ SPEC_KEYS = ("title", "claim", "description", "base", "seeds", "overrides", "var
 VARIANT_KEYS = ("name", "overrides", "description")
 # [metrics]: what to collect per run from attnlab.train.evaluate, and evaluate's arguments
 METRIC_KEYS = ("loss_at", "topk_mass", "entropy", "sink_share", "learned_sink_share", "alignment", "gate", "principled", "windowed_loss",
-               "budgets", "compress", "lengths", "passkey", "mqar_accuracy", "mqar_scales", "mqar_windows")
+               "budgets", "compress", "lengths", "passkey", "mqar_accuracy", "mqar_scales", "mqar_windows", "mqar_scale_pairs")
 EVAL_ARG_KEYS = ("max_tokens", "batch_size", "analysis_len", "analysis_batch", "split", "passkey_depths")
 OWNED_KEYS = ("run.seed", "run.name", "run.out_dir", "run.resume", "run.overwrite", "run.progress")
 SUMMARY_SCALARS = ("val_loss", "val_ppl", "val_accuracy", "train_loss", "tokens_per_s", "train_seconds",
@@ -197,10 +197,13 @@ def _check_metrics(m, key: str = "metrics") -> dict:
         ok = isinstance(v, list) and all(isinstance(s, int) and not isinstance(s, bool) and s >= 2 for s in v)
         _need(ok, f"{key}.mqar_scales must be a list of integers >= 2 (the training length, 1x, is "
                   f"{key}.mqar_accuracy), got {v!r}")
+    _need("mqar_scale_pairs" not in m or m.get("mqar_scales"), f"{key}.mqar_scale_pairs says whether mqar_scales "
+          f"scales the pairs with the length: give {key}.mqar_scales as well")
     _need(not m.get("mqar_windows") or m.get("mqar_accuracy") or m.get("mqar_scales"),
           f"{key}.mqar_windows reads MQAR accuracy through a decode window: set {key}.mqar_accuracy = true "
           f"or {key}.mqar_scales as well")
-    for name in ("entropy", "sink_share", "learned_sink_share", "alignment", "gate", "principled", "mqar_accuracy"):
+    for name in ("entropy", "sink_share", "learned_sink_share", "alignment", "gate", "principled", "mqar_accuracy",
+                 "mqar_scale_pairs"):
         if name in m:
             _need(isinstance(m[name], bool), f"{key}.{name} must be true or false, got {m[name]!r}")
     for name in ("max_tokens", "batch_size", "analysis_len", "analysis_batch"):
