@@ -291,3 +291,55 @@ def gate_suppression(qg: torch.Tensor, kg: torch.Tensor, beta: torch.Tensor, *, 
     vis = torch.ones(T, T, dtype=torch.bool, device=qg.device).tril().expand_as(supp)
     vals = supp[vis]
     return vals.mean().item(), (vals > strong).float().mean().item()
+
+
+def selection_reach(qs: torch.Tensor, ks: torch.Tensor, window: int, *, local: int = 0, n_prefix: int = 0,
+                    budget: int | None = None) -> dict[str, list[float]]:
+    """Where, by position, the keys a scalar window selects lie: is the selection a retrieval from
+    anywhere in the context, or a local window under another name?
+
+    For each query t with more than `budget` keys behind it (sink aside), the `window` keys nearest
+    in scalar space among those older than its last `local` (`ops.window_indices`, the keys a model
+    trained through the window reads) are measured by their distance t − s. `budget` (default
+    window + local) is the key budget of the same model: a sliding window of that many keys reads
+    exactly the keys with t − s < budget.
+
+    Args:
+        qs: scalar queries (B, H, T), the sink's column first when n_prefix = 1 (as a layer's record holds them).
+        ks: scalar keys (B, H, T).
+        window: keys selected per query (train_window), an int >= 1.
+        local: the local window beside them (local_window), an int >= 0.
+        n_prefix: leading sink positions, never counted.
+        budget: the sliding window to compare with; default window + local.
+
+    Returns:
+        Per head (H,): "in_budget", the share of the selected keys that a sliding window of `budget`
+        keys would read too; "uniform", that share if the same number of keys were drawn uniformly
+        from the same candidates (the chance level); "median_distance", the median t − s of the
+        selected keys, in positions.
+    """
+    from ..ops.window import window_indices
+
+    check_tensor("qs", qs, 3)
+    check_tensor("ks", ks, 3)
+    check_int("window", window)
+    check_int("local", local, 0)
+    check_int("n_prefix", n_prefix, 0)
+    budget = window + local if budget is None else check_int("budget", budget)
+    B, H, T = qs.shape
+    idx, ok = window_indices(qs, ks, window, n_prefix=n_prefix, local=local)
+    sel, ok = idx[..., n_prefix + local:], ok[..., n_prefix + local:]  # (B, H, T, k): the scalar-selected keys
+    t = torch.arange(T, device=qs.device)
+    seen = t + 1 - n_prefix  # keys behind each query, itself included, sink aside
+    rows = seen > budget  # (T,): a query whose keys a sliding window cannot all read
+    dist = t[:, None] - sel  # (B, H, T, k)
+    valid = ok & rows[:, None]
+    n = valid.sum((0, 2, 3)).clamp_min(1)
+    in_budget = ((dist < budget) & valid).sum((0, 2, 3)) / n
+    older = (seen - local).clamp_min(1).to(torch.float64)  # candidates: the keys older than the local window
+    per_row = ((budget - local) / older).clamp(max=1.0)  # P(a uniform draw from them lies within the budget)
+    weights = valid.sum(-1).to(torch.float64)  # (B, H, T): selected keys per row
+    uniform = (weights * per_row).sum((0, 2)) / weights.sum((0, 2)).clamp_min(1)
+    median = [float(dist[:, h][valid[:, h]].double().median()) if bool(valid[:, h].any()) else float("nan")
+              for h in range(H)]
+    return {"in_budget": in_budget.tolist(), "uniform": uniform.tolist(), "median_distance": median}
