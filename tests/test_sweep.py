@@ -356,6 +356,9 @@ def test_recorded_runs_stand_for_absent_run_folders(reference, tmp_path):
         shutil.copy(out / name, clone / name)
     again = sweep(clone, "--report-only")
     assert per_run(again) == per_run(res) and again["verdict"] == res["verdict"]
+    from attnlab.experiments.report import shown_path
+
+    assert f"rebuild it with `attnlab sweep {shown_path(clone / 'spec.toml')} --report-only`" in (clone / "report.md").read_text()
     more = {**VARIANTS, "swa": ["model.attn=softmax", "model.attention.sliding_window=4"]}
     states = {(p.variant, p.seed): p.state for p in plan(load_spec(_write(clone, spec_text(variants=more))))}
     assert states == {**{(v, s): "recorded" for v in VARIANTS for s in SEEDS}, **{("swa", s): "new" for s in SEEDS}}

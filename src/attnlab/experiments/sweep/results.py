@@ -13,7 +13,7 @@ from attnlab.data.cache import atomic_write_text
 from attnlab.train.config import RunConfig
 
 from .profiles import is_profile, profile_sections
-from ..report import MISSING, fmt, machine_info, markdown_table, report_head, save_figure
+from ..report import MISSING, fmt, machine_info, markdown_table, report_head, save_figure, shown_path
 from .runs import RunPlan, _record_of, collect_metrics, execute, plan, recorded_runs, run, run_config, summary_of
 from .verdict import judge, verdict, verdict_lines
 from .spec import EVAL_ARG_KEYS, OWNED_KEYS, SUMMARY_SCALARS, Spec, SweepError, Variant, load_spec, metric_names
@@ -204,7 +204,15 @@ def report_markdown(spec: Spec, results: dict, out: Path, metrics_png: bool = Tr
         return show(value) if value is not None else "varies by variant (see the table)"
 
     base = f"`{spec.base}`" if isinstance(spec.base, str) else "an inline [base] table"
-    lines = report_head(spec.title, "attnlab sweep", spec.path.name, spec.claim, spec.description)
+    made_by = str(results.get("command") or "")
+    if made_by.startswith("attnlab quickstart"):  # run again, the quickstart keeps its finished models
+        rebuild = made_by
+    elif made_by.startswith("attnlab.experiments.quickstart"):
+        rebuild = f"attnlab quickstart --out {shown_path(out)}"
+    else:
+        at = "" if out.resolve() == spec.path.parent.resolve() else f" --out {shown_path(out)}"
+        rebuild = f"attnlab sweep {shown_path(spec.path)}{at} --report-only"
+    lines = report_head(spec.title, "attnlab sweep", spec.path.name, spec.claim, spec.description, rebuild=rebuild)
     lines += ["## Setup", "",
               f"- Base config: {base}" + (f"; shared overrides: {', '.join(f'`{o}`' for o in spec.overrides)}"
                                            if spec.overrides else "") + ".",
