@@ -200,8 +200,6 @@ def windowed_table(res: Json) -> str:
     for name, label in WINDOWED_ROWS.items():
         mean, sd = res["variants"][name]["mean"], res["variants"][name]["sd"]
         row = [label]
-        if not v.get("n"):  # a variant with no finished run yet
-            continue
         for t in lengths:
             row.append(f"{mean[f'loss/T={t}']:.3f} ± {sd[f'loss/T={t}']:.3f}")
             for k in ks:

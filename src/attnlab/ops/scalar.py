@@ -86,8 +86,9 @@ def scalar_logits(qs, ks, tau, causal: bool = True, kernel: str = "gaussian", wi
         tau: temperature > 0: a float, per head (H,) or per query (B, H, Tq).
         causal: hide key s from query t when s > t + Tk - Tq (the queries are the last Tq of the
             Tk positions; needs Tq <= Tk).
-        window, n_prefix: a causal sliding window (`checks.visible_keys`): also hide the keys
-            before each query's last `window`, except the first n_prefix (a sink).
+        window: a causal sliding window (`checks.visible_keys`): also hide the keys before each
+            query's last `window`, except the first n_prefix.
+        n_prefix: with a window, the leading keys (a sink) every query still sees.
 
     Returns:
         The logits (B, H, Tq, Tk), in qs's dtype (float32 for 16-bit inputs).
@@ -161,7 +162,8 @@ def hybrid_logits(q, k, qs, ks, tau, causal: bool = True, scalar_scale=None, ker
         tau: temperature > 0: a float, (H,) or (B, H, Tq).
         causal: hide key s from query t when s > t + Tk - Tq (needs Tq <= Tk).
         scalar_scale: lam, as `hybrid_attention` takes it; None for lam = 1.
-        window, n_prefix: a causal sliding window, as `scalar_logits` takes it.
+        window: a causal sliding window, as `scalar_logits` takes it.
+        n_prefix: with a window, the leading keys (a sink) every query still sees.
 
     Returns:
         The logits (B, H, Tq, Tk), in float32 for 16-bit inputs, else in q's dtype.
@@ -269,8 +271,8 @@ def hybrid_attention(q, k, v, qs, ks, tau, *, causal: bool = True, impl: str = "
             not zero there (docs/retrofit.md: the hybrid's silent start).
         kernel: ``"gaussian"`` (default) or ``"cauchy"``: the scalar term -lam log(1 + (qs_t -
             ks_s)^2 / tau_t) (module docstring); "auto" / "fast" run query chunks.
-        window, n_prefix: a causal sliding window and the sink keys it always reads, as
-            `scalar_attention` takes them.
+        window: a causal sliding window, as `scalar_attention` takes it.
+        n_prefix: with a window, the leading keys (a sink) every query still reads.
 
     Returns:
         (B, H, Tq, Dv) in v's dtype.
