@@ -64,3 +64,32 @@ def test_final_spec_trains_each_variant_at_its_chosen_rate():
                 for v in sweep["variants"]}
     for v in spec["variants"]:  # the same mechanism as in the sweep
         assert {k: x for k, x in _overrides(v).items() if k != "train.lr"} == families[v["name"]]
+
+
+TEMPLATE = FINAL / "spec.template.toml"
+
+
+def _without_lr(spec: dict) -> dict:
+    out = dict(spec)
+    out["variants"] = [{**v, "overrides": [o for o in v["overrides"] if not o.startswith("train.lr=")]}
+                       for v in spec["variants"]]
+    return out
+
+
+def test_the_rules_were_written_before_the_runs():
+    """The final spec is its template (written with the rules before any run) with the chosen rates filled in."""
+    template = tomllib.loads(TEMPLATE.read_text())
+    sweep = tomllib.loads((SWEEP / "spec.toml").read_text())
+    assert template["base"] == sweep["base"] and not set(template["seeds"]) & set(sweep["seeds"])
+    assert len(template["seeds"]) >= 3
+    names = [v["name"] for v in template["variants"]]
+    assert names == list(dict.fromkeys(v["name"].rsplit("-lr", 1)[0] for v in sweep["variants"]))
+    windowed = [n for n in names if n not in ("softmax", "swa32")]
+    for n in windowed:  # (a) and (b) at 1x and 4x for every window variant
+        mine = [r for r in template["verdict"] if r["compare"][0] == n]
+        assert sorted((r["compare"][1], r["metric"].split("/")[0], r.get("by")) for r in mine) == sorted(
+            [("softmax", "mqar_accuracy", -0.1), ("softmax", "mqar_accuracy@4x", -0.1),
+             ("swa32", "mqar_accuracy", None), ("swa32", "mqar_accuracy@4x", None)])
+    if (FINAL / "spec.toml").is_file():
+        spec = tomllib.loads((FINAL / "spec.toml").read_text())
+        assert _without_lr(spec) == _without_lr(template)
