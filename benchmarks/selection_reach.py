@@ -9,8 +9,10 @@ held-out text (the run's validation split); for every window-trained layer and h
 `attnlab.eval.metrics.selection_reach` measures the k keys each query selects by scalar distance
 (beyond its last w): the share of them that a sliding window of the same k + w keys would read as
 well ("in budget"), that share at chance (k keys drawn uniformly from the same candidates), and
-their median distance t − s in positions. Writes JSON (mean and range over heads per layer) and
-prints a table.
+their median distance t − s in positions; and the share of each query's attention that goes to
+those selected keys rather than to its local window ("mass on selected", from the layer's own
+windowed weights, on the first sequence of each batch). Writes JSON (mean over heads per layer and
+per head) and prints a table.
 """
 
 from __future__ import annotations
@@ -45,6 +47,20 @@ def parse_args(argv=None):
     return args
 
 
+@torch.no_grad()
+def selected_mass(layer, x: torch.Tensor, local: int) -> list[float]:
+    """Per head, the mean share of a query's windowed attention on keys older than its local window
+    (the scalar-selected ones), over the queries that have such keys: x (1, T, C), the layer's input."""
+    w = layer.attention_weights(x).float()  # (1, H, T, T + n_prefix): the window's own weights
+    n_prefix = w.shape[-1] - w.shape[-2]
+    T = w.shape[-2]
+    t = torch.arange(T)
+    older = (t[None, :] <= t[:, None] - local)  # (T, T)
+    rows = t >= local  # queries with a key older than their local window
+    mass = (w[..., n_prefix:] * older).sum(-1)[..., rows]  # (1, H, rows)
+    return mass.mean((0, 2)).tolist()
+
+
 def reach_of_run(run: str, lengths: list[int], batches: int, batch_size: int, split: str) -> list[dict]:
     from attnlab.data.corpus import load_corpus
     from attnlab.data.packing import pack_documents, sequential_batches
@@ -62,16 +78,24 @@ def reach_of_run(run: str, lengths: list[int], batches: int, batch_size: int, sp
                             data_tokenizer(d))
     rows = []
     for T in lengths:
-        per_layer = {i: {"in_budget": [], "uniform": [], "median_distance": []} for i, _ in layers}
+        per_layer = {i: {"in_budget": [], "uniform": [], "median_distance": [], "selected_mass": []} for i, _ in layers}
         for batch in sequential_batches(stream, T, batch_size, max_batches=batches):
-            with torch.no_grad():
-                model(batch.x, record=True)
+            inputs = {}
+            hooks = [layer.register_forward_pre_hook(lambda mod, args, i=i: inputs.__setitem__(i, args[0]))
+                     for i, layer in layers]
+            try:
+                with torch.no_grad():
+                    model(batch.x, record=True)
+            finally:
+                for h in hooks:
+                    h.remove()
             for i, layer in layers:
                 rec, c = layer.last, layer.config
                 r = selection_reach(rec.qs.detach(), rec.ks.detach(), c.train_window, local=c.local_window,
                                     n_prefix=rec.n_prefix or 0)
                 for key, values in r.items():
                     per_layer[i][key].append(values)
+                per_layer[i]["selected_mass"].append(selected_mass(layer, inputs[i][:1], c.local_window))
         for i, layer in layers:
             stats = {key: [statistics.fmean(col) for col in zip(*vals)] for key, vals in per_layer[i].items()}
             rows.append({
@@ -97,10 +121,10 @@ def main(argv=None) -> None:
     os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
     with open(args.out, "w") as f:
         json.dump(out, f, indent=2)
-    print(f"{'run':40s} {'T':>6s} {'layer':>5s} {'in budget':>9s} {'chance':>7s} {'median t-s':>10s}")
+    print(f"{'run':40s} {'T':>6s} {'layer':>5s} {'in budget':>9s} {'chance':>7s} {'median t-s':>10s} {'mass':>6s}")
     for r in rows:
         print(f"{r['run'][-40:]:40s} {r['T']:6d} {r['layer']:5d} {r['in_budget']:9.3f} {r['uniform']:7.3f} "
-              f"{r['median_distance']:10.1f}")
+              f"{r['median_distance']:10.1f} {r['selected_mass']:6.3f}")
     print(f"wrote {args.out}")
 
 
