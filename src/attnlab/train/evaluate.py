@@ -167,9 +167,9 @@ def evaluate(
     head; compress: also with density compression at these key spans (token by token, one batch);
     context_lengths: everything again per context length T, with the slope of the missed mass
     against ln T. MQAR runs: `mqar_scales` also measures the accuracy at s x data.seq_len with s x
-    the pairs (and queries; the same pairs with mqar_scale_pairs=False), the same data.mqar_min_gap; `windows` also measures it with every
-    scalar/hybrid head reading its k nearest keys (`decode_window`), at each length. device:
-    default run.device.
+    the pairs and queries (the same ones with mqar_scale_pairs=False) and the same data.mqar_min_gap;
+    `mqar_windows` (default `windows`) also with every scalar/hybrid head reading its k nearest keys
+    (`decode_window`), at each length. device: default run.device.
 
     Returns a dict: "loss" {T: {"loss", "ppl", "tokens", "batches"}}, "layers" (per layer and head),
     and "windowed_loss", "compressed", "by_length", "passkey" or "mqar_accuracy" when asked for
@@ -256,9 +256,9 @@ def check_mqar_scales(cfg: RunConfig, scales, key: str = "mqar_scales", scale_pa
 def mqar_report(model, cfg: RunConfig, scales: list[int], windows: list[int], device, scale_pairs: bool = True) -> dict:
     """MQAR accuracy per scale s: {"<s>x": {"exact": acc, "window=<k>": acc}} on 256 test sequences of
     s x data.seq_len tokens with s x the pairs and queries (the same ones without `scale_pairs`), the
-    same data.mqar_min_gap and filler, exactly as
-    the model runs and, for each k in `windows` where the model has scalar/hybrid layers, with each of
-    them reading only its k nearest keys (`decode_window`; a window-trained layer keeps its local window)."""
+    same data.mqar_min_gap and filler: exactly as the model runs and, for each k in `windows` where the
+    model has scalar/hybrid layers, with each of them reading only its k nearest keys (`decode_window`;
+    a window-trained layer keeps its local window)."""
     d = cfg.data
     check_mqar_scales(cfg, scales, scale_pairs=scale_pairs)
 
