@@ -309,6 +309,27 @@ def compile_table(warm: Json, cold: Json) -> str:
     return _table(["", *mechs], "l" + "r" * len(mechs), rows)
 
 
+def selection_reach_table(reach: Json) -> str:
+    """benchmarks/selection_reach.py: per run and context length, where the scalar-selected keys lie
+    (share a sliding window of the same budget reads too, against chance; median distance) and the
+    share of attention they get; means over layers and heads, the layers' range in brackets."""
+    rows, seen = [], {}
+    for r in reach["rows"]:
+        seen.setdefault((r["run"], r["T"]), []).append(r)
+    for (run, T), layers in seen.items():
+        def cell(key, digits, pct=False):
+            vals = [x[key] for x in layers]
+            f = (lambda v: f"{100 * v:.0f} %") if pct else (lambda v: f"{v:.{digits}f}")
+            return f"{f(sum(vals) / len(vals))} ({f(min(vals))}–{f(max(vals))})"
+        k = layers[0]
+        rows.append([f"{run.rsplit('/', 1)[-1]} ({k['kernel']}, {k['k']} + {k['local']})", f"{T:,}",
+                     cell("in_budget", 3, True), cell("uniform", 3, True), cell("median_distance", 0),
+                     cell("selected_mass", 3, True)])
+    header = ["model (kernel, k + local)", "context", "selected keys a same-budget SWA also reads", "at chance",
+              "median distance t − s", "attention on the selected keys"]
+    return _table(header, "lrrrrr", rows)
+
+
 # --------------------------------------------------------------------------- the registry
 
 B = "benchmarks/results"
@@ -336,4 +357,5 @@ TABLES: dict[str, tuple[Callable[..., str], tuple[str, ...]]] = {
                                                     f"{B}/generate_selector_hybrid_norope.json")),
     "train_window_1024": (train_window_table, ("experiments/seed000/train-through-window-1024/results.json",)),
     "train_window_cauchy": (train_window_table, ("experiments/seed000/train-through-window-cauchy/results.json",)),
+    "selection-reach": (selection_reach_table, (f"{B}/selection_reach.json",)),
 }
