@@ -77,10 +77,11 @@ def _eval_plan(ns) -> dict:
         raise UsageError("--compress merges keys of the sorted cache of windowed decoding: give --windows as well")
     from attnlab.layers import mechanism_class
 
-    if windows and not any(getattr(mechanism_class(a.mechanism), "sorted_decode", False)
+    if windows and not any(getattr(mechanism_class(a.mechanism), "sorted_decode", False) and a.sliding_window is None
                            for a in cfg.model.attention_configs()):
         raise UsageError(f"--windows: no layer of this run decodes through the sorted scalar cache "
-                         f"(model.attn={cfg.model.layer_attn}); scalar and hybrid layers do")
+                         f"(model.attn={cfg.model.layer_attn}); scalar and hybrid layers do, unless they read a "
+                         f"sliding window (model.attention.sliding_window)")
     if lengths and cfg.model.pos_embedding == "learned" and max(lengths) > cfg.model.max_seq_len:
         raise UsageError(f"--lengths: {max(lengths)} exceeds model.max_seq_len={cfg.model.max_seq_len} of this run's "
                          f"learned position embedding; allowed: lengths <= {cfg.model.max_seq_len}")
