@@ -373,3 +373,27 @@ def test_recorded_runs_stand_for_absent_run_folders(reference, tmp_path):
 def _write(folder: Path, text: str) -> Path:
     (folder / "spec.toml").write_text(text)
     return folder / "spec.toml"
+
+
+COMMITTED = sorted(p for p in (ROOT / "experiments").rglob("spec.toml")
+                   if "runs" not in p.relative_to(ROOT).parts and (p.parent / "results.json").is_file()
+                   and "variants" in read_toml(p) and "base" in read_toml(p))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("spec", COMMITTED, ids=[p.parent.relative_to(ROOT).as_posix() for p in COMMITTED])
+def test_every_committed_report_rebuilds_from_its_results(spec, tmp_path):
+    """On a fresh clone (no run folders) `attnlab sweep SPEC --report-only` rebuilds every committed
+    sweep report from its results.json alone, with the same runs and verdicts."""
+    folder = tmp_path / spec.parent.relative_to(ROOT)
+    shutil.copytree(spec.parent, folder, ignore=shutil.ignore_patterns("runs"))
+    base = read_toml(spec).get("base")
+    if isinstance(base, str):  # a base config path relative to the spec: give the copy the same file
+        target = (folder / base).resolve()
+        target.parent.mkdir(parents=True, exist_ok=True)
+        shutil.copy((spec.parent / base).resolve(), target)
+    before = json.loads((spec.parent / "results.json").read_text())
+    assert main(["sweep", str(folder / "spec.toml"), "--report-only", "--no-progress"]) == 0
+    after = json.loads((folder / "results.json").read_text())
+    assert sorted((r["variant"], r["seed"]) for r in after["runs"]) == sorted((r["variant"], r["seed"]) for r in before["runs"])
+    assert [v["outcome"] for v in after["verdicts"]] == [v["outcome"] for v in before.get("verdicts", [])] or not before.get("verdicts")
