@@ -330,6 +330,15 @@ def selection_reach_table(reach: Json) -> str:
     return _table(header, "lrrrrr", rows)
 
 
+def sliding_window_table(res: Json) -> str:
+    """benchmarks/sliding_window.py: forward + backward time of the sliding window and of full causal
+    SDPA by T (medians of interleaved rounds), their ratio and the work ratio 2w/T."""
+    rows = [[f"{r['T']:,}", f"{1e3 * r['window_s']:.0f} ms", f"{1e3 * r['full_s']:.0f} ms", f"{r['ratio']:.2f}×",
+             f"{r['ideal']:.3f}"] for r in res["rows"]]
+    w = res["config"]["window"]
+    return _table(["T", f"window w = {w}", "full causal SDPA", "window / full (median)", "2w/T"], "rrrrr", rows)
+
+
 # --------------------------------------------------------------------------- the registry
 
 B = "benchmarks/results"
@@ -358,4 +367,5 @@ TABLES: dict[str, tuple[Callable[..., str], tuple[str, ...]]] = {
     "train_window_1024": (train_window_table, ("experiments/seed000/train-through-window-1024/results.json",)),
     "train_window_cauchy": (train_window_table, ("experiments/seed000/train-through-window-cauchy/results.json",)),
     "selection-reach": (selection_reach_table, (f"{B}/selection_reach.json",)),
+    "sliding-window": (sliding_window_table, (f"{B}/sliding_window.json",)),
 }
