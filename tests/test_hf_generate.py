@@ -162,3 +162,16 @@ def test_generate_through_a_learned_selector(folder):
         greedy(hf, ids, 2, selector=sel, use_cache=False)
     with pytest.raises(TypeError, match="DecodeSelector"):
         greedy(hf, ids, 2, selector="learned")
+
+
+def test_a_batch_with_an_empty_prompt(folder):
+    """A left-padded batch whose second prompt is empty (all pad): the first row generates as alone,
+    and the empty row starts from the pad position's logits (zero: token 0) and decodes on its own."""
+    lm, hf = folder(["softmax", "hybrid"])
+    p = torch.randint(256, (4,))
+    ids = torch.stack([p, torch.full((4,), PAD)])
+    mask = torch.tensor([[1, 1, 1, 1], [0, 0, 0, 0]])
+    out = hf.generate(ids, attention_mask=mask, max_new_tokens=5, do_sample=False, eos_token_id=None)
+    assert torch.equal(out[0, 4:], lm.generate(p[None], 5)[0, 4:])
+    first = out[1, 4]
+    assert first == 0 and torch.equal(out[1, 4:], lm.generate(first.view(1, 1), 4)[0])

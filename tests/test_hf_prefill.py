@@ -120,3 +120,23 @@ def test_decode_state_refuses_anything_but_left_padding(mask, match):
     state.feed(torch.zeros(2, 3, dtype=torch.long), torch.tensor([[0, 0, 1], [1, 1, 1]]))
     with pytest.raises(ValueError, match="row 0 has a pad"):  # once a row has started, no more pads
         state.feed(torch.zeros(2, 1, dtype=torch.long), torch.tensor([[0], [1]]))
+
+
+def test_one_group_of_fewer_rows_than_the_batch():
+    """The first chunk starts one row only (the other is all pad): the next chunk feeds that group its
+    own row, not the whole batch; every row's logits are its own (a prompt fed in chunks, and an
+    empty prompt that starts later)."""
+    model = tiny(["hybrid", "softmax"])
+    a, b = torch.randint(V, (5,)), torch.randint(V, (2,))
+    ids = torch.stack([a, torch.cat([torch.zeros(3, dtype=torch.long), b])])
+    mask = torch.tensor([[1] * 5, [0, 0, 0, 1, 1]])
+    state = DecodeState(model, 2)
+    first = state.feed(ids[:, :3], mask[:, :3])  # one group, row 0 only
+    assert len(state.groups) == 1 and state.groups[0].rows.tolist() == [0]
+    rest = state.feed(ids[:, 3:], mask[:, 3:])  # row 0 continues, row 1 starts
+    logits = torch.cat([first, rest], 1)
+    assert rel_rms(logits[0], model(a[None])[0][0]) < 1e-12
+    assert rel_rms(logits[1, 3:], model(b[None])[0][0]) < 1e-12
+    step = state.feed(torch.tensor([[7], [9]]))  # then one step each
+    assert rel_rms(step[0, 0], model(torch.cat([a, torch.tensor([7])])[None])[0][0, -1]) < 1e-12
+    assert rel_rms(step[1, 0], model(torch.cat([b, torch.tensor([9])])[None])[0][0, -1]) < 1e-12

@@ -104,7 +104,8 @@ class DecodeState:
             return model.prefill(idx, caches, last=L)
         parts = []  # (rows, logits of their last k columns)
         for g in self.groups:
-            x = idx[g.rows.to(idx.device)] if len(self.groups) > 1 else idx
+            whole = len(g.rows) == self.batch_size and bool((g.rows == torch.arange(self.batch_size)).all())
+            x = idx if whole else idx[g.rows.to(idx.device)]  # a group holds its own rows, maybe not all
             if T == 1:
                 logits = model.step(x, g.caches, pos=g.caches[0].pos)[:, None]  # (b, 1, V)
             else:
