@@ -153,8 +153,8 @@ def test_kv_cache_window_keeps_a_constant_size():
     out = c.append(k=torch.zeros(2, 3, 10, 4))  # a prefill of 10: every key their windows reach
     assert out["k"].shape[2] == 1 + 4 + 10 and torch.equal(out["k"][:, :, 1:5], xs[:, :, 196:200])
     assert c.view()["k"].shape[2] == 6 == len(c)
-    with pytest.raises(ValueError, match="keep"):
-        KVCache(1, keep=1)
+    plain = KVCache(1, keep=1)  # no window: every token is kept anyway
+    assert plain.append(k=torch.zeros(1, 1, 70, 2))["k"].shape[2] == 70
     with pytest.raises(ValueError, match="window"):
         KVCache(1, window=0)
 

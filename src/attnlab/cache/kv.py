@@ -37,12 +37,12 @@ class KVCache:
             (the first append allocates max(initial_capacity, its steps), doubled as needed).
         window: None (every token is kept), or w: only the last w tokens (and the first `keep`)
             are kept; an int >= 1.
-        keep: with a window, the leading tokens kept for good (a sink); an int >= 0.
+        keep: with a window, the leading tokens kept for good (a sink); an int >= 0 (without a
+            window every token is kept anyway).
 
     Raises:
         ValueError: batch_size or initial_capacity is not a positive int, window not None or an
-            int >= 1, keep not an int >= 0 or set without a window (for a non-int, a
-            NotAnIntError, which is a TypeError too).
+            int >= 1, keep not an int >= 0 (for a non-int, a NotAnIntError, which is a TypeError too).
     """
 
     def __init__(self, batch_size: int, initial_capacity: int = 64, *, window: int | None = None, keep: int = 0):
@@ -51,8 +51,6 @@ class KVCache:
         if window is not None:
             check_int("window", window)
         check_int("keep", keep, 0)
-        if keep and window is None:
-            raise ValueError(f"keep={keep!r} keeps leading tokens beside a sliding window: give a window as well")
         self.batch_size = batch_size
         self.window, self.keep = window, keep
         self.capacity = initial_capacity if window is None else max(initial_capacity, keep + 2 * window)

@@ -56,6 +56,17 @@ def shown_path(path: str | os.PathLike) -> str:
         return p.as_posix()
 
 
+def rebuild_command(made_by: str, spec_path: str | os.PathLike, out: str | os.PathLike) -> str:
+    """The command that rebuilds a sweep's report: the quickstart's own command for the quickstart
+    (run again, it keeps its finished models), else `attnlab sweep SPEC [--out OUT] --report-only`."""
+    if made_by.startswith("attnlab quickstart"):
+        return made_by
+    if made_by.startswith("attnlab.experiments.quickstart"):
+        return f"attnlab quickstart --out {shown_path(out)}"
+    at = "" if Path(out).resolve() == Path(spec_path).parent.resolve() else f" --out {shown_path(out)}"
+    return f"attnlab sweep {shown_path(spec_path)}{at} --report-only"
+
+
 def report_head(title: str, command: str, spec_name: str, claim: str = "", description: str = "",
                 rebuild: str | None = None) -> list[str]:
     """The opening lines of a generated experiment report: title, how to rebuild it (`rebuild`, a

@@ -182,12 +182,7 @@ class Attention(nn.Module):
             window: the sorted cache's window (scalar/hybrid heads), or None.
             max_len: the cosformer horizon, or None.
         """
-        cache.kv = self.kv_cache(cache.batch_size)
-
-    def kv_cache(self, batch_size: int, keep: int = 0) -> KVCache:
-        """A plain KV cache: every key, or with `sliding_window` the last w (and `keep` leading ones)."""
-        w = getattr(self.config, "sliding_window", None)
-        return KVCache(batch_size) if w is None else KVCache(batch_size, window=w, keep=keep)
+        cache.kv = KVCache(cache.batch_size, window=self.config.sliding_window)
 
     def step_readout(self, p: Projected, cache: LayerCache) -> torch.Tensor:
         """Readout (B, H, 1, D) of one token's projections `p`, appending to `cache`."""

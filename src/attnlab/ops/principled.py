@@ -40,9 +40,8 @@ from ..checks import (
     check_finite, check_groups, check_impl, check_like, check_param, check_same, check_tensor, empty_result,
 )
 from ..checks import check_window, key_counts
-from ._sdpa import band_spans
 from . import _ext
-from .principled_naive import principled_naive
+from .principled_naive import principled_band, principled_naive
 
 LOG2E = 1.4426950408889634
 BLOCK_K = 256
@@ -283,24 +282,6 @@ def _heads(x: torch.Tensor, H: int) -> torch.Tensor:
     return x[:, :, None].expand(B, G, H // G, T, D).reshape(B, H, T, D)
 
 
-def _principled_band(q, k, qg, kg, v, params, v0, window):
-    """The sliding-window fast path: `principled_naive` on each query chunk's band of keys, under
-    activation checkpointing when a gradient is needed (inputs validated, heads expanded)."""
-    from torch.utils.checkpoint import checkpoint
-
-    Tq, Tk = q.shape[2], k.shape[2]
-    grad = torch.is_grad_enabled() and any(
-        isinstance(x, torch.Tensor) and x.requires_grad for x in (q, k, qg, kg, v, v0, *params.values()))
-    outs, grounds = [], []
-    for a, b, lo, hi in band_spans(Tq, Tk, window):
-        rows = [x[..., a:b] if x.shape[-1] > 1 else x for x in (params["alpha"], params["beta"], params["gamma"])]
-        args = (q[:, :, a:b], k[:, :, lo:hi], qg[:, :, a:b], kg[:, :, lo:hi], v[:, :, lo:hi], *rows, v0, True, window)
-        o, w0 = checkpoint(principled_naive, *args, use_reentrant=False) if grad else principled_naive(*args)
-        outs.append(o)
-        grounds.append(w0)
-    return torch.cat(outs, dim=2), torch.cat(grounds, dim=2)
-
-
 def principled_attention(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -390,7 +371,7 @@ def principled_attention(
         k, kg, v = _heads(k, H), _heads(kg, H), _heads(v, H)
         o, w0 = principled_naive(q, k, qg, kg, v, params["alpha"], params["beta"], params["gamma"], v0, causal, window)
     elif window is not None and window < Tk:
-        o, w0 = _principled_band(q, _heads(k, H), qg, _heads(kg, H), _heads(v, H), params, v0, window)
+        o, w0 = principled_band(q, _heads(k, H), qg, _heads(kg, H), _heads(v, H), params, v0, window)
     else:
         log_k = key_counts(Tq, Tk, causal, q.device, work).log()  # (Tq,)
         c = (1 + F.softplus(params["alpha"]) * log_k).expand(B, H, Tq)  # margin amplification

@@ -20,6 +20,7 @@ import torch
 import torch.nn.functional as F
 
 from ..checks import key_counts, visible_keys
+from ._sdpa import band_spans
 
 
 def principled_naive(
@@ -62,3 +63,21 @@ def principled_naive(
     if v0 is not None:
         o = o + w0[..., None] * v0[:, None, :]
     return o, w0
+
+
+def principled_band(q, k, qg, kg, v, params, v0, window):
+    """The sliding-window fast path: `principled_naive` on each query chunk's band of keys, under
+    activation checkpointing when a gradient is needed (inputs validated, heads expanded)."""
+    from torch.utils.checkpoint import checkpoint
+
+    Tq, Tk = q.shape[2], k.shape[2]
+    grad = torch.is_grad_enabled() and any(
+        isinstance(x, torch.Tensor) and x.requires_grad for x in (q, k, qg, kg, v, v0, *params.values()))
+    outs, grounds = [], []
+    for a, b, lo, hi in band_spans(Tq, Tk, window):
+        rows = [x[..., a:b] if x.shape[-1] > 1 else x for x in (params["alpha"], params["beta"], params["gamma"])]
+        args = (q[:, :, a:b], k[:, :, lo:hi], qg[:, :, a:b], kg[:, :, lo:hi], v[:, :, lo:hi], *rows, v0, True, window)
+        o, w0 = checkpoint(principled_naive, *args, use_reentrant=False) if grad else principled_naive(*args)
+        outs.append(o)
+        grounds.append(w0)
+    return torch.cat(outs, dim=2), torch.cat(grounds, dim=2)

@@ -13,8 +13,9 @@ from attnlab.data.cache import atomic_write_text
 from attnlab.train.config import RunConfig
 
 from .profiles import is_profile, profile_sections
-from ..report import MISSING, fmt, machine_info, markdown_table, report_head, save_figure, shown_path
-from .runs import RunPlan, _record_of, collect_metrics, execute, plan, recorded_runs, run, run_config, summary_of
+from ..report import MISSING, fmt, machine_info, markdown_table, rebuild_command, report_head, save_figure
+from .runs import (RunPlan, _record_of, collect_metrics, execute, plan, recorded_runs, recorded_threads, run, run_config,
+                   summary_of)
 from .verdict import judge, verdict, verdict_lines
 from .spec import EVAL_ARG_KEYS, OWNED_KEYS, SUMMARY_SCALARS, Spec, SweepError, Variant, load_spec, metric_names
 
@@ -128,7 +129,7 @@ def aggregate(spec: Spec, out: str | os.PathLike | None = None) -> dict:
         }
     threads = {((_record_of(out / r["run_dir"]) or {}).get("threads")) for r in runs} - {None}
     if not threads and recorded:  # every run recorded: the threads they were measured with
-        threads = {_recorded_threads(out)} - {None}
+        threads = {recorded_threads(out)} - {None}
     return {
         "title": spec.title, "claim": spec.claim, "description": spec.description,
         "spec": {"path": str(spec.path), **spec.raw}, "seeds": spec.seeds, "scalars": names,
@@ -137,13 +138,6 @@ def aggregate(spec: Spec, out: str | os.PathLike | None = None) -> dict:
         "verdicts": [judge(rule, variants) for rule in spec.verdicts],
         "machine": machine_info(threads.pop() if len(threads) == 1 else None),
     }
-
-
-def _recorded_threads(out: Path) -> int | None:
-    try:
-        return json.loads((out / "results.json").read_text())["machine"]["torch_threads"]
-    except (OSError, ValueError, KeyError, TypeError):
-        return None
 
 
 def write_results(spec: Spec, out: str | os.PathLike | None = None, *, command: str | None = None,
@@ -204,15 +198,8 @@ def report_markdown(spec: Spec, results: dict, out: Path, metrics_png: bool = Tr
         return show(value) if value is not None else "varies by variant (see the table)"
 
     base = f"`{spec.base}`" if isinstance(spec.base, str) else "an inline [base] table"
-    made_by = str(results.get("command") or "")
-    if made_by.startswith("attnlab quickstart"):  # run again, the quickstart keeps its finished models
-        rebuild = made_by
-    elif made_by.startswith("attnlab.experiments.quickstart"):
-        rebuild = f"attnlab quickstart --out {shown_path(out)}"
-    else:
-        at = "" if out.resolve() == spec.path.parent.resolve() else f" --out {shown_path(out)}"
-        rebuild = f"attnlab sweep {shown_path(spec.path)}{at} --report-only"
-    lines = report_head(spec.title, "attnlab sweep", spec.path.name, spec.claim, spec.description, rebuild=rebuild)
+    lines = report_head(spec.title, "attnlab sweep", spec.path.name, spec.claim, spec.description,
+                        rebuild=rebuild_command(str(results.get("command") or ""), spec.path, out))
     lines += ["## Setup", "",
               f"- Base config: {base}" + (f"; shared overrides: {', '.join(f'`{o}`' for o in spec.overrides)}"
                                            if spec.overrides else "") + ".",

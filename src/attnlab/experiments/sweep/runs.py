@@ -134,6 +134,14 @@ def recorded_runs(spec: Spec, out: str | os.PathLike | None = None) -> dict[tupl
             and r.get("seed") in spec.seeds}
 
 
+def recorded_threads(out: Path) -> int | None:
+    """The torch threads OUT/results.json says its runs were measured with (None if unknown)."""
+    try:
+        return json.loads((out / "results.json").read_text())["machine"]["torch_threads"]
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+
+
 def plan(spec: Spec, out: str | os.PathLike | None = None, *, jobs: int = 1) -> list[RunPlan]:
     """Load and validate the config of every (variant, seed), and find what each run folder
     needs: nothing (done), only the metrics (evaluate), a resume from its checkpoint, a restart

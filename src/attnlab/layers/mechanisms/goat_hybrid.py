@@ -50,4 +50,4 @@ class GoatHybridAttention(HybridAttention):
             raise ValueError(
                 f"window={window}: the sorted scalar cache cannot apply GOAT's prior; decode goat_hybrid exactly (window=None)"
             )
-        cache.scalar = self.kv_cache(cache.batch_size)
+        cache.scalar = KVCache(cache.batch_size, window=self.config.sliding_window)

@@ -16,6 +16,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from ...cache.kv import KVCache
 from ...ops import hybrid_attention
 from ..record import Projected
 from . import register
@@ -73,7 +74,7 @@ class HybridAttention(ScalarAttention):
     def scalar_cache(self, batch_size: int, window):
         if self.scalar_scale is None or window is not None:  # the sorted cache scales its scores by the gain
             return super().scalar_cache(batch_size, window)
-        cache = self.kv_cache(batch_size, keep=int(self.config.sink))  # each step is the op (and its gain) in its offset form
+        cache = KVCache(batch_size, window=self.config.sliding_window, keep=int(self.config.sink))  # each step is the op (and its gain) in its offset form
         if self.config.sink:
             cache.append(**self.sink_entry(batch_size))
         return cache

@@ -7,6 +7,7 @@ from __future__ import annotations
 import torch
 
 from ...cache.exact import ExactScalarCache
+from ...cache.kv import KVCache
 from ...cache.ring import Ring
 from ...cache.selected import selected_step
 from ...cache.sorted import SortedScalarCache
@@ -31,7 +32,7 @@ class ScalarDecode:
 
     def init_cache(self, cache, window, max_len) -> None:
         if self.n_dot:
-            cache.kv = self.kv_cache(cache.batch_size)
+            cache.kv = KVCache(cache.batch_size, window=self.config.sliding_window)
         cache.scalar = self.scalar_cache(cache.batch_size, self.trained_window(cache, window))
 
     def trained_window(self, cache, window):
@@ -50,7 +51,7 @@ class ScalarDecode:
         """The plain cache of every scalar key (window None, exact) or the sorted scalar cache."""
         c = self.config
         if window is None and (c.impl == "naive" or c.kernel != "gaussian" or c.sliding_window is not None):
-            cache = self.kv_cache(batch_size, keep=int(c.sink))  # the op over the plain cache (a sliding window's)
+            cache = KVCache(batch_size, window=c.sliding_window, keep=int(c.sink))  # the op over the plain cache (a sliding window's)
             if c.sink:
                 cache.append(**self.sink_entry(batch_size))
             return cache
