@@ -265,3 +265,21 @@ def test_hf_generate_left_padded_through_the_window(tmp_path):
     for i, p in enumerate(prompts):
         assert torch.equal(out.sequences[i, T:], lm.generate(p[None], 12)[0, len(p):])
     assert len(out.past_key_values.layer_caches(0)[0].kv) == 4  # row 0's first layer: the last w keys
+
+
+@pytest.mark.parametrize("name", ["scalar", "hybrid"])
+def test_an_outlier_key_outside_every_later_window_changes_nothing(name):
+    """float32: key 0 made a huge outlier (the reference of the unwindowed fast path's expansion)
+    leaves every query that cannot see it exactly as it was."""
+    T, w = 300, 16
+    qs, ks, v = torch.randn(1, 2, T), torch.randn(1, 2, T), torch.randn(1, 2, T, 8)
+    q, k = torch.randn(1, 2, T, 8), torch.randn(1, 2, T, 8)
+
+    def run(ks):
+        if name == "scalar":
+            return scalar_attention(qs, ks, v, 0.05, window=w)
+        return hybrid_attention(q, k, v, qs, ks, 0.05, window=w)
+
+    far = ks.clone()
+    far[..., 0] = 1e4
+    assert torch.equal(run(far)[:, :, w:], run(ks)[:, :, w:])

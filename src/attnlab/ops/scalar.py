@@ -233,7 +233,7 @@ def scalar_attention(qs, ks, v, tau, *, causal: bool = True, impl: str = "auto",
     if impl == "naive":
         w = torch.softmax(scalar_logits(qs, ks, tau, causal, kernel, window, n_prefix), dim=-1)  # (B, H, Tq, Tk)
         return (w @ expand_heads(v, H).to(w.dtype)).to(v.dtype)  # (B, H, Tq, Dv)
-    if kernel != "gaussian":
+    if kernel != "gaussian" or _banded(window, causal, ks.shape[2], n_prefix):
         from .kernel import chunked_kernel_attention
 
         _tau(tau, B, H, T, upcast(qs.dtype), qs.device)
@@ -300,7 +300,7 @@ def hybrid_attention(q, k, v, qs, ks, tau, *, causal: bool = True, impl: str = "
     if impl == "naive":
         w = torch.softmax(hybrid_logits(q, k, qs, ks, tau, causal, scalar_scale, kernel, window, n_prefix), dim=-1)
         return (w @ expand_heads(v, H).to(w.dtype)).to(v.dtype)  # (B, H, Tq, Dv)
-    if kernel != "gaussian":
+    if kernel != "gaussian" or _banded(window, causal, k.shape[2], n_prefix):
         from .kernel import chunked_kernel_attention
 
         _tau(tau, B, H, T, upcast(q.dtype), q.device)
@@ -319,6 +319,14 @@ def hybrid_attention(q, k, v, qs, ks, tau, *, causal: bool = True, impl: str = "
     ka = torch.cat([expand_heads(k, G).to(cdt), ka], dim=-1)  # (B, G, T, D + 2H/G)
     return fused_attention(qa, ka, expand_heads(v, G).to(cdt), causal=causal, window=window,
                            n_prefix=n_prefix).to(v.dtype)
+
+
+def _banded(window, causal: bool, Tk: int, n_prefix: int) -> bool:
+    """A sliding window that hides some key: the scores are formed explicitly over each query chunk's
+    band (`kernel.chunked_kernel_attention`), not by the shifted expansion, whose reference key
+    (the first) a windowed query may not see: a far-past outlier there would cost every later row
+    precision through a key it cannot read."""
+    return causal and window is not None and window < Tk - n_prefix
 
 
 def _scalar_scale(scale, H: int, dtype, device) -> torch.Tensor:
