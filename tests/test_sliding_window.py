@@ -11,7 +11,7 @@ from attnlab.checks import key_counts, visible_keys
 from attnlab.layers import Attention, AttentionConfig
 from attnlab.models import LM, ModelConfig
 from attnlab.ops import goat_attention, hybrid_attention, principled_attention, scalar_attention, softmax_attention
-from attnlab.testing import LargestTensor, compare_fwd_bwd
+from attnlab.testing import LargestTensor, compare_fwd_bwd, rel_rms
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -57,7 +57,7 @@ def _ops(Tq, Tk):
                                                                                  tau=0.3, impl=impl, window=w),
                         (q, k, v, lam_s, lam_a, u, qs, ks)),
         "principled": (lambda impl, w, q, k, qg, kg, v, g: principled_attention(
-            q, k, qg, kg, v, alpha=0.5, beta=0.2, gamma=g, v0=torch.ones(6, dtype=F64), impl=impl, window=w,
+            q, k, qg, kg, v, alpha=0.5, beta=0.2, gamma=g, v0=torch.ones(6, dtype=v.dtype), impl=impl, window=w,
             return_ground=True), (q, k, qg, kg, v, gam)),
     }
 
@@ -283,3 +283,17 @@ def test_an_outlier_key_outside_every_later_window_changes_nothing(name):
     far = ks.clone()
     far[..., 0] = 1e4
     assert torch.equal(run(far)[:, :, w:], run(ks)[:, :, w:])
+
+
+@pytest.mark.parametrize("name", ["softmax", "scalar", "hybrid-sink", "goat", "principled"])
+def test_empty_and_bf16_inputs_through_the_window(name):
+    """T = 0 gives an empty output; bf16 inputs give the float64 reference to bf16 precision."""
+    fn, inputs = _ops(0, 0)[name]
+    out = fn("fast", 4, *inputs)
+    out = out[0] if isinstance(out, tuple) else out
+    assert out.shape[2] == 0
+    fn, inputs = _ops(70, 70)[name]
+    ref = fn("naive", 9, *inputs)
+    low = fn("fast", 9, *[x.detach().to(torch.bfloat16) if x.is_floating_point() and x.dim() > 1 else x for x in inputs])
+    ref, low = (ref[0], low[0]) if isinstance(ref, tuple) else (ref, low)
+    assert low.dtype == torch.bfloat16 and rel_rms(low.double(), ref.detach()) < 2e-2
