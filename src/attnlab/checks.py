@@ -11,11 +11,12 @@ from typing import Iterable, Sequence
 import torch
 
 IMPLS = ("auto", "naive", "fast")
+TRITON_IMPLS = (*IMPLS, "triton")  # ops with a Triton kernel (the scalar family) take "triton" too
 
 
-def check_impl(impl: str) -> str:
-    if impl not in IMPLS:
-        raise ValueError(f"impl must be one of {IMPLS}, got {impl!r}")
+def check_impl(impl: str, allowed: tuple = IMPLS) -> str:
+    if impl not in allowed:
+        raise ValueError(f"impl must be one of {allowed}, got {impl!r}")
     return impl
 
 

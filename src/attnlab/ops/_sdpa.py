@@ -9,6 +9,7 @@ queries/keys of the scalar, hybrid and key-norm-scaled ops into that shape.
 
 from __future__ import annotations
 
+import functools
 import math
 
 import torch
@@ -22,6 +23,33 @@ LOW_PRECISION = (torch.bfloat16, torch.float16)
 def upcast(dtype: torch.dtype) -> torch.dtype:
     """The dtype in which to compute scores: float32 for bf16/fp16, else unchanged."""
     return torch.float32 if dtype in LOW_PRECISION else dtype
+
+
+def without_autocast(fn):
+    """Run an op with autocast off: its precision policy is its own (scores in float32 for 16-bit
+    inputs, the scalar term in float32 always), which autocast would otherwise undo by casting the
+    float32 operands it builds on purpose back to bf16 inside matmul and SDPA. Inputs that arrive
+    in bf16 stay bf16; the output is in v's dtype as without autocast."""
+
+    @functools.wraps(fn)
+    def run(*args, **kwargs):
+        on = [d for d in ("cuda", "cpu") if torch.is_autocast_enabled(d)]
+        if not on:
+            return fn(*args, **kwargs)
+        with torch.autocast(on[0], enabled=False):
+            if len(on) == 1:
+                return fn(*args, **kwargs)
+            with torch.autocast(on[1], enabled=False):
+                return fn(*args, **kwargs)
+
+    return run
+
+
+def sdpa_width(width: int, device: torch.device) -> int:
+    """The head width to pad an SDPA call to: on CUDA a multiple of 8, which the fused backends
+    (flash, memory-efficient, cuDNN) need; the math backend they would otherwise fall to
+    materialises T x T. Zero columns are exact (`fused_attention`)."""
+    return -(-width // 8) * 8 if device.type == "cuda" else width
 
 
 def expand_heads(x: torch.Tensor, n_heads: int) -> torch.Tensor:
@@ -60,7 +88,7 @@ def band_mask(a: int, b: int, lo: int, hi: int, off: int, window: int, n_prefix:
 
 def fused_attention(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool, scale: float = 1.0,
-    window: int | None = None, n_prefix: int = 0,
+    window: int | None = None, n_prefix: int = 0, width: int | None = None,
 ) -> torch.Tensor:
     """softmax(scale * q k^T, causally masked if asked) v through the fused kernel.
 
@@ -73,12 +101,14 @@ def fused_attention(
     window (causal only): each query sees only the last `window` keys up to it, and the first
     `n_prefix` keys always; it runs as query chunks of BAND_CHUNK rows over their band of keys
     under a bool mask (no gradient: the kernel stays fused), memory O(Tq x (chunk + window)).
+
+    width: the head width to pad q, k and v to (at least max(E, Dv)); None for `sdpa_width`'s.
     """
     H, E, Dv = q.shape[1], q.shape[-1], v.shape[-1]
     if k.shape[1] != v.shape[1]:  # SDPA wants one grouping of k and v: the coarsest that refines both
         G = math.lcm(k.shape[1], v.shape[1])
         k, v = expand_heads(k, G), expand_heads(v, G)
-    width = max(E, Dv)
+    width = max(E, Dv, width or sdpa_width(max(E, Dv), q.device))
     if E < width:
         q = F.pad(q, (0, width - E))  # (B, H, T, width)
         k = F.pad(k, (0, width - E))

@@ -43,10 +43,10 @@ import math
 import torch
 
 from ..checks import (
-    check_finite, check_groups, check_impl, check_int, check_lengths, check_like, check_param, check_positive,
+    TRITON_IMPLS, check_finite, check_groups, check_impl, check_int, check_lengths, check_like, check_param, check_positive,
     check_same, check_tensor, check_window, visible_keys,
 )
-from ._sdpa import check_causal, check_qkv, expand_heads, fused_attention, upcast
+from ._sdpa import check_causal, check_qkv, expand_heads, fused_attention, upcast, without_autocast
 
 
 def _check_scalars(qs, ks, like=None, like_name="", causal: bool = True) -> tuple[int, int, int]:
@@ -190,6 +190,7 @@ def hybrid_logits(q, k, qs, ks, tau, causal: bool = True, scalar_scale=None, ker
     return dots / math.sqrt(D) + scal
 
 
+@without_autocast
 def scalar_attention(qs, ks, v, tau, *, causal: bool = True, impl: str = "auto", kernel: str = "gaussian",
                      window: int | None = None, n_prefix: int = 0) -> torch.Tensor:
     """Scalar attention o_t = sum_s softmax_s(-(qs_t - ks_s)^2 / tau_t) v_s.
@@ -207,8 +208,10 @@ def scalar_attention(qs, ks, v, tau, *, causal: bool = True, impl: str = "auto",
         impl: ``"naive"`` materialises the (Tq, Tk) logits; ``"fast"`` and ``"auto"`` run one
             fused SDPA call on the shifted augmented vectors of the module docstring (memory
             linear in T).
+            ``"triton"`` runs the fused Triton kernel (`attnlab.ops.scalar_triton`: CUDA, or the CPU
+            under TRITON_INTERPRET=1), which "auto" picks on CUDA when no sliding window is given.
         kernel: ``"gaussian"`` (default) or ``"cauchy"``, weight 1 / (1 + (qs_t - ks_s)^2 / tau_t)
-            (module docstring): no fused path, "auto" / "fast" run query chunks.
+            (module docstring): no fused SDPA path, "fast" (and "auto" off CUDA) run query chunks.
         window: a causal sliding window: each query reads only the last ``window`` keys up to it
             (itself included); None (default) for every earlier key.
         n_prefix: with a window, the first n_prefix keys (a sink) are read by every query too.
@@ -223,7 +226,7 @@ def scalar_attention(qs, ks, v, tau, *, causal: bool = True, impl: str = "auto",
             under causal masking), another device, NaN or inf in any input, tau <= 0, an unknown
             impl or kernel, a window that is not an int >= 1 or comes without causal masking.
     """
-    check_impl(impl)
+    check_impl(impl, TRITON_IMPLS)
     check_causal(causal)
     check_kernel(kernel)
     check_window(window, causal)
@@ -233,6 +236,11 @@ def scalar_attention(qs, ks, v, tau, *, causal: bool = True, impl: str = "auto",
     if impl == "naive":
         w = torch.softmax(scalar_logits(qs, ks, tau, causal, kernel, window, n_prefix), dim=-1)  # (B, H, Tq, Tk)
         return (w @ expand_heads(v, H).to(w.dtype)).to(v.dtype)  # (B, H, Tq, Dv)
+    if _use_triton(impl, qs.device, window):
+        from .scalar_triton import triton_scalar_attention
+
+        return triton_scalar_attention(None, None, v, qs, ks, _tau(tau, B, H, T, torch.float32, qs.device), None,
+                                       kernel, causal)
     if kernel != "gaussian" or _banded(window, causal, ks.shape[2], n_prefix):
         from .kernel import chunked_kernel_attention
 
@@ -246,6 +254,7 @@ def scalar_attention(qs, ks, v, tau, *, causal: bool = True, impl: str = "auto",
     return fused_attention(qa, ka, v.to(cdt), causal=causal, window=window, n_prefix=n_prefix).to(v.dtype)
 
 
+@without_autocast
 def hybrid_attention(q, k, v, qs, ks, tau, *, causal: bool = True, impl: str = "auto",
                      scalar_scale=None, kernel: str = "gaussian", window: int | None = None,
                      n_prefix: int = 0) -> torch.Tensor:
@@ -265,7 +274,7 @@ def hybrid_attention(q, k, v, qs, ks, tau, *, causal: bool = True, impl: str = "
             masking needs Tq <= Tk.
         impl: ``"naive"`` materialises the (Tq, Tk) logits; ``"fast"`` and ``"auto"`` run one
             fused SDPA call on [q / sqrt(d), q'] . [k, k'] with the shifted scalar parts of the
-            module docstring.
+            module docstring; ``"triton"`` the fused Triton kernel, as `scalar_attention` says.
         scalar_scale: lam >= 0 scaling the scalar term, a float or an (H,) tensor; None for
             lam = 1. At lam = 0 this is exactly standard attention, and the gradient of lam is
             not zero there (docs/retrofit.md: the hybrid's silent start).
@@ -285,7 +294,7 @@ def hybrid_attention(q, k, v, qs, ks, tau, *, causal: bool = True, impl: str = "
             tau <= 0, a scalar_scale that is negative, not finite or not (H,), an unknown impl
             or kernel, or a bad window (as `scalar_attention`).
     """
-    check_impl(impl)
+    check_impl(impl, TRITON_IMPLS)
     check_causal(causal)
     check_kernel(kernel)
     check_window(window, causal)
@@ -300,6 +309,12 @@ def hybrid_attention(q, k, v, qs, ks, tau, *, causal: bool = True, impl: str = "
     if impl == "naive":
         w = torch.softmax(hybrid_logits(q, k, qs, ks, tau, causal, scalar_scale, kernel, window, n_prefix), dim=-1)
         return (w @ expand_heads(v, H).to(w.dtype)).to(v.dtype)  # (B, H, Tq, Dv)
+    if _use_triton(impl, q.device, window):
+        from .scalar_triton import triton_scalar_attention
+
+        lam = None if scalar_scale is None else _scalar_scale(scalar_scale, H, torch.float32, q.device)
+        return triton_scalar_attention(q, k, v, qs, ks, _tau(tau, B, H, T, torch.float32, q.device), lam, kernel,
+                                       causal)
     if kernel != "gaussian" or _banded(window, causal, k.shape[2], n_prefix):
         from .kernel import chunked_kernel_attention
 
@@ -319,6 +334,29 @@ def hybrid_attention(q, k, v, qs, ks, tau, *, causal: bool = True, impl: str = "
     ka = torch.cat([expand_heads(k, G).to(cdt), ka], dim=-1)  # (B, G, T, D + 2H/G)
     return fused_attention(qa, ka, expand_heads(v, G).to(cdt), causal=causal, window=window,
                            n_prefix=n_prefix).to(v.dtype)
+
+
+def triton_missing(device: torch.device) -> str | None:
+    """Why the Triton kernel cannot run on `device` (None when it can)."""
+    try:
+        from .scalar_triton import available
+    except ImportError:
+        return "Triton is not installed (pip install triton; it comes with torch's CUDA builds)"
+    return available(device)
+
+
+def _use_triton(impl: str, device: torch.device, window) -> bool:
+    """impl="triton" (checked: a clear error where it cannot run), or "auto" on CUDA with Triton there.
+    A sliding window keeps the banded path (`kernel.chunked_kernel_attention`), which the kernel lacks."""
+    if impl == "triton":
+        if window is not None:
+            raise ValueError(f"window must be None with impl='triton' (the kernel has no sliding window; "
+                             f"impl='auto' runs it banded), got {window!r}")
+        reason = triton_missing(device)
+        if reason is not None:
+            raise ValueError(f"impl='triton' cannot run: {reason}")
+        return True
+    return impl == "auto" and device.type == "cuda" and window is None and triton_missing(device) is None
 
 
 def _banded(window, causal: bool, Tk: int, n_prefix: int) -> bool:

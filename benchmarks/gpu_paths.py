@@ -1,0 +1,124 @@
+"""The attention paths `benchmarks/gpu.py` checks and times on a GPU, each built from one set of inputs.
+
+A path is (name, what it computes, make(B, H, T, D, dtype, device) -> dict of leaf tensors, run(impl, t)
+-> output). `run` takes the impl to use ("naive" gives the float64 reference of the same formula),
+so every fast path is compared with its own naive op on the same inputs.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+
+from attnlab.ops import goat_attention, hybrid_attention, scalar_attention, windowed_attention
+
+PARAMS = ("tau", "lam", "freqs", "lam_sym", "lam_asym", "u")  # kept in float32 whatever the inputs' dtype
+
+
+def _inputs(B, H, T, D, dtype, device, *, scalar=True, dot=True, goat=False, seed=0):
+    g = torch.Generator(device="cpu").manual_seed(seed)
+    r = lambda *s: torch.randn(*s, generator=g)  # noqa: E731
+    t = {"v": r(B, H, T, D).to(device, dtype)}
+    if dot:
+        t["q"] = r(B, H, T, D).to(device, dtype)
+        t["k"] = r(B, H, T, D).to(device, dtype)
+    if scalar:
+        t["qs"] = r(B, H, T).to(device, dtype)
+        t["ks"] = r(B, H, T).to(device, dtype)
+        t["tau"] = (0.5 + torch.rand(H, generator=g)).to(device)
+    if dot and scalar:
+        t["lam"] = (0.5 + torch.rand(H, generator=g)).to(device)
+    if goat:
+        R = 8
+        t["freqs"] = torch.logspace(-3, 0, R).to(device)  # fixed frequencies, no gradient
+        t["lam_sym"] = (0.1 * r(H, R)).to(device)
+        t["lam_asym"] = (0.1 * r(H, R)).to(device)
+        t["u"] = (0.1 * r(1, H, T)).to(device)
+    return t
+
+
+def _flash(impl, t):
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    if impl == "naive":  # the formula, T x T, for the reference
+        q, k, v = t["q"], t["k"], t["v"]
+        s = (q @ k.transpose(-1, -2)) / math.sqrt(q.shape[-1])
+        T = q.shape[2]
+        s = s.masked_fill(torch.ones(T, T, dtype=torch.bool, device=q.device).triu(1), float("-inf"))
+        return torch.softmax(s, -1) @ v
+    backends = [SDPBackend.FLASH_ATTENTION] if t["q"].dtype != torch.float32 else [SDPBackend.EFFICIENT_ATTENTION]
+    with sdpa_kernel(backends):
+        return F.scaled_dot_product_attention(t["q"], t["k"], t["v"], is_causal=True)
+
+
+def _scalar(kernel):
+    return lambda impl, t: scalar_attention(t["qs"], t["ks"], t["v"], t["tau"], impl=impl, kernel=kernel)
+
+
+def _hybrid(kernel):
+    return lambda impl, t: hybrid_attention(t["q"], t["k"], t["v"], t["qs"], t["ks"], t["tau"], impl=impl,
+                                            kernel=kernel, scalar_scale=t["lam"])
+
+
+def _goat(impl, t):
+    return goat_attention(t["q"], t["k"], t["v"], t["freqs"], t["lam_sym"], t["lam_asym"], t["u"], impl=impl)
+
+
+def _window(kernel):
+    """Training through the window: k = 16 scalar-nearest older keys + the last 32 (configs/windowed.toml)."""
+    return lambda impl, t: windowed_attention(t["qs"], t["ks"], t["v"], t["tau"], 16, q=t["q"], k=t["k"], local=32,
+                                              impl=impl, kernel=kernel, scalar_scale=t["lam"])
+
+
+def _fix(impl, fn):
+    """A path pinned to one impl for its fast run (its reference stays "naive")."""
+    return lambda i, t: fn("naive" if i == "naive" else impl, t)
+
+
+# name -> (run, inputs, largest T timed: slower baselines stop early)
+PATHS = {
+    "sdpa-flash": (_flash, dict(scalar=False), None),
+    "scalar-gaussian/triton": (_fix("triton", _scalar("gaussian")), dict(dot=False), None),
+    "scalar-cauchy/triton": (_fix("triton", _scalar("cauchy")), dict(dot=False), None),
+    "hybrid-gaussian/triton": (_fix("triton", _hybrid("gaussian")), {}, None),
+    "hybrid-cauchy/triton": (_fix("triton", _hybrid("cauchy")), {}, None),
+    "scalar-gaussian/sdpa": (_fix("fast", _scalar("gaussian")), dict(dot=False), None),
+    "hybrid-gaussian/sdpa": (_fix("fast", _hybrid("gaussian")), {}, None),
+    "hybrid-cauchy/chunked": (_fix("fast", _hybrid("cauchy")), {}, 8192),
+    "goat/sdpa": (_fix("fast", _goat), dict(scalar=False, goat=True), None),
+    "hybrid-cauchy-window16+32/selected": (_fix("fast", _window("cauchy")), {}, 8192),
+    "hybrid-gaussian-window16+32/selected": (_fix("fast", _window("gaussian")), {}, 8192),
+}
+
+
+def make(name, B, H, T, D, dtype, device, seed=0):
+    """Leaf tensors (requiring grad where the op takes one) for path `name`."""
+    run, kw, _ = PATHS[name]
+    t = _inputs(B, H, T, D, dtype, device, seed=seed, **kw)
+    for n, x in t.items():
+        if n != "freqs":
+            x.requires_grad_(True)
+    return t
+
+
+def as_reference(t: dict) -> dict:
+    """The same inputs in float64 (after their rounding to the run's dtype), as fresh leaves."""
+    return {n: x.detach().double().requires_grad_(n != "freqs") for n, x in t.items()}
+
+
+def fwd_bwd(name, impl, t, dout=None):
+    """Output and the gradients of every leaf that takes one, for <out, dout> (dout: a fixed draw)."""
+    run = PATHS[name][0]
+    out = run(impl, t)
+    if dout is None:
+        dout = torch.randn(out.shape, generator=torch.Generator().manual_seed(1)).to(out.device, out.dtype)
+    leaves = [x for x in t.values() if x.requires_grad]
+    grads = torch.autograd.grad(out, leaves, dout.to(out.dtype))
+    return out, dict(zip([n for n, x in t.items() if x.requires_grad], grads)), dout
+
+
+def rel_err(a, b) -> float:
+    a, b = a.detach().double(), b.detach().double()
+    return float((a - b).norm() / max(float(b.norm()), 1e-2 * b.numel() ** 0.5))

@@ -1,0 +1,191 @@
+"""The scalar family's Triton kernel (attnlab.ops.scalar_triton) against the naive op in float64:
+outputs and every gradient (q, k, v, qs, ks, tau, the gain), both kernels, scalar and hybrid heads,
+awkward shapes, GQA, decode offsets, ties and far-off scalar keys. On the CPU the kernel runs in
+Triton's interpreter (tests/conftest.py sets TRITON_INTERPRET=1), so shapes stay small; the `cuda`
+tests run the same checks at GPU shapes on the GPU machine (benchmarks/gpu.py)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from attnlab.ops import hybrid_attention, scalar_attention
+
+triton = pytest.importorskip("triton")
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+DEV = "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
+    """||a - b|| / ||b||, with a floor of 0.01 per element's RMS for gradients that are exactly zero
+    (one visible key: float32 rounding leaves ~1e-7 there)."""
+    a, b = a.detach().double().cpu(), b.detach().double().cpu()
+    return float((a - b).norm() / max(float(b.norm()), 1e-2 * b.numel() ** 0.5))
+
+
+def make(B, H, G, Tq, Tk, D, Dv, *, hybrid: bool, per_query_tau=False, spread=1.0, center=0.0, ties=False):
+    g = torch.Generator().manual_seed(Tq * 131 + Tk * 7 + D)
+    r = lambda *s: torch.randn(*s, generator=g, dtype=torch.float64)  # noqa: E731
+    ks = center + spread * r(B, H, Tk)
+    if ties:
+        ks = ks.round()  # many equal scalar keys
+    qs = center + spread * r(B, H, Tq)
+    tau = (0.3 + torch.rand(B, H, Tq, generator=g, dtype=torch.float64)) if per_query_tau else \
+        (0.3 + torch.rand(H, generator=g, dtype=torch.float64))
+    ins = dict(v=r(B, G, Tk, Dv), qs=qs, ks=ks, tau=tau)
+    if hybrid:
+        ins.update(q=r(B, H, Tq, D), k=r(B, G, Tk, D), lam=0.5 + torch.rand(H, generator=g, dtype=torch.float64))
+    return ins
+
+
+def run(ins: dict, impl: str, kernel: str, causal: bool, dtype=torch.float64, dout_dtype=None):
+    """(output, grads by name) of the op at `impl`, inputs cast to dtype on DEV (tau, lam stay float32+);
+    the output's gradient is one fixed draw, rounded to dout_dtype (a 16-bit run's) if given."""
+    t = {n: x.to(DEV, dtype if n not in ("tau", "lam") else max(dtype, torch.float32, key=lambda d: d.itemsize))
+         .requires_grad_() for n, x in ins.items()}
+    if "q" in t:
+        out = hybrid_attention(t["q"], t["k"], t["v"], t["qs"], t["ks"], t["tau"], causal=causal, impl=impl,
+                               kernel=kernel, scalar_scale=t["lam"])
+    else:
+        out = scalar_attention(t["qs"], t["ks"], t["v"], t["tau"], causal=causal, impl=impl, kernel=kernel)
+    g = torch.Generator().manual_seed(5)
+    dout = torch.randn(out.shape, generator=g, dtype=torch.float64).to(dout_dtype or out.dtype).to(DEV, out.dtype)
+    grads = torch.autograd.grad(out, list(t.values()), dout)
+    return out, dict(zip(t, grads))
+
+
+# (B, H, G, Tq, Tk, D, Dv, causal): T = 1, T not a tile multiple, GQA, decode offsets, non-causal
+SHAPES = {
+    "T1": (1, 2, 2, 1, 1, 16, 16, True),
+    "T63-gqa": (1, 4, 2, 63, 63, 16, 24, True),
+    "T130-D64": (1, 2, 1, 130, 130, 64, 64, True),
+    "offset-5of70": (2, 2, 2, 5, 70, 16, 16, True),
+    "noncausal-33x20": (1, 2, 2, 33, 20, 32, 16, False),
+}
+
+
+@pytest.mark.parametrize("kernel", ["gaussian", "cauchy"])
+@pytest.mark.parametrize("shape", list(SHAPES), ids=list(SHAPES))
+def test_hybrid_kernel_matches_naive(shape, kernel):
+    B, H, G, Tq, Tk, D, Dv, causal = SHAPES[shape]
+    ins = make(B, H, G, Tq, Tk, D, Dv, hybrid=True, per_query_tau=shape == "offset-5of70")
+    ref, ref_g = run(ins, "naive", kernel, causal)
+    out, got = run(ins, "triton", kernel, causal, torch.float32)
+    assert out.dtype == torch.float32 and torch.isfinite(out).all()
+    assert rel_err(out, ref) < 1e-5
+    for name in ref_g:
+        assert rel_err(got[name], ref_g[name]) < 1e-4, name
+
+
+@pytest.mark.parametrize("kernel", ["gaussian", "cauchy"])
+@pytest.mark.parametrize("shape", ["T1", "T63-gqa", "noncausal-33x20"])
+def test_scalar_kernel_matches_naive(shape, kernel):
+    B, H, G, Tq, Tk, D, Dv, causal = SHAPES[shape]
+    ins = make(B, H, G, Tq, Tk, D, Dv, hybrid=False, ties=shape == "T63-gqa")
+    ref, ref_g = run(ins, "naive", kernel, causal)
+    out, got = run(ins, "triton", kernel, causal, torch.float32)
+    assert rel_err(out, ref) < 1e-5
+    for name in ref_g:
+        assert rel_err(got[name], ref_g[name]) < 1e-4, name
+
+
+def rounded(ins: dict, dtype) -> dict:
+    """The inputs as the kernel sees them in `dtype` (tau and the gain stay float32), back in float64:
+    the reference for a 16-bit run, so the error measured is the kernel's, not the inputs' rounding."""
+    return {n: x.float().double() if n in ("tau", "lam") else x.to(dtype).double() for n, x in ins.items()}
+
+
+@pytest.mark.parametrize("kernel", ["gaussian", "cauchy"])
+def test_far_scalar_keys_float32(kernel):
+    """Scalar keys near 300 with a spread of 0.5 and tau near 0.03: terms (qs - r)^2 / tau of the
+    augmented route reach 1e6 without its shift; the kernel forms qs - ks in float32 directly."""
+    ins = make(1, 2, 2, 40, 40, 32, 32, hybrid=True, spread=0.5, center=300.0)
+    ins["tau"] = ins["tau"] * 0.05
+    ref, ref_g = run(ins, "naive", kernel, True)
+    out, got = run(ins, "triton", kernel, True, torch.float32)
+    assert rel_err(out, ref) < 1e-4
+    for name in ref_g:
+        assert rel_err(got[name], ref_g[name]) < 1e-3, name
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
+@pytest.mark.parametrize("kernel", ["gaussian", "cauchy"])
+def test_16bit_inputs(kernel, dtype):
+    """16-bit q, k, v, qs, ks: products on the matrix units, sums and the scalar term in float32; within
+    1e-2 relative RMS of float64 on the same (rounded) inputs, outputs and every gradient."""
+    ins = make(1, 2, 2, 40, 40, 32, 32, hybrid=True, spread=0.5)
+    ref, ref_g = run(rounded(ins, dtype), "naive", kernel, True, dout_dtype=dtype)
+    out, got = run(ins, "triton", kernel, True, dtype)
+    assert out.dtype == dtype
+    assert rel_err(out, ref) < 1e-2
+    for name in ref_g:
+        assert rel_err(got[name], ref_g[name]) < 1e-2, name
+
+
+def test_auto_picks_triton_only_on_cuda():
+    """On the CPU "auto" keeps the fused SDPA route even with the interpreter on: equal to it exactly."""
+    ins = make(1, 2, 2, 9, 9, 16, 16, hybrid=True)
+    t = {n: x.float() for n, x in ins.items()}
+    a = hybrid_attention(t["q"], t["k"], t["v"], t["qs"], t["ks"], t["tau"], impl="auto", scalar_scale=t["lam"])
+    b = hybrid_attention(t["q"], t["k"], t["v"], t["qs"], t["ks"], t["tau"], impl="fast", scalar_scale=t["lam"])
+    if DEV == "cpu":
+        assert torch.equal(a, b)
+
+
+def test_triton_refuses_window_and_bad_impl():
+    qs, ks, v = torch.randn(1, 1, 4), torch.randn(1, 1, 4), torch.randn(1, 1, 4, 2)
+    with pytest.raises(ValueError, match="window must be None with impl='triton'"):
+        scalar_attention(qs, ks, v, 1.0, impl="triton", window=2)
+    with pytest.raises(ValueError, match="impl must be one of"):
+        scalar_attention(qs, ks, v, 1.0, impl="tritonn")
+    with pytest.raises(ValueError, match="NaN or inf|finite"):
+        scalar_attention(qs, ks.index_fill(2, torch.tensor([1]), float("nan")), v, 1.0, impl="triton")
+
+
+def test_autocast_keeps_the_ops_precision():
+    """Under bf16 autocast the op computes as it does on bf16 inputs without autocast (its own
+    policy: float32 scores), not with the float32 operands it builds cast back to bf16."""
+    ins = make(1, 2, 2, 33, 33, 16, 16, hybrid=True, spread=0.5, center=20.0)
+    t = {n: x.to(torch.bfloat16) if n not in ("tau", "lam") else x.float() for n, x in ins.items()}
+    args = (t["q"], t["k"], t["v"], t["qs"], t["ks"], t["tau"])
+    plain = hybrid_attention(*args, scalar_scale=t["lam"], impl="fast")
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        under = hybrid_attention(*args, scalar_scale=t["lam"], impl="fast")
+    assert torch.equal(plain, under)
+
+
+def test_sdpa_width_pads_to_eight_exactly():
+    """The fused route pads its head width to a multiple of 8 on CUDA; zero columns change nothing."""
+    from attnlab.ops._sdpa import fused_attention, sdpa_width
+
+    assert sdpa_width(66, torch.device("cuda")) == 72 and sdpa_width(66, torch.device("cpu")) == 66
+    q, k, v = torch.randn(1, 2, 20, 66), torch.randn(1, 2, 20, 66), torch.randn(1, 2, 20, 64)
+    a = fused_attention(q, k, v, causal=True)
+    b = fused_attention(q, k, v, causal=True, width=72)
+    torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("kernel", ["gaussian", "cauchy"])
+def test_cuda_kernel_matches_float64_at_gpu_shapes(kernel):
+    ins = make(2, 4, 2, 1000, 1000, 64, 64, hybrid=True)
+    for dtype, tol in ((torch.float32, 1e-3), (torch.bfloat16, 1e-2)):
+        ref, ref_g = run(rounded(ins, dtype), "naive", kernel, True, dout_dtype=dtype)
+        out, got = run(ins, "triton", kernel, True, dtype)
+        assert rel_err(out, ref) < tol
+        for name in ref_g:
+            assert rel_err(got[name], ref_g[name]) < 2 * tol, (dtype, name)
+
+
+@pytest.mark.cuda
+def test_cuda_fused_route_never_uses_the_math_backend():
+    """impl="fast" (Gaussian, the augmented SDPA route) runs with SDPA's math backend forbidden."""
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    ins = make(2, 4, 2, 256, 256, 64, 64, hybrid=True)
+    for dtype in (torch.float32, torch.bfloat16):
+        with sdpa_kernel([SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.CUDNN_ATTENTION]):
+            out, grads = run(ins, "fast", "gaussian", True, dtype)
+        assert torch.isfinite(out).all() and all(torch.isfinite(g).all() for g in grads.values())
