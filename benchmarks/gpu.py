@@ -82,8 +82,9 @@ def timed(fn, reps: int) -> list[float]:
     return times
 
 
-def speed(names, T: int, device, rounds: int, reps: int, budget_s: float) -> dict:
-    """name -> (median ms, peak bytes above the inputs) of forward + backward in bf16, interleaved."""
+def speed(names, T: int, device, rounds: int, reps: int, budget_s: float, backward: bool = True) -> dict:
+    """name -> (median ms, peak bytes above the inputs) of forward + backward (or the forward alone) in
+    bf16, interleaved rounds; a path slower than 200 ms a step gets 2 repetitions a round."""
     B, H, D = 4, 16, 64
     steps, peaks, times = {}, {}, {n: [] for n in names}
     for name in names:
@@ -92,6 +93,9 @@ def speed(names, T: int, device, rounds: int, reps: int, budget_s: float) -> dic
         leaves = [x for x in t.values() if x.requires_grad]
 
         def step(name=name, t=t, dout=dout, leaves=leaves):
+            if not backward:
+                with torch.no_grad():
+                    return PATHS[name][0]("fast", t)
             out = PATHS[name][0]("fast", t)
             torch.autograd.grad(out, leaves, dout)
 
@@ -107,13 +111,13 @@ def speed(names, T: int, device, rounds: int, reps: int, budget_s: float) -> dic
             peaks[name] = torch.cuda.max_memory_allocated() - base
             if time.time() - t0 > budget_s:
                 raise TimeoutError(f"one step took {time.time() - t0:.1f} s")
-            steps[name] = step
+            steps[name] = (step, 2 if time.time() - t0 > 0.4 else reps)
         except Exception as e:  # noqa: BLE001 - the row records what failed
             print(f"  {name} T={T}: {type(e).__name__}: {str(e)[:200]}", flush=True)
             times[name] = repr(e)[:300]
     for _ in range(rounds):  # interleaved rounds: drift hits every path alike
-        for name, step in steps.items():
-            times[name] += timed(step, reps)
+        for name, (step, n) in steps.items():
+            times[name] += timed(step, n)
     return {n: (statistics.median(v) if isinstance(v, list) and v else v, peaks.get(n)) for n, v in times.items()}
 
 
@@ -129,15 +133,24 @@ def tune(doc: dict, device, T: int) -> None:
     name = "hybrid-cauchy/triton"
     res = {}
     for part, tiles in (("fwd", FWD_TILES), ("bwd", BWD_TILES)):
-        for tile in tiles:
+        for tile in tiles:  # the forward's tiles timed on the forward alone
             scalar_triton.BLOCKS[part] = tile
-            ms = speed([name], T, device, rounds=1, reps=5, budget_s=20.0)[name][0]
+            ms = speed([name], T, device, rounds=1, reps=5, budget_s=20.0, backward=part == "bwd")[name][0]
             res[part, tile] = ms
             print(f"  tune {part} {tile}: {ms if isinstance(ms, str) else round(ms, 3)}", flush=True)
         ok = {t: ms for (p, t), ms in res.items() if p == part and isinstance(ms, float)}
         scalar_triton.BLOCKS[part] = min(ok, key=ok.get) if ok else scalar_triton._blocks(device, 64, 64)[part]
     doc["tuning"] = {"path": name, "T": T, "chosen": {k: list(v) for k, v in scalar_triton.BLOCKS.items()},
-                     "ms": [{"kernel": p, "tiles": list(t), "ms": ms} for (p, t), ms in res.items()]}
+                     "ms": [{"kernel": p, "tiles": list(t), "ms": ms, "what": "forward" if p == "fwd" else
+                             "forward + backward"} for (p, t), ms in res.items()]}
+    dots = {}
+    for flag in (False, True, False):  # scalar heads with and without the dot-product kernel's layout
+        scalar_triton.SCALAR_DOT = flag
+        ms = speed(["scalar-gaussian/triton"], T, device, rounds=1, reps=5, budget_s=20.0)["scalar-gaussian/triton"][0]
+        dots.setdefault(str(flag), []).append(ms)
+    scalar_triton.SCALAR_DOT = False
+    doc["tuning"]["scalar_dot_ms"] = dots
+    print(f"  scalar heads via the dot kernel: {dots}", flush=True)
     for check in ("hybrid-cauchy/triton", "hybrid-gaussian/triton", "scalar-cauchy/triton"):
         e, eg, worst = errors(check, torch.bfloat16, 1000, device)
         doc["tuning"].setdefault("errors_bf16", []).append({"path": check, "rel_err": e, "rel_err_grad": eg})
@@ -148,7 +161,7 @@ def tune(doc: dict, device, T: int) -> None:
             break
 
 
-def models(doc: dict, device, deadline: float) -> None:
+def models(doc: dict, device, deadline: float, only: set) -> None:
     from attnlab.models.config import ModelConfig
     from attnlab.models.lm import LM
     from attnlab.layers.mechanisms import REGISTRY
@@ -158,6 +171,8 @@ def models(doc: dict, device, deadline: float) -> None:
     settings["hybrid (configs/windowed.toml)"] = dict(attn="hybrid", attention=dict(
         train_window=16, local_window=32, kernel="cauchy"))
     for label, kw in settings.items():
+        if only and label.split(" ")[0] not in only:
+            continue
         if time.time() > deadline:
             out.append({"model": label, "error": "skipped: out of time"})
             continue
@@ -211,6 +226,61 @@ def train(doc: dict, deadline: float) -> None:
         out.append(row)
 
 
+def keep(doc: dict, old: dict) -> None:
+    """Carry over an earlier run's rows, errors and models for what this run did not measure, each
+    marked with the earlier command (its ratios are to that run's flash timing)."""
+    have = {(r["path"], r["T"]) for r in doc["rows"]}
+    erred = {(e["path"], e["dtype"]) for e in doc.get("errors", [])}
+    mark = {"from": old.get("command", "an earlier run")}
+    doc["rows"] += [{**r, **mark} for r in old.get("rows", []) if (r["path"], r["T"]) not in have]
+    doc.setdefault("errors", []).extend({**e, **mark} for e in old.get("errors", []) if (e["path"], e["dtype"]) not in erred)
+    ran = {m["model"] for m in doc.get("models", [])}
+    doc.setdefault("models", []).extend({**m, **mark} for m in old.get("models", []) if m["model"] not in ran)
+
+
+def error_rows(doc: dict, errs: dict, names, T: int, dev) -> None:
+    for name in names:
+        for dn, dt in DTYPES.items():
+            try:
+                errs[name, dn] = errors(name, dt, T, dev)
+                print(f"  err {name} {dn}: out {errs[name, dn][0]:.2e} grad {errs[name, dn][1]:.2e} "
+                      f"({errs[name, dn][2]})", flush=True)
+            except Exception as ex:  # noqa: BLE001
+                errs[name, dn] = (None, None, f"{type(ex).__name__}: {str(ex)[:200]}")
+                print(f"  err {name} {dn}: {errs[name, dn][2]}", flush=True)
+            torch.cuda.empty_cache()
+    doc["errors"] = [{"path": n, "dtype": d, "T": T, "rel_err": v[0], "rel_err_grad": v[1], "worst": v[2]}
+                     for (n, d), v in errs.items()]
+
+
+def speed_rows(doc: dict, errs: dict, names, lengths, a, dev, deadline: float) -> None:
+    for T in lengths:
+        if time.time() > deadline - 60:
+            print(f"speed T={T}: skipped (out of time)", flush=True)
+            doc.setdefault("skipped", []).append(f"speed T={T}")
+            break
+        todo = [n for n in names if PATHS[n][2] is None or T <= PATHS[n][2]]
+        res = speed(todo, T, dev, a.rounds, a.reps, budget_s=20.0)
+        fwd_only = speed([n for n in todo if n == "sdpa-flash" or n.endswith("/triton")], T, dev, a.rounds,
+                         a.reps, budget_s=20.0, backward=False)
+        flash = res.get("sdpa-flash", (None,))[0]
+        for name, (ms, peak) in res.items():
+            e = errs.get((name, "bfloat16"), (None, None, None))
+            ok = isinstance(ms, float)
+            row = {"path": name, "dtype": "bfloat16", "T": T, "ms": ms if ok else None,
+                   "ratio_to_flash": ms / flash if ok and isinstance(flash, float) else None,
+                   "peak_bytes": peak, "rel_err": e[0], "rel_err_grad": e[1], "err_T": a.err_T}
+            if not ok:
+                row["error"] = ms
+            if name in fwd_only and isinstance(fwd_only[name][0], float):
+                row["fwd_ms"] = fwd_only[name][0]
+            doc["rows"].append(row)
+            print(f"  T={T} {name}: " + (f"{ms:.3f} ms, x{row['ratio_to_flash'] or 0:.3f}, fwd {row.get('fwd_ms')}, "
+                                         f"peak {(peak or 0) / 2**20:.0f} MiB" if ok else str(ms)), flush=True)
+        save(Path(a.out), doc)
+        torch.cuda.empty_cache()
+
+
 def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", default=str(HERE / "results" / "gpu.json"))
@@ -221,6 +291,9 @@ def main(argv=None) -> None:
     ap.add_argument("--paths", default=",".join(PATHS))
     ap.add_argument("--minutes", type=float, default=7.0, help="stop starting new work after this long")
     ap.add_argument("--skip", default="", help="parts to skip: tests,errors,tune,speed,models,train")
+    ap.add_argument("--models", default="", help="mechanisms of the models part (default: every one)")
+    ap.add_argument("--keep-from", default="", help="an earlier gpu.json whose rows of paths not run now are kept "
+                    "(marked with its command), and its models where not run now")
     a = ap.parse_args(argv)
     if not torch.cuda.is_available():
         raise SystemExit("benchmarks/gpu.py needs a CUDA GPU")
@@ -237,54 +310,33 @@ def main(argv=None) -> None:
            "shape": {"B": 4, "H": 16, "D": 64, "dtype": "bfloat16", "what": "forward + backward"},
            "err_T": a.err_T, "rows": []}
     skip = set(a.skip.split(","))
-    if "tests" not in skip:
-        run_cuda_tests(doc, timeout=150)
+    errs: dict = {}
+    parts = {
+        "tests": lambda: run_cuda_tests(doc, timeout=150),
+        "errors": lambda: error_rows(doc, errs, names, a.err_T, dev),
+        "tune": lambda: tune(doc, dev, 8192),
+        "speed": lambda: speed_rows(doc, errs, names, [int(x) for x in a.T.split(",")], a, dev, deadline),
+        "models": lambda: models(doc, dev, deadline, {m for m in a.models.split(",") if m}),
+        "train": lambda: train(doc, deadline),
+    }
+    for part, fn in parts.items():
+        if part in skip:
+            continue
+        if part in ("models", "train") and time.time() > deadline - 30:
+            doc.setdefault("skipped", []).append(part)
+            continue
+        try:
+            fn()
+        except Exception as e:  # noqa: BLE001 - a part that fails is recorded; the others still run
+            import traceback
+
+            doc.setdefault("failures", {})[part] = traceback.format_exc()[-2000:]
+            print(f"part {part} failed: {type(e).__name__}: {e}", flush=True)
         save(out, doc)
-    errs = {}
-    if "errors" not in skip:
-        for name in names:
-            for dn, dt in DTYPES.items():
-                try:
-                    e, eg, worst = errors(name, dt, a.err_T, dev)
-                    errs[name, dn] = (e, eg, worst)
-                    print(f"  err {name} {dn}: out {e:.2e} grad {eg:.2e} ({worst})", flush=True)
-                except Exception as ex:  # noqa: BLE001
-                    errs[name, dn] = (None, None, f"{type(ex).__name__}: {str(ex)[:200]}")
-                    print(f"  err {name} {dn}: {errs[name, dn][2]}", flush=True)
-                torch.cuda.empty_cache()
-        doc["errors"] = [{"path": n, "dtype": d, "T": a.err_T, "rel_err": v[0], "rel_err_grad": v[1], "worst": v[2]}
-                         for (n, d), v in errs.items()]
-        save(out, doc)
-    if "tune" not in skip:
-        tune(doc, dev, 8192)
-        save(out, doc)
-    if "speed" not in skip:
-        for T in (int(x) for x in a.T.split(",")):
-            if time.time() > deadline - 60:
-                print(f"speed T={T}: skipped (out of time)", flush=True)
-                break
-            todo = [n for n in names if PATHS[n][2] is None or T <= PATHS[n][2]]
-            res = speed(todo, T, dev, a.rounds, a.reps, budget_s=20.0)
-            flash = res.get("sdpa-flash", (None,))[0]
-            for name, (ms, peak) in res.items():
-                e = errs.get((name, "bfloat16"), (None, None, None))
-                row = {"path": name, "dtype": "bfloat16", "T": T, "ms": ms if isinstance(ms, float) else None,
-                       "ratio_to_flash": ms / flash if isinstance(ms, float) and isinstance(flash, float) else None,
-                       "peak_bytes": peak, "rel_err": e[0], "rel_err_grad": e[1], "err_T": a.err_T}
-                if not isinstance(ms, float):
-                    row["error"] = ms
-                doc["rows"].append(row)
-                print(f"  T={T} {name}: {row['ms'] and round(row['ms'], 3)} ms, x{row['ratio_to_flash'] and round(row['ratio_to_flash'], 3)}"
-                      f", peak {peak and peak / 2**20:.0f} MiB" if peak else f"  T={T} {name}: {row.get('error')}", flush=True)
-            save(out, doc)
-            torch.cuda.empty_cache()
-    if "models" not in skip and time.time() < deadline - 30:
-        models(doc, dev, deadline)
-        save(out, doc)
-    if "train" not in skip and time.time() < deadline - 30:
-        train(doc, deadline)
-        save(out, doc)
+        torch.cuda.empty_cache()
     doc["seconds"] = round(time.time() - start, 1)
+    if a.keep_from:
+        keep(doc, json.loads(Path(a.keep_from).read_text()))
     save(out, doc)
     print(f"wrote {out} in {doc['seconds']} s")
 

@@ -23,3 +23,15 @@ pytestmark = pytest.mark.usefixtures("one_thread")
 def test_path_runs_and_matches_its_reference(name):
     e, eg, worst = gpu.errors(name, torch.float32, 40, torch.device("cpu"), H=2, D=16)
     assert e < 1e-4 and eg < 1e-3, (e, eg, worst)
+
+
+def test_keep_carries_only_what_was_not_run_again():
+    old = {"command": "python benchmarks/gpu.py", "rows": [{"path": "a", "T": 1, "ms": 1.0}, {"path": "b", "T": 1, "ms": 2.0}],
+           "errors": [{"path": "a", "dtype": "bfloat16"}, {"path": "b", "dtype": "bfloat16"}],
+           "models": [{"model": "ssd", "ms": 1.0}, {"model": "gla", "ms": 2.0}]}
+    doc = {"rows": [{"path": "a", "T": 1, "ms": 0.5}], "errors": [{"path": "a", "dtype": "bfloat16"}],
+           "models": [{"model": "ssd", "ms": 0.7}]}
+    gpu.keep(doc, old)
+    assert [(r["path"], r["ms"], r.get("from")) for r in doc["rows"]] == [("a", 0.5, None), ("b", 2.0, old["command"])]
+    assert [e["path"] for e in doc["errors"]] == ["a", "b"] and doc["errors"][1]["from"] == old["command"]
+    assert [(m["model"], m["ms"]) for m in doc["models"]] == [("ssd", 0.7), ("gla", 2.0)]

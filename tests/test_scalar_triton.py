@@ -63,6 +63,8 @@ SHAPES = {
     "T130-D64": (1, 2, 1, 130, 130, 64, 64, True),
     "offset-5of70": (2, 2, 2, 5, 70, 16, 16, True),
     "noncausal-33x20": (1, 2, 2, 33, 20, 32, 16, False),
+    "noncausal-40x70": (1, 2, 1, 40, 70, 16, 16, False),
+    "offset-40of100": (1, 2, 2, 40, 100, 16, 16, True),
 }
 
 
@@ -122,6 +124,19 @@ def test_16bit_inputs(kernel, dtype):
     assert rel_err(out, ref) < 1e-2
     for name in ref_g:
         assert rel_err(got[name], ref_g[name]) < 1e-2, name
+
+
+def test_scalar_heads_through_the_dot_kernel(monkeypatch):
+    """SCALAR_DOT (scalar heads run by the dot-product kernel on zero vectors) computes the same."""
+    from attnlab.ops import scalar_triton
+
+    ins = make(1, 2, 1, 40, 70, 16, 16, hybrid=False)
+    ref, ref_g = run(ins, "naive", "cauchy", True)
+    monkeypatch.setattr(scalar_triton, "SCALAR_DOT", True)
+    out, got = run(ins, "triton", "cauchy", True, torch.float32)
+    assert rel_err(out, ref) < 1e-5
+    for name in ref_g:
+        assert rel_err(got[name], ref_g[name]) < 1e-4, name
 
 
 def test_auto_picks_triton_only_on_cuda():

@@ -115,6 +115,10 @@ def fused_attention(
     if Dv < width:
         v = F.pad(v, (0, width - Dv))
     Tq, Tk = q.shape[2], k.shape[2]
+    masked = Tq != Tk or (causal and window is not None)
+    if q.is_cuda and k.shape[1] != H and (masked or q.dtype not in LOW_PRECISION):
+        # only flash (16-bit, no mask) takes enable_gqa on CUDA; memory-efficient and cuDNN need every head
+        k, v = expand_heads(k, H), expand_heads(v, H)
     gqa = k.shape[1] != H
     if causal and window is not None and window < Tk - n_prefix:  # some key lies outside some window
         outs = []

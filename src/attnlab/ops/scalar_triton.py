@@ -33,6 +33,8 @@ import triton.language as tl
 __all__ = ["available", "triton_scalar_attention"]
 
 GAUSSIAN, CAUCHY = 0, 1
+LOG2E: tl.constexpr = tl.constexpr(1.4426950408889634)  # the kernels keep scores and log-sum-exps in base 2
+LN2: tl.constexpr = tl.constexpr(0.6931471805599453)
 
 
 def interpreted() -> bool:
@@ -78,23 +80,71 @@ def _mm(a, b, PREC: tl.constexpr, UP: tl.constexpr):
 
 
 @triton.jit
-def _scores(q, k, qs, ks, tau, lam, offs_m, offs_n, Tq, Tk, off, sm_scale,
-            HAS_DOT: tl.constexpr, KERNEL: tl.constexpr, CAUSAL: tl.constexpr, PREC: tl.constexpr, UP: tl.constexpr):
-    """(BLOCK_M, BLOCK_N) scores, -inf where hidden, and the pieces the backward needs."""
+def _scores(q, k, qs, ks, tau, lam, offs_m, offs_n, Tk, off, sm_scale, HAS_DOT: tl.constexpr,
+            KERNEL: tl.constexpr, CAUSAL: tl.constexpr, MASK: tl.constexpr, PREC: tl.constexpr, UP: tl.constexpr):
+    """(BLOCK_M, BLOCK_N) scores in base 2 (the score times log2(e), so exp2 takes them; -inf where
+    hidden, if MASK: tiles wholly visible skip the mask) and the pieces the backward needs: d = qs - ks,
+    x = d^2 / tau and l1 = log2(1 + x) (Cauchy; x again for the Gaussian)."""
     d = qs[:, None] - ks[None, :]
     x = d * d * tau[:, None]  # tau holds 1 / tau_t: a product per entry, not a division
     if KERNEL == 0:
-        term = -x
+        l1 = x
+        s = -(lam * LOG2E)[:, None] * x  # -lam x log2(e)
     else:
-        term = -tl.log(1.0 + x)
-    s = lam[:, None] * term
+        l1 = tl.log2(1.0 + x)
+        s = -lam[:, None] * l1  # -lam ln(1 + x) log2(e)
     if HAS_DOT:
-        s += _mm(q, tl.trans(k), PREC, UP) * sm_scale
-    ok = (offs_m[:, None] < Tq) & (offs_n[None, :] < Tk)
+        s += _mm(q, tl.trans(k), PREC, UP) * (sm_scale * LOG2E)
+    if MASK:
+        ok = offs_n[None, :] < Tk
+        if CAUSAL:
+            ok = ok & (offs_n[None, :] <= offs_m[:, None] + off)
+        s = tl.where(ok, s, float("-inf"))
+    return s, d, x, l1
+
+
+@triton.jit
+def _visible_tiles(m0, Tk, off, BLOCK_N: tl.constexpr, CAUSAL: tl.constexpr):
+    """The end of the key tiles [0, full) that every query row from m0 on sees whole (no mask needed)."""
+    full = Tk // BLOCK_N * BLOCK_N
     if CAUSAL:
-        ok = ok & (offs_n[None, :] <= offs_m[:, None] + off)
-    s = tl.where(ok, s, float("-inf"))
-    return s, ok, d, x, term
+        diag = (m0 + off + 1) // BLOCK_N * BLOCK_N  # key tiles wholly at or before row m0's position
+        if diag < full:
+            full = diag
+    return full
+
+
+@triton.jit
+def _load_rows(X, base, offs, n_ok, offs_d, D: tl.constexpr, LOAD: tl.constexpr, BLOCK_D: tl.constexpr,
+               dtype: tl.constexpr):
+    """(len(offs), BLOCK_D) rows base + offs of a row-major (.., D) tensor, zeros where absent."""
+    if LOAD:
+        return tl.load(X + (base + offs[:, None]) * D + offs_d[None, :], mask=n_ok[:, None] & (offs_d[None, :] < D),
+                       other=0.0)
+    return tl.zeros((offs.shape[0], BLOCK_D), dtype=dtype)
+
+
+@triton.jit
+def _fwd_tile(acc, m_i, l_i, q, qs, tau, lam, K, V, KS, kbase, vbase, krow, start_n, offs_m, offs_d, offs_dv,
+              Tk, off, sm_scale, D: tl.constexpr, DV: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr,
+              HAS_DOT: tl.constexpr, KERNEL: tl.constexpr, CAUSAL: tl.constexpr, MASK: tl.constexpr,
+              PREC: tl.constexpr, UP: tl.constexpr):
+    """One key tile of the online softmax: the running max m_i, sum l_i and output acc, updated."""
+    offs_n = start_n + tl.arange(0, BLOCK_N)
+    n_ok = offs_n < Tk
+    ks = tl.load(KS + krow + offs_n, mask=n_ok, other=0.0)
+    k = _load_rows(K, kbase, offs_n, n_ok, offs_d, D, HAS_DOT, BLOCK_D, K.dtype.element_ty)
+    s, d, x, l1 = _scores(q, k, qs, ks, tau, lam, offs_m, offs_n, Tk, off, sm_scale, HAS_DOT, KERNEL, CAUSAL,
+                          MASK, PREC, UP)
+    m_new = tl.maximum(m_i, tl.max(s, 1))
+    m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+    p = tl.exp2(s - m_safe[:, None])
+    alpha = tl.exp2(m_i - m_safe)
+    v = tl.load(V + (vbase + offs_n[:, None]) * DV + offs_dv[None, :], mask=n_ok[:, None] & (offs_dv[None, :] < DV),
+                other=0.0)
+    acc = acc * alpha[:, None] + _mm(p.to(v.dtype), v, PREC, UP)
+    return acc, m_new, l_i * alpha + tl.sum(p, 1)
+
 
 @triton.jit
 def _fwd(Q, K, V, QS, KS, TAU, LAM, O, LSE, Tq, Tk, H, GK, GV, sm_scale,
@@ -106,7 +156,8 @@ def _fwd(Q, K, V, QS, KS, TAU, LAM, O, LSE, Tq, Tk, H, GK, GV, sm_scale,
     b = bh // H
     h = bh % H
     off = Tk - Tq
-    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    m0 = pid_m * BLOCK_M
+    offs_m = m0 + tl.arange(0, BLOCK_M)
     offs_d = tl.arange(0, BLOCK_D)
     offs_dv = tl.arange(0, BLOCK_DV)
     row = bh.to(tl.int64) * Tq
@@ -117,51 +168,59 @@ def _fwd(Q, K, V, QS, KS, TAU, LAM, O, LSE, Tq, Tk, H, GK, GV, sm_scale,
     qs = tl.load(QS + row + offs_m, mask=m_ok, other=0.0)
     tau = tl.load(TAU + row + offs_m, mask=m_ok, other=1.0)
     lam = tl.load(LAM + row + offs_m, mask=m_ok, other=0.0)
-    q = tl.zeros((BLOCK_M, BLOCK_D), dtype=Q.dtype.element_ty)
-    if HAS_DOT:
-        q = tl.load(Q + (row + offs_m[:, None]) * D + offs_d[None, :],
-                    mask=m_ok[:, None] & (offs_d[None, :] < D), other=0.0)
+    q = _load_rows(Q, row, offs_m, m_ok, offs_d, D, HAS_DOT, BLOCK_D, Q.dtype.element_ty)
     m_i = tl.full((BLOCK_M,), float("-inf"), tl.float32)
     l_i = tl.zeros((BLOCK_M,), tl.float32)
     acc = tl.zeros((BLOCK_M, BLOCK_DV), tl.float32)
+    full = _visible_tiles(m0, Tk, off, BLOCK_N, CAUSAL)
     hi = Tk
     if CAUSAL:
-        hi = (pid_m + 1) * BLOCK_M + off  # rows past Tq see no more keys than this
+        hi = m0 + BLOCK_M + off  # rows past Tq see no more keys than this
         if hi > Tk:
             hi = Tk
-    for start_n in range(0, hi, BLOCK_N):
-        offs_n = start_n + tl.arange(0, BLOCK_N)
-        n_ok = offs_n < Tk
-        ks = tl.load(KS + krow + offs_n, mask=n_ok, other=0.0)
-        k = tl.zeros((BLOCK_N, BLOCK_D), dtype=K.dtype.element_ty)
-        if HAS_DOT:
-            k = tl.load(K + (kbase + offs_n[:, None]) * D + offs_d[None, :],
-                        mask=n_ok[:, None] & (offs_d[None, :] < D), other=0.0)
-        s, ok, d, x, term = _scores(q, k, qs, ks, tau, lam, offs_m, offs_n, Tq, Tk, off, sm_scale,
-                                    HAS_DOT, KERNEL, CAUSAL, PREC, UP)
-        m_new = tl.maximum(m_i, tl.max(s, 1))
-        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
-        p = tl.exp(s - m_safe[:, None])
-        alpha = tl.exp(m_i - m_safe)
-        l_i = l_i * alpha + tl.sum(p, 1)
-        v = tl.load(V + (vbase + offs_n[:, None]) * DV + offs_dv[None, :],
-                    mask=n_ok[:, None] & (offs_dv[None, :] < DV), other=0.0)
-        acc = acc * alpha[:, None] + _mm(p.to(v.dtype), v, PREC, UP)
-        m_i = m_new
+    for start_n in range(0, full, BLOCK_N):  # whole tiles: no mask
+        acc, m_i, l_i = _fwd_tile(acc, m_i, l_i, q, qs, tau, lam, K, V, KS, kbase, vbase, krow, start_n, offs_m,
+                                  offs_d, offs_dv, Tk, off, sm_scale, D, DV, BLOCK_D, BLOCK_N, HAS_DOT, KERNEL,
+                                  CAUSAL, False, PREC, UP)
+    for start_n in range(full, hi, BLOCK_N):  # the diagonal and the ragged end
+        acc, m_i, l_i = _fwd_tile(acc, m_i, l_i, q, qs, tau, lam, K, V, KS, kbase, vbase, krow, start_n, offs_m,
+                                  offs_d, offs_dv, Tk, off, sm_scale, D, DV, BLOCK_D, BLOCK_N, HAS_DOT, KERNEL,
+                                  CAUSAL, True, PREC, UP)
     l_safe = tl.where(l_i == 0.0, 1.0, l_i)
     out = acc / l_safe[:, None]
     tl.store(O + (row + offs_m[:, None]) * DV + offs_dv[None, :], out.to(O.dtype.element_ty),
              mask=m_ok[:, None] & (offs_dv[None, :] < DV))
-    tl.store(LSE + row + offs_m, m_i + tl.log(l_safe), mask=m_ok)
+    tl.store(LSE + row + offs_m, m_i + tl.log2(l_safe), mask=m_ok)  # base 2, as the scores
+
 
 @triton.jit
-def _grad_term(ds, d, x, tau, lam, KERNEL: tl.constexpr):
-    """ds * d(score)/d(qs): the scalar term's share of the score gradient, per entry."""
-    if KERNEL == 0:
-        g = -2.0 * d * tau[:, None]
-    else:
-        g = -2.0 * d * tau[:, None] / (1.0 + x)
-    return ds * lam[:, None] * g
+def _kv_tile(dk, dv, dks, k, v, ks, Q, QS, TAU, LAM, DO, LSE, DELTA, row, start_m, offs_n, offs_d, offs_dv, Tq, Tk,
+             off, sm_scale, D: tl.constexpr, DV: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr,
+             HAS_DOT: tl.constexpr, KERNEL: tl.constexpr, CAUSAL: tl.constexpr, MASK: tl.constexpr,
+             PREC: tl.constexpr, UP: tl.constexpr):
+    """One query tile's share of a key tile's dk, dv and dks. Rows past Tq read lse = +inf: p = 0."""
+    offs_m = start_m + tl.arange(0, BLOCK_M)
+    m_ok = offs_m < Tq
+    qs = tl.load(QS + row + offs_m, mask=m_ok, other=0.0)
+    tau = tl.load(TAU + row + offs_m, mask=m_ok, other=1.0)
+    lam = tl.load(LAM + row + offs_m, mask=m_ok, other=0.0)
+    lse = tl.load(LSE + row + offs_m, mask=m_ok, other=float("inf"))
+    delta = tl.load(DELTA + row + offs_m, mask=m_ok, other=0.0)
+    q = _load_rows(Q, row, offs_m, m_ok, offs_d, D, HAS_DOT, BLOCK_D, Q.dtype.element_ty)
+    do = tl.load(DO + (row + offs_m[:, None]) * DV + offs_dv[None, :], mask=m_ok[:, None] & (offs_dv[None, :] < DV),
+                 other=0.0)
+    s, d, x, l1 = _scores(q, k, qs, ks, tau, lam, offs_m, offs_n, Tk, off, sm_scale, HAS_DOT, KERNEL, CAUSAL,
+                          MASK, PREC, UP)
+    p = tl.exp2(s - lse[:, None])
+    dv += _mm(tl.trans(p.to(do.dtype)), do, PREC, UP)
+    ds = p * (_mm(do, tl.trans(v), PREC, UP) - delta[:, None])  # the gradient of the (natural) score
+    if HAS_DOT:
+        dk += _mm(tl.trans(ds.to(q.dtype)), q, PREC, UP)
+    if KERNEL == 1:
+        ds = ds / (1.0 + x)  # d phi / dx = -1 / (1 + x)
+    dks += tl.sum(ds * d * (2.0 * lam * tau)[:, None], 0)  # d score / d ks = 2 lam phi'(x) (qs - ks) / tau
+    return dk, dv, dks
+
 
 @triton.jit
 def _bwd_kv(Q, K, V, QS, KS, TAU, LAM, DO, LSE, DELTA, DK, DV_, DKS, Tq, Tk, H, GK, GV, sm_scale,
@@ -173,7 +232,8 @@ def _bwd_kv(Q, K, V, QS, KS, TAU, LAM, DO, LSE, DELTA, DK, DV_, DKS, Tq, Tk, H, 
     b = bh // H
     h = bh % H
     off = Tk - Tq
-    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    n0 = pid_n * BLOCK_N
+    offs_n = n0 + tl.arange(0, BLOCK_N)
     offs_d = tl.arange(0, BLOCK_D)
     offs_dv = tl.arange(0, BLOCK_DV)
     row = bh.to(tl.int64) * Tq
@@ -182,48 +242,65 @@ def _bwd_kv(Q, K, V, QS, KS, TAU, LAM, DO, LSE, DELTA, DK, DV_, DKS, Tq, Tk, H, 
     vbase = (b * GV + h // (H // GV)).to(tl.int64) * Tk
     n_ok = offs_n < Tk
     ks = tl.load(KS + krow + offs_n, mask=n_ok, other=0.0)
-    k = tl.zeros((BLOCK_N, BLOCK_D), dtype=K.dtype.element_ty)
-    if HAS_DOT:
-        k = tl.load(K + (kbase + offs_n[:, None]) * D + offs_d[None, :],
-                    mask=n_ok[:, None] & (offs_d[None, :] < D), other=0.0)
-    v = tl.load(V + (vbase + offs_n[:, None]) * DV + offs_dv[None, :],
-                mask=n_ok[:, None] & (offs_dv[None, :] < DV), other=0.0)
+    k = _load_rows(K, kbase, offs_n, n_ok, offs_d, D, HAS_DOT, BLOCK_D, K.dtype.element_ty)
+    v = tl.load(V + (vbase + offs_n[:, None]) * DV + offs_dv[None, :], mask=n_ok[:, None] & (offs_dv[None, :] < DV),
+                other=0.0)
     dk = tl.zeros((BLOCK_N, BLOCK_D), tl.float32)
     dv = tl.zeros((BLOCK_N, BLOCK_DV), tl.float32)
     dks = tl.zeros((BLOCK_N,), tl.float32)
     lo = 0
+    full = 0  # query tiles from `full` on see this key tile whole (keys past Tk are never stored)
     if CAUSAL:
-        lo = pid_n * BLOCK_N - off  # the first query that sees this tile's first key
+        lo = n0 - off  # the first query that sees this tile's first key
         if lo < 0:
             lo = 0
         lo = lo // BLOCK_M * BLOCK_M
-    for start_m in range(lo, Tq, BLOCK_M):
-        offs_m = start_m + tl.arange(0, BLOCK_M)
-        m_ok = offs_m < Tq
-        qs = tl.load(QS + row + offs_m, mask=m_ok, other=0.0)
-        tau = tl.load(TAU + row + offs_m, mask=m_ok, other=1.0)
-        lam = tl.load(LAM + row + offs_m, mask=m_ok, other=0.0)
-        lse = tl.load(LSE + row + offs_m, mask=m_ok, other=0.0)
-        delta = tl.load(DELTA + row + offs_m, mask=m_ok, other=0.0)
-        q = tl.zeros((BLOCK_M, BLOCK_D), dtype=Q.dtype.element_ty)
-        if HAS_DOT:
-            q = tl.load(Q + (row + offs_m[:, None]) * D + offs_d[None, :],
-                        mask=m_ok[:, None] & (offs_d[None, :] < D), other=0.0)
-        do = tl.load(DO + (row + offs_m[:, None]) * DV + offs_dv[None, :],
-                     mask=m_ok[:, None] & (offs_dv[None, :] < DV), other=0.0)
-        s, ok, d, x, term = _scores(q, k, qs, ks, tau, lam, offs_m, offs_n, Tq, Tk, off, sm_scale,
-                                    HAS_DOT, KERNEL, CAUSAL, PREC, UP)
-        p = tl.where(ok, tl.exp(s - lse[:, None]), 0.0)
-        dv += _mm(tl.trans(p.to(do.dtype)), do, PREC, UP)
-        dp = _mm(do, tl.trans(v), PREC, UP)
-        ds = p * (dp - delta[:, None])
-        if HAS_DOT:
-            dk += _mm(tl.trans(ds.to(q.dtype)), q, PREC, UP)
-        dks -= tl.sum(_grad_term(ds, d, x, tau, lam, KERNEL), 0)
-    tl.store(DK + (krow + offs_n[:, None]) * BLOCK_D + offs_d[None, :], dk * sm_scale,
-             mask=n_ok[:, None])
+        full = n0 + BLOCK_N - 1 - off  # the first query that sees the tile's last key
+        if full < 0:
+            full = 0
+        full = (full + BLOCK_M - 1) // BLOCK_M * BLOCK_M
+        if full > Tq:
+            full = Tq
+    for start_m in range(lo, full, BLOCK_M):  # the diagonal
+        dk, dv, dks = _kv_tile(dk, dv, dks, k, v, ks, Q, QS, TAU, LAM, DO, LSE, DELTA, row, start_m, offs_n, offs_d,
+                               offs_dv, Tq, Tk, off, sm_scale, D, DV, BLOCK_D, BLOCK_M, HAS_DOT, KERNEL, CAUSAL,
+                               True, PREC, UP)
+    for start_m in range(full, Tq, BLOCK_M):  # whole tiles (non-causal: every tile; padded keys are not stored)
+        dk, dv, dks = _kv_tile(dk, dv, dks, k, v, ks, Q, QS, TAU, LAM, DO, LSE, DELTA, row, start_m, offs_n, offs_d,
+                               offs_dv, Tq, Tk, off, sm_scale, D, DV, BLOCK_D, BLOCK_M, HAS_DOT, KERNEL, CAUSAL,
+                               False, PREC, UP)
+    tl.store(DK + (krow + offs_n[:, None]) * BLOCK_D + offs_d[None, :], dk * sm_scale, mask=n_ok[:, None])
     tl.store(DV_ + (krow + offs_n[:, None]) * BLOCK_DV + offs_dv[None, :], dv, mask=n_ok[:, None])
     tl.store(DKS + krow + offs_n, dks, mask=n_ok)
+
+
+@triton.jit
+def _q_tile(dq, da, dx, dl, q, qs, tau, lam, do, lse, delta, K, V, KS, kbase, vbase, krow, start_n, offs_m,
+            offs_d, offs_dv, Tk, off, sm_scale, D: tl.constexpr, DV: tl.constexpr, BLOCK_D: tl.constexpr,
+            BLOCK_N: tl.constexpr, HAS_DOT: tl.constexpr, KERNEL: tl.constexpr, CAUSAL: tl.constexpr,
+            MASK: tl.constexpr, PREC: tl.constexpr, UP: tl.constexpr):
+    """One key tile's share of a query tile's dq and of the per-row sums A = sum ds phi' d, X = sum ds
+    phi' x and L = sum ds l1 (phi' = 1 for the Gaussian, 1 / (1 + x) for the Cauchy kernel) that give
+    the gradients of qs, tau and the gain."""
+    offs_n = start_n + tl.arange(0, BLOCK_N)
+    n_ok = offs_n < Tk
+    ks = tl.load(KS + krow + offs_n, mask=n_ok, other=0.0)
+    k = _load_rows(K, kbase, offs_n, n_ok, offs_d, D, HAS_DOT, BLOCK_D, K.dtype.element_ty)
+    v = tl.load(V + (vbase + offs_n[:, None]) * DV + offs_dv[None, :], mask=n_ok[:, None] & (offs_dv[None, :] < DV),
+                other=0.0)
+    s, d, x, l1 = _scores(q, k, qs, ks, tau, lam, offs_m, offs_n, Tk, off, sm_scale, HAS_DOT, KERNEL, CAUSAL,
+                          MASK, PREC, UP)
+    p = tl.exp2(s - lse[:, None])
+    ds = p * (_mm(do, tl.trans(v), PREC, UP) - delta[:, None])  # 0 wherever a key is hidden
+    if HAS_DOT:
+        dq += _mm(ds.to(k.dtype), k, PREC, UP)
+    if KERNEL == 1:
+        dl += tl.sum(ds * l1, 1)
+        ds = ds / (1.0 + x)
+    da += tl.sum(ds * d, 1)
+    dx += tl.sum(ds * x, 1)
+    return dq, da, dx, dl
+
 
 @triton.jit
 def _bwd_q(Q, K, V, QS, KS, TAU, LAM, DO, LSE, DELTA, DQ, DQS, DTAU, DLAM, Tq, Tk, H, GK, GV, sm_scale,
@@ -235,7 +312,8 @@ def _bwd_q(Q, K, V, QS, KS, TAU, LAM, DO, LSE, DELTA, DQ, DQS, DTAU, DLAM, Tq, T
     b = bh // H
     h = bh % H
     off = Tk - Tq
-    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    m0 = pid_m * BLOCK_M
+    offs_m = m0 + tl.arange(0, BLOCK_M)
     offs_d = tl.arange(0, BLOCK_D)
     offs_dv = tl.arange(0, BLOCK_DV)
     row = bh.to(tl.int64) * Tq
@@ -246,64 +324,51 @@ def _bwd_q(Q, K, V, QS, KS, TAU, LAM, DO, LSE, DELTA, DQ, DQS, DTAU, DLAM, Tq, T
     qs = tl.load(QS + row + offs_m, mask=m_ok, other=0.0)
     tau = tl.load(TAU + row + offs_m, mask=m_ok, other=1.0)
     lam = tl.load(LAM + row + offs_m, mask=m_ok, other=0.0)
-    lse = tl.load(LSE + row + offs_m, mask=m_ok, other=0.0)
+    lse = tl.load(LSE + row + offs_m, mask=m_ok, other=float("inf"))
     delta = tl.load(DELTA + row + offs_m, mask=m_ok, other=0.0)
-    q = tl.zeros((BLOCK_M, BLOCK_D), dtype=Q.dtype.element_ty)
-    if HAS_DOT:
-        q = tl.load(Q + (row + offs_m[:, None]) * D + offs_d[None, :],
-                    mask=m_ok[:, None] & (offs_d[None, :] < D), other=0.0)
-    do = tl.load(DO + (row + offs_m[:, None]) * DV + offs_dv[None, :],
-                 mask=m_ok[:, None] & (offs_dv[None, :] < DV), other=0.0)
+    q = _load_rows(Q, row, offs_m, m_ok, offs_d, D, HAS_DOT, BLOCK_D, Q.dtype.element_ty)
+    do = tl.load(DO + (row + offs_m[:, None]) * DV + offs_dv[None, :], mask=m_ok[:, None] & (offs_dv[None, :] < DV),
+                 other=0.0)
     dq = tl.zeros((BLOCK_M, BLOCK_D), tl.float32)
-    dqs = tl.zeros((BLOCK_M,), tl.float32)
-    dtau = tl.zeros((BLOCK_M,), tl.float32)
-    dlam = tl.zeros((BLOCK_M,), tl.float32)
+    da = tl.zeros((BLOCK_M,), tl.float32)
+    dx = tl.zeros((BLOCK_M,), tl.float32)
+    dl = tl.zeros((BLOCK_M,), tl.float32)
+    full = _visible_tiles(m0, Tk, off, BLOCK_N, CAUSAL)
     hi = Tk
     if CAUSAL:
-        hi = (pid_m + 1) * BLOCK_M + off  # rows past Tq see no more keys than this
+        hi = m0 + BLOCK_M + off
         if hi > Tk:
             hi = Tk
-    for start_n in range(0, hi, BLOCK_N):
-        offs_n = start_n + tl.arange(0, BLOCK_N)
-        n_ok = offs_n < Tk
-        ks = tl.load(KS + krow + offs_n, mask=n_ok, other=0.0)
-        k = tl.zeros((BLOCK_N, BLOCK_D), dtype=K.dtype.element_ty)
-        if HAS_DOT:
-            k = tl.load(K + (kbase + offs_n[:, None]) * D + offs_d[None, :],
-                        mask=n_ok[:, None] & (offs_d[None, :] < D), other=0.0)
-        v = tl.load(V + (vbase + offs_n[:, None]) * DV + offs_dv[None, :],
-                    mask=n_ok[:, None] & (offs_dv[None, :] < DV), other=0.0)
-        s, ok, d, x, term = _scores(q, k, qs, ks, tau, lam, offs_m, offs_n, Tq, Tk, off, sm_scale,
-                                    HAS_DOT, KERNEL, CAUSAL, PREC, UP)
-        p = tl.where(ok, tl.exp(s - lse[:, None]), 0.0)
-        dp = _mm(do, tl.trans(v), PREC, UP)
-        ds = p * (dp - delta[:, None])
-        if HAS_DOT:
-            dq += _mm(ds.to(k.dtype), k, PREC, UP)
-        dqs += tl.sum(_grad_term(ds, d, x, tau, lam, KERNEL), 1)
-        dlam += tl.sum(tl.where(ok, ds * term, 0.0), 1)
-        if KERNEL == 0:
-            dt = x
-        else:
-            dt = x / (1.0 + x)
-        dtau += tl.sum(tl.where(ok, ds * dt, 0.0), 1)
+    for start_n in range(0, full, BLOCK_N):
+        dq, da, dx, dl = _q_tile(dq, da, dx, dl, q, qs, tau, lam, do, lse, delta, K, V, KS, kbase, vbase,
+                                      krow, start_n, offs_m, offs_d, offs_dv, Tk, off, sm_scale, D, DV, BLOCK_D,
+                                      BLOCK_N, HAS_DOT, KERNEL, CAUSAL, False, PREC, UP)
+    for start_n in range(full, hi, BLOCK_N):
+        dq, da, dx, dl = _q_tile(dq, da, dx, dl, q, qs, tau, lam, do, lse, delta, K, V, KS, kbase, vbase,
+                                      krow, start_n, offs_m, offs_d, offs_dv, Tk, off, sm_scale, D, DV, BLOCK_D,
+                                      BLOCK_N, HAS_DOT, KERNEL, CAUSAL, True, PREC, UP)
     tl.store(DQ + (row + offs_m[:, None]) * BLOCK_D + offs_d[None, :], dq * sm_scale, mask=m_ok[:, None])
-    tl.store(DQS + row + offs_m, dqs, mask=m_ok)
-    tl.store(DTAU + row + offs_m, dtau * lam * tau, mask=m_ok)
-    tl.store(DLAM + row + offs_m, dlam, mask=m_ok)
+    # score = -lam phi(x): d/d qs = -2 lam phi' d / tau, d/d tau = lam phi' x / tau, d/d lam = -phi(x)
+    tl.store(DQS + row + offs_m, -2.0 * lam * tau * da, mask=m_ok)
+    tl.store(DTAU + row + offs_m, lam * tau * dx, mask=m_ok)
+    if KERNEL == 0:
+        tl.store(DLAM + row + offs_m, -dx, mask=m_ok)
+    else:
+        tl.store(DLAM + row + offs_m, -LN2 * dl, mask=m_ok)
 
 
+SCALAR_DOT = False  # scalar heads: run the dot-product kernel on zero vectors of width 16 (a layout experiment)
 BLOCKS: dict = {}  # overrides of `_blocks`' choice by kernel ("fwd" / "bwd"): benchmarks/gpu.py's tuning
 
 
 def _blocks(device: torch.device, D: int, DV: int) -> dict:
     """(BLOCK_M, BLOCK_N, num_warps, num_stages) per kernel: small under the interpreter (each program
-    is NumPy work); on a GPU the forward's FlashAttention-2 tiles, and 64 x 64 tiles on 8 warps for
-    the backward, which holds several fp32 score-sized tiles at once (benchmarks/gpu.py times others)."""
+    is NumPy work); on a GPU the forward's FlashAttention-2 tiles, and 64 x 64 tiles on 4 warps for
+    the backward: 1.7x faster than on 8 warps on an H100 at T = 8K (benchmarks/results/gpu.json's tuning)."""
     if device.type != "cuda":
         return dict(fwd=(32, 32, 4, 1), bwd=(32, 32, 4, 1))
     wide = max(D, DV) > 64
-    cfg = dict(fwd=(64, 64, 4, 3) if wide else (128, 64, 8, 3), bwd=(64, 64, 8, 2) if not wide else (32, 64, 8, 2))
+    cfg = dict(fwd=(64, 64, 4, 3) if wide else (128, 64, 8, 3), bwd=(64, 64, 4, 2) if not wide else (32, 64, 4, 2))
     cfg.update(BLOCKS)
     return cfg
 
@@ -324,6 +389,8 @@ class _ScalarFamily(torch.autograd.Function):
         GV = v.shape[1]
         qq = q.contiguous() if has_dot else v.new_zeros(1)
         kk = k.contiguous() if has_dot else v.new_zeros(1)
+        if not has_dot and SCALAR_DOT:  # scalar heads through the hybrid kernel with zero vectors (timed by gpu.py)
+            qq, kk = v.new_zeros(B, H, Tq, 16), v.new_zeros(B, H, Tk, 16)
         vv = v.contiguous()
         qs32, ks32 = qs.float().contiguous(), ks.float().contiguous()
         tau32, lam32 = (1.0 / tau.float()).contiguous(), lam.float().contiguous()  # the kernels take 1 / tau
@@ -332,7 +399,7 @@ class _ScalarFamily(torch.autograd.Function):
         cfg = _blocks(v.device, D, DV)
         BM, BN, warps, stages = cfg["fwd"]
         prec = "ieee" if v.dtype == torch.float32 else "tf32"
-        consts = dict(D=D, DV=DV, BLOCK_D=_pow2(D), BLOCK_DV=_pow2(DV), HAS_DOT=has_dot, KERNEL=kernel,
+        consts = dict(D=D, DV=DV, BLOCK_D=_pow2(D), BLOCK_DV=_pow2(DV), HAS_DOT=has_dot or SCALAR_DOT, KERNEL=kernel,
                       CAUSAL=causal, PREC=prec, UP=interpreted() and v.dtype == torch.bfloat16)
         sm_scale = 1.0 / math.sqrt(D) if has_dot else 0.0
         _fwd[(-(-Tq // BM), B * H)](qq, kk, vv, qs32, ks32, tau32, lam32, out, lse, Tq, Tk, H, GK, GV, sm_scale,

@@ -35,8 +35,9 @@ class SSDAttention(RecurrentAttention):
         p = super().project(x, start_pos)
         # softplus of a contiguous (B, H, T): on the transposed view, torch.compile's backward (AOTAutograd,
         # torch 2.13) gets the strides of softplus_backward wrong and fails on a view
-        dt = F.softplus(self.dt_proj(x).transpose(1, 2).contiguous())  # (B, H, T)
-        p.log_decay = -torch.exp(self.A_log).to(dt.dtype)[None, :, None] * dt  # (B, H, T), in q's dtype
+        # in q's dtype: CUDA autocast computes softplus in float32 (the CPU's keeps bf16), and the op needs one dtype
+        dt = F.softplus(self.dt_proj(x).transpose(1, 2).contiguous()).to(p.q.dtype)  # (B, H, T)
+        p.log_decay = -torch.exp(self.A_log).to(dt.dtype)[None, :, None] * dt  # (B, H, T)
         p.k = p.k * dt.unsqueeze(-1)  # discretised input B·Δ
         return p
 
