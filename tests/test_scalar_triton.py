@@ -126,13 +126,15 @@ def test_16bit_inputs(kernel, dtype):
         assert rel_err(got[name], ref_g[name]) < 1e-2, name
 
 
-def test_scalar_heads_through_the_dot_kernel(monkeypatch):
-    """SCALAR_DOT (scalar heads run by the dot-product kernel on zero vectors) computes the same."""
+@pytest.mark.parametrize("through_dot", [True, False], ids=["dot-kernel", "product-free"])
+def test_scalar_heads_both_kernels(monkeypatch, through_dot):
+    """Scalar heads through the dot-product kernel on zero vectors (SCALAR_DOT, the default) and through
+    the product-free kernel compute the same."""
     from attnlab.ops import scalar_triton
 
     ins = make(1, 2, 1, 40, 70, 16, 16, hybrid=False)
     ref, ref_g = run(ins, "naive", "cauchy", True)
-    monkeypatch.setattr(scalar_triton, "SCALAR_DOT", True)
+    monkeypatch.setattr(scalar_triton, "SCALAR_DOT", through_dot)
     out, got = run(ins, "triton", "cauchy", True, torch.float32)
     assert rel_err(out, ref) < 1e-5
     for name in ref_g:

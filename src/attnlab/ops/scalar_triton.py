@@ -125,6 +125,41 @@ def _load_rows(X, base, offs, n_ok, offs_d, D: tl.constexpr, LOAD: tl.constexpr,
 
 
 @triton.jit
+def _bases(bh, H, GK, GV, Tq, Tk):
+    """Element offsets of program (batch x head) bh's rows: its queries (and per-row scalars), its
+    scalar keys, and the rows of its key and value groups (GQA: head h reads group h // (H / G))."""
+    b = bh // H
+    h = bh % H
+    row = bh.to(tl.int64) * Tq
+    krow = bh.to(tl.int64) * Tk
+    kbase = (b * GK + h // (H // GK)).to(tl.int64) * Tk
+    vbase = (b * GV + h // (H // GV)).to(tl.int64) * Tk
+    return row, krow, kbase, vbase
+
+
+@triton.jit
+def _query_rows(Q, QS, TAU, LAM, row, offs_m, m_ok, offs_d, D: tl.constexpr, HAS_DOT: tl.constexpr,
+                BLOCK_D: tl.constexpr):
+    """A query tile's qs, 1 / tau, gain and vectors (zeros past Tq)."""
+    qs = tl.load(QS + row + offs_m, mask=m_ok, other=0.0)
+    tau = tl.load(TAU + row + offs_m, mask=m_ok, other=1.0)
+    lam = tl.load(LAM + row + offs_m, mask=m_ok, other=0.0)
+    q = _load_rows(Q, row, offs_m, m_ok, offs_d, D, HAS_DOT, BLOCK_D, Q.dtype.element_ty)
+    return qs, tau, lam, q
+
+
+@triton.jit
+def _seen_end(m0, Tk, off, BLOCK_M: tl.constexpr, CAUSAL: tl.constexpr):
+    """One past the last key the query tile from m0 sees (its rows past Tq see no more)."""
+    hi = Tk
+    if CAUSAL:
+        hi = m0 + BLOCK_M + off
+        if hi > Tk:
+            hi = Tk
+    return hi
+
+
+@triton.jit
 def _fwd_tile(acc, m_i, l_i, q, qs, tau, lam, K, V, KS, kbase, vbase, krow, start_n, offs_m, offs_d, offs_dv,
               Tk, off, sm_scale, D: tl.constexpr, DV: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr,
               HAS_DOT: tl.constexpr, KERNEL: tl.constexpr, CAUSAL: tl.constexpr, MASK: tl.constexpr,
@@ -151,33 +186,19 @@ def _fwd(Q, K, V, QS, KS, TAU, LAM, O, LSE, Tq, Tk, H, GK, GV, sm_scale,
          D: tl.constexpr, DV: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
          BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, HAS_DOT: tl.constexpr, KERNEL: tl.constexpr,
          CAUSAL: tl.constexpr, PREC: tl.constexpr, UP: tl.constexpr):
-    pid_m = tl.program_id(0)
-    bh = tl.program_id(1)
-    b = bh // H
-    h = bh % H
+    m0 = tl.program_id(0) * BLOCK_M
     off = Tk - Tq
-    m0 = pid_m * BLOCK_M
+    row, krow, kbase, vbase = _bases(tl.program_id(1), H, GK, GV, Tq, Tk)
     offs_m = m0 + tl.arange(0, BLOCK_M)
     offs_d = tl.arange(0, BLOCK_D)
     offs_dv = tl.arange(0, BLOCK_DV)
-    row = bh.to(tl.int64) * Tq
-    krow = bh.to(tl.int64) * Tk
-    kbase = (b * GK + h // (H // GK)).to(tl.int64) * Tk
-    vbase = (b * GV + h // (H // GV)).to(tl.int64) * Tk
     m_ok = offs_m < Tq
-    qs = tl.load(QS + row + offs_m, mask=m_ok, other=0.0)
-    tau = tl.load(TAU + row + offs_m, mask=m_ok, other=1.0)
-    lam = tl.load(LAM + row + offs_m, mask=m_ok, other=0.0)
-    q = _load_rows(Q, row, offs_m, m_ok, offs_d, D, HAS_DOT, BLOCK_D, Q.dtype.element_ty)
+    qs, tau, lam, q = _query_rows(Q, QS, TAU, LAM, row, offs_m, m_ok, offs_d, D, HAS_DOT, BLOCK_D)
     m_i = tl.full((BLOCK_M,), float("-inf"), tl.float32)
     l_i = tl.zeros((BLOCK_M,), tl.float32)
     acc = tl.zeros((BLOCK_M, BLOCK_DV), tl.float32)
     full = _visible_tiles(m0, Tk, off, BLOCK_N, CAUSAL)
-    hi = Tk
-    if CAUSAL:
-        hi = m0 + BLOCK_M + off  # rows past Tq see no more keys than this
-        if hi > Tk:
-            hi = Tk
+    hi = _seen_end(m0, Tk, off, BLOCK_M, CAUSAL)
     for start_n in range(0, full, BLOCK_N):  # whole tiles: no mask
         acc, m_i, l_i = _fwd_tile(acc, m_i, l_i, q, qs, tau, lam, K, V, KS, kbase, vbase, krow, start_n, offs_m,
                                   offs_d, offs_dv, Tk, off, sm_scale, D, DV, BLOCK_D, BLOCK_N, HAS_DOT, KERNEL,
@@ -201,12 +222,9 @@ def _kv_tile(dk, dv, dks, k, v, ks, Q, QS, TAU, LAM, DO, LSE, DELTA, row, start_
     """One query tile's share of a key tile's dk, dv and dks. Rows past Tq read lse = +inf: p = 0."""
     offs_m = start_m + tl.arange(0, BLOCK_M)
     m_ok = offs_m < Tq
-    qs = tl.load(QS + row + offs_m, mask=m_ok, other=0.0)
-    tau = tl.load(TAU + row + offs_m, mask=m_ok, other=1.0)
-    lam = tl.load(LAM + row + offs_m, mask=m_ok, other=0.0)
+    qs, tau, lam, q = _query_rows(Q, QS, TAU, LAM, row, offs_m, m_ok, offs_d, D, HAS_DOT, BLOCK_D)
     lse = tl.load(LSE + row + offs_m, mask=m_ok, other=float("inf"))
     delta = tl.load(DELTA + row + offs_m, mask=m_ok, other=0.0)
-    q = _load_rows(Q, row, offs_m, m_ok, offs_d, D, HAS_DOT, BLOCK_D, Q.dtype.element_ty)
     do = tl.load(DO + (row + offs_m[:, None]) * DV + offs_dv[None, :], mask=m_ok[:, None] & (offs_dv[None, :] < DV),
                  other=0.0)
     s, d, x, l1 = _scores(q, k, qs, ks, tau, lam, offs_m, offs_n, Tk, off, sm_scale, HAS_DOT, KERNEL, CAUSAL,
@@ -227,19 +245,12 @@ def _bwd_kv(Q, K, V, QS, KS, TAU, LAM, DO, LSE, DELTA, DK, DV_, DKS, Tq, Tk, H, 
             D: tl.constexpr, DV: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
             BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, HAS_DOT: tl.constexpr, KERNEL: tl.constexpr,
             CAUSAL: tl.constexpr, PREC: tl.constexpr, UP: tl.constexpr):
-    pid_n = tl.program_id(0)
-    bh = tl.program_id(1)
-    b = bh // H
-    h = bh % H
+    n0 = tl.program_id(0) * BLOCK_N
     off = Tk - Tq
-    n0 = pid_n * BLOCK_N
+    row, krow, kbase, vbase = _bases(tl.program_id(1), H, GK, GV, Tq, Tk)
     offs_n = n0 + tl.arange(0, BLOCK_N)
     offs_d = tl.arange(0, BLOCK_D)
     offs_dv = tl.arange(0, BLOCK_DV)
-    row = bh.to(tl.int64) * Tq
-    krow = bh.to(tl.int64) * Tk
-    kbase = (b * GK + h // (H // GK)).to(tl.int64) * Tk
-    vbase = (b * GV + h // (H // GV)).to(tl.int64) * Tk
     n_ok = offs_n < Tk
     ks = tl.load(KS + krow + offs_n, mask=n_ok, other=0.0)
     k = _load_rows(K, kbase, offs_n, n_ok, offs_d, D, HAS_DOT, BLOCK_D, K.dtype.element_ty)
@@ -307,26 +318,16 @@ def _bwd_q(Q, K, V, QS, KS, TAU, LAM, DO, LSE, DELTA, DQ, DQS, DTAU, DLAM, Tq, T
            D: tl.constexpr, DV: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
            BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, HAS_DOT: tl.constexpr, KERNEL: tl.constexpr,
            CAUSAL: tl.constexpr, PREC: tl.constexpr, UP: tl.constexpr):
-    pid_m = tl.program_id(0)
-    bh = tl.program_id(1)
-    b = bh // H
-    h = bh % H
+    m0 = tl.program_id(0) * BLOCK_M
     off = Tk - Tq
-    m0 = pid_m * BLOCK_M
+    row, krow, kbase, vbase = _bases(tl.program_id(1), H, GK, GV, Tq, Tk)
     offs_m = m0 + tl.arange(0, BLOCK_M)
     offs_d = tl.arange(0, BLOCK_D)
     offs_dv = tl.arange(0, BLOCK_DV)
-    row = bh.to(tl.int64) * Tq
-    krow = bh.to(tl.int64) * Tk
-    kbase = (b * GK + h // (H // GK)).to(tl.int64) * Tk
-    vbase = (b * GV + h // (H // GV)).to(tl.int64) * Tk
     m_ok = offs_m < Tq
-    qs = tl.load(QS + row + offs_m, mask=m_ok, other=0.0)
-    tau = tl.load(TAU + row + offs_m, mask=m_ok, other=1.0)
-    lam = tl.load(LAM + row + offs_m, mask=m_ok, other=0.0)
+    qs, tau, lam, q = _query_rows(Q, QS, TAU, LAM, row, offs_m, m_ok, offs_d, D, HAS_DOT, BLOCK_D)
     lse = tl.load(LSE + row + offs_m, mask=m_ok, other=float("inf"))
     delta = tl.load(DELTA + row + offs_m, mask=m_ok, other=0.0)
-    q = _load_rows(Q, row, offs_m, m_ok, offs_d, D, HAS_DOT, BLOCK_D, Q.dtype.element_ty)
     do = tl.load(DO + (row + offs_m[:, None]) * DV + offs_dv[None, :], mask=m_ok[:, None] & (offs_dv[None, :] < DV),
                  other=0.0)
     dq = tl.zeros((BLOCK_M, BLOCK_D), tl.float32)
@@ -334,19 +335,15 @@ def _bwd_q(Q, K, V, QS, KS, TAU, LAM, DO, LSE, DELTA, DQ, DQS, DTAU, DLAM, Tq, T
     dx = tl.zeros((BLOCK_M,), tl.float32)
     dl = tl.zeros((BLOCK_M,), tl.float32)
     full = _visible_tiles(m0, Tk, off, BLOCK_N, CAUSAL)
-    hi = Tk
-    if CAUSAL:
-        hi = m0 + BLOCK_M + off
-        if hi > Tk:
-            hi = Tk
+    hi = _seen_end(m0, Tk, off, BLOCK_M, CAUSAL)
     for start_n in range(0, full, BLOCK_N):
         dq, da, dx, dl = _q_tile(dq, da, dx, dl, q, qs, tau, lam, do, lse, delta, K, V, KS, kbase, vbase,
-                                      krow, start_n, offs_m, offs_d, offs_dv, Tk, off, sm_scale, D, DV, BLOCK_D,
-                                      BLOCK_N, HAS_DOT, KERNEL, CAUSAL, False, PREC, UP)
+                                 krow, start_n, offs_m, offs_d, offs_dv, Tk, off, sm_scale, D, DV, BLOCK_D,
+                                 BLOCK_N, HAS_DOT, KERNEL, CAUSAL, False, PREC, UP)
     for start_n in range(full, hi, BLOCK_N):
         dq, da, dx, dl = _q_tile(dq, da, dx, dl, q, qs, tau, lam, do, lse, delta, K, V, KS, kbase, vbase,
-                                      krow, start_n, offs_m, offs_d, offs_dv, Tk, off, sm_scale, D, DV, BLOCK_D,
-                                      BLOCK_N, HAS_DOT, KERNEL, CAUSAL, True, PREC, UP)
+                                 krow, start_n, offs_m, offs_d, offs_dv, Tk, off, sm_scale, D, DV, BLOCK_D,
+                                 BLOCK_N, HAS_DOT, KERNEL, CAUSAL, True, PREC, UP)
     tl.store(DQ + (row + offs_m[:, None]) * BLOCK_D + offs_d[None, :], dq * sm_scale, mask=m_ok[:, None])
     # score = -lam phi(x): d/d qs = -2 lam phi' d / tau, d/d tau = lam phi' x / tau, d/d lam = -phi(x)
     tl.store(DQS + row + offs_m, -2.0 * lam * tau * da, mask=m_ok)
@@ -357,7 +354,11 @@ def _bwd_q(Q, K, V, QS, KS, TAU, LAM, DO, LSE, DELTA, DQ, DQS, DTAU, DLAM, Tq, T
         tl.store(DLAM + row + offs_m, -LN2 * dl, mask=m_ok)
 
 
-SCALAR_DOT = False  # scalar heads: run the dot-product kernel on zero vectors of width 16 (a layout experiment)
+# Scalar heads run the dot-product kernel on zero vectors of width 16: 2.2x faster forward + backward than
+# the kernel without the product on an H100 (10.1 against 22.4 ms at T = 8K, B = 4, H = 16, bf16;
+# benchmarks/results/gpu.json's tuning), the scores then arriving in the matrix units' register layout
+# that the p @ v product reads, where the product-free kernel must convert its tile's layout first.
+SCALAR_DOT = True
 BLOCKS: dict = {}  # overrides of `_blocks`' choice by kernel ("fwd" / "bwd"): benchmarks/gpu.py's tuning
 
 
@@ -389,7 +390,7 @@ class _ScalarFamily(torch.autograd.Function):
         GV = v.shape[1]
         qq = q.contiguous() if has_dot else v.new_zeros(1)
         kk = k.contiguous() if has_dot else v.new_zeros(1)
-        if not has_dot and SCALAR_DOT:  # scalar heads through the hybrid kernel with zero vectors (timed by gpu.py)
+        if not has_dot and SCALAR_DOT:  # scalar heads through the dot-product kernel with zero vectors
             qq, kk = v.new_zeros(B, H, Tq, 16), v.new_zeros(B, H, Tk, 16)
         vv = v.contiguous()
         qs32, ks32 = qs.float().contiguous(), ks.float().contiguous()
