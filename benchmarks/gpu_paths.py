@@ -87,6 +87,7 @@ PATHS = {
     "scalar-gaussian/sdpa": (_fix("fast", _scalar("gaussian")), dict(dot=False), None),
     "hybrid-gaussian/sdpa": (_fix("fast", _hybrid("gaussian")), {}, None),
     "hybrid-cauchy/chunked": (_fix("fast", _hybrid("cauchy")), {}, 8192),
+    "goat/triton": (_fix("triton", _goat), dict(scalar=False, goat=True), None),
     "goat/sdpa": (_fix("fast", _goat), dict(scalar=False, goat=True), None),
     "hybrid-cauchy-window16+32/selected": (_fix("fast", _window("cauchy")), {}, 8192),
     "hybrid-gaussian-window16+32/selected": (_fix("fast", _window("gaussian")), {}, 8192),

@@ -32,9 +32,9 @@ import math
 
 import torch
 
-from ..checks import check_finite, check_impl, check_tensor, check_window, visible_keys
-from ._sdpa import check_causal, check_qkv, expand_heads, fused_attention, upcast
-from .scalar import _augment, _check_scalars, _tau, scalar_logits
+from ..checks import TRITON_IMPLS, check_finite, check_impl, check_tensor, check_window, visible_keys
+from ._sdpa import check_causal, check_qkv, expand_heads, fused_attention, upcast, without_autocast
+from .scalar import _augment, _check_scalars, _tau, _use_triton, scalar_logits
 
 
 def _check_prior(freqs, lam_sym, lam_asym, u, B: int, G: int, Tk: int, like: torch.Tensor) -> None:
@@ -90,6 +90,7 @@ def goat_prior(freqs, lam_sym, lam_asym, u, Tq: int, causal: bool = True, window
     return prior
 
 
+@without_autocast
 def goat_attention(
     q, k, v, freqs, lam_sym, lam_asym, u, *, qs=None, ks=None, tau=None, causal: bool = True, impl: str = "auto",
     window: int | None = None,
@@ -111,8 +112,10 @@ def goat_attention(
         tau: the hybrid term's temperature > 0: a float, (H,) or (B, H, Tq).
         causal: hide the keys after each query; the queries are the last Tq positions, so causal
             masking needs Tq <= Tk.
-        impl: ``"naive"`` adds the explicit (Tq, Tk) prior to the scores; ``"fast"`` and ``"auto"``
-            run one fused SDPA call on the augmented vectors of the module docstring.
+        impl: ``"naive"`` adds the explicit (Tq, Tk) prior to the scores; ``"fast"`` (and ``"auto"``
+            off CUDA) run one fused SDPA call on the augmented vectors of the module docstring;
+            ``"triton"`` (what ``"auto"`` runs on CUDA without a window) the scalar family's Triton
+            kernel with the prior's columns in the product and u added in float32 (`_goat_triton`).
         window: a causal sliding window: each query reads only its last ``window`` keys (itself
             included); None (default) for every earlier key. u still holds every key position's
             term (a decode cache passes the held keys' terms).
@@ -127,7 +130,7 @@ def goat_attention(
             ks), another device, NaN or inf in any input, tau <= 0, only some of qs, ks and tau
             given, an unknown impl, or a window that is not an int >= 1 or comes without causal.
     """
-    check_impl(impl)
+    check_impl(impl, TRITON_IMPLS)
     check_causal(causal)
     check_window(window, causal)
     B, H, Tq, D = check_qkv(q, k, v, causal)
@@ -152,6 +155,8 @@ def goat_attention(
         w = torch.softmax(scores, dim=-1)
         return (w @ expand_heads(v, H).to(w.dtype)).to(v.dtype)  # (B, H, Tq, Dv)
 
+    if _use_triton(impl, q.device, window):
+        return _goat_triton(q, k, v, freqs, lam_sym, lam_asym, u, qs, ks, tau, causal)
     cos_q, sin_q = _phases(freqs, Tk - Tq, Tq, cdt)  # (Tq, R)
     cos_k, sin_k = _phases(freqs, 0, Tk, cdt)  # (Tk, R)
     a = expand_heads(lam_sym.to(cdt)[None, :, None, :], H)  # (1, H, 1, R)
@@ -173,6 +178,26 @@ def goat_attention(
         qa = torch.cat([qa, sq], dim=-1)
         ka = torch.cat([expand_heads(ka, H), sk], dim=-1)  # the scalar keys are per head
     return fused_attention(qa, ka, v.to(cdt), causal=causal, window=window).to(v.dtype)
+
+
+def _goat_triton(q, k, v, freqs, lam_sym, lam_asym, u, qs, ks, tau, causal: bool) -> torch.Tensor:
+    """GOAT through `scalar_triton`: the spectral prior as 2R columns appended to q / sqrt(d) and k in
+    the inputs' dtype (its terms are of the size of its weights, so 16-bit columns cost it only their
+    rounding), the key-only term u as a float32 bias per key, the hybrid term (if any) in float32."""
+    from .scalar_triton import triton_scalar_attention
+
+    B, H, Tq, D = q.shape
+    G, Tk = k.shape[1], k.shape[2]
+    cos_q, sin_q = _phases(freqs, Tk - Tq, Tq, torch.float32)  # (Tq, R)
+    cos_k, sin_k = _phases(freqs, 0, Tk, torch.float32)  # (Tk, R)
+    a = expand_heads(lam_sym.float()[None, :, None, :], H)  # (1, H, 1, R)
+    b = expand_heads(lam_asym.float()[None, :, None, :], H)
+    prior_q = torch.cat([a * cos_q + b * sin_q, a * sin_q - b * cos_q], dim=-1)  # (1, H, Tq, 2R)
+    qa = torch.cat([q * (1.0 / math.sqrt(D)), prior_q.to(q.dtype).expand(B, H, Tq, -1)], dim=-1)
+    ka = torch.cat([k, torch.cat([cos_k, sin_k], dim=-1).to(k.dtype).expand(B, G, Tk, -1)], dim=-1)
+    tau_b = None if qs is None else _tau(tau, B, H, Tq, torch.float32, q.device)
+    return triton_scalar_attention(qa, ka, v, qs, ks, tau_b, None, None if qs is None else "gaussian", causal,
+                                   sm_scale=1.0, u=expand_heads(u.float(), H))
 
 
 __all__ = ["goat_attention", "goat_prior"]

@@ -32,7 +32,7 @@ import triton.language as tl
 
 __all__ = ["available", "triton_scalar_attention"]
 
-GAUSSIAN, CAUCHY = 0, 1
+GAUSSIAN, CAUCHY, NONE = 0, 1, 2  # the scalar term's kernel; NONE: no scalar term (GOAT's prior alone)
 LOG2E: tl.constexpr = tl.constexpr(1.4426950408889634)  # the kernels keep scores and log-sum-exps in base 2
 LN2: tl.constexpr = tl.constexpr(0.6931471805599453)
 
@@ -80,21 +80,29 @@ def _mm(a, b, PREC: tl.constexpr, UP: tl.constexpr):
 
 
 @triton.jit
-def _scores(q, k, qs, ks, tau, lam, offs_m, offs_n, Tk, off, sm_scale, HAS_DOT: tl.constexpr,
-            KERNEL: tl.constexpr, CAUSAL: tl.constexpr, MASK: tl.constexpr, PREC: tl.constexpr, UP: tl.constexpr):
+def _scores(q, k, qs, ks, us, tau, lam, offs_m, offs_n, Tk, off, sm_scale, HAS_DOT: tl.constexpr,
+            BIAS: tl.constexpr, KERNEL: tl.constexpr, CAUSAL: tl.constexpr, MASK: tl.constexpr, PREC: tl.constexpr, UP: tl.constexpr):
     """(BLOCK_M, BLOCK_N) scores in base 2 (the score times log2(e), so exp2 takes them; -inf where
     hidden, if MASK: tiles wholly visible skip the mask) and the pieces the backward needs: d = qs - ks,
-    x = d^2 / tau and l1 = log2(1 + x) (Cauchy; x again for the Gaussian)."""
-    d = qs[:, None] - ks[None, :]
-    x = d * d * tau[:, None]  # tau holds 1 / tau_t: a product per entry, not a division
-    if KERNEL == 0:
-        l1 = x
-        s = -(lam * LOG2E)[:, None] * x  # -lam x log2(e)
+    x = d^2 / tau and l1 = log2(1 + x) (Cauchy; x again for the Gaussian; KERNEL 2 has no scalar term)."""
+    if KERNEL == 2:  # no scalar term (GOAT): the product alone
+        d = 0.0
+        x = 0.0
+        l1 = 0.0
+        s = _mm(q, tl.trans(k), PREC, UP) * (sm_scale * LOG2E)
     else:
-        l1 = tl.log2(1.0 + x)
-        s = -lam[:, None] * l1  # -lam ln(1 + x) log2(e)
-    if HAS_DOT:
-        s += _mm(q, tl.trans(k), PREC, UP) * (sm_scale * LOG2E)
+        d = qs[:, None] - ks[None, :]
+        x = d * d * tau[:, None]  # tau holds 1 / tau_t: a product per entry, not a division
+        if KERNEL == 0:
+            l1 = x
+            s = -(lam * LOG2E)[:, None] * x  # -lam x log2(e)
+        else:
+            l1 = tl.log2(1.0 + x)
+            s = -lam[:, None] * l1  # -lam ln(1 + x) log2(e)
+        if HAS_DOT:
+            s += _mm(q, tl.trans(k), PREC, UP) * (sm_scale * LOG2E)
+    if BIAS:  # a key-only term u_s, in float32
+        s += (us * LOG2E)[None, :]
     if MASK:
         ok = offs_n[None, :] < Tk
         if CAUSAL:
@@ -149,6 +157,15 @@ def _query_rows(Q, QS, TAU, LAM, row, offs_m, m_ok, offs_d, D: tl.constexpr, HAS
 
 
 @triton.jit
+def _load_bias(U, krow, offs_n, n_ok, BIAS: tl.constexpr):
+    """A key tile's key-only terms u (float32), or 0 without them."""
+    u = 0.0
+    if BIAS:
+        u = tl.load(U + krow + offs_n, mask=n_ok, other=0.0)
+    return u
+
+
+@triton.jit
 def _seen_end(m0, Tk, off, BLOCK_M: tl.constexpr, CAUSAL: tl.constexpr):
     """One past the last key the query tile from m0 sees (its rows past Tq see no more)."""
     hi = Tk
@@ -160,16 +177,17 @@ def _seen_end(m0, Tk, off, BLOCK_M: tl.constexpr, CAUSAL: tl.constexpr):
 
 
 @triton.jit
-def _fwd_tile(acc, m_i, l_i, q, qs, tau, lam, K, V, KS, kbase, vbase, krow, start_n, offs_m, offs_d, offs_dv,
+def _fwd_tile(acc, m_i, l_i, q, qs, tau, lam, K, V, KS, U, kbase, vbase, krow, start_n, offs_m, offs_d, offs_dv,
               Tk, off, sm_scale, D: tl.constexpr, DV: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr,
-              HAS_DOT: tl.constexpr, KERNEL: tl.constexpr, CAUSAL: tl.constexpr, MASK: tl.constexpr,
+              HAS_DOT: tl.constexpr, BIAS: tl.constexpr, KERNEL: tl.constexpr, CAUSAL: tl.constexpr, MASK: tl.constexpr,
               PREC: tl.constexpr, UP: tl.constexpr):
     """One key tile of the online softmax: the running max m_i, sum l_i and output acc, updated."""
     offs_n = start_n + tl.arange(0, BLOCK_N)
     n_ok = offs_n < Tk
     ks = tl.load(KS + krow + offs_n, mask=n_ok, other=0.0)
+    us = _load_bias(U, krow, offs_n, n_ok, BIAS)
     k = _load_rows(K, kbase, offs_n, n_ok, offs_d, D, HAS_DOT, BLOCK_D, K.dtype.element_ty)
-    s, d, x, l1 = _scores(q, k, qs, ks, tau, lam, offs_m, offs_n, Tk, off, sm_scale, HAS_DOT, KERNEL, CAUSAL,
+    s, d, x, l1 = _scores(q, k, qs, ks, us, tau, lam, offs_m, offs_n, Tk, off, sm_scale, HAS_DOT, BIAS, KERNEL, CAUSAL,
                           MASK, PREC, UP)
     m_new = tl.maximum(m_i, tl.max(s, 1))
     m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
@@ -182,9 +200,9 @@ def _fwd_tile(acc, m_i, l_i, q, qs, tau, lam, K, V, KS, kbase, vbase, krow, star
 
 
 @triton.jit
-def _fwd(Q, K, V, QS, KS, TAU, LAM, O, LSE, Tq, Tk, H, GK, GV, sm_scale,
+def _fwd(Q, K, V, QS, KS, U, TAU, LAM, O, LSE, Tq, Tk, H, GK, GV, sm_scale,
          D: tl.constexpr, DV: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
-         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, HAS_DOT: tl.constexpr, KERNEL: tl.constexpr,
+         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, HAS_DOT: tl.constexpr, BIAS: tl.constexpr, KERNEL: tl.constexpr,
          CAUSAL: tl.constexpr, PREC: tl.constexpr, UP: tl.constexpr):
     m0 = tl.program_id(0) * BLOCK_M
     off = Tk - Tq
@@ -200,12 +218,12 @@ def _fwd(Q, K, V, QS, KS, TAU, LAM, O, LSE, Tq, Tk, H, GK, GV, sm_scale,
     full = _visible_tiles(m0, Tk, off, BLOCK_N, CAUSAL)
     hi = _seen_end(m0, Tk, off, BLOCK_M, CAUSAL)
     for start_n in range(0, full, BLOCK_N):  # whole tiles: no mask
-        acc, m_i, l_i = _fwd_tile(acc, m_i, l_i, q, qs, tau, lam, K, V, KS, kbase, vbase, krow, start_n, offs_m,
-                                  offs_d, offs_dv, Tk, off, sm_scale, D, DV, BLOCK_D, BLOCK_N, HAS_DOT, KERNEL,
+        acc, m_i, l_i = _fwd_tile(acc, m_i, l_i, q, qs, tau, lam, K, V, KS, U, kbase, vbase, krow, start_n, offs_m,
+                                  offs_d, offs_dv, Tk, off, sm_scale, D, DV, BLOCK_D, BLOCK_N, HAS_DOT, BIAS, KERNEL,
                                   CAUSAL, False, PREC, UP)
     for start_n in range(full, hi, BLOCK_N):  # the diagonal and the ragged end
-        acc, m_i, l_i = _fwd_tile(acc, m_i, l_i, q, qs, tau, lam, K, V, KS, kbase, vbase, krow, start_n, offs_m,
-                                  offs_d, offs_dv, Tk, off, sm_scale, D, DV, BLOCK_D, BLOCK_N, HAS_DOT, KERNEL,
+        acc, m_i, l_i = _fwd_tile(acc, m_i, l_i, q, qs, tau, lam, K, V, KS, U, kbase, vbase, krow, start_n, offs_m,
+                                  offs_d, offs_dv, Tk, off, sm_scale, D, DV, BLOCK_D, BLOCK_N, HAS_DOT, BIAS, KERNEL,
                                   CAUSAL, True, PREC, UP)
     l_safe = tl.where(l_i == 0.0, 1.0, l_i)
     out = acc / l_safe[:, None]
@@ -215,11 +233,11 @@ def _fwd(Q, K, V, QS, KS, TAU, LAM, O, LSE, Tq, Tk, H, GK, GV, sm_scale,
 
 
 @triton.jit
-def _kv_tile(dk, dv, dks, k, v, ks, Q, QS, TAU, LAM, DO, LSE, DELTA, row, start_m, offs_n, offs_d, offs_dv, Tq, Tk,
+def _kv_tile(dk, dv, dks, du, k, v, ks, us, Q, QS, TAU, LAM, DO, LSE, DELTA, row, start_m, offs_n, offs_d, offs_dv, Tq, Tk,
              off, sm_scale, D: tl.constexpr, DV: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr,
-             HAS_DOT: tl.constexpr, KERNEL: tl.constexpr, CAUSAL: tl.constexpr, MASK: tl.constexpr,
+             HAS_DOT: tl.constexpr, BIAS: tl.constexpr, KERNEL: tl.constexpr, CAUSAL: tl.constexpr, MASK: tl.constexpr,
              PREC: tl.constexpr, UP: tl.constexpr):
-    """One query tile's share of a key tile's dk, dv and dks. Rows past Tq read lse = +inf: p = 0."""
+    """One query tile's share of a key tile's dk, dv, dks and du. Rows past Tq read lse = +inf: p = 0."""
     offs_m = start_m + tl.arange(0, BLOCK_M)
     m_ok = offs_m < Tq
     qs, tau, lam, q = _query_rows(Q, QS, TAU, LAM, row, offs_m, m_ok, offs_d, D, HAS_DOT, BLOCK_D)
@@ -227,23 +245,26 @@ def _kv_tile(dk, dv, dks, k, v, ks, Q, QS, TAU, LAM, DO, LSE, DELTA, row, start_
     delta = tl.load(DELTA + row + offs_m, mask=m_ok, other=0.0)
     do = tl.load(DO + (row + offs_m[:, None]) * DV + offs_dv[None, :], mask=m_ok[:, None] & (offs_dv[None, :] < DV),
                  other=0.0)
-    s, d, x, l1 = _scores(q, k, qs, ks, tau, lam, offs_m, offs_n, Tk, off, sm_scale, HAS_DOT, KERNEL, CAUSAL,
+    s, d, x, l1 = _scores(q, k, qs, ks, us, tau, lam, offs_m, offs_n, Tk, off, sm_scale, HAS_DOT, BIAS, KERNEL, CAUSAL,
                           MASK, PREC, UP)
     p = tl.exp2(s - lse[:, None])
     dv += _mm(tl.trans(p.to(do.dtype)), do, PREC, UP)
     ds = p * (_mm(do, tl.trans(v), PREC, UP) - delta[:, None])  # the gradient of the (natural) score
     if HAS_DOT:
         dk += _mm(tl.trans(ds.to(q.dtype)), q, PREC, UP)
+    if BIAS:
+        du += tl.sum(ds, 0)
     if KERNEL == 1:
         ds = ds / (1.0 + x)  # d phi / dx = -1 / (1 + x)
-    dks += tl.sum(ds * d * (2.0 * lam * tau)[:, None], 0)  # d score / d ks = 2 lam phi'(x) (qs - ks) / tau
-    return dk, dv, dks
+    if KERNEL != 2:
+        dks += tl.sum(ds * d * (2.0 * lam * tau)[:, None], 0)  # d score / d ks = 2 lam phi'(x) (qs - ks) / tau
+    return dk, dv, dks, du
 
 
 @triton.jit
-def _bwd_kv(Q, K, V, QS, KS, TAU, LAM, DO, LSE, DELTA, DK, DV_, DKS, Tq, Tk, H, GK, GV, sm_scale,
+def _bwd_kv(Q, K, V, QS, KS, U, TAU, LAM, DO, LSE, DELTA, DK, DV_, DKS, DU, Tq, Tk, H, GK, GV, sm_scale,
             D: tl.constexpr, DV: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
-            BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, HAS_DOT: tl.constexpr, KERNEL: tl.constexpr,
+            BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, HAS_DOT: tl.constexpr, BIAS: tl.constexpr, KERNEL: tl.constexpr,
             CAUSAL: tl.constexpr, PREC: tl.constexpr, UP: tl.constexpr):
     n0 = tl.program_id(0) * BLOCK_N
     off = Tk - Tq
@@ -253,12 +274,14 @@ def _bwd_kv(Q, K, V, QS, KS, TAU, LAM, DO, LSE, DELTA, DK, DV_, DKS, Tq, Tk, H, 
     offs_dv = tl.arange(0, BLOCK_DV)
     n_ok = offs_n < Tk
     ks = tl.load(KS + krow + offs_n, mask=n_ok, other=0.0)
+    us = _load_bias(U, krow, offs_n, n_ok, BIAS)
     k = _load_rows(K, kbase, offs_n, n_ok, offs_d, D, HAS_DOT, BLOCK_D, K.dtype.element_ty)
     v = tl.load(V + (vbase + offs_n[:, None]) * DV + offs_dv[None, :], mask=n_ok[:, None] & (offs_dv[None, :] < DV),
                 other=0.0)
     dk = tl.zeros((BLOCK_N, BLOCK_D), tl.float32)
     dv = tl.zeros((BLOCK_N, BLOCK_DV), tl.float32)
     dks = tl.zeros((BLOCK_N,), tl.float32)
+    du = tl.zeros((BLOCK_N,), tl.float32)
     lo = 0
     full = 0  # query tiles from `full` on see this key tile whole (keys past Tk are never stored)
     if CAUSAL:
@@ -273,22 +296,24 @@ def _bwd_kv(Q, K, V, QS, KS, TAU, LAM, DO, LSE, DELTA, DK, DV_, DKS, Tq, Tk, H, 
         if full > Tq:
             full = Tq
     for start_m in range(lo, full, BLOCK_M):  # the diagonal
-        dk, dv, dks = _kv_tile(dk, dv, dks, k, v, ks, Q, QS, TAU, LAM, DO, LSE, DELTA, row, start_m, offs_n, offs_d,
-                               offs_dv, Tq, Tk, off, sm_scale, D, DV, BLOCK_D, BLOCK_M, HAS_DOT, KERNEL, CAUSAL,
+        dk, dv, dks, du = _kv_tile(dk, dv, dks, du, k, v, ks, us, Q, QS, TAU, LAM, DO, LSE, DELTA, row, start_m, offs_n, offs_d,
+                               offs_dv, Tq, Tk, off, sm_scale, D, DV, BLOCK_D, BLOCK_M, HAS_DOT, BIAS, KERNEL, CAUSAL,
                                True, PREC, UP)
     for start_m in range(full, Tq, BLOCK_M):  # whole tiles (non-causal: every tile; padded keys are not stored)
-        dk, dv, dks = _kv_tile(dk, dv, dks, k, v, ks, Q, QS, TAU, LAM, DO, LSE, DELTA, row, start_m, offs_n, offs_d,
-                               offs_dv, Tq, Tk, off, sm_scale, D, DV, BLOCK_D, BLOCK_M, HAS_DOT, KERNEL, CAUSAL,
+        dk, dv, dks, du = _kv_tile(dk, dv, dks, du, k, v, ks, us, Q, QS, TAU, LAM, DO, LSE, DELTA, row, start_m, offs_n, offs_d,
+                               offs_dv, Tq, Tk, off, sm_scale, D, DV, BLOCK_D, BLOCK_M, HAS_DOT, BIAS, KERNEL, CAUSAL,
                                False, PREC, UP)
     tl.store(DK + (krow + offs_n[:, None]) * BLOCK_D + offs_d[None, :], dk * sm_scale, mask=n_ok[:, None])
     tl.store(DV_ + (krow + offs_n[:, None]) * BLOCK_DV + offs_dv[None, :], dv, mask=n_ok[:, None])
     tl.store(DKS + krow + offs_n, dks, mask=n_ok)
+    if BIAS:
+        tl.store(DU + krow + offs_n, du, mask=n_ok)
 
 
 @triton.jit
-def _q_tile(dq, da, dx, dl, q, qs, tau, lam, do, lse, delta, K, V, KS, kbase, vbase, krow, start_n, offs_m,
+def _q_tile(dq, da, dx, dl, q, qs, tau, lam, do, lse, delta, K, V, KS, U, kbase, vbase, krow, start_n, offs_m,
             offs_d, offs_dv, Tk, off, sm_scale, D: tl.constexpr, DV: tl.constexpr, BLOCK_D: tl.constexpr,
-            BLOCK_N: tl.constexpr, HAS_DOT: tl.constexpr, KERNEL: tl.constexpr, CAUSAL: tl.constexpr,
+            BLOCK_N: tl.constexpr, HAS_DOT: tl.constexpr, BIAS: tl.constexpr, KERNEL: tl.constexpr, CAUSAL: tl.constexpr,
             MASK: tl.constexpr, PREC: tl.constexpr, UP: tl.constexpr):
     """One key tile's share of a query tile's dq and of the per-row sums A = sum ds phi' d, X = sum ds
     phi' x and L = sum ds l1 (phi' = 1 for the Gaussian, 1 / (1 + x) for the Cauchy kernel) that give
@@ -296,10 +321,11 @@ def _q_tile(dq, da, dx, dl, q, qs, tau, lam, do, lse, delta, K, V, KS, kbase, vb
     offs_n = start_n + tl.arange(0, BLOCK_N)
     n_ok = offs_n < Tk
     ks = tl.load(KS + krow + offs_n, mask=n_ok, other=0.0)
+    us = _load_bias(U, krow, offs_n, n_ok, BIAS)
     k = _load_rows(K, kbase, offs_n, n_ok, offs_d, D, HAS_DOT, BLOCK_D, K.dtype.element_ty)
     v = tl.load(V + (vbase + offs_n[:, None]) * DV + offs_dv[None, :], mask=n_ok[:, None] & (offs_dv[None, :] < DV),
                 other=0.0)
-    s, d, x, l1 = _scores(q, k, qs, ks, tau, lam, offs_m, offs_n, Tk, off, sm_scale, HAS_DOT, KERNEL, CAUSAL,
+    s, d, x, l1 = _scores(q, k, qs, ks, us, tau, lam, offs_m, offs_n, Tk, off, sm_scale, HAS_DOT, BIAS, KERNEL, CAUSAL,
                           MASK, PREC, UP)
     p = tl.exp2(s - lse[:, None])
     ds = p * (_mm(do, tl.trans(v), PREC, UP) - delta[:, None])  # 0 wherever a key is hidden
@@ -308,15 +334,16 @@ def _q_tile(dq, da, dx, dl, q, qs, tau, lam, do, lse, delta, K, V, KS, kbase, vb
     if KERNEL == 1:
         dl += tl.sum(ds * l1, 1)
         ds = ds / (1.0 + x)
-    da += tl.sum(ds * d, 1)
-    dx += tl.sum(ds * x, 1)
+    if KERNEL != 2:
+        da += tl.sum(ds * d, 1)
+        dx += tl.sum(ds * x, 1)
     return dq, da, dx, dl
 
 
 @triton.jit
-def _bwd_q(Q, K, V, QS, KS, TAU, LAM, DO, LSE, DELTA, DQ, DQS, DTAU, DLAM, Tq, Tk, H, GK, GV, sm_scale,
+def _bwd_q(Q, K, V, QS, KS, U, TAU, LAM, DO, LSE, DELTA, DQ, DQS, DTAU, DLAM, Tq, Tk, H, GK, GV, sm_scale,
            D: tl.constexpr, DV: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
-           BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, HAS_DOT: tl.constexpr, KERNEL: tl.constexpr,
+           BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, HAS_DOT: tl.constexpr, BIAS: tl.constexpr, KERNEL: tl.constexpr,
            CAUSAL: tl.constexpr, PREC: tl.constexpr, UP: tl.constexpr):
     m0 = tl.program_id(0) * BLOCK_M
     off = Tk - Tq
@@ -337,13 +364,13 @@ def _bwd_q(Q, K, V, QS, KS, TAU, LAM, DO, LSE, DELTA, DQ, DQS, DTAU, DLAM, Tq, T
     full = _visible_tiles(m0, Tk, off, BLOCK_N, CAUSAL)
     hi = _seen_end(m0, Tk, off, BLOCK_M, CAUSAL)
     for start_n in range(0, full, BLOCK_N):
-        dq, da, dx, dl = _q_tile(dq, da, dx, dl, q, qs, tau, lam, do, lse, delta, K, V, KS, kbase, vbase,
+        dq, da, dx, dl = _q_tile(dq, da, dx, dl, q, qs, tau, lam, do, lse, delta, K, V, KS, U, kbase, vbase,
                                  krow, start_n, offs_m, offs_d, offs_dv, Tk, off, sm_scale, D, DV, BLOCK_D,
-                                 BLOCK_N, HAS_DOT, KERNEL, CAUSAL, False, PREC, UP)
+                                 BLOCK_N, HAS_DOT, BIAS, KERNEL, CAUSAL, False, PREC, UP)
     for start_n in range(full, hi, BLOCK_N):
-        dq, da, dx, dl = _q_tile(dq, da, dx, dl, q, qs, tau, lam, do, lse, delta, K, V, KS, kbase, vbase,
+        dq, da, dx, dl = _q_tile(dq, da, dx, dl, q, qs, tau, lam, do, lse, delta, K, V, KS, U, kbase, vbase,
                                  krow, start_n, offs_m, offs_d, offs_dv, Tk, off, sm_scale, D, DV, BLOCK_D,
-                                 BLOCK_N, HAS_DOT, KERNEL, CAUSAL, True, PREC, UP)
+                                 BLOCK_N, HAS_DOT, BIAS, KERNEL, CAUSAL, True, PREC, UP)
     tl.store(DQ + (row + offs_m[:, None]) * BLOCK_D + offs_d[None, :], dq * sm_scale, mask=m_ok[:, None])
     # score = -lam phi(x): d/d qs = -2 lam phi' d / tau, d/d tau = lam phi' x / tau, d/d lam = -phi(x)
     tl.store(DQS + row + offs_m, -2.0 * lam * tau * da, mask=m_ok)
@@ -379,55 +406,59 @@ def _pow2(n: int) -> int:
 
 
 class _ScalarFamily(torch.autograd.Function):
+    """Inputs as `triton_scalar_attention` documents them, q / k already scaled when sm_scale is given."""
+
     @staticmethod
-    def forward(ctx, q, k, v, qs, ks, tau, lam, kernel: int, causal: bool):
-        B, H, Tq = qs.shape
-        Tk = ks.shape[2]
+    def forward(ctx, q, k, v, qs, ks, tau, lam, u, kernel: int, causal: bool, sm_scale):
+        B, H, Tq = tau.shape
+        Tk = v.shape[2]
         has_dot = q is not None
-        D = q.shape[-1] if has_dot else 16
-        DV = v.shape[-1]
-        GK = k.shape[1] if has_dot else H
-        GV = v.shape[1]
-        qq = q.contiguous() if has_dot else v.new_zeros(1)
-        kk = k.contiguous() if has_dot else v.new_zeros(1)
         if not has_dot and SCALAR_DOT:  # scalar heads through the dot-product kernel with zero vectors
-            qq, kk = v.new_zeros(B, H, Tq, 16), v.new_zeros(B, H, Tk, 16)
+            q, k = v.new_zeros(B, H, Tq, 16), v.new_zeros(B, H, Tk, 16)
+        D = q.shape[-1] if q is not None else 16
+        DV = v.shape[-1]
+        GK = k.shape[1] if k is not None else H
+        GV = v.shape[1]
+        none = v.new_zeros(1)
+        qq = q.contiguous() if q is not None else none
+        kk = k.contiguous() if k is not None else none
         vv = v.contiguous()
-        qs32, ks32 = qs.float().contiguous(), ks.float().contiguous()
+        f32 = torch.zeros(1, device=v.device)
+        qs32 = qs.float().contiguous() if qs is not None else f32.expand(B, H, Tq).contiguous()
+        ks32 = ks.float().contiguous() if ks is not None else f32
+        uu = u.float().contiguous() if u is not None else f32
         tau32, lam32 = (1.0 / tau.float()).contiguous(), lam.float().contiguous()  # the kernels take 1 / tau
         out = torch.empty(B, H, Tq, DV, dtype=torch.float32, device=v.device)  # float32: the backward's delta
         lse = torch.empty(B, H, Tq, dtype=torch.float32, device=v.device)
-        cfg = _blocks(v.device, D, DV)
-        BM, BN, warps, stages = cfg["fwd"]
-        prec = "ieee" if v.dtype == torch.float32 else "tf32"
-        consts = dict(D=D, DV=DV, BLOCK_D=_pow2(D), BLOCK_DV=_pow2(DV), HAS_DOT=has_dot or SCALAR_DOT, KERNEL=kernel,
-                      CAUSAL=causal, PREC=prec, UP=interpreted() and v.dtype == torch.bfloat16)
-        sm_scale = 1.0 / math.sqrt(D) if has_dot else 0.0
-        _fwd[(-(-Tq // BM), B * H)](qq, kk, vv, qs32, ks32, tau32, lam32, out, lse, Tq, Tk, H, GK, GV, sm_scale,
+        BM, BN, warps, stages = _blocks(v.device, D, DV)["fwd"]
+        consts = dict(D=D, DV=DV, BLOCK_D=_pow2(D), BLOCK_DV=_pow2(DV), HAS_DOT=q is not None, BIAS=u is not None,
+                      KERNEL=kernel, CAUSAL=causal, PREC="ieee" if v.dtype == torch.float32 else "tf32",
+                      UP=interpreted() and v.dtype == torch.bfloat16)
+        if sm_scale is None:
+            sm_scale = 1.0 / math.sqrt(D) if has_dot else 0.0
+        _fwd[(-(-Tq // BM), B * H)](qq, kk, vv, qs32, ks32, uu, tau32, lam32, out, lse, Tq, Tk, H, GK, GV, sm_scale,
                                    BLOCK_M=BM, BLOCK_N=BN, num_warps=warps, num_stages=stages, **consts)
-        ctx.save_for_backward(qq, kk, vv, qs32, ks32, tau32, lam32, out, lse)
-        ctx.meta = (has_dot, kernel, causal, consts, sm_scale, GK, GV)
+        ctx.save_for_backward(qq, kk, vv, qs32, ks32, uu, tau32, lam32, out, lse)
+        ctx.meta = (has_dot, qs is not None, u is not None, u.shape if u is not None else None, consts, sm_scale,
+                    GK, GV)
         return out.to(v.dtype)
 
     @staticmethod
     def backward(ctx, dout):
-        qq, kk, vv, qs32, ks32, tau32, lam32, out, lse = ctx.saved_tensors
-        has_dot, kernel, causal, consts, sm_scale, GK, GV = ctx.meta
-        B, H, Tq = qs32.shape
-        Tk = ks32.shape[2]
+        qq, kk, vv, qs32, ks32, uu, tau32, lam32, out, lse = ctx.saved_tensors
+        has_dot, has_scalar, has_bias, _, consts, sm_scale, GK, GV = ctx.meta
+        B, H, Tq = tau32.shape
+        Tk = vv.shape[2]
         dout = dout.contiguous()
         delta = (dout.float() * out).sum(-1).contiguous()  # (B, H, Tq): sum_s p_ts dp_ts, from the float32 output
         BD, BDV = consts["BLOCK_D"], consts["BLOCK_DV"]
         dev = vv.device
-        dk = torch.empty(B, H, Tk, BD, dtype=torch.float32, device=dev)
-        dv = torch.empty(B, H, Tk, BDV, dtype=torch.float32, device=dev)
-        dks = torch.empty(B, H, Tk, dtype=torch.float32, device=dev)
-        dq = torch.empty(B, H, Tq, BD, dtype=torch.float32, device=dev)
-        dqs, dtau, dlam = (torch.empty(B, H, Tq, dtype=torch.float32, device=dev) for _ in range(3))
-        cfg = _blocks(dev, consts["D"], consts["DV"])
-        BM, BN, warps, stages = cfg["bwd"]
-        args = (qq, kk, vv, qs32, ks32, tau32, lam32, dout, lse, delta)
-        _bwd_kv[(-(-Tk // BN), B * H)](*args, dk, dv, dks, Tq, Tk, H, GK, GV, sm_scale, BLOCK_M=BM, BLOCK_N=BN,
+        empty = lambda *shape: torch.empty(*shape, dtype=torch.float32, device=dev)  # noqa: E731
+        dk, dv, dks, du = empty(B, H, Tk, BD), empty(B, H, Tk, BDV), empty(B, H, Tk), empty(B, H, Tk)
+        dq, dqs, dtau, dlam = empty(B, H, Tq, BD), empty(B, H, Tq), empty(B, H, Tq), empty(B, H, Tq)
+        BM, BN, warps, stages = _blocks(dev, consts["D"], consts["DV"])["bwd"]
+        args = (qq, kk, vv, qs32, ks32, uu, tau32, lam32, dout, lse, delta)
+        _bwd_kv[(-(-Tk // BN), B * H)](*args, dk, dv, dks, du, Tq, Tk, H, GK, GV, sm_scale, BLOCK_M=BM, BLOCK_N=BN,
                                       num_warps=warps, num_stages=stages, **consts)
         _bwd_q[(-(-Tq // BM), B * H)](*args, dq, dqs, dtau, dlam, Tq, Tk, H, GK, GV, sm_scale, BLOCK_M=BM,
                                      BLOCK_N=BN, num_warps=warps, num_stages=stages, **consts)
@@ -438,18 +469,26 @@ class _ScalarFamily(torch.autograd.Function):
             dk = dk[..., :D].view(B, GK, H // GK, Tk, D).sum(2).to(kk.dtype)
         else:
             dq = dk = None
-        return dq, dk, dv, dqs, dks, dtau, dlam, None, None
+        if not has_scalar:
+            dqs = dks = dtau = dlam = None
+        return dq, dk, dv, dqs, dks, dtau, dlam, du if has_bias else None, None, None, None
 
 
-def triton_scalar_attention(q, k, v, qs, ks, tau_b, lam_b, kernel: str, causal: bool) -> torch.Tensor:
-    """softmax_s([q_t . k_s / sqrt(d)] + lam_t phi((qs_t - ks_s)^2 / tau_t)) v_s through the kernels above,
-    for checked inputs: q (B, H, Tq, D) and k (B, G, Tk, D), or both None (scalar heads); v (B, G', Tk, Dv);
-    qs (B, H, Tq), ks (B, H, Tk); tau_b and lam_b tensors broadcastable to (B, H, Tq) (lam_b None for 1).
-    Gradients reach every tensor. Returns (B, H, Tq, Dv) in v's dtype."""
-    B, H, Tq = qs.shape
+def triton_scalar_attention(q, k, v, qs, ks, tau_b, lam_b, kernel: str | None, causal: bool, *,
+                            sm_scale: float | None = None, u=None) -> torch.Tensor:
+    """softmax_s([q_t . k_s * sm_scale] + lam_t phi((qs_t - ks_s)^2 / tau_t) [+ u_s]) v_s through the kernels
+    above, for checked inputs: q (B, H, Tq, D) and k (B, G, Tk, D), or both None (scalar heads); v (B, G',
+    Tk, Dv); qs (B, H, Tq) and ks (B, H, Tk), or both None with kernel None (no scalar term: GOAT); tau_b and
+    lam_b tensors broadcastable to (B, H, Tq) (lam_b None for 1); sm_scale 1 / sqrt(D) when None; u a
+    key-only term broadcastable to (B, H, Tk), added in float32. Gradients reach every tensor. Returns
+    (B, H, Tq, Dv) in v's dtype."""
+    B, H, Tq = (qs.shape if qs is not None else q.shape[:3])
     if Tq == 0:
         return v.new_zeros(B, H, 0, v.shape[-1])
-    tau = tau_b.float().expand(B, H, Tq)
-    lam = (torch.ones((), device=qs.device) if lam_b is None else lam_b.float()).expand(B, H, Tq)
-    code = GAUSSIAN if kernel == "gaussian" else CAUCHY
-    return _ScalarFamily.apply(q, k, v, qs.float(), ks.float(), tau, lam, code, causal)
+    dev = v.device
+    tau = (torch.ones((), device=dev) if tau_b is None else tau_b.float()).expand(B, H, Tq)
+    lam = (torch.ones((), device=dev) if lam_b is None else lam_b.float()).expand(B, H, Tq)
+    code = NONE if kernel is None else GAUSSIAN if kernel == "gaussian" else CAUCHY
+    uu = None if u is None else u.float().expand(B, H, v.shape[2])
+    return _ScalarFamily.apply(q, k, v, None if qs is None else qs.float(), None if ks is None else ks.float(),
+                               tau, lam, uu, code, causal, sm_scale)
