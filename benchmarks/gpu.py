@@ -128,7 +128,7 @@ BWD_TILES = [(64, 64, 8, 2), (64, 64, 4, 2), (32, 64, 4, 2), (64, 32, 4, 3), (32
 def tune(doc: dict, device, T: int) -> None:
     """Time the Triton kernel's tile choices (forward, then backward with the best forward) on the
     hybrid Cauchy path at T, keep the fastest for the rest of the run, and re-check its errors."""
-    from attnlab.ops import scalar_triton
+    from attnlab.ops.scalar import triton_op as scalar_triton
 
     name = "hybrid-cauchy/triton"
     res = {}

@@ -9,7 +9,7 @@ import torch
 
 from attnlab.layers import AttentionConfig
 from attnlab.ops import hybrid_attention, scalar_attention, windowed_attention
-from attnlab.ops.kernel import chunked_kernel_attention
+from attnlab.ops.scalar.chunked import chunked_kernel_attention
 from attnlab.testing import rel_rms
 
 

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 import attnlab.layers.mechanisms.scalar as scalar_mechanism
-import attnlab.ops.scalar_approx as sa
+import attnlab.ops.scalar.approx as sa
 from attnlab.layers import Attention, AttentionConfig
 from attnlab.ops import approx_plan, scalar_attention, scalar_attention_approx
 from attnlab.testing import compare_fwd_bwd

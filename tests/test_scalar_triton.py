@@ -1,4 +1,4 @@
-"""The scalar family's Triton kernel (attnlab.ops.scalar_triton) against the naive op in float64:
+"""The scalar family's Triton kernel (attnlab.ops.scalar.triton_kernel) against the naive op in float64:
 outputs and every gradient (q, k, v, qs, ks, tau, the gain), both kernels, scalar and hybrid heads,
 awkward shapes, GQA, decode offsets, ties and far-off scalar keys. On the CPU the kernel runs in
 Triton's interpreter (tests/conftest.py sets TRITON_INTERPRET=1), so shapes stay small; the `cuda`
@@ -131,7 +131,7 @@ def test_16bit_inputs(kernel, dtype):
 def test_scalar_heads_both_kernels(monkeypatch, through_dot):
     """Scalar heads through the dot-product kernel on zero vectors (SCALAR_DOT, the default) and through
     the product-free kernel compute the same."""
-    from attnlab.ops import scalar_triton
+    from attnlab.ops.scalar import triton_op as scalar_triton
 
     ins = make(1, 2, 1, 40, 70, 16, 16, hybrid=False)
     ref, ref_g = run(ins, "naive", "cauchy", True)

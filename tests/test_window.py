@@ -1,4 +1,4 @@
-"""Windowed attention (ops.window) and windowed decoding measured in one forward (eval.window):
+"""Windowed attention (ops.scalar.window) and windowed decoding measured in one forward (eval.window):
 against a per-query reference that sorts the visible keys, and against stepping the model
 through SortedScalarCache."""
 

@@ -5,7 +5,7 @@ the newest of equally distant keys."""
 import pytest
 import torch
 
-from attnlab.ops.window import nearest_newest, nearest_newest_naive, window_mask
+from attnlab.ops.scalar.window import nearest_newest, nearest_newest_naive, window_mask
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64])

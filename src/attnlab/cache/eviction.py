@@ -28,7 +28,7 @@ from __future__ import annotations
 import torch
 
 from ..checks import check_int
-from ..ops.window import range_distance
+from ..ops.scalar import range_distance
 from .sorted_index import radius_from_tolerance, run_keys
 
 

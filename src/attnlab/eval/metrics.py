@@ -106,7 +106,7 @@ def topk_scalar_mass(
     metric is sum_{s in window} w_ts: the share a k-entry window of the sorted scalar cache
     (with its sink) would capture. w: (B, H, Tq, Tk); qs: (B, H, Tq); ks: (B, H or G, Tk)
     (G groups shared by H // G heads each). Mean per head over valid queries -> (H,)."""
-    from ..ops.window import window_mask
+    from ..ops.scalar import window_mask
 
     valid = _check_w(w, query_mask)
     B, H, Tq, Tk = w.shape
@@ -318,7 +318,7 @@ def selection_reach(qs: torch.Tensor, ks: torch.Tensor, window: int, *, local: i
         from the same candidates (the chance level); "median_distance", the median t − s of the
         selected keys, in positions.
     """
-    from ..ops.window import window_indices
+    from ..ops.scalar import window_indices
 
     check_tensor("qs", qs, 3)
     check_tensor("ks", ks, 3)

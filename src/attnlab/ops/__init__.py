@@ -11,8 +11,8 @@ from .principled import principled_attention
 from .cosformer import CosformerState, cosformer_attention, cosformer_step
 from .gla import gla_attention, gla_step, ssd_attention, ssd_step
 from .goat import goat_attention, goat_prior
-from .scalar_approx import approx_plan, scalar_attention_approx
-from .window import budget_evictions, range_distance, window_indices, window_mask, windowed_attention
+from .scalar import approx_plan, scalar_attention_approx
+from .scalar import budget_evictions, range_distance, window_indices, window_mask, windowed_attention
 
 __all__ = [
     "softmax_attention",

@@ -34,7 +34,9 @@ import torch
 
 from ..checks import TRITON_IMPLS, check_finite, check_impl, check_tensor, check_window, visible_keys
 from ._sdpa import check_causal, check_qkv, expand_heads, fused_attention, upcast, without_autocast
-from .scalar import _augment, _check_scalars, _tau, _use_triton, scalar_logits
+from .scalar.attention import _use_triton
+from .scalar.fused import _augment
+from .scalar.naive import _check_scalars, _tau, scalar_logits
 
 
 def _check_prior(freqs, lam_sym, lam_asym, u, B: int, G: int, Tk: int, like: torch.Tensor) -> None:
@@ -181,10 +183,10 @@ def goat_attention(
 
 
 def _goat_triton(q, k, v, freqs, lam_sym, lam_asym, u, qs, ks, tau, causal: bool) -> torch.Tensor:
-    """GOAT through `scalar_triton`: the spectral prior as 2R columns appended to q / sqrt(d) and k in
+    """GOAT through the scalar family's Triton kernel (`scalar.triton_op`): the spectral prior as 2R columns appended to q / sqrt(d) and k in
     the inputs' dtype (its terms are of the size of its weights, so 16-bit columns cost it only their
     rounding), the key-only term u as a float32 bias per key, the hybrid term (if any) in float32."""
-    from .scalar_triton import triton_scalar_attention
+    from .scalar.triton_op import triton_scalar_attention
 
     B, H, Tq, D = q.shape
     G, Tk = k.shape[1], k.shape[2]

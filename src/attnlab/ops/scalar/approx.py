@@ -32,9 +32,10 @@ import math
 
 import torch
 
-from ..checks import check_int, check_same
-from ._sdpa import upcast
-from .scalar import _check_scalars, _check_values, _tau, scalar_attention
+from ...checks import check_int, check_same
+from .._sdpa import upcast
+from .attention import scalar_attention
+from .naive import _check_scalars, _check_values, _tau
 
 __all__ = ["APPROX_TOL", "approx_plan", "scalar_attention_approx"]
 
@@ -205,8 +206,6 @@ def _run_logits(q, t, k, pos_q, pos_k):
     hidden = pos_k.unsqueeze(-2) > pos_q.unsqueeze(-1)
     n_in = hidden.shape[-1] - hidden.sum(-1, keepdim=True)  # visible keys in the run
     return logits.masked_fill(hidden & (n_in > 0), float("-inf")), n_in
-
-
 
 
 def _chunks(q, k):

@@ -39,10 +39,10 @@ from typing import Callable
 
 import torch
 
-from ..checks import check_int, check_same, visible_keys
-from ._sdpa import check_qkv, expand_heads, upcast
-from ._selected import selected_attention
-from .scalar import _check_scalars, _check_values, _scalar_scale, _tau, check_kernel, hybrid_logits, scalar_logits
+from ...checks import check_int, check_same, visible_keys
+from .._sdpa import check_qkv, expand_heads, upcast
+from .selected import selected_attention
+from .naive import _check_scalars, _check_values, _scalar_scale, _tau, check_kernel, hybrid_logits, scalar_logits
 
 __all__ = ["budget_evictions", "range_distance", "window_indices", "window_mask", "windowed_attention"]
 
@@ -351,8 +351,9 @@ def windowed_attention(
     per_query_tau = torch.is_tensor(tau) and tau.dim() == 3
     window = T if window is None else window
     if impl != "naive" and budget is None and keep_fn is None:
-        return selected_attention(qs, ks, v, tau, max(window, 1), q, k, n_prefix, local, min(query_chunk, SELECT_CHUNK),
-                                  scalar_scale, kernel)
+        chunk = min(query_chunk, SELECT_CHUNK)
+        idx, ok = window_indices(qs, ks, max(window, 1), n_prefix=n_prefix, local=local, query_chunk=chunk)
+        return selected_attention(qs, ks, v, tau, idx, ok, q, k, chunk, scalar_scale, kernel)
     evicted = None if budget is None else budget_evictions(qs, ks, budget, history=history, n_prefix=n_prefix)
     outs = []
     for a in range(0, T, query_chunk):

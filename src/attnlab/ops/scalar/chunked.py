@@ -20,14 +20,13 @@ Both take checked inputs (the public ops check before calling them).
 
 from __future__ import annotations
 
-
 import torch
 
-from ..checks import visible_keys
-from ._sdpa import band_keys, band_mask, band_spans, expand_heads, upcast
-from .scalar import _scalar_scale, _tau, hybrid_scores, scalar_scores
+from ...checks import visible_keys
+from .._sdpa import band_keys, band_mask, band_spans, expand_heads, upcast
+from .naive import _scalar_scale, _tau, hybrid_scores, scalar_scores
 
-__all__ = ["chunked_kernel_attention", "selected_kernel_attention"]
+__all__ = ["chunk_mask", "chunked_kernel_attention", "selected_kernel_attention"]
 
 CHUNK = 256  # query rows per chunk of the explicit-score paths
 
@@ -84,11 +83,16 @@ def chunked_kernel_attention(qs, ks, v, tau, q, k, kernel: str, causal: bool, sc
     return torch.cat(outs, dim=2).to(v.dtype)
 
 
+def chunk_mask(idx: torch.Tensor, ok: torch.Tensor, b: int) -> torch.Tensor:
+    """Indices (B, H, c, m) and their validity -> the (B, H, c, b) bool mask of the keys they select."""
+    idx = idx.masked_fill(~ok, b)  # invalid picks land on a spare column b, sliced off
+    keep = torch.zeros(*idx.shape[:3], b + 1, dtype=torch.bool, device=idx.device)
+    return keep.scatter_(-1, idx, True)[..., :b]
+
+
 def _selected_chunk(qs, ks, vals, tau_b, lam, q, k, idx, ok, kernel):
     """Query rows qs (B, H, c) (and q (B, H, c, D)) over keys ks (B, H, b) (k (B, H, b, D)), reading
     only those idx / ok (B, H, c, m) select -> (B, H, c, Dv)."""
-    from ._selected import chunk_mask
-
     return _dense_chunk(qs, ks, vals, tau_b, lam, q, k, ~chunk_mask(idx, ok, ks.shape[2]), kernel)
 
 

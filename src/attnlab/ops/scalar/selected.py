@@ -1,4 +1,4 @@
-"""`windowed_attention`'s selected-keys path (the module docstring of `attnlab.ops.window`):
+"""`windowed_attention`'s selected-keys path (the module docstring of `attnlab.ops.scalar.window`):
 each query row scores, normalises and reads only the keys `window_indices` selected for it."""
 
 from __future__ import annotations
@@ -8,15 +8,10 @@ import math
 import torch
 import torch.nn.functional as F
 
-from ._sdpa import expand_heads, upcast
-from .scalar import _augment, _scalar_scale, _tau
-
-
-def chunk_mask(idx: torch.Tensor, ok: torch.Tensor, b: int) -> torch.Tensor:
-    """Indices (B, H, c, m) and their validity -> the (B, H, c, b) bool mask of the keys they select."""
-    idx = idx.masked_fill(~ok, b)  # invalid picks land on a spare column b, sliced off
-    keep = torch.zeros(*idx.shape[:3], b + 1, dtype=torch.bool, device=idx.device)
-    return keep.scatter_(-1, idx, True)[..., :b]
+from .._sdpa import expand_heads, upcast
+from .chunked import chunk_mask, selected_kernel_attention
+from .fused import _augment
+from .naive import _scalar_scale, _tau
 
 
 def _selected_chunk(qa, ka, vals, idx, ok):
@@ -29,22 +24,17 @@ def _selected_chunk(qa, ka, vals, idx, ok):
     return out[..., : vals.shape[-1]]
 
 
-def selected_attention(qs, ks, v, tau, window, q, k, n_prefix, local, query_chunk, scalar_scale=None,
-                       kernel: str = "gaussian"):
-    """The selected-keys path of `windowed_attention`: under the Gaussian kernel the scores are the
-    fused path's augmented dot products ([q / sqrt(d), q'] . [k, k'], `ops.scalar._augment`),
-    masked to each query's selected keys chunk by chunk, each chunk recomputed in the backward
-    pass; another kernel gathers the selected keys (`attnlab.ops.kernel`)."""
+def selected_attention(qs, ks, v, tau, idx, ok, q, k, query_chunk, scalar_scale=None, kernel: str = "gaussian"):
+    """The selected-keys path of `windowed_attention` over the keys idx / ok (B, H, T, m) select
+    (`window.window_indices`): under the Gaussian kernel the scores are the fused path's augmented dot
+    products ([q / sqrt(d), q'] . [k, k'], `fused._augment`), masked to each query's selected keys
+    chunk by chunk, each chunk recomputed in the backward pass; another kernel forms the chunk's
+    scores explicitly (`chunked.selected_kernel_attention`)."""
     from torch.utils.checkpoint import checkpoint
-
-    from .window import window_indices
 
     B, H, T = qs.shape
     cdt = upcast(v.dtype)
-    idx, ok = window_indices(qs, ks, window, n_prefix=n_prefix, local=local, query_chunk=query_chunk)
     if kernel != "gaussian":
-        from .kernel import selected_kernel_attention
-
         return selected_kernel_attention(qs, ks, v, tau, idx, ok, q, k, kernel, scalar_scale, query_chunk)
     inv_tau = 1.0 / _tau(tau, B, H, T, cdt, qs.device)
     if scalar_scale is not None:  # -lam (qs - ks)^2 / tau: lam folds into 1 / tau (of any sign)

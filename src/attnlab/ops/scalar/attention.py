@@ -1,0 +1,194 @@
+"""scalar_attention and hybrid_attention: checks once, then the path `impl` and the device choose.
+
+impl="naive" materialises the logits (`naive`); "fast" runs the fused SDPA route under the Gaussian
+kernel (`fused`) and query chunks of explicit scores under the Cauchy kernel or a sliding window
+(`chunked`); "triton" runs the fused Triton kernel (`triton_op`), which "auto" picks on CUDA
+where Triton is installed and no sliding window is asked for, and "fast" elsewhere.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from ...checks import TRITON_IMPLS, check_impl, check_int, check_window
+from .._sdpa import check_causal, check_qkv, expand_heads, fused_attention, upcast, without_autocast
+from .chunked import chunked_kernel_attention
+from .fused import _augment, _slots
+from .naive import (
+    _check_scalars, _check_values, _scalar_scale, _tau, check_kernel, hybrid_logits, scalar_logits,
+)
+
+
+@without_autocast
+def scalar_attention(qs, ks, v, tau, *, causal: bool = True, impl: str = "auto", kernel: str = "gaussian",
+                     window: int | None = None, n_prefix: int = 0) -> torch.Tensor:
+    """Scalar attention o_t = sum_s softmax_s(-(qs_t - ks_s)^2 / tau_t) v_s.
+
+    Gradients reach qs, ks, v and a tensor tau.
+
+    Args:
+        qs: scalar queries (B, H, Tq).
+        ks: scalar keys (B, H, Tk).
+        v: values (B, G, Tk, Dv) with H % G == 0: head h reads value group h // (H / G)
+            (grouped value attention).
+        tau: temperature > 0: a float, per head (H,) or per query (B, H, Tq).
+        causal: hide the keys after each query. The queries are the last Tq positions, so causal
+            masking needs Tq <= Tk (decode: one query against n cached keys).
+        impl: ``"naive"`` materialises the (Tq, Tk) logits; ``"fast"`` and ``"auto"`` run one
+            fused SDPA call on the shifted augmented vectors of the module docstring (memory
+            linear in T).
+            ``"triton"`` runs the fused Triton kernel (`attnlab.ops.scalar.triton_op`: CUDA, or the CPU
+            under TRITON_INTERPRET=1), which "auto" picks on CUDA when no sliding window is given.
+        kernel: ``"gaussian"`` (default) or ``"cauchy"``, weight 1 / (1 + (qs_t - ks_s)^2 / tau_t)
+            (module docstring): no fused SDPA path, "fast" (and "auto" off CUDA) run query chunks.
+        window: a causal sliding window: each query reads only the last ``window`` keys up to it
+            (itself included); None (default) for every earlier key.
+        n_prefix: with a window, the first n_prefix keys (a sink) are read by every query too.
+
+    Returns:
+        (B, H, Tq, Dv) in v's dtype.
+
+    Raises:
+        TypeError: qs, ks, v or tau is not a tensor (tau: nor a float) or not floating, or ks or v
+            has another dtype than qs; causal is not a bool.
+        ValueError: shapes that do not fit (batch, heads, lengths, groups, tau's shape, Tq > Tk
+            under causal masking), another device, NaN or inf in any input, tau <= 0, an unknown
+            impl or kernel, a window that is not an int >= 1 or comes without causal masking.
+    """
+    check_impl(impl, TRITON_IMPLS)
+    check_causal(causal)
+    check_kernel(kernel)
+    check_window(window, causal)
+    check_int("n_prefix", n_prefix, 0)
+    B, H, T = _check_scalars(qs, ks, causal=causal)
+    _check_values(v, qs, B, H, ks.shape[2])
+    if impl == "naive":
+        w = torch.softmax(scalar_logits(qs, ks, tau, causal, kernel, window, n_prefix), dim=-1)  # (B, H, Tq, Tk)
+        return (w @ expand_heads(v, H).to(w.dtype)).to(v.dtype)  # (B, H, Tq, Dv)
+    if _use_triton(impl, qs.device, window):
+        from .triton_op import triton_scalar_attention
+
+        return triton_scalar_attention(None, None, v, qs, ks, _tau(tau, B, H, T, torch.float32, qs.device), None,
+                                       kernel, causal)
+    if kernel != "gaussian" or _banded(window, causal, ks.shape[2], n_prefix):
+        _tau(tau, B, H, T, upcast(qs.dtype), qs.device)
+        return chunked_kernel_attention(qs, ks, v, tau, None, None, kernel, causal, None, window=window,
+                                        n_prefix=n_prefix)
+    cdt = upcast(qs.dtype)
+    inv_tau = 1.0 / _tau(tau, B, H, T, cdt, qs.device)  # (1|B, 1|H, 1|T)
+    qa, ka = _augment(qs, ks, inv_tau, cdt, causal)  # (B, H, T, 2) each
+    qa, ka = _slots(qa, ka, v.shape[1])  # (B, H, Tq, 2H/G), (B, G, Tk, 2H/G)
+    return fused_attention(qa, ka, v.to(cdt), causal=causal, window=window, n_prefix=n_prefix).to(v.dtype)
+
+
+@without_autocast
+def hybrid_attention(q, k, v, qs, ks, tau, *, causal: bool = True, impl: str = "auto",
+                     scalar_scale=None, kernel: str = "gaussian", window: int | None = None,
+                     n_prefix: int = 0) -> torch.Tensor:
+    """Hybrid attention o_t = sum_s softmax_s(q_t . k_s / sqrt(d) - lam (qs_t - ks_s)^2 / tau_t) v_s.
+
+    As tau -> inf this is standard scaled dot-product attention. Gradients reach every tensor
+    argument, a tensor tau and a tensor scalar_scale among them.
+
+    Args:
+        q: vector queries (B, H, Tq, D).
+        k: vector keys (B, G, Tk, D), G dividing H (GQA).
+        v: values (B, G', Tk, Dv), G' dividing H.
+        qs: scalar queries (B, H, Tq).
+        ks: scalar keys (B, H, Tk).
+        tau: temperature > 0: a float, (H,) or (B, H, Tq).
+        causal: hide the keys after each query; the queries are the last Tq positions, so causal
+            masking needs Tq <= Tk.
+        impl: ``"naive"`` materialises the (Tq, Tk) logits; ``"fast"`` and ``"auto"`` run one
+            fused SDPA call on [q / sqrt(d), q'] . [k, k'] with the shifted scalar parts of the
+            module docstring; ``"triton"`` the fused Triton kernel, as `scalar_attention` says.
+        scalar_scale: lam >= 0 scaling the scalar term, a float or an (H,) tensor; None for
+            lam = 1. At lam = 0 this is exactly standard attention, and the gradient of lam is
+            not zero there (docs/retrofit.md: the hybrid's silent start).
+        kernel: ``"gaussian"`` (default) or ``"cauchy"``: the scalar term -lam log(1 + (qs_t -
+            ks_s)^2 / tau_t) (module docstring); "auto" / "fast" run query chunks.
+        window: a causal sliding window, as `scalar_attention` takes it.
+        n_prefix: with a window, the leading keys (a sink) every query still reads.
+
+    Returns:
+        (B, H, Tq, Dv) in v's dtype.
+
+    Raises:
+        TypeError: a tensor argument that is not a tensor, not floating or not of q's dtype; tau
+            neither a float nor a tensor; causal is not a bool.
+        ValueError: shapes that do not fit (batch, heads, lengths, D, groups, qs and ks against q
+            and k, Tq > Tk under causal masking), another device, NaN or inf in any input,
+            tau <= 0, a scalar_scale that is negative, not finite or not (H,), an unknown impl
+            or kernel, or a bad window (as `scalar_attention`).
+    """
+    check_impl(impl, TRITON_IMPLS)
+    check_causal(causal)
+    check_kernel(kernel)
+    check_window(window, causal)
+    check_int("n_prefix", n_prefix, 0)
+    B, H, T, D = check_qkv(q, k, v, causal)
+    _check_scalars(qs, ks, q, "q", causal)
+    if tuple(qs.shape) != (B, H, T) or ks.shape[2] != k.shape[2]:
+        raise ValueError(
+            f"qs must have shape (B, H, Tq) = {(B, H, T)} and ks (B, H, Tk) = {(B, H, k.shape[2])} "
+            f"from q and k, got {tuple(qs.shape)} and {tuple(ks.shape)}"
+        )
+    if impl == "naive":
+        w = torch.softmax(hybrid_logits(q, k, qs, ks, tau, causal, scalar_scale, kernel, window, n_prefix), dim=-1)
+        return (w @ expand_heads(v, H).to(w.dtype)).to(v.dtype)  # (B, H, Tq, Dv)
+    if _use_triton(impl, q.device, window):
+        from .triton_op import triton_scalar_attention
+
+        lam = None if scalar_scale is None else _scalar_scale(scalar_scale, H, torch.float32, q.device)
+        return triton_scalar_attention(q, k, v, qs, ks, _tau(tau, B, H, T, torch.float32, q.device), lam, kernel,
+                                       causal)
+    if kernel != "gaussian" or _banded(window, causal, k.shape[2], n_prefix):
+        _tau(tau, B, H, T, upcast(q.dtype), q.device)
+        if scalar_scale is not None:
+            _scalar_scale(scalar_scale, H, upcast(q.dtype), q.device)
+        return chunked_kernel_attention(qs, ks, v, tau, q, k, kernel, causal, scalar_scale, window=window,
+                                        n_prefix=n_prefix)
+    cdt = upcast(q.dtype)
+    inv_tau = 1.0 / _tau(tau, B, H, T, cdt, q.device)
+    if scalar_scale is not None:
+        inv_tau = inv_tau * _scalar_scale(scalar_scale, H, cdt, q.device)  # lam / tau: (1|B, H, 1|T)
+    qa, ka = _augment(qs, ks, inv_tau, cdt, causal)  # (B, H, T, 2) each
+    G = math.lcm(k.shape[1], v.shape[1])  # one grouping for keys and values
+    qa, ka = _slots(qa, ka, G)  # (B, H, Tq, 2H/G), (B, G, Tk, 2H/G)
+    qa = torch.cat([q.to(cdt) * (1.0 / math.sqrt(D)), qa], dim=-1)  # (B, H, T, D + 2H/G)
+    ka = torch.cat([expand_heads(k, G).to(cdt), ka], dim=-1)  # (B, G, T, D + 2H/G)
+    return fused_attention(qa, ka, expand_heads(v, G).to(cdt), causal=causal, window=window,
+                           n_prefix=n_prefix).to(v.dtype)
+
+
+def triton_missing(device: torch.device) -> str | None:
+    """Why the Triton kernel cannot run on `device` (None when it can)."""
+    try:
+        from .triton_op import available
+    except ImportError:
+        return "Triton is not installed (pip install triton; it comes with torch's CUDA builds)"
+    return available(device)
+
+
+def _use_triton(impl: str, device: torch.device, window) -> bool:
+    """impl="triton" (checked: a clear error where it cannot run), or "auto" on CUDA with Triton there.
+    A sliding window keeps the banded path (`kernel.chunked_kernel_attention`), which the kernel lacks."""
+    if impl == "triton":
+        if window is not None:
+            raise ValueError(f"window must be None with impl='triton' (the kernel has no sliding window; "
+                             f"impl='auto' runs it banded), got {window!r}")
+        reason = triton_missing(device)
+        if reason is not None:
+            raise ValueError(f"impl='triton' cannot run: {reason}")
+        return True
+    return impl == "auto" and device.type == "cuda" and window is None and triton_missing(device) is None
+
+
+def _banded(window, causal: bool, Tk: int, n_prefix: int) -> bool:
+    """A sliding window that hides some key: the scores are formed explicitly over each query chunk's
+    band (`kernel.chunked_kernel_attention`), not by the shifted expansion, whose reference key
+    (the first) a windowed query may not see: a far-past outlier there would cost every later row
+    precision through a key it cannot read."""
+    return causal and window is not None and window < Tk - n_prefix

@@ -1,0 +1,191 @@
+"""Scalar attention and the hybrid dot-product + scalar score: the formula and its naive reference.
+
+scalar: softmax_s(-(qs_t - ks_s)^2 / tau) v_s
+hybrid: softmax_s(q_t . k_s / sqrt(d) - (qs_t - ks_s)^2 / tau) v_s
+
+The formula, once: the checks of the scalar family's arguments, the score of each kernel
+(`scalar_scores`, `hybrid_scores`) and the masked logits the naive paths materialise
+(`scalar_logits`, `hybrid_logits`). Every fast path of the family (`fused`, `chunked`,
+`triton_kernel`, `window`, `approx`) is tested against them.
+
+Kernel. kernel="cauchy" replaces the Gaussian weight exp(-x), x = (qs - ks)^2 / tau, by the
+heavier-tailed 1 / (1 + x) (ZETA's kernel), i.e. the scalar logit -x by -log(1 + x). It has no
+fused path (the logit is not a quadratic in qs - ks): impl="naive" materialises Tq x Tk and
+"auto" / "fast" run query chunks (`chunked`). Both kernels fall with |qs - ks|, so
+the nearest keys in scalar space are the heaviest under either, and every window and sorted
+cache selects the same keys.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from ...checks import (
+    check_finite, check_groups, check_lengths, check_like, check_param, check_positive, check_same, check_tensor,
+    check_window, visible_keys,
+)
+from .._sdpa import check_causal, check_qkv, expand_heads, upcast
+
+
+def _check_scalars(qs, ks, like=None, like_name="", causal: bool = True) -> tuple[int, int, int]:
+    """qs (B, H, Tq), ks (B, H, Tk): finite floating tensors (of the dtype of `like` if given),
+    Tq <= Tk under causal masking. Returns (B, H, Tq)."""
+    check_tensor("qs", qs, 3)
+    check_tensor("ks", ks, 3)
+    ref, ref_name = (qs, "qs") if like is None else (like, like_name)
+    check_like("qs", qs, ref, ref_name)
+    check_like("ks", ks, ref, ref_name)
+    if ks.shape[:2] != qs.shape[:2]:
+        raise ValueError(f"ks must have the (B, H) of qs = {tuple(qs.shape[:2])}, got shape {tuple(ks.shape)}")
+    check_lengths(qs.shape[2], ks.shape[2], causal, "qs", "ks")
+    check_finite("qs", qs)
+    check_finite("ks", ks)
+    return tuple(qs.shape)
+
+
+def _tau(tau, B: int, H: int, T: int, dtype: torch.dtype, device) -> torch.Tensor:
+    """tau (finite float, (H,) or (B, H, Tq), all > 0) as a tensor of `dtype` broadcastable to (B, H, Tq)."""
+    out = check_param("tau", tau, B, H, T, torch.empty(0, dtype=dtype, device=device))
+    check_positive("tau", tau)
+    return out
+
+
+def scalar_logits(qs, ks, tau, causal: bool = True, kernel: str = "gaussian", window: int | None = None,
+                  n_prefix: int = 0) -> torch.Tensor:
+    """-(qs_t - ks_s)^2 / tau_t as a (B, H, Tq, Tk) tensor, -inf where key s is hidden from query t
+    (kernel="cauchy": -log(1 + (qs_t - ks_s)^2 / tau_t)).
+
+    Materialises Tq x Tk: meant for the naive path, analysis, regularizers at small T, and scoring
+    a decode window (Tq = 1, causal=False).
+
+    Args:
+        qs: scalar queries (B, H, Tq).
+        ks: scalar keys (B, H, Tk), of qs's dtype and device.
+        tau: temperature > 0: a float, per head (H,) or per query (B, H, Tq).
+        causal: hide key s from query t when s > t + Tk - Tq (the queries are the last Tq of the
+            Tk positions; needs Tq <= Tk).
+        window: a causal sliding window (`checks.visible_keys`): also hide the keys before each
+            query's last `window`, except the first n_prefix.
+        n_prefix: with a window, the leading keys (a sink) every query still sees.
+
+    Returns:
+        The logits (B, H, Tq, Tk), in qs's dtype (float32 for 16-bit inputs).
+
+    Raises:
+        TypeError: qs, ks or tau is not a tensor (tau: nor a float) or not floating, or ks has
+            another dtype than qs; causal is not a bool.
+        ValueError: shapes that do not fit (qs and ks (B, H), tau's shape, Tq > Tk under causal
+            masking), another device, NaN or inf in qs, ks or tau, or tau <= 0.
+    """
+    check_causal(causal)
+    check_kernel(kernel)
+    check_window(window, causal)
+    B, H, T = _check_scalars(qs, ks, causal=causal)
+    cdt = upcast(qs.dtype)
+    tau_b = _tau(tau, B, H, T, cdt, qs.device)  # (1|B, 1|H, 1|Tq)
+    logits = scalar_scores(qs, ks, tau_b, kernel)
+    if not causal:
+        return logits
+    return logits.masked_fill(~visible_keys(T, ks.shape[2], True, qs.device, window, n_prefix), float("-inf"))
+
+KERNELS = ("gaussian", "cauchy")
+
+
+def check_kernel(kernel) -> None:
+    if kernel not in KERNELS:
+        raise ValueError(f"kernel must be one of {KERNELS}, got {kernel!r}")
+
+
+def kernel_term(x: torch.Tensor, kernel: str = "gaussian") -> torch.Tensor:
+    """The scalar logit of x = (qs - ks)^2 / tau >= 0: -x (Gaussian) or -log(1 + x) (Cauchy)."""
+    return -x if kernel == "gaussian" else -torch.log1p(x)
+
+
+def scalar_scores(qs, ks, tau_b, kernel: str = "gaussian", lam=None) -> torch.Tensor:
+    """The formula of `scalar_logits` with no checks and no mask: qs (B, H, Tq), ks (B, H, Tk), tau_b
+    a tensor broadcastable to (B, H, Tq) -> (B, H, Tq, Tk); lam (broadcastable to (B, H, Tq), any
+    sign) multiplies the kernel's term. For callers whose inputs were checked once already (a
+    decode cache's stored keys and its checked query)."""
+    cdt = upcast(qs.dtype)
+    diff = qs.to(cdt).unsqueeze(-1) - ks.to(cdt).unsqueeze(-2)  # (B, H, Tq, Tk)
+    if kernel == "gaussian":
+        out = -diff.pow(2) / tau_b.to(cdt).unsqueeze(-1)
+    else:
+        out = kernel_term(diff.pow(2) / tau_b.to(cdt).unsqueeze(-1), kernel)
+    return out if lam is None else out * lam.to(cdt).unsqueeze(-1)
+
+
+def hybrid_scores(q, k, qs, ks, tau_b, kernel: str = "gaussian", lam=None) -> torch.Tensor:
+    """The formula of `hybrid_logits` with no checks and no mask: q (B, H, Tq, D), k (B, G, Tk, D),
+    qs (B, H, Tq), ks (B, H, Tk), tau_b and lam (the scalar term's gain, or None) broadcastable
+    to (B, H, Tq) -> (B, H, Tq, Tk)."""
+    scal = scalar_scores(qs, ks, tau_b, kernel, lam)
+    dots = q.to(scal.dtype) @ expand_heads(k, q.shape[1]).to(scal.dtype).transpose(-1, -2)
+    return dots / math.sqrt(q.shape[-1]) + scal
+
+
+def hybrid_logits(q, k, qs, ks, tau, causal: bool = True, scalar_scale=None, kernel: str = "gaussian",
+                  window: int | None = None, n_prefix: int = 0) -> torch.Tensor:
+    """q_t . k_s / sqrt(d) - lam (qs_t - ks_s)^2 / tau_t as (B, H, Tq, Tk), -inf where key s is hidden
+    (kernel="cauchy": the scalar term -lam log(1 + (qs_t - ks_s)^2 / tau_t)).
+
+    Materialises Tq x Tk (see `scalar_logits`).
+
+    Args:
+        q: vector queries (B, H, Tq, D).
+        k: vector keys (B, G, Tk, D), G dividing H (GQA).
+        qs: scalar queries (B, H, Tq).
+        ks: scalar keys (B, H, Tk).
+        tau: temperature > 0: a float, (H,) or (B, H, Tq).
+        causal: hide key s from query t when s > t + Tk - Tq (needs Tq <= Tk).
+        scalar_scale: lam, as `hybrid_attention` takes it; None for lam = 1.
+        window: a causal sliding window, as `scalar_logits` takes it.
+        n_prefix: with a window, the leading keys (a sink) every query still sees.
+
+    Returns:
+        The logits (B, H, Tq, Tk), in float32 for 16-bit inputs, else in q's dtype.
+
+    Raises:
+        TypeError: a tensor argument that is not a tensor, not floating or not of q's dtype;
+            causal is not a bool.
+        ValueError: shapes that do not fit q and k (batch, heads, lengths, D, groups), another
+            device, NaN or inf in any input, tau <= 0, or a bad scalar_scale.
+    """
+    B, H, T, D = check_qkv(q, k, k, causal)  # no values here: k stands in for v's checks
+    _check_scalars(qs, ks, q, "q", causal)
+    if tuple(qs.shape) != (B, H, T) or ks.shape[2] != k.shape[2]:
+        raise ValueError(
+            f"qs must have shape (B, H, Tq) = {(B, H, T)} and ks (B, H, Tk) = {(B, H, k.shape[2])} "
+            f"from q and k, got {tuple(qs.shape)} and {tuple(ks.shape)}"
+        )
+    scal = scalar_logits(qs, ks, tau, causal, kernel, window, n_prefix)  # (B, H, Tq, Tk)
+    if scalar_scale is not None:  # hidden keys stay -inf; the product never sees them (no 0 * inf in grads)
+        lam = _scalar_scale(scalar_scale, H, scal.dtype, q.device)[..., None]  # (1, H, 1, 1)
+        hidden = torch.isinf(scal)
+        scal = (scal.masked_fill(hidden, 0.0) * lam).masked_fill(hidden, float("-inf"))
+    dots = q.to(scal.dtype) @ expand_heads(k, H).to(scal.dtype).transpose(-1, -2)
+    return dots / math.sqrt(D) + scal
+
+
+def _scalar_scale(scale, H: int, dtype, device) -> torch.Tensor:
+    """The hybrid's scalar-term scale lam (a float >= 0 or an (H,) tensor) as (1, H, 1)."""
+    if isinstance(scale, torch.Tensor):
+        if tuple(scale.shape) != (H,) or not scale.is_floating_point():
+            raise ValueError(f"scalar_scale must be a float or a floating (H,) = ({H},) tensor, got shape "
+                             f"{tuple(scale.shape)} dtype {scale.dtype}")
+        check_finite("scalar_scale", scale)
+        return scale.to(dtype=dtype, device=device)[None, :, None]
+    if isinstance(scale, bool) or not isinstance(scale, (int, float)) or not 0 <= scale < math.inf:
+        raise ValueError(f"scalar_scale must be a finite float >= 0 or an (H,) tensor, got {scale!r}")
+    return torch.full((1, H, 1), float(scale), dtype=dtype, device=device)
+
+
+def _check_values(v, qs, B: int, H: int, T: int) -> None:
+    check_tensor("v", v, 4)
+    check_like("v", v, qs, "qs")
+    check_same("qs", B, "v", v.shape[0], "batch size (dim 0)")
+    check_same("ks", T, "v", v.shape[2], "sequence length (dim 2)")
+    check_groups(H, v.shape[1], "v")
+    check_finite("v", v)

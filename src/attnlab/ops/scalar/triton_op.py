@@ -1,0 +1,135 @@
+"""The Triton kernel's host side: its autograd Function, tile sizes, and `triton_scalar_attention`,
+which `attention` (scalar and hybrid heads) and `attnlab.ops.goat` call. The kernels and the math
+are in `triton_kernel`."""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from .triton_kernel import _bwd_kv, _bwd_q, _fwd, interpreted
+
+__all__ = ["available", "triton_scalar_attention"]
+
+GAUSSIAN, CAUCHY, NONE = 0, 1, 2  # the scalar term's kernel; NONE: no scalar term (GOAT's prior alone)
+
+
+def available(device: torch.device) -> str | None:
+    """None when the Triton kernels can run on `device`, else why not (for the error message)."""
+    if device.type == "cuda" or (device.type == "cpu" and interpreted()):
+        return None
+    return f"Triton runs on CUDA tensors (or on the CPU under TRITON_INTERPRET=1), got device {device}"
+
+
+# Scalar heads run the dot-product kernel on zero vectors of width 16: 2.2x faster forward + backward than
+# the kernel without the product on an H100 (10.1 against 22.4 ms at T = 8K, B = 4, H = 16, bf16;
+# benchmarks/results/gpu.json's tuning), the scores then arriving in the matrix units' register layout
+# that the p @ v product reads, where the product-free kernel must convert its tile's layout first.
+SCALAR_DOT = True
+BLOCKS: dict = {}  # overrides of `_blocks`' choice by kernel ("fwd" / "bwd"): benchmarks/gpu.py's tuning
+
+
+def _blocks(device: torch.device, D: int, DV: int) -> dict:
+    """(BLOCK_M, BLOCK_N, num_warps, num_stages) per kernel: small under the interpreter (each program
+    is NumPy work); on a GPU the forward's FlashAttention-2 tiles, and 64 x 64 tiles on 4 warps for
+    the backward: 1.7x faster than on 8 warps on an H100 at T = 8K (benchmarks/results/gpu.json's tuning)."""
+    if device.type != "cuda":
+        return dict(fwd=(32, 32, 4, 1), bwd=(32, 32, 4, 1))
+    wide = max(D, DV) > 64
+    cfg = dict(fwd=(64, 64, 4, 3) if wide else (128, 64, 8, 3), bwd=(64, 64, 4, 2) if not wide else (32, 64, 4, 2))
+    cfg.update(BLOCKS)
+    return cfg
+
+
+def _pow2(n: int) -> int:
+    return max(16, 1 << (max(n, 1) - 1).bit_length())
+
+
+class _ScalarFamily(torch.autograd.Function):
+    """Inputs as `triton_scalar_attention` documents them, q / k already scaled when sm_scale is given."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, qs, ks, tau, lam, u, kernel: int, causal: bool, sm_scale):
+        B, H, Tq = tau.shape
+        Tk = v.shape[2]
+        has_dot = q is not None
+        if not has_dot and SCALAR_DOT:  # scalar heads through the dot-product kernel with zero vectors
+            q, k = v.new_zeros(B, H, Tq, 16), v.new_zeros(B, H, Tk, 16)
+        D = q.shape[-1] if q is not None else 16
+        DV = v.shape[-1]
+        GK = k.shape[1] if k is not None else H
+        GV = v.shape[1]
+        none = v.new_zeros(1)
+        qq = q.contiguous() if q is not None else none
+        kk = k.contiguous() if k is not None else none
+        vv = v.contiguous()
+        f32 = torch.zeros(1, device=v.device)
+        qs32 = qs.float().contiguous() if qs is not None else f32.expand(B, H, Tq).contiguous()
+        ks32 = ks.float().contiguous() if ks is not None else f32
+        uu = u.float().contiguous() if u is not None else f32
+        tau32, lam32 = (1.0 / tau.float()).contiguous(), lam.float().contiguous()  # the kernels take 1 / tau
+        out = torch.empty(B, H, Tq, DV, dtype=torch.float32, device=v.device)  # float32: the backward's delta
+        lse = torch.empty(B, H, Tq, dtype=torch.float32, device=v.device)
+        BM, BN, warps, stages = _blocks(v.device, D, DV)["fwd"]
+        consts = dict(D=D, DV=DV, BLOCK_D=_pow2(D), BLOCK_DV=_pow2(DV), HAS_DOT=q is not None, BIAS=u is not None,
+                      KERNEL=kernel, CAUSAL=causal, PREC="ieee" if v.dtype == torch.float32 else "tf32",
+                      UP=interpreted() and v.dtype == torch.bfloat16)
+        if sm_scale is None:
+            sm_scale = 1.0 / math.sqrt(D) if has_dot else 0.0
+        _fwd[(-(-Tq // BM), B * H)](qq, kk, vv, qs32, ks32, uu, tau32, lam32, out, lse, Tq, Tk, H, GK, GV, sm_scale,
+                                   BLOCK_M=BM, BLOCK_N=BN, num_warps=warps, num_stages=stages, **consts)
+        ctx.save_for_backward(qq, kk, vv, qs32, ks32, uu, tau32, lam32, out, lse)
+        ctx.meta = (has_dot, qs is not None, u is not None, u.shape if u is not None else None, consts, sm_scale,
+                    GK, GV)
+        return out.to(v.dtype)
+
+    @staticmethod
+    def backward(ctx, dout):
+        qq, kk, vv, qs32, ks32, uu, tau32, lam32, out, lse = ctx.saved_tensors
+        has_dot, has_scalar, has_bias, _, consts, sm_scale, GK, GV = ctx.meta
+        B, H, Tq = tau32.shape
+        Tk = vv.shape[2]
+        dout = dout.contiguous()
+        delta = (dout.float() * out).sum(-1).contiguous()  # (B, H, Tq): sum_s p_ts dp_ts, from the float32 output
+        BD, BDV = consts["BLOCK_D"], consts["BLOCK_DV"]
+        dev = vv.device
+        empty = lambda *shape: torch.empty(*shape, dtype=torch.float32, device=dev)  # noqa: E731
+        dk, dv, dks, du = empty(B, H, Tk, BD), empty(B, H, Tk, BDV), empty(B, H, Tk), empty(B, H, Tk)
+        dq, dqs, dtau, dlam = empty(B, H, Tq, BD), empty(B, H, Tq), empty(B, H, Tq), empty(B, H, Tq)
+        BM, BN, warps, stages = _blocks(dev, consts["D"], consts["DV"])["bwd"]
+        args = (qq, kk, vv, qs32, ks32, uu, tau32, lam32, dout, lse, delta)
+        _bwd_kv[(-(-Tk // BN), B * H)](*args, dk, dv, dks, du, Tq, Tk, H, GK, GV, sm_scale, BLOCK_M=BM, BLOCK_N=BN,
+                                      num_warps=warps, num_stages=stages, **consts)
+        _bwd_q[(-(-Tq // BM), B * H)](*args, dq, dqs, dtau, dlam, Tq, Tk, H, GK, GV, sm_scale, BLOCK_M=BM,
+                                     BLOCK_N=BN, num_warps=warps, num_stages=stages, **consts)
+        D, DV = consts["D"], consts["DV"]
+        dv = dv[..., :DV].view(B, GV, H // GV, Tk, DV).sum(2).to(vv.dtype)
+        if has_dot:
+            dq = dq[..., :D].to(qq.dtype)
+            dk = dk[..., :D].view(B, GK, H // GK, Tk, D).sum(2).to(kk.dtype)
+        else:
+            dq = dk = None
+        if not has_scalar:
+            dqs = dks = dtau = dlam = None
+        return dq, dk, dv, dqs, dks, dtau, dlam, du if has_bias else None, None, None, None
+
+
+def triton_scalar_attention(q, k, v, qs, ks, tau_b, lam_b, kernel: str | None, causal: bool, *,
+                            sm_scale: float | None = None, u=None) -> torch.Tensor:
+    """softmax_s([q_t . k_s * sm_scale] + lam_t phi((qs_t - ks_s)^2 / tau_t) [+ u_s]) v_s through the kernels
+    above, for checked inputs: q (B, H, Tq, D) and k (B, G, Tk, D), or both None (scalar heads); v (B, G',
+    Tk, Dv); qs (B, H, Tq) and ks (B, H, Tk), or both None with kernel None (no scalar term: GOAT); tau_b and
+    lam_b tensors broadcastable to (B, H, Tq) (lam_b None for 1); sm_scale 1 / sqrt(D) when None; u a
+    key-only term broadcastable to (B, H, Tk), added in float32. Gradients reach every tensor. Returns
+    (B, H, Tq, Dv) in v's dtype."""
+    B, H, Tq = (qs.shape if qs is not None else q.shape[:3])
+    if Tq == 0:
+        return v.new_zeros(B, H, 0, v.shape[-1])
+    dev = v.device
+    tau = (torch.ones((), device=dev) if tau_b is None else tau_b.float()).expand(B, H, Tq)
+    lam = (torch.ones((), device=dev) if lam_b is None else lam_b.float()).expand(B, H, Tq)
+    code = NONE if kernel is None else GAUSSIAN if kernel == "gaussian" else CAUCHY
+    uu = None if u is None else u.float().expand(B, H, v.shape[2])
+    return _ScalarFamily.apply(q, k, v, None if qs is None else qs.float(), None if ks is None else ks.float(),
+                               tau, lam, uu, code, causal, sm_scale)
