@@ -154,6 +154,28 @@ def _load_bias(U, krow, offs_n, n_ok, BIAS: tl.constexpr):
 
 
 @triton.jit
+def _key_rows(K, V, KS, U, kbase, vbase, krow, offs_n, n_ok, offs_d, offs_dv, D: tl.constexpr, DV: tl.constexpr,
+              HAS_DOT: tl.constexpr, BIAS: tl.constexpr, BLOCK_D: tl.constexpr):
+    """A key tile's scalar keys, key-only terms, key vectors and values (zeros past Tk)."""
+    ks = tl.load(KS + krow + offs_n, mask=n_ok, other=0.0)
+    us = _load_bias(U, krow, offs_n, n_ok, BIAS)
+    k = _load_rows(K, kbase, offs_n, n_ok, offs_d, D, HAS_DOT, BLOCK_D, K.dtype.element_ty)
+    v = tl.load(V + (vbase + offs_n[:, None]) * DV + offs_dv[None, :], mask=n_ok[:, None] & (offs_dv[None, :] < DV),
+                other=0.0)
+    return ks, us, k, v
+
+
+@triton.jit
+def _grad_rows(LSE, DELTA, DO, row, offs_m, m_ok, offs_dv, DV: tl.constexpr):
+    """A query tile's log-sum-exp (+inf past Tq, so p = 0 there), delta and output gradient."""
+    lse = tl.load(LSE + row + offs_m, mask=m_ok, other=float("inf"))
+    delta = tl.load(DELTA + row + offs_m, mask=m_ok, other=0.0)
+    do = tl.load(DO + (row + offs_m[:, None]) * DV + offs_dv[None, :], mask=m_ok[:, None] & (offs_dv[None, :] < DV),
+                 other=0.0)
+    return lse, delta, do
+
+
+@triton.jit
 def _seen_end(m0, Tk, off, BLOCK_M: tl.constexpr, CAUSAL: tl.constexpr):
     """One past the last key the query tile from m0 sees (its rows past Tq see no more)."""
     hi = Tk
@@ -172,17 +194,14 @@ def _fwd_tile(acc, m_i, l_i, q, qs, tau, lam, K, V, KS, U, kbase, vbase, krow, s
     """One key tile of the online softmax: the running max m_i, sum l_i and output acc, updated."""
     offs_n = start_n + tl.arange(0, BLOCK_N)
     n_ok = offs_n < Tk
-    ks = tl.load(KS + krow + offs_n, mask=n_ok, other=0.0)
-    us = _load_bias(U, krow, offs_n, n_ok, BIAS)
-    k = _load_rows(K, kbase, offs_n, n_ok, offs_d, D, HAS_DOT, BLOCK_D, K.dtype.element_ty)
+    ks, us, k, v = _key_rows(K, V, KS, U, kbase, vbase, krow, offs_n, n_ok, offs_d, offs_dv, D, DV, HAS_DOT, BIAS,
+                             BLOCK_D)
     s, d, x, l1 = _scores(q, k, qs, ks, us, tau, lam, offs_m, offs_n, Tk, off, sm_scale, HAS_DOT, BIAS, KERNEL, CAUSAL,
                           MASK, PREC, UP)
     m_new = tl.maximum(m_i, tl.max(s, 1))
     m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
     p = tl.exp2(s - m_safe[:, None])
     alpha = tl.exp2(m_i - m_safe)
-    v = tl.load(V + (vbase + offs_n[:, None]) * DV + offs_dv[None, :], mask=n_ok[:, None] & (offs_dv[None, :] < DV),
-                other=0.0)
     acc = acc * alpha[:, None] + _mm(p.to(v.dtype), v, PREC, UP)
     return acc, m_new, l_i * alpha + tl.sum(p, 1)
 
@@ -229,10 +248,7 @@ def _kv_tile(dk, dv, dks, du, k, v, ks, us, Q, QS, TAU, LAM, DO, LSE, DELTA, row
     offs_m = start_m + tl.arange(0, BLOCK_M)
     m_ok = offs_m < Tq
     qs, tau, lam, q = _query_rows(Q, QS, TAU, LAM, row, offs_m, m_ok, offs_d, D, HAS_DOT, BLOCK_D)
-    lse = tl.load(LSE + row + offs_m, mask=m_ok, other=float("inf"))
-    delta = tl.load(DELTA + row + offs_m, mask=m_ok, other=0.0)
-    do = tl.load(DO + (row + offs_m[:, None]) * DV + offs_dv[None, :], mask=m_ok[:, None] & (offs_dv[None, :] < DV),
-                 other=0.0)
+    lse, delta, do = _grad_rows(LSE, DELTA, DO, row, offs_m, m_ok, offs_dv, DV)
     s, d, x, l1 = _scores(q, k, qs, ks, us, tau, lam, offs_m, offs_n, Tk, off, sm_scale, HAS_DOT, BIAS, KERNEL, CAUSAL,
                           MASK, PREC, UP)
     p = tl.exp2(s - lse[:, None])
@@ -261,11 +277,8 @@ def _bwd_kv(Q, K, V, QS, KS, U, TAU, LAM, DO, LSE, DELTA, DK, DV_, DKS, DU, Tq, 
     offs_d = tl.arange(0, BLOCK_D)
     offs_dv = tl.arange(0, BLOCK_DV)
     n_ok = offs_n < Tk
-    ks = tl.load(KS + krow + offs_n, mask=n_ok, other=0.0)
-    us = _load_bias(U, krow, offs_n, n_ok, BIAS)
-    k = _load_rows(K, kbase, offs_n, n_ok, offs_d, D, HAS_DOT, BLOCK_D, K.dtype.element_ty)
-    v = tl.load(V + (vbase + offs_n[:, None]) * DV + offs_dv[None, :], mask=n_ok[:, None] & (offs_dv[None, :] < DV),
-                other=0.0)
+    ks, us, k, v = _key_rows(K, V, KS, U, kbase, vbase, krow, offs_n, n_ok, offs_d, offs_dv, D, DV, HAS_DOT, BIAS,
+                             BLOCK_D)
     dk = tl.zeros((BLOCK_N, BLOCK_D), tl.float32)
     dv = tl.zeros((BLOCK_N, BLOCK_DV), tl.float32)
     dks = tl.zeros((BLOCK_N,), tl.float32)
@@ -308,11 +321,8 @@ def _q_tile(dq, da, dx, dl, q, qs, tau, lam, do, lse, delta, K, V, KS, U, kbase,
     the gradients of qs, tau and the gain."""
     offs_n = start_n + tl.arange(0, BLOCK_N)
     n_ok = offs_n < Tk
-    ks = tl.load(KS + krow + offs_n, mask=n_ok, other=0.0)
-    us = _load_bias(U, krow, offs_n, n_ok, BIAS)
-    k = _load_rows(K, kbase, offs_n, n_ok, offs_d, D, HAS_DOT, BLOCK_D, K.dtype.element_ty)
-    v = tl.load(V + (vbase + offs_n[:, None]) * DV + offs_dv[None, :], mask=n_ok[:, None] & (offs_dv[None, :] < DV),
-                other=0.0)
+    ks, us, k, v = _key_rows(K, V, KS, U, kbase, vbase, krow, offs_n, n_ok, offs_d, offs_dv, D, DV, HAS_DOT, BIAS,
+                             BLOCK_D)
     s, d, x, l1 = _scores(q, k, qs, ks, us, tau, lam, offs_m, offs_n, Tk, off, sm_scale, HAS_DOT, BIAS, KERNEL, CAUSAL,
                           MASK, PREC, UP)
     p = tl.exp2(s - lse[:, None])
@@ -341,10 +351,7 @@ def _bwd_q(Q, K, V, QS, KS, U, TAU, LAM, DO, LSE, DELTA, DQ, DQS, DTAU, DLAM, Tq
     offs_dv = tl.arange(0, BLOCK_DV)
     m_ok = offs_m < Tq
     qs, tau, lam, q = _query_rows(Q, QS, TAU, LAM, row, offs_m, m_ok, offs_d, D, HAS_DOT, BLOCK_D)
-    lse = tl.load(LSE + row + offs_m, mask=m_ok, other=float("inf"))
-    delta = tl.load(DELTA + row + offs_m, mask=m_ok, other=0.0)
-    do = tl.load(DO + (row + offs_m[:, None]) * DV + offs_dv[None, :], mask=m_ok[:, None] & (offs_dv[None, :] < DV),
-                 other=0.0)
+    lse, delta, do = _grad_rows(LSE, DELTA, DO, row, offs_m, m_ok, offs_dv, DV)
     dq = tl.zeros((BLOCK_M, BLOCK_D), tl.float32)
     da = tl.zeros((BLOCK_M,), tl.float32)
     dx = tl.zeros((BLOCK_M,), tl.float32)
