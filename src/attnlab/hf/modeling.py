@@ -54,14 +54,15 @@ def padding_doc_ids(attention_mask: torch.Tensor) -> torch.Tensor | None:
 
 class AttnlabPreTrainedModel(PreTrainedModel):
     """The transformers base class of attnlab models: config class, weight initialisation and the
-    facts transformers reads (stateful decoding: no assisted decoding; no gradient checkpointing)."""
+    facts transformers reads (stateful decoding: no assisted decoding; gradient checkpointing sets the
+    LM's own flag, which recomputes each block in the backward pass)."""
 
     config_class = AttnlabConfig
     base_model_prefix = "model"
     main_input_name = "input_ids"
     _no_split_modules = ["Block"]
     _is_stateful = True  # recurrent and sorted states cannot be rolled back: no assisted decoding
-    supports_gradient_checkpointing = False
+    supports_gradient_checkpointing = True
 
     def _init_weights(self, module):
         """attnlab's layers initialise their own parameters when built (gates, τ, sinks and priors

@@ -35,6 +35,7 @@ from contextlib import nullcontext
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
+import torch.utils.checkpoint
 
 from attnlab.checks import async_value_checks, check_output_finite
 from attnlab.layers import Attention
@@ -129,6 +130,9 @@ class LM(nn.Module):
         if cfg.pos_embedding == "learned" and cfg.max_seq_len < 1:
             raise ValueError("model.max_seq_len must be >= 1 with pos_embedding='learned'")
         self.cfg = cfg
+        # recompute each block's activations in the backward pass (train.checkpoint_activations; the HF
+        # wrapper's gradient_checkpointing_enable): training forwards that record nothing
+        self.gradient_checkpointing = False
         self.tok_emb = nn.Embedding(cfg.vocab_size, cfg.d_model)
         self.pos_emb = nn.Embedding(cfg.max_seq_len, cfg.d_model) if cfg.pos_embedding == "learned" else None
         self.blocks = nn.ModuleList(Block(cfg, a) for a in cfg.attention_configs())
@@ -213,9 +217,13 @@ class LM(nn.Module):
         # accelerator tensors are device-side asserts rather than a host sync per check, and under
         # torch.compile every check is an assert inside the graph (attnlab.checks.value_check_mode).
         x = self.embed(idx)  # (B, T, C)
+        recompute = self.gradient_checkpointing and self.training and not record and torch.is_grad_enabled()
         with nullcontext() if torch.compiler.is_compiling() else async_value_checks():
             for blk in self.blocks:
-                x = blk(x, record=record)
+                if recompute:  # the block's activations are recomputed in the backward pass, not kept
+                    x = torch.utils.checkpoint.checkpoint(blk, x, use_reentrant=False)
+                else:
+                    x = blk(x, record=record)
         return x
 
     # ------------------------------------------------------------------ decoding

@@ -127,6 +127,13 @@ class TrainConfig:
     eps: float = opt(1e-8, "AdamW epsilon")
     grad_clip: float = opt(1.0, "clip the global gradient norm to this (0 = off)")
     dtype: Literal["float32", "bfloat16"] = opt("float32", "autocast dtype for the forward pass (weights stay float32)")
+    tf32: bool = opt(True, "on CUDA, let float32 matmuls and convolutions use TF32 (about 1e-3 relative error, "
+                           "several times faster); false keeps full float32")
+    compile: bool = opt(False, "run the model under torch.compile (the first steps compile; checkpoints, resume "
+                               "and evaluation are unchanged)")
+    checkpoint_activations: bool = opt(False, "recompute each block's activations in the backward pass instead of "
+                                              "keeping them (less memory, about one more forward); not on steps that "
+                                              "record attention for the regularizers or the logs")
     eval_every: int = opt(50, "evaluate on the validation split every N steps (0 = only at the end)")
     eval_batches: int = opt(8, "validation batches per evaluation")
     log_every: int = opt(10, "write a log row every N steps")

@@ -40,13 +40,29 @@ class DataError(ValueError):
     """The configured data source could not be loaded (missing, unreachable or empty)."""
 
 
-def make_optimizer(model: torch.nn.Module, tcfg) -> torch.optim.AdamW:
-    """AdamW; weight decay on matrices (dim >= 2) only, not on norms, biases, τ or other vectors."""
+def make_optimizer(model: torch.nn.Module, tcfg, device: torch.device | None = None) -> torch.optim.AdamW:
+    """AdamW; weight decay on matrices (dim >= 2) only, not on norms, biases, τ or other vectors. On CUDA
+    the fused implementation (one kernel for every parameter's update)."""
     params = [p for p in model.parameters() if p.requires_grad]
     decay = [p for p in params if p.dim() >= 2]
     no_decay = [p for p in params if p.dim() < 2]
     groups = [{"params": decay, "weight_decay": tcfg.weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
-    return torch.optim.AdamW(groups, lr=tcfg.lr, betas=tcfg.betas, eps=tcfg.eps)
+    fused = device is not None and device.type == "cuda"
+    return torch.optim.AdamW(groups, lr=tcfg.lr, betas=tcfg.betas, eps=tcfg.eps, fused=fused or None)
+
+
+def allow_tf32(device: torch.device, allow: bool) -> None:
+    """train.tf32 on CUDA: float32 matmuls (and cuDNN convolutions) on the TF32 matrix units, or not."""
+    if device.type == "cuda":
+        torch.backends.cuda.matmul.allow_tf32 = allow
+        torch.backends.cudnn.allow_tf32 = allow
+
+
+def to_device(t: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """A batch tensor onto the device: from pinned memory and without waiting on CUDA, plainly elsewhere."""
+    if device.type == "cuda":
+        return t.pin_memory().to(device, non_blocking=True)
+    return t.to(device)
 
 
 def has_unused_parameters(model: LM, device: torch.device) -> bool:

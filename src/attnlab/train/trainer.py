@@ -40,8 +40,8 @@ from .data import RunData, build_data
 from .early_stop import EarlyStopping
 from .logging import RunLogger, read_log
 from .stats import attention_stats
-from .setup import (DataError, autocast, build_model, has_unused_parameters, make_optimizer, resolve_device,  # noqa: F401
-                    seed_everything)
+from .setup import (DataError, allow_tf32, autocast, build_model, has_unused_parameters, make_optimizer,  # noqa: F401
+                    resolve_device, seed_everything, to_device)
 
 
 class Trainer:
@@ -65,6 +65,8 @@ class Trainer:
         except (ValueError, OSError) as e:  # a source that cannot be read: named, before any folder exists
             raise DataError(f"data.source={cfg.data.source!r} could not be loaded: {e}") from e
         self.model = build_model(cfg, self.data.vocab_size).to(self.device)
+        self.model.gradient_checkpointing = cfg.train.checkpoint_activations
+        allow_tf32(self.device, cfg.train.tf32)
         # only now, so a run that cannot start leaves nothing on disk; one writer per run folder
         self._lock = FolderLock(self.run_dir).acquire() if self.env.is_main else None
         try:
@@ -74,9 +76,11 @@ class Trainer:
             self.close()
             raise
         self.cfg = cfg = dataclasses.replace(cfg, model=self.model.cfg)  # vocab_size resolved
-        self.optimizer = make_optimizer(self.model, cfg.train)
+        self.optimizer = make_optimizer(self.model, cfg.train, self.device)
         unused = self.env.distributed and has_unused_parameters(self.model, self.device)
         self.ddp_model = ddp.wrap_model(self.model, self.env, find_unused_parameters=unused)
+        if cfg.train.compile:  # checkpoints, evaluation and resume keep using the plain module
+            self.ddp_model = torch.compile(self.ddp_model)
         self.logger = RunLogger(self.run_dir, enabled=self.env.is_main, tensorboard=cfg.run.tensorboard)
         self.step = 0  # optimizer steps completed
         t = cfg.train
@@ -142,7 +146,9 @@ class Trainer:
         return self.cfg.regularizers.active or done % self.cfg.train.log_every == 0 or done == self.cfg.train.steps
 
     def train_step(self) -> dict:
-        """One optimizer step over grad_accum micro-batches; returns this rank's scalars."""
+        """One optimizer step over grad_accum micro-batches; returns this rank's scalars as device tensors
+        (loss, grad_norm, the regularizers; lr a float): nothing in the step waits for the device,
+        the loop reads them every train.log_every steps."""
         cfg, model = self.cfg, self.ddp_model
         lr = cfg.train.lr_at(self.step)
         for group in self.optimizer.param_groups:
@@ -156,8 +162,8 @@ class Trainer:
         model.train()
         for micro in range(accum):
             batch = next(self.data.train)
-            x, y = batch.x.to(self.device), batch.y.to(self.device)
-            doc_ids = None if batch.cross_doc else batch.doc_ids.to(self.device)
+            x, y = to_device(batch.x, self.device), to_device(batch.y, self.device)
+            doc_ids = None if batch.cross_doc else to_device(batch.doc_ids, self.device)
             with ddp.no_sync(model, micro < accum - 1):
                 with autocast(self.device, cfg.train.dtype):
                     _, loss = model(x, y, record=record, doc_ids=doc_ids)
@@ -174,12 +180,12 @@ class Trainer:
             lm_loss += loss.detach().float() / accum
         params = [p for p in self.model.parameters() if p.grad is not None]
         max_norm = cfg.train.grad_clip if cfg.train.grad_clip > 0 else float("inf")
-        grad_norm = float(torch.nn.utils.clip_grad_norm_(params, max_norm))
+        grad_norm = torch.nn.utils.clip_grad_norm_(params, max_norm).detach()
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
         self.step += 1
-        out = {"loss": float(lm_loss), "grad_norm": grad_norm, "lr": lr}
-        out.update({f"reg_{k}": float(v) for k, v in reg_parts.items()})
+        out = {"loss": lm_loss, "grad_norm": grad_norm, "lr": lr}
+        out.update({f"reg_{k}": v for k, v in reg_parts.items()})
         if record:
             out["layers"] = attention_stats(self.model.attention_layers())
         return out
@@ -268,15 +274,16 @@ class Trainer:
         while self.step < t_cfg.steps and not self.early.ended:
             t0 = time.perf_counter()
             row = self.train_step()
-            if self.device.type == "cuda":
-                torch.cuda.synchronize()
+            log = self.step % t_cfg.log_every == 0 or self.step == t_cfg.steps
+            if log:  # read the step's scalars (the one wait on the device per log window) before the clock
+                row.update({k: float(v) for k, v in row.items() if isinstance(v, torch.Tensor)})
             dt = time.perf_counter() - t0
             train_time += dt
             window_time += dt
             tokens_done += t_cfg.tokens_per_step
             window_tokens += t_cfg.tokens_per_step
             bar.update(1)
-            if self.step % t_cfg.log_every == 0 or self.step == t_cfg.steps:
+            if log:
                 loss, *regs = ddp.mean_over_ranks([row["loss"]] + [row[k] for k in sorted(row) if k.startswith("reg_")], self.env)
                 row.update({"loss": loss, **dict(zip(sorted(k for k in row if k.startswith("reg_")), regs))})
                 row.update(step=self.step, ppl=math.exp(min(loss, 50.0)), tokens_per_s=window_tokens / max(window_time, 1e-9),

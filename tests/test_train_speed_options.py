@@ -1,0 +1,119 @@
+"""The trainer's speed options, on the CPU: a step that reads nothing back from the device between
+log rows, activation checkpointing that changes no number, fused AdamW and TF32 where they apply,
+torch.compile through train.compile, and gradient checkpointing from the Hugging Face wrapper."""
+
+from __future__ import annotations
+
+import sys
+import sysconfig
+from pathlib import Path
+
+import pytest
+import torch
+
+from attnlab.train import load_config
+from attnlab.train.setup import allow_tf32, make_optimizer
+from attnlab.train.trainer import Trainer
+
+TINY = Path(__file__).resolve().parents[1] / "configs" / "tiny.toml"
+
+
+@pytest.fixture(scope="module")
+def corpus(tmp_path_factory) -> str:
+    text = (Path(sysconfig.get_paths()["stdlib"]) / "argparse.py").read_text(encoding="utf-8")
+    path = tmp_path_factory.mktemp("corpus") / "corpus.txt"
+    path.write_text(text, encoding="utf-8")
+    return str(path)
+
+
+def trainer(tmp_path, corpus, *overrides) -> Trainer:
+    return Trainer(load_config(TINY, [f"run.out_dir={tmp_path}", f"data.source={corpus}", "run.threads=1",
+                                      "train.eval_every=0", *overrides]))
+
+
+def test_a_step_reads_nothing_back_between_log_rows(tmp_path, corpus, monkeypatch):
+    """train_step returns device tensors; float() and .item() (each a host sync on CUDA) are never
+    called by attnlab inside a step, only when the loop writes a log row. (The ops' input checks read
+    values on the CPU; on CUDA the model runs them as device-side asserts: attnlab.checks.)"""
+    t = trainer(tmp_path, corpus, "train.log_every=5", "run.name=nosync")
+    calls = []
+
+    def spy(real, name):
+        def read(self, *a):
+            caller = Path(sys._getframe(1).f_code.co_filename)
+            if "attnlab" in caller.parts and caller.name != "checks.py":  # torch's own (the CPU optimizer's step count) aside
+                calls.append((name, str(caller)))
+            return real(self, *a)
+        return read
+
+    for name in ("__float__", "item"):
+        monkeypatch.setattr(torch.Tensor, name, spy(getattr(torch.Tensor, name), name))
+    row = t.train_step()
+    assert calls == [] and isinstance(row["loss"], torch.Tensor) and isinstance(row["grad_norm"], torch.Tensor)
+    t.close()
+
+
+def test_checkpoint_activations_changes_no_number(tmp_path, corpus, monkeypatch):
+    """Three steps with block activations recomputed in the backward pass equal three without, bit for
+    bit (float32, one thread), and the recomputation did happen on the steps that record nothing."""
+    used = []
+    real = torch.utils.checkpoint.checkpoint
+    monkeypatch.setattr(torch.utils.checkpoint, "checkpoint", lambda *a, **k: used.append(1) or real(*a, **k))
+    params = {}
+    for on in (False, True):
+        t = trainer(tmp_path, corpus, "train.steps=3", "train.log_every=3", "model.attn=hybrid",
+                    f"train.checkpoint_activations={str(on).lower()}", f"run.name=ckpt-{on}")
+        for _ in range(3):
+            t.train_step()
+        params[on] = [p.detach().clone() for p in t.model.parameters()]
+        t.close()
+    assert len(used) == 2 * 2  # steps 1 and 2 (step 3 logs, so it records) x 2 blocks
+    assert all(torch.equal(a, b) for a, b in zip(params[False], params[True]))
+
+
+def test_fused_adamw_and_tf32_only_where_they_apply():
+    model = torch.nn.Linear(4, 4)
+    tcfg = load_config(TINY, []).train
+    assert not make_optimizer(model, tcfg, torch.device("cpu")).defaults.get("fused")
+    before = torch.backends.cuda.matmul.allow_tf32
+    allow_tf32(torch.device("cpu"), not before)  # the CPU has no TF32 switch to flip
+    assert torch.backends.cuda.matmul.allow_tf32 == before
+
+
+def test_train_compile_runs_the_compiled_model(tmp_path, corpus, monkeypatch):
+    """train.compile wraps the model in torch.compile (aot_eager here, for the CPU's time); the
+    checkpointed module stays the plain one and the losses equal eager's closely."""
+    real = torch.compile
+    monkeypatch.setattr(torch, "compile", lambda m, **k: real(m, backend="aot_eager"))
+    rows = {}
+    for on in (False, True):
+        t = trainer(tmp_path, corpus, "train.steps=2", "train.log_every=1", f"train.compile={str(on).lower()}",
+                    f"run.name=compile-{on}")
+        rows[on] = [float(t.train_step()["loss"]) for _ in range(2)]
+        assert (t.ddp_model is not t.model) == on
+        t.close()
+    assert rows[True] == pytest.approx(rows[False], rel=1e-5)
+
+
+def test_hf_gradient_checkpointing_sets_the_lm_flag():
+    """transformers' gradient_checkpointing_enable() (what its Trainer calls) turns on the LM's own
+    recomputation, and the gradients stay those of the plain model."""
+    pytest.importorskip("transformers")
+    from attnlab.hf.configuration import AttnlabConfig
+    from attnlab.hf.modeling import AttnlabForCausalLM
+    from attnlab.models import ModelConfig
+
+    torch.manual_seed(0)
+    hf = AttnlabForCausalLM(AttnlabConfig.from_model_config(
+        ModelConfig(vocab_size=64, d_model=32, n_layers=2, n_heads=4, attn="hybrid", max_seq_len=16))).train()
+    ids = torch.randint(0, 64, (2, 16))
+    grads = {}
+    for on in (False, True):
+        if on:
+            enable = getattr(hf, "activation_checkpointing_enable", None) or hf.gradient_checkpointing_enable
+            enable()  # transformers 5 renamed it; 4.x has the old name
+            assert hf.model.gradient_checkpointing
+        hf.zero_grad()
+        hf(input_ids=ids, labels=ids).loss.backward()
+        grads[on] = [p.grad.clone() for p in hf.parameters()]
+    assert all(torch.allclose(a, b, rtol=1e-5, atol=1e-7) for a, b in zip(grads[False], grads[True]))
