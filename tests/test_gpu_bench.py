@@ -35,3 +35,17 @@ def test_keep_carries_only_what_was_not_run_again():
     assert [(r["path"], r["ms"], r.get("from")) for r in doc["rows"]] == [("a", 0.5, None), ("b", 2.0, old["command"])]
     assert [e["path"] for e in doc["errors"]] == ["a", "b"] and doc["errors"][1]["from"] == old["command"]
     assert [(m["model"], m["ms"]) for m in doc["models"]] == [("ssd", 0.7), ("gla", 2.0)]
+
+
+def test_train_benchmark_baseline_matches_the_softmax_lm():
+    """benchmarks/gpu_train.py's plain PyTorch baseline has attnlab's softmax LM's parameter count at
+    a small shape, and a measured row (CPU, one step) carries the fields the JSON promises."""
+    import gpu_train
+
+    shape = dict(vocab=64, d_model=32, n_layers=2, n_heads=4)
+    base, lm = gpu_train.build("baseline", 16, shape), gpu_train.build("softmax", 16, shape)
+    assert sum(p.numel() for p in base.parameters()) == sum(p.numel() for p in lm.parameters())
+    for name in ("baseline", "windowed"):
+        row = gpu_train.measure(name, 16, 2, steps=1, warmup=1, compile_it=False, device=torch.device("cpu"),
+                                shape=shape)
+        assert {"model", "T", "tokens_per_s", "mfu", "peak_bytes"} <= set(row) and row["tokens_per_s"] > 0

@@ -1,0 +1,198 @@
+"""Training throughput on a GPU: attnlab's LM per mechanism against a plain PyTorch model of the same shape.
+
+    python benchmarks/gpu_train.py --out benchmarks/results/gpu_train.json
+
+The baseline (`Baseline` below) uses no attnlab code: the same architecture as attnlab's softmax LM
+(token embedding tied to the head, pre-norm blocks of RMSNorm, causal attention through SDPA with RoPE,
+RMSNorm, SwiGLU), so the two differ only in what attnlab adds around the attention. Every model trains
+on random tokens (throughput only) in bf16 autocast with fused AdamW, compiled where --compile names
+it; per model: tokens/s (median step over --steps after --warmup), MFU against --peak-tflops (the
+PaLM count: 6 N per token for the N non-embedding parameters, plus 12 L d_model T for attention),
+peak memory. Rows at T = 1024 (GPT-2 small: 12 layers, d_model 768, 12 heads, batch 8) for every
+mechanism, and at T = 8192 (batch 1) for --long ones. Writes the JSON after every row.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE.parent / "src"))
+
+
+class _Norm(nn.Module):
+    def __init__(self, d: int, eps: float = 1e-5):
+        super().__init__()
+        self.eps, self.weight = eps, nn.Parameter(torch.ones(d))
+
+    def forward(self, x):
+        xf = x.float()
+        return (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps) * self.weight).type_as(x)
+
+
+class _Block(nn.Module):
+    def __init__(self, d: int, heads: int, hidden: int):
+        super().__init__()
+        self.heads = heads
+        self.n1, self.n2 = _Norm(d), _Norm(d)
+        self.qkv = nn.Linear(d, 3 * d, bias=False)
+        self.o = nn.Linear(d, d, bias=False)
+        self.w1, self.w3 = nn.Linear(d, hidden, bias=False), nn.Linear(d, hidden, bias=False)
+        self.w2 = nn.Linear(hidden, d, bias=False)
+
+    def forward(self, x, cos, sin):
+        B, T, C = x.shape
+        q, k, v = self.qkv(self.n1(x)).view(B, T, 3, self.heads, C // self.heads).permute(2, 0, 3, 1, 4)
+
+        def rope(t):  # rotate halves: (B, H, T, D)
+            a, b = t.chunk(2, dim=-1)
+            return torch.cat([a * cos - b * sin, a * sin + b * cos], dim=-1)
+
+        y = F.scaled_dot_product_attention(rope(q), rope(k), v, is_causal=True)  # (B, H, T, D)
+        x = x + self.o(y.transpose(1, 2).reshape(B, T, C))
+        h = self.n2(x)
+        return x + self.w2(F.silu(self.w1(h)) * self.w3(h))
+
+
+class Baseline(nn.Module):
+    """A plain PyTorch decoder LM with attnlab's softmax architecture (no attnlab code)."""
+
+    def __init__(self, vocab: int, d: int, layers: int, heads: int, hidden: int, T: int):
+        super().__init__()
+        self.emb = nn.Embedding(vocab, d)
+        self.blocks = nn.ModuleList(_Block(d, heads, hidden) for _ in range(layers))
+        self.norm = _Norm(d)
+        self.head = nn.Linear(d, vocab, bias=False)
+        self.head.weight = self.emb.weight
+        D = d // heads
+        inv = 1.0 / 10000 ** (torch.arange(0, D, 2).float() / D)
+        ang = torch.arange(T).float()[:, None] * inv[None, :]  # (T, D/2)
+        self.register_buffer("cos", ang.cos(), persistent=False)
+        self.register_buffer("sin", ang.sin(), persistent=False)
+
+    def forward(self, idx, targets):
+        x = self.emb(idx)
+        T = idx.shape[1]
+        cos, sin = self.cos[:T].to(x.dtype), self.sin[:T].to(x.dtype)
+        for blk in self.blocks:
+            x = blk(x, cos, sin)
+        logits = self.head(self.norm(x))
+        return logits, F.cross_entropy(logits.float().flatten(0, 1), targets.flatten())
+
+
+SHAPE = dict(vocab=50304, d_model=768, n_layers=12, n_heads=12)
+
+
+def build(name: str, T: int, shape: dict = SHAPE) -> nn.Module:
+    """The model of row `name`: "baseline", a mechanism, or "windowed" (configs/windowed.toml's attention)."""
+    from attnlab.models import LM, ModelConfig
+
+    hidden = 16 * math.ceil(8 * shape["d_model"] / 3 / 16)  # attnlab's SwiGLU width (model.d_ff = 0)
+    if name == "baseline":
+        return Baseline(shape["vocab"], shape["d_model"], shape["n_layers"], shape["n_heads"], hidden, T)
+    attention = {}
+    attn = name
+    if name == "windowed":
+        attn, attention = "hybrid", dict(train_window=16, local_window=32, kernel="cauchy")
+    return LM(ModelConfig(vocab_size=shape["vocab"], d_model=shape["d_model"], n_layers=shape["n_layers"],
+                          n_heads=shape["n_heads"], attn=attn, attention=attention, max_seq_len=T))
+
+
+def flops_per_token(model: nn.Module, shape: dict, T: int) -> float:
+    """PaLM's count: 6 N (N: parameters outside the embedding) + 12 L d_model T."""
+    emb = shape["vocab"] * shape["d_model"]
+    n = sum(p.numel() for p in model.parameters()) - emb
+    return 6 * n + 12 * shape["n_layers"] * shape["d_model"] * T
+
+
+def measure(name: str, T: int, batch: int, steps: int, warmup: int, compile_it: bool, device, shape: dict = SHAPE,
+            peak_tflops: float = 989.0) -> dict:
+    torch.manual_seed(0)
+    model = build(name, T, shape).to(device)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=device.type == "cuda" or None)
+    step_model = torch.compile(model) if compile_it else model
+    idx = torch.randint(0, shape["vocab"], (batch, T + 1), device=device)
+    amp = torch.autocast(device.type, dtype=torch.bfloat16)
+
+    def step():
+        with amp:
+            _, loss = step_model(idx[:, :-1], idx[:, 1:])
+        loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        return loss
+
+    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
+    t0 = time.perf_counter()
+    for _ in range(warmup):
+        step()
+    sync()
+    first = time.perf_counter() - t0
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats()
+    times = []
+    for _ in range(steps):
+        t = time.perf_counter()
+        step()
+        sync()
+        times.append(time.perf_counter() - t)
+    ms = 1e3 * statistics.median(times)
+    tps = batch * T / (ms / 1e3)
+    return {"model": name, "T": T, "batch": batch, "compiled": compile_it, "ms": round(ms, 3),
+            "tokens_per_s": round(tps), "mfu": tps * flops_per_token(model, shape, T) / (peak_tflops * 1e12),
+            "peak_bytes": torch.cuda.max_memory_allocated() if device.type == "cuda" else None,
+            "warmup_s": round(first, 1), "params": sum(p.numel() for p in model.parameters())}
+
+
+def main(argv=None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--out", default=str(HERE / "results" / "gpu_train.json"))
+    ap.add_argument("--models", default="baseline,softmax,hybrid,scalar,goat,goat_hybrid,principled,gla,ssd,cosformer,"
+                                        "windowed")
+    ap.add_argument("--long", default="baseline,softmax,hybrid,windowed,gla", help="models also timed at T = 8192")
+    ap.add_argument("--compile", default="baseline,softmax,hybrid", help="models run under torch.compile")
+    ap.add_argument("--steps", type=int, default=10)
+    ap.add_argument("--warmup", type=int, default=3)
+    ap.add_argument("--peak-tflops", type=float, default=989.0, help="the GPU's dense bf16 peak (H100 SXM: 989)")
+    ap.add_argument("--minutes", type=float, default=7.0, help="start no new row after this long")
+    a = ap.parse_args(argv)
+    if not torch.cuda.is_available():
+        raise SystemExit("benchmarks/gpu_train.py needs a CUDA GPU")
+    dev = torch.device("cuda")
+    torch.backends.cuda.matmul.allow_tf32 = True
+    out = Path(a.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    doc = {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "shape": SHAPE,
+           "command": "python benchmarks/gpu_train.py " + " ".join(argv if argv is not None else sys.argv[1:]),
+           "peak_tflops": a.peak_tflops, "rows": []}
+    deadline = time.time() + 60 * a.minutes
+    compiled = set(a.compile.split(","))
+    plan = [(m, 1024, 8) for m in a.models.split(",") if m] + [(m, 8192, 1) for m in a.long.split(",") if m]
+    for name, T, batch in plan:
+        if time.time() > deadline:
+            doc["rows"].append({"model": name, "T": T, "error": "skipped: out of time"})
+            continue
+        try:
+            row = measure(name, T, batch, a.steps, a.warmup, name in compiled, dev, peak_tflops=a.peak_tflops)
+        except Exception as e:  # noqa: BLE001 - the row records what failed
+            row = {"model": name, "T": T, "error": f"{type(e).__name__}: {str(e)[:300]}"}
+        torch.cuda.empty_cache()
+        doc["rows"].append(row)
+        print(f"  {name} T={T}: " + (f"{row['tokens_per_s']:,} tok/s, MFU {row['mfu']:.1%}, {row['ms']} ms"
+                                      if "error" not in row else row["error"]), flush=True)
+        out.write_text(json.dumps(doc, indent=1) + "\n")
+    print(f"wrote {out}")
+
+
+if __name__ == "__main__":
+    main()
