@@ -14,7 +14,7 @@ from attnlab.cli import main  # noqa: E402
 from attnlab.experiments.sweep.verdict import OUTCOMES  # noqa: E402
 from attnlab.models.config import ConfigError  # noqa: E402
 from attnlab.retrofit import FinetuneConfig, convert, finetune, new_parameters  # noqa: E402
-from attnlab.retrofit.trial import ORIGINAL, load_trial  # noqa: E402
+from attnlab.experiments.retrofit_trial import ORIGINAL, load_trial  # noqa: E402
 
 from test_retrofit import tiny  # noqa: E402
 

@@ -9,7 +9,7 @@ import torch
 
 pytest.importorskip("faiss")
 
-from attnlab.search.ivf import IVFIndex  # noqa: E402
+from attnlab.index.ivf import IVFIndex  # noqa: E402
 from attnlab.search.retrieval import ExactIndex  # noqa: E402
 
 

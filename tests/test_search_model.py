@@ -10,7 +10,7 @@ from attnlab.search.capture import capture, forward_packed, pack_contexts, teach
 from attnlab.search.hf_model import attention_modules, check_family, load_hf_config, resolve_layers, resolve_source
 from attnlab.search.lm import prepare, tiny_lm
 from attnlab.search.patch import RetrieveThenAttend, SelectorConfig, generate, substitute
-from attnlab.search.projections import SearchProjections
+from attnlab.index.projections import SearchProjections
 from attnlab.search.retrieval import METHODS
 from attnlab.testing import rel_rms
 

@@ -8,7 +8,7 @@ import torch
 from attnlab.data.packing import doc_causal_mask
 from attnlab.search.capture import pack_contexts, teacher_attention
 from attnlab.search.metrics import mass_at_k, recall_at_k, rel_gap, retrieval_stats, token_nll
-from attnlab.search.projections import SearchProjections, search_losses
+from attnlab.index.projections import SearchProjections, search_losses
 from attnlab.search.quest import QuestIndex, quest_bounds, quest_select
 from attnlab.search.retrieval import (ExactIndex, HNSWIndex, block_starts, oracle_select,
                                       streaming_select, topk_candidates)

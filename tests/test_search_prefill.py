@@ -12,7 +12,7 @@ from attnlab.search.hooks import Installed
 from attnlab.search.lm import tiny_lm
 from attnlab.search.patch import SelectorConfig, substitute
 from attnlab.search.prefill import prefilled_logits, record_prefix
-from attnlab.search.projections import SearchProjections
+from attnlab.index.projections import SearchProjections
 from attnlab.search.retrieval import METHODS
 from attnlab.search.tasks import TaskConfig, answer_logits, plan_tasks, run_tasks
 from attnlab.testing import rel_rms

@@ -14,7 +14,7 @@ from attnlab.data.synthetic import IGNORE
 from attnlab.search.hf_model import tiny_model
 from attnlab.search.lm import tiny_lm
 from attnlab.search.patch import SelectorConfig, substitute
-from attnlab.search.projections import SearchProjections
+from attnlab.index.projections import SearchProjections
 from attnlab.search.retrieval import METHODS
 from attnlab.search.tasks import TaskConfig, answer_logits, plan_tasks, run_tasks
 from attnlab.testing import rel_rms

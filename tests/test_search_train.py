@@ -13,7 +13,7 @@ from attnlab.search.cli import add_search_commands, eval_config, train_config
 from attnlab.search.hf_model import load_hf_config, load_model, resolve_source, tiny_model
 from attnlab.search.lm import tiny_lm
 from attnlab.search.metrics import retrieval_stats
-from attnlab.search.projections import SearchProjections
+from attnlab.index.projections import SearchProjections
 from attnlab.search.retrieval import METHODS, oracle_select, topk_candidates
 from attnlab.search.sweep import EvalConfig, run_eval
 from attnlab.search.train import SearchTrainConfig, query_rows, step_losses, train_projections

@@ -6,11 +6,11 @@ import statistics
 
 import pytest
 
-import attnlab.search.trial as trial_mod
+import attnlab.experiments.search_trial as trial_mod
 from attnlab.cli import main
 from attnlab.models.config import ConfigError
 from attnlab.search.lm import tiny_lm
-from attnlab.search.trial import load_trial, run_trial
+from attnlab.experiments.search_trial import load_trial, run_trial
 
 
 @pytest.fixture(scope="module")

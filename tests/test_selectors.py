@@ -15,7 +15,7 @@ from attnlab.eval.selectors import (
 )
 from attnlab.eval.window import decode_window
 from attnlab.ops import hybrid_logits, scalar_logits, window_mask, windowed_attention
-from attnlab.search.projections import SearchProjections
+from attnlab.index.projections import SearchProjections
 
 from test_window import _model  # the same tiny LMs (learned positions: no tied keys)
 

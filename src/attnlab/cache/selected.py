@@ -42,7 +42,7 @@ class DecodeSelector:
         K: keys each head reads per step (besides the sink).
         index: "exact" (every search key scored, O(n) per step), "hnsw" (FAISS HNSW graphs, one
             per batch row and head; needs faiss-cpu), "ivf" (FAISS IVF-flat: a step scores the
-            keys of `nprobe` of `nlist` lists, `attnlab.search.ivf.IVFIndex`) or "quest" (pages of
+            keys of `nprobe` of `nlist` lists, `attnlab.index.ivf.IVFIndex`) or "quest" (pages of
             the layer's own keys ranked by a bound on their logits, no projections).
         page: Quest's page size (index="quest").
         hnsw_m, ef_construction, ef_search, pin: the HNSW graph's links per node, build and search
@@ -80,16 +80,16 @@ class DecodeSelector:
         if self.key_dtype != "float32" and self.index not in ("exact", "hnsw"):
             raise ValueError(f"key_dtype={self.key_dtype!r} applies to index='exact' or 'hnsw', not {self.index!r}")
         if self.index == "ivf":
-            from ..search.ivf import IVFIndex
+            from ..index.ivf import IVFIndex
 
             IVFIndex.check_args(self.nlist, self.nprobe, self.train_at)
 
     def check(self, layers) -> None:
         """The projections fit these (block index, layer) pairs (ValueError/TypeError naming them)."""
-        from ..eval.selectors import _check_projections
+        from ..index.projections import check_projections
 
         if self.index != "quest":
-            _check_projections(self.projections, layers)
+            check_projections(self.projections, layers)
 
     def attach(self, layer, cache, i: int) -> None:
         """Make `cache` (an exact decode cache of block i's layer) decode through this selector."""
@@ -104,8 +104,8 @@ class KeySelector:
     and the index of the decoded tokens' search keys."""
 
     def __init__(self, spec: DecodeSelector, layer: int):
-        from ..search.ivf import IVFIndex
-        from ..search.retrieval import ExactIndex, HNSWIndex
+        from ..index.ivf import IVFIndex
+        from ..index.retrieval import ExactIndex, HNSWIndex
 
         self.spec, self.layer = spec, layer
         d = spec.projections.d_search
@@ -193,7 +193,7 @@ class QuestKeys:
         `eval.selectors.quest_page_bounds`, under `layer`'s kernel and gain), and return the keys of
         the best pages: positions (B, H, m) among the n tokens so far and their validity, at most K
         of them."""
-        from ..eval.quest_pages import _dot_bound, _lam_rows, _quest_keep, scalar_range_bound, scalar_term
+        from ..index.pages import _dot_bound, _lam_rows, _quest_keep, scalar_range_bound, scalar_term
         from ..ops._sdpa import upcast
 
         cdt = upcast(p.qs.dtype)

@@ -11,7 +11,7 @@ Ctrl-C saves and exits 130. The folder is written atomically under a lock (`attn
 
 `attnlab retrofit trial SPEC.toml` runs a retrofit experiment over training seeds (variants x seeds,
 each converted, transferred, fine-tuned and evaluated; resumable) and writes its report with the
-spec's verdicts (`attnlab.retrofit.trial`)."""
+spec's verdicts (`attnlab.experiments.retrofit_trial`)."""
 
 from __future__ import annotations
 
@@ -205,7 +205,7 @@ def cmd_trial(ns) -> int:
         raise UsageError(f"attnlab retrofit trial takes its settings from the spec; remove "
                          f"{', '.join('--' + k.replace('_', '-') for k in sorted(given))}")
     try:
-        from attnlab.retrofit.trial import load_trial, run_trial
+        from attnlab.experiments.retrofit_trial import load_trial, run_trial
     except ImportError as e:
         raise UsageError(f"attnlab retrofit trial needs the optional package {e.name}; install the [hf] extra: "
                          f"{HF_EXTRA}") from None

@@ -343,3 +343,18 @@ def selection_reach(qs: torch.Tensor, ks: torch.Tensor, window: int, *, local: i
     median = [float(dist[:, h][valid[:, h]].double().median()) if bool(valid[:, h].any()) else float("nan")
               for h in range(H)]
     return {"in_budget": in_budget.tolist(), "uniform": uniform.tolist(), "median_distance": median}
+
+
+def mean(values) -> float | None:
+    """Mean of the values that are not None or NaN; None when there are none."""
+    values = [float(v) for v in values if v is not None and not (isinstance(v, float) and math.isnan(v))]
+    return sum(values) / len(values) if values else None
+
+
+def topk_summary(layers: list[dict]) -> dict[str, float | None]:
+    """Mean top-k scalar mass over every scalar head of every layer, per k: {"8": 0.93, ...}."""
+    per_k: dict[str, list[float]] = {}
+    for layer in layers:
+        for k, heads in (layer.get("topk_scalar_mass") or {}).items():
+            per_k.setdefault(str(k), []).extend(heads)
+    return {k: mean(v) for k, v in sorted(per_k.items(), key=lambda kv: int(kv[0]))}

@@ -11,7 +11,8 @@ from typing import Iterable
 import torch
 
 from ..checks import check_int, check_positive
-from .selectors import selectable_layers
+from ..index.projections import SearchProjections, search_losses
+from ..models.lm import selectable_layers
 
 @torch.no_grad()
 def _capture(model, layers, x: torch.Tensor) -> list[tuple[torch.Tensor, torch.Tensor]]:
@@ -46,7 +47,6 @@ def train_selector_projections(model, batches: Iterable[torch.Tensor], steps: in
     dims per head. The learning rate warms up over `warmup` steps and decays to lr / 10 by a
     cosine. Deterministic for a seed (the initialisation; the global RNG is left as it was).
     Returns the SearchProjections; meta["losses"] holds the loss of every step."""
-    from ..search.projections import SearchProjections, search_losses
 
     check_int("steps", steps, 0)
     check_int("d_search", d_search)

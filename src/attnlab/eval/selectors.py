@@ -17,7 +17,7 @@ and per query, plus the always-kept prefix entries (the learned sink), through t
   term (Gaussian -(qs - ks)^2 / tau or Cauchy -log(1 + (qs - ks)^2 / tau), times the hybrid's
   gain) over ks in the page's range [lo, hi]: at the nearer end, or at qs inside the range (the
   farther end for a negative gain). The page a query sits in is bounded over the keys it sees so
-  far, as a decoder that fills pages as it goes would (`attnlab.eval.quest_pages`).
+  far, as a decoder that fills pages as it goes would (`attnlab.index.pages`).
 - "learned": search projections trained on this model (`attnlab.eval.selector_training.train_selector_projections`): the
   layer's input h is mapped by `attnlab.search.SearchProjections` to unit search vectors, one
   search space per head, and each query reads the K causal keys with the highest q^s . k^s.
@@ -39,7 +39,9 @@ import torch
 from ..checks import check_choice, check_int
 from ..ops import window_mask
 from ..ops._sdpa import expand_heads, upcast
-from .quest_pages import _PageRanges, _quest_keep, quest_page_bounds, scalar_term
+from ..index.pages import _PageRanges, _quest_keep, quest_page_bounds, scalar_term
+from ..index.projections import check_projections
+from ..models.lm import selectable_layers
 
 METHODS = ("window", "oracle", "quest", "learned")
 
@@ -165,32 +167,6 @@ def _keep_fn(method: str, K: int, page: int, qs, ks, tau, q, k, n_prefix: int, s
     return learned
 
 
-def selectable_layers(model) -> list[tuple[int, object]]:
-    """(block index, layer) of each attention layer of `model` that decodes through the sorted
-    scalar cache (scalar and hybrid; as `attnlab.eval.window.windowed_layers`)."""
-    blocks = getattr(model, "blocks", None)
-    if blocks is None:
-        raise TypeError(f"model must be an attnlab LM (with .blocks), got {type(model).__name__}")
-    return [(i, blk.attn) for i, blk in enumerate(blocks)
-            if getattr(blk.attn, "sorted_decode", False) and blk.attn.n_scalar]
-
-
-def _check_projections(projections, layers) -> None:
-    from ..search.projections import SearchProjections
-
-    if not isinstance(projections, SearchProjections):
-        raise TypeError(f"projections must be a SearchProjections (see train_selector_projections), "
-                        f"got {type(projections).__name__}")
-    for i, layer in layers:
-        if str(i) not in projections.wq:
-            raise ValueError(f"projections hold layers {projections.layers}; the model's scalar/hybrid layer {i} has none")
-        if projections.groups != layer.n_scalar:
-            raise ValueError(f"projections have groups={projections.groups} search spaces per token; layer {i} "
-                             f"needs one per scalar/hybrid head ({layer.n_scalar})")
-        if projections.d_model != layer.config.d_model:
-            raise ValueError(f"projections map d_model={projections.d_model}; layer {i} has d_model={layer.config.d_model}")
-
-
 @contextlib.contextmanager
 def select_keys(model, method: str, K: int, *, projections=None, page: int = 16,
                 tally: SelectionTally | None = None) -> Iterator[None]:
@@ -219,7 +195,7 @@ def select_keys(model, method: str, K: int, *, projections=None, page: int = 16,
                              f"decode_budget={layer.decode_budget!r}, decode_select set: {layer.decode_select is not None}); "
                              f"leave that block first")
     if method == "learned":
-        _check_projections(projections, layers)
+        check_projections(projections, layers)
 
     inputs: dict[int, torch.Tensor] = {}
     hooks = []

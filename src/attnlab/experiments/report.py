@@ -6,45 +6,16 @@ and renders in a browser. Plots use matplotlib's Agg backend (no display needed)
 
 from __future__ import annotations
 
-import math
 import os
 import platform
 from pathlib import Path
-from typing import Iterable, Sequence
 
+from attnlab.eval.metrics import mean, topk_summary  # noqa: F401 (their home is eval; re-exported here)
+from attnlab.report_format import MISSING, fmt, markdown_table, pyplot, save_figure  # noqa: F401 (re-exported)
 from attnlab.layers import LINEAR_FAMILY
-
-MISSING = "—"
 
 
 # --------------------------------------------------------------------------- tables
-
-
-def fmt(value, digits: int = 4) -> str:
-    """A cell: floats to `digits` significant digits (`digits` decimals below 1, thousands
-    separators from 1000, exponent outside [1e-3, 1e7)), ints with separators, None/NaN as
-    a dash, lists joined by ' / '."""
-    if value is None:
-        return MISSING
-    if isinstance(value, bool):
-        return "yes" if value else "no"
-    if isinstance(value, float):
-        if math.isnan(value):
-            return MISSING
-        if math.isinf(value):
-            return "inf" if value > 0 else "-inf"
-        if abs(value) >= 1e7 or 0 < abs(value) < 1e-3:
-            return f"{value:.{digits - 1}e}"
-        if abs(value) >= 1000:
-            return f"{value:,.0f}"
-        if abs(value) < 1:
-            return f"{value:.{digits}f}"
-        return f"{value:.{max(0, digits - len(str(int(abs(value)))))}f}"
-    if isinstance(value, int):
-        return f"{value:,}"
-    if isinstance(value, (list, tuple)):
-        return " / ".join(fmt(v, digits) for v in value) if value else MISSING
-    return str(value)
 
 
 def shown_path(path: str | os.PathLike) -> str:
@@ -81,29 +52,6 @@ def report_head(title: str, command: str, spec_name: str, claim: str = "", descr
     return lines
 
 
-def markdown_table(headers: Sequence[str], rows: Iterable[Sequence], *, digits: int = 4) -> str:
-    """A padded GitHub markdown table; numbers are right-aligned, text left-aligned."""
-    rows = [list(r) for r in rows]
-    cells = [[fmt(v, digits) for v in row] for row in rows]
-    numeric = _numeric_columns(rows, len(headers))
-    widths = [max([len(h)] + [len(r[i]) for r in cells]) for i, h in enumerate(headers)]
-
-    def line(values):
-        parts = [v.rjust(w) if num else v.ljust(w) for v, w, num in zip(values, widths, numeric)]
-        return "| " + " | ".join(parts) + " |"
-
-    rule = "|" + "|".join(("-" * (w + 1) + ":") if num else (":" + "-" * (w + 1)) for w, num in zip(widths, numeric)) + "|"
-    return "\n".join([line(headers), rule] + [line(r) for r in cells])
-
-
-def _numeric_columns(rows: list[list], n: int) -> list[bool]:
-    out = []
-    for i in range(n):
-        values = [r[i] for r in rows if r[i] is not None]
-        out.append(bool(values) and all(isinstance(v, (int, float)) and not isinstance(v, bool) for v in values))
-    return out
-
-
 def machine_info(threads: int | None = None) -> dict:
     """Where a result was measured: Python, torch, platform, CPUs, torch threads (`threads`, or the
     current setting) and the CUDA device if any."""
@@ -114,22 +62,7 @@ def machine_info(threads: int | None = None) -> dict:
             "cuda": torch.cuda.get_device_name(0) if torch.cuda.is_available() else None}
 
 
-def mean(values) -> float | None:
-    """Mean of the values that are not None or NaN; None when there are none."""
-    values = [float(v) for v in values if v is not None and not (isinstance(v, float) and math.isnan(v))]
-    return sum(values) / len(values) if values else None
-
-
 # --------------------------------------------------------------------------- attnlab eval
-
-
-def topk_summary(layers: list[dict]) -> dict[str, float | None]:
-    """Mean top-k scalar mass over every scalar head of every layer, per k: {"8": 0.93, ...}."""
-    per_k: dict[str, list[float]] = {}
-    for layer in layers:
-        for k, heads in (layer.get("topk_scalar_mass") or {}).items():
-            per_k.setdefault(str(k), []).extend(heads)
-    return {k: mean(v) for k, v in sorted(per_k.items(), key=lambda kv: int(kv[0]))}
 
 
 def eval_markdown(result: dict, *, title: str | None = None) -> str:
@@ -229,26 +162,3 @@ def write_eval_report(result: dict, run_dir: str | os.PathLike) -> Path:
 # --------------------------------------------------------------------------- plots
 
 
-def pyplot():
-    """matplotlib.pyplot on the Agg backend (no display needed), imported on first use."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    return plt
-
-
-def save_figure(fig, path: str | os.PathLike, dpi: int | None = None) -> Path:
-    """Lay out, write and close a figure; returns the path. The format follows the suffix (png by
-    default); the file is written atomically (WriteError naming it when that fails)."""
-    import io
-
-    from attnlab.data.cache import atomic_write_bytes
-
-    fig.tight_layout()
-    path = Path(path)
-    buf = io.BytesIO()
-    fig.savefig(buf, dpi=dpi, format=path.suffix[1:] or "png")
-    pyplot().close(fig)
-    return atomic_write_bytes(path, buf.getvalue())  # a reader never sees half a plot; WriteError names it

@@ -96,7 +96,7 @@ class Attention(nn.Module):
         if cls is Attention:
             if not isinstance(config, AttentionConfig):
                 raise TypeError(f"config must be an AttentionConfig, got {type(config).__name__}")
-            from .mechanisms import mechanism_class
+            from .registry import mechanism_class
 
             cls = mechanism_class(config.mechanism)
         return super().__new__(cls)

@@ -207,7 +207,7 @@ class AttentionConfig:
     impl: str = "auto"
 
     def __post_init__(self):
-        from .mechanisms import REGISTRY  # the registry imports this module
+        from .registry import REGISTRY  # filled by the mechanism modules, which build on this one
 
         found = field_problem(self)
         if found:
@@ -350,6 +350,6 @@ class AttentionConfig:
     @property
     def horizon(self) -> int | None:
         """The longest sequence a layer of this config takes (None: no limit)."""
-        from .mechanisms import mechanism_class
+        from .registry import mechanism_class
 
         return mechanism_class(self.mechanism).horizon(self)

@@ -112,6 +112,16 @@ class Block(nn.Module):
         return x + self.mlp(self.norm2(x))
 
 
+def selectable_layers(model) -> list[tuple[int, object]]:
+    """(block index, layer) of each attention layer of `model` that decodes through the sorted
+    scalar cache (scalar and hybrid; as `attnlab.eval.window.windowed_layers`)."""
+    blocks = getattr(model, "blocks", None)
+    if blocks is None:
+        raise TypeError(f"model must be an attnlab LM (with .blocks), got {type(model).__name__}")
+    return [(i, blk.attn) for i, blk in enumerate(blocks)
+            if getattr(blk.attn, "sorted_decode", False) and blk.attn.n_scalar]
+
+
 class LM(nn.Module):
     """Decoder-only LM: token embedding, `n_layers` pre-norm blocks (RMSNorm, the layer's attention,
     RMSNorm, SwiGLU), a final RMSNorm and the output head (tied to the embedding by default).
@@ -239,7 +249,6 @@ class LM(nn.Module):
         their learned search projections find (no window then)."""
         if selector is not None:
             from attnlab.cache.selected import DecodeSelector
-            from attnlab.eval.selectors import selectable_layers
 
             if not isinstance(selector, DecodeSelector):
                 raise TypeError(f"selector must be a DecodeSelector, got {type(selector).__name__}")

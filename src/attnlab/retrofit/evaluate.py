@@ -132,7 +132,8 @@ def _decode_losses(model, cfg: EvalConfig, encode, eos_id, partial=None) -> dict
     """{name: nats per token} of `EvalConfig.decode_names`: exact, through the sorted cache's window and
     through learned search projections, on the same held-out contexts of each length (the exact loss
     only for a model without scalar/hybrid layers)."""
-    from attnlab.eval.selectors import select_keys, selectable_layers
+    from attnlab.eval.selectors import select_keys
+    from attnlab.models.lm import selectable_layers
 
     from .finetune import FinetuneConfig, _pack, perplexity
 

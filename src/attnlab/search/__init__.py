@@ -10,14 +10,14 @@ then attend exactly, with the model's own q, k, v, over the K retrieved keys onl
 """
 
 from .capture import Packed, capture, forward_packed, pack_contexts, teacher_attention
-from .ivf import IVFIndex
+from ..index.ivf import IVFIndex
 from .hf_model import (LAYER_SETS, ModelSource, attention_modules, fetch_smollm2, load_model, load_tokenizer,
                        resolve_layers, resolve_source, tiny_model)
 from .lm import FrozenLM, load_lm, prepare, tiny_lm
 from .metrics import mass_at_k, recall_at_k, rel_gap, retrieval_stats
 from .patch import RetrieveThenAttend, SelectorConfig, generate, substitute
 from .prefill import PrefixRecord, prefilled_logits, record_prefix
-from .projections import SearchProjections, search_losses
+from ..index.projections import SearchProjections, search_losses
 from .quest import QuestIndex, quest_bounds, quest_select
 from .retrieval import (METHODS, ExactIndex, HNSWIndex, oracle_select, streaming_select,
                         topk_candidates)

@@ -90,7 +90,7 @@ def _eval(args) -> int:
 
 
 def _trial(args) -> int:
-    from .trial import load_trial, run_trial
+    from attnlab.experiments.search_trial import load_trial, run_trial
 
     trial = load_trial(args.spec)  # every run's configs checked before any work
     res = run_trial(trial, report_only=args.report_only, launch=getattr(args, "launch", None))
@@ -262,7 +262,7 @@ def add_search_commands(subparsers, trial_options=None) -> argparse.ArgumentPars
                     "trained from scratch. Finished runs are skipped; stopped ones resume.\n\n"
                     "  attnlab search trial experiments/seed001/ci-middle6/spec.toml --jobs 2\n"
                     "  attnlab search trial experiments/seed001/ci-middle6/spec.toml --report-only")
-    r.add_argument("spec", metavar="SPEC.toml", help="the trial spec (format in attnlab.search.trial)")
+    r.add_argument("spec", metavar="SPEC.toml", help="the trial spec (format in attnlab.experiments.search_trial)")
     r.add_argument("--report-only", action="store_true", help="rebuild results.json and report.md from finished runs")
     if trial_options is not None:
         trial_options(r)

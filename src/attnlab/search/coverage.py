@@ -9,7 +9,7 @@ the x axis is a fraction and not a count.
 
 from __future__ import annotations
 
-from attnlab.experiments.report import fmt, markdown_table
+from attnlab.report_format import fmt, markdown_table
 from attnlab.models.config import ConfigError
 
 

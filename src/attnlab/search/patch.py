@@ -18,8 +18,8 @@ from .capture import teacher_attention
 from .hf_model import attention_modules
 from .hooks import Installed
 from .metrics import Tally, retrieval_stats
-from .projections import SearchProjections
-from .ivf import IVFIndex
+from ..index.ivf import IVFIndex
+from ..index.projections import SearchProjections
 from .quest import quest_select
 from .retrieval import (METHODS, ExactIndex, HNSWIndex, native_vectors, oracle_select,
                         streaming_select, topk_candidates)

@@ -8,7 +8,7 @@ import math
 from pathlib import Path
 
 from attnlab.data.cache import atomic_write_text
-from attnlab.experiments.report import fmt, markdown_table, pyplot, save_figure
+from attnlab.report_format import fmt, markdown_table, pyplot, save_figure
 
 FULL = "full"  # long-context tasks: no substitution, the model's own attention
 HEADERS = ("layer set", "layers", "method", "K", "PPL", "rel. PPL gap (%)", "Recall@K", "Mass@K", "filler rate")

@@ -27,9 +27,9 @@ from .capture import forward_packed
 from .lm import FrozenLM, prepare
 from .metrics import Tally, rel_gap
 from .patch import SelectorConfig, substitute
-from .projections import SearchProjections
+from ..index.projections import SearchProjections
 from .report import write_results
-from .ivf import IVFIndex
+from ..index.ivf import IVFIndex
 from .retrieval import METHODS, check_group_spec, resolve_groups
 
 DEFAULT_KS = (16, 32, 64, 128, 256)

@@ -43,10 +43,10 @@ from .capture import load_texts
 from .hf_model import (ModelDims, ModelSource, check_layer_spec, load_hf_config, load_model, load_tokenizer,
                        model_dims, resolve_layers, resolve_source)
 from .lm import FrozenLM, _hf_encode
-from .ivf import IVFIndex
+from ..index.ivf import IVFIndex
 from .patch import SelectorConfig, substitute
 from .prefill import prefilled_logits
-from .projections import SearchProjections
+from ..index.projections import SearchProjections
 from .report import FULL, task_combos, task_key, tasks_markdown
 from .retrieval import METHODS, check_group_spec, resolve_groups
 

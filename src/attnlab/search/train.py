@@ -27,7 +27,7 @@ from attnlab.data.packing import doc_causal_mask
 
 from .capture import Captured, Packed, capture, teacher_attention
 from .lm import FrozenLM, prepare
-from .projections import SearchProjections, search_losses
+from ..index.projections import SearchProjections, search_losses
 from .retrieval import check_group_spec, resolve_groups
 
 CHECKPOINT = "projections.safetensors"
@@ -173,7 +173,7 @@ def step_losses(proj: SearchProjections, caps: dict[int, Captured], segments: to
         nce_sum, kl_sum = nce_sum + nce, kl_sum + kl
         if eval_k:
             from .metrics import retrieval_stats
-            from .retrieval import topk_candidates
+            from ..index.retrieval import topk_candidates
 
             with torch.no_grad():
                 idx, valid = topk_candidates(qs @ ks.transpose(-1, -2), allowed4, eval_k)

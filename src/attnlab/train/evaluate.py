@@ -305,7 +305,7 @@ def by_length(model, fn, stream, lengths, windows, topk, *, max_tokens, batch_si
     about the same text; the attention analysis uses one sequence of length T."""
     import math
 
-    from attnlab.experiments.report import topk_summary
+    from attnlab.eval.metrics import topk_summary
 
     rows = {}
     for T in lengths:

@@ -22,7 +22,8 @@ fewer than 2 seeds). A spec may hold several rules, including thresholds (see .v
 """
 
 from .results import aggregate, judge, mean_sd, verdict, write_results
-from .runs import collect_metrics, plan, run, run_config
+from .runner import run
+from .runs import collect_metrics, plan, run_config
 from .spec import OWNED_KEYS, Spec, SweepError, Variant, load_spec, metric_names
 
 __all__ = ["OWNED_KEYS", "Spec", "SweepError", "Variant", "aggregate", "collect_metrics", "judge", "load_spec", "mean_sd",

@@ -14,7 +14,7 @@ from attnlab.train.config import RunConfig
 
 from .profiles import is_profile, profile_sections
 from ..report import MISSING, fmt, machine_info, markdown_table, rebuild_command, report_head, save_figure
-from .runs import (RunPlan, _record_of, collect_metrics, execute, plan, recorded_runs, recorded_threads, run, run_config,
+from .runs import (RunPlan, _record_of, collect_metrics, execute, plan, recorded_runs, recorded_threads, run_config,
                    summary_of)
 from .verdict import judge, verdict, verdict_lines
 from .spec import EVAL_ARG_KEYS, OWNED_KEYS, SUMMARY_SCALARS, Spec, SweepError, Variant, load_spec, metric_names
@@ -392,5 +392,5 @@ def plot_metrics(spec: Spec, results: dict, path: Path) -> Path | None:
 
 
 __all__ = ["OWNED_KEYS", "RunPlan", "Spec", "SweepError", "Variant", "aggregate", "collect_metrics", "execute",
-           "judge", "load_spec", "mean_sd", "metric_names", "plan", "run", "run_config", "sample_sd", "verdict",
+           "judge", "load_spec", "mean_sd", "metric_names", "plan", "run_config", "sample_sd", "verdict",
            "write_results"]

@@ -15,14 +15,12 @@ from typing import Any
 from attnlab import interrupt
 from attnlab.data.cache import atomic_write_text
 from attnlab.eval.metrics import GATE_BINS
-from attnlab.lock import FolderLock, check_free
+from attnlab.lock import FolderLock
 from attnlab.models.config import ConfigError
-from attnlab.pool import run_pool
 from attnlab.train.config import RunConfig, apply_overrides, config_from_dict, read_toml, to_dict
 
 from ..report import topk_summary
-from .spec import RECORD, Spec, SweepError, Variant, _need, load_spec, metric_names, mqar_values, window_keys
-
+from .spec import RECORD, Spec, SweepError, Variant, _need, metric_names, mqar_values, window_keys
 
 
 # --------------------------------------------------------------------------- the runs
@@ -308,77 +306,3 @@ def execute(job: dict) -> dict:
 
 
 # --------------------------------------------------------------------------- the sweep
-
-
-def run(
-    spec: Spec | str | os.PathLike,
-    *,
-    out: str | os.PathLike | None = None,
-    jobs: int = 1,
-    progress: bool = True,
-    quiet: bool = False,
-    command: str | None = None,
-    plans: list[RunPlan] | None = None,
-    launcher=None,
-) -> dict:
-    """Train every run that is not finished (`jobs` at once), then write OUT/results.json,
-    report.md and plots from all run folders (OUT: `out` or the spec's); returns the results dict
-    (every run, mean and sd per variant, "verdicts" with outcome and reason). spec: a Spec or a path;
-    plans: what `plan` returned; `launcher` (a launch.Launcher) makes each unfinished run a submitit
-    job. Raises ConfigError / SweepError as `plan` does, FolderBusy when another process writes OUT."""
-    from tqdm.auto import tqdm
-
-    spec = spec if isinstance(spec, Spec) else load_spec(spec)
-    if isinstance(jobs, bool) or not isinstance(jobs, int) or jobs < 1:
-        raise ConfigError(f"jobs must be an int >= 1, got {jobs!r}")
-    out = Path(out) if out is not None else spec.out
-    plans = plans if plans is not None else plan(spec, out, jobs=jobs)
-    todo = [p for p in plans if p.state not in ("done", "recorded")]
-    counts = {s: sum(p.state == s for p in plans) for s in ("done", "recorded", "evaluate", "resume", "restart", "new")}
-    if not quiet:
-        print(f"sweep {spec.title!r}: {len(spec.variants)} variants x {len(spec.seeds)} seeds = {len(plans)} runs "
-              f"({', '.join(f'{n} {s}' for s, n in counts.items() if n)}) in {out}", flush=True)
-    jobs_list = [{"raw": p.raw, "state": p.state, "metrics": spec.metrics} for p in todo]
-    collect = launcher is not None and launcher.kind == "slurm"  # its runs may be training in jobs left running
-    for folder in [out] + ([] if collect else [p.run_dir for p in todo]):  # another sweep, or a manual run
-        check_free(folder)
-    with FolderLock(out):
-        bar = tqdm(total=len(plans), initial=len(plans) - len(todo), desc="sweep", unit="run", disable=not progress,
-                   dynamic_ncols=True)
-        try:
-            if launcher is not None:
-                from ..launch import SUBMITIT_DIR, SweepJob, launch
-
-                launch([(f"{p.variant}/seed{p.seed}", SweepJob(job)) for p, job in zip(todo, jobs_list)], launcher,
-                       out / SUBMITIT_DIR, bar=bar, stopped=lambda: _stopped(plans, todo), quiet=quiet)
-            elif jobs == 1 or len(todo) <= 1:
-                with interrupt.graceful():
-                    for p, job in zip(todo, jobs_list):
-                        bar.set_postfix_str(f"{p.variant}/seed{p.seed}")
-                        execute(job)
-                        bar.update(1)
-                        interrupt.check(lambda: _stopped(plans, todo))
-            else:
-                _run_pool(todo, jobs_list, jobs, bar, plans)
-        finally:
-            bar.close()
-        from .results import write_results  # results reads the runs' folders: it imports this module
-
-        return write_results(spec, out, command=command, quiet=quiet)
-
-
-def _stopped(plans: list[RunPlan], todo: list[RunPlan]) -> str:
-    """Where an interrupted sweep stands: runs finished, and those saved to resume."""
-    done = sum(summary_of(p.run_dir, p.cfg.train.steps) is not None for p in plans)
-    return f"sweep stopped with {done} of {len(plans)} runs finished; the others resume from their checkpoints"
-
-
-def _run_pool(todo: list[RunPlan], jobs_list: list[dict], jobs: int, bar, plans: list[RunPlan]) -> None:
-    """Train `todo` in `jobs` worker processes (`attnlab.pool.run_pool`: the first SIGINT/SIGTERM
-    reaches every worker, each finishes its step, checkpoints and stops; queued runs are not started)."""
-
-    def done(i: int) -> None:
-        bar.set_postfix_str(f"{todo[i].variant}/seed{todo[i].seed}")
-        bar.update(1)
-
-    run_pool(execute, [(job,) for job in jobs_list], jobs, on_done=done, stopped=lambda: _stopped(plans, todo))

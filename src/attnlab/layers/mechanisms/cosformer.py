@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from ...ops import cosformer_attention, cosformer_step
 from ..record import Projected
-from . import register
+from ..registry import register
 from ._recurrent import RecurrentAttention
 
 

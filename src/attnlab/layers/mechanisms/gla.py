@@ -9,7 +9,7 @@ from torch import nn
 from ...ops import gla_attention, gla_step
 from ..attention import heads
 from ..record import Projected
-from . import register
+from ..registry import register
 from ._recurrent import RecurrentAttention
 
 

@@ -24,7 +24,7 @@ from ...ops import goat_attention
 from ..attention import Attention
 from ..rope import RotaryEmbedding
 from ..record import Projected
-from . import register
+from ..registry import register
 
 GOAT_OPTIONS = ("goat_rank", "goat_abs_rank", "goat_base", "goat_train_len")
 GOAT_LAYER_OPTIONS = ("goat_width", "goat_prior_init", "goat_rope", "rope_base")  # "goat"; goat_hybrid takes goat_width only

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from ...cache.kv import KVCache
 from ...ops import goat_attention
-from . import register
+from ..registry import register
 from .goat import GOAT_OPTIONS, GoatPrior, check_goat_options, content_dim
 from .hybrid import HybridAttention
 

@@ -19,7 +19,7 @@ from torch import nn
 from ...cache.kv import KVCache
 from ...ops import hybrid_attention
 from ..record import Projected
-from . import register
+from ..registry import register
 from .scalar import SCALAR_OPTIONS, ScalarAttention
 
 

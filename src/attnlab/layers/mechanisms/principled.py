@@ -13,7 +13,7 @@ from ...ops import principled_attention
 from ..attention import Attention, heads
 from ..params import GroundValue, HeadParam
 from ..record import Projected
-from . import register
+from ..registry import register
 
 
 @register

@@ -51,7 +51,7 @@ from ..attention import Attention, heads
 from ..params import Temperature
 from ..record import Projected
 from ..sink import mix_sink, sink_weight_value, split_sink_values
-from . import register
+from ..registry import register
 from .scalar_decode import ScalarDecode, exact_impl
 
 SCALAR_OPTIONS = ("tau", "tau_init", "tau_param", "tau_max", "sink", "sink_key", "sink_weight", "train_window",

@@ -6,7 +6,7 @@ from __future__ import annotations
 from ...ops import softmax_attention
 from ..attention import Attention
 from ..record import Projected
-from . import register
+from ..registry import register
 
 
 @register

@@ -12,7 +12,7 @@ from torch import nn
 
 from ...ops import ssd_attention, ssd_step
 from ..record import Projected
-from . import register
+from ..registry import register
 from ._recurrent import RecurrentAttention
 
 

@@ -47,10 +47,10 @@ from attnlab.lock import FolderLock, check_free
 from attnlab.pool import run_pool
 from attnlab.models.config import ConfigError
 
-from .convert import RetrofitError, new_parameters
-from .evaluate import PER_LAYER, EvalConfig
-from .finetune import FinetuneConfig
-from .transfer import TransferConfig
+from ..retrofit.convert import RetrofitError, new_parameters
+from ..retrofit.evaluate import PER_LAYER, EvalConfig
+from ..retrofit.finetune import FinetuneConfig
+from ..retrofit.transfer import TransferConfig
 
 SPEC_KEYS = ("title", "claim", "description", "seeds", "retrofit", "transfer", "finetune", "eval", "variants",
              "verdict", "out")
@@ -105,8 +105,8 @@ def _section(name: str, shared: dict, own: dict, where: str, **owned):
 def load_trial(path) -> Trial:
     """Read and check the spec and build every run's configs (ConfigError naming the key); the layer
     plan of each variant is checked against the model's config (RetrofitError) before any weights load."""
-    from .finetune import check_trainable
-    from .io import parse_settings, plan_source
+    from ..retrofit.finetune import check_trainable
+    from ..retrofit.io import parse_settings, plan_source
 
     head = read_spec(path, SPEC_KEYS)
     raw, seeds, out = head.raw, head.seeds, head.out
@@ -190,11 +190,11 @@ def metric_names(ev: EvalConfig) -> list[str]:
 def run_one(run: TrialRun | None, ev: EvalConfig, folder: Path, hf_model, tok, progress: bool = True) -> dict:
     """Convert, transfer, fine-tune and evaluate one run (run=None: the original model, through a
     softmax conversion that computes exactly its attention); writes and returns folder/result.json."""
-    from .convert import convert
-    from .evaluate import evaluate_retrofit
-    from .finetune import finetune
-    from .io import tokenizer_encoding
-    from .transfer import transfer_attention
+    from ..retrofit.convert import convert
+    from ..retrofit.evaluate import evaluate_retrofit
+    from ..retrofit.finetune import finetune
+    from ..retrofit.io import tokenizer_encoding
+    from ..retrofit.transfer import transfer_attention
 
     t0 = time.perf_counter()
     encode, eos = tokenizer_encoding(tok)
@@ -256,7 +256,7 @@ def run_trial(trial: Trial, hf_model=None, tok=None, progress: bool = True, repo
                      stopped=lambda: "stopped; finished runs are kept and the rerun resumes the others")
             todo = []
         if todo and hf_model is None:
-            from .io import load_source, plan_source
+            from ..retrofit.io import load_source, plan_source
 
             hf_model, tok = load_source(plan_source(trial.runs[0].retrofit.model, "0", "softmax")[0])
         for run in todo:
@@ -269,7 +269,7 @@ def run_trial(trial: Trial, hf_model=None, tok=None, progress: bool = True, repo
 
 def _trial_job(spec: str, key: tuple[str, int] | None, threads: int) -> None:
     """One run of a trial in a pool worker: key (variant, seed), or None for the original model."""
-    from .io import load_source, plan_source
+    from ..retrofit.io import load_source, plan_source
 
     torch.set_num_threads(threads)
     trial = load_trial(spec)

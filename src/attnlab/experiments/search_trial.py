@@ -49,11 +49,11 @@ from attnlab.experiments.sweep.verdict import check_rules, judge, verdict_lines
 from attnlab.experiments.trial_spec import Trial as _Trial, need, pm, read_spec, table as _table, variant_name
 from attnlab.models.config import ConfigError
 
-from .coverage import check_references, coverage_markdown, layer_masses, mean_masses, plot_coverage
-from .lm import FrozenLM
-from .retrieval import METHODS
-from .sweep import EvalConfig, run_eval
-from .train import CHECKPOINT, SearchTrainConfig, train_projections
+from ..search.coverage import check_references, coverage_markdown, layer_masses, mean_masses, plot_coverage
+from ..search.lm import FrozenLM
+from ..search.retrieval import METHODS
+from ..search.sweep import EvalConfig, run_eval
+from ..search.train import CHECKPOINT, SearchTrainConfig, train_projections
 
 SPEC_KEYS = ("title", "claim", "description", "seeds", "train", "eval", "variants", "verdict", "references", "out")
 STATS = ("gap", "mass", "recall")

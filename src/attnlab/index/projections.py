@@ -181,3 +181,19 @@ def search_losses(qs, ks, teacher, allowed, tau: float, k_pos: int = 16, impl: s
     if impl == "naive":
         return search_losses_naive(qs, ks, teacher, allowed, tau, k_pos)
     return search_losses_fast(qs, ks, teacher, allowed, tau, k_pos)
+
+
+def check_projections(projections, layers) -> None:
+    """TypeError / ValueError unless `projections` fit `layers` ((block index, layer) pairs of a model
+    whose scalar/hybrid layers decode through the sorted cache): one search space per scalar head."""
+    if not isinstance(projections, SearchProjections):
+        raise TypeError(f"projections must be a SearchProjections (see train_selector_projections), "
+                        f"got {type(projections).__name__}")
+    for i, layer in layers:
+        if str(i) not in projections.wq:
+            raise ValueError(f"projections hold layers {projections.layers}; the model's scalar/hybrid layer {i} has none")
+        if projections.groups != layer.n_scalar:
+            raise ValueError(f"projections have groups={projections.groups} search spaces per token; layer {i} "
+                             f"needs one per scalar/hybrid head ({layer.n_scalar})")
+        if projections.d_model != layer.config.d_model:
+            raise ValueError(f"projections map d_model={projections.d_model}; layer {i} has d_model={layer.config.d_model}")
