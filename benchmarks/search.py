@@ -38,8 +38,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _interleaved import interleaved, ratios, write_json  # noqa: E402
 
 from attnlab.search.capture import Captured  # noqa: E402
-from attnlab.search.ivf import IVFIndex  # noqa: E402
-from attnlab.search.projections import SearchProjections  # noqa: E402
+from attnlab.index.ivf import IVFIndex  # noqa: E402
+from attnlab.index.projections import SearchProjections  # noqa: E402
 from attnlab.search.quest import QuestIndex  # noqa: E402
 from attnlab.search.retrieval import ExactIndex, HNSWIndex, native_vectors  # noqa: E402
 from attnlab.search.sparse import sparse_attention  # noqa: E402
