@@ -300,9 +300,9 @@ def test_eval_markdown_covers_tasks():
 
 def test_search_commands_registered_when_available(capsys):
     try:
-        import attnlab.search.cli  # noqa: F401
+        import attnlab.cli.search_commands  # noqa: F401
     except ImportError:
-        pytest.skip("attnlab.search.cli is not importable here")
+        pytest.skip("attnlab.cli.search_commands is not importable here")
     with pytest.raises(SystemExit):
         main(["--help"])
     assert "search" in capsys.readouterr().out

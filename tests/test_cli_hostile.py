@@ -131,7 +131,7 @@ def test_quickstart_bad_input_is_one_line_and_writes_nothing(argv, words, tmp_pa
          "bad-method"],
 )
 def test_search_bad_options_are_one_line(argv, words, tmp_path, capsys, monkeypatch):
-    import attnlab.search.cli  # noqa: F401  (loads the modules below)
+    import attnlab.cli.search_commands  # noqa: F401  (loads the modules below)
 
     def must_not_run(*args, **kwargs):
         raise AssertionError("the search command started work despite a bad option")
@@ -145,7 +145,8 @@ def test_search_bad_options_are_one_line(argv, words, tmp_path, capsys, monkeypa
 
 
 def _forget_search_modules(monkeypatch):
-    for name in [n for n in sys.modules if n == "attnlab.search" or n.startswith("attnlab.search.")]:
+    for name in [n for n in sys.modules if n in ("attnlab.search", "attnlab.cli.search_commands")
+                 or n.startswith("attnlab.search.")]:
         monkeypatch.delitem(sys.modules, name)
 
 
@@ -154,7 +155,7 @@ def _import_of_search_cli_raises(monkeypatch, error: ImportError):
     real = builtins.__import__
 
     def fake(name, globals=None, locals=None, fromlist=(), level=0):
-        if name == "attnlab.search.cli" or (name == "attnlab.search" and "cli" in (fromlist or ())):
+        if name == "attnlab.cli.search_commands" or (name == "attnlab.cli" and "search_commands" in (fromlist or ())):
             raise error
         return real(name, globals, locals, fromlist, level)
 
@@ -162,7 +163,7 @@ def _import_of_search_cli_raises(monkeypatch, error: ImportError):
 
 
 def test_search_without_transformers_names_the_extra(tmp_path, capsys, monkeypatch):
-    import attnlab.search.cli as search_cli
+    import attnlab.cli.search_commands as search_cli
 
     calls = []
     monkeypatch.setattr(search_cli, "_train", lambda args: calls.append(args) or 0)
@@ -192,7 +193,7 @@ def test_internal_import_bug_in_search_is_not_hidden(monkeypatch):
 
 
 def test_search_optional_package_missing_at_run_time_is_one_line(tmp_path, capsys, monkeypatch):
-    import attnlab.search.cli as search_cli
+    import attnlab.cli.search_commands as search_cli
 
     def needs_gguf(args):
         raise ModuleNotFoundError("No module named 'gguf'", name="gguf")
@@ -203,7 +204,7 @@ def test_search_optional_package_missing_at_run_time_is_one_line(tmp_path, capsy
 
 
 def test_search_internal_import_error_at_run_time_propagates(tmp_path, monkeypatch):
-    import attnlab.search.cli as search_cli
+    import attnlab.cli.search_commands as search_cli
 
     def broken(args):
         raise ImportError("cannot import name 'x' from 'attnlab.search.lm'", name="attnlab.search.lm")

@@ -16,10 +16,7 @@ from pathlib import Path
 SRC = Path(__file__).resolve().parents[1] / "src" / "attnlab"
 ORDER = ["cli", "experiments", "retrofit", "search", "hf", "train eval", "models", "layers", "cache", "index", "ops",
          "data"]
-UPWARD = {  # (importer, imported): why it stays for now
-    ("attnlab.search.cli", "attnlab.experiments.search_trial"):
-        "the search sub-CLI still lives in attnlab.search; it belongs under attnlab.cli",
-}
+UPWARD: dict[tuple[str, str], str] = {}  # (importer, imported): why it stays for now (none today)
 
 
 def _modules() -> dict[str, Path]:

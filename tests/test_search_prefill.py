@@ -158,7 +158,7 @@ def test_prefill_option_is_checked_and_reaches_the_config(tmp_path):
         small(tmp_path / "out", prefill="exact")
     import argparse
 
-    from attnlab.search.cli import add_search_commands, tasks_config
+    from attnlab.cli.search_commands import add_search_commands, tasks_config
 
     parser = argparse.ArgumentParser()
     add_search_commands(parser.add_subparsers(dest="command"))

@@ -241,7 +241,7 @@ def test_cli_checks_the_model_config_before_weights(tmp_path, capsys, monkeypatc
 def test_cli_options_become_the_config():
     import argparse
 
-    from attnlab.search.cli import add_search_commands, tasks_config
+    from attnlab.cli.search_commands import add_search_commands, tasks_config
 
     parser = argparse.ArgumentParser()
     add_search_commands(parser.add_subparsers(dest="command"))

@@ -9,7 +9,7 @@ import torch
 
 from attnlab.data.packing import doc_causal_mask
 from attnlab.search.capture import Captured, teacher_attention
-from attnlab.search.cli import add_search_commands, eval_config, train_config
+from attnlab.cli.search_commands import add_search_commands, eval_config, train_config
 from attnlab.search.hf_model import load_hf_config, load_model, resolve_source, tiny_model
 from attnlab.search.lm import tiny_lm
 from attnlab.search.metrics import retrieval_stats

@@ -28,7 +28,7 @@ def add_search(sub) -> None:
     """Register `search` always. Without the [hf] extra it is a stub whose use is a one-line
     error naming the extra; an ImportError of anything else (a bug inside attnlab.search) propagates."""
     try:
-        from attnlab.search.cli import add_search_commands
+        from attnlab.cli.search_commands import add_search_commands
     except ImportError as e:
         missing = _missing_extra(e)
         if missing is None:

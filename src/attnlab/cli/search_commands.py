@@ -15,10 +15,10 @@ from dataclasses import fields
 from attnlab.layers.typed_fields import field_problem
 from attnlab.models.config import ConfigError
 
-from . import tasks
-from .retrieval import METHODS
-from .sweep import DEFAULT_KS, DEFAULT_LAYER_SETS, EvalConfig
-from .train import SearchTrainConfig
+from attnlab.search import tasks
+from attnlab.search.retrieval import METHODS
+from attnlab.search.sweep import DEFAULT_KS, DEFAULT_LAYER_SETS, EvalConfig
+from attnlab.search.train import SearchTrainConfig
 
 
 def _csv(kind):
@@ -73,15 +73,15 @@ def eval_config(args) -> EvalConfig:
 
 
 def _train(args) -> int:
-    from .train import train_projections
+    from attnlab.search.train import train_projections
 
     print(json.dumps(train_projections(train_config(args)), indent=2))
     return 0
 
 
 def _eval(args) -> int:
-    from .report import results_markdown
-    from .sweep import run_eval
+    from attnlab.search.report import results_markdown
+    from attnlab.search.sweep import run_eval
 
     cfg = eval_config(args)
     print(results_markdown(run_eval(cfg)))
