@@ -9,10 +9,12 @@ from typing import Any, Callable, Sequence
 import torch
 
 
-def rel_rms(a: torch.Tensor, b: torch.Tensor) -> float:
-    """Relative RMS error ||a - b|| / ||b|| in float64 (0 when both are zero)."""
-    a64, b64 = a.detach().double(), b.detach().double()
-    den = b64.pow(2).mean().sqrt().item()
+def rel_rms(a: torch.Tensor, b: torch.Tensor, floor: float = 0.0) -> float:
+    """Relative RMS error ||a - b|| / ||b|| in float64 (0 when both are zero); `floor` bounds the
+    reference's RMS from below (a gradient that is exactly zero, such as every score's with one
+    visible key, is then compared at that scale instead of dividing by nothing)."""
+    a64, b64 = a.detach().double().cpu(), b.detach().double().cpu()
+    den = max(b64.pow(2).mean().sqrt().item(), floor)
     num = (a64 - b64).pow(2).mean().sqrt().item()
     return num / den if den > 0 else num
 
