@@ -370,6 +370,24 @@ def test_recorded_runs_stand_for_absent_run_folders(reference, tmp_path):
     assert states[("hybrid", 0)] == "new" and states[("softmax", 0)] == "recorded" and states[("swa", 0)] == "done"
 
 
+def test_a_sweep_run_in_pieces_equals_it_run_whole(reference, tmp_path, capsys):
+    """A sweep in two pieces on two machines (a GPU lease each, say): the first piece trains the softmax
+    runs; only the spec and its results.json travel on (run folders stay behind, as on a fresh machine);
+    the second piece trains the hybrid runs. The results equal the whole sweep's, run for run."""
+    out, res = reference
+    first, second = tmp_path / "first", tmp_path / "second"
+    sweep(first, "--only", "softmax/seed0,softmax/seed1")
+    assert sorted(p.name for p in (first / "runs").iterdir()) == ["softmax"]
+    second.mkdir()
+    for name in ("spec.toml", "results.json"):
+        shutil.copy(first / name, second / name)
+    merged = sweep(second, "--only", "hybrid/seed0,hybrid/seed1")
+    assert sorted(p.name for p in (second / "runs").iterdir()) == ["hybrid"]
+    assert per_run(merged) == per_run(res) and merged["verdict"] == res["verdict"] and not merged["missing"]
+    assert main(["sweep", str(second / "spec.toml"), "--no-progress", "--only", "gla/seed0"]) == 2
+    assert "--only names runs the spec does not have: gla/seed0" in capsys.readouterr().err
+
+
 def _write(folder: Path, text: str) -> Path:
     (folder / "spec.toml").write_text(text)
     return folder / "spec.toml"

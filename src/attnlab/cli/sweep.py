@@ -38,6 +38,9 @@ def add_sweep(sub) -> None:
                    "finished runs without training")
     p.add_argument("--out", metavar="DIR", help="output folder (default: the spec's `out`, else the spec's folder)")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
+    p.add_argument("--only", metavar="RUNS", help="train only these runs, comma-separated variant/seedK names (one "
+                   "piece of a sweep run in pieces, e.g. a batch for a GPU machine); results.json then holds them "
+                   "beside the runs it recorded before")
     from attnlab.experiments.launch import add_launcher_options
 
     add_launcher_options(p)
@@ -47,6 +50,7 @@ def add_sweep(sub) -> None:
 def cmd_sweep(ns) -> int:
     from attnlab.experiments import sweep as sw
     from attnlab.experiments.launch import JobFailed, launcher_from_options
+    from attnlab.experiments.sweep.runner import select_runs
     from attnlab.train.trainer import DataError
 
     positive_options(ns, "jobs")
@@ -75,8 +79,11 @@ def cmd_sweep(ns) -> int:
         if not torch.cuda.is_available():
             raise UsageError("run.device is 'cuda' but no CUDA device is available; allowed here: 'auto', 'cpu'")
     try:
+        only = [n.strip() for n in ns.only.split(",") if n.strip()] if ns.only else None
+        if only is not None:
+            select_runs(plans, only)  # names checked before anything is trained or written
         sw.run(spec, out=out, jobs=jobs, progress=not ns.no_progress, command=ns.command_line, plans=plans,
-               launcher=launcher)
+               launcher=launcher, only=only)
     except (DataError, sw.SweepError) as e:
         raise UsageError(str(e)) from None
     except JobFailed as e:  # a job's own error, in its log under OUT/submitit

@@ -16,7 +16,7 @@ from attnlab.pool import run_pool
 from ..launch import SUBMITIT_DIR, SweepJob, launch
 from .results import write_results
 from .runs import RunPlan, execute, plan, summary_of
-from .spec import Spec, load_spec
+from .spec import Spec, SweepError, load_spec
 
 
 def run(
@@ -29,12 +29,16 @@ def run(
     command: str | None = None,
     plans: list[RunPlan] | None = None,
     launcher=None,
+    only: list[str] | None = None,
 ) -> dict:
     """Train every run that is not finished (`jobs` at once), then write OUT/results.json,
     report.md and plots from all run folders (OUT: `out` or the spec's); returns the results dict
     (every run, mean and sd per variant, "verdicts" with outcome and reason). spec: a Spec or a path;
     plans: what `plan` returned; `launcher` (a launch.Launcher) makes each unfinished run a submitit
-    job. Raises ConfigError / SweepError as `plan` does, FolderBusy when another process writes OUT."""
+    job; `only` ("variant/seedK" names) trains just those runs, one piece of a sweep run in pieces
+    (docs/guide/experiments.md: the results it writes hold them beside every run OUT/results.json
+    recorded before). Raises ConfigError / SweepError as `plan` does (SweepError for a name in `only`
+    that is no run of the spec), FolderBusy when another process writes OUT."""
     from tqdm.auto import tqdm
 
     spec = spec if isinstance(spec, Spec) else load_spec(spec)
@@ -43,6 +47,8 @@ def run(
     out = Path(out) if out is not None else spec.out
     plans = plans if plans is not None else plan(spec, out, jobs=jobs)
     todo = [p for p in plans if p.state not in ("done", "recorded")]
+    if only is not None:
+        todo = [p for p in todo if f"{p.variant}/seed{p.seed}" in select_runs(plans, only)]
     counts = {s: sum(p.state == s for p in plans) for s in ("done", "recorded", "evaluate", "resume", "restart", "new")}
     if not quiet:
         print(f"sweep {spec.title!r}: {len(spec.variants)} variants x {len(spec.seeds)} seeds = {len(plans)} runs "
@@ -70,6 +76,16 @@ def run(
         finally:
             bar.close()
         return write_results(spec, out, command=command, quiet=quiet)
+
+def select_runs(plans: list[RunPlan], only: list[str]) -> set[str]:
+    """The runs `only` names ("variant/seedK"), checked against the spec's (SweepError naming the others)."""
+    names = {f"{p.variant}/seed{p.seed}" for p in plans}
+    unknown = [n for n in only if n not in names]
+    if unknown:
+        raise SweepError(f"--only names runs the spec does not have: {', '.join(unknown)}; its runs are "
+                         f"{', '.join(sorted(names))}")
+    return set(only)
+
 
 def _stopped(plans: list[RunPlan], todo: list[RunPlan]) -> str:
     """Where an interrupted sweep stands: runs finished, and those saved to resume."""
