@@ -392,3 +392,14 @@ def test_gained_hybrid_decodes_through_the_sorted_cache(attention):
             pre = model.prefill(idx[:, :11], caches)
             rest = torch.stack([model.step(idx[:, t:t + 1], caches, pos=t) for t in range(11, 30)], 1)
         torch.testing.assert_close(torch.cat([pre, rest], 1), batched, rtol=1e-4, atol=1e-4)
+
+
+def test_selected_path_chunks_by_device():
+    """The selected-keys path scores 64 query rows at a time on the CPU (measured fastest there) and on
+    CUDA as many as keep a chunk's scores within CUDA_CHUNK_ELEMENTS: fewer chunks, fewer launches."""
+    from attnlab.ops.scalar.window import CUDA_CHUNK_ELEMENTS, SELECT_CHUNK, select_chunk
+
+    assert select_chunk(512, 8, 8, 1024, torch.device("cpu")) == SELECT_CHUNK
+    assert select_chunk(512, 8, 8, 1024, torch.device("cuda")) == 1024  # 64M scores: the whole sequence
+    assert select_chunk(512, 4, 16, 32768, torch.device("cuda")) == SELECT_CHUNK  # the floor
+    assert select_chunk(512, 1, 4, 8192, torch.device("cuda")) * 4 * 8192 <= CUDA_CHUNK_ELEMENTS

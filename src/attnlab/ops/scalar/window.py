@@ -48,6 +48,16 @@ __all__ = ["budget_evictions", "range_distance", "window_indices", "window_mask"
 
 NEVER = torch.iinfo(torch.int64).max
 SELECT_CHUNK = 64  # query rows per chunk of the selected-keys path (fastest of 32, 64, 128 measured at T = 256)
+CUDA_CHUNK_ELEMENTS = 1 << 26  # on CUDA: query rows per chunk such that B x H x rows x T scores stay below this
+
+
+def select_chunk(query_chunk: int, B: int, H: int, T: int, device: torch.device) -> int:
+    """Query rows per chunk of the selected-keys path: SELECT_CHUNK on the CPU (measured fastest);
+    on CUDA as many as keep a chunk's B x H x rows x T scores within CUDA_CHUNK_ELEMENTS (at least
+    SELECT_CHUNK), since there every chunk costs a few dozen kernel launches whatever its size."""
+    if device.type != "cuda":
+        return min(query_chunk, SELECT_CHUNK)
+    return max(SELECT_CHUNK, min(T, CUDA_CHUNK_ELEMENTS // max(1, B * H * T)))
 
 
 def range_distance(keys: torch.Tensor, lo: torch.Tensor, hi: torch.Tensor) -> torch.Tensor:
@@ -351,7 +361,7 @@ def windowed_attention(
     per_query_tau = torch.is_tensor(tau) and tau.dim() == 3
     window = T if window is None else window
     if impl != "naive" and budget is None and keep_fn is None:
-        chunk = min(query_chunk, SELECT_CHUNK)
+        chunk = select_chunk(query_chunk, B, H, T, qs.device)
         idx, ok = window_indices(qs, ks, max(window, 1), n_prefix=n_prefix, local=local, query_chunk=chunk)
         return selected_attention(qs, ks, v, tau, idx, ok, q, k, chunk, scalar_scale, kernel)
     evicted = None if budget is None else budget_evictions(qs, ks, budget, history=history, n_prefix=n_prefix)
