@@ -29,11 +29,14 @@ def seed_everything(seed: int) -> None:
 
 
 def build_model(cfg: RunConfig, vocab_size: int) -> LM:
-    """The LM of `cfg` with model.vocab_size resolved (0 takes the tokenizer's)."""
+    """The LM of `cfg` with model.vocab_size resolved (0 takes the tokenizer's), recomputing its blocks'
+    activations in the backward pass when train.checkpoint_activations says so."""
     mcfg = cfg.model if cfg.model.vocab_size else dataclasses.replace(cfg.model, vocab_size=vocab_size)
     if mcfg.vocab_size < vocab_size:
         raise ValueError(f"model.vocab_size ({mcfg.vocab_size}) is smaller than the tokenizer's vocabulary ({vocab_size})")
-    return LM(mcfg)
+    model = LM(mcfg)
+    model.gradient_checkpointing = cfg.train.checkpoint_activations
+    return model
 
 
 class DataError(ValueError):

@@ -65,7 +65,6 @@ class Trainer:
         except (ValueError, OSError) as e:  # a source that cannot be read: named, before any folder exists
             raise DataError(f"data.source={cfg.data.source!r} could not be loaded: {e}") from e
         self.model = build_model(cfg, self.data.vocab_size).to(self.device)
-        self.model.gradient_checkpointing = cfg.train.checkpoint_activations
         allow_tf32(self.device, cfg.train.tf32)
         # only now, so a run that cannot start leaves nothing on disk; one writer per run folder
         self._lock = FolderLock(self.run_dir).acquire() if self.env.is_main else None
@@ -147,8 +146,7 @@ class Trainer:
 
     def train_step(self) -> dict:
         """One optimizer step over grad_accum micro-batches; returns this rank's scalars as device tensors
-        (loss, grad_norm, the regularizers; lr a float): nothing in the step waits for the device,
-        the loop reads them every train.log_every steps."""
+        (lr a float): nothing in the step waits for the device; the loop reads them at its log rows."""
         cfg, model = self.cfg, self.ddp_model
         lr = cfg.train.lr_at(self.step)
         for group in self.optimizer.param_groups:
@@ -366,8 +364,7 @@ class Trainer:
         return attention_stats(self.model.attention_layers())
 
 
-def _ordered(row: dict) -> dict:
-    first = ["step", "loss", "ppl", "lr", "grad_norm", "tokens_per_s", "tokens"]
+def _ordered(row: dict, first=("step", "loss", "ppl", "lr", "grad_norm", "tokens_per_s", "tokens")) -> dict:
     return {**{k: row[k] for k in first if k in row}, **{k: v for k, v in row.items() if k not in first}}
 
 
