@@ -130,6 +130,23 @@ def async_value_checks():
         _async.depth -= 1
 
 
+_trusted = threading.local()  # .ids: the tensors (by id) whose values `trusted()` says were checked already
+
+
+@contextmanager
+def trusted(*tensors: torch.Tensor):
+    """Inside this block (in this thread), `check_finite` skips these tensors: their values were checked
+    where they entered, as a decode cache checks each token once at append (`attnlab.cache.KVCache`),
+    so a step does not read the whole cache again. Only for the objects given, while the block holds
+    them (their ids cannot be reused meanwhile)."""
+    before = getattr(_trusted, "ids", frozenset())
+    _trusted.ids = before | {id(t) for t in tensors}
+    try:
+        yield
+    finally:
+        _trusted.ids = before
+
+
 def value_check_mode(x: torch.Tensor) -> str:
     """How a value check of x runs here: "eager" (read the value, raise ValueError), "assert" (an
     in-graph or device-side assert, no host sync: while torch.compile traces, and on an accelerator
@@ -160,6 +177,8 @@ def check_finite(name: str, value) -> None:
     on an accelerator. Python floats are always checked eagerly."""
     if isinstance(value, torch.Tensor):
         if not (value.is_floating_point() or value.is_complex()) or value.numel() == 0:
+            return
+        if id(value) in getattr(_trusted, "ids", ()):
             return
         mode = value_check_mode(value)
         if mode != "eager":

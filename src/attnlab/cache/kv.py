@@ -12,7 +12,7 @@ from typing import Any
 
 import torch
 
-from ..checks import check_int
+from ..checks import check_finite, check_int
 
 TIME_DIM = 2
 
@@ -77,6 +77,7 @@ class KVCache:
                 raise ValueError(f"{name} must be a tensor with time on dim 2 (B, H, T[, D]), got {got}")
             if x.shape[0] != self.batch_size:
                 raise ValueError(f"{name} has batch {x.shape[0]}, the cache was made for batch_size={self.batch_size}")
+            check_finite(name, x)  # each token's values once, here: a step then trusts the cache (checks.trusted)
             if steps is None:
                 steps = x.shape[TIME_DIM]
             elif x.shape[TIME_DIM] != steps:
@@ -120,9 +121,9 @@ class KVCache:
             tokens' sliding windows reach, the new ones last).
 
         Raises:
-            ValueError: no tensor; a value that is not a tensor of >= 3 dims; another batch size;
-                different step counts; names or shapes that differ from the first append's. The
-                cache is unchanged.
+            ValueError: no tensor; a value that is not a tensor of >= 3 dims; NaN or inf in one;
+                another batch size; different step counts; names or shapes that differ from the first
+                append's. The cache is unchanged.
         """
         steps = self._check(tensors)
         if not self._buf:

@@ -20,6 +20,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from ...checks import trusted
 from ...ops import goat_attention
 from ..attention import Attention
 from ..rope import RotaryEmbedding
@@ -153,4 +154,5 @@ class GoatAttention(Attention):
     def step_readout(self, p: Projected, cache):
         full = cache.kv.append(k=p.k, v=p.v)  # one query against every cached key: the op's offset form
         start = cache.pos + p.k.shape[2] - full["k"].shape[2]  # the first held key's position
-        return self.goat(p.q, full["k"], full["v"], self.config.impl, start)
+        with trusted(full["k"], full["v"]):  # checked token by token at append, not again each step
+            return self.goat(p.q, full["k"], full["v"], self.config.impl, start)

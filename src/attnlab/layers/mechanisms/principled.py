@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from torch import nn
 
+from ...checks import trusted
 from ...ops import principled_attention
 from ..attention import Attention, heads
 from ..params import GroundValue, HeadParam
@@ -61,4 +62,5 @@ class PrincipledAttention(Attention):
 
     def step_readout(self, p: Projected, cache):
         full = cache.kv.append(k=p.k, kg=p.kg, v=p.v)  # one query, all n keys: the op's offset form
-        return self._op(p, full["k"], full["kg"], full["v"], p.v0, self.config.impl)
+        with trusted(*full.values()):  # checked token by token at append, not again each step
+            return self._op(p, full["k"], full["kg"], full["v"], p.v0, self.config.impl)

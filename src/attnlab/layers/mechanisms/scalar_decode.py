@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import torch
 
+from ...checks import trusted
 from ...cache.exact import ExactScalarCache
 from ...cache.kv import KVCache
 from ...cache.ring import Ring
@@ -178,8 +179,9 @@ class ScalarDecode:
         if self.n_dot:
             c = self.config
             full = cache.kv.append(k=p.k, v=p.v)
-            od = softmax_attention(p.q, full["k"], full["v"], scale=c.scale, p=c.p, impl=exact_impl(c.impl),
-                                   window=c.sliding_window)
+            with trusted(full["k"], full["v"]):  # checked token by token at append
+                od = softmax_attention(p.q, full["k"], full["v"], scale=c.scale, p=c.p, impl=exact_impl(c.impl),
+                                       window=c.sliding_window)
             o = torch.cat([o, od.to(o.dtype)], dim=1)  # scalar heads first
         return o
 

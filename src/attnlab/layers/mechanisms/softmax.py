@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+from ...checks import trusted
 from ...ops import softmax_attention
 from ..attention import Attention
 from ..record import Projected
@@ -27,4 +28,6 @@ class SoftmaxAttention(Attention):
     def step_readout(self, p: Projected, cache):
         full = cache.kv.append(k=p.k, v=p.v)  # one query against every cached key: the op's offset form
         c = self.config
-        return softmax_attention(p.q, full["k"], full["v"], scale=c.scale, p=c.p, impl=c.impl, window=c.sliding_window)
+        with trusted(full["k"], full["v"]):  # checked token by token at append, not again each step
+            return softmax_attention(p.q, full["k"], full["v"], scale=c.scale, p=c.p, impl=c.impl,
+                                     window=c.sliding_window)
