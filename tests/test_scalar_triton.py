@@ -275,3 +275,13 @@ def test_cuda_goat_matches_float64_at_gpu_shapes():
         assert rel_err(out, ref) < tol
         for name in ref_g:
             assert rel_err(got[name], ref_g[name]) < 2 * tol, (dtype, name)
+
+
+def test_empty_sequence_through_the_kernel():
+    """T = 0 through impl="triton": the empty output the naive op gives, of the right shape and dtype."""
+    qs, ks, v = torch.randn(1, 2, 0), torch.randn(1, 2, 0), torch.randn(1, 2, 0, 8)
+    q, k = torch.randn(1, 2, 0, 16), torch.randn(1, 2, 0, 16)
+    for impl in ("naive", "triton"):
+        a = scalar_attention(qs, ks, v, 0.5, impl=impl)
+        b = hybrid_attention(q, k, v, qs, ks, 0.5, impl=impl)
+        assert a.shape == (1, 2, 0, 8) and b.shape == (1, 2, 0, 8) and a.dtype == b.dtype == v.dtype
