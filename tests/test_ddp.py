@@ -1,11 +1,13 @@
-"""Data-parallel training: 2 processes under torchrun (gloo, CPU) follow the single-process run
-with the same global batch."""
+"""Data-parallel training: 2 processes under torchrun (gloo, CPU), DDP and FSDP2, follow the
+single-process run with the same global batch; an FSDP run killed with SIGKILL resumes exactly."""
 
 import os
 import re
+import signal
 import subprocess
 import sys
 import sysconfig
+import time
 from pathlib import Path
 
 import pytest
@@ -13,6 +15,7 @@ from safetensors.torch import load_file
 
 from attnlab.testing import rel_rms
 from attnlab.train import read_log
+from attnlab.train.checkpoint import latest_checkpoint
 
 ROOT = Path(__file__).resolve().parents[1]
 TINY = ROOT / "configs" / "tiny.toml"
@@ -26,33 +29,70 @@ def corpus(tmp_path_factory) -> str:
     return str(path)
 
 
-def run(cmd, out_dir, corpus, name):
-    env = dict(os.environ, OMP_NUM_THREADS="1", MKL_NUM_THREADS="1")
-    args = [*cmd, "-m", "attnlab.train", str(TINY), f"run.out_dir={out_dir}", f"run.name={name}",
+ENV = dict(os.environ, OMP_NUM_THREADS="1", MKL_NUM_THREADS="1")
+TORCHRUN = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2"]
+
+
+def train_args(cmd, out_dir, corpus, name, *extra):
+    return [*cmd, "-m", "attnlab.train", str(TINY), f"run.out_dir={out_dir}", f"run.name={name}",
             f"data.source={corpus}", "run.threads=1", "train.steps=6", "train.batch_size=4", "train.grad_accum=2",
-            "train.eval_every=3", "train.ckpt_every=0", "model.attn=[hybrid,softmax]"]
-    return subprocess.run(args, env=env, capture_output=True, text=True, timeout=300)
+            "train.eval_every=3", "train.ckpt_every=3", "model.attn=[hybrid,softmax]", *extra]
+
+
+def run(cmd, out_dir, corpus, name, *extra):
+    return subprocess.run(train_args(cmd, out_dir, corpus, name, *extra), env=ENV, capture_output=True, text=True,
+                          timeout=300)
+
+
+def final_weights(run_dir: Path) -> dict:
+    return load_file(str(run_dir / "checkpoints" / "step_000006" / "model.safetensors"))
 
 
 def test_two_processes_match_one(tmp_path, corpus):
-    torchrun = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2"]
-    multi = run(torchrun, tmp_path, corpus, "ddp")
-    assert multi.returncode == 0, multi.stderr[-3000:]
-    single = run([sys.executable], tmp_path, corpus, "single")
-    assert single.returncode == 0, single.stderr[-3000:]
+    """DDP and FSDP2 on two ranks follow the single-process run with the same global batch; the FSDP
+    checkpoint is written in the single-process format (same names, full tensors)."""
+    for name, cmd in (("ddp", TORCHRUN), ("fsdp", TORCHRUN), ("single", [sys.executable])):
+        proc = run(cmd, tmp_path, corpus, name, f"run.parallel={'fsdp' if name == 'fsdp' else 'ddp'}")
+        assert proc.returncode == 0, proc.stderr[-3000:]
 
-    one, two = read_log(tmp_path / "single", "train"), read_log(tmp_path / "ddp", "train")
-    assert [r["step"] for r in two] == [r["step"] for r in one] == list(range(1, 7))
-    assert [r["loss"] for r in two] == pytest.approx([r["loss"] for r in one], rel=1e-5)
-    ev1, ev2 = read_log(tmp_path / "single", "eval"), read_log(tmp_path / "ddp", "eval")
-    assert [r["val_tokens"] for r in ev2] == [r["val_tokens"] for r in ev1]  # same validation windows
-    assert [r["val_loss"] for r in ev2] == pytest.approx([r["val_loss"] for r in ev1], rel=1e-5)
+    one = read_log(tmp_path / "single", "train")
+    w1 = final_weights(tmp_path / "single")
+    for name in ("ddp", "fsdp"):
+        two = read_log(tmp_path / name, "train")
+        assert [r["step"] for r in two] == [r["step"] for r in one] == list(range(1, 7))
+        assert [r["loss"] for r in two] == pytest.approx([r["loss"] for r in one], rel=1e-5), name
+        assert [r["grad_norm"] for r in two] == pytest.approx([r["grad_norm"] for r in one], rel=1e-4), name
+        ev1, ev2 = read_log(tmp_path / "single", "eval"), read_log(tmp_path / name, "eval")
+        assert [r["val_tokens"] for r in ev2] == [r["val_tokens"] for r in ev1]  # same validation windows
+        assert [r["val_loss"] for r in ev2] == pytest.approx([r["val_loss"] for r in ev1], rel=1e-5), name
+        w2 = final_weights(tmp_path / name)
+        assert w1.keys() == w2.keys()
+        for k in w1:
+            assert rel_rms(w2[k], w1[k]) < 1e-4, (name, k)
 
-    w1 = load_file(str(tmp_path / "single" / "checkpoints" / "step_000006" / "model.safetensors"))
-    w2 = load_file(str(tmp_path / "ddp" / "checkpoints" / "step_000006" / "model.safetensors"))
-    assert w1.keys() == w2.keys()
+
+@pytest.mark.slow
+def test_fsdp_resume_after_sigkill_is_exact(tmp_path, corpus):
+    """SIGKILL of torchrun and both FSDP ranks after the step-3 checkpoint; the resumed run ends with
+    the losses and weights of an uninterrupted one, bit for bit."""
+    assert run(TORCHRUN, tmp_path, corpus, "whole", "run.parallel=fsdp").returncode == 0
+    victim = subprocess.Popen(train_args(TORCHRUN, tmp_path, corpus, "killed", "run.parallel=fsdp"), env=ENV,
+                              stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
+    ckpts = tmp_path / "killed" / "checkpoints"
+    deadline = time.monotonic() + 240
+    while latest_checkpoint(ckpts) is None and victim.poll() is None and time.monotonic() < deadline:
+        time.sleep(0.05)
+    os.killpg(victim.pid, signal.SIGKILL)
+    victim.wait(timeout=60)
+    assert latest_checkpoint(ckpts).name == "step_000003"
+    again = run(TORCHRUN, tmp_path, corpus, "killed", "run.parallel=fsdp", "run.resume=true")
+    assert again.returncode == 0, again.stderr[-3000:]
+    one, two = read_log(tmp_path / "whole", "train"), read_log(tmp_path / "killed", "train")
+    assert [r["step"] for r in two] == list(range(1, 7))
+    assert [r["loss"] for r in two] == [r["loss"] for r in one]
+    w1, w2 = final_weights(tmp_path / "whole"), final_weights(tmp_path / "killed")
     for k in w1:
-        assert rel_rms(w2[k], w1[k]) < 1e-4, k
+        assert (w1[k] == w2[k]).all(), k
 
 
 def _launch(out_dir, corpus, name, timeout=90):

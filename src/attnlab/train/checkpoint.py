@@ -103,9 +103,9 @@ def restore_rng(state: dict) -> None:
 # --------------------------------------------------------------------------- optimizer <-> flat tensors
 
 
-def _optimizer_to_flat(optimizer: torch.optim.Optimizer) -> tuple[dict[str, torch.Tensor], dict]:
-    """Split an optimizer state_dict into named tensors and a JSON-able remainder."""
-    sd = optimizer.state_dict()
+def _optimizer_to_flat(optimizer: torch.optim.Optimizer | dict) -> tuple[dict[str, torch.Tensor], dict]:
+    """Split an optimizer state_dict (or the optimizer's) into named tensors and a JSON-able remainder."""
+    sd = optimizer if isinstance(optimizer, dict) else optimizer.state_dict()
     tensors, scalars = {}, {}
     for idx, per_param in sd["state"].items():
         for key, value in per_param.items():
@@ -136,11 +136,12 @@ def save_checkpoint(
     folder: str | os.PathLike,
     step: int,
     model: torch.nn.Module,
-    optimizer: torch.optim.Optimizer | None,
+    optimizer: torch.optim.Optimizer | dict | None,
     state: dict,
     keep: int = 2,
 ) -> Path:
     """Write checkpoint `step` atomically into `folder`, point `latest` at it, keep the newest `keep`.
+    `optimizer`: the optimizer, its state_dict, or None (weights only).
 
     `state` is any JSON-able dict (the trainer puts the data position, scheduler, config and
     RNG states there); "step" is added to it. A write that fails part-way (disk full, permission)
@@ -306,10 +307,18 @@ def load_checkpoint(
     try:
         load_model(model, str(file), strict=True, device=str(device))
         if optimizer is not None:
-            file = path / "optimizer.safetensors"
-            tensors = load_file(str(file), device=str(device))
-            optimizer.load_state_dict(_optimizer_from_flat(tensors, state["optimizer"]))
+            optimizer.load_state_dict(optimizer_state(path, state, device))
     except SafetensorError as e:
         raise _damaged(file, f"not a readable safetensors file ({e})") from None
     state["path"] = str(path)
     return state
+
+
+def optimizer_state(path: str | os.PathLike, state: dict, device: str | torch.device = "cpu") -> dict:
+    """The optimizer's state_dict stored in checkpoint folder `path` (`state`: its JSON state, as
+    `load_checkpoint` or `verify_checkpoint` returns it)."""
+    file = Path(path) / "optimizer.safetensors"
+    try:
+        return _optimizer_from_flat(load_file(str(file), device=str(device)), state["optimizer"])
+    except SafetensorError as e:
+        raise _damaged(file, f"not a readable safetensors file ({e})") from None

@@ -239,6 +239,9 @@ class RunSection:
     resume: bool = opt(False, "continue from the newest checkpoint in the run folder (a fresh start when there is none)")
     overwrite: bool = opt(False, "start afresh in a run folder that already holds logs or checkpoints, deleting them")
     threads: int = opt(0, "torch CPU threads (0 leaves the default)")
+    parallel: Literal["ddp", "fsdp"] = opt("ddp", "data parallelism under torchrun: 'ddp' (every rank holds the whole "
+                                                  "model) or 'fsdp' (FSDP2: parameters, gradients and optimizer state "
+                                                  "sharded over the ranks, each decoder block gathered in turn)")
     nproc: int = opt(1, "processes per run when a sweep launches it as a cluster job (--launcher): N > 1 starts "
                         "torchrun --nproc_per_node=N inside the job (plain `attnlab train` uses torchrun itself)")
     progress: bool = opt(True, "show a progress bar with ETA")

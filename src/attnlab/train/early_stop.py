@@ -20,7 +20,8 @@ from pathlib import Path
 
 import torch
 
-from .checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
+from .checkpoint import latest_checkpoint, save_checkpoint
+from .ddp import load_into
 
 BEST_DIR = "best"
 
@@ -77,12 +78,14 @@ class EarlyStopping:
         save_checkpoint(self.folder(ckpt_dir), int(self.best_step), model, None,
                         {"early_stop": self.state_dict()}, keep=1)
 
-    def restore_best(self, ckpt_dir: str | Path, model: torch.nn.Module, device) -> None:
-        """Load the best weights into `model` (no-op before any evaluation)."""
+    def restore_best(self, ckpt_dir: str | Path, model: torch.nn.Module, device, replica=None) -> bool:
+        """Load the best weights into `model` (a sharded one through `replica`, its unsharded copy:
+        `ddp.load_into`); False (nothing loaded) before any evaluation."""
         path = latest_checkpoint(self.folder(ckpt_dir))
         if path is None:
             if self.best_step is not None:
                 raise FileNotFoundError(f"the best checkpoint of step {self.best_step} is missing from "
                                         f"{str(self.folder(ckpt_dir))!r}")
-            return
-        load_checkpoint(path, model, device=device)
+            return False
+        load_into(model, None, path, device, replica)
+        return True

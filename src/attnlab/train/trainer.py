@@ -32,8 +32,7 @@ from attnlab.lock import FolderLock
 from attnlab.regularizers import regularization
 
 from . import ddp
-from .checkpoint import (capture_rng, checkpoint_name, latest_checkpoint, load_checkpoint, read_state, restore_rng,
-                         save_checkpoint)
+from .checkpoint import capture_rng, checkpoint_name, latest_checkpoint, read_state, restore_rng, save_checkpoint
 from .config import RunConfig, load_config, save_config, to_dict
 from .resume import CKPT_DIR, check_same_model
 from .data import RunData, build_data
@@ -75,9 +74,11 @@ class Trainer:
             self.close()
             raise
         self.cfg = cfg = dataclasses.replace(cfg, model=self.model.cfg)  # vocab_size resolved
-        self.optimizer = make_optimizer(self.model, cfg.train, self.device)
-        unused = self.env.distributed and has_unused_parameters(self.model, self.device)
-        self.ddp_model = ddp.wrap_model(self.model, self.env, find_unused_parameters=unused)
+        unused = self.env.distributed and cfg.run.parallel == "ddp" and has_unused_parameters(self.model, self.device)
+        self.ddp_model = ddp.wrap_model(self.model, self.env, find_unused_parameters=unused, parallel=cfg.run.parallel)
+        self.sharded = ddp.is_sharded(self.model)  # FSDP: self.model is sharded in place, self.ddp_model is it
+        self._replica = None  # sharded runs: an unsharded CPU copy that checkpoints pass through
+        self.optimizer = make_optimizer(self.model, cfg.train, self.device)  # after sharding: FSDP's parameters
         if cfg.train.compile:  # checkpoints, evaluation and resume keep using the plain module
             self.ddp_model = torch.compile(self.ddp_model)
         self.logger = RunLogger(self.run_dir, enabled=self.env.is_main, tensorboard=cfg.run.tensorboard)
@@ -129,7 +130,7 @@ class Trainer:
         if path is None:
             return  # nothing to resume: a fresh start
         check_same_model(self.cfg, path, read_state(path))  # before a tensor is read into this model
-        state = load_checkpoint(path, self.model, self.optimizer, device=self.device)
+        state = ddp.load_into(self.model, self.optimizer, path, self.device, self.replica() if self.sharded else None)
         self.data.train.load_state_dict(state["data"])
         self.step = int(state["step"])
         if self.early.active and "early_stop" in state:
@@ -137,6 +138,14 @@ class Trainer:
         restore_rng(state["rng"])
         self.logger.truncate_after(self.step)
         self._resumed_from = str(path)
+
+    def replica(self) -> torch.nn.Module:
+        """A sharded run's unsharded CPU copy of the model (built once; the global RNG is untouched, so
+        the run draws what an unsharded run draws)."""
+        if self._replica is None:
+            with torch.random.fork_rng(devices=[]):
+                self._replica = build_model(self.cfg, self.data.vocab_size)
+        return self._replica
 
     # ------------------------------------------------------------------ one step
 
@@ -178,7 +187,7 @@ class Trainer:
             lm_loss += loss.detach().float() / accum
         params = [p for p in self.model.parameters() if p.grad is not None]
         max_norm = cfg.train.grad_clip if cfg.train.grad_clip > 0 else float("inf")
-        grad_norm = torch.nn.utils.clip_grad_norm_(params, max_norm).detach()
+        grad_norm = ddp.local(torch.nn.utils.clip_grad_norm_(params, max_norm).detach())
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
         self.step += 1
@@ -217,7 +226,9 @@ class Trainer:
 
     def save(self) -> None:
         """Write a checkpoint of the current step atomically (model, optimizer, data position,
-        schedule, RNG states); on the main process only, keeping the newest train.keep_checkpoints."""
+        schedule, RNG states); on the main process only, keeping the newest train.keep_checkpoints.
+        A sharded run gathers the full weights and optimizer state first (every rank takes part)."""
+        model, optimizer = ddp.gather_state(self.model, self.optimizer, self.replica() if self.sharded else None)
         if not self.env.is_main:
             return
         state = {
@@ -229,7 +240,7 @@ class Trainer:
         }
         if self.early.active:
             state["early_stop"] = self.early.state_dict()
-        save_checkpoint(self.ckpt_dir, self.step, self.model, self.optimizer, state, keep=self.cfg.train.keep_checkpoints)
+        save_checkpoint(self.ckpt_dir, self.step, model, optimizer, state, keep=self.cfg.train.keep_checkpoints)
 
     # ------------------------------------------------------------------ the loop
 
@@ -315,12 +326,14 @@ class Trainer:
         the last step) restore them and save them as the final checkpoint. Returns the evaluation
         the run reports: this one, or at the end the best one."""
         improved, stop = self.early.update(row)
-        if improved and self.env.is_main:
-            self.early.save_best(self.ckpt_dir, self.model)
+        if improved:
+            model, _ = ddp.gather_state(self.model, None, self.replica() if self.sharded else None)
+            if self.env.is_main:
+                self.early.save_best(self.ckpt_dir, model)
         if not (stop or self.step >= self.cfg.train.steps):
             return row
         ddp.barrier(self.env)  # the best checkpoint is on disk before any rank reads it
-        self.early.restore_best(self.ckpt_dir, self.model, self.device)
+        self.early.restore_best(self.ckpt_dir, self.model, self.device, self.replica() if self.sharded else None)
         self.early.ended = True
         self.save()
         if self.env.is_main and self.cfg.run.progress:
