@@ -13,12 +13,13 @@ import torch
 import torch.nn.functional as F
 
 from attnlab.ops import goat_attention, hybrid_attention, scalar_attention, windowed_attention
+from attnlab.ops.principled import principled_attention
 from attnlab.testing import rel_rms
 
-PARAMS = ("tau", "lam", "freqs", "lam_sym", "lam_asym", "u")  # kept in float32 whatever the inputs' dtype
+PARAMS = ("tau", "lam", "freqs", "lam_sym", "lam_asym", "u", "alpha", "beta", "gamma")  # float32 whatever the dtype
 
 
-def _inputs(B, H, T, D, dtype, device, *, scalar=True, dot=True, goat=False, seed=0):
+def _inputs(B, H, T, D, dtype, device, *, scalar=True, dot=True, goat=False, principled=False, seed=0):
     g = torch.Generator(device="cpu").manual_seed(seed)
     r = lambda *s: torch.randn(*s, generator=g)  # noqa: E731
     t = {"v": r(B, H, T, D).to(device, dtype)}
@@ -37,6 +38,11 @@ def _inputs(B, H, T, D, dtype, device, *, scalar=True, dot=True, goat=False, see
         t["lam_sym"] = (0.1 * r(H, R)).to(device)
         t["lam_asym"] = (0.1 * r(H, R)).to(device)
         t["u"] = (0.1 * r(1, H, T)).to(device)
+    if principled:  # gate vectors of width 16 and per-head parameters, as the layer's defaults
+        t["qg"] = r(B, H, T, 16).to(device, dtype)
+        t["kg"] = r(B, H, T, 16).to(device, dtype)
+        for name, shift in (("alpha", 0.0), ("beta", 0.0), ("gamma", 0.0)):
+            t[name] = (shift + 0.5 * r(H)).to(device)
     return t
 
 
@@ -67,6 +73,11 @@ def _goat(impl, t):
     return goat_attention(t["q"], t["k"], t["v"], t["freqs"], t["lam_sym"], t["lam_asym"], t["u"], impl=impl)
 
 
+def _principled(impl, t):
+    return principled_attention(t["q"], t["k"], t["qg"], t["kg"], t["v"], alpha=t["alpha"], beta=t["beta"],
+                                gamma=t["gamma"], impl=impl)
+
+
 def _window(kernel):
     """Training through the window: k = 16 scalar-nearest older keys + the last 32 (configs/windowed.toml)."""
     return lambda impl, t: windowed_attention(t["qs"], t["ks"], t["v"], t["tau"], 16, q=t["q"], k=t["k"], local=32,
@@ -90,6 +101,8 @@ PATHS = {
     "hybrid-cauchy/chunked": (_fix("fast", _hybrid("cauchy")), {}, 8192),
     "goat/triton": (_fix("triton", _goat), dict(scalar=False, goat=True), None),
     "goat/sdpa": (_fix("fast", _goat), dict(scalar=False, goat=True), None),
+    "principled/triton": (_fix("triton", _principled), dict(scalar=False, principled=True), None),
+    "principled/tiled": (_fix("fast", _principled), dict(scalar=False, principled=True), 8192),
     "hybrid-cauchy-window16+32/selected": (_fix("fast", _window("cauchy")), {}, 8192),
     "hybrid-gaussian-window16+32/selected": (_fix("fast", _window("gaussian")), {}, 8192),
 }

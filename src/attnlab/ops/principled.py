@@ -39,9 +39,10 @@ from torch.autograd.function import once_differentiable
 from ..checks import (
     check_finite, check_groups, check_impl, check_like, check_param, check_same, check_tensor, empty_result,
 )
-from ..checks import check_window, key_counts
+from ..checks import TRITON_IMPLS, check_window, key_counts
 from . import _ext
 from .principled_naive import principled_band, principled_naive
+from .scalar.attention import _use_triton
 
 LOG2E = 1.4426950408889634
 BLOCK_K = 256
@@ -317,9 +318,11 @@ def principled_attention(
         gamma: the relevance threshold, in the same forms.
         v0: the ground value (Dv,) or (H, Dv), of v's dtype; None for zeros.
         causal: query t sees keys 0 .. t + Tk - Tq (needs Tq <= Tk) and K = t + 1 + Tk - Tq.
-        impl: ``"fast"`` (= ``"auto"``) tiles queries and keys in block_q x block_k blocks and
-            never builds a Tq x Tk matrix (on the CPU the fused compiled kernel when it is
-            available); ``"naive"`` does.
+        impl: ``"fast"`` tiles queries and keys in block_q x block_k blocks and never builds a
+            Tq x Tk matrix (on the CPU the fused compiled kernel when it is available); ``"naive"``
+            does; ``"triton"`` runs the fused Triton kernel (`principled_triton`: CUDA, or the CPU
+            under TRITON_INTERPRET=1; no sliding window); ``"auto"`` is ``"triton"`` on CUDA when
+            Triton is installed and there is no window, else ``"fast"``.
         return_ground: also return the ground weight w0.
         block_q: queries per tile, an int >= 1; None for the default (128 in the compiled
             kernel; in the PyTorch fallback a size that holds about 2M scores over all heads).
@@ -340,7 +343,7 @@ def principled_attention(
             input, a block size that is not a positive int, an unknown impl, or a window that is
             not an int >= 1 or comes without causal masking.
     """
-    check_impl(impl)
+    check_impl(impl, TRITON_IMPLS)
     _check_inputs(q, k, qg, kg, v)
     if not isinstance(causal, bool):
         raise TypeError(f"causal must be a bool, got {type(causal).__name__}")
@@ -354,6 +357,8 @@ def principled_attention(
         raise ValueError(f"causal masking needs at least as many keys as queries: q has Tq={Tq}, k has Tk={Tk}")
     _check_v0(v0, H, Dv, v)
     out_dtype = q.dtype
+    triton = _use_triton(impl, q.device, window)
+    given = (q, k, qg, kg, v)  # the kernel's products run in the inputs' dtype
     work = torch.float32 if q.dtype in (torch.float16, torch.bfloat16) else q.dtype
     q, k, qg, kg, v = (x.to(work) for x in (q, k, qg, kg, v))
     params = {
@@ -377,7 +382,11 @@ def principled_attention(
         c = (1 + F.softplus(params["alpha"]) * log_k).expand(B, H, Tq)  # margin amplification
         spb = F.softplus(params["beta"]).expand(B, H, Tq)
         gam = params["gamma"].expand(B, H, Tq)
-        if _ext.usable(q):  # the fused kernel reads grouped k, kg, v in place
+        if triton:
+            from .principled_triton import triton_principled
+
+            o, w0 = triton_principled(*given, c, spb, gam, causal)
+        elif _ext.usable(q):  # the fused kernel reads grouped k, kg, v in place
             o, w0 = _ext.principled(q, k, qg, kg, v, c, spb, gam, causal, block_q, block_k)
         else:
             k, kg, v = _heads(k, H), _heads(kg, H), _heads(v, H)

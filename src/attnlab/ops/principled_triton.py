@@ -1,0 +1,288 @@
+"""Principled attention's fused GPU kernel, in Triton (the math: docs/mechanisms.md#principled-attention).
+
+The tiled algorithm of `attnlab.ops.principled` (module docstring) as one online loop over key
+tiles per query tile, no Tq x Tk matrix stored forward or backward. In base 2 and relative to the
+threshold, the logit of query t and key s is
+
+    y_ts = log2(e) [c_t (q_t . k_s / sqrt(d) - gamma_t) - softplus(beta_t) softplus(-qg_t . kg_s)]
+
+and each query tile keeps the running max M of max(0, y), the sum of 2^(y - M) v and 2^(y - M),
+and the grounded mass sum max(0, 2^-M - 2^(y - M)); z = sumexp + grounded mass, w0 = grounded / z.
+The products q.k and qg.kg run on the matrix units in the inputs' dtype (float32 accumulation);
+c, softplus(beta), gamma and every sum are float32.
+
+Backward (two kernels, as FlashAttention-2): one per key tile accumulates dk, dv and dkg over the
+query tiles that see it; one per query tile accumulates sum_s ds k_s, sum_s ds, the gate query's
+gradient and softplus(beta)'s. With w = 2^(y - lse) and Delta = do.o_keys - dw0 (1 - w0), the
+logit gradient is ds = w (do.v - dw0 - Delta (1 + sign y) / 2). Grouped keys, gate keys and values
+are read in place; their gradients are formed per query head and summed over each group.
+
+On the CPU the kernels run under Triton's interpreter (TRITON_INTERPRET=1): the tests compare them
+with the naive op there.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import triton
+import triton.language as tl
+
+from .scalar.triton_kernel import LOG2E, _bases, _load_rows, _mm, _seen_end, interpreted
+
+__all__ = ["triton_principled"]
+
+NEG_LOG2E: tl.constexpr = tl.constexpr(-1.4426950408889634)
+
+
+@triton.jit
+def _logits(q, k, qg, kg, cs, thr, nspb, offs_m, offs_n, Tk, off, CAUSAL: tl.constexpr, PREC: tl.constexpr,
+            UP: tl.constexpr):
+    """(BLOCK_M, BLOCK_N) logits y in base 2 relative to the threshold (-inf where hidden), the negated
+    gate score -g and softplus(-g)."""
+    y = _mm(q, tl.trans(k), PREC, UP) * (cs * LOG2E)[:, None]
+    ng = -_mm(qg, tl.trans(kg), PREC, UP)
+    sp = tl.maximum(ng, 0.0) + tl.log(1.0 + tl.exp(-tl.abs(ng)))  # softplus(-g), overflow-free
+    y = y + thr[:, None] + nspb[:, None] * sp
+    seen = offs_n[None, :] < Tk
+    if CAUSAL:
+        seen = seen & (offs_n[None, :] <= offs_m[:, None] + off)
+    return tl.where(seen, y, float("-inf")), ng, sp
+
+
+@triton.jit
+def _row_scalars(C, SPB, GAM, row, offs_m, m_ok, sm_scale):
+    """A query tile's c / sqrt(d), threshold term -log2(e) c gamma, -log2(e) softplus(beta) and softplus(beta)."""
+    c = tl.load(C + row + offs_m, mask=m_ok, other=0.0)
+    spb = tl.load(SPB + row + offs_m, mask=m_ok, other=0.0)
+    gam = tl.load(GAM + row + offs_m, mask=m_ok, other=0.0)
+    return c * sm_scale, c * gam * NEG_LOG2E, spb * NEG_LOG2E, spb
+
+
+@triton.jit
+def _fwd(Q, K, QG, KG, V, C, SPB, GAM, OK, W0, LSE, Tq, Tk, H, GK, GG, GV, sm_scale,
+         D: tl.constexpr, DG: tl.constexpr, DV: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DG: tl.constexpr,
+         BLOCK_DV: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, CAUSAL: tl.constexpr,
+         PREC: tl.constexpr, UP: tl.constexpr):
+    m0 = tl.program_id(0) * BLOCK_M
+    bh = tl.program_id(1)
+    off = Tk - Tq
+    row, _, kbase, vbase = _bases(bh, H, GK, GV, Tq, Tk)
+    _, _, gbase, _ = _bases(bh, H, GG, GV, Tq, Tk)
+    offs_m = m0 + tl.arange(0, BLOCK_M)
+    offs_d, offs_g, offs_v = tl.arange(0, BLOCK_D), tl.arange(0, BLOCK_DG), tl.arange(0, BLOCK_DV)
+    m_ok = offs_m < Tq
+    q = _load_rows(Q, row, offs_m, m_ok, offs_d, D, True, BLOCK_D, Q.dtype.element_ty)
+    qg = _load_rows(QG, row, offs_m, m_ok, offs_g, DG, True, BLOCK_DG, QG.dtype.element_ty)
+    cs, thr, nspb, _ = _row_scalars(C, SPB, GAM, row, offs_m, m_ok, sm_scale)
+    m_i = tl.zeros((BLOCK_M,), tl.float32)  # running max of max(0, y): starts at the threshold
+    l_i = tl.zeros((BLOCK_M,), tl.float32)
+    ex = tl.zeros((BLOCK_M,), tl.float32)  # grounded mass, relative to 2^M
+    acc = tl.zeros((BLOCK_M, BLOCK_DV), tl.float32)
+    for start_n in range(0, _seen_end(m0, Tk, off, BLOCK_M, CAUSAL), BLOCK_N):
+        offs_n = start_n + tl.arange(0, BLOCK_N)
+        n_ok = offs_n < Tk
+        k = _load_rows(K, kbase, offs_n, n_ok, offs_d, D, True, BLOCK_D, K.dtype.element_ty)
+        kg = _load_rows(KG, gbase, offs_n, n_ok, offs_g, DG, True, BLOCK_DG, KG.dtype.element_ty)
+        v = _load_rows(V, vbase, offs_n, n_ok, offs_v, DV, True, BLOCK_DV, V.dtype.element_ty)
+        y, _, _ = _logits(q, k, qg, kg, cs, thr, nspb, offs_m, offs_n, Tk, off, CAUSAL, PREC, UP)
+        m_new = tl.maximum(m_i, tl.max(y, 1))
+        r = tl.exp2(m_i - m_new)
+        p = tl.exp2(y - m_new[:, None])  # 0 where hidden
+        ground = tl.where(y == float("-inf"), 0.0, tl.maximum(tl.exp2(-m_new)[:, None] - p, 0.0))
+        acc = acc * r[:, None] + _mm(p.to(V.dtype.element_ty), v, PREC, UP)
+        l_i = l_i * r + tl.sum(p, 1)
+        ex = ex * r + tl.sum(ground, 1)
+        m_i = m_new
+    z = l_i + ex
+    z = tl.where(z > 0.0, z, 1.0)  # rows past Tq
+    tl.store(OK + (row + offs_m[:, None]) * DV + offs_v[None, :], acc / z[:, None],
+             mask=m_ok[:, None] & (offs_v[None, :] < DV))
+    tl.store(W0 + row + offs_m, ex / z, mask=m_ok)
+    tl.store(LSE + row + offs_m, m_i + tl.log2(z), mask=m_ok)
+
+
+@triton.jit
+def _dlogits(y, do, v, lse, e, hd, PREC: tl.constexpr, UP: tl.constexpr):
+    """The weights w = 2^(y - lse) and the logit gradient ds = w (do.v - e - hd sign(y)), e = dw0 + Delta / 2,
+    hd = Delta / 2."""
+    w = tl.exp2(y - lse[:, None])
+    side = tl.where(y > 0.0, 1.0, tl.where(y < 0.0, -1.0, 0.0))
+    dov = _mm(do, tl.trans(v), PREC, UP)
+    return w, w * (dov - e[:, None] - hd[:, None] * side)
+
+
+@triton.jit
+def _grad_rows(DO, LSE, E, HD, row, offs_m, m_ok, offs_v, DV: tl.constexpr, BLOCK_DV: tl.constexpr):
+    do = _load_rows(DO, row, offs_m, m_ok, offs_v, DV, True, BLOCK_DV, DO.dtype.element_ty)
+    lse = tl.load(LSE + row + offs_m, mask=m_ok, other=float("inf"))  # w = 0 past Tq
+    e = tl.load(E + row + offs_m, mask=m_ok, other=0.0)
+    hd = tl.load(HD + row + offs_m, mask=m_ok, other=0.0)
+    return do, lse, e, hd
+
+
+@triton.jit
+def _bwd_kv(Q, K, QG, KG, V, C, SPB, GAM, DO, LSE, E, HD, DK, DKG, DV_, Tq, Tk, H, GK, GG, GV, sm_scale,
+            D: tl.constexpr, DG: tl.constexpr, DV: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DG: tl.constexpr,
+            BLOCK_DV: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, CAUSAL: tl.constexpr,
+            PREC: tl.constexpr, UP: tl.constexpr):
+    n0 = tl.program_id(0) * BLOCK_N
+    bh = tl.program_id(1)
+    off = Tk - Tq
+    row, krow, kbase, vbase = _bases(bh, H, GK, GV, Tq, Tk)
+    _, _, gbase, _ = _bases(bh, H, GG, GV, Tq, Tk)
+    offs_n = n0 + tl.arange(0, BLOCK_N)
+    offs_d, offs_g, offs_v = tl.arange(0, BLOCK_D), tl.arange(0, BLOCK_DG), tl.arange(0, BLOCK_DV)
+    n_ok = offs_n < Tk
+    k = _load_rows(K, kbase, offs_n, n_ok, offs_d, D, True, BLOCK_D, K.dtype.element_ty)
+    kg = _load_rows(KG, gbase, offs_n, n_ok, offs_g, DG, True, BLOCK_DG, KG.dtype.element_ty)
+    v = _load_rows(V, vbase, offs_n, n_ok, offs_v, DV, True, BLOCK_DV, V.dtype.element_ty)
+    dk = tl.zeros((BLOCK_N, BLOCK_D), tl.float32)
+    dkg = tl.zeros((BLOCK_N, BLOCK_DG), tl.float32)
+    dv = tl.zeros((BLOCK_N, BLOCK_DV), tl.float32)
+    start = 0
+    if CAUSAL:
+        start = tl.maximum(n0 - off, 0) // BLOCK_M * BLOCK_M  # the first query tile that sees this key tile
+    for start_m in range(start, Tq, BLOCK_M):
+        offs_m = start_m + tl.arange(0, BLOCK_M)
+        m_ok = offs_m < Tq
+        q = _load_rows(Q, row, offs_m, m_ok, offs_d, D, True, BLOCK_D, Q.dtype.element_ty)
+        qg = _load_rows(QG, row, offs_m, m_ok, offs_g, DG, True, BLOCK_DG, QG.dtype.element_ty)
+        cs, thr, nspb, spb = _row_scalars(C, SPB, GAM, row, offs_m, m_ok, sm_scale)
+        do, lse, e, hd = _grad_rows(DO, LSE, E, HD, row, offs_m, m_ok, offs_v, DV, BLOCK_DV)
+        y, ng, _ = _logits(q, k, qg, kg, cs, thr, nspb, offs_m, offs_n, Tk, off, CAUSAL, PREC, UP)
+        w, ds = _dlogits(y, do, v, lse, e, hd, PREC, UP)
+        dv += _mm(tl.trans(w).to(DO.dtype.element_ty), do, PREC, UP)
+        dk += _mm(tl.trans(ds * cs[:, None]).to(Q.dtype.element_ty), q, PREC, UP)
+        gate = ds * tl.sigmoid(ng) * spb[:, None]  # dL/dg
+        dkg += _mm(tl.trans(gate).to(QG.dtype.element_ty), qg, PREC, UP)
+    out = (krow + offs_n[:, None])  # per query head: the host sums each group
+    tl.store(DK + out * D + offs_d[None, :], dk, mask=n_ok[:, None] & (offs_d[None, :] < D))
+    tl.store(DKG + out * DG + offs_g[None, :], dkg, mask=n_ok[:, None] & (offs_g[None, :] < DG))
+    tl.store(DV_ + out * DV + offs_v[None, :], dv, mask=n_ok[:, None] & (offs_v[None, :] < DV))
+
+
+@triton.jit
+def _bwd_q(Q, K, QG, KG, V, C, SPB, GAM, DO, LSE, E, HD, DQK, DSUM, DQG, DSPB, Tq, Tk, H, GK, GG, GV, sm_scale,
+           D: tl.constexpr, DG: tl.constexpr, DV: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DG: tl.constexpr,
+           BLOCK_DV: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, CAUSAL: tl.constexpr,
+           PREC: tl.constexpr, UP: tl.constexpr):
+    m0 = tl.program_id(0) * BLOCK_M
+    bh = tl.program_id(1)
+    off = Tk - Tq
+    row, _, kbase, vbase = _bases(bh, H, GK, GV, Tq, Tk)
+    _, _, gbase, _ = _bases(bh, H, GG, GV, Tq, Tk)
+    offs_m = m0 + tl.arange(0, BLOCK_M)
+    offs_d, offs_g, offs_v = tl.arange(0, BLOCK_D), tl.arange(0, BLOCK_DG), tl.arange(0, BLOCK_DV)
+    m_ok = offs_m < Tq
+    q = _load_rows(Q, row, offs_m, m_ok, offs_d, D, True, BLOCK_D, Q.dtype.element_ty)
+    qg = _load_rows(QG, row, offs_m, m_ok, offs_g, DG, True, BLOCK_DG, QG.dtype.element_ty)
+    cs, thr, nspb, spb = _row_scalars(C, SPB, GAM, row, offs_m, m_ok, sm_scale)
+    do, lse, e, hd = _grad_rows(DO, LSE, E, HD, row, offs_m, m_ok, offs_v, DV, BLOCK_DV)
+    dqk = tl.zeros((BLOCK_M, BLOCK_D), tl.float32)
+    dqg = tl.zeros((BLOCK_M, BLOCK_DG), tl.float32)
+    dsum = tl.zeros((BLOCK_M,), tl.float32)
+    dspb = tl.zeros((BLOCK_M,), tl.float32)
+    for start_n in range(0, _seen_end(m0, Tk, off, BLOCK_M, CAUSAL), BLOCK_N):
+        offs_n = start_n + tl.arange(0, BLOCK_N)
+        n_ok = offs_n < Tk
+        k = _load_rows(K, kbase, offs_n, n_ok, offs_d, D, True, BLOCK_D, K.dtype.element_ty)
+        kg = _load_rows(KG, gbase, offs_n, n_ok, offs_g, DG, True, BLOCK_DG, KG.dtype.element_ty)
+        v = _load_rows(V, vbase, offs_n, n_ok, offs_v, DV, True, BLOCK_DV, V.dtype.element_ty)
+        y, ng, sp = _logits(q, k, qg, kg, cs, thr, nspb, offs_m, offs_n, Tk, off, CAUSAL, PREC, UP)
+        _, ds = _dlogits(y, do, v, lse, e, hd, PREC, UP)
+        dqk += _mm(ds.to(K.dtype.element_ty), k, PREC, UP)
+        dsum += tl.sum(ds, 1)
+        dspb -= tl.sum(ds * sp, 1)
+        dqg += _mm((ds * tl.sigmoid(ng)).to(KG.dtype.element_ty), kg, PREC, UP)
+    tl.store(DQK + (row + offs_m[:, None]) * D + offs_d[None, :], dqk, mask=m_ok[:, None] & (offs_d[None, :] < D))
+    tl.store(DQG + (row + offs_m[:, None]) * DG + offs_g[None, :], dqg * spb[:, None],
+             mask=m_ok[:, None] & (offs_g[None, :] < DG))
+    tl.store(DSUM + row + offs_m, dsum, mask=m_ok)
+    tl.store(DSPB + row + offs_m, dspb, mask=m_ok)
+
+
+def _pow2(n: int) -> int:
+    return max(16, 1 << (max(n, 1) - 1).bit_length())
+
+
+def _launch(kernel, grid, tensors, Tq, Tk, H, groups, sm_scale, dims, causal, dtype, blocks):
+    D, DG, DV = dims
+    BLOCK_M, BLOCK_N, warps, stages = blocks
+    up = interpreted() and dtype in (torch.bfloat16, torch.float16)
+    kernel[grid](*tensors, Tq, Tk, H, *groups, sm_scale, D, DG, DV, _pow2(D), _pow2(DG), _pow2(DV), BLOCK_M, BLOCK_N,
+                 causal, "ieee", up, num_warps=warps, num_stages=stages)
+
+
+def _blocks(device: torch.device, dims) -> tuple[int, int, int, int]:
+    """(BLOCK_M, BLOCK_N, num_warps, num_stages): small under the interpreter (NumPy work per program);
+    on a GPU 64 x 64 tiles on 4 warps (the scalar kernel's tuned choice; 32-row tiles past width 64)."""
+    if device.type != "cuda":
+        return 32, 32, 4, 1
+    return (64, 64, 4, 2) if max(dims) <= 64 else (32, 64, 4, 2)
+
+
+class _Principled(torch.autograd.Function):
+    """q (B, H, Tq, D), k (B, G, Tk, D), qg (B, H, Tq, Dg), kg (B, Gg, Tk, Dg), v (B, Gv, Tk, Dv) in
+    one dtype; c, softplus(beta), gamma (B, H, Tq) float32. Returns the key readout (B, H, Tq, Dv) and
+    w0 (B, H, Tq), float32."""
+
+    @staticmethod
+    def forward(ctx, q, k, qg, kg, v, c, spb, gamma, causal: bool):
+        q, k, qg, kg, v = (x.contiguous() for x in (q, k, qg, kg, v))
+        c, spb, gamma = (x.float().contiguous() for x in (c, spb, gamma))
+        B, H, Tq, D = q.shape
+        Tk, DG, DV = k.shape[2], qg.shape[3], v.shape[3]
+        groups = (k.shape[1], kg.shape[1], v.shape[1])
+        blocks = _blocks(q.device, (D, DG, DV))
+        ok = torch.empty(B, H, Tq, DV, device=q.device, dtype=torch.float32)
+        w0 = torch.empty(B, H, Tq, device=q.device, dtype=torch.float32)
+        lse = torch.empty_like(w0)
+        grid = (triton.cdiv(Tq, blocks[0]), B * H)
+        _launch(_fwd, grid, (q, k, qg, kg, v, c, spb, gamma, ok, w0, lse), Tq, Tk, H, groups, 1 / math.sqrt(D),
+                (D, DG, DV), causal, q.dtype, blocks)
+        ctx.save_for_backward(q, k, qg, kg, v, c, spb, gamma, ok, w0, lse)
+        ctx.causal = causal
+        return ok, w0
+
+    @staticmethod
+    def backward(ctx, d_ok, d_w0):
+        q, k, qg, kg, v, c, spb, gamma, ok, w0, lse = ctx.saved_tensors
+        B, H, Tq, D = q.shape
+        Tk, DG, DV = k.shape[2], qg.shape[3], v.shape[3]
+        groups = (k.shape[1], kg.shape[1], v.shape[1])
+        blocks = _blocks(q.device, (D, DG, DV))
+        d_ok = torch.zeros_like(ok) if d_ok is None else d_ok.float()
+        d_w0 = torch.zeros_like(w0) if d_w0 is None else d_w0.float()
+        delta = (d_ok * ok).sum(-1) - d_w0 * (1 - w0)  # (B, H, Tq)
+        e, hd = (d_w0 + 0.5 * delta).contiguous(), (0.5 * delta).contiguous()
+        do = d_ok.to(v.dtype).contiguous()
+        sm_scale = 1 / math.sqrt(D)
+        f32 = dict(device=q.device, dtype=torch.float32)
+        dk, dkg, dv = torch.empty(B, H, Tk, D, **f32), torch.empty(B, H, Tk, DG, **f32), torch.empty(B, H, Tk, DV, **f32)
+        args = (q, k, qg, kg, v, c, spb, gamma, do, lse, e, hd)
+        _launch(_bwd_kv, (triton.cdiv(Tk, blocks[1]), B * H), (*args, dk, dkg, dv), Tq, Tk, H, groups, sm_scale,
+                (D, DG, DV), ctx.causal, q.dtype, blocks)
+        dqk, dqg = torch.empty(B, H, Tq, D, **f32), torch.empty(B, H, Tq, DG, **f32)
+        dsum, dspb = torch.empty(B, H, Tq, **f32), torch.empty(B, H, Tq, **f32)
+        _launch(_bwd_q, (triton.cdiv(Tq, blocks[0]), B * H), (*args, dqk, dsum, dqg, dspb), Tq, Tk, H, groups,
+                sm_scale, (D, DG, DV), ctx.causal, q.dtype, blocks)
+        dq = dqk * (c * sm_scale)[..., None]
+        dc = (q.float() * dqk).sum(-1) * sm_scale - gamma * dsum
+        dgamma = -c * dsum
+
+        def grouped(x, G):  # per query head -> per group
+            return x if G == H else x.view(B, G, H // G, *x.shape[2:]).sum(2)
+
+        return (dq.to(q.dtype), grouped(dk, groups[0]).to(k.dtype), dqg.to(qg.dtype), grouped(dkg, groups[1]).to(kg.dtype),
+                grouped(dv, groups[2]).to(v.dtype), dc, dspb, dgamma, None)
+
+
+def triton_principled(q, k, qg, kg, v, c, spb, gamma, causal: bool):
+    """The fused kernel on validated inputs: q (B, H, Tq, D), k (B, G, Tk, D), qg (B, H, Tq, Dg),
+    kg (B, Gg, Tk, Dg), v (B, Gv, Tk, Dv) in one dtype (each group count dividing H); c (the margin
+    factor 1 + softplus(alpha) log K), softplus(beta) and gamma as (B, H, Tq). Returns the key readout
+    sum_s w_s v_s (B, H, Tq, Dv) and the ground weight w0 (B, H, Tq), both float32, differentiable in
+    every input."""
+    return _Principled.apply(q, k, qg, kg, v, c, spb, gamma, causal)
