@@ -100,7 +100,7 @@ def test_padded_forward_without_cache(tmp_path):
         right = torch.stack([torch.cat([a, torch.full((2,), 256)]), b])
         logits = hf(right, attention_mask=mask.flip(1)).logits
         assert rel_rms(logits[0, :3], lm(a[None])[0][0]) < 1e-6
-        with pytest.raises(ValueError, match="pads between real tokens"):
+        with pytest.raises(ValueError, match=r"row 0 has a pad \(0\) between real tokens"):
             hf(right, attention_mask=torch.tensor([[1, 0, 1, 1, 1], [1, 1, 1, 1, 1]]))
 
 
@@ -115,12 +115,67 @@ def test_labels_loss_and_logits_to_keep(tmp_path):
         targets = labels[:, 1:]
         ref = torch.nn.functional.cross_entropy(lm(idx)[0][:, :-1].reshape(-1, V), targets.reshape(-1), ignore_index=-100)
         assert float(out.loss) == pytest.approx(float(ref), rel=1e-6)
+        assert torch.equal(out.loss, lm(idx, torch.nn.functional.pad(targets, (0, 1), value=-100))[1])  # LM's own loss
         assert rel_rms(hf(idx, logits_to_keep=1).logits, out.logits[:, -1:]) < 1e-6
         cached = hf(idx, use_cache=True)
         assert isinstance(cached.past_key_values, H.AttnlabCache) and cached.past_key_values.get_seq_length() == 9
         assert rel_rms(cached.logits, out.logits) < 1e-5
         nxt = hf(idx[:, :1], past_key_values=cached.past_key_values).logits  # one more step
         assert rel_rms(nxt[:, 0], lm(torch.cat([idx, idx[:, :1]], 1))[0][:, -1]) < 1e-5
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.bfloat16])
+def test_the_loss_is_the_lms_and_takes_num_items_in_batch(dtype):
+    """The loss of a forward with labels is, bit for bit, the LM's loss of the shifted labels (in >= float32,
+    float64 kept), with a cache too; given num_items_in_batch (transformers' Trainer, gradient
+    accumulation) it is the summed token loss over that count, so micro-batches add up to the batch's mean."""
+    from attnlab.models.lm import token_loss
+
+    lm = tiny("hybrid").to(dtype)
+    hf = H.AttnlabForCausalLM(H.AttnlabConfig.from_model_config(lm.cfg)).to(dtype).eval()
+    hf.model.load_state_dict(lm.state_dict())
+    idx = torch.randint(V, (4, 11))
+    labels = idx.clone()
+    labels[0, :4] = -100
+    targets = torch.nn.functional.pad(labels[:, 1:], (0, 1), value=-100)
+    with torch.no_grad():
+        loss = hf(idx, labels=labels).loss
+        assert loss.dtype == (torch.float64 if dtype == torch.float64 else torch.float32)
+        assert torch.equal(loss, lm(idx, targets)[1]) and torch.equal(loss, token_loss(lm(idx)[0], targets))
+        assert torch.equal(hf(idx, labels=labels, use_cache=True).loss, token_loss(hf(idx, use_cache=True).logits, targets))
+        n = int((targets != -100).sum())
+        parts = [hf(idx[i:i + 2], labels=labels[i:i + 2], num_items_in_batch=torch.tensor(n)).loss for i in (0, 2)]
+        summed = token_loss(lm(idx)[0], targets, num_items_in_batch=1)
+        assert float(sum(parts)) == pytest.approx(float(loss), rel=1e-5 if dtype != torch.float64 else 1e-12)
+        assert float(summed) == pytest.approx(float(loss) * n, rel=1e-5 if dtype != torch.float64 else 1e-12)
+
+
+def test_config_fields_come_from_model_config(tmp_path):
+    """AttnlabConfig's fields are ModelConfig's, with its defaults (no arguments: ModelConfig()'s);
+    they survive save_pretrained / from_pretrained, and the diff dict keeps what differs."""
+    import dataclasses
+
+    plain = H.AttnlabConfig()
+    for f in dataclasses.fields(ModelConfig):
+        if f.init:
+            assert getattr(plain, f.name) == getattr(ModelConfig(), f.name), f.name
+    assert plain.window is None and plain.hidden_size == 64 and plain.model_config() == ModelConfig()
+    cfg = H.AttnlabConfig(vocab_size=V, attn=("softmax", "hybrid"), attention={"sink": True}, layer_attention=None,
+                          window=8, hidden_size=48)
+    assert cfg.attn == ["softmax", "hybrid"] and cfg.layer_attention == [] and cfg.d_model == 48
+    cfg.save_pretrained(tmp_path)
+    back = AutoConfig.from_pretrained(tmp_path)
+    mine = {k: v for k, v in cfg.to_dict().items() if k != "_name_or_path"}
+    assert {k: v for k, v in back.to_dict().items() if k != "_name_or_path"} == mine
+    assert back.model_config() == cfg.model_config() and back.window == 8
+    diff = cfg.to_diff_dict()
+    assert diff["vocab_size"] == V and diff["window"] == 8 and diff["attn"] == ["softmax", "hybrid"]
+    shared = {"sink": True}
+    made = H.AttnlabConfig(vocab_size=V, attn="hybrid", attention=shared)
+    made.attention["sink"] = False
+    assert shared == {"sink": True}  # the config holds its own copy
+    with pytest.raises(TypeError):
+        H.AttnlabConfig(V)  # keywords only
 
 
 def test_bad_configs_and_inputs_are_named(tmp_path):

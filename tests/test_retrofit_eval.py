@@ -63,7 +63,7 @@ def test_an_interrupted_decode_evaluation_keeps_what_it_measured(llama, tmp_path
     measures only the missing ones and reports what an uninterrupted evaluation reports."""
     import sys
 
-    ft = sys.modules["attnlab.retrofit.finetune"]  # the package exports a function of the same name
+    ev = sys.modules["attnlab.retrofit.evaluate"]  # the package exports a function of the same name
 
     cfg = EvalConfig(contexts=1, context=32, windows=[4], window_lengths=[24, 32], window_contexts=1,
                      learned_steps=2, learned_context=16, learned_contexts=2)
@@ -71,21 +71,21 @@ def test_an_interrupted_decode_evaluation_keeps_what_it_measured(llama, tmp_path
     whole = evaluate_retrofit(model, cfg)["decode"]
     assert list(whole) == cfg.decode_names() and len(whole) == 6
     path = tmp_path / "decode.partial.json"
-    real, calls = ft.perplexity, []
+    real, calls = ev.perplexity, []
 
     def flaky(m, ids):
-        calls.append(ids.shape[1])
+        calls.append(ids.input_ids.shape[1])
         if len(calls) == 1 + 4:  # the held-out perplexity, then three decode losses, then stop
             raise KeyboardInterrupt("stopped by the test")
         return real(m, ids)
 
-    monkeypatch.setattr(ft, "perplexity", flaky)
+    monkeypatch.setattr(ev, "perplexity", flaky)
     with pytest.raises(KeyboardInterrupt):
         evaluate_retrofit(model, cfg, partial=path)
     kept = json.loads(path.read_text())["decode"]
     assert list(kept) == cfg.decode_names()[:3]
     calls.clear()
-    monkeypatch.setattr(ft, "perplexity", lambda m, ids: calls.append(ids.shape[1]) or real(m, ids))
+    monkeypatch.setattr(ev, "perplexity", lambda m, ids: calls.append(ids.input_ids.shape[1]) or real(m, ids))
     again = evaluate_retrofit(model, cfg, partial=path)["decode"]
     assert len(calls) == 1 + 3  # the held-out perplexity and the three missing losses
     assert again == pytest.approx(whole, rel=1e-5)
@@ -104,11 +104,11 @@ def test_a_signal_stops_the_evaluation_after_the_loss_it_is_measuring(llama, tmp
 
     from attnlab import interrupt
 
-    ft = sys.modules["attnlab.retrofit.finetune"]
+    ev = sys.modules["attnlab.retrofit.evaluate"]
     cfg = EvalConfig(contexts=1, context=32, windows=[4], window_lengths=[24], window_contexts=1)
     model = convert(llama, "1", "scalar")
     path = tmp_path / "decode.partial.json"
-    real, calls = ft.perplexity, []
+    real, calls = ev.perplexity, []
 
     def signalled(m, ids):
         calls.append(1)
@@ -116,7 +116,7 @@ def test_a_signal_stops_the_evaluation_after_the_loss_it_is_measuring(llama, tmp
             os.kill(os.getpid(), signal.SIGINT)
         return real(m, ids)
 
-    monkeypatch.setattr(ft, "perplexity", signalled)
+    monkeypatch.setattr(ev, "perplexity", signalled)
     with pytest.raises(interrupt.Interrupted, match="evaluation stopped after exact@24"):
         with interrupt.graceful():
             evaluate_retrofit(model, cfg, partial=path)

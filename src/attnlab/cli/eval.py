@@ -70,18 +70,8 @@ def _eval_plan(ns) -> dict:
     windows = int_list(ns.windows, "--windows") if ns.windows else None
     lengths = int_list(ns.lengths, "--lengths") if ns.lengths else None
     budgets = int_list(ns.budgets, "--budgets") if ns.budgets else None
-    if budgets and not windows:
-        raise UsageError("--budgets caps the sorted cache of windowed decoding: give --windows as well")
     compress = float_list(ns.compress, "--compress", 0.0, 1e6) if ns.compress else None
-    if compress and not windows:
-        raise UsageError("--compress merges keys of the sorted cache of windowed decoding: give --windows as well")
-    from attnlab.layers import mechanism_class
-
-    if windows and not any(getattr(mechanism_class(a.mechanism), "sorted_decode", False) and a.sliding_window is None
-                           for a in cfg.model.attention_configs()):
-        raise UsageError(f"--windows: no layer of this run decodes through the sorted scalar cache "
-                         f"(model.attn={cfg.model.layer_attn}); scalar and hybrid layers do, unless they read a "
-                         f"sliding window (model.attention.sliding_window)")
+    _check_decode_options(cfg, windows, budgets, compress)
     if lengths and cfg.model.pos_embedding == "learned" and max(lengths) > cfg.model.max_seq_len:
         raise UsageError(f"--lengths: {max(lengths)} exceeds model.max_seq_len={cfg.model.max_seq_len} of this run's "
                          f"learned position embedding; allowed: lengths <= {cfg.model.max_seq_len}")
@@ -109,6 +99,29 @@ def _eval_plan(ns) -> dict:
         "passkey_lengths": passkey, "passkey_depths": depths, "windows": windows, "budgets": budgets,
         "compress": compress, "context_lengths": lengths, "device": None if ns.device == "auto" else ns.device,
     }
+
+
+DECODE_FLAGS = {"window": "--windows", "budget": "--budgets", "compress": "--compress"}
+
+
+def _check_decode_options(cfg, windows, budgets, compress) -> None:
+    """--windows, --budgets and --compress as the decode options of the windowed losses
+    (`DecodeOptions`), checked together and against this run's model, built on the meta device.
+    The first value of each list stands for the rest: the parsers checked every value."""
+    from attnlab.models.decode import DecodeOptionError, DecodeOptions
+
+    try:
+        options = DecodeOptions(window=windows[0] if windows else None, budget=budgets[0] if budgets else None,
+                                compress=compress[0] if compress else None)
+        if windows:
+            import torch
+
+            from attnlab.train.trainer import build_model
+
+            with torch.device("meta"):
+                options.check(build_model(cfg, cfg.vocab_size))
+    except DecodeOptionError as e:
+        raise UsageError(f"{', '.join(DECODE_FLAGS[n] for n in e.names)}: {e}") from None
 
 
 def _check_passkey_lengths(cfg, lengths: list[int], depths) -> None:

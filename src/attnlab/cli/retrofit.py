@@ -3,11 +3,13 @@
 Every check that needs no weights runs first (model family and config, RoPE scaling, layer spec,
 mechanism, --set fields, whether the new layers' shapes can carry the model's q/k/v/o, OUT new or
 empty, no other writer of OUT, the --transfer-* and --finetune-* values): a problem is one line
-`error: ...` with exit status 2, before any weights load. With --transfer-steps N the new layers are
-then trained to reproduce the original attention outputs (`attnlab.retrofit.transfer`; resumable
-from OUT/transfer/), and with --finetune-steps N the new parameters are fine-tuned end to end on
-next-token loss (`attnlab.retrofit.finetune`; resumable from OUT/finetune/, finetune.json in OUT);
-Ctrl-C saves and exits 130. The folder is written atomically under a lock (`attnlab.retrofit.save`).
+`error: ...` with exit status 2, before any weights load. Then `attnlab.retrofit.pipeline.run_pipeline`
+converts the model with that plan; with --transfer-steps N the new layers are trained to reproduce
+the original attention outputs (`attnlab.retrofit.transfer`; resumable from OUT/transfer/), with
+--finetune-steps N the new parameters are fine-tuned end to end on next-token loss
+(`attnlab.retrofit.finetune`; resumable from OUT/finetune/, finetune.json in OUT), and with
+--eval-contexts N the model is evaluated (eval.json in OUT); Ctrl-C saves and exits 130. The
+folder is written atomically under a lock (`attnlab.retrofit.save`).
 
 `attnlab retrofit trial SPEC.toml` runs a retrofit experiment over training seeds (variants x seeds,
 each converted, transferred, fine-tuned and evaluated; resumable) and writes its report with the
@@ -97,17 +99,17 @@ def cmd_retrofit(ns) -> int:
         raise UsageError("--report-only, --no-progress and --jobs belong to `attnlab retrofit trial SPEC.toml`")
     try:
         import attnlab.hf  # noqa: F401
-        from attnlab.retrofit import RetrofitError, check_out, convert, load_source, parse_settings, plan_source, save
-        from attnlab.retrofit.io import tokenizer_encoding
+        from attnlab.retrofit import RetrofitError, check_out, load_source, parse_settings, plan_source, save
     except ImportError as e:
         if (e.name or "").split(".")[0] in ("transformers", "tokenizers", "safetensors", "gguf"):
             raise UsageError(f"attnlab retrofit needs the optional package {e.name.split('.')[0]}, not installed here; "
                              f"install the [hf] extra: {HF_EXTRA}") from None
         raise
     from attnlab.lock import FolderLock, check_free
-    from attnlab.retrofit.evaluate import EvalConfig, evaluate_retrofit
-    from attnlab.retrofit.finetune import FinetuneConfig, check_trainable, finetune
-    from attnlab.retrofit.transfer import TransferConfig, transfer_attention
+    from attnlab.retrofit.evaluate import EvalConfig
+    from attnlab.retrofit.finetune import FinetuneConfig, check_trainable
+    from attnlab.retrofit.pipeline import run_pipeline
+    from attnlab.retrofit.transfer import TransferConfig
 
     try:
         settings = parse_settings(ns.settings)
@@ -126,19 +128,10 @@ def cmd_retrofit(ns) -> int:
         raise UsageError(str(e)) from None
     check_free(ns.out, beside=True)  # FolderBusy (exit 2) before any weights load
     model, tok = load_source(source)
-    retro = convert(model, plan.layers, ns.attn, settings, ns.seed)
     with FolderLock(ns.out, beside=True):
-        encode, eos = tokenizer_encoding(tok)
         try:
-            if tcfg.steps > 0:
-                transfer_attention(model, retro, plan.layers, tcfg, ns.out, encode, eos, log=print)
-            if fcfg.steps > 0:
-                finetune(retro, fcfg, ns.out, original=model if fcfg.kl > 0 else None, encode=encode, eos_id=eos,
-                         log=print)
-            if ecfg is not None:
-                rep = evaluate_retrofit(retro, ecfg, original=model, encode=encode, eos_id=eos)
-                print(f"eval: held-out perplexity {rep['perplexity']:.4g} (original {rep['perplexity_original']:.4g}, "
-                      f"{100 * rep['perplexity_gap']:+.3f} %) on {ecfg.contexts} x {ecfg.context} tokens")
+            retro = run_pipeline(model, plan, ns.out, seed=ns.seed, transfer=tcfg, finetune=fcfg, evaluate=ecfg,
+                                 tokenizer=tok, log=print).model
         except RetrofitError as e:
             raise UsageError(str(e)) from None
         out = save(retro, ns.out, tok)

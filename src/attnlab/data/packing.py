@@ -16,13 +16,19 @@ model where a document starts. With `cross_doc=False` a batch carries the causal
 block-diagonal mask `doc_causal_mask(doc_ids)` (True = may attend) so each token sees only
 earlier tokens of its own document; mechanisms without a mask argument can reset their
 state where `doc_ids` changes.
+
+Contexts (`pack_contexts`, `pack_corpus`): the layout that evaluation and fine-tuning of a pretrained
+model read, `d0 EOS d1 EOS ...` (documents shuffled by a seed, each followed by EOS, tokenized only
+until enough tokens exist) cut into N contexts of T tokens; each token also carries its document
+number within the context (`segments`) and its position within its document (`position_ids`).
 """
 
 from __future__ import annotations
 
 import hashlib
+import random
 from dataclasses import dataclass, field
-from typing import Iterator, Sequence
+from typing import Callable, Iterator, Sequence
 
 import numpy as np
 import torch
@@ -286,3 +292,61 @@ def sequential_batches(
         idx = torch.arange(lo, min(lo + batch_size, n))
         if idx.numel():
             yield _windows(stream, idx, seq_len, cross_doc)
+
+
+@dataclass
+class Packed:
+    """Contexts of documents packed back to back (`pack_contexts`): input_ids (N, T); segments (N, T),
+    the document number within each context (0 at its first token); position_ids (N, T), each token's
+    position counted from its document's first token in the context (`positions_in_doc`)."""
+
+    input_ids: torch.Tensor  # (N, T)
+    position_ids: torch.Tensor  # (N, T)
+    segments: torch.Tensor  # (N, T)
+
+    def __len__(self) -> int:
+        return self.input_ids.shape[0]
+
+    def batch(self, i: int, n: int = 1) -> "Packed":
+        """Contexts i .. i + n - 1 as a Packed of their own (rows of every field)."""
+        return Packed(self.input_ids[i:i + n], self.position_ids[i:i + n], self.segments[i:i + n])
+
+
+def pack_contexts(
+    texts: Sequence[str], encode: Callable[[str], list[int]], eos_id: int, context: int, n_contexts: int,
+    seed: int | None = 0,
+) -> Packed:
+    """Tokenize documents (shuffled by `seed`, None keeps order) only until n_contexts * context
+    tokens exist, append EOS to each, and cut the stream into contexts. ValueError when the
+    documents hold too few tokens."""
+    check_int("context", context, 2)
+    check_int("n_contexts", n_contexts)
+    need = context * n_contexts
+    order = list(range(len(texts)))
+    if seed is not None:
+        random.Random(seed).shuffle(order)
+    ids, segs = [], []
+    for doc_no, i in enumerate(order):
+        toks = list(encode(texts[i])) + [eos_id]
+        ids.extend(toks)
+        segs.extend([doc_no] * len(toks))
+        if len(ids) >= need:
+            break
+    if len(ids) < need:
+        raise ValueError(
+            f"corpus too short for the context: {len(texts)} documents give {len(ids)} tokens, "
+            f"need context * n_contexts = {context} * {n_contexts} = {need}"
+        )
+    input_ids = torch.tensor(ids[:need]).view(n_contexts, context)
+    seg = torch.tensor(segs[:need]).view(n_contexts, context)
+    seg = seg - seg[:, :1]  # (N, T), 0 at each context start
+    return Packed(input_ids, positions_in_doc(seg), seg)
+
+
+def pack_corpus(corpus: str, split: str, encode: Callable[[str], list[int]], eos_id: int, context: int,
+                n_contexts: int, seed: int | None = 0) -> Packed:
+    """`pack_contexts` over the documents of a corpus split (`attnlab.data.corpus.load_corpus`: 'stdlib',
+    a Hugging Face source, a local file or folder). ValueError for an unknown corpus or too few tokens."""
+    from .corpus import load_corpus
+
+    return pack_contexts(load_corpus(corpus, split), encode, eos_id, context, n_contexts, seed)

@@ -30,9 +30,8 @@ from __future__ import annotations
 import json
 import math
 import shutil
-import statistics
 import time
-from dataclasses import asdict, dataclass, field, fields
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 import torch
@@ -41,14 +40,16 @@ from attnlab import interrupt
 from attnlab.data.cache import atomic_write_text
 from attnlab.experiments.report import fmt, markdown_table, mean as _mean_or_none, report_head
 from attnlab.experiments.sweep.verdict import check_rules, judge, verdict_lines
-from attnlab.experiments.trial_spec import Trial, need, pm, read_spec, table as _table, variant_name
+from attnlab.experiments.trial import (Trial, need, pm, read_spec, section, seed_stats, table as _table,
+                                      variant_name, write_outputs)
 from attnlab.checks import check_int
 from attnlab.lock import FolderLock, check_free
 from attnlab.pool import run_pool
 from attnlab.models.config import ConfigError
 
-from ..retrofit.convert import RetrofitError, new_parameters
+from ..retrofit.convert import RetrofitError
 from ..retrofit.evaluate import PER_LAYER, EvalConfig
+from ..search.metrics import PERPLEXITY_RULE
 from ..retrofit.finetune import FinetuneConfig
 from ..retrofit.transfer import TransferConfig
 
@@ -88,18 +89,10 @@ SECTIONS = {"retrofit": (RetrofitSpec, ()), "transfer": (TransferConfig, ("seed"
 
 def _section(name: str, shared: dict, own: dict, where: str, **owned):
     cls, fixed = SECTIONS[name]
-    allowed = {f.name for f in fields(cls)} - set(fixed)
-    for k in {**shared, **own}:
-        need(k in allowed, f"{where}: unknown or owned key {name}.{k}; allowed: {', '.join(sorted(allowed))}"
-                           + (f" (the trial sets {', '.join(fixed)})" if fixed else ""))
-    merged = {**shared, **own}
     if name == "retrofit":  # a variant's settings add to the shared ones
-        merged["settings"] = {**_table(shared.get("settings", {}), "retrofit.settings"),
-                              **_table(own.get("settings", {}), f"{where}: retrofit.settings")}
-    try:
-        return cls(**merged, **owned)
-    except (TypeError, ValueError) as e:
-        raise ConfigError(f"{where}: {name}: {e}") from None
+        own = {**own, "settings": {**_table(shared.get("settings", {}), "retrofit.settings"),
+                                   **_table(own.get("settings", {}), f"{where}: retrofit.settings")}}
+    return section(cls, name, shared, own, where, fixed, **owned)
 
 
 def load_trial(path) -> Trial:
@@ -167,6 +160,13 @@ def finished(folder: Path, want: dict) -> dict | None:
     return res if have is not None and have == _filled(want) else None
 
 
+def _current(folder: Path, want: dict) -> bool:
+    """Whether the run's result.json was written for these settings under today's perplexity rule (a
+    result scored under the earlier rule still counts in reports, and a run of the trial redoes it)."""
+    res = finished(folder, want)
+    return res is not None and res.get("perplexity_rule") == PERPLEXITY_RULE
+
+
 def _summary(report: dict, replaced: set[int]) -> dict:
     """The run's scalars from an `evaluate_retrofit` report."""
     layers = report["layers"]
@@ -188,45 +188,37 @@ def metric_names(ev: EvalConfig) -> list[str]:
 
 
 def run_one(run: TrialRun | None, ev: EvalConfig, folder: Path, hf_model, tok, progress: bool = True) -> dict:
-    """Convert, transfer, fine-tune and evaluate one run (run=None: the original model, through a
-    softmax conversion that computes exactly its attention); writes and returns folder/result.json."""
-    from ..retrofit.convert import convert
-    from ..retrofit.evaluate import evaluate_retrofit
-    from ..retrofit.finetune import finetune
-    from ..retrofit.io import tokenizer_encoding
-    from ..retrofit.transfer import transfer_attention
+    """Convert, transfer, fine-tune and evaluate one run through `attnlab.retrofit.pipeline.run_pipeline`
+    (run=None: the original model, through a softmax conversion that computes exactly its attention);
+    writes and returns folder/result.json."""
+    from ..retrofit.convert import plan as make_plan
+    from ..retrofit.pipeline import run_pipeline
 
     t0 = time.perf_counter()
-    encode, eos = tokenizer_encoding(tok)
     rs = run.retrofit if run is not None else RetrofitSpec(layers="0")
-    model = convert(hf_model, rs.layers, rs.attn, rs.settings, run.seed if run is not None else 0)
-    plan = model.retrofit_plan
-    start = {n: p.detach().clone() for n, p in new_parameters(model.model, plan).items()}
-    res: dict = {"variant": run.variant if run else ORIGINAL, "seed": run.seed if run else None,
-                 "layers": list(plan.layers) if run else []}
     mark = folder / "fingerprint.json"  # a run folder left by other settings (an edited spec) starts afresh
     if mark.is_file() and _filled(json.loads(mark.read_text())) != _filled(_fingerprint(run, ev)):
         shutil.rmtree(folder)
     folder.mkdir(parents=True, exist_ok=True)
     atomic_write_text(mark, json.dumps(_fingerprint(run, ev)) + "\n")
-    if run is not None and run.transfer.steps > 0:
-        rep = transfer_attention(hf_model, model, plan.layers, run.transfer, folder, encode, eos)
-        res["transfer"] = json.loads(json.dumps(rep, default=str))
-    if run is not None and run.finetune.steps > 0:
-        rep = finetune(model, run.finetune, folder, original=hf_model if run.finetune.kl > 0 else None,
-                       encode=encode, eos_id=eos, progress=progress)
-        res["finetune"] = {k: rep.get(k) for k in ("steps", "resumed_from", "loss_start", "loss_end",
-                                                   "perplexity_before", "perplexity_after", "trained")}
-        res["finetune"]["trained"] = len(rep.get("trained") or [])
+    done = run_pipeline(hf_model, make_plan(hf_model.config, rs.layers, rs.attn, rs.settings), folder,
+                        seed=run.seed if run is not None else 0, transfer=run.transfer if run else None,
+                        finetune=run.finetune if run else None, evaluate=ev, tokenizer=tok, compare=run is None,
+                        partial=folder / PARTIAL,  # an interrupted evaluation keeps its decode losses
+                        progress=progress)
+    res: dict = {"variant": run.variant if run else ORIGINAL, "seed": run.seed if run else None,
+                 "layers": list(done.model.retrofit_plan.layers) if run else []}
+    if done.transfer is not None:
+        res["transfer"] = json.loads(json.dumps(done.transfer, default=str))
+    if done.finetune is not None:
+        res["finetune"] = {k: done.finetune.get(k) for k in ("steps", "resumed_from", "loss_start", "loss_end",
+                                                             "perplexity_before", "perplexity_after", "trained")}
+        res["finetune"]["trained"] = len(done.finetune.get("trained") or [])
         f = run.finetune
         res["finetune"]["tokens"] = f.steps * f.batch * f.context
-    report = evaluate_retrofit(model, ev, original=hf_model if run is None else None, encode=encode, eos_id=eos,
-                               partial=folder / PARTIAL)  # an interrupted evaluation keeps its decode losses
-    moved = [(p.detach() - start[n]).pow(2) for n, p in new_parameters(model.model, plan).items()]
-    res.update(_summary(report, set(res["layers"])), eval=report,
-               new_change_rms=math.sqrt(sum(float(x.sum()) for x in moved) / sum(x.numel() for x in moved))
-               if moved else None, wall_s=time.perf_counter() - t0,
-               fingerprint=_fingerprint(run, ev))
+    report = done.eval
+    res.update(_summary(report, set(res["layers"])), eval=report, new_change_rms=done.new_change_rms,
+               wall_s=time.perf_counter() - t0, fingerprint=_fingerprint(run, ev), perplexity_rule=PERPLEXITY_RULE)
     if run is None:
         res["ppl_original_hf"] = report.get("perplexity_original")
     atomic_write_text(folder / RESULT, json.dumps(res, indent=1, default=str) + "\n")
@@ -245,9 +237,9 @@ def run_trial(trial: Trial, hf_model=None, tok=None, progress: bool = True, repo
     ev = trial.runs[0].eval
     check_free(trial.out)
     with FolderLock(trial.out), interrupt.graceful():
-        todo = [] if report_only else [r for r in trial.runs if finished(r.folder, _fingerprint(r, ev)) is None]
+        todo = [] if report_only else [r for r in trial.runs if not _current(r.folder, _fingerprint(r, ev))]
         orig = trial.out / "runs" / ORIGINAL
-        if not report_only and finished(orig, _fingerprint(None, ev)) is None:
+        if not report_only and not _current(orig, _fingerprint(None, ev)):
             todo.insert(0, None)
         if jobs > 1 and len(todo) > 1:
             threads = max(1, torch.get_num_threads() // jobs)
@@ -280,17 +272,6 @@ def _trial_job(spec: str, key: tuple[str, int] | None, threads: int) -> None:
             progress=False)
 
 
-def seed_stats(per_seed: dict) -> dict:
-    """{"seeds", "runs", "mean", "sd"} of per-seed metric dicts (sd over >= 2 seeds, else None)."""
-    names = sorted({k for m in per_seed.values() for k in m})
-    mean, sd = {}, {}
-    for k in names:
-        xs = [m[k] for m in per_seed.values() if m.get(k) is not None]
-        mean[k] = statistics.fmean(xs) if xs else None
-        sd[k] = statistics.stdev(xs) if len(xs) >= 2 else None
-    return {"seeds": sorted(per_seed), "runs": {str(s): m for s, m in per_seed.items()}, "mean": mean, "sd": sd}
-
-
 def collect(trial: Trial) -> tuple[dict, dict]:
     """(per-variant statistics over finished seeds, per-variant per-layer means), the original included."""
     ev = trial.runs[0].eval
@@ -301,9 +282,11 @@ def collect(trial: Trial) -> tuple[dict, dict]:
                 "first_token_share_all": orig["first_token_share_all"]}
         stats[ORIGINAL] = seed_stats({s: base for s in trial.seeds})
         stats[ORIGINAL]["sd"] = {k: (0.0 if v is not None else None) for k, v in stats[ORIGINAL]["mean"].items()}
+        if orig.get("perplexity_rule") != PERPLEXITY_RULE:
+            stats[ORIGINAL]["earlier_rule"] = True
         layers[ORIGINAL] = {k: [row.get(k) for row in orig["eval"]["layers"]] for k in PER_LAYER}
     for v in trial.variants:
-        done, per_layer = {}, []
+        done, per_layer, earlier = {}, [], False
         for run in (r for r in trial.runs if r.variant == v):
             res = finished(run.folder, _fingerprint(run, ev))
             if res is None:
@@ -315,7 +298,10 @@ def collect(trial: Trial) -> tuple[dict, dict]:
                     [row.get("first_token_share") for row in orig["eval"]["layers"] if row["layer"] in res["layers"]])
             done[run.seed] = m
             per_layer.append(res["eval"]["layers"])
+            earlier = earlier or res.get("perplexity_rule") != PERPLEXITY_RULE
         stats[v] = seed_stats(done)
+        if earlier:
+            stats[v]["earlier_rule"] = True
         stats[v]["tokens"] = next((r.finetune.steps * r.finetune.batch * r.finetune.context
                                    for r in trial.runs if r.variant == v), 0)
         if per_layer:
@@ -330,9 +316,7 @@ def write_report(trial: Trial) -> dict:
     results = {"title": trial.title, "claim": trial.claim, "spec": str(trial.path), "variants": stats,
                "per_layer": layers, "verdicts": judged,
                "runs": {r.variant: _fingerprint(r, r.eval) for r in trial.runs}}
-    trial.out.mkdir(parents=True, exist_ok=True)
-    atomic_write_text(trial.out / "results.json", json.dumps(results, indent=1, default=str) + "\n")
-    atomic_write_text(trial.out / "report.md", report_markdown(trial, stats, layers, judged))
+    write_outputs(trial.out, results, report_markdown(trial, stats, layers, judged))
     return results
 
 
@@ -363,6 +347,11 @@ def report_markdown(trial: Trial, stats: dict, layers: dict, judged: list[dict])
     rows = [[v, len(stats[v]["seeds"])] + [pm(stats[v]["mean"].get(k), stats[v]["sd"].get(k)) for k in shown]
             for v in [ORIGINAL, *trial.variants] if v in stats]
     lines += [markdown_table(["variant", "seeds", *shown], rows), ""]
+    earlier = [v for v in [ORIGINAL, *trial.variants] if stats.get(v, {}).get("earlier_rule")]
+    if earlier:
+        lines += [f"Scored under the earlier perplexity rule (every prediction, the first token of a document "
+                  f"from the previous document's EOS included; the rule now is {PERPLEXITY_RULE}, "
+                  f"docs/retrofit.md): {', '.join(earlier)}. Rerunning those runs regenerates their numbers.", ""]
     decode = [n for n in ev.decode_names() if not n.startswith("exact@")]
     if decode:
         lines += ["### Decoding through key selection: perplexity gap (%) against each model's exact loss", "",

@@ -36,18 +36,16 @@ perplexity gap (%), Mass@K and Recall@K, and the spec's `[[verdict]]` rules, jud
 from __future__ import annotations
 
 import json
-import statistics
 from dataclasses import MISSING, asdict, dataclass, field, fields
 from pathlib import Path
 from typing import Callable
 
 from attnlab import interrupt
-from attnlab.data.cache import atomic_write_text
 from attnlab.lock import FolderLock, check_free
 from attnlab.experiments.report import markdown_table, report_head
 from attnlab.experiments.sweep.verdict import check_rules, judge, verdict_lines
-from attnlab.experiments.trial_spec import Trial as _Trial, need, pm, read_spec, table as _table, variant_name
-from attnlab.models.config import ConfigError
+from attnlab.experiments.trial import (Trial as _Trial, pm, read_spec, section, seed_stats, table as _table,
+                                      variant_name, write_outputs)
 
 from ..search.coverage import check_references, coverage_markdown, layer_masses, mean_masses, plot_coverage
 from ..search.lm import FrozenLM
@@ -75,15 +73,8 @@ class Trial(_Trial):
 
 
 def _config(cls, shared: dict, own: dict, where: str, **owned):
-    allowed = {f.name for f in fields(cls)}
-    section = "train" if cls is SearchTrainConfig else "eval"
-    for k in {**shared, **own}:
-        need(k in allowed and k not in OWNED[section],
-             f"{where}: unknown or owned key {section}.{k}; the trial sets {', '.join(OWNED[section])}")
-    try:
-        return cls(**{**shared, **own, **owned})
-    except (TypeError, ValueError) as e:
-        raise ConfigError(f"{where}: {section}: {e}") from None
+    name = "train" if cls is SearchTrainConfig else "eval"
+    return section(cls, name, shared, own, where, OWNED[name], **owned)
 
 
 def metric_names(ev: EvalConfig) -> list[str]:
@@ -233,15 +224,9 @@ def collect(trial: Trial) -> dict:
             if i == 0:  # the projection-free methods, evaluated here only
                 shared = {k: x for k, x in vals.items() if not k.split("/")[0].split(":")[-1].startswith("learned")}
             done[run.seed] = {**shared, **vals}
-        names = sorted({k for m in done.values() for k in m})
-        mean, sd = {}, {}
-        for k in names:
-            xs = [m[k] for m in done.values() if m.get(k) is not None]
-            mean[k] = statistics.fmean(xs) if xs else None
-            sd[k] = statistics.stdev(xs) if len(xs) >= 2 else None
-        out[v] = {"seeds": sorted(done), "runs": {str(s): m for s, m in done.items()}, "mean": mean, "sd": sd,
-                  **({"coverage": {**sizes, "per_layer_mass": mean_masses(per_layer)}}
-                     if len(runs[0].eval.layer_sets) > 1 and sizes else {})}
+        out[v] = seed_stats(done)
+        if len(runs[0].eval.layer_sets) > 1 and sizes:
+            out[v]["coverage"] = {**sizes, "per_layer_mass": mean_masses(per_layer)}
     return out
 
 
@@ -251,9 +236,7 @@ def write_report(trial: Trial) -> dict:
     results = {"title": trial.title, "claim": trial.claim, "spec": str(trial.path), "variants": stats,
                "verdicts": judged, "train": {r.variant: asdict(r.train) for r in trial.runs},
                "eval": {r.variant: asdict(r.eval) for r in trial.runs}}
-    trial.out.mkdir(parents=True, exist_ok=True)
-    atomic_write_text(trial.out / "results.json", json.dumps(results, indent=1, default=str) + "\n")
-    atomic_write_text(trial.out / "report.md", report_markdown(trial, stats, judged))
+    write_outputs(trial.out, results, report_markdown(trial, stats, judged))
     if any("coverage" in s for s in stats.values()):
         plot_coverage(stats, trial.references, trial.out / "coverage.png")
     return results

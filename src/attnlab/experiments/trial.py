@@ -1,12 +1,19 @@
-"""What the experiment runners over seeds (`attnlab retrofit trial`, `attnlab search trial`) read
-alike from a spec file: the header (title, claim, description), the seeds, the variants and the
-output folder, each checked with a ConfigError naming the key before any work."""
+"""The skeleton the experiment runners over seeds share (`attnlab sweep`, `attnlab retrofit trial`,
+`attnlab search trial`): reading a spec's header (title, claim, description), seeds, variants and
+output folder, each checked with a ConfigError naming the key before any work; building a run's
+config section from the shared and per-variant tables; the statistics over seeds; writing
+results.json and report.md."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import json
+import math
+import os
+from dataclasses import dataclass, fields
 from pathlib import Path
+from typing import Sequence
 
+from attnlab.data.cache import atomic_write_text
 from attnlab.experiments.report import fmt
 from attnlab.models.config import ConfigError
 from attnlab.train.config import read_toml
@@ -90,3 +97,51 @@ def variant_name(v: dict, i: int, names: list[str], keys: set[str], reserved: st
 def pm(mean, sd) -> str:
     """'mean ± sd' for a report (the mean alone without an sd, '—' without a mean)."""
     return fmt(mean) if sd is None or mean is None else f"{fmt(mean)} ± {fmt(sd)}"
+
+
+def section(cls, name: str, shared: dict, own: dict, where: str, fixed: tuple[str, ...] = (), **owned):
+    """`cls` (a config dataclass) from a spec's shared `[name]` table and a variant's own, which wins;
+    `owned` are the values the runner sets (a spec naming one of `fixed` is refused). ConfigError
+    naming `where` and the key for an unknown or owned key or a value the dataclass rejects."""
+    allowed = {f.name for f in fields(cls)} - set(fixed)
+    for k in {**shared, **own}:
+        need(k in allowed, f"{where}: unknown or owned key {name}.{k}; allowed: {', '.join(sorted(allowed))}"
+                           + (f" (the trial sets {', '.join(fixed)})" if fixed else ""))
+    try:
+        return cls(**{**shared, **own, **owned})
+    except (TypeError, ValueError) as e:
+        raise ConfigError(f"{where}: {name}: {e}") from None
+
+
+def sample_sd(values: Sequence[float]) -> float | None:
+    """Sample standard deviation (n - 1), None below 2 values."""
+    if len(values) < 2:
+        return None
+    m = sum(values) / len(values)
+    return math.sqrt(sum((v - m) ** 2 for v in values) / (len(values) - 1))
+
+
+def mean_sd(values: Sequence[float | None]) -> tuple[float | None, float | None, int]:
+    """(mean, sample sd, n) over the values that are not None."""
+    vals = [float(v) for v in values if v is not None]
+    if not vals:
+        return None, None, 0
+    return sum(vals) / len(vals), sample_sd(vals), len(vals)
+
+
+def seed_stats(per_seed: dict) -> dict:
+    """{"seeds", "runs", "mean", "sd"} of per-seed metric dicts {seed: {metric: value or None}}: per
+    metric, the mean and sample sd over the seeds that have it (sd None below 2)."""
+    names = sorted({k for m in per_seed.values() for k in m})
+    stats = {k: mean_sd([m.get(k) for m in per_seed.values()]) for k in names}
+    return {"seeds": sorted(per_seed), "runs": {str(s): m for s, m in per_seed.items()},
+            "mean": {k: v[0] for k, v in stats.items()}, "sd": {k: v[1] for k, v in stats.items()}}
+
+
+def write_outputs(out: str | os.PathLike, results: dict, markdown: str, indent: int = 1) -> Path:
+    """OUT/results.json and OUT/report.md, each written atomically (a reader never sees half a file)."""
+    out = Path(out)
+    out.mkdir(parents=True, exist_ok=True)
+    atomic_write_text(out / "results.json", json.dumps(results, indent=indent, default=str) + "\n")
+    atomic_write_text(out / "report.md", markdown)
+    return out

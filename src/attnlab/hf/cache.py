@@ -25,7 +25,7 @@ import inspect
 import torch
 from transformers.cache_utils import Cache
 
-from attnlab.models.decode import DecodeState
+from attnlab.models.decode import DecodeOptions, DecodeState
 
 
 def _base_init(cache: Cache) -> None:
@@ -43,24 +43,24 @@ class AttnlabCache(Cache):
 
     window: scalar/hybrid layers decode from the sorted scalar cache over the `window` nearest
     keys (None: exact caches everywhere). selector: an `attnlab.cache.selected.DecodeSelector`:
-    scalar/hybrid layers read the K keys its search projections pick (not with a window)."""
+    scalar/hybrid layers read the K keys its search projections pick (not with a window). Both
+    are checked as `attnlab.models.decode.DecodeOptions` (`options`), against the model on the
+    first forward."""
 
     is_compileable = False
 
     def __init__(self, window: int | None = None, selector=None):
-        if window is not None and (isinstance(window, bool) or not isinstance(window, int) or window < 1):
-            raise ValueError(f"window must be an int >= 1 or None, got {window!r}")
-        if selector is not None:
-            from attnlab.cache.selected import DecodeSelector
-
-            if not isinstance(selector, DecodeSelector):
-                raise TypeError(f"selector must be an attnlab.cache.selected.DecodeSelector, got "
-                                f"{type(selector).__name__}")
-            if window is not None:
-                raise ValueError(f"give window={window} or a selector, not both: the selector picks the keys")
+        self.options = DecodeOptions(window=window, selector=selector)
         _base_init(self)
-        self.window, self.selector = window, selector
         self.state: DecodeState | None = None
+
+    @property
+    def window(self) -> int | None:
+        return self.options.window
+
+    @property
+    def selector(self):
+        return self.options.selector
 
     def __repr__(self) -> str:
         rows = "empty" if self.state is None else f"batch={self.state.batch_size}, columns={self.state.seen}"
@@ -72,7 +72,7 @@ class AttnlabCache(Cache):
         """Run `model` (an attnlab LM) on the next columns input_ids (B, T), mask (B, T) or None,
         advancing every row's caches -> logits (B, T or last, V); zeros at pad positions."""
         if self.state is None:
-            self.state = DecodeState(model, input_ids.shape[0], window=self.window, selector=self.selector)
+            self.state = DecodeState(model, input_ids.shape[0], self.options)
         elif input_ids.shape[0] != self.state.batch_size:
             raise ValueError(f"input_ids has batch {input_ids.shape[0]}, this cache holds {self.state.batch_size} rows; "
                              f"use a new cache for a new batch")

@@ -18,19 +18,38 @@ import dataclasses
 from transformers import PretrainedConfig
 
 from attnlab.models.config import ModelConfig, build_dataclass
+from attnlab.models.decode import DecodeOptions
 
 MODEL_TYPE = "attnlab"
 MODEL_FIELDS = tuple(f.name for f in dataclasses.fields(ModelConfig) if f.init)
 
 
+def _defaults() -> dict:
+    """ModelConfig's init fields and their defaults (a fresh list or dict for a table field)."""
+    out = {}
+    for f in dataclasses.fields(ModelConfig):
+        if f.init:
+            out[f.name] = f.default if f.default is not dataclasses.MISSING else f.default_factory()
+    return out
+
+
+def _copied(value):
+    """A copy of a config value that shares no list or dict with the caller's (tuples become lists)."""
+    if isinstance(value, dict):
+        return {k: _copied(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_copied(v) for v in value]
+    return value
+
+
 class AttnlabConfig(PretrainedConfig):
-    """The transformers config of an attnlab model (model_type "attnlab"): the fields of
-    `attnlab.models.ModelConfig` (vocab_size, d_model, n_layers, n_heads, attn, attention,
-    layer_attention, d_ff, tie_embeddings, norm_eps, pos_embedding, max_seq_len, init_std) plus
-    `window`, the default decode window of `generate` (None: exact caches). hidden_size,
-    num_hidden_layers, num_attention_heads and max_position_embeddings map to attnlab's names.
-    Raises ConfigError (a ValueError) naming model.<key> for anything `attnlab train` would reject,
-    ValueError for a window that is not an int >= 1.
+    """The transformers config of an attnlab model (model_type "attnlab"): every init field of
+    `attnlab.models.ModelConfig` as a keyword with its default (vocab_size, d_model, n_layers,
+    n_heads, attn, attention, layer_attention, ...; None for a table or list field takes its empty
+    default), plus `window`, the default decode window of `generate` (None: exact caches).
+    hidden_size, num_hidden_layers, num_attention_heads and max_position_embeddings map to attnlab's
+    names. Raises ConfigError (a ValueError) naming model.<key> for anything `attnlab train` would
+    reject, ValueError for a window that is not an int >= 1.
     """
 
     model_type = MODEL_TYPE
@@ -42,35 +61,15 @@ class AttnlabConfig(PretrainedConfig):
     }
     keys_to_ignore_at_inference = ["past_key_values"]
 
-    def __init__(
-        self,
-        vocab_size: int = 0,
-        d_model: int = 64,
-        n_layers: int = 2,
-        n_heads: int = 4,
-        attn="softmax",
-        attention: dict | None = None,
-        layer_attention: list | None = None,
-        d_ff: int = 0,
-        tie_embeddings: bool = True,
-        norm_eps: float = 1e-5,
-        pos_embedding: str = "none",
-        max_seq_len: int = 0,
-        init_std: float = 0.02,
-        window: int | None = None,
-        **kwargs,
-    ):
-        self.vocab_size, self.d_model, self.n_layers, self.n_heads = vocab_size, d_model, n_layers, n_heads
-        self.attn = list(attn) if isinstance(attn, (list, tuple)) else attn
-        self.attention = dict(attention or {})
-        self.layer_attention = [dict(t) for t in (layer_attention or [])]
-        self.d_ff, self.tie_embeddings, self.norm_eps = d_ff, tie_embeddings, norm_eps
-        self.pos_embedding, self.max_seq_len, self.init_std = pos_embedding, max_seq_len, init_std
-        if window is not None and (isinstance(window, bool) or not isinstance(window, int) or window < 1):
-            raise ValueError(f"window must be an int >= 1 or None, got {window!r}")
-        self.window = window
+    def __init__(self, *, window: int | None = None, **kwargs):
+        for name, default in _defaults().items():
+            value = kwargs.pop(name, default)
+            if value is None and isinstance(default, (list, dict)):
+                value = default
+            setattr(self, name, _copied(value))
+        self.window = DecodeOptions(window=window).window  # ValueError unless an int >= 1 or None
         self.model_config()  # ConfigError (a ValueError) naming model.<key> for anything attnlab rejects
-        kwargs["tie_word_embeddings"] = tie_embeddings
+        kwargs["tie_word_embeddings"] = self.tie_embeddings
         kwargs.setdefault("use_cache", True)
         super().__init__(**kwargs)
 

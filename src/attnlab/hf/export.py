@@ -10,6 +10,9 @@ checkpoint that fits it) and so is out_dir (absent or an empty folder): bad inpu
 `ExportError` naming what is wrong. The folder is built in a hidden temporary sibling, checked
 (the saved model, loaded back through transformers, gives the run's logits within 1e-6
 relative), and renamed into place, so a failure at any point leaves no out_dir behind.
+
+`write_folder` (that atomic, verified write) and `check_reload` (the logit comparison) also
+serve attnlab.retrofit's `save`.
 """
 
 from __future__ import annotations
@@ -19,11 +22,13 @@ import os
 import shutil
 import tempfile
 from pathlib import Path
+from typing import Callable, Sequence
 
 import torch
 from transformers.utils import logging as hf_logging
 
 from attnlab.lock import FolderLock, check_free
+from attnlab.testing import rel_rms
 
 
 class ExportError(ValueError):
@@ -104,18 +109,65 @@ def save_folder(model, folder: Path, tokenizer=None, window: int | None = None) 
 
 def check_folder(model, folder: Path, rtol: float = 1e-6) -> None:
     """The folder, loaded back through transformers, gives `model`'s logits within rtol (relative RMS)."""
-    from .modeling import AttnlabForCausalLM
-
-    loaded = AttnlabForCausalLM.from_pretrained(folder).eval()
     T = min(16, model.cfg.max_seq_len or 16)
     idx = torch.randint(model.cfg.vocab_size, (2, T), generator=torch.Generator().manual_seed(0))
     with torch.no_grad():
-        want = model(idx)[0].double()
-        got = loaded(idx).logits.double()
-    err = float((got - want).pow(2).mean().sqrt() / want.pow(2).mean().sqrt().clamp_min(1e-30))
+        want = model(idx)[0]
+    check_reload(folder, idx, want, rtol, "the run")
+
+
+def check_reload(folder: Path, idx: torch.Tensor, want: torch.Tensor, rtol: float, what: str) -> None:
+    """Load `folder` back as AttnlabForCausalLM and compare its logits on token ids `idx` with `want`,
+    those of the model that was written: RuntimeError naming `what` when their relative RMS error
+    (attnlab.testing.rel_rms) exceeds rtol."""
+    from .modeling import AttnlabForCausalLM
+
+    loaded = AttnlabForCausalLM.from_pretrained(folder).eval()
+    with torch.no_grad():
+        got = loaded(idx).logits
+    err = rel_rms(got, want, floor=1e-30)
     if not err <= rtol:
-        raise RuntimeError(f"the exported model's logits differ from the run's by {err:.2e} relative (> {rtol}); "
+        raise RuntimeError(f"the saved model's logits differ from {what}'s by {err:.2e} relative (> {rtol}); "
                            f"nothing was written")
+
+
+def write_folder(out: Path, write: Callable[[Path], None], verify: Callable[[Path], None],
+                 recheck: Callable[[Path], object] | None = None, keep: Sequence[str] = ()) -> Path:
+    """Write the folder `out` atomically and verified; returns `out`.
+
+    Under `FolderLock(out, beside=True)` (FolderBusy before any work when another process holds it)
+    `recheck(out)` runs again, `write(tmp)` fills a hidden temporary sibling, `verify(tmp)` checks it
+    (e.g. `check_reload`), and tmp is renamed onto `out`, which must be absent or empty apart from
+    `keep`: subfolders of `out` (the checkpoints of an interrupted run) that are moved into tmp for
+    the rename and deleted once the folder is in place. Any failure removes tmp, puts `keep` back in
+    `out` and re-raises, so no half-written `out` is left."""
+    check_free(out, beside=True)
+    with FolderLock(out, beside=True):  # the lock file sits beside out, which must stay empty
+        if recheck is not None:
+            recheck(out)  # again, under the lock
+        out.parent.mkdir(parents=True, exist_ok=True)
+        tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.tmp-", dir=out.parent))
+        bars = hf_logging.is_progress_bar_enabled()
+        hf_logging.disable_progress_bar()  # transformers' per-shard bars say nothing for one small file
+        try:
+            write(tmp)
+            verify(tmp)
+            for d in keep:
+                if (out / d).is_dir():
+                    os.replace(out / d, tmp / d)
+            os.replace(tmp, out)  # atomic; replaces an empty out
+            for d in keep:
+                shutil.rmtree(out / d, ignore_errors=True)
+        except BaseException:
+            for d in keep:
+                if (tmp / d).is_dir() and out.is_dir() and not (out / d).exists():
+                    os.replace(tmp / d, out / d)  # keep the checkpoints for a rerun
+            shutil.rmtree(tmp, ignore_errors=True)
+            raise
+        finally:
+            if bars:
+                hf_logging.enable_progress_bar()
+    return out
 
 
 def export_run(run_dir: str | os.PathLike, out_dir: str | os.PathLike, *, checkpoint: str | None = None,
@@ -136,24 +188,6 @@ def export_run(run_dir: str | os.PathLike, out_dir: str | os.PathLike, *, checkp
     cfg, model, tokenizer = _load_checked_run(run_dir, checkpoint)
     if window is not None and not any(blk.attn.n_scalar for blk in model.blocks):
         raise ExportError(f"window={window} is for scalar/hybrid layers; this run has none ({cfg.model.layer_attn})")
-    check_free(out_dir, beside=True)  # another export into out_dir: FolderBusy, nothing written
-    with FolderLock(out_dir, beside=True):  # the lock file sits beside out_dir, which must stay empty
-        _check_out_dir(out_dir)  # again, under the lock
-        return _write(model, out_dir, tokenizer, window)
+    return write_folder(out_dir, lambda tmp: save_folder(model, tmp, tokenizer, window),
+                        lambda tmp: check_folder(model, tmp), recheck=_check_out_dir)
 
-
-def _write(model, out_dir: Path, tokenizer, window: int | None) -> Path:
-    tmp = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.tmp-", dir=out_dir.parent))
-    bars = hf_logging.is_progress_bar_enabled()
-    hf_logging.disable_progress_bar()  # transformers' per-shard bars say nothing for one small file
-    try:
-        save_folder(model, tmp, tokenizer, window)
-        check_folder(model, tmp)
-        os.replace(tmp, out_dir)  # atomic; replaces an empty out_dir
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
-    finally:
-        if bars:
-            hf_logging.enable_progress_bar()
-    return out_dir

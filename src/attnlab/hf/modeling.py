@@ -7,6 +7,10 @@ its forward is the LM's forward, and decoding goes through the LM's own caches (
   `doc_ids` (pads and real tokens are separate segments, so the real tokens start at position 0
   with fresh states, exactly as if alone); right padding changes nothing (the model is strictly
   causal: a real token never sees a later pad); anything else (a 0 between 1s) is a ValueError.
+  One rule with the cached path below (`attnlab.models.decode.padding_mask`), which takes left padding only.
+  `labels` give the LM's own loss (`attnlab.models.lm.token_loss`), shifted here; with
+  `num_items_in_batch` (transformers' Trainer, under gradient accumulation) the summed token
+  losses divided by it.
 - forward with a cache (`generate`, or `use_cache=True`): the next columns go through
   `AttnlabCache.feed`: the prompt in one parallel forward per distinct length (prefill), then one
   step per token; pads enter no cache or state and positions count from each row's first token.
@@ -27,6 +31,8 @@ from transformers.modeling_outputs import CausalLMOutputWithPast
 
 from attnlab.layers.rope import RotaryEmbedding
 from attnlab.models import LM
+from attnlab.models.decode import DecodeOptions, padding_mask
+from attnlab.models.lm import token_loss
 
 from .cache import AttnlabCache
 
@@ -40,15 +46,11 @@ _TF_MAJOR = int(transformers.__version__.split(".")[0])
 
 
 def padding_doc_ids(attention_mask: torch.Tensor) -> torch.Tensor | None:
-    """doc_ids for the LM's forward from a (B, T) 0/1 mask: None when no row starts with a pad
-    (all real, or right padding: causal attention never reads a later pad), else the mask itself
-    (each row's pad runs and its real run become separate segments, so the real tokens start at
-    position 0 with fresh states). A pad between real tokens is a ValueError."""
-    m = attention_mask.bool()
-    runs = (m[:, 1:] & ~m[:, :-1]).sum(1) + m[:, 0].long()  # runs of real tokens per row
-    if bool((runs > 1).any()):
-        row = int((runs > 1).nonzero()[0])
-        raise ValueError(f"attention_mask row {row} has pads between real tokens; only left or right padding is supported")
+    """doc_ids for the LM's forward from a (B, T) 0/1 mask, checked by `padding_mask` (left or right
+    padding): None when no row starts with a pad (all real, or right padding: causal attention never
+    reads a later pad), else the mask itself (each row's pad runs and its real run become separate
+    segments, so the real tokens start at position 0 with fresh states)."""
+    m = padding_mask(attention_mask, right=True)
     return m.long() if bool((~m[:, 0] & m.any(1)).any()) else None
 
 
@@ -121,6 +123,7 @@ class AttnlabForCausalLM(AttnlabPreTrainedModel, GenerationMixin):
         inputs_embeds: torch.Tensor | None = None,
         logits_to_keep: int = 0,
         return_dict: bool | None = None,
+        num_items_in_batch: int | torch.Tensor | None = None,
         **kwargs,
     ):
         """input_ids (B, T) -> CausalLMOutputWithPast(loss, logits (B, T, V), past_key_values).
@@ -128,7 +131,8 @@ class AttnlabForCausalLM(AttnlabPreTrainedModel, GenerationMixin):
         attention_mask (B, T) without a cache, (B, past + T) with one. position_ids, if given, are
         not read: positions come from the mask (each row counts from its first real token).
         use_cache=True without past_key_values starts an AttnlabCache (plain forwards, such as
-        lm-eval's loglikelihood calls, build none). labels: shifted inside, -100 ignored."""
+        lm-eval's loglikelihood calls, build none). labels: shifted inside, -100 ignored; the loss is
+        their mean cross-entropy, or the sum over num_items_in_batch when that is given (`token_loss`)."""
         if inputs_embeds is not None:
             raise ValueError("inputs_embeds is not supported by attnlab models; pass input_ids")
         for name in ("output_attentions", "output_hidden_states"):
@@ -170,7 +174,7 @@ class AttnlabForCausalLM(AttnlabPreTrainedModel, GenerationMixin):
                 doc_ids = padding_doc_ids(attention_mask)
             logits = self.model(input_ids, doc_ids=doc_ids)[0]
             if doc_ids is not None:
-                logits = logits.masked_fill(~attention_mask.bool()[..., None], 0.0)
+                logits = logits.masked_fill(~doc_ids.bool()[..., None], 0.0)
             if last is not None:
                 logits = logits[:, -last:]
         loss = None
@@ -178,8 +182,8 @@ class AttnlabForCausalLM(AttnlabPreTrainedModel, GenerationMixin):
             if labels.shape != input_ids.shape or logits.shape[1] != T:
                 raise ValueError(f"labels must have the shape of input_ids {tuple(input_ids.shape)} "
                                  f"(and logits_to_keep=0), got {tuple(labels.shape)}")
-            lg = logits[:, :-1].float()
-            loss = F.cross_entropy(lg.reshape(-1, lg.shape[-1]), labels[:, 1:].reshape(-1), ignore_index=-100)
+            targets = F.pad(labels[:, 1:], (0, 1), value=-100)  # (B, T): the next token, none after the last
+            loss = token_loss(logits, targets, num_items_in_batch)  # as LM.forward(input_ids, targets)
         out = CausalLMOutputWithPast(loss=loss, logits=logits, **{CACHE_NAME: past_key_values})
         return out if return_dict is not False else out.to_tuple()
 
@@ -198,11 +202,7 @@ class AttnlabForCausalLM(AttnlabPreTrainedModel, GenerationMixin):
             window = getattr(gc, "window", None)
         if window is None and selector is None:
             window = getattr(self.config, "window", None)
-        if selector is not None:
-            self.model.make_caches(1, window=window, selector=selector)  # a bad selector: its error, before any work
-        if window is not None and not any(blk.attn.n_scalar for blk in self.model.blocks):
-            raise ValueError(f"window={window} selects the sorted scalar cache, but no layer has scalar heads "
-                             f"(attn={self.model.cfg.layer_attn}); leave window unset")
+        DecodeOptions(window=window, selector=selector).check(self.model)  # bad options: their error, before any work
         beams = kwargs.get("num_beams", getattr(gc, "num_beams", 1)) or 1
         if beams > 1:
             raise ValueError(f"num_beams={beams}: beam search reorders cache rows, which attnlab's decode states "

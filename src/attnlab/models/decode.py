@@ -14,6 +14,12 @@ would alone. The price is one forward per distinct prompt length at the prefill 
 call per group per step; a batch of equal lengths (no padding) is one group, the plain batched
 path. `LM.generate(..., attention_mask=)` and the Hugging Face wrapper (`attnlab.hf`) decode
 through this class.
+
+Also here, each in one place: `DecodeOptions`, the options of a decode (window, budget, compress,
+exact, selector), checked when made and against a model by `DecodeOptions.check`, which
+`LM.make_caches`, `LM.generate`, `DecodeState`, `attnlab.hf` and `attnlab eval` use; and
+`padding_mask`, the padding rule of every attention_mask (left padding to decode, left or right for
+a forward without a cache, never a pad between real tokens).
 """
 
 from __future__ import annotations
@@ -21,6 +27,136 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
+
+from attnlab.cache.selected import DecodeSelector
+
+
+def selectable_layers(model) -> list[tuple[int, object]]:
+    """(block index, layer) of each attention layer of `model` (an LM) that decodes through the sorted
+    scalar cache (scalar and hybrid): the layers a `DecodeSelector` reads keys for."""
+    blocks = getattr(model, "blocks", None)
+    if blocks is None:
+        raise TypeError(f"model must be an attnlab LM (with .blocks), got {type(model).__name__}")
+    return [(i, blk.attn) for i, blk in enumerate(blocks)
+            if getattr(blk.attn, "sorted_decode", False) and blk.attn.n_scalar]
+
+
+def sorted_cache_layers(model) -> list[tuple[int, object]]:
+    """(block index, layer) of each layer that `window=k` sends through the sorted scalar cache: the
+    selectable layers that do not read a sliding window (as `attnlab.eval.window.windowed_layers`)."""
+    return [(i, layer) for i, layer in selectable_layers(model) if getattr(layer.config, "sliding_window", None) is None]
+
+
+class DecodeOptionError(ValueError):
+    """A decode option out of range, or impossible beside another option or with the model. `names`
+    are the options it is about, the one to change first (a command line maps them to its flags)."""
+
+    def __init__(self, message: str, *names: str):
+        super().__init__(message)
+        self.names = names
+
+
+def _bad_int(value) -> bool:
+    return isinstance(value, bool) or not isinstance(value, int) or value < 1
+
+
+@dataclass(frozen=True)
+class DecodeOptions:
+    """How an `LM` decodes: the keyword arguments of `LM.make_caches` and `LM.generate`, and of
+    `attnlab.hf`'s `AttnlabCache` and `generate`, checked here once.
+
+    window: scalar/hybrid layers decode from the sorted scalar cache over the `window` nearest keys
+        (None: exact caches; a layer trained through a window still decodes through it).
+    budget: (with window) each sorted cache keeps at most `budget` keys per head, evicted after each step.
+    compress: (with window) each sorted cache merges runs of 4 keys spanning <= compress after each step.
+    exact: layers trained through a window (`train_window`) decode over every key; takes no window.
+    selector: an `attnlab.cache.selected.DecodeSelector`: scalar/hybrid layers read the K keys its
+        search projections find; takes no window, budget or compress.
+
+    Construction checks the values (DecodeOptionError, a ValueError naming the argument; TypeError
+    for a selector of another type); `check(model)` checks them against a model.
+    """
+
+    window: int | None = None
+    budget: int | None = None
+    compress: float | None = None
+    exact: bool = False
+    selector: DecodeSelector | None = None
+
+    def __post_init__(self):
+        window, budget, compress = self.window, self.budget, self.compress
+        if window is not None and _bad_int(window):
+            raise DecodeOptionError(f"window must be an int >= 1 or None, got {window!r}", "window")
+        if budget is not None:
+            if _bad_int(budget):
+                raise DecodeOptionError(f"budget must be an int >= 1 or None, got {budget!r}", "budget")
+            if window is None:
+                raise DecodeOptionError(f"budget={budget!r} caps the sorted scalar cache: give a window as well",
+                                        "budget", "window")
+        if compress is not None:
+            if isinstance(compress, bool) or not isinstance(compress, (int, float)) or not 0 <= compress < float("inf"):
+                raise DecodeOptionError(f"compress must be a finite float >= 0 (the key span merged) or None, "
+                                        f"got {compress!r}", "compress")
+            if window is None:
+                raise DecodeOptionError(f"compress={compress!r} merges keys of the sorted scalar cache: give a window "
+                                        f"as well", "compress", "window")
+        if not isinstance(self.exact, bool) or (self.exact and window is not None):
+            raise DecodeOptionError(f"exact must be a bool, and exact=True takes no window (got exact={self.exact!r}, "
+                                    f"window={window!r})", "exact")
+        if self.selector is not None:
+            if not isinstance(self.selector, DecodeSelector):
+                raise TypeError(f"selector must be an attnlab.cache.selected.DecodeSelector, got "
+                                f"{type(self.selector).__name__}")
+            given = [name for name in ("window", "budget", "compress") if getattr(self, name) is not None]
+            if given:
+                raise DecodeOptionError(
+                    f"give a selector or window/budget/compress, not both: the selector picks the keys "
+                    f"(got {', '.join(f'{n}={getattr(self, n)!r}' for n in given)})", "selector", *given)
+
+    def check(self, model) -> list[tuple[int, object]]:
+        """Raise DecodeOptionError unless `model` (an LM) can decode with these options: a window
+        needs a layer that decodes through the sorted scalar cache, a selector needs scalar/hybrid
+        layers and projections that fit them (`DecodeSelector.check`). Returns the (block index,
+        layer) pairs the selector decodes (none without a selector)."""
+        if self.window is not None and not sorted_cache_layers(model):
+            raise DecodeOptionError(
+                f"window={self.window} selects the sorted scalar cache, but no layer has scalar heads that decode "
+                f"through it (model.attn={model.cfg.layer_attn}): scalar and hybrid layers do, unless they read a "
+                f"sliding window (model.attention.sliding_window); give no window", "window")
+        if self.selector is None:
+            return []
+        layers = selectable_layers(model)
+        if not layers:
+            raise DecodeOptionError(f"selector needs scalar or hybrid layers (model.attn={model.cfg.layer_attn})",
+                                    "selector")
+        self.selector.check(layers)
+        return layers
+
+
+def padding_mask(mask: torch.Tensor, *, right: bool = False, started: torch.Tensor | None = None) -> torch.Tensor:
+    """The one padding rule of attnlab's models: an attention_mask (B, T) of 0 (pad) and 1 (real
+    token), of any dtype, as a bool tensor on its device.
+
+    A row's pads come before its real tokens (left padding), never between them. right=True (a
+    forward without a cache, whose causal attention never reads a later pad) also takes pads after
+    a row's real tokens (right padding); decoding with caches does not, since every fed token enters
+    a state. started (B,) bool: rows holding real tokens from earlier columns (a pad is then after
+    them). ValueError naming the first row that breaks the rule."""
+    if mask.dtype != torch.bool:
+        if not bool(((mask == 0) | (mask == 1)).all()):
+            raise ValueError("attention_mask must hold 0 (pad) and 1 (real token) only")
+        mask = mask.bool()
+    m = mask if started is None else torch.cat([started.to(mask.device)[:, None], mask], 1)
+    hole = (m[:, 1:] & ~m[:, :-1]).sum(1) + m[:, :1].sum(1) > 1  # more than one run of real tokens
+    bad = hole if right else (m[:, :-1] & ~m[:, 1:]).any(1)  # ... or a real token, then a pad
+    if bool(bad.any()):
+        row = int(bad.nonzero()[0])
+        if bool(hole[row]):
+            raise ValueError(f"attention_mask row {row} has a pad (0) between real tokens (1); pad on the left "
+                             f"(tokenizer.padding_side='left')")
+        raise ValueError(f"attention_mask row {row} has a pad (0) after a real token (1); decoding with a cache takes "
+                         f"left padding only (zeros, then ones): pad prompts on the left (tokenizer.padding_side='left')")
+    return mask
 
 
 @dataclass
@@ -35,29 +171,29 @@ class Group:
 class DecodeState:
     """Per-row decode state of a batch of `batch_size` rows for `model` (an `LM`).
 
-    >>> state = DecodeState(model, batch_size=2, window=None)
+    >>> state = DecodeState(model, batch_size=2, options=DecodeOptions(window=64))
     >>> logits = state.feed(prompt, attention_mask)   # (B, T, V): the prompt, one forward per length
     >>> logits = state.feed(next_tokens)              # (B, 1, V): one step
 
     `feed(idx, mask)` takes the next T columns of the batch; mask (B, T) marks real tokens (1)
-    and pads (0). Only left padding is accepted: a row's zeros come before its first real token,
-    never after (a 0 after a 1 is a ValueError naming the row). Logits at pad positions are zero.
-    window, budget, compress, selector: as `LM.make_caches`.
+    and pads (0). Only left padding is accepted (`padding_mask`): a row's zeros come before its
+    first real token, never after (a 0 after a 1 is a ValueError naming the row). Logits at pad
+    positions are zero. options: the `DecodeOptions` of every group's caches (checked against model
+    here), None for exact caches.
     """
 
-    def __init__(self, model, batch_size: int, window: int | None = None, budget: int | None = None,
-                 compress: float | None = None, selector=None):
+    def __init__(self, model, batch_size: int, options: DecodeOptions | None = None):
         if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1:
             raise ValueError(f"batch_size must be an int >= 1, got {batch_size!r}")
-        self.model, self.batch_size = model, batch_size
-        self.cache_args = {"window": window, "budget": budget, "compress": compress, "selector": selector}
+        if options is None:
+            options = DecodeOptions()
+        elif not isinstance(options, DecodeOptions):
+            raise TypeError(f"options must be a DecodeOptions, got {type(options).__name__}")
+        options.check(model)
+        self.model, self.batch_size, self.options = model, batch_size, options
         self.groups: list[Group] = []
         self.waiting = torch.arange(batch_size)  # rows that have not seen a real token yet
         self.seen = 0  # columns fed so far, pads included
-
-    @property
-    def window(self) -> int | None:
-        return self.cache_args["window"]
 
     def lengths(self) -> torch.Tensor:
         """Real tokens each row holds, (B,)."""
@@ -75,19 +211,9 @@ class DecodeState:
         if not isinstance(mask, torch.Tensor) or tuple(mask.shape) != tuple(idx.shape):
             got = tuple(mask.shape) if isinstance(mask, torch.Tensor) else type(mask).__name__
             raise ValueError(f"attention_mask must have the shape of the tokens fed {tuple(idx.shape)}, got {got}")
-        if mask.dtype != torch.bool:
-            if mask.is_floating_point() or not bool(((mask == 0) | (mask == 1)).all()):
-                raise ValueError("attention_mask must hold 0 (pad) and 1 (real token) only")
-            mask = mask.bool()
-        mask = mask.cpu()
         started = torch.ones(self.batch_size, dtype=torch.bool)  # rows holding real tokens: no more pads
         started[self.waiting] = False
-        bad = (started[:, None] & ~mask).any(1) | (mask[:, :-1] & ~mask[:, 1:]).any(1)
-        if bool(bad.any()):
-            row = int(bad.nonzero()[0])
-            raise ValueError(f"attention_mask row {row} has a pad (0) after a real token (1); only left padding "
-                             f"is supported (zeros, then ones): pad prompts on the left (tokenizer.padding_side='left')")
-        return mask
+        return padding_mask(mask.cpu(), started=started)
 
     def feed(self, idx: torch.Tensor, mask: torch.Tensor | None = None, last: int | None = None) -> torch.Tensor:
         """The next T columns: idx (B, T), mask (B, T) or None (all real) -> logits (B, T, V), or of
@@ -97,7 +223,7 @@ class DecodeState:
         L = T if last is None else min(last, T)
         model = self.model
         if mask is None and not self.groups and T:  # no padding: one group of every row
-            caches = model.make_caches(self.batch_size, **self.cache_args)
+            caches = model.make_caches(self.batch_size, options=self.options)
             self.groups = [Group(self.waiting, caches)]
             self.waiting = self.waiting[:0]
             self.seen += T
@@ -119,7 +245,7 @@ class DecodeState:
                 if m == 0:
                     still.append(rows)
                     continue
-                caches = model.make_caches(len(rows), **self.cache_args)
+                caches = model.make_caches(len(rows), options=self.options)
                 logits = model.prefill(idx[rows.to(idx.device), T - m:], caches, last=min(L, m))
                 self.groups.append(Group(rows, caches))
                 parts.append((rows, logits))

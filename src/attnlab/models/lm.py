@@ -42,6 +42,8 @@ from attnlab.layers import Attention
 from attnlab.ops._sdpa import upcast
 
 from .config import ModelConfig
+from .decode import DecodeOptions, DecodeState
+from .decode import selectable_layers  # noqa: F401  (attnlab.eval and attnlab.retrofit import it from here)
 
 
 def document_segments(doc_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, int]:
@@ -112,14 +114,18 @@ class Block(nn.Module):
         return x + self.mlp(self.norm2(x))
 
 
-def selectable_layers(model) -> list[tuple[int, object]]:
-    """(block index, layer) of each attention layer of `model` that decodes through the sorted
-    scalar cache (scalar and hybrid; as `attnlab.eval.window.windowed_layers`)."""
-    blocks = getattr(model, "blocks", None)
-    if blocks is None:
-        raise TypeError(f"model must be an attnlab LM (with .blocks), got {type(model).__name__}")
-    return [(i, blk.attn) for i, blk in enumerate(blocks)
-            if getattr(blk.attn, "sorted_decode", False) and blk.attn.n_scalar]
+def token_loss(logits: torch.Tensor, targets: torch.Tensor, num_items_in_batch=None) -> torch.Tensor:
+    """Cross-entropy of logits (B, T, V) against targets (B, T), positions with target -100 left out,
+    computed in >= float32: the mean over the counted positions, or, given num_items_in_batch (an int
+    or a tensor; transformers' Trainer passes it under gradient accumulation), their sum divided by it.
+    The loss of `LM.forward` and of `attnlab.hf`'s forward (with the labels shifted there)."""
+    lg = logits.to(upcast(logits.dtype)).flatten(0, 1)  # (B*T, V)
+    if num_items_in_batch is None:
+        return F.cross_entropy(lg, targets.flatten(), ignore_index=-100)
+    total = F.cross_entropy(lg, targets.flatten(), ignore_index=-100, reduction="sum")
+    if isinstance(num_items_in_batch, torch.Tensor):
+        num_items_in_batch = num_items_in_batch.to(total.device)
+    return total / num_items_in_batch
 
 
 class LM(nn.Module):
@@ -218,8 +224,7 @@ class LM(nn.Module):
         if targets is not None:
             if targets.shape != idx.shape:
                 raise ValueError(f"targets must have the shape of idx {tuple(idx.shape)}, got {tuple(targets.shape)}")
-            lg = logits.to(upcast(logits.dtype))  # loss in >= fp32
-            loss = F.cross_entropy(lg.flatten(0, 1), targets.flatten(), ignore_index=-100)
+            loss = token_loss(logits, targets)
         return logits, loss
 
     def _trunk(self, idx: torch.Tensor, record: bool) -> torch.Tensor:
@@ -239,34 +244,32 @@ class LM(nn.Module):
     # ------------------------------------------------------------------ decoding
 
     def make_caches(self, batch_size: int, window: int | None = None, budget: int | None = None,
-                    compress: float | None = None, exact: bool = False, selector=None) -> list:
+                    compress: float | None = None, exact: bool = False, selector=None, *,
+                    options: DecodeOptions | None = None) -> list:
         """One decode cache per layer. window=k makes layers with scalar heads (scalar, hybrid)
         use the sorted scalar cache over the k nearest keys; other layers keep their exact cache.
         budget=M (with window) caps each sorted cache at M keys per head (evicted after each step);
         compress=s (with window) merges runs of 4 keys spanning <= s after each step. Layers trained
         through a window (`train_window`) decode through it by default; exact=True reads every key.
         selector: an `attnlab.cache.selected.DecodeSelector`: scalar/hybrid layers read the K keys
-        their learned search projections find (no window then)."""
-        if selector is not None:
-            from attnlab.cache.selected import DecodeSelector
-
-            if not isinstance(selector, DecodeSelector):
-                raise TypeError(f"selector must be a DecodeSelector, got {type(selector).__name__}")
-            if window is not None or budget is not None or compress is not None:
-                raise ValueError("selector reads keys through search projections: give no window, budget or compress")
-            layers = dict(selectable_layers(self))
-            if not layers:
-                raise ValueError(f"selector needs scalar or hybrid layers (model.attn={self.cfg.layer_attn})")
-            selector.check(list(layers.items()))
-            exact = True
-        caches = [
-            blk.attn.make_cache(batch_size, window=window if blk.attn.n_scalar else None,
-                                budget=budget if blk.attn.n_scalar else None,
-                                compress=compress if blk.attn.n_scalar else None,
-                                exact=exact and bool(blk.attn.n_scalar)) for blk in self.blocks
-        ]
-        for i, layer in (layers.items() if selector is not None else ()):
-            selector.attach(layer, caches[i], i)
+        their learned search projections find (no window then). options: a `DecodeOptions` in place
+        of these keywords. The options are checked against this model (`DecodeOptions.check`)."""
+        if options is None:
+            options = DecodeOptions(window=window, budget=budget, compress=compress, exact=exact, selector=selector)
+        elif not isinstance(options, DecodeOptions):
+            raise TypeError(f"options must be a DecodeOptions, got {type(options).__name__}")
+        elif exact is not False or any(v is not None for v in (window, budget, compress, selector)):
+            raise TypeError("give the decode options as keywords or as options=DecodeOptions(...), not both")
+        selected = options.check(self)
+        exact = options.exact or options.selector is not None  # a selector reads the exact caches' keys
+        caches = []
+        for blk in self.blocks:
+            scalar = bool(blk.attn.n_scalar)  # only layers with scalar heads take the sorted cache's options
+            caches.append(blk.attn.make_cache(batch_size, window=options.window if scalar else None,
+                                              budget=options.budget if scalar else None,
+                                              compress=options.compress if scalar else None, exact=exact and scalar))
+        for i, layer in selected:
+            options.selector.attach(layer, caches[i], i)
         return caches
 
     def step(self, idx_t: torch.Tensor, caches: list, pos: int) -> torch.Tensor:
@@ -310,25 +313,19 @@ class LM(nn.Module):
         greedy=True takes the argmax; otherwise samples from softmax(logits / temperature).
         window=k decodes scalar/hybrid layers from the sorted scalar cache over the k nearest keys
         (the prompt's readout is the windowed op, which equals stepping that cache); selector (an
-        `attnlab.cache.selected.DecodeSelector`) decodes them through learned key selection instead.
-        attention_mask (B, T0) of 0/1, left padding only: each row starts at its first 1 and decodes
-        as if alone (positions from 0, no pad in any cache or state); see `DecodeState`."""
-        from .decode import DecodeState
-
+        `attnlab.cache.selected.DecodeSelector`) decodes them through learned key selection instead
+        (both checked as `DecodeOptions`). attention_mask (B, T0) of 0/1, left padding only: each
+        row starts at its first 1 and decodes as if alone (positions from 0, no pad in any cache or
+        state); see `DecodeState`."""
         if idx.dim() != 2 or idx.shape[1] < 1:
             raise ValueError(f"idx must be (B, T0) with T0 >= 1, got shape {tuple(idx.shape)}")
         if max_new_tokens < 0:
             raise ValueError(f"max_new_tokens must be >= 0, got {max_new_tokens}")
         if not greedy and not temperature > 0:
             raise ValueError(f"temperature must be > 0 when sampling, got {temperature}")
-        if window is not None and not any(blk.attn.n_scalar for blk in self.blocks):
-            raise ValueError(
-                f"window={window} selects the sorted scalar cache, but no layer has scalar heads "
-                f"(model.attn={self.cfg.layer_attn}); leave window=None"
-            )
+        state = DecodeState(self, idx.shape[0], DecodeOptions(window=window, selector=selector))
         was_training = self.training
         self.eval()
-        state = DecodeState(self, idx.shape[0], window=window, selector=selector)
         out = idx
         logits = state.feed(idx, attention_mask, last=1)[:, -1]  # (B, V)
         for i in range(max_new_tokens):

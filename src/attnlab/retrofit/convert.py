@@ -26,8 +26,9 @@ import torch
 
 from attnlab.layers import LINEAR_FAMILY, MECHANISMS, AttentionConfig, mechanism_class
 from attnlab.models.config import ConfigError, ModelConfig, build_dataclass
+from attnlab.search.hf_model import RETROFIT_FAMILIES as FAMILIES  # noqa: F401 (from hf_model.FAMILIES)
+from attnlab.search.hf_model import check_family
 
-FAMILIES = ("llama", "qwen2")
 PRINCIPLED_START = -16.0  # α, β, γ: softplus(−16) ≈ 1.1e-7 (docs/retrofit.md#principled)
 
 
@@ -84,9 +85,8 @@ def plan(hf_config, layers, mechanism: str, settings: dict | None = None) -> Pla
     from attnlab.search.hf_model import resolve_layers
 
     settings = dict(settings or {})
-    family = getattr(hf_config, "model_type", None)
-    if family not in FAMILIES:
-        raise RetrofitError(f"model family {family!r} is not supported: need one of {FAMILIES} (Llama or Qwen2 decoders)")
+    check_family(hf_config, "retrofit", RetrofitError)
+    family = hf_config.model_type
     if mechanism not in MECHANISMS:
         raise RetrofitError(f"--attn must be one of {MECHANISMS}, got {mechanism!r}")
     if getattr(hf_config, "hidden_act", "silu") != "silu":
@@ -221,16 +221,22 @@ def new_parameters(lm, plan_: Plan) -> dict[str, torch.nn.Parameter]:
     return out
 
 
-def convert(hf_model, layers, mechanism: str, settings: dict | None = None, seed: int = 0):
+def convert(hf_model, layers, mechanism: str | None = None, settings: dict | None = None, seed: int = 0):
     """The retrofitted model: an `attnlab.hf.AttnlabForCausalLM` in eval mode, float32.
 
     hf_model: a transformers LlamaForCausalLM / Qwen2ForCausalLM. layers: 'middle6', 'all', '3,4'
-    or a list of ints. settings: AttentionConfig fields of the new layers (`--set`). seed: the
-    random init of the new parameters."""
+    or a list of ints, with `mechanism` (a registered name) and `settings` (AttentionConfig fields of
+    the new layers, `--set`); or a `Plan` already made from this model's config (`plan`), with
+    neither. seed: the random init of the new parameters."""
     from attnlab.hf import AttnlabConfig, AttnlabForCausalLM
     from transformers import GenerationConfig
 
-    p = plan(hf_model.config, layers, mechanism, settings)
+    if isinstance(layers, Plan):
+        if mechanism is not None or settings is not None:
+            raise TypeError("convert(hf_model, plan) takes no mechanism or settings: the plan holds them")
+        p = layers
+    else:
+        p = plan(hf_model.config, layers, mechanism, settings)
     ids = {k: v for k, v in p.token_ids.items() if v is not None}
     torch.manual_seed(seed)
     model = AttnlabForCausalLM(AttnlabConfig.from_model_config(p.model, **ids))
@@ -241,9 +247,10 @@ def convert(hf_model, layers, mechanism: str, settings: dict | None = None, seed
 
 
 def logit_error(a: torch.Tensor, b: torch.Tensor) -> float:
-    """Relative RMS difference of two logit tensors."""
-    a, b = a.detach().double(), b.detach().double()
-    return float((a - b).pow(2).mean().sqrt() / b.pow(2).mean().sqrt().clamp_min(1e-30))
+    """Relative RMS difference of two logit tensors (`attnlab.testing.rel_rms`)."""
+    from attnlab.testing import rel_rms
+
+    return rel_rms(a, b, floor=1e-30)
 
 
 def principled_logit_bound(start: float = PRINCIPLED_START, max_keys: int = 8192, max_score: float = 30.0) -> float:

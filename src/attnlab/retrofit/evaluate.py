@@ -1,7 +1,13 @@
 """Evaluating a retrofitted model: held-out perplexity against the original model's, and per layer
 what `attnlab eval` reports for attnlab models where it applies (first-token share, the learned
 sink's share, the ground state's mass, the output gate's low values), through the same code
-(`attnlab.train.evaluate.attention_report` on the wrapped `attnlab.models.LM`)."""
+(`attnlab.train.evaluate.attention_report` on the wrapped `attnlab.models.LM`).
+
+Perplexity (`perplexity`, also fine-tuning's before and after): each packed context is read as one
+causal sequence (positions 0..T-1, attention across its documents, as in transfer and fine-tuning)
+and scored by the rule of `attnlab.search.metrics`, the one search evaluations use: exp of the
+mean next-token NLL over the predictions inside a document (a document's first token is not
+scored from the previous document's EOS; the EOS that ends a document is)."""
 
 from __future__ import annotations
 
@@ -17,6 +23,7 @@ from attnlab import interrupt
 from attnlab.data.cache import atomic_write_text
 
 from .convert import RetrofitError
+from .transfer import contexts, text_encoding
 
 PER_LAYER = ("first_token_share", "learned_sink_share", "ground_weight", "gate_low")
 
@@ -81,6 +88,35 @@ class EvalConfig:
         return self
 
 
+def split_contexts(corpus: str, split: str, context: int, n: int, seed: int, encode, eos_id: int):
+    """`transfer.contexts` of the train or test split, as fine-tuning and evaluation read them (the
+    error names --finetune-contexts for the train split, eval_contexts for the test split)."""
+    flag = "--finetune-contexts" if split == "train" else "eval_contexts"
+    return contexts(corpus, split, context, n, seed, encode, eos_id,
+                    f"{flag}/--finetune-context ({corpus} {split} split)")
+
+
+def logits(model, ids: torch.Tensor) -> torch.Tensor:
+    """The (B, T, V) next-token logits of an AttnlabForCausalLM or an HF model on token ids (B, T)."""
+    out = model(input_ids=ids, use_cache=False)
+    return out.logits if hasattr(out, "logits") else out[0]
+
+
+@torch.no_grad()
+def perplexity(model, packed) -> float:
+    """Perplexity of `model` (in eval mode meanwhile) on packed contexts (a Packed), one context at a
+    time, each read as one causal sequence; the score is `attnlab.search.metrics.perplexity`'s rule
+    (predictions inside a document only)."""
+    from attnlab.search.metrics import perplexity as packed_perplexity
+
+    was = model.training
+    model.eval()
+    try:
+        return packed_perplexity(lambda b: logits(model, b.input_ids), packed)
+    finally:
+        model.train(was)
+
+
 def _mean(values) -> float | None:
     flat = [float(v) for v in (values if isinstance(values, list) else [values])]
     return sum(flat) / len(flat) if flat else None
@@ -97,25 +133,21 @@ def evaluate_retrofit(model, cfg: EvalConfig, original=None, encode=None, eos_id
     an evaluation); a rerun with the same cfg measures only the ones missing there."""
     from attnlab.train.evaluate import attention_report
 
-    from .finetune import FinetuneConfig, _pack, perplexity as _perplexity
-    from .transfer import text_encoding
-
     cfg.check()
     encode, eos_id = text_encoding(model.config, encode, eos_id)
-    pack = FinetuneConfig(context=cfg.context, corpus=cfg.corpus, seed=cfg.seed)
-    ids = _pack(pack, "test", cfg.contexts, encode, eos_id)  # (N, T)
+    ids = split_contexts(cfg.corpus, "test", cfg.context, cfg.contexts, cfg.seed, encode, eos_id)
     was = model.training
     model.eval()
     try:
-        report = {"config": vars(cfg).copy(), "perplexity": _perplexity(model, ids)}
+        report = {"config": vars(cfg).copy(), "perplexity": perplexity(model, ids)}
         if original is not None:
             original.eval()
-            report["perplexity_original"] = _perplexity(original, ids)
+            report["perplexity_original"] = perplexity(original, ids)
             report["perplexity_gap"] = report["perplexity"] / report["perplexity_original"] - 1.0
         plan = getattr(model, "retrofit_plan", None)
         replaced = set(plan.layers) if plan is not None else set()
         layers = []
-        for entry in attention_report(model.model, ids[: cfg.analysis_contexts], alignment=False):
+        for entry in attention_report(model.model, ids.input_ids[: cfg.analysis_contexts], alignment=False):
             row = {"layer": entry["layer"], "mechanism": entry["mechanism"], "replaced": entry["layer"] in replaced}
             row.update({k: _mean(entry[k]) for k in PER_LAYER if k in entry})
             layers.append(row)
@@ -135,8 +167,6 @@ def _decode_losses(model, cfg: EvalConfig, encode, eos_id, partial=None) -> dict
     from attnlab.eval.selectors import select_keys
     from attnlab.models.lm import selectable_layers
 
-    from .finetune import FinetuneConfig, _pack, perplexity
-
     lm, proj = model.model, None
     selectable = bool(selectable_layers(lm))  # no scalar/hybrid layer (a control): the exact loss only
     out = _kept(partial, cfg)
@@ -145,8 +175,8 @@ def _decode_losses(model, cfg: EvalConfig, encode, eos_id, partial=None) -> dict
     if cfg.learned_steps and selectable and any(n not in out for n in learned):
         from attnlab.eval.selector_training import train_selector_projections
 
-        pack = FinetuneConfig(context=cfg.learned_context, corpus=cfg.corpus, seed=cfg.seed)
-        train = _pack(pack, "train", cfg.learned_contexts, encode, eos_id)
+        train = split_contexts(cfg.corpus, "train", cfg.learned_context, cfg.learned_contexts, cfg.seed, encode,
+                               eos_id).input_ids
         with torch.enable_grad():  # evaluate_retrofit runs under no_grad; the projections train
             proj = train_selector_projections(lm, [row[None] for row in train], cfg.learned_steps, seed=cfg.seed)
 
@@ -160,8 +190,7 @@ def _decode_losses(model, cfg: EvalConfig, encode, eos_id, partial=None) -> dict
             interrupt.check(lambda: f"evaluation stopped after {name}; {partial} keeps {len(out)} decode losses")
 
     for T in lengths:
-        ids = _pack(FinetuneConfig(context=T, corpus=cfg.corpus, seed=cfg.seed), "test", cfg.window_contexts,
-                    encode, eos_id)
+        ids = split_contexts(cfg.corpus, "test", T, cfg.window_contexts, cfg.seed, encode, eos_id)
         measure(f"exact@{T}", ids)
         for k in cfg.windows if selectable else ():
             measure(f"window{k}@{T}", ids, select_keys(lm, "window", k))

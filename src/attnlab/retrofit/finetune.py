@@ -12,15 +12,16 @@ tokens of a corpus (stdlib by default, read as in transfer.py):
 - loss = CE(next token) + kl · KL(p_original ‖ p_new), the KL per token on the next-token
   distributions, the original HF model's logits under no_grad (only when kl > 0 and it is given);
 - the batch of step s is a pure function of (seed, s): `batch_indices`;
-- held-out perplexity on `eval_contexts` contexts of the corpus's test split, before and after.
+- held-out perplexity (evaluate.perplexity) on `eval_contexts` contexts of the corpus's test split,
+  before and after.
 
-Resumable: `OUT/finetune/state.safetensors` holds the trained parameters, the optimizer state, the
-step (= the data position) and the loss/perplexity before, written atomically every
-`checkpoint_every` steps, at the end and when SIGINT/SIGTERM stops the loop (the step finishes, the
-state is saved, Interrupted says where). `OUT/finetune/log.jsonl` (+ train.csv) has one row per
-step (attnlab.train.logging.RunLogger; rows past the checkpoint are dropped on resume). A rerun with
-the same options ends with exactly the parameters of one uninterrupted run; other options are
-refused (RetrofitError).
+Resumable (the loop of loop.py, which transfer shares): `OUT/finetune/state.safetensors` holds the
+trained parameters, the optimizer state, the step (= the data position) and the loss/perplexity
+before, written atomically every `checkpoint_every` steps, at the end and when SIGINT/SIGTERM stops
+the loop (the step finishes, the state is saved, Interrupted says where). `OUT/finetune/log.jsonl`
+(+ train.csv) has one row per step (attnlab.train.logging.RunLogger; rows past the checkpoint are
+dropped on resume). A rerun with the same options ends with exactly the parameters of one
+uninterrupted run; other options are refused (RetrofitError).
 """
 
 from __future__ import annotations
@@ -33,11 +34,12 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from attnlab.interrupt import Interrupted, graceful, requested
 from attnlab.lock import FolderLock
 
 from .convert import RetrofitError, new_parameters
-from .transfer import load_state, save_state, text_encoding
+from .evaluate import logits as _logits, perplexity, split_contexts
+from .loop import resume, train_steps
+from .transfer import text_encoding
 
 FINETUNE_DIR = "finetune"
 STATE = "state.safetensors"
@@ -114,21 +116,6 @@ def batch_indices(seed: int, step: int, n: int, batch: int) -> torch.Tensor:
     return torch.randperm(n, generator=g)[:batch]
 
 
-def _pack(cfg: FinetuneConfig, split: str, n: int, encode, eos_id: int) -> torch.Tensor:
-    from attnlab.search.capture import load_texts, pack_contexts
-
-    try:
-        return pack_contexts(load_texts(cfg.corpus, split), encode, eos_id, cfg.context, n, cfg.seed).input_ids
-    except ValueError as e:
-        flag = "--finetune-contexts" if split == "train" else "eval_contexts"
-        raise RetrofitError(f"{flag}/--finetune-context ({cfg.corpus} {split} split): {e}") from None
-
-
-def _logits(model, ids: torch.Tensor) -> torch.Tensor:
-    out = model(input_ids=ids, use_cache=False)
-    return out.logits if hasattr(out, "logits") else out[0]
-
-
 def _losses(model, ids: torch.Tensor, original, kl: float, align: float = 0.0) -> tuple[torch.Tensor, torch.Tensor, dict]:
     """(total, next-token CE, {"kl": KL(original ‖ model), "align": Σ_layers L_align} where weighted),
     each a mean over predicted tokens (L_align: over the scalar/hybrid layers' query-key pairs)."""
@@ -148,18 +135,6 @@ def _losses(model, ids: torch.Tensor, original, kl: float, align: float = 0.0) -
         extra["kl"] = F.kl_div(F.log_softmax(logits, -1), ref, log_target=True, reduction="none").sum(-1).mean()
         total = total + kl * extra["kl"]
     return total, ce, extra
-
-
-@torch.no_grad()
-def perplexity(model, ids: torch.Tensor) -> float:
-    """exp(mean next-token CE) of `model` over the contexts `ids` (N, T), one context at a time."""
-    was = model.training
-    model.eval()
-    total = 0.0
-    for row in ids:
-        total += float(_losses(model, row[None], None, 0.0)[1])
-    model.train(was)
-    return math.exp(total / len(ids))
 
 
 def check_trainable(plan_, train: str, lora: int = 0, align: float = 0.0) -> None:
@@ -283,8 +258,8 @@ def finetune(model, cfg: FinetuneConfig, out, original=None, encode=None, eos_id
     if cfg.align and not any(blk.attn.n_scalar for blk in model.model.blocks):
         raise RetrofitError(f"--finetune-align {cfg.align}: L_align needs scalar or hybrid heads; this model has none")
     encode, eos_id = text_encoding(model.config, encode, eos_id)
-    train_ids = _pack(cfg, "train", cfg.contexts, encode, eos_id)
-    eval_ids = _pack(cfg, "test", cfg.eval_contexts, encode, eos_id)
+    train_ids = split_contexts(cfg.corpus, "train", cfg.context, cfg.contexts, cfg.seed, encode, eos_id).input_ids
+    eval_ids = split_contexts(cfg.corpus, "test", cfg.context, cfg.eval_contexts, cfg.seed, encode, eos_id)
     params = _trainable(model, plan_, cfg.train, lora=cfg.lora > 0)
     flags = {n: p.requires_grad for n, p in model.named_parameters()}
     if cfg.lora:
@@ -300,62 +275,55 @@ def finetune(model, cfg: FinetuneConfig, out, original=None, encode=None, eos_id
         _scale_new(opt, new_parameters(model.model, plan_), cfg.new_lr_scale)
     folder = Path(out) / FINETUNE_DIR
     path = folder / STATE
+    finished = False
     try:
         with FolderLock(out, beside=True):
             folder.mkdir(parents=True, exist_ok=True)
-            start, state = 0, {"fingerprint": fingerprint}
-            if path.is_file():
-                tensors, meta = load_state(path, opt, fingerprint, "fine-tuning")
-                with torch.no_grad():
-                    for k, p in params.items():
-                        p.copy_(tensors[k])
+            state = {"fingerprint": fingerprint}
+            meta = resume(path, params, opt, fingerprint, "fine-tuning")
+            if meta is not None:
                 start = int(meta["step"])
                 state.update({k: meta[k] for k in ("perplexity_before", "loss_start")})
             else:
+                start = 0
                 state["perplexity_before"] = perplexity(model, eval_ids)
             logger = RunLogger(folder, tensorboard=False)
             logger.truncate_after(start)
             model.train()
-            step, ran, budget = start, 0, math.inf if until is None else until
             bar = tqdm(range(start, cfg.steps), initial=start, total=cfg.steps, desc="retrofit finetune",
                        disable=not progress)
-            with graceful():
-                while step < cfg.steps and ran < budget:
-                    lr = tcfg.lr_at(step)
-                    for g in opt.param_groups:
-                        g["lr"] = lr * g.get("lr_scale", 1.0)
-                    ids = train_ids[batch_indices(cfg.seed, step, cfg.contexts, cfg.batch)]
-                    loss, ce, extra = _losses(model, ids, original, cfg.kl, cfg.align)
-                    opt.zero_grad(set_to_none=True)
-                    loss.backward()
-                    norm = torch.nn.utils.clip_grad_norm_(list(params.values()), tcfg.grad_clip) \
-                        if tcfg.grad_clip > 0 else None
-                    opt.step()
-                    row = {"step": step + 1, "loss": float(loss.detach()), "ce": float(ce.detach()), "lr": lr}
-                    row.update({k: float(v.detach()) for k, v in extra.items()})
-                    if norm is not None:
-                        row["grad_norm"] = float(norm)
-                    if step == 0:
-                        state["loss_start"] = row["loss"]
-                    logger.log("train", row)
-                    step += 1
-                    ran += 1
-                    bar.update(1)
-                    bar.set_postfix(loss=f"{row['loss']:.4f}")
-                    if step % cfg.checkpoint_every == 0 or step == cfg.steps or ran >= budget:
-                        save_state(path, params, opt, step, state)
-                    if requested() is not None and step < cfg.steps:
-                        save_state(path, params, opt, step, state)
-                        bar.close()
-                        raise Interrupted(requested(), f"{path} stopped after step {step} of {cfg.steps}; rerun the "
-                                                       f"same command to resume")
+
+            def one_step(s: int) -> None:
+                lr = tcfg.lr_at(s)
+                for g in opt.param_groups:
+                    g["lr"] = lr * g.get("lr_scale", 1.0)
+                ids = train_ids[batch_indices(cfg.seed, s, cfg.contexts, cfg.batch)]
+                loss, ce, extra = _losses(model, ids, original, cfg.kl, cfg.align)
+                opt.zero_grad(set_to_none=True)
+                loss.backward()
+                norm = torch.nn.utils.clip_grad_norm_(list(params.values()), tcfg.grad_clip) \
+                    if tcfg.grad_clip > 0 else None
+                opt.step()
+                row = {"step": s + 1, "loss": float(loss.detach()), "ce": float(ce.detach()), "lr": lr}
+                row.update({k: float(v.detach()) for k, v in extra.items()})
+                if norm is not None:
+                    row["grad_norm"] = float(norm)
+                if s == 0:
+                    state["loss_start"] = row["loss"]
+                logger.log("train", row)
+                bar.update(1)
+                bar.set_postfix(loss=f"{row['loss']:.4f}")
+
+            step, _ = train_steps(one_step, path, params, opt, state, start, cfg.steps, cfg.checkpoint_every,
+                                  math.inf if until is None else until, on_stop=bar.close)
+            finished = step >= cfg.steps
             bar.close()
             logger.close()
             history = logger.history("train")
     finally:
         opt.zero_grad(set_to_none=True)
         if cfg.lora:  # merged only once finished; an interrupted run leaves the base weights as they were
-            remove_lora(model, merge=step >= cfg.steps if "step" in locals() else False)
+            remove_lora(model, merge=finished)
         for n, p in model.named_parameters():
             p.requires_grad_(flags[n])
         model.eval()

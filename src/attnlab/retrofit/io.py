@@ -1,10 +1,14 @@
 """Loading a model to retrofit by spec, `--set` values, and writing the result as an HF folder.
 
+Loading goes through attnlab.search.hf_model (sources, config, tokenizer, weights); the errors
+here name `--model` and are RetrofitError.
+
     OUT/  config.json  model.safetensors  generation_config.json  (tokenizer files)  retrofit.json
 
 The folder is built in a hidden temporary sibling, loaded back and checked (same logits within
-1e-6 relative), and renamed into place, under `FolderLock(out, beside=True)`: a failure leaves no
-OUT behind, and a second writer of the same OUT gets FolderBusy before any work.
+1e-6 relative), and renamed into place, under `FolderLock(out, beside=True)`
+(attnlab.hf.export.write_folder): a failure leaves no OUT behind, and a second writer of the same
+OUT gets FolderBusy before any work.
 """
 
 from __future__ import annotations
@@ -12,15 +16,11 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
-import shutil
-import tempfile
 from pathlib import Path
 
 import torch
 
-from attnlab.lock import FolderLock, check_free
-
-from .convert import Plan, RetrofitError, convert, logit_error, plan
+from .convert import Plan, RetrofitError, convert, plan
 from .finetune import FINETUNE_DIR
 from .transfer import TRANSFER_DIR
 
@@ -49,49 +49,42 @@ def parse_settings(items: list[str] | dict | None) -> dict:
 
 
 def _source(spec: str):
-    from attnlab.search.hf_model import DEFAULT_MODEL, resolve_source
+    from attnlab.search.hf_model import resolve_source
 
-    if not isinstance(spec, str) or not spec:
-        raise RetrofitError(f"--model must be 'smollm2', a model folder or a .gguf file, got {spec!r}")
-    if spec != DEFAULT_MODEL and not spec.endswith(".gguf") and not Path(spec).is_dir():
-        raise RetrofitError(f"--model {spec!r} is not 'smollm2', an existing folder or a .gguf file")
     try:
-        return resolve_source(spec)
+        return resolve_source(spec, hub=False, what="--model")
     except ValueError as e:
-        raise RetrofitError(f"--model: {e}") from None
+        raise RetrofitError(str(e)) from None
 
 
 def plan_source(spec: str, layers, mechanism: str, settings: dict | None = None):
     """(source, Plan) of a model spec, from its config alone: no weights are read."""
-    from transformers import AutoConfig
+    from attnlab.search.hf_model import load_hf_config
 
     source = _source(spec)
-    kw = {"gguf_file": source.gguf_file} if source.gguf_file else {}
     try:
-        config = AutoConfig.from_pretrained(source.path, **kw)
+        config = load_hf_config(source, use=None)  # plan() checks the family, as RetrofitError
     except (OSError, ValueError) as e:
         raise RetrofitError(f"--model {spec!r}: no readable model config ({str(e).splitlines()[0]})") from None
     return source, plan(config, layers, mechanism, settings)
 
 
-def load_source(source):
-    """(hf model in float32, tokenizer or None) of a resolved ModelSource."""
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+def load_source(source, device=None):
+    """(hf model in float32, eval mode, tokenizer or None) of a resolved ModelSource; device: where the
+    model goes (None: the CPU)."""
+    from attnlab.search.hf_model import load_model, load_tokenizer
 
-    kw = {"gguf_file": source.gguf_file} if source.gguf_file else {}
-    model = AutoModelForCausalLM.from_pretrained(source.path, dtype=torch.float32, **kw).eval()
-    try:
-        tok = AutoTokenizer.from_pretrained(source.path, **kw)
-    except (OSError, ValueError):
-        tok = None
-    return model, tok
+    return load_model(source, torch.float32, device, frozen=False), load_tokenizer(source, optional=True)
 
 
 def tokenizer_encoding(tok):
-    """(encode: text -> token ids, eos id) of a tokenizer, or (None, None) for none (bytes then)."""
+    """(encode: text -> token ids, eos id) of a tokenizer, or (None, None) for none (then transfer's
+    text_encoding falls back to search.hf_model.byte_encode and the model config's EOS)."""
+    from attnlab.search.hf_model import hf_encode
+
     if tok is None:
         return None, None
-    return (lambda text: tok(text, add_special_tokens=False)["input_ids"]), tok.eos_token_id
+    return hf_encode(tok), tok.eos_token_id
 
 
 def retrofit(model, layers="middle6", attn: str = "softmax", settings=None, seed: int = 0):
@@ -139,56 +132,30 @@ def save(model, out: str | os.PathLike, tokenizer=None, rtol: float = 1e-6) -> P
     are removed once the folder is in place.
 
     The folder is written beside `out`, loaded back as AttnlabForCausalLM and compared on 16 random
-    tokens, then renamed into place; returns `out` as a Path. Raises RetrofitError when `out` is a
-    file or not empty, FolderBusy when another process writes it, RuntimeError (nothing written)
-    when the reloaded logits differ by more than `rtol` relative."""
-    from transformers.utils import logging as hf_logging
+    tokens, then renamed into place (attnlab.hf.export.write_folder); returns `out` as a Path. Raises
+    RetrofitError when `out` is a file or not empty, FolderBusy when another process writes it,
+    RuntimeError (nothing written) when the reloaded logits differ by more than `rtol` relative."""
+    from attnlab.hf.export import check_reload, write_folder
 
     resume = any(getattr(model, f"{d}_report", None) is not None for d in RESUMABLE)  # OUT may hold checkpoints
     out = check_out(out, resume)
-    check_free(out, beside=True)
-    with FolderLock(out, beside=True):
-        check_out(out, resume)
-        out.parent.mkdir(parents=True, exist_ok=True)
-        tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.tmp-", dir=out.parent))
-        bars = hf_logging.is_progress_bar_enabled()
-        hf_logging.disable_progress_bar()
-        try:
-            model.save_pretrained(tmp)
-            if tokenizer is not None:
-                tokenizer.save_pretrained(tmp)
-            plan_ = getattr(model, "retrofit_plan", None)
-            if plan_ is not None:
-                (tmp / "retrofit.json").write_text(json.dumps(_summary(plan_), indent=2) + "\n")
-            for d in (*RESUMABLE, "eval"):
-                report = getattr(model, f"{d}_report", None)
-                if report is not None:
-                    (tmp / f"{d}.json").write_text(json.dumps(report, indent=2) + "\n")
-            _check_saved(model, tmp, rtol)
-            for d in RESUMABLE:  # the finished transfer's / fine-tuning's checkpoints: not part of the model
-                if (out / d).is_dir():
-                    os.replace(out / d, tmp / d)
-            os.replace(tmp, out)
-            for d in RESUMABLE:
-                shutil.rmtree(out / d, ignore_errors=True)
-        except BaseException:
-            for d in RESUMABLE:
-                if (tmp / d).is_dir() and out.is_dir() and not (out / d).exists():
-                    os.replace(tmp / d, out / d)  # keep the checkpoints for a rerun
-            shutil.rmtree(tmp, ignore_errors=True)
-            raise
-        finally:
-            if bars:
-                hf_logging.enable_progress_bar()
-    return out
 
+    def write(tmp: Path) -> None:
+        model.save_pretrained(tmp)
+        if tokenizer is not None:
+            tokenizer.save_pretrained(tmp)
+        plan_ = getattr(model, "retrofit_plan", None)
+        if plan_ is not None:
+            (tmp / "retrofit.json").write_text(json.dumps(_summary(plan_), indent=2) + "\n")
+        for d in (*RESUMABLE, "eval"):
+            report = getattr(model, f"{d}_report", None)
+            if report is not None:
+                (tmp / f"{d}.json").write_text(json.dumps(report, indent=2) + "\n")
 
-def _check_saved(model, folder: Path, rtol: float) -> None:
-    from attnlab.hf import AttnlabForCausalLM
+    def verify(tmp: Path) -> None:
+        idx = torch.randint(model.config.vocab_size, (1, 16), generator=torch.Generator().manual_seed(0))
+        with torch.no_grad():
+            want = model(idx).logits
+        check_reload(tmp, idx, want, rtol, "the retrofitted model")
 
-    loaded = AttnlabForCausalLM.from_pretrained(folder).eval()
-    idx = torch.randint(model.config.vocab_size, (1, 16), generator=torch.Generator().manual_seed(0))
-    with torch.no_grad():
-        err = logit_error(loaded(idx).logits, model(idx).logits)
-    if not err <= rtol:
-        raise RuntimeError(f"the saved model's logits differ from the retrofitted model's by {err:.2e} relative; nothing written")
+    return write_folder(out, write, verify, recheck=lambda o: check_out(o, resume), keep=RESUMABLE)

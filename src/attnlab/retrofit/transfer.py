@@ -4,35 +4,35 @@ For a mechanism with no exact start (scalar, cosFormer, GLA, SSD) the converted 
 model's q/k/v/o weights but computes something else. Transfer fits it back, layer by layer:
 
 1. the original HF model runs once over `contexts` packed contexts of `context` tokens of a corpus
-   (attnlab.search.capture.pack_contexts, stdlib by default; the packed stream is read as one
-   causal sequence, positions 0..T-1); for every replaced layer i a hook keeps the input of its
+   (`contexts`: attnlab.data.packing.pack_corpus, stdlib by default; the packed stream is read as
+   one causal sequence, positions 0..T-1); for every replaced layer i a hook keeps the input of its
    self-attention x_i (the normed hidden state, on the original residual stream) and its output y_i;
 2. for each replaced layer in turn, every parameter of the new layer `blocks[i].attn` (and nothing
    else) is trained with AdamW (no weight decay, constant lr) on MSE(attn(x_i), y_i), full batch,
    `steps` steps;
 3. the relative error  mean((attn(x) − y)²) / mean(y²)  is reported before and after.
 
-Resumable: `OUT/transfer/layer<i>.safetensors` holds the layer's parameters, the optimizer state,
-the step and the error before, written atomically every `checkpoint_every` steps, at the end of a
-layer and when SIGINT/SIGTERM stops the loop (attnlab.interrupt: the step finishes, the state is
-saved, Interrupted says where). A rerun with the same options continues from there and ends with
-exactly the parameters of one uninterrupted run; other options are refused (RetrofitError).
+Resumable (the loop of loop.py, which fine-tuning shares): `OUT/transfer/layer<i>.safetensors`
+holds the layer's parameters, the optimizer state, the step and the error before, written atomically
+every `checkpoint_every` steps, at the end of a layer and when SIGINT/SIGTERM stops the loop
+(attnlab.interrupt: the step finishes, the state is saved, Interrupted says where). A rerun with the
+same options continues from there and ends with exactly the parameters of one uninterrupted run;
+other options are refused (RetrofitError).
 """
 
 from __future__ import annotations
 
-import json
 import math
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import torch
 
-from attnlab.data.cache import atomic_save_tensors
 from attnlab.interrupt import Interrupted, graceful, requested
 from attnlab.lock import FolderLock
 
 from .convert import RetrofitError
+from .loop import resume, train_steps
 
 TRANSFER_DIR = "transfer"
 
@@ -70,9 +70,11 @@ class TransferConfig:
 
 
 def byte_encode(vocab_size: int):
-    """A tokenizer-free encoding (UTF-8 bytes folded into ids 3..vocab-1) for models without a tokenizer."""
-    span = max(1, vocab_size - 3)
-    return lambda text: [3 + b % span for b in text.encode("utf-8")]
+    """A tokenizer-free encoding (UTF-8 bytes folded into ids 3..vocab-1) for models without a tokenizer:
+    attnlab.search.hf_model.byte_encode."""
+    from attnlab.search.hf_model import byte_encode as encode
+
+    return encode(vocab_size)
 
 
 def text_encoding(config, encode=None, eos_id: int | None = None):
@@ -85,15 +87,16 @@ def text_encoding(config, encode=None, eos_id: int | None = None):
     return encode, eos_id
 
 
-def pack(cfg: TransferConfig, encode, eos_id: int) -> torch.Tensor:
-    """(contexts, context) token ids of the corpus."""
-    from attnlab.search.capture import load_texts, pack_contexts
+def contexts(corpus: str, split: str, context: int, n: int, seed: int, encode, eos_id: int, flags: str):
+    """`n` packed contexts of `context` tokens of corpus/split, documents shuffled by `seed`
+    (attnlab.data.packing.pack_corpus, a Packed): what transfer, fine-tuning and evaluation read.
+    RetrofitError starting with `flags` (the options that ask for them) when they cannot be had."""
+    from attnlab.data.packing import pack_corpus
 
     try:
-        return pack_contexts(load_texts(cfg.corpus, cfg.split), encode, eos_id, cfg.context, cfg.contexts,
-                             cfg.seed).input_ids
+        return pack_corpus(corpus, split, encode, eos_id, context, n, seed)
     except ValueError as e:
-        raise RetrofitError(f"--transfer-contexts/--transfer-context: {e}") from None
+        raise RetrofitError(f"{flags}: {e}") from None
 
 
 @torch.no_grad()
@@ -135,42 +138,6 @@ def _fingerprint(cfg: TransferConfig, layer: int, mechanism: str) -> dict:
     return {**d, "layer": layer, "mechanism": mechanism}
 
 
-def save_state(path: Path, params: dict, opt, step: int, state: dict) -> None:
-    """Tensors being trained (by name), the optimizer's state and a JSON `state` (+ step) in one
-    safetensors file, atomically: the checkpoint of transfer and of fine-tuning."""
-    tensors = {f"param.{k}": v.detach().clone().contiguous() for k, v in params.items()}
-    sd = opt.state_dict()
-    for i, st in sd["state"].items():
-        for k, v in st.items():
-            tensors[f"optim.{i}.{k}"] = v.detach().clone().contiguous() if torch.is_tensor(v) else torch.tensor(v)
-    meta = {**state, "step": step, "param_groups": sd["param_groups"]}
-    atomic_save_tensors(path, tensors, {"state": json.dumps(meta)})
-
-
-def load_state(path: Path, opt, fingerprint: dict, what: str) -> tuple[dict, dict]:
-    """(tensors by name, JSON state) of a `save_state` file, the optimizer restored; RetrofitError when
-    it was written with other options (`fingerprint`)."""
-    from safetensors import safe_open
-    from safetensors.torch import load_file
-
-    with safe_open(str(path), "pt") as f:
-        meta = json.loads(f.metadata()["state"])
-    if meta.get("fingerprint") != fingerprint:
-        raise RetrofitError(f"{path} was made with {what} options {meta.get('fingerprint')}; this run asks "
-                            f"{fingerprint}: rerun with the same options or use another --out")
-    tensors = load_file(str(path))
-    optim: dict = {}
-    for k, v in tensors.items():
-        if k.startswith("optim."):
-            _, i, name = k.split(".", 2)
-            optim.setdefault(int(i), {})[name] = v
-    groups = meta["param_groups"]
-    for g in groups:
-        g["betas"] = tuple(g["betas"])
-    opt.load_state_dict({"state": optim, "param_groups": groups})
-    return {k[len("param."):]: v for k, v in tensors.items() if k.startswith("param.")}, meta
-
-
 def transfer_attention(hf_model, model, layers: list[int], cfg: TransferConfig, out, encode=None, eos_id: int | None = None,
              until: int | None = None, log=None) -> dict:
     """Train the attention of `layers` of `model` (an AttnlabForCausalLM converted from `hf_model`)
@@ -190,7 +157,8 @@ def transfer_attention(hf_model, model, layers: list[int], cfg: TransferConfig, 
     report["config"].pop("layer")
     if cfg.steps == 0:
         return report
-    ids = pack(cfg, encode, eos_id)
+    ids = contexts(cfg.corpus, cfg.split, cfg.context, cfg.contexts, cfg.seed, encode, eos_id,
+                   "--transfer-contexts/--transfer-context").input_ids
     caps = capture(hf_model, layers, ids)
     budget = math.inf if until is None else until
     with FolderLock(out, beside=True), graceful():
@@ -216,29 +184,21 @@ def _layer(attn, x, y, cfg: TransferConfig, path: Path, fingerprint: dict, budge
     for p in attn.parameters():
         p.requires_grad_(True)
     opt = torch.optim.AdamW(attn.parameters(), lr=cfg.lr, weight_decay=0.0)
-    start, before = 0, None
-    if path.is_file():
-        params, meta = load_state(path, opt, fingerprint, "transfer")
-        attn.load_state_dict(params)
-        start, before = int(meta["step"]), meta["before"]
+    params = attn.state_dict(keep_vars=True)  # the live tensors: a resume sets them, a save reads them
+    meta = resume(path, params, opt, fingerprint, "transfer")
+    start, before = (0, None) if meta is None else (int(meta["step"]), meta["before"])
     if before is None:
         before = relative_error(attn, x, y)
-    state = {"fingerprint": fingerprint, "before": before}
-    step, ran = start, 0
-    while step < cfg.steps and ran < budget:
+
+    def step(_: int) -> None:
         loss = _loss(attn, x, y)
         opt.zero_grad(set_to_none=True)
         loss.backward()
         opt.step()
-        step += 1
-        ran += 1
-        if step % cfg.checkpoint_every == 0 or step == cfg.steps or ran >= budget:
-            save_state(path, attn.state_dict(), opt, step, state)
-        if requested() is not None and step < cfg.steps:
-            save_state(path, attn.state_dict(), opt, step, state)
-            raise Interrupted(requested(), f"{path} stopped after step {step} of {cfg.steps}; rerun the same "
-                                           f"command to resume")
+
+    state = {"fingerprint": fingerprint, "before": before}
+    done, ran = train_steps(step, path, params, opt, state, start, cfg.steps, cfg.checkpoint_every, budget)
     for p in attn.parameters():
         p.grad = None
     after = relative_error(attn, x, y)
-    return {"before": before, "after": after, "step": step, "resumed_from": start, "ran": ran}
+    return {"before": before, "after": after, "step": done, "resumed_from": start, "ran": ran}

@@ -7,14 +7,13 @@ the captured q and k, so the forward never needs the eager path.
 
 from __future__ import annotations
 
-import random
 from dataclasses import dataclass
-from typing import Callable, Sequence
+from typing import Sequence
 
 import torch
 
-from attnlab.checks import check_groups, check_int
-from attnlab.data.packing import doc_causal_mask, positions_in_doc
+from attnlab.checks import check_groups
+from attnlab.data.packing import Packed, doc_causal_mask, pack_contexts  # noqa: F401  (search's names)
 
 from .hooks import Installed
 
@@ -24,52 +23,6 @@ def load_texts(corpus: str, split: str) -> list[str]:
     from attnlab.data.corpus import load_corpus
 
     return load_corpus(corpus, split)
-
-
-@dataclass
-class Packed:
-    """Contexts of documents packed back to back, each document its own causal block."""
-
-    input_ids: torch.Tensor  # (N, T)
-    position_ids: torch.Tensor  # (N, T), restarting at 0 at every document start
-    segments: torch.Tensor  # (N, T), document number within the context
-
-    def __len__(self) -> int:
-        return self.input_ids.shape[0]
-
-    def batch(self, i: int, n: int = 1) -> "Packed":
-        """Contexts i .. i + n - 1 as a Packed of their own (rows of every field)."""
-        return Packed(self.input_ids[i:i + n], self.position_ids[i:i + n], self.segments[i:i + n])
-
-
-def pack_contexts(
-    texts: Sequence[str], encode: Callable[[str], list[int]], eos_id: int, context: int, n_contexts: int,
-    seed: int | None = 0,
-) -> Packed:
-    """Tokenize documents (shuffled by `seed`, None keeps order) only until n_contexts * context
-    tokens exist, append EOS to each, and cut the stream into contexts."""
-    check_int("context", context, 2)
-    check_int("n_contexts", n_contexts)
-    need = context * n_contexts
-    order = list(range(len(texts)))
-    if seed is not None:
-        random.Random(seed).shuffle(order)
-    ids, segs = [], []
-    for doc_no, i in enumerate(order):
-        toks = list(encode(texts[i])) + [eos_id]
-        ids.extend(toks)
-        segs.extend([doc_no] * len(toks))
-        if len(ids) >= need:
-            break
-    if len(ids) < need:
-        raise ValueError(
-            f"corpus too short for the context: {len(texts)} documents give {len(ids)} tokens, "
-            f"need context * n_contexts = {context} * {n_contexts} = {need}"
-        )
-    input_ids = torch.tensor(ids[:need]).view(n_contexts, context)
-    seg = torch.tensor(segs[:need]).view(n_contexts, context)
-    seg = seg - seg[:, :1]  # (N, T), 0 at each context start
-    return Packed(input_ids, positions_in_doc(seg), seg)
 
 
 def forward_packed(model, batch: Packed):

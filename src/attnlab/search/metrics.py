@@ -2,6 +2,13 @@
 
 Recall@K = |S_t ∩ TopK(A^T_t)| / K and Mass@K = sum_{j in S_t} A^T_tj, averaged over the queries
 that have more than K admissible keys (for the others any method keeps every key and scores 1).
+
+Perplexity on packed contexts (`attnlab.data.packing.Packed`), the one rule of search and retrofit
+evaluations: exp of the mean next-token NLL over the predictions whose input token and target lie
+in the same document. The prediction of a document's first token from the previous document's EOS
+is not scored (the documents are shuffled: nothing before it says what comes next); the EOS that
+ends a document is scored. How far attention may look back (across documents, or block-causally
+inside its own) is the forward's choice, not the score's.
 """
 
 from __future__ import annotations
@@ -13,6 +20,8 @@ import torch
 import torch.nn.functional as F
 
 from .sparse import candidate_mask
+
+PERPLEXITY_RULE = "within documents"  # recorded beside retrofit results: the rule their perplexities follow
 
 
 def retrieval_stats(idx, valid, teacher, allowed, K: int) -> dict[str, float]:
@@ -93,11 +102,24 @@ class Tally:
 
 
 def token_nll(logits: torch.Tensor, input_ids: torch.Tensor, segments: torch.Tensor) -> tuple[float, int]:
-    """(sum of NLL, count) of predicting token t+1 from t where both lie in the same document."""
+    """(sum of NLL, count) of predicting token t+1 from t where both lie in the same document
+    (logits (B, T, V), input_ids and segments (B, T))."""
     same = segments[:, 1:] == segments[:, :-1]
     lp = F.cross_entropy(logits[:, :-1].float().flatten(0, 1), input_ids[:, 1:].flatten(), reduction="none")
     lp = lp.view_as(same)
     return float(lp[same].sum()), int(same.sum())
+
+
+@torch.no_grad()
+def perplexity(logits_of, contexts, rows: int = 1) -> float:
+    """Perplexity of packed `contexts` (a `Packed`: input_ids, segments) under this module's rule:
+    exp(sum of in-document next-token NLL / their count). logits_of(batch) returns the (B, T, V)
+    logits of a Packed of `rows` contexts."""
+    tally = Tally()
+    for i in range(0, len(contexts), rows):
+        b = contexts.batch(i, rows)
+        tally.add_nll(logits_of(b), b.input_ids, b.segments)
+    return tally.summary()["ppl"]
 
 
 def rel_gap(ppl: float, ppl_full: float) -> float:

@@ -3,16 +3,14 @@
 
 from __future__ import annotations
 
-import json
 import math
 import os
 from pathlib import Path
-from typing import Sequence
 
-from attnlab.data.cache import atomic_write_text
 from attnlab.train.config import RunConfig
 
 from .profiles import is_profile, profile_sections
+from ..trial import mean_sd, sample_sd, write_outputs
 from ..report import MISSING, fmt, machine_info, markdown_table, rebuild_command, report_head, save_figure
 from .runs import (RunPlan, _record_of, collect_metrics, execute, plan, recorded_runs, recorded_threads, run_config,
                    summary_of)
@@ -22,22 +20,6 @@ from .spec import EVAL_ARG_KEYS, OWNED_KEYS, SUMMARY_SCALARS, Spec, SweepError, 
 
 
 # --------------------------------------------------------------------------- results
-
-
-def sample_sd(values: Sequence[float]) -> float | None:
-    """Sample standard deviation (n - 1), None below 2 values."""
-    if len(values) < 2:
-        return None
-    m = sum(values) / len(values)
-    return math.sqrt(sum((v - m) ** 2 for v in values) / (len(values) - 1))
-
-
-def mean_sd(values: Sequence[float | None]) -> tuple[float | None, float | None, int]:
-    """(mean, sample sd, n) over the values that are not None."""
-    vals = [float(v) for v in values if v is not None]
-    if not vals:
-        return None, None, 0
-    return sum(vals) / len(vals), sample_sd(vals), len(vals)
 
 
 def _run_entry(spec: Spec, variant: str, seed: int, cfg: RunConfig, run_dir: Path, out: Path) -> dict | None:
@@ -150,10 +132,9 @@ def write_results(spec: Spec, out: str | os.PathLike | None = None, *, command: 
                          f"run the sweep first")
     results["command"] = command or f"attnlab.experiments.sweep.run({str(spec.path)!r})"
     out.mkdir(parents=True, exist_ok=True)
-    atomic_write_text(out / "results.json", json.dumps(results, indent=2, default=str) + "\n")
     plot_curves(spec, results, out / "loss_curves.png")
     metrics_png = plot_metrics(spec, results, out / "metrics.png")
-    atomic_write_text(out / "report.md", report_markdown(spec, results, out, metrics_png is not None) + "\n")
+    write_outputs(out, results, report_markdown(spec, results, out, metrics_png is not None) + "\n", indent=2)
     if not quiet:
         print("\n" + results_table(results))
         for v in results.get("verdicts") or []:
