@@ -29,7 +29,8 @@ import torch
 import triton
 import triton.language as tl
 
-from .scalar.triton_kernel import LOG2E, _bases, _load_rows, _mm, _seen_end, interpreted
+from .scalar.triton_kernel import LOG2E, _bases, _doc_ids, _doc_span, _load_rows, _mm, _seen_end, interpreted
+from .scalar.triton_op import document_spans
 
 __all__ = ["triton_principled"]
 
@@ -38,7 +39,7 @@ NEG_LOG2E: tl.constexpr = tl.constexpr(-1.4426950408889634)
 
 @triton.jit
 def _logits(q, k, qg, kg, cs, thr, nspb, offs_m, offs_n, Tk, off, CAUSAL: tl.constexpr, PREC: tl.constexpr,
-            UP: tl.constexpr):
+            UP: tl.constexpr, dq, dk, DOC: tl.constexpr):
     """(BLOCK_M, BLOCK_N) logits y in base 2 relative to the threshold (-inf where hidden), the negated
     gate score -g and softplus(-g)."""
     y = _mm(q, tl.trans(k), PREC, UP) * (cs * LOG2E)[:, None]
@@ -48,6 +49,8 @@ def _logits(q, k, qg, kg, cs, thr, nspb, offs_m, offs_n, Tk, off, CAUSAL: tl.con
     seen = offs_n[None, :] < Tk
     if CAUSAL:
         seen = seen & (offs_n[None, :] <= offs_m[:, None] + off)
+    if DOC:  # packed documents: a query sees the keys of its own document only
+        seen = seen & (dq[:, None] == dk[None, :])
     return tl.where(seen, y, float("-inf")), ng, sp
 
 
@@ -61,32 +64,37 @@ def _row_scalars(C, SPB, GAM, row, offs_m, m_ok, sm_scale):
 
 
 @triton.jit
-def _fwd(Q, K, QG, KG, V, C, SPB, GAM, OK, W0, LSE, Tq, Tk, H, GK, GG, GV, sm_scale,
+def _fwd(Q, K, QG, KG, V, C, SPB, GAM, OK, W0, LSE, DOCS, START, END, Tq, Tk, H, GK, GG, GV, sm_scale,
          D: tl.constexpr, DG: tl.constexpr, DV: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DG: tl.constexpr,
          BLOCK_DV: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, CAUSAL: tl.constexpr,
-         PREC: tl.constexpr, UP: tl.constexpr):
+         PREC: tl.constexpr, UP: tl.constexpr, DOC: tl.constexpr):
     m0 = tl.program_id(0) * BLOCK_M
     bh = tl.program_id(1)
     off = Tk - Tq
     row, _, kbase, vbase = _bases(bh, H, GK, GV, Tq, Tk)
     _, _, gbase, _ = _bases(bh, H, GG, GV, Tq, Tk)
+    drow = (bh // H).to(tl.int64) * Tk
     offs_m = m0 + tl.arange(0, BLOCK_M)
     offs_d, offs_g, offs_v = tl.arange(0, BLOCK_D), tl.arange(0, BLOCK_DG), tl.arange(0, BLOCK_DV)
     m_ok = offs_m < Tq
     q = _load_rows(Q, row, offs_m, m_ok, offs_d, D, True, BLOCK_D, Q.dtype.element_ty)
     qg = _load_rows(QG, row, offs_m, m_ok, offs_g, DG, True, BLOCK_DG, QG.dtype.element_ty)
     cs, thr, nspb, _ = _row_scalars(C, SPB, GAM, row, offs_m, m_ok, sm_scale)
+    dq = _doc_ids(DOCS, drow, offs_m + off, m_ok, DOC)
+    lo, hi = _doc_span(START, END, drow, m0 + off, tl.minimum(m0 + BLOCK_M, Tq) - 1 + off, 0,
+                       _seen_end(m0, Tk, off, BLOCK_M, CAUSAL), BLOCK_N, DOC)
     m_i = tl.zeros((BLOCK_M,), tl.float32)  # running max of max(0, y): starts at the threshold
     l_i = tl.zeros((BLOCK_M,), tl.float32)
     ex = tl.zeros((BLOCK_M,), tl.float32)  # grounded mass, relative to 2^M
     acc = tl.zeros((BLOCK_M, BLOCK_DV), tl.float32)
-    for start_n in range(0, _seen_end(m0, Tk, off, BLOCK_M, CAUSAL), BLOCK_N):
+    for start_n in range(lo, hi, BLOCK_N):
         offs_n = start_n + tl.arange(0, BLOCK_N)
         n_ok = offs_n < Tk
         k = _load_rows(K, kbase, offs_n, n_ok, offs_d, D, True, BLOCK_D, K.dtype.element_ty)
         kg = _load_rows(KG, gbase, offs_n, n_ok, offs_g, DG, True, BLOCK_DG, KG.dtype.element_ty)
         v = _load_rows(V, vbase, offs_n, n_ok, offs_v, DV, True, BLOCK_DV, V.dtype.element_ty)
-        y, _, _ = _logits(q, k, qg, kg, cs, thr, nspb, offs_m, offs_n, Tk, off, CAUSAL, PREC, UP)
+        dk = _doc_ids(DOCS, drow, offs_n, n_ok, DOC)
+        y, _, _ = _logits(q, k, qg, kg, cs, thr, nspb, offs_m, offs_n, Tk, off, CAUSAL, PREC, UP, dq, dk, DOC)
         m_new = tl.maximum(m_i, tl.max(y, 1))
         r = tl.exp2(m_i - m_new)
         p = tl.exp2(y - m_new[:, None])  # 0 where hidden
@@ -123,15 +131,17 @@ def _grad_rows(DO, LSE, E, HD, row, offs_m, m_ok, offs_v, DV: tl.constexpr, BLOC
 
 
 @triton.jit
-def _bwd_kv(Q, K, QG, KG, V, C, SPB, GAM, DO, LSE, E, HD, DK, DKG, DV_, Tq, Tk, H, GK, GG, GV, sm_scale,
+def _bwd_kv(Q, K, QG, KG, V, C, SPB, GAM, DO, LSE, E, HD, DOCS, START, END, DK, DKG, DV_, Tq, Tk, H, GK, GG, GV,
+            sm_scale,
             D: tl.constexpr, DG: tl.constexpr, DV: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DG: tl.constexpr,
             BLOCK_DV: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, CAUSAL: tl.constexpr,
-            PREC: tl.constexpr, UP: tl.constexpr):
+            PREC: tl.constexpr, UP: tl.constexpr, DOC: tl.constexpr):
     n0 = tl.program_id(0) * BLOCK_N
     bh = tl.program_id(1)
     off = Tk - Tq
     row, krow, kbase, vbase = _bases(bh, H, GK, GV, Tq, Tk)
     _, _, gbase, _ = _bases(bh, H, GG, GV, Tq, Tk)
+    drow = (bh // H).to(tl.int64) * Tk
     offs_n = n0 + tl.arange(0, BLOCK_N)
     offs_d, offs_g, offs_v = tl.arange(0, BLOCK_D), tl.arange(0, BLOCK_DG), tl.arange(0, BLOCK_DV)
     n_ok = offs_n < Tk
@@ -141,17 +151,20 @@ def _bwd_kv(Q, K, QG, KG, V, C, SPB, GAM, DO, LSE, E, HD, DK, DKG, DV_, Tq, Tk, 
     dk = tl.zeros((BLOCK_N, BLOCK_D), tl.float32)
     dkg = tl.zeros((BLOCK_N, BLOCK_DG), tl.float32)
     dv = tl.zeros((BLOCK_N, BLOCK_DV), tl.float32)
+    dk_ids = _doc_ids(DOCS, drow, offs_n, n_ok, DOC)
     start = 0
     if CAUSAL:
-        start = tl.maximum(n0 - off, 0) // BLOCK_M * BLOCK_M  # the first query tile that sees this key tile
-    for start_m in range(start, Tq, BLOCK_M):
+        start = tl.maximum(n0 - off, 0)  # the first query that sees this key tile
+    start, end = _doc_span(START, END, drow, n0, tl.minimum(n0 + BLOCK_N, Tk) - 1, start + off, Tq + off, 1, DOC)
+    for start_m in range(tl.maximum(start - off, 0) // BLOCK_M * BLOCK_M, end - off, BLOCK_M):
         offs_m = start_m + tl.arange(0, BLOCK_M)
         m_ok = offs_m < Tq
         q = _load_rows(Q, row, offs_m, m_ok, offs_d, D, True, BLOCK_D, Q.dtype.element_ty)
         qg = _load_rows(QG, row, offs_m, m_ok, offs_g, DG, True, BLOCK_DG, QG.dtype.element_ty)
         cs, thr, nspb, spb = _row_scalars(C, SPB, GAM, row, offs_m, m_ok, sm_scale)
         do, lse, e, hd = _grad_rows(DO, LSE, E, HD, row, offs_m, m_ok, offs_v, DV, BLOCK_DV)
-        y, ng, _ = _logits(q, k, qg, kg, cs, thr, nspb, offs_m, offs_n, Tk, off, CAUSAL, PREC, UP)
+        dq_ids = _doc_ids(DOCS, drow, offs_m + off, m_ok, DOC)
+        y, ng, _ = _logits(q, k, qg, kg, cs, thr, nspb, offs_m, offs_n, Tk, off, CAUSAL, PREC, UP, dq_ids, dk_ids, DOC)
         w, ds = _dlogits(y, do, v, lse, e, hd, PREC, UP)
         dv += _mm(tl.trans(w).to(DO.dtype.element_ty), do, PREC, UP)
         dk += _mm(tl.trans(ds * cs[:, None]).to(Q.dtype.element_ty), q, PREC, UP)
@@ -164,15 +177,17 @@ def _bwd_kv(Q, K, QG, KG, V, C, SPB, GAM, DO, LSE, E, HD, DK, DKG, DV_, Tq, Tk, 
 
 
 @triton.jit
-def _bwd_q(Q, K, QG, KG, V, C, SPB, GAM, DO, LSE, E, HD, DQK, DSUM, DQG, DSPB, Tq, Tk, H, GK, GG, GV, sm_scale,
+def _bwd_q(Q, K, QG, KG, V, C, SPB, GAM, DO, LSE, E, HD, DOCS, START, END, DQK, DSUM, DQG, DSPB, Tq, Tk, H, GK, GG,
+           GV, sm_scale,
            D: tl.constexpr, DG: tl.constexpr, DV: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DG: tl.constexpr,
            BLOCK_DV: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, CAUSAL: tl.constexpr,
-           PREC: tl.constexpr, UP: tl.constexpr):
+           PREC: tl.constexpr, UP: tl.constexpr, DOC: tl.constexpr):
     m0 = tl.program_id(0) * BLOCK_M
     bh = tl.program_id(1)
     off = Tk - Tq
     row, _, kbase, vbase = _bases(bh, H, GK, GV, Tq, Tk)
     _, _, gbase, _ = _bases(bh, H, GG, GV, Tq, Tk)
+    drow = (bh // H).to(tl.int64) * Tk
     offs_m = m0 + tl.arange(0, BLOCK_M)
     offs_d, offs_g, offs_v = tl.arange(0, BLOCK_D), tl.arange(0, BLOCK_DG), tl.arange(0, BLOCK_DV)
     m_ok = offs_m < Tq
@@ -184,13 +199,17 @@ def _bwd_q(Q, K, QG, KG, V, C, SPB, GAM, DO, LSE, E, HD, DQK, DSUM, DQG, DSPB, T
     dqg = tl.zeros((BLOCK_M, BLOCK_DG), tl.float32)
     dsum = tl.zeros((BLOCK_M,), tl.float32)
     dspb = tl.zeros((BLOCK_M,), tl.float32)
-    for start_n in range(0, _seen_end(m0, Tk, off, BLOCK_M, CAUSAL), BLOCK_N):
+    dq_ids = _doc_ids(DOCS, drow, offs_m + off, m_ok, DOC)
+    lo, hi = _doc_span(START, END, drow, m0 + off, tl.minimum(m0 + BLOCK_M, Tq) - 1 + off, 0,
+                       _seen_end(m0, Tk, off, BLOCK_M, CAUSAL), BLOCK_N, DOC)
+    for start_n in range(lo, hi, BLOCK_N):
         offs_n = start_n + tl.arange(0, BLOCK_N)
         n_ok = offs_n < Tk
         k = _load_rows(K, kbase, offs_n, n_ok, offs_d, D, True, BLOCK_D, K.dtype.element_ty)
         kg = _load_rows(KG, gbase, offs_n, n_ok, offs_g, DG, True, BLOCK_DG, KG.dtype.element_ty)
         v = _load_rows(V, vbase, offs_n, n_ok, offs_v, DV, True, BLOCK_DV, V.dtype.element_ty)
-        y, ng, sp = _logits(q, k, qg, kg, cs, thr, nspb, offs_m, offs_n, Tk, off, CAUSAL, PREC, UP)
+        dk_ids = _doc_ids(DOCS, drow, offs_n, n_ok, DOC)
+        y, ng, sp = _logits(q, k, qg, kg, cs, thr, nspb, offs_m, offs_n, Tk, off, CAUSAL, PREC, UP, dq_ids, dk_ids, DOC)
         _, ds = _dlogits(y, do, v, lse, e, hd, PREC, UP)
         dqk += _mm(ds.to(K.dtype.element_ty), k, PREC, UP)
         dsum += tl.sum(ds, 1)
@@ -207,12 +226,12 @@ def _pow2(n: int) -> int:
     return max(16, 1 << (max(n, 1) - 1).bit_length())
 
 
-def _launch(kernel, grid, tensors, Tq, Tk, H, groups, sm_scale, dims, causal, dtype, blocks):
+def _launch(kernel, grid, tensors, Tq, Tk, H, groups, sm_scale, dims, causal, dtype, blocks, docs):
     D, DG, DV = dims
     BLOCK_M, BLOCK_N, warps, stages = blocks
     up = interpreted() and dtype in (torch.bfloat16, torch.float16)
     kernel[grid](*tensors, Tq, Tk, H, *groups, sm_scale, D, DG, DV, _pow2(D), _pow2(DG), _pow2(DV), BLOCK_M, BLOCK_N,
-                 causal, "ieee", up, num_warps=warps, num_stages=stages)
+                 causal, "ieee", up, docs, num_warps=warps, num_stages=stages)
 
 
 def _blocks(device: torch.device, dims) -> tuple[int, int, int, int]:
@@ -229,7 +248,7 @@ class _Principled(torch.autograd.Function):
     w0 (B, H, Tq), float32."""
 
     @staticmethod
-    def forward(ctx, q, k, qg, kg, v, c, spb, gamma, causal: bool):
+    def forward(ctx, q, k, qg, kg, v, c, spb, gamma, causal: bool, docs):
         q, k, qg, kg, v = (x.contiguous() for x in (q, k, qg, kg, v))
         c, spb, gamma = (x.float().contiguous() for x in (c, spb, gamma))
         B, H, Tq, D = q.shape
@@ -240,15 +259,17 @@ class _Principled(torch.autograd.Function):
         w0 = torch.empty(B, H, Tq, device=q.device, dtype=torch.float32)
         lse = torch.empty_like(w0)
         grid = (triton.cdiv(Tq, blocks[0]), B * H)
-        _launch(_fwd, grid, (q, k, qg, kg, v, c, spb, gamma, ok, w0, lse), Tq, Tk, H, groups, 1 / math.sqrt(D),
-                (D, DG, DV), causal, q.dtype, blocks)
-        ctx.save_for_backward(q, k, qg, kg, v, c, spb, gamma, ok, w0, lse)
+        spans = document_spans(docs) if docs is not None else (w0,) * 3
+        _launch(_fwd, grid, (q, k, qg, kg, v, c, spb, gamma, ok, w0, lse, *spans), Tq, Tk, H, groups, 1 / math.sqrt(D),
+                (D, DG, DV), causal, q.dtype, blocks, docs is not None)
+        ctx.save_for_backward(q, k, qg, kg, v, c, spb, gamma, ok, w0, lse, *spans)
+        ctx.docs = docs is not None
         ctx.causal = causal
         return ok, w0
 
     @staticmethod
     def backward(ctx, d_ok, d_w0):
-        q, k, qg, kg, v, c, spb, gamma, ok, w0, lse = ctx.saved_tensors
+        q, k, qg, kg, v, c, spb, gamma, ok, w0, lse, *spans = ctx.saved_tensors
         B, H, Tq, D = q.shape
         Tk, DG, DV = k.shape[2], qg.shape[3], v.shape[3]
         groups = (k.shape[1], kg.shape[1], v.shape[1])
@@ -261,13 +282,13 @@ class _Principled(torch.autograd.Function):
         sm_scale = 1 / math.sqrt(D)
         f32 = dict(device=q.device, dtype=torch.float32)
         dk, dkg, dv = torch.empty(B, H, Tk, D, **f32), torch.empty(B, H, Tk, DG, **f32), torch.empty(B, H, Tk, DV, **f32)
-        args = (q, k, qg, kg, v, c, spb, gamma, do, lse, e, hd)
+        args = (q, k, qg, kg, v, c, spb, gamma, do, lse, e, hd, *spans)
         _launch(_bwd_kv, (triton.cdiv(Tk, blocks[1]), B * H), (*args, dk, dkg, dv), Tq, Tk, H, groups, sm_scale,
-                (D, DG, DV), ctx.causal, q.dtype, blocks)
+                (D, DG, DV), ctx.causal, q.dtype, blocks, ctx.docs)
         dqk, dqg = torch.empty(B, H, Tq, D, **f32), torch.empty(B, H, Tq, DG, **f32)
         dsum, dspb = torch.empty(B, H, Tq, **f32), torch.empty(B, H, Tq, **f32)
         _launch(_bwd_q, (triton.cdiv(Tq, blocks[0]), B * H), (*args, dqk, dsum, dqg, dspb), Tq, Tk, H, groups,
-                sm_scale, (D, DG, DV), ctx.causal, q.dtype, blocks)
+                sm_scale, (D, DG, DV), ctx.causal, q.dtype, blocks, ctx.docs)
         dq = dqk * (c * sm_scale)[..., None]
         dc = (q.float() * dqk).sum(-1) * sm_scale - gamma * dsum
         dgamma = -c * dsum
@@ -276,13 +297,15 @@ class _Principled(torch.autograd.Function):
             return x if G == H else x.view(B, G, H // G, *x.shape[2:]).sum(2)
 
         return (dq.to(q.dtype), grouped(dk, groups[0]).to(k.dtype), dqg.to(qg.dtype), grouped(dkg, groups[1]).to(kg.dtype),
-                grouped(dv, groups[2]).to(v.dtype), dc, dspb, dgamma, None)
+                grouped(dv, groups[2]).to(v.dtype), dc, dspb, dgamma, None, None)
 
 
-def triton_principled(q, k, qg, kg, v, c, spb, gamma, causal: bool):
+def triton_principled(q, k, qg, kg, v, c, spb, gamma, causal: bool, docs: torch.Tensor | None = None):
     """The fused kernel on validated inputs: q (B, H, Tq, D), k (B, G, Tk, D), qg (B, H, Tq, Dg),
     kg (B, Gg, Tk, Dg), v (B, Gv, Tk, Dv) in one dtype (each group count dividing H); c (the margin
     factor 1 + softplus(alpha) log K), softplus(beta) and gamma as (B, H, Tq). Returns the key readout
     sum_s w_s v_s (B, H, Tq, Dv) and the ground weight w0 (B, H, Tq), both float32, differentiable in
-    every input."""
-    return _Principled.apply(q, k, qg, kg, v, c, spb, gamma, causal)
+    every input. docs (B, Tk): document ids of the keys (query t is key t + Tk - Tq) for packed
+    documents: a query sees only its own document's keys (K in c must then count those), and tiles of
+    other documents are skipped."""
+    return _Principled.apply(q, k, qg, kg, v, c, spb, gamma, causal, docs)

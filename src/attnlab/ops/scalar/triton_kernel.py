@@ -69,7 +69,8 @@ def _mm(a, b, PREC: tl.constexpr, UP: tl.constexpr):
 
 @triton.jit
 def _scores(q, k, qs, ks, us, tau, lam, offs_m, offs_n, Tk, off, sm_scale, HAS_DOT: tl.constexpr,
-            BIAS: tl.constexpr, KERNEL: tl.constexpr, CAUSAL: tl.constexpr, MASK: tl.constexpr, PREC: tl.constexpr, UP: tl.constexpr):
+            BIAS: tl.constexpr, KERNEL: tl.constexpr, CAUSAL: tl.constexpr, MASK: tl.constexpr, PREC: tl.constexpr, UP: tl.constexpr,
+            dq=0, dk=0, DOC: tl.constexpr = False):
     """(BLOCK_M, BLOCK_N) scores in base 2 (the score times log2(e), so exp2 takes them; -inf where
     hidden, if MASK: tiles wholly visible skip the mask) and the pieces the backward needs: d = qs - ks,
     x = d^2 / tau and l1 = log2(1 + x) (Cauchy; x again for the Gaussian; KERNEL 2 has no scalar term)."""
@@ -95,6 +96,8 @@ def _scores(q, k, qs, ks, us, tau, lam, offs_m, offs_n, Tk, off, sm_scale, HAS_D
         ok = offs_n[None, :] < Tk
         if CAUSAL:
             ok = ok & (offs_n[None, :] <= offs_m[:, None] + off)
+        if DOC:  # packed documents: a query sees the keys of its own document only
+            ok = ok & (dq[:, None] == dk[None, :])
         s = tl.where(ok, s, float("-inf"))
     return s, d, x, l1
 
@@ -187,17 +190,37 @@ def _seen_end(m0, Tk, off, BLOCK_M: tl.constexpr, CAUSAL: tl.constexpr):
 
 
 @triton.jit
+def _doc_ids(DOCS, drow, offs, ok, DOC: tl.constexpr):
+    """Document (segment) ids of positions offs of batch row drow (-1 past the end), or 0 without documents."""
+    ids = 0
+    if DOC:
+        ids = tl.load(DOCS + drow + offs, mask=ok, other=-1)
+    return ids
+
+
+@triton.jit
+def _doc_span(START, END, drow, first, last, lo, hi, BLOCK: tl.constexpr, DOC: tl.constexpr):
+    """[lo, hi) narrowed to the documents of positions first..last (START / END: each position's
+    document's first position and one past its last), lo rounded down to a tile of BLOCK."""
+    if DOC:
+        lo = tl.maximum(lo, tl.load(START + drow + first) // BLOCK * BLOCK)
+        hi = tl.minimum(hi, tl.load(END + drow + last))
+    return lo, hi
+
+
+@triton.jit
 def _fwd_tile(acc, m_i, l_i, q, qs, tau, lam, K, V, KS, U, kbase, vbase, krow, start_n, offs_m, offs_d, offs_dv,
               Tk, off, sm_scale, D: tl.constexpr, DV: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr,
               HAS_DOT: tl.constexpr, BIAS: tl.constexpr, KERNEL: tl.constexpr, CAUSAL: tl.constexpr, MASK: tl.constexpr,
-              PREC: tl.constexpr, UP: tl.constexpr):
+              PREC: tl.constexpr, UP: tl.constexpr, DOCS, drow, dq, DOC: tl.constexpr):
     """One key tile of the online softmax: the running max m_i, sum l_i and output acc, updated."""
     offs_n = start_n + tl.arange(0, BLOCK_N)
     n_ok = offs_n < Tk
     ks, us, k, v = _key_rows(K, V, KS, U, kbase, vbase, krow, offs_n, n_ok, offs_d, offs_dv, D, DV, HAS_DOT, BIAS,
                              BLOCK_D)
+    dk = _doc_ids(DOCS, drow, offs_n, n_ok, DOC)
     s, d, x, l1 = _scores(q, k, qs, ks, us, tau, lam, offs_m, offs_n, Tk, off, sm_scale, HAS_DOT, BIAS, KERNEL, CAUSAL,
-                          MASK, PREC, UP)
+                          MASK, PREC, UP, dq, dk, DOC)
     m_new = tl.maximum(m_i, tl.max(s, 1))
     m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
     p = tl.exp2(s - m_safe[:, None])
@@ -207,31 +230,37 @@ def _fwd_tile(acc, m_i, l_i, q, qs, tau, lam, K, V, KS, U, kbase, vbase, krow, s
 
 
 @triton.jit
-def _fwd(Q, K, V, QS, KS, U, TAU, LAM, O, LSE, Tq, Tk, H, GK, GV, sm_scale,
+def _fwd(Q, K, V, QS, KS, U, TAU, LAM, O, LSE, DOCS, START, END, Tq, Tk, H, GK, GV, sm_scale,
          D: tl.constexpr, DV: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
          BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, HAS_DOT: tl.constexpr, BIAS: tl.constexpr, KERNEL: tl.constexpr,
-         CAUSAL: tl.constexpr, PREC: tl.constexpr, UP: tl.constexpr):
+         CAUSAL: tl.constexpr, PREC: tl.constexpr, UP: tl.constexpr, DOC: tl.constexpr):
     m0 = tl.program_id(0) * BLOCK_M
     off = Tk - Tq
     row, krow, kbase, vbase = _bases(tl.program_id(1), H, GK, GV, Tq, Tk)
+    drow = (tl.program_id(1) // H).to(tl.int64) * Tk  # the batch row's document ids (by key position)
     offs_m = m0 + tl.arange(0, BLOCK_M)
     offs_d = tl.arange(0, BLOCK_D)
     offs_dv = tl.arange(0, BLOCK_DV)
     m_ok = offs_m < Tq
     qs, tau, lam, q = _query_rows(Q, QS, TAU, LAM, row, offs_m, m_ok, offs_d, D, HAS_DOT, BLOCK_D)
+    dq = _doc_ids(DOCS, drow, offs_m + off, m_ok, DOC)
     m_i = tl.full((BLOCK_M,), float("-inf"), tl.float32)
     l_i = tl.zeros((BLOCK_M,), tl.float32)
     acc = tl.zeros((BLOCK_M, BLOCK_DV), tl.float32)
+    lo = 0
     full = _visible_tiles(m0, Tk, off, BLOCK_N, CAUSAL)
     hi = _seen_end(m0, Tk, off, BLOCK_M, CAUSAL)
-    for start_n in range(0, full, BLOCK_N):  # whole tiles: no mask
+    if DOC:  # only the key tiles of the tile's documents, every one masked
+        lo, hi = _doc_span(START, END, drow, m0 + off, tl.minimum(m0 + BLOCK_M, Tq) - 1 + off, lo, hi, BLOCK_N, DOC)
+        full = lo
+    for start_n in range(lo, full, BLOCK_N):  # whole tiles: no mask
         acc, m_i, l_i = _fwd_tile(acc, m_i, l_i, q, qs, tau, lam, K, V, KS, U, kbase, vbase, krow, start_n, offs_m,
                                   offs_d, offs_dv, Tk, off, sm_scale, D, DV, BLOCK_D, BLOCK_N, HAS_DOT, BIAS, KERNEL,
-                                  CAUSAL, False, PREC, UP)
+                                  CAUSAL, False, PREC, UP, DOCS, drow, dq, DOC)
     for start_n in range(full, hi, BLOCK_N):  # the diagonal and the ragged end
         acc, m_i, l_i = _fwd_tile(acc, m_i, l_i, q, qs, tau, lam, K, V, KS, U, kbase, vbase, krow, start_n, offs_m,
                                   offs_d, offs_dv, Tk, off, sm_scale, D, DV, BLOCK_D, BLOCK_N, HAS_DOT, BIAS, KERNEL,
-                                  CAUSAL, True, PREC, UP)
+                                  CAUSAL, True, PREC, UP, DOCS, drow, dq, DOC)
     l_safe = tl.where(l_i == 0.0, 1.0, l_i)
     out = acc / l_safe[:, None]
     tl.store(O + (row + offs_m[:, None]) * DV + offs_dv[None, :], out.to(O.dtype.element_ty),
@@ -243,14 +272,15 @@ def _fwd(Q, K, V, QS, KS, U, TAU, LAM, O, LSE, Tq, Tk, H, GK, GV, sm_scale,
 def _kv_tile(dk, dv, dks, du, k, v, ks, us, Q, QS, TAU, LAM, DO, LSE, DELTA, row, start_m, offs_n, offs_d, offs_dv, Tq, Tk,
              off, sm_scale, D: tl.constexpr, DV: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr,
              HAS_DOT: tl.constexpr, BIAS: tl.constexpr, KERNEL: tl.constexpr, CAUSAL: tl.constexpr, MASK: tl.constexpr,
-             PREC: tl.constexpr, UP: tl.constexpr):
+             PREC: tl.constexpr, UP: tl.constexpr, DOCS, drow, dkey, DOC: tl.constexpr):
     """One query tile's share of a key tile's dk, dv, dks and du. Rows past Tq read lse = +inf: p = 0."""
     offs_m = start_m + tl.arange(0, BLOCK_M)
     m_ok = offs_m < Tq
     qs, tau, lam, q = _query_rows(Q, QS, TAU, LAM, row, offs_m, m_ok, offs_d, D, HAS_DOT, BLOCK_D)
     lse, delta, do = _grad_rows(LSE, DELTA, DO, row, offs_m, m_ok, offs_dv, DV)
+    dqd = _doc_ids(DOCS, drow, offs_m + off, m_ok, DOC)
     s, d, x, l1 = _scores(q, k, qs, ks, us, tau, lam, offs_m, offs_n, Tk, off, sm_scale, HAS_DOT, BIAS, KERNEL, CAUSAL,
-                          MASK, PREC, UP)
+                          MASK, PREC, UP, dqd, dkey, DOC)
     p = tl.exp2(s - lse[:, None])
     dv += _mm(tl.trans(p.to(do.dtype)), do, PREC, UP)
     ds = p * (_mm(do, tl.trans(v), PREC, UP) - delta[:, None])  # the gradient of the (natural) score
@@ -266,19 +296,21 @@ def _kv_tile(dk, dv, dks, du, k, v, ks, us, Q, QS, TAU, LAM, DO, LSE, DELTA, row
 
 
 @triton.jit
-def _bwd_kv(Q, K, V, QS, KS, U, TAU, LAM, DO, LSE, DELTA, DK, DV_, DKS, DU, Tq, Tk, H, GK, GV, sm_scale,
-            D: tl.constexpr, DV: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
+def _bwd_kv(Q, K, V, QS, KS, U, TAU, LAM, DO, LSE, DELTA, DOCS, START, END, DK, DV_, DKS, DU, Tq, Tk, H, GK, GV,
+            sm_scale, D: tl.constexpr, DV: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
             BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, HAS_DOT: tl.constexpr, BIAS: tl.constexpr, KERNEL: tl.constexpr,
-            CAUSAL: tl.constexpr, PREC: tl.constexpr, UP: tl.constexpr):
+            CAUSAL: tl.constexpr, PREC: tl.constexpr, UP: tl.constexpr, DOC: tl.constexpr):
     n0 = tl.program_id(0) * BLOCK_N
     off = Tk - Tq
     row, krow, kbase, vbase = _bases(tl.program_id(1), H, GK, GV, Tq, Tk)
+    drow = (tl.program_id(1) // H).to(tl.int64) * Tk
     offs_n = n0 + tl.arange(0, BLOCK_N)
     offs_d = tl.arange(0, BLOCK_D)
     offs_dv = tl.arange(0, BLOCK_DV)
     n_ok = offs_n < Tk
     ks, us, k, v = _key_rows(K, V, KS, U, kbase, vbase, krow, offs_n, n_ok, offs_d, offs_dv, D, DV, HAS_DOT, BIAS,
                              BLOCK_D)
+    dkey = _doc_ids(DOCS, drow, offs_n, n_ok, DOC)
     dk = tl.zeros((BLOCK_N, BLOCK_D), tl.float32)
     dv = tl.zeros((BLOCK_N, BLOCK_DV), tl.float32)
     dks = tl.zeros((BLOCK_N,), tl.float32)
@@ -296,14 +328,20 @@ def _bwd_kv(Q, K, V, QS, KS, U, TAU, LAM, DO, LSE, DELTA, DK, DV_, DKS, DU, Tq, 
         full = (full + BLOCK_M - 1) // BLOCK_M * BLOCK_M
         if full > Tq:
             full = Tq
+    end = Tq
+    if DOC:  # only the query tiles of this key tile's documents, every one masked
+        lo, end = _doc_span(START, END, drow, n0, tl.minimum(n0 + BLOCK_N, Tk) - 1, lo + off, end + off, 1, DOC)
+        lo = tl.maximum(lo - off, 0) // BLOCK_M * BLOCK_M
+        end = end - off
+        full = end
     for start_m in range(lo, full, BLOCK_M):  # the diagonal
         dk, dv, dks, du = _kv_tile(dk, dv, dks, du, k, v, ks, us, Q, QS, TAU, LAM, DO, LSE, DELTA, row, start_m, offs_n, offs_d,
                                offs_dv, Tq, Tk, off, sm_scale, D, DV, BLOCK_D, BLOCK_M, HAS_DOT, BIAS, KERNEL, CAUSAL,
-                               True, PREC, UP)
-    for start_m in range(full, Tq, BLOCK_M):  # whole tiles (non-causal: every tile; padded keys are not stored)
+                               True, PREC, UP, DOCS, drow, dkey, DOC)
+    for start_m in range(full, end, BLOCK_M):  # whole tiles (non-causal: every tile; padded keys are not stored)
         dk, dv, dks, du = _kv_tile(dk, dv, dks, du, k, v, ks, us, Q, QS, TAU, LAM, DO, LSE, DELTA, row, start_m, offs_n, offs_d,
                                offs_dv, Tq, Tk, off, sm_scale, D, DV, BLOCK_D, BLOCK_M, HAS_DOT, BIAS, KERNEL, CAUSAL,
-                               False, PREC, UP)
+                               False, PREC, UP, DOCS, drow, dkey, DOC)
     tl.store(DK + (krow + offs_n[:, None]) * BLOCK_D + offs_d[None, :], dk * sm_scale, mask=n_ok[:, None])
     tl.store(DV_ + (krow + offs_n[:, None]) * BLOCK_DV + offs_dv[None, :], dv, mask=n_ok[:, None])
     tl.store(DKS + krow + offs_n, dks, mask=n_ok)
@@ -315,7 +353,7 @@ def _bwd_kv(Q, K, V, QS, KS, U, TAU, LAM, DO, LSE, DELTA, DK, DV_, DKS, DU, Tq, 
 def _q_tile(dq, da, dx, dl, q, qs, tau, lam, do, lse, delta, K, V, KS, U, kbase, vbase, krow, start_n, offs_m,
             offs_d, offs_dv, Tk, off, sm_scale, D: tl.constexpr, DV: tl.constexpr, BLOCK_D: tl.constexpr,
             BLOCK_N: tl.constexpr, HAS_DOT: tl.constexpr, BIAS: tl.constexpr, KERNEL: tl.constexpr, CAUSAL: tl.constexpr,
-            MASK: tl.constexpr, PREC: tl.constexpr, UP: tl.constexpr):
+            MASK: tl.constexpr, PREC: tl.constexpr, UP: tl.constexpr, DOCS, drow, dqd, DOC: tl.constexpr):
     """One key tile's share of a query tile's dq and of the per-row sums A = sum ds phi' d, X = sum ds
     phi' x and L = sum ds l1 (phi' = 1 for the Gaussian, 1 / (1 + x) for the Cauchy kernel) that give
     the gradients of qs, tau and the gain."""
@@ -323,8 +361,9 @@ def _q_tile(dq, da, dx, dl, q, qs, tau, lam, do, lse, delta, K, V, KS, U, kbase,
     n_ok = offs_n < Tk
     ks, us, k, v = _key_rows(K, V, KS, U, kbase, vbase, krow, offs_n, n_ok, offs_d, offs_dv, D, DV, HAS_DOT, BIAS,
                              BLOCK_D)
+    dkey = _doc_ids(DOCS, drow, offs_n, n_ok, DOC)
     s, d, x, l1 = _scores(q, k, qs, ks, us, tau, lam, offs_m, offs_n, Tk, off, sm_scale, HAS_DOT, BIAS, KERNEL, CAUSAL,
-                          MASK, PREC, UP)
+                          MASK, PREC, UP, dqd, dkey, DOC)
     p = tl.exp2(s - lse[:, None])
     ds = p * (_mm(do, tl.trans(v), PREC, UP) - delta[:, None])  # 0 wherever a key is hidden
     if HAS_DOT:
@@ -339,13 +378,14 @@ def _q_tile(dq, da, dx, dl, q, qs, tau, lam, do, lse, delta, K, V, KS, U, kbase,
 
 
 @triton.jit
-def _bwd_q(Q, K, V, QS, KS, U, TAU, LAM, DO, LSE, DELTA, DQ, DQS, DTAU, DLAM, Tq, Tk, H, GK, GV, sm_scale,
-           D: tl.constexpr, DV: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
+def _bwd_q(Q, K, V, QS, KS, U, TAU, LAM, DO, LSE, DELTA, DOCS, START, END, DQ, DQS, DTAU, DLAM, Tq, Tk, H, GK, GV,
+           sm_scale, D: tl.constexpr, DV: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
            BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, HAS_DOT: tl.constexpr, BIAS: tl.constexpr, KERNEL: tl.constexpr,
-           CAUSAL: tl.constexpr, PREC: tl.constexpr, UP: tl.constexpr):
+           CAUSAL: tl.constexpr, PREC: tl.constexpr, UP: tl.constexpr, DOC: tl.constexpr):
     m0 = tl.program_id(0) * BLOCK_M
     off = Tk - Tq
     row, krow, kbase, vbase = _bases(tl.program_id(1), H, GK, GV, Tq, Tk)
+    drow = (tl.program_id(1) // H).to(tl.int64) * Tk
     offs_m = m0 + tl.arange(0, BLOCK_M)
     offs_d = tl.arange(0, BLOCK_D)
     offs_dv = tl.arange(0, BLOCK_DV)
@@ -356,16 +396,21 @@ def _bwd_q(Q, K, V, QS, KS, U, TAU, LAM, DO, LSE, DELTA, DQ, DQS, DTAU, DLAM, Tq
     da = tl.zeros((BLOCK_M,), tl.float32)
     dx = tl.zeros((BLOCK_M,), tl.float32)
     dl = tl.zeros((BLOCK_M,), tl.float32)
+    dqd = _doc_ids(DOCS, drow, offs_m + off, m_ok, DOC)
+    lo = 0
     full = _visible_tiles(m0, Tk, off, BLOCK_N, CAUSAL)
     hi = _seen_end(m0, Tk, off, BLOCK_M, CAUSAL)
-    for start_n in range(0, full, BLOCK_N):
+    if DOC:
+        lo, hi = _doc_span(START, END, drow, m0 + off, tl.minimum(m0 + BLOCK_M, Tq) - 1 + off, lo, hi, BLOCK_N, DOC)
+        full = lo
+    for start_n in range(lo, full, BLOCK_N):
         dq, da, dx, dl = _q_tile(dq, da, dx, dl, q, qs, tau, lam, do, lse, delta, K, V, KS, U, kbase, vbase,
                                  krow, start_n, offs_m, offs_d, offs_dv, Tk, off, sm_scale, D, DV, BLOCK_D,
-                                 BLOCK_N, HAS_DOT, BIAS, KERNEL, CAUSAL, False, PREC, UP)
+                                 BLOCK_N, HAS_DOT, BIAS, KERNEL, CAUSAL, False, PREC, UP, DOCS, drow, dqd, DOC)
     for start_n in range(full, hi, BLOCK_N):
         dq, da, dx, dl = _q_tile(dq, da, dx, dl, q, qs, tau, lam, do, lse, delta, K, V, KS, U, kbase, vbase,
                                  krow, start_n, offs_m, offs_d, offs_dv, Tk, off, sm_scale, D, DV, BLOCK_D,
-                                 BLOCK_N, HAS_DOT, BIAS, KERNEL, CAUSAL, True, PREC, UP)
+                                 BLOCK_N, HAS_DOT, BIAS, KERNEL, CAUSAL, True, PREC, UP, DOCS, drow, dqd, DOC)
     tl.store(DQ + (row + offs_m[:, None]) * BLOCK_D + offs_d[None, :], dq * sm_scale, mask=m_ok[:, None])
     # score = -lam phi(x): d/d qs = -2 lam phi' d / tau, d/d tau = lam phi' x / tau, d/d lam = -phi(x)
     tl.store(DQS + row + offs_m, -2.0 * lam * tau * da, mask=m_ok)

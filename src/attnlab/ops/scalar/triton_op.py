@@ -51,7 +51,7 @@ class _ScalarFamily(torch.autograd.Function):
     """Inputs as `triton_scalar_attention` documents them, q / k already scaled when sm_scale is given."""
 
     @staticmethod
-    def forward(ctx, q, k, v, qs, ks, tau, lam, u, kernel: int, causal: bool, sm_scale):
+    def forward(ctx, q, k, v, qs, ks, tau, lam, u, kernel: int, causal: bool, sm_scale, docs=None):
         B, H, Tq = tau.shape
         Tk = v.shape[2]
         has_dot = q is not None
@@ -75,19 +75,20 @@ class _ScalarFamily(torch.autograd.Function):
         BM, BN, warps, stages = _blocks(v.device, D, DV)["fwd"]
         consts = dict(D=D, DV=DV, BLOCK_D=_pow2(D), BLOCK_DV=_pow2(DV), HAS_DOT=q is not None, BIAS=u is not None,
                       KERNEL=kernel, CAUSAL=causal, PREC="ieee" if v.dtype == torch.float32 else "tf32",
-                      UP=interpreted() and v.dtype == torch.bfloat16)
+                      UP=interpreted() and v.dtype == torch.bfloat16, DOC=docs is not None)
+        segs, start, end = document_spans(docs) if docs is not None else (f32, f32, f32)
         if sm_scale is None:
             sm_scale = 1.0 / math.sqrt(D) if has_dot else 0.0
-        _fwd[(-(-Tq // BM), B * H)](qq, kk, vv, qs32, ks32, uu, tau32, lam32, out, lse, Tq, Tk, H, GK, GV, sm_scale,
-                                   BLOCK_M=BM, BLOCK_N=BN, num_warps=warps, num_stages=stages, **consts)
-        ctx.save_for_backward(qq, kk, vv, qs32, ks32, uu, tau32, lam32, out, lse)
+        _fwd[(-(-Tq // BM), B * H)](qq, kk, vv, qs32, ks32, uu, tau32, lam32, out, lse, segs, start, end, Tq, Tk, H, GK,
+                                   GV, sm_scale, BLOCK_M=BM, BLOCK_N=BN, num_warps=warps, num_stages=stages, **consts)
+        ctx.save_for_backward(qq, kk, vv, qs32, ks32, uu, tau32, lam32, out, lse, segs, start, end)
         ctx.meta = (has_dot, qs is not None, u is not None, u.shape if u is not None else None, consts, sm_scale,
                     GK, GV)
         return out.to(v.dtype)
 
     @staticmethod
     def backward(ctx, dout):
-        qq, kk, vv, qs32, ks32, uu, tau32, lam32, out, lse = ctx.saved_tensors
+        qq, kk, vv, qs32, ks32, uu, tau32, lam32, out, lse, segs, start, end = ctx.saved_tensors
         has_dot, has_scalar, has_bias, _, consts, sm_scale, GK, GV = ctx.meta
         B, H, Tq = tau32.shape
         Tk = vv.shape[2]
@@ -99,7 +100,7 @@ class _ScalarFamily(torch.autograd.Function):
         dk, dv, dks, du = empty(B, H, Tk, BD), empty(B, H, Tk, BDV), empty(B, H, Tk), empty(B, H, Tk)
         dq, dqs, dtau, dlam = empty(B, H, Tq, BD), empty(B, H, Tq), empty(B, H, Tq), empty(B, H, Tq)
         BM, BN, warps, stages = _blocks(dev, consts["D"], consts["DV"])["bwd"]
-        args = (qq, kk, vv, qs32, ks32, uu, tau32, lam32, dout, lse, delta)
+        args = (qq, kk, vv, qs32, ks32, uu, tau32, lam32, dout, lse, delta, segs, start, end)
         _bwd_kv[(-(-Tk // BN), B * H)](*args, dk, dv, dks, du, Tq, Tk, H, GK, GV, sm_scale, BLOCK_M=BM, BLOCK_N=BN,
                                       num_warps=warps, num_stages=stages, **consts)
         _bwd_q[(-(-Tq // BM), B * H)](*args, dq, dqs, dtau, dlam, Tq, Tk, H, GK, GV, sm_scale, BLOCK_M=BM,
@@ -113,17 +114,34 @@ class _ScalarFamily(torch.autograd.Function):
             dq = dk = None
         if not has_scalar:
             dqs = dks = dtau = dlam = None
-        return dq, dk, dv, dqs, dks, dtau, dlam, du if has_bias else None, None, None, None
+        return dq, dk, dv, dqs, dks, dtau, dlam, du if has_bias else None, None, None, None, None
+
+
+def document_spans(docs: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Per position of docs (B, T) (any ids; a document is a run of equal ids): its segment index, its
+    document's first position and one past its last, each (B, T) int32 and computed on the device
+    (no host sync: what the kernels need to mask other documents and skip their tiles)."""
+    B, T = docs.shape
+    pos = torch.arange(T, device=docs.device).expand(B, T)
+    new = torch.ones_like(docs, dtype=torch.bool)
+    new[:, 1:] = docs[:, 1:] != docs[:, :-1]
+    last = torch.ones_like(new)
+    last[:, :-1] = new[:, 1:]
+    start = torch.where(new, pos, 0).cummax(1).values
+    end = torch.where(last, pos + 1, T).flip(1).cummin(1).values.flip(1)
+    return (new.cumsum(1) - 1).int().contiguous(), start.int().contiguous(), end.int().contiguous()
 
 
 def triton_scalar_attention(q, k, v, qs, ks, tau_b, lam_b, kernel: str | None, causal: bool, *,
-                            sm_scale: float | None = None, u=None) -> torch.Tensor:
+                            sm_scale: float | None = None, u=None, docs: torch.Tensor | None = None) -> torch.Tensor:
     """softmax_s([q_t . k_s * sm_scale] + lam_t phi((qs_t - ks_s)^2 / tau_t) [+ u_s]) v_s through the kernels
     above, for checked inputs: q (B, H, Tq, D) and k (B, G, Tk, D), or both None (scalar heads); v (B, G',
     Tk, Dv); qs (B, H, Tq) and ks (B, H, Tk), or both None with kernel None (no scalar term: GOAT); tau_b and
     lam_b tensors broadcastable to (B, H, Tq) (lam_b None for 1); sm_scale 1 / sqrt(D) when None; u a
-    key-only term broadcastable to (B, H, Tk), added in float32. Gradients reach every tensor. Returns
-    (B, H, Tq, Dv) in v's dtype."""
+    key-only term broadcastable to (B, H, Tk), added in float32; docs (B, Tk) document ids of the keys
+    (query t is key t + Tk - Tq) for packed documents: a query sees only the keys of its own document,
+    and tiles of other documents are skipped. Gradients reach every tensor. Returns (B, H, Tq, Dv) in
+    v's dtype."""
     B, H, Tq = (qs.shape if qs is not None else q.shape[:3])
     if Tq == 0:
         return v.new_zeros(B, H, 0, v.shape[-1])
@@ -133,4 +151,4 @@ def triton_scalar_attention(q, k, v, qs, ks, tau_b, lam_b, kernel: str | None, c
     code = NONE if kernel is None else GAUSSIAN if kernel == "gaussian" else CAUCHY
     uu = None if u is None else u.float().expand(B, H, v.shape[2])
     return _ScalarFamily.apply(q, k, v, None if qs is None else qs.float(), None if ks is None else ks.float(),
-                               tau, lam, uu, code, causal, sm_scale)
+                               tau, lam, uu, code, causal, sm_scale, docs)
