@@ -12,14 +12,15 @@ import math
 import torch
 import torch.nn.functional as F
 
-from attnlab.ops import goat_attention, hybrid_attention, scalar_attention, windowed_attention
+from attnlab.ops import (gla_attention, goat_attention, hybrid_attention, scalar_attention, ssd_attention,
+                         windowed_attention)
 from attnlab.ops.principled import principled_attention
 from attnlab.testing import rel_rms
 
 PARAMS = ("tau", "lam", "freqs", "lam_sym", "lam_asym", "u", "alpha", "beta", "gamma")  # float32 whatever the dtype
 
 
-def _inputs(B, H, T, D, dtype, device, *, scalar=True, dot=True, goat=False, principled=False, seed=0):
+def _inputs(B, H, T, D, dtype, device, *, scalar=True, dot=True, goat=False, principled=False, decay=None, seed=0):
     g = torch.Generator(device="cpu").manual_seed(seed)
     r = lambda *s: torch.randn(*s, generator=g)  # noqa: E731
     t = {"v": r(B, H, T, D).to(device, dtype)}
@@ -43,6 +44,9 @@ def _inputs(B, H, T, D, dtype, device, *, scalar=True, dot=True, goat=False, pri
         t["kg"] = r(B, H, T, 16).to(device, dtype)
         for name, shift in (("alpha", 0.0), ("beta", 0.0), ("gamma", 0.0)):
             t[name] = (shift + 0.5 * r(H)).to(device)
+    if decay is not None:  # log decays <= 0 per key channel ("vector", GLA) or per head and step ("scalar", SSD)
+        shape = (B, H, T, D) if decay == "vector" else (B, H, T)
+        t["log_decay"] = F.logsigmoid(r(*shape) + 2.0).to(device, dtype)
     return t
 
 
@@ -78,6 +82,14 @@ def _principled(impl, t):
                                 gamma=t["gamma"], impl=impl)
 
 
+def _gla(impl, t):
+    return gla_attention(t["q"], t["k"], t["v"], t["log_decay"], impl=impl)[0]
+
+
+def _ssd(impl, t):
+    return ssd_attention(t["q"], t["k"], t["v"], t["log_decay"], impl=impl)[0]
+
+
 def _window(kernel):
     """Training through the window: k = 16 scalar-nearest older keys + the last 32 (configs/windowed.toml)."""
     return lambda impl, t: windowed_attention(t["qs"], t["ks"], t["v"], t["tau"], 16, q=t["q"], k=t["k"], local=32,
@@ -105,7 +117,12 @@ PATHS = {
     "principled/tiled": (_fix("fast", _principled), dict(scalar=False, principled=True), 8192),
     "hybrid-cauchy-window16+32/selected": (_fix("fast", _window("cauchy")), {}, 8192),
     "hybrid-gaussian-window16+32/selected": (_fix("fast", _window("gaussian")), {}, 8192),
+    "gla/fla": (_fix("fla", _gla), dict(scalar=False, decay="vector"), None),
+    "ssd/fla": (_fix("fla", _ssd), dict(scalar=False, decay="scalar"), None),
+    "gla/chunked": (_fix("fast", _gla), dict(scalar=False, decay="vector"), 8192),
+    "ssd/chunked": (_fix("fast", _ssd), dict(scalar=False, decay="scalar"), 8192),
 }
+NEEDS_CUDA = ("gla/fla", "ssd/fla")  # flash-linear-attention's kernels: no CPU run, not even under TRITON_INTERPRET
 
 
 def make(name, B, H, T, D, dtype, device, seed=0):

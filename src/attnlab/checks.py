@@ -12,6 +12,7 @@ import torch
 
 IMPLS = ("auto", "naive", "fast")
 TRITON_IMPLS = (*IMPLS, "triton")  # ops with a Triton kernel (the scalar family) take "triton" too
+FLA_IMPLS = (*IMPLS, "fla")  # gla and ssd take "fla" too: flash-linear-attention's chunked kernels
 
 
 def check_impl(impl: str, allowed: tuple = IMPLS) -> str:
