@@ -64,6 +64,36 @@ def _row_scalars(C, SPB, GAM, row, offs_m, m_ok, sm_scale):
 
 
 @triton.jit
+def _program(bh, H, GK, GG, GV, Tq, Tk):
+    """Element offsets of program (batch x head) bh's rows: queries (and per-row scalars), per-head
+    keys, its key, gate-key and value groups, and its batch row of document ids."""
+    row, krow, kbase, vbase = _bases(bh, H, GK, GV, Tq, Tk)
+    _, _, gbase, _ = _bases(bh, H, GG, GV, Tq, Tk)
+    return row, krow, kbase, gbase, vbase, (bh // H).to(tl.int64) * Tk
+
+
+@triton.jit
+def _key_tile(K, KG, V, DOCS, kbase, gbase, vbase, drow, offs_n, n_ok, offs_d, offs_g, offs_v, D: tl.constexpr,
+              DG: tl.constexpr, DV: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DG: tl.constexpr,
+              BLOCK_DV: tl.constexpr, DOC: tl.constexpr):
+    """A key tile's keys, gate keys, values and document ids (zeros past Tk)."""
+    k = _load_rows(K, kbase, offs_n, n_ok, offs_d, D, True, BLOCK_D, K.dtype.element_ty)
+    kg = _load_rows(KG, gbase, offs_n, n_ok, offs_g, DG, True, BLOCK_DG, KG.dtype.element_ty)
+    v = _load_rows(V, vbase, offs_n, n_ok, offs_v, DV, True, BLOCK_DV, V.dtype.element_ty)
+    return k, kg, v, _doc_ids(DOCS, drow, offs_n, n_ok, DOC)
+
+
+@triton.jit
+def _query_tile(Q, QG, C, SPB, GAM, DOCS, row, drow, off, offs_m, m_ok, offs_d, offs_g, sm_scale, D: tl.constexpr,
+                DG: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DG: tl.constexpr, DOC: tl.constexpr):
+    """A query tile's queries, gate queries, per-row scalars (`_row_scalars`) and document ids."""
+    q = _load_rows(Q, row, offs_m, m_ok, offs_d, D, True, BLOCK_D, Q.dtype.element_ty)
+    qg = _load_rows(QG, row, offs_m, m_ok, offs_g, DG, True, BLOCK_DG, QG.dtype.element_ty)
+    cs, thr, nspb, spb = _row_scalars(C, SPB, GAM, row, offs_m, m_ok, sm_scale)
+    return q, qg, cs, thr, nspb, spb, _doc_ids(DOCS, drow, offs_m + off, m_ok, DOC)
+
+
+@triton.jit
 def _fwd(Q, K, QG, KG, V, C, SPB, GAM, OK, W0, LSE, DOCS, START, END, Tq, Tk, H, GK, GG, GV, sm_scale,
          D: tl.constexpr, DG: tl.constexpr, DV: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DG: tl.constexpr,
          BLOCK_DV: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, CAUSAL: tl.constexpr,
@@ -71,16 +101,12 @@ def _fwd(Q, K, QG, KG, V, C, SPB, GAM, OK, W0, LSE, DOCS, START, END, Tq, Tk, H,
     m0 = tl.program_id(0) * BLOCK_M
     bh = tl.program_id(1)
     off = Tk - Tq
-    row, _, kbase, vbase = _bases(bh, H, GK, GV, Tq, Tk)
-    _, _, gbase, _ = _bases(bh, H, GG, GV, Tq, Tk)
-    drow = (bh // H).to(tl.int64) * Tk
+    row, krow, kbase, gbase, vbase, drow = _program(bh, H, GK, GG, GV, Tq, Tk)
     offs_m = m0 + tl.arange(0, BLOCK_M)
     offs_d, offs_g, offs_v = tl.arange(0, BLOCK_D), tl.arange(0, BLOCK_DG), tl.arange(0, BLOCK_DV)
     m_ok = offs_m < Tq
-    q = _load_rows(Q, row, offs_m, m_ok, offs_d, D, True, BLOCK_D, Q.dtype.element_ty)
-    qg = _load_rows(QG, row, offs_m, m_ok, offs_g, DG, True, BLOCK_DG, QG.dtype.element_ty)
-    cs, thr, nspb, _ = _row_scalars(C, SPB, GAM, row, offs_m, m_ok, sm_scale)
-    dq = _doc_ids(DOCS, drow, offs_m + off, m_ok, DOC)
+    q, qg, cs, thr, nspb, _, dq = _query_tile(Q, QG, C, SPB, GAM, DOCS, row, drow, off, offs_m, m_ok, offs_d, offs_g,
+                                              sm_scale, D, DG, BLOCK_D, BLOCK_DG, DOC)
     lo, hi = _doc_span(START, END, drow, m0 + off, tl.minimum(m0 + BLOCK_M, Tq) - 1 + off, 0,
                        _seen_end(m0, Tk, off, BLOCK_M, CAUSAL), BLOCK_N, DOC)
     m_i = tl.zeros((BLOCK_M,), tl.float32)  # running max of max(0, y): starts at the threshold
@@ -90,10 +116,8 @@ def _fwd(Q, K, QG, KG, V, C, SPB, GAM, OK, W0, LSE, DOCS, START, END, Tq, Tk, H,
     for start_n in range(lo, hi, BLOCK_N):
         offs_n = start_n + tl.arange(0, BLOCK_N)
         n_ok = offs_n < Tk
-        k = _load_rows(K, kbase, offs_n, n_ok, offs_d, D, True, BLOCK_D, K.dtype.element_ty)
-        kg = _load_rows(KG, gbase, offs_n, n_ok, offs_g, DG, True, BLOCK_DG, KG.dtype.element_ty)
-        v = _load_rows(V, vbase, offs_n, n_ok, offs_v, DV, True, BLOCK_DV, V.dtype.element_ty)
-        dk = _doc_ids(DOCS, drow, offs_n, n_ok, DOC)
+        k, kg, v, dk = _key_tile(K, KG, V, DOCS, kbase, gbase, vbase, drow, offs_n, n_ok, offs_d, offs_g, offs_v, D, DG,
+                                 DV, BLOCK_D, BLOCK_DG, BLOCK_DV, DOC)
         y, _, _ = _logits(q, k, qg, kg, cs, thr, nspb, offs_m, offs_n, Tk, off, CAUSAL, PREC, UP, dq, dk, DOC)
         m_new = tl.maximum(m_i, tl.max(y, 1))
         r = tl.exp2(m_i - m_new)
@@ -132,26 +156,21 @@ def _grad_rows(DO, LSE, E, HD, row, offs_m, m_ok, offs_v, DV: tl.constexpr, BLOC
 
 @triton.jit
 def _bwd_kv(Q, K, QG, KG, V, C, SPB, GAM, DO, LSE, E, HD, DOCS, START, END, DK, DKG, DV_, Tq, Tk, H, GK, GG, GV,
-            sm_scale,
-            D: tl.constexpr, DG: tl.constexpr, DV: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DG: tl.constexpr,
+            sm_scale, D: tl.constexpr, DG: tl.constexpr, DV: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DG: tl.constexpr,
             BLOCK_DV: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, CAUSAL: tl.constexpr,
             PREC: tl.constexpr, UP: tl.constexpr, DOC: tl.constexpr):
     n0 = tl.program_id(0) * BLOCK_N
     bh = tl.program_id(1)
     off = Tk - Tq
-    row, krow, kbase, vbase = _bases(bh, H, GK, GV, Tq, Tk)
-    _, _, gbase, _ = _bases(bh, H, GG, GV, Tq, Tk)
-    drow = (bh // H).to(tl.int64) * Tk
+    row, krow, kbase, gbase, vbase, drow = _program(bh, H, GK, GG, GV, Tq, Tk)
     offs_n = n0 + tl.arange(0, BLOCK_N)
     offs_d, offs_g, offs_v = tl.arange(0, BLOCK_D), tl.arange(0, BLOCK_DG), tl.arange(0, BLOCK_DV)
     n_ok = offs_n < Tk
-    k = _load_rows(K, kbase, offs_n, n_ok, offs_d, D, True, BLOCK_D, K.dtype.element_ty)
-    kg = _load_rows(KG, gbase, offs_n, n_ok, offs_g, DG, True, BLOCK_DG, KG.dtype.element_ty)
-    v = _load_rows(V, vbase, offs_n, n_ok, offs_v, DV, True, BLOCK_DV, V.dtype.element_ty)
+    k, kg, v, dk_ids = _key_tile(K, KG, V, DOCS, kbase, gbase, vbase, drow, offs_n, n_ok, offs_d, offs_g, offs_v, D, DG,
+                                 DV, BLOCK_D, BLOCK_DG, BLOCK_DV, DOC)
     dk = tl.zeros((BLOCK_N, BLOCK_D), tl.float32)
     dkg = tl.zeros((BLOCK_N, BLOCK_DG), tl.float32)
     dv = tl.zeros((BLOCK_N, BLOCK_DV), tl.float32)
-    dk_ids = _doc_ids(DOCS, drow, offs_n, n_ok, DOC)
     start = 0
     if CAUSAL:
         start = tl.maximum(n0 - off, 0)  # the first query that sees this key tile
@@ -159,11 +178,9 @@ def _bwd_kv(Q, K, QG, KG, V, C, SPB, GAM, DO, LSE, E, HD, DOCS, START, END, DK, 
     for start_m in range(tl.maximum(start - off, 0) // BLOCK_M * BLOCK_M, end - off, BLOCK_M):
         offs_m = start_m + tl.arange(0, BLOCK_M)
         m_ok = offs_m < Tq
-        q = _load_rows(Q, row, offs_m, m_ok, offs_d, D, True, BLOCK_D, Q.dtype.element_ty)
-        qg = _load_rows(QG, row, offs_m, m_ok, offs_g, DG, True, BLOCK_DG, QG.dtype.element_ty)
-        cs, thr, nspb, spb = _row_scalars(C, SPB, GAM, row, offs_m, m_ok, sm_scale)
+        q, qg, cs, thr, nspb, spb, dq_ids = _query_tile(Q, QG, C, SPB, GAM, DOCS, row, drow, off, offs_m, m_ok, offs_d,
+                                                        offs_g, sm_scale, D, DG, BLOCK_D, BLOCK_DG, DOC)
         do, lse, e, hd = _grad_rows(DO, LSE, E, HD, row, offs_m, m_ok, offs_v, DV, BLOCK_DV)
-        dq_ids = _doc_ids(DOCS, drow, offs_m + off, m_ok, DOC)
         y, ng, _ = _logits(q, k, qg, kg, cs, thr, nspb, offs_m, offs_n, Tk, off, CAUSAL, PREC, UP, dq_ids, dk_ids, DOC)
         w, ds = _dlogits(y, do, v, lse, e, hd, PREC, UP)
         dv += _mm(tl.trans(w).to(DO.dtype.element_ty), do, PREC, UP)
@@ -185,30 +202,24 @@ def _bwd_q(Q, K, QG, KG, V, C, SPB, GAM, DO, LSE, E, HD, DOCS, START, END, DQK, 
     m0 = tl.program_id(0) * BLOCK_M
     bh = tl.program_id(1)
     off = Tk - Tq
-    row, _, kbase, vbase = _bases(bh, H, GK, GV, Tq, Tk)
-    _, _, gbase, _ = _bases(bh, H, GG, GV, Tq, Tk)
-    drow = (bh // H).to(tl.int64) * Tk
+    row, krow, kbase, gbase, vbase, drow = _program(bh, H, GK, GG, GV, Tq, Tk)
     offs_m = m0 + tl.arange(0, BLOCK_M)
     offs_d, offs_g, offs_v = tl.arange(0, BLOCK_D), tl.arange(0, BLOCK_DG), tl.arange(0, BLOCK_DV)
     m_ok = offs_m < Tq
-    q = _load_rows(Q, row, offs_m, m_ok, offs_d, D, True, BLOCK_D, Q.dtype.element_ty)
-    qg = _load_rows(QG, row, offs_m, m_ok, offs_g, DG, True, BLOCK_DG, QG.dtype.element_ty)
-    cs, thr, nspb, spb = _row_scalars(C, SPB, GAM, row, offs_m, m_ok, sm_scale)
+    q, qg, cs, thr, nspb, spb, dq_ids = _query_tile(Q, QG, C, SPB, GAM, DOCS, row, drow, off, offs_m, m_ok, offs_d,
+                                                    offs_g, sm_scale, D, DG, BLOCK_D, BLOCK_DG, DOC)
     do, lse, e, hd = _grad_rows(DO, LSE, E, HD, row, offs_m, m_ok, offs_v, DV, BLOCK_DV)
     dqk = tl.zeros((BLOCK_M, BLOCK_D), tl.float32)
     dqg = tl.zeros((BLOCK_M, BLOCK_DG), tl.float32)
     dsum = tl.zeros((BLOCK_M,), tl.float32)
     dspb = tl.zeros((BLOCK_M,), tl.float32)
-    dq_ids = _doc_ids(DOCS, drow, offs_m + off, m_ok, DOC)
     lo, hi = _doc_span(START, END, drow, m0 + off, tl.minimum(m0 + BLOCK_M, Tq) - 1 + off, 0,
                        _seen_end(m0, Tk, off, BLOCK_M, CAUSAL), BLOCK_N, DOC)
     for start_n in range(lo, hi, BLOCK_N):
         offs_n = start_n + tl.arange(0, BLOCK_N)
         n_ok = offs_n < Tk
-        k = _load_rows(K, kbase, offs_n, n_ok, offs_d, D, True, BLOCK_D, K.dtype.element_ty)
-        kg = _load_rows(KG, gbase, offs_n, n_ok, offs_g, DG, True, BLOCK_DG, KG.dtype.element_ty)
-        v = _load_rows(V, vbase, offs_n, n_ok, offs_v, DV, True, BLOCK_DV, V.dtype.element_ty)
-        dk_ids = _doc_ids(DOCS, drow, offs_n, n_ok, DOC)
+        k, kg, v, dk_ids = _key_tile(K, KG, V, DOCS, kbase, gbase, vbase, drow, offs_n, n_ok, offs_d, offs_g, offs_v, D,
+                                     DG, DV, BLOCK_D, BLOCK_DG, BLOCK_DV, DOC)
         y, ng, sp = _logits(q, k, qg, kg, cs, thr, nspb, offs_m, offs_n, Tk, off, CAUSAL, PREC, UP, dq_ids, dk_ids, DOC)
         _, ds = _dlogits(y, do, v, lse, e, hd, PREC, UP)
         dqk += _mm(ds.to(K.dtype.element_ty), k, PREC, UP)
