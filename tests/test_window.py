@@ -153,7 +153,7 @@ def test_scalar_ties_do_not_matter():
 
 
 def test_decode_window_needs_a_scalar_layer():
-    with pytest.raises(ValueError, match="window=8: no layer"):
+    with pytest.raises(ValueError, match="window=8 selects the sorted scalar cache, but no layer"):
         with decode_window(_model("softmax"), 8):
             pass
     with pytest.raises(ValueError, match="window"):

@@ -15,32 +15,23 @@ from typing import Iterator
 import torch
 import torch.nn.functional as F
 
-from ..checks import check_int
+from ..models.decode import DecodeOptions, sorted_cache_layers
 
 
 def windowed_layers(model) -> list:
     """The attention layers of `model` that decode through the sorted scalar cache (not those that
-    read a sliding window)."""
-    return [blk.attn for blk in model.blocks if getattr(blk.attn, "sorted_decode", False) and blk.attn.n_scalar
-            and getattr(blk.attn.config, "sliding_window", None) is None]
+    read a sliding window): `attnlab.models.decode.sorted_cache_layers`."""
+    return [layer for _, layer in sorted_cache_layers(model)]
 
 
 @contextlib.contextmanager
 def decode_window(model, window: int | None, budget: int | None = None) -> Iterator[None]:
     """Within the block, `model`'s scalar/hybrid layers attend as SortedScalarCache(window) decodes
     (window None: exactly); with `budget`, as that cache capped at `budget` keys per head by
-    `evict_to_budget` after every step. ValueError when the model has no such layer."""
-    if window is not None:
-        check_int("window", window, 1)
-    if budget is not None:
-        check_int("budget", budget, 1)
-        if window is None:
-            raise ValueError(f"budget={budget} caps the sorted cache of windowed decoding: give a window as well")
+    `evict_to_budget` after every step. ValueError (`DecodeOptions`' checks, as `generate`'s) for a
+    bad window or budget, or a window for a model with no such layer."""
+    DecodeOptions(window=window, budget=budget).check(model)
     layers = windowed_layers(model)
-    if window is not None and not layers:
-        names = sorted({blk.attn.mechanism for blk in model.blocks})
-        raise ValueError(f"window={window}: no layer of this model decodes through the sorted scalar cache "
-                         f"(mechanisms {', '.join(names)}; scalar and hybrid do)")
     before = [(layer.decode_window, layer.decode_budget) for layer in layers]
     try:
         for layer in layers:

@@ -35,11 +35,16 @@ class ExportError(ValueError):
     """Bad input to `export_run` (no run, no checkpoint, a non-empty out_dir, ...): one line."""
 
 
-def _check_out_dir(out_dir: Path) -> None:
-    if out_dir.exists() and not out_dir.is_dir():
-        raise ExportError(f"OUT_DIR {str(out_dir)!r} is a file; give a new or empty folder")
-    if out_dir.is_dir() and any(out_dir.iterdir()):
-        raise ExportError(f"OUT_DIR {str(out_dir)!r} is not empty; give a new or empty folder (nothing was written)")
+def check_out_dir(out, name: str = "OUT_DIR", error=None, keep=(), hint: str = "") -> Path:
+    """`out` as a Path; `error` (ExportError by default) naming `name` unless it is a new or empty
+    folder (entries named in `keep` may be there); `hint` ends the not-empty message."""
+    error = error or ExportError
+    out = Path(out)
+    if out.exists() and not out.is_dir():
+        raise error(f"{name} {str(out)!r} is a file; give a new or empty folder")
+    if out.is_dir() and any(p.name not in keep for p in out.iterdir()):
+        raise error(f"{name} {str(out)!r} is not empty; give a new or empty folder (nothing was written){hint}")
+    return out
 
 
 def _load_checked_run(run_dir: Path, checkpoint: str | None):
@@ -184,10 +189,10 @@ def export_run(run_dir: str | os.PathLike, out_dir: str | os.PathLike, *, checkp
     run_dir, out_dir = Path(run_dir), Path(out_dir)
     if window is not None and (isinstance(window, bool) or not isinstance(window, int) or window < 1):
         raise ExportError(f"window must be an int >= 1 or None, got {window!r}")
-    _check_out_dir(out_dir)
+    check_out_dir(out_dir)
     cfg, model, tokenizer = _load_checked_run(run_dir, checkpoint)
     if window is not None and not any(blk.attn.n_scalar for blk in model.blocks):
         raise ExportError(f"window={window} is for scalar/hybrid layers; this run has none ({cfg.model.layer_attn})")
     return write_folder(out_dir, lambda tmp: save_folder(model, tmp, tokenizer, window),
-                        lambda tmp: check_folder(model, tmp), recheck=_check_out_dir)
+                        lambda tmp: check_folder(model, tmp), recheck=check_out_dir)
 

@@ -109,16 +109,12 @@ def check_out(out: str | os.PathLike, resume: bool = False) -> Path:
     """`out` as a Path, RetrofitError unless it is new or empty (with resume=True it may also hold the
     `transfer/` and `finetune/` checkpoints of an interrupted transfer or fine-tuning, which the run
     continues)."""
+    from attnlab.hf.export import check_out_dir
+
     out = Path(out)
-    if out.exists() and not out.is_dir():
-        raise RetrofitError(f"--out {str(out)!r} is a file; give a new or empty folder")
-    keep = set(RESUMABLE) if resume else set()
-    if out.is_dir() and any(p.name not in keep for p in out.iterdir()):
-        raise RetrofitError(f"--out {str(out)!r} is not empty; give a new or empty folder (nothing was written)"
-                            + ("" if resume or not any((out / d).is_dir() for d in RESUMABLE) else
-                               "; it holds an interrupted transfer or fine-tuning: rerun with the same "
-                               "--transfer-*/--finetune-* options"))
-    return out
+    hint = "" if resume or not any((out / d).is_dir() for d in RESUMABLE) else \
+        "; it holds an interrupted transfer or fine-tuning: rerun with the same --transfer-*/--finetune-* options"
+    return check_out_dir(out, "--out", RetrofitError, RESUMABLE if resume else (), hint)
 
 
 def _summary(p: Plan) -> dict:

@@ -10,10 +10,9 @@ from dataclasses import dataclass
 from typing import Callable
 
 from .capture import Packed, load_texts, pack_contexts
-from .hf_model import (ModelDims, encoding, hf_encode, load_hf_config, load_model, load_tokenizer, model_dims,
+from .hf_model import (ModelDims, encoding, load_hf_config, load_model, load_tokenizer, model_dims,
                        resolve_layers, resolve_source, tiny_model)
 
-_hf_encode = hf_encode  # the name search.tasks imports
 
 
 @dataclass

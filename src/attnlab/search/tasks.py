@@ -40,9 +40,9 @@ from attnlab.lock import FolderLock, check_free
 from attnlab.data.synthetic import IGNORE, PASSKEY_QUESTION, passkey
 
 from .capture import load_texts
-from .hf_model import (ModelDims, ModelSource, check_layer_spec, load_hf_config, load_model, load_tokenizer,
-                       model_dims, resolve_layers, resolve_source)
-from .lm import FrozenLM, _hf_encode
+from .hf_model import (ModelDims, ModelSource, check_layer_spec, hf_encode, load_hf_config, load_model,
+                       load_tokenizer, model_dims, resolve_layers, resolve_source)
+from .lm import FrozenLM
 from ..index.ivf import IVFIndex
 from .patch import SelectorConfig, substitute
 from .prefill import prefilled_logits
@@ -240,7 +240,7 @@ def plan_tasks(cfg: TaskConfig, lm: FrozenLM | None = None) -> TaskPlan:
                                     "checkpoint_sha256": _digest(cfg.checkpoint) if cfg.checkpoint else None}))
     previous = _rows_in(Path(cfg.out), header)
 
-    tok = _Tokenizer(lm.encode if lm is not None else _hf_encode(load_tokenizer(source)))
+    tok = _Tokenizer(lm.encode if lm is not None else hf_encode(load_tokenizer(source)))
     plan = TaskPlan(name, dims, layers, groups, proj if learned else None, source, header, previous=previous,
                     question=len(tok.encode(PASSKEY_QUESTION)))
     for task in cfg.tasks:
