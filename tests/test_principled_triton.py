@@ -138,21 +138,13 @@ def test_cuda_kernel_matches_float64_at_gpu_shapes():
 def test_packed_documents_equal_each_document_alone():
     """docs=...: each query reads its own document's keys (K counts them); output, w0 and every gradient
     equal the naive op run on each document by itself."""
-    import torch.nn.functional as F
-
-    from attnlab.ops.principled_triton import triton_principled
-
     lengths = [[12, 20, 13], [45]]
     B, H, G, T = 2, 4, 2, 45
     ins = make(B, H, G, T, T, 16, 8, 16, per_query=True)
     docs = torch.tensor([[i for i, n in enumerate(row) for _ in range(n)] for row in lengths])
-    first = torch.tensor([[sum(row[:i]) for i, n in enumerate(row) for _ in range(n)] for row in lengths])
-    k_doc = (torch.arange(T) - first + 1).double()  # (B, T): keys each query sees in its document
     t = {n: x.float().requires_grad_() for n, x in ins.items()}
-    c = 1 + F.softplus(t["alpha"]) * k_doc[:, None].float().log()
-    ok, w0 = triton_principled(t["q"], t["k"], t["qg"], t["kg"], t["v"], c, F.softplus(t["beta"]), t["gamma"], True,
-                               docs=docs)
-    o = ok + w0[..., None] * t["v0"][:, None]
+    o, w0 = principled_attention(t["q"], t["k"], t["qg"], t["kg"], t["v"], alpha=t["alpha"], beta=t["beta"],
+                                 gamma=t["gamma"], v0=t["v0"], impl="triton", return_ground=True, docs=docs)
     gen = torch.Generator().manual_seed(7)
     go, gw = torch.randn(o.shape, generator=gen), torch.randn(w0.shape, generator=gen)
     got = torch.autograd.grad((o, w0), list(t.values()), (go, gw))
@@ -176,3 +168,18 @@ def test_packed_documents_equal_each_document_alone():
     assert rel_rms(o, ref_o) < 1e-5 and rel_rms(w0, ref_w) < 1e-5
     for name, a, b in zip(t, got, want):
         assert rel_rms(a, b, floor=1e-2) < 1e-4, name
+
+
+def test_documents_need_the_kernel():
+    ins = {n: x.float() for n, x in make(1, 2, 2, 8, 8, 16, 8, 16).items()}
+    docs = torch.zeros(1, 8, dtype=torch.long)
+    for impl, match in (("naive", "needs the Triton kernel"), ("fast", "needs the Triton kernel")):
+        with pytest.raises(ValueError, match=match):
+            principled_attention(ins["q"], ins["k"], ins["qg"], ins["kg"], ins["v"], alpha=ins["alpha"],
+                                 beta=ins["beta"], gamma=ins["gamma"], impl=impl, docs=docs)
+    with pytest.raises(ValueError, match="docs must have shape"):
+        principled_attention(ins["q"], ins["k"], ins["qg"], ins["kg"], ins["v"], alpha=ins["alpha"],
+                             beta=ins["beta"], gamma=ins["gamma"], impl="triton", docs=docs[:, :4])
+    with pytest.raises(TypeError, match="docs must be an integer tensor"):
+        principled_attention(ins["q"], ins["k"], ins["qg"], ins["kg"], ins["v"], alpha=ins["alpha"],
+                             beta=ins["beta"], gamma=ins["gamma"], impl="triton", docs=docs.float())

@@ -298,14 +298,12 @@ DOCS = {  # (B, H, G, T, D, Dv, document lengths per row): ragged documents acro
 def test_packed_documents_equal_each_document_alone(shape, kernel):
     """docs=...: each query reads its own document only (tiles of others skipped); output and every
     gradient equal the naive op run on each document by itself."""
-    from attnlab.ops.scalar.triton_op import triton_scalar_attention
-
     B, H, G, T, D, Dv, lengths = shape
     ins = make(B, H, G, T, T, D, Dv, hybrid=True)
     docs = torch.tensor([[i for i, n in enumerate(row) for _ in range(n)] for row in lengths])
     t = {n: x.float().requires_grad_() for n, x in ins.items()}
-    out = triton_scalar_attention(t["q"], t["k"], t["v"], t["qs"], t["ks"], t["tau"][None, :, None], t["lam"][None, :, None],
-                                  kernel, True, docs=docs)
+    out = hybrid_attention(t["q"], t["k"], t["v"], t["qs"], t["ks"], t["tau"], impl="triton", kernel=kernel,
+                           scalar_scale=t["lam"], docs=docs)
     dout = torch.randn(out.shape, generator=torch.Generator().manual_seed(3))
     got = torch.autograd.grad(out, list(t.values()), dout)
     r = {n: x.clone().requires_grad_() for n, x in ins.items()}

@@ -379,3 +379,21 @@ def check_lengths(Tq: int, Tk: int, causal: bool, q_name: str = "q", k_name: str
             f"causal masking needs at least as many keys as queries: {q_name} has {Tq} positions, {k_name} has {Tk}"
         )
 
+
+
+def check_docs(docs, B: int, Tk: int, like: torch.Tensor, triton: bool) -> None:
+    """docs: None, or (B, Tk) integer document ids of the keys on `like`'s device (packed documents:
+    each query reads its own document's keys only), which only the Triton kernels take (`triton`:
+    whether the call runs on them)."""
+    if docs is None:
+        return
+    if not isinstance(docs, torch.Tensor) or docs.dtype.is_floating_point or docs.dtype == torch.bool:
+        raise TypeError(f"docs must be an integer tensor of document ids (B, Tk), got "
+                        f"{type(docs).__name__ if not isinstance(docs, torch.Tensor) else docs.dtype}")
+    if tuple(docs.shape) != (B, Tk):
+        raise ValueError(f"docs must have shape (B, Tk) = {(B, Tk)}, got {tuple(docs.shape)}")
+    if docs.device != like.device:
+        raise ValueError(f"docs must be on {like.device}, got {docs.device}")
+    if not triton:
+        raise ValueError("docs (packed documents) needs the Triton kernel: impl='triton', or 'auto' on CUDA with "
+                         "Triton installed, and no sliding window")

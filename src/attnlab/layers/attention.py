@@ -25,6 +25,7 @@ from torch import nn
 
 from ..cache.kv import KVCache, RecurrentState
 from ..checks import check_finite
+from ..data.packing import positions_in_doc
 from .config import AttentionConfig
 from .gate import OutputGate
 from .record import AttentionRecord, Projected
@@ -254,6 +255,8 @@ class Attention(nn.Module):
     def check_start(start_pos) -> None:
         """start_pos, the absolute position of a call's first token, must be an int >= 0
         (ValueError naming it otherwise)."""
+        if isinstance(start_pos, torch.Tensor) and start_pos.dim() == 2 and not start_pos.is_floating_point():
+            return  # every token's position (B, T): packed documents, from `forward(x, docs=...)`
         if isinstance(start_pos, bool) or not isinstance(start_pos, int) or start_pos < 0:
             raise ValueError(f"start_pos must be an int >= 0, got {start_pos!r}")
 
@@ -270,10 +273,16 @@ class Attention(nn.Module):
 
     # ------------------------------------------------------------------ forward and analysis
 
-    def forward(self, x: torch.Tensor, record: bool = False) -> torch.Tensor:
-        """x (B, T, C) -> (B, T, C). record=True keeps an `AttentionRecord` in `self.last`."""
+    def forward(self, x: torch.Tensor, record: bool = False, docs: torch.Tensor | None = None) -> torch.Tensor:
+        """x (B, T, C) -> (B, T, C). record=True keeps an `AttentionRecord` in `self.last`. docs (B, T):
+        packed documents' ids, where `takes_documents` allows them: each token attends within its own
+        document only, at positions counted from the document's first token (RoPE)."""
         self.check_input(x)
-        p = self.project(x, 0)
+        if docs is not None and not self.takes_documents(x.device):
+            raise ValueError(f"docs: mechanism {self.mechanism!r} with these settings does not keep packed documents "
+                             f"apart on {x.device} (see takes_documents); attnlab.models.LM re-pads them instead")
+        p = self.project(x, 0 if docs is None else positions_in_doc(docs))
+        p.docs = docs
         o, scal = self.attend(p)
         y, g = self._finish(o, x)
         if record:
@@ -282,6 +291,23 @@ class Attention(nn.Module):
                 rec.qs, rec.ks, _, rec.tau, rec.q_score, rec.k_score, rec.n_prefix = scal
             self.last = rec
         return y
+
+    def takes_documents(self, device: torch.device) -> bool:
+        """Whether `forward(x, docs=...)` keeps packed documents apart on `device` in one pass over
+        the packed sequence (an op that masks other documents inside its kernel, no re-padding).
+        None does by default; `attnlab.models.LM` re-pads documents for a model with any layer that
+        does not."""
+        return False
+
+    def triton_route(self, device: torch.device) -> bool:
+        """Whether this layer's ops run the Triton kernels on `device`: impl "triton" where they can
+        run (CUDA, or the CPU under TRITON_INTERPRET=1), or "auto" on CUDA with Triton installed."""
+        from ..ops.scalar import triton_missing
+
+        impl = self.config.impl
+        if impl == "auto" and device.type != "cuda":
+            return False
+        return impl in ("auto", "triton") and triton_missing(device) is None
 
     def attention_weights(self, x: torch.Tensor) -> torch.Tensor:
         """The mixing weights of every head, from the naive ops.

@@ -17,7 +17,8 @@ from .params import TAU_PARAMS
 from .typed_fields import field_problem
 
 # Fields every mechanism reads; each mechanism class lists the others it reads in `options`.
-LAYER_IMPLS = (*IMPLS, "approx")  # "approx": scalar heads only (see AttentionConfig)
+LAYER_IMPLS = (*IMPLS, "approx", "triton")  # "approx": scalar heads only; "triton": the kernels' mechanisms
+TRITON_MECHANISMS = ("scalar", "hybrid", "principled")  # whose ops take impl="triton" (attnlab.ops.principled_triton, ops.scalar)
 SHARED_FIELDS = ("d_model", "n_heads", "mechanism", "head_dim", "output_gate", "output_gate_scale", "bias", "impl")
 TAU_MODES = ("global", "head", "token")
 PARAM_FORMS = ("constant", "layer", "head", "query")
@@ -150,7 +151,9 @@ class AttentionConfig:
         impl: the ops' "auto", "naive" or "fast"; "approx" (mechanism "scalar" only): the scalar
             heads run `attnlab.ops.scalar_attention_approx`
             (docs/mechanisms.md#approximate-scalar-attention), dot-product heads and decoding
-            stay exact.
+            stay exact; "triton" (mechanisms scalar, hybrid, principled, without a sliding or trained
+            window): their Triton kernels, which "auto" picks on CUDA (on the CPU they run under
+            TRITON_INTERPRET=1 only, for tests).
 
     Raises:
         ValueError: any bad value, naming the field (`AttentionConfig.<field>`), what it got and
@@ -337,6 +340,10 @@ class AttentionConfig:
                        "linear attention it gates the normaliser of)")
         if self.impl not in LAYER_IMPLS:
             raise _err("impl", self.impl, f"one of {LAYER_IMPLS}")
+        if self.impl == "triton" and (self.mechanism not in TRITON_MECHANISMS or self.sliding_window is not None
+                                      or self.train_window is not None):
+            raise _err("impl", self.impl, f"one of {IMPLS} here: 'triton' is for mechanisms {TRITON_MECHANISMS} without "
+                       "a sliding or trained window (their Triton kernels have none)")
         if self.impl == "approx" and self.mechanism != "scalar":
             raise _err("impl", self.impl, f"one of the exact paths {IMPLS} for mechanism {self.mechanism!r}: 'approx' "
                        "(approximate scalar attention) exists only for mechanism 'scalar'; set it per layer "

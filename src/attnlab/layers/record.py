@@ -49,6 +49,7 @@ class Projected:
     gamma: Any = None
     v0: torch.Tensor | None = None
     log_decay: torch.Tensor | None = None
+    docs: torch.Tensor | None = None  # packed documents: (B, T) document ids (Attention.forward's docs)
 
 
 @dataclass

@@ -60,13 +60,18 @@ class RotaryEmbedding(nn.Module):
         """
         return self.rotate_pair(x, None, start_pos)[0]
 
-    def rotate_pair(self, q: torch.Tensor, k: torch.Tensor | None, start_pos: int = 0):
-        """q and k (or None) rotated, the angles computed once: each (B, H, T, D) with the same T."""
+    def rotate_pair(self, q: torch.Tensor, k: torch.Tensor | None, start_pos: int | torch.Tensor = 0):
+        """q and k (or None) rotated, the angles computed once: each (B, H, T, D) with the same T;
+        start_pos: the position of token 0, or every token's position as a (B, T) integer tensor."""
         for name, x in (("x", q), ("k", k)):
             if x is not None and (x.dim() != 4 or x.shape[-1] != self.head_dim or x.shape[2] != q.shape[2]):
                 raise ValueError(f"{name} must be (B, H, T, {self.head_dim}), got shape {tuple(x.shape)}")
-        cos64, sin64 = self.angles(start_pos, q.shape[2], q.device)
-        cos, sin = cos64.to(q.dtype), sin64.to(q.dtype)  # (T, D/2)
+        if isinstance(start_pos, torch.Tensor):  # per-token positions (B, T), e.g. restarting in each document
+            ang = start_pos.to(torch.float64)[:, None, :, None] * self.inv_freq.to(q.device)  # (B, 1, T, D/2)
+            cos64, sin64 = ang.cos(), ang.sin()
+        else:
+            cos64, sin64 = self.angles(start_pos, q.shape[2], q.device)
+        cos, sin = cos64.to(q.dtype), sin64.to(q.dtype)  # (T, D/2), or (B, 1, T, D/2)
 
         def turn(x):
             c, s = (cos, sin) if x.dtype == q.dtype else (cos64.to(x.dtype), sin64.to(x.dtype))

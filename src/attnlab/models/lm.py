@@ -17,14 +17,17 @@ are recency weights. `pos_embedding="learned"` adds absolute positions to the to
 embedding for models that want explicit position everywhere (it caps the length at
 `max_seq_len`).
 
-Documents. The ops take only `causal`; they have no block-diagonal document mask.
-So when attention must not cross document boundaries (`data.cross_doc = false`), the
-model is given the per-token document ids of each packed sequence and restarts at every
-boundary: `forward(..., doc_ids=...)` cuts each row into its document segments, runs the
-segments as a batch of their own (right-padded; padding comes after every real token so
-causal attention never reads it), and puts the outputs back in place. Every mechanism
-keeps its fast path, RoPE positions and recurrent states start afresh in each document,
-and the result equals running each document alone.
+Documents. When attention must not cross document boundaries (`data.pack = "documents"`),
+the model is given the per-token document ids of each packed sequence, `forward(...,
+doc_ids=...)`, and restarts at every boundary, equal to running each document alone. Where
+every layer's op can mask other documents inside its kernel (`takes_documents`: the Triton
+kernels of scalar, hybrid and principled heads, FlexAttention's block mask for softmax heads on
+CUDA), the packed sequence runs as it is, RoPE positions counted from each document's first
+token: one pass, static shapes, no host sync. Otherwise each row is cut into its document
+segments, the segments run as a batch of their own (right-padded; padding comes after every
+real token so causal attention never reads it) and the outputs go back in place: every
+mechanism keeps its fast path and recurrent states start afresh, at the price of the segment
+lengths read on the host.
 """
 
 from __future__ import annotations
@@ -99,8 +102,8 @@ class Block(nn.Module):
         self.norm2 = RMSNorm(cfg.d_model, cfg.norm_eps)
         self.mlp = SwiGLU(cfg.d_model, cfg.ffn_hidden)
 
-    def forward(self, x: torch.Tensor, record: bool = False) -> torch.Tensor:
-        x = x + self.attn(self.norm1(x), record=record)  # (B, T, C)
+    def forward(self, x: torch.Tensor, record: bool = False, docs: torch.Tensor | None = None) -> torch.Tensor:
+        x = x + self.attn(self.norm1(x), record=record, docs=docs)  # (B, T, C)
         return x + self.mlp(self.norm2(x))
 
     def step(self, x_t: torch.Tensor, cache) -> torch.Tensor:
@@ -210,6 +213,9 @@ class LM(nn.Module):
         if doc_ids is not None:
             if doc_ids.shape != idx.shape:
                 raise ValueError(f"doc_ids must have the shape of idx {tuple(idx.shape)}, got {tuple(doc_ids.shape)}")
+        if doc_ids is not None and self.takes_documents(idx.device):
+            x = self._trunk(idx, record, docs=doc_ids)  # every layer keeps the documents apart in one pass
+        elif doc_ids is not None:
             seg, pos, n_seg = document_segments(doc_ids)
             L = int(pos.max()) + 1
             packed = idx.new_zeros(n_seg, L)  # (S, L): one document segment per row
@@ -227,7 +233,13 @@ class LM(nn.Module):
             loss = token_loss(logits, targets)
         return logits, loss
 
-    def _trunk(self, idx: torch.Tensor, record: bool) -> torch.Tensor:
+    def takes_documents(self, device: torch.device) -> bool:
+        """Whether packed documents run as they are on `device`, each layer masking other documents
+        inside its op (`Attention.takes_documents`: the Triton kernels, FlexAttention on CUDA), rather
+        than re-padded into a batch of single documents (which needs the segment lengths on the host)."""
+        return self.pos_emb is None and all(blk.attn.takes_documents(device) for blk in self.blocks)
+
+    def _trunk(self, idx: torch.Tensor, record: bool, docs: torch.Tensor | None = None) -> torch.Tensor:
         # Every layer and op still checks its inputs' values (the input policy); here checks of
         # accelerator tensors are device-side asserts rather than a host sync per check, and under
         # torch.compile every check is an assert inside the graph (attnlab.checks.value_check_mode).
@@ -236,9 +248,9 @@ class LM(nn.Module):
         with nullcontext() if torch.compiler.is_compiling() else async_value_checks():
             for blk in self.blocks:
                 if recompute:  # the block's activations are recomputed in the backward pass, not kept
-                    x = torch.utils.checkpoint.checkpoint(blk, x, use_reentrant=False)
+                    x = torch.utils.checkpoint.checkpoint(blk, x, False, docs, use_reentrant=False)
                 else:
-                    x = blk(x, record=record)
+                    x = blk(x, record=record, docs=docs)
         return x
 
     # ------------------------------------------------------------------ decoding

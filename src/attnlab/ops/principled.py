@@ -39,7 +39,7 @@ from torch.autograd.function import once_differentiable
 from ..checks import (
     check_finite, check_groups, check_impl, check_like, check_param, check_same, check_tensor, empty_result,
 )
-from ..checks import TRITON_IMPLS, check_window, key_counts
+from ..checks import TRITON_IMPLS, check_docs, check_window, key_counts
 from . import _ext
 from .principled_naive import principled_band, principled_naive
 from .scalar.attention import _use_triton
@@ -275,6 +275,18 @@ def _check_v0(v0, H: int, Dv: int, v: torch.Tensor) -> None:
     check_finite("v0", v0)
 
 
+def _doc_counts(docs: torch.Tensor, Tq: int, causal: bool, dtype) -> torch.Tensor:
+    """log K per query under packed documents, (B, 1, Tq): the keys of its own document it sees (up to
+    itself under causal masking, the whole document otherwise)."""
+    from .scalar.triton_op import document_spans
+
+    _, start, end = document_spans(docs)
+    Tk = docs.shape[1]
+    pos = torch.arange(Tk - Tq, Tk, device=docs.device)
+    count = (pos + 1 - start[:, Tk - Tq:]) if causal else (end - start)[:, Tk - Tq:]
+    return count.to(dtype).log()[:, None]
+
+
 def _heads(x: torch.Tensor, H: int) -> torch.Tensor:
     """(B, G, T, D) -> (B, H, T, D): head h reads group h // (H / G)."""
     B, G, T, D = x.shape
@@ -300,6 +312,7 @@ def principled_attention(
     block_q: int | None = None,
     block_k: int | None = None,
     window: int | None = None,
+    docs: torch.Tensor | None = None,
 ):
     """Principled attention: semantic scores s = q.k/sqrt(d), suppress-only gates from qg.kg,
     a ground state v0 with relevance threshold gamma, and log K margin amplification.
@@ -331,6 +344,9 @@ def principled_attention(
             included) and K counts them; None (default) for every earlier key. The fast path then
             runs the formula over query chunks and their band of keys (`_sdpa.band_spans`), each
             recomputed in the backward pass: memory O(chunk x (chunk + window)) per head.
+        docs: packed documents: (B, Tk) integer document ids of the keys (query t is key t + Tk - Tq);
+            each query reads its own document's keys only and K counts those. The Triton kernel's
+            (impl "triton", or "auto" on CUDA); other routes raise ValueError.
 
     Returns:
         o (B, H, Tq, Dv) in q's dtype; with return_ground, (o, w0) with w0 (B, H, Tq).
@@ -358,6 +374,7 @@ def principled_attention(
     _check_v0(v0, H, Dv, v)
     out_dtype = q.dtype
     triton = _use_triton(impl, q.device, window)
+    check_docs(docs, B, Tk, q, triton)
     given = (q, k, qg, kg, v)  # the kernel's products run in the inputs' dtype
     work = torch.float32 if q.dtype in (torch.float16, torch.bfloat16) else q.dtype
     q, k, qg, kg, v = (x.to(work) for x in (q, k, qg, kg, v))
@@ -378,14 +395,14 @@ def principled_attention(
     elif window is not None and window < Tk:
         o, w0 = principled_band(q, _heads(k, H), qg, _heads(kg, H), _heads(v, H), params, v0, window)
     else:
-        log_k = key_counts(Tq, Tk, causal, q.device, work).log()  # (Tq,)
+        log_k = key_counts(Tq, Tk, causal, q.device, work).log() if docs is None else _doc_counts(docs, Tq, causal, work)
         c = (1 + F.softplus(params["alpha"]) * log_k).expand(B, H, Tq)  # margin amplification
         spb = F.softplus(params["beta"]).expand(B, H, Tq)
         gam = params["gamma"].expand(B, H, Tq)
         if triton:
             from .principled_triton import triton_principled
 
-            o, w0 = triton_principled(*given, c, spb, gam, causal)
+            o, w0 = triton_principled(*given, c, spb, gam, causal, docs)
         elif _ext.usable(q):  # the fused kernel reads grouped k, kg, v in place
             o, w0 = _ext.principled(q, k, qg, kg, v, c, spb, gam, causal, block_q, block_k)
         else:

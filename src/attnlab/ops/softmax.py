@@ -179,3 +179,40 @@ def _divisor_fast(k, Tq, causal, scale, p, window=None):
     else:
         lse = torch.logsumexp(log_norms, dim=-1, keepdim=True).expand(B, G, Tq)
     return (lse / p).exp()
+
+
+def document_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, docs: torch.Tensor) -> torch.Tensor:
+    """Causal scaled dot-product attention over packed documents: softmax(q_t . k_s / sqrt(D)) over the
+    keys s <= t of token t's own document, through FlexAttention with a block mask built from `docs`
+    (B, T) (blocks of other documents are skipped; no T x T matrix, no host sync). q (B, H, T, D), k
+    and v (B, G, T, D) with G dividing H. FlexAttention trains on CUDA (compiled) and runs its
+    forward only on the CPU. Returns (B, H, T, Dv) in v's dtype."""
+    from torch.nn.attention.flex_attention import create_block_mask, flex_attention
+
+    B, H, T, _ = q.shape
+    if tuple(docs.shape) != (B, T):
+        raise ValueError(f"docs must have shape (B, T) = {(B, T)}, got {tuple(docs.shape)}")
+
+    def same_document(b, h, t, s):
+        return (s <= t) & (docs[b, s] == docs[b, t])
+
+    mask = create_block_mask(same_document, B=B, H=None, Q_LEN=T, KV_LEN=T, device=q.device)
+    if q.device.type == "cuda":
+        return _compiled_flex()(q, k, v, block_mask=mask, enable_gqa=k.shape[1] != H).to(v.dtype)
+    import warnings
+
+    with warnings.catch_warnings():  # the CPU's eager form is FlexAttention's reference; it says so once per call
+        warnings.filterwarnings("ignore", message="flex_attention called without torch.compile")
+        return flex_attention(q, k, v, block_mask=mask, enable_gqa=k.shape[1] != H).to(v.dtype)
+
+
+_FLEX = []
+
+
+def _compiled_flex():
+    """flex_attention compiled once (its fused kernel; the eager form is a reference implementation)."""
+    if not _FLEX:
+        from torch.nn.attention.flex_attention import flex_attention
+
+        _FLEX.append(torch.compile(flex_attention, dynamic=False))
+    return _FLEX[0]

@@ -62,8 +62,13 @@ class DataConfig:
     cache_dir: str = opt("", "folder for cached tokenizers and datasets; '' uses $ATTNLAB_CACHE or ~/.cache/attnlab")
     seq_len: int = opt(128, "training sequence length T (tokens per sequence)")
     cross_doc: bool = opt(
-        True, "attention crosses document boundaries inside a packed sequence; false restarts it at each document"
+        True, "attention crosses document boundaries inside a packed sequence; false restarts it at each document "
+              "(the same as data.pack='documents')"
     )
+    pack: Literal["stream", "documents"] = opt(
+        "stream", "'stream': documents packed back to back, attention crossing them; 'documents': each token attends "
+                  "within its own document, positions restarting there (in one pass where every layer's op masks "
+                  "documents: the Triton kernels, FlexAttention on CUDA; else each document re-padded)")
     max_docs: int = opt(0, "use at most this many documents per split (0 = all)")
     mqar_pairs: int = opt(8, "MQAR key-value pairs per sequence (source='mqar'; vocabulary = model.vocab_size)")
     mqar_power_a: float = opt(0.01, "MQAR power-law parameter of the key-to-query gaps (Zoology's power_a)")
@@ -77,6 +82,8 @@ class DataConfig:
 
     def __post_init__(self):
         check_fields(self, "data.")
+        if self.pack == "documents" or not self.cross_doc:  # one setting, two spellings
+            self.pack, self.cross_doc = "documents", False
         if self.seq_len < 1:
             raise ConfigError(f"data.seq_len must be >= 1, got {self.seq_len}")
         src = self.source

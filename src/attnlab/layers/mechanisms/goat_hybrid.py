@@ -35,6 +35,9 @@ class GoatHybridAttention(HybridAttention):
         super().build(c)
         self.prior = GoatPrior(self.n_kv, c.goat_rank, c.goat_abs_rank, c.goat_base, c.goat_train_len)
 
+    def takes_documents(self, device) -> bool:
+        return False  # GOAT's prior reads absolute key positions: packed documents re-pad
+
     def scalar_op(self, qs, ks, vals, tau, q, k, impl, n_prefix: int = 0, start: int = 0):
         pr = self.prior  # keys at positions start .. (a sliding window's cache holds the last ones only)
         return goat_attention(q, k, vals, pr.freqs, pr.lam_sym, pr.lam_asym, pr.key_term(k.shape[2], start),

@@ -62,9 +62,10 @@ class HybridAttention(ScalarAttention):
     def score_vectors(self, p: Projected):
         return p.q, p.k
 
-    def scalar_op(self, qs, ks, vals, tau, q, k, impl, n_prefix: int = 0):
+    def scalar_op(self, qs, ks, vals, tau, q, k, impl, n_prefix: int = 0, docs=None):
         return hybrid_attention(q, k, vals, qs, ks, tau, causal=True, impl=impl, scalar_scale=self.scalar_scale,
-                                kernel=self.config.kernel, window=self.config.sliding_window, n_prefix=n_prefix)
+                                kernel=self.config.kernel, window=self.config.sliding_window, n_prefix=n_prefix,
+                                docs=docs)
 
     def attention_weights(self, x):
         if self.scalar_scale is not None:  # the readout of identity values, through scalar_op and its gain
@@ -81,6 +82,9 @@ class HybridAttention(ScalarAttention):
 
     def attend(self, p: Projected, values=None, impl: str | None = None):
         scal = qs, ks, vals, tau, q, k, n_pre = self.with_sink(p)
+        if p.docs is not None:  # packed documents (takes_documents): no sink, no window
+            return self.scalar_op(qs, ks, vals if values is None else values, tau, q, k, impl or self.config.impl,
+                                  docs=p.docs), scal
         o = self.sink_readout(qs, ks, vals if values is None else values, tau, q, k, impl or self.config.impl, n_pre)
         return o[:, :, n_pre:], scal
 

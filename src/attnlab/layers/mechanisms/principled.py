@@ -54,7 +54,12 @@ class PrincipledAttention(Attention):
 
     def _op(self, p: Projected, k, kg, v, v0, impl):
         return principled_attention(p.q, k, p.qg, kg, v, alpha=p.alpha, beta=p.beta, gamma=p.gamma, v0=v0,
-                                    causal=True, impl=impl, window=self.config.sliding_window)
+                                    causal=True, impl=impl, window=self.config.sliding_window, docs=p.docs)
+
+    def takes_documents(self, device) -> bool:
+        """Packed documents in one pass through the Triton kernel (K counts each query's document),
+        without a sliding window."""
+        return self.config.sliding_window is None and self.triton_route(device)
 
     def attend(self, p: Projected, values=None, impl: str | None = None):
         v, v0 = (p.v, p.v0) if values is None else (values, None)  # weights leave the ground value out

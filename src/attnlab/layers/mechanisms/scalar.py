@@ -140,13 +140,23 @@ class ScalarAttention(ScalarDecode, Attention):
         """Vector queries/keys added to the scalar score (hybrid), or (None, None)."""
         return None, None
 
-    def scalar_op(self, qs, ks, vals, tau, q, k, impl, n_prefix: int = 0):
+    def scalar_op(self, qs, ks, vals, tau, q, k, impl, n_prefix: int = 0, docs=None):
         """The exact op over every key (n_prefix: the sink's leading entries, which a sliding window
-        always reads)."""
+        always reads; docs: packed documents' ids, see `takes_documents`)."""
         if impl == "approx" and qs.shape[-1] == ks.shape[-1]:  # a whole sequence (decode steps stay exact)
             return scalar_attention_approx(qs, ks, vals, tau)
-        return scalar_attention(qs, ks, vals, tau, causal=True, impl=exact_impl(impl), kernel=self.config.kernel,
-                                window=self.config.sliding_window, n_prefix=n_prefix)
+        return scalar_attention(qs, ks, vals, tau, causal=True, impl="auto" if impl == "approx" else impl,
+                                kernel=self.config.kernel,
+                                window=self.config.sliding_window, n_prefix=n_prefix, docs=docs)
+
+    def takes_documents(self, device) -> bool:
+        """Packed documents in one pass: through the Triton kernel, for a layer of scalar (or hybrid)
+        heads only that reads every key of its document (no sink, no trained or decode window, no
+        selector, no sliding window)."""
+        c = self.config
+        plain = not (c.sink or self.n_scalar < c.n_heads or c.train_window is not None or c.sliding_window is not None
+                     or self.decode_window is not None or self.decode_budget is not None or self.decode_select is not None)
+        return plain and self.triton_route(device)
 
     def with_sink(self, p: Projected):
         """The scalar op's inputs, with the sink prepended when on: (qs, ks, values, tau, q, k, n_prefix)."""
@@ -207,6 +217,8 @@ class ScalarAttention(ScalarDecode, Attention):
         c = self.config
         impl = impl or c.impl
         scal = qs, ks, vals, tau, q, k, n_pre = self.with_sink(p)
+        if p.docs is not None:  # packed documents (takes_documents): no sink, no window, scalar heads only
+            return self.scalar_op(qs, ks, vals if values is None else values, tau, q, k, impl, docs=p.docs), scal
         o = self.sink_readout(qs, ks, vals if values is None else values, tau, q, k, impl, n_pre)[:, :, n_pre:]
         if self.n_dot:  # the dot-product heads of a mixed layer
             vd = p.v if values is None else values[:, :1, n_pre:, n_pre:].expand(-1, self.n_kv, -1, -1)

@@ -21,8 +21,9 @@ from ..sink import mix_sink, sink_weight_value, split_sink_values, token_values
 
 
 def exact_impl(impl: str) -> str:
-    """impl="approx" approximates only the scalar heads' full-sequence op; everything else runs "auto"."""
-    return "auto" if impl == "approx" else impl
+    """The impl of the exact ops beside the scalar heads' own (dot-product heads of a mixed layer):
+    impl="approx" approximates only the scalar heads, and "triton" names their kernel; both run "auto"."""
+    return "auto" if impl in ("approx", "triton") else impl
 
 
 class ScalarDecode:

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from ...checks import trusted
 from ...ops import softmax_attention
+from ...ops.softmax import document_attention
 from ..attention import Attention
 from ..record import Projected
 from ..registry import register
@@ -19,9 +20,17 @@ class SoftmaxAttention(Attention):
     def configure(cls, config) -> None:
         config.set_vector_heads(config.n_heads)
 
+    def takes_documents(self, device) -> bool:
+        """Packed documents in one pass through FlexAttention's block mask: on CUDA, with the √d scaling
+        and no sliding window."""
+        c = self.config
+        return device.type == "cuda" and c.scale == "sqrt_d" and c.sliding_window is None and c.impl != "naive"
+
     def attend(self, p: Projected, values=None, impl: str | None = None):
         c = self.config
         v = p.v if values is None else values
+        if p.docs is not None:  # takes_documents (or a forward-only call on the CPU)
+            return document_attention(p.q, p.k, v, p.docs), None
         return softmax_attention(p.q, p.k, v, causal=True, scale=c.scale, p=c.p, impl=impl or c.impl,
                                  window=c.sliding_window), None
 

@@ -12,7 +12,7 @@ import math
 
 import torch
 
-from ...checks import TRITON_IMPLS, check_impl, check_int, check_window
+from ...checks import TRITON_IMPLS, check_docs, check_impl, check_int, check_window
 from .._sdpa import check_causal, check_qkv, expand_heads, fused_attention, upcast, without_autocast
 from .chunked import chunked_kernel_attention
 from .fused import _augment, _slots
@@ -23,7 +23,7 @@ from .naive import (
 
 @without_autocast
 def scalar_attention(qs, ks, v, tau, *, causal: bool = True, impl: str = "auto", kernel: str = "gaussian",
-                     window: int | None = None, n_prefix: int = 0) -> torch.Tensor:
+                     window: int | None = None, n_prefix: int = 0, docs: torch.Tensor | None = None) -> torch.Tensor:
     """Scalar attention o_t = sum_s softmax_s(-(qs_t - ks_s)^2 / tau_t) v_s.
 
     Gradients reach qs, ks, v and a tensor tau.
@@ -46,6 +46,9 @@ def scalar_attention(qs, ks, v, tau, *, causal: bool = True, impl: str = "auto",
         window: a causal sliding window: each query reads only the last ``window`` keys up to it
             (itself included); None (default) for every earlier key.
         n_prefix: with a window, the first n_prefix keys (a sink) are read by every query too.
+        docs: packed documents: (B, Tk) integer document ids of the keys (query t is key t + Tk - Tq);
+            each query reads its own document's keys only. The Triton kernel's (impl "triton", or
+            "auto" on CUDA); other routes raise ValueError.
 
     Returns:
         (B, H, Tq, Dv) in v's dtype.
@@ -64,6 +67,7 @@ def scalar_attention(qs, ks, v, tau, *, causal: bool = True, impl: str = "auto",
     check_int("n_prefix", n_prefix, 0)
     B, H, T = _check_scalars(qs, ks, causal=causal)
     _check_values(v, qs, B, H, ks.shape[2])
+    check_docs(docs, B, ks.shape[2], qs, impl != "naive" and _use_triton(impl, qs.device, window))
     if impl == "naive":
         w = torch.softmax(scalar_logits(qs, ks, tau, causal, kernel, window, n_prefix), dim=-1)  # (B, H, Tq, Tk)
         return (w @ expand_heads(v, H).to(w.dtype)).to(v.dtype)  # (B, H, Tq, Dv)
@@ -71,7 +75,7 @@ def scalar_attention(qs, ks, v, tau, *, causal: bool = True, impl: str = "auto",
         from .triton_op import triton_scalar_attention
 
         return triton_scalar_attention(None, None, v, qs, ks, _tau(tau, B, H, T, torch.float32, qs.device), None,
-                                       kernel, causal)
+                                       kernel, causal, docs=docs)
     if kernel != "gaussian" or _banded(window, causal, ks.shape[2], n_prefix):
         _tau(tau, B, H, T, upcast(qs.dtype), qs.device)
         return chunked_kernel_attention(qs, ks, v, tau, None, None, kernel, causal, None, window=window,
@@ -86,7 +90,7 @@ def scalar_attention(qs, ks, v, tau, *, causal: bool = True, impl: str = "auto",
 @without_autocast
 def hybrid_attention(q, k, v, qs, ks, tau, *, causal: bool = True, impl: str = "auto",
                      scalar_scale=None, kernel: str = "gaussian", window: int | None = None,
-                     n_prefix: int = 0) -> torch.Tensor:
+                     n_prefix: int = 0, docs: torch.Tensor | None = None) -> torch.Tensor:
     """Hybrid attention o_t = sum_s softmax_s(q_t . k_s / sqrt(d) - lam (qs_t - ks_s)^2 / tau_t) v_s.
 
     As tau -> inf this is standard scaled dot-product attention. Gradients reach every tensor
@@ -111,6 +115,7 @@ def hybrid_attention(q, k, v, qs, ks, tau, *, causal: bool = True, impl: str = "
             ks_s)^2 / tau_t) (module docstring); "auto" / "fast" run query chunks.
         window: a causal sliding window, as `scalar_attention` takes it.
         n_prefix: with a window, the leading keys (a sink) every query still reads.
+        docs: packed documents, as `scalar_attention` takes them.
 
     Returns:
         (B, H, Tq, Dv) in v's dtype.
@@ -135,6 +140,7 @@ def hybrid_attention(q, k, v, qs, ks, tau, *, causal: bool = True, impl: str = "
             f"qs must have shape (B, H, Tq) = {(B, H, T)} and ks (B, H, Tk) = {(B, H, k.shape[2])} "
             f"from q and k, got {tuple(qs.shape)} and {tuple(ks.shape)}"
         )
+    check_docs(docs, B, k.shape[2], q, impl != "naive" and _use_triton(impl, q.device, window))
     if impl == "naive":
         w = torch.softmax(hybrid_logits(q, k, qs, ks, tau, causal, scalar_scale, kernel, window, n_prefix), dim=-1)
         return (w @ expand_heads(v, H).to(w.dtype)).to(v.dtype)  # (B, H, Tq, Dv)
@@ -143,7 +149,7 @@ def hybrid_attention(q, k, v, qs, ks, tau, *, causal: bool = True, impl: str = "
 
         lam = None if scalar_scale is None else _scalar_scale(scalar_scale, H, torch.float32, q.device)
         return triton_scalar_attention(q, k, v, qs, ks, _tau(tau, B, H, T, torch.float32, q.device), lam, kernel,
-                                       causal)
+                                       causal, docs=docs)
     if kernel != "gaussian" or _banded(window, causal, k.shape[2], n_prefix):
         _tau(tau, B, H, T, upcast(q.dtype), q.device)
         if scalar_scale is not None:

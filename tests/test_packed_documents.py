@@ -1,0 +1,104 @@
+"""Packed documents kept apart in one pass: `LM.forward(idx, doc_ids=...)` through ops that mask other
+documents inside their kernels (the Triton kernels of scalar, hybrid and principled heads, here under
+TRITON_INTERPRET=1; FlexAttention's block mask for softmax heads, forward on the CPU) equals running
+every document alone, logits and every parameter's gradient; RoPE positions restart in each document."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from attnlab.models import LM, ModelConfig
+from attnlab.ops.softmax import document_attention, softmax_attention
+from attnlab.testing import rel_rms
+
+pytest.importorskip("triton")
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+LENGTHS = [[7, 1, 16], [24]]  # a one-token document, a row that is one document
+
+
+def doc_ids() -> torch.Tensor:
+    return torch.tensor([[i for i, n in enumerate(row) for _ in range(n)] for row in LENGTHS])
+
+
+def model(attn) -> LM:
+    torch.manual_seed(0)
+    cfg = ModelConfig(vocab_size=32, d_model=32, n_layers=len(attn), n_heads=4, attn=attn, max_seq_len=64,
+                      attention={"impl": "triton"})
+    return LM(cfg)
+
+
+@pytest.mark.parametrize("attn", [["hybrid", "principled"], ["scalar", "hybrid"]], ids=["hybrid+principled", "scalar+hybrid"])
+def test_documents_in_one_pass_equal_each_document_alone(attn):
+    m = model(attn)
+    assert m.takes_documents(torch.device("cpu"))
+    idx = torch.randint(0, 32, (2, 24), generator=torch.Generator().manual_seed(1))
+    docs = doc_ids()
+    calls = []
+    for blk in m.blocks:  # the one-pass route: every layer is called with the document ids
+        blk.attn.register_forward_pre_hook(lambda mod, args, kw: calls.append(kw.get("docs") is not None),
+                                           with_kwargs=True)
+    logits, _ = m(idx, doc_ids=docs)
+    assert calls == [True] * len(attn)
+    grads = torch.autograd.grad(logits.square().sum(), list(m.parameters()), allow_unused=True)
+    parts = []
+    for b, row in enumerate(LENGTHS):
+        start = 0
+        for n in row:
+            parts.append(((b, start, start + n), m(idx[b:b + 1, start:start + n])[0]))
+            start += n
+    ref = torch.zeros_like(logits)
+    for (b, lo, hi), out in parts:
+        ref[b:b + 1, lo:hi] = out
+    want = torch.autograd.grad(ref.square().sum(), list(m.parameters()), allow_unused=True)
+    assert rel_rms(logits, ref) < 1e-5
+    for (name, _), g, w in zip(m.named_parameters(), grads, want):
+        if w is not None:
+            assert rel_rms(g, w, floor=1e-3) < 1e-4, name
+
+
+def test_layers_without_a_one_pass_route_re_pad():
+    """A model with any layer whose op cannot mask documents (here impl 'auto' on the CPU) re-pads them,
+    which is also exact."""
+    torch.manual_seed(0)
+    m = LM(ModelConfig(vocab_size=32, d_model=32, n_layers=2, n_heads=4, attn=["hybrid", "gla"], max_seq_len=64))
+    assert not m.takes_documents(torch.device("cpu"))
+    idx = torch.randint(0, 32, (1, 24), generator=torch.Generator().manual_seed(1))
+    docs = doc_ids()[1:] * 0
+    docs[:, 10:] = 1
+    logits, _ = m(idx, doc_ids=docs)
+    torch.testing.assert_close(logits[:, 10:], m(idx[:, 10:])[0], rtol=1e-4, atol=1e-5)
+
+
+def test_flex_document_attention_forward():
+    """Softmax heads' route (FlexAttention, forward only on the CPU): each document alone, GQA."""
+    g = torch.Generator().manual_seed(2)
+    q, k, v = torch.randn(2, 4, 24, 16, generator=g), torch.randn(2, 2, 24, 16, generator=g), torch.randn(2, 2, 24, 16, generator=g)
+    docs = doc_ids()
+    with torch.no_grad():
+        out = document_attention(q, k, v, docs)
+        for b, row in enumerate(LENGTHS):
+            start = 0
+            for n in row:
+                s = slice(start, start + n)
+                ref = softmax_attention(q[b:b + 1, :, s], k[b:b + 1, :, s], v[b:b + 1, :, s], impl="naive")
+                torch.testing.assert_close(out[b:b + 1, :, s], ref, rtol=1e-5, atol=1e-5)
+                start += n
+
+
+def test_layer_refuses_documents_it_cannot_keep_apart():
+    torch.manual_seed(0)
+    m = LM(ModelConfig(vocab_size=32, d_model=32, n_layers=1, n_heads=4, attn=["gla"], max_seq_len=64))
+    x = torch.randn(1, 8, 32)
+    with pytest.raises(ValueError, match="docs: mechanism 'gla'"):
+        m.blocks[0].attn(x, docs=torch.zeros(1, 8, dtype=torch.long))
+
+
+def test_triton_impl_is_for_the_kernels_mechanisms():
+    from attnlab.layers import AttentionConfig
+
+    with pytest.raises(ValueError, match="impl"):
+        AttentionConfig(d_model=32, n_heads=4, mechanism="softmax", impl="triton")
+    with pytest.raises(ValueError, match="impl"):
+        AttentionConfig(d_model=32, n_heads=4, mechanism="hybrid", impl="triton", train_window=8)
