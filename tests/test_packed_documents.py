@@ -102,3 +102,28 @@ def test_triton_impl_is_for_the_kernels_mechanisms():
         AttentionConfig(d_model=32, n_heads=4, mechanism="softmax", impl="triton")
     with pytest.raises(ValueError, match="impl"):
         AttentionConfig(d_model=32, n_heads=4, mechanism="hybrid", impl="triton", train_window=8)
+
+
+@pytest.mark.cuda
+def test_cuda_documents_in_one_pass_every_kernel():
+    """On CUDA with impl 'auto': softmax heads through compiled FlexAttention, hybrid and principled
+    through the Triton kernels, in one pass; equal to each document alone, logits and gradients."""
+    torch.manual_seed(0)
+    m = LM(ModelConfig(vocab_size=64, d_model=128, n_layers=3, n_heads=4, attn=["softmax", "hybrid", "principled"],
+                       max_seq_len=1024)).cuda()
+    assert m.takes_documents(torch.device("cuda"))
+    lengths = [[300, 1, 211, 512], [1024]]
+    docs = torch.tensor([[i for i, n in enumerate(row) for _ in range(n)] for row in lengths], device="cuda")
+    idx = torch.randint(0, 64, (2, 1024), device="cuda", generator=torch.Generator("cuda").manual_seed(1))
+    logits, _ = m(idx, doc_ids=docs)
+    grads = torch.autograd.grad(logits.square().sum(), list(m.parameters()))
+    ref = torch.zeros_like(logits)
+    for b, row in enumerate(lengths):
+        start = 0
+        for n in row:
+            ref[b:b + 1, start:start + n] = m(idx[b:b + 1, start:start + n])[0]
+            start += n
+    want = torch.autograd.grad(ref.square().sum(), list(m.parameters()))
+    assert rel_rms(logits, ref) < 1e-4
+    for (name, _), g, w in zip(m.named_parameters(), grads, want):
+        assert rel_rms(g, w, floor=1e-3) < 1e-3, name
