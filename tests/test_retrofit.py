@@ -158,6 +158,10 @@ def test_cli_writes_folder_and_rejects_bad_input(tmp_path, capsys, monkeypatch):
         (["--attn", "goat", "--layers", "all", "--set", "goat_width=shared"], "goat_rank"),
         (["--attn", "softmax", "--set", "bogus=1"], "unknown AttentionConfig field"),
         (["--attn", "softmax", "--model", str(tmp_path / "missing")], "is not 'smollm2'"),
+        (["--attn", "softmax", "--dtype", "float16"], "--dtype must be one of float32, bfloat16"),
+        (["--attn", "softmax", "--device", "tpu"], "--device must be one of auto, cpu, cuda"),
+        *([(["--attn", "softmax", "--device", "cuda"], "--device cuda: no CUDA device")]
+          if not torch.cuda.is_available() else []),
     ]:
         capsys.readouterr()
         assert main(["retrofit", "--model", str(src), *args, "--out", str(tmp_path / "new")]
@@ -251,3 +255,14 @@ def test_hybrid_scalar_scale_hostile_inputs(T):
         ks2[..., -1] = 1e4  # an extreme last key: every earlier row stays as it was
         c = hybrid_attention(q, k, v, qs, ks2, 1.0, impl="fast", scalar_scale=lam)
         assert torch.allclose(c[:, :, :-1], b[:, :, :-1], atol=1e-6)
+
+
+def test_cli_bf16_original_on_the_cpu(tmp_path):
+    """--dtype bfloat16 --device cpu: the original model loads in bf16, the retrofitted one is float32
+    and is written (its layers' weights copied from the bf16 original)."""
+    src = tmp_path / "llama"
+    tiny("llama", n_layers=2).save_pretrained(src)
+    out = tmp_path / "out"
+    assert main(["retrofit", "--model", str(src), "--layers", "1", "--attn", "hybrid", "--device", "cpu",
+                 "--dtype", "bfloat16", "--eval-contexts", "1", "--eval-context", "16", "--out", str(out)]) == 0
+    assert json.loads((out / "config.json").read_text())["attn"] == ["softmax", "hybrid"]

@@ -141,3 +141,19 @@ def test_pipeline_equals_the_stages_run_by_hand(llama, tmp_path):
     bare = run_pipeline(llama, plan(llama.config, "1", "softmax"), tmp_path / "c", evaluate=ecfg, compare=False)
     assert bare.transfer is None and bare.finetune is None and bare.new_change_rms is None
     assert "perplexity_original" not in bare.eval and not (tmp_path / "c").exists()
+
+
+@pytest.mark.cuda
+def test_cuda_pipeline_end_to_end(tmp_path):
+    """`attnlab retrofit --device cuda` on a tiny random Llama: convert, attention transfer, a few
+    fine-tuning steps and the evaluation run on the GPU (the original in bf16), and the folder reloads."""
+    from attnlab.cli import main
+
+    src = tmp_path / "llama"
+    tiny("llama", n_layers=3).save_pretrained(src)
+    out = tmp_path / "out"
+    assert main(["retrofit", "--model", str(src), "--layers", "1", "--attn", "hybrid", "--device", "cuda",
+                 "--dtype", "bfloat16", "--transfer-steps", "3", "--transfer-contexts", "2", "--transfer-context", "64",
+                 "--finetune-steps", "3", "--finetune-batch", "2", "--finetune-context", "64",
+                 "--eval-contexts", "2", "--eval-context", "64", "--out", str(out)]) == 0
+    assert (out / "eval.json").is_file() and (out / "finetune.json").is_file()

@@ -51,6 +51,11 @@ def add_retrofit(sub) -> None:
                    help="an AttentionConfig field of the new layers, e.g. output_gate=elementwise (repeatable)")
     p.add_argument("--out", metavar="OUT", help="the folder to write (must not exist, or be empty)")
     p.add_argument("--seed", type=int, default=0, help="seed of the new parameters' random init (default: 0)")
+    p.add_argument("--device", default="auto", metavar="D",
+                   help="auto (CUDA when available), cpu or cuda: where the models run (also for trial)")
+    p.add_argument("--dtype", default="float32", metavar="T",
+                   help="float32 or bfloat16: the original model's weights (the retrofitted model trains in "
+                        "float32; also for trial)")
     t = p.add_argument_group("attention transfer (docs/retrofit.md#attention-transfer)")
     t.add_argument("--transfer-steps", type=int, default=0, metavar="N",
                    help="train each new layer N AdamW steps to reproduce the original attention output (MSE); "
@@ -100,6 +105,7 @@ def cmd_retrofit(ns) -> int:
     try:
         import attnlab.hf  # noqa: F401
         from attnlab.retrofit import RetrofitError, check_out, load_source, parse_settings, plan_source, save
+        from attnlab.retrofit.io import resolve_device, resolve_dtype
     except ImportError as e:
         if (e.name or "").split(".")[0] in ("transformers", "tokenizers", "safetensors", "gguf"):
             raise UsageError(f"attnlab retrofit needs the optional package {e.name.split('.')[0]}, not installed here; "
@@ -113,6 +119,7 @@ def cmd_retrofit(ns) -> int:
 
     try:
         settings = parse_settings(ns.settings)
+        device, dtype = resolve_device(ns.device), resolve_dtype(ns.dtype)
         tcfg = _transfer_config(ns, TransferConfig)
         fcfg = _finetune_config(ns, FinetuneConfig)
         ecfg = _eval_config(ns, EvalConfig)
@@ -127,7 +134,7 @@ def cmd_retrofit(ns) -> int:
     except RetrofitError as e:
         raise UsageError(str(e)) from None
     check_free(ns.out, beside=True)  # FolderBusy (exit 2) before any weights load
-    model, tok = load_source(source)
+    model, tok = load_source(source, device, dtype)
     with FolderLock(ns.out, beside=True):
         try:
             retro = run_pipeline(model, plan, ns.out, seed=ns.seed, transfer=tcfg, finetune=fcfg, evaluate=ecfg,
@@ -206,8 +213,16 @@ def cmd_trial(ns) -> int:
         raise UsageError(f"--jobs must be an int >= 1, got {ns.jobs}")
     if not Path(ns.trial[1]).is_file():
         raise UsageError(f"spec file {ns.trial[1]!r} does not exist")
+    from attnlab.retrofit.convert import RetrofitError
+    from attnlab.retrofit.io import resolve_device, resolve_dtype
+
+    try:
+        device, dtype = resolve_device(ns.device), resolve_dtype(ns.dtype)
+    except RetrofitError as e:
+        raise UsageError(str(e)) from None
     trial = load_trial(ns.trial[1])  # ConfigError names the key; every variant's plan checked
-    res = run_trial(trial, progress=not ns.no_progress, report_only=ns.report_only, jobs=ns.jobs)
+    res = run_trial(trial, progress=not ns.no_progress, report_only=ns.report_only, jobs=ns.jobs, device=device,
+                    dtype=dtype)
     for v in res["verdicts"]:
         print(f"{v['name'] or v['metric']}: {v['outcome']}")
     print(f"wrote {trial.out}/results.json, report.md")

@@ -227,12 +227,14 @@ def run_one(run: TrialRun | None, ev: EvalConfig, folder: Path, hf_model, tok, p
 
 
 def run_trial(trial: Trial, hf_model=None, tok=None, progress: bool = True, report_only: bool = False,
-              jobs: int = 1) -> dict:
+              jobs: int = 1, device=None, dtype=None) -> dict:
     """Run every unfinished (variant, seed), then write OUT/results.json and report.md. OUT is locked
     meanwhile; SIGINT/SIGTERM stop it after the current step, and the same command resumes.
 
     jobs > 1 runs that many (variant, seed) runs at once, each in a worker process with its own copy
-    of the model and 1/jobs of this process's threads (`attnlab.pool`); the runs' folders are disjoint."""
+    of the model and 1/jobs of this process's threads (`attnlab.pool`); the runs' folders are disjoint.
+    device, dtype: where the original model loads and in which dtype (None: the CPU, float32), when
+    hf_model is not given; the runs follow it."""
     check_int("jobs", jobs)
     ev = trial.runs[0].eval
     check_free(trial.out)
@@ -244,13 +246,16 @@ def run_trial(trial: Trial, hf_model=None, tok=None, progress: bool = True, repo
         if jobs > 1 and len(todo) > 1:
             threads = max(1, torch.get_num_threads() // jobs)
             keys = [None if r is None else (r.variant, r.seed) for r in todo]
-            run_pool(_trial_job, [(str(trial.path), key, threads) for key in keys], jobs,
+            run_pool(_trial_job, [(str(trial.path), key, threads, None if device is None else str(device),
+                                   None if dtype is None else str(dtype).removeprefix("torch."))
+                                  for key in keys], jobs,
                      stopped=lambda: "stopped; finished runs are kept and the rerun resumes the others")
             todo = []
         if todo and hf_model is None:
             from ..retrofit.io import load_source, plan_source
 
-            hf_model, tok = load_source(plan_source(trial.runs[0].retrofit.model, "0", "softmax")[0])
+            hf_model, tok = load_source(plan_source(trial.runs[0].retrofit.model, "0", "softmax")[0], device,
+                                        dtype or torch.float32)
         for run in todo:
             torch.manual_seed(0)
             run_one(run, ev, orig if run is None else run.folder, hf_model, tok, progress)
@@ -259,14 +264,15 @@ def run_trial(trial: Trial, hf_model=None, tok=None, progress: bool = True, repo
         return write_report(trial)
 
 
-def _trial_job(spec: str, key: tuple[str, int] | None, threads: int) -> None:
+def _trial_job(spec: str, key: tuple[str, int] | None, threads: int, device: str | None = None,
+               dtype: str | None = None) -> None:
     """One run of a trial in a pool worker: key (variant, seed), or None for the original model."""
-    from ..retrofit.io import load_source, plan_source
+    from ..retrofit.io import load_source, plan_source, resolve_dtype
 
     torch.set_num_threads(threads)
     trial = load_trial(spec)
     run = None if key is None else next(r for r in trial.runs if (r.variant, r.seed) == tuple(key))
-    hf_model, tok = load_source(plan_source(trial.runs[0].retrofit.model, "0", "softmax")[0])
+    hf_model, tok = load_source(plan_source(trial.runs[0].retrofit.model, "0", "softmax")[0], device, resolve_dtype(dtype))
     torch.manual_seed(0)
     run_one(run, trial.runs[0].eval, trial.out / "runs" / ORIGINAL if run is None else run.folder, hf_model, tok,
             progress=False)

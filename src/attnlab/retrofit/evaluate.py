@@ -96,9 +96,15 @@ def split_contexts(corpus: str, split: str, context: int, n: int, seed: int, enc
                     f"{flag}/--finetune-context ({corpus} {split} split)")
 
 
+def model_device(model) -> torch.device:
+    """Where a model's parameters are: the device every input of a retrofit stage goes to."""
+    return next(model.parameters()).device
+
+
 def logits(model, ids: torch.Tensor) -> torch.Tensor:
-    """The (B, T, V) next-token logits of an AttnlabForCausalLM or an HF model on token ids (B, T)."""
-    out = model(input_ids=ids, use_cache=False)
+    """The (B, T, V) next-token logits of an AttnlabForCausalLM or an HF model on token ids (B, T), which
+    go to the model's device first."""
+    out = model(input_ids=ids.to(model_device(model)), use_cache=False)
     return out.logits if hasattr(out, "logits") else out[0]
 
 
@@ -147,7 +153,8 @@ def evaluate_retrofit(model, cfg: EvalConfig, original=None, encode=None, eos_id
         plan = getattr(model, "retrofit_plan", None)
         replaced = set(plan.layers) if plan is not None else set()
         layers = []
-        for entry in attention_report(model.model, ids.input_ids[: cfg.analysis_contexts], alignment=False):
+        for entry in attention_report(model.model, ids.input_ids[: cfg.analysis_contexts].to(model_device(model)),
+                                     alignment=False):
             row = {"layer": entry["layer"], "mechanism": entry["mechanism"], "replaced": entry["layer"] in replaced}
             row.update({k: _mean(entry[k]) for k in PER_LAYER if k in entry})
             layers.append(row)

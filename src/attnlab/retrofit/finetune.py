@@ -37,7 +37,7 @@ import torch.nn.functional as F
 from attnlab.lock import FolderLock
 
 from .convert import RetrofitError, new_parameters
-from .evaluate import logits as _logits, perplexity, split_contexts
+from .evaluate import logits as _logits, model_device, perplexity, split_contexts
 from .loop import resume, train_steps
 from .transfer import text_encoding
 
@@ -120,6 +120,7 @@ def _losses(model, ids: torch.Tensor, original, kl: float, align: float = 0.0) -
     """(total, next-token CE, {"kl": KL(original ‖ model), "align": Σ_layers L_align} where weighted),
     each a mean over predicted tokens (L_align: over the scalar/hybrid layers' query-key pairs)."""
     extra = {}
+    ids = ids.to(model_device(model))  # the batch follows the model
     if align > 0:  # the LM's own forward, recording the scalar layers' qs/ks for L_align
         from attnlab.regularizers import regularization
 

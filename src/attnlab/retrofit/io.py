@@ -69,12 +69,36 @@ def plan_source(spec: str, layers, mechanism: str, settings: dict | None = None)
     return source, plan(config, layers, mechanism, settings)
 
 
-def load_source(source, device=None):
-    """(hf model in float32, eval mode, tokenizer or None) of a resolved ModelSource; device: where the
-    model goes (None: the CPU)."""
+def load_source(source, device=None, dtype: torch.dtype = torch.float32):
+    """(hf model in eval mode, tokenizer or None) of a resolved ModelSource; device: where the model
+    goes (None: the CPU); dtype: its weights' (float32 by default; the retrofitted model built from it
+    is float32 whatever this is)."""
     from attnlab.search.hf_model import load_model, load_tokenizer
 
-    return load_model(source, torch.float32, device, frozen=False), load_tokenizer(source, optional=True)
+    return load_model(source, dtype, device, frozen=False), load_tokenizer(source, optional=True)
+
+
+def resolve_device(name: str | None) -> torch.device:
+    """--device: 'auto' (CUDA when available, else the CPU), 'cpu' or 'cuda' (RetrofitError without CUDA)."""
+    if name in (None, "auto"):
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if name not in ("cpu", "cuda"):
+        raise RetrofitError(f"--device must be one of auto, cpu, cuda, got {name!r}")
+    if name == "cuda" and not torch.cuda.is_available():
+        raise RetrofitError("--device cuda: no CUDA device is available; use auto or cpu")
+    return torch.device(name)
+
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+
+
+def resolve_dtype(name: str | None) -> torch.dtype:
+    """--dtype: the original model's weights, 'float32' (default) or 'bfloat16'."""
+    if name is None:
+        return torch.float32
+    if name not in DTYPES:
+        raise RetrofitError(f"--dtype must be one of {', '.join(DTYPES)}, got {name!r}")
+    return DTYPES[name]
 
 
 def tokenizer_encoding(tok):

@@ -44,7 +44,7 @@ def run_pipeline(hf_model, plan_: Plan, out, *, seed: int = 0, transfer: Transfe
     progress: fine-tuning's bar. log: called with each stage's summary line."""
     from .io import tokenizer_encoding
 
-    model = convert(hf_model, plan_, seed=seed)
+    model = convert(hf_model, plan_, seed=seed).to(next(hf_model.parameters()).device)  # on the original's device
     start = {n: p.detach().clone() for n, p in new_parameters(model.model, plan_).items()}
     encode, eos = tokenizer_encoding(tokenizer)
     done = Retrofitted(model)

@@ -116,7 +116,7 @@ def capture(hf_model, layers: list[int], input_ids: torch.Tensor) -> dict[int, t
         hooks.append(attn.register_forward_pre_hook(pre, with_kwargs=True))
         hooks.append(attn.register_forward_hook(post, with_kwargs=True))
     try:
-        hf_model(input_ids=input_ids, use_cache=False)
+        hf_model(input_ids=input_ids.to(next(hf_model.parameters()).device), use_cache=False)
     finally:
         for h in hooks:
             h.remove()
