@@ -14,7 +14,9 @@ import torch.nn.functional as F
 
 from attnlab.ops import (gla_attention, goat_attention, hybrid_attention, scalar_attention, ssd_attention,
                          windowed_attention)
+from attnlab.ops.cosformer import cosformer_attention
 from attnlab.ops.principled import principled_attention
+from attnlab.ops.softmax import softmax_attention
 from attnlab.testing import rel_rms
 
 PARAMS = ("tau", "lam", "freqs", "lam_sym", "lam_asym", "u", "alpha", "beta", "gamma")  # float32 whatever the dtype
@@ -77,6 +79,15 @@ def _goat(impl, t):
     return goat_attention(t["q"], t["k"], t["v"], t["freqs"], t["lam_sym"], t["lam_asym"], t["u"], impl=impl)
 
 
+def _softmax(scale):
+    """Softmax attention under one of seed 003's scalings (q.k divided by a key statistic)."""
+    return lambda impl, t: softmax_attention(t["q"], t["k"], t["v"], scale=scale, impl=impl)
+
+
+def _cosformer(impl, t):
+    return cosformer_attention(t["q"], t["k"], t["v"], max_len=t["q"].shape[2], impl=impl)[0]  # (output, state)
+
+
 def _principled(impl, t):
     return principled_attention(t["q"], t["k"], t["qg"], t["kg"], t["v"], alpha=t["alpha"], beta=t["beta"],
                                 gamma=t["gamma"], impl=impl)
@@ -113,6 +124,10 @@ PATHS = {
     "hybrid-cauchy/chunked": (_fix("fast", _hybrid("cauchy")), {}, 8192),
     "goat/triton": (_fix("triton", _goat), dict(scalar=False, goat=True), None),
     "goat/sdpa": (_fix("fast", _goat), dict(scalar=False, goat=True), None),
+    "softmax-ktotal/sdpa": (_fix("fast", _softmax("ktotal")), dict(scalar=False), None),
+    "softmax-kmean/sdpa": (_fix("fast", _softmax("kmean")), dict(scalar=False), None),
+    "softmax-krms/sdpa": (_fix("fast", _softmax("krms")), dict(scalar=False), None),
+    "cosformer/chunked": (_fix("fast", _cosformer), dict(scalar=False), None),
     "principled/triton": (_fix("triton", _principled), dict(scalar=False, principled=True), None),
     "principled/tiled": (_fix("fast", _principled), dict(scalar=False, principled=True), 8192),
     "hybrid-cauchy-window16+32/selected": (_fix("fast", _window("cauchy")), {}, 8192),
