@@ -158,9 +158,9 @@ def test_cli_writes_folder_and_rejects_bad_input(tmp_path, capsys, monkeypatch):
         (["--attn", "goat", "--layers", "all", "--set", "goat_width=shared"], "goat_rank"),
         (["--attn", "softmax", "--set", "bogus=1"], "unknown AttentionConfig field"),
         (["--attn", "softmax", "--model", str(tmp_path / "missing")], "is not 'smollm2'"),
-        (["--attn", "softmax", "--dtype", "float16"], "--dtype must be one of float32, bfloat16"),
-        (["--attn", "softmax", "--device", "tpu"], "--device must be one of auto, cpu, cuda"),
-        *([(["--attn", "softmax", "--device", "cuda"], "--device cuda: no CUDA device")]
+        (["--attn", "softmax", "--dtype", "float16"], "--dtype must be one of ('float32', 'bfloat16')"),
+        (["--attn", "softmax", "--device", "tpu"], "--device must be one of ('auto', 'cpu', 'cuda')"),
+        *([(["--attn", "softmax", "--device", "cuda"], "--device is 'cuda' but no CUDA device")]
           if not torch.cuda.is_available() else []),
     ]:
         capsys.readouterr()

@@ -1,8 +1,10 @@
-"""`attnlab search train | eval`: argparse subcommands (registered by the main CLI).
+"""`attnlab search train | eval | tasks | trial`: argparse subcommands (registered by the main CLI).
 
-Option values become a SearchTrainConfig / EvalConfig here, at the edge: a value the config rejects,
-or a float option that is NaN or ±inf, is a ConfigError naming the option (one line, exit 2
-through `attnlab.cli.main`), before any model is loaded or file written.
+Option values become a SearchTrainConfig / EvalConfig / TaskConfig here, at the edge: a value the
+config rejects, or a float option that is NaN or ±inf, is a ConfigError naming the option (one line,
+exit 2 through `attnlab.cli.main`), before any model is loaded or file written. That includes
+--device (auto, cpu, cuda: 'cuda' without a CUDA device is refused here) and --dtype (float32,
+bfloat16), which every subcommand that loads a model takes.
 """
 
 from __future__ import annotations
@@ -16,6 +18,7 @@ from attnlab.layers.typed_fields import field_problem
 from attnlab.models.config import ConfigError
 
 from attnlab.search import tasks
+from attnlab.search.hf_model import DEVICES, DTYPES, resolve_device, resolve_dtype
 from attnlab.search.retrieval import METHODS
 from attnlab.search.sweep import DEFAULT_KS, DEFAULT_LAYER_SETS, EvalConfig
 from attnlab.search.train import SearchTrainConfig
@@ -49,14 +52,19 @@ def _option(name: str) -> str:
     return "--" + name.replace("_", "-")
 
 
+def _config_error(e: Exception, names, command: str) -> ConfigError:
+    """A config's ValueError as the command's one-line error, its leading field name spelled as the option."""
+    text = re.sub(r"^(\w+)", lambda m: _option(m.group(1)) if m.group(1) in names else m.group(1), str(e))
+    return ConfigError(f"attnlab search {command}: {text}")
+
+
 def _build(cls, args, command: str):
     """`cls` from the parsed options; errors name the option (`--tau`), what it got and needs."""
     names = {f.name for f in fields(cls)}
     try:
         cfg = cls(**{k: v for k, v in vars(args).items() if k in names and v is not None})
     except (ValueError, TypeError) as e:
-        text = re.sub(r"^(\w+)", lambda m: _option(m.group(1)) if m.group(1) in names else m.group(1), str(e))
-        raise ConfigError(f"attnlab search {command}: {text}") from None
+        raise _config_error(e, names, command) from None
     found = field_problem(cfg)  # NaN / inf floats and wrongly typed values the config itself lets through
     if found:
         path, got, need = found
@@ -89,10 +97,24 @@ def _eval(args) -> int:
     return 0
 
 
+def _where(args, command: str) -> dict:
+    """--device / --dtype of a command whose configs come from elsewhere (trial): checked, then the
+    ones given, as config fields."""
+    given = {k: getattr(args, k, None) for k in ("device", "dtype")}
+    try:
+        if given["device"] is not None:
+            resolve_device(given["device"])
+        if given["dtype"] is not None:
+            resolve_dtype(given["dtype"])
+    except ValueError as e:
+        raise _config_error(e, given, command) from None
+    return {k: v for k, v in given.items() if v is not None}
+
+
 def _trial(args) -> int:
     from attnlab.experiments.search_trial import load_trial, run_trial
 
-    trial = load_trial(args.spec)  # every run's configs checked before any work
+    trial = load_trial(args.spec, **_where(args, "trial"))  # every run's configs checked before any work
     res = run_trial(trial, report_only=args.report_only, launch=getattr(args, "launch", None))
     for v in res["verdicts"]:
         print(f"{v.get('name') or v['metric']}: {v['outcome']} ({v['reason']})")
@@ -122,6 +144,17 @@ def _tasks(args) -> int:
 class _Help(argparse.RawDescriptionHelpFormatter):
     def __init__(self, prog):
         super().__init__(prog, max_help_position=30, width=110)
+
+
+def _device_options(p, device: str | None = None, dtype: str | None = None, default: str | None = None) -> None:
+    """--device and --dtype (checked by the config, so a bad value is a one-line error, exit 2); `default`
+    says what an option left out means when it is not the value's default."""
+    p.add_argument("--device", default=device, metavar="D",
+                   help=f"{' | '.join(DEVICES)}: where the model loads and runs (auto: CUDA when available); "
+                        f"default {default or device or 'auto'}")
+    p.add_argument("--dtype", default=dtype, metavar="T",
+                   help=f"{' | '.join(DTYPES)}: the frozen model's weights (search projections train in float32); "
+                        f"default {default or dtype or 'float32'}")
 
 
 def add_search_commands(subparsers, trial_options=None) -> argparse.ArgumentParser:
@@ -182,6 +215,7 @@ def add_search_commands(subparsers, trial_options=None) -> argparse.ArgumentPars
     t.add_argument("--out", default=d.out, help="output folder, default %(default)s")
     t.add_argument("--seed", type=int, default=d.seed, help="seed of the initialisation and the data order")
     t.add_argument("--no-resume", dest="resume", action="store_false", help="start over even if a checkpoint exists")
+    _device_options(t, d.device, d.dtype)
     t.set_defaults(func=_train)
 
     e = sub.add_parser(
@@ -214,6 +248,7 @@ def add_search_commands(subparsers, trial_options=None) -> argparse.ArgumentPars
                    help="the --wide-layers' budget multiplier, default %(default)s")
     e.add_argument("--out", default="runs/search-eval", help="output folder, default %(default)s")
     e.add_argument("--seed", type=int, default=0, help="seed of the context sampling")
+    _device_options(e, "auto", "float32")
     e.set_defaults(func=_eval)
 
     k = sub.add_parser(
@@ -252,6 +287,7 @@ def add_search_commands(subparsers, trial_options=None) -> argparse.ArgumentPars
                         "the question and answer through the method (a decoder's protocol; one prefill per example)")
     k.add_argument("--seed", type=int, default=None, help="seed of the keys, fillers and offsets (default 0)")
     k.add_argument("--out", default=None, help="(default runs/search-tasks)")
+    _device_options(k)
     k.set_defaults(func=_tasks)
 
     r = sub.add_parser(
@@ -264,6 +300,7 @@ def add_search_commands(subparsers, trial_options=None) -> argparse.ArgumentPars
                     "  attnlab search trial experiments/seed001/ci-middle6/spec.toml --report-only")
     r.add_argument("spec", metavar="SPEC.toml", help="the trial spec (format in attnlab.experiments.search_trial)")
     r.add_argument("--report-only", action="store_true", help="rebuild results.json and report.md from finished runs")
+    _device_options(r, default="the spec's [train] / [eval] value (given: every run's)")
     if trial_options is not None:
         trial_options(r)
     r.set_defaults(func=_trial)

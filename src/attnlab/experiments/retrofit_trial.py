@@ -272,7 +272,8 @@ def _trial_job(spec: str, key: tuple[str, int] | None, threads: int, device: str
     torch.set_num_threads(threads)
     trial = load_trial(spec)
     run = None if key is None else next(r for r in trial.runs if (r.variant, r.seed) == tuple(key))
-    hf_model, tok = load_source(plan_source(trial.runs[0].retrofit.model, "0", "softmax")[0], device, resolve_dtype(dtype))
+    hf_model, tok = load_source(plan_source(trial.runs[0].retrofit.model, "0", "softmax")[0], device,
+                                resolve_dtype(dtype))
     torch.manual_seed(0)
     run_one(run, trial.runs[0].eval, trial.out / "runs" / ORIGINAL if run is None else run.folder, hf_model, tok,
             progress=False)

@@ -11,6 +11,9 @@ variant's first seed, and their numbers are repeated for the others (their sd ov
 is 0 by construction). The report gives mean ± sd over seeds per (variant, method, K) of the
 perplexity gap (%), Mass@K and Recall@K, and the spec's `[[verdict]]` rules, judged as in
 `attnlab sweep` on metrics named "<method>/gap@<K>", "<method>/mass@<K>", "<method>/recall@<K>".
+Where the runs go is the configs' `device` and `dtype` (in `[train]` / `[eval]` like any field, or
+for every run from `attnlab search trial --device / --dtype`); a finished evaluation counts as
+finished on any device, while another dtype is another evaluation.
 
     title = "..."
     claim = "..."
@@ -83,8 +86,10 @@ def metric_names(ev: EvalConfig) -> list[str]:
     return [f"{p}{m}/{s}@{K}" for p in prefixes for m in ev.methods for K in ev.ks for s in STATS]
 
 
-def load_trial(path) -> Trial:
-    """Read and check the spec and build every run's configs; raises ConfigError naming the key."""
+def load_trial(path, device: str | None = None, dtype: str | None = None) -> Trial:
+    """Read and check the spec and build every run's configs; raises ConfigError naming the key.
+    device, dtype: set for every run's training and evaluation in place of the spec's (None: the spec's)."""
+    given = {k: v for k, v in (("device", device), ("dtype", dtype)) if v is not None}
     head = read_spec(path, SPEC_KEYS)
     raw, seeds, out = head.raw, head.seeds, head.out
     train, ev = _table(raw.get("train", {}), "train"), _table(raw.get("eval", {}), "eval")
@@ -95,13 +100,13 @@ def load_trial(path) -> Trial:
             folder = out / "runs" / name / f"seed{seed}"
             where = f"variant {name!r}, seed {seed}"
             tc = _config(SearchTrainConfig, train, _table(v.get("train", {}), f"variants[{i}].train"), where,
-                         seed=seed, out=str(folder))
+                         seed=seed, out=str(folder), **given)
             key = json.dumps({**asdict(tc), "out": None}, sort_keys=True, default=str)
             tc.out = trained.setdefault(key, tc.out)  # variants that differ only in [eval] share one training
             own = _table(v.get("eval", {}), f"variants[{i}].eval")
             methods = {**ev, **own}.get("methods", METHODS)
             learned = any(str(m).startswith("learned") for m in methods)
-            ec = _config(EvalConfig, ev, own, where, out=str(folder / "eval"),
+            ec = _config(EvalConfig, ev, own, where, out=str(folder / "eval"), **given,
                          **({"checkpoint": str(Path(tc.out) / CHECKPOINT)} if learned else
                             {"checkpoint": None, "model": {**ev, **own}.get("model") or tc.model}))
             runs.append(TrialRun(name, seed, folder, tc, ec))
@@ -127,6 +132,8 @@ def _finished(cfg: EvalConfig) -> dict | None:
     want = json.loads(json.dumps(asdict(cfg)))
     # results written before a field existed ran with that field's default
     have = {**{f.name: f.default for f in fields(EvalConfig) if f.default is not MISSING}, **res.get("config", {})}
+    want.pop("device")  # where an evaluation ran does not change what it measured
+    have.pop("device", None)
     n = len(cfg.layer_sets) * len(cfg.methods) * len(cfg.ks)
     return res if have == want and len(res.get("rows", [])) == n and "full" in res else None
 

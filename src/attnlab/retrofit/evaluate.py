@@ -21,6 +21,7 @@ import torch
 
 from attnlab import interrupt
 from attnlab.data.cache import atomic_write_text
+from attnlab.search.hf_model import model_device
 
 from .convert import RetrofitError
 from .transfer import contexts, text_encoding
@@ -94,11 +95,6 @@ def split_contexts(corpus: str, split: str, context: int, n: int, seed: int, enc
     flag = "--finetune-contexts" if split == "train" else "eval_contexts"
     return contexts(corpus, split, context, n, seed, encode, eos_id,
                     f"{flag}/--finetune-context ({corpus} {split} split)")
-
-
-def model_device(model) -> torch.device:
-    """Where a model's parameters are: the device every input of a retrofit stage goes to."""
-    return next(model.parameters()).device
 
 
 def logits(model, ids: torch.Tensor) -> torch.Tensor:

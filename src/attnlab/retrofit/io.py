@@ -79,26 +79,24 @@ def load_source(source, device=None, dtype: torch.dtype = torch.float32):
 
 
 def resolve_device(name: str | None) -> torch.device:
-    """--device: 'auto' (CUDA when available, else the CPU), 'cpu' or 'cuda' (RetrofitError without CUDA)."""
-    if name in (None, "auto"):
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    if name not in ("cpu", "cuda"):
-        raise RetrofitError(f"--device must be one of auto, cpu, cuda, got {name!r}")
-    if name == "cuda" and not torch.cuda.is_available():
-        raise RetrofitError("--device cuda: no CUDA device is available; use auto or cpu")
-    return torch.device(name)
+    """--device: 'auto' (CUDA when available, else the CPU), 'cpu' or 'cuda' (RetrofitError without
+    CUDA), as the loader resolves it (`search.hf_model.resolve_device`)."""
+    from attnlab.search.hf_model import resolve_device as resolve
 
-
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+    try:
+        return resolve("auto" if name is None else name)
+    except ValueError as e:
+        raise RetrofitError(f"--{e}") from None
 
 
 def resolve_dtype(name: str | None) -> torch.dtype:
     """--dtype: the original model's weights, 'float32' (default) or 'bfloat16'."""
-    if name is None:
-        return torch.float32
-    if name not in DTYPES:
-        raise RetrofitError(f"--dtype must be one of {', '.join(DTYPES)}, got {name!r}")
-    return DTYPES[name]
+    from attnlab.search.hf_model import resolve_dtype as resolve
+
+    try:
+        return resolve("float32" if name is None else name)
+    except ValueError as e:
+        raise RetrofitError(f"--{e}") from None
 
 
 def tokenizer_encoding(tok):

@@ -2,7 +2,8 @@
 
 The frozen model runs with its normal SDPA attention; the selected layers record their q, k and
 the hidden state entering self-attention. The teacher distribution A^T is rebuilt afterwards from
-the captured q and k, so the forward never needs the eager path.
+the captured q and k, so the forward never needs the eager path. Packed contexts live on the CPU;
+each batch goes to the model's device (`on_device`) as it is read, so what is captured sits there too.
 """
 
 from __future__ import annotations
@@ -15,7 +16,9 @@ import torch
 from attnlab.checks import check_groups
 from attnlab.data.packing import Packed, doc_causal_mask, pack_contexts  # noqa: F401  (search's names)
 
+from .hf_model import model_device
 from .hooks import Installed
+
 
 def load_texts(corpus: str, split: str) -> list[str]:
     """Documents of a corpus split through attnlab.data: 'stdlib' (embedded default), a Hugging Face
@@ -25,11 +28,19 @@ def load_texts(corpus: str, split: str) -> list[str]:
     return load_corpus(corpus, split)
 
 
+def on_device(batch: Packed, device) -> Packed:
+    """The batch with its input_ids, position_ids and segments on `device` (no copy where they are)."""
+    return Packed(batch.input_ids.to(device), batch.position_ids.to(device), batch.segments.to(device))
+
+
 def forward_packed(model, batch: Packed):
-    """The model's logits on packed contexts with the block-causal mask and restarted positions."""
+    """The model's logits on packed contexts with the block-causal mask and restarted positions; the
+    batch goes to the model's device first, and the logits are there."""
+    batch = on_device(batch, model_device(model))
     allowed = doc_causal_mask(batch.segments)
     # additive float mask: read the same way by SDPA, eager and the search attention function
-    mask = torch.zeros(allowed.shape, dtype=model.dtype).masked_fill(~allowed, torch.finfo(model.dtype).min)
+    mask = torch.zeros(allowed.shape, dtype=model.dtype, device=allowed.device).masked_fill(
+        ~allowed, torch.finfo(model.dtype).min)
     return model(input_ids=batch.input_ids, attention_mask=mask, position_ids=batch.position_ids,
                  use_cache=False).logits
 
@@ -46,7 +57,8 @@ class Captured:
 
 @torch.no_grad()
 def capture(model, batch: Packed, layers: Sequence[int]) -> dict[int, Captured]:
-    """Run the frozen model once and return each selected layer's captured activations."""
+    """Run the frozen model once and return each selected layer's captured activations (on the
+    model's device, in its dtype)."""
     out: dict[int, Captured] = {}
 
     def make(i):
@@ -82,6 +94,7 @@ def teacher_attention(q: torch.Tensor, k: torch.Tensor, allowed: torch.Tensor, s
     """
     B, H = q.shape[:2]
     G = check_groups(H, 1 if groups is None else groups, "groups")
+    allowed = allowed.to(q.device)  # the mask follows the captured q, k
     outs = []
     for s in range(0, q.shape[2], chunk):
         p = _head_probs(q, k, allowed, scaling, s, chunk)

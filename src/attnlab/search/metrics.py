@@ -103,7 +103,8 @@ class Tally:
 
 def token_nll(logits: torch.Tensor, input_ids: torch.Tensor, segments: torch.Tensor) -> tuple[float, int]:
     """(sum of NLL, count) of predicting token t+1 from t where both lie in the same document
-    (logits (B, T, V), input_ids and segments (B, T))."""
+    (logits (B, T, V), input_ids and segments (B, T), which go to the logits' device)."""
+    input_ids, segments = input_ids.to(logits.device), segments.to(logits.device)
     same = segments[:, 1:] == segments[:, :-1]
     lp = F.cross_entropy(logits[:, :-1].float().flatten(0, 1), input_ids[:, 1:].flatten(), reduction="none")
     lp = lp.view_as(same)

@@ -15,7 +15,7 @@ import torch
 from attnlab.checks import check_choice, check_groups, check_int
 
 from .capture import teacher_attention
-from .hf_model import attention_modules
+from .hf_model import attention_modules, model_device
 from .hooks import Installed
 from .metrics import Tally, retrieval_stats
 from ..index.ivf import IVFIndex
@@ -169,7 +169,7 @@ def substitute(model, layers, cfg: SelectorConfig, projections: SearchProjection
     accumulates retrieval statistics of every forward. Returns the installed handlers (a context
     manager). Raises TypeError when cfg is not a SelectorConfig, ValueError for layers out of range,
     groups that do not divide the heads, projections of another width or layer_k naming a layer not
-    substituted."""
+    substituted. The projections move to the model's device (in place), where the selectors run."""
     if not isinstance(cfg, SelectorConfig):
         raise TypeError(f"cfg must be a SelectorConfig, got {type(cfg).__name__}")
     check_layers(model, layers)
@@ -183,6 +183,8 @@ def substitute(model, layers, cfg: SelectorConfig, projections: SearchProjection
         raise ValueError(f"layer_k names layers {extra} that are not substituted ({list(layers)})")
     for i, k in layer_k.items():
         check_int(f"layer_k[{i}]", k)
+    if projections is not None:
+        projections.to(model_device(model))
     handlers = {i: RetrieveThenAttend(i, replace(cfg, K=layer_k[i]) if i in layer_k else cfg, projections, tally)
                 for i in layers}
     return Installed(model, handlers)
@@ -204,8 +206,9 @@ def generate(model, input_ids: torch.Tensor, max_new_tokens: int, layers=None,
 
     input_ids: (B, T) int64; cfg: the selector (default: learned, K = 256, the projections' groups);
     projections: as for `substitute`. Raises ValueError as `substitute` does, and for
-    max_new_tokens < 1."""
+    max_new_tokens < 1. input_ids go to the model's device, and so does what is returned."""
     check_int("max_new_tokens", max_new_tokens)
+    input_ids = input_ids.to(model_device(model))
     if layers is None:
         return _greedy(model, input_ids, max_new_tokens)
     if cfg is None:

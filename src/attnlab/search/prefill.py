@@ -15,6 +15,7 @@ from typing import Callable, Iterable
 
 import torch
 
+from .hf_model import model_device
 from .hooks import Installed
 from .patch import check_layers, new_cache
 
@@ -55,6 +56,11 @@ def record_prefix(model, layers) -> tuple[Installed, PrefixRecord]:
     return Installed(model, {i: record.handler(i) for i in layers}), record
 
 
+def _clock(device: torch.device) -> Callable[[], float]:
+    """time.time, after the GPU's queued work has finished where there is one (the timings are per forward)."""
+    if device.type != "cuda":
+        return time.time
+    return lambda: (torch.cuda.synchronize(device), time.time())[1]
 
 
 @torch.no_grad()
@@ -64,26 +70,29 @@ def prefilled_logits(model, layers, input_ids: torch.Tensor, split: int, keep: i
     (name, make_context) of `contexts` the positions from `split` on read inside make_context() (a
     `substitute`d model, primed from the prefill, or None / a null context for full attention), the
     cache cut back to the prefill after each. Returns ({name: (logits of the last `keep` positions
-    (1, keep, V), seconds)}, the prefill's seconds)."""
+    (1, keep, V), seconds)}, the prefill's seconds). input_ids go to the model's device, where the
+    logits are."""
     from attnlab.hf.modeling import CACHE_NAME
 
+    input_ids = input_ids.to(model_device(model))
+    clock = _clock(input_ids.device)
     T = input_ids.shape[1]
     if not 0 < split < T or not 0 < keep <= T - split:
         raise ValueError(f"split must be in 1..{T - 1} and keep in 1..T - split, got split={split}, keep={keep}")
-    t0 = time.time()
+    t0 = clock()
     installed, record = record_prefix(model, layers)
     cache = new_cache(model)
     with installed:
         model(input_ids=input_ids[:, :split], use_cache=True, logits_to_keep=1, **{CACHE_NAME: cache})
-    prefill_s = time.time() - t0
+    prefill_s = clock() - t0
     out = {}
     for name, make in contexts:
-        t1 = time.time()
+        t1 = clock()
         with make() as sub:
             if sub is not None:
                 record.prime(sub)
             logits = model(input_ids=input_ids[:, split:], use_cache=True, logits_to_keep=keep,
                            **{CACHE_NAME: cache}).logits
         cache.crop(split - T)  # back to the prefill
-        out[name] = (logits, time.time() - t1)
+        out[name] = (logits, clock() - t1)
     return out, prefill_s

@@ -3,7 +3,8 @@
 For every configuration the substituted model's perplexity is compared with full attention on the
 same contexts, and Recall@K / Mass@K are measured against each substituted layer's own teacher
 (the head-averaged softmax of its native q.k in that forward). Results are written after every
-configuration, so an interrupted sweep keeps what it finished.
+configuration, so an interrupted sweep keeps what it finished. The contexts stay on the CPU and go
+to the model's device one at a time; the projections move there too.
 """
 
 from __future__ import annotations
@@ -23,7 +24,8 @@ from attnlab.data.cache import atomic_write_text
 from attnlab import interrupt
 from attnlab.lock import FolderLock, check_free
 
-from .capture import forward_packed
+from .capture import forward_packed, on_device
+from .hf_model import model_device, resolve_device, resolve_dtype
 from .lm import FrozenLM, prepare
 from .metrics import Tally, rel_gap
 from .patch import SelectorConfig, substitute
@@ -45,9 +47,12 @@ class EvalConfig:
     n_contexts held-out contexts of `context` tokens from corpus/split (drawn with `seed`); groups:
     candidate sets per token (default the checkpoint's, else 1). page, n_sink, hnsw_m,
     hnsw_ef_search, ivf_nlist, ivf_nprobe: the methods' knobs (`SelectorConfig`); wide_layers / wide_factor: a layer set
-    whose layers retrieve wide_factor × K keys. Results go to `out`. Raises ValueError for methods
-    not in METHODS, an empty layer_sets, a learned method without checkpoint, or neither checkpoint
-    nor model.
+    whose layers retrieve wide_factor × K keys. Results go to `out`. device: where the frozen model
+    loads and the evaluation runs ('auto': CUDA when available, else the CPU; 'cpu'; 'cuda'; the
+    FAISS indexes of the -hnsw / -ivf methods stay on the CPU); dtype: the frozen model's weights
+    ('float32' or 'bfloat16'). Raises ValueError for methods not in METHODS, an empty layer_sets, a
+    learned method without checkpoint, neither checkpoint nor model, or a device or dtype it cannot
+    use ('cuda' without a CUDA device).
     """
 
     checkpoint: str | None = None  # trained projections; needed by the learned methods
@@ -70,6 +75,8 @@ class EvalConfig:
     wide_layers: str | None = None  # a layer set whose substituted layers search wide_factor x K keys
     wide_factor: int = 1
     out: str = "runs/search-eval"
+    device: str = "auto"  # where the frozen model loads and the evaluation runs: auto (CUDA when available), cpu, cuda
+    dtype: str = "float32"  # the frozen model's weights: float32 or bfloat16
 
     def __post_init__(self):
         self.ks = [check_int("K", k) for k in self.ks]
@@ -87,6 +94,8 @@ class EvalConfig:
             raise ValueError("the learned methods need --checkpoint (trained search projections)")
         if self.checkpoint is None and self.model is None:
             raise ValueError("model must be given when there is no checkpoint to take it from")
+        resolve_device(self.device)
+        resolve_dtype(self.dtype)
 
 
 def _full_key(lm: FrozenLM, packed) -> str:
@@ -108,8 +117,9 @@ def full_baseline(lm: FrozenLM, packed, cache_dir=None, bar=None) -> dict:
             bar.update(len(packed))
         return json.loads(path.read_text())
     full = Tally()
+    device = model_device(lm.model)
     for i in range(len(packed)):
-        b = packed.batch(i)
+        b = on_device(packed.batch(i), device)
         full.add_nll(forward_packed(lm.model, b), b.input_ids, b.segments)
         if bar is not None:
             bar.update()
@@ -123,7 +133,8 @@ def run_eval(cfg: EvalConfig, lm: FrozenLM | None = None, progress: bool = True,
     """Run the evaluation; returns the results dict (also written as results.json, results.md and
     gap_vs_k.png under cfg.out): full attention's perplexity, and per (layer set, method, K) the
     perplexity, its relative gap in %, Recall@K, Mass@K and the filler rate. lm: an already loaded
-    `FrozenLM` (default: load the model).
+    `FrozenLM` (default: load the model on cfg.device in cfg.dtype; a given one stays where it is and
+    the evaluation follows it).
     full_cache: a folder where full attention's perplexity is kept per (model, contexts).
     cfg.out is locked while it is written (FolderBusy if another process writes it); SIGINT/SIGTERM
     stop it after the current (method, K), with the rows so far written."""
@@ -157,17 +168,21 @@ def _run_eval(cfg: EvalConfig, lm: FrozenLM | None, progress: bool, full_cache, 
 
     specs = list(cfg.layer_sets) + ([cfg.wide_layers] if cfg.wide_layers else [])
     lm, sets, packed = prepare(model_spec, specs, cfg.corpus, cfg.split, cfg.context, cfg.n_contexts,
-                               cfg.seed, lm=lm, check=check)
+                               cfg.seed, lm=lm, check=check, device=resolve_device(cfg.device),
+                               dtype=resolve_dtype(cfg.dtype))
+    device = model_device(lm.model)
     wide = set(sets.pop()) if cfg.wide_layers else set()
     if proj is not None and proj.d_model != lm.dims.d_model:
         raise ValueError(f"checkpoint d_model={proj.d_model} does not match the model's {lm.dims.d_model}")
+    if proj is not None:
+        proj.to(device)  # loaded on the CPU; the learned selectors run beside the model
     out = Path(cfg.out)
     stack.enter_context(FolderLock(out))
     stack.enter_context(interrupt.graceful())
     n_cfg = len(sets) * len(cfg.methods) * len(cfg.ks)
     bar = tqdm(total=len(packed) * (1 + n_cfg), desc="search eval", disable=not progress)
     results = {"config": asdict(cfg), "groups": resolved["groups"], "model": lm.name, "dims": asdict(lm.dims),
-               "layer_sets": {}, "rows": []}
+               "device": str(device), "layer_sets": {}, "rows": []}
     t0 = time.time()
     with torch.no_grad():
         results["full"] = full_baseline(lm, packed, full_cache, bar)
@@ -182,7 +197,7 @@ def _run_eval(cfg: EvalConfig, lm: FrozenLM | None, progress: bool, full_cache, 
                     t1 = time.time()
                     layer_k = {l: K * cfg.wide_factor for l in layers if l in wide}
                     for i in range(len(packed)):
-                        b = packed.batch(i)
+                        b = on_device(packed.batch(i), device)
                         with substitute(lm.model, layers, sel, proj, tally, layer_k):
                             tally.add_nll(forward_packed(lm.model, b), b.input_ids, b.segments)
                         bar.update()

@@ -18,6 +18,9 @@ cache, and only the question and answer positions attend through the method: the
 decoder that prefills exactly and retrieves at each step, as Quest and RetrievalAttention are
 evaluated). Under "full" one exact prefill per example serves every method: its selectors are
 primed from it (`prefill.record_prefix`).
+
+The examples are generated on the CPU; each goes to the model's device (`device`, weights in
+`dtype`) as it is read, and the answers are scored there.
 """
 
 from __future__ import annotations
@@ -26,7 +29,7 @@ import contextlib
 import hashlib
 import json
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import MISSING, asdict, dataclass, field, fields
 from pathlib import Path
 from typing import Callable
 
@@ -41,7 +44,8 @@ from attnlab.data.synthetic import IGNORE, PASSKEY_QUESTION, passkey
 
 from .capture import load_texts
 from .hf_model import (ModelDims, ModelSource, check_layer_spec, hf_encode, load_hf_config, load_model,
-                       load_tokenizer, model_dims, resolve_layers, resolve_source)
+                       load_tokenizer, model_device, model_dims, resolve_device, resolve_dtype, resolve_layers,
+                       resolve_source)
 from .lm import FrozenLM
 from ..index.ivf import IVFIndex
 from .patch import SelectorConfig, substitute
@@ -73,7 +77,10 @@ class TaskConfig:
     layers of `layer_set`. groups: candidate sets per token for every method (default: the
     checkpoint's, else 1). corpus/split: the held-out text the needle task uses as haystack.
     prefill: "selected" (every position through the method) or "full" (the haystack exactly, the
-    question and answer through the method; module docstring).
+    question and answer through the method; module docstring). device: where the model loads and
+    the examples run ('auto': CUDA when available, else the CPU; 'cpu'; 'cuda'); dtype: the model's
+    weights ('float32' or 'bfloat16'). A rerun on another device resumes the same results; another
+    dtype is another configuration.
     """
 
     checkpoint: str | None = None
@@ -97,6 +104,8 @@ class TaskConfig:
     seed: int = 0
     prefill: str = "selected"
     out: str = "runs/search-tasks"
+    device: str = "auto"  # where the model loads and the examples run: auto (CUDA when available), cpu, cuda
+    dtype: str = "float32"  # the model's weights: float32 or bfloat16
 
     def __post_init__(self):
         self.tasks = check_name_list("tasks", self.tasks, TASKS)
@@ -120,6 +129,8 @@ class TaskConfig:
         check_int("seed", self.seed, 0)
         IVFIndex.check_args(self.ivf_nlist, self.ivf_nprobe, None)
         check_choice("prefill", self.prefill, PREFILLS)
+        resolve_device(self.device)
+        resolve_dtype(self.dtype)
         if self.checkpoint is not None and (not isinstance(self.checkpoint, str) or not self.checkpoint):
             raise ValueError(f"checkpoint must be None or a path, got {self.checkpoint!r}")
         learned = [m for m in self.methods if _needs_checkpoint(m)]
@@ -131,6 +142,9 @@ class TaskConfig:
     def combos(self) -> list[tuple[str, int | None]]:
         """(method, K) in run order: full attention (K None) first, then each method at each K."""
         return task_combos(self.methods, self.ks)
+
+
+_DEFAULTS = {f.name: f.default for f in fields(TaskConfig) if f.default is not MISSING}
 
 
 class _Tokenizer:
@@ -182,6 +196,8 @@ def _rows_in(out: Path, header: dict) -> list:
         raise ValueError(f"out={str(out)!r} holds a results.json that cannot be read ({e}); "
                          "remove it or choose another out") from None
     theirs = {k: old.get(k) for k in header}
+    if isinstance(theirs.get("config"), dict):  # results written before a field existed ran with its default
+        theirs["config"] = {**{k: v for k, v in _DEFAULTS.items() if k in header["config"]}, **theirs["config"]}
     if theirs != header:
         keys = sorted(set(header.get("config", {})) | set(theirs.get("config") or {}))
         diff = [k for k in keys if (theirs.get("config") or {}).get(k) != header["config"].get(k)]
@@ -236,6 +252,7 @@ def plan_tasks(cfg: TaskConfig, lm: FrozenLM | None = None) -> TaskPlan:
 
     conf = asdict(cfg)
     conf.pop("out")
+    conf.pop("device")  # where the cells run does not change what they score
     header = json.loads(json.dumps({"config": conf, "model": name,
                                     "checkpoint_sha256": _digest(cfg.checkpoint) if cfg.checkpoint else None}))
     previous = _rows_in(Path(cfg.out), header)
@@ -267,19 +284,21 @@ def answer_logits(model, input_ids: torch.Tensor, labels: torch.Tensor) -> tuple
     """One teacher-forced forward of `input_ids` (B, T); returns the logits (B, n, V) and labels
     (B, n) of the last n positions, from the first labelled one on. Only those n positions go
     through the output head (`logits_to_keep`), which keeps an 8K-token forward from holding a
-    (T, vocab) logit matrix."""
+    (T, vocab) logit matrix. input_ids go to the model's device; the labels stay where they are."""
     marked = (labels != IGNORE).any(0).nonzero()
     if marked.numel() == 0:
         raise ValueError("labels mark no answer position")
     first = int(marked[0, 0])
     keep = input_ids.shape[1] - first
-    logits = model(input_ids=input_ids, use_cache=False, logits_to_keep=keep).logits  # (B, n, V)
+    logits = model(input_ids=input_ids.to(model_device(model)), use_cache=False,
+                   logits_to_keep=keep).logits  # (B, n, V)
     return logits, labels[:, first:]
 
 
 def score(logits: torch.Tensor, labels: torch.Tensor) -> tuple[int, int, int]:
     """(examples with every answer token right, answer tokens right, answer tokens) of logits
-    (B, n, V) against labels (B, n) (IGNORE where nothing is asked)."""
+    (B, n, V) against labels (B, n) (IGNORE where nothing is asked), on the logits' device."""
+    labels = labels.to(logits.device)
     asked = labels != IGNORE
     hit = (logits.argmax(-1) == labels) & asked
     solved = (hit | ~asked).all(-1) & asked.any(-1)
@@ -291,10 +310,11 @@ def run_tasks(cfg: TaskConfig, lm: FrozenLM | None = None, progress: bool = True
     example at batch 1; write results.json and results.md under cfg.out after each cell.
 
     Everything that can be checked without the weights is checked first (`plan_tasks`); the weights
-    load only when some cell is still to run. `plan`: what plan_tasks(cfg, lm) returned, when the
+    load only when some cell is still to run, on cfg.device in cfg.dtype (a given `lm` stays where it
+    is). `plan`: what plan_tasks(cfg, lm) returned, when the
     caller has already planned (the CLI does, to report bad input as a usage error). Returns the
-    results dict (config, model, layers, groups, rows of {task, length, depth, method, K, accuracy,
-    token_accuracy, n, ...})."""
+    results dict (config, model, layers, groups, device, rows of {task, length, depth, method, K,
+    accuracy, token_accuracy, n, ...})."""
     plan = plan_tasks(cfg, lm) if plan is None else plan
     out = Path(cfg.out)
     rows = list(plan.previous)
@@ -306,7 +326,11 @@ def run_tasks(cfg: TaskConfig, lm: FrozenLM | None = None, progress: bool = True
         results["complete"] = True
         return results
     check_free(out)
-    model = lm.model if lm is not None else load_model(plan.source)
+    model = lm.model if lm is not None else load_model(plan.source, resolve_dtype(cfg.dtype),
+                                                        resolve_device(cfg.device))
+    if plan.projections is not None:
+        plan.projections.to(model_device(model))  # loaded on the CPU; the learned selectors run beside the model
+    results["device"] = str(model_device(model))
     with FolderLock(out), interrupt.graceful():
         return _run_cells(cfg, plan, model, todo, results, rows, progress)
 

@@ -4,6 +4,10 @@ Activations of the selected layers are captured from the frozen model (block-cau
 contexts) and kept in memory or cached on disk, so later epochs do not re-run the model. Each
 step rebuilds the teacher from the captured q/k and minimises alpha * L_NCE + beta * L_KL averaged
 over layers. Checkpoints (projections + optimizer state) are written atomically; `resume` picks up.
+
+Everything runs where the frozen model is (`device`, in `dtype`): captured activations (read back
+from disk onto it), the block-causal masks, the projections (float32) and their optimizer.
+Checkpoints are written from CPU copies, so a run started on one device resumes on another.
 """
 
 from __future__ import annotations
@@ -26,6 +30,7 @@ from attnlab.lock import FolderLock, check_free
 from attnlab.data.packing import doc_causal_mask
 
 from .capture import Captured, Packed, capture, teacher_attention
+from .hf_model import model_device, resolve_device, resolve_dtype
 from .lm import FrozenLM, prepare
 from ..index.projections import SearchProjections, search_losses
 from .retrieval import check_group_spec, resolve_groups
@@ -44,9 +49,12 @@ class SearchTrainConfig:
     teacher's k_pos top keys (temperature tau) + beta · KL to the teacher distribution. Data:
     n_contexts packed contexts of `context` tokens from corpus/split; steps of AdamW at lr with
     `warmup` steps; `query_rows` scores that many query rows per step (0: all). `activations` keeps
-    captured activations on disk under `out`, in memory, or recomputes them. Checkpoints go to
-    out/projections.safetensors every checkpoint_every steps and `resume` continues from it. Bad
-    values raise ValueError (or NotAnIntError) naming the field.
+    captured activations on disk under `out`, in memory (on the model's device), or recomputes them.
+    Checkpoints go to out/projections.safetensors every checkpoint_every steps and `resume` continues
+    from it. device: where the frozen model loads and training runs ('auto': CUDA when available,
+    else the CPU; 'cpu'; 'cuda'); dtype: the frozen model's weights ('float32' or 'bfloat16'; the
+    projections train in float32 either way). Bad values raise ValueError (or NotAnIntError) naming
+    the field, 'cuda' without a CUDA device included.
     """
 
     model: str = "smollm2"
@@ -74,6 +82,8 @@ class SearchTrainConfig:
     out: str = "runs/search"
     seed: int = 0
     resume: bool = True
+    device: str = "auto"  # where the frozen model loads and training runs: auto (CUDA when available), cpu, cuda
+    dtype: str = "float32"  # the frozen model's weights: float32 or bfloat16
 
     def __post_init__(self):
         for name in ("d_search", "k_pos", "context", "n_contexts", "steps", "log_every", "checkpoint_every", "eval_k"):
@@ -88,16 +98,23 @@ class SearchTrainConfig:
         check_group_spec(self.groups)
         if self.activations not in ("disk", "memory", "none"):
             raise ValueError(f"activations must be 'disk', 'memory' or 'none', got {self.activations!r}")
+        resolve_device(self.device)
+        resolve_dtype(self.dtype)
 
 
 class ActivationStore:
-    """Captured activations per context: computed on first use, then served from memory or disk."""
+    """Captured activations per context: computed on first use, then served from memory or disk, on
+    the model's device."""
 
     def __init__(self, lm: FrozenLM, packed: Packed, layers: list[int], mode: str, folder: Path | None):
         self.lm, self.packed, self.layers, self.mode, self.folder = lm, packed, layers, mode, folder
+        self.device = model_device(lm.model)
         self.mem: dict[int, dict[int, Captured]] = {}
+        weights = next(lm.model.parameters()).dtype
         self.tag = json.dumps({"model": lm.name, "layers": layers, "context": packed.input_ids.shape[1],
-                               "ids": int(packed.input_ids.sum())})
+                               "ids": int(packed.input_ids.sum()),
+                               # another dtype captures other activations; float32 caches keep their old tag
+                               **({"dtype": str(weights)} if weights != torch.float32 else {})})
 
     def _path(self, i: int) -> Path:
         return self.folder / f"ctx_{i:05d}.safetensors"
@@ -113,8 +130,8 @@ class ActivationStore:
             if meta.get("tag") != self.tag:
                 return None
             sc = json.loads(meta["scaling"])
-            return {l: Captured(f.get_tensor(f"{l}.hidden").float(), f.get_tensor(f"{l}.q").float(),
-                                f.get_tensor(f"{l}.k").float(), sc[str(l)]) for l in self.layers}
+            return {l: Captured(*(f.get_tensor(f"{l}.{n}").to(self.device).float() for n in ("hidden", "q", "k")),
+                                sc[str(l)]) for l in self.layers}
 
     def _write(self, i: int, caps: dict[int, Captured]) -> None:
         tensors = {}
@@ -155,7 +172,11 @@ def step_losses(proj: SearchProjections, caps: dict[int, Captured], segments: to
 
     rows: score only these query positions (every key stays a candidate). Both losses are means
     over query rows, so over uniformly drawn rows their expectation is the full loss, while the
-    teacher and the dense logits shrink from T x T to len(rows) x T."""
+    teacher and the dense logits shrink from T x T to len(rows) x T. segments and rows go to the
+    projections' device (where the captured activations are)."""
+    device = next(proj.parameters()).device
+    segments = segments.to(device)
+    rows = None if rows is None else rows.to(device)
     allowed4 = doc_causal_mask(segments)  # (B, 1, T, T)
     if rows is not None:
         allowed4 = allowed4[:, :, rows]  # (B, 1, n, T)
@@ -188,7 +209,7 @@ def step_losses(proj: SearchProjections, caps: dict[int, Captured], segments: to
 
 def _optim_tensors(opt: torch.optim.Optimizer) -> tuple[dict, dict]:
     sd = opt.state_dict()
-    tensors = {f"optim.{i}.{k}": v.detach().clone().contiguous() if torch.is_tensor(v) else torch.tensor(v)
+    tensors = {f"optim.{i}.{k}": v.detach().to("cpu", copy=True).contiguous() if torch.is_tensor(v) else torch.tensor(v)
                for i, st in sd["state"].items() for k, v in st.items()}
     return tensors, {"param_groups": sd["param_groups"]}
 
@@ -221,9 +242,11 @@ def train_projections(cfg: SearchTrainConfig, lm: FrozenLM | None = None, progre
     later call resumes); the learning-rate schedule always spans cfg.steps. lm: an already loaded
     `FrozenLM` (default: load cfg.model); progress: show a bar.
 
-    The summary holds checkpoint, layers, steps_done, resumed_from, the last logged row and
-    trainable_params. Raises ValueError for layers or groups the model does not have, FolderBusy when
-    another process writes cfg.out; SIGINT/SIGTERM stop it after the current step with a checkpoint."""
+    The model loads on cfg.device in cfg.dtype; a given `lm` stays where it is and training follows it.
+    The summary holds checkpoint, layers, steps_done, resumed_from, the last logged row,
+    trainable_params and device. Raises ValueError for layers or groups the model does not have,
+    FolderBusy when another process writes cfg.out; SIGINT/SIGTERM stop it after the current step
+    with a checkpoint."""
     resolved = {}
 
     def check(sets, dims):
@@ -231,7 +254,8 @@ def train_projections(cfg: SearchTrainConfig, lm: FrozenLM | None = None, progre
 
     check_free(cfg.out)  # another process writing this output: FolderBusy before the model is loaded
     lm, (layers,), packed = prepare(cfg.model, [cfg.layers], cfg.corpus, cfg.split, cfg.context,
-                                    cfg.n_contexts, cfg.seed, lm=lm, check=check)
+                                    cfg.n_contexts, cfg.seed, lm=lm, check=check, device=resolve_device(cfg.device),
+                                    dtype=resolve_dtype(cfg.dtype))
     with FolderLock(cfg.out), graceful():
         return _train(cfg, lm, layers, packed, resolved["groups"], progress, until)
 
@@ -241,8 +265,10 @@ def _train(cfg: SearchTrainConfig, lm: FrozenLM, layers: list[int], packed: Pack
     out = Path(cfg.out)
     ckpt = out / CHECKPOINT
     torch.manual_seed(cfg.seed)
+    device = model_device(lm.model)
     proj = SearchProjections(layers, lm.dims.d_model, cfg.d_search, cfg.tau, meta={"model": lm.name},
                              rope=cfg.rope, rope_theta=cfg.rope_theta, groups=groups)
+    proj.to(device)  # initialised on the CPU: the same start on every device
     opt = torch.optim.Adam(proj.parameters(), lr=cfg.lr)
     start = 0
     if cfg.resume and ckpt.is_file():
@@ -252,9 +278,9 @@ def _train(cfg: SearchTrainConfig, lm: FrozenLM, layers: list[int], packed: Pack
         if have != want:
             raise ValueError(f"checkpoint {ckpt} was trained with (layers, d_search, d_model, rope, groups)={have}; "
                              f"the config asks {want} (use another --out)")
-        proj.load_state_dict(loaded.state_dict())
+        proj.load_state_dict(loaded.state_dict())  # copied onto proj's device
         if "optim" in meta:
-            _load_optim(opt, extra, meta["optim"])
+            _load_optim(opt, extra, meta["optim"])  # Adam moves its state to its parameters' device
         start = int(meta.get("step", 0))
 
     def lr_at(step):
@@ -310,4 +336,4 @@ def _train(cfg: SearchTrainConfig, lm: FrozenLM, layers: list[int], packed: Pack
     if start >= cfg.steps and not ckpt.is_file():
         save(start)
     return {"checkpoint": str(ckpt), "layers": layers, "steps_done": max(start, stop), "resumed_from": start,
-            "last": last, "trainable_params": sum(p.numel() for p in proj.parameters())}
+            "last": last, "trainable_params": sum(p.numel() for p in proj.parameters()), "device": str(device)}
