@@ -21,6 +21,7 @@ import torch
 
 from attnlab.data.cache import atomic_save_tensors
 from attnlab.interrupt import Interrupted, graceful, requested
+from attnlab.train.checkpoint import optimizer_state_dict, optimizer_tensors
 
 from .convert import RetrofitError
 
@@ -28,12 +29,9 @@ from .convert import RetrofitError
 def save_state(path: Path, params: dict, opt, step: int, state: dict) -> None:
     """Tensors being trained (by name), the optimizer's state and a JSON `state` (+ step) in one
     safetensors file, atomically."""
-    tensors = {f"param.{k}": v.detach().clone().contiguous() for k, v in params.items()}
-    sd = opt.state_dict()
-    for i, st in sd["state"].items():
-        for k, v in st.items():
-            tensors[f"optim.{i}.{k}"] = v.detach().clone().contiguous() if torch.is_tensor(v) else torch.tensor(v)
-    meta = {**state, "step": step, "param_groups": sd["param_groups"]}
+    optim, flat = optimizer_tensors(opt, "optim.")
+    tensors = {**{f"param.{k}": v.detach().clone().contiguous() for k, v in params.items()}, **optim}
+    meta = {**state, "step": step, **flat}
     atomic_save_tensors(path, tensors, {"state": json.dumps(meta)})
 
 
@@ -49,15 +47,7 @@ def load_state(path: Path, opt, fingerprint: dict, what: str) -> tuple[dict, dic
         raise RetrofitError(f"{path} was made with {what} options {meta.get('fingerprint')}; this run asks "
                             f"{fingerprint}: rerun with the same options or use another --out")
     tensors = load_file(str(path))
-    optim: dict = {}
-    for k, v in tensors.items():
-        if k.startswith("optim."):
-            _, i, name = k.split(".", 2)
-            optim.setdefault(int(i), {})[name] = v
-    groups = meta["param_groups"]
-    for g in groups:
-        g["betas"] = tuple(g["betas"])
-    opt.load_state_dict({"state": optim, "param_groups": groups})
+    opt.load_state_dict(optimizer_state_dict(tensors, meta, "optim."))
     return {k[len("param."):]: v for k, v in tensors.items() if k.startswith("param.")}, meta
 
 

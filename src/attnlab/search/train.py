@@ -27,6 +27,7 @@ from attnlab.checks import check_int
 from attnlab.data.cache import atomic_save_tensors, atomic_write_text
 from attnlab.interrupt import Interrupted, graceful, requested
 from attnlab.lock import FolderLock, check_free
+from attnlab.train.checkpoint import optimizer_state_dict, optimizer_tensors
 from attnlab.data.packing import doc_causal_mask
 
 from .capture import Captured, Packed, capture, teacher_attention
@@ -207,26 +208,6 @@ def step_losses(proj: SearchProjections, caps: dict[int, Captured], segments: to
     return nce_sum / n, kl_sum / n, info
 
 
-def _optim_tensors(opt: torch.optim.Optimizer) -> tuple[dict, dict]:
-    sd = opt.state_dict()
-    tensors = {f"optim.{i}.{k}": v.detach().to("cpu", copy=True).contiguous() if torch.is_tensor(v) else torch.tensor(v)
-               for i, st in sd["state"].items() for k, v in st.items()}
-    return tensors, {"param_groups": sd["param_groups"]}
-
-
-def _load_optim(opt: torch.optim.Optimizer, tensors: dict, meta: dict) -> None:
-    state: dict = {}
-    for key, v in tensors.items():
-        if key.startswith("optim."):
-            _, i, name = key.split(".", 2)
-            state.setdefault(int(i), {})[name] = v
-    groups = meta["param_groups"]
-    for g in groups:
-        if "betas" in g:
-            g["betas"] = tuple(g["betas"])
-    opt.load_state_dict({"state": state, "param_groups": groups})
-
-
 def _logged_step(line: str) -> float:
     try:
         return float(json.loads(line)["step"])
@@ -280,7 +261,7 @@ def _train(cfg: SearchTrainConfig, lm: FrozenLM, layers: list[int], packed: Pack
                              f"the config asks {want} (use another --out)")
         proj.load_state_dict(loaded.state_dict())  # copied onto proj's device
         if "optim" in meta:
-            _load_optim(opt, extra, meta["optim"])  # Adam moves its state to its parameters' device
+            opt.load_state_dict(optimizer_state_dict(extra, meta["optim"], "optim."))  # onto its parameters' device
         start = int(meta.get("step", 0))
 
     def lr_at(step):
@@ -288,7 +269,7 @@ def _train(cfg: SearchTrainConfig, lm: FrozenLM, layers: list[int], packed: Pack
         return cfg.lr * warm * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * step / cfg.steps)))
 
     def save(step):
-        tensors, ometa = _optim_tensors(opt)
+        tensors, ometa = optimizer_tensors(opt, "optim.")
         proj.save(ckpt, tensors, {"step": step, "optim": ometa, "config": asdict(cfg)})
 
     store = ActivationStore(lm, packed, layers, cfg.activations, out / "activations")

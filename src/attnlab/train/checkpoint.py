@@ -103,22 +103,27 @@ def restore_rng(state: dict) -> None:
 # --------------------------------------------------------------------------- optimizer <-> flat tensors
 
 
-def _optimizer_to_flat(optimizer: torch.optim.Optimizer | dict) -> tuple[dict[str, torch.Tensor], dict]:
-    """Split an optimizer state_dict (or the optimizer's) into named tensors and a JSON-able remainder."""
+def optimizer_tensors(optimizer: torch.optim.Optimizer | dict, prefix: str = "") -> tuple[dict[str, torch.Tensor], dict]:
+    """An optimizer's state_dict (or the optimizer's) as named CPU tensors "<prefix><param index>.<key>"
+    and a JSON-able remainder {"param_groups", "scalars"} (its non-tensor values): the one flat form of
+    optimizer state in attnlab's files (training checkpoints, retrofit and search state files)."""
     sd = optimizer if isinstance(optimizer, dict) else optimizer.state_dict()
     tensors, scalars = {}, {}
     for idx, per_param in sd["state"].items():
         for key, value in per_param.items():
             if isinstance(value, torch.Tensor):
-                tensors[f"{idx}.{key}"] = value.detach().contiguous().cpu()
+                tensors[f"{prefix}{idx}.{key}"] = value.detach().to("cpu", copy=True).contiguous()
             else:
                 scalars[f"{idx}.{key}"] = value
     return tensors, {"param_groups": sd["param_groups"], "scalars": scalars}
 
 
-def _optimizer_from_flat(tensors: dict[str, torch.Tensor], meta: dict) -> dict:
+def optimizer_state_dict(tensors: dict[str, torch.Tensor], meta: dict, prefix: str = "") -> dict:
+    """The state_dict that `optimizer_tensors` flattened (tensors whose names lack `prefix` are
+    ignored), for `optimizer.load_state_dict`; list-valued group options come back as tuples."""
     state: dict[int, dict] = {}
-    for name, value in list(tensors.items()) + list(meta["scalars"].items()):
+    flat = [(k[len(prefix):], v) for k, v in tensors.items() if k.startswith(prefix)]
+    for name, value in flat + list(meta.get("scalars", {}).items()):
         idx, key = name.split(".", 1)
         state.setdefault(int(idx), {})[key] = value
     groups = [{k: (tuple(v) if isinstance(v, list) and k != "params" else v) for k, v in g.items()} for g in meta["param_groups"]]
@@ -161,7 +166,7 @@ def save_checkpoint(
         payload = dict(state, step=step)
         if optimizer is not None:
             current = final / "optimizer.safetensors"
-            tensors, meta = _optimizer_to_flat(optimizer)
+            tensors, meta = optimizer_tensors(optimizer)
             save_file(tensors, str(tmp / "optimizer.safetensors"))
             files.append("optimizer.safetensors")
             payload["optimizer"] = meta
@@ -319,6 +324,6 @@ def optimizer_state(path: str | os.PathLike, state: dict, device: str | torch.de
     `load_checkpoint` or `verify_checkpoint` returns it)."""
     file = Path(path) / "optimizer.safetensors"
     try:
-        return _optimizer_from_flat(load_file(str(file), device=str(device)), state["optimizer"])
+        return optimizer_state_dict(load_file(str(file), device=str(device)), state["optimizer"])
     except SafetensorError as e:
         raise _damaged(file, f"not a readable safetensors file ({e})") from None
