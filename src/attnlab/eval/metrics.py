@@ -18,6 +18,7 @@ import torch.nn.functional as F
 
 from ..data.packing import TokenStream, sequential_batches
 from ..checks import check_groups, check_int, check_same, check_tensor
+from ..models.lm import token_loss
 from ..ops._sdpa import expand_heads
 
 TOPK_KS = (8, 16, 32, 64)
@@ -210,7 +211,7 @@ def lm_loss(
         if not isinstance(logits, torch.Tensor) or logits.dim() != 3 or logits.shape[:2] != y.shape:
             got = tuple(logits.shape) if isinstance(logits, torch.Tensor) else type(logits).__name__
             raise ValueError(f"model must return logits of shape (B, T, V) with (B, T) = {tuple(y.shape)}, got {got}")
-        loss = F.cross_entropy(logits.float().flatten(0, 1), y.flatten(), ignore_index=-100, reduction="sum")
+        loss = token_loss(logits, y, reduction="sum")
         total += float(loss)
         count += int((y != -100).sum())
         n += 1

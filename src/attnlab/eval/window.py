@@ -13,9 +13,9 @@ import contextlib
 from typing import Iterator
 
 import torch
-import torch.nn.functional as F
 
 from ..models.decode import DecodeOptions, sorted_cache_layers
+from ..models.lm import token_loss
 
 
 def windowed_layers(model) -> list:
@@ -72,7 +72,7 @@ def compressed_loss(model, idx: torch.Tensor, targets: torch.Tensor, window: int
 
 def next_token_loss(logits: torch.Tensor, targets: torch.Tensor) -> float:
     """Mean cross-entropy of logits (B, T, V) against targets (B, T) (-100 skipped)."""
-    return float(F.cross_entropy(logits.float().flatten(0, 1), targets.flatten(), ignore_index=-100))
+    return float(token_loss(logits, targets))
 
 
 __all__ = ["compressed_loss", "decode_window", "next_token_loss", "stepped_logits", "windowed_layers"]

@@ -117,12 +117,17 @@ class Block(nn.Module):
         return x + self.mlp(self.norm2(x))
 
 
-def token_loss(logits: torch.Tensor, targets: torch.Tensor, num_items_in_batch=None) -> torch.Tensor:
+def token_loss(logits: torch.Tensor, targets: torch.Tensor, num_items_in_batch=None,
+               reduction: str = "mean") -> torch.Tensor:
     """Cross-entropy of logits (B, T, V) against targets (B, T), positions with target -100 left out,
     computed in >= float32: the mean over the counted positions, or, given num_items_in_batch (an int
-    or a tensor; transformers' Trainer passes it under gradient accumulation), their sum divided by it.
-    The loss of `LM.forward` and of `attnlab.hf`'s forward (with the labels shifted there)."""
+    or a tensor; transformers' Trainer passes it under gradient accumulation), their sum divided by it;
+    reduction "sum" (their sum) or "none" (every position's, (B*T,), 0 where left out). The loss of
+    `LM.forward` and of `attnlab.hf`'s forward (with the labels shifted there), and what evaluation,
+    retrofit fine-tuning and search's perplexity score."""
     lg = logits.to(upcast(logits.dtype)).flatten(0, 1)  # (B*T, V)
+    if reduction != "mean":
+        return F.cross_entropy(lg, targets.flatten(), ignore_index=-100, reduction=reduction)
     if num_items_in_batch is None:
         return F.cross_entropy(lg, targets.flatten(), ignore_index=-100)
     total = F.cross_entropy(lg, targets.flatten(), ignore_index=-100, reduction="sum")

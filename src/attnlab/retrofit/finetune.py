@@ -35,6 +35,7 @@ import torch
 import torch.nn.functional as F
 
 from attnlab.lock import FolderLock
+from attnlab.models.lm import token_loss
 
 from .convert import RetrofitError, new_parameters
 from .evaluate import logits as _logits, model_device, perplexity, split_contexts
@@ -128,7 +129,7 @@ def _losses(model, ids: torch.Tensor, original, kl: float, align: float = 0.0) -
         extra["align"] = regularization([a.last for a in model.model.attention_layers()], {"align": 1.0})["total"]
     else:
         logits = _logits(model, ids)[:, :-1].float()  # (B, T-1, V)
-    ce = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), ids[:, 1:].reshape(-1))
+    ce = token_loss(logits, ids[:, 1:])
     total = ce + align * extra["align"] if align > 0 else ce
     if kl > 0 and original is not None:
         with torch.no_grad():

@@ -17,7 +17,8 @@ import math
 from dataclasses import dataclass, field
 
 import torch
-import torch.nn.functional as F
+
+from attnlab.models.lm import token_loss
 
 from .sparse import candidate_mask
 
@@ -106,7 +107,7 @@ def token_nll(logits: torch.Tensor, input_ids: torch.Tensor, segments: torch.Ten
     (logits (B, T, V), input_ids and segments (B, T), which go to the logits' device)."""
     input_ids, segments = input_ids.to(logits.device), segments.to(logits.device)
     same = segments[:, 1:] == segments[:, :-1]
-    lp = F.cross_entropy(logits[:, :-1].float().flatten(0, 1), input_ids[:, 1:].flatten(), reduction="none")
+    lp = token_loss(logits[:, :-1], input_ids[:, 1:], reduction="none")
     lp = lp.view_as(same)
     return float(lp[same].sum()), int(same.sum())
 

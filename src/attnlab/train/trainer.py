@@ -29,6 +29,7 @@ from tqdm.auto import tqdm
 from attnlab.data.cache import atomic_write_text
 from attnlab.interrupt import Interrupted, graceful, requested
 from attnlab.lock import FolderLock
+from attnlab.models.lm import token_loss
 from attnlab.regularizers import regularization
 
 from . import ddp
@@ -211,7 +212,7 @@ class Trainer:
             with autocast(self.device, self.cfg.train.dtype):
                 logits, _ = self.model(x, doc_ids=doc_ids)
             mask = y != -100
-            loss_sum += float(torch.nn.functional.cross_entropy(logits.float()[mask], y[mask], reduction="sum"))
+            loss_sum += float(token_loss(logits, y, reduction="sum"))
             count += float(mask.sum())
             correct += float((logits.argmax(-1)[mask] == y[mask]).sum())
         self.model.train()
