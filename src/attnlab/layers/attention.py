@@ -15,7 +15,6 @@ docs/mechanisms.md; adding one is walked through in docs/adding-a-mechanism.md.
 
 from __future__ import annotations
 
-import math
 
 from dataclasses import dataclass
 from typing import Any, ClassVar
@@ -24,6 +23,7 @@ import torch
 from torch import nn
 
 from ..cache.kv import KVCache, RecurrentState
+from ..cache.options import DecodeOptions
 from ..checks import check_finite
 from ..data.packing import positions_in_doc
 from .config import AttentionConfig
@@ -363,27 +363,13 @@ class Attention(nn.Module):
         """
         if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1:
             raise ValueError(f"batch_size must be an int >= 1, got {batch_size!r}")
-        if window is not None:
-            if not self.n_scalar:
-                raise ValueError(
-                    f"window is for scalar and hybrid heads; mechanism {self.mechanism!r} has none (got window={window!r})"
-                )
-            if isinstance(window, bool) or not isinstance(window, int) or window < 1:
-                raise ValueError(f"window must be an int >= 1 or None, got {window!r}")
+        if window is not None and not self.n_scalar:
+            raise ValueError(
+                f"window is for scalar and hybrid heads; mechanism {self.mechanism!r} has none (got window={window!r})"
+            )
         if max_len is not None and "cosformer_max_len" not in self.options:
             raise ValueError(f"max_len is the cosformer horizon; mechanism {self.mechanism!r} takes none (got {max_len!r})")
-        if budget is not None:
-            if window is None:
-                raise ValueError(f"budget={budget!r} caps the sorted scalar cache: give a window as well")
-            if isinstance(budget, bool) or not isinstance(budget, int) or budget < 1:
-                raise ValueError(f"budget must be an int >= 1 or None, got {budget!r}")
-        if compress is not None:
-            if window is None:
-                raise ValueError(f"compress={compress!r} merges keys of the sorted scalar cache: give a window as well")
-            if isinstance(compress, bool) or not isinstance(compress, (int, float)) or not 0 <= compress < math.inf:
-                raise ValueError(f"compress must be a finite float >= 0 (the key span merged) or None, got {compress!r}")
-        if not isinstance(exact, bool) or (exact and window is not None):
-            raise ValueError(f"exact must be a bool, and exact=True takes no window (got exact={exact!r}, window={window!r})")
+        DecodeOptions(window=window, budget=budget, compress=compress, exact=exact)  # the values, as every decode checks them
         cache = LayerCache(batch_size, window=window, budget=budget, compress=None if compress is None else float(compress),
                            exact=exact)
         self.init_cache(cache, window, max_len)

@@ -15,8 +15,8 @@ call per group per step; a batch of equal lengths (no padding) is one group, the
 path. `LM.generate(..., attention_mask=)` and the Hugging Face wrapper (`attnlab.hf`) decode
 through this class.
 
-Also here, each in one place: `DecodeOptions`, the options of a decode (window, budget, compress,
-exact, selector), checked when made and against a model by `DecodeOptions.check`, which
+Also here: `DecodeOptions` (from `attnlab.cache.options`, where the caches check the same values),
+the options of a decode, checked when made and against a model by `DecodeOptions.check`, which
 `LM.make_caches`, `LM.generate`, `DecodeState`, `attnlab.hf` and `attnlab eval` use; and
 `padding_mask`, the padding rule of every attention_mask (left padding to decode, left or right for
 a forward without a cache, never a pad between real tokens).
@@ -28,109 +28,8 @@ from dataclasses import dataclass
 
 import torch
 
-from attnlab.cache.selected import DecodeSelector
-
-
-def selectable_layers(model) -> list[tuple[int, object]]:
-    """(block index, layer) of each attention layer of `model` (an LM) that decodes through the sorted
-    scalar cache (scalar and hybrid): the layers a `DecodeSelector` reads keys for."""
-    blocks = getattr(model, "blocks", None)
-    if blocks is None:
-        raise TypeError(f"model must be an attnlab LM (with .blocks), got {type(model).__name__}")
-    return [(i, blk.attn) for i, blk in enumerate(blocks)
-            if getattr(blk.attn, "sorted_decode", False) and blk.attn.n_scalar]
-
-
-def sorted_cache_layers(model) -> list[tuple[int, object]]:
-    """(block index, layer) of each layer that `window=k` sends through the sorted scalar cache: the
-    selectable layers that do not read a sliding window (as `attnlab.eval.window.windowed_layers`)."""
-    return [(i, layer) for i, layer in selectable_layers(model) if getattr(layer.config, "sliding_window", None) is None]
-
-
-class DecodeOptionError(ValueError):
-    """A decode option out of range, or impossible beside another option or with the model. `names`
-    are the options it is about, the one to change first (a command line maps them to its flags)."""
-
-    def __init__(self, message: str, *names: str):
-        super().__init__(message)
-        self.names = names
-
-
-def _bad_int(value) -> bool:
-    return isinstance(value, bool) or not isinstance(value, int) or value < 1
-
-
-@dataclass(frozen=True)
-class DecodeOptions:
-    """How an `LM` decodes: the keyword arguments of `LM.make_caches` and `LM.generate`, and of
-    `attnlab.hf`'s `AttnlabCache` and `generate`, checked here once.
-
-    window: scalar/hybrid layers decode from the sorted scalar cache over the `window` nearest keys
-        (None: exact caches; a layer trained through a window still decodes through it).
-    budget: (with window) each sorted cache keeps at most `budget` keys per head, evicted after each step.
-    compress: (with window) each sorted cache merges runs of 4 keys spanning <= compress after each step.
-    exact: layers trained through a window (`train_window`) decode over every key; takes no window.
-    selector: an `attnlab.cache.selected.DecodeSelector`: scalar/hybrid layers read the K keys its
-        search projections find; takes no window, budget or compress.
-
-    Construction checks the values (DecodeOptionError, a ValueError naming the argument; TypeError
-    for a selector of another type); `check(model)` checks them against a model.
-    """
-
-    window: int | None = None
-    budget: int | None = None
-    compress: float | None = None
-    exact: bool = False
-    selector: DecodeSelector | None = None
-
-    def __post_init__(self):
-        window, budget, compress = self.window, self.budget, self.compress
-        if window is not None and _bad_int(window):
-            raise DecodeOptionError(f"window must be an int >= 1 or None, got {window!r}", "window")
-        if budget is not None:
-            if _bad_int(budget):
-                raise DecodeOptionError(f"budget must be an int >= 1 or None, got {budget!r}", "budget")
-            if window is None:
-                raise DecodeOptionError(f"budget={budget!r} caps the sorted scalar cache: give a window as well",
-                                        "budget", "window")
-        if compress is not None:
-            if isinstance(compress, bool) or not isinstance(compress, (int, float)) or not 0 <= compress < float("inf"):
-                raise DecodeOptionError(f"compress must be a finite float >= 0 (the key span merged) or None, "
-                                        f"got {compress!r}", "compress")
-            if window is None:
-                raise DecodeOptionError(f"compress={compress!r} merges keys of the sorted scalar cache: give a window "
-                                        f"as well", "compress", "window")
-        if not isinstance(self.exact, bool) or (self.exact and window is not None):
-            raise DecodeOptionError(f"exact must be a bool, and exact=True takes no window (got exact={self.exact!r}, "
-                                    f"window={window!r})", "exact")
-        if self.selector is not None:
-            if not isinstance(self.selector, DecodeSelector):
-                raise TypeError(f"selector must be an attnlab.cache.selected.DecodeSelector, got "
-                                f"{type(self.selector).__name__}")
-            given = [name for name in ("window", "budget", "compress") if getattr(self, name) is not None]
-            if given:
-                raise DecodeOptionError(
-                    f"give a selector or window/budget/compress, not both: the selector picks the keys "
-                    f"(got {', '.join(f'{n}={getattr(self, n)!r}' for n in given)})", "selector", *given)
-
-    def check(self, model) -> list[tuple[int, object]]:
-        """Raise DecodeOptionError unless `model` (an LM) can decode with these options: a window
-        needs a layer that decodes through the sorted scalar cache, a selector needs scalar/hybrid
-        layers and projections that fit them (`DecodeSelector.check`). Returns the (block index,
-        layer) pairs the selector decodes (none without a selector)."""
-        if self.window is not None and not sorted_cache_layers(model):
-            raise DecodeOptionError(
-                f"window={self.window} selects the sorted scalar cache, but no layer has scalar heads that decode "
-                f"through it (model.attn={model.cfg.layer_attn}): scalar and hybrid layers do, unless they read a "
-                f"sliding window (model.attention.sliding_window); give no window", "window")
-        if self.selector is None:
-            return []
-        layers = selectable_layers(model)
-        if not layers:
-            raise DecodeOptionError(f"selector needs scalar or hybrid layers (model.attn={model.cfg.layer_attn})",
-                                    "selector")
-        self.selector.check(layers)
-        return layers
+from attnlab.cache.options import (DecodeOptionError, DecodeOptions, selectable_layers,  # noqa: F401
+                                   sorted_cache_layers)
 
 
 def padding_mask(mask: torch.Tensor, *, right: bool = False, started: torch.Tensor | None = None) -> torch.Tensor:
