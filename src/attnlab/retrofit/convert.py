@@ -82,7 +82,7 @@ def _rope(config) -> float:
 
 def plan(hf_config, layers, mechanism: str, settings: dict | None = None) -> Plan:
     """Check everything from the HF config alone and return the Plan (RetrofitError naming what is wrong)."""
-    from attnlab.search.hf_model import resolve_layers
+    from attnlab.search.hf_model import model_dims, resolve_layers
 
     settings = dict(settings or {})
     check_family(hf_config, "retrofit", RetrofitError)
@@ -96,9 +96,8 @@ def plan(hf_config, layers, mechanism: str, settings: dict | None = None) -> Pla
     if getattr(hf_config, "use_sliding_window", False):
         raise RetrofitError("use_sliding_window=True is not supported: attnlab's softmax layer attends to every key")
     theta = _rope(hf_config)
-    L, C, H = hf_config.num_hidden_layers, hf_config.hidden_size, hf_config.num_attention_heads
-    D = getattr(hf_config, "head_dim", None) or C // H
-    G = getattr(hf_config, "num_key_value_heads", None) or H
+    dims = model_dims(hf_config)
+    L, C, H, D, G = dims.n_layers, dims.d_model, dims.n_heads, dims.head_dim, dims.n_kv_heads
     try:
         chosen = resolve_layers(layers, L)
     except ValueError as e:
