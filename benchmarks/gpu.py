@@ -51,7 +51,8 @@ def run_cuda_tests(doc: dict, timeout: float) -> None:
     try:  # only the files that hold cuda tests: others import packages the GPU machine may lack
         p = subprocess.run([sys.executable, "-m", "pytest", "-q", "-m", "cuda", "-p", "no:cacheprovider", *files],
                            capture_output=True, text=True, timeout=timeout,
-                           env={**os.environ, "PYTHONPATH": str(HERE.parent / "src")})
+                           env={**os.environ, "PYTHONPATH": os.pathsep.join(
+                               [str(HERE.parent / "src"), *filter(None, [os.environ.get("PYTHONPATH")])])})
         tail = (p.stdout + p.stderr)[-3000:]
         doc["cuda_tests"] = {"returncode": p.returncode, "seconds": round(time.time() - t0, 1), "tail": tail}
     except subprocess.TimeoutExpired:
@@ -214,7 +215,8 @@ def train(doc: dict, deadline: float) -> None:
         t0 = time.time()
         try:
             p = subprocess.run(cmd, cwd=HERE.parent, capture_output=True, text=True, timeout=90,
-                               env={**os.environ, "PYTHONPATH": str(HERE.parent / "src")})
+                               env={**os.environ, "PYTHONPATH": os.pathsep.join(
+                               [str(HERE.parent / "src"), *filter(None, [os.environ.get("PYTHONPATH")])])})
             row = {"config": cfg, "returncode": p.returncode, "seconds": round(time.time() - t0, 1),
                    "tail": (p.stdout + p.stderr)[-1500:]}
             summary = run_dir / "summary.json"
