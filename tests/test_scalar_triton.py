@@ -322,3 +322,19 @@ def test_packed_documents_equal_each_document_alone(shape, kernel):
     assert rel_err(out, ref) < 1e-5
     for name, a, b in zip(t, got, want):
         assert rel_err(a, b) < 1e-4, name
+
+
+def test_documents_need_the_kernel_and_their_shape():
+    """docs= on a route without the kernel, of the wrong shape or dtype: one error naming docs."""
+    ins = {n: x.float() for n, x in make(1, 2, 2, 8, 8, 16, 16, hybrid=True).items()}
+    docs = torch.zeros(1, 8, dtype=torch.long)
+    args = (ins["q"], ins["k"], ins["v"], ins["qs"], ins["ks"], ins["tau"])
+    for impl in ("naive", "fast", "auto"):  # the CPU's routes: no kernel
+        with pytest.raises(ValueError, match="docs .packed documents. needs the Triton kernel"):
+            hybrid_attention(*args, impl=impl, docs=docs)
+    with pytest.raises(ValueError, match="docs must have shape"):
+        hybrid_attention(*args, impl="triton", docs=docs[:, :5])
+    with pytest.raises(TypeError, match="docs must be an integer tensor"):
+        scalar_attention(ins["qs"], ins["ks"], ins["v"], ins["tau"], impl="triton", docs=docs.float())
+    with pytest.raises(ValueError, match="window must be None with impl='triton'"):
+        scalar_attention(ins["qs"], ins["ks"], ins["v"], ins["tau"], impl="triton", window=4, docs=docs)

@@ -275,18 +275,6 @@ def _check_v0(v0, H: int, Dv: int, v: torch.Tensor) -> None:
     check_finite("v0", v0)
 
 
-def _doc_counts(docs: torch.Tensor, Tq: int, causal: bool, dtype) -> torch.Tensor:
-    """log K per query under packed documents, (B, 1, Tq): the keys of its own document it sees (up to
-    itself under causal masking, the whole document otherwise)."""
-    from .scalar.triton_op import document_spans
-
-    _, start, end = document_spans(docs)
-    Tk = docs.shape[1]
-    pos = torch.arange(Tk - Tq, Tk, device=docs.device)
-    count = (pos + 1 - start[:, Tk - Tq:]) if causal else (end - start)[:, Tk - Tq:]
-    return count.to(dtype).log()[:, None]
-
-
 def _heads(x: torch.Tensor, H: int) -> torch.Tensor:
     """(B, G, T, D) -> (B, H, T, D): head h reads group h // (H / G)."""
     B, G, T, D = x.shape
@@ -395,7 +383,12 @@ def principled_attention(
     elif window is not None and window < Tk:
         o, w0 = principled_band(q, _heads(k, H), qg, _heads(kg, H), _heads(v, H), params, v0, window)
     else:
-        log_k = key_counts(Tq, Tk, causal, q.device, work).log() if docs is None else _doc_counts(docs, Tq, causal, work)
+        if docs is None:
+            log_k = key_counts(Tq, Tk, causal, q.device, work).log()  # (Tq,)
+        else:  # packed documents (the kernel's): K counts the keys of each query's own document
+            from .principled_triton import document_log_counts
+
+            log_k = document_log_counts(docs, Tq, causal, work)  # (B, 1, Tq)
         c = (1 + F.softplus(params["alpha"]) * log_k).expand(B, H, Tq)  # margin amplification
         spb = F.softplus(params["beta"]).expand(B, H, Tq)
         gam = params["gamma"].expand(B, H, Tq)

@@ -32,7 +32,7 @@ import triton.language as tl
 from .scalar.triton_kernel import LOG2E, _bases, _doc_ids, _doc_span, _load_rows, _mm, _seen_end, interpreted
 from .scalar.triton_op import document_spans
 
-__all__ = ["triton_principled"]
+__all__ = ["document_log_counts", "triton_principled"]
 
 NEG_LOG2E: tl.constexpr = tl.constexpr(-1.4426950408889634)
 
@@ -309,6 +309,16 @@ class _Principled(torch.autograd.Function):
 
         return (dq.to(q.dtype), grouped(dk, groups[0]).to(k.dtype), dqg.to(qg.dtype), grouped(dkg, groups[1]).to(kg.dtype),
                 grouped(dv, groups[2]).to(v.dtype), dc, dspb, dgamma, None, None)
+
+
+def document_log_counts(docs: torch.Tensor, Tq: int, causal: bool, dtype) -> torch.Tensor:
+    """log K per query under packed documents, (B, 1, Tq): the keys of its own document it sees (up to
+    itself under causal masking, the whole document otherwise)."""
+    _, start, end = document_spans(docs)
+    Tk = docs.shape[1]
+    pos = torch.arange(Tk - Tq, Tk, device=docs.device)
+    count = (pos + 1 - start[:, Tk - Tq:]) if causal else (end - start)[:, Tk - Tq:]
+    return count.to(dtype).log()[:, None]
 
 
 def triton_principled(q, k, qg, kg, v, c, spb, gamma, causal: bool, docs: torch.Tensor | None = None):
