@@ -18,7 +18,8 @@ from attnlab.layers.typed_fields import field_problem
 from attnlab.models.config import ConfigError
 
 from attnlab.search import tasks
-from attnlab.search.hf_model import DEVICES, DTYPES, resolve_device, resolve_dtype
+from attnlab.search.hf_model import DTYPES, resolve_device, resolve_dtype
+from attnlab.train.setup import DEVICES
 from attnlab.search.retrieval import METHODS
 from attnlab.search.sweep import DEFAULT_KS, DEFAULT_LAYER_SETS, EvalConfig
 from attnlab.search.train import SearchTrainConfig

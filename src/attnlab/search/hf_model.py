@@ -209,19 +209,16 @@ def load_model(source: ModelSource, dtype: torch.dtype = torch.float32, device: 
     return freeze(model) if frozen else model.eval()
 
 
-DEVICES = ("auto", "cpu", "cuda")
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 
 
 def resolve_device(name: str = "auto") -> torch.device:
     """A config's `device`: 'auto' (CUDA when available, else the CPU), 'cpu' or 'cuda'. ValueError
-    naming `device` for any other value, and for 'cuda' where no CUDA device is available."""
-    check_choice("device", name, DEVICES)
-    if name == "cuda" and not torch.cuda.is_available():
-        raise ValueError("device is 'cuda' but no CUDA device is available; use 'auto' or 'cpu'")
-    if name == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    return torch.device(name)
+    naming `device` for any other value, and for 'cuda' where no CUDA device is available
+    (`attnlab.train.setup.resolve_device`, the one resolution of a device setting)."""
+    from attnlab.train.setup import resolve_device as resolve
+
+    return resolve(name, "device")
 
 
 def resolve_dtype(name: str = "float32") -> torch.dtype:

@@ -14,11 +14,19 @@ from attnlab.models import LM
 from .config import RunConfig
 
 
-def resolve_device(name: str) -> torch.device:
+DEVICES = ("auto", "cpu", "cuda")
+
+
+def resolve_device(name: str = "auto", key: str = "run.device") -> torch.device:
+    """A device setting: 'auto' (CUDA when available, else the CPU), 'cpu' or 'cuda'; ValueError naming
+    `key` for any other value, and for 'cuda' where no CUDA device is available. The one resolution of
+    `run.device`, `attnlab eval --device` and the search and retrofit commands' `device`."""
+    if name not in DEVICES:
+        raise ValueError(f"{key} must be one of {DEVICES}, got {name!r}")
     if name == "auto":
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
     if name == "cuda" and not torch.cuda.is_available():
-        raise ValueError("run.device is 'cuda' but no CUDA device is available; use 'cpu' or 'auto'")
+        raise ValueError(f"{key} is 'cuda' but no CUDA device is available; use 'auto' or 'cpu'")
     return torch.device(name)
 
 
