@@ -300,14 +300,10 @@ class Attention(nn.Module):
         return False
 
     def triton_route(self, device: torch.device) -> bool:
-        """Whether this layer's ops run the Triton kernels on `device`: impl "triton" where they can
-        run (CUDA, or the CPU under TRITON_INTERPRET=1), or "auto" on CUDA with Triton installed."""
-        from ..ops.scalar import triton_missing
+        """Whether this layer's ops run the Triton kernels on `device` (`ops.scalar.triton_route`)."""
+        from ..ops.scalar.attention import triton_route
 
-        impl = self.config.impl
-        if impl == "auto" and device.type != "cuda":
-            return False
-        return impl in ("auto", "triton") and triton_missing(device) is None
+        return triton_route(self.config.impl, device)
 
     def attention_weights(self, x: torch.Tensor) -> torch.Tensor:
         """The mixing weights of every head, from the naive ops.

@@ -189,7 +189,15 @@ def _use_triton(impl: str, device: torch.device, window) -> bool:
         if reason is not None:
             raise ValueError(f"impl='triton' cannot run: {reason}")
         return True
-    return impl == "auto" and device.type == "cuda" and window is None and triton_missing(device) is None
+    return impl == "auto" and window is None and triton_route(impl, device)
+
+
+def triton_route(impl: str, device: torch.device) -> bool:
+    """Whether `impl` runs the Triton kernels on `device` (no error either way): "triton" where they can
+    run (CUDA, or the CPU under TRITON_INTERPRET=1), "auto" on CUDA with Triton installed."""
+    if impl not in ("auto", "triton") or (impl == "auto" and device.type != "cuda"):
+        return False
+    return triton_missing(device) is None
 
 
 def _banded(window, causal: bool, Tk: int, n_prefix: int) -> bool:
