@@ -20,6 +20,7 @@ rel_err, rel_err_grad (errors measured at err_T). `python docs/result_tables.py 
 from __future__ import annotations
 
 import argparse
+import copy
 import json
 import os
 import statistics
@@ -45,19 +46,47 @@ def save(path: Path, doc: dict) -> None:
     tmp.replace(path)
 
 
-def run_cuda_tests(doc: dict, timeout: float) -> None:
+def run_cuda_tests(doc: dict, timeout: float, log: Path) -> None:
+    """`pytest -m cuda` over the files that hold cuda tests, in parallel where pytest-xdist is there,
+    its output streamed to `log` as it runs (a run cut short keeps every result it printed); the
+    outcome of each test (and the ones that never reported) go into doc["cuda_tests"]."""
+    import importlib.util
+    import re
+
     t0 = time.time()
     files = sorted(str(f) for f in (HERE.parent / "tests").glob("test_*.py") if "mark.cuda" in f.read_text())
-    try:  # only the files that hold cuda tests: others import packages the GPU machine may lack
-        p = subprocess.run([sys.executable, "-m", "pytest", "-q", "-m", "cuda", "-p", "no:cacheprovider", *files],
-                           capture_output=True, text=True, timeout=timeout,
-                           env={**os.environ, "PYTHONPATH": os.pathsep.join(
-                               [str(HERE.parent / "src"), *filter(None, [os.environ.get("PYTHONPATH")])])})
-        tail = (p.stdout + p.stderr)[-3000:]
-        doc["cuda_tests"] = {"returncode": p.returncode, "seconds": round(time.time() - t0, 1), "tail": tail}
-    except subprocess.TimeoutExpired:
-        doc["cuda_tests"] = {"returncode": None, "seconds": timeout, "tail": "timed out"}
-    print("cuda tests:", doc["cuda_tests"]["tail"].strip().splitlines()[-1:], flush=True)
+    cmd = [sys.executable, "-m", "pytest", "-v", "-rfE", "--tb=short", "-m", "cuda", "-p", "no:cacheprovider",
+           "-p", "no:benchmark", *files]  # only the files with cuda tests: others import packages it may lack
+    if importlib.util.find_spec("xdist"):
+        cmd[3:3] = ["-n", str(min(16, os.cpu_count() or 1))]
+    if importlib.util.find_spec("pytest_timeout"):
+        cmd[3:3] = ["--timeout", str(int(max(10, timeout - 15)))]
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(HERE.parent / "src"), *filter(None, [
+        os.environ.get("PYTHONPATH")])])}
+    with open(log, "w") as fh:
+        p = subprocess.Popen(cmd, stdout=fh, stderr=subprocess.STDOUT, text=True, env=env)
+        try:
+            rc = p.wait(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            p.kill()
+            rc = None
+    text = log.read_text(errors="replace")
+    outcomes = dict((m.group(2), m.group(1)) for m in re.finditer(
+        r"(PASSED|FAILED|SKIPPED|ERROR|XFAIL|XPASS)[ \t]+(tests/\S+)", text))
+    # pytest -v prints "id OUTCOME" alone and "[gwN] [ p%] OUTCOME id" under xdist
+    for m in re.finditer(r"^(tests/\S+::\S+)\s+(PASSED|FAILED|SKIPPED|ERROR|XFAIL|XPASS)", text, re.M):
+        outcomes[m.group(1)] = m.group(2)
+    items = re.search(r"(\d+) workers \[(\d+) items?\]|collected (\d+) items?", text)
+    n_items = int(items.group(2) or items.group(3)) if items else None
+    doc["cuda_tests"] = {"returncode": rc, "seconds": round(time.time() - t0, 1), "items": n_items,
+                         "outcomes": outcomes, "unreported": None if n_items is None else n_items - len(outcomes),
+                         "log": log.name, "tail": text[-3000:] if rc is None or rc else text[-600:]}
+    counts = {o: list(outcomes.values()).count(o) for o in sorted(set(outcomes.values()))}
+    print(f"cuda tests: {counts}, {doc['cuda_tests']['unreported']} unreported, rc {rc}, "
+          f"{doc['cuda_tests']['seconds']} s", flush=True)
+    for name, o in outcomes.items():
+        if o in ("FAILED", "ERROR"):
+            print(f"  {o} {name}", flush=True)
 
 
 def errors(name: str, dtype: torch.dtype, T: int, device, H: int = 4, D: int = 64) -> tuple[float, float, str]:
@@ -228,7 +257,7 @@ def train(doc: dict, deadline: float) -> None:
         out.append(row)
 
 
-def keep(doc: dict, old: dict) -> None:
+def keep(doc: dict, old: dict) -> dict:
     """Carry over an earlier run's rows, errors and models for what this run did not measure, each
     marked with the earlier command (its ratios are to that run's flash timing)."""
     have = {(r["path"], r["T"]) for r in doc["rows"]}
@@ -238,10 +267,17 @@ def keep(doc: dict, old: dict) -> None:
     doc.setdefault("errors", []).extend({**e, **mark} for e in old.get("errors", []) if (e["path"], e["dtype"]) not in erred)
     ran = {m["model"] for m in doc.get("models", [])}
     doc.setdefault("models", []).extend({**m, **mark} for m in old.get("models", []) if m["model"] not in ran)
+    return doc
 
 
-def error_rows(doc: dict, errs: dict, names, T: int, dev) -> None:
+def error_rows(doc: dict, errs: dict, names, T: int, dev, deadline: float, flush) -> None:
+    """Each path's errors in float32 and bf16 (written after each path); none started in the last
+    quarter of the run's time, which the timings need."""
     for name in names:
+        if time.time() > deadline - 0.25 * (deadline - doc["_start"]):
+            print(f"  err {name}: skipped (out of time)", flush=True)
+            doc.setdefault("skipped", []).append(f"errors {name}")
+            continue
         for dn, dt in DTYPES.items():
             try:
                 errs[name, dn] = errors(name, dt, T, dev)
@@ -251,11 +287,12 @@ def error_rows(doc: dict, errs: dict, names, T: int, dev) -> None:
                 errs[name, dn] = (None, None, f"{type(ex).__name__}: {str(ex)[:200]}")
                 print(f"  err {name} {dn}: {errs[name, dn][2]}", flush=True)
             torch.cuda.empty_cache()
-    doc["errors"] = [{"path": n, "dtype": d, "T": T, "rel_err": v[0], "rel_err_grad": v[1], "worst": v[2]}
-                     for (n, d), v in errs.items()]
+        doc["errors"] = [{"path": n, "dtype": d, "T": T, "rel_err": v[0], "rel_err_grad": v[1], "worst": v[2]}
+                         for (n, d), v in errs.items()]
+        flush()
 
 
-def speed_rows(doc: dict, errs: dict, names, lengths, a, dev, deadline: float) -> None:
+def speed_rows(doc: dict, errs: dict, names, lengths, a, dev, deadline: float, flush) -> None:
     for T in lengths:
         if time.time() > deadline - 60:
             print(f"speed T={T}: skipped (out of time)", flush=True)
@@ -279,7 +316,7 @@ def speed_rows(doc: dict, errs: dict, names, lengths, a, dev, deadline: float) -
             doc["rows"].append(row)
             print(f"  T={T} {name}: " + (f"{ms:.3f} ms, x{row['ratio_to_flash'] or 0:.3f}, fwd {row.get('fwd_ms')}, "
                                          f"peak {(peak or 0) / 2**20:.0f} MiB" if ok else str(ms)), flush=True)
-        save(Path(a.out), doc)
+        flush()
         torch.cuda.empty_cache()
 
 
@@ -292,6 +329,7 @@ def main(argv=None) -> None:
     ap.add_argument("--reps", type=int, default=5)
     ap.add_argument("--paths", default=",".join(PATHS))
     ap.add_argument("--minutes", type=float, default=7.0, help="stop starting new work after this long")
+    ap.add_argument("--tests-minutes", type=float, default=2.5, help="time given to the cuda tests (part of --minutes)")
     ap.add_argument("--skip", default="", help="parts to skip: tests,errors,tune,speed,models,train")
     ap.add_argument("--models", default="", help="mechanisms of the models part (default: every one)")
     ap.add_argument("--keep-from", default="", help="an earlier gpu.json whose rows of paths not run now are kept "
@@ -310,14 +348,20 @@ def main(argv=None) -> None:
     doc = {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "triton": triton.__version__,
            "command": "python benchmarks/gpu.py " + " ".join(argv if argv is not None else sys.argv[1:]),
            "shape": {"B": 4, "H": 16, "D": 64, "dtype": "bfloat16", "what": "forward + backward"},
-           "err_T": a.err_T, "rows": []}
+           "err_T": a.err_T, "rows": [], "_start": start}
+    old = json.loads(Path(a.keep_from).read_text()) if a.keep_from else None
+
+    def flush() -> None:  # what is measured so far, the earlier run's rows beside it: a cut run keeps both
+        now = {k: v for k, v in doc.items() if k != "_start"}
+        save(out, keep(copy.deepcopy(now), old) if old else now)
+
     skip = set(a.skip.split(","))
     errs: dict = {}
     parts = {
-        "tests": lambda: run_cuda_tests(doc, timeout=150),
-        "errors": lambda: error_rows(doc, errs, names, a.err_T, dev),
+        "tests": lambda: run_cuda_tests(doc, timeout=60 * a.tests_minutes, log=out.with_suffix(".tests.log")),
+        "errors": lambda: error_rows(doc, errs, names, a.err_T, dev, deadline, flush),
         "tune": lambda: tune(doc, dev, 8192),
-        "speed": lambda: speed_rows(doc, errs, names, [int(x) for x in a.T.split(",")], a, dev, deadline),
+        "speed": lambda: speed_rows(doc, errs, names, [int(x) for x in a.T.split(",")], a, dev, deadline, flush),
         "models": lambda: models(doc, dev, deadline, {m for m in a.models.split(",") if m}),
         "train": lambda: train(doc, deadline),
     }
@@ -334,12 +378,10 @@ def main(argv=None) -> None:
 
             doc.setdefault("failures", {})[part] = traceback.format_exc()[-2000:]
             print(f"part {part} failed: {type(e).__name__}: {e}", flush=True)
-        save(out, doc)
+        flush()
         torch.cuda.empty_cache()
     doc["seconds"] = round(time.time() - start, 1)
-    if a.keep_from:
-        keep(doc, json.loads(Path(a.keep_from).read_text()))
-    save(out, doc)
+    flush()
     print(f"wrote {out} in {doc['seconds']} s")
 
 

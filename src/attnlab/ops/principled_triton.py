@@ -105,7 +105,7 @@ def _fwd(Q, K, QG, KG, V, C, SPB, GAM, OK, W0, LSE, DOCS, START, END, Tq, Tk, H,
     offs_m = m0 + tl.arange(0, BLOCK_M)
     offs_d, offs_g, offs_v = tl.arange(0, BLOCK_D), tl.arange(0, BLOCK_DG), tl.arange(0, BLOCK_DV)
     m_ok = offs_m < Tq
-    q, qg, cs, thr, nspb, _, dq = _query_tile(Q, QG, C, SPB, GAM, DOCS, row, drow, off, offs_m, m_ok, offs_d, offs_g,
+    q, qg, cs, thr, nspb, _spb, dq = _query_tile(Q, QG, C, SPB, GAM, DOCS, row, drow, off, offs_m, m_ok, offs_d, offs_g,
                                               sm_scale, D, DG, BLOCK_D, BLOCK_DG, DOC)
     lo, hi = _doc_span(START, END, drow, m0 + off, tl.minimum(m0 + BLOCK_M, Tq) - 1 + off, 0,
                        _seen_end(m0, Tk, off, BLOCK_M, CAUSAL), BLOCK_N, DOC)
@@ -118,7 +118,7 @@ def _fwd(Q, K, QG, KG, V, C, SPB, GAM, OK, W0, LSE, DOCS, START, END, Tq, Tk, H,
         n_ok = offs_n < Tk
         k, kg, v, dk = _key_tile(K, KG, V, DOCS, kbase, gbase, vbase, drow, offs_n, n_ok, offs_d, offs_g, offs_v, D, DG,
                                  DV, BLOCK_D, BLOCK_DG, BLOCK_DV, DOC)
-        y, _, _ = _logits(q, k, qg, kg, cs, thr, nspb, offs_m, offs_n, Tk, off, CAUSAL, PREC, UP, dq, dk, DOC)
+        y, _ng, _sp = _logits(q, k, qg, kg, cs, thr, nspb, offs_m, offs_n, Tk, off, CAUSAL, PREC, UP, dq, dk, DOC)
         m_new = tl.maximum(m_i, tl.max(y, 1))
         r = tl.exp2(m_i - m_new)
         p = tl.exp2(y - m_new[:, None])  # 0 where hidden
@@ -221,7 +221,7 @@ def _bwd_q(Q, K, QG, KG, V, C, SPB, GAM, DO, LSE, E, HD, DOCS, START, END, DQK, 
         k, kg, v, dk_ids = _key_tile(K, KG, V, DOCS, kbase, gbase, vbase, drow, offs_n, n_ok, offs_d, offs_g, offs_v, D,
                                      DG, DV, BLOCK_D, BLOCK_DG, BLOCK_DV, DOC)
         y, ng, sp = _logits(q, k, qg, kg, cs, thr, nspb, offs_m, offs_n, Tk, off, CAUSAL, PREC, UP, dq_ids, dk_ids, DOC)
-        _, ds = _dlogits(y, do, v, lse, e, hd, PREC, UP)
+        _w, ds = _dlogits(y, do, v, lse, e, hd, PREC, UP)
         dqk += _mm(ds.to(K.dtype.element_ty), k, PREC, UP)
         dsum += tl.sum(ds, 1)
         dspb -= tl.sum(ds * sp, 1)
