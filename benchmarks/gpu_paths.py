@@ -132,6 +132,8 @@ PATHS = {
     "principled/tiled": (_fix("fast", _principled), dict(scalar=False, principled=True), 8192),
     "hybrid-cauchy-window16+32/selected": (_fix("fast", _window("cauchy")), {}, 8192),
     "hybrid-gaussian-window16+32/selected": (_fix("fast", _window("gaussian")), {}, 8192),
+    "hybrid-cauchy-window16+32/triton": (_fix("triton", _window("cauchy")), {}, None),
+    "hybrid-gaussian-window16+32/triton": (_fix("triton", _window("gaussian")), {}, None),
     "gla/fla": (_fix("fla", _gla), dict(scalar=False, decay="vector"), None),
     "ssd/fla": (_fix("fla", _ssd), dict(scalar=False, decay="scalar"), None),
     "gla/chunked": (_fix("fast", _gla), dict(scalar=False, decay="vector"), 8192),

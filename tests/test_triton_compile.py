@@ -26,7 +26,7 @@ import torch
 
 ROOT = Path(__file__).resolve().parents[1]
 STAGES = ("ttir", "ttgir")  # front end + GPU layout passes; LLVM/PTX are the GPU check's
-BF16 = ("hybrid-cauchy/triton", "goat/triton", "principled/triton")
+BF16 = ("hybrid-cauchy/triton", "goat/triton", "principled/triton", "hybrid-cauchy-window16+32/triton")
 
 
 def _type(v) -> str:
@@ -114,6 +114,7 @@ def _gpu_path_launches():
     from gpu_paths import NEEDS_CUDA, PATHS, fwd_bwd, make
 
     from attnlab.ops import hybrid_attention, principled_attention, scalar_attention
+    from attnlab.ops.scalar.window import windowed_attention
 
     cpu = torch.device("cpu")
     for name in (n for n in PATHS if n.endswith("/triton") and n not in NEEDS_CUDA):
@@ -128,6 +129,8 @@ def _gpu_path_launches():
             if kernel == "cauchy":
                 scalar_attention(t["qs"], t["ks"], t["v"], t["tau"], impl="triton", kernel=kernel, causal=causal,
                                  docs=d).sum().backward()
+        windowed_attention(t["qs"], t["ks"], t["v"], t["tau"], 8, local=4, impl="triton",
+                           kernel=kernel).sum().backward()  # scalar heads through the window
     t = make("principled/triton", 1, 2, 40, 64, torch.float32, cpu)
     for causal, d in ((False, None), (True, docs)):
         o, w0 = principled_attention(t["q"], t["k"], t["qg"], t["kg"], t["v"], alpha=t["alpha"], beta=t["beta"],
@@ -143,7 +146,7 @@ def test_every_kernel_lowers_for_sm90(tmp_path):
     assert os.environ.get("TRITON_INTERPRET") == "1"  # tests/conftest.py, on a machine without CUDA
     launches = record_launches(_gpu_path_launches)
     kernels = {(r["module"], r["name"]) for r in launches}
-    assert {m.rsplit(".", 1)[-1] for m, _ in kernels} >= {"triton_kernel", "principled_triton"}, kernels
+    assert {m.rsplit(".", 1)[-1] for m, _ in kernels} >= {"triton_kernel", "principled_triton", "triton_selected"}
     path = tmp_path / "launches.json"
     path.write_text(json.dumps(launches, default=str))
     env = {**os.environ, "TRITON_INTERPRET": "0", "PYTHONPATH": os.pathsep.join(

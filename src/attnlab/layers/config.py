@@ -341,9 +341,10 @@ class AttentionConfig:
         if self.impl not in LAYER_IMPLS:
             raise _err("impl", self.impl, f"one of {LAYER_IMPLS}")
         if self.impl == "triton" and (self.mechanism not in TRITON_MECHANISMS or self.sliding_window is not None
-                                      or self.train_window is not None):
+                                      or (self.train_window is not None and self.mechanism == "principled")):
             raise _err("impl", self.impl, f"one of {IMPLS} here: 'triton' is for mechanisms {TRITON_MECHANISMS} without "
-                       "a sliding or trained window (their Triton kernels have none)")
+                       "a sliding window (their Triton kernels have none; scalar and hybrid heads train through "
+                       "their train_window in one)")
         if self.impl == "approx" and self.mechanism != "scalar":
             raise _err("impl", self.impl, f"one of the exact paths {IMPLS} for mechanism {self.mechanism!r}: 'approx' "
                        "(approximate scalar attention) exists only for mechanism 'scalar'; set it per layer "

@@ -197,7 +197,7 @@ class ScalarAttention(ScalarDecode, Attention):
                              f"or budget to decode through (got window={window!r}, budget={self.decode_budget!r})")
         return windowed_attention(qs, ks, vals, tau, window, q=q, k=k, n_prefix=n_prefix, local=c.local_window,
                                   budget=self.decode_budget, history=QUERY_HISTORY, scalar_scale=lam,
-                                  impl="naive" if impl == "naive" else "auto", kernel=c.kernel)
+                                  impl=impl if impl in ("naive", "triton") else "auto", kernel=c.kernel)
 
     def sink_readout(self, qs, ks, vals, tau, q, k, impl, n_prefix: int):
         """`scalar_readout` on the op inputs of `with_sink`, weighing the sink by `sink_weight` when set."""

@@ -41,6 +41,7 @@ import torch
 
 from ...checks import check_int, check_same, visible_keys
 from .._sdpa import check_qkv, expand_heads, upcast
+from .attention import triton_missing, triton_route
 from .selected import selected_attention
 from .naive import _check_scalars, _check_values, _scalar_scale, _tau, check_kernel, hybrid_logits, scalar_logits
 
@@ -328,11 +329,13 @@ def windowed_attention(
     check_int("query_chunk", query_chunk, 1)
     check_int("n_prefix", n_prefix, 0)
     check_int("local", local, 0)
-    if impl not in ("auto", "naive", "fast"):
-        raise ValueError(f"impl must be 'auto', 'naive' or 'fast', got {impl!r}")
+    if impl not in ("auto", "naive", "fast", "triton"):
+        raise ValueError(f"impl must be 'auto', 'naive', 'fast' or 'triton', got {impl!r}")
     check_kernel(kernel)
-    if impl == "fast" and (budget is not None or keep_fn is not None):
-        raise ValueError("impl='fast' selects by the window rule: it takes no budget or keep_fn")
+    if impl in ("fast", "triton") and (budget is not None or keep_fn is not None):
+        raise ValueError(f"impl={impl!r} selects by the window rule: it takes no budget or keep_fn")
+    if impl == "triton" and (why := triton_missing(qs.device)) is not None:
+        raise ValueError(f"impl='triton': {why}")
     if local and keep_fn is not None:
         raise ValueError(f"keep_fn replaces the window rule: give local=0, got local={local!r}")
     if (q is None) != (k is None):
@@ -363,6 +366,12 @@ def windowed_attention(
     if impl != "naive" and budget is None and keep_fn is None:
         chunk = select_chunk(query_chunk, B, H, T, qs.device)
         idx, ok = window_indices(qs, ks, max(window, 1), n_prefix=n_prefix, local=local, query_chunk=chunk)
+        if triton_route(impl, qs.device):  # the selected keys only, gathered inside the kernel
+            from .triton_selected import triton_selected_attention
+
+            lam = None if scalar_scale is None else _scalar_scale(scalar_scale, H, torch.float32, qs.device)
+            return triton_selected_attention(qs, ks, v, _tau(tau, B, H, T, torch.float32, qs.device), idx, ok, q=q,
+                                             k=k, lam_b=lam, kernel=kernel)
         return selected_attention(qs, ks, v, tau, idx, ok, q, k, chunk, scalar_scale, kernel)
     evicted = None if budget is None else budget_evictions(qs, ks, budget, history=history, n_prefix=n_prefix)
     outs = []

@@ -1,0 +1,238 @@
+"""Training through the window on the GPU: scalar and hybrid attention over each query's selected
+keys only, in Triton.
+
+`windowed_attention`'s selected-keys path picks, for each query t, m key indices idx[t] (the sink,
+the last w keys, then the k nearest older keys in scalar space: `window.window_indices`) and takes
+
+    o_t = sum_j softmax_j(s_t,idx[t,j]) v_idx[t,j],   s_ts = [q_t . k_s / sqrt(d)] + lam_t phi((qs_t - ks_s)^2 / tau_t)
+
+(the score of `triton_kernel`, phi(x) = -x or -log(1 + x)). The PyTorch route forms each query chunk's
+scores against every key it could see and masks all but the selected: O(T^2) work and memory traffic
+for a softmax over m keys. Here a program holds BLOCK_M queries, gathers their selected keys and
+values BLOCK_J columns at a time ((BLOCK_M, BLOCK_J, D) tiles read straight from k and v by index)
+and runs the online softmax over them: O(T m D) work, O(T) memory besides the indices, no T x T
+tile anywhere. The dot products of gathered rows are elementwise products summed in float32 (each
+query has its own keys, so there is no shared tile for the matrix units).
+
+Backward: one program per query tile recomputes the probabilities from the forward's log-sum-exp,
+accumulates dq, dqs and the per-row sums that give tau's and the gain's gradients, and scatters
+each selected key's share of dk, dv and dks with atomic adds into per-query-head float32 buffers
+(a key is selected by many queries); the host sums GQA groups. Indices of -1 are unused columns.
+
+The selection itself stays in `window.window_indices` (a chunked top-k over the scalar distances,
+O(T^2) scalar comparisons and O(chunk x T) memory, no gradient): on a GPU that is a few large batched
+kernels per chunk, and it yields exactly the key set the sorted cache decodes with (ties: newest
+first), which a walk of the sorted order inside the kernel would have to reproduce.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import triton
+import triton.language as tl
+
+from .triton_kernel import LN2, LOG2E, _bases, _grad_rows, _query_rows
+from .triton_op import CAUCHY, GAUSSIAN, _pow2
+
+__all__ = ["triton_selected_attention"]
+
+
+@triton.jit
+def _gather(X, base, ix, valid, offs_d, D: tl.constexpr):
+    """(BLOCK_M, BLOCK_J, BLOCK_D) rows base + ix of a row-major (.., D) tensor, in float32 (0 where not valid)."""
+    ptr = X + (base + ix.to(tl.int64))[:, :, None] * D + offs_d[None, None, :]
+    return tl.load(ptr, mask=valid[:, :, None] & (offs_d[None, None, :] < D), other=0.0).to(tl.float32)
+
+
+@triton.jit
+def _sel_scores(q, K, KS, qs, tau, lam, kbase, krow, ix, valid, offs_d, sm_scale, D: tl.constexpr,
+                HAS_DOT: tl.constexpr, KERNEL: tl.constexpr):
+    """Scores in base 2 of a query tile against its gathered keys (-inf where not valid), the gathered
+    key vectors (HAS_DOT) and the pieces the backward needs: d = qs - ks, x = d^2 / tau, l1 = log2(1 + x)."""
+    ks = tl.load(KS + krow + ix, mask=valid, other=0.0)
+    d = qs[:, None] - ks
+    x = d * d * tau[:, None]  # tau holds 1 / tau_t
+    if KERNEL == 0:
+        l1 = x
+        s = -(lam * LOG2E)[:, None] * x
+    else:
+        l1 = tl.log2(1.0 + x)
+        s = -lam[:, None] * l1
+    k = 0.0
+    if HAS_DOT:
+        k = _gather(K, kbase, ix, valid, offs_d, D)
+        s += tl.sum(q.to(tl.float32)[:, None, :] * k, 2) * (sm_scale * LOG2E)
+    s = tl.where(valid, s, float("-inf"))
+    return s, k, d, x, l1
+
+
+@triton.jit
+def _sel_fwd(Q, K, V, QS, KS, TAU, LAM, IDX, O, LSE, T, M, H, GK, GV, sm_scale, D: tl.constexpr, DV: tl.constexpr,
+             BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_J: tl.constexpr,
+             HAS_DOT: tl.constexpr, KERNEL: tl.constexpr):
+    m0 = tl.program_id(0) * BLOCK_M
+    row, krow, kbase, vbase = _bases(tl.program_id(1), H, GK, GV, T, T)
+    offs_m = m0 + tl.arange(0, BLOCK_M)
+    offs_d = tl.arange(0, BLOCK_D)
+    offs_dv = tl.arange(0, BLOCK_DV)
+    m_ok = offs_m < T
+    qs, tau, lam, q = _query_rows(Q, QS, TAU, LAM, row, offs_m, m_ok, offs_d, D, HAS_DOT, BLOCK_D)
+    m_i = tl.full((BLOCK_M,), float("-inf"), tl.float32)
+    l_i = tl.zeros((BLOCK_M,), tl.float32)
+    acc = tl.zeros((BLOCK_M, BLOCK_DV), tl.float32)
+    for j0 in range(0, M, BLOCK_J):
+        offs_j = j0 + tl.arange(0, BLOCK_J)
+        ix = tl.load(IDX + (row + offs_m[:, None]) * M + offs_j[None, :], mask=m_ok[:, None] & (offs_j[None, :] < M),
+                     other=-1)
+        valid = ix >= 0
+        ix = tl.where(valid, ix, 0)
+        s, k, d, x, l1 = _sel_scores(q, K, KS, qs, tau, lam, kbase, krow, ix, valid, offs_d, sm_scale, D, HAS_DOT,
+                                     KERNEL)
+        m_new = tl.maximum(m_i, tl.max(s, 1))
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+        p = tl.exp2(s - m_safe[:, None])
+        alpha = tl.exp2(m_i - m_safe)
+        v = _gather(V, vbase, ix, valid, offs_dv, DV)
+        acc = acc * alpha[:, None] + tl.sum(p[:, :, None] * v, 1)
+        l_i = l_i * alpha + tl.sum(p, 1)
+        m_i = m_new
+    l_safe = tl.where(l_i == 0.0, 1.0, l_i)
+    tl.store(O + (row + offs_m[:, None]) * DV + offs_dv[None, :], acc / l_safe[:, None],
+             mask=m_ok[:, None] & (offs_dv[None, :] < DV))
+    tl.store(LSE + row + offs_m, m_i + tl.log2(l_safe), mask=m_ok)
+
+
+@triton.jit
+def _sel_bwd(Q, K, V, QS, KS, TAU, LAM, IDX, DO, LSE, DELTA, DQ, DQS, DTAU, DLAM, DK, DV_, DKS, T, M, H, GK, GV,
+             sm_scale, D: tl.constexpr, DV: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
+             BLOCK_M: tl.constexpr, BLOCK_J: tl.constexpr, HAS_DOT: tl.constexpr, KERNEL: tl.constexpr):
+    m0 = tl.program_id(0) * BLOCK_M
+    row, krow, kbase, vbase = _bases(tl.program_id(1), H, GK, GV, T, T)
+    offs_m = m0 + tl.arange(0, BLOCK_M)
+    offs_d = tl.arange(0, BLOCK_D)
+    offs_dv = tl.arange(0, BLOCK_DV)
+    m_ok = offs_m < T
+    qs, tau, lam, q = _query_rows(Q, QS, TAU, LAM, row, offs_m, m_ok, offs_d, D, HAS_DOT, BLOCK_D)
+    lse, delta, do = _grad_rows(LSE, DELTA, DO, row, offs_m, m_ok, offs_dv, DV)
+    do = do.to(tl.float32)
+    dq = tl.zeros((BLOCK_M, BLOCK_D), tl.float32)
+    da = tl.zeros((BLOCK_M,), tl.float32)
+    dx = tl.zeros((BLOCK_M,), tl.float32)
+    dl = tl.zeros((BLOCK_M,), tl.float32)
+    for j0 in range(0, M, BLOCK_J):
+        offs_j = j0 + tl.arange(0, BLOCK_J)
+        ix = tl.load(IDX + (row + offs_m[:, None]) * M + offs_j[None, :], mask=m_ok[:, None] & (offs_j[None, :] < M),
+                     other=-1)
+        valid = ix >= 0
+        ix = tl.where(valid, ix, 0)
+        s, k, d, x, l1 = _sel_scores(q, K, KS, qs, tau, lam, kbase, krow, ix, valid, offs_d, sm_scale, D, HAS_DOT,
+                                     KERNEL)
+        p = tl.exp2(s - lse[:, None])  # 0 where not valid
+        v = _gather(V, vbase, ix, valid, offs_dv, DV)
+        ds = p * (tl.sum(do[:, None, :] * v, 2) - delta[:, None])
+        at = (krow + ix.to(tl.int64))[:, :, None]  # the key's row in the per-query-head buffers
+        tl.atomic_add(DV_ + at * BLOCK_DV + offs_dv[None, None, :], p[:, :, None] * do[:, None, :],
+                      mask=valid[:, :, None], sem="relaxed")
+        if HAS_DOT:
+            dq += tl.sum(ds[:, :, None] * k, 1)
+            tl.atomic_add(DK + at * BLOCK_D + offs_d[None, None, :],
+                          (ds * sm_scale)[:, :, None] * q.to(tl.float32)[:, None, :], mask=valid[:, :, None],
+                          sem="relaxed")
+        if KERNEL == 1:
+            dl += tl.sum(ds * l1, 1)
+            ds = ds / (1.0 + x)
+        da += tl.sum(ds * d, 1)
+        dx += tl.sum(ds * x, 1)
+        tl.atomic_add(DKS + krow + ix, ds * d * (2.0 * lam * tau)[:, None], mask=valid, sem="relaxed")
+    tl.store(DQ + (row + offs_m[:, None]) * BLOCK_D + offs_d[None, :], dq * sm_scale, mask=m_ok[:, None])
+    tl.store(DQS + row + offs_m, -2.0 * lam * tau * da, mask=m_ok)  # as triton_kernel._bwd_q
+    tl.store(DTAU + row + offs_m, lam * tau * dx, mask=m_ok)
+    if KERNEL == 0:
+        tl.store(DLAM + row + offs_m, -dx, mask=m_ok)
+    else:
+        tl.store(DLAM + row + offs_m, -LN2 * dl, mask=m_ok)
+
+
+def _tiles(device: torch.device) -> dict:
+    """(BLOCK_M, BLOCK_J, num_warps) per kernel. On a GPU the largest tiles that ptxas compiles for sm_90
+    without spilling registers (at D = Dv = 64; read with `ptxas -v` from the PTX Triton builds, no GPU
+    needed): the forward 16 queries x 8 columns on 8 warps, the backward 16 x 4 on 8 warps (16 x 16 on
+    4 warps spilled 2.8 KB forward and 9.6 KB backward). Their speed is measured by benchmarks/gpu.py."""
+    if device.type != "cuda":
+        return dict(fwd=(16, 8, 1), bwd=(16, 8, 1))
+    return dict(fwd=(16, 8, 8), bwd=(16, 4, 8))
+
+
+class _Selected(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, q, k, v, qs, ks, tau, lam, sel, kernel: int, sm_scale: float):
+        B, H, T = qs.shape
+        M = sel.shape[-1]
+        has_dot = q is not None
+        D = q.shape[-1] if has_dot else 16
+        DV = v.shape[-1]
+        GK = k.shape[1] if has_dot else H
+        GV = v.shape[1]
+        none = v.new_zeros(1)
+        qq = q.contiguous() if has_dot else none
+        kk = k.contiguous() if has_dot else none
+        vv = v.contiguous()
+        qs32, ks32 = qs.float().contiguous(), ks.float().contiguous()
+        tau32, lam32 = (1.0 / tau.float()).contiguous(), lam.float().contiguous()
+        out = torch.empty(B, H, T, DV, dtype=torch.float32, device=v.device)
+        lse = torch.empty(B, H, T, dtype=torch.float32, device=v.device)
+        BM, BJ, warps = _tiles(v.device)["fwd"]
+        consts = dict(D=D, DV=DV, BLOCK_D=_pow2(D), BLOCK_DV=_pow2(DV), HAS_DOT=has_dot, KERNEL=kernel)
+        _sel_fwd[(-(-T // BM), B * H)](qq, kk, vv, qs32, ks32, tau32, lam32, sel, out, lse, T, M, H, GK, GV, sm_scale,
+                                      BLOCK_M=BM, BLOCK_J=BJ, num_warps=warps, **consts)
+        ctx.save_for_backward(qq, kk, vv, qs32, ks32, tau32, lam32, sel, out, lse)
+        ctx.meta = (has_dot, consts, sm_scale, GK, GV)
+        return out.to(v.dtype)
+
+    @staticmethod
+    def backward(ctx, dout):
+        qq, kk, vv, qs32, ks32, tau32, lam32, sel, out, lse = ctx.saved_tensors
+        has_dot, consts, sm_scale, GK, GV = ctx.meta
+        B, H, T = qs32.shape
+        M = sel.shape[-1]
+        dout = dout.contiguous()
+        delta = (dout.float() * out).sum(-1).contiguous()
+        BD, BDV = consts["BLOCK_D"], consts["BLOCK_DV"]
+        BM, BJ, warps = _tiles(vv.device)["bwd"]
+        f32 = dict(dtype=torch.float32, device=vv.device)
+        dk, dv, dks = torch.zeros(B, H, T, BD, **f32), torch.zeros(B, H, T, BDV, **f32), torch.zeros(B, H, T, **f32)
+        dq, dqs, dtau, dlam = (torch.empty(B, H, T, BD, **f32), torch.empty(B, H, T, **f32),
+                               torch.empty(B, H, T, **f32), torch.empty(B, H, T, **f32))
+        _sel_bwd[(-(-T // BM), B * H)](qq, kk, vv, qs32, ks32, tau32, lam32, sel, dout, lse, delta, dq, dqs, dtau, dlam,
+                                      dk, dv, dks, T, M, H, GK, GV, sm_scale, BLOCK_M=BM, BLOCK_J=BJ, num_warps=warps,
+                                      **consts)
+        D, DV = consts["D"], consts["DV"]
+        dv = dv[..., :DV].view(B, GV, H // GV, T, DV).sum(2).to(vv.dtype)
+        dq_, dk_ = None, None
+        if has_dot:
+            dq_ = dq[..., :D].to(qq.dtype)
+            dk_ = dk[..., :D].view(B, GK, H // GK, T, D).sum(2).to(kk.dtype)
+        return dq_, dk_, dv, dqs, dks, dtau, dlam, None, None, None
+
+
+def triton_selected_attention(qs, ks, v, tau_b, idx, ok, *, q=None, k=None, lam_b=None, kernel: str = "gaussian",
+                              sm_scale: float | None = None) -> torch.Tensor:
+    """softmax over each query's selected keys of [q_t . k_s * sm_scale] + lam_t phi((qs_t - ks_s)^2 / tau_t),
+    times v, through the kernels above, for checked inputs: qs, ks (B, H, T); v (B, G, T, Dv); q (B, H,
+    T, D) and k (B, G', T, D), or both None (scalar heads); tau_b, lam_b tensors broadcastable to (B, H,
+    T) (None for 1); idx / ok (B, H, T, m) as `window.window_indices` returns them (a query with no
+    selected key gets zeros). sm_scale 1 / sqrt(D) when None. Gradients reach q, k, v, qs, ks, tau and
+    lam. Returns (B, H, T, Dv) in v's dtype."""
+    B, H, T = qs.shape
+    if T == 0 or idx.shape[-1] == 0:
+        return v.new_zeros(B, H, T, v.shape[-1])
+    dev = v.device
+    tau = (torch.ones((), device=dev) if tau_b is None else tau_b.float()).expand(B, H, T)
+    lam = (torch.ones((), device=dev) if lam_b is None else lam_b.float()).expand(B, H, T)
+    sel = torch.where(ok, idx, -1).to(torch.int32).contiguous()
+    if sm_scale is None:
+        sm_scale = 1.0 / math.sqrt(q.shape[-1]) if q is not None else 0.0
+    code = GAUSSIAN if kernel == "gaussian" else CAUCHY
+    return _Selected.apply(q, k, v, qs, ks, tau, lam, sel, code, float(sm_scale))

@@ -1,0 +1,128 @@
+"""Training through the window in Triton (attnlab.ops.scalar.triton_selected) against the naive
+windowed op in float64: outputs and every gradient (q, k, v, qs, ks, tau, the gain), scalar and hybrid
+heads, both kernels, T = 1 / 63 / 130, D = 16 / 64, GQA, the sink, k + w >= T, ties; the layer's
+`impl="triton"`; the hostile-input policy. On the CPU the kernel runs in Triton's interpreter."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from attnlab.ops.scalar.window import windowed_attention
+from attnlab.testing import rel_rms
+
+pytest.importorskip("triton")
+pytestmark = pytest.mark.usefixtures("one_thread")
+DEV = "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def make(B, H, G, T, D, Dv, *, hybrid, per_query_tau=False, ties=False, seed=0):
+    g = torch.Generator().manual_seed(seed * 1000 + T)
+    r = lambda *s: torch.randn(*s, generator=g, dtype=torch.float64)  # noqa: E731
+    qs, ks = r(B, H, T), r(B, H, T)
+    if ties:
+        qs, ks = qs.round(), ks.round()
+    tau = 0.3 + (torch.rand(B, H, T, generator=g, dtype=torch.float64) if per_query_tau else
+                 torch.rand(H, generator=g, dtype=torch.float64))
+    ins = dict(qs=qs, ks=ks, v=r(B, G, T, Dv), tau=tau)
+    if hybrid:
+        ins.update(q=r(B, H, T, D), k=r(B, G, T, D), lam=0.5 + torch.rand(H, generator=g, dtype=torch.float64))
+    return ins
+
+
+def run(ins, impl, dtype, *, window, local=0, n_prefix=0, kernel="gaussian"):
+    t = {n: x.to(DEV, dtype if n not in ("tau", "lam") else torch.float32 if dtype != torch.float64 else dtype)
+         .requires_grad_() for n, x in ins.items()}
+    out = windowed_attention(t["qs"], t["ks"], t["v"], t["tau"], window, q=t.get("q"), k=t.get("k"),
+                             scalar_scale=t.get("lam"), local=local, n_prefix=n_prefix, impl=impl, kernel=kernel)
+    dout = torch.randn(out.shape, generator=torch.Generator().manual_seed(5), dtype=torch.float64)
+    grads = torch.autograd.grad(out, list(t.values()), dout.to(DEV, out.dtype))
+    return out, dict(zip(t, grads))
+
+
+def check(ins, dtype=torch.float32, tol=1e-5, **kw):
+    ref, ref_g = run(ins, "naive", torch.float64, **kw)
+    out, got = run(ins, "triton", dtype, **kw)
+    assert out.dtype == dtype
+    assert rel_rms(out.double().cpu(), ref.cpu()) < tol
+    for n in ref_g:
+        assert rel_rms(got[n].double().cpu(), ref_g[n].cpu(), floor=1e-2) < 10 * tol, n
+
+
+# (B, H, G, T, D, Dv, window, local, n_prefix): T = 1, not a tile multiple, GQA, a sink, k + w >= T
+CASES = {
+    "T1": (1, 2, 1, 1, 16, 16, 3, 2, 0),
+    "T63-gqa": (2, 4, 2, 63, 16, 8, 5, 3, 0),
+    "T130-sink": (1, 2, 2, 130, 64, 16, 7, 4, 1),
+    "k+w>=T": (1, 2, 1, 20, 16, 16, 30, 4, 0),
+    "no-local": (1, 2, 2, 40, 16, 16, 6, 0, 0),
+}
+
+
+@pytest.mark.parametrize("hybrid", [False, True], ids=["scalar", "hybrid"])
+@pytest.mark.parametrize("kernel", ["gaussian", "cauchy"])
+@pytest.mark.parametrize("case", list(CASES))
+def test_kernel_matches_naive(case, kernel, hybrid):
+    B, H, G, T, D, Dv, window, local, n_prefix = CASES[case]
+    ins = make(B, H, G, T, D, Dv, hybrid=hybrid, per_query_tau=case == "T63-gqa")
+    check(ins, window=window, local=local, n_prefix=n_prefix, kernel=kernel)
+
+
+def test_ties_pick_the_keys_the_naive_op_picks():
+    """Integer scalar keys: many equal distances; the window takes the newest first, as the cache."""
+    ins = make(1, 2, 2, 48, 16, 16, hybrid=True, ties=True)
+    check(ins, window=6, local=4, kernel="cauchy")
+
+
+def test_bf16_inputs():
+    ins = make(1, 2, 1, 40, 64, 16, hybrid=True)
+    check(ins, torch.bfloat16, tol=2e-2, window=8, local=8, kernel="cauchy")
+
+
+def test_the_layer_trains_through_the_kernel(monkeypatch):
+    """A windowed hybrid layer with impl='triton' runs the kernel (and its loss equals impl='fast')."""
+    from attnlab.models.config import ModelConfig
+    from attnlab.models.lm import LM
+    from attnlab.ops.scalar import triton_selected
+
+    calls = []
+    real = triton_selected.triton_selected_attention
+    monkeypatch.setattr(triton_selected, "triton_selected_attention", lambda *a, **k: calls.append(1) or real(*a, **k))
+    losses = []
+    for impl in ("triton", "fast"):
+        torch.manual_seed(0)
+        cfg = ModelConfig(vocab_size=32, d_model=32, n_layers=1, n_heads=2, attn="hybrid", max_seq_len=40,
+                          attention=dict(train_window=4, local_window=4, kernel="cauchy", impl=impl))
+        m = LM(cfg).to(DEV)
+        idx = torch.randint(0, 32, (2, 41), generator=torch.Generator().manual_seed(1)).to(DEV)
+        loss = m(idx[:, :-1], targets=idx[:, 1:])[1]
+        loss.backward()
+        losses.append(loss.item())
+    assert calls and abs(losses[0] - losses[1]) < 1e-5
+
+
+def test_refusals_name_the_argument():
+    ins = make(1, 2, 1, 8, 16, 16, hybrid=False)
+    with pytest.raises(ValueError, match="impl='triton' selects by the window rule"):
+        windowed_attention(ins["qs"], ins["ks"], ins["v"], ins["tau"], 3, budget=4, impl="triton")
+    with pytest.raises(ValueError, match="impl must be"):
+        windowed_attention(ins["qs"], ins["ks"], ins["v"], ins["tau"], 3, impl="trition")
+
+
+def test_without_the_interpreter_triton_on_the_cpu_is_refused(monkeypatch):
+    from attnlab.ops.scalar import triton_kernel
+
+    monkeypatch.setattr(triton_kernel, "interpreted", lambda: False)
+    monkeypatch.setattr("attnlab.ops.scalar.triton_op.interpreted", lambda: False)
+    ins = make(1, 2, 1, 8, 16, 16, hybrid=False)
+    if DEV == "cpu":
+        with pytest.raises(ValueError, match="impl='triton': Triton runs on CUDA tensors"):
+            windowed_attention(ins["qs"], ins["ks"], ins["v"], ins["tau"], 3, impl="triton")
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("kernel", ["gaussian", "cauchy"])
+def test_cuda_kernel_matches_float64_at_gpu_shapes(kernel):
+    ins = make(2, 8, 2, 1000, 64, 64, hybrid=True)
+    check(ins, torch.float32, tol=1e-4, window=16, local=32, kernel=kernel)
+    check(ins, torch.bfloat16, tol=2e-2, window=16, local=32, kernel=kernel)
