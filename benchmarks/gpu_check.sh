@@ -7,7 +7,7 @@
 #    flash-linear-attention==0.6.0 fla-core==0.6.0`), installed into /tmp/site when the folder is there;
 # 2. benchmarks/gpu.py: the cuda tests (every test marked `cuda`, in parallel, their log beside the JSON),
 #    errors against float64 (at T = 1024) and timings
-#    of the paths not yet measured (principled, GLA/SSD through fla and chunked, the softmax scalings,
+#    of the paths not yet measured (principled, training through the window in Triton, GLA/SSD through fla and chunked, the softmax scalings,
 #    cosFormer, GOAT through the Triton kernel), the earlier rows kept from benchmarks/results/gpu.json;
 # 3. benchmarks/gpu_train.py: training throughput per mechanism against the plain PyTorch baseline.
 # The time is split between 2 (70 %, of it 2.5 minutes of tests) and 3 (27 %); each writes its JSON as it goes.
@@ -21,7 +21,8 @@ if ls .whl/*.whl >/dev/null 2>&1; then
     && export PYTHONPATH=/tmp/site:${PYTHONPATH:-}
 fi
 # fla's kernels last: they autotune on each new shape, which can take minutes
-paths=sdpa-flash,principled/triton,goat/triton,principled/tiled,softmax-ktotal/sdpa,softmax-kmean/sdpa
+paths=sdpa-flash,principled/triton,hybrid-cauchy-window16+32/triton,hybrid-gaussian-window16+32/triton,goat/triton
+paths=$paths,principled/tiled,softmax-ktotal/sdpa,softmax-kmean/sdpa
 paths=$paths,softmax-krms/sdpa,cosformer/chunked,gla/chunked,ssd/chunked,gla/fla,ssd/fla
 first=$(python3 -c "print(round($minutes * 0.7, 1))")
 rest=$(python3 -c "print(round($minutes * 0.27, 1))")
