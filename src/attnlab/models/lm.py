@@ -323,6 +323,7 @@ class LM(nn.Module):
         selector=None,
         generator: torch.Generator | None = None,
         attention_mask: torch.Tensor | None = None,
+        compile: bool = False,
     ) -> torch.Tensor:
         """Extend idx (B, T0) by max_new_tokens: the prompt goes through every layer in one parallel
         forward that fills its decode cache (`prefill`), then one `step` per new token.
@@ -333,18 +334,29 @@ class LM(nn.Module):
         `attnlab.cache.selected.DecodeSelector`) decodes them through learned key selection instead
         (both checked as `DecodeOptions`). attention_mask (B, T0) of 0/1, left padding only: each
         row starts at its first 1 and decodes as if alone (positions from 0, no pad in any cache or
-        state); see `DecodeState`."""
+        state); see `DecodeState`. compile=True decodes exactly through static buffers and a compiled
+        step (`attnlab.models.static_decode.StaticDecoder`, kept for the next call of the same batch
+        size and length; CUDA graphs on the GPU): softmax and hybrid layers, no window, selector or
+        attention_mask."""
         if idx.dim() != 2 or idx.shape[1] < 1:
             raise ValueError(f"idx must be (B, T0) with T0 >= 1, got shape {tuple(idx.shape)}")
         if max_new_tokens < 0:
             raise ValueError(f"max_new_tokens must be >= 0, got {max_new_tokens}")
         if not greedy and not temperature > 0:
             raise ValueError(f"temperature must be > 0 when sampling, got {temperature}")
-        state = DecodeState(self, idx.shape[0], DecodeOptions(window=window, selector=selector))
+        if compile:
+            if window is not None or selector is not None or attention_mask is not None:
+                raise ValueError("compile=True decodes exactly through static buffers: give no window, selector "
+                                 "or attention_mask")
+            dec = self.static_decoder(idx.shape[0], idx.shape[1] + max_new_tokens)
+            feed = lambda x: dec.step(x)[:, None]  # noqa: E731
+        else:
+            state = DecodeState(self, idx.shape[0], DecodeOptions(window=window, selector=selector))
+            feed = state.feed
         was_training = self.training
         self.eval()
         out = idx
-        logits = state.feed(idx, attention_mask, last=1)[:, -1]  # (B, V)
+        logits = dec.prefill(idx) if compile else state.feed(idx, attention_mask, last=1)[:, -1]  # (B, V)
         for i in range(max_new_tokens):
             if greedy:
                 nxt = logits.argmax(-1, keepdim=True)  # (B, 1)
@@ -353,6 +365,22 @@ class LM(nn.Module):
                 nxt = torch.multinomial(probs, 1, generator=generator)
             out = torch.cat([out, nxt], dim=1)
             if i + 1 < max_new_tokens:
-                logits = state.feed(nxt)[:, -1]
+                logits = feed(nxt)[:, -1]
         self.train(was_training)
         return out
+
+    def __getstate__(self):  # pickling and deepcopy leave the compiled decoder behind
+        state = dict(super().__getstate__())
+        state.pop("_static", None)
+        return state
+
+    def static_decoder(self, batch_size: int, max_len: int):
+        """A compiled `StaticDecoder` of this model for batch_size rows and max_len positions: the one
+        made for the last call when it fits (same batch size, as many positions or more), else a new one."""
+        from .static_decode import StaticDecoder
+
+        dec = self.__dict__.get("_static")  # not a submodule: it holds the model
+        if dec is None or dec.batch_size != batch_size or dec.max_len < max_len:
+            dec = StaticDecoder(self, batch_size, max_len, compile=True)
+            self.__dict__["_static"] = dec
+        return dec

@@ -1,0 +1,186 @@
+"""Exact decoding with static shapes: buffers of a fixed length, the position a device tensor, and a
+step that can be compiled (and captured as a CUDA graph on the GPU).
+
+`LM.generate` decodes through per-layer caches whose buffers grow and whose steps check their inputs
+and branch in Python: right on any mechanism, but every step is hundreds of small operations driven
+from the host. A `StaticDecoder` holds each layer's keys and values (and the hybrid's scalar keys) in
+buffers of `max_len` positions made once, writes a token's entries at the position held in a device
+tensor, and reads the whole buffer under a mask of the positions written: every step has the same
+shapes and no host synchronisation, so `torch.compile` turns it into one graph (on CUDA with
+`mode="reduce-overhead"`: CUDA graphs, the gpt-fast recipe). A step costs O(max_len) whatever the
+context; it is for exact decoding, the baseline the windowed caches are measured against.
+
+    dec = StaticDecoder(model, batch_size=1, max_len=4096, compile=True)
+    out = dec.generate(prompt, 200)                # = model.generate(prompt, 200) (greedy)
+
+Layers it decodes: softmax (q·k/√d, GQA, RoPE, a sliding window, output gates) and hybrid heads
+(q·k/√d − λ φ((qs − ks)²/τ), Gaussian or Cauchy, GQA, the gain) without a sink; other mechanisms
+and settings are refused by name at construction (`supported`).
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+__all__ = ["StaticDecoder", "supported"]
+
+
+def supported(layer) -> str | None:
+    """None when a `StaticDecoder` decodes `layer` (an `attnlab.layers.Attention`), else why not."""
+    c = layer.config
+    if layer.mechanism == "softmax":
+        if c.scale != "sqrt_d":
+            return f"scale={c.scale!r} divides q·k by a statistic of every cached key (only 'sqrt_d')"
+        return None
+    if layer.mechanism == "hybrid":
+        if c.sink:
+            return "a sink (sink=true)"
+        if c.sliding_window is not None:
+            return "a sliding window on hybrid heads"
+        return None
+    return f"mechanism {layer.mechanism!r} (static decoding takes softmax and hybrid layers)"
+
+
+class StaticDecoder(nn.Module):
+    """Exact decoding of `model` (an `attnlab.models.LM`) through static buffers (module docstring).
+
+    Args:
+        model: the LM; every layer must be `supported`.
+        batch_size: rows decoded together, an int >= 1.
+        max_len: positions the buffers hold (prompt + new tokens), an int >= 1.
+        compile: compile the step with torch.compile (on CUDA `mode="reduce-overhead"`).
+
+    Raises:
+        ValueError: batch_size or max_len not a positive int, max_len past the learned position
+            embedding's length, or a layer this decoder does not take (naming it and why).
+    """
+
+    def __init__(self, model, batch_size: int, max_len: int, *, compile: bool = False):
+        super().__init__()
+        for name, n in (("batch_size", batch_size), ("max_len", max_len)):
+            if isinstance(n, bool) or not isinstance(n, int) or n < 1:
+                raise ValueError(f"{name} must be an int >= 1, got {n!r}")
+        for i, blk in enumerate(model.blocks):
+            why = supported(blk.attn)
+            if why is not None:
+                raise ValueError(f"StaticDecoder: layer {i} has {why}; decode it with LM.generate")
+        if model.pos_emb is not None and max_len > model.cfg.max_seq_len:
+            raise ValueError(f"max_len={max_len} is past the learned position embedding's "
+                             f"model.max_seq_len={model.cfg.max_seq_len}")
+        self.model, self.batch_size, self.max_len = model, batch_size, max_len
+        p = next(model.parameters())
+        B, N = batch_size, max_len
+        for i, blk in enumerate(model.blocks):
+            a = blk.attn
+            self.register_buffer(f"k{i}", p.new_zeros(B, a.n_kv, N, a.qk_dim), persistent=False)
+            self.register_buffer(f"v{i}", p.new_zeros(B, a.n_kv, N, a.config.head_dim), persistent=False)
+            if a.mechanism == "hybrid":
+                self.register_buffer(f"ks{i}", p.new_zeros(B, a.n_scalar, N, dtype=torch.float32), persistent=False)
+        self.register_buffer("pos", torch.zeros((), dtype=torch.long, device=p.device), persistent=False)
+        self.register_buffer("slots", torch.arange(N, device=p.device), persistent=False)
+        self.length = 0  # positions written (a host copy of pos: no synchronisation to check it)
+        self._step = self.step_logits
+        if compile:
+            self._step = torch.compile(self.step_logits, mode="reduce-overhead" if p.device.type == "cuda" else None,
+                                       fullgraph=True)
+
+    def _attend(self, i: int, blk, h: torch.Tensor, positions: torch.Tensor, visible: torch.Tensor) -> torch.Tensor:
+        """Layer i's readout for the tokens h (B, T, C) at `positions` (T,), their entries written into
+        the buffers first; visible (T, N) marks the buffer slots each token reads."""
+        a = blk.attn
+        B, T = h.shape[:2]
+        p = a.project(h, positions.expand(B, T))
+        kb, vb = getattr(self, f"k{i}"), getattr(self, f"v{i}")
+        kb.index_copy_(2, positions, p.k.to(kb.dtype))
+        vb.index_copy_(2, positions, p.v.to(vb.dtype))
+        H = p.q.shape[1]
+        if a.mechanism == "softmax":
+            w = a.config.sliding_window
+            if w is not None:  # each query reads its last w keys, itself included
+                visible = visible & (self.slots[None, :] > positions[:, None] - w)
+            return F.scaled_dot_product_attention(p.q, kb.to(p.q.dtype), vb.to(p.q.dtype), attn_mask=visible,
+                                                  enable_gqa=H != kb.shape[1])
+        ksb = getattr(self, f"ks{i}")
+        ksb.index_copy_(2, positions, p.ks.float())
+        k = kb.repeat_interleave(H // kb.shape[1], dim=1) if H != kb.shape[1] else kb
+        v = vb.repeat_interleave(H // vb.shape[1], dim=1) if H != vb.shape[1] else vb
+        dot = (p.q.float() @ k.float().transpose(-1, -2)) / math.sqrt(p.q.shape[-1])  # (B, H, T, N)
+        tau = p.tau.float()
+        tau = tau[None, :, None, None] if tau.dim() == 1 else tau[..., None]
+        x = (p.qs.float()[..., None] - ksb[:, :, None, :]).square() / tau
+        phi = x if a.config.kernel == "gaussian" else torch.log1p(x)
+        lam = a.scalar_scale
+        if lam is not None:
+            phi = phi * lam.float()[None, :, None, None]
+        s = (dot - phi).masked_fill(~visible, float("-inf"))
+        return (torch.softmax(s, dim=-1) @ v.float()).to(p.v.dtype)
+
+    def _forward(self, idx: torch.Tensor, positions: torch.Tensor, visible: torch.Tensor) -> torch.Tensor:
+        m = self.model
+        x = m.tok_emb(idx)
+        if m.pos_emb is not None:
+            x = x + m.pos_emb(positions)[None]
+        for i, blk in enumerate(m.blocks):
+            h = blk.norm1(x)
+            x = x + blk.attn.finish(self._attend(i, blk, h, positions, visible), h)
+            x = x + blk.mlp(blk.norm2(x))
+        return m.head(m.norm_f(x))
+
+    def step_logits(self, idx_t: torch.Tensor) -> torch.Tensor:
+        """One token idx_t (B, 1) at position `self.pos` -> logits (B, V); fixed shapes throughout
+        (what is compiled). Does not advance `pos` (`step` does)."""
+        positions = self.pos[None]
+        return self._forward(idx_t, positions, self.slots[None, :] <= positions[:, None])[:, -1]
+
+    @torch.no_grad()
+    def prefill(self, idx: torch.Tensor) -> torch.Tensor:
+        """The prompt idx (B, T0) from position 0 in one causal forward that fills the buffers; the
+        logits of its last token (B, V). Resets the decoder."""
+        if idx.dim() != 2 or idx.shape[0] != self.batch_size or not 1 <= idx.shape[1] <= self.max_len:
+            raise ValueError(f"idx must be (batch_size={self.batch_size}, T0) with 1 <= T0 <= max_len={self.max_len}, "
+                             f"got shape {tuple(idx.shape)}")
+        T = idx.shape[1]
+        positions = torch.arange(T, device=idx.device)
+        logits = self._forward(idx, positions, self.slots[None, :] <= positions[:, None])[:, -1]
+        self.pos.fill_(T)
+        self.length = T
+        return logits
+
+    @torch.no_grad()
+    def step(self, idx_t: torch.Tensor) -> torch.Tensor:
+        """One new token idx_t (B, 1) -> logits (B, V); then the position advances."""
+        if not self.length:
+            raise ValueError("step before prefill: give the prompt to prefill first")
+        if self.length >= self.max_len:
+            raise ValueError(f"the buffers are full: max_len={self.max_len} positions")
+        if idx_t.shape != (self.batch_size, 1):
+            raise ValueError(f"idx_t must be (batch_size={self.batch_size}, 1), got shape {tuple(idx_t.shape)}")
+        logits = self._step(idx_t)
+        if logits.device.type == "cuda":
+            logits = logits.clone()  # a CUDA graph's output is overwritten by its next replay
+        self.pos += 1
+        self.length += 1
+        return logits
+
+    @torch.no_grad()
+    def generate(self, idx: torch.Tensor, max_new_tokens: int) -> torch.Tensor:
+        """Greedy: extend idx (B, T0) by max_new_tokens, as `LM.generate(idx, max_new_tokens)`."""
+        if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) or max_new_tokens < 0:
+            raise ValueError(f"max_new_tokens must be an int >= 0, got {max_new_tokens!r}")
+        if idx.dim() == 2 and idx.shape[1] + max_new_tokens - 1 > self.max_len:
+            raise ValueError(f"prompt {idx.shape[1]} + max_new_tokens {max_new_tokens} needs "
+                             f"{idx.shape[1] + max_new_tokens - 1} positions, max_len={self.max_len}")
+        was = self.model.training
+        self.model.eval()
+        out, logits = idx, self.prefill(idx)
+        for i in range(max_new_tokens):
+            nxt = logits.argmax(-1, keepdim=True)
+            out = torch.cat([out, nxt], dim=1)
+            if i + 1 < max_new_tokens:
+                logits = self.step(nxt)
+        self.model.train(was)
+        return out
