@@ -1,5 +1,6 @@
 """The GPU results tables (docs/result_tables.py registers them), from benchmarks/gpu.py's JSON: speed
-against SDPA's flash backend, errors against float64, and whole models per mechanism."""
+against SDPA's flash backend, errors against float64, and whole models per mechanism; and the decode
+speed table of benchmarks/decode_speed.py (CPU or GPU)."""
 
 from __future__ import annotations
 
@@ -52,3 +53,24 @@ def gpu_models_table(res: Json) -> str:
         else:
             rows.append([m["model"] + _earlier(m), f"{m['ms']:.1f}", f"{m['tokens_per_s']:,}"])
     return _table(["mechanism", "ms per step", "tokens/s"], "lrr", rows)
+
+
+DECODE_METHODS = ("exact", "exact_static", "exact_compiled", "window", "hf_static")
+
+
+def decode_speed_table(res: dict) -> str:
+    """benchmarks/decode_speed.py: the median decode step (ms) of each method per model, batch and
+    context, with the windowed step's speedup over exact decoding and attnlab's compiled exact step
+    against transformers' static-cache generate (a ratio above 1: attnlab is slower)."""
+    cells: dict = {}
+    for r in res["rows"]:
+        cells.setdefault((r["model"], r["batch"], r["context"]), {})[r["method"]] = r.get("step_ms")
+    rows = []
+    for (model, batch, ctx), by in cells.items():
+        ms = [f"{by[m]:.2f}" if by.get(m) is not None else "—" for m in DECODE_METHODS]
+        win = f"{by['exact'] / by['window']:.1f}×" if by.get("window") and by.get("exact") else "—"
+        hf = f"{by['exact_compiled'] / by['hf_static']:.2f}" if by.get("exact_compiled") and by.get("hf_static") else "—"
+        rows.append([model, str(batch), f"{ctx:,}", *ms, win, hf])
+    header = ["model", "batch", "context", "exact (growing caches)", "exact, static", "exact, compiled", "window",
+              "HF static cache", "window speedup over exact", "compiled / HF"]
+    return _table(header, "lrr" + "r" * 7, rows)

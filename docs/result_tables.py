@@ -20,7 +20,7 @@ Json = dict
 
 from table_format import _table, _f, _signed, _sig2, _ratio, _sci, _span, _tokens  # docs/table_format.py
 from search_tables import coverage_table, middle6_table, search_decode_table, tasks_table  # docs/search_tables.py
-from gpu_tables import gpu_errors_table, gpu_models_table, gpu_speed_table  # docs/gpu_tables.py
+from gpu_tables import decode_speed_table, gpu_errors_table, gpu_models_table, gpu_speed_table  # docs/gpu_tables.py
 
 
 OPS_LABELS = {
@@ -372,4 +372,5 @@ TABLES: dict[str, tuple[Callable[..., str], tuple[str, ...]]] = {
     "gpu-speed": (gpu_speed_table, (f"{B}/gpu.json",)),
     "gpu-errors": (gpu_errors_table, (f"{B}/gpu.json",)),
     "gpu-models": (gpu_models_table, (f"{B}/gpu.json",)),
+    "decode-speed": (decode_speed_table, (f"{B}/decode_speed.json",)),
 }

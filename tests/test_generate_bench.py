@@ -61,3 +61,18 @@ def test_generate_benchmark_with_learned_selection_and_a_softmax_model(tmp_path)
     assert r["selector"]["steps"] == 2 and all("gap_softmax" in row for row in r["rows"])
     soft = r["overall"]["softmax"]["nll"] - r["overall"]["exact"]["nll"]
     assert abs(r["overall"]["softmax"]["gap"] - soft) < 1e-5
+
+
+def test_decode_speed_benchmark_rows(tmp_path):
+    """benchmarks/decode_speed.py at a tiny context: one row per method with a positive step time, in
+    the JSON shape the docs table reads (compiled and HF rows are left to the real run)."""
+    spec = importlib.util.spec_from_file_location("decode_speed", ROOT / "benchmarks" / "decode_speed.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    out = tmp_path / "ds.json"
+    mod.main(["--out", str(out), "--models", "windowed", "--contexts", "24", "--methods", "exact,exact_static,window",
+              "--steps", "1", "--rounds", "1", "--warmup", "1"])
+    doc = json.loads(out.read_text())
+    assert doc["device"].startswith("cpu") and doc["threads"] == 1
+    assert [(r["method"], r["context"]) for r in doc["rows"]] == [("exact", 24), ("exact_static", 24), ("window", 24)]
+    assert all(r["step_ms"] > 0 and r["tokens_per_s"] > 0 for r in doc["rows"])

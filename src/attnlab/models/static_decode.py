@@ -137,15 +137,17 @@ class StaticDecoder(nn.Module):
         return self._forward(idx_t, positions, self.slots[None, :] <= positions[:, None])[:, -1]
 
     @torch.no_grad()
-    def prefill(self, idx: torch.Tensor) -> torch.Tensor:
-        """The prompt idx (B, T0) from position 0 in one causal forward that fills the buffers; the
-        logits of its last token (B, V). Resets the decoder."""
+    def prefill(self, idx: torch.Tensor, chunk: int = 1024) -> torch.Tensor:
+        """The prompt idx (B, T0) from position 0, `chunk` tokens at a time (each chunk one causal
+        forward against the buffers, which it fills: memory O(chunk x max_len)); the logits of its
+        last token (B, V). Resets the decoder."""
         if idx.dim() != 2 or idx.shape[0] != self.batch_size or not 1 <= idx.shape[1] <= self.max_len:
             raise ValueError(f"idx must be (batch_size={self.batch_size}, T0) with 1 <= T0 <= max_len={self.max_len}, "
                              f"got shape {tuple(idx.shape)}")
         T = idx.shape[1]
-        positions = torch.arange(T, device=idx.device)
-        logits = self._forward(idx, positions, self.slots[None, :] <= positions[:, None])[:, -1]
+        for a in range(0, T, chunk):
+            positions = torch.arange(a, min(T, a + chunk), device=idx.device)
+            logits = self._forward(idx[:, a : a + chunk], positions, self.slots[None, :] <= positions[:, None])[:, -1]
         self.pos.fill_(T)
         self.length = T
         return logits

@@ -1,0 +1,193 @@
+"""Decode step latency by context length: attnlab's decoders against Hugging Face's static-cache
+generate on a same-shaped Llama, in one run.
+
+    python benchmarks/decode_speed.py --out benchmarks/results/decode_speed.json
+    python benchmarks/decode_speed.py --contexts 1024,4096 --batches 1,8 --models windowed
+
+Models (random weights: speed does not depend on them): `windowed`, the shape of configs/windowed.toml
+(hybrid, Cauchy kernel, trained through 16 scalar-nearest + 32 recent keys; byte vocabulary), and
+`gpt2-small` (12 layers, d_model 768, 12 heads, softmax, vocabulary 50,257). Methods:
+
+- `exact`: `LM.make_caches(exact=True)` + `LM.step` (growing KV caches, eager);
+- `exact_static`: `StaticDecoder` (buffers of the final length, eager);
+- `exact_compiled`: the same step under torch.compile (CUDA graphs on the GPU);
+- `window` (windowed model): its trained window through the sorted cache and the ring (`LM.make_caches()`);
+  the prompt goes through the ring one token at a time, so its contexts stop at --window-max;
+- `hf_static`: `LlamaForCausalLM.generate(cache_implementation="static")` with SDPA on a Llama of the
+  same dimensions (the step time from generating 1 and 1 + n tokens after the same prompt).
+
+For each (model, batch, context) every decoder takes the prompt, then `--rounds` interleaved rounds
+of `--steps` timed steps each (wall clock, after `--warmup` steps); the median step is reported.
+Writes JSON: top-level `device`, `torch`, `threads`, `rows` with `model`, `method`, `batch`,
+`context`, `step_ms`, `tokens_per_s` (or `error`). `python docs/result_tables.py decode-speed`
+renders it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE.parent / "src"))
+
+from attnlab.models.config import ModelConfig  # noqa: E402
+from attnlab.models.lm import LM  # noqa: E402
+from attnlab.models.static_decode import StaticDecoder  # noqa: E402
+
+MODELS = {
+    "windowed": dict(vocab_size=256, d_model=128, n_layers=4, n_heads=4, attn="hybrid",
+                     attention=dict(train_window=16, local_window=32, kernel="cauchy")),
+    "gpt2-small": dict(vocab_size=50257, d_model=768, n_layers=12, n_heads=12, attn="softmax"),
+}
+
+
+def sync(dev) -> None:
+    if dev.type == "cuda":
+        torch.cuda.synchronize()
+
+
+class Ours:
+    """An attnlab decoder after its prompt: `step(tok)` -> logits."""
+
+    def __init__(self, m: LM, method: str, idx: torch.Tensor, total: int):
+        B, T = idx.shape
+        if method in ("exact", "window"):
+            self.caches = m.make_caches(B, exact=method == "exact")
+            self.logits = m.prefill(idx, self.caches, last=1)[:, -1]
+            self.pos, self.m = T, m
+            self.step = self._cache_step
+        else:
+            self.dec = StaticDecoder(m, B, total, compile=method == "exact_compiled")
+            self.logits = self.dec.prefill(idx)
+            self.step = self.dec.step
+
+    def _cache_step(self, tok):
+        out = self.m.step(tok, self.caches, self.pos)
+        self.pos += 1
+        return out
+
+
+class HFStatic:
+    """A Llama of the model's dimensions through transformers' generate with a static cache: the time of
+    one step is (t(1 + n new tokens) - t(1 new token)) / n after the same prompt."""
+
+    def __init__(self, cfg: ModelConfig, idx: torch.Tensor, total: int):
+        from transformers import LlamaConfig, LlamaForCausalLM
+
+        hc = LlamaConfig(vocab_size=cfg.vocab_size, hidden_size=cfg.d_model, intermediate_size=cfg.ffn_hidden,
+                         num_hidden_layers=cfg.n_layers, num_attention_heads=cfg.n_heads,
+                         num_key_value_heads=cfg.n_heads, max_position_embeddings=total + 8, tie_word_embeddings=False)
+        hc._attn_implementation = "sdpa"
+        self.model = LlamaForCausalLM(hc).to(idx.device).eval()
+        self.idx = idx
+
+    def time_steps(self, n: int) -> float:
+        """Seconds per step of n steps (generate runs the prompt again each call)."""
+        def run(k):
+            sync(self.idx.device)
+            t0 = time.perf_counter()
+            self.model.generate(self.idx, max_new_tokens=k, min_new_tokens=k, do_sample=False,
+                                cache_implementation="static", pad_token_id=0)
+            sync(self.idx.device)
+            return time.perf_counter() - t0
+
+        return (run(1 + n) - run(1)) / n
+
+
+@torch.no_grad()
+def measure(name: str, B: int, T: int, a, dev, methods) -> list[dict]:
+    kw = MODELS[name]
+    total = T + a.warmup + a.rounds * a.steps + 2
+    cfg = ModelConfig(max_seq_len=total, **kw)
+    torch.manual_seed(0)
+    m = LM(cfg).to(dev).eval()
+    idx = torch.randint(0, cfg.vocab_size, (B, T), generator=torch.Generator().manual_seed(1)).to(dev)
+    decs, rows = {}, []
+    for method in methods:
+        if method == "window" and (name != "windowed" or T > a.window_max):
+            continue
+        try:
+            decs[method] = HFStatic(cfg, idx, total) if method == "hf_static" else Ours(m, method, idx, total)
+        except Exception as e:  # noqa: BLE001 - the row records what failed
+            rows.append(dict(model=name, method=method, batch=B, context=T, error=f"{type(e).__name__}: {e}"[:300]))
+    times = {k: [] for k in decs}
+    for k, d in decs.items():  # warm-up (and, compiled, the compilation)
+        if k != "hf_static":
+            tok = d.logits.argmax(-1, keepdim=True)
+            for _ in range(a.warmup):
+                tok = d.step(tok).argmax(-1, keepdim=True)
+            d.tok = tok
+    for _ in range(a.rounds):  # interleaved rounds: the machine's drift hits every method alike
+        for k, d in decs.items():
+            if k == "hf_static":
+                times[k].append(d.time_steps(2 * a.steps))  # a difference of two runs: more steps
+                continue
+            for _ in range(a.steps):
+                sync(dev)
+                t0 = time.perf_counter()
+                d.tok = d.step(d.tok).argmax(-1, keepdim=True)
+                sync(dev)
+                times[k].append(time.perf_counter() - t0)
+    for k, ts in times.items():
+        ms = statistics.median(ts) * 1e3
+        rows.append(dict(model=name, method=k, batch=B, context=T, step_ms=round(ms, 4),
+                         tokens_per_s=round(B / ms * 1e3, 1)))
+        print(f"  {name} B={B} T={T} {k}: {ms:.3f} ms/step", flush=True)
+    return rows
+
+
+def main(argv=None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--out", default=str(HERE / "results" / "decode_speed.json"))
+    ap.add_argument("--models", default="windowed,gpt2-small")
+    ap.add_argument("--contexts", default="1024,4096,16384")
+    ap.add_argument("--batches", default="1")
+    ap.add_argument("--methods", default="exact,exact_static,exact_compiled,window,hf_static")
+    ap.add_argument("--steps", type=int, default=8, help="timed steps per method and round")
+    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--warmup", type=int, default=3)
+    ap.add_argument("--window-max", type=int, default=16384, help="longest context the window method is run at")
+    ap.add_argument("--max-gpt2-context", type=int, default=4096, help="longest context for gpt2-small")
+    ap.add_argument("--device", default="cpu")
+    ap.add_argument("--threads", type=int, default=1, help="torch threads on the CPU")
+    ap.add_argument("--note", default="", help="what else ran on the machine, recorded in the JSON")
+    a = ap.parse_args(argv)
+    dev = torch.device(a.device)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(a.threads)
+    try:
+        run(a, dev, argv)
+    finally:
+        torch.set_num_threads(threads)
+
+
+def run(a, dev, argv) -> None:
+    doc = {"device": torch.cuda.get_device_name() if dev.type == "cuda" else f"cpu: {platform.processor() or platform.machine()}",
+           "torch": torch.__version__, "threads": torch.get_num_threads(),
+           "command": "python benchmarks/decode_speed.py " + " ".join(argv if argv is not None else sys.argv[1:]),
+           "note": a.note, "rows": []}
+    methods = [x for x in a.methods.split(",") if x]
+    out = Path(a.out)
+    for name in a.models.split(","):
+        for B in (int(x) for x in a.batches.split(",")):
+            for T in (int(x) for x in a.contexts.split(",")):
+                if name == "gpt2-small" and T > a.max_gpt2_context:
+                    continue
+                doc["rows"] += measure(name, B, T, a, dev, methods)
+                tmp = out.with_suffix(".tmp")
+                tmp.write_text(json.dumps(doc, indent=1) + "\n")
+                os.replace(tmp, out)
+    print(f"wrote {out}")
+
+
+if __name__ == "__main__":
+    main()
