@@ -2,5 +2,6 @@
 
 from .config import MECHANISMS, ConfigError, ModelConfig
 from .lm import LM, RMSNorm, SwiGLU
+from .static_decode import StaticDecoder
 
-__all__ = ["LM", "ModelConfig", "ConfigError", "MECHANISMS", "RMSNorm", "SwiGLU"]
+__all__ = ["LM", "ModelConfig", "ConfigError", "MECHANISMS", "RMSNorm", "SwiGLU", "StaticDecoder"]

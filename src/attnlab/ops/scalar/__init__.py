@@ -3,19 +3,21 @@ through each query's scalar window, and approximate (docs/mechanisms.md).
 
 One folder, as flash-linear-attention lays out an op: the formula and its naive reference
 (`naive`), the fused SDPA route (`fused`), query chunks of explicit scores (`chunked`), the Triton
-kernel (`triton_kernel`, its host side `triton_op`; imported only when used), the public ops that choose among them
+kernels (`triton_kernel`, its host side `triton_op`, and `triton_selected` for training through the
+window; imported only when used, where `route` says they run), the public ops that choose among them
 (`attention`), windowed attention (`window`, with its selected-keys path in `selected`) and the
 approximate op (`approx`). Imports point one way: naive <- fused, chunked <- selected <- window,
-and attention <- approx.
+triton_kernel <- triton_op <- route <- window, attention, and attention <- approx.
 """
 
 from .approx import APPROX_TOL, approx_plan, scalar_attention_approx
-from .attention import hybrid_attention, scalar_attention, triton_missing
+from .attention import hybrid_attention, scalar_attention
+from .route import triton_missing, triton_route
 from .naive import KERNELS, check_kernel, hybrid_logits, hybrid_scores, kernel_term, scalar_logits, scalar_scores
 from .window import budget_evictions, range_distance, window_indices, window_mask, windowed_attention
 
 __all__ = [
     "APPROX_TOL", "KERNELS", "approx_plan", "budget_evictions", "check_kernel", "hybrid_attention", "hybrid_logits",
     "hybrid_scores", "kernel_term", "range_distance", "scalar_attention", "scalar_attention_approx", "scalar_logits",
-    "scalar_scores", "triton_missing", "window_indices", "window_mask", "windowed_attention",
+    "scalar_scores", "triton_missing", "triton_route", "window_indices", "window_mask", "windowed_attention",
 ]

@@ -16,6 +16,7 @@ from ...checks import TRITON_IMPLS, check_docs, check_impl, check_int, check_win
 from .._sdpa import check_causal, check_qkv, expand_heads, fused_attention, upcast, without_autocast
 from .chunked import chunked_kernel_attention
 from .fused import _augment, _slots
+from .route import triton_missing, triton_route
 from .naive import (
     _check_scalars, _check_values, _scalar_scale, _tau, check_kernel, hybrid_logits, scalar_logits,
 )
@@ -169,15 +170,6 @@ def hybrid_attention(q, k, v, qs, ks, tau, *, causal: bool = True, impl: str = "
                            n_prefix=n_prefix).to(v.dtype)
 
 
-def triton_missing(device: torch.device) -> str | None:
-    """Why the Triton kernel cannot run on `device` (None when it can)."""
-    try:
-        from .triton_op import available
-    except ImportError:
-        return "Triton is not installed (pip install triton; it comes with torch's CUDA builds)"
-    return available(device)
-
-
 def _use_triton(impl: str, device: torch.device, window) -> bool:
     """impl="triton" (checked: a clear error where it cannot run), or "auto" on CUDA with Triton there.
     A sliding window keeps the banded path (`kernel.chunked_kernel_attention`), which the kernel lacks."""
@@ -190,14 +182,6 @@ def _use_triton(impl: str, device: torch.device, window) -> bool:
             raise ValueError(f"impl='triton' cannot run: {reason}")
         return True
     return impl == "auto" and window is None and triton_route(impl, device)
-
-
-def triton_route(impl: str, device: torch.device) -> bool:
-    """Whether `impl` runs the Triton kernels on `device` (no error either way): "triton" where they can
-    run (CUDA, or the CPU under TRITON_INTERPRET=1), "auto" on CUDA with Triton installed."""
-    if impl not in ("auto", "triton") or (impl == "auto" and device.type != "cuda"):
-        return False
-    return triton_missing(device) is None
 
 
 def _banded(window, causal: bool, Tk: int, n_prefix: int) -> bool:

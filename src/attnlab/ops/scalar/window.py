@@ -41,7 +41,7 @@ import torch
 
 from ...checks import check_int, check_same, visible_keys
 from .._sdpa import check_qkv, expand_heads, upcast
-from .attention import triton_missing, triton_route
+from .route import triton_missing, triton_route
 from .selected import selected_attention
 from .naive import _check_scalars, _check_values, _scalar_scale, _tau, check_kernel, hybrid_logits, scalar_logits
 
