@@ -1,4 +1,4 @@
-"""Principled attention's Triton kernel (attnlab.ops.principled_triton) against the naive op in float64:
+"""Principled attention's Triton kernel (attnlab.ops.principled.triton_kernel) against the naive op in float64:
 the output, the ground weight and every gradient (q, k, qg, kg, v, alpha, beta, gamma, v0), causal and
 not, GQA, decode offsets, per-head and per-query parameters, 16-bit inputs, logits at the threshold. On
 the CPU the kernel runs in Triton's interpreter (tests/conftest.py sets TRITON_INTERPRET=1), so shapes
@@ -100,7 +100,7 @@ def test_16bit_inputs(dtype):
 
 
 def test_auto_picks_triton_only_on_cuda(monkeypatch):
-    import attnlab.ops.principled_triton as pt
+    import attnlab.ops.principled.triton_kernel as pt
 
     calls = []
     real = pt.triton_principled

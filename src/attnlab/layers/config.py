@@ -18,7 +18,7 @@ from .typed_fields import field_problem
 
 # Fields every mechanism reads; each mechanism class lists the others it reads in `options`.
 LAYER_IMPLS = (*IMPLS, "approx", "triton")  # "approx": scalar heads only; "triton": the kernels' mechanisms
-TRITON_MECHANISMS = ("scalar", "hybrid", "principled")  # whose ops take impl="triton" (attnlab.ops.principled_triton, ops.scalar)
+TRITON_MECHANISMS = ("scalar", "hybrid", "principled")  # whose ops take impl="triton" (attnlab.ops.principled.triton_kernel, ops.scalar)
 SHARED_FIELDS = ("d_model", "n_heads", "mechanism", "head_dim", "output_gate", "output_gate_scale", "bias", "impl")
 TAU_MODES = ("global", "head", "token")
 PARAM_FORMS = ("constant", "layer", "head", "query")

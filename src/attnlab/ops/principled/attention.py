@@ -36,13 +36,13 @@ import torch
 import torch.nn.functional as F
 from torch.autograd.function import once_differentiable
 
-from ..checks import (
+from ...checks import (
     check_finite, check_groups, check_impl, check_like, check_param, check_same, check_tensor, empty_result,
 )
-from ..checks import TRITON_IMPLS, check_docs, check_window, key_counts
-from . import _ext
-from .principled_naive import principled_band, principled_naive
-from .scalar.attention import _use_triton
+from ...checks import TRITON_IMPLS, check_docs, check_window, key_counts
+from .. import _ext
+from .naive import principled_band, principled_naive
+from ..scalar.attention import _use_triton
 
 LOG2E = 1.4426950408889634
 BLOCK_K = 256
@@ -321,7 +321,7 @@ def principled_attention(
         causal: query t sees keys 0 .. t + Tk - Tq (needs Tq <= Tk) and K = t + 1 + Tk - Tq.
         impl: ``"fast"`` tiles queries and keys in block_q x block_k blocks and never builds a
             Tq x Tk matrix (on the CPU the fused compiled kernel when it is available); ``"naive"``
-            does; ``"triton"`` runs the fused Triton kernel (`principled_triton`: CUDA, or the CPU
+            does; ``"triton"`` runs the fused Triton kernel (`principled.triton_kernel`: CUDA, or the CPU
             under TRITON_INTERPRET=1; no sliding window); ``"auto"`` is ``"triton"`` on CUDA when
             Triton is installed and there is no window, else ``"fast"``.
         return_ground: also return the ground weight w0.
@@ -386,14 +386,14 @@ def principled_attention(
         if docs is None:
             log_k = key_counts(Tq, Tk, causal, q.device, work).log()  # (Tq,)
         else:  # packed documents (the kernel's): K counts the keys of each query's own document
-            from .principled_triton import document_log_counts
+            from .triton_kernel import document_log_counts
 
             log_k = document_log_counts(docs, Tq, causal, work)  # (B, 1, Tq)
         c = (1 + F.softplus(params["alpha"]) * log_k).expand(B, H, Tq)  # margin amplification
         spb = F.softplus(params["beta"]).expand(B, H, Tq)
         gam = params["gamma"].expand(B, H, Tq)
         if triton:
-            from .principled_triton import triton_principled
+            from .triton_kernel import triton_principled
 
             o, w0 = triton_principled(*given, c, spb, gam, causal, docs)
         elif _ext.usable(q):  # the fused kernel reads grouped k, kg, v in place

@@ -19,8 +19,8 @@ import math
 import torch
 import torch.nn.functional as F
 
-from ..checks import key_counts, visible_keys
-from ._sdpa import band_spans
+from ...checks import key_counts, visible_keys
+from .._sdpa import band_spans
 
 
 def principled_naive(

@@ -1,6 +1,6 @@
 """Principled attention's fused GPU kernel, in Triton (the math: docs/mechanisms.md#principled-attention).
 
-The tiled algorithm of `attnlab.ops.principled` (module docstring) as one online loop over key
+The tiled algorithm of `attnlab.ops.principled.attention` (module docstring) as one online loop over key
 tiles per query tile, no Tq x Tk matrix stored forward or backward. In base 2 and relative to the
 threshold, the logit of query t and key s is
 
@@ -29,8 +29,8 @@ import torch
 import triton
 import triton.language as tl
 
-from .scalar.triton_kernel import LOG2E, _bases, _doc_ids, _doc_span, _load_rows, _mm, _seen_end, interpreted
-from .scalar.triton_op import document_spans
+from ..scalar.triton_kernel import LOG2E, _bases, _doc_ids, _doc_span, _load_rows, _mm, _seen_end, interpreted
+from ..scalar.triton_op import document_spans
 
 __all__ = ["document_log_counts", "triton_principled"]
 
