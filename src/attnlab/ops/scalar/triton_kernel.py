@@ -412,7 +412,14 @@ def _bwd_q(Q, K, V, QS, KS, U, TAU, LAM, DO, LSE, DELTA, DOCS, START, END, DQ, D
                                  krow, start_n, offs_m, offs_d, offs_dv, Tk, off, sm_scale, D, DV, BLOCK_D,
                                  BLOCK_N, HAS_DOT, BIAS, KERNEL, CAUSAL, True, PREC, UP, DOCS, drow, dqd, DOC)
     tl.store(DQ + (row + offs_m[:, None]) * BLOCK_D + offs_d[None, :], dq * sm_scale, mask=m_ok[:, None])
-    # score = -lam phi(x): d/d qs = -2 lam phi' d / tau, d/d tau = lam phi' x / tau, d/d lam = -phi(x)
+    _store_row_grads(DQS, DTAU, DLAM, row, offs_m, m_ok, lam, tau, da, dx, dl, KERNEL)
+
+
+@triton.jit
+def _store_row_grads(DQS, DTAU, DLAM, row, offs_m, m_ok, lam, tau, da, dx, dl, KERNEL: tl.constexpr):
+    """The gradients of qs, tau and the gain per query row from the sums A = sum ds phi' d, X = sum ds
+    phi' x and L = sum ds l1: score = -lam phi(x), so d/d qs = -2 lam phi' d / tau, d/d tau = lam phi' x
+    / tau and d/d lam = -phi(x) (tau holds 1 / tau)."""
     tl.store(DQS + row + offs_m, -2.0 * lam * tau * da, mask=m_ok)
     tl.store(DTAU + row + offs_m, lam * tau * dx, mask=m_ok)
     if KERNEL == 0:

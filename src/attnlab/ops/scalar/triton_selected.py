@@ -33,7 +33,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .triton_kernel import LN2, LOG2E, _bases, _grad_rows, _query_rows
+from .triton_kernel import LOG2E, _bases, _grad_rows, _query_rows, _store_row_grads
 from .triton_op import CAUCHY, GAUSSIAN, _pow2
 
 __all__ = ["triton_selected_attention"]
@@ -69,27 +69,43 @@ def _sel_scores(q, K, KS, qs, tau, lam, kbase, krow, ix, valid, offs_d, sm_scale
 
 
 @triton.jit
+def _sel_program(Q, QS, TAU, LAM, T, H, GK, GV, D: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
+                 BLOCK_M: tl.constexpr, HAS_DOT: tl.constexpr):
+    """The program's query tile: its row offsets (`_bases`), query positions and the query rows."""
+    row, krow, kbase, vbase = _bases(tl.program_id(1), H, GK, GV, T, T)
+    offs_m = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_d = tl.arange(0, BLOCK_D)
+    m_ok = offs_m < T
+    qs, tau, lam, q = _query_rows(Q, QS, TAU, LAM, row, offs_m, m_ok, offs_d, D, HAS_DOT, BLOCK_D)
+    return row, krow, kbase, vbase, offs_m, offs_d, tl.arange(0, BLOCK_DV), m_ok, qs, tau, lam, q
+
+
+@triton.jit
+def _sel_columns(IDX, K, KS, q, qs, tau, lam, row, kbase, krow, offs_m, m_ok, j0, M, offs_d, sm_scale,
+                 D: tl.constexpr, BLOCK_J: tl.constexpr, HAS_DOT: tl.constexpr, KERNEL: tl.constexpr):
+    """Columns j0 .. j0 + BLOCK_J of the query tile's selected keys: their indices (0 where unused), which
+    are used, and `_sel_scores` of them."""
+    offs_j = j0 + tl.arange(0, BLOCK_J)
+    ix = tl.load(IDX + (row + offs_m[:, None]) * M + offs_j[None, :], mask=m_ok[:, None] & (offs_j[None, :] < M),
+                 other=-1)
+    valid = ix >= 0
+    ix = tl.where(valid, ix, 0)
+    s, k, d, x, l1 = _sel_scores(q, K, KS, qs, tau, lam, kbase, krow, ix, valid, offs_d, sm_scale, D, HAS_DOT, KERNEL)
+    return ix, valid, s, k, d, x, l1
+
+
+@triton.jit
 def _sel_fwd(Q, K, V, QS, KS, TAU, LAM, IDX, O, LSE, T, M, H, GK, GV, sm_scale, D: tl.constexpr, DV: tl.constexpr,
              BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_J: tl.constexpr,
              HAS_DOT: tl.constexpr, KERNEL: tl.constexpr):
-    m0 = tl.program_id(0) * BLOCK_M
-    row, krow, kbase, vbase = _bases(tl.program_id(1), H, GK, GV, T, T)
-    offs_m = m0 + tl.arange(0, BLOCK_M)
-    offs_d = tl.arange(0, BLOCK_D)
-    offs_dv = tl.arange(0, BLOCK_DV)
-    m_ok = offs_m < T
-    qs, tau, lam, q = _query_rows(Q, QS, TAU, LAM, row, offs_m, m_ok, offs_d, D, HAS_DOT, BLOCK_D)
+    row, krow, kbase, vbase, offs_m, offs_d, offs_dv, m_ok, qs, tau, lam, q = _sel_program(
+        Q, QS, TAU, LAM, T, H, GK, GV, D, BLOCK_D, BLOCK_DV, BLOCK_M, HAS_DOT)
     m_i = tl.full((BLOCK_M,), float("-inf"), tl.float32)
     l_i = tl.zeros((BLOCK_M,), tl.float32)
     acc = tl.zeros((BLOCK_M, BLOCK_DV), tl.float32)
     for j0 in range(0, M, BLOCK_J):
-        offs_j = j0 + tl.arange(0, BLOCK_J)
-        ix = tl.load(IDX + (row + offs_m[:, None]) * M + offs_j[None, :], mask=m_ok[:, None] & (offs_j[None, :] < M),
-                     other=-1)
-        valid = ix >= 0
-        ix = tl.where(valid, ix, 0)
-        s, k, d, x, l1 = _sel_scores(q, K, KS, qs, tau, lam, kbase, krow, ix, valid, offs_d, sm_scale, D, HAS_DOT,
-                                     KERNEL)
+        ix, valid, s, k, d, x, l1 = _sel_columns(IDX, K, KS, q, qs, tau, lam, row, kbase, krow, offs_m, m_ok, j0, M,
+                                                 offs_d, sm_scale, D, BLOCK_J, HAS_DOT, KERNEL)
         m_new = tl.maximum(m_i, tl.max(s, 1))
         m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
         p = tl.exp2(s - m_safe[:, None])
@@ -108,13 +124,8 @@ def _sel_fwd(Q, K, V, QS, KS, TAU, LAM, IDX, O, LSE, T, M, H, GK, GV, sm_scale, 
 def _sel_bwd(Q, K, V, QS, KS, TAU, LAM, IDX, DO, LSE, DELTA, DQ, DQS, DTAU, DLAM, DK, DV_, DKS, T, M, H, GK, GV,
              sm_scale, D: tl.constexpr, DV: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
              BLOCK_M: tl.constexpr, BLOCK_J: tl.constexpr, HAS_DOT: tl.constexpr, KERNEL: tl.constexpr):
-    m0 = tl.program_id(0) * BLOCK_M
-    row, krow, kbase, vbase = _bases(tl.program_id(1), H, GK, GV, T, T)
-    offs_m = m0 + tl.arange(0, BLOCK_M)
-    offs_d = tl.arange(0, BLOCK_D)
-    offs_dv = tl.arange(0, BLOCK_DV)
-    m_ok = offs_m < T
-    qs, tau, lam, q = _query_rows(Q, QS, TAU, LAM, row, offs_m, m_ok, offs_d, D, HAS_DOT, BLOCK_D)
+    row, krow, kbase, vbase, offs_m, offs_d, offs_dv, m_ok, qs, tau, lam, q = _sel_program(
+        Q, QS, TAU, LAM, T, H, GK, GV, D, BLOCK_D, BLOCK_DV, BLOCK_M, HAS_DOT)
     lse, delta, do = _grad_rows(LSE, DELTA, DO, row, offs_m, m_ok, offs_dv, DV)
     do = do.to(tl.float32)
     dq = tl.zeros((BLOCK_M, BLOCK_D), tl.float32)
@@ -122,13 +133,8 @@ def _sel_bwd(Q, K, V, QS, KS, TAU, LAM, IDX, DO, LSE, DELTA, DQ, DQS, DTAU, DLAM
     dx = tl.zeros((BLOCK_M,), tl.float32)
     dl = tl.zeros((BLOCK_M,), tl.float32)
     for j0 in range(0, M, BLOCK_J):
-        offs_j = j0 + tl.arange(0, BLOCK_J)
-        ix = tl.load(IDX + (row + offs_m[:, None]) * M + offs_j[None, :], mask=m_ok[:, None] & (offs_j[None, :] < M),
-                     other=-1)
-        valid = ix >= 0
-        ix = tl.where(valid, ix, 0)
-        s, k, d, x, l1 = _sel_scores(q, K, KS, qs, tau, lam, kbase, krow, ix, valid, offs_d, sm_scale, D, HAS_DOT,
-                                     KERNEL)
+        ix, valid, s, k, d, x, l1 = _sel_columns(IDX, K, KS, q, qs, tau, lam, row, kbase, krow, offs_m, m_ok, j0, M,
+                                                 offs_d, sm_scale, D, BLOCK_J, HAS_DOT, KERNEL)
         p = tl.exp2(s - lse[:, None])  # 0 where not valid
         v = _gather(V, vbase, ix, valid, offs_dv, DV)
         ds = p * (tl.sum(do[:, None, :] * v, 2) - delta[:, None])
@@ -147,12 +153,7 @@ def _sel_bwd(Q, K, V, QS, KS, TAU, LAM, IDX, DO, LSE, DELTA, DQ, DQS, DTAU, DLAM
         dx += tl.sum(ds * x, 1)
         tl.atomic_add(DKS + krow + ix, ds * d * (2.0 * lam * tau)[:, None], mask=valid, sem="relaxed")
     tl.store(DQ + (row + offs_m[:, None]) * BLOCK_D + offs_d[None, :], dq * sm_scale, mask=m_ok[:, None])
-    tl.store(DQS + row + offs_m, -2.0 * lam * tau * da, mask=m_ok)  # as triton_kernel._bwd_q
-    tl.store(DTAU + row + offs_m, lam * tau * dx, mask=m_ok)
-    if KERNEL == 0:
-        tl.store(DLAM + row + offs_m, -dx, mask=m_ok)
-    else:
-        tl.store(DLAM + row + offs_m, -LN2 * dl, mask=m_ok)
+    _store_row_grads(DQS, DTAU, DLAM, row, offs_m, m_ok, lam, tau, da, dx, dl, KERNEL)
 
 
 def _tiles(device: torch.device) -> dict:
