@@ -160,6 +160,8 @@ def main(argv=None) -> None:
     ap.add_argument("--device", default="cpu")
     ap.add_argument("--threads", type=int, default=1, help="torch threads on the CPU")
     ap.add_argument("--note", default="", help="what else ran on the machine, recorded in the JSON")
+    ap.add_argument("--keep", action="store_true", help="keep the rows of an existing --out this run does not measure "
+                    "again (each marked with the command that measured it)")
     a = ap.parse_args(argv)
     dev = torch.device(a.device)
     threads = torch.get_num_threads()
@@ -177,14 +179,20 @@ def run(a, dev, argv) -> None:
            "note": a.note, "rows": []}
     methods = [x for x in a.methods.split(",") if x]
     out = Path(a.out)
+    kept = []
+    if a.keep and out.exists():
+        old = json.loads(out.read_text())
+        kept = [{**r, "command": r.get("command", old.get("command"))} for r in old["rows"]]
     for name in a.models.split(","):
         for B in (int(x) for x in a.batches.split(",")):
             for T in (int(x) for x in a.contexts.split(",")):
                 if name == "gpt2-small" and T > a.max_gpt2_context:
                     continue
                 doc["rows"] += measure(name, B, T, a, dev, methods)
+                done = {(r["model"], r["method"], r["batch"], r["context"]) for r in doc["rows"]}
+                rows = [r for r in kept if (r["model"], r["method"], r["batch"], r["context"]) not in done] + doc["rows"]
                 tmp = out.with_suffix(".tmp")
-                tmp.write_text(json.dumps(doc, indent=1) + "\n")
+                tmp.write_text(json.dumps({**doc, "rows": rows}, indent=1) + "\n")
                 os.replace(tmp, out)
     print(f"wrote {out}")
 
