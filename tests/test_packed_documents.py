@@ -101,7 +101,9 @@ def test_triton_impl_is_for_the_kernels_mechanisms():
     with pytest.raises(ValueError, match="impl"):
         AttentionConfig(d_model=32, n_heads=4, mechanism="softmax", impl="triton")
     with pytest.raises(ValueError, match="impl"):
-        AttentionConfig(d_model=32, n_heads=4, mechanism="hybrid", impl="triton", train_window=8)
+        AttentionConfig(d_model=32, n_heads=4, mechanism="hybrid", impl="triton", sliding_window=8)
+    # training through the window has its own kernel (ops.scalar.triton_selected)
+    AttentionConfig(d_model=32, n_heads=4, mechanism="hybrid", impl="triton", train_window=8)
 
 
 @pytest.mark.cuda
