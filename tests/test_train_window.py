@@ -144,6 +144,41 @@ def test_ring_hands_its_oldest_token_to_the_sorted_cache():
         Ring(0)
 
 
+@pytest.mark.parametrize("T", [3, 6, 20])
+@pytest.mark.parametrize("bulk", [True, False], ids=["one-pass", "stepped"])
+def test_prompt_through_the_ring_in_one_pass(monkeypatch, T, bulk):
+    """A window-trained model with a local ring (and a sink) prefills its prompt in one pass: the last w
+    tokens fill the ring (`Ring.fill`) and the older ones the sorted cache, as stepping leaves them;
+    logits and every later step equal T single steps. Past CPU_BULK_PREFILL tokens on the CPU the
+    prompt is stepped instead (the windowed op's selection is O(T^2))."""
+    from attnlab.cache.ring import Ring
+    from attnlab.layers.mechanisms import scalar_decode
+    from attnlab.models.config import ModelConfig
+    from attnlab.models.lm import LM
+
+    fills = []
+    real = Ring.fill
+    monkeypatch.setattr(Ring, "fill", lambda self, *a, **k: fills.append(a[0].shape[-1]) or real(self, *a, **k))
+    if not bulk:
+        monkeypatch.setattr(scalar_decode, "CPU_BULK_PREFILL", 2)
+    torch.manual_seed(0)
+    m = LM(ModelConfig(vocab_size=50, d_model=32, n_layers=2, n_heads=4, attn="hybrid", max_seq_len=64,
+                       attention=dict(train_window=4, local_window=6, kernel="cauchy", sink=True, n_kv_heads=2))).eval()
+    idx = torch.randint(0, 50, (2, T + 4), generator=torch.Generator().manual_seed(T))
+    with torch.no_grad():
+        c1, c2 = m.make_caches(2), m.make_caches(2)
+        a = m.prefill(idx[:, :T], c1)
+        b = torch.cat([m.step(idx[:, t : t + 1], c2, t)[:, None] for t in range(T)], 1)
+        assert torch.allclose(a, b, atol=1e-5)
+        for t in range(T, T + 4):
+            assert torch.allclose(m.step(idx[:, t : t + 1], c1, t), m.step(idx[:, t : t + 1], c2, t), atol=1e-5)
+    assert fills == ([min(T, 6)] * 2 if bulk else [])  # one fill per layer, or none when stepped
+    ring = Ring(2)
+    ring.push(torch.zeros(1, 1), torch.zeros(1, 1, 3), None, lambda *a: None)
+    with pytest.raises(ValueError, match="empty ring"):
+        ring.fill(torch.zeros(1, 1, 1), torch.zeros(1, 1, 1, 3), None, start=0)
+
+
 def test_a_step_whose_projections_overflow_is_refused_and_changes_nothing():
     torch.manual_seed(0)
     m = Attention(AttentionConfig(d_model=32, n_heads=4, mechanism="hybrid", train_window=3, local_window=2))

@@ -61,3 +61,22 @@ class Ring:
         if n == self.size:
             return self.ks, self.v, self.k
         return self.ks[..., :n], self.v[:, :, :n], None if self.k is None else self.k[:, :, :n]
+
+    def fill(self, ks: torch.Tensor, v: torch.Tensor, k: torch.Tensor | None, start: int) -> None:
+        """Hold the n <= size tokens at positions start .. start + n - 1 of an empty ring at once, in
+        the slots `push` would have put them in: ks (B, H, n), v (B, G, n, D), k (B, H, n, Dk) or None."""
+        n = ks.shape[-1]
+        if self.count or n > self.size:
+            raise ValueError(f"fill takes at most size={self.size} tokens into an empty ring, got {n} "
+                             f"into one holding {self.count}")
+        if n == 0:
+            return
+        self._allocate(ks[..., 0], v[:, :, 0], None if k is None else k[:, :, 0])
+        slots = (start + torch.arange(n, device=ks.device)) % self.size
+        with torch.no_grad():
+            self.ks[..., slots] = ks
+            self.v[:, :, slots] = v
+            if self.k is not None:
+                self.k[:, :, slots] = k
+        self.count, self.next = n, (start + n) % self.size
+

@@ -26,6 +26,13 @@ def exact_impl(impl: str) -> str:
     return "auto" if impl in ("approx", "triton") else impl
 
 
+
+# Longest prompt the CPU takes through the windowed op in one pass (its key selection costs O(T^2)
+# scalar comparisons) rather than token by token through the caches (O(T log T)). Measured on the
+# windowed model (configs/windowed.toml's shape, one thread): 2K tokens 1.1 s against 13.3 s
+# stepped, 8K 15.4 s against 56.8 s, 16K 61 s against about 115 s; the two meet near 32K.
+CPU_BULK_PREFILL = 32768
+
 class ScalarDecode:
     """Decode methods of `ScalarAttention` (and through it `HybridAttention`)."""
 
@@ -149,29 +156,44 @@ class ScalarDecode:
         """T tokens at once. Exact caches take them through the op's offset form (`step_readout`).
         An empty sorted cache (window=k, no budget, no compression): the prompt's readout is the
         windowed op (`windowed_attention`, equal to stepping the sorted cache), and the cache is
-        bulk-loaded from the prompt's keys (one sort per head, `SortedScalarCache.from_tensors`).
-        A sorted cache that already holds keys, evicts or compresses takes one token at a time."""
+        bulk-loaded from the prompt's keys (one sort per head, `SortedScalarCache.from_tensors`); with a
+        local window the last w tokens fill the ring instead (`Ring.fill`) and only the older ones go
+        into the sorted cache, as stepping would leave them. A sorted cache that already holds keys,
+        evicts or compresses takes one token at a time."""
         if not isinstance(cache.scalar, SortedScalarCache):
             return None if cache.selector is not None else self.step_readout(p, cache)
         if (len(cache.scalar) or cache.budget is not None or cache.compress is not None or self.decode_select is not None
-                or cache.ring is not None):
+                or (cache.ring is not None and len(cache.ring))):
             return None
+        if p.ks.device.type == "cpu" and p.ks.shape[-1] > CPU_BULK_PREFILL:
+            return None  # the windowed op's selection is O(T^2): past this, stepping (O(T log T)) is faster
         saved = self.decode_window, self.decode_budget
         self.decode_window, self.decode_budget = cache.window, None
         try:
             o, _ = self.attend(p)  # (B, H, T, D): scalar heads windowed, dot heads of a mixed layer exact
         finally:
             self.decode_window, self.decode_budget = saved
-        cache.scalar = self.sorted_from_prompt(p, cache.batch_size)
+        if cache.ring is None:
+            cache.scalar = self.sorted_from_prompt(p, cache.batch_size)
+        else:  # the last w tokens into the ring, the older ones (those that left it) into the sorted cache
+            T = p.ks.shape[-1]
+            old = max(0, T - cache.ring.size)
+            if old:
+                cache.scalar = self.sorted_from_prompt(p, cache.batch_size, end=old)
+            _, k = self.score_vectors(p)
+            cache.ring.fill(p.ks[..., old:], self.scalar_values(p)[:, :, old:],
+                            None if k is None else expand_heads(k, self.n_scalar)[:, :, old:], start=old)
         if cache.kv is not None:  # the dot-product heads of a mixed layer
             cache.kv.append(k=p.k, v=p.v)
         return o
 
-    def sorted_from_prompt(self, p: Projected, batch_size: int) -> SortedScalarCache:
-        """The sorted scalar cache holding the T keys of `p` (and the sink), built in bulk."""
+    def sorted_from_prompt(self, p: Projected, batch_size: int, end: int | None = None) -> SortedScalarCache:
+        """The sorted scalar cache holding the keys of `p` (its first `end`; all T when None) and the
+        sink, built in bulk."""
         _, k = self.score_vectors(p)
+        T = p.ks.shape[-1] if end is None else end
         return SortedScalarCache.from_tensors(
-            p.ks, self.scalar_values(p), k=None if k is None else expand_heads(k, self.n_scalar),
+            p.ks[..., :T], self.scalar_values(p)[:, :, :T], k=None if k is None else expand_heads(k, self.n_scalar)[:, :, :T],
             kernel=self.config.kernel, **self.sorted_sink(),
         )
 
