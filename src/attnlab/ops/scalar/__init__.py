@@ -5,16 +5,17 @@ One folder, as flash-linear-attention lays out an op: the formula and its naive 
 (`naive`), the fused SDPA route (`fused`), query chunks of explicit scores (`chunked`), the Triton
 kernels (`triton_kernel`, its host side `triton_op`, and `triton_selected` for training through the
 window; imported only when used, where `route` says they run), the public ops that choose among them
-(`attention`), windowed attention (`window`, with its selected-keys path in `selected`) and the
-approximate op (`approx`). Imports point one way: naive <- fused, chunked <- selected <- window,
-triton_kernel <- triton_op <- route <- window, attention, and attention <- approx.
+(`attention`), windowed attention (`window`, with its selected-keys path in `selected` and the
+budget rule in `budget`) and the approximate op (`approx`). Imports point one way: naive <- fused, chunked <- selected <- window,
+triton_kernel <- triton_op <- route <- window, attention, budget <- window, and attention <- approx.
 """
 
 from .approx import APPROX_TOL, approx_plan, scalar_attention_approx
 from .attention import hybrid_attention, scalar_attention
 from .route import triton_missing, triton_route
 from .naive import KERNELS, check_kernel, hybrid_logits, hybrid_scores, kernel_term, scalar_logits, scalar_scores
-from .window import budget_evictions, range_distance, window_indices, window_mask, windowed_attention
+from .budget import budget_evictions, range_distance
+from .window import window_indices, window_mask, windowed_attention
 
 __all__ = [
     "APPROX_TOL", "KERNELS", "approx_plan", "budget_evictions", "check_kernel", "hybrid_attention", "hybrid_logits",
