@@ -403,3 +403,23 @@ def test_selected_path_chunks_by_device():
     assert select_chunk(512, 8, 8, 1024, torch.device("cuda")) == 1024  # 64M scores: the whole sequence
     assert select_chunk(512, 4, 16, 32768, torch.device("cuda")) == SELECT_CHUNK  # the floor
     assert select_chunk(512, 1, 4, 8192, torch.device("cuda")) * 4 * 8192 <= CUDA_CHUNK_ELEMENTS
+
+
+@pytest.mark.parametrize("hybrid", [False, True])
+def test_cauchy_window_without_gradient_gathers_the_same_keys(hybrid):
+    """The Cauchy window's evaluation path (no gradient: each query's m keys gathered) equals its
+    training path (scores masked to those keys) in float64, with a sink, a local window, a signed
+    gain, GQA, per-query tau, exact ties (repeated keys) and chunks that split the rows unevenly."""
+    qs, ks, v, q, k = (x.double() for x in _inputs(B=2, T=29))
+    ks[..., 15:25] = ks[..., 0:10]
+    tau = torch.rand(2, 4, 29, dtype=torch.float64, generator=torch.Generator().manual_seed(2)) + 0.1
+    lam = torch.tensor([0.7, 0.0, -0.4, 2.0], dtype=torch.float64) if hybrid else None
+    kw = dict(q=q, k=k, scalar_scale=lam) if hybrid else {}
+    for window, local, n_prefix, chunk in ((3, 4, 1, 7), (40, 0, 0, 512), (1, 2, 0, 5)):
+        args = dict(n_prefix=n_prefix, local=local, query_chunk=chunk, kernel="cauchy", impl="fast", **kw)
+        with torch.no_grad():
+            gathered = windowed_attention(qs, ks, v, tau, window, **args)
+        masked = windowed_attention(qs, ks, v.clone().requires_grad_(), tau, window, **args)
+        naive = windowed_attention(qs, ks, v, tau, window, **{**args, "impl": "naive"})
+        torch.testing.assert_close(gathered, masked.detach(), rtol=1e-12, atol=1e-13)
+        torch.testing.assert_close(gathered, naive, rtol=1e-12, atol=1e-13)

@@ -32,3 +32,38 @@ def test_window_mask_takes_the_newest_of_equal_keys():
     qs[...] = 1.0  # the last query sits on the four keys at 1.0; window 2 takes the newest two
     m = window_mask(qs, ks, 2)
     assert m[0, 0, 0].tolist() == [False, False, False, True, False, True, False]
+
+
+@pytest.mark.parametrize("local,n_prefix", [(0, 0), (5, 1), (32, 0)])
+def test_sorted_search_chooses_the_dense_windows(monkeypatch, local, n_prefix):
+    """window_indices through sorted candidates (the long-context route, forced on short sequences)
+    returns the dense rule's indices, in its order: random keys, keys repeated (ties broken newest
+    first), keys on a coarse grid (ties across the candidates' boundary: those chunks are scored
+    densely), and all keys equal."""
+    from attnlab.ops.scalar import window as wmod
+
+    g = torch.Generator().manual_seed(4)
+    B, H, T = 2, 3, 300
+    qs, ks = torch.randn(B, H, T, generator=g), torch.randn(B, H, T, generator=g)
+    rep = ks.clone()
+    rep[..., 100:200] = rep[..., :100]
+    grid = (ks * 2).round() / 2
+    for keys in (ks, rep, grid, torch.zeros_like(ks)):
+        for window in (1, 7):
+            monkeypatch.setattr(wmod, "SORTED_FROM", 10**9)
+            want = wmod.window_indices(qs, keys, window, n_prefix=n_prefix, local=local, query_chunk=16)
+            monkeypatch.setattr(wmod, "SORTED_FROM", 20)
+            got = wmod.window_indices(qs, keys, window, n_prefix=n_prefix, local=local, query_chunk=16)
+            assert torch.equal(got[1], want[1]) and torch.equal(got[0][got[1]], want[0][want[1]])
+
+
+def test_sorted_search_defers_undecided_rows():
+    """A tie across the boundary of the candidates leaves the choice to the dense rule (None)."""
+    from attnlab.ops.scalar.nearest import nearest_sorted
+
+    q, k = torch.zeros(1, 1, 64), torch.zeros(1, 1, 64)
+    assert nearest_sorted(q, k, 48, 64, 0, 0, 4) is None
+    k = torch.arange(64.0).view(1, 1, 64)
+    q = k.clone() + 0.25
+    idx, ok = nearest_sorted(q, k, 48, 64, 0, 0, 3)
+    assert ok.all() and torch.equal(idx[0, 0, 0], torch.tensor([48, 47, 46]))

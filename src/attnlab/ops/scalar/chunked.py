@@ -13,18 +13,21 @@ is not, so its scores are formed explicitly, with the ops' one score formula
   `window_indices`) and recomputed in the backward pass, as the Gaussian's SDPA path does: the
   indices kept are O(T x m) per head. (Gathering the m keys per query instead was about 6x slower
   here, forward + backward at T = 256, B = 16, H = 4, k = 16 + 32 recent, one thread: the
-  gathers' backward scatters.) The dense masked path is its reference.
+  gathers' backward scatters.) Without a gradient (evaluation, a decode cache's prefill) it
+  gathers: O(T x m) work instead of O(T^2). The dense masked path is its reference.
 
 Both take checked inputs (the public ops check before calling them).
 """
 
 from __future__ import annotations
 
+import math
+
 import torch
 
 from ...checks import visible_keys
 from .._sdpa import band_keys, band_mask, band_spans, expand_heads, upcast
-from .naive import _scalar_scale, _tau, hybrid_scores, scalar_scores
+from .naive import _scalar_scale, _tau, hybrid_scores, kernel_term, scalar_scores
 
 __all__ = ["chunk_mask", "chunked_kernel_attention", "selected_kernel_attention"]
 
@@ -74,7 +77,7 @@ def chunked_kernel_attention(qs, ks, v, tau, q, k, kernel: str, causal: bool, sc
         if causal and window is not None:
             hidden, pre = ~band_mask(a, b, lo, hi, off, window, n_prefix, qs.device), n_prefix
         else:
-            hidden, pre = ~visible_keys(Tq, Tk, causal, qs.device)[a:b, :hi], 0
+            hidden, pre = ~visible_keys(b - a, hi, causal, qs.device), 0  # rows a..b-1 only
         args = (qs[..., a:b], band_keys(ks, lo, hi, pre), band_keys(vals, lo, hi, pre), _per_query(tau_b, a, b), lam,
                 None if q is None else q[:, :, a:b], None if kk is None else band_keys(kk, lo, hi, pre), hidden, kernel)
         outs.append(checkpoint(_dense_chunk, *args, use_reentrant=False) if grad else _dense_chunk(*args))
@@ -96,6 +99,29 @@ def _selected_chunk(qs, ks, vals, tau_b, lam, q, k, idx, ok, kernel):
     return _dense_chunk(qs, ks, vals, tau_b, lam, q, k, ~chunk_mask(idx, ok, ks.shape[2]), kernel)
 
 
+def _gathered_chunk(qs, ks, vals, tau_b, lam, q, k, idx, ok, kernel):
+    """`_selected_chunk` without a gradient: the m selected keys of each query row gathered, so a row
+    costs O(m) instead of O(b) -> (B, H, c, Dv)."""
+    B, H, c, m = idx.shape
+    cdt = vals.dtype
+    flat = idx.reshape(B, H, c * m)
+
+    def pick(x):  # (B, H, b[, D]) -> (B, H, c, m[, D])
+        if x.dim() == 3:
+            return x.gather(2, flat).view(B, H, c, m)
+        return x.gather(2, flat[..., None].expand(-1, -1, -1, x.shape[-1])).view(B, H, c, m, x.shape[-1])
+
+    x = (qs.to(cdt)[..., None] - pick(ks).to(cdt)).pow(2) / tau_b.to(cdt)[..., None]  # (B, H, c, m)
+    scores = kernel_term(x, kernel)
+    if lam is not None:
+        scores = scores * lam.to(cdt)[..., None]
+    if q is not None:
+        dots = torch.einsum("bhcd,bhcmd->bhcm", q.to(cdt), pick(k).to(cdt))
+        scores = scores + dots / math.sqrt(q.shape[-1])
+    w = torch.softmax(scores.masked_fill(~ok, float("-inf")), dim=-1)
+    return torch.einsum("bhcm,bhcmd->bhcd", w, pick(vals))
+
+
 def selected_kernel_attention(qs, ks, v, tau, idx, ok, q, k, kernel: str, scalar_scale,
                               query_chunk: int) -> torch.Tensor:
     """`windowed_attention`'s selected-keys path under `kernel`: each query row reads only the keys
@@ -115,7 +141,7 @@ def selected_kernel_attention(qs, ks, v, tau, idx, ok, q, k, kernel: str, scalar
         args = (qs[..., a:b], ks[..., :b], vals[:, :, :b], _per_query(tau_b, a, b), lam,
                 None if q is None else q[:, :, a:b], None if kk is None else kk[:, :, :b],
                 idx[:, :, a:b], ok[:, :, a:b], kernel)
-        outs.append(checkpoint(_selected_chunk, *args, use_reentrant=False) if grad else _selected_chunk(*args))
+        outs.append(checkpoint(_selected_chunk, *args, use_reentrant=False) if grad else _gathered_chunk(*args))
     if not outs:
         return v.new_zeros(B, H, 0, v.shape[-1])
     return torch.cat(outs, dim=2).to(v.dtype)

@@ -42,6 +42,7 @@ import torch
 from ...checks import check_int, check_same, visible_keys
 from .._sdpa import check_qkv, expand_heads, upcast
 from .budget import budget_evictions
+from .nearest import SORTED_FROM, nearest_sorted
 from .route import triton_missing, triton_route
 from .selected import selected_attention
 from .naive import _check_scalars, _check_values, _scalar_scale, _tau, check_kernel, hybrid_logits, scalar_logits
@@ -148,8 +149,9 @@ def window_indices(qs: torch.Tensor, ks: torch.Tensor, window: int, *, n_prefix:
                    query_chunk: int = 256) -> tuple[torch.Tensor, torch.Tensor]:
     """The keys of `window_mask` (causal, Tq = Tk = T) as indices.
 
-    Memory O(query_chunk x T) per head while computing, O(T x m) kept; no gradient. The arguments
-    are not checked (`windowed_attention` checks them before calling this).
+    Memory O(query_chunk x T) per head while computing, O(T x m) kept; no gradient. Once a chunk's
+    queries see SORTED_FROM or more older keys (float32), each scores only its 2k neighbours in
+    sorted order (`nearest.nearest_sorted`, the same choice). The arguments are not checked (`windowed_attention` checks them before calling this).
 
     Args:
         qs: scalar queries (B, H, T).
@@ -186,6 +188,11 @@ def window_indices(qs: torch.Tensor, ks: torch.Tensor, window: int, *, n_prefix:
         q32, k32 = qs.detach().to(cdt), ks.detach().to(cdt)
         for a in range(0, T, query_chunk):
             b = min(T, a + query_chunk)
+            found = (nearest_sorted(q32, k32, a, b, n_prefix, local, k)
+                     if cdt == torch.float32 and a - local + 1 - n_prefix >= SORTED_FROM else None)
+            if found is not None:  # a long context: only candidates near each query in sorted order
+                idx[:, :, a:b, n_prefix + local :], ok[:, :, a:b, n_prefix + local :] = found
+                continue
             dist = (q32[..., a:b, None] - k32[..., None, :b]).abs()  # (B, H, c, b)
             cand = (pos[:b] >= n_prefix) & (pos[:b] <= pos[a:b, None] - local)  # (c, b)
             dist = dist.masked_fill(~cand, float("inf"))
