@@ -9,12 +9,18 @@ Models (random weights: speed does not depend on them): `windowed`, the shape of
 `gpt2-small` (12 layers, d_model 768, 12 heads, softmax, vocabulary 50,257). Methods:
 
 - `exact`: `LM.make_caches(exact=True)` + `LM.step` (growing KV caches, eager);
-- `exact_static`: `StaticDecoder` (buffers of the final length, eager);
-- `exact_compiled`: the same step under torch.compile (CUDA graphs on the GPU);
+- `exact_static`: `StaticDecoder(exact=True)` (buffers of the final length, eager);
+- `exact_compiled`: the same decoder's step under torch.compile (CUDA graphs on the GPU);
 - `window` (windowed model): its trained window through the sorted cache and the ring (`LM.make_caches()`);
-  the prompt goes through the ring one token at a time, so its contexts stop at --window-max;
+- `window_static` / `window_compiled` (windowed model): the trained window through `StaticDecoder`'s
+  static codes (`attnlab.models.static_window`), eager / compiled; one decoder serves both, as one
+  serves exact_static and exact_compiled;
+- `learned` (windowed model, contexts up to --learned-max): learned key selection, `DecodeSelector`
+  with search projections (random: the cost does not depend on them) scored exactly by a matmul and
+  a top-K (index="exact", the device route), K = k + w of the window; its prompt is stepped;
 - `hf_static`: `LlamaForCausalLM.generate(cache_implementation="static")` with SDPA on a Llama of the
-  same dimensions (the step time from generating 1 and 1 + n tokens after the same prompt).
+  same dimensions (the step time from generating 1 and 1 + n tokens after the same prompt), contexts
+  up to --max-hf-context.
 
 For each (model, batch, context) every decoder takes the prompt, then `--rounds` interleaved rounds
 of `--steps` timed steps each (wall clock, after `--warmup` steps); the median step is reported.
@@ -39,6 +45,8 @@ import torch
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE.parent / "src"))
 
+from attnlab.cache.selected import DecodeSelector  # noqa: E402
+from attnlab.index.projections import SearchProjections  # noqa: E402
 from attnlab.models.config import ModelConfig  # noqa: E402
 from attnlab.models.lm import LM  # noqa: E402
 from attnlab.models.static_decode import StaticDecoder  # noqa: E402
@@ -60,20 +68,50 @@ class Ours:
 
     def __init__(self, m: LM, method: str, idx: torch.Tensor, total: int):
         B, T = idx.shape
-        if method in ("exact", "window"):
+        self.pos, self.m = T, m
+        if method == "learned":
+            a = m.blocks[0].attn
+            proj = SearchProjections(list(range(len(m.blocks))), m.cfg.d_model, d_search=32, groups=a.n_scalar)
+            sel = DecodeSelector(proj.to(idx.device), K=a.config.train_window + a.config.local_window)
+            self.caches = m.make_caches(B, selector=sel)
+            logits = None
+            for t in range(T):  # a selector cache takes one token at a time
+                logits = m.step(idx[:, t : t + 1], self.caches, t)
+            self.logits = logits[:, -1] if logits.dim() == 3 else logits
+        else:
             self.caches = m.make_caches(B, exact=method == "exact")
             self.logits = m.prefill(idx, self.caches, last=1)[:, -1]
-            self.pos, self.m = T, m
-            self.step = self._cache_step
-        else:
-            self.dec = StaticDecoder(m, B, total, compile=method == "exact_compiled")
-            self.logits = self.dec.prefill(idx)
-            self.step = self.dec.step
+        self.step = self._cache_step
 
     def _cache_step(self, tok):
         out = self.m.step(tok, self.caches, self.pos)
         self.pos += 1
         return out
+
+
+class Static:
+    """One `StaticDecoder` after its prompt, stepped eagerly (`step`) or compiled (`compiled`): the two
+    share its buffers, so the prompt is prefilled once."""
+
+    def __init__(self, m: LM, exact: bool, idx: torch.Tensor, total: int, dev):
+        self.dec = StaticDecoder(m, idx.shape[0], total, exact=exact)
+        self.logits = self.dec.prefill(idx)
+        self.eager = self.dec.step_logits
+        self.fast = torch.compile(self.dec.step_logits, fullgraph=True,
+                                  mode="reduce-overhead" if dev.type == "cuda" else None)
+
+    def stepper(self, compiled: bool):
+        def step(tok):
+            self.dec._step = self.fast if compiled else self.eager
+            return self.dec.step(tok)
+        return step
+
+
+class Stepper:
+    """A method's view of a shared decoder: its own last token, the shared state."""
+
+    def __init__(self, step, logits):
+        self.step, self.logits = step, logits
 
 
 class HFStatic:
@@ -106,19 +144,35 @@ class HFStatic:
 @torch.no_grad()
 def measure(name: str, B: int, T: int, a, dev, methods) -> list[dict]:
     kw = MODELS[name]
-    total = T + a.warmup + a.rounds * a.steps + 2
+    total = T + 2 * (a.warmup + a.rounds * a.steps) + 2  # two methods may step one shared decoder
     cfg = ModelConfig(max_seq_len=total, **kw)
     torch.manual_seed(0)
     m = LM(cfg).to(dev).eval()
     idx = torch.randint(0, cfg.vocab_size, (B, T), generator=torch.Generator().manual_seed(1)).to(dev)
-    decs, rows = {}, []
+    decs, rows, shared = {}, [], {}
     for method in methods:
-        if method == "window" and (name != "windowed" or T > a.window_max):
+        windowed = method.startswith("window") or method == "learned"
+        if windowed and (name != "windowed" or T > a.window_max) or method == "learned" and T > a.learned_max:
             continue
+        if method == "hf_static" and T > a.max_hf_context:
+            continue
+        t0 = time.perf_counter()
+        torch.set_num_threads(a.prefill_threads)
         try:
-            decs[method] = HFStatic(cfg, idx, total) if method == "hf_static" else Ours(m, method, idx, total)
+            if method == "hf_static":
+                decs[method] = HFStatic(cfg, idx, total)
+            elif method in ("exact_static", "exact_compiled", "window_static", "window_compiled"):
+                exact = method.startswith("exact")
+                if exact not in shared:
+                    shared[exact] = Static(m, exact, idx, total, dev)
+                decs[method] = Stepper(shared[exact].stepper(method.endswith("compiled")), shared[exact].logits)
+            else:
+                decs[method] = Ours(m, method, idx, total)
         except Exception as e:  # noqa: BLE001 - the row records what failed
             rows.append(dict(model=name, method=method, batch=B, context=T, error=f"{type(e).__name__}: {e}"[:300]))
+        finally:
+            torch.set_num_threads(a.threads)
+        print(f"  {name} B={B} T={T} {method}: ready in {time.perf_counter() - t0:.1f} s", flush=True)
     times = {k: [] for k in decs}
     for k, d in decs.items():  # warm-up (and, compiled, the compilation)
         if k != "hf_static":
@@ -151,11 +205,17 @@ def main(argv=None) -> None:
     ap.add_argument("--models", default="windowed,gpt2-small")
     ap.add_argument("--contexts", default="1024,4096,16384")
     ap.add_argument("--batches", default="1")
-    ap.add_argument("--methods", default="exact,exact_static,exact_compiled,window,hf_static")
+    ap.add_argument("--methods", default="exact,exact_static,exact_compiled,window,window_static,window_compiled,"
+                    "learned,hf_static")
     ap.add_argument("--steps", type=int, default=8, help="timed steps per method and round")
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--warmup", type=int, default=3)
-    ap.add_argument("--window-max", type=int, default=16384, help="longest context the window method is run at")
+    ap.add_argument("--window-max", type=int, default=65536, help="longest context the window methods are run at")
+    ap.add_argument("--learned-max", type=int, default=8192, help="longest context for learned (its prompt is stepped)")
+    ap.add_argument("--max-hf-context", type=int, default=16384, help="longest context for hf_static (it runs the "
+                    "prompt again for every measurement)")
+    ap.add_argument("--prefill-threads", type=int, default=1, help="torch threads while a prompt is prefilled "
+                    "(steps are timed with --threads)")
     ap.add_argument("--max-gpt2-context", type=int, default=4096, help="longest context for gpt2-small")
     ap.add_argument("--device", default="cpu")
     ap.add_argument("--threads", type=int, default=1, help="torch threads on the CPU")

@@ -1,6 +1,7 @@
-"""Static-shape exact decoding (attnlab.models.static_decode): every step's logits equal the full
-forward's, tokens equal LM.generate's, for softmax and hybrid layers (GQA, RoPE, sliding window,
-output gate, learned positions, Cauchy kernel, the gain); the compiled step; refusals by name."""
+"""Static-shape decoding (attnlab.models.static_decode): every step's logits equal the full forward's,
+tokens equal LM.generate's, for softmax and hybrid layers (GQA, RoPE, sliding window, output gate,
+learned positions, Cauchy kernel, the gain), exactly or through a trained window (static_window:
+ties, merges of the sorted codes); the compiled step; refusals by name."""
 
 from __future__ import annotations
 
@@ -34,9 +35,9 @@ def model(attn, attention, extra, dev="cpu"):
 def test_steps_equal_the_forward_and_generate(name):
     m = model(*SETTINGS[name])
     idx = torch.randint(0, 50, (2, 7), generator=torch.Generator().manual_seed(1))
-    exact = name == "hybrid-trained-window"  # LM.generate decodes a trained window through it by default
+    exact = name == "hybrid-trained-window"  # read every key of a window-trained model (exact=True)
     ref = m.generate(idx, 12, window=None) if not exact else None
-    dec = StaticDecoder(m, 2, 32)
+    dec = StaticDecoder(m, 2, 32, exact=exact)
     got = dec.generate(idx, 12)
     if ref is not None:
         assert torch.equal(got, ref)
@@ -46,10 +47,72 @@ def test_steps_equal_the_forward_and_generate(name):
         full = ex(got)[0]
     else:
         full = m(got)[0]  # (B, 19, V)
-    dec2 = StaticDecoder(m, 2, 32)
+    dec2 = StaticDecoder(m, 2, 32, exact=exact)
     assert torch.allclose(dec2.prefill(got[:, :7], chunk=3), full[:, 6], atol=1e-5)  # in chunks of 3
     for t in range(7, 18):
         assert torch.allclose(dec2.step(got[:, t : t + 1]), full[:, t], atol=1e-5), t
+
+
+WINDOWS = {
+    "local": dict(train_window=3, local_window=2),
+    "no-local": dict(train_window=4, local_window=0),
+    "cauchy-gqa-gain": dict(train_window=3, local_window=5, kernel="cauchy", n_kv_heads=2, scalar_gain=0.5),
+}
+
+
+@pytest.mark.parametrize("name", list(WINDOWS))
+def test_trained_window_decodes_through_static_codes(name):
+    """A window-trained model decodes through its window by default: tokens equal LM.generate's (the
+    sorted cache and ring), every step's logits the full forward's (its windowed op), on a prompt of
+    3 distinct tokens (first-layer scalar keys tie exactly, broken newest first), with the sorted
+    codes merged every step (tail 1), every few steps and never past the prefill."""
+    torch.manual_seed(0)
+    m = LM(ModelConfig(vocab_size=50, d_model=64, n_layers=2, n_heads=4, attn="hybrid", max_seq_len=128,
+                       attention=WINDOWS[name])).eval()
+    idx = torch.randint(0, 3, (2, 9), generator=torch.Generator().manual_seed(1))
+    ref = m.generate(idx, 30)
+    for tail in (1, 3, 64):
+        got = StaticDecoder(m, 2, 48, tail=tail).generate(idx, 30)
+        assert torch.equal(got, ref), tail
+    full = m(ref)[0]
+    dec = StaticDecoder(m, 2, 48, tail=3)
+    assert torch.allclose(dec.prefill(ref[:, :9]), full[:, 8], atol=1e-5)
+    for t in range(9, 38):
+        assert torch.allclose(dec.step(ref[:, t : t + 1]), full[:, t], atol=1e-5), t
+        assert dec.merged[0] <= t - WINDOWS[name]["local_window"] + 1
+
+
+def test_generate_compile_keeps_the_trained_window(monkeypatch):
+    """LM.generate(compile=True) on a window-trained model decodes through its window, as generate() does."""
+    monkeypatch.setattr(torch, "compile", lambda fn, **kw: fn)
+    torch.manual_seed(0)
+    m = LM(ModelConfig(vocab_size=50, d_model=64, n_layers=2, n_heads=4, attn="hybrid", max_seq_len=128,
+                       attention=WINDOWS["local"])).eval()
+    idx = torch.randint(0, 50, (1, 20), generator=torch.Generator().manual_seed(2))
+    assert torch.equal(m.generate(idx, 25, compile=True), m.generate(idx, 25))
+    exact = StaticDecoder(m, 1, 45, exact=True).generate(idx, 25)  # every key: other tokens here
+    assert not torch.equal(m.generate(idx, 25, compile=True), exact)
+
+
+def test_static_codes_choose_the_dense_windows():
+    """window_keys over merged codes and a directly scored tail = the dense rule (distance, newest
+    first) on keys with many exact ties, both zeros, and every merge point and tail length."""
+    from attnlab.models.static_window import merge_codes, window_keys
+    from attnlab.ops.scalar.window import window_indices
+
+    g = torch.Generator().manual_seed(6)
+    B, H, N, k = 2, 3, 40, 4
+    ks = torch.randint(-3, 4, (B, H, N), generator=g).float() / 2 + 0.0
+    qs = torch.randint(-3, 4, (B, H, N), generator=g).float() / 2
+    qs[0, 0, 5] = -0.0
+    want, ok_want = window_indices(qs, ks, k)  # every key up to t a candidate (no local window)
+    for t in (0, 3, 17, 39):
+        for merged in {0, t // 2, t}:
+            low, high = merge_codes(ks, merged)
+            tail = t + 1 - merged
+            idx, ok = window_keys(qs[..., t], ks, low, high, torch.tensor(merged), torch.tensor(t), k, max(tail, 1))
+            assert torch.equal(ok, ok_want[:, :, t])
+            assert torch.equal(idx[ok], want[:, :, t][ok_want[:, :, t]]), (t, merged)
 
 
 def test_generate_compile_builds_one_compiled_decoder(monkeypatch):
@@ -97,7 +160,7 @@ def test_refusals_name_what_is_wrong():
         dec.step(torch.zeros(1, 1, dtype=torch.long))
     with pytest.raises(ValueError, match="idx must be"):
         dec.prefill(torch.zeros(2, 3, dtype=torch.long))
-    with pytest.raises(ValueError, match="compile=True decodes exactly"):
+    with pytest.raises(ValueError, match="compile=True decodes through static buffers"):
         m.generate(torch.zeros(1, 2, dtype=torch.long), 3, compile=True, attention_mask=torch.ones(1, 2))
 
 

@@ -150,7 +150,7 @@ def test_prompt_through_the_ring_in_one_pass(monkeypatch, T, bulk):
     """A window-trained model with a local ring (and a sink) prefills its prompt in one pass: the last w
     tokens fill the ring (`Ring.fill`) and the older ones the sorted cache, as stepping leaves them;
     logits and every later step equal T single steps. Past CPU_BULK_PREFILL tokens on the CPU the
-    prompt is stepped instead (the windowed op's selection is O(T^2))."""
+    prompt is stepped instead."""
     from attnlab.cache.ring import Ring
     from attnlab.layers.mechanisms import scalar_decode
     from attnlab.models.config import ModelConfig

@@ -334,10 +334,11 @@ class LM(nn.Module):
         `attnlab.cache.selected.DecodeSelector`) decodes them through learned key selection instead
         (both checked as `DecodeOptions`). attention_mask (B, T0) of 0/1, left padding only: each
         row starts at its first 1 and decodes as if alone (positions from 0, no pad in any cache or
-        state); see `DecodeState`. compile=True decodes exactly through static buffers and a compiled
-        step (`attnlab.models.static_decode.StaticDecoder`, kept for the next call of the same batch
-        size and length; CUDA graphs on the GPU): softmax and hybrid layers, no window, selector or
-        attention_mask."""
+        state); see `DecodeState`. compile=True decodes through static buffers and a compiled step
+        (`attnlab.models.static_decode.StaticDecoder`, kept for the next call of the same batch size
+        and length; CUDA graphs on the GPU), reading what this method reads by default: every key, or
+        a trained window (`train_window`) through it; softmax and hybrid layers, no window, selector
+        or attention_mask."""
         if idx.dim() != 2 or idx.shape[1] < 1:
             raise ValueError(f"idx must be (B, T0) with T0 >= 1, got shape {tuple(idx.shape)}")
         if max_new_tokens < 0:
@@ -346,8 +347,8 @@ class LM(nn.Module):
             raise ValueError(f"temperature must be > 0 when sampling, got {temperature}")
         if compile:
             if window is not None or selector is not None or attention_mask is not None:
-                raise ValueError("compile=True decodes exactly through static buffers: give no window, selector "
-                                 "or attention_mask")
+                raise ValueError("compile=True decodes through static buffers as the model was trained (every key "
+                                 "or its trained window): give no window, selector or attention_mask")
             dec = self.static_decoder(idx.shape[0], idx.shape[1] + max_new_tokens)
             feed = lambda x: dec.step(x)[:, None]  # noqa: E731
         else:

@@ -16,6 +16,12 @@ context; it is for exact decoding, the baseline the windowed caches are measured
 Layers it decodes: softmax (q·k/√d, GQA, RoPE, a sliding window, output gates) and hybrid heads
 (q·k/√d − λ φ((qs − ks)²/τ), Gaussian or Cauchy, GQA, the gain) without a sink; other mechanisms
 and settings are refused by name at construction (`supported`).
+
+A hybrid layer trained through a window (`train_window`, `local_window`) decodes through it, as
+`LM.generate` does: its k + w keys are chosen with static shapes (`static_window`: sorted int64
+codes of the older keys, merged every `tail` steps between steps), so that step costs
+O(log max_len + k + w + tail) instead of O(max_len), and the prompt goes through the model's own
+forward in one pass. `exact=True` reads every key instead (`LM.make_caches(exact=True)`).
 """
 
 from __future__ import annotations
@@ -25,6 +31,8 @@ import math
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+from .static_window import LAST, merge_codes, window_keys
 
 __all__ = ["StaticDecoder", "supported"]
 
@@ -53,15 +61,18 @@ class StaticDecoder(nn.Module):
         batch_size: rows decoded together, an int >= 1.
         max_len: positions the buffers hold (prompt + new tokens), an int >= 1.
         compile: compile the step with torch.compile (on CUDA `mode="reduce-overhead"`).
+        exact: layers trained through a window read every key instead (default: through the window).
+        tail: a windowed layer's older keys scored directly between two merges of its sorted codes.
 
     Raises:
         ValueError: batch_size or max_len not a positive int, max_len past the learned position
             embedding's length, or a layer this decoder does not take (naming it and why).
     """
 
-    def __init__(self, model, batch_size: int, max_len: int, *, compile: bool = False):
+    def __init__(self, model, batch_size: int, max_len: int, *, compile: bool = False, exact: bool = False,
+                 tail: int = 256):
         super().__init__()
-        for name, n in (("batch_size", batch_size), ("max_len", max_len)):
+        for name, n in (("batch_size", batch_size), ("max_len", max_len), ("tail", tail)):
             if isinstance(n, bool) or not isinstance(n, int) or n < 1:
                 raise ValueError(f"{name} must be an int >= 1, got {n!r}")
         for i, blk in enumerate(model.blocks):
@@ -71,7 +82,10 @@ class StaticDecoder(nn.Module):
         if model.pos_emb is not None and max_len > model.cfg.max_seq_len:
             raise ValueError(f"max_len={max_len} is past the learned position embedding's "
                              f"model.max_seq_len={model.cfg.max_seq_len}")
-        self.model, self.batch_size, self.max_len = model, batch_size, max_len
+        self.model, self.batch_size, self.max_len, self.tail = model, batch_size, max_len, tail
+        self.windowed = [not exact and blk.attn.mechanism == "hybrid" and blk.attn.config.train_window is not None
+                         for blk in model.blocks]
+        self.merged = [0] * len(model.blocks)  # host copies of each windowed layer's merge point
         p = next(model.parameters())
         B, N = batch_size, max_len
         for i, blk in enumerate(model.blocks):
@@ -80,6 +94,11 @@ class StaticDecoder(nn.Module):
             self.register_buffer(f"v{i}", p.new_zeros(B, a.n_kv, N, a.config.head_dim), persistent=False)
             if a.mechanism == "hybrid":
                 self.register_buffer(f"ks{i}", p.new_zeros(B, a.n_scalar, N, dtype=torch.float32), persistent=False)
+            if self.windowed[i]:
+                for name in ("low", "high"):
+                    self.register_buffer(f"{name}{i}", torch.full((B, a.n_scalar, N), LAST, device=p.device),
+                                         persistent=False)
+                self.register_buffer(f"m{i}", torch.zeros((), dtype=torch.long, device=p.device), persistent=False)
         self.register_buffer("pos", torch.zeros((), dtype=torch.long, device=p.device), persistent=False)
         self.register_buffer("slots", torch.arange(N, device=p.device), persistent=False)
         self.length = 0  # positions written (a host copy of pos: no synchronisation to check it)
@@ -105,7 +124,9 @@ class StaticDecoder(nn.Module):
             return F.scaled_dot_product_attention(p.q, kb.to(p.q.dtype), vb.to(p.q.dtype), attn_mask=visible,
                                                   enable_gqa=H != kb.shape[1])
         ksb = getattr(self, f"ks{i}")
-        ksb.index_copy_(2, positions, p.ks.float())
+        ksb.index_copy_(2, positions, p.ks.float() + 0.0)  # + 0.0: every zero +0.0 (static_window.float_order)
+        if self.windowed[i]:
+            return self._window_readout(i, a, p, positions[0])
         k = kb.repeat_interleave(H // kb.shape[1], dim=1) if H != kb.shape[1] else kb
         v = vb.repeat_interleave(H // vb.shape[1], dim=1) if H != vb.shape[1] else vb
         dot = (p.q.float() @ k.float().transpose(-1, -2)) / math.sqrt(p.q.shape[-1])  # (B, H, T, N)
@@ -118,6 +139,53 @@ class StaticDecoder(nn.Module):
             phi = phi * lam.float()[None, :, None, None]
         s = (dot - phi).masked_fill(~visible, float("-inf"))
         return (torch.softmax(s, dim=-1) @ v.float()).to(p.v.dtype)
+
+    def _window_readout(self, i: int, a, p, t: torch.Tensor) -> torch.Tensor:
+        """Layer i's hybrid readout (B, H, 1, D) for the token at position t (a 0-dim tensor) through
+        its trained window: the last w keys and the k nearest older ones (`static_window.window_keys`)."""
+        kb, vb, ksb = getattr(self, f"k{i}"), getattr(self, f"v{i}"), getattr(self, f"ks{i}")
+        w, kwin = a.config.local_window, a.config.train_window
+        B, H, N = ksb.shape
+        qs = p.qs[..., 0].float()  # (B, H)
+        idx, ok = window_keys(qs, ksb, getattr(self, f"low{i}"), getattr(self, f"high{i}"), getattr(self, f"m{i}"),
+                              t - w, kwin, self.tail)
+        if w:  # the ring: positions t, t - 1, ..., t - w + 1
+            ring = t - torch.arange(w, device=t.device)
+            idx = torch.cat([ring.clamp(min=0).expand(B, H, w), idx], -1)
+            ok = torch.cat([(ring >= 0).expand(B, H, w), ok], -1)
+        m = idx.shape[-1]
+        group = torch.arange(H, device=t.device) // (H // kb.shape[1])
+        flat = (group[None, :, None] * N + idx).view(B, H * m, 1)
+
+        def pick(buf):  # (B, G, N, D) -> (B, H, m, D): each head's keys from its group
+            return buf.reshape(B, -1, buf.shape[-1]).gather(1, flat.expand(-1, -1, buf.shape[-1])).view(B, H, m, -1)
+
+        kg, vg, ksg = pick(kb).float(), pick(vb).float(), ksb.gather(-1, idx)
+        dot = (p.q[:, :, 0, None].float() * kg).sum(-1) / math.sqrt(p.q.shape[-1])  # (B, H, m)
+        tau = p.tau.float()
+        tau = tau[None, :, None] if tau.dim() == 1 else tau[..., :1]
+        x = (qs[..., None] - ksg).square() / tau
+        phi = x if a.config.kernel == "gaussian" else torch.log1p(x)
+        if a.scalar_scale is not None:
+            phi = phi * a.scalar_scale.float()[None, :, None]
+        wts = torch.softmax((dot - phi).masked_fill(~ok, float("-inf")), dim=-1)
+        return (wts[..., None] * vg).sum(-2)[:, :, None].to(p.v.dtype)
+
+    def _merge(self, t: int, force: bool = False) -> None:
+        """Before the step at position t: a windowed layer whose directly scored older keys would pass
+        `tail` (or every one, force) re-sorts its codes up to t - w (between steps, not in the compiled
+        graph)."""
+        for i, blk in enumerate(self.model.blocks):
+            if not self.windowed[i]:
+                continue
+            w = blk.attn.config.local_window
+            if force or t - w + 1 - self.merged[i] > self.tail:
+                upto = max(0, min(t - w + 1, t))  # every position below it written already
+                low, high = merge_codes(getattr(self, f"ks{i}"), upto)
+                getattr(self, f"low{i}").copy_(low)
+                getattr(self, f"high{i}").copy_(high)
+                getattr(self, f"m{i}").fill_(upto)
+                self.merged[i] = upto
 
     def _forward(self, idx: torch.Tensor, positions: torch.Tensor, visible: torch.Tensor) -> torch.Tensor:
         m = self.model
@@ -145,12 +213,37 @@ class StaticDecoder(nn.Module):
             raise ValueError(f"idx must be (batch_size={self.batch_size}, T0) with 1 <= T0 <= max_len={self.max_len}, "
                              f"got shape {tuple(idx.shape)}")
         T = idx.shape[1]
+        if any(self.windowed):
+            return self._prefill_whole(idx)
         for a in range(0, T, chunk):
             positions = torch.arange(a, min(T, a + chunk), device=idx.device)
             logits = self._forward(idx[:, a : a + chunk], positions, self.slots[None, :] <= positions[:, None])[:, -1]
         self.pos.fill_(T)
         self.length = T
         return logits
+
+    def _prefill_whole(self, idx: torch.Tensor) -> torch.Tensor:
+        """The prompt through the model's own forward in one pass (a windowed layer's readout is its
+        windowed op, what its decode reads), every layer's entries written into the buffers; then the
+        windowed layers' codes are sorted. The logits of the last token (B, V)."""
+        m, T = self.model, idx.shape[1]
+        positions = self.slots[:T]
+        x = m.tok_emb(idx)
+        if m.pos_emb is not None:
+            x = x + m.pos_emb(positions)[None]
+        for i, blk in enumerate(m.blocks):
+            a, h = blk.attn, blk.norm1(x)
+            p = a.project(h, 0)
+            getattr(self, f"k{i}")[:, :, :T] = p.k
+            getattr(self, f"v{i}")[:, :, :T] = p.v
+            if a.mechanism == "hybrid":
+                getattr(self, f"ks{i}")[:, :, :T] = p.ks.float() + 0.0
+            x = x + a.finish(a.attend(p)[0], h)
+            x = x + blk.mlp(blk.norm2(x))
+        self.pos.fill_(T)
+        self.length = T
+        self._merge(T, force=True)
+        return m.head(m.norm_f(x[:, -1:]))[:, -1]
 
     @torch.no_grad()
     def step(self, idx_t: torch.Tensor) -> torch.Tensor:
@@ -161,6 +254,7 @@ class StaticDecoder(nn.Module):
             raise ValueError(f"the buffers are full: max_len={self.max_len} positions")
         if idx_t.shape != (self.batch_size, 1):
             raise ValueError(f"idx_t must be (batch_size={self.batch_size}, 1), got shape {tuple(idx_t.shape)}")
+        self._merge(self.length)
         logits = self._step(idx_t)
         if logits.device.type == "cuda":
             logits = logits.clone()  # a CUDA graph's output is overwritten by its next replay

@@ -27,11 +27,13 @@ def exact_impl(impl: str) -> str:
 
 
 
-# Longest prompt the CPU takes through the windowed op in one pass (its key selection costs O(T^2)
-# scalar comparisons) rather than token by token through the caches (O(T log T)). Measured on the
-# windowed model (configs/windowed.toml's shape, one thread): 2K tokens 1.1 s against 13.3 s
-# stepped, 8K 15.4 s against 56.8 s, 16K 61 s against about 115 s; the two meet near 32K.
-CPU_BULK_PREFILL = 32768
+# Longest prompt the CPU takes through the windowed op in one pass rather than token by token
+# through the caches (O(T log T), about 3.5 ms a token). Measured on the windowed model
+# (configs/windowed.toml's shape, one thread): with every key scored in the selection (O(T^2)), 8K
+# tokens 15.4 s against 56.8 s stepped and 16K 61 s against about 115 s; since the selection reads
+# sorted candidates past 4,096 keys (ops/scalar/nearest.py) and gathers its keys, 8K takes 7 s and
+# 32K 51 s (stepped: about 115 s at 16K, so about 230 s).
+CPU_BULK_PREFILL = 131072
 
 class ScalarDecode:
     """Decode methods of `ScalarAttention` (and through it `HybridAttention`)."""

@@ -1,0 +1,82 @@
+"""A trained window decoded with static shapes: the sorted cache's choice of keys as fixed-size device work.
+
+A layer trained through a window (`train_window = k`, `local_window = w`) reads, at position t, the
+last w keys (its own among them) and the k keys nearest to its scalar query among the older ones,
+positions 0 .. t - w, the newest first among equal distances (`ops.scalar.window`); the sorted cache
+and its ring compute this token by token (`attnlab.cache.SortedScalarCache`). Here the same choice is
+made with shapes that never change, so the step compiles into one graph:
+
+- every key, value and scalar key stays in buffers of `max_len` positions (as for exact decoding);
+- the older keys up to a merge point M are held twice, as int64 codes sorted ascending: the key's
+  order-preserving integer in the high 32 bits and, in the low 32 bits, its position (the `low`
+  array) or max - position (the `high` array). Among the keys below the query, the k nearest are
+  the k just before its insertion point in `low` (the newest first within equal keys); among the
+  keys at or above it, the k just from its insertion point in `high` (again the newest first). So
+  2k candidates hold the k nearest of all keys up to M, ties included, with no fallback;
+- the older keys from M to t - w (at most `tail` of them) are scored directly;
+- the k nearest of those 2k + tail candidates by (distance bits, newest first) are the window,
+  exactly the dense rule's top-k; a step costs O(log max_len + k + tail);
+- every `tail` steps, between steps, M moves up and both arrays are sorted again (O(max_len log
+  max_len), amortised over the tail).
+
+`merge_codes` and `window_keys` are the two pieces; `StaticDecoder` calls them. The naive reference
+is the sorted cache itself: tests compare every step's logits with `LM.step` through it.
+"""
+
+from __future__ import annotations
+
+import torch
+
+__all__ = ["POS_MAX", "float_order", "merge_codes", "window_keys"]
+
+POS_MAX = 2**31 - 1  # positions below this (the low 32 bits of a code)
+LAST = torch.iinfo(torch.int64).max  # an unused slot's code: after every key
+
+
+def float_order(x: torch.Tensor) -> torch.Tensor:
+    """float32 -> int64 with the same order (x < y iff order(x) < order(y)) for finite x, +0.0 and
+    -0.0 alike (keys are stored as x + 0.0, which makes every zero +0.0)."""
+    bits = x.contiguous().view(torch.int32)
+    return torch.where(bits < 0, bits ^ 0x7FFFFFFF, bits).to(torch.int64)
+
+
+def merge_codes(ks: torch.Tensor, merged: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The sorted codes of the scalar keys ks (B, H, N) float32 at positions < merged: `low`
+    (order << 32 | position) and `high` (order << 32 | POS_MAX - position), each (B, H, N), unused
+    slots last."""
+    N = ks.shape[-1]
+    pos = torch.arange(N, device=ks.device)
+    order = float_order(ks) << 32
+    used = pos < merged
+    low = torch.where(used, order | pos, LAST).sort(dim=-1).values
+    high = torch.where(used, order | (POS_MAX - pos), LAST).sort(dim=-1).values
+    return low, high
+
+
+def window_keys(qs: torch.Tensor, ks: torch.Tensor, low: torch.Tensor, high: torch.Tensor, merged: torch.Tensor,
+                last_old: torch.Tensor, k: int, tail: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The k keys nearest to each scalar query qs (B, H) float32 among positions 0 .. last_old (a
+    0-dim tensor; none when negative): those below `merged` (a 0-dim tensor) through the sorted codes
+    low / high (B, H, N), those from merged to last_old (at most `tail`) scored directly. ks (B, H, N)
+    the stored scalar keys. Returns positions (B, H, k) and validity (False where fewer keys exist),
+    in the dense rule's order (nearest first, the newest first among equal distances)."""
+    B, H, N = ks.shape
+    dev = ks.device
+    code = (float_order(qs) << 32)[..., None]  # (B, H, 1): every key below the query sorts before it
+    spread = torch.arange(k, device=dev)
+    i_lo = torch.searchsorted(low, code) - k + spread  # (B, H, k): the k slots before the insertion point
+    i_hi = torch.searchsorted(high, code) + spread  # the k slots from it
+    n_sorted = torch.minimum(merged, last_old + 1)
+    ok_lo = i_lo >= 0
+    ok_hi = i_hi < n_sorted
+    p_lo = low.gather(-1, i_lo.clamp(0, N - 1)) & 0xFFFFFFFF
+    p_hi = POS_MAX - (high.gather(-1, i_hi.clamp(0, N - 1)) & 0xFFFFFFFF)
+    p_tail = merged + torch.arange(tail, device=dev)  # (tail,)
+    ok_tail = p_tail <= last_old
+    cand = torch.cat([p_lo, p_hi, p_tail.clamp(max=N - 1).expand(B, H, tail)], -1)  # (B, H, 2k + tail)
+    ok = torch.cat([ok_lo, ok_hi & (p_hi <= last_old), ok_tail.expand(B, H, tail)], -1)
+    cand = cand.clamp(0, N - 1)  # an unused slot's code decodes to no position
+    dist = (qs[..., None] - ks.gather(-1, cand)).abs().masked_fill(~ok, float("inf"))
+    rank = ((float_order(dist) << 32) | (POS_MAX - cand)).masked_fill(~ok, LAST)  # nearest first, then the newest
+    best = rank.topk(k, dim=-1, largest=False).indices
+    return cand.gather(-1, best), dist.gather(-1, best) < float("inf")
