@@ -55,22 +55,31 @@ def gpu_models_table(res: Json) -> str:
     return _table(["mechanism", "ms per step", "tokens/s"], "lrr", rows)
 
 
-DECODE_METHODS = ("exact", "exact_static", "exact_compiled", "window", "hf_static")
+DECODE_METHODS = ("exact", "exact_static", "exact_compiled", "window", "window_static", "window_compiled", "learned",
+                  "hf_static")
+DECODE_HEADS = ("exact (growing caches)", "exact, static", "exact, compiled", "window (sorted cache)",
+                "window, static", "window, compiled", "learned selection", "HF static cache")
 
 
 def decode_speed_table(res: dict) -> str:
     """benchmarks/decode_speed.py: the median decode step (ms) of each method per model, batch and
-    context, with the windowed step's speedup over exact decoding and attnlab's compiled exact step
-    against transformers' static-cache generate (a ratio above 1: attnlab is slower)."""
+    context, with the window's speedup over exact decoding (each decoded the same way: the caches
+    eagerly, static and compiled) and attnlab's compiled exact step against transformers'
+    static-cache generate (a ratio above 1: attnlab is slower)."""
     cells: dict = {}
     for r in res["rows"]:
         cells.setdefault((r["model"], r["batch"], r["context"]), {})[r["method"]] = r.get("step_ms")
+    shown = [m for m in DECODE_METHODS if any(m in by for by in cells.values())]
+
+    def ratio(by, a, b, fmt):
+        return fmt.format(by[a] / by[b]) if by.get(a) and by.get(b) else "—"
+
     rows = []
     for (model, batch, ctx), by in cells.items():
-        ms = [f"{by[m]:.2f}" if by.get(m) is not None else "—" for m in DECODE_METHODS]
-        win = f"{by['exact'] / by['window']:.1f}×" if by.get("window") and by.get("exact") else "—"
-        hf = f"{by['exact_compiled'] / by['hf_static']:.2f}" if by.get("exact_compiled") and by.get("hf_static") else "—"
-        rows.append([model, str(batch), f"{ctx:,}", *ms, win, hf])
-    header = ["model", "batch", "context", "exact (growing caches)", "exact, static", "exact, compiled", "window",
-              "HF static cache", "window speedup over exact", "compiled / HF"]
-    return _table(header, "lrr" + "r" * 7, rows)
+        ms = [f"{by[m]:.2f}" if by.get(m) is not None else "—" for m in shown]
+        rows.append([model, str(batch), f"{ctx:,}", *ms, ratio(by, "exact", "window", "{:.1f}×"),
+                     ratio(by, "exact_compiled", "window_compiled", "{:.1f}×"),
+                     ratio(by, "exact_compiled", "hf_static", "{:.2f}")])
+    header = ["model", "batch", "context", *(DECODE_HEADS[DECODE_METHODS.index(m)] for m in shown),
+              "window speedup (caches)", "window speedup (compiled)", "compiled / HF"]
+    return _table(header, "lrr" + "r" * (len(shown) + 3), rows)

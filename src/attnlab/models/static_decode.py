@@ -116,17 +116,19 @@ class StaticDecoder(nn.Module):
         kb, vb = getattr(self, f"k{i}"), getattr(self, f"v{i}")
         kb.index_copy_(2, positions, p.k.to(kb.dtype))
         vb.index_copy_(2, positions, p.v.to(vb.dtype))
+        n = visible.shape[-1]  # the slots read: all of them in a step, those up to the chunk's end in a prefill
         H = p.q.shape[1]
         if a.mechanism == "softmax":
             w = a.config.sliding_window
             if w is not None:  # each query reads its last w keys, itself included
-                visible = visible & (self.slots[None, :] > positions[:, None] - w)
-            return F.scaled_dot_product_attention(p.q, kb.to(p.q.dtype), vb.to(p.q.dtype), attn_mask=visible,
-                                                  enable_gqa=H != kb.shape[1])
+                visible = visible & (self.slots[None, :n] > positions[:, None] - w)
+            return F.scaled_dot_product_attention(p.q, kb[:, :, :n].to(p.q.dtype), vb[:, :, :n].to(p.q.dtype),
+                                                  attn_mask=visible, enable_gqa=H != kb.shape[1])
         ksb = getattr(self, f"ks{i}")
         ksb.index_copy_(2, positions, p.ks.float() + 0.0)  # + 0.0: every zero +0.0 (static_window.float_order)
         if self.windowed[i]:
             return self._window_readout(i, a, p, positions[0])
+        kb, vb, ksb = kb[:, :, :n], vb[:, :, :n], ksb[:, :, :n]
         k = kb.repeat_interleave(H // kb.shape[1], dim=1) if H != kb.shape[1] else kb
         v = vb.repeat_interleave(H // vb.shape[1], dim=1) if H != vb.shape[1] else vb
         dot = (p.q.float() @ k.float().transpose(-1, -2)) / math.sqrt(p.q.shape[-1])  # (B, H, T, N)
@@ -207,8 +209,8 @@ class StaticDecoder(nn.Module):
     @torch.no_grad()
     def prefill(self, idx: torch.Tensor, chunk: int = 1024) -> torch.Tensor:
         """The prompt idx (B, T0) from position 0, `chunk` tokens at a time (each chunk one causal
-        forward against the buffers, which it fills: memory O(chunk x max_len)); the logits of its
-        last token (B, V). Resets the decoder."""
+        forward against the buffers up to its last position, which it fills: memory O(chunk x T0));
+        the logits of its last token (B, V). Resets the decoder."""
         if idx.dim() != 2 or idx.shape[0] != self.batch_size or not 1 <= idx.shape[1] <= self.max_len:
             raise ValueError(f"idx must be (batch_size={self.batch_size}, T0) with 1 <= T0 <= max_len={self.max_len}, "
                              f"got shape {tuple(idx.shape)}")
@@ -216,8 +218,9 @@ class StaticDecoder(nn.Module):
         if any(self.windowed):
             return self._prefill_whole(idx)
         for a in range(0, T, chunk):
-            positions = torch.arange(a, min(T, a + chunk), device=idx.device)
-            logits = self._forward(idx[:, a : a + chunk], positions, self.slots[None, :] <= positions[:, None])[:, -1]
+            positions = torch.arange(a, min(T, a + chunk), device=idx.device)  # reading slots up to the chunk's end
+            logits = self._forward(idx[:, a : a + chunk], positions, self.slots[None, : a + len(positions)]
+                                   <= positions[:, None])[:, -1]
         self.pos.fill_(T)
         self.length = T
         return logits
