@@ -17,7 +17,10 @@ Models (random weights: speed does not depend on them): `windowed`, the shape of
   serves exact_static and exact_compiled;
 - `learned` (windowed model, contexts up to --learned-max): learned key selection, `DecodeSelector`
   with search projections (random: the cost does not depend on them) scored exactly by a matmul and
-  a top-K (index="exact", the device route), K = k + w of the window; its prompt is stepped;
+  a top-K (index="exact", the device route), K = k + w of the window, through the caches; its
+  prompt is stepped;
+- `learned_static` / `learned_compiled` (windowed model): the same selection through `StaticDecoder`
+  (search keys in a static buffer, one matmul and a top-K per step), eager / compiled;
 - `hf_static`: `LlamaForCausalLM.generate(cache_implementation="static")` with SDPA on a Llama of the
   same dimensions (the step time from generating 1 and 1 + n tokens after the same prompt), contexts
   up to --max-hf-context.
@@ -70,10 +73,7 @@ class Ours:
         B, T = idx.shape
         self.pos, self.m = T, m
         if method == "learned":
-            a = m.blocks[0].attn
-            proj = SearchProjections(list(range(len(m.blocks))), m.cfg.d_model, d_search=32, groups=a.n_scalar)
-            sel = DecodeSelector(proj.to(idx.device), K=a.config.train_window + a.config.local_window)
-            self.caches = m.make_caches(B, selector=sel)
+            self.caches = m.make_caches(B, selector=learned_selector(m, idx.device))
             logits = None
             for t in range(T):  # a selector cache takes one token at a time
                 logits = m.step(idx[:, t : t + 1], self.caches, t)
@@ -89,12 +89,20 @@ class Ours:
         return out
 
 
+def learned_selector(m: LM, dev) -> DecodeSelector:
+    """Search projections for every layer (random weights, 32 wide, rope), K = the window's k + w keys."""
+    a = m.blocks[0].attn
+    proj = SearchProjections(list(range(len(m.blocks))), m.cfg.d_model, d_search=32, groups=a.n_scalar, rope=True)
+    return DecodeSelector(proj.to(dev), K=a.config.train_window + a.config.local_window)
+
+
 class Static:
     """One `StaticDecoder` after its prompt, stepped eagerly (`step`) or compiled (`compiled`): the two
     share its buffers, so the prompt is prefilled once."""
 
-    def __init__(self, m: LM, exact: bool, idx: torch.Tensor, total: int, dev):
-        self.dec = StaticDecoder(m, idx.shape[0], total, exact=exact)
+    def __init__(self, m: LM, kind: str, idx: torch.Tensor, total: int, dev):
+        sel = learned_selector(m, dev) if kind == "learned" else None
+        self.dec = StaticDecoder(m, idx.shape[0], total, exact=kind == "exact", selector=sel)
         self.logits = self.dec.prefill(idx)
         self.eager = self.dec.step_logits
         self.fast = torch.compile(self.dec.step_logits, fullgraph=True,
@@ -151,7 +159,7 @@ def measure(name: str, B: int, T: int, a, dev, methods) -> list[dict]:
     idx = torch.randint(0, cfg.vocab_size, (B, T), generator=torch.Generator().manual_seed(1)).to(dev)
     decs, rows, shared = {}, [], {}
     for method in methods:
-        windowed = method.startswith("window") or method == "learned"
+        windowed = method.startswith(("window", "learned"))
         if windowed and (name != "windowed" or T > a.window_max) or method == "learned" and T > a.learned_max:
             continue
         if method == "hf_static" and T > a.max_hf_context:
@@ -161,11 +169,11 @@ def measure(name: str, B: int, T: int, a, dev, methods) -> list[dict]:
         try:
             if method == "hf_static":
                 decs[method] = HFStatic(cfg, idx, total)
-            elif method in ("exact_static", "exact_compiled", "window_static", "window_compiled"):
-                exact = method.startswith("exact")
-                if exact not in shared:
-                    shared[exact] = Static(m, exact, idx, total, dev)
-                decs[method] = Stepper(shared[exact].stepper(method.endswith("compiled")), shared[exact].logits)
+            elif method.endswith(("_static", "_compiled")):
+                kind = method.rsplit("_", 1)[0]  # exact, window or learned: one decoder serves both steps
+                if kind not in shared:
+                    shared[kind] = Static(m, kind, idx, total, dev)
+                decs[method] = Stepper(shared[kind].stepper(method.endswith("compiled")), shared[kind].logits)
             else:
                 decs[method] = Ours(m, method, idx, total)
         except Exception as e:  # noqa: BLE001 - the row records what failed
@@ -206,7 +214,7 @@ def main(argv=None) -> None:
     ap.add_argument("--contexts", default="1024,4096,16384")
     ap.add_argument("--batches", default="1")
     ap.add_argument("--methods", default="exact,exact_static,exact_compiled,window,window_static,window_compiled,"
-                    "learned,hf_static")
+                    "learned,learned_static,learned_compiled,hf_static")
     ap.add_argument("--steps", type=int, default=8, help="timed steps per method and round")
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--warmup", type=int, default=3)

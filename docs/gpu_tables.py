@@ -56,9 +56,10 @@ def gpu_models_table(res: Json) -> str:
 
 
 DECODE_METHODS = ("exact", "exact_static", "exact_compiled", "window", "window_static", "window_compiled", "learned",
-                  "hf_static")
+                  "learned_static", "learned_compiled", "hf_static")
 DECODE_HEADS = ("exact (growing caches)", "exact, static", "exact, compiled", "window (sorted cache)",
-                "window, static", "window, compiled", "learned selection", "HF static cache")
+                "window, static", "window, compiled", "learned (caches)", "learned, static", "learned, compiled",
+                "HF static cache")
 
 
 def decode_speed_table(res: dict) -> str:

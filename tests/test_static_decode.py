@@ -94,6 +94,39 @@ def test_generate_compile_keeps_the_trained_window(monkeypatch):
     assert not torch.equal(m.generate(idx, 25, compile=True), exact)
 
 
+@pytest.mark.parametrize("attention", [{}, dict(train_window=3, local_window=2, kernel="cauchy", n_kv_heads=2),
+                                       dict(scalar_gain=0.5)], ids=["hybrid", "window-cauchy-gqa", "gain"])
+def test_learned_selection_through_static_buffers(attention):
+    """A DecodeSelector (index="exact") through StaticDecoder: each step scores every stored search key
+    with one matmul and reads the top K; tokens equal LM.generate(selector=...), every step's logits
+    equal stepping the selector caches, the prompt in chunks. (Search projections with rope: no two
+    keys score exactly alike, whose order top-k leaves to the implementation.)"""
+    from attnlab.cache.selected import DecodeSelector
+    from attnlab.index.projections import SearchProjections
+
+    torch.manual_seed(0)
+    m = LM(ModelConfig(vocab_size=50, d_model=64, n_layers=2, n_heads=4, attn="hybrid", max_seq_len=128,
+                       attention=attention)).eval()
+    sel = DecodeSelector(SearchProjections([0, 1], 64, d_search=8, groups=4, rope=True), K=5)
+    idx = torch.randint(0, 50, (2, 9), generator=torch.Generator().manual_seed(1))
+    ref = m.generate(idx, 30, selector=sel)
+    assert torch.equal(StaticDecoder(m, 2, 64, selector=sel).generate(idx, 30), ref)
+    caches, dec = m.make_caches(2, selector=sel), StaticDecoder(m, 2, 64, selector=sel)
+    with torch.no_grad():
+        for t in range(9):
+            want = m.step(ref[:, t : t + 1], caches, t).reshape(2, -1)
+        assert torch.allclose(dec.prefill(ref[:, :9], chunk=4), want, atol=1e-5)
+        for t in range(9, 38):
+            want = m.step(ref[:, t : t + 1], caches, t).reshape(2, -1)
+            assert torch.allclose(dec.step(ref[:, t : t + 1]), want, atol=1e-5), t
+    with pytest.raises(ValueError, match="index='exact'"):
+        StaticDecoder(m, 1, 8, selector=DecodeSelector(None, K=4, index="quest"))
+    with pytest.raises(ValueError, match="exact=False"):
+        StaticDecoder(m, 1, 8, selector=sel, exact=True)
+    with pytest.raises(ValueError, match="layers"):
+        StaticDecoder(m, 1, 8, selector=DecodeSelector(SearchProjections([0], 64, d_search=8, groups=4), K=4))
+
+
 def test_static_codes_choose_the_dense_windows():
     """window_keys over merged codes and a directly scored tail = the dense rule (distance, newest
     first) on keys with many exact ties, both zeros, and every merge point and tail length."""

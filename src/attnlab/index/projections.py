@@ -81,7 +81,7 @@ class SearchProjections(nn.Module):
         """Rotate channel pairs (i, i + d/2) by angle pos * theta^(-2i/d) (norm preserving)."""
         half = self.d_search // 2
         inv = self.rope_theta ** (-torch.arange(half, dtype=torch.float32, device=x.device) / half)
-        pos = torch.arange(start, start + x.shape[-2], dtype=torch.float32, device=x.device)
+        pos = (torch.arange(x.shape[-2], device=x.device) + start).float()  # start: an int or a 0-dim tensor
         ang = pos[:, None] * inv[None, :]  # (T, d/2)
         cos, sin = ang.cos().to(x.dtype), ang.sin().to(x.dtype)
         a, b = x[..., :half], x[..., half:]

@@ -21,7 +21,10 @@ A hybrid layer trained through a window (`train_window`, `local_window`) decodes
 `LM.generate` does: its k + w keys are chosen with static shapes (`static_window`: sorted int64
 codes of the older keys, merged every `tail` steps between steps), so that step costs
 O(log max_len + k + w + tail) instead of O(max_len), and the prompt goes through the model's own
-forward in one pass. `exact=True` reads every key instead (`LM.make_caches(exact=True)`).
+forward in one pass. `exact=True` reads every key instead (`LM.make_caches(exact=True)`). With a
+`selector` (an `attnlab.cache.selected.DecodeSelector`, index "exact") hybrid layers read the K keys
+their search projections score highest: the search keys in a static buffer, one matmul and a top-K
+per step, the device route of learned selection.
 """
 
 from __future__ import annotations
@@ -32,6 +35,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from ..cache.selected import KEY_DTYPES
 from .static_window import LAST, merge_codes, window_keys
 
 __all__ = ["StaticDecoder", "supported"]
@@ -63,6 +67,9 @@ class StaticDecoder(nn.Module):
         compile: compile the step with torch.compile (on CUDA `mode="reduce-overhead"`).
         exact: layers trained through a window read every key instead (default: through the window).
         tail: a windowed layer's older keys scored directly between two merges of its sorted codes.
+        selector: an `attnlab.cache.selected.DecodeSelector` with index="exact": hybrid layers read
+            the K keys their search projections score highest (one matmul over the stored search
+            keys and a top-K per step, the device route of learned selection), in place of a window.
 
     Raises:
         ValueError: batch_size or max_len not a positive int, max_len past the learned position
@@ -70,7 +77,7 @@ class StaticDecoder(nn.Module):
     """
 
     def __init__(self, model, batch_size: int, max_len: int, *, compile: bool = False, exact: bool = False,
-                 tail: int = 256):
+                 tail: int = 256, selector=None):
         super().__init__()
         for name, n in (("batch_size", batch_size), ("max_len", max_len), ("tail", tail)):
             if isinstance(n, bool) or not isinstance(n, int) or n < 1:
@@ -82,9 +89,17 @@ class StaticDecoder(nn.Module):
         if model.pos_emb is not None and max_len > model.cfg.max_seq_len:
             raise ValueError(f"max_len={max_len} is past the learned position embedding's "
                              f"model.max_seq_len={model.cfg.max_seq_len}")
+        if selector is not None:
+            from ..cache.selected import DecodeSelector
+
+            if not isinstance(selector, DecodeSelector) or selector.index != "exact" or exact:
+                raise ValueError("selector must be a DecodeSelector with index='exact' (scored on the device), "
+                                 "and exact=False")
+            selector.check([(i, blk.attn) for i, blk in enumerate(model.blocks) if blk.attn.mechanism == "hybrid"])
         self.model, self.batch_size, self.max_len, self.tail = model, batch_size, max_len, tail
-        self.windowed = [not exact and blk.attn.mechanism == "hybrid" and blk.attn.config.train_window is not None
-                         for blk in model.blocks]
+        self.selector = selector
+        self.windowed = [not exact and selector is None and blk.attn.mechanism == "hybrid"
+                         and blk.attn.config.train_window is not None for blk in model.blocks]
         self.merged = [0] * len(model.blocks)  # host copies of each windowed layer's merge point
         p = next(model.parameters())
         B, N = batch_size, max_len
@@ -94,6 +109,9 @@ class StaticDecoder(nn.Module):
             self.register_buffer(f"v{i}", p.new_zeros(B, a.n_kv, N, a.config.head_dim), persistent=False)
             if a.mechanism == "hybrid":
                 self.register_buffer(f"ks{i}", p.new_zeros(B, a.n_scalar, N, dtype=torch.float32), persistent=False)
+                if selector is not None:
+                    self.register_buffer(f"sk{i}", p.new_zeros(B, a.n_scalar, N, selector.projections.d_search,
+                                                               dtype=KEY_DTYPES[selector.key_dtype]), persistent=False)
             if self.windowed[i]:
                 for name in ("low", "high"):
                     self.register_buffer(f"{name}{i}", torch.full((B, a.n_scalar, N), LAST, device=p.device),
@@ -126,6 +144,8 @@ class StaticDecoder(nn.Module):
                                                   attn_mask=visible, enable_gqa=H != kb.shape[1])
         ksb = getattr(self, f"ks{i}")
         ksb.index_copy_(2, positions, p.ks.float() + 0.0)  # + 0.0: every zero +0.0 (static_window.float_order)
+        if self.selector is not None:
+            return self._learned_readout(i, a, p, h, positions, visible)
         if self.windowed[i]:
             return self._window_readout(i, a, p, positions[0])
         kb, vb, ksb = kb[:, :, :n], vb[:, :, :n], ksb[:, :, :n]
@@ -145,33 +165,51 @@ class StaticDecoder(nn.Module):
     def _window_readout(self, i: int, a, p, t: torch.Tensor) -> torch.Tensor:
         """Layer i's hybrid readout (B, H, 1, D) for the token at position t (a 0-dim tensor) through
         its trained window: the last w keys and the k nearest older ones (`static_window.window_keys`)."""
-        kb, vb, ksb = getattr(self, f"k{i}"), getattr(self, f"v{i}"), getattr(self, f"ks{i}")
+        ksb = getattr(self, f"ks{i}")
         w, kwin = a.config.local_window, a.config.train_window
         B, H, N = ksb.shape
-        qs = p.qs[..., 0].float()  # (B, H)
-        idx, ok = window_keys(qs, ksb, getattr(self, f"low{i}"), getattr(self, f"high{i}"), getattr(self, f"m{i}"),
-                              t - w, kwin, self.tail)
+        idx, ok = window_keys(p.qs[..., 0].float(), ksb, getattr(self, f"low{i}"), getattr(self, f"high{i}"),
+                              getattr(self, f"m{i}"), t - w, kwin, self.tail)
         if w:  # the ring: positions t, t - 1, ..., t - w + 1
             ring = t - torch.arange(w, device=t.device)
             idx = torch.cat([ring.clamp(min=0).expand(B, H, w), idx], -1)
             ok = torch.cat([(ring >= 0).expand(B, H, w), ok], -1)
-        m = idx.shape[-1]
-        group = torch.arange(H, device=t.device) // (H // kb.shape[1])
-        flat = (group[None, :, None] * N + idx).view(B, H * m, 1)
+        return self._read(i, a, p, idx[:, :, None], ok[:, :, None])
 
-        def pick(buf):  # (B, G, N, D) -> (B, H, m, D): each head's keys from its group
-            return buf.reshape(B, -1, buf.shape[-1]).gather(1, flat.expand(-1, -1, buf.shape[-1])).view(B, H, m, -1)
+    def _learned_readout(self, i: int, a, p, h: torch.Tensor, positions: torch.Tensor,
+                         visible: torch.Tensor) -> torch.Tensor:
+        """Layer i's hybrid readout (B, H, T, D) through learned selection: each token's search key
+        stored, every visible stored key scored by its search query (one matmul), the K best read."""
+        skb = getattr(self, f"sk{i}")
+        sq, sk = self.selector.projections(i, h, start=positions[0])  # (B, H, T, d)
+        skb.index_copy_(2, positions, sk.to(skb.dtype))
+        n = visible.shape[-1]
+        scores = (sq.to(skb.dtype) @ skb[:, :, :n].transpose(-1, -2)).float()  # (B, H, T, n)
+        best = scores.masked_fill(~visible, float("-inf")).topk(min(self.selector.K, n), dim=-1)
+        return self._read(i, a, p, best.indices, best.values > float("-inf"))
 
-        kg, vg, ksg = pick(kb).float(), pick(vb).float(), ksb.gather(-1, idx)
-        dot = (p.q[:, :, 0, None].float() * kg).sum(-1) / math.sqrt(p.q.shape[-1])  # (B, H, m)
+    def _read(self, i: int, a, p, idx: torch.Tensor, ok: torch.Tensor) -> torch.Tensor:
+        """The hybrid op of layer i's tokens p (T of them) over the stored keys idx (B, H, T, m) where ok
+        -> (B, H, T, D): each head's keys and values gathered from its group, nothing else read."""
+        kb, vb, ksb = getattr(self, f"k{i}"), getattr(self, f"v{i}"), getattr(self, f"ks{i}")
+        B, H, T, m = idx.shape
+        N = ksb.shape[-1]
+        group = torch.arange(H, device=idx.device) // (H // kb.shape[1])
+        flat = (group[None, :, None, None] * N + idx).view(B, H * T * m, 1)
+
+        def pick(buf):  # (B, G, N, D) -> (B, H, T, m, D)
+            return buf.reshape(B, -1, buf.shape[-1]).gather(1, flat.expand(-1, -1, buf.shape[-1])).view(B, H, T, m, -1)
+
+        kg, vg, ksg = pick(kb).float(), pick(vb).float(), ksb.gather(-1, idx.view(B, H, T * m)).view(B, H, T, m)
+        dot = (p.q.float()[..., None, :] * kg).sum(-1) / math.sqrt(p.q.shape[-1])  # (B, H, T, m)
         tau = p.tau.float()
-        tau = tau[None, :, None] if tau.dim() == 1 else tau[..., :1]
-        x = (qs[..., None] - ksg).square() / tau
+        tau = tau[None, :, None, None] if tau.dim() == 1 else tau[..., None]
+        x = (p.qs.float()[..., None] - ksg).square() / tau
         phi = x if a.config.kernel == "gaussian" else torch.log1p(x)
         if a.scalar_scale is not None:
-            phi = phi * a.scalar_scale.float()[None, :, None]
+            phi = phi * a.scalar_scale.float()[None, :, None, None]
         wts = torch.softmax((dot - phi).masked_fill(~ok, float("-inf")), dim=-1)
-        return (wts[..., None] * vg).sum(-2)[:, :, None].to(p.v.dtype)
+        return (wts[..., None] * vg).sum(-2).to(p.v.dtype)
 
     def _merge(self, t: int, force: bool = False) -> None:
         """Before the step at position t: a windowed layer whose directly scored older keys would pass
