@@ -175,3 +175,37 @@ def test_a_batch_with_an_empty_prompt(folder):
     assert torch.equal(out[0, 4:], lm.generate(p[None], 5)[0, 4:])
     first = out[1, 4]
     assert first == 0 and torch.equal(out[1, 4:], lm.generate(first.view(1, 1), 4)[0])
+
+
+@pytest.mark.parametrize("attn,attention", [("softmax", {}), ("hybrid", {}),
+                                            ("hybrid", dict(train_window=3, local_window=2))],
+                         ids=["softmax", "hybrid", "hybrid-trained-window"])
+def test_compiled_generate_equals_lm_generate(attn, attention, tmp_path, monkeypatch):
+    """generate(compile=True) decodes through the model's static decoder (torch.compile stubbed here: the
+    compiled step itself is tested in test_static_decode): greedy tokens equal LM.generate's (a trained
+    window through it), sampling equals the growing caches' under the same seed, the decoder is kept
+    for the next call; padding, a window, a given cache and no length are refused by name."""
+    monkeypatch.setattr(torch, "compile", lambda fn, **kw: fn)
+    lm = tiny(attn, attention=attention)
+    H.export.save_folder(lm, tmp_path / "m", ByteTokenizer())
+    hf = AutoModelForCausalLM.from_pretrained(tmp_path / "m").eval()
+    ids = torch.randint(256, (2, 7))
+    assert torch.equal(greedy(hf, ids, 9, compile=True), lm.generate(ids, 9))
+    dec = hf.model.__dict__["_static"]
+    assert torch.equal(greedy(hf, ids[:, :5], 6, compile=True), lm.generate(ids[:, :5], 6))
+    assert hf.model.__dict__["_static"] is dec  # 11 positions fit the decoder made for 16
+    kw = dict(max_new_tokens=6, do_sample=True, temperature=0.8, attention_mask=torch.ones_like(ids))
+    torch.manual_seed(5)
+    a = hf.generate(ids, compile=True, **kw)
+    torch.manual_seed(5)
+    assert torch.equal(a, hf.generate(ids, **kw))
+    mask = torch.ones_like(ids)
+    mask[0, :2] = 0
+    with pytest.raises(ValueError, match="unpadded"):
+        hf.generate(ids, max_new_tokens=3, do_sample=False, attention_mask=mask, compile=True)
+    with pytest.raises(ValueError, match="no window or selector"):
+        greedy(hf, ids, 3, compile=True, window=4)
+    with pytest.raises(ValueError, match="pass no cache"):
+        greedy(hf, ids, 3, compile=True, past_key_values=H.AttnlabCache())
+    with pytest.raises(ValueError, match="no window or selector"):
+        H.AttnlabCache(window=4, static=16)

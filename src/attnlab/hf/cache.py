@@ -45,14 +45,19 @@ class AttnlabCache(Cache):
     keys (None: exact caches everywhere). selector: an `attnlab.cache.selected.DecodeSelector`:
     scalar/hybrid layers read the K keys its search projections pick (not with a window). Both
     are checked as `attnlab.models.decode.DecodeOptions` (`options`), against the model on the
-    first forward."""
+    first forward. static=max_len: decode through the model's compiled `StaticDecoder` for that
+    many positions instead (`LM.static_decoder`; every key, or a trained window through it): the
+    prompt unpadded, then one token per forward, the last position's logits only."""
 
-    is_compileable = False
+    is_compileable = False  # generate must not compile the forward: a static cache compiles its own step
 
-    def __init__(self, window: int | None = None, selector=None):
+    def __init__(self, window: int | None = None, selector=None, static: int | None = None):
         self.options = DecodeOptions(window=window, selector=selector)
+        if static is not None and (window is not None or selector is not None):
+            raise ValueError("a static cache decodes as the model was trained: give no window or selector")
         _base_init(self)
         self.state: DecodeState | None = None
+        self.static, self.decoder, self.seen = static, None, 0
 
     @property
     def window(self) -> int | None:
@@ -71,12 +76,31 @@ class AttnlabCache(Cache):
     def feed(self, model, input_ids: torch.Tensor, mask: torch.Tensor | None, last: int | None = None) -> torch.Tensor:
         """Run `model` (an attnlab LM) on the next columns input_ids (B, T), mask (B, T) or None,
         advancing every row's caches -> logits (B, T or last, V); zeros at pad positions."""
+        if self.static is not None:
+            return self._feed_static(model, input_ids, mask, last)
         if self.state is None:
             self.state = DecodeState(model, input_ids.shape[0], self.options)
         elif input_ids.shape[0] != self.state.batch_size:
             raise ValueError(f"input_ids has batch {input_ids.shape[0]}, this cache holds {self.state.batch_size} rows; "
                              f"use a new cache for a new batch")
         return self.state.feed(input_ids, mask, last=last)
+
+    def _feed_static(self, model, input_ids: torch.Tensor, mask: torch.Tensor | None, last: int | None) -> torch.Tensor:
+        B, T = input_ids.shape
+        if self.decoder is None:
+            if mask is not None and not bool(mask.all()):
+                raise ValueError("a static cache (compile=True) decodes unpadded rows: a left-padded batch needs the "
+                                 "growing caches (compile=False)")
+            if T > 1 and last != 1:
+                raise ValueError("a static cache returns the last position's logits only: call with logits_to_keep=1")
+            self.decoder = model.static_decoder(B, self.static)
+            logits = self.decoder.prefill(input_ids)
+        elif T != 1 or B != self.decoder.batch_size:
+            raise ValueError(f"after the prompt a static cache takes one token per row and call, got {tuple(input_ids.shape)}")
+        else:
+            logits = self.decoder.step(input_ids)
+        self.seen += T
+        return logits[:, None]  # (B, 1, V)
 
     def layer_caches(self, layer_idx: int) -> list:
         """The `LayerCache` of layer `layer_idx` of every row group (rows of equal length share one)."""
@@ -90,7 +114,7 @@ class AttnlabCache(Cache):
 
     def get_seq_length(self, layer_idx: int | None = 0) -> int:
         """Tokens seen so far (0 before the first forward)."""
-        return 0 if self.state is None else self.state.seen
+        return self.seen if self.static is not None else 0 if self.state is None else self.state.seen
 
     def get_mask_sizes(self, query_length: int, layer_idx: int = 0, *args, **kwargs) -> tuple[int, int]:
         """(key length, offset) of the attention mask transformers builds for the next forward."""
@@ -105,7 +129,7 @@ class AttnlabCache(Cache):
 
     @property
     def is_initialized(self) -> bool:
-        return self.state is not None
+        return self.state is not None or self.decoder is not None
 
     @property
     def is_croppable(self) -> bool:
@@ -113,11 +137,13 @@ class AttnlabCache(Cache):
 
     @property
     def batch_size(self) -> int:
+        if self.decoder is not None:
+            return self.decoder.batch_size
         return -1 if self.state is None else self.state.batch_size
 
     def reset(self) -> None:
         """Drop the decode state; the next forward starts a new one."""
-        self.state = None
+        self.state, self.decoder, self.seen = None, None, 0
 
     def _unsupported(self, what: str):
         raise NotImplementedError(

@@ -190,14 +190,19 @@ class AttnlabForCausalLM(AttnlabPreTrainedModel, GenerationMixin):
     # ------------------------------------------------------------------ generate
 
     def generate(self, inputs: torch.Tensor | None = None, generation_config: GenerationConfig | None = None,
-                 window: int | None = None, selector=None, **kwargs):
+                 window: int | None = None, selector=None, compile: bool = False, **kwargs):
         """transformers' generate, decoding through attnlab's caches.
 
         window (or `generation_config.window`, or `config.window`): the sorted scalar cache's
         window for scalar/hybrid layers. selector (an `attnlab.cache.selected.DecodeSelector`):
         scalar/hybrid layers read the K keys its search projections pick, from an index that grows
-        per token (not with a window). num_beams > 1 is a ValueError (see `AttnlabCache`)."""
+        per token (not with a window). compile=True: through static buffers and a compiled step
+        (`LM.generate(compile=True)`'s decoder, kept on the model; CUDA graphs on the GPU), sized
+        for the prompt plus max_new_tokens (or max_length); unpadded batches, no window or selector.
+        num_beams > 1 is a ValueError (see `AttnlabCache`)."""
         gc = generation_config if generation_config is not None else self.generation_config
+        if compile:
+            return self._generate_static(inputs, gc, window, selector, generation_config, kwargs)
         if window is None:
             window = getattr(gc, "window", None)
         if window is None and selector is None:
@@ -214,4 +219,23 @@ class AttnlabForCausalLM(AttnlabPreTrainedModel, GenerationMixin):
         if given is None and caching:
             kwargs.pop("past_key_values", None)
             kwargs[CACHE_NAME] = AttnlabCache(window=window, selector=selector)
+        return super().generate(inputs, generation_config=generation_config, **kwargs)
+
+    def _generate_static(self, inputs, gc, window, selector, generation_config, kwargs):
+        if window is not None or selector is not None:
+            raise ValueError("compile=True decodes as the model was trained (every key or its trained window): "
+                             "give no window or selector")
+        if kwargs.get("cache", kwargs.get("past_key_values")) is not None or kwargs.get("use_cache") is False:
+            raise ValueError("compile=True decodes through the static cache generate makes: pass no cache and "
+                             "leave use_cache on")
+        if (kwargs.get("num_beams", getattr(gc, "num_beams", 1)) or 1) > 1:
+            raise ValueError("num_beams > 1 is not supported (see AttnlabCache)")
+        ids = inputs if inputs is not None else kwargs.get("input_ids")
+        if ids is None or ids.dim() != 2:
+            raise ValueError("compile=True needs the prompt's input_ids (B, T)")
+        new = kwargs.get("max_new_tokens", getattr(gc, "max_new_tokens", None))
+        total = ids.shape[1] + new if new is not None else kwargs.get("max_length", getattr(gc, "max_length", None))
+        if total is None or total <= ids.shape[1]:
+            raise ValueError("compile=True sizes its buffers from max_new_tokens (or max_length): give one")
+        kwargs[CACHE_NAME] = AttnlabCache(static=int(total))
         return super().generate(inputs, generation_config=generation_config, **kwargs)
