@@ -103,7 +103,9 @@ class Static:
     def __init__(self, m: LM, kind: str, idx: torch.Tensor, total: int, dev):
         sel = learned_selector(m, dev) if kind == "learned" else None
         self.dec = StaticDecoder(m, idx.shape[0], total, exact=kind == "exact", selector=sel)
-        self.logits = self.dec.prefill(idx)
+        B, H, T = idx.shape[0], m.cfg.n_heads, idx.shape[1]
+        chunk = max(16, min(1024, 2**28 // (B * H * T)))  # an exact chunk's scores (B, H, chunk, T) under 1 GiB
+        self.logits = self.dec.prefill(idx, chunk=chunk)
         self.eager = self.dec.step_logits
         self.fast = torch.compile(self.dec.step_logits, fullgraph=True,
                                   mode="reduce-overhead" if dev.type == "cuda" else None)
@@ -158,6 +160,7 @@ def measure(name: str, B: int, T: int, a, dev, methods) -> list[dict]:
     m = LM(cfg).to(dev).eval()
     idx = torch.randint(0, cfg.vocab_size, (B, T), generator=torch.Generator().manual_seed(1)).to(dev)
     decs, rows, shared = {}, [], {}
+    torch._dynamo.reset()  # this configuration's compiled steps only: dynamo keeps a few graphs per function
     for method in methods:
         windowed = method.startswith(("window", "learned"))
         if windowed and (name != "windowed" or T > a.window_max) or method == "learned" and T > a.learned_max:

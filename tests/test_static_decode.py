@@ -198,8 +198,21 @@ def test_refusals_name_what_is_wrong():
 
 
 @pytest.mark.cuda
-def test_cuda_graphs_step_equals_eager():
-    """On CUDA: the step compiled with mode='reduce-overhead' (CUDA graphs) decodes the eager tokens."""
-    m = model(*SETTINGS["hybrid-gqa"], dev="cuda")
+@pytest.mark.parametrize("kind", ["exact", "window", "learned"])
+def test_cuda_graphs_step_equals_eager(kind):
+    """On CUDA: the step compiled with mode='reduce-overhead' (CUDA graphs) decodes the eager tokens:
+    exactly, through a trained window (its codes merged between replays: tail 4) and through learned
+    selection."""
+    from attnlab.cache.selected import DecodeSelector
+    from attnlab.index.projections import SearchProjections
+
+    attention = dict(n_kv_heads=2, **(dict(train_window=3, local_window=2, kernel="cauchy") if kind == "window" else {}))
+    m = model("hybrid", attention, {}, dev="cuda")
     idx = torch.randint(0, 50, (2, 6), generator=torch.Generator().manual_seed(5)).cuda()
-    assert torch.equal(m.generate(idx, 20, compile=True), m.generate(idx, 20))
+    if kind == "learned":
+        sel = DecodeSelector(SearchProjections([0, 1], 64, d_search=8, groups=4, rope=True).cuda(), K=5)
+        got = StaticDecoder(m, 2, 40, compile=True, selector=sel).generate(idx, 30)
+        assert torch.equal(got, StaticDecoder(m, 2, 40, selector=sel).generate(idx, 30))
+    else:
+        got = StaticDecoder(m, 2, 40, compile=True, tail=4).generate(idx, 30)
+        assert torch.equal(got, m.generate(idx, 30))
