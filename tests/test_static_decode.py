@@ -22,6 +22,8 @@ SETTINGS = {
     "hybrid-gqa": ("hybrid", dict(n_kv_heads=2), {}),
     "hybrid-cauchy-gain": ("hybrid", dict(kernel="cauchy", scalar_gain=0.5), {}),
     "hybrid-trained-window": ("hybrid", dict(train_window=3, local_window=2), {}),
+    "scalar-value-groups": ("scalar", dict(n_value_groups=2), {}),
+    "scalar-cauchy-learned-positions": ("scalar", dict(kernel="cauchy", rope=False), dict(pos_embedding="learned")),
 }
 
 
@@ -57,6 +59,7 @@ WINDOWS = {
     "local": dict(train_window=3, local_window=2),
     "no-local": dict(train_window=4, local_window=0),
     "cauchy-gqa-gain": dict(train_window=3, local_window=5, kernel="cauchy", n_kv_heads=2, scalar_gain=0.5),
+    "scalar-local": dict(train_window=3, local_window=2, n_value_groups=2),
 }
 
 
@@ -67,8 +70,9 @@ def test_trained_window_decodes_through_static_codes(name):
     3 distinct tokens (first-layer scalar keys tie exactly, broken newest first), with the sorted
     codes merged every step (tail 1), every few steps and never past the prefill."""
     torch.manual_seed(0)
-    m = LM(ModelConfig(vocab_size=50, d_model=64, n_layers=2, n_heads=4, attn="hybrid", max_seq_len=128,
-                       attention=WINDOWS[name])).eval()
+    attention, attn = WINDOWS[name], "scalar" if name.startswith("scalar") else "hybrid"
+    m = LM(ModelConfig(vocab_size=50, d_model=64, n_layers=2, n_heads=4, attn=attn, max_seq_len=128,
+                       attention=attention)).eval()
     idx = torch.randint(0, 3, (2, 9), generator=torch.Generator().manual_seed(1))
     ref = m.generate(idx, 30)
     for tail in (1, 3, 64):
@@ -180,6 +184,8 @@ def test_refusals_name_what_is_wrong():
         StaticDecoder(model("softmax", dict(scale="ktotal"), {}), 1, 8)
     with pytest.raises(ValueError, match="a sink"):
         StaticDecoder(model("hybrid", dict(sink=True), {}), 1, 8)
+    with pytest.raises(ValueError, match="dot-product heads beside its scalar heads"):
+        StaticDecoder(model("scalar", dict(n_scalar_heads=2), {}), 1, 8)
     m = model(*SETTINGS["softmax-learned-positions"])
     with pytest.raises(ValueError, match="max_len=65 is past the learned position embedding"):
         StaticDecoder(m, 1, 65)

@@ -337,7 +337,7 @@ class LM(nn.Module):
         state); see `DecodeState`. compile=True decodes through static buffers and a compiled step
         (`attnlab.models.static_decode.StaticDecoder`, kept for the next call of the same batch size
         and length; CUDA graphs on the GPU), reading what this method reads by default: every key, or
-        a trained window (`train_window`) through it; softmax and hybrid layers, no window, selector
+        a trained window (`train_window`) through it; softmax, hybrid and scalar layers, no window, selector
         or attention_mask."""
         if idx.dim() != 2 or idx.shape[1] < 1:
             raise ValueError(f"idx must be (B, T0) with T0 >= 1, got shape {tuple(idx.shape)}")

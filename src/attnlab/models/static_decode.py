@@ -13,16 +13,17 @@ context; it is for exact decoding, the baseline the windowed caches are measured
     dec = StaticDecoder(model, batch_size=1, max_len=4096, compile=True)
     out = dec.generate(prompt, 200)                # = model.generate(prompt, 200) (greedy)
 
-Layers it decodes: softmax (q·k/√d, GQA, RoPE, a sliding window, output gates) and hybrid heads
-(q·k/√d − λ φ((qs − ks)²/τ), Gaussian or Cauchy, GQA, the gain) without a sink; other mechanisms
-and settings are refused by name at construction (`supported`).
+Layers it decodes: softmax (q·k/√d, GQA, RoPE, a sliding window, output gates), hybrid heads
+(q·k/√d − λ φ((qs − ks)²/τ), Gaussian or Cauchy, GQA, the gain) and scalar heads (−φ((qs − ks)²/τ),
+grouped values) without a sink; other mechanisms and settings are refused by name at construction
+(`supported`).
 
-A hybrid layer trained through a window (`train_window`, `local_window`) decodes through it, as
+A scalar or hybrid layer trained through a window (`train_window`, `local_window`) decodes through it, as
 `LM.generate` does: its k + w keys are chosen with static shapes (`static_window`: sorted int64
 codes of the older keys, merged every `tail` steps between steps), so that step costs
 O(log max_len + k + w + tail) instead of O(max_len), and the prompt goes through the model's own
 forward in one pass. `exact=True` reads every key instead (`LM.make_caches(exact=True)`). With a
-`selector` (an `attnlab.cache.selected.DecodeSelector`, index "exact") hybrid layers read the K keys
+`selector` (an `attnlab.cache.selected.DecodeSelector`, index "exact") scalar and hybrid layers read the K keys
 their search projections score highest: the search keys in a static buffer, one matmul and a top-K
 per step, the device route of learned selection.
 """
@@ -40,6 +41,8 @@ from .static_window import LAST, merge_codes, window_keys
 
 __all__ = ["StaticDecoder", "supported"]
 
+SCALAR = ("scalar", "hybrid")  # mechanisms whose heads carry scalar keys (a hybrid's add q·k/√d)
+
 
 def supported(layer) -> str | None:
     """None when a `StaticDecoder` decodes `layer` (an `attnlab.layers.Attention`), else why not."""
@@ -48,13 +51,15 @@ def supported(layer) -> str | None:
         if c.scale != "sqrt_d":
             return f"scale={c.scale!r} divides q·k by a statistic of every cached key (only 'sqrt_d')"
         return None
-    if layer.mechanism == "hybrid":
+    if layer.mechanism in SCALAR:
         if c.sink:
             return "a sink (sink=true)"
         if c.sliding_window is not None:
-            return "a sliding window on hybrid heads"
+            return f"a sliding window on {layer.mechanism} heads"
+        if layer.n_scalar != c.n_heads:
+            return "dot-product heads beside its scalar heads (n_scalar_heads < n_heads)"
         return None
-    return f"mechanism {layer.mechanism!r} (static decoding takes softmax and hybrid layers)"
+    return f"mechanism {layer.mechanism!r} (static decoding takes softmax, hybrid and scalar layers)"
 
 
 class StaticDecoder(nn.Module):
@@ -95,19 +100,21 @@ class StaticDecoder(nn.Module):
             if not isinstance(selector, DecodeSelector) or selector.index != "exact" or exact:
                 raise ValueError("selector must be a DecodeSelector with index='exact' (scored on the device), "
                                  "and exact=False")
-            selector.check([(i, blk.attn) for i, blk in enumerate(model.blocks) if blk.attn.mechanism == "hybrid"])
+            selector.check([(i, blk.attn) for i, blk in enumerate(model.blocks) if blk.attn.mechanism in SCALAR])
         self.model, self.batch_size, self.max_len, self.tail = model, batch_size, max_len, tail
         self.selector = selector
-        self.windowed = [not exact and selector is None and blk.attn.mechanism == "hybrid"
+        self.windowed = [not exact and selector is None and blk.attn.mechanism in SCALAR
                          and blk.attn.config.train_window is not None for blk in model.blocks]
         self.merged = [0] * len(model.blocks)  # host copies of each windowed layer's merge point
         p = next(model.parameters())
         B, N = batch_size, max_len
         for i, blk in enumerate(model.blocks):
             a = blk.attn
-            self.register_buffer(f"k{i}", p.new_zeros(B, a.n_kv, N, a.qk_dim), persistent=False)
-            self.register_buffer(f"v{i}", p.new_zeros(B, a.n_kv, N, a.config.head_dim), persistent=False)
-            if a.mechanism == "hybrid":
+            if a.mechanism != "scalar":  # a scalar head's score reads no vector key
+                self.register_buffer(f"k{i}", p.new_zeros(B, a.n_kv, N, a.qk_dim), persistent=False)
+            groups = a.value_groups if a.mechanism == "scalar" else a.n_kv
+            self.register_buffer(f"v{i}", p.new_zeros(B, groups, N, a.config.head_dim), persistent=False)
+            if a.mechanism in SCALAR:
                 self.register_buffer(f"ks{i}", p.new_zeros(B, a.n_scalar, N, dtype=torch.float32), persistent=False)
                 if selector is not None:
                     self.register_buffer(f"sk{i}", p.new_zeros(B, a.n_scalar, N, selector.projections.d_search,
@@ -131,11 +138,13 @@ class StaticDecoder(nn.Module):
         a = blk.attn
         B, T = h.shape[:2]
         p = a.project(h, positions.expand(B, T))
-        kb, vb = getattr(self, f"k{i}"), getattr(self, f"v{i}")
-        kb.index_copy_(2, positions, p.k.to(kb.dtype))
-        vb.index_copy_(2, positions, p.v.to(vb.dtype))
+        kb, vb = getattr(self, f"k{i}", None), getattr(self, f"v{i}")
+        if kb is not None:
+            kb.index_copy_(2, positions, p.k.to(kb.dtype))
+        vals = p.v if a.mechanism == "softmax" else a.scalar_values(p)
+        vb.index_copy_(2, positions, vals.to(vb.dtype))
         n = visible.shape[-1]  # the slots read: all of them in a step, those up to the chunk's end in a prefill
-        H = p.q.shape[1]
+        H = p.qs.shape[1] if a.mechanism != "softmax" else p.q.shape[1]
         if a.mechanism == "softmax":
             w = a.config.sliding_window
             if w is not None:  # each query reads its last w keys, itself included
@@ -148,19 +157,24 @@ class StaticDecoder(nn.Module):
             return self._learned_readout(i, a, p, h, positions, visible)
         if self.windowed[i]:
             return self._window_readout(i, a, p, positions[0])
-        kb, vb, ksb = kb[:, :, :n], vb[:, :, :n], ksb[:, :, :n]
-        k = kb.repeat_interleave(H // kb.shape[1], dim=1) if H != kb.shape[1] else kb
+        vb, ksb = vb[:, :, :n], ksb[:, :, :n]
         v = vb.repeat_interleave(H // vb.shape[1], dim=1) if H != vb.shape[1] else vb
-        dot = (p.q.float() @ k.float().transpose(-1, -2)) / math.sqrt(p.q.shape[-1])  # (B, H, T, N)
+        s = -self._scalar_term(a, p, ksb[:, :, None, :])  # (B, H, T, N)
+        if kb is not None:  # hybrid heads: + q·k / √d
+            kb = kb[:, :, :n]
+            k = kb.repeat_interleave(H // kb.shape[1], dim=1) if H != kb.shape[1] else kb
+            s = s + (p.q.float() @ k.float().transpose(-1, -2)) / math.sqrt(p.q.shape[-1])
+        return (torch.softmax(s.masked_fill(~visible, float("-inf")), dim=-1) @ v.float()).to(vb.dtype)
+
+    @staticmethod
+    def _scalar_term(a, p, ks: torch.Tensor) -> torch.Tensor:
+        """λ φ((qs − ks)² / τ) of the tokens p against keys ks (B, H, 1 or T, m) -> (B, H, T, m)."""
         tau = p.tau.float()
         tau = tau[None, :, None, None] if tau.dim() == 1 else tau[..., None]
-        x = (p.qs.float()[..., None] - ksb[:, :, None, :]).square() / tau
+        x = (p.qs.float()[..., None] - ks).square() / tau
         phi = x if a.config.kernel == "gaussian" else torch.log1p(x)
-        lam = a.scalar_scale
-        if lam is not None:
-            phi = phi * lam.float()[None, :, None, None]
-        s = (dot - phi).masked_fill(~visible, float("-inf"))
-        return (torch.softmax(s, dim=-1) @ v.float()).to(p.v.dtype)
+        lam = getattr(a, "scalar_scale", None)
+        return phi if lam is None else phi * lam.float()[None, :, None, None]
 
     def _window_readout(self, i: int, a, p, t: torch.Tensor) -> torch.Tensor:
         """Layer i's hybrid readout (B, H, 1, D) for the token at position t (a 0-dim tensor) through
@@ -191,25 +205,20 @@ class StaticDecoder(nn.Module):
     def _read(self, i: int, a, p, idx: torch.Tensor, ok: torch.Tensor) -> torch.Tensor:
         """The hybrid op of layer i's tokens p (T of them) over the stored keys idx (B, H, T, m) where ok
         -> (B, H, T, D): each head's keys and values gathered from its group, nothing else read."""
-        kb, vb, ksb = getattr(self, f"k{i}"), getattr(self, f"v{i}"), getattr(self, f"ks{i}")
+        kb, vb, ksb = getattr(self, f"k{i}", None), getattr(self, f"v{i}"), getattr(self, f"ks{i}")
         B, H, T, m = idx.shape
         N = ksb.shape[-1]
-        group = torch.arange(H, device=idx.device) // (H // kb.shape[1])
-        flat = (group[None, :, None, None] * N + idx).view(B, H * T * m, 1)
 
-        def pick(buf):  # (B, G, N, D) -> (B, H, T, m, D)
+        def pick(buf):  # (B, G, N, D) -> (B, H, T, m, D): each head's entries from its group
+            group = torch.arange(H, device=idx.device) // (H // buf.shape[1])
+            flat = (group[None, :, None, None] * N + idx).view(B, H * T * m, 1)
             return buf.reshape(B, -1, buf.shape[-1]).gather(1, flat.expand(-1, -1, buf.shape[-1])).view(B, H, T, m, -1)
 
-        kg, vg, ksg = pick(kb).float(), pick(vb).float(), ksb.gather(-1, idx.view(B, H, T * m)).view(B, H, T, m)
-        dot = (p.q.float()[..., None, :] * kg).sum(-1) / math.sqrt(p.q.shape[-1])  # (B, H, T, m)
-        tau = p.tau.float()
-        tau = tau[None, :, None, None] if tau.dim() == 1 else tau[..., None]
-        x = (p.qs.float()[..., None] - ksg).square() / tau
-        phi = x if a.config.kernel == "gaussian" else torch.log1p(x)
-        if a.scalar_scale is not None:
-            phi = phi * a.scalar_scale.float()[None, :, None, None]
-        wts = torch.softmax((dot - phi).masked_fill(~ok, float("-inf")), dim=-1)
-        return (wts[..., None] * vg).sum(-2).to(p.v.dtype)
+        s = -self._scalar_term(a, p, ksb.gather(-1, idx.view(B, H, T * m)).view(B, H, T, m))  # (B, H, T, m)
+        if kb is not None:  # hybrid heads: + q·k / √d
+            s = s + (p.q.float()[..., None, :] * pick(kb).float()).sum(-1) / math.sqrt(p.q.shape[-1])
+        wts = torch.softmax(s.masked_fill(~ok, float("-inf")), dim=-1)
+        return (wts[..., None] * pick(vb).float()).sum(-2).to(vb.dtype)
 
     def _merge(self, t: int, force: bool = False) -> None:
         """Before the step at position t: a windowed layer whose directly scored older keys would pass
@@ -275,9 +284,10 @@ class StaticDecoder(nn.Module):
         for i, blk in enumerate(m.blocks):
             a, h = blk.attn, blk.norm1(x)
             p = a.project(h, 0)
-            getattr(self, f"k{i}")[:, :, :T] = p.k
-            getattr(self, f"v{i}")[:, :, :T] = p.v
-            if a.mechanism == "hybrid":
+            if a.mechanism != "scalar":
+                getattr(self, f"k{i}")[:, :, :T] = p.k
+            getattr(self, f"v{i}")[:, :, :T] = p.v if a.mechanism == "softmax" else a.scalar_values(p)
+            if a.mechanism in SCALAR:
                 getattr(self, f"ks{i}")[:, :, :T] = p.ks.float() + 0.0
             x = x + a.finish(a.attend(p)[0], h)
             x = x + blk.mlp(blk.norm2(x))
