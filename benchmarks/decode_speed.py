@@ -28,7 +28,8 @@ Models (random weights: speed does not depend on them): `windowed`, the shape of
 For each (model, batch, context) every decoder takes the prompt, then `--rounds` interleaved rounds
 of `--steps` timed steps each (wall clock, after `--warmup` steps); the median step is reported.
 Writes JSON: top-level `device`, `torch`, `threads`, `rows` with `model`, `method`, `batch`,
-`context`, `step_ms`, `tokens_per_s` (or `error`). `python docs/result_tables.py decode-speed`
+`context`, `step_ms`, `tokens_per_s`, `ready_s` (seconds to take the prompt, with --prefill-threads;
+0 for the second method of a shared decoder) (or `error`). `python docs/result_tables.py decode-speed`
 renders it.
 """
 
@@ -159,7 +160,7 @@ def measure(name: str, B: int, T: int, a, dev, methods) -> list[dict]:
     torch.manual_seed(0)
     m = LM(cfg).to(dev).eval()
     idx = torch.randint(0, cfg.vocab_size, (B, T), generator=torch.Generator().manual_seed(1)).to(dev)
-    decs, rows, shared = {}, [], {}
+    decs, rows, shared, ready = {}, [], {}, {}
     torch._dynamo.reset()  # this configuration's compiled steps only: dynamo keeps a few graphs per function
     for method in methods:
         windowed = method.startswith(("window", "learned"))
@@ -183,7 +184,8 @@ def measure(name: str, B: int, T: int, a, dev, methods) -> list[dict]:
             rows.append(dict(model=name, method=method, batch=B, context=T, error=f"{type(e).__name__}: {e}"[:300]))
         finally:
             torch.set_num_threads(a.threads)
-        print(f"  {name} B={B} T={T} {method}: ready in {time.perf_counter() - t0:.1f} s", flush=True)
+        ready[method] = round(time.perf_counter() - t0, 2)  # the prompt (0 for a method sharing a decoder made already)
+        print(f"  {name} B={B} T={T} {method}: ready in {ready[method]:.1f} s", flush=True)
     times = {k: [] for k in decs}
     for k, d in decs.items():  # warm-up (and, compiled, the compilation)
         if k != "hf_static":
@@ -205,7 +207,7 @@ def measure(name: str, B: int, T: int, a, dev, methods) -> list[dict]:
     for k, ts in times.items():
         ms = statistics.median(ts) * 1e3
         rows.append(dict(model=name, method=k, batch=B, context=T, step_ms=round(ms, 4),
-                         tokens_per_s=round(B / ms * 1e3, 1)))
+                         tokens_per_s=round(B / ms * 1e3, 1), ready_s=ready[k]))
         print(f"  {name} B={B} T={T} {k}: {ms:.3f} ms/step", flush=True)
     return rows
 

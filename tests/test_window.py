@@ -273,13 +273,14 @@ def test_windowed_attention_selected_path_never_sees_the_future(impl, local):
     assert torch.isfinite(out).all()
 
 
+@pytest.mark.parametrize("kernel", ["gaussian", "cauchy"])
 @pytest.mark.parametrize("local", [0, 2])
 @pytest.mark.parametrize("impl", ["naive", "fast"])
 @pytest.mark.parametrize("T", [0, 1])
-def test_windowed_attention_tiny_lengths(T, impl, local):
+def test_windowed_attention_tiny_lengths(T, impl, local, kernel):
     qs, ks, v, q, k = _inputs(B=1, T=T)
     tau = torch.tensor([0.2, 0.5, 1.0, 3.0])
-    out = windowed_attention(qs, ks, v, tau, 4, q=q, k=k, impl=impl, local=local)
+    out = windowed_attention(qs, ks, v, tau, 4, q=q, k=k, impl=impl, local=local, kernel=kernel)
     assert out.shape == (1, 4, T, v.shape[-1])
     if T:  # one key: the output is its value
         torch.testing.assert_close(out, expand_heads_ref(v, 4))

@@ -28,11 +28,13 @@ def exact_impl(impl: str) -> str:
 
 
 # Longest prompt the CPU takes through the windowed op in one pass rather than token by token
-# through the caches (O(T log T), about 3.5 ms a token). Measured on the windowed model
-# (configs/windowed.toml's shape, one thread): with every key scored in the selection (O(T^2)), 8K
-# tokens 15.4 s against 56.8 s stepped and 16K 61 s against about 115 s; since the selection reads
-# sorted candidates past 4,096 keys (ops/scalar/nearest.py) and gathers its keys, 8K takes 7 s and
-# 32K 51 s (stepped: about 115 s at 16K, so about 230 s).
+# through the caches (O(T log T), about 4 ms a token: the window's decode step in
+# benchmarks/results/decode_speed.json). Measured on the windowed model (configs/windowed.toml's
+# shape): with every key scored in the selection (O(T^2), one thread), 8K tokens 15.4 s against
+# 56.8 s stepped and 16K 61 s against about 115 s; since the selection reads sorted candidates past
+# 4,096 keys (ops/scalar/nearest.py) and gathers its keys, benchmarks/decode_speed.py (two threads
+# for prompts, benchmarks/results/decode_speed_logs) took 16K in 7.2 s, 32K in 29.1 s and 64K in
+# 67.2 s, against about 4.5 minutes stepped at 64K.
 CPU_BULK_PREFILL = 131072
 
 class ScalarDecode:
