@@ -298,3 +298,22 @@ def test_backward_follows_the_forward_route():
     with _ext.disabled():
         o.sum().backward()
     assert torch.isfinite(q.grad).all()
+
+
+def test_a_killed_builds_lock_does_not_hang_the_next_build(tmp_path):
+    """torch's build lock left by a killed process (older than a build takes) is removed with a warning
+    naming it; a fresh lock (a build under way elsewhere) and a missing one are left alone."""
+    import os
+    import time
+
+    from attnlab.ops._ext import clear_stale_lock
+
+    assert not clear_stale_lock(tmp_path)
+    lock = tmp_path / "lock"
+    lock.touch()
+    assert not clear_stale_lock(tmp_path) and lock.exists()
+    old = time.time() - 3600
+    os.utime(lock, (old, old))
+    with pytest.warns(RuntimeWarning, match="removed a build lock"):
+        assert clear_stale_lock(tmp_path)
+    assert not lock.exists()

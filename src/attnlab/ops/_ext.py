@@ -71,6 +71,27 @@ def _ninja_on_path():
         os.environ["PATH"] = old
 
 
+STALE_LOCK_S = 900  # a build takes seconds: a build lock older than this was left by a killed process
+
+
+def clear_stale_lock(build_dir: str | Path, max_age: float = STALE_LOCK_S) -> bool:
+    """Remove torch's build lock in build_dir when it is older than max_age seconds (a process killed
+    while building leaves it, and every later build would wait on it forever); True if removed."""
+    import time
+
+    lock = Path(build_dir) / "lock"
+    try:
+        age = time.time() - lock.stat().st_mtime
+    except FileNotFoundError:
+        return False
+    if age <= max_age:
+        return False
+    lock.unlink(missing_ok=True)
+    warnings.warn(f"attnlab: removed a build lock left {age / 60:.0f} minutes ago by a killed process ({lock})",
+                  RuntimeWarning, stacklevel=2)
+    return True
+
+
 def build(verbose: bool = False) -> str:
     """Compile (or find in the cache) the kernels' shared library; returns its path. Raises on failure."""
     from torch.utils import cpp_extension
@@ -78,11 +99,13 @@ def build(verbose: bool = False) -> str:
     cxx = os.environ.get("CXX", "c++")
     if shutil.which(cxx) is None:
         raise RuntimeError(f"no C++ compiler: {cxx!r} is not on PATH (set CXX to use another)")
+    name = f"attnlab_kernels_{_cpu_tag()}"
+    clear_stale_lock(cpp_extension._get_build_directory(name, False))
     with _ninja_on_path():
         if not cpp_extension.is_ninja_available():
             raise RuntimeError("ninja is not available (pip install ninja)")
         return cpp_extension.load(
-            name=f"attnlab_kernels_{_cpu_tag()}",
+            name=name,
             sources=[str(CSRC / s) for s in SOURCES],
             extra_cflags=list(CFLAGS),
             extra_ldflags=["-fopenmp"],
