@@ -1,7 +1,8 @@
 """Static-shape decoding (attnlab.models.static_decode): every step's logits equal the full forward's,
-tokens equal LM.generate's, for softmax and hybrid layers (GQA, RoPE, sliding window, output gate,
-learned positions, Cauchy kernel, the gain), exactly or through a trained window (static_window:
-ties, merges of the sorted codes); the compiled step; refusals by name."""
+tokens equal LM.generate's, for softmax (its sliding window as a ring: w = 1, w past max_len, prompt
+chunks wider than the ring), GOAT, goat_hybrid, principled, GLA, SSD, scalar and hybrid layers (GQA,
+RoPE, output gate, learned positions, Cauchy kernel, the gain), exactly or through a trained window
+(static_window: ties, merges of the sorted codes); the compiled step; refusals by name."""
 
 from __future__ import annotations
 
@@ -24,6 +25,15 @@ SETTINGS = {
     "hybrid-trained-window": ("hybrid", dict(train_window=3, local_window=2), {}),
     "scalar-value-groups": ("scalar", dict(n_value_groups=2), {}),
     "scalar-cauchy-learned-positions": ("scalar", dict(kernel="cauchy", rope=False), dict(pos_embedding="learned")),
+    "softmax-window-1": ("softmax", dict(sliding_window=1), {}),
+    "softmax-window-past-max-len": ("softmax", dict(sliding_window=40), {}),
+    "goat": ("goat", dict(goat_rank=3), {}),
+    "goat-window-rope": ("goat", dict(sliding_window=4, goat_rope=True, goat_width="extra", goat_rank=3), {}),
+    "goat-hybrid-gqa": ("goat_hybrid", dict(n_kv_heads=2, goat_rank=2), {}),
+    "principled-gqa-query-ground": ("principled", dict(n_kv_heads=2, alpha="query", v0="head"), {}),
+    "principled-window": ("principled", dict(sliding_window=2, beta="head"), {}),
+    "gla": ("gla", {}, {}),
+    "ssd": ("ssd", {}, {}),
 }
 
 
@@ -177,9 +187,29 @@ def test_compiled_step_equals_eager():
     assert torch.equal(m.generate(idx, 10, compile=True), m.generate(idx, 10))
 
 
+def test_sliding_windows_keep_a_ring_of_w_slots():
+    """A sliding window of w < max_len keys decodes through a ring of w slots (a step reads w keys
+    whatever the context); w >= max_len keeps max_len slots; GLA's state is one (B, H, Dk, Dv) tensor."""
+    for name, slots in (("softmax-gqa-window", 5), ("principled-window", 2), ("goat-window-rope", 4),
+                        ("softmax-window-past-max-len", 32)):
+        dec = StaticDecoder(model(*SETTINGS[name]), 2, 32)
+        store = dec.states["0"].store
+        assert store.k.shape[2] == slots and store.ring == (slots < 32), name
+    dec = StaticDecoder(model(*SETTINGS["gla"]), 2, 32)
+    assert tuple(dec.states["1"].state.shape) == (2, 4, 16, 16)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", ["softmax-gqa-window", "goat-hybrid-gqa", "principled-window", "gla", "ssd"])
+def test_compiled_steps_of_every_static_state_equal_generate(name):
+    m = model(*SETTINGS[name])
+    idx = torch.randint(0, 50, (2, 7), generator=torch.Generator().manual_seed(1))
+    assert torch.equal(StaticDecoder(m, 2, 32, compile=True).generate(idx, 12), m.generate(idx, 12))
+
+
 def test_refusals_name_what_is_wrong():
-    with pytest.raises(ValueError, match="layer 0 has mechanism 'principled'"):
-        StaticDecoder(model("principled", {}, {}), 1, 8)
+    with pytest.raises(ValueError, match="layer 0 has mechanism 'cosformer'"):
+        StaticDecoder(model("cosformer", {}, {}), 1, 8)
     with pytest.raises(ValueError, match="scale='ktotal'"):
         StaticDecoder(model("softmax", dict(scale="ktotal"), {}), 1, 8)
     with pytest.raises(ValueError, match="a sink"):
@@ -204,14 +234,20 @@ def test_refusals_name_what_is_wrong():
 
 
 @pytest.mark.cuda
-@pytest.mark.parametrize("kind", ["exact", "window", "learned"])
+@pytest.mark.parametrize("kind", ["exact", "window", "learned", "softmax-gqa-window", "goat-hybrid-gqa",
+                                  "principled-window", "gla", "ssd"])
 def test_cuda_graphs_step_equals_eager(kind):
     """On CUDA: the step compiled with mode='reduce-overhead' (CUDA graphs) decodes the eager tokens:
-    exactly, through a trained window (its codes merged between replays: tail 4) and through learned
-    selection."""
+    exactly, through a trained window (its codes merged between replays: tail 4), through learned
+    selection, and through each key store and recurrent state."""
     from attnlab.cache.selected import DecodeSelector
     from attnlab.index.projections import SearchProjections
 
+    if kind in SETTINGS:
+        m = model(*SETTINGS[kind], dev="cuda")
+        idx = torch.randint(0, 50, (2, 6), generator=torch.Generator().manual_seed(5)).cuda()
+        assert torch.equal(StaticDecoder(m, 2, 40, compile=True).generate(idx, 30), m.generate(idx, 30))
+        return
     attention = dict(n_kv_heads=2, **(dict(train_window=3, local_window=2, kernel="cauchy") if kind == "window" else {}))
     m = model("hybrid", attention, {}, dev="cuda")
     idx = torch.randint(0, 50, (2, 6), generator=torch.Generator().manual_seed(5)).cuda()

@@ -13,10 +13,11 @@ context; it is for exact decoding, the baseline the windowed caches are measured
     dec = StaticDecoder(model, batch_size=1, max_len=4096, compile=True)
     out = dec.generate(prompt, 200)                # = model.generate(prompt, 200) (greedy)
 
-Layers it decodes: softmax (q·k/√d, GQA, RoPE, a sliding window, output gates), hybrid heads
-(q·k/√d − λ φ((qs − ks)²/τ), Gaussian or Cauchy, GQA, the gain) and scalar heads (−φ((qs − ks)²/τ),
-grouped values) without a sink; other mechanisms and settings are refused by name at construction
-(`supported`).
+Layers it decodes: hybrid heads (q·k/√d − λ φ((qs − ks)²/τ), Gaussian or Cauchy, GQA, the gain) and
+scalar heads (−φ((qs − ks)²/τ), grouped values) without a sink, in this module's buffers; softmax
+(q·k/√d, GQA, RoPE, output gates), GOAT, goat_hybrid and principled through a key store, whose
+sliding window is a ring of w slots, and GLA and SSD through their fixed-size state
+(`static_state`); other mechanisms and settings are refused by name at construction (`supported`).
 
 A scalar or hybrid layer trained through a window (`train_window`, `local_window`) decodes through it, as
 `LM.generate` does: its k + w keys are chosen with static shapes (`static_window`: sorted int64
@@ -33,10 +34,10 @@ from __future__ import annotations
 import math
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from ..cache.selected import KEY_DTYPES
+from .static_state import KEYED, RECURRENT, make_state
 from .static_window import LAST, merge_codes, window_keys
 
 __all__ = ["StaticDecoder", "supported"]
@@ -47,9 +48,9 @@ SCALAR = ("scalar", "hybrid")  # mechanisms whose heads carry scalar keys (a hyb
 def supported(layer) -> str | None:
     """None when a `StaticDecoder` decodes `layer` (an `attnlab.layers.Attention`), else why not."""
     c = layer.config
-    if layer.mechanism == "softmax":
-        if c.scale != "sqrt_d":
-            return f"scale={c.scale!r} divides q·k by a statistic of every cached key (only 'sqrt_d')"
+    if layer.mechanism == "softmax" and c.scale != "sqrt_d":
+        return f"scale={c.scale!r} divides q·k by a statistic of every cached key (only 'sqrt_d')"
+    if layer.mechanism in KEYED + RECURRENT:
         return None
     if layer.mechanism in SCALAR:
         if c.sink:
@@ -59,7 +60,9 @@ def supported(layer) -> str | None:
         if layer.n_scalar != c.n_heads:
             return "dot-product heads beside its scalar heads (n_scalar_heads < n_heads)"
         return None
-    return f"mechanism {layer.mechanism!r} (static decoding takes softmax, hybrid and scalar layers)"
+    if layer.mechanism == "cosformer":
+        return "mechanism 'cosformer' (its state counts positions on the host: the horizon's reweighting)"
+    return f"mechanism {layer.mechanism!r} (static decoding takes {', '.join(KEYED + SCALAR + RECURRENT)} layers)"
 
 
 class StaticDecoder(nn.Module):
@@ -108,8 +111,13 @@ class StaticDecoder(nn.Module):
         self.merged = [0] * len(model.blocks)  # host copies of each windowed layer's merge point
         p = next(model.parameters())
         B, N = batch_size, max_len
+        self.states = nn.ModuleDict()  # layers read through a key store or a recurrent state (static_state)
         for i, blk in enumerate(model.blocks):
             a = blk.attn
+            state = make_state(a, B, N, p.device, p.dtype)
+            if state is not None:
+                self.states[str(i)] = state
+                continue
             if a.mechanism != "scalar":  # a scalar head's score reads no vector key
                 self.register_buffer(f"k{i}", p.new_zeros(B, a.n_kv, N, a.qk_dim), persistent=False)
             groups = a.value_groups if a.mechanism == "scalar" else a.n_kv
@@ -138,19 +146,15 @@ class StaticDecoder(nn.Module):
         a = blk.attn
         B, T = h.shape[:2]
         p = a.project(h, positions.expand(B, T))
+        n = visible.shape[-1]  # the slots read: all of them in a step, those up to the chunk's end in a prefill
+        if str(i) in self.states:
+            return self.states[str(i)].attend(a, p, positions, n)
         kb, vb = getattr(self, f"k{i}", None), getattr(self, f"v{i}")
         if kb is not None:
             kb.index_copy_(2, positions, p.k.to(kb.dtype))
-        vals = p.v if a.mechanism == "softmax" else a.scalar_values(p)
+        vals = a.scalar_values(p)
         vb.index_copy_(2, positions, vals.to(vb.dtype))
-        n = visible.shape[-1]  # the slots read: all of them in a step, those up to the chunk's end in a prefill
-        H = p.qs.shape[1] if a.mechanism != "softmax" else p.q.shape[1]
-        if a.mechanism == "softmax":
-            w = a.config.sliding_window
-            if w is not None:  # each query reads its last w keys, itself included
-                visible = visible & (self.slots[None, :n] > positions[:, None] - w)
-            return F.scaled_dot_product_attention(p.q, kb[:, :, :n].to(p.q.dtype), vb[:, :, :n].to(p.q.dtype),
-                                                  attn_mask=visible, enable_gqa=H != kb.shape[1])
+        H = p.qs.shape[1]
         ksb = getattr(self, f"ks{i}")
         ksb.index_copy_(2, positions, p.ks.float() + 0.0)  # + 0.0: every zero +0.0 (static_window.float_order)
         if self.selector is not None:
@@ -262,6 +266,8 @@ class StaticDecoder(nn.Module):
             raise ValueError(f"idx must be (batch_size={self.batch_size}, T0) with 1 <= T0 <= max_len={self.max_len}, "
                              f"got shape {tuple(idx.shape)}")
         T = idx.shape[1]
+        for state in self.states.values():
+            state.reset()
         if any(self.windowed):
             return self._prefill_whole(idx)
         for a in range(0, T, chunk):
@@ -284,9 +290,13 @@ class StaticDecoder(nn.Module):
         for i, blk in enumerate(m.blocks):
             a, h = blk.attn, blk.norm1(x)
             p = a.project(h, 0)
+            if str(i) in self.states:
+                x = x + a.finish(self.states[str(i)].fill(a, p, T), h)
+                x = x + blk.mlp(blk.norm2(x))
+                continue
             if a.mechanism != "scalar":
                 getattr(self, f"k{i}")[:, :, :T] = p.k
-            getattr(self, f"v{i}")[:, :, :T] = p.v if a.mechanism == "softmax" else a.scalar_values(p)
+            getattr(self, f"v{i}")[:, :, :T] = a.scalar_values(p)
             if a.mechanism in SCALAR:
                 getattr(self, f"ks{i}")[:, :, :T] = p.ks.float() + 0.0
             x = x + a.finish(a.attend(p)[0], h)

@@ -83,15 +83,24 @@ def goat_prior(freqs, lam_sym, lam_asym, u, Tq: int, causal: bool = True, window
     """
     Tk = u.shape[-1]
     dt = upcast(u.dtype)
-    rel = torch.arange(Tk - Tq, Tk, device=u.device, dtype=torch.float64)[:, None] - torch.arange(Tk, device=u.device, dtype=torch.float64)
-    ph = rel[..., None] * freqs.to(torch.float64)  # (Tq, Tk, R)
-    prior = torch.einsum("ijr,gr->gij", ph.cos().to(dt), lam_sym.to(dt)) + torch.einsum("ijr,gr->gij", ph.sin().to(dt), lam_asym.to(dt))
-    prior = prior[None] + u.to(dt)[:, :, None, :]  # (B|1, G, Tq, Tk)
+    kpos = torch.arange(Tk, device=u.device)
+    prior = spectral_prior(freqs, lam_sym, lam_asym, kpos[Tk - Tq :], kpos, dt)[None] + u.to(dt)[:, :, None, :]
     if causal:
         prior = prior.masked_fill(~visible_keys(Tq, Tk, True, u.device, window), float("-inf"))
     return prior
 
 
+def spectral_prior(freqs, lam_sym, lam_asym, qpos: torch.Tensor, kpos: torch.Tensor, dtype) -> torch.Tensor:
+    """The prior's spectral part sum_r [a_r cos w_r (i - j) + b_r sin w_r (i - j)] for queries at
+    positions qpos (Tq,) and keys at kpos (Tk,) (integer tensors): (G, Tq, Tk) in dtype, the phases
+    in float64. `goat_prior` calls it; a static decoder passes the positions its buffers hold."""
+    rel = (qpos[:, None] - kpos[None, :]).to(torch.float64)
+    ph = rel[..., None] * freqs.to(torch.float64)  # (Tq, Tk, R)
+    return (torch.einsum("ijr,gr->gij", ph.cos().to(dtype), lam_sym.to(dtype))
+            + torch.einsum("ijr,gr->gij", ph.sin().to(dtype), lam_asym.to(dtype)))
+
+
+@without_autocast
 @without_autocast
 def goat_attention(
     q, k, v, freqs, lam_sym, lam_asym, u, *, qs=None, ks=None, tau=None, causal: bool = True, impl: str = "auto",

@@ -105,7 +105,11 @@ class GoatPrior(nn.Module):
 
     def key_term(self, n_keys: int, start: int = 0) -> torch.Tensor:
         """u for key positions start .. start + n_keys − 1: (1, G, n_keys), float32."""
-        t = torch.arange(start, start + n_keys, device=self.freqs.device, dtype=torch.float32)
+        return self.key_term_at(torch.arange(start, start + n_keys, device=self.freqs.device))
+
+    def key_term_at(self, positions: torch.Tensor) -> torch.Tensor:
+        """u for the key positions given (n,), an integer tensor: (1, G, n), float32."""
+        t = positions.to(device=self.freqs.device, dtype=torch.float32)
         ph = t[:, None] * self.abs_freqs[None, :]  # (n, M)
         L = float(self.train_len)
         feats = torch.cat([ph.cos(), ph.sin(), (t / L)[:, None], (torch.log1p(t) / math.log1p(L))[:, None]], dim=-1)

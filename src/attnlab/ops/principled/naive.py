@@ -35,17 +35,23 @@ def principled_naive(
     v0: torch.Tensor | None,
     causal: bool,
     window: int | None = None,
+    visible: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Reference on validated inputs with equal head counts.
 
     q (B, H, Tq, D), k (B, H, Tk, D), qg (B, H, Tq, Dg), kg (B, H, Tk, Dg), v (B, H, Tk, Dv);
     alpha, beta, gamma broadcastable to (B, H, Tq); v0 (1 or H, Dv) or None.
     Returns o (B, H, Tq, Dv) and w0 (B, H, Tq). With a causal sliding `window` each query sees
-    its last `window` keys and K counts those.
+    its last `window` keys and K counts those. `visible` (Tq, Tk), a bool mask with a key in every
+    row, replaces causal and window: each query sees the keys it marks, and K counts them (a static
+    decoder's buffers, written up to the step's position).
     """
     Tq, Tk, D = q.shape[-2], k.shape[-2], q.shape[-1]
-    visible = visible_keys(Tq, Tk, causal, q.device, window)  # (Tq, Tk)
-    log_k = key_counts(Tq, Tk, causal, q.device, q.dtype, window).log()[:, None]  # (Tq, 1)
+    if visible is None:
+        visible = visible_keys(Tq, Tk, causal, q.device, window)  # (Tq, Tk)
+        log_k = key_counts(Tq, Tk, causal, q.device, q.dtype, window).log()[:, None]  # (Tq, 1)
+    else:
+        log_k = visible.sum(-1, keepdim=True).to(q.dtype).log()
     al, be, ga = alpha[..., None], beta[..., None], gamma[..., None]  # broadcast to (B, H, Tq, 1)
 
     s = q @ k.transpose(-1, -2) / math.sqrt(D)  # (B, H, Tq, Tk)

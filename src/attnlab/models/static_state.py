@@ -1,0 +1,199 @@
+"""Static decode state of the layers a `StaticDecoder` reads through a key store or a recurrent
+state: softmax (with its sliding window as a ring), GOAT, goat_hybrid, principled, GLA and SSD.
+
+A `KeyStore` holds one layer's per-token entries (keys, values, and whatever else its score reads)
+in buffers made once, with the position each slot holds. Without a sliding window it has max_len
+slots, slot t holding position t; with a sliding window of w < max_len keys it is a ring of w slots
+(position t in slot t mod w), so a step reads w keys whatever the context. A step writes its token
+first, then reads every slot under the mask of the positions it may see; a prompt chunk through a
+ring reads the ring and the chunk's own entries together, then keeps the chunk's last w.
+
+Each mechanism's readout over the entries read (`Readout`) is its score written for explicit key
+positions, beside the layer's own op: softmax is SDPA under the mask; GOAT adds its spectral prior
+for the stored positions (`ops.goat.spectral_prior`) and each key's key-only term u, stored at
+write time; principled runs `principled_naive` with the mask (K counts the keys it marks).
+
+A `RecurrentStore` holds a GLA or SSD layer's state (B, H, Dk, Dv): a step is the op's one-token
+step, a prompt chunk its chunked form from the stored state.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from ..ops._sdpa import expand_heads, upcast
+from ..ops.goat import spectral_prior
+from ..ops.principled.attention import check_param
+from ..ops.principled.naive import principled_naive
+from ..ops.scalar.naive import scalar_logits
+
+__all__ = ["KEYED", "RECURRENT", "KeyStore", "RecurrentStore", "make_state"]
+
+KEYED = ("softmax", "goat", "goat_hybrid", "principled")  # mechanisms read through a KeyStore
+RECURRENT = ("gla", "ssd")  # mechanisms whose state is one fixed-size tensor per layer
+
+
+class KeyStore(nn.Module):
+    """One layer's entries in static buffers (module docstring).
+
+    Args:
+        entries: name -> (groups, width, dtype) of each per-token entry; buffers (B, groups, S, width).
+        batch_size, max_len: B and the positions decoded.
+        window: the layer's sliding window (each query reads its last `window` keys), or None.
+        device: where the buffers live.
+    """
+
+    def __init__(self, entries: dict, batch_size: int, max_len: int, window: int | None, device):
+        super().__init__()
+        self.window = window
+        self.ring = window is not None and window < max_len
+        S = window if self.ring else max_len
+        self.names = tuple(entries)
+        for name, (groups, width, dtype) in entries.items():
+            self.register_buffer(name, torch.zeros(batch_size, groups, S, width, dtype=dtype, device=device),
+                                 persistent=False)
+        # the position each slot holds; -1: empty (a ring's slots fill as it goes)
+        self.register_buffer("kpos", torch.full((S,), -1, device=device) if self.ring
+                             else torch.arange(S, device=device), persistent=False)
+
+    def reset(self) -> None:
+        if self.ring:
+            self.kpos.fill_(-1)
+
+    def write(self, new: dict, positions: torch.Tensor) -> None:
+        """Entries new[name] (B, groups, T, width) at `positions` (T,); through a ring, T <= its size."""
+        slots = positions % self.kpos.shape[0] if self.ring else positions
+        for name in self.names:
+            buf = getattr(self, name)
+            buf.index_copy_(2, slots, new[name].to(buf.dtype))
+        if self.ring:
+            self.kpos.index_copy_(0, slots, positions)
+
+    def read(self, new: dict, positions: torch.Tensor, n: int):
+        """The tokens' entries new at `positions` written, and what they read: (entries by name
+        (B, groups, m, width), their positions (m,), the mask ok (T, m)). n: the slots to read
+        without a ring (the buffer's length in a step, a prompt chunk's end before)."""
+        T = positions.shape[0]
+        if self.ring and T > 1:  # a prompt chunk: the ring and the chunk's own entries, then keep the last
+            got = {name: torch.cat([getattr(self, name), new[name].to(getattr(self, name).dtype)], 2)
+                   for name in self.names}
+            kpos = torch.cat([self.kpos, positions])
+            m = min(T, self.kpos.shape[0])
+            self.write({name: new[name][:, :, T - m :] for name in self.names}, positions[T - m :])
+        else:
+            self.write(new, positions)
+            n = self.kpos.shape[0] if self.ring else n
+            got, kpos = {name: getattr(self, name)[:, :, :n] for name in self.names}, self.kpos[:n]
+        ok = (kpos[None, :] <= positions[:, None]) & (kpos[None, :] >= 0)
+        if self.window is not None:
+            ok = ok & (kpos[None, :] > positions[:, None] - self.window)
+        return got, kpos, ok
+
+
+def _entries(a, p, positions: torch.Tensor) -> dict:
+    """The per-token entries a layer's store keeps, from its projections p (B, ., T, .) of the tokens
+    at `positions` (T,)."""
+    out = {"k": p.k, "v": p.v}
+    if a.mechanism in ("goat", "goat_hybrid"):  # the key-only term at the tokens' positions
+        u = a.prior.key_term_at(positions)  # (1, G, T)
+        out["u"] = u[..., None].expand(p.k.shape[0], -1, -1, 1)
+    if a.mechanism == "goat_hybrid":
+        out["ks"] = p.ks[..., None]
+    if a.mechanism == "principled":
+        out["kg"] = p.kg
+    return out
+
+
+def _readout(a, p, e: dict, kpos: torch.Tensor, positions: torch.Tensor, ok: torch.Tensor) -> torch.Tensor:
+    """Layer a's readout (B, H, T, Dv) of its tokens p over the entries e at positions kpos, where ok."""
+    H = p.q.shape[1]
+    if a.mechanism == "softmax":
+        return F.scaled_dot_product_attention(p.q, e["k"].to(p.q.dtype), e["v"].to(p.q.dtype), attn_mask=ok,
+                                              enable_gqa=H != e["k"].shape[1])
+    work = upcast(p.q.dtype)
+    if a.mechanism == "principled":
+        B, _, T, _ = p.q.shape
+        prm = [check_param(name, getattr(p, name), B, H, T, p.q.to(work)) for name in ("alpha", "beta", "gamma")]
+        v0 = None if p.v0 is None else p.v0.to(work).view(-1, p.v0.shape[-1])
+        k, kg, v = (expand_heads(e[name], H).to(work) for name in ("k", "kg", "v"))
+        o, _ = principled_naive(p.q.to(work), k, p.qg.to(work), kg, v, *prm, v0, False, visible=ok)
+        return o.to(p.q.dtype)
+    pr = a.prior  # GOAT: q·k/√d + the spectral prior between the positions + u_j (+ the scalar term)
+    s = p.q.to(work) @ expand_heads(e["k"], H).to(work).transpose(-1, -2) / math.sqrt(p.q.shape[-1])
+    prior = spectral_prior(pr.freqs, pr.lam_sym, pr.lam_asym, positions, kpos, work)[None]  # (1, G, T, m)
+    s = s + expand_heads(prior + e["u"][..., 0].to(work)[:, :, None, :], H)
+    if a.mechanism == "goat_hybrid":
+        s = s + scalar_logits(p.qs.to(work), e["ks"][..., 0].to(work), p.tau, causal=False)
+    w = torch.softmax(s.masked_fill(~ok, float("-inf")), dim=-1)
+    return (w @ expand_heads(e["v"], H).to(work)).to(p.v.dtype)
+
+
+class KeyedState(nn.Module):
+    """A softmax, GOAT, goat_hybrid or principled layer's static state: a `KeyStore` of its entries."""
+
+    def __init__(self, a, batch_size: int, max_len: int, device, dtype):
+        super().__init__()
+        c, G = a.config, a.n_kv
+        entries = {"k": (G, a.qk_dim, dtype), "v": (G, c.head_dim, dtype)}
+        if a.mechanism in ("goat", "goat_hybrid"):
+            entries["u"] = (G, 1, torch.float32)
+        if a.mechanism == "goat_hybrid":
+            entries["ks"] = (c.n_heads, 1, torch.float32)
+        if a.mechanism == "principled":
+            entries["kg"] = (G, c.gate_dim, dtype)
+        self.store = KeyStore(entries, batch_size, max_len, c.sliding_window, device)
+
+    def reset(self) -> None:
+        self.store.reset()
+
+    def attend(self, a, p, positions: torch.Tensor, n: int) -> torch.Tensor:
+        e, kpos, ok = self.store.read(_entries(a, p, positions), positions, n)
+        return _readout(a, p, e, kpos, positions, ok)
+
+    def fill(self, a, p, T: int) -> torch.Tensor:
+        """A whole prompt of T tokens from position 0: its entries kept (a ring: the last w), the
+        layer's own op for its readout."""
+        positions = torch.arange(T, device=p.q.device)
+        m = min(T, self.store.kpos.shape[0])
+        e = _entries(a, p, positions)
+        self.store.write({name: x[:, :, T - m :] for name, x in e.items()}, positions[T - m :])
+        return a.attend(p)[0]
+
+
+class RecurrentStore(nn.Module):
+    """A GLA or SSD layer's state (B, H, Dk, Dv) in one static buffer, in the op's compute dtype."""
+
+    def __init__(self, a, batch_size: int, max_len: int, device, dtype):
+        super().__init__()
+        c = a.config
+        self.register_buffer("state", torch.zeros(batch_size, c.n_heads, a.qk_dim, c.head_dim, dtype=upcast(dtype),
+                                                  device=device), persistent=False)
+
+    def reset(self) -> None:
+        self.state.zero_()
+
+    def attend(self, a, p, positions: torch.Tensor, n: int) -> torch.Tensor:
+        if positions.shape[0] == 1:
+            o, new = a.step_op(p.q[:, :, 0], p.k[:, :, 0], p.v[:, :, 0], p, self.state, None)
+            o = o.unsqueeze(2)
+        else:
+            o, new = a.chunk_op(p, self.state, None)
+        self.state.copy_(new)
+        return o
+
+    def fill(self, a, p, T: int) -> torch.Tensor:
+        self.reset()
+        return self.attend(a, p, torch.arange(T, device=p.q.device), T)
+
+
+def make_state(a, batch_size: int, max_len: int, device, dtype) -> nn.Module | None:
+    """The static state of layer a, or None for the scalar family (the decoder's own buffers)."""
+    if a.mechanism in KEYED:
+        return KeyedState(a, batch_size, max_len, device, dtype)
+    if a.mechanism in RECURRENT:
+        return RecurrentStore(a, batch_size, max_len, device, dtype)
+    return None
