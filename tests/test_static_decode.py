@@ -34,13 +34,28 @@ SETTINGS = {
     "principled-window": ("principled", dict(sliding_window=2, beta="head"), {}),
     "gla": ("gla", {}, {}),
     "ssd": ("ssd", {}, {}),
+    "hybrid-sink": ("hybrid", dict(sink=True, sink_key=0.5), {}),
+    "hybrid-sink-weight-gqa-gain": ("hybrid", dict(sink=True, sink_weight=0.5, n_kv_heads=2, scalar_gain=0.5), {}),
+    "scalar-sink-weight-0-cauchy-groups": ("scalar", dict(sink=True, sink_weight=0.0, kernel="cauchy", n_value_groups=2), {}),
+    "hybrid-sliding-window-sink": ("hybrid", dict(sink=True, sliding_window=3), {}),
+    "scalar-mixed-heads": ("scalar", dict(n_scalar_heads=2), {}),
+    "scalar-mixed-gqa-sliding-sink": ("scalar", dict(n_scalar_heads=2, n_kv_heads=1, sliding_window=3, sink=True), {}),
 }
+
+
+def random_sinks(m):
+    """Sink values drawn at random (they start at zero), so a wrong sink weight shows in the logits."""
+    with torch.no_grad():
+        for blk in m.blocks:
+            if getattr(blk.attn, "sink_value", None) is not None:
+                blk.attn.sink_value.normal_(generator=torch.Generator().manual_seed(7))
+    return m
 
 
 def model(attn, attention, extra, dev="cpu"):
     torch.manual_seed(0)
-    return LM(ModelConfig(vocab_size=50, d_model=64, n_layers=2, n_heads=4, attn=attn, max_seq_len=64,
-                          attention=attention, **extra)).to(dev).eval()
+    return random_sinks(LM(ModelConfig(vocab_size=50, d_model=64, n_layers=2, n_heads=4, attn=attn, max_seq_len=64,
+                                       attention=attention, **extra))).to(dev).eval()
 
 
 @pytest.mark.parametrize("name", list(SETTINGS))
@@ -70,6 +85,8 @@ WINDOWS = {
     "no-local": dict(train_window=4, local_window=0),
     "cauchy-gqa-gain": dict(train_window=3, local_window=5, kernel="cauchy", n_kv_heads=2, scalar_gain=0.5),
     "scalar-local": dict(train_window=3, local_window=2, n_value_groups=2),
+    "sink-weight": dict(train_window=3, local_window=2, sink=True, sink_weight=0.5),
+    "scalar-mixed-sink": dict(train_window=3, local_window=0, n_scalar_heads=2, sink=True),
 }
 
 
@@ -81,8 +98,8 @@ def test_trained_window_decodes_through_static_codes(name):
     codes merged every step (tail 1), every few steps and never past the prefill."""
     torch.manual_seed(0)
     attention, attn = WINDOWS[name], "scalar" if name.startswith("scalar") else "hybrid"
-    m = LM(ModelConfig(vocab_size=50, d_model=64, n_layers=2, n_heads=4, attn=attn, max_seq_len=128,
-                       attention=attention)).eval()
+    m = random_sinks(LM(ModelConfig(vocab_size=50, d_model=64, n_layers=2, n_heads=4, attn=attn, max_seq_len=128,
+                                    attention=attention))).eval()
     idx = torch.randint(0, 3, (2, 9), generator=torch.Generator().manual_seed(1))
     ref = m.generate(idx, 30)
     for tail in (1, 3, 64):
@@ -212,10 +229,8 @@ def test_refusals_name_what_is_wrong():
         StaticDecoder(model("cosformer", {}, {}), 1, 8)
     with pytest.raises(ValueError, match="scale='ktotal'"):
         StaticDecoder(model("softmax", dict(scale="ktotal"), {}), 1, 8)
-    with pytest.raises(ValueError, match="a sink"):
-        StaticDecoder(model("hybrid", dict(sink=True), {}), 1, 8)
-    with pytest.raises(ValueError, match="dot-product heads beside its scalar heads"):
-        StaticDecoder(model("scalar", dict(n_scalar_heads=2), {}), 1, 8)
+    with pytest.raises(ValueError, match="dot-product heads of scale='ktotal' beside its scalar heads"):
+        StaticDecoder(model("scalar", dict(n_scalar_heads=2, scale="ktotal"), {}), 1, 8)
     m = model(*SETTINGS["softmax-learned-positions"])
     with pytest.raises(ValueError, match="max_len=65 is past the learned position embedding"):
         StaticDecoder(m, 1, 65)

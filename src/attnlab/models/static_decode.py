@@ -14,7 +14,9 @@ context; it is for exact decoding, the baseline the windowed caches are measured
     out = dec.generate(prompt, 200)                # = model.generate(prompt, 200) (greedy)
 
 Layers it decodes: hybrid heads (q·k/√d − λ φ((qs − ks)²/τ), Gaussian or Cauchy, GQA, the gain) and
-scalar heads (−φ((qs − ks)²/τ), grouped values) without a sink, in this module's buffers; softmax
+scalar heads (−φ((qs − ks)²/τ), grouped values, dot-product heads beside them), with or without the
+sink (one more column: scalar key sink_key, a zero vector key, log|w| with a sink weight), in this
+module's buffers; softmax
 (q·k/√d, GQA, RoPE, output gates), GOAT, goat_hybrid and principled through a key store, whose
 sliding window is a ring of w slots, and GLA and SSD through their fixed-size state
 (`static_state`); other mechanisms and settings are refused by name at construction (`supported`).
@@ -34,10 +36,12 @@ from __future__ import annotations
 import math
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from ..cache.selected import KEY_DTYPES
-from .static_state import KEYED, RECURRENT, make_state
+from ..layers.sink import sink_weight_value
+from .static_state import KEYED, RECURRENT, KeyStore, make_state
 from .static_window import LAST, merge_codes, window_keys
 
 __all__ = ["StaticDecoder", "supported"]
@@ -53,12 +57,8 @@ def supported(layer) -> str | None:
     if layer.mechanism in KEYED + RECURRENT:
         return None
     if layer.mechanism in SCALAR:
-        if c.sink:
-            return "a sink (sink=true)"
-        if c.sliding_window is not None:
-            return f"a sliding window on {layer.mechanism} heads"
-        if layer.n_scalar != c.n_heads:
-            return "dot-product heads beside its scalar heads (n_scalar_heads < n_heads)"
+        if layer.n_scalar != c.n_heads and c.scale != "sqrt_d":
+            return f"dot-product heads of scale={c.scale!r} beside its scalar heads (only 'sqrt_d')"
         return None
     if layer.mechanism == "cosformer":
         return "mechanism 'cosformer' (its state counts positions on the host: the horizon's reweighting)"
@@ -112,12 +112,16 @@ class StaticDecoder(nn.Module):
         p = next(model.parameters())
         B, N = batch_size, max_len
         self.states = nn.ModuleDict()  # layers read through a key store or a recurrent state (static_state)
+        self.dots = nn.ModuleDict()  # the dot-product heads of mixed scalar layers
         for i, blk in enumerate(model.blocks):
             a = blk.attn
             state = make_state(a, B, N, p.device, p.dtype)
             if state is not None:
                 self.states[str(i)] = state
                 continue
+            if a.n_scalar < a.config.n_heads:  # a mixed layer's dot-product heads: a key store of their own
+                self.dots[str(i)] = KeyStore({"k": (a.n_kv, a.qk_dim, p.dtype), "v": (a.n_kv, a.config.head_dim, p.dtype)},
+                                             B, N, a.config.sliding_window, p.device)
             if a.mechanism != "scalar":  # a scalar head's score reads no vector key
                 self.register_buffer(f"k{i}", p.new_zeros(B, a.n_kv, N, a.qk_dim), persistent=False)
             groups = a.value_groups if a.mechanism == "scalar" else a.n_kv
@@ -149,6 +153,17 @@ class StaticDecoder(nn.Module):
         n = visible.shape[-1]  # the slots read: all of them in a step, those up to the chunk's end in a prefill
         if str(i) in self.states:
             return self.states[str(i)].attend(a, p, positions, n)
+        o = self._scalar_attend(i, a, p, h, positions, visible)
+        if str(i) in self.dots:  # a mixed layer: its dot-product heads after the scalar heads
+            e, _, ok = self.dots[str(i)].read({"k": p.k, "v": p.v}, positions, n)
+            od = F.scaled_dot_product_attention(p.q, e["k"].to(p.q.dtype), e["v"].to(p.q.dtype), attn_mask=ok,
+                                                enable_gqa=p.q.shape[1] != e["k"].shape[1])
+            o = torch.cat([o, od.to(o.dtype)], dim=1)
+        return o
+
+    def _scalar_attend(self, i: int, a, p, h: torch.Tensor, positions: torch.Tensor, visible: torch.Tensor):
+        """The scalar or hybrid heads' readout (B, H_s, T, D) of layer i's tokens p, their entries written."""
+        n = visible.shape[-1]
         kb, vb = getattr(self, f"k{i}", None), getattr(self, f"v{i}")
         if kb is not None:
             kb.index_copy_(2, positions, p.k.to(kb.dtype))
@@ -168,7 +183,24 @@ class StaticDecoder(nn.Module):
             kb = kb[:, :, :n]
             k = kb.repeat_interleave(H // kb.shape[1], dim=1) if H != kb.shape[1] else kb
             s = s + (p.q.float() @ k.float().transpose(-1, -2)) / math.sqrt(p.q.shape[-1])
-        return (torch.softmax(s.masked_fill(~visible, float("-inf")), dim=-1) @ v.float()).to(vb.dtype)
+        if a.config.sliding_window is not None:  # each query reads its last w keys (and the sink)
+            visible = visible & (self.slots[None, :n] > positions[:, None] - a.config.sliding_window)
+        return self._mix(a, p, s.masked_fill(~visible, float("-inf")), lambda w: w @ v.float()).to(vb.dtype)
+
+    def _mix(self, a, p, s: torch.Tensor, weigh) -> torch.Tensor:
+        """softmax over the scores s (B, H, T, m) of the keys read, and the sink's column when the layer
+        has one (scalar key sink_key, zero vector key, log|w| added with a sink weight); weigh(w) reads
+        the keys' values with their weights w (B, H, T, m) -> the readout (B, H, T, D), float32."""
+        c = a.config
+        if not c.sink:
+            return weigh(torch.softmax(s, dim=-1))
+        H = s.shape[1]
+        col = -self._scalar_term(a, p, p.qs.new_full((1, 1, 1, 1), c.sink_key, dtype=torch.float32))  # (B, H, T, 1)
+        if a.sink_weight is not None:
+            col = col + sink_weight_value(a.sink_weight).float().log()[None, :, None, None]
+        w = torch.softmax(torch.cat([col, s], dim=-1), dim=-1)
+        sink_v = a.sink_value.float().repeat_interleave(H // a.sink_value.shape[0], dim=0)[None, :, None, :]
+        return weigh(w[..., 1:]) + w[..., :1] * sink_v
 
     @staticmethod
     def _scalar_term(a, p, ks: torch.Tensor) -> torch.Tensor:
@@ -221,8 +253,9 @@ class StaticDecoder(nn.Module):
         s = -self._scalar_term(a, p, ksb.gather(-1, idx.view(B, H, T * m)).view(B, H, T, m))  # (B, H, T, m)
         if kb is not None:  # hybrid heads: + q·k / √d
             s = s + (p.q.float()[..., None, :] * pick(kb).float()).sum(-1) / math.sqrt(p.q.shape[-1])
-        wts = torch.softmax(s.masked_fill(~ok, float("-inf")), dim=-1)
-        return (wts[..., None] * pick(vb).float()).sum(-2).to(vb.dtype)
+        vals = pick(vb).float()
+        return self._mix(a, p, s.masked_fill(~ok, float("-inf")),
+                         lambda w: (w[..., None] * vals).sum(-2)).to(vb.dtype)
 
     def _merge(self, t: int, force: bool = False) -> None:
         """Before the step at position t: a windowed layer whose directly scored older keys would pass
@@ -266,7 +299,7 @@ class StaticDecoder(nn.Module):
             raise ValueError(f"idx must be (batch_size={self.batch_size}, T0) with 1 <= T0 <= max_len={self.max_len}, "
                              f"got shape {tuple(idx.shape)}")
         T = idx.shape[1]
-        for state in self.states.values():
+        for state in [*self.states.values(), *self.dots.values()]:
             state.reset()
         if any(self.windowed):
             return self._prefill_whole(idx)
@@ -294,6 +327,9 @@ class StaticDecoder(nn.Module):
                 x = x + a.finish(self.states[str(i)].fill(a, p, T), h)
                 x = x + blk.mlp(blk.norm2(x))
                 continue
+            if str(i) in self.dots:
+                m_ = min(T, self.dots[str(i)].kpos.shape[0])
+                self.dots[str(i)].write({"k": p.k[:, :, T - m_ :], "v": p.v[:, :, T - m_ :]}, positions[T - m_ :])
             if a.mechanism != "scalar":
                 getattr(self, f"k{i}")[:, :, :T] = p.k
             getattr(self, f"v{i}")[:, :, :T] = a.scalar_values(p)
