@@ -1,6 +1,6 @@
 """Static-shape decoding (attnlab.models.static_decode): every step's logits equal the full forward's,
-tokens equal LM.generate's, for softmax (its sliding window as a ring: w = 1, w past max_len, prompt
-chunks wider than the ring), GOAT, goat_hybrid, principled, GLA, SSD, scalar and hybrid layers (GQA,
+tokens equal LM.generate's, for softmax (every q·k scaling; its sliding window as a ring: w = 1, w past max_len, prompt
+chunks wider than the ring), GOAT, goat_hybrid, principled, GLA, SSD, cosformer, scalar and hybrid layers (GQA,
 RoPE, output gate, learned positions, Cauchy kernel, the gain), exactly or through a trained window
 (static_window: ties, merges of the sorted codes); the compiled step; refusals by name."""
 
@@ -26,6 +26,12 @@ SETTINGS = {
     "scalar-value-groups": ("scalar", dict(n_value_groups=2), {}),
     "scalar-cauchy-learned-positions": ("scalar", dict(kernel="cauchy", rope=False), dict(pos_embedding="learned")),
     "softmax-window-1": ("softmax", dict(sliding_window=1), {}),
+    "softmax-ktotal-window": ("softmax", dict(scale="ktotal", sliding_window=4), {}),
+    "softmax-pnorm-gqa": ("softmax", dict(scale="pnorm", p=3.0, n_kv_heads=2), {}),
+    "softmax-kmean": ("softmax", dict(scale="kmean"), {}),
+    "softmax-krms": ("softmax", dict(scale="krms"), {}),
+    "softmax-n-sqrt-d": ("softmax", dict(scale="n_sqrt_d"), {}),
+    "softmax-float-scale": ("softmax", dict(scale=0.2), {}),
     "softmax-window-past-max-len": ("softmax", dict(sliding_window=40), {}),
     "goat": ("goat", dict(goat_rank=3), {}),
     "goat-window-rope": ("goat", dict(sliding_window=4, goat_rope=True, goat_width="extra", goat_rank=3), {}),
@@ -34,11 +40,13 @@ SETTINGS = {
     "principled-window": ("principled", dict(sliding_window=2, beta="head"), {}),
     "gla": ("gla", {}, {}),
     "ssd": ("ssd", {}, {}),
+    "cosformer": ("cosformer", {}, {}),
+    "cosformer-unnormalised": ("cosformer", dict(cosformer_normalize=False), {}),
     "hybrid-sink": ("hybrid", dict(sink=True, sink_key=0.5), {}),
     "hybrid-sink-weight-gqa-gain": ("hybrid", dict(sink=True, sink_weight=0.5, n_kv_heads=2, scalar_gain=0.5), {}),
     "scalar-sink-weight-0-cauchy-groups": ("scalar", dict(sink=True, sink_weight=0.0, kernel="cauchy", n_value_groups=2), {}),
     "hybrid-sliding-window-sink": ("hybrid", dict(sink=True, sliding_window=3), {}),
-    "scalar-mixed-heads": ("scalar", dict(n_scalar_heads=2), {}),
+    "scalar-mixed-heads-krms": ("scalar", dict(n_scalar_heads=2, scale="krms"), {}),
     "scalar-mixed-gqa-sliding-sink": ("scalar", dict(n_scalar_heads=2, n_kv_heads=1, sliding_window=3, sink=True), {}),
 }
 
@@ -217,7 +225,8 @@ def test_sliding_windows_keep_a_ring_of_w_slots():
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("name", ["softmax-gqa-window", "goat-hybrid-gqa", "principled-window", "gla", "ssd"])
+@pytest.mark.parametrize("name", ["softmax-gqa-window", "goat-hybrid-gqa", "principled-window", "gla", "ssd",
+                                  "cosformer", "hybrid-sink-weight-gqa-gain", "scalar-mixed-gqa-sliding-sink"])
 def test_compiled_steps_of_every_static_state_equal_generate(name):
     m = model(*SETTINGS[name])
     idx = torch.randint(0, 50, (2, 7), generator=torch.Generator().manual_seed(1))
@@ -225,12 +234,12 @@ def test_compiled_steps_of_every_static_state_equal_generate(name):
 
 
 def test_refusals_name_what_is_wrong():
-    with pytest.raises(ValueError, match="layer 0 has mechanism 'cosformer'"):
-        StaticDecoder(model("cosformer", {}, {}), 1, 8)
-    with pytest.raises(ValueError, match="scale='ktotal'"):
-        StaticDecoder(model("softmax", dict(scale="ktotal"), {}), 1, 8)
-    with pytest.raises(ValueError, match="dot-product heads of scale='ktotal' beside its scalar heads"):
-        StaticDecoder(model("scalar", dict(n_scalar_heads=2, scale="ktotal"), {}), 1, 8)
+    with pytest.raises(ValueError, match="max_len=65 is past cosformer's horizon cosformer_max_len=64"):
+        StaticDecoder(model("cosformer", {}, {}), 1, 65)
+    odd = model("softmax", {}, {})
+    odd.blocks[1].attn.mechanism = "mine"  # a mechanism registered outside attnlab
+    with pytest.raises(ValueError, match="layer 1 has mechanism 'mine'"):
+        StaticDecoder(odd, 1, 8)
     m = model(*SETTINGS["softmax-learned-positions"])
     with pytest.raises(ValueError, match="max_len=65 is past the learned position embedding"):
         StaticDecoder(m, 1, 65)
@@ -250,7 +259,7 @@ def test_refusals_name_what_is_wrong():
 
 @pytest.mark.cuda
 @pytest.mark.parametrize("kind", ["exact", "window", "learned", "softmax-gqa-window", "goat-hybrid-gqa",
-                                  "principled-window", "gla", "ssd"])
+                                  "principled-window", "gla", "ssd", "cosformer", "scalar-mixed-gqa-sliding-sink"])
 def test_cuda_graphs_step_equals_eager(kind):
     """On CUDA: the step compiled with mode='reduce-overhead' (CUDA graphs) decodes the eager tokens:
     exactly, through a trained window (its codes merged between replays: tail 4), through learned

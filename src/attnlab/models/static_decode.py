@@ -18,7 +18,7 @@ scalar heads (−φ((qs − ks)²/τ), grouped values, dot-product heads beside 
 sink (one more column: scalar key sink_key, a zero vector key, log|w| with a sink weight), in this
 module's buffers; softmax
 (q·k/√d, GQA, RoPE, output gates), GOAT, goat_hybrid and principled through a key store, whose
-sliding window is a ring of w slots, and GLA and SSD through their fixed-size state
+sliding window is a ring of w slots, and GLA, SSD and cosformer through their fixed-size state
 (`static_state`); other mechanisms and settings are refused by name at construction (`supported`).
 
 A scalar or hybrid layer trained through a window (`train_window`, `local_window`) decodes through it, as
@@ -36,12 +36,11 @@ from __future__ import annotations
 import math
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from ..cache.selected import KEY_DTYPES
 from ..layers.sink import sink_weight_value
-from .static_state import KEYED, RECURRENT, KeyStore, make_state
+from .static_state import KEYED, RECURRENT, KeyStore, make_state, softmax_readout
 from .static_window import LAST, merge_codes, window_keys
 
 __all__ = ["StaticDecoder", "supported"]
@@ -51,17 +50,8 @@ SCALAR = ("scalar", "hybrid")  # mechanisms whose heads carry scalar keys (a hyb
 
 def supported(layer) -> str | None:
     """None when a `StaticDecoder` decodes `layer` (an `attnlab.layers.Attention`), else why not."""
-    c = layer.config
-    if layer.mechanism == "softmax" and c.scale != "sqrt_d":
-        return f"scale={c.scale!r} divides q·k by a statistic of every cached key (only 'sqrt_d')"
-    if layer.mechanism in KEYED + RECURRENT:
+    if layer.mechanism in KEYED + SCALAR + RECURRENT:
         return None
-    if layer.mechanism in SCALAR:
-        if layer.n_scalar != c.n_heads and c.scale != "sqrt_d":
-            return f"dot-product heads of scale={c.scale!r} beside its scalar heads (only 'sqrt_d')"
-        return None
-    if layer.mechanism == "cosformer":
-        return "mechanism 'cosformer' (its state counts positions on the host: the horizon's reweighting)"
     return f"mechanism {layer.mechanism!r} (static decoding takes {', '.join(KEYED + SCALAR + RECURRENT)} layers)"
 
 
@@ -156,8 +146,7 @@ class StaticDecoder(nn.Module):
         o = self._scalar_attend(i, a, p, h, positions, visible)
         if str(i) in self.dots:  # a mixed layer: its dot-product heads after the scalar heads
             e, _, ok = self.dots[str(i)].read({"k": p.k, "v": p.v}, positions, n)
-            od = F.scaled_dot_product_attention(p.q, e["k"].to(p.q.dtype), e["v"].to(p.q.dtype), attn_mask=ok,
-                                                enable_gqa=p.q.shape[1] != e["k"].shape[1])
+            od = softmax_readout(p.q, e, ok, a.config.scale, a.config.p)
             o = torch.cat([o, od.to(o.dtype)], dim=1)
         return o
 

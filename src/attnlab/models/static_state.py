@@ -14,7 +14,8 @@ for the stored positions (`ops.goat.spectral_prior`) and each key's key-only ter
 write time; principled runs `principled_naive` with the mask (K counts the keys it marks).
 
 A `RecurrentStore` holds a GLA or SSD layer's state (B, H, Dk, Dv): a step is the op's one-token
-step, a prompt chunk its chunked form from the stored state.
+step, a prompt chunk its chunked form from the stored state. A `CosformerStore` holds cosformer's
+two sums, its step's position (the reweighting's angle) the decoder's device tensor.
 """
 
 from __future__ import annotations
@@ -26,15 +27,17 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..ops._sdpa import expand_heads, upcast
+from ..ops.cosformer import CosformerState, cosformer_attention, step_update
 from ..ops.goat import spectral_prior
 from ..ops.principled.attention import check_param
 from ..ops.principled.naive import principled_naive
 from ..ops.scalar.naive import scalar_logits
+from ..ops.softmax import _divisor_naive
 
 __all__ = ["KEYED", "RECURRENT", "KeyStore", "RecurrentStore", "make_state"]
 
 KEYED = ("softmax", "goat", "goat_hybrid", "principled")  # mechanisms read through a KeyStore
-RECURRENT = ("gla", "ssd")  # mechanisms whose state is one fixed-size tensor per layer
+RECURRENT = ("gla", "ssd", "cosformer")  # mechanisms whose state is of fixed size
 
 
 class KeyStore(nn.Module):
@@ -108,12 +111,25 @@ def _entries(a, p, positions: torch.Tensor) -> dict:
     return out
 
 
+def softmax_readout(q: torch.Tensor, e: dict, ok: torch.Tensor, scale, p: float) -> torch.Tensor:
+    """Softmax attention of the queries q (B, H, T, D) over the entries e ("k", "v": (B, G, m, .)) where
+    ok (T, m), with the mechanism's scaling: q·k/√d, a float multiplier, or a divisor read off the
+    keys each query sees (`ops.softmax._divisor_naive`, folded into the query)."""
+    H, T = q.shape[1], q.shape[2]
+    k, v = e["k"].to(q.dtype), e["v"].to(q.dtype)
+    if scale == "sqrt_d" or not isinstance(scale, str):
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=ok, enable_gqa=H != k.shape[1],
+                                              scale=None if scale == "sqrt_d" else float(scale))
+    c = _divisor_naive(expand_heads(k, H).to(upcast(q.dtype)), ok, scale, float(p))  # (B, H, T) or (T,)
+    q = (q.to(c.dtype) / (c[..., None] if c.dim() == 3 else c.view(T, 1))).to(q.dtype)
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=ok, enable_gqa=H != k.shape[1], scale=1.0)
+
+
 def _readout(a, p, e: dict, kpos: torch.Tensor, positions: torch.Tensor, ok: torch.Tensor) -> torch.Tensor:
     """Layer a's readout (B, H, T, Dv) of its tokens p over the entries e at positions kpos, where ok."""
     H = p.q.shape[1]
     if a.mechanism == "softmax":
-        return F.scaled_dot_product_attention(p.q, e["k"].to(p.q.dtype), e["v"].to(p.q.dtype), attn_mask=ok,
-                                              enable_gqa=H != e["k"].shape[1])
+        return softmax_readout(p.q, e, ok, a.config.scale, a.config.p)
     work = upcast(p.q.dtype)
     if a.mechanism == "principled":
         B, _, T, _ = p.q.shape
@@ -190,10 +206,52 @@ class RecurrentStore(nn.Module):
         return self.attend(a, p, torch.arange(T, device=p.q.device), T)
 
 
+class CosformerStore(nn.Module):
+    """A cosformer layer's state: the sums kv (B, H, 2Dk, Dv) and k_sum (B, H, 2Dk) in static buffers;
+    a step's position (the cos reweighting's angle) is the decoder's device tensor."""
+
+    def __init__(self, a, batch_size: int, max_len: int, device, dtype):
+        super().__init__()
+        c = a.config
+        self.horizon = c.cosformer_max_len
+        if self.horizon is None or max_len > self.horizon:
+            raise ValueError(f"max_len={max_len} is past cosformer's horizon cosformer_max_len={self.horizon} "
+                             f"(its reweighting is defined for positions below it)")
+        F2, dt = 2 * a.qk_dim, upcast(dtype)
+        self.register_buffer("kv", torch.zeros(batch_size, c.n_heads, F2, c.head_dim, dtype=dt, device=device),
+                             persistent=False)
+        self.register_buffer("k_sum", torch.zeros(batch_size, c.n_heads, F2, dtype=dt, device=device), persistent=False)
+
+    def reset(self) -> None:
+        self.kv.zero_()
+        self.k_sum.zero_()
+
+    def attend(self, a, p, positions: torch.Tensor, n: int) -> torch.Tensor:
+        c = a.config
+        if positions.shape[0] == 1:
+            o, kv, k_sum = step_update(p.q[:, :, 0], p.k[:, :, 0], p.v[:, :, 0], self.kv, self.k_sum, positions[0],
+                                       self.horizon, c.cosformer_normalize)
+            o = o.unsqueeze(2)
+        else:  # a prompt chunk: the op from the stored sums (its start read on the host once)
+            state = CosformerState(self.kv, self.k_sum, int(positions[0]), self.horizon)
+            o, new = cosformer_attention(p.q, p.k, p.v, causal=True, max_len=self.horizon,
+                                         normalize=c.cosformer_normalize, initial_state=state, impl=c.impl)
+            kv, k_sum = new.kv, new.k_sum
+        self.kv.copy_(kv)
+        self.k_sum.copy_(k_sum)
+        return o
+
+    def fill(self, a, p, T: int) -> torch.Tensor:
+        self.reset()
+        return self.attend(a, p, torch.arange(T, device=p.q.device), T)
+
+
 def make_state(a, batch_size: int, max_len: int, device, dtype) -> nn.Module | None:
     """The static state of layer a, or None for the scalar family (the decoder's own buffers)."""
     if a.mechanism in KEYED:
         return KeyedState(a, batch_size, max_len, device, dtype)
+    if a.mechanism == "cosformer":
+        return CosformerStore(a, batch_size, max_len, device, dtype)
     if a.mechanism in RECURRENT:
         return RecurrentStore(a, batch_size, max_len, device, dtype)
     return None

@@ -57,12 +57,13 @@ class CosformerState(NamedTuple):
 
 
 
-def _features(x: torch.Tensor, offset: int, max_len: int | None) -> torch.Tensor:
-    """(B, H, T, Dk) -> (B, H, T, F): relu(x), times [cos theta, sin theta] when max_len is set."""
+def _features(x: torch.Tensor, offset, max_len: int | None) -> torch.Tensor:
+    """(B, H, T, Dk) -> (B, H, T, F): relu(x), times [cos theta, sin theta] when max_len is set.
+    offset: the first token's position, an int or a 0-d integer tensor (a static decoder's)."""
     x = torch.relu(x)
     if max_len is None:
         return x
-    pos = torch.arange(offset, offset + x.shape[-2], dtype=torch.float64, device=x.device)
+    pos = torch.arange(x.shape[-2], dtype=torch.float64, device=x.device) + offset
     theta = (pos * (math.pi / (2 * max_len)))[:, None]  # (T, 1)
     return torch.cat([x * torch.cos(theta).to(x.dtype), x * torch.sin(theta).to(x.dtype)], dim=-1)  # (B, H, T, 2Dk)
 
@@ -257,13 +258,22 @@ def cosformer_step(
     M = _resolve_horizon(max_len, reweight, state, offset, 1, default_T=False)
 
     dt = upcast(q_t.dtype)
-    qf = _features(q_t.to(dt)[..., None, :], offset, M)[..., 0, :]  # (B, H, F)
-    kf = _features(k_t.to(dt)[..., None, :], offset, M)[..., 0, :]
     if state is None:
         kv, k_sum = q_t.new_zeros(B, H, F, Dv, dtype=dt), q_t.new_zeros(B, H, F, dtype=dt)
     else:
         kv, k_sum = state.kv, state.k_sum
+    o_t, kv, k_sum = step_update(q_t, k_t, v_t, kv, k_sum, offset, M, normalize, eps)
+    return o_t, CosformerState(kv, k_sum, offset + 1, M)
+
+
+def step_update(q_t, k_t, v_t, kv, k_sum, offset, max_len, normalize: bool, eps: float = 1e-6):
+    """The step's arithmetic on checked inputs: q_t, k_t (B, H, Dk), v_t (B, H, Dv), the state's kv
+    and k_sum at position offset (an int, or a 0-d tensor: a static decoder's position) ->
+    (o_t in q_t's dtype, kv, k_sum). `cosformer_step` checks and calls it."""
+    dt = kv.dtype
+    qf = _features(q_t.to(dt)[..., None, :], offset, max_len)[..., 0, :]  # (B, H, F)
+    kf = _features(k_t.to(dt)[..., None, :], offset, max_len)[..., 0, :]
     kv = kv + kf[..., :, None] * v_t.to(dt)[..., None, :]  # (B, H, F, Dv)
     k_sum = k_sum + kf
     o_t = _readout((qf[..., None, :] @ kv).squeeze(-2), (qf * k_sum).sum(-1), normalize, eps)
-    return o_t.to(q_t.dtype), CosformerState(kv, k_sum, offset + 1, M)
+    return o_t.to(q_t.dtype), kv, k_sum
