@@ -228,6 +228,7 @@ def test_sliding_windows_keep_a_ring_of_w_slots():
 @pytest.mark.parametrize("name", ["softmax-gqa-window", "goat-hybrid-gqa", "principled-window", "gla", "ssd",
                                   "cosformer", "hybrid-sink-weight-gqa-gain", "scalar-mixed-gqa-sliding-sink"])
 def test_compiled_steps_of_every_static_state_equal_generate(name):
+    torch._dynamo.reset()  # each model is a new graph of the one step function (dynamo's recompile limit: 8)
     m = model(*SETTINGS[name])
     idx = torch.randint(0, 50, (2, 7), generator=torch.Generator().manual_seed(1))
     assert torch.equal(StaticDecoder(m, 2, 32, compile=True).generate(idx, 12), m.generate(idx, 12))
