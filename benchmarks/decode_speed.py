@@ -5,21 +5,23 @@ generate on a same-shaped Llama, in one run.
     python benchmarks/decode_speed.py --contexts 1024,4096 --batches 1,8 --models windowed
 
 Models (random weights: speed does not depend on them): `windowed`, the shape of configs/windowed.toml
-(hybrid, Cauchy kernel, trained through 16 scalar-nearest + 32 recent keys; byte vocabulary), and
-`gpt2-small` (12 layers, d_model 768, 12 heads, softmax, vocabulary 50,257). Methods:
+(hybrid, Cauchy kernel, trained through 16 scalar-nearest + 32 recent keys; byte vocabulary),
+`gpt2-small` (12 layers, d_model 768, 12 heads, softmax, vocabulary 50,257) and `gpt2-small-windowed`
+(GPT-2 small's dimensions with the windowed model's attention). The window and learned methods run
+on the models trained through a window. Methods:
 
 - `exact`: `LM.make_caches(exact=True)` + `LM.step` (growing KV caches, eager);
 - `exact_static`: `StaticDecoder(exact=True)` (buffers of the final length, eager);
 - `exact_compiled`: the same decoder's step under torch.compile (CUDA graphs on the GPU);
-- `window` (windowed model): its trained window through the sorted cache and the ring (`LM.make_caches()`);
-- `window_static` / `window_compiled` (windowed model): the trained window through `StaticDecoder`'s
+- `window` (windowed models): its trained window through the sorted cache and the ring (`LM.make_caches()`);
+- `window_static` / `window_compiled` (windowed models): the trained window through `StaticDecoder`'s
   static codes (`attnlab.models.static_window`), eager / compiled; one decoder serves both, as one
   serves exact_static and exact_compiled;
-- `learned` (windowed model, contexts up to --learned-max): learned key selection, `DecodeSelector`
+- `learned` (windowed models, contexts up to --learned-max): learned key selection, `DecodeSelector`
   with search projections (random: the cost does not depend on them) scored exactly by a matmul and
   a top-K (index="exact", the device route), K = k + w of the window, through the caches; its
   prompt is stepped;
-- `learned_static` / `learned_compiled` (windowed model): the same selection through `StaticDecoder`
+- `learned_static` / `learned_compiled` (windowed models): the same selection through `StaticDecoder`
   (search keys in a static buffer, one matmul and a top-K per step), eager / compiled;
 - `hf_static`: `LlamaForCausalLM.generate(cache_implementation="static")` with SDPA on a Llama of the
   same dimensions (the step time from generating 1 and 1 + n tokens after the same prompt), contexts
@@ -59,6 +61,8 @@ MODELS = {
     "windowed": dict(vocab_size=256, d_model=128, n_layers=4, n_heads=4, attn="hybrid",
                      attention=dict(train_window=16, local_window=32, kernel="cauchy")),
     "gpt2-small": dict(vocab_size=50257, d_model=768, n_layers=12, n_heads=12, attn="softmax"),
+    "gpt2-small-windowed": dict(vocab_size=50257, d_model=768, n_layers=12, n_heads=12, attn="hybrid",
+                                attention=dict(train_window=16, local_window=32, kernel="cauchy")),
 }
 
 
@@ -164,7 +168,8 @@ def measure(name: str, B: int, T: int, a, dev, methods) -> list[dict]:
     torch._dynamo.reset()  # this configuration's compiled steps only: dynamo keeps a few graphs per function
     for method in methods:
         windowed = method.startswith(("window", "learned"))
-        if windowed and (name != "windowed" or T > a.window_max) or method == "learned" and T > a.learned_max:
+        if windowed and ("train_window" not in kw.get("attention", {}) or T > a.window_max) \
+                or method == "learned" and T > a.learned_max:
             continue
         if method == "hf_static" and T > a.max_hf_context:
             continue
@@ -229,7 +234,7 @@ def main(argv=None) -> None:
                     "prompt again for every measurement)")
     ap.add_argument("--prefill-threads", type=int, default=1, help="torch threads while a prompt is prefilled "
                     "(steps are timed with --threads)")
-    ap.add_argument("--max-gpt2-context", type=int, default=4096, help="longest context for gpt2-small")
+    ap.add_argument("--max-gpt2-context", type=int, default=4096, help="longest context for the gpt2-small models")
     ap.add_argument("--device", default="cpu")
     ap.add_argument("--threads", type=int, default=1, help="torch threads on the CPU")
     ap.add_argument("--note", default="", help="what else ran on the machine, recorded in the JSON")
@@ -259,7 +264,7 @@ def run(a, dev, argv) -> None:
     for name in a.models.split(","):
         for B in (int(x) for x in a.batches.split(",")):
             for T in (int(x) for x in a.contexts.split(",")):
-                if name == "gpt2-small" and T > a.max_gpt2_context:
+                if name.startswith("gpt2-small") and T > a.max_gpt2_context:
                     continue
                 doc["rows"] += measure(name, B, T, a, dev, methods)
                 done = {(r["model"], r["method"], r["batch"], r["context"]) for r in doc["rows"]}

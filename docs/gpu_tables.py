@@ -76,7 +76,7 @@ def decode_speed_table(res: dict) -> str:
         return fmt.format(by[a] / by[b]) if by.get(a) and by.get(b) else "—"
 
     rows = []
-    for (model, batch, ctx), by in cells.items():
+    for (model, batch, ctx), by in sorted(cells.items(), key=lambda kv: kv[0]):
         ms = [f"{by[m]:.2f}" if by.get(m) is not None else "—" for m in shown]
         rows.append([model, str(batch), f"{ctx:,}", *ms, ratio(by, "exact", "window", "{:.1f}×"),
                      ratio(by, "exact_compiled", "window_compiled", "{:.1f}×"),
