@@ -121,6 +121,34 @@ def test_trained_window_decodes_through_static_codes(name):
         assert dec.merged[0] <= t - WINDOWS[name]["local_window"] + 1
 
 
+@pytest.mark.parametrize("attn,attention", [("hybrid", {}), ("scalar", dict(kernel="cauchy", sink=True)),
+                                            ("hybrid", dict(train_window=3, local_window=2))],
+                         ids=["hybrid", "scalar-cauchy-sink", "window-trained"])
+def test_a_decode_window_reads_the_nearest_keys(attn, attention, monkeypatch):
+    """window=k: scalar and hybrid layers read their k nearest keys (and a trained local ring), as
+    LM.generate(window=k) does: tokens equal, every step's logits equal the forward under
+    decode_window(model, k), the compiled generate route too; exact=True or a selector refused."""
+    from attnlab.eval.window import decode_window
+
+    monkeypatch.setattr(torch, "compile", lambda fn, **kw: fn)
+    m = random_sinks(LM(ModelConfig(vocab_size=50, d_model=64, n_layers=2, n_heads=4, attn=attn, max_seq_len=128,
+                                    attention=attention))).eval()
+    idx = torch.randint(0, 4, (2, 9), generator=torch.Generator().manual_seed(3))
+    ref = m.generate(idx, 25, window=4)
+    assert torch.equal(StaticDecoder(m, 2, 40, window=4, tail=3).generate(idx, 25), ref)
+    assert torch.equal(m.generate(idx, 25, window=4, compile=True), ref)
+    with torch.no_grad(), decode_window(m, 4):
+        full = m(ref)[0]
+    dec = StaticDecoder(m, 2, 40, window=4, tail=5)
+    assert torch.allclose(dec.prefill(ref[:, :9]), full[:, 8], atol=1e-5)
+    for t in range(9, 33):
+        assert torch.allclose(dec.step(ref[:, t : t + 1]), full[:, t], atol=1e-5), t
+    with pytest.raises(ValueError, match="window=4 reads a window of nearest keys"):
+        StaticDecoder(m, 2, 40, window=4, exact=True)
+    with pytest.raises(ValueError, match="window"):
+        StaticDecoder(m, 2, 40, window=0)
+
+
 def test_generate_compile_keeps_the_trained_window(monkeypatch):
     """LM.generate(compile=True) on a window-trained model decodes through its window, as generate() does."""
     monkeypatch.setattr(torch, "compile", lambda fn, **kw: fn)

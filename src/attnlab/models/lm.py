@@ -336,9 +336,9 @@ class LM(nn.Module):
         row starts at its first 1 and decodes as if alone (positions from 0, no pad in any cache or
         state); see `DecodeState`. compile=True decodes through static buffers and a compiled step
         (`attnlab.models.static_decode.StaticDecoder`, kept for the next call of the same batch size
-        and length; CUDA graphs on the GPU), reading what this method reads by default: every key, or
-        a trained window (`train_window`) through it; softmax, hybrid and scalar layers, no window, selector
-        or attention_mask."""
+        and length; CUDA graphs on the GPU), reading what this method reads: every key, a trained
+        window (`train_window`) through it, or window=k's nearest keys; every shipped mechanism, no
+        selector (give `StaticDecoder` one) or attention_mask."""
         if idx.dim() != 2 or idx.shape[1] < 1:
             raise ValueError(f"idx must be (B, T0) with T0 >= 1, got shape {tuple(idx.shape)}")
         if max_new_tokens < 0:
@@ -346,10 +346,10 @@ class LM(nn.Module):
         if not greedy and not temperature > 0:
             raise ValueError(f"temperature must be > 0 when sampling, got {temperature}")
         if compile:
-            if window is not None or selector is not None or attention_mask is not None:
-                raise ValueError("compile=True decodes through static buffers as the model was trained (every key "
-                                 "or its trained window): give no window, selector or attention_mask")
-            dec = self.static_decoder(idx.shape[0], idx.shape[1] + max_new_tokens)
+            if selector is not None or attention_mask is not None:
+                raise ValueError("compile=True decodes through static buffers: give no selector (pass it to a "
+                                 "StaticDecoder) or attention_mask")
+            dec = self.static_decoder(idx.shape[0], idx.shape[1] + max_new_tokens, window)
             feed = lambda x: dec.step(x)[:, None]  # noqa: E731
         else:
             state = DecodeState(self, idx.shape[0], DecodeOptions(window=window, selector=selector))
@@ -375,13 +375,14 @@ class LM(nn.Module):
         state.pop("_static", None)
         return state
 
-    def static_decoder(self, batch_size: int, max_len: int):
-        """A compiled `StaticDecoder` of this model for batch_size rows and max_len positions: the one
-        made for the last call when it fits (same batch size, as many positions or more), else a new one."""
+    def static_decoder(self, batch_size: int, max_len: int, window: int | None = None):
+        """A compiled `StaticDecoder` of this model for batch_size rows and max_len positions (and a
+        decode window): the one made for the last call when it fits (same batch size and window, as
+        many positions or more), else a new one."""
         from .static_decode import StaticDecoder
 
         dec = self.__dict__.get("_static")  # not a submodule: it holds the model
-        if dec is None or dec.batch_size != batch_size or dec.max_len < max_len:
-            dec = StaticDecoder(self, batch_size, max_len, compile=True)
+        if dec is None or dec.batch_size != batch_size or dec.max_len < max_len or dec.window != window:
+            dec = StaticDecoder(self, batch_size, max_len, compile=True, window=window)
             self.__dict__["_static"] = dec
         return dec

@@ -22,7 +22,7 @@ sliding window is a ring of w slots, and GLA, SSD and cosformer through their fi
 (`static_state`); other mechanisms and settings are refused by name at construction (`supported`).
 
 A scalar or hybrid layer trained through a window (`train_window`, `local_window`) decodes through it, as
-`LM.generate` does: its k + w keys are chosen with static shapes (`static_window`: sorted int64
+`LM.generate` does (and any scalar or hybrid layer through `window=k`, as `LM.generate(window=k)`): its k + w keys are chosen with static shapes (`static_window`: sorted int64
 codes of the older keys, merged every `tail` steps between steps), so that step costs
 O(log max_len + k + w + tail) instead of O(max_len), and the prompt goes through the model's own
 forward in one pass. `exact=True` reads every key instead (`LM.make_caches(exact=True)`). With a
@@ -64,6 +64,9 @@ class StaticDecoder(nn.Module):
         max_len: positions the buffers hold (prompt + new tokens), an int >= 1.
         compile: compile the step with torch.compile (on CUDA `mode="reduce-overhead"`).
         exact: layers trained through a window read every key instead (default: through the window).
+        window: layers with scalar heads read the `window` nearest keys in scalar space (and their
+            `local_window` ring), as `LM.generate(window=...)` does; None: a window-trained layer's
+            own k, every key otherwise.
         tail: a windowed layer's older keys scored directly between two merges of its sorted codes.
         selector: an `attnlab.cache.selected.DecodeSelector` with index="exact": hybrid layers read
             the K keys their search projections score highest (one matmul over the stored search
@@ -75,7 +78,7 @@ class StaticDecoder(nn.Module):
     """
 
     def __init__(self, model, batch_size: int, max_len: int, *, compile: bool = False, exact: bool = False,
-                 tail: int = 256, selector=None):
+                 tail: int = 256, selector=None, window: int | None = None):
         super().__init__()
         for name, n in (("batch_size", batch_size), ("max_len", max_len), ("tail", tail)):
             if isinstance(n, bool) or not isinstance(n, int) or n < 1:
@@ -94,10 +97,18 @@ class StaticDecoder(nn.Module):
                 raise ValueError("selector must be a DecodeSelector with index='exact' (scored on the device), "
                                  "and exact=False")
             selector.check([(i, blk.attn) for i, blk in enumerate(model.blocks) if blk.attn.mechanism in SCALAR])
+        if window is not None:
+            from ..cache.options import DecodeOptions
+
+            if exact or selector is not None:
+                raise ValueError(f"window={window} reads a window of nearest keys: give it without exact=True "
+                                 f"or a selector")
+            DecodeOptions(window=window).check(model)  # the checks LM.generate(window=...) makes
         self.model, self.batch_size, self.max_len, self.tail = model, batch_size, max_len, tail
-        self.selector = selector
-        self.windowed = [not exact and selector is None and blk.attn.mechanism in SCALAR
-                         and blk.attn.config.train_window is not None for blk in model.blocks]
+        self.selector, self.window = selector, window
+        self.kwin = [window or blk.attn.config.train_window if blk.attn.mechanism in SCALAR else None
+                     for blk in model.blocks]  # each layer's k nearest keys, or None: every key
+        self.windowed = [not exact and selector is None and k is not None for k in self.kwin]
         self.merged = [0] * len(model.blocks)  # host copies of each windowed layer's merge point
         p = next(model.parameters())
         B, N = batch_size, max_len
@@ -205,7 +216,7 @@ class StaticDecoder(nn.Module):
         """Layer i's hybrid readout (B, H, 1, D) for the token at position t (a 0-dim tensor) through
         its trained window: the last w keys and the k nearest older ones (`static_window.window_keys`)."""
         ksb = getattr(self, f"ks{i}")
-        w, kwin = a.config.local_window, a.config.train_window
+        w, kwin = a.config.local_window, self.kwin[i]
         B, H, N = ksb.shape
         idx, ok = window_keys(p.qs[..., 0].float(), ksb, getattr(self, f"low{i}"), getattr(self, f"high{i}"),
                               getattr(self, f"m{i}"), t - w, kwin, self.tail)
@@ -304,6 +315,14 @@ class StaticDecoder(nn.Module):
         """The prompt through the model's own forward in one pass (a windowed layer's readout is its
         windowed op, what its decode reads), every layer's entries written into the buffers; then the
         windowed layers' codes are sorted. The logits of the last token (B, V)."""
+        if self.window is not None:  # the layers' forward through the decode window (eval.window.decode_window)
+            from ..eval.window import decode_window
+
+            with decode_window(self.model, self.window):
+                return self._prefill_layers(idx)
+        return self._prefill_layers(idx)
+
+    def _prefill_layers(self, idx: torch.Tensor) -> torch.Tensor:
         m, T = self.model, idx.shape[1]
         positions = self.slots[:T]
         x = m.tok_emb(idx)
