@@ -19,8 +19,8 @@ on the models trained through a window. Methods:
   serves exact_static and exact_compiled;
 - `learned` (windowed models, contexts up to --learned-max): learned key selection, `DecodeSelector`
   with search projections (random: the cost does not depend on them) scored exactly by a matmul and
-  a top-K (index="exact", the device route), K = k + w of the window, through the caches; its
-  prompt is stepped;
+  a top-K (index="exact", the device route), K = k + w of the window, through the caches (the
+  prompt in one pass);
 - `learned_static` / `learned_compiled` (windowed models): the same selection through `StaticDecoder`
   (search keys in a static buffer, one matmul and a top-K per step), eager / compiled;
 - `hf_static`: `LlamaForCausalLM.generate(cache_implementation="static")` with SDPA on a Llama of the
@@ -77,15 +77,9 @@ class Ours:
     def __init__(self, m: LM, method: str, idx: torch.Tensor, total: int):
         B, T = idx.shape
         self.pos, self.m = T, m
-        if method == "learned":
-            self.caches = m.make_caches(B, selector=learned_selector(m, idx.device))
-            logits = None
-            for t in range(T):  # a selector cache takes one token at a time
-                logits = m.step(idx[:, t : t + 1], self.caches, t)
-            self.logits = logits[:, -1] if logits.dim() == 3 else logits
-        else:
-            self.caches = m.make_caches(B, exact=method == "exact")
-            self.logits = m.prefill(idx, self.caches, last=1)[:, -1]
+        sel = learned_selector(m, idx.device) if method == "learned" else None
+        self.caches = m.make_caches(B, exact=method == "exact", selector=sel)
+        self.logits = m.prefill(idx, self.caches, last=1)[:, -1]  # an exact-index selector: one pass too
         self.step = self._cache_step
 
     def _cache_step(self, tok):
@@ -229,7 +223,7 @@ def main(argv=None) -> None:
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--warmup", type=int, default=3)
     ap.add_argument("--window-max", type=int, default=65536, help="longest context the window methods are run at")
-    ap.add_argument("--learned-max", type=int, default=8192, help="longest context for learned (its prompt is stepped)")
+    ap.add_argument("--learned-max", type=int, default=8192, help="longest context for learned through the caches")
     ap.add_argument("--max-hf-context", type=int, default=16384, help="longest context for hf_static (it runs the "
                     "prompt again for every measurement)")
     ap.add_argument("--prefill-threads", type=int, default=1, help="torch threads while a prompt is prefilled "

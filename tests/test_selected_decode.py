@@ -151,3 +151,25 @@ def test_quest_selector_arguments():
         DecodeSelector(None, 4, index="quest", page=0)
     out = model.generate(_tokens(T=10), 5, selector=DecodeSelector(None, 4, index="quest", page=2))
     assert out.shape == (_tokens(T=10).shape[0], 15)
+
+
+def test_an_exact_index_takes_the_prompt_in_one_pass(monkeypatch):
+    """The prompt through an exact-index selector is one forward per layer (no step per token) that
+    leaves the caches as stepping would: the next steps read the same keys; a selector already
+    holding keys takes a second prompt token by token, as half-precision keys and HNSW do."""
+    from attnlab.layers.attention import Attention
+
+    model = _model("hybrid", sink=True, sink_weight=0.5)
+    proj, idx = _projections(model), _tokens()
+    with torch.no_grad():
+        want = _stepped(model, idx, DecodeSelector(proj, 5))
+        steps = []
+        real = Attention.step
+        monkeypatch.setattr(Attention, "step", lambda self, *a, **k: steps.append(1) or real(self, *a, **k))
+        caches = model.make_caches(idx.shape[0], selector=DecodeSelector(proj, 5))
+        got = [model.prefill(idx[:, :11], caches)]
+        assert not steps
+        got.append(model.prefill(idx[:, 11:14], caches))  # keys held already: stepped
+        assert len(steps) == 3 * len(model.blocks)
+        got += [model.step(idx[:, t:t + 1], caches, pos=t)[:, None] for t in range(14, idx.shape[1])]
+    assert rel_rms(torch.cat(got, 1), want) < 1e-5

@@ -169,6 +169,50 @@ def selected_step(layer, p, cache, vals: torch.Tensor, q, k) -> torch.Tensor:
     return (torch.softmax(logits, -1) @ vv.to(logits.dtype)).to(vv.dtype)
 
 
+def selected_prefill(layer, p, cache):
+    """Readout (B, H, T, D) of a whole prompt through an exact-index learned selector in one pass, or
+    None when `cache` must take it token by token (a selector already holding keys, another index,
+    half-precision search keys, Quest). The layer's own op reads, per query, the K causal keys its
+    search query scores highest (`eval.selectors`' learned rule, what stepping the index selects);
+    then the plain cache and the index take every prompt key, as T steps would leave them."""
+    sel = cache.selector
+    T = p.qs.shape[-1]
+    if (not isinstance(sel, KeySelector) or sel.index.ntotal or sel.spec.index != "exact"
+            or sel.spec.key_dtype != "float32" or len(sel._pending) != T):
+        return None
+    from ..eval.selectors import _keep_fn
+    from ..layers.sink import token_values
+    from ..ops._sdpa import upcast
+
+    sq = torch.cat([q for q, _ in sel._pending], 2)  # (B, H, T, d), the positions the layer decodes
+    sk = torch.cat([k for _, k in sel._pending], 2)
+
+    @torch.no_grad()
+    def select(qs, ks, tau, q, k, n_prefix):  # the search vectors with zero rows at the sink's position
+        pad = (0, 0, n_prefix, 0)
+        search = tuple(torch.nn.functional.pad(x.to(upcast(qs.dtype)), pad) for x in (sq, sk))
+        return _keep_fn("learned", sel.spec.K, 1, qs, ks, tau, q, k, n_prefix, search)
+
+    saved = layer.__dict__.get("decode_select")
+    layer.decode_select = select
+    try:
+        o, _ = layer.attend(p)  # scalar heads through the selection (and a mixed layer's dot heads)
+    finally:
+        if saved is None:
+            layer.__dict__.pop("decode_select", None)
+        else:
+            layer.decode_select = saved
+    vals = layer.scalar_values(p)
+    _, k = layer.score_vectors(p)
+    cache.scalar.append(**{"ks": p.ks, layer.value_key: vals if layer.sink_weight is None else token_values(vals),
+                           **({"k": k} if k is not None else {})})
+    sel.index.add(sk)
+    sel._pending.clear()
+    if cache.kv is not None:  # the dot-product heads of a mixed layer
+        cache.kv.append(k=p.k, v=p.v)
+    return o
+
+
 class QuestKeys:
     """One layer's Quest state while decoding: per page of `page` tokens the range of its scalar keys
     and, for hybrid heads, of its vector keys per channel, extended by each new token."""

@@ -10,7 +10,7 @@ from ...checks import trusted
 from ...cache.exact import ExactScalarCache
 from ...cache.kv import KVCache
 from ...cache.ring import Ring
-from ...cache.selected import selected_step
+from ...cache.selected import selected_prefill, selected_step
 from ...cache.sorted import SortedScalarCache
 from ...cache.sorted_read import check_step_values
 from ...ops import softmax_attention
@@ -165,7 +165,7 @@ class ScalarDecode:
         into the sorted cache, as stepping would leave them. A sorted cache that already holds keys,
         evicts or compresses takes one token at a time."""
         if not isinstance(cache.scalar, SortedScalarCache):
-            return None if cache.selector is not None else self.step_readout(p, cache)
+            return selected_prefill(self, p, cache) if cache.selector is not None else self.step_readout(p, cache)
         if (len(cache.scalar) or cache.budget is not None or cache.compress is not None or self.decode_select is not None
                 or (cache.ring is not None and len(cache.ring))):
             return None
