@@ -11,6 +11,7 @@ pytest.importorskip("transformers")
 from transformers import AutoModelForCausalLM, GenerationConfig, StoppingCriteria, StoppingCriteriaList  # noqa: E402
 
 import attnlab.hf as H  # noqa: E402
+from attnlab.cache.selected import DecodeSelector  # noqa: E402
 from attnlab.cache.sorted import SortedScalarCache  # noqa: E402
 from attnlab.data.tokenizer import ByteTokenizer  # noqa: E402
 from attnlab.models import LM, MECHANISMS, ModelConfig  # noqa: E402
@@ -184,7 +185,8 @@ def test_compiled_generate_equals_lm_generate(attn, attention, tmp_path, monkeyp
     """generate(compile=True) decodes through the model's static decoder (torch.compile stubbed here: the
     compiled step itself is tested in test_static_decode): greedy tokens equal LM.generate's (a trained
     window through it), sampling equals the growing caches' under the same seed, the decoder is kept
-    for the next call; padding, a window, a given cache and no length are refused by name."""
+    for the next call, a decode window passes through; padding, a given cache and no length are refused
+    by name."""
     monkeypatch.setattr(torch, "compile", lambda fn, **kw: fn)
     lm = tiny(attn, attention=attention)
     H.export.save_folder(lm, tmp_path / "m", ByteTokenizer())
@@ -203,9 +205,9 @@ def test_compiled_generate_equals_lm_generate(attn, attention, tmp_path, monkeyp
     mask[0, :2] = 0
     with pytest.raises(ValueError, match="unpadded"):
         hf.generate(ids, max_new_tokens=3, do_sample=False, attention_mask=mask, compile=True)
-    with pytest.raises(ValueError, match="no window or selector"):
-        greedy(hf, ids, 3, compile=True, window=4)
+    if attn == "hybrid":  # a decode window: its nearest keys, as LM.generate(window=4)
+        assert torch.equal(greedy(hf, ids, 9, compile=True, window=4), lm.generate(ids, 9, window=4))
     with pytest.raises(ValueError, match="pass no cache"):
         greedy(hf, ids, 3, compile=True, past_key_values=H.AttnlabCache())
-    with pytest.raises(ValueError, match="no window or selector"):
-        H.AttnlabCache(window=4, static=16)
+    with pytest.raises(ValueError, match="give no selector"):
+        H.AttnlabCache(selector=DecodeSelector(None, 4, index="quest"), static=16)

@@ -46,15 +46,16 @@ class AttnlabCache(Cache):
     scalar/hybrid layers read the K keys its search projections pick (not with a window). Both
     are checked as `attnlab.models.decode.DecodeOptions` (`options`), against the model on the
     first forward. static=max_len: decode through the model's compiled `StaticDecoder` for that
-    many positions instead (`LM.static_decoder`; every key, or a trained window through it): the
-    prompt unpadded, then one token per forward, the last position's logits only."""
+    many positions instead (`LM.static_decoder`; every key, a trained window through it, or the
+    `window` nearest keys): the prompt unpadded, then one token per forward, the last position's
+    logits only."""
 
     is_compileable = False  # generate must not compile the forward: a static cache compiles its own step
 
     def __init__(self, window: int | None = None, selector=None, static: int | None = None):
         self.options = DecodeOptions(window=window, selector=selector)
-        if static is not None and (window is not None or selector is not None):
-            raise ValueError("a static cache decodes as the model was trained: give no window or selector")
+        if static is not None and selector is not None:
+            raise ValueError("a static cache decodes through static buffers: give no selector")
         _base_init(self)
         self.state: DecodeState | None = None
         self.static, self.decoder, self.seen = static, None, 0
@@ -93,7 +94,7 @@ class AttnlabCache(Cache):
                                  "growing caches (compile=False)")
             if T > 1 and last != 1:
                 raise ValueError("a static cache returns the last position's logits only: call with logits_to_keep=1")
-            self.decoder = model.static_decoder(B, self.static)
+            self.decoder = model.static_decoder(B, self.static, self.window)
             logits = self.decoder.prefill(input_ids)
         elif T != 1 or B != self.decoder.batch_size:
             raise ValueError(f"after the prompt a static cache takes one token per row and call, got {tuple(input_ids.shape)}")

@@ -222,9 +222,9 @@ class AttnlabForCausalLM(AttnlabPreTrainedModel, GenerationMixin):
         return super().generate(inputs, generation_config=generation_config, **kwargs)
 
     def _generate_static(self, inputs, gc, window, selector, generation_config, kwargs):
-        if window is not None or selector is not None:
-            raise ValueError("compile=True decodes as the model was trained (every key or its trained window): "
-                             "give no window or selector")
+        if selector is not None:
+            raise ValueError("compile=True decodes through static buffers: give no selector (pass it to a "
+                             "StaticDecoder)")
         if kwargs.get("cache", kwargs.get("past_key_values")) is not None or kwargs.get("use_cache") is False:
             raise ValueError("compile=True decodes through the static cache generate makes: pass no cache and "
                              "leave use_cache on")
@@ -237,5 +237,5 @@ class AttnlabForCausalLM(AttnlabPreTrainedModel, GenerationMixin):
         total = ids.shape[1] + new if new is not None else kwargs.get("max_length", getattr(gc, "max_length", None))
         if total is None or total <= ids.shape[1]:
             raise ValueError("compile=True sizes its buffers from max_new_tokens (or max_length): give one")
-        kwargs[CACHE_NAME] = AttnlabCache(static=int(total))
+        kwargs[CACHE_NAME] = AttnlabCache(window=window, static=int(total))
         return super().generate(inputs, generation_config=generation_config, **kwargs)
