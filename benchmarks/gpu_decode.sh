@@ -3,9 +3,10 @@
 #
 #   bash benchmarks/gpu_decode.sh OUT_DIR
 #
-# 1. the cuda tests of the static decoder (exact, trained window, learned selection under CUDA graphs);
+# 1. the cuda tests of the static decoder under CUDA graphs (exact, trained window, learned selection,
+#    the key stores and recurrent states), at most three minutes;
 # 2. decode_speed.py on CUDA: the windowed shape at batch 1 (4K, 32K, 128K) and batch 8 (32K), then
-#    gpt2-small at batch 1 (4K, 32K); methods exact (growing caches), exact_compiled, window_compiled,
+#    gpt2-small-windowed at batch 1 (4K, 32K); methods exact (growing caches), exact_compiled, window_compiled,
 #    learned_compiled (CUDA graphs) and transformers' static-cache generate. Rows are written as they
 #    come, so a run cut at its limit keeps what it measured: commit OUT_DIR/decode_speed_gpu.json as
 #    benchmarks/results/decode_speed_gpu.json.
@@ -13,10 +14,10 @@ set -uo pipefail
 out=${1:?usage: bash benchmarks/gpu_decode.sh OUT_DIR}
 mkdir -p "$out"
 export PYTHONUNBUFFERED=1
-timeout 90 python3 -m pytest -q -m cuda tests/test_static_decode.py -p no:cacheprovider 2>&1 | tee "$out/decode_tests.log"
+timeout 180 python3 -m pytest -q -m cuda tests/test_static_decode.py -p no:cacheprovider 2>&1 | tee "$out/decode_tests.log"
 common="--device cuda --out $out/decode_speed_gpu.json --keep --steps 16 --rounds 3 --warmup 3"
 common="$common --methods exact,exact_compiled,window_compiled,learned_compiled,hf_static --max-hf-context 131072"
 common="$common --window-max 131072 --learned-max 0 --max-gpt2-context 32768"
 python3 benchmarks/decode_speed.py $common --models windowed --batches 1 --contexts 4096,32768,131072 2>&1 | tee "$out/decode.log"
 python3 benchmarks/decode_speed.py $common --models windowed --batches 8 --contexts 32768 2>&1 | tee -a "$out/decode.log"
-python3 benchmarks/decode_speed.py $common --models gpt2-small --batches 1 --contexts 4096,32768 2>&1 | tee -a "$out/decode.log"
+python3 benchmarks/decode_speed.py $common --models gpt2-small-windowed --batches 1 --contexts 4096,32768 2>&1 | tee -a "$out/decode.log"
