@@ -149,6 +149,36 @@ def test_a_decode_window_reads_the_nearest_keys(attn, attention, monkeypatch):
         StaticDecoder(m, 2, 40, window=0)
 
 
+@pytest.mark.parametrize("attn,attention,k,budget", [
+    ("hybrid", {}, 4, 6),
+    ("hybrid", dict(train_window=3, local_window=2), 3, 5),
+    ("scalar", dict(sink=True, sink_weight=0.5, kernel="cauchy", n_value_groups=2), 4, 5)],
+    ids=["hybrid", "trained-window-ring", "scalar-weighted-sink"])
+def test_a_budget_evicts_as_the_sorted_cache_does(attn, attention, k, budget):
+    """budget=M: at most M older keys per head survive each step (nearest the recent queries' range,
+    the newest first), chosen on the device: every step's logits equal stepping the sorted cache with
+    evict_to_budget and the forward under decode_window(model, k, budget=M) (whose evictions now leave
+    the local ring's keys alone, as the cache's ring does); the prompt is stepped."""
+    from attnlab.eval.window import decode_window
+
+    m = random_sinks(LM(ModelConfig(vocab_size=50, d_model=64, n_layers=2, n_heads=4, attn=attn, max_seq_len=128,
+                                    attention=attention))).eval()
+    idx = torch.randint(0, 50, (2, 40), generator=torch.Generator().manual_seed(3))
+    with torch.no_grad():
+        caches = m.make_caches(2, window=k, budget=budget)
+        want = torch.stack([m.step(idx[:, t : t + 1], caches, t).reshape(2, -1) for t in range(40)], 1)
+        with decode_window(m, k, budget=budget):
+            assert torch.allclose(m(idx)[0], want, atol=1e-5)
+        dec = StaticDecoder(m, 2, 48, window=k, budget=budget)
+        assert torch.allclose(dec.prefill(idx[:, :9]), want[:, 8], atol=1e-5)
+        for t in range(9, 40):
+            assert torch.allclose(dec.step(idx[:, t : t + 1]), want[:, t], atol=1e-5), t
+        alive = dec.alive0 & (dec.slots <= 39 - m.blocks[0].attn.config.local_window)
+        assert int(alive.sum(-1).max()) == budget
+    with pytest.raises(ValueError, match="budget"):
+        StaticDecoder(m, 2, 48, budget=4)  # a budget caps a window: give one
+
+
 def test_generate_compile_keeps_the_trained_window(monkeypatch):
     """LM.generate(compile=True) on a window-trained model decodes through its window, as generate() does."""
     monkeypatch.setattr(torch, "compile", lambda fn, **kw: fn)

@@ -41,7 +41,8 @@ from torch import nn
 from ..cache.selected import KEY_DTYPES
 from ..layers.sink import sink_weight_value
 from .static_state import KEYED, RECURRENT, KeyStore, make_state, softmax_readout
-from .static_window import LAST, merge_codes, window_keys
+from ..cache.sorted import QUERY_HISTORY
+from .static_window import LAST, budget_keep, merge_codes, nearest_alive, window_keys
 
 __all__ = ["StaticDecoder", "supported"]
 
@@ -67,6 +68,9 @@ class StaticDecoder(nn.Module):
         window: layers with scalar heads read the `window` nearest keys in scalar space (and their
             `local_window` ring), as `LM.generate(window=...)` does; None: a window-trained layer's
             own k, every key otherwise.
+        budget: with a window, at most `budget` older keys per head stay (those nearest the recent
+            queries' range, evicted after every step, as `LM.generate(window=..., budget=...)`);
+            each step then scores every live slot, and the prompt is stepped.
         tail: a windowed layer's older keys scored directly between two merges of its sorted codes.
         selector: an `attnlab.cache.selected.DecodeSelector` with index="exact": hybrid layers read
             the K keys their search projections score highest (one matmul over the stored search
@@ -78,7 +82,7 @@ class StaticDecoder(nn.Module):
     """
 
     def __init__(self, model, batch_size: int, max_len: int, *, compile: bool = False, exact: bool = False,
-                 tail: int = 256, selector=None, window: int | None = None):
+                 tail: int = 256, selector=None, window: int | None = None, budget: int | None = None):
         super().__init__()
         for name, n in (("batch_size", batch_size), ("max_len", max_len), ("tail", tail)):
             if isinstance(n, bool) or not isinstance(n, int) or n < 1:
@@ -97,15 +101,15 @@ class StaticDecoder(nn.Module):
                 raise ValueError("selector must be a DecodeSelector with index='exact' (scored on the device), "
                                  "and exact=False")
             selector.check([(i, blk.attn) for i, blk in enumerate(model.blocks) if blk.attn.mechanism in SCALAR])
-        if window is not None:
+        if window is not None or budget is not None:
             from ..cache.options import DecodeOptions
 
             if exact or selector is not None:
-                raise ValueError(f"window={window} reads a window of nearest keys: give it without exact=True "
-                                 f"or a selector")
-            DecodeOptions(window=window).check(model)  # the checks LM.generate(window=...) makes
+                raise ValueError(f"window={window} and budget={budget} read a window of nearest keys: give them "
+                                 f"without exact=True or a selector")
+            DecodeOptions(window=window, budget=budget).check(model)  # the checks LM.generate(window=...) makes
         self.model, self.batch_size, self.max_len, self.tail = model, batch_size, max_len, tail
-        self.selector, self.window = selector, window
+        self.selector, self.window, self.budget = selector, window, budget
         self.kwin = [window or blk.attn.config.train_window if blk.attn.mechanism in SCALAR else None
                      for blk in model.blocks]  # each layer's k nearest keys, or None: every key
         self.windowed = [not exact and selector is None and k is not None for k in self.kwin]
@@ -132,7 +136,12 @@ class StaticDecoder(nn.Module):
                 if selector is not None:
                     self.register_buffer(f"sk{i}", p.new_zeros(B, a.n_scalar, N, selector.projections.d_search,
                                                                dtype=KEY_DTYPES[selector.key_dtype]), persistent=False)
-            if self.windowed[i]:
+            if self.windowed[i] and budget is not None:  # live older keys, and the recent scalar queries
+                self.register_buffer(f"alive{i}", torch.ones(B, a.n_scalar, N, dtype=torch.bool, device=p.device),
+                                     persistent=False)
+                self.register_buffer(f"qh{i}", torch.zeros(B, a.n_scalar, QUERY_HISTORY, device=p.device),
+                                     persistent=False)
+            elif self.windowed[i]:
                 for name in ("low", "high"):
                     self.register_buffer(f"{name}{i}", torch.full((B, a.n_scalar, N), LAST, device=p.device),
                                          persistent=False)
@@ -175,7 +184,7 @@ class StaticDecoder(nn.Module):
         if self.selector is not None:
             return self._learned_readout(i, a, p, h, positions, visible)
         if self.windowed[i]:
-            return self._window_readout(i, a, p, positions[0])
+            return self._window_readout(i, a, p, positions[0])  # a budget: then its evictions
         vb, ksb = vb[:, :, :n], ksb[:, :, :n]
         v = vb.repeat_interleave(H // vb.shape[1], dim=1) if H != vb.shape[1] else vb
         s = -self._scalar_term(a, p, ksb[:, :, None, :])  # (B, H, T, N)
@@ -218,8 +227,19 @@ class StaticDecoder(nn.Module):
         ksb = getattr(self, f"ks{i}")
         w, kwin = a.config.local_window, self.kwin[i]
         B, H, N = ksb.shape
-        idx, ok = window_keys(p.qs[..., 0].float(), ksb, getattr(self, f"low{i}"), getattr(self, f"high{i}"),
-                              getattr(self, f"m{i}"), t - w, kwin, self.tail)
+        qs = p.qs[..., 0].float()
+        if self.budget is None:
+            idx, ok = window_keys(qs, ksb, getattr(self, f"low{i}"), getattr(self, f"high{i}"),
+                                  getattr(self, f"m{i}"), t - w, kwin, self.tail)
+        else:  # the live older keys, then the step's evictions (the cache's order: read, then evict)
+            alive, qh = getattr(self, f"alive{i}"), getattr(self, f"qh{i}")
+            older = alive & (self.slots <= t - w)
+            idx, ok = nearest_alive(qs, ksb, older, kwin)
+            qh.index_copy_(2, (t % QUERY_HISTORY)[None], qs[..., None])
+            seen = torch.arange(QUERY_HISTORY, device=t.device) <= t  # the queries recorded so far
+            lo = qh.masked_fill(~seen, float("inf")).amin(-1)
+            hi = qh.masked_fill(~seen, float("-inf")).amax(-1)
+            alive.copy_(alive & (~older | budget_keep(ksb, older, lo, hi, self.budget)))
         if w:  # the ring: positions t, t - 1, ..., t - w + 1
             ring = t - torch.arange(w, device=t.device)
             idx = torch.cat([ring.clamp(min=0).expand(B, H, w), idx], -1)
@@ -262,7 +282,7 @@ class StaticDecoder(nn.Module):
         `tail` (or every one, force) re-sorts its codes up to t - w (between steps, not in the compiled
         graph)."""
         for i, blk in enumerate(self.model.blocks):
-            if not self.windowed[i]:
+            if not self.windowed[i] or self.budget is not None:  # a budget scores every live slot: no codes
                 continue
             w = blk.attn.config.local_window
             if force or t - w + 1 - self.merged[i] > self.tail:
@@ -301,6 +321,8 @@ class StaticDecoder(nn.Module):
         T = idx.shape[1]
         for state in [*self.states.values(), *self.dots.values()]:
             state.reset()
+        if self.budget is not None:  # evictions happen step by step: so does the prompt
+            return self._prefill_stepped(idx)
         if any(self.windowed):
             return self._prefill_whole(idx)
         for a in range(0, T, chunk):
@@ -309,6 +331,18 @@ class StaticDecoder(nn.Module):
                                    <= positions[:, None])[:, -1]
         self.pos.fill_(T)
         self.length = T
+        return logits
+
+    def _prefill_stepped(self, idx: torch.Tensor) -> torch.Tensor:
+        """The prompt one token at a time (a budget's evictions after each, as the cache makes them)."""
+        for i in range(len(self.model.blocks)):
+            if self.windowed[i]:
+                getattr(self, f"alive{i}").fill_(True)
+        for t in range(idx.shape[1]):
+            self.pos.fill_(t)
+            logits = self.step_logits(idx[:, t : t + 1])
+        self.pos.fill_(idx.shape[1])
+        self.length = idx.shape[1]
         return logits
 
     def _prefill_whole(self, idx: torch.Tensor) -> torch.Tensor:

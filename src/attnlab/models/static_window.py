@@ -19,7 +19,10 @@ made with shapes that never change, so the step compiles into one graph:
 - every `tail` steps, between steps, M moves up and both arrays are sorted again (O(max_len log
   max_len), amortised over the tail).
 
-`merge_codes` and `window_keys` are the two pieces; `StaticDecoder` calls them. The naive reference
+`merge_codes` and `window_keys` are the two pieces; `StaticDecoder` calls them. Under a memory budget
+(`budget=M`: at most M older keys per head, the cache's `evict_to_budget` after every step) evictions
+leave holes the codes cannot skip, so `nearest_alive` scores every live slot (O(max_len), still static)
+and `budget_keep` makes the eviction's choice on the device. The naive reference
 is the sorted cache itself: tests compare every step's logits with `LM.step` through it.
 """
 
@@ -27,7 +30,7 @@ from __future__ import annotations
 
 import torch
 
-__all__ = ["POS_MAX", "float_order", "merge_codes", "window_keys"]
+__all__ = ["POS_MAX", "budget_keep", "float_order", "merge_codes", "nearest_alive", "window_keys"]
 
 POS_MAX = 2**31 - 1  # positions below this (the low 32 bits of a code)
 LAST = torch.iinfo(torch.int64).max  # an unused slot's code: after every key
@@ -80,3 +83,32 @@ def window_keys(qs: torch.Tensor, ks: torch.Tensor, low: torch.Tensor, high: tor
     rank = ((float_order(dist) << 32) | (POS_MAX - cand)).masked_fill(~ok, LAST)  # nearest first, then the newest
     best = rank.topk(k, dim=-1, largest=False).indices
     return cand.gather(-1, best), dist.gather(-1, best) < float("inf")
+
+
+def nearest_alive(qs: torch.Tensor, ks: torch.Tensor, older: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The k keys nearest to qs (B, H) among the slots `older` marks (B, H, N) of ks (B, H, N), by the
+    dense rule (distance, then the newest first), every slot scored: O(N) per step with static
+    shapes, the route of a budgeted window, whose evictions leave holes the sorted codes cannot
+    skip. Returns positions (B, H, k) and validity."""
+    N = ks.shape[-1]
+    pos = torch.arange(N, device=ks.device)
+    dist = (qs[..., None] - ks).abs()
+    rank = ((float_order(dist) << 32) | (POS_MAX - pos)).masked_fill(~older, LAST)
+    best = rank.topk(min(k, N), dim=-1, largest=False)
+    return best.indices, best.values != LAST
+
+
+def budget_keep(ks: torch.Tensor, older: torch.Tensor, lo: torch.Tensor, hi: torch.Tensor, budget: int) -> torch.Tensor:
+    """Which of the slots `older` marks (B, H, N) stay under a budget of `budget` entries per head:
+    the budget nearest to the recent queries' range [lo, hi] (B, H) (distance 0 inside it), the
+    newest first among equal distances, as `cache.eviction.evict_to_budget` keeps them. (B, H, N) bool."""
+    from ..ops.scalar.budget import range_distance
+
+    N = ks.shape[-1]
+    pos = torch.arange(N, device=ks.device)
+    dist = range_distance(ks, lo[..., None], hi[..., None]) + 0.0  # + 0.0: one zero, as the cache compares
+    rank = ((float_order(dist) << 32) | (POS_MAX - pos)).masked_fill(~older, LAST)
+    best = rank.topk(min(budget, N), dim=-1, largest=False)
+    keep = torch.zeros_like(older)
+    keep.scatter_(-1, best.indices, best.values != LAST)
+    return keep

@@ -21,7 +21,7 @@ def range_distance(keys: torch.Tensor, lo: torch.Tensor, hi: torch.Tensor) -> to
 
 
 def budget_evictions(qs: torch.Tensor, ks: torch.Tensor, budget: int, *, history: int = 256,
-                     n_prefix: int = 0) -> torch.Tensor:
+                     n_prefix: int = 0, local: int = 0) -> torch.Tensor:
     """The step after whose query each key is evicted when a sorted cache decoding this sequence
     calls `evict_to_budget(budget)` after every step.
 
@@ -37,6 +37,8 @@ def budget_evictions(qs: torch.Tensor, ks: torch.Tensor, budget: int, *, history
         budget: entries a head keeps, an int >= 1.
         history: how many recent queries span the range, an int >= 1.
         n_prefix: leading positions (a sink) that are never evicted nor counted, an int >= 0.
+        local: the last `local` keys sit in the cache's ring, outside the budget: key s enters the
+            budgeted cache at step s + local, when it leaves the ring; an int >= 0.
 
     Returns:
         evicted_at (B, H, T) int64; query t still sees key s when evicted_at[s] >= t. NEVER (the
@@ -54,16 +56,18 @@ def budget_evictions(qs: torch.Tensor, ks: torch.Tensor, budget: int, *, history
     evicted = torch.full((B, H, T), NEVER, dtype=torch.long, device=ks.device)
     alive = torch.zeros(B, H, T, dtype=torch.bool, device=ks.device)
     pos = torch.arange(T, device=ks.device)
-    for t in range(n_prefix, T):
-        alive[..., t] = True
-        if t - n_prefix + 1 <= budget:
+    check_int("local", local, 0)
+    for t in range(n_prefix + local, T):
+        s = t - local  # the key entering the budgeted cache at this step
+        alive[..., s] = True
+        if s - n_prefix + 1 <= budget:
             continue
         window = q[..., max(n_prefix, t - history + 1) : t + 1]
         lo, hi = window.amin(-1, keepdim=True), window.amax(-1, keepdim=True)
-        cand = alive[..., : t + 1]
-        dist = range_distance(k[..., : t + 1], lo, hi).masked_fill(~cand, float("-inf"))
+        cand = alive[..., : s + 1]
+        dist = range_distance(k[..., : s + 1], lo, hi).masked_fill(~cand, float("-inf"))
         worst = cand & (dist == dist.amax(-1, keepdim=True))
-        out = torch.where(worst, pos[: t + 1], T).amin(-1, keepdim=True)  # the oldest of the farthest
+        out = torch.where(worst, pos[: s + 1], T).amin(-1, keepdim=True)  # the oldest of the farthest
         alive.scatter_(-1, out, False)
         evicted.scatter_(-1, out, t)
     return evicted

@@ -325,7 +325,8 @@ def windowed_attention(
             return triton_selected_attention(qs, ks, v, _tau(tau, B, H, T, torch.float32, qs.device), idx, ok, q=q,
                                              k=k, lam_b=lam, kernel=kernel)
         return selected_attention(qs, ks, v, tau, idx, ok, q, k, chunk, scalar_scale, kernel)
-    evicted = None if budget is None else budget_evictions(qs, ks, budget, history=history, n_prefix=n_prefix)
+    evicted = None if budget is None else budget_evictions(qs, ks, budget, history=history, n_prefix=n_prefix,
+                                                           local=local)
     outs = []
     for a in range(0, T, query_chunk):
         b = min(T, a + query_chunk)
