@@ -173,16 +173,16 @@ def selected_prefill(layer, p, cache):
     """Readout (B, H, T, D) of a whole prompt through an exact-index learned selector in one pass, or
     None when `cache` must take it token by token (a selector already holding keys, another index,
     half-precision search keys, Quest). The layer's own op reads, per query, the K causal keys its
-    search query scores highest (`eval.selectors`' learned rule, what stepping the index selects);
+    search query scores highest (`index.keep.learned_keep`, what stepping the index selects);
     then the plain cache and the index take every prompt key, as T steps would leave them."""
     sel = cache.selector
     T = p.qs.shape[-1]
     if (not isinstance(sel, KeySelector) or sel.index.ntotal or sel.spec.index != "exact"
             or sel.spec.key_dtype != "float32" or len(sel._pending) != T):
         return None
-    from ..eval.selectors import _keep_fn
-    from ..layers.sink import token_values
+    from ..index.keep import learned_keep
     from ..ops._sdpa import upcast
+    from .sink import token_values
 
     sq = torch.cat([q for q, _ in sel._pending], 2)  # (B, H, T, d), the positions the layer decodes
     sk = torch.cat([k for _, k in sel._pending], 2)
@@ -191,7 +191,7 @@ def selected_prefill(layer, p, cache):
     def select(qs, ks, tau, q, k, n_prefix):  # the search vectors with zero rows at the sink's position
         pad = (0, 0, n_prefix, 0)
         search = tuple(torch.nn.functional.pad(x.to(upcast(qs.dtype)), pad) for x in (sq, sk))
-        return _keep_fn("learned", sel.spec.K, 1, qs, ks, tau, q, k, n_prefix, search)
+        return learned_keep(*search, sel.spec.K, n_prefix)
 
     saved = layer.__dict__.get("decode_select")
     layer.decode_select = select

@@ -135,3 +135,9 @@ def parse_zone(zone):
     if not lo <= hi:
         raise ValueError(f"sink_zone must have lo <= hi, got {zone!r}")
     return lo, hi
+
+
+def token_values(vals: torch.Tensor) -> torch.Tensor:
+    """Values (B, G, T, D) of model tokens in the weighted-sink layout (B, G, T, D + 2)."""
+    ones = torch.ones_like(vals[..., :1])
+    return torch.cat([vals, ones, torch.zeros_like(ones)], dim=-1)

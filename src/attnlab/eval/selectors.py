@@ -40,6 +40,7 @@ from ..checks import check_choice, check_int
 from ..ops import window_mask
 from ..ops._sdpa import expand_heads, upcast
 from ..index.pages import _PageRanges, _quest_keep, quest_page_bounds, scalar_term
+from ..index.keep import candidate_keys, learned_keep, top_keys, with_prefix  # noqa: F401 (re-exported)
 from ..index.projections import check_projections
 from ..models.lm import selectable_layers
 
@@ -112,31 +113,6 @@ class SelectionTally:
 # --------------------------------------------------------------------------- selection rules
 
 
-def candidate_keys(a: int, b: int, n_prefix: int, device=None) -> torch.Tensor:
-    """(b - a, b) bool: the keys query rows a..b-1 may select, the causal keys past the prefix."""
-    pos_q = torch.arange(a, b, device=device)[:, None]
-    pos_k = torch.arange(b, device=device)[None, :]
-    return (pos_k <= pos_q) & (pos_k >= n_prefix)
-
-
-def top_keys(scores: torch.Tensor, candidate: torch.Tensor, K: int) -> torch.Tensor:
-    """Bool mask of the K candidates with the highest scores per row (all when fewer): scores
-    (..., Tq, Tk), candidate broadcastable to them."""
-    candidate = candidate.expand(scores.shape)
-    keep = torch.zeros(scores.shape, dtype=torch.bool, device=scores.device)
-    n = min(K, scores.shape[-1])
-    if n:
-        best = scores.masked_fill(~candidate, float("-inf")).topk(n, dim=-1).indices
-        keep.scatter_(-1, best, True)
-    return keep & candidate
-
-
-def _with_prefix(keep: torch.Tensor, n_prefix: int) -> torch.Tensor:
-    if n_prefix:
-        keep[..., :n_prefix] = True
-    return keep
-
-
 # --------------------------------------------------------------------------- the selectors
 
 
@@ -146,7 +122,7 @@ def _keep_fn(method: str, K: int, page: int, qs, ks, tau, q, k, n_prefix: int, s
     if method == "window":
         return lambda a, b, logits: window_mask(qs[..., a:b], ks[..., :b], K, n_prefix=n_prefix)
     if method == "oracle":
-        return lambda a, b, logits: _with_prefix(top_keys(logits, candidate_keys(a, b, n_prefix, logits.device), K), n_prefix)
+        return lambda a, b, logits: with_prefix(top_keys(logits, candidate_keys(a, b, n_prefix, logits.device), K), n_prefix)
     if method == "quest":
         cdt = upcast(qs.dtype)
         kk = None if k is None else expand_heads(k, qs.shape[1])[:, :, n_prefix:].to(cdt)
@@ -155,16 +131,11 @@ def _keep_fn(method: str, K: int, page: int, qs, ks, tau, q, k, n_prefix: int, s
         def quest(a, b, logits):
             bounds = quest_page_bounds(qs, ks, tau, q, k, page=page, n_prefix=n_prefix, rows=(a, b), _ranges=ranges,
                                        kernel=kernel, lam=lam)
-            return _with_prefix(_quest_keep(bounds, a, b, K, page, n_prefix), n_prefix)
+            return with_prefix(_quest_keep(bounds, a, b, K, page, n_prefix), n_prefix)
 
         return quest
     sq, sk = search  # (B, H, T_op, d): zero rows at the prefix positions
-
-    def learned(a, b, logits):
-        scores = sq[:, :, a:b] @ sk[:, :, :b].transpose(-1, -2)  # (B, H, Tq, b)
-        return _with_prefix(top_keys(scores, candidate_keys(a, b, n_prefix, scores.device), K), n_prefix)
-
-    return learned
+    return learned_keep(sq, sk, K, n_prefix)
 
 
 @contextlib.contextmanager
@@ -212,7 +183,7 @@ def select_keys(model, method: str, K: int, *, projections=None, page: int = 16,
             def counted(a, b, logits):
                 if method == "oracle":  # its keys are the tally's reference: select once
                     best = top_keys(logits, candidate_keys(a, b, n_prefix, logits.device), K)
-                    keep = _with_prefix(best.clone(), n_prefix)
+                    keep = with_prefix(best.clone(), n_prefix)
                 else:
                     best, keep = None, fn(a, b, logits)
                 tally.observe(i, a, b, logits, keep, K, n_prefix, best)

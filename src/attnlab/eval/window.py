@@ -9,12 +9,9 @@ at T = 4096; `stepped_loss` is the token-by-token reference through the decode c
 
 from __future__ import annotations
 
-import contextlib
-from typing import Iterator
-
 import torch
 
-from ..models.decode import DecodeOptions, sorted_cache_layers
+from ..models.decode import DecodeOptions, decode_window, sorted_cache_layers  # noqa: F401 (decode_window: re-exported)
 from ..models.lm import token_loss
 
 
@@ -22,24 +19,6 @@ def windowed_layers(model) -> list:
     """The attention layers of `model` that decode through the sorted scalar cache (not those that
     read a sliding window): `attnlab.models.decode.sorted_cache_layers`."""
     return [layer for _, layer in sorted_cache_layers(model)]
-
-
-@contextlib.contextmanager
-def decode_window(model, window: int | None, budget: int | None = None) -> Iterator[None]:
-    """Within the block, `model`'s scalar/hybrid layers attend as SortedScalarCache(window) decodes
-    (window None: exactly); with `budget`, as that cache capped at `budget` keys per head by
-    `evict_to_budget` after every step. ValueError (`DecodeOptions`' checks, as `generate`'s) for a
-    bad window or budget, or a window for a model with no such layer."""
-    DecodeOptions(window=window, budget=budget).check(model)
-    layers = windowed_layers(model)
-    before = [(layer.decode_window, layer.decode_budget) for layer in layers]
-    try:
-        for layer in layers:
-            layer.decode_window, layer.decode_budget = window, budget
-        yield
-    finally:
-        for layer, (w, m) in zip(layers, before):
-            layer.decode_window, layer.decode_budget = w, m
 
 
 @torch.no_grad()

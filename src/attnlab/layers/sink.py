@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import torch
 
+from ..cache.sink import token_values  # noqa: F401 (the layout is the caches' too: defined there)
 from ..ops._sdpa import expand_heads
 
 
@@ -26,12 +27,6 @@ def split_sink_values(vals: torch.Tensor) -> torch.Tensor:
     ind[:1, 1] = 1
     body = torch.cat([torch.zeros_like(vals[:, :, :1]), vals[:, :, 1:]], dim=2)
     return torch.cat([body, ind.expand(B, G, n, 2)], dim=-1)
-
-
-def token_values(vals: torch.Tensor) -> torch.Tensor:
-    """Values (B, G, T, D) of model tokens in the weighted-sink layout (B, G, T, D + 2)."""
-    ones = torch.ones_like(vals[..., :1])
-    return torch.cat([vals, ones, torch.zeros_like(ones)], dim=-1)
 
 
 def mix_sink(o: torch.Tensor, sink_v: torch.Tensor, w: torch.Tensor) -> torch.Tensor:

@@ -19,12 +19,16 @@ Also here: `DecodeOptions` (from `attnlab.cache.options`, where the caches check
 the options of a decode, checked when made and against a model by `DecodeOptions.check`, which
 `LM.make_caches`, `LM.generate`, `DecodeState`, `attnlab.hf` and `attnlab eval` use; and
 `padding_mask`, the padding rule of every attention_mask (left padding to decode, left or right for
-a forward without a cache, never a pad between real tokens).
+a forward without a cache, never a pad between real tokens); and `decode_window`, which switches a
+model's full-sequence forward to what its windowed decode reads (`attnlab.eval.window` measures
+losses with it).
 """
 
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass
+from typing import Iterator
 
 import torch
 
@@ -159,3 +163,21 @@ class DecodeState:
         for rows, logits in parts:
             out[rows.to(out.device), L - logits.shape[1]:] = logits.to(out.dtype)
         return out
+
+
+@contextlib.contextmanager
+def decode_window(model, window: int | None, budget: int | None = None) -> Iterator[None]:
+    """Within the block, `model`'s scalar/hybrid layers attend as SortedScalarCache(window) decodes
+    (window None: exactly); with `budget`, as that cache capped at `budget` keys per head by
+    `evict_to_budget` after every step. ValueError (`DecodeOptions`' checks, as `generate`'s) for a
+    bad window or budget, or a window for a model with no such layer."""
+    DecodeOptions(window=window, budget=budget).check(model)
+    layers = [layer for _, layer in sorted_cache_layers(model)]
+    before = [(layer.decode_window, layer.decode_budget) for layer in layers]
+    try:
+        for layer in layers:
+            layer.decode_window, layer.decode_budget = window, budget
+        yield
+    finally:
+        for layer, (w, m) in zip(layers, before):
+            layer.decode_window, layer.decode_budget = w, m

@@ -40,6 +40,7 @@ from torch import nn
 
 from ..cache.selected import KEY_DTYPES
 from ..layers.sink import sink_weight_value
+from .decode import decode_window
 from .static_state import KEYED, RECURRENT, KeyStore, make_state, softmax_readout
 from ..cache.sorted import QUERY_HISTORY
 from .static_window import LAST, budget_keep, merge_codes, nearest_alive, window_keys
@@ -105,8 +106,8 @@ class StaticDecoder(nn.Module):
             from ..cache.options import DecodeOptions
 
             if exact or selector is not None:
-                raise ValueError(f"window={window} and budget={budget} read a window of nearest keys: give them "
-                                 f"without exact=True or a selector")
+                given = f"window={window}" + ("" if budget is None else f" with budget={budget}")
+                raise ValueError(f"{given} reads a window of nearest keys: give it without exact=True or a selector")
             DecodeOptions(window=window, budget=budget).check(model)  # the checks LM.generate(window=...) makes
         self.model, self.batch_size, self.max_len, self.tail = model, batch_size, max_len, tail
         self.selector, self.window, self.budget = selector, window, budget
@@ -349,9 +350,7 @@ class StaticDecoder(nn.Module):
         """The prompt through the model's own forward in one pass (a windowed layer's readout is its
         windowed op, what its decode reads), every layer's entries written into the buffers; then the
         windowed layers' codes are sorted. The logits of the last token (B, V)."""
-        if self.window is not None:  # the layers' forward through the decode window (eval.window.decode_window)
-            from ..eval.window import decode_window
-
+        if self.window is not None:  # the layers' forward through the decode window (models.decode.decode_window)
             with decode_window(self.model, self.window):
                 return self._prefill_layers(idx)
         return self._prefill_layers(idx)
