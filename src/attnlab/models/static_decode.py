@@ -1,34 +1,24 @@
-"""Exact decoding with static shapes: buffers of a fixed length, the position a device tensor, and a
-step that can be compiled (and captured as a CUDA graph on the GPU).
+"""Decoding with static shapes: buffers of a fixed length, the position a device tensor, and a step
+that compiles into one graph (a CUDA graph on the GPU).
 
-`LM.generate` decodes through per-layer caches whose buffers grow and whose steps check their inputs
-and branch in Python: right on any mechanism, but every step is hundreds of small operations driven
-from the host. A `StaticDecoder` holds each layer's keys and values (and the hybrid's scalar keys) in
-buffers of `max_len` positions made once, writes a token's entries at the position held in a device
-tensor, and reads the whole buffer under a mask of the positions written: every step has the same
-shapes and no host synchronisation, so `torch.compile` turns it into one graph (on CUDA with
-`mode="reduce-overhead"`: CUDA graphs, the gpt-fast recipe). A step costs O(max_len) whatever the
-context; it is for exact decoding, the baseline the windowed caches are measured against.
+`LM.generate` decodes through per-layer caches whose buffers grow and whose steps check and branch
+in Python: hundreds of small host-driven operations per token. A `StaticDecoder` makes every buffer
+once (`max_len` positions), writes a token's entries at the position held in a device tensor and
+reads under a mask of the positions written: the same shapes every step and no host sync, so
+`torch.compile` makes one graph of it (on CUDA `mode="reduce-overhead"`, the gpt-fast recipe).
 
     dec = StaticDecoder(model, batch_size=1, max_len=4096, compile=True)
     out = dec.generate(prompt, 200)                # = model.generate(prompt, 200) (greedy)
 
-Layers it decodes: hybrid heads (q·k/√d − λ φ((qs − ks)²/τ), Gaussian or Cauchy, GQA, the gain) and
-scalar heads (−φ((qs − ks)²/τ), grouped values, dot-product heads beside them), with or without the
-sink (one more column: scalar key sink_key, a zero vector key, log|w| with a sink weight), in this
-module's buffers; softmax
-(q·k/√d, GQA, RoPE, output gates), GOAT, goat_hybrid and principled through a key store, whose
-sliding window is a ring of w slots, and GLA, SSD and cosformer through their fixed-size state
-(`static_state`); other mechanisms and settings are refused by name at construction (`supported`).
-
-A scalar or hybrid layer trained through a window (`train_window`, `local_window`) decodes through it, as
-`LM.generate` does (and any scalar or hybrid layer through `window=k`, as `LM.generate(window=k)`): its k + w keys are chosen with static shapes (`static_window`: sorted int64
-codes of the older keys, merged every `tail` steps between steps), so that step costs
-O(log max_len + k + w + tail) instead of O(max_len), and the prompt goes through the model's own
-forward in one pass. `exact=True` reads every key instead (`LM.make_caches(exact=True)`). With a
-`selector` (an `attnlab.cache.selected.DecodeSelector`, index "exact") scalar and hybrid layers read the K keys
-their search projections score highest: the search keys in a static buffer, one matmul and a top-K
-per step, the device route of learned selection.
+Scalar and hybrid heads (Gaussian or Cauchy, GQA, the gain, grouped values, the sink and its weight,
+dot-product heads beside them) live in this module's buffers; softmax, GOAT, goat_hybrid and
+principled in a key store whose sliding window is a ring of w slots, and GLA, SSD and cosformer in
+their fixed-size state (`static_state`). Exact reading costs O(max_len) per step. A layer trained
+through a window (`train_window`, `local_window`), or any scalar layer under `window=k`, reads its
+k + w keys through sorted int64 codes merged every `tail` steps between steps (`static_window`):
+O(log max_len + k + w + tail), the prompt through the model's own forward in one pass; `budget=M`
+adds the sorted cache's evictions. A `selector` (`DecodeSelector`, index "exact") reads the K keys
+the search projections score highest: one matmul over a static buffer and a top-K per step.
 """
 
 from __future__ import annotations
@@ -41,7 +31,7 @@ from torch import nn
 from ..cache.selected import KEY_DTYPES
 from ..layers.sink import sink_weight_value
 from .decode import decode_window
-from .static_state import KEYED, RECURRENT, KeyStore, make_state, softmax_readout
+from .static_state import KEYED, RECURRENT, KeyStore, make_state, scalar_term, softmax_readout
 from ..cache.sorted import QUERY_HISTORY
 from .static_window import LAST, budget_keep, merge_codes, nearest_alive, window_keys
 
@@ -188,7 +178,7 @@ class StaticDecoder(nn.Module):
             return self._window_readout(i, a, p, positions[0])  # a budget: then its evictions
         vb, ksb = vb[:, :, :n], ksb[:, :, :n]
         v = vb.repeat_interleave(H // vb.shape[1], dim=1) if H != vb.shape[1] else vb
-        s = -self._scalar_term(a, p, ksb[:, :, None, :])  # (B, H, T, N)
+        s = -scalar_term(a, p, ksb[:, :, None, :])  # (B, H, T, N)
         if kb is not None:  # hybrid heads: + q·k / √d
             kb = kb[:, :, :n]
             k = kb.repeat_interleave(H // kb.shape[1], dim=1) if H != kb.shape[1] else kb
@@ -205,22 +195,12 @@ class StaticDecoder(nn.Module):
         if not c.sink:
             return weigh(torch.softmax(s, dim=-1))
         H = s.shape[1]
-        col = -self._scalar_term(a, p, p.qs.new_full((1, 1, 1, 1), c.sink_key, dtype=torch.float32))  # (B, H, T, 1)
+        col = -scalar_term(a, p, p.qs.new_full((1, 1, 1, 1), c.sink_key, dtype=torch.float32))  # (B, H, T, 1)
         if a.sink_weight is not None:
             col = col + sink_weight_value(a.sink_weight).float().log()[None, :, None, None]
         w = torch.softmax(torch.cat([col, s], dim=-1), dim=-1)
         sink_v = a.sink_value.float().repeat_interleave(H // a.sink_value.shape[0], dim=0)[None, :, None, :]
         return weigh(w[..., 1:]) + w[..., :1] * sink_v
-
-    @staticmethod
-    def _scalar_term(a, p, ks: torch.Tensor) -> torch.Tensor:
-        """λ φ((qs − ks)² / τ) of the tokens p against keys ks (B, H, 1 or T, m) -> (B, H, T, m)."""
-        tau = p.tau.float()
-        tau = tau[None, :, None, None] if tau.dim() == 1 else tau[..., None]
-        x = (p.qs.float()[..., None] - ks).square() / tau
-        phi = x if a.config.kernel == "gaussian" else torch.log1p(x)
-        lam = getattr(a, "scalar_scale", None)
-        return phi if lam is None else phi * lam.float()[None, :, None, None]
 
     def _window_readout(self, i: int, a, p, t: torch.Tensor) -> torch.Tensor:
         """Layer i's hybrid readout (B, H, 1, D) for the token at position t (a 0-dim tensor) through
@@ -271,7 +251,7 @@ class StaticDecoder(nn.Module):
             flat = (group[None, :, None, None] * N + idx).view(B, H * T * m, 1)
             return buf.reshape(B, -1, buf.shape[-1]).gather(1, flat.expand(-1, -1, buf.shape[-1])).view(B, H, T, m, -1)
 
-        s = -self._scalar_term(a, p, ksb.gather(-1, idx.view(B, H, T * m)).view(B, H, T, m))  # (B, H, T, m)
+        s = -scalar_term(a, p, ksb.gather(-1, idx.view(B, H, T * m)).view(B, H, T, m))  # (B, H, T, m)
         if kb is not None:  # hybrid heads: + q·k / √d
             s = s + (p.q.float()[..., None, :] * pick(kb).float()).sum(-1) / math.sqrt(p.q.shape[-1])
         vals = pick(vb).float()

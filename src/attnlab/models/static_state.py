@@ -34,7 +34,7 @@ from ..ops.principled.naive import principled_naive
 from ..ops.scalar.naive import scalar_logits
 from ..ops.softmax import _divisor_naive
 
-__all__ = ["KEYED", "RECURRENT", "KeyStore", "RecurrentStore", "make_state"]
+__all__ = ["KEYED", "RECURRENT", "KeyStore", "RecurrentStore", "make_state", "scalar_term", "softmax_readout"]
 
 KEYED = ("softmax", "goat", "goat_hybrid", "principled")  # mechanisms read through a KeyStore
 RECURRENT = ("gla", "ssd", "cosformer")  # mechanisms whose state is of fixed size
@@ -109,6 +109,16 @@ def _entries(a, p, positions: torch.Tensor) -> dict:
     if a.mechanism == "principled":
         out["kg"] = p.kg
     return out
+
+
+def scalar_term(a, p, ks: torch.Tensor) -> torch.Tensor:
+    """λ φ((qs − ks)² / τ) of the tokens p against keys ks (B, H, 1 or T, m) -> (B, H, T, m)."""
+    tau = p.tau.float()
+    tau = tau[None, :, None, None] if tau.dim() == 1 else tau[..., None]
+    x = (p.qs.float()[..., None] - ks).square() / tau
+    phi = x if a.config.kernel == "gaussian" else torch.log1p(x)
+    lam = getattr(a, "scalar_scale", None)
+    return phi if lam is None else phi * lam.float()[None, :, None, None]
 
 
 def softmax_readout(q: torch.Tensor, e: dict, ok: torch.Tensor, scale, p: float) -> torch.Tensor:
