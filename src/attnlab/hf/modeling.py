@@ -198,7 +198,7 @@ class AttnlabForCausalLM(AttnlabPreTrainedModel, GenerationMixin):
         scalar/hybrid layers read the K keys its search projections pick, from an index that grows
         per token (not with a window). compile=True: through static buffers and a compiled step
         (`LM.generate(compile=True)`'s decoder, kept on the model; CUDA graphs on the GPU), sized
-        for the prompt plus max_new_tokens (or max_length); unpadded batches, no window or selector.
+        for the prompt plus max_new_tokens (or max_length); unpadded batches, a window but no selector.
         num_beams > 1 is a ValueError (see `AttnlabCache`)."""
         gc = generation_config if generation_config is not None else self.generation_config
         if compile:
