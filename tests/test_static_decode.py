@@ -292,6 +292,16 @@ def test_compiled_steps_of_every_static_state_equal_generate(name):
     assert torch.equal(StaticDecoder(m, 2, 32, compile=True).generate(idx, 12), m.generate(idx, 12))
 
 
+@pytest.mark.slow
+def test_compiled_budget_and_decode_window_equal_eager():
+    torch._dynamo.reset()
+    m = model("hybrid", dict(train_window=3, local_window=2), {})
+    idx = torch.randint(0, 50, (2, 9), generator=torch.Generator().manual_seed(3))
+    for kw in (dict(window=3, budget=5), dict(window=5)):
+        want = StaticDecoder(m, 2, 48, **kw).generate(idx, 30)
+        assert torch.equal(StaticDecoder(m, 2, 48, compile=True, **kw).generate(idx, 30), want), kw
+
+
 def test_refusals_name_what_is_wrong():
     with pytest.raises(ValueError, match="max_len=65 is past cosformer's horizon cosformer_max_len=64"):
         StaticDecoder(model("cosformer", {}, {}), 1, 65)
