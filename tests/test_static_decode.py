@@ -296,10 +296,13 @@ def test_compiled_steps_of_every_static_state_equal_generate(name):
 def test_compiled_budget_and_decode_window_equal_eager():
     torch._dynamo.reset()
     m = model("hybrid", dict(train_window=3, local_window=2), {})
-    idx = torch.randint(0, 50, (2, 9), generator=torch.Generator().manual_seed(3))
+    g = torch.Generator().manual_seed(3)  # distinct tokens: no exact ties between scalar keys for rounding to break
+    idx = torch.stack([torch.randperm(50, generator=g)[:40] for _ in range(2)])
     for kw in (dict(window=3, budget=5), dict(window=5)):
-        want = StaticDecoder(m, 2, 48, **kw).generate(idx, 30)
-        assert torch.equal(StaticDecoder(m, 2, 48, compile=True, **kw).generate(idx, 30), want), kw
+        eager, fast = StaticDecoder(m, 2, 48, **kw), StaticDecoder(m, 2, 48, compile=True, **kw)
+        assert torch.allclose(eager.prefill(idx[:, :9]), fast.prefill(idx[:, :9]), atol=1e-5)
+        for t in range(9, 40):
+            assert torch.allclose(eager.step(idx[:, t : t + 1]), fast.step(idx[:, t : t + 1]), atol=1e-5), (kw, t)
 
 
 def test_refusals_name_what_is_wrong():
@@ -330,24 +333,27 @@ def test_refusals_name_what_is_wrong():
 @pytest.mark.parametrize("kind", ["exact", "window", "learned", "softmax-gqa-window", "goat-hybrid-gqa",
                                   "principled-window", "gla", "ssd", "cosformer", "scalar-mixed-gqa-sliding-sink"])
 def test_cuda_graphs_step_equals_eager(kind):
-    """On CUDA: the step compiled with mode='reduce-overhead' (CUDA graphs) decodes the eager tokens:
+    """On CUDA: the step compiled with mode='reduce-overhead' (CUDA graphs) gives the eager step's logits:
     exactly, through a trained window (its codes merged between replays: tail 4), through learned
-    selection, and through each key store and recurrent state."""
+    selection, and through each key store and recurrent state. Teacher-forced on distinct tokens: a
+    compiled projection rounds differently from the eager prompt's, and an exact tie between the
+    scalar keys of a repeated token would then be broken by that rounding (the guide's caveat)."""
     from attnlab.cache.selected import DecodeSelector
     from attnlab.index.projections import SearchProjections
 
+    kw = {}
     if kind in SETTINGS:
         m = model(*SETTINGS[kind], dev="cuda")
-        idx = torch.randint(0, 50, (2, 6), generator=torch.Generator().manual_seed(5)).cuda()
-        assert torch.equal(StaticDecoder(m, 2, 40, compile=True).generate(idx, 30), m.generate(idx, 30))
-        return
-    attention = dict(n_kv_heads=2, **(dict(train_window=3, local_window=2, kernel="cauchy") if kind == "window" else {}))
-    m = model("hybrid", attention, {}, dev="cuda")
-    idx = torch.randint(0, 50, (2, 6), generator=torch.Generator().manual_seed(5)).cuda()
-    if kind == "learned":
-        sel = DecodeSelector(SearchProjections([0, 1], 64, d_search=8, groups=4, rope=True).cuda(), K=5)
-        got = StaticDecoder(m, 2, 40, compile=True, selector=sel).generate(idx, 30)
-        assert torch.equal(got, StaticDecoder(m, 2, 40, selector=sel).generate(idx, 30))
     else:
-        got = StaticDecoder(m, 2, 40, compile=True, tail=4).generate(idx, 30)
-        assert torch.equal(got, m.generate(idx, 30))
+        attention = dict(n_kv_heads=2, **(dict(train_window=3, local_window=2, kernel="cauchy") if kind == "window" else {}))
+        m = model("hybrid", attention, {}, dev="cuda")
+        if kind == "learned":
+            kw = dict(selector=DecodeSelector(SearchProjections([0, 1], 64, d_search=8, groups=4, rope=True).cuda(), K=5))
+        elif kind == "window":
+            kw = dict(tail=4)
+    g = torch.Generator().manual_seed(5)
+    idx = torch.stack([torch.randperm(50, generator=g)[:36] for _ in range(2)]).cuda()
+    eager, fast = StaticDecoder(m, 2, 40, **kw), StaticDecoder(m, 2, 40, compile=True, **kw)
+    assert torch.allclose(fast.prefill(idx[:, :6]), eager.prefill(idx[:, :6]), atol=1e-4)
+    for t in range(6, 36):
+        assert torch.allclose(fast.step(idx[:, t : t + 1]), eager.step(idx[:, t : t + 1]), atol=1e-4), t
