@@ -219,6 +219,28 @@ def test_budget_evictions_rule():
         assert held == sorted(j for j in range(t + 1) if ev[0, 0, j] > t)
 
 
+
+def test_budget_evictions_leave_the_local_ring_alone():
+    """local=w: key s enters the budgeted set at step s + w (when it leaves the cache's ring), so the
+    last w keys are never evicted or counted; local=0 is the rule above; a bad local is refused."""
+    from attnlab.ops import budget_evictions
+
+    g = torch.Generator().manual_seed(6)
+    ks, qs = torch.randn(1, 2, 30, generator=g), torch.randn(1, 2, 30, generator=g) * 0.3
+    never = torch.iinfo(torch.int64).max
+    ev0, ev3 = budget_evictions(qs, ks, 5, local=0), budget_evictions(qs, ks, 5, local=3)
+    assert torch.equal(ev0, budget_evictions(qs, ks, 5))
+    pos = torch.arange(30)
+    assert bool((ev3[..., 27:] == never).all())  # still in the ring at the end
+    hit = ev3 != never
+    assert bool((ev3[hit] >= (pos + 3).expand_as(ev3)[hit]).all())  # evicted only after leaving the ring
+    for t in range(3, 30):  # at most 5 budgeted keys (those that left the ring) survive each step
+        left = pos <= t - 3
+        assert int(((ev3 > t) & left).sum(-1).max()) <= 5
+    with pytest.raises(ValueError, match="local"):
+        budget_evictions(qs, ks, 5, local=-1)
+
+
 # --------------------------------------------------------------------------- hostile inputs
 
 
