@@ -150,7 +150,7 @@ def _evaluate_with(monkeypatch, wrap, *args, **kwargs):
         return cfg, wrap(model), state
 
     monkeypatch.setattr(module, "load_run", wrapped)
-    return module.evaluate(*args, write=False, **kwargs)
+    return module.evaluate(*args, write=False, **{"mqar_attention": False, **kwargs})  # oracles have no attention
 
 
 def test_scaled_accuracy_keeps_the_distance_rule(hybrid_run, monkeypatch):
@@ -183,6 +183,13 @@ def test_scaled_and_windowed_accuracy_of_a_model_equal_a_direct_count(hybrid_run
     assert ev["mqar"]["2x"]["window=8"] == acc(192, 8, 8)
     assert ev["mqar"]["2x"]["window=400"] == ev["mqar"]["2x"]["exact"]  # a window holding every key is exact
     assert set(ev["mqar"]["1x"]) == {"exact", "window=8", "window=400"}
+    # where the queries' attention goes, through the same windows; a window holding every key is exact
+    assert set(ev["mqar_attention"]) == {"exact", "window=8", "window=400"}
+    for a, b in zip(ev["mqar_attention"]["window=400"], ev["mqar_attention"]["exact"]):
+        assert a == pytest.approx(b, rel=1e-5, abs=1e-6)
+    assert len(ev["mqar_attention"]["exact"]) == 2 and set(ev["mqar_attention"]["exact"][0]) == {
+        "region_mass", "value_share", "value_reach"}
+    assert "mqar_attention" not in evaluate(hybrid_run, mqar_attention=False, write=False)
 
 
 def test_mqar_metric_errors_before_any_work(hybrid_run, tmp_path):

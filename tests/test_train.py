@@ -113,7 +113,7 @@ def _evaluate_with(monkeypatch, wrap, *args, **kwargs):
 
     monkeypatch.setattr(module, "load_run", load_run_wrapped)
     try:
-        return evaluate(*args, write=False, **kwargs)
+        return evaluate(*args, write=False, **{"mqar_attention": False, **kwargs})  # oracles have no attention
     finally:
         monkeypatch.setattr(module, "load_run", real)
 

@@ -15,6 +15,8 @@ from ..data.synthetic import IGNORE, mqar, passkey
 from ..checks import check_int, check_tensor
 
 Model = Callable[[torch.Tensor], torch.Tensor]
+MQAR_ATTENTION = ("region_mass", "value_share", "value_reach")  # per layer: mqar_attention_summary
+MQAR_TEST_SEED = 12345  # the MQAR test sequences: a seed that no training or validation stream uses
 
 
 def label_hits(logits: torch.Tensor, labels: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -64,7 +66,7 @@ def mqar_accuracy(
     seq_len: int,
     num_kv_pairs: int,
     num_examples: int = 256,
-    seed: int = 12345,
+    seed: int = MQAR_TEST_SEED,
     power_a: float = 0.01,
     num_queries: int | None = None,
     min_gap: int = 0,
@@ -84,6 +86,78 @@ def mqar_accuracy(
         min_gap=min_gap, random_non_queries=random_non_queries,
     )
     return recall_accuracy(model, inputs, labels, batch_size=batch_size, device=device)["token_acc"]
+
+
+def mqar_pair_attention(weights: Sequence[torch.Tensor], inputs: torch.Tensor, labels: torch.Tensor,
+                        num_kv_pairs: int, reach: float = 0.01) -> list[dict[str, torch.Tensor]]:
+    """Where each layer's attention goes at the MQAR query positions, per query.
+
+    At every asked position (labels != -100) the query token is one of the pairs' keys and the
+    label its value. Per layer and query, with the heads' weights averaged: "region" on all
+    2 * num_kv_pairs pair tokens, "values" on the num_kv_pairs value tokens, "value" on the
+    queried value token (the answer); and "reach", 1 where some head gives the queried value at
+    least `reach` of its weight (a window that does not select the value gives it none).
+    `mqar_attention_summary` turns these into the reported means.
+
+    Args:
+        weights: per layer, its mixing weights (B, H, T, T + n_prefix), prefix columns (a sink)
+            first, as `attention_weights` returns them.
+        inputs: (B, T) as `attnlab.data.synthetic.mqar` makes them: the pairs open each sequence
+            (key, value, key, value, ...), their keys distinct.
+        labels: (B, T), the values at the asked positions, -100 elsewhere.
+        num_kv_pairs: the pairs per sequence.
+        reach: the weight on the queried value that counts as reaching it, in (0, 1].
+
+    Returns:
+        Per layer {"region", "values", "value", "reach"}: (Q,) float32 on the weights' device, one
+        entry per asked position in row-major order.
+
+    Raises:
+        ValueError: shapes that disagree, no asked position, or a query token that is none of its
+            sequence's keys.
+    """
+    check_tensor("inputs", inputs, 2)
+    check_tensor("labels", labels, 2)
+    if inputs.shape != labels.shape:
+        raise ValueError(f"inputs and labels must have the same shape, got {tuple(inputs.shape)} and {tuple(labels.shape)}")
+    B, T = inputs.shape
+    P = check_int("num_kv_pairs", num_kv_pairs)
+    if isinstance(reach, bool) or not isinstance(reach, (int, float)) or not 0 < reach <= 1:
+        raise ValueError(f"reach must be a number in (0, 1], got {reach!r}")
+    if 2 * P > T:
+        raise ValueError(f"num_kv_pairs={P} needs {2 * P} pair tokens, more than the {T} positions of inputs")
+    rows, cols = (labels != IGNORE).nonzero(as_tuple=True)
+    if rows.numel() == 0:
+        raise ValueError("labels ask nothing: every entry is -100")
+    match = inputs[rows, : 2 * P : 2] == inputs[rows, cols].unsqueeze(1)  # (Q, P)
+    if not bool(match.any(1).all()):
+        raise ValueError("a query token is none of its sequence's pair keys: inputs and labels are not MQAR's")
+    value_at = 2 * match.float().argmax(1) + 1  # (Q,) the queried value's position
+    out = []
+    for i, w in enumerate(weights):
+        check_tensor(f"weights[{i}]", w, 4)
+        if w.shape[0] != B or w.shape[2] != T or w.shape[3] < T:
+            raise ValueError(f"weights[{i}] must be (B={B}, H, T={T}, T + n_prefix), got {tuple(w.shape)}")
+        wq = w[rows.to(w.device), :, cols.to(w.device), w.shape[3] - T :].float()  # (Q, H, T)
+        at = value_at.to(w.device).view(-1, 1, 1).expand(-1, wq.shape[1], 1)
+        value = wq.gather(2, at).squeeze(2)  # (Q, H)
+        out.append({"region": wq[:, :, : 2 * P].sum(2).mean(1), "values": wq[:, :, 1 : 2 * P : 2].sum(2).mean(1),
+                    "value": value.mean(1), "reach": (value.amax(1) >= reach).float()})
+    return out
+
+
+def mqar_attention_summary(parts: Sequence[dict[str, torch.Tensor]]) -> dict[str, float]:
+    """One layer's `mqar_pair_attention` entries (over batches) as the reported means:
+    "region_mass", the heads' mean weight on the pair tokens; "value_share", their weight on the
+    queried value over their weight on all values (1 / num_kv_pairs for a head blind to which pair
+    is asked; 1 for one that reads the answer alone; None when no weight reaches a value); and
+    "value_reach", the share of queries whose value some head reads (`reach`)."""
+    if not parts:
+        raise ValueError("parts is empty: give the entries of at least one batch")
+    cat = {name: torch.cat([p[name] for p in parts]) for name in ("region", "values", "value", "reach")}
+    values = float(cat["values"].sum())
+    return {"region_mass": float(cat["region"].mean()), "value_share": float(cat["value"].sum()) / values if values > 0 else None,
+            "value_reach": float(cat["reach"].mean())}
 
 
 def passkey_accuracy(

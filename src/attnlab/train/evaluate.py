@@ -11,8 +11,9 @@
 - windowed decoding (k nearest keys per scalar head): its loss over the same text, optionally
   under a memory budget (eviction) and, token by token on one batch, with density compression;
 - MQAR accuracy for MQAR runs (also at s times the length with s times the pairs, same distance
-  rule, and through a decode window of k scalar-nearest keys), passkey accuracy at the requested
-  lengths and depths.
+  rule, and through a decode window of k scalar-nearest keys) and, per layer, how much of the
+  queries' attention reaches the pairs, and the queried value among them; passkey accuracy at the
+  requested lengths and depths.
 
 The weights come from each layer's `attention_weights`, which builds (B, H, T, T): the
 analysis runs at a small length (`analysis_len`, default min(seq_len, 256)).
@@ -34,7 +35,8 @@ from attnlab.eval.metrics import (
     sink_share, topk_scalar_mass,
 )
 from attnlab.eval.window import compressed_loss, decode_window, next_token_loss, windowed_layers
-from attnlab.eval.tasks import mqar_accuracy, passkey_accuracy
+from attnlab.data.synthetic import mqar
+from attnlab.eval.tasks import MQAR_TEST_SEED, mqar_accuracy, mqar_attention_summary, mqar_pair_attention, passkey_accuracy
 
 from .checkpoint import CheckpointError, latest_checkpoint, load_checkpoint
 from .config import RunConfig, load_config
@@ -75,19 +77,26 @@ def load_run(source: RunConfig | str | os.PathLike, overrides: list[str] | None 
 
 
 @torch.no_grad()
-def attention_report(model, x: torch.Tensor, topk=TOPK_KS, *, alignment: bool = True) -> list[dict]:
-    """Per-layer, per-head attention statistics of `model` on tokens x (B, T); `alignment`: also
-    the alignment profile of scalar heads (sorts every visible pair: the costly part at long T)."""
+def layer_inputs(model, x: torch.Tensor, **kwargs) -> dict[int, torch.Tensor]:
+    """Each block's attention input (B, T, C) on tokens x, by block index: one forward with hooks;
+    `kwargs` go to the model's forward."""
     inputs = {}
     hooks = [
         blk.attn.register_forward_pre_hook(lambda mod, args, i=i: inputs.__setitem__(i, args[0]))
         for i, blk in enumerate(model.blocks)
     ]
     try:
-        model(x, record=True)
+        model(x, **kwargs)
     finally:
         for h in hooks:
             h.remove()
+    return inputs
+
+
+def attention_report(model, x: torch.Tensor, topk=TOPK_KS, *, alignment: bool = True) -> list[dict]:
+    """Per-layer, per-head attention statistics of `model` on tokens x (B, T); `alignment`: also
+    the alignment profile of scalar heads (sorts every visible pair: the costly part at long T)."""
+    inputs = layer_inputs(model, x, record=True)
     report = []
     for i, blk in enumerate(model.blocks):
         layer = blk.attn
@@ -151,6 +160,7 @@ def evaluate(
     mqar_scales: list[int] | None = None,
     mqar_windows: list[int] | None = None,
     mqar_scale_pairs: bool = True,
+    mqar_attention: bool = True,
     device: str | None = None,
     write: bool = True,
 ) -> dict:
@@ -169,11 +179,13 @@ def evaluate(
     against ln T. MQAR runs: `mqar_scales` also measures the accuracy at s x data.seq_len with s x
     the pairs and queries (the same ones with mqar_scale_pairs=False) and the same data.mqar_min_gap;
     `mqar_windows` (default `windows`) also with every scalar/hybrid head reading its k nearest keys
-    (`decode_window`), at each length. device: default run.device.
+    (`decode_window`), at each length; `mqar_attention`: also where each layer's attention at the
+    queries goes (`mqar_attention_report`). device: default run.device.
 
     Returns a dict: "loss" {T: {"loss", "ppl", "tokens", "batches"}}, "layers" (per layer and head),
     and "windowed_loss", "compressed", "by_length", "passkey" or "mqar_accuracy" when asked for
-    (MQAR: "mqar_accuracy" and "mqar" {"<s>x": {"exact": acc, "window=<k>": acc}});
+    (MQAR: "mqar_accuracy", "mqar" {"<s>x": {"exact": acc, "window=<k>": acc}} and "mqar_attention",
+    where the queries' attention goes: `mqar_attention_report`);
     with `write` it is also stored as run_dir/eval.json ("written_to"). Raises FileNotFoundError
     when the run has no checkpoint, CheckpointError when it is damaged, ConfigError for a bad
     override."""
@@ -191,6 +203,8 @@ def evaluate(
         mw = mqar_windows if mqar_windows is not None else windows
         out["mqar"] = mqar_report(model, cfg, [1, *(mqar_scales or [])], list(mw or []), dev, mqar_scale_pairs)
         out["mqar_accuracy"] = out["mqar"]["1x"]["exact"]
+        if mqar_attention:
+            out["mqar_attention"] = mqar_attention_report(model, cfg, list(mw or []), dev)
         return _finish(out, cfg, write)
 
     cache_dir, max_docs = d.cache_dir or None, d.max_docs or None
@@ -277,6 +291,35 @@ def mqar_report(model, cfg: RunConfig, scales: list[int], windows: list[int], de
             with decode_window(model, int(k)):
                 row[f"window={k}"] = mqar_accuracy(logits_of, **task)
         out[f"{s}x"] = row
+    return out
+
+
+@torch.no_grad()
+def mqar_attention_report(model, cfg: RunConfig, windows: list[int], device, num_examples: int = 64,
+                          batch_size: int = 4) -> dict:
+    """Where each layer's attention goes at the MQAR queries, on `num_examples` test sequences of the
+    training length (`attnlab.eval.tasks.mqar_pair_attention`): {"exact": per layer its
+    `mqar_attention_summary`, "window=<k>": the same with each scalar/hybrid head reading only its k
+    nearest keys}, windows as in `mqar_report`. The weights are (B, H, T, T): batches of
+    `batch_size` sequences."""
+    d = cfg.data
+    inputs, labels = mqar(cfg.model.vocab_size, d.seq_len, d.mqar_pairs, num_examples, seed=MQAR_TEST_SEED,
+                          power_a=d.mqar_power_a, num_queries=d.mqar_queries or None, min_gap=d.mqar_min_gap,
+                          random_non_queries=d.mqar_filler == "random")
+
+    def measure() -> list[dict]:
+        parts = []
+        for i in range(0, num_examples, batch_size):
+            x, y = inputs[i : i + batch_size].to(device), labels[i : i + batch_size].to(device)
+            xs = layer_inputs(model, x)
+            ws = [blk.attn.attention_weights(xs[j]) for j, blk in enumerate(model.blocks)]
+            parts.append(mqar_pair_attention(ws, x, y, d.mqar_pairs))
+        return [mqar_attention_summary([p[j] for p in parts]) for j in range(len(model.blocks))]
+
+    out = {"exact": measure()}
+    for k in windows if windows and windowed_layers(model) else []:
+        with decode_window(model, int(k)):
+            out[f"window={k}"] = measure()
     return out
 
 

@@ -13,11 +13,14 @@ from ..report import markdown_table, pyplot, save_figure
 LENGTH_RE = re.compile(r"^(?P<what>.+)/T=(?P<T>\d+)$")
 DECILE_RE = re.compile(r"^align_d(?P<i>\d+)$")
 GATE_RE = re.compile(r"^gate_h(?P<i>\d+)$")
+MQAR_ATTENTION_RE = re.compile(r"^mqar_(?P<what>region_mass|value_share|value_reach)@L(?P<layer>\d+)(?P<window>/window=\d+)?$")
+RECALLS = 0.5  # mqar_accuracy above which a run counts as recalling (chance: about 1 / data.mqar_pairs)
+REACHES = 0.01  # region mass below which a layer's queries count as not reaching the pairs
 
 
 def is_profile(name: str) -> bool:
     """A per-run scalar shown in a profile table/plot instead of the main table and the bars."""
-    return bool(LENGTH_RE.match(name) or DECILE_RE.match(name) or GATE_RE.match(name))
+    return bool(LENGTH_RE.match(name) or DECILE_RE.match(name) or GATE_RE.match(name) or MQAR_ATTENTION_RE.match(name))
 
 
 def _pm(mean, sd) -> str:
@@ -114,6 +117,7 @@ def profile_sections(results: dict, out: Path) -> list[str]:
                   "nearest keys. Mean ± sd over seeds." + (" The slopes of (1 − mass@k) against ln T are in the "
                                                            "main table (" + ", ".join(slopes) + ")." if slopes else ""),
                   "", "![by context length](lengths.png)", ""]
+    lines += mqar_attention_section(results)
     table = indexed_table(results, DECILE_RE, "decile {i}")
     if table:
         plot_indexed(results, DECILE_RE, out / "alignment.png", int, "attention-weight decile (10 = heaviest pairs)",
@@ -131,4 +135,52 @@ def profile_sections(results: dict, out: Path) -> list[str]:
                   f"The fraction of the output gate's values (every head, channel and query of the analysis batch, "
                   f"mean over gated layers) in each of {n} equal bins of [0, 1], bin 1 = [0, {1 / n:.2g}); mean ± sd over "
                   "seeds. gate_low in the main table is the fraction below 0.1.", "", "![gate values](gate.png)", ""]
+    return lines
+
+
+def mqar_attention_section(results: dict) -> list[str]:
+    """Where the MQAR queries' attention goes (`[metrics] mqar_attention`): a table of mean ± sd over
+    seeds per variant, and per run what it says, by the rules stated under the table: whether the
+    run's queries reach the pairs and whether it recalls."""
+    names = [n for n in results["scalars"] if MQAR_ATTENTION_RE.match(n)]
+    if not names:
+        return []
+    rows = [[variant] + [_pm(v["mean"][n], v["sd"][n]) for n in names] for variant, v in results["variants"].items()]
+    pairs = {v.get("mqar_pairs") for v in results["variants"].values()} - {None}
+    chance = f"1/{pairs.pop()}" if len(pairs) == 1 else "1 / data.mqar_pairs"
+    lines = ["## Where the queries' attention goes", "", markdown_table(["variant"] + names, rows), "",
+             f"At each MQAR query of 64 test sequences, per layer L, with the heads' weights averaged: region_mass, the "
+             f"weight on the pair tokens; value_share, the weight on the queried value over the weight on all values "
+             f"({chance} for heads blind to which pair is asked, 1 for heads that read the answer alone); value_reach, the "
+             f"share of queries whose value gets at least 1% of some head's weight (a window that does not select it gives "
+             f"it none). /window=k: through the decode window of k keys. Mean ± sd over seeds.", ""]
+    exact = [n for n in names if "/window=" not in n]
+    verdicts = []
+    for run in results["runs"]:
+        m, acc = run["metrics"], run["metrics"].get("mqar_accuracy")
+        regions = [m[n] for n in exact if n.startswith("mqar_region_mass@") and m.get(n) is not None]
+        reaches = [m[n] for n in exact if n.startswith("mqar_value_reach@") and m.get(n) is not None]
+        if acc is None or not regions:
+            continue
+        reached = max(regions) >= REACHES
+        what = ("reaches the pairs" if reached else "does not reach the pairs") + (
+            f" (region mass up to {max(regions):.2f}, the queried value read in up to {max(reaches):.0%} of queries)"
+            if reaches else f" (region mass up to {max(regions):.2f})")
+        verdicts.append((run["variant"], run["seed"], reached, acc > RECALLS,
+                         f"- {run['variant']}, seed {run['seed']}: {what}; it "
+                         f"{'recalls' if acc > RECALLS else 'does not recall'} (mqar_accuracy {acc:.3f})."))
+    if verdicts:
+        lines += [f"Per run, by the layers above without a decode window: a run reaches the pairs when some layer's "
+                  f"region mass is at least {REACHES}; it recalls when its mqar_accuracy exceeds {RECALLS}.", ""]
+        lines += [v[-1] for v in verdicts] + [""]
+        stuck = sorted({v[0] for v in verdicts if v[2] and not v[3]})
+        blind = sorted({v[0] for v in verdicts if not v[2] and not v[3]})
+        if stuck:
+            lines += [f"Runs that reach the pairs yet do not recall ({', '.join(stuck)}) have what they need in what "
+                      f"they read: a selection that reaches further would not help them; what fails is the use of "
+                      f"what is read (compare their value_share with the runs that recall).", ""]
+        if blind:
+            lines += [f"Runs that do not reach the pairs ({', '.join(blind)}) read none of them: no readout can "
+                      f"recall what the window leaves out; what to measure next is why the selection misses the "
+                      f"pairs (their scalar keys against the query's).", ""]
     return lines

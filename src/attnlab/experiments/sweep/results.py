@@ -95,6 +95,7 @@ def aggregate(spec: Spec, out: str | os.PathLike | None = None) -> dict:
                 "seq_len": cfg.data.seq_len, "batch_size": cfg.train.batch_size, "grad_accum": cfg.train.grad_accum,
                 "steps": cfg.train.steps, "tokens_per_run": cfg.train.steps * cfg.train.tokens_per_step,
                 "lr": cfg.train.lr, "early_stop": _early_stop_of(cfg), "data": cfg.data.source, "tokenizer": cfg.data.tokenizer, "max_docs": cfg.data.max_docs,
+                "mqar_pairs": cfg.data.mqar_pairs if cfg.data.source == "mqar" else None,
             })
     names = scalar_names(spec, runs)
     variants = {}
@@ -284,6 +285,9 @@ def _metrics_text(metrics: dict) -> str:
                      + ("s times the pairs (and queries)" if metrics.get("mqar_scale_pairs", True) else
                         "the training's pairs and queries (mqar_scale_pairs = false)")
                      + ", every query as far from every pair as in training (data.mqar_min_gap)")
+    if metrics.get("mqar_attention"):
+        parts.append("**mqar_region_mass@L, mqar_value_share@L, mqar_value_reach@L**: where layer L's attention at the "
+                     "MQAR queries goes (the section below)")
     if metrics.get("mqar_windows"):
         parts.append("**…/window=k**: the same with every scalar/hybrid head reading only its k nearest keys in scalar "
                      "space (`attnlab.eval.window.decode_window`; a window-trained layer keeps its local window; "

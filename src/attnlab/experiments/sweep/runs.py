@@ -177,6 +177,13 @@ def plan(spec: Spec, out: str | os.PathLike | None = None, *, jobs: int = 1) -> 
 
 
 def _check_eval_lengths(cfg: RunConfig, metrics: dict, variant: str) -> None:
+    layers = metrics.get("mqar_attention") or []
+    if layers and cfg.data.source != "mqar":
+        raise ConfigError(f"variant {variant!r}: metrics.mqar_attention measures the attention at MQAR queries; "
+                          f"data.source is {cfg.data.source!r}, not 'mqar'")
+    if layers and max(layers) >= cfg.model.n_layers:
+        raise ConfigError(f"variant {variant!r}: metrics.mqar_attention names layer {max(layers)}; the model has "
+                          f"model.n_layers={cfg.model.n_layers} (layers 0..{cfg.model.n_layers - 1})")
     if metrics.get("mqar_scales") or metrics.get("mqar_windows"):
         from attnlab.train.evaluate import check_mqar_scales
 
@@ -213,7 +220,7 @@ def collect_metrics(run_dir: str | os.PathLike, metrics: dict) -> dict[str, floa
                   compress=metrics.get("compress") or None, context_lengths=metrics.get("lengths") or None,
                   mqar_scales=metrics.get("mqar_scales") or None, mqar_windows=metrics.get("mqar_windows") or None,
                   mqar_scale_pairs=metrics.get("mqar_scale_pairs", True),
-                  write=False, **args)
+                  mqar_attention=bool(metrics.get("mqar_attention")), write=False, **args)
     layers = ev.get("layers", [])
     topk = topk_summary(layers)
     out: dict[str, float | None] = {}

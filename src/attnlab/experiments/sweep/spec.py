@@ -10,6 +10,7 @@ from pathlib import Path
 from typing import Sequence
 
 from attnlab.eval.metrics import GATE_BINS
+from attnlab.eval.tasks import MQAR_ATTENTION
 from attnlab.models.config import ConfigError
 from attnlab.train.config import read_toml
 
@@ -22,7 +23,8 @@ SPEC_KEYS = ("title", "claim", "description", "base", "seeds", "overrides", "var
 VARIANT_KEYS = ("name", "overrides", "description")
 # [metrics]: what to collect per run from attnlab.train.evaluate, and evaluate's arguments
 METRIC_KEYS = ("loss_at", "topk_mass", "entropy", "sink_share", "learned_sink_share", "alignment", "gate", "principled", "windowed_loss",
-               "budgets", "compress", "lengths", "passkey", "mqar_accuracy", "mqar_scales", "mqar_windows", "mqar_scale_pairs")
+               "budgets", "compress", "lengths", "passkey", "mqar_accuracy", "mqar_scales", "mqar_windows", "mqar_scale_pairs",
+               "mqar_attention")
 EVAL_ARG_KEYS = ("max_tokens", "batch_size", "analysis_len", "analysis_batch", "split", "passkey_depths")
 OWNED_KEYS = ("run.seed", "run.name", "run.out_dir", "run.resume", "run.overwrite", "run.progress")
 SUMMARY_SCALARS = ("val_loss", "val_ppl", "val_accuracy", "train_loss", "tokens_per_s", "train_seconds",
@@ -167,20 +169,30 @@ def metric_names(metrics: dict) -> list[str]:
 def mqar_metric_names(metrics: dict) -> list[str]:
     """MQAR accuracy at the training length ("mqar_accuracy"), at s times it with s times the pairs
     ("mqar_accuracy@<s>x", mqar_scales), and each through a decode window of k keys
-    ("mqar_accuracy/window=<k>", "mqar_accuracy@<s>x/window=<k>", mqar_windows)."""
+    ("mqar_accuracy/window=<k>", "mqar_accuracy@<s>x/window=<k>", mqar_windows); for each layer i of
+    mqar_attention, where its attention at the queries goes ("mqar_region_mass@L<i>",
+    "mqar_value_share@L<i>", "mqar_value_reach@L<i>": `attnlab.eval.tasks.mqar_attention_summary`),
+    exactly and through each decode window."""
     scales = [""] + [f"@{s}x" for s in metrics.get("mqar_scales", [])]
     if not metrics.get("mqar_accuracy"):
         scales = scales[1:]
-    return [f"mqar_accuracy{s}{w}" for s in scales for w in [""] + [f"/window={k}" for k in metrics.get("mqar_windows", [])]]
+    windows = [""] + [f"/window={k}" for k in metrics.get("mqar_windows", [])]
+    names = [f"mqar_accuracy{s}{w}" for s in scales for w in windows]
+    return names + [f"mqar_{m}@L{i}{w}" for i in metrics.get("mqar_attention", []) for m in MQAR_ATTENTION for w in windows]
 
 
 def mqar_values(ev: dict, metrics: dict) -> dict[str, float | None]:
     """The MQAR scalars of `mqar_metric_names` from what `attnlab.train.evaluate` returned (its "mqar"
     table); None where a run has no value (a window for a model without scalar/hybrid layers)."""
-    table = ev.get("mqar") or {}
+    table, where = ev.get("mqar") or {}, ev.get("mqar_attention") or {}
     out = {}
     for name in mqar_metric_names(metrics):
         head, _, window = name.partition("/")
+        if not head.startswith("mqar_accuracy"):  # mqar_<measure>@L<i>: the attention at the queries
+            measure, _, layer = head[len("mqar_"):].partition("@L")
+            layers = where.get(window or "exact") or []
+            out[name] = layers[int(layer)].get(measure) if int(layer) < len(layers) else None
+            continue
         scale = head.partition("@")[2] or "1x"
         out[name] = (table.get(scale) or {}).get(window or "exact")
     return out
@@ -192,6 +204,8 @@ def _check_metrics(m, key: str = "metrics") -> dict:
     for name in ("loss_at", "topk_mass", "passkey", "windowed_loss", "budgets", "lengths", "mqar_windows"):
         if name in m:
             _int_list(m[name], f"{key}.{name}", 1)
+    if "mqar_attention" in m:
+        _int_list(m["mqar_attention"], f"{key}.mqar_attention", 0)
     if "mqar_scales" in m:
         v = m["mqar_scales"]
         ok = isinstance(v, list) and all(isinstance(s, int) and not isinstance(s, bool) and s >= 2 for s in v)
