@@ -286,7 +286,7 @@ def test_sliding_windows_keep_a_ring_of_w_slots():
 @pytest.mark.parametrize("name", ["softmax-gqa-window", "goat-hybrid-gqa", "principled-window", "gla", "ssd",
                                   "cosformer", "hybrid-sink-weight-gqa-gain", "scalar-mixed-gqa-sliding-sink"])
 def test_compiled_steps_of_every_static_state_equal_generate(name):
-    torch._dynamo.reset()  # each model is a new graph of the one step function (dynamo's recompile limit: 8)
+    torch._dynamo.reset()  # a clean compiler state per model
     m = model(*SETTINGS[name])
     idx = torch.randint(0, 50, (2, 7), generator=torch.Generator().manual_seed(1))
     assert torch.equal(StaticDecoder(m, 2, 32, compile=True).generate(idx, 12), m.generate(idx, 12))
@@ -303,6 +303,33 @@ def test_compiled_budget_and_decode_window_equal_eager():
         assert torch.allclose(eager.prefill(idx[:, :9]), fast.prefill(idx[:, :9]), atol=1e-5)
         for t in range(9, 40):
             assert torch.allclose(eager.step(idx[:, t : t + 1]), fast.step(idx[:, t : t + 1]), atol=1e-5), (kw, t)
+
+
+def test_each_decoder_steps_through_a_code_object_of_its_own():
+    """`own_code`: the step as a copy of `step_logits` with its own code object (dynamo's caches and
+    recompile count live on the code object), computing the same logits."""
+    from attnlab.models.static_state import own_code
+
+    m = model(*SETTINGS["softmax-gqa-window"])
+    a, b = StaticDecoder(m, 2, 16), StaticDecoder(m, 2, 16)
+    fa, fb = own_code(a.step_logits), own_code(b.step_logits)
+    assert len({fa.__code__, fb.__code__, a.step_logits.__code__}) == 3 and fa.__self__ is a
+    assert fa.__doc__ == StaticDecoder.step_logits.__doc__
+    idx = torch.randint(0, 50, (2, 1), generator=torch.Generator().manual_seed(0))
+    assert torch.equal(fa(idx), b.step_logits(idx))  # a fresh decoder each: the same first step
+
+
+@pytest.mark.slow
+def test_compiled_decoders_past_dynamo_recompile_limit(monkeypatch):
+    """A process may compile more decoders than dynamo's recompile limit (8; 1 here): each compiles
+    its own step. With one shared step the second decoder failed (FailOnRecompileLimitHit)."""
+    torch._dynamo.reset()
+    monkeypatch.setattr(torch._dynamo.config, "recompile_limit", 1)
+    m = model(*SETTINGS["softmax-gqa-window"])
+    idx = torch.randint(0, 50, (1, 5), generator=torch.Generator().manual_seed(2))
+    ref = m.generate(idx, 4)
+    for B in (1, 2):
+        assert torch.equal(StaticDecoder(m, B, 16, compile=True).generate(idx.expand(B, -1), 4), ref.expand(B, -1))
 
 
 def test_refusals_name_what_is_wrong():

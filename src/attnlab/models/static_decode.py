@@ -31,7 +31,7 @@ from torch import nn
 from ..cache.selected import KEY_DTYPES
 from ..layers.sink import sink_weight_value
 from .decode import decode_window
-from .static_state import KEYED, RECURRENT, KeyStore, make_state, scalar_term, softmax_readout
+from .static_state import KEYED, RECURRENT, KeyStore, make_state, own_code, scalar_term, softmax_readout
 from ..cache.sorted import QUERY_HISTORY
 from .static_window import LAST, budget_keep, merge_codes, nearest_alive, window_keys
 
@@ -141,9 +141,9 @@ class StaticDecoder(nn.Module):
         self.register_buffer("slots", torch.arange(N, device=p.device), persistent=False)
         self.length = 0  # positions written (a host copy of pos: no synchronisation to check it)
         self._step = self.step_logits
-        if compile:
-            self._step = torch.compile(self.step_logits, mode="reduce-overhead" if p.device.type == "cuda" else None,
-                                       fullgraph=True)
+        if compile:  # a step of its own: any number of decoders compile in one process (`own_code`)
+            self._step = torch.compile(own_code(self.step_logits), fullgraph=True,
+                                       mode="reduce-overhead" if p.device.type == "cuda" else None)
 
     def _attend(self, i: int, blk, h: torch.Tensor, positions: torch.Tensor, visible: torch.Tensor) -> torch.Tensor:
         """Layer i's readout for the tokens h (B, T, C) at `positions` (T,), their entries written into

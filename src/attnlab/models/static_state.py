@@ -21,6 +21,7 @@ two sums, its step's position (the reweighting's angle) the decoder's device ten
 from __future__ import annotations
 
 import math
+import types
 
 import torch
 import torch.nn.functional as F
@@ -265,3 +266,16 @@ def make_state(a, batch_size: int, max_len: int, device, dtype) -> nn.Module | N
     if a.mechanism in RECURRENT:
         return RecurrentStore(a, batch_size, max_len, device, dtype)
     return None
+
+
+def own_code(method):
+    """`method` (bound) as a function with a code object of its own. Dynamo keeps its compiled graphs,
+    and counts recompiles toward `torch._dynamo.config.recompile_limit` (8), per code object: every
+    decoder compiling one shared method would share that count, and a process that built more than
+    8 different decoders would fail under fullgraph=True. Each decoder's own copy starts at 0, and
+    its graphs go with it."""
+    f = method.__func__
+    code = f.__code__.replace(co_name=f"{f.__name__}_{id(method.__self__):x}")
+    fn = types.FunctionType(code, f.__globals__, code.co_name, f.__defaults__, f.__closure__)
+    fn.__kwdefaults__, fn.__doc__, fn.__qualname__ = f.__kwdefaults__, f.__doc__, f"{f.__qualname__}_{id(method.__self__):x}"
+    return types.MethodType(fn, method.__self__)
