@@ -181,6 +181,6 @@ def mqar_attention_section(results: dict) -> list[str]:
                       f"what is read (compare their value_share with the runs that recall).", ""]
         if blind:
             lines += [f"Runs that do not reach the pairs ({', '.join(blind)}) read none of them: no readout can "
-                      f"recall what the window leaves out; what to measure next is why the selection misses the "
-                      f"pairs (their scalar keys against the query's).", ""]
+                      f"recall what their window leaves out; where that window is chosen by scalar distance, what to "
+                      f"measure next is why it misses the pairs (the pairs' scalar keys against the queries').", ""]
     return lines
