@@ -203,3 +203,16 @@ def test_the_report_section_says_which_runs_reach_the_pairs_and_which_recall():
     assert "Runs that reach the pairs yet do not recall (window)" in text
     assert "Runs that do not reach the pairs (swa)" in text
     assert mqar_attention_section({"scalars": ["mqar_accuracy"], "runs": runs, "variants": variants}) == []
+
+
+def test_the_eval_report_shows_the_attention_table():
+    from attnlab.experiments.report import eval_markdown
+
+    layer = {"region_mass": 0.5, "value_share": 0.25, "value_reach": 1.0}
+    text = eval_markdown({"run_dir": "r", "checkpoint": "c", "step": 1, "attn": ["hybrid"], "mqar_accuracy": 0.5,
+                          "mqar_attention": {"exact": [layer], "window=8": [dict(layer, value_share=None)]}})
+    assert "| layer | keys     | pair tokens | value share | value reached |" in text
+    assert "|     0 | exact    |      0.5000 |      0.2500 |         1.000 |" in text
+    assert "|     0 | window=8 |      0.5000 |           — |         1.000 |" in text
+    assert "pair tokens" not in eval_markdown({"run_dir": "r", "checkpoint": "c", "step": 1, "attn": ["hybrid"],
+                                               "mqar_accuracy": 0.5})

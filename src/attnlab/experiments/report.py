@@ -110,6 +110,14 @@ def eval_markdown(result: dict, *, title: str | None = None) -> str:
                       + " (positive: the window misses more as the context grows).", ""]
     if "mqar_accuracy" in result:
         lines += ["## MQAR", "", f"Accuracy at the query positions: {fmt(result['mqar_accuracy'])}", ""]
+        where = result.get("mqar_attention") or {}
+        rows = [[i, how] + [layer.get(m) for m in ("region_mass", "value_share", "value_reach")]
+                for how, layers in where.items() for i, layer in enumerate(layers)]
+        if rows:
+            lines += ["Where each layer's attention at the queries goes (64 test sequences, heads averaged): weight "
+                      "on the pair tokens, the queried value's share of the weight on all values (1 / pairs for heads "
+                      "blind to which pair is asked), share of queries whose value some head reads (>= 1%).", "",
+                      markdown_table(["layer", "keys", "pair tokens", "value share", "value reached"], rows), ""]
     if result.get("passkey"):
         lines += ["## Passkey retrieval", ""]
         rows = []
