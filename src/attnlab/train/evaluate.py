@@ -93,6 +93,7 @@ def layer_inputs(model, x: torch.Tensor, **kwargs) -> dict[int, torch.Tensor]:
     return inputs
 
 
+@torch.no_grad()
 def attention_report(model, x: torch.Tensor, topk=TOPK_KS, *, alignment: bool = True) -> list[dict]:
     """Per-layer, per-head attention statistics of `model` on tokens x (B, T); `alignment`: also
     the alignment profile of scalar heads (sorts every visible pair: the costly part at long T)."""
