@@ -216,3 +216,42 @@ def test_the_eval_report_shows_the_attention_table():
     assert "|     0 | window=8 |      0.5000 |           — |         1.000 |" in text
     assert "pair tokens" not in eval_markdown({"run_dir": "r", "checkpoint": "c", "step": 1, "attn": ["hybrid"],
                                                "mqar_accuracy": 0.5})
+
+
+def test_a_stop_requested_during_evaluation_ends_it_between_batches(monkeypatch):
+    """Inside `interrupt.graceful()` (a sweep's worker), SIGTERM stops an evaluation at its next
+    batch rather than after all of it; the sweep evaluates the run again when resumed."""
+    import os
+    import signal
+
+    from attnlab import interrupt
+    from attnlab.eval.tasks import mqar_accuracy
+    from attnlab.train.evaluate import mqar_attention_report
+
+    import time
+
+    monkeypatch.setattr(interrupt, "_signum", None)  # the request outlives graceful(): cleared after the test
+    cfg, model = _model("model.attn=softmax")
+    calls = []
+
+    def signal_self():  # the signal is recorded by a watcher thread: wait until it is
+        os.kill(os.getpid(), signal.SIGTERM)
+        deadline = time.monotonic() + 10
+        while interrupt.requested() is None and time.monotonic() < deadline:
+            time.sleep(0.01)
+
+    def logits(x):
+        calls.append(x.shape[0])
+        if len(calls) == 2:
+            signal_self()
+        return model(x)[0]
+
+    task = dict(vocab_size=32, seq_len=48, num_kv_pairs=3, min_gap=20, num_examples=8, batch_size=2)
+    with pytest.raises(interrupt.Interrupted, match="evaluation stopped between batches"):
+        with interrupt.graceful():
+            mqar_accuracy(logits, **task)
+    assert calls == [2, 2]  # the batch running when the signal came finished; no other started
+    with pytest.raises(interrupt.Interrupted, match="evaluation stopped between batches"):
+        with interrupt.graceful():
+            signal_self()
+            mqar_attention_report(model, cfg, [], "cpu", num_examples=8)

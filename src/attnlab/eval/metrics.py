@@ -16,10 +16,14 @@ from typing import Callable, Iterable, Sequence
 import torch
 import torch.nn.functional as F
 
+from .. import interrupt
 from ..data.packing import TokenStream, sequential_batches
 from ..checks import check_groups, check_int, check_same, check_tensor
 from ..models.lm import token_loss
 from ..ops._sdpa import expand_heads
+
+# what an evaluation loop's Interrupted says (SIGINT/SIGTERM inside interrupt.graceful(): a sweep's)
+EVAL_STOPPED = "evaluation stopped between batches (it starts again when resumed)"
 
 TOPK_KS = (8, 16, 32, 64)
 
@@ -201,6 +205,7 @@ def lm_loss(
     Returns {"loss", "ppl", "tokens", "batches"}."""
     total, count, n = 0.0, 0, 0
     for batch in batches:
+        interrupt.check(EVAL_STOPPED)
         if max_batches is not None and n >= max_batches:
             break
         x, y = _xy(batch)

@@ -11,8 +11,10 @@ from typing import Callable, Sequence
 
 import torch
 
+from .. import interrupt
 from ..data.synthetic import IGNORE, mqar, passkey
 from ..checks import check_int, check_tensor
+from .metrics import EVAL_STOPPED
 
 Model = Callable[[torch.Tensor], torch.Tensor]
 MQAR_ATTENTION = ("region_mass", "value_share", "value_reach")  # per layer: mqar_attention_summary
@@ -47,6 +49,7 @@ def recall_accuracy(
     check_int("batch_size", batch_size)
     hit_tokens = asked_tokens = hit_seqs = 0
     for i in range(0, inputs.shape[0], batch_size):
+        interrupt.check(EVAL_STOPPED)
         x, y = inputs[i : i + batch_size], labels[i : i + batch_size]
         if device is not None:
             x, y = x.to(device), y.to(device)

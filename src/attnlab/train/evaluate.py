@@ -27,15 +27,16 @@ from pathlib import Path
 
 import torch
 
+from attnlab import interrupt
 from attnlab.data.cache import atomic_write_text
 from attnlab.data.corpus import load_corpus
 from attnlab.data.packing import pack_documents, sequential_batches
+from attnlab.data.synthetic import mqar
 from attnlab.eval.metrics import (
-    TOPK_KS, alignment_profile, attention_entropy, gate_profile, gate_suppression, ground_weight, loss_at_lengths,
-    sink_share, topk_scalar_mass,
+    EVAL_STOPPED, TOPK_KS, alignment_profile, attention_entropy, gate_profile, gate_suppression, ground_weight,
+    loss_at_lengths, sink_share, topk_scalar_mass,
 )
 from attnlab.eval.window import compressed_loss, decode_window, next_token_loss, windowed_layers
-from attnlab.data.synthetic import mqar
 from attnlab.eval.tasks import MQAR_TEST_SEED, mqar_accuracy, mqar_attention_summary, mqar_pair_attention, passkey_accuracy
 
 from .checkpoint import CheckpointError, latest_checkpoint, load_checkpoint
@@ -316,6 +317,7 @@ def mqar_attention_report(model, cfg: RunConfig, windows: list[int], device, num
     def measure() -> list[dict]:
         parts = []
         for i in range(0, num_examples, batch_size):
+            interrupt.check(EVAL_STOPPED)
             x, y = inputs[i : i + batch_size].to(device), labels[i : i + batch_size].to(device)
             xs = layer_inputs(model, x)
             ws = [blk.attn.attention_weights(xs[j]) for j, blk in enumerate(model.blocks)]
