@@ -121,9 +121,10 @@ def install() -> None:
 
 
 def _uninstall() -> None:
-    global _depth, _wakeup
+    global _depth, _wakeup, _signum
     _depth -= 1
-    if _depth == 0:
+    if _depth == 0:  # the request ends with the block: later checks (an evaluation after it) run on
+        _signum = None
         for s, old in _previous.items():
             signal.signal(s, old)
         _previous.clear()
@@ -145,7 +146,7 @@ def exit_on_next_signal() -> None:
 @contextlib.contextmanager
 def graceful(on_signal: Callable[[int], None] | None = None):
     """Within this block, SIGINT/SIGTERM set `requested()` instead of raising (see the module doc).
-    The outermost block clears an earlier request when it starts."""
+    The outermost block clears the request when it starts and when it ends."""
     main = threading.current_thread() is threading.main_thread()
     if main:
         install()
