@@ -11,6 +11,7 @@ import platform
 from pathlib import Path
 
 from attnlab.eval.metrics import mean, topk_summary  # noqa: F401 (their home is eval; re-exported here)
+from attnlab.eval.tasks import MQAR_ATTENTION
 from attnlab.report_format import MISSING, fmt, markdown_table, pyplot, save_figure  # noqa: F401 (re-exported)
 from attnlab.layers import LINEAR_FAMILY
 
@@ -111,7 +112,7 @@ def eval_markdown(result: dict, *, title: str | None = None) -> str:
     if "mqar_accuracy" in result:
         lines += ["## MQAR", "", f"Accuracy at the query positions: {fmt(result['mqar_accuracy'])}", ""]
         where = result.get("mqar_attention") or {}
-        rows = [[i, how] + [layer.get(m) for m in ("region_mass", "value_share", "value_reach")]
+        rows = [[i, how] + [layer.get(m) for m in MQAR_ATTENTION]
                 for how, layers in where.items() for i, layer in enumerate(layers)]
         if rows:
             lines += ["Where each layer's attention at the queries goes (64 test sequences, heads averaged): weight "

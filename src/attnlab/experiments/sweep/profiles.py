@@ -8,12 +8,14 @@ from __future__ import annotations
 import re
 from pathlib import Path
 
+from attnlab.eval.tasks import MQAR_ATTENTION
+
 from ..report import markdown_table, pyplot, save_figure
 
 LENGTH_RE = re.compile(r"^(?P<what>.+)/T=(?P<T>\d+)$")
 DECILE_RE = re.compile(r"^align_d(?P<i>\d+)$")
 GATE_RE = re.compile(r"^gate_h(?P<i>\d+)$")
-MQAR_ATTENTION_RE = re.compile(r"^mqar_(?P<what>region_mass|value_share|value_reach)@L(?P<layer>\d+)(?P<window>/window=\d+)?$")
+MQAR_ATTENTION_RE = re.compile(rf"^mqar_(?P<what>{'|'.join(MQAR_ATTENTION)})@L(?P<layer>\d+)(?P<window>/window=\d+)?$")
 RECALLS = 0.5  # mqar_accuracy above which a run counts as recalling (chance: about 1 / data.mqar_pairs)
 REACHES = 0.01  # region mass below which a layer's queries count as not reaching the pairs
 
