@@ -140,6 +140,9 @@ def test_the_rules_were_written_before_the_runs(exp):
         assert sorted((r["compare"][1], r["metric"].split("/")[0], r.get("by")) for r in mine) == sorted(
             [("softmax", "mqar_accuracy", -0.1), ("softmax", "mqar_accuracy@4x", -0.1),
              (swa, "mqar_accuracy", None), (swa, "mqar_accuracy@4x", None)])
+    answer = template["answer"]  # the stated rule: the window variant of highest mean accuracy answers
+    assert answer["among"] == windowed and answer["metric"] == "mqar_accuracy" and answer["better"] == "higher"
+    assert answer["metric_of"] == {"hybrid": f"mqar_accuracy/window={EXPERIMENTS[exp][1]}"}  # judged through its window
     if (final_dir / "spec.toml").is_file():
         spec = tomllib.loads((final_dir / "spec.toml").read_text())
         assert _without_lr(spec) == _without_lr(template)

@@ -112,6 +112,50 @@ def test_several_rules_each_reach_the_report(tmp_path):
     assert "first: **supported**" in text and "bound: **supported**" in text and "below 100" in text
 
 
+ANSWER = '[answer]\nquestion = "Is hybrid better?"\namong = ["hybrid"]\nmetric = "val_loss"\nbetter = "lower"\n'
+
+
+def test_answer_takes_the_best_candidate_by_its_rules(tmp_path):
+    """[answer]: the candidate with the best mean (metric_of for some), answered by every rule about it."""
+    rules = "".join(f'[[verdict]]\nname = "{v} vs softmax"\nmetric = "{m}"\nbetter = "lower"\ncompare = ["{v}", "softmax"]\n'
+                    f'metric_b = "val_loss"\n' for v, m in (("hybrid", "val_loss"), ("gla", "loss@16")))
+    rules += '[[verdict]]\nname = "gla bound"\nmetric = "val_loss"\nbetter = "lower"\nvariant = "gla"\nthreshold = 2.0\n'
+    answer = ('[answer]\nquestion = "Does a window win?"\namong = ["hybrid", "gla"]\nmetric = "val_loss"\n'
+              'metric_of = { gla = "loss@16" }\nbetter = "lower"\n')
+    variants = {"softmax": ["model.attn=softmax"], "hybrid": ["model.attn=hybrid"], "gla": ["model.attn=gla"]}
+    spec = load_spec(_write(tmp_path, spec_text(variants=variants).split("[verdict]")[0] + rules + answer))
+    from attnlab.experiments.sweep.verdict import answer as answer_of, answer_lines
+
+    def stats(hybrid, gla, gla_val=1.0, n=2):
+        return {"softmax": {"mean": {"val_loss": 3.0}, "sd": {"val_loss": 0.1}, "n": 2},
+                "hybrid": {"mean": {"val_loss": hybrid}, "sd": {"val_loss": 0.1}, "n": 2},
+                "gla": {"mean": {"loss@16": gla, "val_loss": gla_val}, "sd": {"loss@16": 0.1, "val_loss": 0.1}, "n": n}}
+
+    def run(variants):
+        judged = [judge(r, variants) for r in spec.verdicts]
+        return answer_of(spec.answer, spec.verdicts, judged, variants, 2)
+
+    a = run(stats(hybrid=1.0, gla=2.0))  # hybrid's 1.0 beats gla's loss@16 of 2.0 (gla's val_loss is not its metric)
+    assert a["chosen"] == "hybrid" and a["outcome"] == "supported" and not a["provisional"]
+    assert [r["name"] for r in a["rules"]] == ["hybrid vs softmax"]
+    a = run(stats(hybrid=2.9, gla=1.0))  # gla: beats softmax, and its val_loss 1.0 is below 2.0
+    assert a["chosen"] == "gla" and [r["outcome"] for r in a["rules"]] == ["supported", "supported"]
+    assert a["outcome"] == "supported"
+    a = run(stats(hybrid=2.9, gla=1.0, gla_val=2.1))  # its bound is inconclusive: so is the answer
+    assert a["chosen"] == "gla" and a["outcome"] == "inconclusive"
+    a = run(stats(hybrid=2.9, gla=1.0, gla_val=2.5))  # its bound fails: not supported
+    assert a["outcome"] == "not supported"
+    a = run(stats(hybrid=1.0, gla=1.0))  # equal means: the first listed
+    assert a["chosen"] == "hybrid"
+    a = run(stats(hybrid=2.9, gla=1.0, n=1))  # gla short of the seeds: provisional
+    assert a["provisional"] and a["waiting"] == ["gla"]
+    text = "\n".join(answer_lines(a))
+    assert "Does a window win?" in text and "**gla**: loss@16 1" in text and "provisional: gla" in text
+    assert "hybrid 2.900" in text and "gla 1.000 (loss@16)" in text and "over 1 seed." in text
+    none = run({"softmax": stats(1, 1)["softmax"]})
+    assert none["chosen"] is None and none["outcome"] == "inconclusive" and "No candidate" in "\n".join(answer_lines(none))
+
+
 def _write(folder: Path, text: str) -> Path:
     (folder / "spec.toml").write_text(text)
     return folder / "spec.toml"
@@ -214,6 +258,13 @@ BAD = [
      ["verdict.times", "> 0"]),
     ("verdict-by-threshold", spec_text().replace('compare = ["hybrid", "softmax"]', 'variant = "hybrid"\nthreshold = 1.0\nby = 0.1'),
      ["verdict", "either compare"]),
+    ("answer-no-rule", spec_text() + ANSWER.replace('"hybrid"]', '"hybrid", "softmax"]'), ["answer.among", "'softmax'",
+                                                                                        "no verdict rule"]),
+    ("answer-variant", spec_text() + ANSWER.replace('"hybrid"]', '"hybrid", "gla"]'), ["answer.among", "'gla'"]),
+    ("answer-metric", spec_text() + ANSWER.replace('metric = "val_loss"', 'metric = "loss@99"'), ["answer.metric", "loss@99"]),
+    ("answer-metric-of", spec_text() + ANSWER + 'metric_of = { softmax = "val_loss" }\n', ["answer.metric_of", "'softmax'"]),
+    ("answer-question", spec_text() + ANSWER.replace('question = "Is hybrid better?"', 'question = ""'), ["answer.question"]),
+    ("answer-key", spec_text() + ANSWER + "pick = 1\n", ["answer", "unknown key", "pick"]),
     ("metrics-compress", spec_text().replace("[metrics]", "[metrics]\ncompress = [0.01]"), ["metrics.compress", "windowed_loss"]),
     ("metrics-compress-value", spec_text().replace("[metrics]", "[metrics]\nwindowed_loss = [4]\ncompress = [-1]"),
      ["metrics.compress", "spans"]),

@@ -14,7 +14,7 @@ from ..trial import mean_sd, sample_sd, write_outputs
 from ..report import MISSING, fmt, machine_info, markdown_table, rebuild_command, report_head, save_figure
 from .runs import (RunPlan, _record_of, collect_metrics, execute, plan, recorded_runs, recorded_threads, run_config,
                    summary_of)
-from .verdict import judge, verdict, verdict_lines
+from .verdict import answer, answer_lines, judge, verdict, verdict_lines
 from .spec import EVAL_ARG_KEYS, OWNED_KEYS, SUMMARY_SCALARS, Spec, SweepError, Variant, load_spec, metric_names
 
 
@@ -110,6 +110,7 @@ def aggregate(spec: Spec, out: str | os.PathLike | None = None) -> dict:
             "mean": {n: s[0] for n, s in stats.items()}, "sd": {n: s[1] for n, s in stats.items()},
             "tau": [mean_sd([t[i] if i < len(t) else None for t in taus])[0] for i in range(n_layers)],
         }
+    judged = [judge(rule, variants) for rule in spec.verdicts]
     threads = {((_record_of(out / r["run_dir"]) or {}).get("threads")) for r in runs} - {None}
     if not threads and recorded:  # every run recorded: the threads they were measured with
         threads = {recorded_threads(out)} - {None}
@@ -118,7 +119,8 @@ def aggregate(spec: Spec, out: str | os.PathLike | None = None) -> dict:
         "spec": {"path": str(spec.path), **spec.raw}, "seeds": spec.seeds, "scalars": names,
         "runs": runs, "missing": missing, "variants": variants,
         "verdict": judge(spec.verdict, variants) if spec.verdict else None,
-        "verdicts": [judge(rule, variants) for rule in spec.verdicts],
+        "verdicts": judged,
+        "answer": answer(spec.answer, spec.verdicts, judged, variants, len(spec.seeds)) if spec.answer else None,
         "machine": machine_info(threads.pop() if len(threads) == 1 else None),
     }
 
@@ -140,6 +142,9 @@ def write_results(spec: Spec, out: str | os.PathLike | None = None, *, command: 
         print("\n" + results_table(results))
         for v in results.get("verdicts") or []:
             print(f"\nverdict{' ' + v['name'] if v.get('name') else ''}: {v['outcome']} ({v['reason']})")
+        if a := results.get("answer"):
+            print(f"\nanswer: {a['outcome']} ({a['chosen'] or 'no candidate finished'}"
+                  f"{', provisional' if a['provisional'] else ''})")
         print(f"\nreport: {out / 'report.md'} (results.json, loss_curves.png{', metrics.png' if metrics_png else ''} beside it)")
     return results
 
@@ -204,6 +209,7 @@ def report_markdown(spec: Spec, results: dict, out: Path, metrics_png: bool = Tr
     if spec.metrics:
         lines += [_metrics_text(spec.metrics), ""]
     lines += profile_sections(results, out)
+    lines += answer_lines(results.get("answer"))
     lines += verdict_lines(spec.verdicts, results.get("verdicts") or [])
     lines += ["## Plots", "", "![loss curves](loss_curves.png)", "",
               "Train and validation loss per variant (and, where a variant has scalar heads, its temperature τ, "

@@ -14,12 +14,12 @@ from attnlab.eval.tasks import MQAR_ATTENTION
 from attnlab.models.config import ConfigError
 from attnlab.train.config import read_toml
 
-from .verdict import check_rules
+from .verdict import check_answer, check_rules
 
 
 
 SPEC_KEYS = ("title", "claim", "description", "base", "seeds", "overrides", "variants", "out", "per_seed",
-             "metrics", "verdict")
+             "metrics", "verdict", "answer")
 VARIANT_KEYS = ("name", "overrides", "description")
 # [metrics]: what to collect per run from attnlab.train.evaluate, and evaluate's arguments
 METRIC_KEYS = ("loss_at", "topk_mass", "entropy", "sink_share", "learned_sink_share", "alignment", "gate", "principled", "windowed_loss",
@@ -60,7 +60,8 @@ class Spec:
     base run config as written (a path relative to the spec, or an inline table) and base_raw the raw
     config it gives; seeds; overrides shared by every run; variants; out: the output folder (default
     the spec's); per_seed: also a table per run; metrics: the [metrics] table; verdict: the first
-    rule and verdicts every rule (empty without any); raw: the TOML as read.
+    rule and verdicts every rule (empty without any); answer: the [answer] table (None without one);
+    raw: the TOML as read.
     """
 
     path: Path
@@ -77,6 +78,7 @@ class Spec:
     metrics: dict
     verdict: dict | None  # the first rule (None without any)
     verdicts: list[dict] = field(default_factory=list)  # every rule, in the spec's order
+    answer: dict | None = None  # the [answer] table, checked (`verdict.check_answer`); None without one
     raw: dict = field(repr=False, default_factory=dict)
 
     def run_dir(self, variant: str, seed: int, out: str | os.PathLike | None = None) -> Path:
@@ -285,9 +287,11 @@ def load_spec(path: str | os.PathLike) -> Spec:
     metrics = _check_metrics(raw["metrics"]) if "metrics" in raw else {}
     allowed = list(SUMMARY_SCALARS) + metric_names(metrics)
     verdicts = check_rules(raw["verdict"], [v.name for v in variants], allowed) if "verdict" in raw else []
+    _need("answer" not in raw or verdicts, "answer chooses among the verdict rules' variants: give [[verdict]] rules with it")
+    answer = check_answer(raw["answer"], [v.name for v in variants], verdicts, allowed) if "answer" in raw else None
     return Spec(
         path=path, title=raw.get("title") or path.stem, claim=raw.get("claim", ""), description=raw.get("description", ""),
         base=base, base_raw=base_raw, seeds=seeds, overrides=overrides, variants=variants,
         out=here / raw["out"] if raw.get("out") else here, per_seed=raw.get("per_seed", False), metrics=metrics,
-        verdict=verdicts[0] if verdicts else None, verdicts=verdicts, raw=raw,
+        verdict=verdicts[0] if verdicts else None, verdicts=verdicts, answer=answer, raw=raw,
     )

@@ -18,6 +18,13 @@ Two kinds of rule, both with the same margin, twice the sample sd over seeds:
   more than that, else inconclusive.
 
 Fewer than 2 finished seeds (no sd) is always inconclusive.
+
+An optional [answer] table answers the spec's question from its rules: among the candidate variants
+it takes the one with the highest (better = "higher") or lowest mean of `metric` (`metric_of` names
+another metric for some of them; equal means: the first listed), and the answer is that variant's
+rules, every rule that names it first in `compare` or as its `variant`: **supported** when all of them
+are, **not supported** when one is not, else **inconclusive**. While a candidate has fewer finished
+runs than the spec has seeds the answer is marked provisional: the choice may still change.
 """
 
 
@@ -30,6 +37,7 @@ from attnlab.models.config import ConfigError
 from ..report import fmt
 
 RULE_KEYS = ("name", "metric", "better", "compare", "metric_b", "by", "times", "variant", "threshold")
+ANSWER_KEYS = ("question", "among", "metric", "metric_of", "better")
 OUTCOMES = ("supported", "not supported", "inconclusive")
 
 
@@ -100,6 +108,91 @@ def check_rules(raw, variants: list[str], metrics: list[str]) -> list[dict]:
             names.add(r["name"])
         out.append(dict(r))
     return out
+
+
+def _subject(rule: dict) -> str:
+    """The variant a rule makes its claim about."""
+    return rule["variant"] if "threshold" in rule else rule["compare"][0]
+
+
+def check_answer(raw, variants: list[str], rules: list[dict], metrics: list[str]) -> dict:
+    """The spec's [answer] table, checked (module docstring): every candidate a variant with rules."""
+    _need(isinstance(raw, dict), f"answer must be a table, got {raw!r}")
+    unknown = sorted(set(raw) - set(ANSWER_KEYS))
+    _need(not unknown, f"answer: unknown key(s) {', '.join(unknown)}; allowed: {', '.join(ANSWER_KEYS)}")
+    q = raw.get("question")
+    _need(isinstance(q, str) and q.strip() != "", f"answer.question must be a non-empty string, got {q!r}")
+    among = raw.get("among")
+    _need(isinstance(among, list) and among and all(isinstance(x, str) for x in among) and len(set(among)) == len(among),
+          f"answer.among must list the candidate variants, each once; got {among!r}")
+    judged = {_subject(r) for r in rules}
+    for x in among:
+        _need(x in variants, f"answer.among: {x!r} is not a variant; variants: {', '.join(variants)}")
+        _need(x in judged, f"answer.among: no verdict rule makes a claim about {x!r} (compare = [{x!r}, ...] or "
+              f"variant = {x!r}), so choosing it would answer nothing")
+    _need(raw.get("better") in ("lower", "higher"), f"answer.better must be 'lower' or 'higher', got {raw.get('better')!r}")
+    metric_of = raw.get("metric_of", {})
+    _need(isinstance(metric_of, dict), f"answer.metric_of must be a table of variant = metric, got {metric_of!r}")
+    for x in metric_of:
+        _need(x in among, f"answer.metric_of: {x!r} is not in answer.among ({', '.join(among)})")
+    for key, m in [("metric", raw.get("metric")), *((f"metric_of.{x}", m) for x, m in metric_of.items())]:
+        _need(m in metrics, f"answer.{key} must be a per-run scalar: one of {', '.join(metrics)}; got {m!r}")
+    return {**raw, "metric_of": dict(metric_of)}
+
+
+def answer(spec_answer: dict, rules: list[dict], judged: list[dict], variants: dict, n_seeds: int) -> dict:
+    """[answer] applied: the chosen candidate, its rules' outcomes and the answer (module docstring)."""
+    better = spec_answer["better"]
+    ranked = []
+    for x in spec_answer["among"]:
+        m = spec_answer["metric_of"].get(x, spec_answer["metric"])
+        s = variants.get(x, {})
+        ranked.append({"variant": x, "metric": m, "mean": s.get("mean", {}).get(m), "sd": s.get("sd", {}).get(m),
+                       "n": s.get("n", 0)})
+    have = [r for r in ranked if r["mean"] is not None]
+    sign = 1.0 if better == "higher" else -1.0
+    best = max(have, key=lambda r: sign * r["mean"]) if have else None  # max keeps the first of equal means
+    waiting = [r["variant"] for r in ranked if r["n"] < n_seeds]
+    if best is None:
+        outcomes, outcome = [], "inconclusive"
+    else:
+        outcomes = [{"name": v.get("name"), "outcome": v["outcome"]} for rule, v in zip(rules, judged)
+                    if _subject(rule) == best["variant"]]
+        seen = {o["outcome"] for o in outcomes}
+        outcome = ("not supported" if "not supported" in seen else
+                   "supported" if seen == {"supported"} else "inconclusive")
+    return {"question": spec_answer["question"], "metric": spec_answer["metric"], "better": better, "candidates": ranked,
+            "chosen": None if best is None else best["variant"], "rules": outcomes, "outcome": outcome,
+            "provisional": bool(waiting), "waiting": waiting}
+
+
+def answer_lines(a: dict | None) -> list[str]:
+    """The report's Answer section."""
+    if not a:
+        return []
+    word = "highest" if a["better"] == "higher" else "lowest"
+    lines = ["## Answer", "", f"**{a['question']}**", ""]
+    ranked = sorted((r for r in a["candidates"] if r["mean"] is not None),
+                    key=lambda r: r["mean"], reverse=a["better"] == "higher")
+    if a["chosen"] is None:
+        lines += ["No candidate has a finished run yet: **inconclusive**.", ""]
+    else:
+        c = next(r for r in ranked if r["variant"] == a["chosen"])
+        sd = "" if c["sd"] is None else f" ± {fmt(c['sd'])}"
+        lines += [f"The candidate with the {word} mean is **{c['variant']}**: {c['metric']} {fmt(c['mean'])}{sd} "
+                  f"over {c['n']} seed{'s' if c['n'] != 1 else ''}. Its rules: "
+                  + "; ".join(f"{o['name'] or 'unnamed'}: {o['outcome']}" for o in a["rules"]) + ".", "",
+                  f"Answer: **{a['outcome']}**"
+                  + (f" (provisional: {', '.join(a['waiting'])} still short of the spec's seeds, so the choice may "
+                     f"change)" if a["provisional"] else "") + ".", ""]
+    lines += [f"Candidates by mean {a['metric']}, best first: "
+              + ", ".join(f"{r['variant']} {fmt(r['mean'])}" + ("" if r["metric"] == a["metric"] else f" ({r['metric']})")
+                          for r in ranked)
+              + (f"; no finished run: {', '.join(r['variant'] for r in a['candidates'] if r['mean'] is None)}"
+                 if len(ranked) < len(a["candidates"]) else "") + ".", "",
+              f"Rule: the candidate with the {word} mean answers; the answer is **supported** when every rule "
+              f"about it is supported, **not supported** when one is not, **inconclusive** otherwise.", ""]
+    return lines
 
 
 def judge(rule: dict, variants: dict) -> dict:

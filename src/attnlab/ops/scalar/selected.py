@@ -9,15 +9,15 @@ import torch
 import torch.nn.functional as F
 
 from .._sdpa import expand_heads, upcast
-from .chunked import chunk_mask, selected_kernel_attention
+from .chunked import chunk_bias, selected_kernel_attention
 from .fused import _augment
 from .naive import _scalar_scale, _tau
 
 
 def _selected_chunk(qa, ka, vals, idx, ok):
     """Query rows qa (B, H, c, E) over keys ka (B, H, b, E), vals (B, H, b, Dv), reading only the keys
-    idx / ok (B, H, c, m) select: one fused SDPA call with their mask -> (B, H, c, Dv)."""
-    keep = chunk_mask(idx, ok, ka.shape[2])
+    idx / ok (B, H, c, m) select: one fused SDPA call with their additive mask -> (B, H, c, Dv)."""
+    keep = chunk_bias(idx, ok, ka.shape[2], qa.dtype)
     width = max(qa.shape[-1], vals.shape[-1])
     pad = lambda x: F.pad(x, (0, width - x.shape[-1])) if x.shape[-1] < width else x  # noqa: E731
     out = F.scaled_dot_product_attention(pad(qa), pad(ka), pad(vals), attn_mask=keep, scale=1.0)
