@@ -48,6 +48,10 @@ def test_indices_are_the_window_and_small():
     assert torch.equal(got, dense)
     tau = torch.ones(4)
     windowed_attention(qs, ks, torch.zeros(2, 4, 50, 3, dtype=torch.float64), tau, 4, local=2)  # runs at T=50
+    from attnlab.ops.scalar.chunked import chunk_bias, chunk_mask
+    keep = chunk_mask(idx[:, :, 10:30], ok[:, :, 10:30], 30)  # the SDPA path's additive mask: the same keys
+    bias = chunk_bias(idx[:, :, 10:30], ok[:, :, 10:30], 30, torch.float32)
+    assert bias.dtype == torch.float32 and torch.equal(bias, torch.zeros(()).masked_fill(~keep, float("-inf")))
 
 
 LAYERS = [("scalar", {}), ("hybrid", {"rope": True}), ("scalar", {"sink": True}),

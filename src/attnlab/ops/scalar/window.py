@@ -186,7 +186,6 @@ def window_indices(qs: torch.Tensor, ks: torch.Tensor, window: int, *, n_prefix:
     cdt = upcast(qs.dtype)
     with torch.no_grad():
         q32, k32 = qs.detach().to(cdt), ks.detach().to(cdt)
-        bufs = None
         for a in range(0, T, query_chunk):
             b = min(T, a + query_chunk)
             found = (nearest_sorted(q32, k32, a, b, n_prefix, local, k)
@@ -194,17 +193,16 @@ def window_indices(qs: torch.Tensor, ks: torch.Tensor, window: int, *, n_prefix:
             if found is not None:  # a long context: only candidates near each query in sorted order
                 idx[:, :, a:b, n_prefix + local :], ok[:, :, a:b, n_prefix + local :] = found
                 continue
-            if cdt == torch.float32:  # one exact top-k: (distance bits, newest first) as one int64
-                if bufs is None:  # one scratch pair for every chunk, the order built in place
-                    c0 = min(query_chunk, T)
-                    bufs = (torch.empty(B, H, c0, T, device=ks.device), torch.empty(B, H, c0, T, dtype=torch.int64,
-                                                                                     device=ks.device))
-                _order_topk(q32, k32, pos, a, b, n_prefix, local, k, bufs, idx, ok)
-                continue
             dist = (q32[..., a:b, None] - k32[..., None, :b]).abs()  # (B, H, c, b)
             cand = (pos[:b] >= n_prefix) & (pos[:b] <= pos[a:b, None] - local)  # (c, b)
             dist = dist.masked_fill(~cand, float("inf"))
             kk = min(k, b)  # a chunk's keys 0..b-1 may be fewer than k
+            if dist.dtype == torch.float32:  # one exact top-k: (distance bits, newest first) as one int64
+                order = (dist.view(torch.int32).to(torch.int64) << 32) | (b - 1 - pos[:b])
+                sel = order.topk(kk, dim=-1, largest=False).indices  # (B, H, c, kk)
+                idx[:, :, a:b, n_prefix + local : n_prefix + local + kk] = sel
+                ok[:, :, a:b, n_prefix + local : n_prefix + local + kk] = dist.gather(-1, sel) < float("inf")
+                continue
             kth = dist.topk(kk, dim=-1, largest=False).values[..., -1:]  # (B, H, c, 1): the k-th distance
             below = dist < kth
             tied = (dist == kth) & cand
@@ -215,29 +213,6 @@ def window_indices(qs: torch.Tensor, ks: torch.Tensor, window: int, *, n_prefix:
             idx[:, :, a:b, n_prefix + local : n_prefix + local + kk] = sel
             ok[:, :, a:b, n_prefix + local : n_prefix + local + kk] = keep.gather(-1, sel)
     return idx, ok
-
-
-_INF_BITS = 0x7F800000  # float32 +inf as int32: above every finite distance's bits
-
-
-def _order_topk(q32, k32, pos, a, b, n_prefix, local, k, bufs, idx, ok):
-    """`window_indices`' dense float32 rule for query rows a..b-1, written into idx / ok in place:
-    the k smallest of (distance bits << 32 | newest-first rank) over the keys 0..w-1 that can be
-    candidates for some row of the chunk (w = b - local), built in place in bufs (a float32 and an
-    int64 (B, H, c0, T) scratch pair)."""
-    w = b - local  # a key s is a candidate for query t when n_prefix <= s <= t - local
-    kk = min(k, w)
-    if kk <= 0:
-        return
-    dist, order = bufs[0][:, :, : b - a, :w], bufs[1][:, :, : b - a, :w]
-    torch.sub(q32[..., a:b, None], k32[..., None, :w], out=dist)
-    order.copy_(dist.abs_().view(torch.int32))
-    cand = (pos[:w] >= n_prefix) & (pos[:w] <= pos[a:b, None] - local)  # (c, w)
-    order.masked_fill_(~cand, _INF_BITS).bitwise_left_shift_(32).bitwise_or_(b - 1 - pos[:w])
-    sel = order.topk(kk, dim=-1, largest=False).indices  # (B, H, c, kk)
-    cols = slice(n_prefix + local, n_prefix + local + kk)
-    idx[:, :, a:b, cols] = sel
-    ok[:, :, a:b, cols] = cand.expand(*sel.shape[:2], -1, -1).gather(-1, sel)
 
 
 def windowed_attention(
