@@ -188,7 +188,7 @@ def answer_lines(a: dict | None) -> list[str]:
     lines += [f"Candidates by mean {a['metric']}, best first: "
               + ", ".join(f"{r['variant']} {fmt(r['mean'])}" + ("" if r["metric"] == a["metric"] else f" ({r['metric']})")
                           for r in ranked)
-              + (f"; no finished run: {', '.join(r['variant'] for r in a['candidates'] if r['mean'] is None)}"
+              + (f"; no result yet: {', '.join(r['variant'] for r in a['candidates'] if r['mean'] is None)}"
                  if len(ranked) < len(a["candidates"]) else "") + ".", "",
               f"Rule: the candidate with the {word} mean answers; the answer is **supported** when every rule "
               f"about it is supported, **not supported** when one is not, **inconclusive** otherwise.", ""]
