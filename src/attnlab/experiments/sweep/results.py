@@ -118,7 +118,7 @@ def aggregate(spec: Spec, out: str | os.PathLike | None = None) -> dict:
         "title": spec.title, "claim": spec.claim, "description": spec.description,
         "spec": {"path": str(spec.path), **spec.raw}, "seeds": spec.seeds, "scalars": names,
         "runs": runs, "missing": missing, "variants": variants,
-        "verdict": judge(spec.verdict, variants) if spec.verdict else None,
+        "verdict": judged[0] if judged else None,
         "verdicts": judged,
         "answer": answer(spec.answer, spec.verdicts, judged, variants, len(spec.seeds)) if spec.answer else None,
         "machine": machine_info(threads.pop() if len(threads) == 1 else None),

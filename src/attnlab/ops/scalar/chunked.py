@@ -88,18 +88,21 @@ def chunked_kernel_attention(qs, ks, v, tau, q, k, kernel: str, causal: bool, sc
 
 def chunk_mask(idx: torch.Tensor, ok: torch.Tensor, b: int) -> torch.Tensor:
     """Indices (B, H, c, m) and their validity -> the (B, H, c, b) bool mask of the keys they select."""
-    idx = idx.masked_fill(~ok, b)  # invalid picks land on a spare column b, sliced off
-    keep = torch.zeros(*idx.shape[:3], b + 1, dtype=torch.bool, device=idx.device)
-    return keep.scatter_(-1, idx, True)[..., :b]
+    return _mark_selected(idx, ok, b, False, True, torch.bool)
 
 
 def chunk_bias(idx: torch.Tensor, ok: torch.Tensor, b: int, dtype: torch.dtype) -> torch.Tensor:
     """`chunk_mask` as an additive mask of `dtype`: 0 on the selected keys, -inf elsewhere. SDPA turns
     a bool mask into this one itself on every call, the recomputed forward and the backward included;
     given it ready, it skips that `where` and its outputs and gradients are the same bit for bit."""
-    idx = idx.masked_fill(~ok, b)
-    bias = torch.full((*idx.shape[:3], b + 1), float("-inf"), dtype=dtype, device=idx.device)
-    return bias.scatter_(-1, idx, 0.0)[..., :b]
+    return _mark_selected(idx, ok, b, float("-inf"), 0.0, dtype)
+
+
+def _mark_selected(idx, ok, b, other, selected, dtype):
+    """(B, H, c, b) of `dtype`: `selected` at the keys idx / ok (B, H, c, m) select, `other` elsewhere."""
+    idx = idx.masked_fill(~ok, b)  # invalid picks land on a spare column b, sliced off
+    out = torch.full((*idx.shape[:3], b + 1), other, dtype=dtype, device=idx.device)
+    return out.scatter_(-1, idx, selected)[..., :b]
 
 
 def _selected_chunk(qs, ks, vals, tau_b, lam, q, k, idx, ok, kernel):
