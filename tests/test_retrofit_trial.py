@@ -1,6 +1,7 @@
 """`attnlab retrofit trial`: variants x seeds converted, fine-tuned and evaluated, resumed, reported with verdicts."""
 
 import json
+import shutil
 import math
 
 import pytest
@@ -107,6 +108,20 @@ def test_trial_runs_reports_and_resumes(tmp_path, model_dir, capsys):
     assert main(["retrofit", "trial", str(spec), "--no-progress"]) == 0
     assert stamps == {p: p.stat().st_mtime_ns for p in spec.parent.rglob("result.json")}
     assert main(["retrofit", "trial", str(spec), "--report-only"]) == 0
+    # a fresh clone has spec.toml and results.json, not runs/: --report-only keeps every recorded result
+    clone = tmp_path / "clone"
+    clone.mkdir()
+    for name in ("spec.toml", "results.json"):
+        shutil.copy(spec.parent / name, clone / name)
+    assert main(["retrofit", "trial", str(clone / "spec.toml"), "--report-only"]) == 0
+    again = json.loads((clone / "results.json").read_text())
+    assert again["variants"] == res["variants"] and again["per_layer"] == res["per_layer"]
+    assert [v["outcome"] for v in again["verdicts"]] == [v["outcome"] for v in res["verdicts"]]
+    # results measured with another setup are not kept: the spec's variant changed under them
+    (clone / "spec.toml").write_text((clone / "spec.toml").read_text().replace("lora = 2\n", "lora = 4\n", 1))
+    assert main(["retrofit", "trial", str(clone / "spec.toml"), "--report-only"]) == 0
+    changed = json.loads((clone / "results.json").read_text())["variants"]
+    assert all(not st["seeds"] for v, st in changed.items() if v != ORIGINAL)
 
 
 BAD = {

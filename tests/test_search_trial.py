@@ -2,6 +2,7 @@
 mean ± sd and verdicts from the runs' own results, resuming without new work."""
 
 import json
+import shutil
 import statistics
 
 import pytest
@@ -79,10 +80,14 @@ def test_trial_trains_evaluates_and_reports(tmp_path, corpus, monkeypatch):
         assert st["runs"]["1"]["learned/gap@8"] == pytest.approx(100 * row["rel_gap"])
     assert res["verdicts"][0]["outcome"] == "supported"  # some mass is kept, beyond 2 sd of 0
     report = (tmp_path / "report.md").read_text()
-    assert "| variant" in report and "Rule:" in report and "query rows 8" in report
+    assert "| variant" in report and "How a rule is judged" in report and "query rows 8" in report
     evals.clear()
     again = run_trial(load_trial(tmp_path / "spec.toml"), lm=lm, progress=False)  # finished: no new work
     assert evals == [] and again["variants"] == json.loads(json.dumps(res["variants"]))
+    # a fresh clone has spec.toml and results.json, not runs/: --report-only keeps every recorded result
+    shutil.rmtree(tmp_path / "runs")
+    rebuilt = run_trial(load_trial(tmp_path / "spec.toml"), lm=lm, progress=False, report_only=True)
+    assert evals == [] and rebuilt["variants"] == again["variants"] and rebuilt["verdicts"] == again["verdicts"]
 
 
 @pytest.mark.parametrize("extra, words", [

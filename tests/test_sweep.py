@@ -109,7 +109,8 @@ def test_several_rules_each_reach_the_report(tmp_path):
                         "softmax": {"mean": {"val_loss": 3.0}, "sd": {"val_loss": 0.1}}}) for r in spec.verdicts]
     text = "\n".join(verdict_lines(spec.verdicts, judged))
     assert [v["outcome"] for v in judged] == ["supported", "supported"]
-    assert "first: **supported**" in text and "bound: **supported**" in text and "below 100" in text
+    assert "- first (hybrid is better than softmax in val_loss, lower is better): **supported**" in text
+    assert "- bound (hybrid's loss@16 is below 100" in text and text.count("How a rule is judged") == 1
 
 
 ANSWER = '[answer]\nquestion = "Is hybrid better?"\namong = ["hybrid"]\nmetric = "val_loss"\nbetter = "lower"\n'
@@ -410,6 +411,9 @@ def test_recorded_runs_stand_for_absent_run_folders(reference, tmp_path):
     from attnlab.experiments.report import shown_path
 
     assert f"rebuild it with `attnlab sweep {shown_path(clone / 'spec.toml')} --report-only`" in (clone / "report.md").read_text()
+    # a rebuild trains nothing: the report keeps the command that trained the runs and their machine
+    assert again["command"] == res["command"] and again["machine"] == res["machine"]
+    assert f"Command: `{res['command']}`" in (clone / "report.md").read_text()
     more = {**VARIANTS, "swa": ["model.attn=softmax", "model.attention.sliding_window=4"]}
     states = {(p.variant, p.seed): p.state for p in plan(load_spec(_write(clone, spec_text(variants=more))))}
     assert states == {**{(v, s): "recorded" for v in VARIANTS for s in SEEDS}, **{("swa", s): "new" for s in SEEDS}}

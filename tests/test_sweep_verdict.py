@@ -76,9 +76,11 @@ def test_compare_rule_times_scales_b_and_its_sd():
     assert got["outcome"] == "supported" and "0.5 × b" in got["reason"]
     variants["a"]["mean"]["s"] = 0.76  # 1.24 below half of b: within the margin
     assert judge({"metric": "s", "better": "lower", "compare": ["a", "b"], "times": 0.5}, variants)["outcome"] == "inconclusive"
-    from attnlab.experiments.sweep.verdict import rule_text
-    text = rule_text({"metric": "s", "better": "lower", "compare": ["a", "b"], "times": 0.5, "by": 0.1})
-    assert "0.5 × b" in text and "more than 0.1" in text and "(0.5·sd_b)²" in text
+    from attnlab.experiments.sweep.verdict import claim_text, rule_text
+    rule = {"metric": "s", "better": "lower", "compare": ["a", "b"], "times": 0.5, "by": 0.1}
+    assert claim_text(rule) == "a is better than 0.5 × b in s by more than 0.1000, lower is better"
+    text = "\n".join(rule_text([rule]))
+    assert "(t·sd_B)²" in text and "by more than x" in text and "*A is better than B*:" not in text
 
 
 def test_one_variant_against_itself_on_another_metric():

@@ -64,7 +64,7 @@ def cmd_sweep(ns) -> int:
     try:
         plans = sw.plan(spec, out, jobs=jobs)  # every (variant, seed) config loaded and checked
         if ns.report_only:
-            sw.write_results(spec, out, command=ns.command_line, quiet=False)
+            sw.write_results(spec, out, command=ns.command_line, quiet=False, report_only=True)
             return 0
     except sw.SweepError as e:
         raise UsageError(str(e)) from None

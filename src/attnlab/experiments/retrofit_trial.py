@@ -40,8 +40,8 @@ from attnlab import interrupt
 from attnlab.data.cache import atomic_write_text
 from attnlab.experiments.report import fmt, markdown_table, mean as _mean_or_none, report_head
 from attnlab.experiments.sweep.verdict import check_rules, judge, verdict_lines
-from attnlab.experiments.trial import (Trial, need, pm, read_spec, section, seed_stats, table as _table,
-                                      variant_name, write_outputs)
+from attnlab.experiments.trial import (Trial, keep_recorded, need, pm, read_spec, recorded_results, section,
+                                      seed_stats, table as _table, variant_name, write_outputs)
 from attnlab.checks import check_int
 from attnlab.lock import FolderLock, check_free
 from attnlab.pool import run_pool
@@ -318,7 +318,23 @@ def collect(trial: Trial) -> tuple[dict, dict]:
 
 
 def write_report(trial: Trial) -> dict:
+    """Write OUT/results.json and report.md from the finished runs (and, for variants whose run
+    folders are absent, the committed results measured with the same fingerprint: `keep_recorded`)."""
     stats, layers = collect(trial)
+    old, ev = recorded_results(trial.out), trial.runs[0].eval
+    fingerprints = {r.variant: _fingerprint(r, r.eval) for r in trial.runs}
+
+    def same(v: str) -> bool:
+        if v == ORIGINAL:  # the unchanged model, measured by the shared evaluation
+            return any(_filled({"eval": fp.get("eval")}) == _fingerprint(None, ev)
+                       for fp in (old.get("runs") or {}).values() if isinstance(fp, dict))
+        fp = (old.get("runs") or {}).get(v)
+        return isinstance(fp, dict) and _filled(fp) == fingerprints[v]
+
+    seeds = {v: [r.seed for r in trial.runs if r.variant == v] for v in trial.variants}
+    for v in keep_recorded(stats, old, {ORIGINAL: list(trial.seeds), **seeds}, same):
+        if (old.get("per_layer") or {}).get(v) is not None:
+            layers[v] = old["per_layer"][v]
     judged = [judge(r, stats) for r in trial.rules]
     results = {"title": trial.title, "claim": trial.claim, "spec": str(trial.path), "variants": stats,
                "per_layer": layers, "verdicts": judged,

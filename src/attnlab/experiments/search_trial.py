@@ -47,8 +47,8 @@ from attnlab import interrupt
 from attnlab.lock import FolderLock, check_free
 from attnlab.experiments.report import markdown_table, report_head
 from attnlab.experiments.sweep.verdict import check_rules, judge, verdict_lines
-from attnlab.experiments.trial import (Trial as _Trial, pm, read_spec, section, seed_stats, table as _table,
-                                      variant_name, write_outputs)
+from attnlab.experiments.trial import (Trial as _Trial, keep_recorded, pm, read_spec, recorded_results, section,
+                                      seed_stats, table as _table, variant_name, write_outputs)
 
 from ..search.coverage import check_references, coverage_markdown, layer_masses, mean_masses, plot_coverage
 from ..search.lm import FrozenLM
@@ -237,8 +237,29 @@ def collect(trial: Trial) -> dict:
     return out
 
 
+WHERE = ("out", "checkpoint", "device", "resume")  # where a run lives and ran: not what it measured
+
+
+def _same_config(recorded, current) -> bool:
+    """A recorded config (a results.json entry) is the current one: the recorded fields, with the fields
+    added since at their defaults, equal the current config's, but for the folders and the device."""
+    try:
+        filled = asdict(type(current)(**recorded))
+    except (TypeError, ValueError):
+        return False
+    measured = lambda d: json.loads(json.dumps({k: x for k, x in d.items() if k not in WHERE}, default=str))  # noqa: E731
+    return measured(filled) == measured(asdict(current))
+
+
 def write_report(trial: Trial) -> dict:
+    """Write OUT/results.json and report.md from the finished runs (and, for variants whose run
+    folders are absent, the committed results measured with the same configs: `keep_recorded`)."""
     stats = collect(trial)
+    last = {r.variant: r for r in trial.runs}
+    old = recorded_results(trial.out)
+    keep_recorded(stats, old, {v: [r.seed for r in trial.runs if r.variant == v] for v in trial.variants},
+                  lambda v: all(isinstance((old.get(k) or {}).get(v), dict)
+                                and _same_config(old[k][v], getattr(last[v], k)) for k in ("train", "eval")))
     judged = [judge(r, stats) for r in trial.rules]
     results = {"title": trial.title, "claim": trial.claim, "spec": str(trial.path), "variants": stats,
                "verdicts": judged, "train": {r.variant: asdict(r.train) for r in trial.runs},

@@ -138,6 +138,28 @@ def seed_stats(per_seed: dict) -> dict:
             "mean": {k: v[0] for k, v in stats.items()}, "sd": {k: v[1] for k, v in stats.items()}}
 
 
+def recorded_results(out: str | os.PathLike) -> dict:
+    """The committed OUT/results.json ({} when there is none or it does not parse)."""
+    try:
+        return json.loads((Path(out) / "results.json").read_text())
+    except (OSError, ValueError):
+        return {}
+
+
+def keep_recorded(stats: dict, old: dict, seeds: dict, same) -> list[str]:
+    """A fresh clone has a trial's results.json but not its run folders: where the committed results
+    record more finished seeds of a variant than its folders hold now, every recorded seed is one the
+    spec still asks for (`seeds[variant]`) and `same(variant)` says they were measured with the setup
+    the spec gives now, put the recorded statistics back into `stats`. Returns the variants kept."""
+    kept = []
+    for v, rec in (old.get("variants") or {}).items():
+        had, now = rec.get("seeds") or [], (stats.get(v) or {}).get("seeds") or []
+        if v in seeds and len(had) > len(now) and set(had) <= set(seeds[v]) and same(v):
+            stats[v] = rec
+            kept.append(v)
+    return kept
+
+
 def write_outputs(out: str | os.PathLike, results: dict, markdown: str, indent: int = 1) -> Path:
     """OUT/results.json and OUT/report.md, each written atomically (a reader never sees half a file)."""
     out = Path(out)

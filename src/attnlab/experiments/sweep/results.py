@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import json
 import math
 import os
 from pathlib import Path
@@ -11,7 +12,8 @@ from attnlab.train.config import RunConfig
 
 from .profiles import is_profile, profile_sections
 from ..trial import mean_sd, sample_sd, write_outputs
-from ..report import MISSING, fmt, machine_info, markdown_table, rebuild_command, report_head, save_figure
+from ..report import (MISSING, fmt, machine_info, markdown_table, rebuild_command, report_head, save_figure,
+                      shown_path)
 from .runs import (RunPlan, _record_of, collect_metrics, execute, plan, recorded_runs, recorded_threads, run_config,
                    summary_of)
 from .verdict import answer, answer_lines, judge, verdict, verdict_lines
@@ -125,15 +127,33 @@ def aggregate(spec: Spec, out: str | os.PathLike | None = None) -> dict:
     }
 
 
+def _trained_by(spec: Spec, out: Path) -> tuple[str, dict | None]:
+    """For a report-only rebuild: the command that trains the runs (the committed results.json's, unless
+    that was itself a rebuild) and the machine that results.json names."""
+    try:
+        old = json.loads((out / "results.json").read_text())
+    except (OSError, ValueError):
+        old = {}
+    made_by = str(old.get("command") or "")
+    if not made_by or "--report-only" in made_by.split():
+        made_by = f"attnlab sweep {shown_path(spec.path)}"
+    return made_by, old.get("machine")
+
+
 def write_results(spec: Spec, out: str | os.PathLike | None = None, *, command: str | None = None,
-                  quiet: bool = True) -> dict:
-    """Rebuild OUT/results.json, report.md, loss_curves.png and metrics.png from the run folders."""
+                  quiet: bool = True, report_only: bool = False) -> dict:
+    """Rebuild OUT/results.json, report.md, loss_curves.png and metrics.png from the run folders.
+    report_only: nothing trained now, so the report keeps the command that trained the runs and the
+    machine they were measured on where the committed results.json names them."""
     out = Path(out) if out is not None else spec.out
     results = aggregate(spec, out)
     if not results["runs"]:
         raise SweepError(f"no finished runs under {str(out / 'runs')!r} and none recorded in its results.json: "
                          f"run the sweep first")
     results["command"] = command or f"attnlab.experiments.sweep.run({str(spec.path)!r})"
+    if report_only:
+        results["command"], machine = _trained_by(spec, out)
+        results["machine"] = machine or results["machine"]
     out.mkdir(parents=True, exist_ok=True)
     plot_curves(spec, results, out / "loss_curves.png")
     metrics_png = plot_metrics(spec, results, out / "metrics.png")

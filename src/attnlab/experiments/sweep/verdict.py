@@ -243,40 +243,53 @@ def judge(rule: dict, variants: dict) -> dict:
             "outcome": outcome, "reason": why}
 
 
-def rule_text(rule: dict) -> str:
-    """The rule in words, as the report states it."""
+def claim_text(rule: dict) -> str:
+    """The rule's claim in a few words: "A is better than B in M (lower is better)"."""
     m, better = rule["metric"], rule["better"]
-    worse = "higher" if better == "lower" else "lower"
     if "threshold" in rule:
-        a, x = rule["variant"], rule["threshold"]
         side = "below" if better == "lower" else "above"
-        return (f"the claim ({a}'s {m} is {side} {fmt(x)}) is **supported** when {a}'s mean {m} is {side} {fmt(x)} by "
-                f"more than twice its sd over seeds; **not supported** when it is on the other side by more than that; "
-                f"**inconclusive** otherwise, and with fewer than 2 finished seeds.")
+        return f"{rule['variant']}'s {m} is {side} {fmt(rule['threshold'])}"
     a, b = rule["compare"]
     mb = rule.get("metric_b", m)
     by, times = rule.get("by", 0), rule.get("times", 1)
-    theirs, against = (f"{b}'s", "") if mb == m else (f"{b}'s mean {mb}", f" against {b}'s {mb}")
     scaled = f"{times:g} × " if times != 1 else ""
-    sd_b = f"({times:g}·sd_{b})²" if times != 1 else f"sd_{b}²"
-    if by:
-        return (f"the claim ({a} is better than {scaled}{b} in {m}{against} by more than {fmt(by)}, {better} is better) "
-                f"is **supported** when {a}'s mean {m} is {better} than {scaled}{theirs} by more than {fmt(by)} plus "
-                f"twice the combined sd, 2·sqrt(sd_{a}² + {sd_b}) (sample sd over seeds); **not supported** when its "
-                f"gain falls short of {fmt(by)} by more than that margin; **inconclusive** otherwise, and when a variant "
-                f"has fewer than 2 finished seeds.")
-    return (f"the claim ({a} is better than {scaled}{b} in {m}{against}, "
-            f"{better} is better) is **supported** when {a}'s mean {m} is {better} than {scaled}{theirs} by more than "
-            f"twice the combined sd, 2·sqrt(sd_{a}² + {sd_b}) (sample sd over seeds); **not supported** when it is "
-            f"{worse} by more than that; **inconclusive** otherwise, and when a variant has fewer than 2 finished seeds.")
+    margin = f" by more than {fmt(by)}" if by else ""
+    if a == b:  # one variant, two metrics
+        return f"{a}'s {m} is better than {scaled}its {mb}{margin}, {better} is better"
+    against = f" against {b}'s {mb}" if mb != m else ""
+    return f"{a} is better than {scaled}{b} in {m}{against}{margin}, {better} is better"
 
 
-def verdict_lines(rules: list[dict], judged: list[dict]) -> list[str]:
-    """The report's Verdict section."""
+def rule_text(rules: list[dict]) -> list[str]:
+    """How the report's rules are judged, each kind that occurs among `rules` stated once."""
+    kinds = {"threshold" if "threshold" in r else ("by" if r.get("by") else "plain") for r in rules}
+    out = []
+    if "plain" in kinds:
+        out.append("- *A is better than B*: **supported** when A's mean is better than B's by more than twice the "
+                   "combined sd, 2·sqrt(sd_A² + sd_B²); **not supported** when B's is better by more than that; "
+                   "**inconclusive** otherwise.")
+    if "by" in kinds:
+        out.append("- *A is better than B by more than x*: **supported** when A's gain over B exceeds x plus the "
+                   "margin 2·sqrt(sd_A² + sd_B²); **not supported** when it falls short of x by more than that "
+                   "margin; **inconclusive** otherwise (a negative x is a non-inferiority margin: A may be worse "
+                   "than B by less than |x|).")
+    if any(r.get("times", 1) != 1 for r in rules):
+        out.append("- *t × B*: B's mean and sd are multiplied by t first, so the margin is "
+                   "2·sqrt(sd_A² + (t·sd_B)²).")
+    if "threshold" in kinds:
+        out.append("- *A's metric is below (or above) x*: **supported** when A's mean is on the claimed side of x "
+                   "by more than twice its sd; **not supported** when it is on the other side by more than that; "
+                   "**inconclusive** otherwise.")
+    return out + ["", "sd is the sample sd over seeds; a variant with fewer than 2 finished seeds leaves every rule "
+                      "about it inconclusive."]
+
+
+def verdict_lines(rules: list[dict], judged: list[dict], title: str = "Verdict") -> list[str]:
+    """The report's Verdict section: one line per rule, then how rules are judged, once."""
     if not judged:
         return []
-    lines = ["## Verdict", ""]
+    lines = [f"## {title}", ""]
     for rule, v in zip(rules, judged):
-        label = f"{v['name']}: " if v.get("name") else ""
-        lines += [f"{label}**{v['outcome']}**: {v['reason']}.", "", "Rule: " + rule_text(rule), ""]
-    return lines
+        label = f"{v['name']} ({claim_text(rule)})" if v.get("name") else claim_text(rule)
+        lines += [f"- {label}: **{v['outcome']}**: {v['reason']}."]
+    return lines + ["", "How a rule is judged:", ""] + rule_text(rules) + [""]
