@@ -3,7 +3,6 @@
 
 from __future__ import annotations
 
-import json
 import math
 import os
 from pathlib import Path
@@ -11,7 +10,7 @@ from pathlib import Path
 from attnlab.train.config import RunConfig
 
 from .profiles import is_profile, profile_sections
-from ..trial import mean_sd, sample_sd, write_outputs
+from ..trial import mean_sd, recorded_results, sample_sd, write_outputs
 from ..report import (MISSING, fmt, machine_info, markdown_table, rebuild_command, report_head, save_figure,
                       shown_path)
 from .runs import (RunPlan, _record_of, collect_metrics, execute, plan, recorded_runs, recorded_threads, run_config,
@@ -130,10 +129,7 @@ def aggregate(spec: Spec, out: str | os.PathLike | None = None) -> dict:
 def _trained_by(spec: Spec, out: Path) -> tuple[str, dict | None]:
     """For a report-only rebuild: the command that trains the runs (the committed results.json's, unless
     that was itself a rebuild) and the machine that results.json names."""
-    try:
-        old = json.loads((out / "results.json").read_text())
-    except (OSError, ValueError):
-        old = {}
+    old = recorded_results(out)
     made_by = str(old.get("command") or "")
     if not made_by or "--report-only" in made_by.split():
         made_by = f"attnlab sweep {shown_path(spec.path)}"

@@ -244,7 +244,7 @@ def judge(rule: dict, variants: dict) -> dict:
 
 
 def claim_text(rule: dict) -> str:
-    """The rule's claim in a few words: "A is better than B in M (lower is better)"."""
+    """The rule's claim in a few words: "A is better than B in M, lower is better"."""
     m, better = rule["metric"], rule["better"]
     if "threshold" in rule:
         side = "below" if better == "lower" else "above"
