@@ -90,6 +90,11 @@ def summary_of(run_dir: Path, steps: int | None = None) -> dict | None:
     return s if steps is None or s["steps"] == steps or "early_stop" in s else None
 
 
+def scalar_of(run: dict, name: str):
+    """One run record's per-run scalar: a collected metric, else a summary value."""
+    return run["metrics"].get(name) if name in run["metrics"] else run.get(name)
+
+
 def _record_of(run_dir: Path) -> dict | None:
     try:
         r = json.loads((run_dir / RECORD).read_text())

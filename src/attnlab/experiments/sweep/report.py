@@ -1,0 +1,241 @@
+"""A sweep's report.md and plots, from its aggregated results (.results)."""
+
+
+from __future__ import annotations
+
+import math
+import os
+from pathlib import Path
+
+from .profiles import is_profile, profile_sections
+from ..report import MISSING, fmt, markdown_table, rebuild_command, report_head, save_figure
+from .runs import scalar_of
+from .spec import EVAL_ARG_KEYS, Spec
+from .verdict import answer_lines, verdict_lines
+
+
+# --------------------------------------------------------------------------- report
+
+
+def _pm(mean, sd, digits: int = 4) -> str:
+    """mean ± sd, the sd to 2 significant digits."""
+    if mean is None:
+        return MISSING
+    if sd is None:
+        return fmt(mean, digits)
+    return f"{fmt(mean, digits)} ± {fmt(sd, digits) if sd >= 1 or sd == 0 or not math.isfinite(sd) else f'{sd:.2g}'}"
+
+
+def results_table(results: dict) -> str:
+    names = [n for n in results["scalars"] if not is_profile(n)]
+    headers = ["variant", "seeds", "params", "tokens/run"] + names + ["τ per layer"]
+    rows = []
+    for name, v in results["variants"].items():
+        taus = [t for t in v["tau"] if t is not None]
+        rows.append([name, v["n"], v["params"], v["tokens_per_run"]] + [_pm(v["mean"][n], v["sd"][n]) for n in names]
+                    + [" / ".join(f"{t:.3g}" for t in taus) if taus else None])
+    return markdown_table(headers, rows)
+
+
+def _same(values: list):
+    return values[0] if all(v == values[0] for v in values) else None
+
+
+def report_markdown(spec: Spec, results: dict, out: Path, metrics_png: bool = True) -> str:
+    vs = results["variants"]
+    first = next(iter(vs.values()))
+
+    def common(key, show=str):
+        value = _same([v[key] for v in vs.values()])
+        return show(value) if value is not None else "varies by variant (see the table)"
+
+    base = f"`{spec.base}`" if isinstance(spec.base, str) else "an inline [base] table"
+    lines = report_head(spec.title, "attnlab sweep", spec.path.name, spec.claim, spec.description,
+                        rebuild=rebuild_command(str(results.get("command") or ""), spec.path, out))
+    lines += ["## Setup", "",
+              f"- Base config: {base}" + (f"; shared overrides: {', '.join(f'`{o}`' for o in spec.overrides)}"
+                                           if spec.overrides else "") + ".",
+              "- Variants: " + "; ".join(f"**{name}** ({', '.join(f'`{o}`' for o in v['overrides']) or 'the base'}"
+                                         f"{': ' + v['description'] if v['description'] else ''})" for name, v in vs.items()) + ".",
+              "- Model size: " + ", ".join(f"{name} {fmt(v['params'])} parameters" for name, v in vs.items()) +
+              f" (d_model {common('d_model')}, {common('n_layers')} layers, {common('n_heads')} heads).",
+              f"- Scale per run: {common('steps')} optimizer steps x {common('batch_size')} x {common('grad_accum')} "
+              f"sequences of {common('seq_len')} tokens (context) = {common('tokens_per_run', fmt)} training tokens; "
+              f"AdamW lr {common('lr')}" + _early_stop_text(first.get("early_stop")) + ".",
+              f"- Data: {common('data')} ({first['tokenizer']} tokens"
+              f"{', ' + str(first['max_docs']) + ' documents per split' if first['max_docs'] else ''}).",
+              f"- Seeds: {', '.join(map(str, spec.seeds))}; {len(results['runs'])} of "
+              f"{len(results['runs']) + len(results['missing'])} runs finished"
+              + (f" (missing: {', '.join(results['missing'])})" if results["missing"] else "") + ".", ""]
+    lines += ["## Results: mean ± sd over seeds", "", results_table(results), "",
+              "sd is the sample standard deviation over seeds (n - 1); with one seed only the value is shown. "
+              "val loss/ppl: the trainer's final validation (nats per token); tokens/s and train_seconds: training "
+              "throughput and time of the session that finished the run; τ per layer: mean over heads and seeds.", ""]
+    if spec.metrics:
+        lines += [_metrics_text(spec.metrics), ""]
+    lines += profile_sections(results, out)
+    lines += answer_lines(results.get("answer"))
+    lines += verdict_lines(spec.verdicts, results.get("verdicts") or [])
+    lines += ["## Plots", "", "![loss curves](loss_curves.png)", "",
+              "Train and validation loss per variant (and, where a variant has scalar heads, its temperature τ, "
+              "the mean over layers of the mean over heads): the mean over seeds as a line, the min-max over "
+              "seeds as a band.", ""]
+    if metrics_png:
+        lines += ["![per-run metrics](metrics.png)", "", "Each per-run scalar: the mean over seeds as a bar, ±1 sd as an "
+                  "error bar, each seed as a dot.", ""]
+    if spec.per_seed:
+        names = results["scalars"]
+        rows = [[r["variant"], r["seed"]] + [scalar_of(r, n) for n in names] for r in results["runs"]]
+        lines += ["## Per seed", "", markdown_table(["variant", "seed"] + names, rows), ""]
+    m = results["machine"]
+    lines += ["## Reproduce", "", f"Command: `{results['command']}`", "",
+              f"Run folders: `{os.path.relpath(out / 'runs', out)}/<variant>/seed<k>/` (config, logs, checkpoints, "
+              f"summary.json, sweep.json). Machine: Python {m['python']}, torch {m['torch']}, {m['platform']}, "
+              f"{m['cpus']} CPUs, torch threads per run: {m['torch_threads']}{', ' + m['cuda'] if m['cuda'] else ''}."]
+    return "\n".join(lines)
+
+
+def _early_stop_text(early: dict | None) -> str:
+    if not early:
+        return ""
+    return (f"; steps and tokens are the most a run may take: each stops early after {early['patience']} evaluations "
+            f"(every {early['every']} steps) without a better {early['metric']} on the validation split and ends "
+            f"with the best evaluation's weights (stopped_at: the steps it trained; best_step: the weights kept)")
+
+
+def _metrics_text(metrics: dict) -> str:
+    parts = []
+    if metrics.get("loss_at"):
+        parts.append("**loss@L**: validation loss (nats/token) at context length L")
+    if metrics.get("topk_mass"):
+        parts.append("**topk_mass@k**: share of each query's attention inside its k nearest keys in scalar space, "
+                     "mean over the scalar heads (— for variants without any)")
+    if metrics.get("entropy"):
+        parts.append("**entropy**: attention entropy (nats), mean over heads and layers")
+    if metrics.get("sink_share"):
+        parts.append("**sink_share**: attention mass on the first token, mean over heads and layers (for the linear "
+                     "family, the share of the first token in the row mass of |A|, A its effective mixing matrix)")
+    if metrics.get("learned_sink_share"):
+        parts.append("**learned_sink_share**: attention mass on the learned sink entry, mean over scalar heads and layers")
+    if metrics.get("alignment"):
+        parts.append("**align_top**: mean |qs − ks| of the 10% (query, key) pairs with the most attention weight; "
+                     "**align_ratio**: align_top over the mean |qs − ks| of all visible pairs (scale-free: < 1 means "
+                     "heavy pairs sit closer than average)")
+    if metrics.get("gate"):
+        parts.append("**gate_low**: fraction of the output gate's values below 0.1 on the analysis batch, mean over "
+                     "gated layers (— for variants without a gate)")
+    if metrics.get("principled"):
+        parts.append("**ground_weight**: principled attention's mass on the ground value v0 (1 − the key weights' sum), "
+                     "mean over queries, heads and principled layers; **gate_suppression**: mean of its suppress-only gate "
+                     "b = softplus(β)·softplus(−qg·kg) ≥ 0 over visible pairs (nats taken off a logit); "
+                     "**gate_suppression_strong**: fraction of pairs with b > 1")
+    if metrics.get("windowed_loss"):
+        parts.append("**wloss@k**: validation loss when every scalar/hybrid head reads only its k nearest keys in "
+                     "scalar space plus the sink (what decoding through the sorted cache computes); **wgap@k**: "
+                     "wloss@k minus the exact loss on the same tokens")
+    if metrics.get("compress"):
+        parts.append("**wloss@k/span=s**: windowed decoding with density compression (after each step, runs of 4 "
+                     "adjacent keys spanning <= s merge into one entry), token by token on one batch at the training "
+                     "length; **wgap@k/span=s**: minus the exact loss of the same tokens; **kept@k/span=s**: cache "
+                     "entries per head over tokens at the end")
+    if metrics.get("lengths") and len(metrics["lengths"]) >= 2:
+        parts.append("**miss_slope@k**: least-squares slope of (1 − topk_mass@k) against ln T over the context lengths")
+    if metrics.get("passkey"):
+        parts.append("**passkey@L**: passkey retrieval accuracy at length L, mean over depths")
+    if metrics.get("mqar_accuracy"):
+        parts.append("**mqar_accuracy**: MQAR accuracy at the query positions (256 test sequences of the training "
+                     "length, a seed no run trains or validates on)")
+    if metrics.get("mqar_scales"):
+        parts.append("**mqar_accuracy@sx**: the same at s times the training length with "
+                     + ("s times the pairs (and queries)" if metrics.get("mqar_scale_pairs", True) else
+                        "the training's pairs and queries (mqar_scale_pairs = false)")
+                     + ", every query as far from every pair as in training (data.mqar_min_gap)")
+    if metrics.get("mqar_attention"):
+        parts.append("**mqar_region_mass@L, mqar_value_share@L, mqar_value_reach@L**: where layer L's attention at the "
+                     "MQAR queries goes (the section below)")
+    if metrics.get("mqar_windows"):
+        parts.append("**…/window=k**: the same with every scalar/hybrid head reading only its k nearest keys in scalar "
+                     "space (`attnlab.eval.window.decode_window`; a window-trained layer keeps its local window; "
+                     "— for variants without such heads)")
+    args = {k: metrics[k] for k in EVAL_ARG_KEYS if k in metrics}
+    how = f" (`attnlab.train.evaluate` on each run's final checkpoint{', ' + ', '.join(f'{k}={v}' for k, v in args.items()) if args else ''})"
+    return "Collected metrics" + how + ": " + "; ".join(parts) + "."
+
+
+# --------------------------------------------------------------------------- plots
+
+
+def _band(curves: list[list[list[float]]]) -> tuple[list, list, list, list]:
+    """(steps, mean, min, max) over the runs' [step, value] curves, at steps every run has."""
+    by_step: dict[float, list[float]] = {}
+    for c in curves:
+        for step, value in c:
+            by_step.setdefault(step, []).append(value)
+    steps = sorted(s for s, vals in by_step.items() if len(vals) == len(curves))
+    vals = [by_step[s] for s in steps]
+    return steps, [sum(v) / len(v) for v in vals], [min(v) for v in vals], [max(v) for v in vals]
+
+
+def plot_curves(spec: Spec, results: dict, path: Path) -> Path:
+    from ..report import pyplot
+
+    plt = pyplot()
+    kinds = ["train", "val"] + (["tau"] if any(r["curves"].get("tau") for r in results["runs"]) else [])
+    fig, axes = plt.subplots(1, len(kinds), figsize=(5.5 * len(kinds), 4.2), dpi=120)
+    for i, name in enumerate(results["variants"]):
+        runs = [r for r in results["runs"] if r["variant"] == name]
+        for ax, kind in zip(axes, kinds):
+            curves = [r["curves"].get(kind) for r in runs if r["curves"].get(kind)]
+            if not curves:
+                continue
+            steps, mean, lo, hi = _band(curves)
+            ax.plot(steps, mean, color=f"C{i}", lw=1.8, marker="o" if kind == "val" else None, ms=3,
+                    label=f"{name} (n={len(curves)})")
+            ax.fill_between(steps, lo, hi, color=f"C{i}", alpha=0.2, lw=0)
+    for ax, kind in zip(axes, kinds):
+        what = {"train": "train loss", "val": "validation loss", "tau": "τ (mean over scalar layers)"}[kind]
+        ax.set_title(f"{what}: mean over seeds, min-max band", fontsize=9)
+        ax.set_xlabel("optimizer step")
+        ax.set_ylabel("τ" if kind == "tau" else "loss (nats / token)")
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=8)
+    fig.suptitle(spec.title, fontsize=10)
+    return save_figure(fig, path)
+
+
+def plot_metrics(spec: Spec, results: dict, path: Path) -> Path | None:
+    """One panel per per-run scalar: bars (mean), error bars (sd), dots (seeds)."""
+    from ..report import pyplot
+
+    names = [n for n in results["scalars"]  # val_ppl, train_seconds: as val_loss, tokens_per_s
+             if n not in ("val_ppl", "train_seconds") and not is_profile(n)]
+    if not names:
+        return None
+    plt = pyplot()
+    ncols = min(3, len(names))
+    nrows = math.ceil(len(names) / ncols)
+    fig, axes = plt.subplots(nrows, ncols, figsize=(4.0 * ncols, 3.2 * nrows), dpi=120, squeeze=False)
+    variants = list(results["variants"])
+    for ax, name in zip(axes.flat, names):
+        spans: list[float] = []
+        for i, v in enumerate(variants):
+            stats = results["variants"][v]
+            mean, sd = stats["mean"][name], stats["sd"][name]
+            if mean is None:
+                continue
+            ax.bar(i, mean, yerr=sd or 0.0, color=f"C{i}", alpha=0.75, capsize=4)
+            seeds = [scalar_of(r, name) for r in results["runs"] if r["variant"] == v]
+            seeds = [s for s in seeds if s is not None]
+            ax.plot([i] * len(seeds), seeds, "k.", ms=5)
+            spans += [mean - (sd or 0.0), mean + (sd or 0.0)] + seeds
+        bars = sum(results["variants"][v]["mean"][name] is not None for v in variants)
+        zoom = bars >= 2 and min(spans) > 0 and (max(spans) - min(spans)) < 0.2 * max(spans)
+        if zoom:  # differences of a few percent would be invisible on bars from 0
+            pad = 0.15 * (max(spans) - min(spans)) or 0.01 * max(spans)
+            ax.set_ylim(min(spans) - pad, max(spans) + pad)
+        ax.set_xticks(range(len(variants)), variants, rotation=20, fontsize=8)
+        ax.set_title(name + (" (y axis not from 0)" if zoom else ""), fontsize=9)
+        ax.grid(alpha=0.3, axis="y")
+    for ax in list(axes.flat)[len(names):]:
+        ax.set_visible(False)
+    return save_figure(fig, path)
