@@ -155,8 +155,9 @@ def _metrics_text(metrics: dict) -> str:
                      "MQAR queries goes (the section below)")
     if metrics.get("mqar_windows"):
         parts.append("**…/window=k**: the same with every scalar/hybrid head reading only its k nearest keys in scalar "
-                     "space (`attnlab.eval.window.decode_window`; a window-trained layer keeps its local window; "
-                     "— for variants without such heads)")
+                     "space (`attnlab.eval.window.decode_window`; — for variants without such heads). A layer trained "
+                     "through a window keeps its local window, so it reads k keys plus that window: a window composed "
+                     "differently from the one it trained through, not a superset of it")
     args = {k: metrics[k] for k in EVAL_ARG_KEYS if k in metrics}
     how = f" (`attnlab.train.evaluate` on each run's final checkpoint{', ' + ', '.join(f'{k}={v}' for k, v in args.items()) if args else ''})"
     return "Collected metrics" + how + ": " + "; ".join(parts) + "."
