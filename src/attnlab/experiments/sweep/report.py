@@ -103,61 +103,55 @@ def _early_stop_text(early: dict | None) -> str:
             f"with the best evaluation's weights (stopped_at: the steps it trained; best_step: the weights kept)")
 
 
+# What each [metrics] key adds to the report's 'Collected metrics' paragraph, in this order.
+_METRIC_TEXT = (
+    ("loss_at", "**loss@L**: validation loss (nats/token) at context length L"),
+    ("topk_mass", "**topk_mass@k**: share of each query's attention inside its k nearest keys in scalar space, "
+     "mean over the scalar heads (— for variants without any)"),
+    ("entropy", "**entropy**: attention entropy (nats), mean over heads and layers"),
+    ("sink_share", "**sink_share**: attention mass on the first token, mean over heads and layers (for the linear "
+     "family, the share of the first token in the row mass of |A|, A its effective mixing matrix)"),
+    ("learned_sink_share", "**learned_sink_share**: attention mass on the learned sink entry, mean over scalar "
+     "heads and layers"),
+    ("alignment", "**align_top**: mean |qs − ks| of the 10% (query, key) pairs with the most attention weight; "
+     "**align_ratio**: align_top over the mean |qs − ks| of all visible pairs (scale-free: < 1 means "
+     "heavy pairs sit closer than average)"),
+    ("gate", "**gate_low**: fraction of the output gate's values below 0.1 on the analysis batch, mean over "
+     "gated layers (— for variants without a gate)"),
+    ("principled", "**ground_weight**: principled attention's mass on the ground value v0 (1 − the key weights' sum), "
+     "mean over queries, heads and principled layers; **gate_suppression**: mean of its suppress-only gate "
+     "b = softplus(β)·softplus(−qg·kg) ≥ 0 over visible pairs (nats taken off a logit); "
+     "**gate_suppression_strong**: fraction of pairs with b > 1"),
+    ("windowed_loss", "**wloss@k**: validation loss when every scalar/hybrid head reads only its k nearest keys in "
+     "scalar space plus the sink (what decoding through the sorted cache computes); **wgap@k**: "
+     "wloss@k minus the exact loss on the same tokens"),
+    ("compress", "**wloss@k/span=s**: windowed decoding with density compression (after each step, runs of 4 "
+     "adjacent keys spanning <= s merge into one entry), token by token on one batch at the training "
+     "length; **wgap@k/span=s**: minus the exact loss of the same tokens; **kept@k/span=s**: cache "
+     "entries per head over tokens at the end"),
+    ("lengths", "**miss_slope@k**: least-squares slope of (1 − topk_mass@k) against ln T over the context lengths"),
+    ("passkey", "**passkey@L**: passkey retrieval accuracy at length L, mean over depths"),
+    ("mqar_accuracy", "**mqar_accuracy**: MQAR accuracy at the query positions (256 test sequences of the training "
+     "length, a seed no run trains or validates on)"),
+    ("mqar_attention", "**mqar_region_mass@L, mqar_value_share@L, mqar_value_reach@L**: where layer L's attention at the "
+     "MQAR queries goes (the section below)"),
+    ("mqar_windows", "**…/window=k**: the same with every scalar/hybrid head reading only its k nearest keys in scalar "
+     "space (`attnlab.eval.window.decode_window`; — for variants without such heads). A layer trained "
+     "through a window keeps its local window, so it reads k keys plus that window: a window composed "
+     "differently from the one it trained through, not a superset of it"),
+)
+
+
 def _metrics_text(metrics: dict) -> str:
     parts = []
-    if metrics.get("loss_at"):
-        parts.append("**loss@L**: validation loss (nats/token) at context length L")
-    if metrics.get("topk_mass"):
-        parts.append("**topk_mass@k**: share of each query's attention inside its k nearest keys in scalar space, "
-                     "mean over the scalar heads (— for variants without any)")
-    if metrics.get("entropy"):
-        parts.append("**entropy**: attention entropy (nats), mean over heads and layers")
-    if metrics.get("sink_share"):
-        parts.append("**sink_share**: attention mass on the first token, mean over heads and layers (for the linear "
-                     "family, the share of the first token in the row mass of |A|, A its effective mixing matrix)")
-    if metrics.get("learned_sink_share"):
-        parts.append("**learned_sink_share**: attention mass on the learned sink entry, mean over scalar heads and layers")
-    if metrics.get("alignment"):
-        parts.append("**align_top**: mean |qs − ks| of the 10% (query, key) pairs with the most attention weight; "
-                     "**align_ratio**: align_top over the mean |qs − ks| of all visible pairs (scale-free: < 1 means "
-                     "heavy pairs sit closer than average)")
-    if metrics.get("gate"):
-        parts.append("**gate_low**: fraction of the output gate's values below 0.1 on the analysis batch, mean over "
-                     "gated layers (— for variants without a gate)")
-    if metrics.get("principled"):
-        parts.append("**ground_weight**: principled attention's mass on the ground value v0 (1 − the key weights' sum), "
-                     "mean over queries, heads and principled layers; **gate_suppression**: mean of its suppress-only gate "
-                     "b = softplus(β)·softplus(−qg·kg) ≥ 0 over visible pairs (nats taken off a logit); "
-                     "**gate_suppression_strong**: fraction of pairs with b > 1")
-    if metrics.get("windowed_loss"):
-        parts.append("**wloss@k**: validation loss when every scalar/hybrid head reads only its k nearest keys in "
-                     "scalar space plus the sink (what decoding through the sorted cache computes); **wgap@k**: "
-                     "wloss@k minus the exact loss on the same tokens")
-    if metrics.get("compress"):
-        parts.append("**wloss@k/span=s**: windowed decoding with density compression (after each step, runs of 4 "
-                     "adjacent keys spanning <= s merge into one entry), token by token on one batch at the training "
-                     "length; **wgap@k/span=s**: minus the exact loss of the same tokens; **kept@k/span=s**: cache "
-                     "entries per head over tokens at the end")
-    if metrics.get("lengths") and len(metrics["lengths"]) >= 2:
-        parts.append("**miss_slope@k**: least-squares slope of (1 − topk_mass@k) against ln T over the context lengths")
-    if metrics.get("passkey"):
-        parts.append("**passkey@L**: passkey retrieval accuracy at length L, mean over depths")
-    if metrics.get("mqar_accuracy"):
-        parts.append("**mqar_accuracy**: MQAR accuracy at the query positions (256 test sequences of the training "
-                     "length, a seed no run trains or validates on)")
-    if metrics.get("mqar_scales"):
-        parts.append("**mqar_accuracy@sx**: the same at s times the training length with "
-                     + ("s times the pairs (and queries)" if metrics.get("mqar_scale_pairs", True) else
-                        "the training's pairs and queries (mqar_scale_pairs = false)")
-                     + ", every query as far from every pair as in training (data.mqar_min_gap)")
-    if metrics.get("mqar_attention"):
-        parts.append("**mqar_region_mass@L, mqar_value_share@L, mqar_value_reach@L**: where layer L's attention at the "
-                     "MQAR queries goes (the section below)")
-    if metrics.get("mqar_windows"):
-        parts.append("**…/window=k**: the same with every scalar/hybrid head reading only its k nearest keys in scalar "
-                     "space (`attnlab.eval.window.decode_window`; — for variants without such heads). A layer trained "
-                     "through a window keeps its local window, so it reads k keys plus that window: a window composed "
-                     "differently from the one it trained through, not a superset of it")
+    for key, text in _METRIC_TEXT:
+        if metrics.get(key) and (key != "lengths" or len(metrics["lengths"]) >= 2):  # a slope needs 2 lengths
+            parts.append(text)
+        if key == "mqar_accuracy" and metrics.get("mqar_scales"):
+            parts.append("**mqar_accuracy@sx**: the same at s times the training length with "
+                         + ("s times the pairs (and queries)" if metrics.get("mqar_scale_pairs", True) else
+                            "the training's pairs and queries (mqar_scale_pairs = false)")
+                         + ", every query as far from every pair as in training (data.mqar_min_gap)")
     args = {k: metrics[k] for k in EVAL_ARG_KEYS if k in metrics}
     how = f" (`attnlab.train.evaluate` on each run's final checkpoint{', ' + ', '.join(f'{k}={v}' for k, v in args.items()) if args else ''})"
     return "Collected metrics" + how + ": " + "; ".join(parts) + "."
