@@ -10,7 +10,14 @@ PYTEST_ARGS ?=
 # make test spreads the tests over 2 worker processes (pytest-xdist); TEST_WORKERS=0 runs them in one.
 TEST_WORKERS ?= 2
 
-.PHONY: venv test test-slow quickstart bench docs clean
+# The oldest torch the project supports, which the GPU machines run: `make test-compat` installs it
+# (a CUDA build from PyPI, about 6 GB; it runs on the CPU) in its own venv and runs under it the tests
+# of what older torch traces differently: one compiled graph per model, no host sync in a step.
+COMPAT_TORCH ?= torch==2.11.0
+COMPAT_VENV  ?= .venv-compat
+COMPAT_TESTS ?= tests/test_compile_counts.py tests/test_compile.py tests/test_no_host_sync.py
+
+.PHONY: venv test test-compat test-slow quickstart bench docs clean
 
 $(BIN)/.installed: pyproject.toml constraints.txt
 	$(PYTHON) -m venv $(VENV)
@@ -23,6 +30,17 @@ venv: $(BIN)/.installed
 
 test: venv
 	$(BIN)/python -m pytest -q -m "not slow" -n $(TEST_WORKERS) $(PYTEST_ARGS)
+
+$(COMPAT_VENV)/bin/.installed: pyproject.toml constraints.txt
+	$(PYTHON) -m venv $(COMPAT_VENV)
+	$(COMPAT_VENV)/bin/pip install -q --upgrade pip
+	$(COMPAT_VENV)/bin/pip install -q "$(COMPAT_TORCH)"
+	$(COMPAT_VENV)/bin/pip install -q -c constraints.txt -e ".[dev]"
+	touch $@
+
+test-compat: $(COMPAT_VENV)/bin/.installed
+	$(COMPAT_VENV)/bin/python -c "import torch; print('torch', torch.__version__)"
+	$(COMPAT_VENV)/bin/python -m pytest -q -m "not slow" -n $(TEST_WORKERS) -p no:cacheprovider $(COMPAT_TESTS)
 
 test-slow: venv
 	$(BIN)/python -m pytest -q -m slow $(PYTEST_ARGS)
@@ -40,4 +58,4 @@ bench: venv
 	$(BIN)/python benchmarks/train_speed.py
 
 clean:
-	rm -rf $(VENV) build site *.egg-info src/*.egg-info .pytest_cache
+	rm -rf $(VENV) $(COMPAT_VENV) build site *.egg-info src/*.egg-info .pytest_cache

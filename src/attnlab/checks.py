@@ -115,6 +115,10 @@ def broadcast_param(name: str, value, B: int, H: int, T: int, like: torch.Tensor
 
 _async = threading.local()  # .depth: how many `async_value_checks()` blocks this thread is in
 COMPILED_VALUE_CHECKS = True  # read while torch.compile traces: False leaves the value checks out of compiled graphs
+# True while torch.compile traces the layers of a model that checks its values once at its boundary
+# (`model_boundary`): the per-layer and per-op checks stay out of that graph. A module global, not a
+# thread-local: dynamo reads it as a guarded constant on every torch the project supports.
+_AT_BOUNDARY = False
 
 
 @contextmanager
@@ -139,7 +143,11 @@ def trusted(*tensors: torch.Tensor):
     """Inside this block (in this thread), `check_finite` skips these tensors: their values were checked
     where they entered, as a decode cache checks each token once at append (`attnlab.cache.KVCache`),
     so a step does not read the whole cache again. Only for the objects given, while the block holds
-    them (their ids cannot be reused meanwhile)."""
+    them (their ids cannot be reused meanwhile). Under torch.compile it changes nothing (`id()` of a
+    tensor breaks the graph on older torch): there the checks are asserts or off (`value_check_mode`)."""
+    if torch.compiler.is_compiling():
+        yield
+        return
     before = getattr(_trusted, "ids", frozenset())
     _trusted.ids = before | {id(t) for t in tensors}
     try:
@@ -148,12 +156,24 @@ def trusted(*tensors: torch.Tensor):
         _trusted.ids = before
 
 
+def set_model_boundary(on: bool) -> bool:
+    """While torch.compile traces a model's layers (`attnlab.models.LM`): on=True leaves the value checks
+    of its layers and ops out of the graph, because the model asserts once, at its boundary, that its
+    parameters and its output are finite (`check_output_finite`). Returns the previous setting, which
+    the caller restores. Plain global assignments, so that dynamo traces them without a break on the
+    oldest torch the project supports (a context manager or `id()` of a tensor breaks there)."""
+    global _AT_BOUNDARY
+    before = _AT_BOUNDARY
+    _AT_BOUNDARY = on
+    return before
+
+
 def value_check_mode(x: torch.Tensor) -> str:
     """How a value check of x runs here: "eager" (read the value, raise ValueError), "assert" (an
     in-graph or device-side assert, no host sync: while torch.compile traces, and on an accelerator
     inside `async_value_checks()`), or "off" (traced with COMPILED_VALUE_CHECKS False)."""
     if torch.compiler.is_compiling():
-        return "assert" if COMPILED_VALUE_CHECKS else "off"
+        return "assert" if COMPILED_VALUE_CHECKS and not _AT_BOUNDARY else "off"
     if x.device.type != "cpu" and getattr(_async, "depth", 0) > 0:
         return "assert"
     return "eager"
@@ -179,7 +199,7 @@ def check_finite(name: str, value) -> None:
     if isinstance(value, torch.Tensor):
         if not (value.is_floating_point() or value.is_complex()) or value.numel() == 0:
             return
-        if id(value) in getattr(_trusted, "ids", ()):
+        if not torch.compiler.is_compiling() and id(value) in getattr(_trusted, "ids", ()):  # no id() in a graph
             return
         mode = value_check_mode(value)
         if mode != "eager":
@@ -217,13 +237,17 @@ def check_output_finite(name: str, out: torch.Tensor, module: torch.nn.Module | 
 
     Eager: `check_finite(name, out)`; the ValueError also names the first non-finite parameter of
     `module`, or says that none is (an activation overflowed). Under torch.compile (`value_check_mode`)
-    it is an assert inside the graph: RuntimeError("<name> must be finite ...") on the CPU, a
-    device-side assert on an accelerator; the parameter is not named there."""
-    mode = value_check_mode(out)
-    if mode != "eager":
-        if mode == "assert":
+    it is one assert inside the graph over the output and every parameter of `module` (the largest
+    magnitude of each, one fused reduction: a NaN or inf anywhere fails it), which stands for the checks
+    the layers leave out of a model's graph (`set_model_boundary`): RuntimeError("<name> must be
+    finite ...") on the CPU, a device-side assert on an accelerator; the parameter is not named there."""
+    if torch.compiler.is_compiling():
+        if COMPILED_VALUE_CHECKS:
+            params = [] if module is None else [p.detach() for p in module.parameters()
+                                                if p.is_floating_point() and type(p) in (torch.nn.Parameter, torch.Tensor)]
+            peaks = torch._foreach_norm([out.detach(), *params], float("inf"))  # NaN propagates through max
             assert_values(
-                torch.isfinite(out.detach()).all(),
+                torch.isfinite(torch.stack([m.float() for m in peaks])).all(),
                 f"{name} must be finite: a parameter or an activation of the compiled model is NaN or inf "
                 f"(run the model uncompiled to name the first non-finite parameter)",
             )

@@ -47,12 +47,6 @@ def _check_scalars(qs, ks, q, k) -> tuple[int, int, int]:
     return B, H, T
 
 
-def _row_counts(T: int, n_prefix: int, causal: bool, device) -> torch.Tensor:
-    """Number of keys each counted query row sees, (T - n_prefix,)."""
-    t = torch.arange(n_prefix, T, device=device, dtype=torch.float64)
-    return t + 1 if causal else torch.full_like(t, float(T))
-
-
 def align_loss(
     qs: torch.Tensor,
     ks: torch.Tensor,
@@ -99,9 +93,9 @@ def align_loss(
     else:
         rows = _align_rows_fast(qs, ks, tau, q, k, causal)
     rows = rows[..., n_prefix:]
-    counts = _row_counts(T, n_prefix, causal, qs.device)
-    denom = counts.sum() if reduction == "pairs" else torch.tensor(float(T - n_prefix), dtype=torch.float64)
-    return rows.sum() / (B * H * denom.item())
+    rows_n = T - n_prefix  # counted query rows; causal row t sees t + 1 keys
+    denom = (sum(range(n_prefix + 1, T + 1)) if causal else rows_n * T) if reduction == "pairs" else rows_n
+    return rows.sum() / (B * H * denom)  # a Python count: no value read back from the device
 
 
 def _align_rows_naive(qs, ks, tau, q, k, causal):

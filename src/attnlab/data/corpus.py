@@ -14,6 +14,10 @@ or are machine-generated noise:
 - `_sysconfigdata_*.py` (written at build time, differs between builds of the same Python);
 - any file that does not decode as UTF-8.
 
+Held-out text ("stdlib-tests"): the `*.py` files of the same interpreter's regression suite (the
+standard library's own test/ folder, which "stdlib" leaves out), UTF-8 only, split by the same rule:
+Python source that no model trained on "stdlib" has seen, on every machine with that Python.
+
 Splits: a file's split is decided by a hash of its path relative to the stdlib folder
 (`splits.split_of`), so every machine with the same Python version gets the same split.
 Local folders use the same rule on paths relative to the folder.
@@ -36,7 +40,7 @@ STDLIB_EXCLUDED_DIRS = frozenset(
 )
 STDLIB_EXCLUDED_PREFIXES = ("_sysconfigdata_",)
 TEXT_EXTENSIONS = (".txt", ".text", ".md", ".rst", ".py")
-NAMED_SOURCES = ("stdlib", "tinystories", "wikitext103")
+NAMED_SOURCES = ("stdlib", "stdlib-tests", "tinystories", "wikitext103")
 
 
 def stdlib_root() -> Path:
@@ -84,6 +88,30 @@ def stdlib_files(split: str = "train") -> list[str]:
     check_choice("split", split, FILE_SPLITS)
     listing = _stdlib_listing(str(stdlib_root()))
     return [rel for rel, s in listing if split in ("all", s)]
+
+
+def _keep_stdlib_tests(parts: list[str]) -> bool:
+    return (len(parts) >= 2 and parts[0] == "test" and parts[-1].endswith(".py")
+            and not any(p in ("__pycache__", "site-packages", "dist-packages") for p in parts))
+
+
+@lru_cache(maxsize=4)
+def _stdlib_tests_listing(root: str) -> tuple[tuple[str, str], ...]:
+    return tuple((rel, split_of(rel)) for rel in _walk_files(Path(root) / "test", lambda parts: _keep_stdlib_tests(
+        ["test", *parts])))
+
+
+def stdlib_tests_corpus(split: str = "train") -> list[str]:
+    """Held-out Python source: one document per file of the stdlib's regression suite (test/) in
+    `split` ("train" | "val" | "test" | "all"), the files that decode as UTF-8. None of it is in
+    "stdlib". Raises FileNotFoundError when this Python was installed without its test suite."""
+    check_choice("split", split, FILE_SPLITS)
+    root = stdlib_root() / "test"
+    if not root.is_dir():
+        raise FileNotFoundError(f"source 'stdlib-tests' reads {root}, which this Python does not have (installed "
+                                f"without its test suite); give a local file or folder instead")
+    docs = [_read_text(root / rel) for rel, s in _stdlib_tests_listing(str(stdlib_root())) if split in ("all", s)]
+    return [d for d in docs if d is not None]
 
 
 def stdlib_corpus(split: str = "train") -> list[str]:
@@ -154,7 +182,7 @@ def load_corpus(
 ) -> list[str]:
     """Documents of `split` from `source`.
 
-    source: "stdlib" (embedded, no download), "tinystories", "wikitext103", "hf:<path>"
+    source: "stdlib" (embedded, no download), "stdlib-tests" (held-out: its regression suite), "tinystories", "wikitext103", "hf:<path>"
     or "hf:<path>:<config>" (any Hugging Face text dataset with a "text" column), or the
     path of a local text file or folder. `cache_dir` is passed to `datasets` for hub
     sources; `max_docs` keeps the first documents only (hub sources then stream)."""
@@ -165,6 +193,8 @@ def load_corpus(
     name = source.lower().replace("-", "").replace("_", "")
     if name == "stdlib":
         docs = stdlib_corpus(split)
+    elif name == "stdlibtests":
+        docs = stdlib_tests_corpus(split)
     elif name == "tinystories":
         docs = hf.tinystories(split, cache_dir=cache_dir, max_docs=max_docs)
     elif name in ("wikitext103", "wikitext"):

@@ -20,6 +20,7 @@ from dataclasses import dataclass
 from typing import Any, ClassVar
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from ..cache.kv import KVCache, RecurrentState
@@ -219,8 +220,13 @@ class Attention(nn.Module):
         Returns:
             q (B, n_heads, T, qk_dim), k (B, n_kv, T, qk_dim) and v (B, n_kv, T, head_dim).
         """
-        d = self.qk_dim
-        return heads(self.wq(x), n_heads, d), heads(self.wk(x), self.n_kv, d), heads(self.wv(x), self.n_kv, self.config.head_dim)
+        d, D = self.qk_dim, self.config.head_dim
+        if all(type(m) is nn.Linear for m in (self.wq, self.wk, self.wv)):  # one matmul (wrapped ones, LoRA's, apart)
+            bias = None if self.wq.bias is None else torch.cat([self.wq.bias, self.wk.bias, self.wv.bias])
+            qkv = F.linear(x, torch.cat([self.wq.weight, self.wk.weight, self.wv.weight]), bias)
+            q, k, v = qkv.split([n_heads * d, self.n_kv * d, self.n_kv * D], dim=-1)
+            return heads(q, n_heads, d), heads(k, self.n_kv, d), heads(v, self.n_kv, D)
+        return heads(self.wq(x), n_heads, d), heads(self.wk(x), self.n_kv, d), heads(self.wv(x), self.n_kv, D)
 
     def rotate(self, q: torch.Tensor, k: torch.Tensor, start_pos: int) -> tuple[torch.Tensor, torch.Tensor]:
         """q and k rotated by RoPE at absolute positions start_pos.. (unchanged without RoPE).

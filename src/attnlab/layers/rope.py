@@ -28,6 +28,7 @@ class RotaryEmbedding(nn.Module):
         self.head_dim = head_dim
         self.base = float(base)
         self.register_buffer("inv_freq", self.frequencies(), persistent=False)  # (D/2,)
+        self._tables: dict = {}  # (device, dtype) -> cos, sin (n, D/2) for positions 0 .. n-1: eager calls only
 
     def frequencies(self, device=None) -> torch.Tensor:
         """base^(-2i/D) for i < D/2, float64: the value of the (non-persistent) buffer inv_freq."""
@@ -38,6 +39,23 @@ class RotaryEmbedding(nn.Module):
         """Recompute inv_freq in place (a loader that builds modules on the meta device, as
         transformers' from_pretrained does, leaves non-persistent buffers unset)."""
         self.inv_freq.copy_(self.frequencies(self.inv_freq.device))
+        self._tables.clear()
+
+    def _apply(self, fn, recurse=True):
+        self._tables = {}  # a move or cast: tables are rebuilt on the next call
+        return super()._apply(fn, recurse)
+
+    def table(self, end: int, device, dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos and sin (n, D/2) in `dtype` for positions 0 .. n-1, n >= end: computed in float64 once
+        per device and dtype, grown to the next power of two when a call reaches past them, and reused
+        by every later call (eager only; under torch.compile the angles are part of the graph)."""
+        key = (torch.device(device) if device is not None else self.inv_freq.device, dtype)
+        have = self._tables.get(key)
+        if have is None or have[0].shape[0] < end:
+            n = max(64, 1 << (max(end, 1) - 1).bit_length())
+            cos64, sin64 = self.angles(0, n, key[0])
+            have = self._tables[key] = (cos64.to(dtype), sin64.to(dtype))
+        return have
 
     def angles(self, start_pos: int, length: int, device=None) -> tuple[torch.Tensor, torch.Tensor]:
         """cos and sin of the rotation angles, each (length, D/2), in float64."""
@@ -69,12 +87,24 @@ class RotaryEmbedding(nn.Module):
         if isinstance(start_pos, torch.Tensor):  # per-token positions (B, T), e.g. restarting in each document
             ang = start_pos.to(torch.float64)[:, None, :, None] * self.inv_freq.to(q.device)  # (B, 1, T, D/2)
             cos64, sin64 = ang.cos(), ang.sin()
-        else:
+
+            def angles_in(dtype):
+                return cos64.to(dtype), sin64.to(dtype)
+        elif torch.compiler.is_compiling():  # part of the graph (inductor fuses it)
             cos64, sin64 = self.angles(start_pos, q.shape[2], q.device)
-        cos, sin = cos64.to(q.dtype), sin64.to(q.dtype)  # (T, D/2), or (B, 1, T, D/2)
+
+            def angles_in(dtype):
+                return cos64.to(dtype), sin64.to(dtype)
+        else:  # rows start_pos .. start_pos + T - 1 of the cached tables, already in the dtype
+            end = start_pos + q.shape[2]
+
+            def angles_in(dtype):
+                return tuple(t[start_pos:end] for t in self.table(end, q.device, dtype))
+
+        cos, sin = angles_in(q.dtype)  # (T, D/2), or (B, 1, T, D/2)
 
         def turn(x):
-            c, s = (cos, sin) if x.dtype == q.dtype else (cos64.to(x.dtype), sin64.to(x.dtype))
+            c, s = (cos, sin) if x.dtype == q.dtype else angles_in(x.dtype)
             x1, x2 = x.chunk(2, dim=-1)  # (B, H, T, D/2) each
             return torch.cat([x1 * c - x2 * s, x1 * s + x2 * c], dim=-1)
 

@@ -40,7 +40,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 import torch.utils.checkpoint
 
-from attnlab.checks import async_value_checks, check_output_finite
+from attnlab.checks import async_value_checks, check_output_finite, set_model_boundary
 from attnlab.layers import Attention
 from attnlab.ops._sdpa import upcast
 
@@ -218,25 +218,41 @@ class LM(nn.Module):
         if doc_ids is not None:
             if doc_ids.shape != idx.shape:
                 raise ValueError(f"doc_ids must have the shape of idx {tuple(idx.shape)}, got {tuple(doc_ids.shape)}")
-        if doc_ids is not None and self.takes_documents(idx.device):
-            x = self._trunk(idx, record, docs=doc_ids)  # every layer keeps the documents apart in one pass
-        elif doc_ids is not None:
-            seg, pos, n_seg = document_segments(doc_ids)
-            L = int(pos.max()) + 1
-            packed = idx.new_zeros(n_seg, L)  # (S, L): one document segment per row
-            packed[seg, pos] = idx.flatten()
-            h = self._trunk(packed, record)  # (S, L, C)
-            x = h[seg, pos].view(*idx.shape, -1)  # (B, T, C)
-        else:
-            x = self._trunk(idx, record)  # (B, T, C)
-        logits = self.head(self.norm_f(x))  # (B, T, V)
-        check_output_finite("logits", logits, self)  # what no layer input shows: the last MLP, norm_f, head
+        # Every layer and op checks its inputs' values (the input policy); eagerly, checks of accelerator
+        # tensors are device-side asserts rather than a host sync per check (the logits' too). Under
+        # torch.compile the layers' checks stay out of the graph and one assert over the logits and every
+        # parameter stands for them (attnlab.checks.set_model_boundary, check_output_finite).
+        compiling = torch.compiler.is_compiling()
+        before = set_model_boundary(True) if compiling else False
+        try:
+            with nullcontext() if compiling else async_value_checks():
+                x = self._layers(idx, record, doc_ids)
+                logits = self.head(self.norm_f(x))  # (B, T, V)
+                if not compiling:
+                    check_output_finite("logits", logits, self)  # what no layer input shows: the last MLP, norm_f, head
+        finally:
+            if compiling:
+                set_model_boundary(before)
+        if compiling:
+            check_output_finite("logits", logits, self)  # one assert: the logits and every parameter
         loss = None
         if targets is not None:
             if targets.shape != idx.shape:
                 raise ValueError(f"targets must have the shape of idx {tuple(idx.shape)}, got {tuple(targets.shape)}")
             loss = token_loss(logits, targets)
         return logits, loss
+
+    def _layers(self, idx: torch.Tensor, record: bool, doc_ids: torch.Tensor | None) -> torch.Tensor:
+        if doc_ids is not None and self.takes_documents(idx.device):
+            return self._trunk(idx, record, docs=doc_ids)  # every layer keeps the documents apart in one pass
+        if doc_ids is not None:
+            seg, pos, n_seg = document_segments(doc_ids)
+            L = int(pos.max()) + 1
+            packed = idx.new_zeros(n_seg, L)  # (S, L): one document segment per row
+            packed[seg, pos] = idx.flatten()
+            h = self._trunk(packed, record)  # (S, L, C)
+            return h[seg, pos].view(*idx.shape, -1)  # (B, T, C)
+        return self._trunk(idx, record)  # (B, T, C)
 
     def takes_documents(self, device: torch.device) -> bool:
         """Whether packed documents run as they are on `device`, each layer masking other documents
@@ -245,17 +261,13 @@ class LM(nn.Module):
         return self.pos_emb is None and all(blk.attn.takes_documents(device) for blk in self.blocks)
 
     def _trunk(self, idx: torch.Tensor, record: bool, docs: torch.Tensor | None = None) -> torch.Tensor:
-        # Every layer and op still checks its inputs' values (the input policy); here checks of
-        # accelerator tensors are device-side asserts rather than a host sync per check, and under
-        # torch.compile every check is an assert inside the graph (attnlab.checks.value_check_mode).
         x = self.embed(idx)  # (B, T, C)
         recompute = self.gradient_checkpointing and self.training and not record and torch.is_grad_enabled()
-        with nullcontext() if torch.compiler.is_compiling() else async_value_checks():
-            for blk in self.blocks:
-                if recompute:  # the block's activations are recomputed in the backward pass, not kept
-                    x = torch.utils.checkpoint.checkpoint(blk, x, False, docs, use_reentrant=False)
-                else:
-                    x = blk(x, record=record, docs=docs)
+        for blk in self.blocks:
+            if recompute:  # the block's activations are recomputed in the backward pass, not kept
+                x = torch.utils.checkpoint.checkpoint(blk, x, False, docs, use_reentrant=False)
+            else:
+                x = blk(x, record=record, docs=docs)
         return x
 
     # ------------------------------------------------------------------ decoding

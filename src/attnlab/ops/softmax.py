@@ -10,6 +10,7 @@ from __future__ import annotations
 import math
 
 import torch
+import torch.nn.functional as F
 
 from ..checks import check_choice, check_impl, check_positive, check_window, key_counts, visible_keys
 from ._sdpa import check_causal, check_qkv, expand_heads, fused_attention, upcast
@@ -183,27 +184,25 @@ def _divisor_fast(k, Tq, causal, scale, p, window=None):
 
 def document_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, docs: torch.Tensor) -> torch.Tensor:
     """Causal scaled dot-product attention over packed documents: softmax(q_t . k_s / sqrt(D)) over the
-    keys s <= t of token t's own document, through FlexAttention with a block mask built from `docs`
-    (B, T) (blocks of other documents are skipped; no T x T matrix, no host sync). q (B, H, T, D), k
-    and v (B, G, T, D) with G dividing H. FlexAttention trains on CUDA (compiled) and runs its
-    forward only on the CPU. Returns (B, H, T, Dv) in v's dtype."""
-    from torch.nn.attention.flex_attention import create_block_mask, flex_attention
-
+    keys s <= t of token t's own document. On CUDA through FlexAttention with a block mask built from
+    `docs` (B, T) (blocks of other documents are skipped; no T x T matrix, no host sync); elsewhere
+    one SDPA call with the (B, 1, T, T) boolean mask of same-document causal pairs (FlexAttention's
+    CPU form runs forward only). q (B, H, T, D), k and v (B, G, T, D) with G dividing H. Returns
+    (B, H, T, Dv) in v's dtype."""
     B, H, T, _ = q.shape
     if tuple(docs.shape) != (B, T):
         raise ValueError(f"docs must have shape (B, T) = {(B, T)}, got {tuple(docs.shape)}")
+    if q.device.type != "cuda":
+        causal = torch.ones(T, T, dtype=torch.bool, device=q.device).tril()
+        mask = (docs[:, None, :, None] == docs[:, None, None, :]) & causal  # (B, 1, T, T)
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=k.shape[1] != H).to(v.dtype)
+    from torch.nn.attention.flex_attention import create_block_mask
 
     def same_document(b, h, t, s):
         return (s <= t) & (docs[b, s] == docs[b, t])
 
     mask = create_block_mask(same_document, B=B, H=None, Q_LEN=T, KV_LEN=T, device=q.device)
-    if q.device.type == "cuda":
-        return _compiled_flex()(q, k, v, block_mask=mask, enable_gqa=k.shape[1] != H).to(v.dtype)
-    import warnings
-
-    with warnings.catch_warnings():  # the CPU's eager form is FlexAttention's reference; it says so once per call
-        warnings.filterwarnings("ignore", message="flex_attention called without torch.compile")
-        return flex_attention(q, k, v, block_mask=mask, enable_gqa=k.shape[1] != H).to(v.dtype)
+    return _compiled_flex()(q, k, v, block_mask=mask, enable_gqa=k.shape[1] != H).to(v.dtype)
 
 
 _FLEX = []

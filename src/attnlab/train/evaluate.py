@@ -36,6 +36,7 @@ from attnlab.eval.metrics import (
     EVAL_STOPPED, TOPK_KS, alignment_profile, attention_entropy, gate_profile, gate_suppression, ground_weight,
     loss_at_lengths, sink_share, topk_scalar_mass,
 )
+from attnlab.eval.repeat import repeated_span_loss
 from attnlab.eval.window import compressed_loss, decode_window, next_token_loss, windowed_layers
 from attnlab.eval.tasks import MQAR_TEST_SEED, mqar_accuracy, mqar_attention_summary, mqar_pair_attention, passkey_accuracy
 
@@ -163,6 +164,11 @@ def evaluate(
     mqar_windows: list[int] | None = None,
     mqar_scale_pairs: bool = True,
     mqar_attention: bool = True,
+    heldout: str | None = None,
+    heldout_lengths: list[int] | None = None,
+    repeat_lengths: list[int] | None = None,
+    repeat_span: int = 32,
+    repeat_probes: int = 64,
     device: str | None = None,
     write: bool = True,
 ) -> dict:
@@ -182,9 +188,13 @@ def evaluate(
     the pairs and queries (the same ones with mqar_scale_pairs=False) and the same data.mqar_min_gap;
     `mqar_windows` (default `windows`) also with every scalar/hybrid head reading its k nearest keys
     (`decode_window`), at each length; `mqar_attention`: also where each layer's attention at the
-    queries goes (`mqar_attention_report`). device: default run.device.
+    queries goes (`mqar_attention_report`). heldout: a corpus source the run did not train on (e.g.
+    "stdlib-tests"), read from its `split`: its loss at each of `heldout_lengths`, and the text of the
+    retrieval-in-language probe (`attnlab.eval.repeat`: `repeat_probes` spans of `repeat_span` tokens
+    at each of `repeat_lengths`; from the run's own `split` without heldout). device: default run.device.
 
     Returns a dict: "loss" {T: {"loss", "ppl", "tokens", "batches"}}, "layers" (per layer and head),
+    "heldout" {T: {"loss", ...}} and "repeat" {T: {"repeat", "control", "gain", ...}} when asked for,
     and "windowed_loss", "compressed", "by_length", "passkey" or "mqar_accuracy" when asked for
     (MQAR: "mqar_accuracy", "mqar" {"<s>x": {"exact": acc, "window=<k>": acc}} and "mqar_attention",
     where the queries' attention goes: `mqar_attention_report`);
@@ -244,6 +254,17 @@ def evaluate(
     if passkey_lengths:
         acc = passkey_accuracy(logits_of, tok, lengths=passkey_lengths, depths=passkey_depths, device=dev)
         out["passkey"] = {f"{L}@{dep}": v for (L, dep), v in acc.items()}
+    if heldout_lengths or repeat_lengths:
+        held = stream
+        if heldout:
+            held = pack_documents(load_corpus(heldout, split, cache_dir=cache_dir), tok)
+            out["heldout_source"] = f"{heldout} ({split} split)"
+        if heldout_lengths:
+            lh = loss_at_lengths(logits_of, held, list(heldout_lengths), batch_size=B, max_tokens=max_tokens, device=dev)
+            out["heldout"] = {str(T): v for T, v in lh.items()}
+        if repeat_lengths:
+            out["repeat"] = {str(T): repeated_span_loss(logits_of, held, T, span=repeat_span, n=repeat_probes,
+                                                        batch_size=B, device=dev) for T in repeat_lengths}
     return _finish(out, cfg, write)
 
 

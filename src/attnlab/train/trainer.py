@@ -30,6 +30,7 @@ from attnlab.data.cache import atomic_write_text
 from attnlab.interrupt import Interrupted, graceful, requested
 from attnlab.lock import FolderLock
 from attnlab.models.lm import token_loss
+from attnlab.checks import async_value_checks
 from attnlab.regularizers import regularization
 
 from . import ddp
@@ -150,9 +151,12 @@ class Trainer:
 
     # ------------------------------------------------------------------ one step
 
-    def _needs_record(self, step: int) -> bool:
+    def _is_log_row(self, step: int) -> bool:
         done = step + 1
-        return self.cfg.regularizers.active or done % self.cfg.train.log_every == 0 or done == self.cfg.train.steps
+        return done % self.cfg.train.log_every == 0 or done == self.cfg.train.steps
+
+    def _needs_record(self, step: int) -> bool:
+        return self.cfg.regularizers.active or self._is_log_row(step)
 
     def train_step(self) -> dict:
         """One optimizer step over grad_accum micro-batches; returns this rank's scalars as device tensors
@@ -178,9 +182,10 @@ class Trainer:
                 total = loss
                 if cfg.regularizers.active:
                     layers = self.model.attention_layers()
-                    reg = regularization([a.last for a in layers], reg_w, spread_target=spread_target,
-                                         kl_queries=cfg.regularizers.kl_queries or None,
-                                         kernels=[getattr(a.config, "kernel", "gaussian") for a in layers])
+                    with async_value_checks():  # on an accelerator its input checks are device-side asserts: no sync
+                        reg = regularization([a.last for a in layers], reg_w, spread_target=spread_target,
+                                             kl_queries=cfg.regularizers.kl_queries or None,
+                                             kernels=[getattr(a.config, "kernel", "gaussian") for a in layers])
                     total = total + reg["total"]
                     for k, v in reg.items():
                         reg_parts[k] = reg_parts.get(k, 0.0) + v.detach().float() / accum
@@ -194,7 +199,7 @@ class Trainer:
         self.step += 1
         out = {"loss": lm_loss, "grad_norm": grad_norm, "lr": lr}
         out.update({f"reg_{k}": v for k, v in reg_parts.items()})
-        if record:
+        if record and self._is_log_row(self.step - 1):  # per-layer τ / gate statistics read values: log rows only
             out["layers"] = attention_stats(self.model.attention_layers())
         return out
 
@@ -313,7 +318,8 @@ class Trainer:
             if (t_cfg.ckpt_every and self.step % t_cfg.ckpt_every == 0) or self.step == t_cfg.steps:
                 self.save()
             self._train_time, self._tokens_done = train_time, tokens_done
-            signum = self._stop_requested()
+            # Ranks agree on a stop request through a collective (a host sync): on log rows only.
+            signum = self._stop_requested() if log or not self.env.distributed else None
             if signum is not None and self.step < t_cfg.steps:
                 self.save()
                 bar.close()

@@ -131,6 +131,12 @@ _METRIC_TEXT = (
      "entries per head over tokens at the end"),
     ("lengths", "**miss_slope@k**: least-squares slope of (1 − topk_mass@k) against ln T over the context lengths"),
     ("passkey", "**passkey@L**: passkey retrieval accuracy at length L, mean over depths"),
+    ("heldout_lengths", "**heldout/T=L**: loss (nats/token) at context length L on held-out text (the metrics' "
+     "`heldout` source, or the evaluated split), the same text budget at every length"),
+    ("repeat_lengths", "**repeat/T=L**: loss (nats/token) on the second copy of a span of held-out text repeated "
+     "about 3L/4 tokens earlier in a context of L tokens, its first token left out (`attnlab.eval.repeat`); "
+     "**repeat_control/T=L**: the same tokens with the earlier copy replaced by other text; "
+     "**repeat_gain/T=L**: repeat_control minus repeat (what reaching the earlier copy is worth)"),
     ("mqar_accuracy", "**mqar_accuracy**: MQAR accuracy at the query positions (256 test sequences of the training "
      "length, a seed no run trains or validates on)"),
     ("mqar_attention", "**mqar_region_mass@L, mqar_value_share@L, mqar_value_reach@L**: where layer L's attention at the "

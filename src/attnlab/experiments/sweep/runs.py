@@ -198,7 +198,8 @@ def _check_eval_lengths(cfg: RunConfig, metrics: dict, variant: str) -> None:
                               scale_pairs=metrics.get("mqar_scale_pairs", True))
         except ValueError as e:
             raise ConfigError(f"variant {variant!r}: {e}") from None
-    lengths = list(metrics.get("loss_at", [])) + list(metrics.get("passkey", []))
+    lengths = [*metrics.get("loss_at", []), *metrics.get("passkey", []), *metrics.get("heldout_lengths", []),
+               *metrics.get("repeat_lengths", [])]
     if not lengths:
         return
     if cfg.model.pos_embedding == "learned" and max(lengths) > cfg.model.max_seq_len:
@@ -225,7 +226,10 @@ def collect_metrics(run_dir: str | os.PathLike, metrics: dict) -> dict[str, floa
                   compress=metrics.get("compress") or None, context_lengths=metrics.get("lengths") or None,
                   mqar_scales=metrics.get("mqar_scales") or None, mqar_windows=metrics.get("mqar_windows") or None,
                   mqar_scale_pairs=metrics.get("mqar_scale_pairs", True),
-                  mqar_attention=bool(metrics.get("mqar_attention")), write=False, **args)
+                  mqar_attention=bool(metrics.get("mqar_attention")), heldout=metrics.get("heldout"),
+                  heldout_lengths=metrics.get("heldout_lengths") or None, repeat_lengths=metrics.get("repeat_lengths") or None,
+                  repeat_span=metrics.get("repeat_span", 32), repeat_probes=metrics.get("repeat_probes", 64),
+                  write=False, **args)
     layers = ev.get("layers", [])
     topk = topk_summary(layers)
     out: dict[str, float | None] = {}
@@ -280,6 +284,12 @@ def collect_metrics(run_dir: str | os.PathLike, metrics: dict) -> dict[str, floa
             out[f"miss_slope@{k}"] = ((ev.get("by_length") or {}).get("miss_slope") or {}).get(str(k))
     for L in metrics.get("passkey", []):
         out[f"passkey@{L}"] = _mean_or_none([v for key, v in (ev.get("passkey") or {}).items() if key.split("@")[0] == str(L)])
+    for T in metrics.get("heldout_lengths", []):
+        out[f"heldout/T={T}"] = (ev.get("heldout") or {}).get(str(T), {}).get("loss")
+    for T in metrics.get("repeat_lengths", []):
+        r = (ev.get("repeat") or {}).get(str(T), {})
+        out[f"repeat/T={T}"], out[f"repeat_control/T={T}"], out[f"repeat_gain/T={T}"] = (
+            r.get("repeat"), r.get("control"), r.get("gain"))
     out.update(mqar_values(ev, metrics))
     return out
 

@@ -24,7 +24,7 @@ VARIANT_KEYS = ("name", "overrides", "description")
 # [metrics]: what to collect per run from attnlab.train.evaluate, and evaluate's arguments
 METRIC_KEYS = ("loss_at", "topk_mass", "entropy", "sink_share", "learned_sink_share", "alignment", "gate", "principled", "windowed_loss",
                "budgets", "compress", "lengths", "passkey", "mqar_accuracy", "mqar_scales", "mqar_windows", "mqar_scale_pairs",
-               "mqar_attention")
+               "mqar_attention", "heldout", "heldout_lengths", "repeat_lengths", "repeat_span", "repeat_probes")
 EVAL_ARG_KEYS = ("max_tokens", "batch_size", "analysis_len", "analysis_batch", "split", "passkey_depths")
 OWNED_KEYS = ("run.seed", "run.name", "run.out_dir", "run.resume", "run.overwrite", "run.progress")
 SUMMARY_SCALARS = ("val_loss", "val_ppl", "val_accuracy", "train_loss", "tokens_per_s", "train_seconds",
@@ -164,6 +164,8 @@ def metric_names(metrics: dict) -> list[str]:
     if len(metrics.get("lengths", [])) >= 2:
         names += [f"miss_slope@{k}" for k in metrics.get("topk_mass", [])]
     names += [f"passkey@{L}" for L in metrics.get("passkey", [])]
+    names += [f"heldout/T={T}" for T in metrics.get("heldout_lengths", [])]
+    names += [f"{w}/T={T}" for T in metrics.get("repeat_lengths", []) for w in ("repeat", "repeat_control", "repeat_gain")]
     names += mqar_metric_names(metrics)
     return names
 
@@ -203,9 +205,20 @@ def mqar_values(ev: dict, metrics: dict) -> dict[str, float | None]:
 def _check_metrics(m, key: str = "metrics") -> dict:
     _need(isinstance(m, dict), f"{key} must be a table, got {m!r}")
     _unknown(m, METRIC_KEYS + EVAL_ARG_KEYS, f"{key}.")
-    for name in ("loss_at", "topk_mass", "passkey", "windowed_loss", "budgets", "lengths", "mqar_windows"):
+    for name in ("loss_at", "topk_mass", "passkey", "windowed_loss", "budgets", "lengths", "mqar_windows",
+                 "heldout_lengths", "repeat_lengths"):
         if name in m:
             _int_list(m[name], f"{key}.{name}", 1)
+    if "heldout" in m:
+        _need(isinstance(m["heldout"], str) and m["heldout"], f"{key}.heldout must be a corpus source the runs did not "
+              f"train on (e.g. 'stdlib-tests' or a path), got {m['heldout']!r}")
+        _need(m.get("heldout_lengths") or m.get("repeat_lengths"), f"{key}.heldout is the text of "
+              f"{key}.heldout_lengths and {key}.repeat_lengths: give one of them as well")
+    for name in ("repeat_span", "repeat_probes"):
+        if name in m:
+            v = m[name]
+            _need(isinstance(v, int) and not isinstance(v, bool) and v >= 2, f"{key}.{name} must be an integer >= 2, got {v!r}")
+            _need(m.get("repeat_lengths"), f"{key}.{name} shapes the repeated-span probe: give {key}.repeat_lengths as well")
     if "mqar_attention" in m:
         _int_list(m["mqar_attention"], f"{key}.mqar_attention", 0)
     if "mqar_scales" in m:

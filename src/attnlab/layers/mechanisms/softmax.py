@@ -21,10 +21,10 @@ class SoftmaxAttention(Attention):
         config.set_vector_heads(config.n_heads)
 
     def takes_documents(self, device) -> bool:
-        """Packed documents in one pass through FlexAttention's block mask: on CUDA, with the √d scaling
-        and no sliding window."""
+        """Packed documents in one pass (FlexAttention's block mask on CUDA, a same-document mask
+        elsewhere: `ops.softmax.document_attention`), with the √d scaling and no sliding window."""
         c = self.config
-        return device.type == "cuda" and c.scale == "sqrt_d" and c.sliding_window is None and c.impl != "naive"
+        return c.scale == "sqrt_d" and c.sliding_window is None and c.impl != "naive"
 
     def attend(self, p: Projected, values=None, impl: str | None = None):
         c = self.config

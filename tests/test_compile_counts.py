@@ -1,0 +1,93 @@
+"""Every mechanism's LM compiles as one graph: torch.compile(fullgraph=True) traces it with no break,
+and training steps of one shape (the parameters changing between them) reuse that graph: no
+recompile. Counted with dynamo's own counters (graphs, breaks, recompiles) for each configuration a
+model can run: softmax and its scalings, hybrid and scalar under both kernels, exact and through the
+window, goat, goat_hybrid, principled, gla, ssd, cosformer, with gates, sinks, sliding windows, GQA
+and packed documents.
+
+The oldest torch the project runs on (the GPU machine's 2.11) cannot trace every construct that 2.13
+can (`id()` of a tensor breaks its graph): `make test-compat` runs this file under that torch, and
+tests/test_traceable.py forbids such constructs in the code a model calls."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch._dynamo.testing import CompileCounter
+from torch._dynamo.utils import counters
+
+from attnlab.models import LM
+from attnlab.models.config import ModelConfig
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+V, B, T = 64, 2, 32
+
+CONFIGS = {
+    "softmax": {"attn": "softmax"},
+    "softmax-ktotal": {"attn": "softmax", "attention": {"scale": "ktotal"}},
+    "softmax-swa-gqa": {"attn": "softmax", "attention": {"sliding_window": 8, "n_kv_heads": 2}},
+    "softmax-gate": {"attn": "softmax", "attention": {"output_gate": "elementwise"}},
+    "scalar": {"attn": "scalar"},
+    "scalar-cauchy-sink": {"attn": "scalar", "attention": {"kernel": "cauchy", "sink": True}},
+    "hybrid": {"attn": "hybrid"},
+    "hybrid-cauchy-gqa": {"attn": "hybrid", "attention": {"kernel": "cauchy", "n_kv_heads": 2}},
+    "hybrid-window": {"attn": "hybrid", "attention": {"train_window": 4, "local_window": 8}},
+    "hybrid-window-cauchy": {"attn": "hybrid", "attention": {"train_window": 4, "local_window": 8, "kernel": "cauchy"}},
+    "scalar-window": {"attn": "scalar", "attention": {"train_window": 8}},
+    "hybrid-swa-sink-gate": {"attn": "hybrid", "attention": {"sliding_window": 8, "sink": True, "output_gate": "headwise"}},
+    "goat": {"attn": "goat", "attention": {"goat_rank": 2}},
+    "goat_hybrid": {"attn": "goat_hybrid", "attention": {"goat_rank": 2}},
+    "principled": {"attn": "principled"},
+    "gla": {"attn": "gla"},
+    "ssd": {"attn": "ssd"},
+    "cosformer": {"attn": "cosformer"},
+}
+
+
+def _model(name: str) -> LM:
+    torch.manual_seed(0)
+    c = CONFIGS[name]
+    cfg = ModelConfig(vocab_size=V, d_model=32, n_layers=2, n_heads=4, attn=c["attn"], max_seq_len=T,
+                      attention=dict(c.get("attention", {})))
+    return LM(cfg)
+
+
+def _count(model: LM, steps: int = 3, docs: bool = False) -> tuple[CompileCounter, dict]:
+    torch._dynamo.reset()
+    counters.clear()
+    cnt = CompileCounter()
+    fn = torch.compile(model, fullgraph=True, backend=cnt)
+    opt = torch.optim.SGD(model.parameters(), lr=1e-3)
+    g = torch.Generator().manual_seed(0)
+    for _ in range(steps):
+        idx = torch.randint(0, V, (B, T), generator=g)
+        doc_ids = None
+        if docs:  # two documents per row, cut at the same place in every step (one shape)
+            doc_ids = (torch.arange(T) >= T // 2).long().expand(B, T).contiguous()
+        _, loss = fn(idx, idx, doc_ids=doc_ids)
+        loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+    return cnt, {k: dict(v) for k, v in counters.items() if k in ("graph_break", "recompiles")}
+
+
+@pytest.mark.parametrize("name", list(CONFIGS))
+def test_one_graph_no_recompile(name):
+    cnt, seen = _count(_model(name))
+    assert cnt.frame_count == 1, f"{name}: {cnt.frame_count} graphs over 3 steps of one shape ({seen})"
+    assert not seen.get("graph_break") and not seen.get("recompiles"), seen
+
+
+@pytest.mark.parametrize("name", ["softmax", "hybrid-window-cauchy"])
+def test_packed_documents_one_graph(name):
+    """Packed documents (doc_ids) through a compiled model: every mechanism that keeps documents apart
+    inside its op (takes_documents) traces as one graph; the others are re-padded per step, which needs
+    the segment lengths on the host, so compile refuses it with a clear error under fullgraph."""
+    model = _model(name)
+    if model.takes_documents(torch.device("cpu")):
+        cnt, seen = _count(model, docs=True)
+        assert cnt.frame_count == 1 and not seen.get("graph_break"), seen
+    else:
+        with pytest.raises(Exception):
+            _count(model, docs=True)
