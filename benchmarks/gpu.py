@@ -22,6 +22,7 @@ from __future__ import annotations
 import argparse
 import copy
 import json
+import re
 import os
 import statistics
 import subprocess
@@ -46,47 +47,68 @@ def save(path: Path, doc: dict) -> None:
     tmp.replace(path)
 
 
-def run_cuda_tests(doc: dict, timeout: float, log: Path) -> None:
-    """`pytest -m cuda` over the files that hold cuda tests, in parallel where pytest-xdist is there,
-    its output streamed to `log` as it runs (a run cut short keeps every result it printed); the
-    outcome of each test (and the ones that never reported) go into doc["cuda_tests"]."""
+def run_cuda_tests(doc: dict, timeout: float, log: Path, workers: int = 4, per_test: float = 60.0,
+                   files: list[str] | None = None, marker: str = "cuda") -> None:
+    """`pytest -m cuda` over the files that hold cuda tests, on `workers` xdist workers (few enough
+    that compiling kernels does not starve the tests) with a per-test timeout of `per_test` seconds
+    (far below the run's), its output streamed to `log`. Each outcome, with its failure text, is
+    written as it happens to <log>.jsonl (tests/conftest.py: ATTNLAB_TEST_STREAM) and printed at once:
+    a run cut short keeps every result and traceback it reached. doc["cuda_tests"] holds the outcomes,
+    the failures' text and the tests that never reported. files / marker: which tests (default: the
+    files of tests/ that hold cuda tests, marker "cuda")."""
     import importlib.util
-    import re
 
     t0 = time.time()
-    files = sorted(str(f) for f in (HERE.parent / "tests").glob("test_*.py") if "mark.cuda" in f.read_text())
-    cmd = [sys.executable, "-m", "pytest", "-v", "-rfE", "--tb=short", "-m", "cuda", "-p", "no:cacheprovider",
+    if files is None:
+        files = sorted(str(f) for f in (HERE.parent / "tests").glob("test_*.py") if "mark.cuda" in f.read_text())
+    cmd = [sys.executable, "-m", "pytest", "-v", "-rfE", "--tb=short", "-m", marker, "-p", "no:cacheprovider",
            "-p", "no:benchmark", *files]  # only the files with cuda tests: others import packages it may lack
-    if importlib.util.find_spec("xdist"):
-        cmd[3:3] = ["-n", str(min(16, os.cpu_count() or 1))]
+    if importlib.util.find_spec("xdist") and workers > 1:
+        cmd[3:3] = ["-n", str(min(workers, os.cpu_count() or 1))]
     if importlib.util.find_spec("pytest_timeout"):
-        cmd[3:3] = ["--timeout", str(int(max(10, timeout - 15)))]
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(HERE.parent / "src"), *filter(None, [
-        os.environ.get("PYTHONPATH")])])}
+        cmd[3:3] = ["--timeout", str(max(1, int(min(per_test, timeout - 15))))]
+    stream = log.with_suffix(".jsonl")
+    stream.write_text("")
+    env = {**os.environ, "ATTNLAB_TEST_STREAM": str(stream), "PYTHONPATH": os.pathsep.join(
+        [str(HERE.parent / "src"), *filter(None, [os.environ.get("PYTHONPATH")])])}
+    seen: dict[str, dict] = {}
+
+    def drain() -> None:  # print each new outcome (failures with their text) as it arrives
+        for line in stream.read_text(errors="replace").splitlines()[len(seen):]:
+            row = json.loads(line)
+            seen[f"{row['test']}#{len(seen)}"] = row
+            print(f"  {row['outcome']} {row['test']} ({row['when']}, {row['seconds']} s)", flush=True)
+            if row.get("failure"):
+                print("    " + row["failure"][-1500:].replace("\n", "\n    "), flush=True)
+
     with open(log, "w") as fh:
         p = subprocess.Popen(cmd, stdout=fh, stderr=subprocess.STDOUT, text=True, env=env)
-        try:
-            rc = p.wait(timeout=timeout)
-        except subprocess.TimeoutExpired:
+        rc = None
+        while time.time() - t0 < timeout:
+            try:
+                rc = p.wait(timeout=2)
+                break
+            except subprocess.TimeoutExpired:
+                drain()
+        if rc is None:
             p.kill()
-            rc = None
+    drain()
     text = log.read_text(errors="replace")
-    outcomes = dict((m.group(2), m.group(1)) for m in re.finditer(
-        r"(PASSED|FAILED|SKIPPED|ERROR|XFAIL|XPASS)[ \t]+(tests/\S+)", text))
-    # pytest -v prints "id OUTCOME" alone and "[gwN] [ p%] OUTCOME id" under xdist
-    for m in re.finditer(r"^(tests/\S+::\S+)\s+(PASSED|FAILED|SKIPPED|ERROR|XFAIL|XPASS)", text, re.M):
-        outcomes[m.group(1)] = m.group(2)
+    outcomes, failures = {}, {}
+    for row in seen.values():
+        if row["outcome"] in ("FAILED", "ERROR") or row["test"] not in outcomes:
+            outcomes[row["test"]] = "ERROR" if row["outcome"] == "FAILED" and row["when"] != "call" else row["outcome"]
+        if row.get("failure"):
+            failures[row["test"]] = row["failure"]
     items = re.search(r"(\d+) workers \[(\d+) items?\]|collected (\d+) items?", text)
     n_items = int(items.group(2) or items.group(3)) if items else None
     doc["cuda_tests"] = {"returncode": rc, "seconds": round(time.time() - t0, 1), "items": n_items,
-                         "outcomes": outcomes, "unreported": None if n_items is None else n_items - len(outcomes),
-                         "log": log.name, "tail": text[-3000:] if rc is None or rc else text[-600:]}
+                         "outcomes": outcomes, "failures": failures,
+                         "unreported": None if n_items is None else n_items - len(outcomes),
+                         "log": log.name, "stream": stream.name, "tail": text[-3000:] if rc is None or rc else text[-600:]}
     counts = {o: list(outcomes.values()).count(o) for o in sorted(set(outcomes.values()))}
     print(f"cuda tests: {counts}, {doc['cuda_tests']['unreported']} unreported, rc {rc}, "
           f"{doc['cuda_tests']['seconds']} s", flush=True)
-    for name, o in outcomes.items():
-        if o in ("FAILED", "ERROR"):
-            print(f"  {o} {name}", flush=True)
 
 
 def errors(name: str, dtype: torch.dtype, T: int, device, H: int = 4, D: int = 64) -> tuple[float, float, str]:
@@ -267,6 +289,8 @@ def keep(doc: dict, old: dict) -> dict:
     doc.setdefault("errors", []).extend({**e, **mark} for e in old.get("errors", []) if (e["path"], e["dtype"]) not in erred)
     ran = {m["model"] for m in doc.get("models", [])}
     doc.setdefault("models", []).extend({**m, **mark} for m in old.get("models", []) if m["model"] not in ran)
+    if "cuda_tests" not in doc and "cuda_tests" in old:  # the check's first part, kept by its later parts
+        doc["cuda_tests"] = old["cuda_tests"]
     return doc
 
 

@@ -1,31 +1,44 @@
 #!/usr/bin/env bash
-# The device check in one command, for a GPU machine (see benchmarks/gpu.py and gpu_train.py):
+# The one GPU check, for a GPU machine, in priority order; each part writes its rows as it goes:
 #
-#   bash benchmarks/gpu_check.sh OUT_DIR [MINUTES]
+#   bash benchmarks/gpu_check.sh OUT_DIR [MINUTES]     # MINUTES: 8 by default; run with a limit above it
 #
-# 1. flash-linear-attention from the wheels in .whl/ (pure Python; `pip download --no-deps -d .whl
+# 0. flash-linear-attention from the wheels in .whl/ (pure Python; `pip download --no-deps -d .whl
 #    flash-linear-attention==0.6.0 fla-core==0.6.0`), installed into /tmp/site when the folder is there;
-# 2. benchmarks/gpu.py: the cuda tests (every test marked `cuda`, in parallel, their log beside the JSON),
-#    errors against float64 (at T = 1024) and timings
-#    of the paths not yet measured (principled, training through the window in Triton, GLA/SSD through fla and chunked, the softmax scalings,
-#    cosFormer, GOAT through the Triton kernel), the earlier rows kept from benchmarks/results/gpu.json;
-# 3. benchmarks/gpu_train.py: training throughput per mechanism against the plain PyTorch baseline.
-# The time is split between 2 (70 %, of it 2.5 minutes of tests) and 3 (27 %); each writes its JSON as it goes.
+#    fla's paths run last in part 2, so their autotuning (minutes on a new shape) cannot starve the rest;
+# 1. the cuda tests (benchmarks/gpu.py part "tests"): 4 workers, 60 s per test, at most 30 % of the time;
+#    each outcome and its traceback written as it happens to OUT/gpu.tests.jsonl (and printed);
+# 2. the kernel table (benchmarks/gpu.py: errors against float64 at T = 1024, timings at 8K and 32K),
+#    about 30 %: OUT/gpu.json;
+# 3. training throughput per mechanism, compiled, against the plain PyTorch baseline, with dynamo's
+#    graphs, breaks and recompiles (benchmarks/gpu_train.py), about 25 %: OUT/gpu_train.json;
+# 4. decode rows (benchmarks/decode_speed.py on CUDA), the rest: OUT/decode_speed_gpu.json.
+# At most 8 files come back: gpu.json, gpu.log, gpu.tests.log, gpu.tests.jsonl, gpu_train.json,
+# gpu_train.log, decode_speed_gpu.json, decode.log. Commit them under benchmarks/results/gpu_logs/<date>/
+# and the JSONs as benchmarks/results/{gpu,gpu_train,decode_speed_gpu}.json (docs/contributing.md).
 set -uo pipefail
 out=${1:?usage: bash benchmarks/gpu_check.sh OUT_DIR [MINUTES]}
-minutes=${2:-7}
+minutes=${2:-8}
 mkdir -p "$out"
 export PYTHONUNBUFFERED=1
 if ls .whl/*.whl >/dev/null 2>&1; then
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
     && export PYTHONPATH=/tmp/site:${PYTHONPATH:-}
 fi
-# fla's kernels last: they autotune on each new shape, which can take minutes
-paths=sdpa-flash,principled/triton,hybrid-cauchy-window16+32/triton,hybrid-gaussian-window16+32/triton,goat/triton
-paths=$paths,principled/tiled,softmax-ktotal/sdpa,softmax-kmean/sdpa
-paths=$paths,softmax-krms/sdpa,cosformer/chunked,gla/chunked,ssd/chunked,gla/fla,ssd/fla
-first=$(python3 -c "print(round($minutes * 0.7, 1))")
-rest=$(python3 -c "print(round($minutes * 0.27, 1))")
-python3 benchmarks/gpu.py --out "$out/gpu.json" --minutes "$first" --tests-minutes 2.5 --err-T 1024 \
-  --skip tune,models,train --paths "$paths" --keep-from benchmarks/results/gpu.json 2>&1 | tee "$out/gpu.log"
-python3 benchmarks/gpu_train.py --out "$out/gpu_train.json" --minutes "$rest" 2>&1 | tee "$out/gpu_train.log"
+part() { python3 -c "print(round($minutes * $1, 2))"; }
+# 1. tests (2.4 of 8 minutes)
+python3 benchmarks/gpu.py --out "$out/gpu.json" --minutes "$(part 0.3)" --tests-minutes "$(part 0.3)" \
+  --skip errors,tune,speed,models,train 2>&1 | tee "$out/gpu.log"
+# 2. kernels: fla's paths last, they autotune on each new shape
+paths=sdpa-flash,hybrid-gaussian/triton,hybrid-cauchy/triton,hybrid-cauchy-window16+32/triton
+paths=$paths,hybrid-gaussian-window16+32/triton,goat/triton,principled/triton,softmax-ktotal/sdpa
+paths=$paths,cosformer/chunked,gla/chunked,ssd/chunked,gla/fla,ssd/fla
+python3 benchmarks/gpu.py --out "$out/gpu.json" --minutes "$(part 0.3)" --T 8192,32768 --err-T 1024 \
+  --skip tests,tune,models,train --paths "$paths" --keep-from "$out/gpu.json" 2>&1 | tee -a "$out/gpu.log"
+# 3. training throughput
+python3 benchmarks/gpu_train.py --out "$out/gpu_train.json" --minutes "$(part 0.22)" 2>&1 | tee "$out/gpu_train.log"
+# 4. decode
+timeout "$(python3 -c "print(int($minutes * 60 * 0.15))")" python3 benchmarks/decode_speed.py --device cuda \
+  --out "$out/decode_speed_gpu.json" --keep --steps 16 --rounds 3 --warmup 3 \
+  --methods exact,exact_compiled,window_compiled --models windowed --batches 1 --contexts 4096,32768 \
+  --window-max 131072 --learned-max 0 2>&1 | tee "$out/decode.log"

@@ -5,16 +5,23 @@
 The baseline (`Baseline` below) uses no attnlab code: the same architecture as attnlab's softmax LM
 (token embedding tied to the head, pre-norm blocks of RMSNorm, causal attention through SDPA with RoPE,
 RMSNorm, SwiGLU), so the two differ only in what attnlab adds around the attention. Every model trains
-on random tokens (throughput only) in bf16 autocast with fused AdamW, compiled where --compile names
+on random tokens (throughput only) in bf16 autocast (float32 on the CPU) with fused AdamW, compiled where --compile names
 it; per model: tokens/s (median step over --steps after --warmup), MFU against --peak-tflops (the
 PaLM count: 6 N per token for the N non-embedding parameters, plus 12 L d_model T for attention),
-peak memory. Rows at T = 1024 (GPT-2 small: 12 layers, d_model 768, 12 heads, batch 8) for every
-mechanism, and at T = 8192 (batch 1) for --long ones. Writes the JSON after every row.
+peak memory, and the graphs, graph breaks and recompiles dynamo counted. Rows at T = 1024 (GPT-2 small:
+12 layers, d_model 768, 12 heads, batch 8) for every mechanism, and at T = 8192 (batch 1) for --long
+ones. Writes the JSON after every row.
+
+    python benchmarks/gpu_train.py --device cpu --models baseline,softmax,hybrid,windowed --cpu-both
+
+is the same comparison on the CPU at the quickstart's shape (interleaved rounds, medians; JSON in
+benchmarks/results/train_cpu.json), so the gap is watched between GPU runs.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import math
 import statistics
@@ -115,14 +122,31 @@ def flops_per_token(model: nn.Module, shape: dict, T: int) -> float:
     return 6 * n + 12 * shape["n_layers"] * shape["d_model"] * T
 
 
-def measure(name: str, T: int, batch: int, steps: int, warmup: int, compile_it: bool, device, shape: dict = SHAPE,
-            peak_tflops: float = 989.0) -> dict:
+def _dynamo_counts() -> dict:
+    from torch._dynamo.utils import counters
+
+    breaks = sum(counters["graph_break"].values())
+    frames = counters["frames"].get("ok", 0)
+    return {"graphs": counters["stats"].get("unique_graphs", 0), "breaks": breaks,
+            "recompiles": max(0, frames - 1 - breaks)}  # frames compiled beyond the first and its resumptions
+
+
+def prepare(name: str, T: int, batch: int, warmup: int, compile_it: bool, device, shape: dict = SHAPE):
+    """The model of row `name` with its optimizer, warmed up: returns (step, info); step() runs one
+    training step and waits for the device; info holds the warm-up time, parameters and, compiled, the
+    graphs, breaks and recompiles dynamo counted over the warm-up steps."""
     torch.manual_seed(0)
+    torch._dynamo.reset()
+    from torch._dynamo.utils import counters
+
+    counters.clear()
     model = build(name, T, shape).to(device)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=device.type == "cuda" or None)
     step_model = torch.compile(model) if compile_it else model
     idx = torch.randint(0, shape["vocab"], (batch, T + 1), device=device)
-    amp = torch.autocast(device.type, dtype=torch.bfloat16)
+    # bf16 autocast on a GPU (as in training there); float32 on the CPU, where bf16 matmuls are emulated
+    amp = torch.autocast(device.type, dtype=torch.bfloat16) if device.type == "cuda" else contextlib.nullcontext()
+    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
 
     def step():
         with amp:
@@ -130,53 +154,110 @@ def measure(name: str, T: int, batch: int, steps: int, warmup: int, compile_it: 
         loss.backward()
         opt.step()
         opt.zero_grad(set_to_none=True)
-        return loss
+        sync()
 
-    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
     t0 = time.perf_counter()
     for _ in range(warmup):
         step()
-    sync()
-    first = time.perf_counter() - t0
-    if device.type == "cuda":
-        torch.cuda.reset_peak_memory_stats()
+    info = {"warmup_s": round(time.perf_counter() - t0, 1), "params": sum(p.numel() for p in model.parameters()),
+            "flops_per_token": flops_per_token(model, shape, T)}
+    if compile_it:
+        info.update(_dynamo_counts())
+    return step, info
+
+
+def time_steps(step, steps: int) -> list[float]:
     times = []
     for _ in range(steps):
         t = time.perf_counter()
         step()
-        sync()
         times.append(time.perf_counter() - t)
-    ms = 1e3 * statistics.median(times)
+    return times
+
+
+def measure(name: str, T: int, batch: int, steps: int, warmup: int, compile_it: bool, device, shape: dict = SHAPE,
+            peak_tflops: float = 989.0) -> dict:
+    step, info = prepare(name, T, batch, warmup, compile_it, device, shape)
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats()
+    ms = 1e3 * statistics.median(time_steps(step, steps))
     tps = batch * T / (ms / 1e3)
     return {"model": name, "T": T, "batch": batch, "compiled": compile_it, "ms": round(ms, 3),
-            "tokens_per_s": round(tps), "mfu": tps * flops_per_token(model, shape, T) / (peak_tflops * 1e12),
-            "peak_bytes": torch.cuda.max_memory_allocated() if device.type == "cuda" else None,
-            "warmup_s": round(first, 1), "params": sum(p.numel() for p in model.parameters())}
+            "tokens_per_s": round(tps), "mfu": tps * info.pop("flops_per_token") / (peak_tflops * 1e12),
+            "peak_bytes": torch.cuda.max_memory_allocated() if device.type == "cuda" else None, **info}
+
+
+CPU_SHAPE = dict(vocab=256, d_model=128, n_layers=4, n_heads=4)  # the quickstart's model
+
+
+def cpu_comparison(a, argv) -> None:
+    """The same comparison on the CPU at the quickstart's shape: every model prepared (compiled where
+    asked) first, then `--rounds` interleaved rounds of `--steps` steps each; per model the median step
+    over all rounds, and its ratio to the baseline of the same kind (compiled or eager) as the median
+    of the per-round ratios."""
+    dev = torch.device("cpu")
+    T, batch = a.cpu_T, a.cpu_batch
+    names = [m for m in a.models.split(",") if m]
+    kinds = [(m, c) for m in names for c in ((True, False) if a.cpu_both else (m in a.compile.split(",") or a.compile == "all",))]
+    prepared = {}
+    for m, c in kinds:
+        prepared[(m, c)] = prepare(m, T, batch, a.warmup, c, dev, CPU_SHAPE)
+        print(f"  prepared {m} ({'compiled' if c else 'eager'}): warm-up {prepared[(m, c)][1]['warmup_s']} s", flush=True)
+    per_round = {k: [] for k in kinds}
+    for r in range(a.rounds):
+        for k in kinds:
+            per_round[k].append(statistics.median(time_steps(prepared[k][0], a.steps)))
+    rows = []
+    for (m, c), meds in per_round.items():
+        base = per_round.get(("baseline", c))
+        info = dict(prepared[(m, c)][1])
+        info.pop("flops_per_token")
+        ms = 1e3 * statistics.median(meds)
+        rows.append({"model": m, "compiled": c, "T": T, "batch": batch, "ms": round(ms, 3),
+                     "tokens_per_s": round(batch * T / (ms / 1e3)),
+                     "vs_baseline": None if base is None else round(statistics.median(
+                         [b / x for b, x in zip(base, meds)]), 3), **info})
+        print(f"  {m} ({'compiled' if c else 'eager'}): {rows[-1]['tokens_per_s']:,} tok/s, "
+              f"{rows[-1]['vs_baseline']}x the baseline", flush=True)
+    doc = {"device": "cpu", "torch": torch.__version__, "threads": torch.get_num_threads(), "shape": CPU_SHAPE,
+           "rounds": a.rounds, "steps_per_round": a.steps,
+           "command": "python benchmarks/gpu_train.py " + " ".join(argv if argv is not None else sys.argv[1:]),
+           "rows": rows}
+    Path(a.out).write_text(json.dumps(doc, indent=1) + "\n")
+    print(f"wrote {a.out}")
 
 
 def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--out", default=str(HERE / "results" / "gpu_train.json"))
+    ap.add_argument("--out", default=None, help="default benchmarks/results/gpu_train.json (cuda), train_cpu.json (cpu)")
+    ap.add_argument("--device", choices=("cuda", "cpu"), default="cuda")
     ap.add_argument("--models", default="baseline,softmax,hybrid,scalar,goat,goat_hybrid,principled,gla,ssd,cosformer,"
                                         "windowed")
-    ap.add_argument("--long", default="baseline,softmax,hybrid,windowed,gla", help="models also timed at T = 8192")
-    ap.add_argument("--compile", default="baseline,softmax,hybrid", help="models run under torch.compile")
+    ap.add_argument("--long", default="baseline,softmax,hybrid,scalar,windowed,gla", help="models also timed at T = 8192")
+    ap.add_argument("--compile", default="all", help="models run under torch.compile ('all', or names)")
     ap.add_argument("--steps", type=int, default=10)
     ap.add_argument("--warmup", type=int, default=3)
+    ap.add_argument("--rounds", type=int, default=5, help="cpu: interleaved rounds")
+    ap.add_argument("--cpu-T", type=int, default=256)
+    ap.add_argument("--cpu-batch", type=int, default=8)
+    ap.add_argument("--cpu-both", action="store_true", help="cpu: every model compiled and eager")
     ap.add_argument("--peak-tflops", type=float, default=989.0, help="the GPU's dense bf16 peak (H100 SXM: 989)")
     ap.add_argument("--minutes", type=float, default=7.0, help="start no new row after this long")
     a = ap.parse_args(argv)
+    if a.device == "cpu":
+        a.out = a.out or str(HERE / "results" / "train_cpu.json")
+        return cpu_comparison(a, argv)
     if not torch.cuda.is_available():
-        raise SystemExit("benchmarks/gpu_train.py needs a CUDA GPU")
+        raise SystemExit("benchmarks/gpu_train.py needs a CUDA GPU (or --device cpu)")
     dev = torch.device("cuda")
     torch.backends.cuda.matmul.allow_tf32 = True
-    out = Path(a.out)
+    out = Path(a.out or HERE / "results" / "gpu_train.json")
     out.parent.mkdir(parents=True, exist_ok=True)
     doc = {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "shape": SHAPE,
            "command": "python benchmarks/gpu_train.py " + " ".join(argv if argv is not None else sys.argv[1:]),
            "peak_tflops": a.peak_tflops, "rows": []}
     deadline = time.time() + 60 * a.minutes
-    compiled = set(a.compile.split(","))
+    compiled = set(a.models.split(",")) if a.compile == "all" else set(a.compile.split(","))
     plan = [(m, 1024, 8) for m in a.models.split(",") if m] + [(m, 8192, 1) for m in a.long.split(",") if m]
     for name, T, batch in plan:
         if time.time() > deadline:
@@ -188,7 +269,8 @@ def main(argv=None) -> None:
             row = {"model": name, "T": T, "error": f"{type(e).__name__}: {str(e)[:300]}"}
         torch.cuda.empty_cache()
         doc["rows"].append(row)
-        print(f"  {name} T={T}: " + (f"{row['tokens_per_s']:,} tok/s, MFU {row['mfu']:.1%}, {row['ms']} ms"
+        print(f"  {name} T={T}: " + (f"{row['tokens_per_s']:,} tok/s, MFU {row['mfu']:.1%}, {row['ms']} ms, graphs "
+                                      f"{row.get('graphs')}, breaks {row.get('breaks')}, recompiles {row.get('recompiles')}"
                                       if "error" not in row else row["error"]), flush=True)
         out.write_text(json.dumps(doc, indent=1) + "\n")
     print(f"wrote {out}")

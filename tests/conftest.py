@@ -51,3 +51,25 @@ def code_corpus(tmp_path_factory) -> str:
     for i in range(6):
         (d / f"m{i}.py").write_text(CODE.replace("add", f"add{i}") * (i + 1))
     return str(d)
+
+
+def pytest_runtest_logreport(report):
+    """With ATTNLAB_TEST_STREAM=PATH, one JSON line per test outcome (and per failed setup or teardown)
+    is appended to PATH the moment pytest reports it, the failure's text included: a run killed at its
+    time limit keeps every result and traceback it reached (the GPU check reads it; pytest itself prints
+    tracebacks only in its closing summary). Under pytest-xdist the controller writes every worker's
+    reports."""
+    path = os.environ.get("ATTNLAB_TEST_STREAM")
+    if not path or not (report.when == "call" or report.failed or report.skipped):
+        return
+    import json
+
+    row = {"test": report.nodeid, "when": report.when, "outcome": report.outcome.upper(),
+           "seconds": round(report.duration, 2)}
+    if report.failed:
+        row["failure"] = str(report.longrepr)[-4000:]
+    elif report.skipped and isinstance(report.longrepr, tuple):
+        row["reason"] = str(report.longrepr[-1])
+    with open(path, "a", encoding="utf-8") as fh:
+        fh.write(json.dumps(row) + "\n")
+        fh.flush()

@@ -117,19 +117,21 @@ def check_folder(model, folder: Path, rtol: float = 1e-6) -> None:
     T = min(16, model.cfg.max_seq_len or 16)
     idx = torch.randint(model.cfg.vocab_size, (2, T), generator=torch.Generator().manual_seed(0))
     with torch.no_grad():
-        want = model(idx)[0]
+        want = model(idx.to(next(model.parameters()).device))[0]
     check_reload(folder, idx, want, rtol, "the run")
 
 
 def check_reload(folder: Path, idx: torch.Tensor, want: torch.Tensor, rtol: float, what: str) -> None:
     """Load `folder` back as AttnlabForCausalLM and compare its logits on token ids `idx` with `want`,
     those of the model that was written: RuntimeError naming `what` when their relative RMS error
-    (attnlab.testing.rel_rms) exceeds rtol."""
+    (attnlab.testing.rel_rms) exceeds rtol. The reloaded model runs on the device of `want` (the same
+    kernels as the model that was written: a CPU reload against CUDA logits would compare two
+    implementations), with idx moved there."""
     from .modeling import AttnlabForCausalLM
 
-    loaded = AttnlabForCausalLM.from_pretrained(folder).eval()
+    loaded = AttnlabForCausalLM.from_pretrained(folder).eval().to(want.device)
     with torch.no_grad():
-        got = loaded(idx).logits
+        got = loaded(idx.to(want.device)).logits
     err = rel_rms(got, want, floor=1e-30)
     if not err <= rtol:
         raise RuntimeError(f"the saved model's logits differ from {what}'s by {err:.2e} relative (> {rtol}); "

@@ -46,6 +46,7 @@ from attnlab.ops._sdpa import upcast
 
 from .config import ModelConfig
 from .decode import DecodeOptions, DecodeState
+from .sampling import check_sampling, next_token
 from .decode import selectable_layers  # noqa: F401  (attnlab.eval and attnlab.retrofit import it from here)
 
 
@@ -331,6 +332,8 @@ class LM(nn.Module):
         *,
         greedy: bool = True,
         temperature: float = 1.0,
+        top_k: int | None = None,
+        top_p: float | None = None,
         window: int | None = None,
         selector=None,
         generator: torch.Generator | None = None,
@@ -340,7 +343,9 @@ class LM(nn.Module):
         """Extend idx (B, T0) by max_new_tokens: the prompt goes through every layer in one parallel
         forward that fills its decode cache (`prefill`), then one `step` per new token.
 
-        greedy=True takes the argmax; otherwise samples from softmax(logits / temperature).
+        greedy=True takes the argmax; otherwise samples from softmax(logits / temperature), keeping
+        only the top_k most likely tokens and the smallest set whose probability reaches top_p when given
+        (`attnlab.models.sampling`).
         window=k decodes scalar/hybrid layers from the sorted scalar cache over the k nearest keys
         (the prompt's readout is the windowed op, which equals stepping that cache); selector (an
         `attnlab.cache.selected.DecodeSelector`) decodes them through learned key selection instead
@@ -355,8 +360,7 @@ class LM(nn.Module):
             raise ValueError(f"idx must be (B, T0) with T0 >= 1, got shape {tuple(idx.shape)}")
         if max_new_tokens < 0:
             raise ValueError(f"max_new_tokens must be >= 0, got {max_new_tokens}")
-        if not greedy and not temperature > 0:
-            raise ValueError(f"temperature must be > 0 when sampling, got {temperature}")
+        check_sampling(greedy, temperature, top_k, top_p)
         if compile:
             if selector is not None or attention_mask is not None:
                 raise ValueError("compile=True decodes through static buffers: give no selector (pass it to a "
@@ -371,11 +375,8 @@ class LM(nn.Module):
         out = idx
         logits = dec.prefill(idx) if compile else state.feed(idx, attention_mask, last=1)[:, -1]  # (B, V)
         for i in range(max_new_tokens):
-            if greedy:
-                nxt = logits.argmax(-1, keepdim=True)  # (B, 1)
-            else:
-                probs = F.softmax(logits.float() / temperature, dim=-1)
-                nxt = torch.multinomial(probs, 1, generator=generator)
+            nxt = next_token(logits, greedy=greedy, temperature=temperature, top_k=top_k, top_p=top_p,
+                             generator=generator)  # (B, 1)
             out = torch.cat([out, nxt], dim=1)
             if i + 1 < max_new_tokens:
                 logits = feed(nxt)[:, -1]

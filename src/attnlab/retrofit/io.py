@@ -172,8 +172,8 @@ def save(model, out: str | os.PathLike, tokenizer=None, rtol: float = 1e-6) -> P
 
     def verify(tmp: Path) -> None:
         idx = torch.randint(model.config.vocab_size, (1, 16), generator=torch.Generator().manual_seed(0))
-        with torch.no_grad():
-            want = model(idx).logits
+        with torch.no_grad():  # the ids on the model's device (drawn on the CPU, so every device checks the same ids)
+            want = model(idx.to(next(model.parameters()).device)).logits
         check_reload(tmp, idx, want, rtol, "the retrofitted model")
 
     return write_folder(out, write, verify, recheck=lambda o: check_out(o, resume), keep=RESUMABLE)
