@@ -64,3 +64,20 @@ def test_sample_command(tmp_path, capsys):
     assert main(["sample", run, "--top-p", "2"]) == 2
     assert "--top-p must be" in capsys.readouterr().err
     assert main(["sample", str(tmp_path / "nothing")]) == 2
+
+
+def test_compare_command(tmp_path, capsys):
+    """Two runs side by side: a table of their numbers, written with its JSON and the loss-curve plot;
+    a folder that is not a finished run is refused by name, before anything is written."""
+    from attnlab.cli import main
+
+    for attn in ("softmax", "hybrid"):
+        assert main(["train", "configs/tiny.toml", f"run.out_dir={tmp_path}", f"run.name={attn}", f"model.attn={attn}",
+                     "train.steps=2", "run.threads=1", "train.eval_every=0", "data.max_docs=5"]) == 0
+    capsys.readouterr()
+    assert main(["compare", str(tmp_path / "softmax"), str(tmp_path / "hybrid"), "--out", str(tmp_path / "cmp")]) == 0
+    out = capsys.readouterr().out
+    assert "| softmax | softmax |" in out and "| hybrid | hybrid |" in out
+    assert {p.name for p in (tmp_path / "cmp").iterdir()} == {"compare.md", "compare.json", "compare_loss.png"}
+    assert main(["compare", str(tmp_path / "softmax"), str(tmp_path / "nothing"), "--out", str(tmp_path / "c2")]) == 2
+    assert "not a finished run" in capsys.readouterr().err and not (tmp_path / "c2").exists()

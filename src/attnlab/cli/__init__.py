@@ -1,4 +1,4 @@
-"""`attnlab <command>`: train | eval | sample | quickstart | sweep | search | export | retrofit.
+"""`attnlab <command>`: train | eval | sample | compare | quickstart | sweep | search | export | retrofit.
 
 Each command parses and validates its arguments, then calls one function below it
 (`attnlab.train.train`, `attnlab.train.evaluate`, `attnlab.experiments.quickstart.run`,
@@ -24,6 +24,7 @@ from ._common import EXIT_USAGE, UsageError, command_line, Formatter, Parser
 from .eval import cmd_eval
 from .export import add_export
 from .retrofit import add_retrofit
+from .compare import add_compare
 from .sample import add_sample
 from .search import add_search, run_search
 from .sweep import add_sweep
@@ -149,6 +150,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_export(sub)
     add_retrofit(sub)
     add_sample(sub, Formatter)
+    add_compare(sub, Formatter)
     return parser
 
 

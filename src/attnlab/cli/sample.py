@@ -93,3 +93,4 @@ def cmd_sample(ns) -> int:
             print(f"--- sample {i + 1} (seed {ns.seed}) ---")
         print(ns.prompt + text)
     return 0
+
