@@ -470,3 +470,20 @@ def test_every_committed_report_rebuilds_from_its_results(spec, tmp_path):
     after = json.loads((folder / "results.json").read_text())
     assert sorted((r["variant"], r["seed"]) for r in after["runs"]) == sorted((r["variant"], r["seed"]) for r in before["runs"])
     assert [v["outcome"] for v in after["verdicts"]] == [v["outcome"] for v in before.get("verdicts", [])] or not before.get("verdicts")
+
+
+def test_a_finished_sweep_run_again_rewrites_nothing(reference, tmp_path, capsys):
+    """Reproducing a finished spec trains nothing and leaves results.json, report.md and the plots as they
+    are (byte for byte, untouched), naming the machine and command that trained the runs."""
+    ref_out, _ = reference
+    out = tmp_path / "again"
+    shutil.copytree(ref_out, out)
+    sweep(out)  # the copy names its own folder: this first rerun records that
+    files = ("results.json", "report.md", "loss_curves.png", "metrics.png")
+    before = {n: ((out / n).read_bytes(), (out / n).stat().st_mtime_ns) for n in files}
+    recorded = json.loads((out / "results.json").read_text())
+    capsys.readouterr()
+    sweep(out)
+    assert "results unchanged" in capsys.readouterr().out
+    assert {n: ((out / n).read_bytes(), (out / n).stat().st_mtime_ns) for n in files} == before
+    assert json.loads((out / "results.json").read_text())["machine"] == recorded["machine"]

@@ -4,6 +4,7 @@ the plots: .report)."""
 
 from __future__ import annotations
 
+import json
 import os
 from pathlib import Path
 
@@ -140,7 +141,9 @@ def write_results(spec: Spec, out: str | os.PathLike | None = None, *, command: 
                   quiet: bool = True, report_only: bool = False) -> dict:
     """Rebuild OUT/results.json, report.md, loss_curves.png and metrics.png from the run folders.
     report_only: nothing trained now, so the report keeps the command that trained the runs and the
-    machine they were measured on where the committed results.json names them."""
+    machine they were measured on where the committed results.json names them. Files are rewritten only
+    when the results differ from the recorded results.json: rebuilding a finished sweep changes nothing
+    on disk."""
     out = Path(out) if out is not None else spec.out
     results = aggregate(spec, out)
     if not results["runs"]:
@@ -150,6 +153,11 @@ def write_results(spec: Spec, out: str | os.PathLike | None = None, *, command: 
     if report_only:
         results["command"], machine = _trained_by(spec, out)
         results["machine"] = machine or results["machine"]
+    old = recorded_results(out)
+    if old and json.loads(json.dumps(results, default=str)) == old and (out / "report.md").is_file():
+        if not quiet:
+            print(f"\nresults unchanged: {out / 'results.json'} and its report left as they are")
+        return results
     out.mkdir(parents=True, exist_ok=True)
     plot_curves(spec, results, out / "loss_curves.png")
     metrics_png = plot_metrics(spec, results, out / "metrics.png")

@@ -75,7 +75,9 @@ def run(
                 _run_pool(todo, jobs_list, jobs, bar, plans)
         finally:
             bar.close()
-        return write_results(spec, out, command=command, quiet=quiet)
+        # nothing trained now: the report keeps the command and machine that trained the runs (report_only)
+        return write_results(spec, out, command=command, quiet=quiet, report_only=not todo)
+
 
 def select_runs(plans: list[RunPlan], only: list[str]) -> set[str]:
     """The runs `only` names ("variant/seedK"), checked against the spec's (SweepError naming the others)."""

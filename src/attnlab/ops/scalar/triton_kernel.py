@@ -36,6 +36,14 @@ def interpreted() -> bool:
     return os.environ.get("TRITON_INTERPRET", "0") == "1"
 
 
+def fast_math() -> bool:
+    """The kernels' FAST switch, read by the launchers at each launch: the Cauchy kernel's log and
+    division in the hardware's approximate forms (`_log2_1p`, `_over_1p`), compiled for a GPU; off
+    under the interpreter (TRITON_INTERPRET=1, which cannot run inline PTX) and with
+    ATTNLAB_TRITON_FAST_MATH=0 (the accurate forms, as before: benchmarks/kernel_sass.py's baseline)."""
+    return not interpreted() and os.environ.get("ATTNLAB_TRITON_FAST_MATH", "1").strip() != "0"
+
+
 def _interpreter_compat() -> None:
     """Triton 3.6's interpreter turns a scalar into an index by int() of a one-element array, which
     NumPy >= 2.4 refuses; a loop bound read from program_id needs it. Take the element instead."""
@@ -68,12 +76,37 @@ def _mm(a, b, PREC: tl.constexpr, UP: tl.constexpr):
 
 
 @triton.jit
+def _log2_1p(x, FAST: tl.constexpr):
+    """log2(1 + x) for x >= 0 (float32). FAST: the hardware approximation (PTX lg2.approx, one MUFU.LG2:
+    error ~2^-22, absolute on [1, 2) and relative above, a few times the float32 rounding of 1 + x
+    itself and far below bf16's; flushing subnormals is moot as 1 + x >= 1) in place of libdevice's
+    accurate log2f, ~25 instructions per score on sm_90 (benchmarks/kernel_sass.py)."""
+    if FAST:
+        return tl.inline_asm_elementwise("lg2.approx.ftz.f32 $0, $1;", "=f,f", [1.0 + x], dtype=tl.float32,
+                                         is_pure=True, pack=1)
+    return tl.log2(1.0 + x)
+
+
+@triton.jit
+def _over_1p(a, x, FAST: tl.constexpr):
+    """a / (1 + x) for x >= 0 (float32). FAST: a times the hardware reciprocal (PTX rcp.approx.ftz, one
+    MUFU.RCP, 1 ulp): two instructions, where Triton's division (div.full.f32, itself approximate) also
+    tests and scales both operands for a divisor near either end of the range, ~8; 1 + x >= 1 needs no
+    scaling (the reciprocal flushes to 0 past 1 + x = 2^126, where the quotient is below 2^-126 |a|)."""
+    if FAST:
+        return a * tl.inline_asm_elementwise("rcp.approx.ftz.f32 $0, $1;", "=f,f", [1.0 + x], dtype=tl.float32,
+                                             is_pure=True, pack=1)
+    return a / (1.0 + x)
+
+
+@triton.jit
 def _scores(q, k, qs, ks, us, tau, lam, offs_m, offs_n, Tk, off, sm_scale, HAS_DOT: tl.constexpr,
             BIAS: tl.constexpr, KERNEL: tl.constexpr, CAUSAL: tl.constexpr, MASK: tl.constexpr, PREC: tl.constexpr, UP: tl.constexpr,
-            dq=0, dk=0, DOC: tl.constexpr = False):
+            dq=0, dk=0, DOC: tl.constexpr = False, FAST: tl.constexpr = False):
     """(BLOCK_M, BLOCK_N) scores in base 2 (the score times log2(e), so exp2 takes them; -inf where
     hidden, if MASK: tiles wholly visible skip the mask) and the pieces the backward needs: d = qs - ks,
-    x = d^2 / tau and l1 = log2(1 + x) (Cauchy; x again for the Gaussian; KERNEL 2 has no scalar term)."""
+    x = d^2 / tau and l1 = log2(1 + x) (Cauchy; x again for the Gaussian; KERNEL 2 has no scalar term).
+    FAST: the log in the hardware's approximate form (`_log2_1p`)."""
     if KERNEL == 2:  # no scalar term (GOAT): the product alone
         d = 0.0
         x = 0.0
@@ -86,7 +119,7 @@ def _scores(q, k, qs, ks, us, tau, lam, offs_m, offs_n, Tk, off, sm_scale, HAS_D
             l1 = x
             s = -(lam * LOG2E)[:, None] * x  # -lam x log2(e)
         else:
-            l1 = tl.log2(1.0 + x)
+            l1 = _log2_1p(x, FAST)
             s = -lam[:, None] * l1  # -lam ln(1 + x) log2(e)
         if HAS_DOT:
             s += _mm(q, tl.trans(k), PREC, UP) * (sm_scale * LOG2E)
@@ -212,7 +245,7 @@ def _doc_span(START, END, drow, first, last, lo, hi, BLOCK: tl.constexpr, DOC: t
 def _fwd_tile(acc, m_i, l_i, q, qs, tau, lam, K, V, KS, U, kbase, vbase, krow, start_n, offs_m, offs_d, offs_dv,
               Tk, off, sm_scale, D: tl.constexpr, DV: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr,
               HAS_DOT: tl.constexpr, BIAS: tl.constexpr, KERNEL: tl.constexpr, CAUSAL: tl.constexpr, MASK: tl.constexpr,
-              PREC: tl.constexpr, UP: tl.constexpr, DOCS, drow, dq, DOC: tl.constexpr):
+              PREC: tl.constexpr, UP: tl.constexpr, DOCS, drow, dq, DOC: tl.constexpr, FAST: tl.constexpr):
     """One key tile of the online softmax: the running max m_i, sum l_i and output acc, updated."""
     offs_n = start_n + tl.arange(0, BLOCK_N)
     n_ok = offs_n < Tk
@@ -220,7 +253,7 @@ def _fwd_tile(acc, m_i, l_i, q, qs, tau, lam, K, V, KS, U, kbase, vbase, krow, s
                              BLOCK_D)
     dk = _doc_ids(DOCS, drow, offs_n, n_ok, DOC)
     s, d, x, l1 = _scores(q, k, qs, ks, us, tau, lam, offs_m, offs_n, Tk, off, sm_scale, HAS_DOT, BIAS, KERNEL, CAUSAL,
-                          MASK, PREC, UP, dq, dk, DOC)
+                          MASK, PREC, UP, dq, dk, DOC, FAST)
     m_new = tl.maximum(m_i, tl.max(s, 1))
     m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
     p = tl.exp2(s - m_safe[:, None])
@@ -233,7 +266,7 @@ def _fwd_tile(acc, m_i, l_i, q, qs, tau, lam, K, V, KS, U, kbase, vbase, krow, s
 def _fwd(Q, K, V, QS, KS, U, TAU, LAM, O, LSE, DOCS, START, END, Tq, Tk, H, GK, GV, sm_scale,
          D: tl.constexpr, DV: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
          BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, HAS_DOT: tl.constexpr, BIAS: tl.constexpr, KERNEL: tl.constexpr,
-         CAUSAL: tl.constexpr, PREC: tl.constexpr, UP: tl.constexpr, DOC: tl.constexpr):
+         CAUSAL: tl.constexpr, PREC: tl.constexpr, UP: tl.constexpr, DOC: tl.constexpr, FAST: tl.constexpr):
     m0 = tl.program_id(0) * BLOCK_M
     off = Tk - Tq
     row, krow, kbase, vbase = _bases(tl.program_id(1), H, GK, GV, Tq, Tk)
@@ -256,11 +289,11 @@ def _fwd(Q, K, V, QS, KS, U, TAU, LAM, O, LSE, DOCS, START, END, Tq, Tk, H, GK, 
     for start_n in range(lo, full, BLOCK_N):  # whole tiles: no mask
         acc, m_i, l_i = _fwd_tile(acc, m_i, l_i, q, qs, tau, lam, K, V, KS, U, kbase, vbase, krow, start_n, offs_m,
                                   offs_d, offs_dv, Tk, off, sm_scale, D, DV, BLOCK_D, BLOCK_N, HAS_DOT, BIAS, KERNEL,
-                                  CAUSAL, False, PREC, UP, DOCS, drow, dq, DOC)
+                                  CAUSAL, False, PREC, UP, DOCS, drow, dq, DOC, FAST)
     for start_n in range(full, hi, BLOCK_N):  # the diagonal and the ragged end
         acc, m_i, l_i = _fwd_tile(acc, m_i, l_i, q, qs, tau, lam, K, V, KS, U, kbase, vbase, krow, start_n, offs_m,
                                   offs_d, offs_dv, Tk, off, sm_scale, D, DV, BLOCK_D, BLOCK_N, HAS_DOT, BIAS, KERNEL,
-                                  CAUSAL, True, PREC, UP, DOCS, drow, dq, DOC)
+                                  CAUSAL, True, PREC, UP, DOCS, drow, dq, DOC, FAST)
     l_safe = tl.where(l_i == 0.0, 1.0, l_i)
     out = acc / l_safe[:, None]
     tl.store(O + (row + offs_m[:, None]) * DV + offs_dv[None, :], out.to(O.dtype.element_ty),
@@ -272,7 +305,7 @@ def _fwd(Q, K, V, QS, KS, U, TAU, LAM, O, LSE, DOCS, START, END, Tq, Tk, H, GK, 
 def _kv_tile(dk, dv, dks, du, k, v, ks, us, Q, QS, TAU, LAM, DO, LSE, DELTA, row, start_m, offs_n, offs_d, offs_dv, Tq, Tk,
              off, sm_scale, D: tl.constexpr, DV: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr,
              HAS_DOT: tl.constexpr, BIAS: tl.constexpr, KERNEL: tl.constexpr, CAUSAL: tl.constexpr, MASK: tl.constexpr,
-             PREC: tl.constexpr, UP: tl.constexpr, DOCS, drow, dkey, DOC: tl.constexpr):
+             PREC: tl.constexpr, UP: tl.constexpr, DOCS, drow, dkey, DOC: tl.constexpr, FAST: tl.constexpr):
     """One query tile's share of a key tile's dk, dv, dks and du. Rows past Tq read lse = +inf: p = 0."""
     offs_m = start_m + tl.arange(0, BLOCK_M)
     m_ok = offs_m < Tq
@@ -280,7 +313,9 @@ def _kv_tile(dk, dv, dks, du, k, v, ks, us, Q, QS, TAU, LAM, DO, LSE, DELTA, row
     lse, delta, do = _grad_rows(LSE, DELTA, DO, row, offs_m, m_ok, offs_dv, DV)
     dqd = _doc_ids(DOCS, drow, offs_m + off, m_ok, DOC)
     s, d, x, l1 = _scores(q, k, qs, ks, us, tau, lam, offs_m, offs_n, Tk, off, sm_scale, HAS_DOT, BIAS, KERNEL, CAUSAL,
-                          MASK, PREC, UP, dqd, dkey, DOC)
+                          MASK, PREC, UP, dqd, dkey, DOC, FAST)
+    if KERNEL == 1:
+        d = _over_1p(d, x, FAST)  # d phi'(x) with phi' = 1 / (1 + x), before the products: one tile live, not two
     p = tl.exp2(s - lse[:, None])
     dv += _mm(tl.trans(p.to(do.dtype)), do, PREC, UP)
     ds = p * (_mm(do, tl.trans(v), PREC, UP) - delta[:, None])  # the gradient of the (natural) score
@@ -288,8 +323,6 @@ def _kv_tile(dk, dv, dks, du, k, v, ks, us, Q, QS, TAU, LAM, DO, LSE, DELTA, row
         dk += _mm(tl.trans(ds.to(q.dtype)), q, PREC, UP)
     if BIAS:
         du += tl.sum(ds, 0)
-    if KERNEL == 1:
-        ds = ds / (1.0 + x)  # d phi / dx = -1 / (1 + x)
     if KERNEL != 2:
         dks += tl.sum(ds * d * (2.0 * lam * tau)[:, None], 0)  # d score / d ks = 2 lam phi'(x) (qs - ks) / tau
     return dk, dv, dks, du
@@ -299,7 +332,7 @@ def _kv_tile(dk, dv, dks, du, k, v, ks, us, Q, QS, TAU, LAM, DO, LSE, DELTA, row
 def _bwd_kv(Q, K, V, QS, KS, U, TAU, LAM, DO, LSE, DELTA, DOCS, START, END, DK, DV_, DKS, DU, Tq, Tk, H, GK, GV,
             sm_scale, D: tl.constexpr, DV: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
             BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, HAS_DOT: tl.constexpr, BIAS: tl.constexpr, KERNEL: tl.constexpr,
-            CAUSAL: tl.constexpr, PREC: tl.constexpr, UP: tl.constexpr, DOC: tl.constexpr):
+            CAUSAL: tl.constexpr, PREC: tl.constexpr, UP: tl.constexpr, DOC: tl.constexpr, FAST: tl.constexpr):
     n0 = tl.program_id(0) * BLOCK_N
     off = Tk - Tq
     row, krow, kbase, vbase = _bases(tl.program_id(1), H, GK, GV, Tq, Tk)
@@ -337,11 +370,11 @@ def _bwd_kv(Q, K, V, QS, KS, U, TAU, LAM, DO, LSE, DELTA, DOCS, START, END, DK, 
     for start_m in range(lo, full, BLOCK_M):  # the diagonal
         dk, dv, dks, du = _kv_tile(dk, dv, dks, du, k, v, ks, us, Q, QS, TAU, LAM, DO, LSE, DELTA, row, start_m, offs_n, offs_d,
                                offs_dv, Tq, Tk, off, sm_scale, D, DV, BLOCK_D, BLOCK_M, HAS_DOT, BIAS, KERNEL, CAUSAL,
-                               True, PREC, UP, DOCS, drow, dkey, DOC)
+                               True, PREC, UP, DOCS, drow, dkey, DOC, FAST)
     for start_m in range(full, end, BLOCK_M):  # whole tiles (non-causal: every tile; padded keys are not stored)
         dk, dv, dks, du = _kv_tile(dk, dv, dks, du, k, v, ks, us, Q, QS, TAU, LAM, DO, LSE, DELTA, row, start_m, offs_n, offs_d,
                                offs_dv, Tq, Tk, off, sm_scale, D, DV, BLOCK_D, BLOCK_M, HAS_DOT, BIAS, KERNEL, CAUSAL,
-                               False, PREC, UP, DOCS, drow, dkey, DOC)
+                               False, PREC, UP, DOCS, drow, dkey, DOC, FAST)
     tl.store(DK + (krow + offs_n[:, None]) * BLOCK_D + offs_d[None, :], dk * sm_scale, mask=n_ok[:, None])
     tl.store(DV_ + (krow + offs_n[:, None]) * BLOCK_DV + offs_dv[None, :], dv, mask=n_ok[:, None])
     tl.store(DKS + krow + offs_n, dks, mask=n_ok)
@@ -353,7 +386,8 @@ def _bwd_kv(Q, K, V, QS, KS, U, TAU, LAM, DO, LSE, DELTA, DOCS, START, END, DK, 
 def _q_tile(dq, da, dx, dl, q, qs, tau, lam, do, lse, delta, K, V, KS, U, kbase, vbase, krow, start_n, offs_m,
             offs_d, offs_dv, Tk, off, sm_scale, D: tl.constexpr, DV: tl.constexpr, BLOCK_D: tl.constexpr,
             BLOCK_N: tl.constexpr, HAS_DOT: tl.constexpr, BIAS: tl.constexpr, KERNEL: tl.constexpr, CAUSAL: tl.constexpr,
-            MASK: tl.constexpr, PREC: tl.constexpr, UP: tl.constexpr, DOCS, drow, dqd, DOC: tl.constexpr):
+            MASK: tl.constexpr, PREC: tl.constexpr, UP: tl.constexpr, DOCS, drow, dqd, DOC: tl.constexpr,
+            FAST: tl.constexpr):
     """One key tile's share of a query tile's dq and of the per-row sums A = sum ds phi' d, X = sum ds
     phi' x and L = sum ds l1 (phi' = 1 for the Gaussian, 1 / (1 + x) for the Cauchy kernel) that give
     the gradients of qs, tau and the gain."""
@@ -363,14 +397,14 @@ def _q_tile(dq, da, dx, dl, q, qs, tau, lam, do, lse, delta, K, V, KS, U, kbase,
                              BLOCK_D)
     dkey = _doc_ids(DOCS, drow, offs_n, n_ok, DOC)
     s, d, x, l1 = _scores(q, k, qs, ks, us, tau, lam, offs_m, offs_n, Tk, off, sm_scale, HAS_DOT, BIAS, KERNEL, CAUSAL,
-                          MASK, PREC, UP, dqd, dkey, DOC)
+                          MASK, PREC, UP, dqd, dkey, DOC, FAST)
     p = tl.exp2(s - lse[:, None])
     ds = p * (_mm(do, tl.trans(v), PREC, UP) - delta[:, None])  # 0 wherever a key is hidden
     if HAS_DOT:
         dq += _mm(ds.to(k.dtype), k, PREC, UP)
     if KERNEL == 1:
         dl += tl.sum(ds * l1, 1)
-        ds = ds / (1.0 + x)
+        ds = _over_1p(ds, x, FAST)
     if KERNEL != 2:
         da += tl.sum(ds * d, 1)
         dx += tl.sum(ds * x, 1)
@@ -381,7 +415,7 @@ def _q_tile(dq, da, dx, dl, q, qs, tau, lam, do, lse, delta, K, V, KS, U, kbase,
 def _bwd_q(Q, K, V, QS, KS, U, TAU, LAM, DO, LSE, DELTA, DOCS, START, END, DQ, DQS, DTAU, DLAM, Tq, Tk, H, GK, GV,
            sm_scale, D: tl.constexpr, DV: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
            BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, HAS_DOT: tl.constexpr, BIAS: tl.constexpr, KERNEL: tl.constexpr,
-           CAUSAL: tl.constexpr, PREC: tl.constexpr, UP: tl.constexpr, DOC: tl.constexpr):
+           CAUSAL: tl.constexpr, PREC: tl.constexpr, UP: tl.constexpr, DOC: tl.constexpr, FAST: tl.constexpr):
     m0 = tl.program_id(0) * BLOCK_M
     off = Tk - Tq
     row, krow, kbase, vbase = _bases(tl.program_id(1), H, GK, GV, Tq, Tk)
@@ -406,11 +440,11 @@ def _bwd_q(Q, K, V, QS, KS, U, TAU, LAM, DO, LSE, DELTA, DOCS, START, END, DQ, D
     for start_n in range(lo, full, BLOCK_N):
         dq, da, dx, dl = _q_tile(dq, da, dx, dl, q, qs, tau, lam, do, lse, delta, K, V, KS, U, kbase, vbase,
                                  krow, start_n, offs_m, offs_d, offs_dv, Tk, off, sm_scale, D, DV, BLOCK_D,
-                                 BLOCK_N, HAS_DOT, BIAS, KERNEL, CAUSAL, False, PREC, UP, DOCS, drow, dqd, DOC)
+                                 BLOCK_N, HAS_DOT, BIAS, KERNEL, CAUSAL, False, PREC, UP, DOCS, drow, dqd, DOC, FAST)
     for start_n in range(full, hi, BLOCK_N):
         dq, da, dx, dl = _q_tile(dq, da, dx, dl, q, qs, tau, lam, do, lse, delta, K, V, KS, U, kbase, vbase,
                                  krow, start_n, offs_m, offs_d, offs_dv, Tk, off, sm_scale, D, DV, BLOCK_D,
-                                 BLOCK_N, HAS_DOT, BIAS, KERNEL, CAUSAL, True, PREC, UP, DOCS, drow, dqd, DOC)
+                                 BLOCK_N, HAS_DOT, BIAS, KERNEL, CAUSAL, True, PREC, UP, DOCS, drow, dqd, DOC, FAST)
     tl.store(DQ + (row + offs_m[:, None]) * BLOCK_D + offs_d[None, :], dq * sm_scale, mask=m_ok[:, None])
     _store_row_grads(DQS, DTAU, DLAM, row, offs_m, m_ok, lam, tau, da, dx, dl, KERNEL)
 

@@ -8,7 +8,7 @@ import math
 
 import torch
 
-from .triton_kernel import _bwd_kv, _bwd_q, _fwd, interpreted
+from .triton_kernel import _bwd_kv, _bwd_q, _fwd, fast_math, interpreted
 
 __all__ = ["available", "triton_scalar_attention"]
 
@@ -75,7 +75,8 @@ class _ScalarFamily(torch.autograd.Function):
         BM, BN, warps, stages = _blocks(v.device, D, DV)["fwd"]
         consts = dict(D=D, DV=DV, BLOCK_D=_pow2(D), BLOCK_DV=_pow2(DV), HAS_DOT=q is not None, BIAS=u is not None,
                       KERNEL=kernel, CAUSAL=causal, PREC="ieee" if v.dtype == torch.float32 else "tf32",
-                      UP=interpreted() and v.dtype == torch.bfloat16, DOC=docs is not None)
+                      UP=interpreted() and v.dtype == torch.bfloat16, DOC=docs is not None,
+                      FAST=fast_math())  # the Cauchy log / division in hardware approximations (not interpreted)
         segs, start, end = document_spans(docs) if docs is not None else (f32, f32, f32)
         if sm_scale is None:
             sm_scale = 1.0 / math.sqrt(D) if has_dot else 0.0

@@ -33,7 +33,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .triton_kernel import LOG2E, _bases, _grad_rows, _query_rows, _store_row_grads
+from .triton_kernel import LOG2E, _bases, _grad_rows, _log2_1p, _over_1p, _query_rows, _store_row_grads, fast_math
 from .triton_op import CAUCHY, GAUSSIAN, _pow2
 
 __all__ = ["triton_selected_attention"]
@@ -48,9 +48,10 @@ def _gather(X, base, ix, valid, offs_d, D: tl.constexpr):
 
 @triton.jit
 def _sel_scores(q, K, KS, qs, tau, lam, kbase, krow, ix, valid, offs_d, sm_scale, D: tl.constexpr,
-                HAS_DOT: tl.constexpr, KERNEL: tl.constexpr):
+                HAS_DOT: tl.constexpr, KERNEL: tl.constexpr, FAST: tl.constexpr):
     """Scores in base 2 of a query tile against its gathered keys (-inf where not valid), the gathered
-    key vectors (HAS_DOT) and the pieces the backward needs: d = qs - ks, x = d^2 / tau, l1 = log2(1 + x)."""
+    key vectors (HAS_DOT) and the pieces the backward needs: d = qs - ks, x = d^2 / tau, l1 = log2(1 + x)
+    (FAST: in the hardware's approximate log, `triton_kernel._log2_1p`)."""
     ks = tl.load(KS + krow + ix, mask=valid, other=0.0)
     d = qs[:, None] - ks
     x = d * d * tau[:, None]  # tau holds 1 / tau_t
@@ -58,7 +59,7 @@ def _sel_scores(q, K, KS, qs, tau, lam, kbase, krow, ix, valid, offs_d, sm_scale
         l1 = x
         s = -(lam * LOG2E)[:, None] * x
     else:
-        l1 = tl.log2(1.0 + x)
+        l1 = _log2_1p(x, FAST)
         s = -lam[:, None] * l1
     k = 0.0
     if HAS_DOT:
@@ -82,7 +83,8 @@ def _sel_program(Q, QS, TAU, LAM, T, H, GK, GV, D: tl.constexpr, BLOCK_D: tl.con
 
 @triton.jit
 def _sel_columns(IDX, K, KS, q, qs, tau, lam, row, kbase, krow, offs_m, m_ok, j0, M, offs_d, sm_scale,
-                 D: tl.constexpr, BLOCK_J: tl.constexpr, HAS_DOT: tl.constexpr, KERNEL: tl.constexpr):
+                 D: tl.constexpr, BLOCK_J: tl.constexpr, HAS_DOT: tl.constexpr, KERNEL: tl.constexpr,
+                 FAST: tl.constexpr):
     """Columns j0 .. j0 + BLOCK_J of the query tile's selected keys: their indices (0 where unused), which
     are used, and `_sel_scores` of them."""
     offs_j = j0 + tl.arange(0, BLOCK_J)
@@ -90,14 +92,15 @@ def _sel_columns(IDX, K, KS, q, qs, tau, lam, row, kbase, krow, offs_m, m_ok, j0
                  other=-1)
     valid = ix >= 0
     ix = tl.where(valid, ix, 0)
-    s, k, d, x, l1 = _sel_scores(q, K, KS, qs, tau, lam, kbase, krow, ix, valid, offs_d, sm_scale, D, HAS_DOT, KERNEL)
+    s, k, d, x, l1 = _sel_scores(q, K, KS, qs, tau, lam, kbase, krow, ix, valid, offs_d, sm_scale, D, HAS_DOT, KERNEL,
+                                 FAST)
     return ix, valid, s, k, d, x, l1
 
 
 @triton.jit
 def _sel_fwd(Q, K, V, QS, KS, TAU, LAM, IDX, O, LSE, T, M, H, GK, GV, sm_scale, D: tl.constexpr, DV: tl.constexpr,
              BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_J: tl.constexpr,
-             HAS_DOT: tl.constexpr, KERNEL: tl.constexpr):
+             HAS_DOT: tl.constexpr, KERNEL: tl.constexpr, FAST: tl.constexpr):
     row, krow, kbase, vbase, offs_m, offs_d, offs_dv, m_ok, qs, tau, lam, q = _sel_program(
         Q, QS, TAU, LAM, T, H, GK, GV, D, BLOCK_D, BLOCK_DV, BLOCK_M, HAS_DOT)
     m_i = tl.full((BLOCK_M,), float("-inf"), tl.float32)
@@ -105,7 +108,7 @@ def _sel_fwd(Q, K, V, QS, KS, TAU, LAM, IDX, O, LSE, T, M, H, GK, GV, sm_scale, 
     acc = tl.zeros((BLOCK_M, BLOCK_DV), tl.float32)
     for j0 in range(0, M, BLOCK_J):
         ix, valid, s, k, d, x, l1 = _sel_columns(IDX, K, KS, q, qs, tau, lam, row, kbase, krow, offs_m, m_ok, j0, M,
-                                                 offs_d, sm_scale, D, BLOCK_J, HAS_DOT, KERNEL)
+                                                 offs_d, sm_scale, D, BLOCK_J, HAS_DOT, KERNEL, FAST)
         m_new = tl.maximum(m_i, tl.max(s, 1))
         m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
         p = tl.exp2(s - m_safe[:, None])
@@ -123,7 +126,8 @@ def _sel_fwd(Q, K, V, QS, KS, TAU, LAM, IDX, O, LSE, T, M, H, GK, GV, sm_scale, 
 @triton.jit
 def _sel_bwd(Q, K, V, QS, KS, TAU, LAM, IDX, DO, LSE, DELTA, DQ, DQS, DTAU, DLAM, DK, DV_, DKS, T, M, H, GK, GV,
              sm_scale, D: tl.constexpr, DV: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
-             BLOCK_M: tl.constexpr, BLOCK_J: tl.constexpr, HAS_DOT: tl.constexpr, KERNEL: tl.constexpr):
+             BLOCK_M: tl.constexpr, BLOCK_J: tl.constexpr, HAS_DOT: tl.constexpr, KERNEL: tl.constexpr,
+             FAST: tl.constexpr):
     row, krow, kbase, vbase, offs_m, offs_d, offs_dv, m_ok, qs, tau, lam, q = _sel_program(
         Q, QS, TAU, LAM, T, H, GK, GV, D, BLOCK_D, BLOCK_DV, BLOCK_M, HAS_DOT)
     lse, delta, do = _grad_rows(LSE, DELTA, DO, row, offs_m, m_ok, offs_dv, DV)
@@ -134,7 +138,7 @@ def _sel_bwd(Q, K, V, QS, KS, TAU, LAM, IDX, DO, LSE, DELTA, DQ, DQS, DTAU, DLAM
     dl = tl.zeros((BLOCK_M,), tl.float32)
     for j0 in range(0, M, BLOCK_J):
         ix, valid, s, k, d, x, l1 = _sel_columns(IDX, K, KS, q, qs, tau, lam, row, kbase, krow, offs_m, m_ok, j0, M,
-                                                 offs_d, sm_scale, D, BLOCK_J, HAS_DOT, KERNEL)
+                                                 offs_d, sm_scale, D, BLOCK_J, HAS_DOT, KERNEL, FAST)
         p = tl.exp2(s - lse[:, None])  # 0 where not valid
         v = _gather(V, vbase, ix, valid, offs_dv, DV)
         ds = p * (tl.sum(do[:, None, :] * v, 2) - delta[:, None])
@@ -148,7 +152,7 @@ def _sel_bwd(Q, K, V, QS, KS, TAU, LAM, IDX, DO, LSE, DELTA, DQ, DQS, DTAU, DLAM
                           sem="relaxed")
         if KERNEL == 1:
             dl += tl.sum(ds * l1, 1)
-            ds = ds / (1.0 + x)
+            ds = _over_1p(ds, x, FAST)
         da += tl.sum(ds * d, 1)
         dx += tl.sum(ds * x, 1)
         tl.atomic_add(DKS + krow + ix, ds * d * (2.0 * lam * tau)[:, None], mask=valid, sem="relaxed")
@@ -185,7 +189,8 @@ class _Selected(torch.autograd.Function):
         out = torch.empty(B, H, T, DV, dtype=torch.float32, device=v.device)
         lse = torch.empty(B, H, T, dtype=torch.float32, device=v.device)
         BM, BJ, warps = _tiles(v.device)["fwd"]
-        consts = dict(D=D, DV=DV, BLOCK_D=_pow2(D), BLOCK_DV=_pow2(DV), HAS_DOT=has_dot, KERNEL=kernel)
+        consts = dict(D=D, DV=DV, BLOCK_D=_pow2(D), BLOCK_DV=_pow2(DV), HAS_DOT=has_dot, KERNEL=kernel,
+                      FAST=fast_math())  # the Cauchy log / division in hardware approximations (not interpreted)
         _sel_fwd[(-(-T // BM), B * H)](qq, kk, vv, qs32, ks32, tau32, lam32, sel, out, lse, T, M, H, GK, GV, sm_scale,
                                       BLOCK_M=BM, BLOCK_J=BJ, num_warps=warps, **consts)
         ctx.save_for_backward(qq, kk, vv, qs32, ks32, tau32, lam32, sel, out, lse)
