@@ -211,6 +211,7 @@ def test_eval_windowed_and_by_length(trained, capsys):
         (["--seq-lens", "16,x"], ["--seq-lens", "128,256"]),
         (["--windows", "0"], ["--windows"]),
         (["--budgets", "8"], ["--budgets", "--windows"]),
+        (["--windows", "4", "--budgets", "512", "--lengths", "16,48"], ["--budgets 512", "changes nothing", "48"]),
         (["--compress", "0.1"], ["--compress", "--windows"]),
         (["--windows", "4", "--compress", "-1"], ["--compress"]),
         (["--lengths", "a"], ["--lengths"]),
@@ -221,7 +222,7 @@ def test_eval_windowed_and_by_length(trained, capsys):
         (["--split", "train"], ["--split", "'val'", "'test'"]),
         (["data.seq_len=-1"], ["data.seq_len"]),
     ],
-    ids=["seq-lens-text", "windows-zero", "budget-alone", "compress-alone", "compress-negative", "lengths-text", "seq-lens-zero", "passkey-short", "passkey-depth", "max-tokens", "split", "bad-override"],
+    ids=["seq-lens-text", "windows-zero", "budget-alone", "budget-beyond-every-length", "compress-alone", "compress-negative", "lengths-text", "seq-lens-zero", "passkey-short", "passkey-depth", "max-tokens", "split", "bad-override"],
 )
 def test_eval_rejects_bad_options(trained, extra, must_contain, capsys):
     before = sorted(p.name for p in trained.iterdir())

@@ -98,3 +98,29 @@ def test_export_hostile_inputs(run, tmp_path, capsys):
     after = {p.name: (p.stat().st_mtime_ns, p.is_dir()) for p in tmp_path.iterdir()}
     assert after == before  # no OUT_DIR, no temporary sibling, nothing touched
     assert (tmp_path / "full" / "keep.txt").read_text() == "mine" and (tmp_path / "a_file").read_text() == "x"
+
+
+def test_push_to_hub_uploads_the_written_folder(run, tmp_path, capsys, monkeypatch):
+    """--push-to-hub creates the repository (exist_ok) and uploads the exported folder, through
+    huggingface_hub's HfApi (replaced here: no network); a bad repository name is refused before any work."""
+    import huggingface_hub
+
+    calls = []
+
+    class FakeApi:
+        def create_repo(self, **kw):
+            calls.append(("create_repo", kw))
+
+        def upload_folder(self, **kw):
+            calls.append(("upload_folder", kw))
+            return type("Info", (), {"commit_url": "https://huggingface.co/me/tiny/commit/abc"})()
+
+    monkeypatch.setattr(huggingface_hub, "HfApi", FakeApi)
+    out = tmp_path / "hf"
+    assert main(["export", str(run), str(out), "--push-to-hub", "me/tiny", "--private"]) == 0
+    assert calls[0] == ("create_repo", {"repo_id": "me/tiny", "repo_type": "model", "private": True, "exist_ok": True})
+    name, kw = calls[1]
+    assert name == "upload_folder" and kw["repo_id"] == "me/tiny" and kw["folder_path"] == str(out)
+    assert "pushed to https://huggingface.co/me/tiny/commit/abc" in capsys.readouterr().out
+    assert main(["export", str(run), str(tmp_path / "hf2"), "--push-to-hub", "tiny"]) == 2
+    assert "user/name" in capsys.readouterr().err and not (tmp_path / "hf2").exists()

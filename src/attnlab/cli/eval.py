@@ -72,6 +72,13 @@ def _eval_plan(ns) -> dict:
     budgets = int_list(ns.budgets, "--budgets") if ns.budgets else None
     compress = float_list(ns.compress, "--compress", 0.0, 1e6) if ns.compress else None
     _check_decode_options(cfg, windows, budgets, compress)
+    if budgets:  # a cap on the sorted cache that no evaluated context reaches measures the uncapped cache again
+        longest = max([*seq_lens, *(lengths or [])])
+        useless = [M for M in budgets if M >= longest]
+        if useless:
+            raise UsageError(f"--budgets {','.join(map(str, useless))}: a cache capped at M keys per head changes "
+                             f"nothing when no context is longer than M; the longest length evaluated here is "
+                             f"{longest} (--seq-lens / --lengths): give budgets below it")
     if lengths and cfg.model.pos_embedding == "learned" and max(lengths) > cfg.model.max_seq_len:
         raise UsageError(f"--lengths: {max(lengths)} exceeds model.max_seq_len={cfg.model.max_seq_len} of this run's "
                          f"learned position embedding; allowed: lengths <= {cfg.model.max_seq_len}")

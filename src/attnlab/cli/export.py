@@ -29,7 +29,23 @@ def add_export(sub) -> None:
     p.add_argument("--checkpoint", metavar="PATH", help="export this checkpoint instead of the newest")
     p.add_argument("--window", type=int, metavar="K",
                    help="default decode window of generate() for scalar/hybrid layers (the sorted scalar cache)")
+    p.add_argument("--push-to-hub", metavar="REPO",
+                   help="then upload OUT_DIR to the Hugging Face Hub repository REPO (user/name; created if absent; "
+                        "the token from `huggingface-cli login` or HF_TOKEN)")
+    p.add_argument("--private", action="store_true", help="with --push-to-hub: create the repository private")
     p.set_defaults(func=cmd_export)
+
+
+def push_to_hub(folder, repo: str, private: bool = False) -> str:
+    """Upload an exported folder to the Hub repository `repo` (created if absent) with huggingface_hub;
+    returns the commit's URL."""
+    from huggingface_hub import HfApi
+
+    api = HfApi()
+    api.create_repo(repo_id=repo, repo_type="model", private=private, exist_ok=True)
+    info = api.upload_folder(repo_id=repo, repo_type="model", folder_path=str(folder),
+                             commit_message="Upload an attnlab model (attnlab export)")
+    return str(getattr(info, "commit_url", info))
 
 
 def cmd_export(ns) -> int:
@@ -42,6 +58,10 @@ def cmd_export(ns) -> int:
         raise
     if ns.window is not None and ns.window < 1:
         raise UsageError(f"--window must be >= 1, got {ns.window}")
+    if ns.push_to_hub is not None and (ns.push_to_hub.count("/") != 1 or not all(ns.push_to_hub.split("/"))):
+        raise UsageError(f"--push-to-hub must name a repository as user/name, got {ns.push_to_hub!r}")
+    if ns.private and ns.push_to_hub is None:
+        raise UsageError("--private applies to --push-to-hub: give the repository too")
     try:
         out = export_run(ns.run_dir, ns.out_dir, checkpoint=ns.checkpoint, window=ns.window)
     except ExportError as e:
@@ -49,4 +69,6 @@ def cmd_export(ns) -> int:
     print(f"wrote {out} (load with: import attnlab.hf; AutoModelForCausalLM.from_pretrained({str(out)!r}))")
     if not (out / "tokenizer.json").is_file():
         print("  no tokenizer: this run trained on synthetic token ids (data.source=mqar)")
+    if ns.push_to_hub is not None:
+        print(f"pushed to {push_to_hub(out, ns.push_to_hub, ns.private)}")
     return 0

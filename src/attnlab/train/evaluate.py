@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import json
 import os
+import sys
 from pathlib import Path
 
 import torch
@@ -379,8 +380,13 @@ def by_length(model, fn, stream, lengths, windows, topk, *, max_tokens, batch_si
 
     from attnlab.eval.metrics import topk_summary
 
+    from tqdm.auto import tqdm
+
     rows = {}
-    for T in lengths:
+    bar = tqdm(lengths, desc="eval by length", unit="length", disable=len(lengths) < 2 or not sys.stderr.isatty(),
+               dynamic_ncols=True)
+    for T in bar:
+        bar.set_postfix_str(f"T={T}" + (f", windows {','.join(map(str, windows))}" if windows else ""))
         B = max(1, min(batch_size, (max_tokens or T * batch_size) // T))
         exact = loss_at_lengths(fn, stream, [T], batch_size=B, max_tokens=max_tokens, cross_doc=data.cross_doc,
                                 device=device, pass_batch=not data.cross_doc)[T]
