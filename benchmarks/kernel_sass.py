@@ -41,7 +41,8 @@ import tempfile
 import time
 from pathlib import Path
 
-os.environ["TRITON_INTERPRET"] = "0"  # compile, not interpret (before Triton is imported)
+if __name__ == "__main__":  # compile, not interpret (before Triton is imported); importing this module sets nothing
+    os.environ["TRITON_INTERPRET"] = "0"
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "src"))
 sys.path.insert(0, str(ROOT / "benchmarks"))

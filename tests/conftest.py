@@ -53,6 +53,18 @@ def code_corpus(tmp_path_factory) -> str:
     return str(d)
 
 
+@pytest.fixture(scope="module")
+def argparse_corpus(tmp_path_factory) -> str:
+    """One real text file, the stdlib's argparse.py: the trainer tests' corpus."""
+    import sysconfig
+    from pathlib import Path
+
+    text = (Path(sysconfig.get_paths()["stdlib"]) / "argparse.py").read_text(encoding="utf-8")
+    path = tmp_path_factory.mktemp("corpus") / "corpus.txt"
+    path.write_text(text, encoding="utf-8")
+    return str(path)
+
+
 def pytest_runtest_logreport(report):
     """With ATTNLAB_TEST_STREAM=PATH, one JSON line per test outcome (and per failed setup or teardown)
     is appended to PATH the moment pytest reports it, the failure's text included: a run killed at its

@@ -9,7 +9,6 @@ batch on the CPU before it moves to the device, is the one exception."""
 from __future__ import annotations
 
 import sys
-import sysconfig
 from pathlib import Path
 
 import pytest
@@ -25,11 +24,8 @@ HOST_SIDE = ("attnlab.data",)  # builds batches on the host, before they reach t
 
 
 @pytest.fixture(scope="module")
-def corpus(tmp_path_factory) -> str:
-    text = (Path(sysconfig.get_paths()["stdlib"]) / "argparse.py").read_text(encoding="utf-8")
-    path = tmp_path_factory.mktemp("corpus") / "corpus.txt"
-    path.write_text(text, encoding="utf-8")
-    return str(path)
+def corpus(argparse_corpus) -> str:
+    return argparse_corpus
 
 
 @pytest.fixture

@@ -4,7 +4,6 @@ torch.compile through train.compile, and gradient checkpointing from the Hugging
 
 from __future__ import annotations
 
-import sysconfig
 from pathlib import Path
 
 import pytest
@@ -18,11 +17,8 @@ TINY = Path(__file__).resolve().parents[1] / "configs" / "tiny.toml"
 
 
 @pytest.fixture(scope="module")
-def corpus(tmp_path_factory) -> str:
-    text = (Path(sysconfig.get_paths()["stdlib"]) / "argparse.py").read_text(encoding="utf-8")
-    path = tmp_path_factory.mktemp("corpus") / "corpus.txt"
-    path.write_text(text, encoding="utf-8")
-    return str(path)
+def corpus(argparse_corpus) -> str:
+    return argparse_corpus
 
 
 def trainer(tmp_path, corpus, *overrides) -> Trainer:
