@@ -67,3 +67,23 @@ def test_sorted_search_defers_undecided_rows():
     q = k.clone() + 0.25
     idx, ok = nearest_sorted(q, k, 48, 64, 0, 0, 3)
     assert ok.all() and torch.equal(idx[0, 0, 0], torch.tensor([48, 47, 46]))
+
+
+def test_accelerators_choose_densely_without_reading_back(monkeypatch):
+    """Where the sorted search would read a bool back from the device (any device but the CPU), every
+    chunk is scored densely: the same indices as the CPU's sorted route, and no value read at all."""
+    from attnlab.ops.scalar import window as wmod
+
+    g = torch.Generator().manual_seed(5)
+    qs, ks = torch.randn(1, 2, 200, generator=g), torch.randn(1, 2, 200, generator=g)
+    monkeypatch.setattr(wmod, "SORTED_FROM", 20)
+    want = wmod.window_indices(qs, ks, 5, local=4, query_chunk=16)
+    monkeypatch.setattr(wmod, "SORTED_ON", ())  # the CPU treated as an accelerator
+    reads = []
+    for name in ("item", "__bool__", "__int__", "__float__", "nonzero", "tolist"):
+        real = getattr(torch.Tensor, name)
+        monkeypatch.setattr(torch.Tensor, name, lambda self, *a, _r=real, _n=name, **k: reads.append(_n) or _r(self, *a, **k))
+    got = wmod.window_indices(qs, ks, 5, local=4, query_chunk=16)
+    monkeypatch.undo()
+    assert reads == []
+    assert torch.equal(got[1], want[1]) and torch.equal(got[0][got[1]], want[0][want[1]])

@@ -19,9 +19,12 @@ from __future__ import annotations
 
 import torch
 
-__all__ = ["SORTED_FROM", "nearest_sorted"]
+__all__ = ["SORTED_FROM", "SORTED_ON", "nearest_sorted"]
 
 SORTED_FROM = 4096  # a chunk sees at least this many old keys before the sorted search is used
+# Devices the sorted search runs on: deciding whether a chunk's candidates settle it reads a bool on
+# the host, free on the CPU and a sync on an accelerator, where dense chunks keep a step sync-free.
+SORTED_ON = ("cpu",)
 
 
 def nearest_sorted(q32: torch.Tensor, k32: torch.Tensor, a: int, b: int, n_prefix: int, local: int,

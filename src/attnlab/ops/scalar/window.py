@@ -42,7 +42,7 @@ import torch
 from ...checks import check_int, check_same, visible_keys
 from .._sdpa import check_qkv, expand_heads, upcast
 from .budget import budget_evictions
-from .nearest import SORTED_FROM, nearest_sorted
+from .nearest import SORTED_FROM, SORTED_ON, nearest_sorted
 from .route import triton_missing, triton_route
 from .selected import selected_attention
 from .naive import _check_scalars, _check_values, _scalar_scale, _tau, check_kernel, hybrid_logits, scalar_logits
@@ -151,7 +151,8 @@ def window_indices(qs: torch.Tensor, ks: torch.Tensor, window: int, *, n_prefix:
 
     Memory O(query_chunk x T) per head while computing, O(T x m) kept; no gradient. Once a chunk's
     queries see SORTED_FROM or more older keys (float32), each scores only its 2k neighbours in
-    sorted order (`nearest.nearest_sorted`, the same choice). The arguments are not checked (`windowed_attention` checks them before calling this).
+    sorted order (`nearest.nearest_sorted`, the same choice); that search runs on the devices in
+    `nearest.SORTED_ON` (the CPU), where its check reads nothing back from an accelerator. The arguments are not checked (`windowed_attention` checks them before calling this).
 
     Args:
         qs: scalar queries (B, H, T).
@@ -184,12 +185,15 @@ def window_indices(qs: torch.Tensor, ks: torch.Tensor, window: int, *, n_prefix:
     if not k:
         return idx, ok
     cdt = upcast(qs.dtype)
+    # the sorted search decides on the host whether its candidates settle a chunk: free on the CPU,
+    # a device sync per chunk elsewhere, so accelerators score every chunk densely (no read back)
+    sorted_search = cdt == torch.float32 and qs.device.type in SORTED_ON
     with torch.no_grad():
         q32, k32 = qs.detach().to(cdt), ks.detach().to(cdt)
         for a in range(0, T, query_chunk):
             b = min(T, a + query_chunk)
             found = (nearest_sorted(q32, k32, a, b, n_prefix, local, k)
-                     if cdt == torch.float32 and a - local + 1 - n_prefix >= SORTED_FROM else None)
+                     if sorted_search and a - local + 1 - n_prefix >= SORTED_FROM else None)
             if found is not None:  # a long context: only candidates near each query in sorted order
                 idx[:, :, a:b, n_prefix + local :], ok[:, :, a:b, n_prefix + local :] = found
                 continue
