@@ -1,6 +1,7 @@
 """Data-parallel training: 2 processes under torchrun (gloo, CPU), DDP and FSDP2, follow the
 single-process run with the same global batch; an FSDP run killed with SIGKILL resumes exactly."""
 
+import json
 import os
 import re
 import signal
@@ -19,6 +20,7 @@ from attnlab.train.checkpoint import latest_checkpoint
 
 ROOT = Path(__file__).resolve().parents[1]
 TINY = ROOT / "configs" / "tiny.toml"
+SPY_SITE = Path(__file__).resolve().parent / "read_spy"  # its sitecustomize spies in the workers
 
 
 @pytest.fixture(scope="module")
@@ -39,8 +41,8 @@ def train_args(cmd, out_dir, corpus, name, *extra):
             "train.eval_every=3", "train.ckpt_every=3", "model.attn=[hybrid,softmax]", *extra]
 
 
-def run(cmd, out_dir, corpus, name, *extra):
-    return subprocess.run(train_args(cmd, out_dir, corpus, name, *extra), env=ENV, capture_output=True, text=True,
+def run(cmd, out_dir, corpus, name, *extra, env=ENV):
+    return subprocess.run(train_args(cmd, out_dir, corpus, name, *extra), env=env, capture_output=True, text=True,
                           timeout=300)
 
 
@@ -50,16 +52,27 @@ def final_weights(run_dir: Path) -> dict:
 
 def test_two_processes_match_one(tmp_path, corpus):
     """DDP and FSDP2 on two ranks follow the single-process run with the same global batch; the FSDP
-    checkpoint is written in the single-process format (same names, full tensors)."""
+    checkpoint is written in the single-process format (same names, full tensors); and no rank reads a
+    value back inside a training step that is not a log row (tests/read_spy, as tests/test_no_host_sync.py
+    checks one process)."""
     for name, cmd in (("ddp", TORCHRUN), ("fsdp", TORCHRUN), ("single", [sys.executable])):
-        proc = run(cmd, tmp_path, corpus, name, f"run.parallel={'fsdp' if name == 'fsdp' else 'ddp'}")
+        spy = tmp_path / f"spy-{name}"
+        spy.mkdir()
+        env = dict(ENV, ATTNLAB_READ_SPY=str(spy),
+                   PYTHONPATH=os.pathsep.join(filter(None, [str(SPY_SITE), ENV.get("PYTHONPATH")])))
+        proc = run(cmd, tmp_path, corpus, name, f"run.parallel={'fsdp' if name == 'fsdp' else 'ddp'}",
+                   "train.log_every=2", env=env)
         assert proc.returncode == 0, proc.stderr[-3000:]
 
     one = read_log(tmp_path / "single", "train")
     w1 = final_weights(tmp_path / "single")
     for name in ("ddp", "fsdp"):
+        for rank in (0, 1):
+            spied = json.loads((tmp_path / f"spy-{name}" / f"rank{rank}.json").read_text())
+            assert spied["watched_steps"] == [2, 4], (name, rank, spied)  # steps 3 and 5 of 6: not log rows
+            assert spied["reads"] == [], f"{name} rank {rank}: values read back inside a training step: {spied}"
         two = read_log(tmp_path / name, "train")
-        assert [r["step"] for r in two] == [r["step"] for r in one] == list(range(1, 7))
+        assert [r["step"] for r in two] == [r["step"] for r in one] == [2, 4, 6]
         assert [r["loss"] for r in two] == pytest.approx([r["loss"] for r in one], rel=1e-5), name
         assert [r["grad_norm"] for r in two] == pytest.approx([r["grad_norm"] for r in one], rel=1e-4), name
         ev1, ev2 = read_log(tmp_path / "single", "eval"), read_log(tmp_path / name, "eval")

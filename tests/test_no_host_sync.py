@@ -19,8 +19,8 @@ from attnlab.train import load_config
 from attnlab.train.trainer import Trainer
 
 TINY = Path(__file__).resolve().parents[1] / "configs" / "tiny.toml"
-READS = ("item", "__float__", "__int__", "__bool__", "nonzero", "tolist")
-HOST_SIDE = ("attnlab.data",)  # builds batches on the host, before they reach the device
+sys.path.insert(0, str(Path(__file__).resolve().parent / "read_spy"))
+from read_spy import install  # noqa: E402  (shared with torchrun's workers in tests/test_ddp.py)
 
 
 @pytest.fixture(scope="module")
@@ -31,28 +31,7 @@ def corpus(argparse_corpus) -> str:
 @pytest.fixture
 def reads(monkeypatch):
     """The (method, module, line) of every value read by package code while the spy is on."""
-    real_mode = checks.value_check_mode
-
-    def as_on_a_gpu(x):  # what value_check_mode answers for a tensor on an accelerator
-        if torch.compiler.is_compiling():
-            return real_mode(x)
-        return "assert" if getattr(checks._async, "depth", 0) > 0 else "eager"
-
-    monkeypatch.setattr(checks, "value_check_mode", as_on_a_gpu)
-    seen, on = [], [False]
-
-    def spy(real, name):
-        def read(self, *a, **k):
-            frame = sys._getframe(1)
-            module = frame.f_globals.get("__name__", "")
-            if on[0] and module.split(".")[0] == "attnlab" and not module.startswith(HOST_SIDE):
-                seen.append((name, module, frame.f_lineno))
-            return real(self, *a, **k)
-        return read
-
-    for name in READS:
-        monkeypatch.setattr(torch.Tensor, name, spy(getattr(torch.Tensor, name), name))
-    return seen, on
+    return install(monkeypatch.setattr)
 
 
 CASES = {
