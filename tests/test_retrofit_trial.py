@@ -15,6 +15,9 @@ from attnlab.cli import main  # noqa: E402
 from attnlab.experiments.sweep.verdict import OUTCOMES  # noqa: E402
 from attnlab.models.config import ConfigError  # noqa: E402
 from attnlab.retrofit import FinetuneConfig, convert, finetune, new_parameters  # noqa: E402
+from attnlab.retrofit.convert import plan  # noqa: E402
+from attnlab.retrofit.finetune import trainable_count  # noqa: E402
+from transformers import AutoConfig  # noqa: E402
 from attnlab.experiments.retrofit_trial import ORIGINAL, load_trial  # noqa: E402
 
 from test_retrofit import tiny  # noqa: E402
@@ -99,6 +102,14 @@ def test_trial_runs_reports_and_resumes(tmp_path, model_dir, capsys):
     assert res["variants"]["control"]["mean"]["ppl"] != pytest.approx(orig["mean"]["ppl"], rel=1e-6)
     assert res["variants"]["gate-lr10"]["mean"]["new_change_rms"] > 3 * res["variants"]["gate"]["mean"]["new_change_rms"]
     assert [v["outcome"] for v in res["verdicts"]] and all(v["outcome"] in OUTCOMES for v in res["verdicts"])
+    # what each run trained, LoRA included, recorded and counted from the plan alone (no weights) alike
+    hf_config = AutoConfig.from_pretrained(model_dir)
+    for run in load_trial(spec).runs:
+        recorded = json.loads((run.folder / "result.json").read_text())["trainable_params"]
+        r = run.retrofit
+        assert recorded == trainable_count(plan(hf_config, r.layers, r.attn, r.settings), run.finetune), run.variant
+    gate = res["variants"]["gate"]["mean"]["trainable_params"]
+    assert gate - res["variants"]["control"]["mean"]["trainable_params"] == 2 * 64 * 64  # two gates of d x d
     report = (spec.parent / "report.md").read_text()
     assert "attnlab retrofit trial" in report and "first_token_share per layer" in report and "gate vs control" in report
     assert "3 steps × 2 × 32 tokens = 192 tokens" in report

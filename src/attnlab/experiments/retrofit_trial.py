@@ -17,7 +17,8 @@ Per-run metrics (the names `[[verdict]]` rules use): ppl, nll (ln ppl), ppl_gap 
 original model), and the per-layer statistics of `evaluate_retrofit` averaged over the replaced
 layers (first_token_share, gate_low, ground_weight, learned_sink_share) and over all layers
 (first_token_share_all); first_token_share_before: the original's share over the same layers;
-new_change_rms (how far the new parameters moved) and wall_s. The report adds each layer's
+new_change_rms (how far the new parameters moved), trainable_params (what fine-tuning trained, LoRA
+included: a control matches a variant's count to within 10 %) and wall_s. The report adds each layer's
 statistics per variant.
 
 The format, with an example: experiments/README.md ("Retrofit trials"); the metrics: docs/retrofit.md.
@@ -59,7 +60,7 @@ ORIGINAL = "original"
 RESULT = "result.json"
 PARTIAL = "decode.partial.json"  # the decode losses of an evaluation not yet finished
 SCALARS = ("ppl", "nll", "ppl_gap", *PER_LAYER, "first_token_share_before", "first_token_share_all",
-           "new_change_rms", "wall_s")
+           "new_change_rms", "trainable_params", "wall_s")
 
 
 @dataclass
@@ -216,6 +217,7 @@ def run_one(run: TrialRun | None, ev: EvalConfig, folder: Path, hf_model, tok, p
         res["finetune"]["trained"] = len(done.finetune.get("trained") or [])
         f = run.finetune
         res["finetune"]["tokens"] = f.steps * f.batch * f.context
+        res["trainable_params"] = done.finetune.get("trainable_params")
     report = done.eval
     res.update(_summary(report, set(res["layers"])), eval=report, new_change_rms=done.new_change_rms,
                wall_s=time.perf_counter() - t0, fingerprint=_fingerprint(run, ev), perplexity_rule=PERPLEXITY_RULE)
@@ -365,7 +367,8 @@ def report_markdown(trial: Trial, stats: dict, layers: dict, judged: list[dict])
               "ppl: held-out perplexity; ppl_gap: % against the original model; nll = ln ppl. first-token share, "
               "gate_low (share of gate values below 0.1), ground_weight (the ground state's mass) and "
               "learned_sink_share: means over the replaced layers' heads; first_token_share_all: over every layer. "
-              "new_change_rms: how far the new parameters moved.", ""]
+              "new_change_rms: how far the new parameters moved; trainable_params: the parameters fine-tuning trained "
+              "(LoRA included).", ""]
     shown = [k for k in SCALARS if k != "wall_s" and any(s["mean"].get(k) is not None for s in stats.values())]
     rows = [[v, len(stats[v]["seeds"])] + [pm(stats[v]["mean"].get(k), stats[v]["sd"].get(k)) for k in shown]
             for v in [ORIGINAL, *trial.variants] if v in stats]

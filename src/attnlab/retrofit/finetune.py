@@ -163,6 +163,35 @@ def check_trainable(plan_, train: str, lora: int = 0, align: float = 0.0) -> Non
 LORA_TARGETS = ["wq", "wk", "wv", "wo"]  # every attention layer's projections (attnlab.layers.Attention)
 
 
+def trainable_count(plan_, cfg: FinetuneConfig) -> int:
+    """The parameters `finetune(model, cfg)` trains on a model retrofitted by `plan_`, counted on layers
+    built on the meta device (no weights): the retrofit's new parameters (train="new") or every
+    parameter (train="all"), plus rank x (in + out) for each LoRA-adapted q/k/v/o projection of every
+    layer; 0 when nothing is fine-tuned. How parameter-matched controls are sized (docs/retrofit.md)."""
+    from types import SimpleNamespace
+
+    from attnlab.layers import Attention
+    from attnlab.models import LM
+
+    if cfg.steps == 0:
+        return 0
+    with torch.device("meta"):
+        if cfg.train == "all":
+            lm = LM(plan_.model)
+            count, blocks = sum(p.numel() for p in lm.parameters()), [b.attn for b in lm.blocks]
+        else:
+            blocks = [Attention(c) for c in plan_.model.attention_configs()]
+            shell = SimpleNamespace(blocks=[SimpleNamespace(attn=a) for a in blocks])
+            count = sum(p.numel() for p in new_parameters(shell, plan_).values())
+    if cfg.lora:
+        for a in blocks:
+            for name in LORA_TARGETS:
+                proj = getattr(a, name, None)
+                if isinstance(proj, torch.nn.Linear):
+                    count += cfg.lora * (proj.in_features + proj.out_features)
+    return count
+
+
 def _peft():
     try:
         import peft
@@ -329,7 +358,8 @@ def finetune(model, cfg: FinetuneConfig, out, original=None, encode=None, eos_id
         for n, p in model.named_parameters():
             p.requires_grad_(flags[n])
         model.eval()
-    report.update(steps=step, resumed_from=start, trained=sorted(params), loss_start=state["loss_start"],
+    report.update(steps=step, resumed_from=start, trained=sorted(params),
+                  trainable_params=sum(p.numel() for p in params.values()), loss_start=state["loss_start"],
                   loss_end=history[-1]["loss"] if history else None, perplexity_before=state["perplexity_before"],
                   history=history)
     if step < cfg.steps:
