@@ -17,12 +17,17 @@ def add_sweep(sub) -> None:
                     "folder (default: the spec's folder). Run folders: OUT/runs/<variant>/seed<k>.\n\n"
                     "  attnlab sweep experiments/seed000/exp1-hybrid-baseline/spec.toml --jobs 2\n"
                     "  attnlab sweep experiments/seed000/exp1-hybrid-baseline/spec.toml --report-only\n"
-                    "  attnlab sweep SPEC.toml --launcher slurm --slurm-partition gpu --slurm-gpus-per-job 1\n\n"
+                    "  attnlab sweep SPEC.toml --launcher slurm --slurm-partition gpu --slurm-gpus-per-job 1\n"
+                    "  attnlab sweep SPEC.toml --only softmax/seed0,hybrid/seed0 --records RECORDS/   # one piece\n"
+                    "  attnlab sweep SPEC.toml --merge RECORDS/ MORE-RECORDS/    # fold pieces into results.json\n\n"
                     "A killed sweep resumes where it stopped when run again: finished runs are skipped, an\n"
                     "interrupted run resumes from its checkpoint. Every run config is loaded and checked before\n"
                     "anything is trained or written. The spec format is in experiments/README.md.\n\n"
                     "--launcher runs each unfinished run as a submitit job (SLURM, or local subprocesses); jobs that\n"
-                    "die or time out are resubmitted and resume from their checkpoints (docs/guide/experiments.md: Sweeps on a cluster).",
+                    "die or time out are resubmitted and resume from their checkpoints (docs/guide/experiments.md: Sweeps on a cluster).\n\n"
+                    "A sweep in pieces (a GPU lent for minutes at a time; docs/guide/experiments.md): --only trains some runs,\n"
+                    "--records writes each finished run's record (metrics, loss curves, machine; no checkpoints) into one\n"
+                    "small file as it finishes, and --merge folds such files into results.json and rebuilds the report.",
         epilog="The verdict rule: a difference in the [verdict] metric counts only when it exceeds twice the combined\n"
                "sd over seeds, 2*sqrt(sd_a^2 + sd_b^2); then the claim is supported (or not supported when the other\n"
                "variant is better), else inconclusive. A threshold rule ([[verdict]] with variant and threshold)\n"
@@ -41,6 +46,14 @@ def add_sweep(sub) -> None:
     p.add_argument("--only", metavar="RUNS", help="train only these runs, comma-separated variant/seedK names (one "
                    "piece of a sweep run in pieces, e.g. a batch for a GPU machine); results.json then holds them "
                    "beside the runs it recorded before")
+    p.add_argument("--records", metavar="DIR", help="after each run finishes, write the records of the finished "
+                   "runs (those --only names, else all) into DIR/<spec>-<hash>.records.json: everything results.json "
+                   "and the report need, no checkpoints; `--merge DIR` folds them in elsewhere")
+    p.add_argument("--merge", metavar="PATH", nargs="+", help="train nothing: fold the records files written by "
+                   "--records (files, or folders holding them) into OUT/results.json and rebuild the report; "
+                   "refuses records of another spec and a run recorded twice differently")
+    p.add_argument("--replace", action="store_true", help="with --merge: a merged record replaces a different "
+                   "record of the same run in results.json (default: refuse)")
     from attnlab.experiments.launch import add_launcher_options
 
     add_launcher_options(p)
@@ -50,10 +63,12 @@ def add_sweep(sub) -> None:
 def cmd_sweep(ns) -> int:
     from attnlab.experiments import sweep as sw
     from attnlab.experiments.launch import JobFailed, launcher_from_options
+    from attnlab.experiments.sweep.records import check_target
     from attnlab.experiments.sweep.runner import select_runs
     from attnlab.train.trainer import DataError
 
     positive_options(ns, "jobs")
+    _check_piece_options(ns)
     launcher = launcher_from_options(ns)  # ConfigError names the option
     if not Path(ns.spec).is_file():
         raise UsageError(f"spec file {ns.spec!r} does not exist")
@@ -66,6 +81,10 @@ def cmd_sweep(ns) -> int:
         if ns.report_only:
             sw.write_results(spec, out, command=ns.command_line, quiet=False, report_only=True)
             return 0
+        if ns.merge:
+            return _merge(spec, out, ns, plans)
+        if ns.records:
+            check_target(spec, ns.records)  # a foreign or damaged records file there: refused before training
     except sw.SweepError as e:
         raise UsageError(str(e)) from None
     for p in plans:
@@ -83,10 +102,38 @@ def cmd_sweep(ns) -> int:
         if only is not None:
             select_runs(plans, only)  # names checked before anything is trained or written
         sw.run(spec, out=out, jobs=jobs, progress=not ns.no_progress, command=ns.command_line, plans=plans,
-               launcher=launcher, only=only)
+               launcher=launcher, only=only, records=ns.records)
     except (DataError, sw.SweepError) as e:
         raise UsageError(str(e)) from None
     except JobFailed as e:  # a job's own error, in its log under OUT/submitit
         print(f"error: {e}", file=sys.stderr)
         return 1
+    return 0
+
+
+def _check_piece_options(ns) -> None:
+    """--records and --merge with the options they go with, before anything is read or written."""
+    if ns.merge:
+        clash = [o for o, given in (("--only", ns.only), ("--records", ns.records), ("--report-only", ns.report_only),
+                                    ("--jobs", ns.jobs), ("--launcher", getattr(ns, "launcher", None))) if given]
+        if clash:
+            raise UsageError(f"--merge trains nothing: drop {clash[0]} (train a piece with --only RUNS --records DIR, "
+                             f"merge its DIR afterwards)")
+    elif ns.replace:
+        raise UsageError("--replace says which record wins in a merge: it needs --merge")
+    if ns.records and ns.report_only:
+        raise UsageError("--records with --report-only: a report trains nothing, so there is nothing to record")
+
+
+def _merge(spec, out: Path, ns, plans) -> int:
+    """`--merge PATH...`: check every records file, then write results.json and the report once."""
+    from attnlab.experiments.sweep.records import merge
+    from attnlab.experiments.sweep.results import write_results
+
+    runs, notes = merge(spec, ns.merge, out, replace=ns.replace, plans=plans)  # SweepError: nothing written
+    for note in notes:
+        print(f"merge: {note}")
+    print(f"merge: {len(runs)} run(s) from the records ({', '.join(f'{v}/seed{s}' for v, s in runs) or 'none new'})",
+          flush=True)
+    write_results(spec, out, command=ns.command_line, quiet=False, records=runs)
     return 0

@@ -13,7 +13,9 @@ run.resume, run.overwrite and run.progress. OUT (default: the spec's folder) the
 results.json, report.md, loss_curves.png and metrics.png, always rebuilt from the run
 folders, so a killed sweep resumes where it stopped: finished runs are skipped, an
 interrupted run resumes from its checkpoint, and the trainer's exact resume makes the
-results those of an uninterrupted sweep.
+results those of an uninterrupted sweep. A sweep can also run in pieces on machines that keep
+nothing (a GPU lent for one command): `--only RUNS --records DIR` writes each finished run's record
+into one small file, `--merge DIR...` folds such files into results.json (.records).
 
 The verdict rule: the claim "A is better than B in metric M" is supported when A's mean
 beats B's by more than twice the combined sd, 2 * sqrt(sd_A^2 + sd_B^2) (sample sd over seeds),

@@ -87,12 +87,25 @@ def report_markdown(spec: Spec, results: dict, out: Path, metrics_png: bool = Tr
         names = results["scalars"]
         rows = [[r["variant"], r["seed"]] + [scalar_of(r, n) for n in names] for r in results["runs"]]
         lines += ["## Per seed", "", markdown_table(["variant", "seed"] + names, rows), ""]
-    m = results["machine"]
     lines += ["## Reproduce", "", f"Command: `{results['command']}`", "",
               f"Run folders: `{os.path.relpath(out / 'runs', out)}/<variant>/seed<k>/` (config, logs, checkpoints, "
-              f"summary.json, sweep.json). Machine: Python {m['python']}, torch {m['torch']}, {m['platform']}, "
-              f"{m['cpus']} CPUs, torch threads per run: {m['torch_threads']}{', ' + m['cuda'] if m['cuda'] else ''}."]
+              f"summary.json, sweep.json). " + machines_text(results)]
     return "\n".join(lines)
+
+
+def _machine_text(m: dict, cuda: bool = True) -> str:
+    return (f"Python {m['python']}, torch {m['torch']}, {m['platform']}, {m['cpus']} CPUs, torch threads per run: "
+            f"{m['torch_threads']}{', ' + m['cuda'] if cuda and m.get('cuda') else ''}")
+
+
+def machines_text(results: dict) -> str:
+    """The machine that trained the runs, or each machine with the runs it trained (a sweep in pieces)."""
+    groups = results.get("machines")
+    if not groups:
+        return f"Machine: {_machine_text(results['machine'])}."
+    return ("The runs were trained on " + str(len(groups)) + " machines (a sweep in pieces): " + "; ".join(
+        (f"{g['machine']['cuda']} ({_machine_text(g['machine'], cuda=False)})" if g["machine"].get("cuda")
+         else _machine_text(g["machine"])) + f" trained {', '.join(g['runs'])}" for g in groups) + ".")
 
 
 def _early_stop_text(early: dict | None) -> str:

@@ -30,6 +30,7 @@ def _run_entry(spec: Spec, variant: str, seed: int, cfg: RunConfig, run_dir: Pat
         return None
     record = _record_of(run_dir) or {}
     log = read_log(run_dir)
+    machine = {"machine": record["machine"]} if record.get("machine") else {}  # runs trained before it was kept: none
     return {
         "variant": variant, "seed": seed, "run_dir": os.path.relpath(run_dir, out),
         "params": s["params"], "steps": s["steps"], "tokens": s["steps"] * cfg.train.tokens_per_step,
@@ -41,6 +42,7 @@ def _run_entry(spec: Spec, variant: str, seed: int, cfg: RunConfig, run_dir: Pat
             "val": [[r["step"], r["val_loss"]] for r in log if r.get("kind") == "eval" and "val_loss" in r],
             "tau": [[r["step"], _mean_tau(r)] for r in log if r.get("kind") == "train" and _mean_tau(r) is not None],
         },
+        **machine,
     }
 
 
@@ -74,13 +76,17 @@ def scalar_names(spec: Spec, runs: list[dict]) -> list[str]:
     return names + [n for n in metric_names(spec.metrics) if any(r["metrics"].get(n) is not None for r in runs)]
 
 
-def aggregate(spec: Spec, out: str | os.PathLike | None = None) -> dict:
+def aggregate(spec: Spec, out: str | os.PathLike | None = None, *, records: dict | None = None,
+              machine: dict | None = None) -> dict:
     """Results from the run folders: every finished run, and per variant the mean ± sd over seeds.
-    A run whose folder is absent is taken from OUT/results.json where that records it
-    (`recorded_runs`: the committed results of an experiment stand for its runs)."""
+    A run whose folder is absent is taken from `records` ({(variant, seed): run entry}, what
+    `records.merge` returns) or else from OUT/results.json where that records it (`recorded_runs`: the
+    committed results of an experiment stand for its runs). "machine" is the machine that trained the
+    runs (each run's own where it names one, else `machine` or this one); with several, "machines"
+    lists each with its runs and "machine" is the one that trained the most."""
     out = Path(out) if out is not None else spec.out
     runs, missing, setup = [], [], {}
-    recorded = recorded_runs(spec, out)
+    recorded = {**recorded_runs(spec, out), **(records or {})}
     for v in spec.variants:
         for seed in spec.seeds:
             cfg, _ = run_config(spec, v, seed, out)
@@ -116,6 +122,8 @@ def aggregate(spec: Spec, out: str | os.PathLike | None = None) -> dict:
     threads = {((_record_of(out / r["run_dir"]) or {}).get("threads")) for r in runs} - {None}
     if not threads and recorded:  # every run recorded: the threads they were measured with
         threads = {recorded_threads(out)} - {None}
+    fallback = machine or machine_info(threads.pop() if len(threads) == 1 else None)
+    trained_on, machines = _machines(runs, fallback)
     return {
         "title": spec.title, "claim": spec.claim, "description": spec.description,
         "spec": {"path": str(spec.path), **spec.raw}, "seeds": spec.seeds, "scalars": names,
@@ -123,8 +131,23 @@ def aggregate(spec: Spec, out: str | os.PathLike | None = None) -> dict:
         "verdict": judged[0] if judged else None,
         "verdicts": judged,
         "answer": answer(spec.answer, spec.verdicts, judged, variants, len(spec.seeds)) if spec.answer else None,
-        "machine": machine_info(threads.pop() if len(threads) == 1 else None),
+        "machine": trained_on,
+        **({"machines": machines} if machines else {}),
     }
+
+
+def _machines(runs: list[dict], fallback: dict) -> tuple[dict, list[dict] | None]:
+    """(the machine that trained the most runs, [{"machine", "runs"}] when more than one trained them)."""
+    groups: list[dict] = []
+    for r in runs:
+        m = r.get("machine") or fallback
+        group = next((g for g in groups if g["machine"] == m), None)
+        if group is None:
+            groups.append(group := {"machine": m, "runs": []})
+        group["runs"].append(f"{r['variant']}/seed{r['seed']}")
+    if len(groups) <= 1:
+        return (groups[0]["machine"] if groups else fallback), None
+    return max(groups, key=lambda g: len(g["runs"]))["machine"], groups
 
 
 def _trained_by(spec: Spec, out: Path) -> tuple[str, dict | None]:
@@ -132,27 +155,35 @@ def _trained_by(spec: Spec, out: Path) -> tuple[str, dict | None]:
     that was itself a rebuild) and the machine that results.json names."""
     old = recorded_results(out)
     made_by = str(old.get("command") or "")
-    if not made_by or "--report-only" in made_by.split():
-        made_by = f"attnlab sweep {shown_path(spec.path)}"
+    if not made_by or {"--report-only", "--merge"} & set(made_by.split()):
+        made_by = whole_command(spec, out)
     return made_by, old.get("machine")
 
 
+def whole_command(spec: Spec, out: Path) -> str:
+    """The command that trains every run of the spec in one go (into OUT)."""
+    at = "" if out.resolve() == spec.out.resolve() else f" --out {shown_path(out)}"
+    return f"attnlab sweep {shown_path(spec.path)}{at}"
+
+
 def write_results(spec: Spec, out: str | os.PathLike | None = None, *, command: str | None = None,
-                  quiet: bool = True, report_only: bool = False) -> dict:
-    """Rebuild OUT/results.json, report.md, loss_curves.png and metrics.png from the run folders.
-    report_only: nothing trained now, so the report keeps the command that trained the runs and the
-    machine they were measured on where the committed results.json names them. Files are rewritten only
-    when the results differ from the recorded results.json: rebuilding a finished sweep changes nothing
-    on disk."""
+                  quiet: bool = True, report_only: bool = False, records: dict | None = None) -> dict:
+    """Rebuild OUT/results.json, report.md, loss_curves.png and metrics.png from the run folders
+    (and `records`, the runs a merge adds: `aggregate`). report_only: nothing trained now, so the report
+    keeps the command that trained the runs and, for runs that do not name their machine, the machine the
+    committed results.json names. Files are rewritten only when the results differ from the recorded
+    results.json: rebuilding a finished sweep changes nothing on disk."""
     out = Path(out) if out is not None else spec.out
-    results = aggregate(spec, out)
+    made_by, machine = _trained_by(spec, out) if report_only or records is not None else (None, None)
+    results = aggregate(spec, out, records=records, machine=machine)
     if not results["runs"]:
         raise SweepError(f"no finished runs under {str(out / 'runs')!r} and none recorded in its results.json: "
                          f"run the sweep first")
     results["command"] = command or f"attnlab.experiments.sweep.run({str(spec.path)!r})"
-    if report_only:
-        results["command"], machine = _trained_by(spec, out)
-        results["machine"] = machine or results["machine"]
+    if records is not None:  # runs trained in pieces: the command that trains them all at once
+        results["command"] = whole_command(spec, out)
+    elif report_only:
+        results["command"] = made_by
     old = recorded_results(out)
     if old and json.loads(json.dumps(results, default=str)) == old and (out / "report.md").is_file():
         if not quiet:

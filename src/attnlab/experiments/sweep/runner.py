@@ -14,6 +14,7 @@ from attnlab.models.config import ConfigError
 from attnlab.pool import run_pool
 
 from ..launch import SUBMITIT_DIR, SweepJob, launch
+from .records import check_target, write_records
 from .results import write_results
 from .runs import RunPlan, execute, plan, summary_of
 from .spec import Spec, SweepError, load_spec
@@ -30,6 +31,7 @@ def run(
     plans: list[RunPlan] | None = None,
     launcher=None,
     only: list[str] | None = None,
+    records: str | os.PathLike | None = None,
 ) -> dict:
     """Train every run that is not finished (`jobs` at once), then write OUT/results.json,
     report.md and plots from all run folders (OUT: `out` or the spec's); returns the results dict
@@ -37,8 +39,11 @@ def run(
     plans: what `plan` returned; `launcher` (a launch.Launcher) makes each unfinished run a submitit
     job; `only` ("variant/seedK" names) trains just those runs, one piece of a sweep run in pieces
     (docs/guide/experiments.md: the results it writes hold them beside every run OUT/results.json
-    recorded before). Raises ConfigError / SweepError as `plan` does (SweepError for a name in `only`
-    that is no run of the spec), FolderBusy when another process writes OUT."""
+    recorded before). `records` (a folder): after each run finishes, rewrite the spec's records file
+    there with every finished run `only` names (all runs without it): what `attnlab sweep --merge`
+    folds into results.json elsewhere (.records). Raises ConfigError / SweepError as `plan` does
+    (SweepError for a name in `only` that is no run of the spec, or a records file there of another
+    spec), FolderBusy when another process writes OUT."""
     from tqdm.auto import tqdm
 
     spec = spec if isinstance(spec, Spec) else load_spec(spec)
@@ -47,8 +52,17 @@ def run(
     out = Path(out) if out is not None else spec.out
     plans = plans if plans is not None else plan(spec, out, jobs=jobs)
     todo = [p for p in plans if p.state not in ("done", "recorded")]
+    chosen = plans
     if only is not None:
-        todo = [p for p in todo if f"{p.variant}/seed{p.seed}" in select_runs(plans, only)]
+        names = select_runs(plans, only)
+        todo = [p for p in todo if f"{p.variant}/seed{p.seed}" in names]
+        chosen = [p for p in plans if f"{p.variant}/seed{p.seed}" in names]
+    if records is not None:
+        check_target(spec, records)
+
+    def finished() -> None:  # the records of the runs finished so far, after each run
+        if records is not None:
+            write_records(spec, chosen, records, out)
     counts = {s: sum(p.state == s for p in plans) for s in ("done", "recorded", "evaluate", "resume", "restart", "new")}
     if not quiet:
         print(f"sweep {spec.title!r}: {len(spec.variants)} variants x {len(spec.seeds)} seeds = {len(plans)} runs "
@@ -69,12 +83,15 @@ def run(
                     for p, job in zip(todo, jobs_list):
                         bar.set_postfix_str(f"{p.variant}/seed{p.seed}")
                         execute(job)
+                        finished()
                         bar.update(1)
                         interrupt.check(lambda: _stopped(plans, todo))
             else:
-                _run_pool(todo, jobs_list, jobs, bar, plans)
+                _run_pool(todo, jobs_list, jobs, bar, plans, finished)
         finally:
             bar.close()
+        if records is not None:
+            _say_records(spec, chosen, records, out, quiet)
         # nothing trained now: the report keeps the command and machine that trained the runs (report_only)
         return write_results(spec, out, command=command, quiet=quiet, report_only=not todo)
 
@@ -94,11 +111,24 @@ def _stopped(plans: list[RunPlan], todo: list[RunPlan]) -> str:
     done = sum(summary_of(p.run_dir, p.cfg.train.steps) is not None for p in plans)
     return f"sweep stopped with {done} of {len(plans)} runs finished; the others resume from their checkpoints"
 
-def _run_pool(todo: list[RunPlan], jobs_list: list[dict], jobs: int, bar, plans: list[RunPlan]) -> None:
+def _say_records(spec: Spec, chosen: list[RunPlan], folder, out: Path, quiet: bool) -> None:
+    """Write the records file once more (runs finished before this command count too) and say what it holds."""
+    path = write_records(spec, chosen, folder, out)
+    if quiet:
+        return
+    elsewhere = [f"{p.variant}/seed{p.seed}" for p in chosen if p.state == "recorded"]
+    print(f"records: {path if path else 'none written: no run finished'}"
+          + (f"; not in it: {', '.join(elsewhere)} (results.json records them: trained elsewhere)" if elsewhere else ""),
+          flush=True)
+
+
+def _run_pool(todo: list[RunPlan], jobs_list: list[dict], jobs: int, bar, plans: list[RunPlan],
+              finished=lambda: None) -> None:
     """Train `todo` in `jobs` worker processes (`attnlab.pool.run_pool`: the first SIGINT/SIGTERM
     reaches every worker, each finishes its step, checkpoints and stops; queued runs are not started)."""
 
     def done(i: int) -> None:
+        finished()
         bar.set_postfix_str(f"{todo[i].variant}/seed{todo[i].seed}")
         bar.update(1)
 

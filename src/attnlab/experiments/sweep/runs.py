@@ -19,7 +19,7 @@ from attnlab.lock import FolderLock
 from attnlab.models.config import ConfigError
 from attnlab.train.config import RunConfig, apply_overrides, config_from_dict, read_toml, to_dict
 
-from ..report import topk_summary
+from ..report import machine_info, topk_summary
 from .spec import RECORD, Spec, SweepError, Variant, _need, metric_names, mqar_values, window_keys
 
 
@@ -67,8 +67,19 @@ def _flat(d: dict, prefix: str = "") -> dict:
 def config_changes(run_dir: Path, cfg: RunConfig) -> list[tuple[str, Any, Any]]:
     """(key, saved, now) for every setting of the run folder's config.toml that differs from
     `cfg`; run.* other than run.seed is free (threads, resume...), vocab_size may be resolved.
-    A key the saved config lacks (written before the option existed) counts as its default."""
+    A key the saved config lacks (written before the option existed) counts as its default; a
+    data.tokenizer naming the run folder's copy of the configured tokenizer file is that file."""
+    from attnlab.train.data import is_recorded_copy
+
     saved = _flat(read_toml(run_dir / "config.toml"))
+    if is_recorded_copy(run_dir, saved.get("data.tokenizer"), cfg.data.tokenizer):
+        saved["data.tokenizer"] = cfg.data.tokenizer
+    return flat_changes(saved, cfg)
+
+
+def flat_changes(saved: dict, cfg: RunConfig) -> list[tuple[str, Any, Any]]:
+    """`config_changes` against a saved config already flattened ("section.key": value)."""
+    saved = dict(saved)
     now = _flat(to_dict(cfg))
     defaults = _flat(to_dict(RunConfig()))
     saved.update({k: defaults[k] for k in now if k not in saved and k in defaults})
@@ -76,6 +87,12 @@ def config_changes(run_dir: Path, cfg: RunConfig) -> list[tuple[str, Any, Any]]:
     if not cfg.model.vocab_size:
         ignore.add("model.vocab_size")
     return [(k, saved.get(k), now.get(k)) for k in sorted((set(saved) | set(now)) - ignore) if saved.get(k) != now.get(k)]
+
+
+def settings_of(cfg: RunConfig) -> dict:
+    """The flat settings that decide a run's result: every key of its config but run.* (where it is
+    written, threads, progress...), run.seed kept. What a records file stores per run."""
+    return {k: v for k, v in _flat(to_dict(cfg)).items() if not k.startswith("run.") or k == "run.seed"}
 
 
 def summary_of(run_dir: Path, steps: int | None = None) -> dict | None:
@@ -319,8 +336,11 @@ def execute(job: dict) -> dict:
             metrics = collect_metrics(run_dir, job["metrics"])
             old = _record_of(run_dir) or {}
             wall = time.perf_counter() - t0 if job["state"] != "evaluate" else old.get("wall_seconds")
+            used = cfg.run.threads or threads
+            # the machine that trained the run (a re-evaluation keeps the one recorded when it was trained)
+            machine = old.get("machine") if job["state"] == "evaluate" and old.get("machine") else machine_info(used)
             record = {"metrics_spec": job["metrics"], "metrics": metrics, "wall_seconds": wall,
-                      "threads": cfg.run.threads or threads}
+                      "threads": used, "machine": machine}
             atomic_write_text(run_dir / RECORD, json.dumps(record, indent=2) + "\n")
     finally:
         torch.set_num_threads(threads)  # run.threads is process-wide: leave the caller's setting
