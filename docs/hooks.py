@@ -14,7 +14,9 @@ At build time this adds to the site, without copying anything into docs/:
 It also expands the table markers of the pages, `<!-- table: NAME FILE... -->` on a line of their
 own: docs/result_tables.py generates table NAME from the committed FILEs, so a results table shows
 what its file holds instead of numbers typed from it. An unknown name, a file list that is not the
-generator's, or a missing file fails the build.
+generator's, or a missing file fails the build. The numbers quoted in the text, each between
+`<!--n KEY-->` and `<!--/n-->`, become what docs/quoted_numbers.py generates for KEY (a key that
+names nothing fails the build); tests/test_docs_numbers.py checks that the files hold those values.
 
 Run folders (`runs/`) are skipped. Links inside an included file that point at something the site
 does not hold (the spec, a run folder) become plain text, so a --strict build fails only on broken
@@ -31,6 +33,7 @@ from pathlib import Path
 from mkdocs.exceptions import PluginError
 from mkdocs.structure.files import File, Files
 from result_tables import TABLES  # docs/result_tables.py: mkdocs puts this folder on the path to load the hook
+from quoted_numbers import NumberError, strip as strip_numbers  # docs/quoted_numbers.py
 
 ROOT = Path(__file__).resolve().parents[1]
 EXPERIMENTS = ROOT / "experiments"
@@ -250,5 +253,10 @@ def on_files(files: Files, config) -> Files:
 
 
 def on_page_markdown(markdown: str, page, config, files) -> str:
-    """Expand the table markers (docs/result_tables.py)."""
+    """Expand the table markers (docs/result_tables.py) and put the generated values in place of the
+    quoted numbers' markers (docs/quoted_numbers.py)."""
+    try:
+        markdown = strip_numbers(markdown)
+    except NumberError as e:
+        raise PluginError(f"{page.file.src_uri}: {e}") from None
     return _expand_tables(markdown, page.file.src_uri)

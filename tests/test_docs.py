@@ -1,7 +1,8 @@
 """The documentation site builds with `mkdocs build --strict`: no broken link or anchor in docs/,
 every API page renders from the docstrings, docs/hooks.py turns the committed reports and
-benchmark files into the results pages, and every table marker of the pages becomes the table
-docs/result_tables.py makes from its committed file. Skipped when the [docs] extra is not installed."""
+benchmark files into the results pages, every table marker of the pages becomes the table
+docs/result_tables.py makes from its committed file, and every quoted number's marker the value
+docs/quoted_numbers.py generates. Skipped when the [docs] extra is not installed."""
 
 from __future__ import annotations
 
@@ -81,3 +82,18 @@ def test_generated_tables_hold_the_files_numbers(site):
     scalar = next(r for r in ops["rows"] if r["op"] == "scalar")
     assert f"{scalar['median_ratio_vs_sdpa']:.2f}" in measured
     assert f"{scalar['mem_mb_T2048']:.0f}" in measured
+
+
+def test_quoted_numbers_filled(site):
+    """The quoted numbers' markers (docs/quoted_numbers.py) became their values: none is left in the
+    built HTML, and a value the page quotes is in it."""
+    left = [p.relative_to(site).as_posix() for p in site.rglob("*.html") if "<!--n " in p.read_text(encoding="utf-8")]
+    assert not left, f"number markers left in {left}"
+    if str(ROOT / "docs") not in sys.path:
+        sys.path.append(str(ROOT / "docs"))
+    import quoted_numbers  # docs/quoted_numbers.py
+
+    key = "get decode targets.speedup_k64_cpu .0f"
+    assert f"<!--n {key}-->" in (ROOT / "docs" / "results" / "measured.md").read_text(encoding="utf-8")
+    measured = (site / "results" / "measured" / "index.html").read_text(encoding="utf-8")
+    assert f"{quoted_numbers.value(key)}×" in measured
