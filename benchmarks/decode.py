@@ -18,6 +18,12 @@ regulariser aims at). The cache is bulk-loaded (one sort) before timing. Writes 
 
     python benchmarks/decode.py            # n = 4K .. 1M (about 5 GB of RAM at 1M)
     python benchmarks/decode.py --quick    # n = 4K .. 64K, a short run
+    python benchmarks/decode.py --smoke    # n = 4K, a few steps: checks the script runs (seconds)
+
+Every decode and full-attention row also carries `step_ms` (the median wall-clock step),
+`tokens_per_s` and `bytes_per_step`: what the step must read (the sorted cache: per head the k keys'
+scalar key, value and vector key, and two binary searches over n 8-byte codes; full attention: every
+cached key and value), so a memory-bandwidth floor can stand beside the time.
 """
 
 from __future__ import annotations
@@ -45,6 +51,8 @@ KEY_RANGE = 3.0
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--quick", action="store_true", help="n up to 64K, fewer steps")
+    p.add_argument("--smoke", action="store_true", help="n = 4K, k = 16, a few steps, no PNG (written to a temporary "
+                   "folder unless --out)")
     p.add_argument("--ns", type=str, default=None, help="comma-separated context lengths")
     p.add_argument("--ks", type=str, default="16,64,256", help="comma-separated windows")
     p.add_argument("--heads", type=int, default=8)
@@ -59,6 +67,12 @@ def parse_args(argv=None):
     p.add_argument("--no-hybrid", action="store_true")
     p.add_argument("--out", type=str, default=None, help="JSON path (PNG beside it)")
     args = p.parse_args(argv)
+    if args.smoke:
+        import tempfile
+
+        args.ns, args.ks = args.ns or "4096", "16"
+        args.steps, args.sdpa_steps, args.insert_steps, args.error_queries = 20, 2, 200, 1
+        args.out = args.out or os.path.join(tempfile.mkdtemp(), "decode_smoke.json")
     quick = args.quick
     args.ns = [int(x) for x in (args.ns or ("4096,16384,65536" if quick else "4096,16384,65536,262144,1048576")).split(",")]
     args.ks = [int(x) for x in args.ks.split(",")]
@@ -159,7 +173,9 @@ def bench_sorted(n, args, gen, d_k=None, ks=None) -> tuple[list[dict], dict, lis
     rows = []
     for k in ks:
         r = decode_steps(cache, H, G, Dv, d_k, k, args.tau, args.steps, gen)
-        rows.append({"n": n, "k": k, "mode": "hybrid" if d_k else "scalar", **r})
+        reads = H * (k * (4 + 4 * Dv + 4 * (d_k or 0)) + 2 * max(1, n - 1).bit_length() * 8)
+        rows.append({"n": n, "k": k, "mode": "hybrid" if d_k else "scalar", **r, "step_ms": r["wall_median_ms"],
+                     "tokens_per_s": 1e3 / r["wall_median_ms"], "bytes_per_step": reads})
     ins = {"n": n, "mode": "hybrid" if d_k else "scalar", "build_s": build_s,
            **insertion(cache, H, G, Dv, d_k, args.insert_steps, gen),
            "memory_bytes_per_token": cache.memory_bytes() / len(cache)}
@@ -196,6 +212,8 @@ def bench_full(n, args, gen) -> dict:
     torch.set_num_threads(args.default_threads)
     out["cpu_1thread_ms"] = out["threads_1"]["cpu_mean_ms"]
     out["wall_best_ms"] = min(out[f"threads_{t}"]["wall_median_ms"] for t in (1, args.default_threads))
+    out["step_ms"], out["tokens_per_s"] = out["wall_best_ms"], 1e3 / out["wall_best_ms"]
+    out["bytes_per_step"] = 2 * H * n * D * K.element_size()  # every cached key and value
     del K, V
     gc.collect()
     return out
@@ -305,6 +323,9 @@ def main(argv=None):
     os.makedirs(os.path.dirname(args.out), exist_ok=True)
     with open(args.out, "w") as f:
         json.dump(result, f, indent=1)
+    if args.smoke:
+        print(f"wrote {args.out}")
+        return
     png = os.path.splitext(args.out)[0] + ".png"
     plot(result, png)
     print(f"wrote {args.out} and {png}")

@@ -29,16 +29,23 @@ on the models trained through a window. Methods:
 
 For each (model, batch, context) every decoder takes the prompt, then `--rounds` interleaved rounds
 of `--steps` timed steps each (wall clock, after `--warmup` steps); the median step is reported.
-Writes JSON: top-level `device`, `torch`, `threads`, `rows` with `model`, `method`, `batch`,
-`context`, `step_ms`, `tokens_per_s`, `ready_s` (seconds to take the prompt, with --prefill-threads;
-0 for the second method of a shared decoder) (or `error`). `python docs/result_tables.py decode-speed`
-renders it.
+Writes JSON: top-level `device`, `torch`, `threads`, `bandwidth_gbps` and `bandwidth_source` (the
+GPU's data-sheet peak when its name is known, else a copy measured here), `rows` with `model`,
+`method`, `batch`, `context`, `step_ms`, `tokens_per_s`, `bytes_per_step` (what the step must read:
+weights, and the cache entries its method reads, `step_bytes`), `floor_ms` (those bytes at the
+bandwidth: the memory-bandwidth floor) and `x_floor` (step_ms / floor_ms), `ready_s` (seconds to take
+the prompt, with --prefill-threads; 0 for the second method of a shared decoder) (or `error`).
+`python docs/result_tables.py decode-speed` renders it.
+
+    python benchmarks/decode_speed.py --smoke --out /tmp/ds.json   # every method at tiny sizes on the CPU,
+                                                                   # compiled steps traced by dynamo only (< 1 min)
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import platform
 import statistics
@@ -71,6 +78,70 @@ def sync(dev) -> None:
         torch.cuda.synchronize()
 
 
+PEAK_GBPS = (("H200", 4800.0), ("H100 NVL", 3900.0), ("H100 PCIe", 2000.0), ("H100", 3350.0),
+             ("A100-PCIE", 1555.0), ("A100", 2039.0))  # HBM bandwidth from the data sheets, GB/s
+
+
+def bandwidth(dev) -> tuple[float, str]:
+    """GB/s for the floor: a known GPU's data-sheet peak, else a copy measured here (bytes read and
+    written / seconds, best of 5), on the CPU with the threads the steps run with."""
+    if dev.type == "cuda":
+        name = torch.cuda.get_device_name()
+        for key, gbps in PEAK_GBPS:
+            if key in name:
+                return gbps, f"data-sheet peak of {name}"
+    x = torch.ones((1 << 28 if dev.type == "cuda" else 1 << 24) // 4, device=dev)  # 256 MiB / 16 MiB
+    y = torch.empty_like(x)
+    best = math.inf
+    for _ in range(5):
+        sync(dev)
+        t0 = time.perf_counter()
+        y.copy_(x)
+        sync(dev)
+        best = min(best, time.perf_counter() - t0)
+    return round(2 * x.numel() * 4 / best / 1e9, 1), f"copy measured on {dev.type} ({torch.get_num_threads()} threads)"
+
+
+def weight_bytes(model, emb, head, B: int) -> int:
+    """Bytes of the weights one step reads: every parameter once, but of a token embedding emb untied
+    from the output head's matrix only the B rows looked up (a tied one is the head's, read whole)."""
+    total = sum(p.numel() * p.element_size() for p in model.parameters())
+    return total if head is emb else total - emb.numel() * emb.element_size() + B * emb.shape[1] * emb.element_size()
+
+
+def step_bytes(m: LM, method: str, B: int, n: int, tail: int = 256) -> int:
+    """What one step of `method` must read with n positions cached: the weights, and per layer and row
+    the cache entries its rule reads. A head's entry: its group's vector key (hybrid, softmax), value
+    and scalar key (4 bytes). exact: all n entries; window: the k + w keys read, the 2k + tail
+    candidate scalar keys and two binary searches over n 8-byte codes; learned: all n search keys
+    (d_search float32) and the K entries read, and the search projections' weights."""
+    total = weight_bytes(m, m.tok_emb.weight, m.head.weight, B)
+    for blk in m.blocks:
+        a, es = blk.attn, next(m.parameters()).element_size()
+        Hs, c = a.n_scalar, a.config
+        k = 0 if a.mechanism == "scalar" else a.qk_dim * es  # per group / head
+        v, groups = c.head_dim * es, a.value_groups if a.mechanism == "scalar" else a.n_kv
+        if method.startswith("exact"):
+            total += B * n * ((a.n_kv * k if k else 0) + groups * v + Hs * 4)
+        elif method.startswith("window"):
+            kw, w = c.train_window, c.local_window
+            total += B * Hs * ((kw + w) * (k + v + 4) + (2 * kw + tail) * 4 + 2 * math.ceil(math.log2(max(n, 2))) * 8)
+        elif method.startswith("learned"):
+            K, d = c.train_window + c.local_window, 32  # learned_selector's K and d_search
+            total += B * Hs * (n * d * 4 + K * (k + v + 4))
+    if method.startswith("learned"):
+        total += 2 * len(m.blocks) * m.cfg.d_model * 32 * m.blocks[0].attn.n_scalar * 4  # two maps per layer
+    return total
+
+
+def hf_step_bytes(model, B: int, n: int) -> int:
+    """A Llama step's reads: its weights (`weight_bytes`) and every cached key and value of n positions."""
+    c, es = model.config, next(model.parameters()).element_size()
+    kv = 2 * c.num_key_value_heads * (c.hidden_size // c.num_attention_heads) * es
+    weights = weight_bytes(model, model.model.embed_tokens.weight, model.lm_head.weight, B)
+    return weights + c.num_hidden_layers * B * n * kv
+
+
 class Ours:
     """An attnlab decoder after its prompt: `step(tok)` -> logits."""
 
@@ -99,15 +170,15 @@ class Static:
     """One `StaticDecoder` after its prompt, stepped eagerly (`step`) or compiled (`compiled`): the two
     share its buffers, so the prompt is prefilled once."""
 
-    def __init__(self, m: LM, kind: str, idx: torch.Tensor, total: int, dev):
+    def __init__(self, m: LM, kind: str, idx: torch.Tensor, total: int, dev, backend: str = "inductor"):
         sel = learned_selector(m, dev) if kind == "learned" else None
         self.dec = StaticDecoder(m, idx.shape[0], total, exact=kind == "exact", selector=sel)
         B, H, T = idx.shape[0], m.cfg.n_heads, idx.shape[1]
         chunk = max(16, min(1024, 2**28 // (B * H * T)))  # an exact chunk's scores (B, H, chunk, T) under 1 GiB
         self.logits = self.dec.prefill(idx, chunk=chunk)
         self.eager = self.dec.step_logits
-        self.fast = torch.compile(self.dec.step_logits, fullgraph=True,
-                                  mode="reduce-overhead" if dev.type == "cuda" else None)
+        mode = "reduce-overhead" if dev.type == "cuda" and backend == "inductor" else None
+        self.fast = torch.compile(self.dec.step_logits, fullgraph=True, mode=mode, backend=backend)
 
     def stepper(self, compiled: bool):
         def step(tok):
@@ -136,6 +207,7 @@ class HFStatic:
         hc._attn_implementation = "sdpa"
         self.model = LlamaForCausalLM(hc).to(idx.device).eval()
         self.idx = idx
+        self.logits = None
 
     def time_steps(self, n: int) -> float:
         """Seconds per step of n steps (generate runs the prompt again each call)."""
@@ -175,7 +247,7 @@ def measure(name: str, B: int, T: int, a, dev, methods) -> list[dict]:
             elif method.endswith(("_static", "_compiled")):
                 kind = method.rsplit("_", 1)[0]  # exact, window or learned: one decoder serves both steps
                 if kind not in shared:
-                    shared[kind] = Static(m, kind, idx, total, dev)
+                    shared[kind] = Static(m, kind, idx, total, dev, a.compile_backend)
                 decs[method] = Stepper(shared[kind].stepper(method.endswith("compiled")), shared[kind].logits)
             else:
                 decs[method] = Ours(m, method, idx, total)
@@ -205,9 +277,14 @@ def measure(name: str, B: int, T: int, a, dev, methods) -> list[dict]:
                 times[k].append(time.perf_counter() - t0)
     for k, ts in times.items():
         ms = statistics.median(ts) * 1e3
+        nbytes = hf_step_bytes(decs[k].model, B, T) if k == "hf_static" else step_bytes(m, k, B, T)
+        floor = nbytes / (a.bandwidth_gbps * 1e9) * 1e3
         rows.append(dict(model=name, method=k, batch=B, context=T, step_ms=round(ms, 4),
-                         tokens_per_s=round(B / ms * 1e3, 1), ready_s=ready[k]))
-        print(f"  {name} B={B} T={T} {k}: {ms:.3f} ms/step", flush=True)
+                         tokens_per_s=round(B / ms * 1e3, 1), bytes_per_step=nbytes, floor_ms=round(floor, 5),
+                         x_floor=round(ms / floor, 2), ready_s=ready[k],
+                         **({"compile_backend": a.compile_backend} if k.endswith("_compiled") else {})))
+        print(f"  {name} B={B} T={T} {k}: {ms:.3f} ms/step, {nbytes / 2**20:.1f} MiB read, "
+              f"floor {floor:.4f} ms (x{ms / floor:.1f})", flush=True)
     return rows
 
 
@@ -234,7 +311,17 @@ def main(argv=None) -> None:
     ap.add_argument("--note", default="", help="what else ran on the machine, recorded in the JSON")
     ap.add_argument("--keep", action="store_true", help="keep the rows of an existing --out this run does not measure "
                     "again (each marked with the command that measured it)")
+    ap.add_argument("--compile-backend", default="inductor", help="torch.compile backend of the *_compiled methods "
+                    "('eager': dynamo's graph capture only, no code generation)")
+    ap.add_argument("--bandwidth", type=float, default=None, help="GB/s for the floor (default: the GPU's data-sheet "
+                    "peak when known, else a copy measured here)")
+    ap.add_argument("--smoke", action="store_true", help="every method at tiny sizes on the CPU, compiled steps "
+                    "through dynamo's eager backend: checks the script runs (under a minute), measures nothing to keep")
     a = ap.parse_args(argv)
+    if a.smoke:
+        a.device, a.models, a.contexts, a.batches = "cpu", "windowed", "48", "2"
+        a.steps, a.rounds, a.warmup, a.compile_backend = 2, 1, 1, "eager"
+        a.learned_max = a.window_max = a.max_hf_context = 1 << 20
     dev = torch.device(a.device)
     threads = torch.get_num_threads()
     torch.set_num_threads(a.threads)
@@ -245,8 +332,14 @@ def main(argv=None) -> None:
 
 
 def run(a, dev, argv) -> None:
+    if a.bandwidth is None:
+        a.bandwidth_gbps, source = bandwidth(dev)
+    else:
+        a.bandwidth_gbps, source = a.bandwidth, "given (--bandwidth)"
+    print(f"bandwidth for the floor: {a.bandwidth_gbps} GB/s ({source})", flush=True)
     doc = {"device": torch.cuda.get_device_name() if dev.type == "cuda" else f"cpu: {platform.processor() or platform.machine()}",
            "torch": torch.__version__, "threads": torch.get_num_threads(),
+           "bandwidth_gbps": a.bandwidth_gbps, "bandwidth_source": source,
            "command": "python benchmarks/decode_speed.py " + " ".join(argv if argv is not None else sys.argv[1:]),
            "note": a.note, "rows": []}
     methods = [x for x in a.methods.split(",") if x]

@@ -158,7 +158,8 @@ def test_a_budget_evicts_as_the_sorted_cache_does(attn, attention, k, budget):
     """budget=M: at most M older keys per head survive each step (nearest the recent queries' range,
     the newest first), chosen on the device: every step's logits equal stepping the sorted cache with
     evict_to_budget and the forward under decode_window(model, k, budget=M) (whose evictions now leave
-    the local ring's keys alone, as the cache's ring does); the prompt is stepped."""
+    the local ring's keys alone, as the cache's ring does); the prompt's evictions in one pass
+    (tests/test_static_prefill.py)."""
     from attnlab.eval.window import decode_window
 
     m = random_sinks(LM(ModelConfig(vocab_size=50, d_model=64, n_layers=2, n_heads=4, attn=attn, max_seq_len=128,
@@ -357,20 +358,26 @@ def test_refusals_name_what_is_wrong():
 
 
 @pytest.mark.cuda
-@pytest.mark.parametrize("kind", ["exact", "window", "learned", "softmax-gqa-window", "goat-hybrid-gqa",
-                                  "principled-window", "gla", "ssd", "cosformer", "scalar-mixed-gqa-sliding-sink"])
+@pytest.mark.parametrize("kind", ["exact", "window", "learned", "split", "softmax-gqa-window", "goat",
+                                  "goat-hybrid-gqa", "principled-window", "gla", "ssd", "cosformer",
+                                  "scalar-mixed-gqa-sliding-sink"])
 def test_cuda_graphs_step_equals_eager(kind):
     """On CUDA: the step compiled with mode='reduce-overhead' (CUDA graphs) gives the eager step's logits:
     exactly, through a trained window (its codes merged between replays: tail 4), through learned
-    selection, and through each key store and recurrent state. Teacher-forced on distinct tokens: a
-    compiled projection rounds differently from the eager prompt's, and an exact tie between the
-    scalar keys of a repeated token would then be broken by that rounding (the guide's caveat)."""
+    selection, split-K over the cache (softmax and hybrid layers, chunks of 8), and through each key
+    store and recurrent state (GLA and SSD prompts through the project's chunked form, not fla's
+    kernels; "goat" beside "goat-hybrid-gqa" tells the prior from the scalar term). Teacher-forced on
+    distinct tokens: a compiled projection rounds differently from the eager prompt's, and an exact
+    tie between the scalar keys of a repeated token would then be broken by that rounding (the
+    guide's caveat)."""
     from attnlab.cache.selected import DecodeSelector
     from attnlab.index.projections import SearchProjections
 
     kw = {}
     if kind in SETTINGS:
         m = model(*SETTINGS[kind], dev="cuda")
+    elif kind == "split":
+        m, kw = model(["softmax", "hybrid"], dict(n_kv_heads=2), {}, dev="cuda"), dict(split=8)
     else:
         attention = dict(n_kv_heads=2, **(dict(train_window=3, local_window=2, kernel="cauchy") if kind == "window" else {}))
         m = model("hybrid", attention, {}, dev="cuda")

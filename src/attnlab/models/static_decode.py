@@ -11,29 +11,35 @@ reads under a mask of the positions written: the same shapes every step and no h
     out = dec.generate(prompt, 200)                # = model.generate(prompt, 200) (greedy)
 
 Scalar and hybrid heads (Gaussian or Cauchy, GQA, the gain, grouped values, the sink and its weight,
-dot-product heads beside them) live in this module's buffers; softmax, GOAT, goat_hybrid and
-principled in a key store whose sliding window is a ring of w slots, and GLA, SSD and cosformer in
-their fixed-size state (`static_state`). Exact reading costs O(max_len) per step. A layer trained
-through a window (`train_window`, `local_window`), or any scalar layer under `window=k`, reads its
-k + w keys through sorted int64 codes merged every `tail` steps between steps (`static_window`):
-O(log max_len + k + w + tail), the prompt through the model's own forward in one pass; `budget=M`
-adds the sorted cache's evictions. A `selector` (`DecodeSelector`, index "exact") reads the K keys
-the search projections score highest: one matmul over a static buffer and a top-K per step.
+dot-product heads beside them) live in this module's buffers and are read by `static_scalar`;
+softmax, GOAT, goat_hybrid and principled in a key store whose sliding window is a ring of w slots,
+and GLA, SSD and cosformer in their fixed-size state (`static_state`). Exact reading costs
+O(max_len) per step; on CUDA, from 4K positions, the softmax and scalar-family exact steps split the
+cache into chunks read in parallel and combined by log-sum-exp (split-K, `static_split`). A layer
+trained through a window (`train_window`, `local_window`), or any scalar layer under `window=k`,
+reads its k + w keys through sorted int64 codes merged every `tail` steps between steps
+(`static_window`): O(log max_len + k + w + tail), the prompt through the model's own forward in one
+pass; `budget=M` adds the sorted cache's evictions (the prompt's in one pass too,
+`ops.scalar.budget_evictions`). A `selector` (`DecodeSelector`, index "exact") reads the K keys the
+search projections score highest: one matmul over a static buffer and a top-K per step, the prompt
+in one pass per chunk. A step reads no value back to the host and makes no shape from data (its
+value checks are device-side asserts), so it is captured whole as a CUDA graph.
 """
 
 from __future__ import annotations
-
-import math
 
 import torch
 from torch import nn
 
 from ..cache.selected import KEY_DTYPES
-from ..layers.sink import sink_weight_value
-from .decode import decode_window
-from .static_state import KEYED, RECURRENT, KeyStore, make_state, own_code, scalar_term, softmax_readout
 from ..cache.sorted import QUERY_HISTORY
-from .static_window import LAST, budget_keep, merge_codes, nearest_alive, window_keys
+from ..checks import async_value_checks, check_output_finite, set_model_boundary
+from ..ops.scalar.budget import NEVER, budget_evictions
+from .decode import decode_window
+from .static_scalar import ScalarReadouts
+from .static_split import padded, split_chunk
+from .static_state import KEYED, RECURRENT, KeyStore, make_state, own_code, softmax_step
+from .static_window import LAST, merge_codes
 
 __all__ = ["StaticDecoder", "supported"]
 
@@ -47,7 +53,7 @@ def supported(layer) -> str | None:
     return f"mechanism {layer.mechanism!r} (static decoding takes {', '.join(KEYED + SCALAR + RECURRENT)} layers)"
 
 
-class StaticDecoder(nn.Module):
+class StaticDecoder(ScalarReadouts, nn.Module):
     """Exact decoding of `model` (an `attnlab.models.LM`) through static buffers (module docstring).
 
     Args:
@@ -61,19 +67,25 @@ class StaticDecoder(nn.Module):
             own k, every key otherwise.
         budget: with a window, at most `budget` older keys per head stay (those nearest the recent
             queries' range, evicted after every step, as `LM.generate(window=..., budget=...)`);
-            each step then scores every live slot, and the prompt is stepped.
+            each step then scores every live slot; the prompt's evictions are computed in one pass.
         tail: a windowed layer's older keys scored directly between two merges of its sorted codes.
         selector: an `attnlab.cache.selected.DecodeSelector` with index="exact": hybrid layers read
             the K keys their search projections score highest (one matmul over the stored search
             keys and a top-K per step, the device route of learned selection), in place of a window.
+        split: how a softmax or scalar-family layer's exact step reads a long cache: "auto" splits it
+            on CUDA from `static_split.SPLIT_MIN` positions into chunks of `static_split.CHUNK` keys
+            (split-K), None never splits, an int splits into chunks of that many keys (the buffers
+            padded to whole chunks).
 
     Raises:
         ValueError: batch_size or max_len not a positive int, max_len past the learned position
-            embedding's length, or a layer this decoder does not take (naming it and why).
+            embedding's length, a split that is not "auto", None or an int >= 1, or a layer this
+            decoder does not take (naming it and why).
     """
 
     def __init__(self, model, batch_size: int, max_len: int, *, compile: bool = False, exact: bool = False,
-                 tail: int = 256, selector=None, window: int | None = None, budget: int | None = None):
+                 tail: int = 256, selector=None, window: int | None = None, budget: int | None = None,
+                 split="auto"):
         super().__init__()
         for name, n in (("batch_size", batch_size), ("max_len", max_len), ("tail", tail)):
             if isinstance(n, bool) or not isinstance(n, int) or n < 1:
@@ -106,12 +118,13 @@ class StaticDecoder(nn.Module):
         self.windowed = [not exact and selector is None and k is not None for k in self.kwin]
         self.merged = [0] * len(model.blocks)  # host copies of each windowed layer's merge point
         p = next(model.parameters())
-        B, N = batch_size, max_len
+        self.chunk = split_chunk(split, max_len, p.device)  # keys per chunk of a split exact step, or None
+        B, N = batch_size, padded(max_len, self.chunk)  # the buffers hold whole chunks (the rest never visible)
         self.states = nn.ModuleDict()  # layers read through a key store or a recurrent state (static_state)
         self.dots = nn.ModuleDict()  # the dot-product heads of mixed scalar layers
         for i, blk in enumerate(model.blocks):
             a = blk.attn
-            state = make_state(a, B, N, p.device, p.dtype)
+            state = make_state(a, B, N, p.device, p.dtype, self.chunk)
             if state is not None:
                 self.states[str(i)] = state
                 continue
@@ -157,106 +170,10 @@ class StaticDecoder(nn.Module):
         o = self._scalar_attend(i, a, p, h, positions, visible)
         if str(i) in self.dots:  # a mixed layer: its dot-product heads after the scalar heads
             e, _, ok = self.dots[str(i)].read({"k": p.k, "v": p.v}, positions, n)
-            od = softmax_readout(p.q, e, ok, a.config.scale, a.config.p)
+            chunk = None if self.dots[str(i)].ring else self.chunk
+            od = softmax_step(p.q, e, ok, a.config.scale, a.config.p, chunk)
             o = torch.cat([o, od.to(o.dtype)], dim=1)
         return o
-
-    def _scalar_attend(self, i: int, a, p, h: torch.Tensor, positions: torch.Tensor, visible: torch.Tensor):
-        """The scalar or hybrid heads' readout (B, H_s, T, D) of layer i's tokens p, their entries written."""
-        n = visible.shape[-1]
-        kb, vb = getattr(self, f"k{i}", None), getattr(self, f"v{i}")
-        if kb is not None:
-            kb.index_copy_(2, positions, p.k.to(kb.dtype))
-        vals = a.scalar_values(p)
-        vb.index_copy_(2, positions, vals.to(vb.dtype))
-        H = p.qs.shape[1]
-        ksb = getattr(self, f"ks{i}")
-        ksb.index_copy_(2, positions, p.ks.float() + 0.0)  # + 0.0: every zero +0.0 (static_window.float_order)
-        if self.selector is not None:
-            return self._learned_readout(i, a, p, h, positions, visible)
-        if self.windowed[i]:
-            return self._window_readout(i, a, p, positions[0])  # a budget: then its evictions
-        vb, ksb = vb[:, :, :n], ksb[:, :, :n]
-        v = vb.repeat_interleave(H // vb.shape[1], dim=1) if H != vb.shape[1] else vb
-        s = -scalar_term(a, p, ksb[:, :, None, :])  # (B, H, T, N)
-        if kb is not None:  # hybrid heads: + q·k / √d
-            kb = kb[:, :, :n]
-            k = kb.repeat_interleave(H // kb.shape[1], dim=1) if H != kb.shape[1] else kb
-            s = s + (p.q.float() @ k.float().transpose(-1, -2)) / math.sqrt(p.q.shape[-1])
-        if a.config.sliding_window is not None:  # each query reads its last w keys (and the sink)
-            visible = visible & (self.slots[None, :n] > positions[:, None] - a.config.sliding_window)
-        return self._mix(a, p, s.masked_fill(~visible, float("-inf")), lambda w: w @ v.float()).to(vb.dtype)
-
-    def _mix(self, a, p, s: torch.Tensor, weigh) -> torch.Tensor:
-        """softmax over the scores s (B, H, T, m) of the keys read, and the sink's column when the layer
-        has one (scalar key sink_key, zero vector key, log|w| added with a sink weight); weigh(w) reads
-        the keys' values with their weights w (B, H, T, m) -> the readout (B, H, T, D), float32."""
-        c = a.config
-        if not c.sink:
-            return weigh(torch.softmax(s, dim=-1))
-        H = s.shape[1]
-        col = -scalar_term(a, p, p.qs.new_full((1, 1, 1, 1), c.sink_key, dtype=torch.float32))  # (B, H, T, 1)
-        if a.sink_weight is not None:
-            col = col + sink_weight_value(a.sink_weight).float().log()[None, :, None, None]
-        w = torch.softmax(torch.cat([col, s], dim=-1), dim=-1)
-        sink_v = a.sink_value.float().repeat_interleave(H // a.sink_value.shape[0], dim=0)[None, :, None, :]
-        return weigh(w[..., 1:]) + w[..., :1] * sink_v
-
-    def _window_readout(self, i: int, a, p, t: torch.Tensor) -> torch.Tensor:
-        """Layer i's hybrid readout (B, H, 1, D) for the token at position t (a 0-dim tensor) through
-        its trained window: the last w keys and the k nearest older ones (`static_window.window_keys`)."""
-        ksb = getattr(self, f"ks{i}")
-        w, kwin = a.config.local_window, self.kwin[i]
-        B, H, N = ksb.shape
-        qs = p.qs[..., 0].float()
-        if self.budget is None:
-            idx, ok = window_keys(qs, ksb, getattr(self, f"low{i}"), getattr(self, f"high{i}"),
-                                  getattr(self, f"m{i}"), t - w, kwin, self.tail)
-        else:  # the live older keys, then the step's evictions (the cache's order: read, then evict)
-            alive, qh = getattr(self, f"alive{i}"), getattr(self, f"qh{i}")
-            older = alive & (self.slots <= t - w)
-            idx, ok = nearest_alive(qs, ksb, older, kwin)
-            qh.index_copy_(2, (t % QUERY_HISTORY)[None], qs[..., None])
-            seen = torch.arange(QUERY_HISTORY, device=t.device) <= t  # the queries recorded so far
-            lo = qh.masked_fill(~seen, float("inf")).amin(-1)
-            hi = qh.masked_fill(~seen, float("-inf")).amax(-1)
-            alive.copy_(alive & (~older | budget_keep(ksb, older, lo, hi, self.budget)))
-        if w:  # the ring: positions t, t - 1, ..., t - w + 1
-            ring = t - torch.arange(w, device=t.device)
-            idx = torch.cat([ring.clamp(min=0).expand(B, H, w), idx], -1)
-            ok = torch.cat([(ring >= 0).expand(B, H, w), ok], -1)
-        return self._read(i, a, p, idx[:, :, None], ok[:, :, None])
-
-    def _learned_readout(self, i: int, a, p, h: torch.Tensor, positions: torch.Tensor,
-                         visible: torch.Tensor) -> torch.Tensor:
-        """Layer i's hybrid readout (B, H, T, D) through learned selection: each token's search key
-        stored, every visible stored key scored by its search query (one matmul), the K best read."""
-        skb = getattr(self, f"sk{i}")
-        sq, sk = self.selector.projections(i, h, start=positions[0])  # (B, H, T, d)
-        skb.index_copy_(2, positions, sk.to(skb.dtype))
-        n = visible.shape[-1]
-        scores = (sq.to(skb.dtype) @ skb[:, :, :n].transpose(-1, -2)).float()  # (B, H, T, n)
-        best = scores.masked_fill(~visible, float("-inf")).topk(min(self.selector.K, n), dim=-1)
-        return self._read(i, a, p, best.indices, best.values > float("-inf"))
-
-    def _read(self, i: int, a, p, idx: torch.Tensor, ok: torch.Tensor) -> torch.Tensor:
-        """The hybrid op of layer i's tokens p (T of them) over the stored keys idx (B, H, T, m) where ok
-        -> (B, H, T, D): each head's keys and values gathered from its group, nothing else read."""
-        kb, vb, ksb = getattr(self, f"k{i}", None), getattr(self, f"v{i}"), getattr(self, f"ks{i}")
-        B, H, T, m = idx.shape
-        N = ksb.shape[-1]
-
-        def pick(buf):  # (B, G, N, D) -> (B, H, T, m, D): each head's entries from its group
-            group = torch.arange(H, device=idx.device) // (H // buf.shape[1])
-            flat = (group[None, :, None, None] * N + idx).view(B, H * T * m, 1)
-            return buf.reshape(B, -1, buf.shape[-1]).gather(1, flat.expand(-1, -1, buf.shape[-1])).view(B, H, T, m, -1)
-
-        s = -scalar_term(a, p, ksb.gather(-1, idx.view(B, H, T * m)).view(B, H, T, m))  # (B, H, T, m)
-        if kb is not None:  # hybrid heads: + q·k / √d
-            s = s + (p.q.float()[..., None, :] * pick(kb).float()).sum(-1) / math.sqrt(p.q.shape[-1])
-        vals = pick(vb).float()
-        return self._mix(a, p, s.masked_fill(~ok, float("-inf")),
-                         lambda w: (w[..., None] * vals).sum(-2)).to(vb.dtype)
 
     def _merge(self, t: int, force: bool = False) -> None:
         """Before the step at position t: a windowed layer whose directly scored older keys would pass
@@ -287,9 +204,21 @@ class StaticDecoder(nn.Module):
 
     def step_logits(self, idx_t: torch.Tensor) -> torch.Tensor:
         """One token idx_t (B, 1) at position `self.pos` -> logits (B, V); fixed shapes throughout
-        (what is compiled). Does not advance `pos` (`step` does)."""
+        (what is compiled). Does not advance `pos` (`step` does). Compiled, the layers' and ops' value
+        checks stay out of the graph and one assert that the logits are finite stands for them (the
+        model boundary of `LM.forward`; the parameters were checked where they entered): a captured
+        step holds one device-side assert, not one per checked tensor of every layer."""
         positions = self.pos[None]
-        return self._forward(idx_t, positions, self.slots[None, :] <= positions[:, None])[:, -1]
+        compiling = torch.compiler.is_compiling()
+        before = set_model_boundary(True) if compiling else False
+        try:
+            logits = self._forward(idx_t, positions, self.slots[None, :] <= positions[:, None])[:, -1]
+        finally:
+            if compiling:
+                set_model_boundary(before)
+        if compiling:
+            check_output_finite("logits", logits)
+        return logits
 
     @torch.no_grad()
     def prefill(self, idx: torch.Tensor, chunk: int = 1024) -> torch.Tensor:
@@ -302,8 +231,6 @@ class StaticDecoder(nn.Module):
         T = idx.shape[1]
         for state in [*self.states.values(), *self.dots.values()]:
             state.reset()
-        if self.budget is not None:  # evictions happen step by step: so does the prompt
-            return self._prefill_stepped(idx)
         if any(self.windowed):
             return self._prefill_whole(idx)
         for a in range(0, T, chunk):
@@ -314,24 +241,13 @@ class StaticDecoder(nn.Module):
         self.length = T
         return logits
 
-    def _prefill_stepped(self, idx: torch.Tensor) -> torch.Tensor:
-        """The prompt one token at a time (a budget's evictions after each, as the cache makes them)."""
-        for i in range(len(self.model.blocks)):
-            if self.windowed[i]:
-                getattr(self, f"alive{i}").fill_(True)
-        for t in range(idx.shape[1]):
-            self.pos.fill_(t)
-            logits = self.step_logits(idx[:, t : t + 1])
-        self.pos.fill_(idx.shape[1])
-        self.length = idx.shape[1]
-        return logits
-
     def _prefill_whole(self, idx: torch.Tensor) -> torch.Tensor:
         """The prompt through the model's own forward in one pass (a windowed layer's readout is its
         windowed op, what its decode reads), every layer's entries written into the buffers; then the
-        windowed layers' codes are sorted. The logits of the last token (B, V)."""
+        windowed layers' codes are sorted (or, under a budget, the keys its evictions left marked). The
+        logits of the last token (B, V)."""
         if self.window is not None:  # the layers' forward through the decode window (models.decode.decode_window)
-            with decode_window(self.model, self.window):
+            with decode_window(self.model, self.window, self.budget):
                 return self._prefill_layers(idx)
         return self._prefill_layers(idx)
 
@@ -356,12 +272,25 @@ class StaticDecoder(nn.Module):
             getattr(self, f"v{i}")[:, :, :T] = a.scalar_values(p)
             if a.mechanism in SCALAR:
                 getattr(self, f"ks{i}")[:, :, :T] = p.ks.float() + 0.0
+            if self.windowed[i] and self.budget is not None:
+                self._budget_prompt(i, a, p, T)
             x = x + a.finish(a.attend(p)[0], h)
             x = x + blk.mlp(blk.norm2(x))
         self.pos.fill_(T)
         self.length = T
         self._merge(T, force=True)
         return m.head(m.norm_f(x[:, -1:]))[:, -1]
+
+    def _budget_prompt(self, i: int, a, p, T: int) -> None:
+        """Layer i's budget state after a prompt of T tokens, as T steps leave it: the older keys its
+        evictions kept (`budget_evictions`, the rule `budget_keep` applies step by step; the sink,
+        outside these buffers, is never evicted) and its last QUERY_HISTORY scalar queries."""
+        evicted = budget_evictions(p.qs, p.ks, self.budget, history=QUERY_HISTORY, local=a.config.local_window)
+        alive = getattr(self, f"alive{i}")
+        alive.fill_(True)
+        alive[:, :, :T] = evicted == NEVER  # (B, H, T): every key not evicted by the prompt's last step
+        first = max(0, T - QUERY_HISTORY)
+        getattr(self, f"qh{i}").index_copy_(2, self.slots[first:T] % QUERY_HISTORY, p.qs[..., first:T].float())
 
     @torch.no_grad()
     def step(self, idx_t: torch.Tensor) -> torch.Tensor:
@@ -373,7 +302,8 @@ class StaticDecoder(nn.Module):
         if idx_t.shape != (self.batch_size, 1):
             raise ValueError(f"idx_t must be (batch_size={self.batch_size}, 1), got shape {tuple(idx_t.shape)}")
         self._merge(self.length)
-        logits = self._step(idx_t)
+        with async_value_checks():  # the ops' value checks as device-side asserts: no host sync (on the CPU: read)
+            logits = self._step(idx_t)
         if logits.device.type == "cuda":
             logits = logits.clone()  # a CUDA graph's output is overwritten by its next replay
         self.pos += 1

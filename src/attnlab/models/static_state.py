@@ -33,9 +33,12 @@ from ..ops.goat import spectral_prior
 from ..ops.principled.attention import check_param
 from ..ops.principled.naive import principled_naive
 from ..ops.scalar.naive import scalar_logits
+from ..ops.gla import gla_attention, ssd_attention
 from ..ops.softmax import _divisor_naive
+from .static_split import split_attention
 
-__all__ = ["KEYED", "RECURRENT", "KeyStore", "RecurrentStore", "make_state", "scalar_term", "softmax_readout"]
+__all__ = ["KEYED", "RECURRENT", "KeyStore", "RecurrentStore", "make_state", "scalar_term", "softmax_readout",
+           "softmax_step"]
 
 KEYED = ("softmax", "goat", "goat_hybrid", "principled")  # mechanisms read through a KeyStore
 RECURRENT = ("gla", "ssd", "cosformer")  # mechanisms whose state is of fixed size
@@ -136,11 +139,34 @@ def softmax_readout(q: torch.Tensor, e: dict, ok: torch.Tensor, scale, p: float)
     return F.scaled_dot_product_attention(q, k, v, attn_mask=ok, enable_gqa=H != k.shape[1], scale=1.0)
 
 
-def _readout(a, p, e: dict, kpos: torch.Tensor, positions: torch.Tensor, ok: torch.Tensor) -> torch.Tensor:
-    """Layer a's readout (B, H, T, Dv) of its tokens p over the entries e at positions kpos, where ok."""
+def softmax_step(q: torch.Tensor, e: dict, ok: torch.Tensor, scale, p: float, chunk: int | None) -> torch.Tensor:
+    """`softmax_readout`, split over the keys in chunks of `chunk` (`static_split.split_attention`) for
+    one query per head (a step) over a buffer of whole chunks; otherwise `softmax_readout` itself."""
+    B, H, T, D = q.shape
+    k, v = e["k"], e["v"]
+    G, N = k.shape[1], k.shape[2]
+    if chunk is None or T != 1 or N % chunk:
+        return softmax_readout(q, e, ok, scale, p)
+    qf = q.float()
+    if isinstance(scale, str) and scale != "sqrt_d":  # a divisor read off the visible keys, folded into q
+        c = _divisor_naive(expand_heads(k, H).float(), ok, scale, float(p))  # (B, H, 1) or (1,)
+        qf = qf / (c[..., None] if c.dim() == 3 else c.view(1, 1))
+    else:
+        qf = qf * (1 / math.sqrt(D) if scale == "sqrt_d" else float(scale))
+    S = N // chunk
+    s = torch.einsum("bgrd,bgscd->bgrsc", qf.view(B, G, H // G, D), k.float().view(B, G, S, chunk, D))
+    s = s.masked_fill(~ok.view(1, 1, 1, S, chunk), float("-inf"))  # (B, G, r, S, c)
+    o = split_attention(s, v.view(B, G, S, chunk, v.shape[-1]))  # (B, G, r, Dv)
+    return o.view(B, H, 1, -1).to(q.dtype)
+
+
+def _readout(a, p, e: dict, kpos: torch.Tensor, positions: torch.Tensor, ok: torch.Tensor,
+             chunk: int | None = None) -> torch.Tensor:
+    """Layer a's readout (B, H, T, Dv) of its tokens p over the entries e at positions kpos, where ok
+    (a softmax step split in chunks of `chunk` keys when given)."""
     H = p.q.shape[1]
     if a.mechanism == "softmax":
-        return softmax_readout(p.q, e, ok, a.config.scale, a.config.p)
+        return softmax_step(p.q, e, ok, a.config.scale, a.config.p, chunk)
     work = upcast(p.q.dtype)
     if a.mechanism == "principled":
         B, _, T, _ = p.q.shape
@@ -160,10 +186,12 @@ def _readout(a, p, e: dict, kpos: torch.Tensor, positions: torch.Tensor, ok: tor
 
 
 class KeyedState(nn.Module):
-    """A softmax, GOAT, goat_hybrid or principled layer's static state: a `KeyStore` of its entries."""
+    """A softmax, GOAT, goat_hybrid or principled layer's static state: a `KeyStore` of its entries.
+    chunk: a softmax step over the whole buffer (no ring) is split in chunks of that many keys."""
 
-    def __init__(self, a, batch_size: int, max_len: int, device, dtype):
+    def __init__(self, a, batch_size: int, max_len: int, device, dtype, chunk: int | None = None):
         super().__init__()
+        self.chunk = chunk
         c, G = a.config, a.n_kv
         entries = {"k": (G, a.qk_dim, dtype), "v": (G, c.head_dim, dtype)}
         if a.mechanism in ("goat", "goat_hybrid"):
@@ -179,7 +207,7 @@ class KeyedState(nn.Module):
 
     def attend(self, a, p, positions: torch.Tensor, n: int) -> torch.Tensor:
         e, kpos, ok = self.store.read(_entries(a, p, positions), positions, n)
-        return _readout(a, p, e, kpos, positions, ok)
+        return _readout(a, p, e, kpos, positions, ok, None if self.store.ring else self.chunk)
 
     def fill(self, a, p, T: int) -> torch.Tensor:
         """A whole prompt of T tokens from position 0: its entries kept (a ring: the last w), the
@@ -192,7 +220,15 @@ class KeyedState(nn.Module):
 
 
 class RecurrentStore(nn.Module):
-    """A GLA or SSD layer's state (B, H, Dk, Dv) in one static buffer, in the op's compute dtype."""
+    """A GLA or SSD layer's state (B, H, Dk, Dv) in one static buffer, in the op's compute dtype.
+
+    A prompt chunk runs the project's own chunked form (impl="fast"; "naive" when the layer asks for
+    it), never flash-linear-attention's kernels, whatever the layer's impl: the state a decoder
+    starts from then depends on no autotuning (fla tunes each new shape, minutes for GLA) and on
+    none of the Triton versions fla flags as miscompiling on Hopper (Triton < 3.7.1). A step is the
+    op's one-token recurrence either way."""
+
+    CHUNKED = {"gla": gla_attention, "ssd": ssd_attention}
 
     def __init__(self, a, batch_size: int, max_len: int, device, dtype):
         super().__init__()
@@ -208,7 +244,9 @@ class RecurrentStore(nn.Module):
             o, new = a.step_op(p.q[:, :, 0], p.k[:, :, 0], p.v[:, :, 0], p, self.state, None)
             o = o.unsqueeze(2)
         else:
-            o, new = a.chunk_op(p, self.state, None)
+            impl = "naive" if a.config.impl == "naive" else "fast"
+            o, new = self.CHUNKED[a.mechanism](p.q, p.k, p.v, p.log_decay, initial_state=self.state, causal=True,
+                                               impl=impl)
         self.state.copy_(new)
         return o
 
@@ -257,10 +295,11 @@ class CosformerStore(nn.Module):
         return self.attend(a, p, torch.arange(T, device=p.q.device), T)
 
 
-def make_state(a, batch_size: int, max_len: int, device, dtype) -> nn.Module | None:
-    """The static state of layer a, or None for the scalar family (the decoder's own buffers)."""
+def make_state(a, batch_size: int, max_len: int, device, dtype, chunk: int | None = None) -> nn.Module | None:
+    """The static state of layer a, or None for the scalar family (the decoder's own buffers); chunk:
+    a softmax layer's exact step is split in chunks of that many keys (max_len a multiple of it)."""
     if a.mechanism in KEYED:
-        return KeyedState(a, batch_size, max_len, device, dtype)
+        return KeyedState(a, batch_size, max_len, device, dtype, chunk)
     if a.mechanism == "cosformer":
         return CosformerStore(a, batch_size, max_len, device, dtype)
     if a.mechanism in RECURRENT:
