@@ -1,7 +1,8 @@
-"""Packed documents kept apart in one pass: `LM.forward(idx, doc_ids=...)` through ops that mask other
-documents inside their kernels (the Triton kernels of scalar, hybrid and principled heads, here under
-TRITON_INTERPRET=1; FlexAttention's block mask for softmax heads, forward on the CPU) equals running
-every document alone, logits and every parameter's gradient; RoPE positions restart in each document."""
+"""Packed documents kept apart in one pass: `LM.forward(idx, doc_ids=...)` through ops that keep other
+documents out themselves (the Triton kernels of scalar, hybrid and principled heads, here under
+TRITON_INTERPRET=1; the docs argument of softmax with every scaling and window, gla, ssd and
+cosformer) equals running every document alone, logits and every parameter's gradient; RoPE positions
+restart in each document."""
 
 from __future__ import annotations
 
@@ -58,6 +59,65 @@ def test_documents_in_one_pass_equal_each_document_alone(attn):
             assert rel_rms(g, w, floor=1e-3) < 1e-4, name
 
 
+ONE_PASS = {  # mechanisms whose ops take docs on the CPU's own paths (no Triton): (attn, options, max_seq_len)
+    "softmax+gla": (["softmax", "gla"], {}, 64),
+    "ssd+cosformer": (["ssd", "cosformer"], {}, 64),
+    "softmax-krms-swa-gqa": (["softmax"], {"scale": "krms", "sliding_window": 5, "n_kv_heads": 2}, 64),
+    "cosformer-own-horizon+gla-rope": (["cosformer", "gla"], {"rope": True}, 0),  # M: each document's length
+}
+
+
+@pytest.mark.parametrize("attn, options, max_seq_len", ONE_PASS.values(), ids=ONE_PASS.keys())
+def test_linear_and_softmax_documents_in_one_pass(attn, options, max_seq_len):
+    """gla, ssd and cosformer restart their recurrences, softmax its scalings and window, at every
+    document: the packed rows run in one pass (no re-padding), equal to each document alone."""
+    torch.manual_seed(0)
+    m = LM(ModelConfig(vocab_size=32, d_model=32, n_layers=len(attn), n_heads=4, attn=attn, max_seq_len=max_seq_len,
+                       attention=dict(options)))
+    assert m.takes_documents(torch.device("cpu"))
+    idx = torch.randint(0, 32, (2, 24), generator=torch.Generator().manual_seed(1))
+    calls = []
+    for blk in m.blocks:
+        blk.attn.register_forward_pre_hook(lambda mod, args, kw: calls.append(kw.get("docs") is not None),
+                                           with_kwargs=True)
+    logits, _ = m(idx, doc_ids=doc_ids())
+    assert calls == [True] * len(attn)
+    grads = torch.autograd.grad(logits.square().sum(), list(m.parameters()), allow_unused=True)
+    ref = torch.zeros_like(logits)
+    for b, row in enumerate(LENGTHS):
+        start = 0
+        for n in row:
+            ref[b:b + 1, start:start + n] = m(idx[b:b + 1, start:start + n])[0]
+            start += n
+    want = torch.autograd.grad(ref.square().sum(), list(m.parameters()), allow_unused=True)
+    assert rel_rms(logits, ref) < 1e-5
+    for (name, _), g, w in zip(m.named_parameters(), grads, want):
+        if w is not None:
+            assert rel_rms(g, w, floor=1e-3) < 1e-4, name
+
+
+def test_one_pass_compiles_as_one_graph():
+    """The packed route of these mechanisms reads nothing on the host: a compiled training step with
+    doc_ids is one graph (fullgraph), with no recompile over steps of one shape, and gives the eager
+    model's loss."""
+    from torch._dynamo.testing import CompileCounter
+
+    torch.manual_seed(0)
+    m = LM(ModelConfig(vocab_size=32, d_model=32, n_layers=4, n_heads=4, attn=["softmax", "gla", "ssd", "cosformer"],
+                       max_seq_len=64, attention={"scale": "kmean", "sliding_window": 6}))
+    assert m.takes_documents(torch.device("cpu"))
+    torch._dynamo.reset()
+    cnt = CompileCounter()
+    fn = torch.compile(m, fullgraph=True, backend=cnt)
+    g = torch.Generator().manual_seed(0)
+    for _ in range(3):
+        idx = torch.randint(0, 32, (2, 24), generator=g)
+        _, loss = fn(idx, idx, doc_ids=doc_ids())
+        loss.backward()
+        torch.testing.assert_close(loss, m(idx, idx, doc_ids=doc_ids())[1])
+    assert cnt.frame_count == 1
+
+
 def test_layers_without_a_one_pass_route_re_pad():
     """A model with any layer whose op cannot mask documents (here impl 'auto' on the CPU) re-pads them,
     which is also exact."""
@@ -71,8 +131,9 @@ def test_layers_without_a_one_pass_route_re_pad():
     torch.testing.assert_close(logits[:, 10:], m(idx[:, 10:])[0], rtol=1e-4, atol=1e-5)
 
 
-def test_flex_document_attention_forward():
-    """Softmax heads' route (FlexAttention, forward only on the CPU): each document alone, GQA."""
+def test_document_attention_forward():
+    """Softmax heads' route by document ids (masked SDPA over query chunks on the CPU, FlexAttention on
+    CUDA): each document alone, GQA."""
     g = torch.Generator().manual_seed(2)
     q, k, v = torch.randn(2, 4, 24, 16, generator=g), torch.randn(2, 2, 24, 16, generator=g), torch.randn(2, 2, 24, 16, generator=g)
     docs = doc_ids()
@@ -89,9 +150,10 @@ def test_flex_document_attention_forward():
 
 def test_layer_refuses_documents_it_cannot_keep_apart():
     torch.manual_seed(0)
-    m = LM(ModelConfig(vocab_size=32, d_model=32, n_layers=1, n_heads=4, attn=["gla"], max_seq_len=64))
+    m = LM(ModelConfig(vocab_size=32, d_model=32, n_layers=1, n_heads=4, attn=["goat"], max_seq_len=64,
+                       attention={"goat_rank": 2}))
     x = torch.randn(1, 8, 32)
-    with pytest.raises(ValueError, match="docs: mechanism 'gla'"):
+    with pytest.raises(ValueError, match="docs: mechanism 'goat'"):
         m.blocks[0].attn(x, docs=torch.zeros(1, 8, dtype=torch.long))
 
 

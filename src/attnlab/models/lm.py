@@ -20,10 +20,11 @@ embedding for models that want explicit position everywhere (it caps the length 
 Documents. When attention must not cross document boundaries (`data.pack = "documents"`),
 the model is given the per-token document ids of each packed sequence, `forward(...,
 doc_ids=...)`, and restarts at every boundary, equal to running each document alone. Where
-every layer's op can mask other documents inside its kernel (`takes_documents`: the Triton
-kernels of scalar, hybrid and principled heads, FlexAttention's block mask for softmax heads on
-CUDA), the packed sequence runs as it is, RoPE positions counted from each document's first
-token: one pass, static shapes, no host sync. Otherwise each row is cut into its document
+every layer's op keeps documents apart itself (`takes_documents`: the ops' `docs` argument, taken by
+softmax heads with every scaling and window, gla, ssd and cosformer on every path, and
+the Triton kernels of scalar, hybrid and principled heads), the packed sequence runs as it is, RoPE
+positions counted from each document's first token: one pass, static shapes, no host sync.
+Otherwise (goat, goat_hybrid, learned positions, scalar heads off their kernel) each row is cut into its document
 segments, the segments run as a batch of their own (right-padded; padding comes after every
 real token so causal attention never reads it) and the outputs go back in place: every
 mechanism keeps its fast path and recurrent states start afresh, at the price of the segment
@@ -256,9 +257,9 @@ class LM(nn.Module):
         return self._trunk(idx, record)  # (B, T, C)
 
     def takes_documents(self, device: torch.device) -> bool:
-        """Whether packed documents run as they are on `device`, each layer masking other documents
-        inside its op (`Attention.takes_documents`: the Triton kernels, FlexAttention on CUDA), rather
-        than re-padded into a batch of single documents (which needs the segment lengths on the host)."""
+        """Whether packed documents run as they are on `device`, each layer keeping documents apart
+        inside its op (`Attention.takes_documents`: the ops' docs argument), rather than re-padded into
+        a batch of single documents (which needs the segment lengths on the host: a sync per step)."""
         return self.pos_emb is None and all(blk.attn.takes_documents(device) for blk in self.blocks)
 
     def _trunk(self, idx: torch.Tensor, record: bool, docs: torch.Tensor | None = None) -> torch.Tensor:

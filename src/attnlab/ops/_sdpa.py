@@ -139,6 +139,75 @@ def fused_attention(
     return out[..., :Dv] if Dv < width else out
 
 
+def packed_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, seg: torch.Tensor, *, causal: bool,
+                     scale: float, window: int | None = None) -> torch.Tensor:
+    """softmax(scale * q k^T) v over packed documents: query t (the last Tq of the Tk positions) reads
+    the keys of its own document only (seg (B, Tk): the document index of each key, `_packed.Packing`),
+    up to itself under `causal`, its last `window` with a sliding window. q (B, H, Tq, E), k (B, Gk,
+    Tk, E), v (B, Gv, Tk, Dv), Gk and Gv dividing H. Returns (B, H, Tq, Dv); every query reads at least
+    itself under causal masking (non-causal: its document), so no row is empty.
+
+    On CUDA one FlexAttention call whose block mask is built from seg on the device (blocks of other
+    documents skipped; no host sync, no T x T matrix). Elsewhere query chunks of BAND_CHUNK rows, each
+    one fused SDPA call over its band of keys (the causal prefix, or the window's band) under a bool
+    mask of same-document pairs: memory O(chunk x band), the work of causal attention."""
+    H, E, Dv = q.shape[1], q.shape[-1], v.shape[-1]
+    Tq, Tk = q.shape[2], k.shape[2]
+    off = Tk - Tq
+    if k.shape[1] != v.shape[1]:
+        G = math.lcm(k.shape[1], v.shape[1])
+        k, v = expand_heads(k, G), expand_heads(v, G)
+    gqa = k.shape[1] != H
+    if q.is_cuda:
+        from torch.nn.attention.flex_attention import create_block_mask
+
+        def same_document(b, h, t, s):
+            keep = seg[b, s] == seg[b, t + off]
+            if causal:
+                keep = keep & (s <= t + off)
+            if window is not None:
+                keep = keep & (s > t + off - window)
+            return keep
+
+        mask = create_block_mask(same_document, B=q.shape[0], H=None, Q_LEN=Tq, KV_LEN=Tk, device=q.device)
+        return _compiled_flex()(q, k, v, block_mask=mask, scale=float(scale), enable_gqa=gqa)
+    width = max(E, Dv)
+    if E < width:
+        q, k = F.pad(q, (0, width - E)), F.pad(k, (0, width - E))
+    if Dv < width:
+        v = F.pad(v, (0, width - Dv))
+    if causal and window is not None:
+        spans = band_spans(Tq, Tk, window)
+    else:
+        spans = ((a, min(Tq, a + BAND_CHUNK), 0, min(Tq, a + BAND_CHUNK) + off if causal else Tk)
+                 for a in range(0, Tq, BAND_CHUNK))
+    outs = []
+    for a, b, lo, hi in spans:
+        rows = torch.arange(a + off, b + off, device=q.device)[:, None]  # query positions
+        cols = torch.arange(lo, hi, device=q.device)[None, :]
+        mask = seg[:, None, a + off:b + off, None] == seg[:, None, None, lo:hi]  # (B, 1, b - a, hi - lo)
+        if causal:
+            mask = mask & (cols <= rows)
+        if window is not None:
+            mask = mask & (cols > rows - window)
+        outs.append(F.scaled_dot_product_attention(q[:, :, a:b], k[:, :, lo:hi], v[:, :, lo:hi], attn_mask=mask,
+                                                   scale=float(scale), enable_gqa=gqa))  # (B, H, b - a, width)
+    out = torch.cat(outs, dim=2) if outs else q.new_zeros(*q.shape[:3], width)
+    return out[..., :Dv] if Dv < width else out
+
+
+_FLEX = []
+
+
+def _compiled_flex():
+    """flex_attention compiled once (its fused kernel; the eager form is a reference implementation)."""
+    if not _FLEX:
+        from torch.nn.attention.flex_attention import flex_attention
+
+        _FLEX.append(torch.compile(flex_attention, dynamic=False))
+    return _FLEX[0]
+
+
 def check_qkv(q, k, v, causal: bool = True) -> tuple[int, int, int, int]:
     """Validate finite q (B, H, Tq, D), k (B, Gk, Tk, D), v (B, Gv, Tk, Dv) of one dtype and
     device, Tq <= Tk under causal masking; return (B, H, Tq, D)."""

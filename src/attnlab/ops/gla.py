@@ -45,8 +45,8 @@ from ..checks import (
 )
 from . import _ext
 from ._chunked import chunked_linear_attention
+from ._packed import Packing, document_states, packing
 from ._sdpa import upcast
-
 
 
 def _check_scale(scale, Dk: int) -> float:
@@ -93,12 +93,20 @@ def _step(q_t, k_t, v_t, ld_t, state):
     return o_t, state
 
 
-def _naive(q, k, v, log_decay, state):
-    """The recurrence, one step at a time. log_decay (B, H, T, Dk) or (B, H, T, 1)."""
-    outs = []
-    for q_t, k_t, v_t, ld_t in zip(q.unbind(2), k.unbind(2), v.unbind(2), log_decay.unbind(2)):
+def _naive(q, k, v, log_decay, state, packed: Packing | None = None):
+    """The recurrence, one step at a time. log_decay (B, H, T, Dk) or (B, H, T, 1). Packed documents:
+    the state restarts from zero at each document's first step; with cu_seqlens the second result is
+    every document's final state (N, H, Dk, Dv)."""
+    outs, states = [], []
+    for t, (q_t, k_t, v_t, ld_t) in enumerate(zip(q.unbind(2), k.unbind(2), v.unbind(2), log_decay.unbind(2))):
+        if packed is not None:
+            state = torch.where(packed.starts[:, t, None, None, None], torch.zeros_like(state), state)
         o_t, state = _step(q_t, k_t, v_t, ld_t, state)
         outs.append(o_t)
+        if packed is not None and packed.cu is not None:
+            states.append(state)
+    if states:
+        state = document_states(torch.stack(states, dim=2), packed.cu)
     return torch.stack(outs, dim=2), state  # (B, H, T, Dv)
 
 
@@ -113,6 +121,8 @@ def gla_attention(
     causal: bool = True,
     impl: str = "auto",
     chunk_size: int = 64,
+    cu_seqlens=None,
+    docs: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Gated linear attention: S_t = diag(exp(log_decay_t)) S_{t-1} + k_t v_t^T, o_t = (scale q_t)^T S_t.
 
@@ -131,19 +141,35 @@ def gla_attention(
             where it can run and ``"fast"`` elsewhere.
         chunk_size: steps per chunk of the chunked form, an int >= 1 (a multiple of 16 is the
             efficient choice); the fla route picks its own.
+        cu_seqlens: packed documents, flash-linear-attention's convention (`attnlab.ops._packed`): an
+            int32/int64 tensor (or list) of N + 1 offsets [0, ..., T] into one packed row (B = 1).
+            The state restarts from zero at every document's first step, so each document's output
+            and gradients equal running it alone, and the final state is each document's,
+            (N, H, Dk, Dv) (an empty document's is zero). The chunked form keeps its shapes (masks
+            inside and between chunks, no host sync); the fla route hands cu_seqlens to fla's varlen
+            kernel ("auto" on CUDA where fla can run), which reads them on the host to plan its chunks.
+            The compiled CPU kernel does not take documents: packed calls run the PyTorch chunked form.
+        docs: packed documents as (B, T) integer ids, a document being a run of equal ids in its row
+            (any batch size): as cu_seqlens, with the final state of each row (its last document's),
+            (B, H, Dk, Dv); never the fla route (impl="fla" raises). Give at most one of the two;
+            neither comes with an initial_state.
 
     Returns:
         o (B, H, T, Dv) in q's dtype, and the final state (B, H, Dk, Dv) in the compute dtype,
-        which ``gla_step`` or a later call (as initial_state) continues from.
+        which ``gla_step`` or a later call (as initial_state) continues from ((N, H, Dk, Dv), one per
+        document, with cu_seqlens).
 
     Raises:
         TypeError: q, k, v or log_decay is not a tensor, not floating or not of q's dtype; scale
             is not a float; initial_state is not in the compute dtype.
         ValueError: shapes that do not fit, another device, NaN or inf in any input, log_decay
             > 0, scale <= 0, causal=False, a chunk_size that is not a positive int, an unknown
-            impl, or impl="fla" where it cannot run (the message says why).
+            impl, or impl="fla" where it cannot run (the message says why); cu_seqlens that is not
+            an int tensor of offsets from 0 to T (non-decreasing) or comes with B != 1; docs of
+            another shape or device; both; or packed documents with an initial_state.
     """
-    return _run(q, k, v, log_decay, scale, initial_state, causal, impl, chunk_size, True, "gla_attention")
+    return _run(q, k, v, log_decay, scale, initial_state, causal, impl, chunk_size, True, "gla_attention",
+                cu_seqlens, docs)
 
 
 def ssd_attention(
@@ -157,6 +183,8 @@ def ssd_attention(
     causal: bool = True,
     impl: str = "auto",
     chunk_size: int = 64,
+    cu_seqlens=None,
+    docs: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Mamba-2 SSD readout: the GLA recurrence with one decay per head and step.
 
@@ -175,19 +203,24 @@ def ssd_attention(
             (CUDA, fla installed); ``"auto"`` is ``"fla"`` where it can run and ``"fast"``
             elsewhere.
         chunk_size: steps per chunk of the chunked form, an int >= 1; the fla route picks its own.
+        cu_seqlens: packed documents in one row (B = 1), as `gla_attention` takes them: the state
+            restarts at each document's start (in the chunked and the naive forms) and the final
+            state is each document's, (N, H, Dk, Dv).
+        docs: packed documents as (B, T) ids, as `gla_attention` takes them.
 
     Returns:
         o (B, H, T, Dv) in q's dtype, and the final state (B, H, Dk, Dv), which ``ssd_step`` or
-        a later call continues from.
+        a later call continues from ((N, H, Dk, Dv) with cu_seqlens).
 
     Raises:
         TypeError: as `gla_attention`.
         ValueError: as `gla_attention`, with log_decay of shape (B, H, T).
     """
-    return _run(q, k, v, log_decay, scale, initial_state, causal, impl, chunk_size, False, "ssd_attention")
+    return _run(q, k, v, log_decay, scale, initial_state, causal, impl, chunk_size, False, "ssd_attention",
+                cu_seqlens, docs)
 
 
-def _run(q, k, v, log_decay, scale, initial_state, causal, impl, chunk_size, vector, op):
+def _run(q, k, v, log_decay, scale, initial_state, causal, impl, chunk_size, vector, op, cu_seqlens=None, docs=None):
     check_impl(impl, FLA_IMPLS)
     if not causal:
         raise ValueError(f"{op} is a recurrence in time and has no non-causal form: causal must be True, got {causal!r}")
@@ -195,16 +228,27 @@ def _run(q, k, v, log_decay, scale, initial_state, causal, impl, chunk_size, vec
         raise ValueError(f"chunk_size must be a positive int, got {chunk_size!r}")
     B, H, T, Dk, Dv = _validate(q, k, v, log_decay, initial_state, vector)
     scale = _check_scale(scale, Dk)
-    if _use_fla(impl, q, k, v, log_decay, initial_state, vector) and T > 0:
-        return _fla_attention(q, k, v, log_decay, scale, initial_state, vector)
+    packed = packing(cu_seqlens, docs, B, T, q)
+    if packed is not None and initial_state is not None:
+        raise ValueError(f"initial_state must be None with packed documents (cu_seqlens or docs): every document "
+                         f"starts from a zero state (continue one document from a state by calling {op} on it alone)")
+    if docs is not None and impl == "fla":
+        raise ValueError("impl='fla' takes packed documents as cu_seqlens (fla's varlen kernels), not docs: give "
+                         "cu_seqlens for one packed row, or impl='auto' / 'fast' for docs")
+    if (docs is None and _use_fla(impl, q, k, v, log_decay, initial_state, vector)) and T > 0:
+        return _fla_attention(q, k, v, log_decay, scale, initial_state, vector, None if packed is None else packed.cu)
     out_dtype, dt = q.dtype, upcast(q.dtype)
     q, k, v, log_decay = (x.to(dt) for x in (q, k, v, log_decay))
     q = q * scale
     state = torch.zeros(B, H, Dk, Dv, dtype=dt, device=q.device) if initial_state is None else initial_state
     if T == 0:
+        if packed is not None and packed.cu is not None:  # every document is empty: zero states
+            state = torch.zeros(packed.cu.shape[0] - 1, H, Dk, Dv, dtype=dt, device=q.device)
         return empty_result((B, H, 0, Dv), q, k, v, log_decay).to(out_dtype), state
     if impl == "naive":
-        o, state = _naive(q, k, v, log_decay if vector else log_decay[..., None], state)
+        o, state = _naive(q, k, v, log_decay if vector else log_decay[..., None], state, packed)
+    elif packed is not None:
+        o, state = chunked_linear_attention(q, k, v, log_decay, state, chunk_size, packed.starts, packed.cu)
     elif vector and _ext.usable(q):
         o, state = _ext.gla_chunked(q, k, v, log_decay, state, chunk_size)
     else:
@@ -269,16 +313,19 @@ def _use_fla(impl, q, k, v, log_decay, initial_state, vector) -> bool:
     return reason is None
 
 
-def _fla_attention(q, k, v, log_decay, scale: float, state, vector: bool):
+def _fla_attention(q, k, v, log_decay, scale: float, state, vector: bool, cu_seqlens=None):
     """The recurrence through fla's chunked kernel. fla runs the same recurrence,
     S_t = diag(exp(g_t)) S_{t-1} + k_t v_t^T, o_t = scale * q_t^T S_t, with g = log_decay, in the
     layout (B, T, H, D) (g: (B, T, H, Dk) for chunk_gla, (B, T, H) for chunk_simple_gla), the scale
     applied inside, and initial / final states (B, H, Dk, Dv) in float32, as ours. q, k, v keep
-    their dtype; the gate goes in float32, so its cumulative sums do not round to 16 bits."""
+    their dtype; the gate goes in float32, so its cumulative sums do not round to 16 bits. cu_seqlens
+    (N + 1,) int64 offsets of packed documents (B = 1) go to fla's varlen kernels as they are: fla's
+    convention is ours, with the final states per document (N, H, Dk, Dv)."""
     kernel = _fla_kernels()[vector]
     qf, kf, vf = (x.transpose(1, 2) for x in (q, k, v))  # (B, T, H, D)
     g = log_decay.float().transpose(1, 2)  # (B, T, H, Dk) or (B, T, H)
-    o, state = kernel(qf, kf, vf, g, scale=scale, initial_state=state, output_final_state=True)
+    extra = {} if cu_seqlens is None else {"cu_seqlens": cu_seqlens}
+    o, state = kernel(qf, kf, vf, g, scale=scale, initial_state=state, output_final_state=True, **extra)
     return o.transpose(1, 2).to(q.dtype), state  # (B, H, T, Dv); a view of fla's (B, T, H, Dv)
 
 

@@ -10,16 +10,16 @@ from __future__ import annotations
 import math
 
 import torch
-import torch.nn.functional as F
 
 from ..checks import check_choice, check_impl, check_positive, check_window, key_counts, visible_keys
-from ._sdpa import check_causal, check_qkv, expand_heads, fused_attention, upcast
+from ._packed import Packing, packing, segment_logcumsumexp, segment_logsumexp, segment_sum
+from ._sdpa import check_causal, check_qkv, expand_heads, fused_attention, packed_attention, upcast
 
 SCALES = ("sqrt_d", "ktotal", "kmean", "krms", "pnorm", "n_sqrt_d")
 
 
 def softmax_attention(q, k, v, *, causal: bool = True, scale="sqrt_d", p: float = 2.0, impl: str = "auto",
-                      window: int | None = None):
+                      window: int | None = None, cu_seqlens=None, docs: torch.Tensor | None = None):
     """o_t = sum_s softmax_s(q_t . k_s / c_t) v_s over the keys s visible to query t.
 
     N_t is the set of keys query t sees (s <= t + Tk - Tq if ``causal``, else all Tk) and
@@ -49,6 +49,16 @@ def softmax_attention(q, k, v, *, causal: bool = True, scale="sqrt_d", p: float 
         impl: ``"naive"`` builds the (Tq, Tk) logits and the divisors from the visibility mask, as
             the formula reads; ``"fast"`` and ``"auto"`` compute the divisors with cumulative sums
             and run one fused SDPA call on q / c_t, memory linear in T.
+        cu_seqlens: packed documents, flash-linear-attention's convention (`attnlab.ops._packed`): an
+            int32/int64 tensor (or list) of N + 1 offsets [0, ..., Tk] into one packed row (B = 1).
+            N_t is then only the keys of query t's own document (intersected with the causal mask and
+            the window), so every scaling's divisor and n_t restart at each document: the result
+            equals running each document alone, outputs and gradients. The fast path stays on the
+            device: per-document prefix reductions (a float64 log-sum-exp with a shift per document)
+            and a same-document mask composed with the causal and window masks (FlexAttention's
+            block mask on CUDA, masked SDPA over query chunks elsewhere).
+        docs: packed documents as (B, Tk) integer ids, a document being a run of equal ids in its row
+            (any batch size); as cu_seqlens otherwise. Give at most one of the two.
 
     Returns:
         (B, H, Tq, Dv) in v's dtype.
@@ -59,12 +69,15 @@ def softmax_attention(q, k, v, *, causal: bool = True, scale="sqrt_d", p: float 
         ValueError: a shape that does not fit the others (batch, lengths, D, groups, Tq > Tk under
             causal masking), a tensor on another device, NaN or inf in q, k or v, an unknown
             scale or impl, a scale or p that is not finite and > 0, a window that is not an int
-            >= 1 or comes without causal masking.
+            >= 1 or comes without causal masking; cu_seqlens that is not an int tensor of offsets
+            from 0 to Tk (non-decreasing) or comes with a batch size other than 1; docs of another
+            shape or device, or both cu_seqlens and docs.
     """
     check_impl(impl)
     check_causal(causal)
     check_window(window, causal)
     B, H, T, D = check_qkv(q, k, v, causal)
+    packed = packing(cu_seqlens, docs, B, k.shape[2], q)
     if isinstance(scale, str):
         check_choice("scale", scale, SCALES)
     elif isinstance(scale, (int, float)) and not isinstance(scale, bool):
@@ -78,15 +91,19 @@ def softmax_attention(q, k, v, *, causal: bool = True, scale="sqrt_d", p: float 
             raise TypeError(f"p must be a float, got {type(p).__name__}")
         check_positive("p", float(p))
     if impl == "naive":
-        return _softmax_naive(q, k, v, causal, scale, float(p), window)
+        return _softmax_naive(q, k, v, causal, scale, float(p), window, packed)
+    if packed is not None:
+        return _softmax_packed(q, k, v, causal, scale, float(p), window, packed)
     return _softmax_fast(q, k, v, causal, scale, float(p), window)
 
 
-def _softmax_naive(q, k, v, causal, scale, p, window=None):
+def _softmax_naive(q, k, v, causal, scale, p, window=None, packed: Packing | None = None):
     B, H, T, D = q.shape
     k_h, v_h = expand_heads(k, H), expand_heads(v, H)  # (B, H, Tk, D), (B, H, Tk, Dv)
     dots = q @ k_h.transpose(-1, -2)  # (B, H, Tq, Tk)
     visible = visible_keys(T, k.shape[2], causal, q.device, window)  # (Tq, Tk)
+    if packed is not None:
+        visible = visible & packed.same(T)  # (B, 1, Tq, Tk): and in the query's own document
     if isinstance(scale, str):
         c = _divisor_naive(k_h, visible, scale, p)  # (B, H, Tq) or (Tq,)
         logits = dots / (c.unsqueeze(-1) if c.dim() == 3 else c.view(T, 1))
@@ -98,10 +115,11 @@ def _softmax_naive(q, k, v, causal, scale, p, window=None):
 
 
 def _divisor_naive(k_h, visible, scale, p):
-    """c_t read off the (Tq, Tk) visibility matrix: row t sums over the keys query t sees."""
+    """c_t read off the (Tq, Tk) (or per row (B, 1, Tq, Tk)) visibility matrix: row t sums over the
+    keys query t sees."""
     D = k_h.shape[-1]
-    vis = visible.to(k_h.dtype)  # (Tq, Tk)
-    n = vis.sum(-1)  # (Tq,)
+    vis = visible.to(k_h.dtype)  # (Tq, Tk) or (B, 1, Tq, Tk)
+    n = vis.sum(-1)  # (Tq,) or (B, 1, Tq)
     if scale == "sqrt_d":
         return torch.full_like(n, math.sqrt(D))
     if scale == "n_sqrt_d":
@@ -131,6 +149,67 @@ def _softmax_fast(q, k, v, causal, scale, p, window=None):
         c = expand_heads(c.unsqueeze(-1), H).squeeze(-1)  # (B, H, T)
     q_scaled = (q.to(c.dtype) / c.unsqueeze(-1)).to(q.dtype)  # (B, H, Tq, D)
     return fused_attention(q_scaled, k, v, causal=causal, scale=1.0, window=window).to(v.dtype)
+
+
+def _softmax_packed(q, k, v, causal, scale, p, window, packed: Packing):
+    """The fast path over packed documents: per-document divisors (`_divisor_packed`) folded into q,
+    then `packed_attention` (a same-document mask composed with the causal and window masks)."""
+    B, H, T, D = q.shape
+    if not isinstance(scale, str):
+        sm_scale, q_scaled = float(scale), q
+    elif scale == "sqrt_d":
+        sm_scale, q_scaled = 1.0 / math.sqrt(D), q
+    else:
+        c = _divisor_packed(k, T, causal, scale, p, window, packed)  # (B, G | 1, Tq)
+        if c.shape[1] != 1:
+            c = expand_heads(c.unsqueeze(-1), H).squeeze(-1)  # (B, H, Tq)
+        sm_scale, q_scaled = 1.0, (q.to(c.dtype) / c.unsqueeze(-1)).to(q.dtype)
+    return packed_attention(q_scaled, k, v, packed.seg, causal=causal, scale=sm_scale, window=window).to(v.dtype)
+
+
+def _divisor_packed(k, Tq, causal, scale, p, window, packed: Packing):
+    """c_t over the keys of query t's own document (the last Tq of the Tk positions), O(T) memory
+    (O(T x window) with a sliding window), no host sync. Causal sums without a window run in log space
+    (`segment_logcumsumexp`, float64), so no document's terms are subtracted from a row prefix."""
+    B, G, Tk, D = k.shape
+    kf = k.to(upcast(k.dtype))
+    if causal:
+        n = packed.pos + 1 if window is None else (packed.pos + 1).clamp_max(window)
+    else:
+        n = packed.length
+    n = n[:, None, Tk - Tq:].to(kf.dtype)  # (B, 1, Tq): the keys query t sees
+    if scale == "n_sqrt_d":
+        return n * math.sqrt(D)
+    terms = kf.pow(2).sum(-1) if scale == "krms" else torch.linalg.vector_norm(kf, dim=-1)  # (B, G, Tk)
+    if causal and window is None:
+        log_terms = terms.clamp_min(torch.finfo(kf.dtype).tiny).log() * (p if scale == "pnorm" else 1.0)
+        lse = segment_logcumsumexp(log_terms, packed)[..., Tk - Tq:]  # (B, G, Tq), float64
+        if scale == "ktotal":
+            return lse.exp().to(kf.dtype)
+        if scale == "kmean":
+            return (lse - n.double().log()).exp().to(kf.dtype)
+        if scale == "krms":
+            return ((lse - n.double().log()) / 2).exp().to(kf.dtype)
+        return (lse / p).exp().to(kf.dtype)  # pnorm
+    if scale == "pnorm":
+        log_terms = terms.clamp_min(torch.finfo(kf.dtype).tiny).log() * p
+        if causal:  # the window's keys of the query's own document
+            seen = _windows(packed.seg[:, None], window, -1) == packed.seg[:, None, :, None]  # (B, 1, Tk, window)
+            lse = torch.logsumexp(_windows(log_terms, window, float("-inf")).masked_fill(~seen, float("-inf")), -1)
+        else:
+            lse = segment_logsumexp(log_terms, packed)
+        return (lse[..., Tk - Tq:] / p).exp()
+    if causal:
+        seen = _windows(packed.seg[:, None], window, -1) == packed.seg[:, None, :, None]  # (B, 1, Tk, window)
+        total = (_windows(terms, window, 0.0) * seen).sum(-1)  # (B, G, Tk)
+    else:
+        total = segment_sum(terms, packed)
+    total = total[..., Tk - Tq:]
+    if scale == "ktotal":
+        return total
+    if scale == "kmean":
+        return total / n
+    return (total / n).sqrt()  # krms
 
 
 def _windows(x: torch.Tensor, window: int, fill: float) -> torch.Tensor:
@@ -183,35 +262,7 @@ def _divisor_fast(k, Tq, causal, scale, p, window=None):
 
 
 def document_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, docs: torch.Tensor) -> torch.Tensor:
-    """Causal scaled dot-product attention over packed documents: softmax(q_t . k_s / sqrt(D)) over the
-    keys s <= t of token t's own document. On CUDA through FlexAttention with a block mask built from
-    `docs` (B, T) (blocks of other documents are skipped; no T x T matrix, no host sync); elsewhere
-    one SDPA call with the (B, 1, T, T) boolean mask of same-document causal pairs (FlexAttention's
-    CPU form runs forward only). q (B, H, T, D), k and v (B, G, T, D) with G dividing H. Returns
-    (B, H, T, Dv) in v's dtype."""
-    B, H, T, _ = q.shape
-    if tuple(docs.shape) != (B, T):
-        raise ValueError(f"docs must have shape (B, T) = {(B, T)}, got {tuple(docs.shape)}")
-    if q.device.type != "cuda":
-        causal = torch.ones(T, T, dtype=torch.bool, device=q.device).tril()
-        mask = (docs[:, None, :, None] == docs[:, None, None, :]) & causal  # (B, 1, T, T)
-        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=k.shape[1] != H).to(v.dtype)
-    from torch.nn.attention.flex_attention import create_block_mask
-
-    def same_document(b, h, t, s):
-        return (s <= t) & (docs[b, s] == docs[b, t])
-
-    mask = create_block_mask(same_document, B=B, H=None, Q_LEN=T, KV_LEN=T, device=q.device)
-    return _compiled_flex()(q, k, v, block_mask=mask, enable_gqa=k.shape[1] != H).to(v.dtype)
-
-
-_FLEX = []
-
-
-def _compiled_flex():
-    """flex_attention compiled once (its fused kernel; the eager form is a reference implementation)."""
-    if not _FLEX:
-        from torch.nn.attention.flex_attention import flex_attention
-
-        _FLEX.append(torch.compile(flex_attention, dynamic=False))
-    return _FLEX[0]
+    """Causal scaled dot-product attention over packed documents given as (B, T) ids:
+    `softmax_attention(q, k, v, docs=docs)` (its fast path). q (B, H, T, D), k and v (B, G, T, D) with
+    G dividing H. Returns (B, H, T, Dv) in v's dtype."""
+    return softmax_attention(q, k, v, docs=docs)

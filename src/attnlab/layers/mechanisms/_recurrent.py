@@ -17,6 +17,13 @@ class RecurrentAttention(Attention):
     def configure(cls, config) -> None:
         config.set_vector_heads(config.n_heads, grouped=False)
 
+    def takes_documents(self, device) -> bool:
+        """Packed documents in one pass on every path: the op's `docs` restarts the recurrence at every
+        document's first token from a zero state (masks in the chunked form, no host sync). On CUDA
+        that is the chunked form, not fla's kernels, which take documents only as cu_seqlens and read
+        those on the host."""
+        return True
+
     def init_cache(self, cache, window, max_len) -> None:
         cache.state = RecurrentState(cache.batch_size)
 

@@ -29,9 +29,12 @@ class CosformerAttention(RecurrentAttention):
     def attend(self, p: Projected, values=None, impl: str | None = None):
         c = self.config
         v = p.v if values is None else values
-        max_len = c.cosformer_max_len or max(p.q.shape[2], 1)
+        if p.docs is not None:  # each document's own length is its horizon unless one is configured
+            max_len = c.cosformer_max_len
+        else:
+            max_len = c.cosformer_max_len or max(p.q.shape[2], 1)
         o, _ = cosformer_attention(p.q, p.k, v, causal=True, max_len=max_len, normalize=c.cosformer_normalize,
-                                   impl=impl or c.impl)
+                                   impl=impl or c.impl, docs=p.docs)
         return o, None
 
     def init_cache(self, cache, window, max_len) -> None:

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 from ...checks import trusted
 from ...ops import softmax_attention
-from ...ops.softmax import document_attention
 from ..attention import Attention
 from ..record import Projected
 from ..registry import register
@@ -21,18 +20,16 @@ class SoftmaxAttention(Attention):
         config.set_vector_heads(config.n_heads)
 
     def takes_documents(self, device) -> bool:
-        """Packed documents in one pass (FlexAttention's block mask on CUDA, a same-document mask
-        elsewhere: `ops.softmax.document_attention`), with the √d scaling and no sliding window."""
-        c = self.config
-        return c.scale == "sqrt_d" and c.sliding_window is None and c.impl != "naive"
+        """Packed documents in one pass, with every scaling and sliding window: the op's `docs`
+        (FlexAttention's block mask on CUDA, a same-document mask over query chunks elsewhere; the
+        key-norm divisors restart in each document)."""
+        return True
 
     def attend(self, p: Projected, values=None, impl: str | None = None):
         c = self.config
         v = p.v if values is None else values
-        if p.docs is not None:  # takes_documents (or a forward-only call on the CPU)
-            return document_attention(p.q, p.k, v, p.docs), None
         return softmax_attention(p.q, p.k, v, causal=True, scale=c.scale, p=c.p, impl=impl or c.impl,
-                                 window=c.sliding_window), None
+                                 window=c.sliding_window, docs=p.docs), None
 
     def step_readout(self, p: Projected, cache):
         full = cache.kv.append(k=p.k, v=p.v)  # one query against every cached key: the op's offset form

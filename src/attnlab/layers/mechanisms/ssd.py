@@ -43,7 +43,7 @@ class SSDAttention(RecurrentAttention):
 
     def attend(self, p: Projected, values=None, impl: str | None = None):
         v = p.v if values is None else values
-        o, _ = ssd_attention(p.q, p.k, v, p.log_decay, causal=True, impl=impl or self.config.impl)
+        o, _ = ssd_attention(p.q, p.k, v, p.log_decay, causal=True, impl=impl or self.config.impl, docs=p.docs)
         return o, None
 
     def chunk_op(self, p: Projected, state, cache):

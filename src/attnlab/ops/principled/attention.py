@@ -39,8 +39,9 @@ from torch.autograd.function import once_differentiable
 from ...checks import (
     check_finite, check_groups, check_impl, check_like, check_param, check_same, check_tensor, empty_result,
 )
-from ...checks import TRITON_IMPLS, check_docs, check_window, key_counts
+from ...checks import TRITON_IMPLS, check_window, key_counts, visible_keys
 from .. import _ext
+from .._packed import packing
 from .naive import principled_band, principled_naive
 from ..scalar.attention import _use_triton
 
@@ -301,6 +302,7 @@ def principled_attention(
     block_k: int | None = None,
     window: int | None = None,
     docs: torch.Tensor | None = None,
+    cu_seqlens=None,
 ):
     """Principled attention: semantic scores s = q.k/sqrt(d), suppress-only gates from qg.kg,
     a ground state v0 with relevance threshold gamma, and log K margin amplification.
@@ -332,9 +334,16 @@ def principled_attention(
             included) and K counts them; None (default) for every earlier key. The fast path then
             runs the formula over query chunks and their band of keys (`_sdpa.band_spans`), each
             recomputed in the backward pass: memory O(chunk x (chunk + window)) per head.
-        docs: packed documents: (B, Tk) integer document ids of the keys (query t is key t + Tk - Tq);
-            each query reads its own document's keys only and K counts those. The Triton kernel's
-            (impl "triton", or "auto" on CUDA); other routes raise ValueError.
+        docs: packed documents: (B, Tk) integer document ids of the keys (query t is key t + Tk - Tq),
+            a document being a run of equal ids; each query reads its own document's keys only and K
+            counts those, equal to running each document alone. The Triton kernel masks other
+            documents and skips their tiles; the naive path masks its scores; "fast" off the kernel
+            runs the naive formula over query chunks of its causal prefix (or window band) under a
+            same-document mask, recomputed in the backward pass: memory O(chunk x Tk) per head, the
+            work of causal attention (the compiled CPU kernel and the tiled fallback take no documents).
+        cu_seqlens: packed documents, flash-linear-attention's convention: an int32/int64 tensor (or
+            list) of N + 1 offsets [0, ..., Tk] into one packed row (B = 1); as docs otherwise. Give at
+            most one of the two.
 
     Returns:
         o (B, H, Tq, Dv) in q's dtype; with return_ground, (o, w0) with w0 (B, H, Tq).
@@ -344,8 +353,10 @@ def principled_attention(
             of v's); alpha, beta or gamma neither a float nor a floating tensor; causal not a bool.
         ValueError: shapes that do not fit (batch, heads, lengths, D, Dg, groups, v0, the
             parameters' forms, Tq > Tk under causal masking), another device, NaN or inf in any
-            input, a block size that is not a positive int, an unknown impl, or a window that is
-            not an int >= 1 or comes without causal masking.
+            input, a block size that is not a positive int, an unknown impl, a window that is
+            not an int >= 1 or comes without causal masking, cu_seqlens that is not an int tensor of
+            offsets from 0 to Tk (non-decreasing) or comes with B != 1, docs of another shape or
+            device, or both.
     """
     check_impl(impl, TRITON_IMPLS)
     _check_inputs(q, k, qg, kg, v)
@@ -362,7 +373,8 @@ def principled_attention(
     _check_v0(v0, H, Dv, v)
     out_dtype = q.dtype
     triton = _use_triton(impl, q.device, window)
-    check_docs(docs, B, Tk, q, triton)
+    packed = packing(cu_seqlens, docs, B, Tk, q)
+    seg = None if packed is None else packed.seg  # (B, Tk): each key's document
     given = (q, k, qg, kg, v)  # the kernel's products run in the inputs' dtype
     work = torch.float32 if q.dtype in (torch.float16, torch.bfloat16) else q.dtype
     q, k, qg, kg, v = (x.to(work) for x in (q, k, qg, kg, v))
@@ -379,23 +391,27 @@ def principled_attention(
 
     if impl == "naive":
         k, kg, v = _heads(k, H), _heads(kg, H), _heads(v, H)
-        o, w0 = principled_naive(q, k, qg, kg, v, params["alpha"], params["beta"], params["gamma"], v0, causal, window)
+        seen = None if packed is None else visible_keys(Tq, Tk, causal, q.device, window) & packed.same(Tq)
+        o, w0 = principled_naive(q, k, qg, kg, v, params["alpha"], params["beta"], params["gamma"], v0, causal, window,
+                                 seen)
+    elif seg is not None and not triton:
+        o, w0 = principled_band(q, _heads(k, H), qg, _heads(kg, H), _heads(v, H), params, v0, window, causal, seg)
     elif window is not None and window < Tk:
         o, w0 = principled_band(q, _heads(k, H), qg, _heads(kg, H), _heads(v, H), params, v0, window)
     else:
-        if docs is None:
+        if seg is None:
             log_k = key_counts(Tq, Tk, causal, q.device, work).log()  # (Tq,)
         else:  # packed documents (the kernel's): K counts the keys of each query's own document
             from .triton_kernel import document_log_counts
 
-            log_k = document_log_counts(docs, Tq, causal, work)  # (B, 1, Tq)
+            log_k = document_log_counts(seg, Tq, causal, work)  # (B, 1, Tq)
         c = (1 + F.softplus(params["alpha"]) * log_k).expand(B, H, Tq)  # margin amplification
         spb = F.softplus(params["beta"]).expand(B, H, Tq)
         gam = params["gamma"].expand(B, H, Tq)
         if triton:
             from .triton_kernel import triton_principled
 
-            o, w0 = triton_principled(*given, c, spb, gam, causal, docs)
+            o, w0 = triton_principled(*given, c, spb, gam, causal, seg)
         elif _ext.usable(q):  # the fused kernel reads grouped k, kg, v in place
             o, w0 = _ext.principled(q, k, qg, kg, v, c, spb, gam, causal, block_q, block_k)
         else:

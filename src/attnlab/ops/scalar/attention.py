@@ -4,6 +4,11 @@ impl="naive" materialises the logits (`naive`); "fast" runs the fused SDPA route
 kernel (`fused`) and query chunks of explicit scores under the Cauchy kernel or a sliding window
 (`chunked`); "triton" runs the fused Triton kernel (`triton_op`), which "auto" picks on CUDA
 where Triton is installed and no sliding window is asked for, and "fast" elsewhere.
+
+Packed documents (``cu_seqlens`` or ``docs``, `attnlab.ops._packed`): the Triton kernel masks other
+documents and skips their tiles; the naive path masks its logits; "fast" runs the explicit-score
+query chunks (`chunked`) under a same-document mask (the fused route's shift by the first key would
+read a key of another document), memory O(chunk x Tk), the work of causal attention.
 """
 
 from __future__ import annotations
@@ -12,7 +17,8 @@ import math
 
 import torch
 
-from ...checks import TRITON_IMPLS, check_docs, check_impl, check_int, check_window
+from ...checks import TRITON_IMPLS, check_impl, check_int, check_window
+from .._packed import packing
 from .._sdpa import check_causal, check_qkv, expand_heads, fused_attention, upcast, without_autocast
 from .chunked import chunked_kernel_attention
 from .fused import _augment, _slots
@@ -24,7 +30,8 @@ from .naive import (
 
 @without_autocast
 def scalar_attention(qs, ks, v, tau, *, causal: bool = True, impl: str = "auto", kernel: str = "gaussian",
-                     window: int | None = None, n_prefix: int = 0, docs: torch.Tensor | None = None) -> torch.Tensor:
+                     window: int | None = None, n_prefix: int = 0, docs: torch.Tensor | None = None,
+                     cu_seqlens=None) -> torch.Tensor:
     """Scalar attention o_t = sum_s softmax_s(-(qs_t - ks_s)^2 / tau_t) v_s.
 
     Gradients reach qs, ks, v and a tensor tau.
@@ -47,9 +54,13 @@ def scalar_attention(qs, ks, v, tau, *, causal: bool = True, impl: str = "auto",
         window: a causal sliding window: each query reads only the last ``window`` keys up to it
             (itself included); None (default) for every earlier key.
         n_prefix: with a window, the first n_prefix keys (a sink) are read by every query too.
-        docs: packed documents: (B, Tk) integer document ids of the keys (query t is key t + Tk - Tq);
-            each query reads its own document's keys only. The Triton kernel's (impl "triton", or
-            "auto" on CUDA); other routes raise ValueError.
+        docs: packed documents: (B, Tk) integer document ids of the keys (query t is key t + Tk - Tq),
+            a document being a run of equal ids; each query reads its own document's keys only (with
+            a window, the first n_prefix keys too only from their document), equal to running each
+            document alone. Every route takes them (module docstring).
+        cu_seqlens: packed documents, flash-linear-attention's convention: an int32/int64 tensor (or
+            list) of N + 1 offsets [0, ..., Tk] into one packed row (B = 1); as docs otherwise. Give
+            at most one of the two.
 
     Returns:
         (B, H, Tq, Dv) in v's dtype.
@@ -59,7 +70,9 @@ def scalar_attention(qs, ks, v, tau, *, causal: bool = True, impl: str = "auto",
             has another dtype than qs; causal is not a bool.
         ValueError: shapes that do not fit (batch, heads, lengths, groups, tau's shape, Tq > Tk
             under causal masking), another device, NaN or inf in any input, tau <= 0, an unknown
-            impl or kernel, a window that is not an int >= 1 or comes without causal masking.
+            impl or kernel, a window that is not an int >= 1 or comes without causal masking;
+            cu_seqlens that is not an int tensor of offsets from 0 to Tk (non-decreasing) or comes
+            with B != 1, docs of another shape or device, or both.
     """
     check_impl(impl, TRITON_IMPLS)
     check_causal(causal)
@@ -68,19 +81,23 @@ def scalar_attention(qs, ks, v, tau, *, causal: bool = True, impl: str = "auto",
     check_int("n_prefix", n_prefix, 0)
     B, H, T = _check_scalars(qs, ks, causal=causal)
     _check_values(v, qs, B, H, ks.shape[2])
-    check_docs(docs, B, ks.shape[2], qs, impl != "naive" and _use_triton(impl, qs.device, window))
+    packed = packing(cu_seqlens, docs, B, ks.shape[2], qs)
+    seg = None if packed is None else packed.seg  # (B, Tk): each key's document
     if impl == "naive":
-        w = torch.softmax(scalar_logits(qs, ks, tau, causal, kernel, window, n_prefix), dim=-1)  # (B, H, Tq, Tk)
+        logits = scalar_logits(qs, ks, tau, causal, kernel, window, n_prefix)  # (B, H, Tq, Tk)
+        if packed is not None:
+            logits = logits.masked_fill(~packed.same(T), float("-inf"))
+        w = torch.softmax(logits, dim=-1)
         return (w @ expand_heads(v, H).to(w.dtype)).to(v.dtype)  # (B, H, Tq, Dv)
     if _use_triton(impl, qs.device, window):
         from .triton_op import triton_scalar_attention
 
         return triton_scalar_attention(None, None, v, qs, ks, _tau(tau, B, H, T, torch.float32, qs.device), None,
-                                       kernel, causal, docs=docs)
-    if kernel != "gaussian" or _banded(window, causal, ks.shape[2], n_prefix):
+                                       kernel, causal, docs=seg)
+    if seg is not None or kernel != "gaussian" or _banded(window, causal, ks.shape[2], n_prefix):
         _tau(tau, B, H, T, upcast(qs.dtype), qs.device)
         return chunked_kernel_attention(qs, ks, v, tau, None, None, kernel, causal, None, window=window,
-                                        n_prefix=n_prefix)
+                                        n_prefix=n_prefix, docs=seg)
     cdt = upcast(qs.dtype)
     inv_tau = 1.0 / _tau(tau, B, H, T, cdt, qs.device)  # (1|B, 1|H, 1|T)
     qa, ka = _augment(qs, ks, inv_tau, cdt, causal)  # (B, H, T, 2) each
@@ -91,7 +108,7 @@ def scalar_attention(qs, ks, v, tau, *, causal: bool = True, impl: str = "auto",
 @without_autocast
 def hybrid_attention(q, k, v, qs, ks, tau, *, causal: bool = True, impl: str = "auto",
                      scalar_scale=None, kernel: str = "gaussian", window: int | None = None,
-                     n_prefix: int = 0, docs: torch.Tensor | None = None) -> torch.Tensor:
+                     n_prefix: int = 0, docs: torch.Tensor | None = None, cu_seqlens=None) -> torch.Tensor:
     """Hybrid attention o_t = sum_s softmax_s(q_t . k_s / sqrt(d) - lam (qs_t - ks_s)^2 / tau_t) v_s.
 
     As tau -> inf this is standard scaled dot-product attention. Gradients reach every tensor
@@ -117,6 +134,7 @@ def hybrid_attention(q, k, v, qs, ks, tau, *, causal: bool = True, impl: str = "
         window: a causal sliding window, as `scalar_attention` takes it.
         n_prefix: with a window, the leading keys (a sink) every query still reads.
         docs: packed documents, as `scalar_attention` takes them.
+        cu_seqlens: packed documents in one row (B = 1), as `scalar_attention` takes them.
 
     Returns:
         (B, H, Tq, Dv) in v's dtype.
@@ -127,7 +145,7 @@ def hybrid_attention(q, k, v, qs, ks, tau, *, causal: bool = True, impl: str = "
         ValueError: shapes that do not fit (batch, heads, lengths, D, groups, qs and ks against q
             and k, Tq > Tk under causal masking), another device, NaN or inf in any input,
             tau <= 0, a scalar_scale that is negative, not finite or not (H,), an unknown impl
-            or kernel, or a bad window (as `scalar_attention`).
+            or kernel, a bad window, or packed documents given badly (as `scalar_attention`).
     """
     check_impl(impl, TRITON_IMPLS)
     check_causal(causal)
@@ -141,22 +159,26 @@ def hybrid_attention(q, k, v, qs, ks, tau, *, causal: bool = True, impl: str = "
             f"qs must have shape (B, H, Tq) = {(B, H, T)} and ks (B, H, Tk) = {(B, H, k.shape[2])} "
             f"from q and k, got {tuple(qs.shape)} and {tuple(ks.shape)}"
         )
-    check_docs(docs, B, k.shape[2], q, impl != "naive" and _use_triton(impl, q.device, window))
+    packed = packing(cu_seqlens, docs, B, k.shape[2], q)
+    seg = None if packed is None else packed.seg  # (B, Tk): each key's document
     if impl == "naive":
-        w = torch.softmax(hybrid_logits(q, k, qs, ks, tau, causal, scalar_scale, kernel, window, n_prefix), dim=-1)
+        logits = hybrid_logits(q, k, qs, ks, tau, causal, scalar_scale, kernel, window, n_prefix)  # (B, H, Tq, Tk)
+        if packed is not None:
+            logits = logits.masked_fill(~packed.same(T), float("-inf"))
+        w = torch.softmax(logits, dim=-1)
         return (w @ expand_heads(v, H).to(w.dtype)).to(v.dtype)  # (B, H, Tq, Dv)
     if _use_triton(impl, q.device, window):
         from .triton_op import triton_scalar_attention
 
         lam = None if scalar_scale is None else _scalar_scale(scalar_scale, H, torch.float32, q.device)
         return triton_scalar_attention(q, k, v, qs, ks, _tau(tau, B, H, T, torch.float32, q.device), lam, kernel,
-                                       causal, docs=docs)
-    if kernel != "gaussian" or _banded(window, causal, k.shape[2], n_prefix):
+                                       causal, docs=seg)
+    if seg is not None or kernel != "gaussian" or _banded(window, causal, k.shape[2], n_prefix):
         _tau(tau, B, H, T, upcast(q.dtype), q.device)
         if scalar_scale is not None:
             _scalar_scale(scalar_scale, H, upcast(q.dtype), q.device)
         return chunked_kernel_attention(qs, ks, v, tau, q, k, kernel, causal, scalar_scale, window=window,
-                                        n_prefix=n_prefix)
+                                        n_prefix=n_prefix, docs=seg)
     cdt = upcast(q.dtype)
     inv_tau = 1.0 / _tau(tau, B, H, T, cdt, q.device)
     if scalar_scale is not None:

@@ -50,12 +50,15 @@ def _dense_chunk(qs, ks, vals, tau_b, lam, q, k, hidden, kernel):
 
 
 def chunked_kernel_attention(qs, ks, v, tau, q, k, kernel: str, causal: bool, scalar_scale,
-                             chunk: int = CHUNK, window: int | None = None, n_prefix: int = 0) -> torch.Tensor:
+                             chunk: int = CHUNK, window: int | None = None, n_prefix: int = 0,
+                             docs: torch.Tensor | None = None) -> torch.Tensor:
     """softmax over keys of the kernel's scores (`hybrid_logits` when q is given) times v, query
     rows `chunk` at a time: qs (B, H, Tq), ks (B, H, Tk), v (B, G, Tk, Dv), q (B, H, Tq, D) and
     k (B, G', Tk, D) or None; queries are the last Tq positions under `causal` -> (B, H, Tq, Dv).
     With a sliding `window` each chunk reads only its band of keys and the first n_prefix
-    (`_sdpa.band_spans`): O(chunk x (chunk + window)) per head."""
+    (`_sdpa.band_spans`): O(chunk x (chunk + window)) per head. docs (B, Tk): packed documents' run
+    index of each key (`ops._packed.Packing.seg`); a query also hides every key of another document
+    (the first n_prefix included)."""
     from torch.utils.checkpoint import checkpoint
 
     B, H, Tq = qs.shape
@@ -78,6 +81,9 @@ def chunked_kernel_attention(qs, ks, v, tau, q, k, kernel: str, causal: bool, sc
             hidden, pre = ~band_mask(a, b, lo, hi, off, window, n_prefix, qs.device), n_prefix
         else:
             hidden, pre = ~visible_keys(b - a, hi, causal, qs.device), 0  # rows a..b-1 only
+        if docs is not None:  # (B, 1, b - a, keys): and the keys of other documents
+            keys = band_keys(docs, lo, hi, pre, dim=1)
+            hidden = hidden | (docs[:, None, a + off:b + off, None] != keys[:, None, None, :])
         args = (qs[..., a:b], band_keys(ks, lo, hi, pre), band_keys(vals, lo, hi, pre), _per_query(tau_b, a, b), lam,
                 None if q is None else q[:, :, a:b], None if kk is None else band_keys(kk, lo, hi, pre), hidden, kernel)
         outs.append(checkpoint(_dense_chunk, *args, use_reentrant=False) if grad else _dense_chunk(*args))
