@@ -9,13 +9,16 @@ on random tokens (throughput only) in bf16 autocast (float32 on the CPU) with fu
 it; per model: tokens/s (median step over --steps after --warmup), MFU against --peak-tflops (the
 PaLM count: 6 N per token for the N non-embedding parameters, plus 12 L d_model T for attention),
 peak memory, and the graphs, graph breaks and recompiles dynamo counted. Rows at T = 1024 (GPT-2 small:
-12 layers, d_model 768, 12 heads, batch 8) for every mechanism, and at T = 8192 (batch 1) for --long
-ones. Writes the JSON after every row.
+12 layers, d_model 768, 12 heads, batch 8) for every mechanism, at configs/25m.toml's shape (the at-scale
+experiment's: 8 layers, d_model 512, 8 heads, byte vocabulary, T = 1024, its batch of 64) for --at-scale
+ones, and at T = 8192 (batch 1) for --long ones. Writes the JSON after every row.
 
     python benchmarks/gpu_train.py --device cpu --models baseline,softmax,hybrid,windowed --cpu-both
 
 is the same comparison on the CPU at the quickstart's shape (interleaved rounds, medians; JSON in
-benchmarks/results/train_cpu.json), so the gap is watched between GPU runs.
+benchmarks/results/train_cpu.json), so the gap is watched between GPU runs. --cpu-shape times other
+shapes in the same interleaved rounds, each as NAME:T:BATCH (`--cpu-shape quickstart:256:16,25m:1024:1`),
+every row with its per-round medians; the JSON also holds the process's peak resident memory.
 """
 
 from __future__ import annotations
@@ -98,6 +101,7 @@ class Baseline(nn.Module):
 
 
 SHAPE = dict(vocab=50304, d_model=768, n_layers=12, n_heads=12)
+SHAPE_25M = dict(vocab=257, d_model=512, n_layers=8, n_heads=8)  # configs/25m.toml: 25.4M parameters, bytes
 
 
 def build(name: str, T: int, shape: dict = SHAPE) -> nn.Module:
@@ -188,6 +192,19 @@ def measure(name: str, T: int, batch: int, steps: int, warmup: int, compile_it: 
 
 
 CPU_SHAPE = dict(vocab=256, d_model=128, n_layers=4, n_heads=4)  # the quickstart's model
+CPU_SHAPES = {"quickstart": CPU_SHAPE, "25m": SHAPE_25M}
+
+
+def _cpu_shapes(spec: str, T: int, batch: int) -> list[tuple[str, int, int]]:
+    """--cpu-shape: NAME or NAME:T:BATCH, comma-separated, NAME in CPU_SHAPES (a bare NAME takes --cpu-T
+    and --cpu-batch)."""
+    out = []
+    for part in spec.split(","):
+        name, *rest = part.split(":")
+        if name not in CPU_SHAPES or len(rest) not in (0, 2):
+            raise SystemExit(f"--cpu-shape: {part!r} is not NAME or NAME:T:BATCH with NAME in {sorted(CPU_SHAPES)}")
+        out.append((name, int(rest[0]), int(rest[1])) if rest else (name, T, batch))
+    return out
 
 
 def cpu_comparison(a, argv) -> None:
@@ -195,31 +212,39 @@ def cpu_comparison(a, argv) -> None:
     asked) first, then `--rounds` interleaved rounds of `--steps` steps each; per model the median step
     over all rounds, and its ratio to the baseline of the same kind (compiled or eager) as the median
     of the per-round ratios."""
+    import resource
+
     dev = torch.device("cpu")
-    T, batch = a.cpu_T, a.cpu_batch
+    shapes = _cpu_shapes(a.cpu_shape, a.cpu_T, a.cpu_batch)
     names = [m for m in a.models.split(",") if m]
-    kinds = [(m, c) for m in names for c in ((True, False) if a.cpu_both else (m in a.compile.split(",") or a.compile == "all",))]
+    kinds = [(m, c, s) for s in shapes for m in names
+             for c in ((True, False) if a.cpu_both else (m in a.compile.split(",") or a.compile == "all",))]
     prepared = {}
-    for m, c in kinds:
-        prepared[(m, c)] = prepare(m, T, batch, a.warmup, c, dev, CPU_SHAPE)
-        print(f"  prepared {m} ({'compiled' if c else 'eager'}): warm-up {prepared[(m, c)][1]['warmup_s']} s", flush=True)
+    for k in kinds:
+        m, c, (s, T, batch) = k
+        prepared[k] = prepare(m, T, batch, a.warmup, c, dev, CPU_SHAPES[s])
+        print(f"  prepared {m} ({'compiled' if c else 'eager'}, {s}): warm-up {prepared[k][1]['warmup_s']} s",
+              flush=True)
     per_round = {k: [] for k in kinds}
     for r in range(a.rounds):
         for k in kinds:
             per_round[k].append(statistics.median(time_steps(prepared[k][0], a.steps)))
     rows = []
-    for (m, c), meds in per_round.items():
-        base = per_round.get(("baseline", c))
-        info = dict(prepared[(m, c)][1])
+    for (m, c, (s, T, batch)), meds in per_round.items():
+        base = per_round.get(("baseline", c, (s, T, batch)))
+        info = dict(prepared[(m, c, (s, T, batch))][1])
         info.pop("flops_per_token")
         ms = 1e3 * statistics.median(meds)
-        rows.append({"model": m, "compiled": c, "T": T, "batch": batch, "ms": round(ms, 3),
+        rows.append({"model": m, "compiled": c, "shape": s, "T": T, "batch": batch, "ms": round(ms, 3),
                      "tokens_per_s": round(batch * T / (ms / 1e3)),
                      "vs_baseline": None if base is None else round(statistics.median(
-                         [b / x for b, x in zip(base, meds)]), 3), **info})
-        print(f"  {m} ({'compiled' if c else 'eager'}): {rows[-1]['tokens_per_s']:,} tok/s, "
+                         [b / x for b, x in zip(base, meds)]), 3),
+                     "round_ms": [round(1e3 * x, 3) for x in meds], **info})
+        print(f"  {m} ({'compiled' if c else 'eager'}, {s}): {rows[-1]['tokens_per_s']:,} tok/s, "
               f"{rows[-1]['vs_baseline']}x the baseline", flush=True)
-    doc = {"device": "cpu", "torch": torch.__version__, "threads": torch.get_num_threads(), "shape": CPU_SHAPE,
+    doc = {"device": "cpu", "torch": torch.__version__, "threads": torch.get_num_threads(),
+           "shape": CPU_SHAPES[shapes[0][0]] if len(shapes) == 1 else {s: CPU_SHAPES[s] for s, _, _ in shapes},
+           "max_rss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,  # Linux: KiB
            "rounds": a.rounds, "steps_per_round": a.steps,
            "command": "python benchmarks/gpu_train.py " + " ".join(argv if argv is not None else sys.argv[1:]),
            "rows": rows}
@@ -234,6 +259,8 @@ def main(argv=None) -> None:
     ap.add_argument("--models", default="baseline,softmax,hybrid,scalar,goat,goat_hybrid,principled,gla,ssd,cosformer,"
                                         "windowed")
     ap.add_argument("--long", default="baseline,softmax,hybrid,scalar,windowed,gla", help="models also timed at T = 8192")
+    ap.add_argument("--at-scale", default="softmax", help="models also timed at configs/25m.toml's shape (T = 1024, "
+                                                          "batch 64)")
     ap.add_argument("--compile", default="all", help="models run under torch.compile ('all', or names)")
     ap.add_argument("--steps", type=int, default=10)
     ap.add_argument("--warmup", type=int, default=3)
@@ -241,6 +268,8 @@ def main(argv=None) -> None:
     ap.add_argument("--cpu-T", type=int, default=256)
     ap.add_argument("--cpu-batch", type=int, default=8)
     ap.add_argument("--cpu-both", action="store_true", help="cpu: every model compiled and eager")
+    ap.add_argument("--cpu-shape", default="quickstart",
+                    help=f"cpu: the shapes timed, NAME or NAME:T:BATCH comma-separated, NAME in {sorted(CPU_SHAPES)}")
     ap.add_argument("--peak-tflops", type=float, default=989.0, help="the GPU's dense bf16 peak (H100 SXM: 989)")
     ap.add_argument("--minutes", type=float, default=7.0, help="start no new row after this long")
     a = ap.parse_args(argv)
@@ -253,25 +282,29 @@ def main(argv=None) -> None:
     torch.backends.cuda.matmul.allow_tf32 = True
     out = Path(a.out or HERE / "results" / "gpu_train.json")
     out.parent.mkdir(parents=True, exist_ok=True)
-    doc = {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "shape": SHAPE,
+    doc = {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "shape": SHAPE, "shape_25m": SHAPE_25M,
            "command": "python benchmarks/gpu_train.py " + " ".join(argv if argv is not None else sys.argv[1:]),
            "peak_tflops": a.peak_tflops, "rows": []}
     deadline = time.time() + 60 * a.minutes
-    compiled = set(a.models.split(",")) if a.compile == "all" else set(a.compile.split(","))
-    plan = [(m, 1024, 8) for m in a.models.split(",") if m] + [(m, 8192, 1) for m in a.long.split(",") if m]
-    for name, T, batch in plan:
+    compiled = set(f"{a.models},{a.at_scale},{a.long}".split(",")) if a.compile == "all" else set(a.compile.split(","))
+    plan = ([(m, 1024, 8, SHAPE) for m in a.models.split(",") if m]
+            + [(m, 1024, 64, SHAPE_25M) for m in a.at_scale.split(",") if m]
+            + [(m, 8192, 1, SHAPE) for m in a.long.split(",") if m])
+    for name, T, batch, shape in plan:
+        label = {"shape": "25m"} if shape is SHAPE_25M else {}
         if time.time() > deadline:
-            doc["rows"].append({"model": name, "T": T, "error": "skipped: out of time"})
+            doc["rows"].append({"model": name, "T": T, **label, "error": "skipped: out of time"})
             continue
         try:
-            row = measure(name, T, batch, a.steps, a.warmup, name in compiled, dev, peak_tflops=a.peak_tflops)
+            row = {**measure(name, T, batch, a.steps, a.warmup, name in compiled, dev, shape, a.peak_tflops), **label}
         except Exception as e:  # noqa: BLE001 - the row records what failed
-            row = {"model": name, "T": T, "error": f"{type(e).__name__}: {str(e)[:300]}"}
+            row = {"model": name, "T": T, **label, "error": f"{type(e).__name__}: {str(e)[:300]}"}
         torch.cuda.empty_cache()
         doc["rows"].append(row)
-        print(f"  {name} T={T}: " + (f"{row['tokens_per_s']:,} tok/s, MFU {row['mfu']:.1%}, {row['ms']} ms, graphs "
-                                      f"{row.get('graphs')}, breaks {row.get('breaks')}, recompiles {row.get('recompiles')}"
-                                      if "error" not in row else row["error"]), flush=True)
+        print(f"  {name} T={T}{' (25m)' if label else ''}: "
+              + (f"{row['tokens_per_s']:,} tok/s, MFU {row['mfu']:.1%}, {row['ms']} ms, graphs "
+                 f"{row.get('graphs')}, breaks {row.get('breaks')}, recompiles {row.get('recompiles')}"
+                 if "error" not in row else row["error"]), flush=True)
         out.write_text(json.dumps(doc, indent=1) + "\n")
     print(f"wrote {out}")
 

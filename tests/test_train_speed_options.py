@@ -90,3 +90,16 @@ def test_hf_gradient_checkpointing_sets_the_lm_flag():
         hf(input_ids=ids, labels=ids).loss.backward()
         grads[on] = [p.grad.clone() for p in hf.parameters()]
     assert all(torch.allclose(a, b, rtol=1e-5, atol=1e-7) for a, b in zip(grads[False], grads[True]))
+
+
+def test_train_compile_is_auto_by_default():
+    """train.compile defaults to 'auto': compiled on CUDA (where one graph trains at a plain GPT's speed),
+    eager on the CPU; true and false are kept as given, anything else is refused naming the key."""
+    from attnlab.models.config import ConfigError
+    from attnlab.train.config import TrainConfig
+
+    auto = TrainConfig()
+    assert auto.compile == "auto" and auto.compiles("cuda") and not auto.compiles(torch.device("cpu"))
+    assert TrainConfig(compile=True).compiles("cpu") and not TrainConfig(compile=False).compiles("cuda")
+    with pytest.raises(ConfigError, match="train.compile"):
+        load_config(None, ["train.compile=sometimes"])

@@ -1,7 +1,8 @@
 """Corpora, tokenizers, packing and synthetic tasks.
 
     docs = load_corpus("stdlib", "train")          # embedded default, no download
-    tok = get_tokenizer("byte")                    # or get_tokenizer("bpe", vocab_size=4096)
+    tok = get_tokenizer("byte")                    # or get_tokenizer("bpe", vocab_size=4096), or a model's own:
+                                                   # get_tokenizer("tokenizer.json" | "model.gguf")
     stream = pack_documents(docs, tok)             # EOS d0 EOS d1 ... EOS
     batches = PackedBatches(stream, seq_len=256, batch_size=16, seed=0)
     batch = next(batches)                          # batch.x, batch.y: (B, T); batch.doc_ids
@@ -30,6 +31,7 @@ from .packing import (
 from .splits import SPLITS, split_of
 from .synthetic import IGNORE, mqar, passkey
 from .tokenizer import BPETokenizer, ByteTokenizer, Tokenizer, get_tokenizer, train_bpe
+from .tokenizer_files import PretrainedTokenizer, load_tokenizer_file
 
 __all__ = [
     "SPLITS",
@@ -38,6 +40,7 @@ __all__ = [
     "BPETokenizer",
     "ByteTokenizer",
     "PackedBatches",
+    "PretrainedTokenizer",
     "TokenStream",
     "Tokenizer",
     "atomic_write_bytes",
@@ -49,6 +52,7 @@ __all__ = [
     "get_tokenizer",
     "hf_corpus",
     "load_corpus",
+    "load_tokenizer_file",
     "local_corpus",
     "mqar",
     "pack_documents",

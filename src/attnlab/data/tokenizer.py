@@ -12,6 +12,12 @@ any text encodes without unknown tokens. Id 0 is the special token "<|endoftext|
 `get_tokenizer("bpe", vocab_size=V, corpus=...)` trains it on the corpus's train split
 once and caches it as `<cache_dir>/bpe/<corpus>-<sha256 of the texts, 16 hex>-v<V>.json`,
 written atomically.
+
+PretrainedTokenizer (`attnlab.data.tokenizer_files`): a model's own tokenizer, from a local
+`tokenizer.json` or the tokenizer embedded in a GGUF file: `get_tokenizer("path/to/model.gguf")`.
+
+BPETokenizer and PretrainedTokenizer share `TokenizersTokenizer`: a `tokenizers.Tokenizer` with a
+named EOS token; encode adds no special tokens (no BOS), decode drops the special ones.
 """
 
 from __future__ import annotations
@@ -24,8 +30,9 @@ from typing import Iterable, Protocol, Sequence, runtime_checkable
 
 import numpy as np
 
-from ..checks import check_choice, check_int
+from ..checks import check_int
 from .cache import atomic_write_text, resolve_cache_dir
+from .tokenizer_base import TokenizersTokenizer, _check_text, _id_list
 
 EOS_TOKEN = "<|endoftext|>"
 TOKENIZER_KINDS = ("byte", "bpe")
@@ -39,23 +46,6 @@ class Tokenizer(Protocol):
     def encode(self, text: str) -> list[int]: ...
 
     def decode(self, ids: Sequence[int]) -> str: ...
-
-
-def _check_text(text) -> str:
-    if not isinstance(text, str):
-        raise TypeError(f"text must be a str, got {type(text).__name__}")
-    return text
-
-
-def _id_list(ids, vocab_size: int) -> list[int]:
-    """ids (a sequence, array or tensor) as ints, each in [0, vocab_size) or ValueError."""
-    if hasattr(ids, "tolist"):
-        ids = ids.tolist()
-    ids = [int(i) for i in ids]
-    bad = [i for i in ids if not 0 <= i < vocab_size]
-    if bad:
-        raise ValueError(f"ids must lie in [0, {vocab_size}), got {bad[0]}")
-    return ids
 
 
 BYTE_VOCAB_SIZE = 257  # the 256 byte values and EOS
@@ -83,16 +73,13 @@ class ByteTokenizer:
         return f"ByteTokenizer(vocab_size={self.vocab_size}, eos_id={self.eos_id})"
 
 
-class BPETokenizer:
+class BPETokenizer(TokenizersTokenizer):
     """A trained byte-level BPE vocabulary (wraps `tokenizers.Tokenizer`)."""
 
     def __init__(self, tok):
-        self._tok = tok
-        eos = tok.token_to_id(EOS_TOKEN)
-        if eos is None:
+        if tok.token_to_id(EOS_TOKEN) is None:
             raise ValueError(f"a BPE tokenizer for attnlab needs the special token {EOS_TOKEN!r}")
-        self.eos_id = int(eos)
-        self.vocab_size = int(tok.get_vocab_size(with_added_tokens=True))
+        super().__init__(tok, EOS_TOKEN, "")
         self.name = f"bpe-{self.vocab_size}"
 
     @classmethod
@@ -104,21 +91,6 @@ class BPETokenizer:
     def save(self, path: str | os.PathLike) -> Path:
         """Write the vocabulary as tokenizers JSON, atomically."""
         return atomic_write_text(path, self._tok.to_str())
-
-    def encode(self, text: str) -> list[int]:
-        return self._tok.encode(_check_text(text), add_special_tokens=False).ids
-
-    def encode_batch(self, texts: Iterable[str]) -> list[np.ndarray]:
-        texts = [_check_text(t) for t in texts]
-        encs = self._tok.encode_batch(texts, add_special_tokens=False)
-        return [np.asarray(e.ids, dtype=np.int64) for e in encs]
-
-    def decode(self, ids: Sequence[int]) -> str:
-        ids = _id_list(ids, self.vocab_size)
-        return self._tok.decode(ids, skip_special_tokens=True)
-
-    def __repr__(self) -> str:
-        return f"BPETokenizer(vocab_size={self.vocab_size}, eos_id={self.eos_id})"
 
 
 def train_bpe(texts: Iterable[str], vocab_size: int) -> BPETokenizer:
@@ -163,12 +135,22 @@ def get_tokenizer(
     corpus: str = "stdlib",
     cache_dir: str | os.PathLike | None = None,
     texts: Sequence[str] | None = None,
-) -> ByteTokenizer | BPETokenizer:
-    """The tokenizer `kind` ("byte" | "bpe").
+) -> TokenizersTokenizer | ByteTokenizer:
+    """The tokenizer `kind`: "byte", "bpe", or the path of a model's tokenizer (a tokenizer.json,
+    a folder holding one, or a .gguf file: `attnlab.data.tokenizer_files`).
 
     For "bpe": trained on `texts` if given, else on `load_corpus(corpus, "train")`;
-    loaded from the cache when a vocabulary for the same texts and size exists."""
-    check_choice("kind", kind, TOKENIZER_KINDS)
+    loaded from the cache when a vocabulary for the same texts and size exists.
+    For a path: its own vocabulary; `vocab_size`, when given, must equal it."""
+    if not isinstance(kind, str):
+        raise TypeError(f"kind must be a str ('byte', 'bpe' or a tokenizer file), got {type(kind).__name__}")
+    if kind not in TOKENIZER_KINDS:
+        from .tokenizer_files import load_tokenizer_file
+
+        tok = load_tokenizer_file(kind, name="kind")
+        if vocab_size not in (None, tok.vocab_size):
+            raise ValueError(f"vocab_size for the tokenizer {kind!r} is its own, {tok.vocab_size}; got {vocab_size!r}")
+        return tok
     if kind == "byte":
         if vocab_size not in (None, ByteTokenizer.vocab_size):
             raise ValueError(f"vocab_size for the byte tokenizer is fixed at {BYTE_VOCAB_SIZE}, got {vocab_size!r}")

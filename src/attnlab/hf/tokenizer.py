@@ -4,9 +4,11 @@
   UTF-8 byte b is one token with id b, and "<|endoftext|>" is id 256 (the ByteTokenizer's EOS).
   `encode` gives exactly `ByteTokenizer.encode`'s ids (tested on non-ASCII text).
 - bpe: the trained vocabulary itself (its tokenizers JSON), EOS "<|endoftext|>".
+- a model's own tokenizer (data.tokenizer = a tokenizer.json or a GGUF file): its tokenizers JSON,
+  EOS the one it names (SmolLM2-Instruct's "<|im_end|>").
 
-Both define eos_token = pad_token = "<|endoftext|>" (the vocabularies have no other special
-token, and a pad id must lie inside the model's vocabulary) and pad on the left by default, which
+All define eos_token = pad_token = the tokenizer's EOS (byte and bpe vocabularies have no other
+special token, and a pad id must lie inside the model's vocabulary) and pad on the left by default, which
 is what batched generation wants (right padding works too in plain forwards: see
 `attnlab.hf.modeling`). No BOS is added.
 """
@@ -16,7 +18,7 @@ from __future__ import annotations
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers
 from transformers import PreTrainedTokenizerFast
 
-from attnlab.data.tokenizer import EOS_TOKEN, BPETokenizer, ByteTokenizer
+from attnlab.data.tokenizer import EOS_TOKEN, ByteTokenizer, TokenizersTokenizer
 
 
 def _byte_backend() -> Tokenizer:
@@ -47,14 +49,15 @@ def _bytes_to_unicode() -> dict[int, str]:
 
 
 def hf_tokenizer(tok, model_max_length: int | None = None) -> PreTrainedTokenizerFast:
-    """The transformers tokenizer of an attnlab ByteTokenizer or BPETokenizer."""
+    """The transformers tokenizer of an attnlab ByteTokenizer, BPETokenizer or PretrainedTokenizer."""
     if isinstance(tok, ByteTokenizer):
-        backend = _byte_backend()
-    elif isinstance(tok, BPETokenizer):
-        backend = Tokenizer.from_str(tok._tok.to_str())
+        backend, eos = _byte_backend(), EOS_TOKEN
+    elif isinstance(tok, TokenizersTokenizer):  # a trained BPE, or a model's own tokenizer
+        backend, eos = Tokenizer.from_str(tok.to_str()), tok.eos_token
     else:
-        raise TypeError(f"tok must be an attnlab ByteTokenizer or BPETokenizer, got {type(tok).__name__}")
+        raise TypeError(f"tok must be an attnlab ByteTokenizer, BPETokenizer or PretrainedTokenizer, "
+                        f"got {type(tok).__name__}")
     kwargs = {"model_max_length": model_max_length} if model_max_length else {}
-    return PreTrainedTokenizerFast(tokenizer_object=backend, eos_token=EOS_TOKEN, pad_token=EOS_TOKEN,
+    return PreTrainedTokenizerFast(tokenizer_object=backend, eos_token=eos, pad_token=eos,
                                    padding_side="left", clean_up_tokenization_spaces=False,
                                    model_input_names=["input_ids", "attention_mask"], **kwargs)

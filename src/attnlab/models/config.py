@@ -76,7 +76,7 @@ def coerce(key: str, value, tp):
             except ConfigError as e:
                 errors.append(str(e))
         literal_errors = [e for e in errors if "must be one of" in e]
-        if len(literal_errors) == 1 and isinstance(value, str):
+        if len(literal_errors) == 1 and isinstance(value, str) and bool not in typing.get_args(tp):
             raise ConfigError(literal_errors[0])
     elif tp is bool:
         if isinstance(value, bool):

@@ -22,16 +22,20 @@ import os
 import sys
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Literal
+from typing import Literal, Union
+
+import torch
 
 from attnlab.data.corpus import NAMED_SOURCES as CORPORA
-from attnlab.data.tokenizer import BYTE_VOCAB_SIZE, MIN_BPE_VOCAB_SIZE
+from attnlab.data.tokenizer import BYTE_VOCAB_SIZE, MIN_BPE_VOCAB_SIZE, TOKENIZER_KINDS
+from attnlab.data.tokenizer_files import load_tokenizer_file
 from attnlab.layers import mechanism_class
 from attnlab.layers.mechanisms.hybrid import HybridAttention
-from attnlab.models.config import ConfigError, ModelConfig, build_dataclass, check_fields, opt
+from attnlab.models.config import ConfigError, ModelConfig, build_dataclass, check_fields, did_you_mean, opt
 
 from attnlab.data.cache import atomic_write_text
 
+from .loggers import LOGGERS
 from .toml_io import dumps_toml, to_dict
 
 if sys.version_info >= (3, 11):
@@ -57,7 +61,9 @@ class DataConfig:
         "'stdlib' (embedded, no download), 'tinystories', 'wikitext103', 'hf:<path>[:<config>]', "
         "a local text file or folder, or 'mqar' (synthetic associative recall)",
     )
-    tokenizer: Literal["byte", "bpe"] = opt("byte", "byte-level tokens, or a BPE vocabulary trained locally and cached")
+    tokenizer: str = opt("byte", "'byte' (UTF-8 bytes), 'bpe' (a BPE vocabulary trained locally and cached), or a "
+                                 "model's own tokenizer: the path of a tokenizer.json, a folder holding one, or a "
+                                 ".gguf file (its embedded tokenizer); the model's vocabulary follows it")
     bpe_vocab_size: int = opt(4096, "BPE vocabulary size (tokenizer='bpe')")
     cache_dir: str = opt("", "folder for cached tokenizers and datasets; '' uses $ATTNLAB_CACHE or ~/.cache/attnlab")
     seq_len: int = opt(128, "training sequence length T (tokens per sequence)")
@@ -96,6 +102,11 @@ class DataConfig:
         if self.tokenizer == "bpe" and self.bpe_vocab_size < MIN_BPE_VOCAB_SIZE:
             raise ConfigError(f"data.bpe_vocab_size must be >= {MIN_BPE_VOCAB_SIZE} (256 bytes, EOS, merges), "
                               f"got {self.bpe_vocab_size}")
+        if self.tokenizer not in TOKENIZER_KINDS:  # a tokenizer file: read (cached) so a bad one stops here
+            try:
+                load_tokenizer_file(self.tokenizer, "data.tokenizer")
+            except ValueError as e:
+                raise ConfigError(str(e)) from None
         if self.max_docs < 0:
             raise ConfigError(f"data.max_docs must be >= 0, got {self.max_docs}")
         if self.mqar_pairs < 1 or not 0 < self.mqar_power_a <= 1:
@@ -115,7 +126,10 @@ class DataConfig:
 
     @property
     def tokenizer_vocab_size(self) -> int:
-        """The vocabulary of the configured tokenizer: bpe_vocab_size for BPE, BYTE_VOCAB_SIZE for bytes."""
+        """The vocabulary of the configured tokenizer: bpe_vocab_size for BPE, BYTE_VOCAB_SIZE for bytes,
+        a tokenizer file's own size."""
+        if self.tokenizer not in TOKENIZER_KINDS:
+            return load_tokenizer_file(self.tokenizer, "data.tokenizer").vocab_size
         return self.bpe_vocab_size if self.tokenizer == "bpe" else BYTE_VOCAB_SIZE
 
 
@@ -136,8 +150,10 @@ class TrainConfig:
     dtype: Literal["float32", "bfloat16"] = opt("float32", "autocast dtype for the forward pass (weights stay float32)")
     tf32: bool = opt(True, "on CUDA, let float32 matmuls and convolutions use TF32 (about 1e-3 relative error, "
                            "several times faster); false keeps full float32")
-    compile: bool = opt(False, "run the model under torch.compile (the first steps compile; checkpoints, resume "
-                               "and evaluation are unchanged)")
+    compile: Union[bool, Literal["auto"]] = opt(
+        "auto", "run the model under torch.compile (the first steps compile; checkpoints, resume and evaluation are "
+                "unchanged); 'auto': on CUDA, where one compiled graph is what trains at a plain GPT's speed, "
+                "and not on the CPU, where compiling takes longer than a short run saves")
     checkpoint_activations: bool = opt(False, "recompute each block's activations in the backward pass instead of "
                                               "keeping them (less memory, about one more forward); not on steps that "
                                               "record attention for the regularizers or the logs")
@@ -177,6 +193,10 @@ class TrainConfig:
         if self.early_stop_patience and not self.eval_every:
             raise ConfigError("train.early_stop_patience needs train.eval_every > 0: early stopping watches the "
                               "periodic evaluations")
+
+    def compiles(self, device) -> bool:
+        """Whether the model runs under torch.compile on `device` (train.compile, 'auto' resolved)."""
+        return self.compile if isinstance(self.compile, bool) else torch.device(device).type == "cuda"
 
     def lr_at(self, step: int) -> float:
         """Learning rate for optimizer step `step` (0-based): linear warmup, then cosine to min_lr."""
@@ -252,12 +272,47 @@ class RunSection:
     nproc: int = opt(1, "processes per run when a sweep launches it as a cluster job (--launcher): N > 1 starts "
                         "torchrun --nproc_per_node=N inside the job (plain `attnlab train` uses torchrun itself)")
     progress: bool = opt(True, "show a progress bar with ETA")
-    tensorboard: bool = opt(True, "also log to TensorBoard when torch.utils.tensorboard imports")
+    tensorboard: bool = opt(True, "also log to TensorBoard when torch.utils.tensorboard imports (only while "
+                                  "run.logger is unset: a set run.logger is the whole list)")
+    logger: Union[str, list[str]] = opt(
+        "", f"where log rows go besides log.jsonl and the CSVs: {', '.join(map(repr, LOGGERS))}, several as a list "
+            "or comma-separated, or 'none'; each must be installed (pip install 'attnlab[wandb]', ...). "
+            "'' (unset) follows run.tensorboard")
+    project: str = opt("", "the W&B project / MLflow experiment the run is logged under ('' takes $WANDB_PROJECT / "
+                           "$MLFLOW_EXPERIMENT_NAME, else 'attnlab')")
+
+    loggers: list[str] = field(init=False, default_factory=list)  # derived: the backends run.logger names
 
     def __post_init__(self):
         check_fields(self, "run.")
         if self.nproc < 1:
             raise ConfigError(f"run.nproc must be >= 1, got {self.nproc!r}")
+        self.loggers = parse_loggers(self.logger)
+        if "tensorboard" in self.loggers and not self.tensorboard:
+            raise ConfigError("run.logger names 'tensorboard' but run.tensorboard is false; drop one of them "
+                              "(run.logger, once set, decides alone: run.tensorboard=false is not needed)")
+
+    @property
+    def tensorboard_if_installed(self) -> bool:
+        """run.tensorboard's meaning while run.logger is unset: TensorBoard when it imports, else nothing."""
+        return self.tensorboard and isinstance(self.logger, str) and not self.logger.strip()
+
+
+def parse_loggers(value: str | list[str], key: str = "run.logger") -> list[str]:
+    """run.logger as a list of backend names: a name, a comma-separated string or a list; 'none' or []
+    is none; '' (unset) is none as well (the caller decides what unset means)."""
+    if isinstance(value, str) and not value.strip():
+        return []
+    names = [n.strip() for n in (value.split(",") if isinstance(value, str) else value)]
+    if names in ([], ["none"]):
+        return []
+    for name in names:
+        if name == "none":
+            raise ConfigError(f"{key}: 'none' stands alone, got {value!r}")
+        if name not in LOGGERS:
+            raise ConfigError(f"{key} must name {', '.join(map(repr, LOGGERS))} (one, a list or comma-separated) "
+                              f"or 'none', got {value!r}{did_you_mean(name, LOGGERS)}")
+    return list(dict.fromkeys(names))
 
 
 @dataclass

@@ -9,8 +9,11 @@ way: rank r of W takes rows [r*B/W, (r+1)*B/W) of the global batch of B sequence
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
+import json
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Callable, Iterator
 
 import torch
@@ -19,6 +22,13 @@ from attnlab.data.corpus import load_corpus
 from attnlab.data.packing import Batch, PackedBatches, StepBatches, pack_documents, sequential_batches
 from attnlab.data.synthetic import mqar
 from attnlab.data.tokenizer import get_tokenizer
+from attnlab.data.tokenizer_files import (
+    TOKENIZER_CONFIG,
+    TOKENIZER_JSON,
+    PretrainedTokenizer,
+    load_tokenizer_file,
+    tokenizer_file,
+)
 
 from .config import DataConfig, RunConfig
 from .ddp import DistEnv
@@ -33,6 +43,49 @@ def data_tokenizer(d: DataConfig, train_docs: list[str] | None = None):
             d.source, "train", cache_dir=cache_dir, max_docs=d.max_docs or None)
     return get_tokenizer(d.tokenizer, vocab_size=d.tokenizer_vocab_size, corpus=d.source, cache_dir=cache_dir,
                          texts=texts)
+
+
+RUN_TOKENIZER = "tokenizer"  # the run folder's copy of a tokenizer file (tokenizer.json, tokenizer_config.json)
+
+
+def record_tokenizer(cfg: RunConfig, tok) -> RunConfig:
+    """A run on a tokenizer file keeps that tokenizer: written into <run_dir>/tokenizer/ (tokenizer.json
+    and tokenizer_config.json, naming the file it came from) and named by the returned config's
+    data.tokenizer, which the run folder's config.toml then holds; so `attnlab sample`, `attnlab export`,
+    evaluation and a resumed run read back this tokenizer, whatever becomes of the original file.
+    Byte and BPE tokenizers are rebuilt from the config (BPE from its cache) and need no copy."""
+    if not isinstance(tok, PretrainedTokenizer):
+        return cfg
+    path = Path(cfg.run_dir) / RUN_TOKENIZER / TOKENIZER_JSON
+    if not (path.is_file() and Path(tok.source).resolve() == path.resolve()):
+        tok.save_pretrained(path.parent)
+    return dataclasses.replace(cfg, data=dataclasses.replace(cfg.data, tokenizer=str(path)))
+
+
+def is_recorded_copy(run_dir, saved, configured) -> bool:
+    """Whether a run's saved data.tokenizer `saved` is its folder's copy (`record_tokenizer`) of the
+    tokenizer file that `configured` names: the same setting, as far as comparing configs goes."""
+    copy = Path(run_dir) / RUN_TOKENIZER / TOKENIZER_JSON
+    if not isinstance(saved, str) or not isinstance(configured, str) or Path(saved).resolve() != copy.resolve():
+        return False
+    try:
+        source = json.loads((copy.parent / TOKENIZER_CONFIG).read_text(encoding="utf-8")).get("source")
+        return source == str(tokenizer_file(configured).resolve())
+    except (OSError, ValueError, AttributeError):
+        return False
+
+
+def resumed_tokenizer(cfg: RunConfig, tok):
+    """`tok`, checked on resume against the tokenizer the run recorded (`record_tokenizer`): the same
+    vocabulary and EOS, or ValueError naming data.tokenizer and the recorded copy."""
+    saved = Path(cfg.run_dir) / RUN_TOKENIZER / TOKENIZER_JSON
+    if not (cfg.run.resume and isinstance(tok, PretrainedTokenizer) and saved.is_file()):
+        return tok  # byte and BPE runs: the model's vocabulary size is checked against the checkpoint's
+    recorded = load_tokenizer_file(saved, "data.tokenizer")
+    if (tok.to_str(), tok.eos_token) != (recorded.to_str(), recorded.eos_token):
+        raise ValueError(f"data.tokenizer {cfg.data.tokenizer!r} is not the tokenizer the run trained with, "
+                         f"recorded in {str(saved)!r}; resume with data.tokenizer={str(saved)!r}")
+    return recorded
 
 
 def _seed_for(*parts) -> int:
@@ -132,7 +185,7 @@ def build_data(cfg: RunConfig, env: DistEnv) -> RunData:
     cache_dir = d.cache_dir or None
     max_docs = d.max_docs or None
     train_docs = load_corpus(d.source, "train", cache_dir=cache_dir, max_docs=max_docs)
-    tok = data_tokenizer(d, train_docs)
+    tok = resumed_tokenizer(cfg, data_tokenizer(d, train_docs))
     train_stream = pack_documents(train_docs, tok)
     val_stream = pack_documents(load_corpus(d.source, "val", cache_dir=cache_dir, max_docs=max_docs), tok)
     train = PackedBatches(

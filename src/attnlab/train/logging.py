@@ -1,8 +1,11 @@
-"""Run logs: one JSONL stream plus one CSV per kind of row ("train", "eval"), TensorBoard optional.
+"""Run logs: one JSONL stream plus one CSV per kind of row ("train", "eval"), and the backends
+of `run.logger` (TensorBoard, W&B, MLflow: `attnlab.train.loggers`).
 
 Every row carries `step`. Rows are flushed as they are written, so a killed run leaves
 its log readable; on resume, `truncate_after(step)` drops the rows the killed run wrote
-after its last checkpoint, so the resumed log reads as one uninterrupted run.
+after its last checkpoint, so the resumed log reads as one uninterrupted run. A row with a
+column its CSV lacks (a run resumed by a newer attnlab that logs more) rewrites the CSV with
+the column added, empty in the older rows.
 """
 
 from __future__ import annotations
@@ -16,11 +19,15 @@ from pathlib import Path
 
 from attnlab.data.cache import WriteError, atomic_write_text
 
+from . import loggers as backends
+
 LOG_JSONL = "log.jsonl"
+LOG_PATHS = (LOG_JSONL, "train.csv", "eval.csv") + backends.PATHS  # what an overwritten run's folder loses
+FIRST_COLUMNS = ("step", "loss", "ppl", "lr", "grad_norm", "tokens_per_s", "mfu", "peak_mem_gib", "tokens")
 
 
 def _flat(row: dict, prefix: str = "") -> dict:
-    """Nested dicts and lists become dotted scalar columns (for CSV and TensorBoard)."""
+    """Nested dicts and lists become dotted scalar columns (for the CSVs and the backends)."""
     out = {}
     for key, value in row.items():
         name = f"{prefix}{key}"
@@ -44,35 +51,48 @@ def _json_safe(value):
 
 
 class RunLogger:
-    """Appends rows to `run_dir/log.jsonl` and `run_dir/<kind>.csv`; a no-op when not enabled
-    (the non-main ranks of a data-parallel run)."""
+    """Appends rows to `run_dir/log.jsonl` and `run_dir/<kind>.csv`, and hands them to the backends
+    named in `loggers` (each must import: `loggers.check_loggers` says so before a run starts) and to
+    TensorBoard when `tensorboard` is true and it imports. A no-op when not enabled (the non-main
+    ranks of a data-parallel run). Backends start on `open()` or the first row, so that a resumed
+    run (`truncate_after`) continues theirs; `meta` gives them the run's title, project and config."""
 
-    def __init__(self, run_dir: str | os.PathLike, *, enabled: bool = True, tensorboard: bool = True):
+    def __init__(self, run_dir: str | os.PathLike, *, enabled: bool = True, tensorboard: bool = True,
+                 loggers=(), meta: dict | None = None):
         self.dir = Path(run_dir)
         self.enabled = enabled
         self._csv_columns: dict[str, list[str]] = {}
-        self.tb = None
+        self._names = list(dict.fromkeys(loggers))
+        self._meta = {"title": self.dir.name, "project": "", "config": {}, **(meta or {})}
+        self._resumed_at = 0
+        self.backends: list | None = None  # started by open()
         if not enabled:
             return
+        if tensorboard and "tensorboard" not in self._names:
+            try:  # optional here: JSONL and CSV only when it is not installed
+                backends.check_loggers(["tensorboard"])
+                self._names.append("tensorboard")
+            except backends.LoggerUnavailable:
+                pass
         self.dir.mkdir(parents=True, exist_ok=True)
         for kind_csv in self.dir.glob("*.csv"):
             with open(kind_csv, newline="") as f:
                 header = next(csv.reader(f), None)
             if header:
                 self._csv_columns[kind_csv.stem] = header
-        if tensorboard:
-            try:
-                from torch.utils.tensorboard import SummaryWriter
-            except ImportError:  # tensorboard not installed: JSONL and CSV only
-                SummaryWriter = None
-            if SummaryWriter is not None:
-                self.tb = SummaryWriter(log_dir=str(self.dir / "tensorboard"))
+
+    def open(self) -> None:
+        """Start the backends (once); a run calls it before its first step, so a backend that cannot
+        start (no W&B login, an unreachable MLflow server) stops it there."""
+        if self.enabled and self.backends is None:
+            self.backends = backends.open_backends(self._names, self.dir, resumed_at=self._resumed_at, **self._meta)
 
     def log(self, kind: str, row: dict) -> None:
         if not self.enabled:
             return
         if "step" not in row:
             raise ValueError(f"a log row needs a 'step', got keys {sorted(row)}")
+        self.open()
         path = self.dir / LOG_JSONL
         try:  # a line cut short by a failed write is skipped by read_log and dropped on resume
             with open(path, "a") as f:
@@ -83,6 +103,8 @@ class RunLogger:
             new_file = columns is None
             if new_file:
                 columns = self._csv_columns[kind] = list(flat)
+            elif not set(flat) <= set(columns):
+                columns = self._csv_columns[kind] = self._widen(path, columns, [k for k in flat if k not in columns])
             with open(path, "a", newline="") as f:
                 writer = csv.DictWriter(f, fieldnames=columns, extrasaction="ignore")
                 if new_file:
@@ -90,18 +112,34 @@ class RunLogger:
                 writer.writerow(flat)
         except OSError as e:
             raise WriteError(path, e, what="log file") from e
-        if self.tb is not None:
-            for name, value in flat.items():
-                if name != "step" and isinstance(value, (int, float)) and not isinstance(value, bool):
-                    self.tb.add_scalar(f"{kind}/{name}", value, row["step"])
-            self.tb.flush()
+        scalars = {name: value for name, value in flat.items()
+                   if name != "step" and isinstance(value, (int, float)) and not isinstance(value, bool)}
+        for backend in self.backends:
+            backend.log(kind, scalars, row["step"])
+
+    @staticmethod
+    def _widen(path: Path, columns: list[str], added: list[str]) -> list[str]:
+        """Rewrite the CSV at `path` with `added` columns after `columns`, empty in the rows it holds."""
+        with open(path, newline="") as f:
+            reader = csv.reader(f)
+            next(reader, None)
+            rows = list(reader)
+        width, columns = len(columns), columns + added
+        text = io.StringIO(newline="")
+        writer = csv.writer(text)
+        writer.writerow(columns)
+        writer.writerows(r + [""] * len(added) if len(r) == width else r for r in rows)  # a torn row stays torn
+        atomic_write_text(path, text.getvalue())
+        return columns
 
     def history(self, kind: str | None = None) -> list[dict]:
         """The rows logged so far (of one kind, or all), oldest first."""
         return read_log(self.dir, kind)
 
     def truncate_after(self, step: int) -> None:
-        """Drop every row with step > `step` from the JSONL and the CSVs."""
+        """Drop every row with step > `step` from the JSONL and the CSVs (a run resumed at `step`; its
+        backends, started after this, continue from there)."""
+        self._resumed_at = step
         if not self.enabled:
             return
         jsonl = self.dir / LOG_JSONL
@@ -123,10 +161,16 @@ class RunLogger:
             writer.writerows(kept)
             atomic_write_text(path, text.getvalue())
 
-    def close(self) -> None:
-        if self.tb is not None:
-            self.tb.close()
-            self.tb = None
+    def close(self, status: str = "finished") -> None:
+        """Finish the backends' runs: status 'finished', 'killed' (stopped by a signal) or 'failed'."""
+        started, self.backends = self.backends or [], None if self.backends is None else []
+        for backend in started:
+            backend.close(status)
+
+
+def ordered(row: dict, first=FIRST_COLUMNS) -> dict:
+    """`row` with the `first` columns leading, in that order."""
+    return {**{k: row[k] for k in first if k in row}, **{k: v for k, v in row.items() if k not in first}}
 
 
 def _step_of(text: str) -> float:

@@ -2,7 +2,8 @@
 
 AdamW with linear warmup and cosine decay, gradient clipping, optional bf16 autocast,
 gradient accumulation, periodic evaluation, the scalar-attention regularizers weighted
-from the config, logs (JSONL, CSV, TensorBoard when available), a progress bar, atomic
+from the config, logs (JSONL, CSV and run.logger's TensorBoard / W&B / MLflow; each row with loss,
+lr, grad norm, tokens/s, MFU and peak memory), a progress bar, atomic
 checkpoints and exact resume, and data parallelism when launched by torchrun.
 
 Exact resume: a run's losses are a function of (config, seed) alone. Every batch is a
@@ -37,10 +38,12 @@ from . import ddp
 from .checkpoint import capture_rng, checkpoint_name, latest_checkpoint, read_state, restore_rng, save_checkpoint
 from .config import RunConfig, load_config, save_config, to_dict
 from .resume import CKPT_DIR, check_same_model
-from .data import RunData, build_data
+from .data import RunData, build_data, record_tokenizer
 from .early_stop import EarlyStopping
-from .logging import RunLogger, read_log
+from .loggers import check_loggers
+from .logging import LOG_PATHS, RunLogger, ordered, read_log
 from .stats import attention_stats
+from .throughput import Throughput
 from .setup import (DataError, allow_tf32, autocast, build_model, has_unused_parameters, make_optimizer,  # noqa: F401
                     resolve_device, seed_everything, to_device)
 
@@ -60,6 +63,7 @@ class Trainer:
         self.run_dir = Path(cfg.run_dir)
         self.ckpt_dir = self.run_dir / CKPT_DIR
         self._check_run_dir()
+        check_loggers(cfg.run.loggers)  # a backend that is not installed: named, before any folder exists
         seed_everything(cfg.run.seed)
         try:
             self.data: RunData = build_data(cfg, self.env)
@@ -76,14 +80,19 @@ class Trainer:
             self.close()
             raise
         self.cfg = cfg = dataclasses.replace(cfg, model=self.model.cfg)  # vocab_size resolved
+        if self.env.is_main:  # a tokenizer file: copied into the run folder, which data.tokenizer then names
+            self.cfg = cfg = record_tokenizer(cfg, self.data.tokenizer)
+        self.throughput = Throughput(self.model, cfg.data.seq_len, self.device, self.env.world_size)
         unused = self.env.distributed and cfg.run.parallel == "ddp" and has_unused_parameters(self.model, self.device)
         self.ddp_model = ddp.wrap_model(self.model, self.env, find_unused_parameters=unused, parallel=cfg.run.parallel)
         self.sharded = ddp.is_sharded(self.model)  # FSDP: self.model is sharded in place, self.ddp_model is it
         self._replica = None  # sharded runs: an unsharded CPU copy that checkpoints pass through
         self.optimizer = make_optimizer(self.model, cfg.train, self.device)  # after sharding: FSDP's parameters
-        if cfg.train.compile:  # checkpoints, evaluation and resume keep using the plain module
+        if cfg.train.compiles(self.device):  # checkpoints, evaluation and resume keep using the plain module
             self.ddp_model = torch.compile(self.ddp_model)
-        self.logger = RunLogger(self.run_dir, enabled=self.env.is_main, tensorboard=cfg.run.tensorboard)
+        self.logger = RunLogger(self.run_dir, enabled=self.env.is_main, tensorboard=cfg.run.tensorboard_if_installed,
+                                loggers=cfg.run.loggers, meta={"title": str(self.run_dir), "project": cfg.run.project,
+                                                               "config": to_dict(cfg)})
         self.step = 0  # optimizer steps completed
         t = cfg.train
         self.early = EarlyStopping(t.early_stop_patience, t.early_stop_metric, t.early_stop_min_delta)
@@ -98,7 +107,9 @@ class Trainer:
         return (self.run_dir / "log.jsonl").exists() or latest_checkpoint(self.ckpt_dir) is not None
 
     def close(self) -> None:
-        """Release the run folder (the trainer holds its lock from construction on)."""
+        """Release the run folder (locked since construction); backends still open (it raised) mark their run failed."""
+        if getattr(self, "logger", None) is not None:
+            self.logger.close("failed")
         if getattr(self, "_lock", None) is not None:
             self._lock.release()
 
@@ -121,7 +132,7 @@ class Trainer:
         if self._has_state() and not self.cfg.run.resume:
             ddp.barrier(self.env)
             if self.env.is_main:
-                for name in ("log.jsonl", "train.csv", "eval.csv", "summary.json", CKPT_DIR, "tensorboard"):
+                for name in LOG_PATHS + ("summary.json", CKPT_DIR):
                     path = self.run_dir / name
                     shutil.rmtree(path) if path.is_dir() else path.unlink(missing_ok=True)
             ddp.barrier(self.env)
@@ -261,12 +272,13 @@ class Trainer:
             tqdm.write(f"{self.run_dir}: {self.model.num_params():,} parameters; {self.data.description}")
         bar = tqdm(total=t_cfg.steps, initial=self.step, disable=not (main and cfg.run.progress),
                    desc=self.run_dir.name, dynamic_ncols=True, unit="step")
+        self.logger.open()
         with graceful():
             last_eval = self._loop(bar)
         bar.close()
         if last_eval is None:  # resumed at the end: nothing left to train
             last_eval = dict(self.early.best_eval) if self.early.ended else {"step": self.step, **self.evaluate()}
-        summary = self._summary(last_eval, self._tokens_done, self._train_time)
+        summary = self._summary(last_eval, self.throughput.tokens, self.throughput.seconds)
         if main:
             atomic_write_text(self.run_dir / "summary.json", json.dumps(summary, indent=2, default=str) + "\n")
         self.logger.close()
@@ -282,10 +294,7 @@ class Trainer:
     def _loop(self, bar) -> dict | None:
         """Train to train.steps; on SIGINT/SIGTERM finish the step, checkpoint and raise Interrupted."""
         cfg, t_cfg, main = self.cfg, self.cfg.train, self.env.is_main
-        train_time, tokens_done = 0.0, 0
-        window_time, window_tokens = 0.0, 0
         last_eval = None
-        self._train_time, self._tokens_done = 0.0, 0
         while self.step < t_cfg.steps and not self.early.ended:
             t0 = time.perf_counter()
             row = self.train_step()
@@ -293,19 +302,15 @@ class Trainer:
             if log:  # read the step's scalars (the one wait on the device per log window) before the clock
                 row.update({k: float(v) for k, v in row.items() if isinstance(v, torch.Tensor)})
             dt = time.perf_counter() - t0
-            train_time += dt
-            window_time += dt
-            tokens_done += t_cfg.tokens_per_step
-            window_tokens += t_cfg.tokens_per_step
+            self.throughput.add(dt, t_cfg.tokens_per_step)
             bar.update(1)
             if log:
                 loss, *regs = ddp.mean_over_ranks([row["loss"]] + [row[k] for k in sorted(row) if k.startswith("reg_")], self.env)
                 row.update({"loss": loss, **dict(zip(sorted(k for k in row if k.startswith("reg_")), regs))})
-                row.update(step=self.step, ppl=math.exp(min(loss, 50.0)), tokens_per_s=window_tokens / max(window_time, 1e-9),
-                           tokens=self.step * t_cfg.tokens_per_step)
-                self.logger.log("train", _ordered(row))
+                row.update(step=self.step, ppl=math.exp(min(loss, 50.0)), tokens=self.step * t_cfg.tokens_per_step,
+                           **self.throughput.row())  # tokens/s, MFU and peak memory since the last row
+                self.logger.log("train", ordered(row))
                 bar.set_postfix(loss=f"{loss:.3f}", tok_s=f"{row['tokens_per_s']:.0f}")
-                window_time, window_tokens = 0.0, 0
             if (t_cfg.eval_every and self.step % t_cfg.eval_every == 0) or self.step == t_cfg.steps:
                 last_eval = {"step": self.step, **self.evaluate()}
                 self.logger.log("eval", last_eval)
@@ -317,13 +322,12 @@ class Trainer:
                 break
             if (t_cfg.ckpt_every and self.step % t_cfg.ckpt_every == 0) or self.step == t_cfg.steps:
                 self.save()
-            self._train_time, self._tokens_done = train_time, tokens_done
             # Ranks agree on a stop request through a collective (a host sync): on log rows only.
             signum = self._stop_requested() if log or not self.env.distributed else None
             if signum is not None and self.step < t_cfg.steps:
                 self.save()
                 bar.close()
-                self.logger.close()
+                self.logger.close("killed")
                 raise Interrupted(signum, f"{self.run_dir} stopped after step {self.step} of {t_cfg.steps}; "
                                           f"checkpoint {self.ckpt_dir / checkpoint_name(self.step)} saved")
         return last_eval
@@ -382,10 +386,6 @@ class Trainer:
         self.model(batch.x.to(self.device), record=True)
         self.model.train()
         return attention_stats(self.model.attention_layers())
-
-
-def _ordered(row: dict, first=("step", "loss", "ppl", "lr", "grad_norm", "tokens_per_s", "tokens")) -> dict:
-    return {**{k: row[k] for k in first if k in row}, **{k: v for k, v in row.items() if k not in first}}
 
 
 def train(cfg: RunConfig | str | os.PathLike, overrides: list[str] | None = None) -> dict:
