@@ -1,14 +1,17 @@
-"""Machine code of the scalar family's Triton kernels for an H100 (sm_90a), built on the CPU: no GPU needed.
+"""Machine code of attnlab's Triton kernels for an H100 (sm_90a), built on the CPU: no GPU needed.
 
     python benchmarks/kernel_sass.py                      # every case, both variants -> results/kernel_sass.json
-    python benchmarks/kernel_sass.py --baseline 1c8f14b   # and the code of that commit (before the switch)
+    python benchmarks/kernel_sass.py --baseline 1378d2e   # and the code of that commit ("baseline" rows)
     python benchmarks/kernel_sass.py --cases hybrid-cauchy/fwd --variants fast --out -   # JSON on stdout
 
-(results/kernel_sass.json was written with --baseline HEAD at 1c8f14b, the commit before the FAST switch.)
+(results/kernel_sass.json was written with --baseline 1378d2e: the kernels before the scores in units of
+the product's scale, the key-major dk/dv kernel, the 64 + 16 split of GOAT's product and principled's
+two-part readout.)
 
-Each case is one kernel as `triton_op` / `triton_selected` launch it on a GPU for bf16 inputs, D = Dv =
-64, causal, no key bias, no packed documents, with the launchers' GPU tiles (`triton_op._blocks`,
-`triton_selected._tiles`); pointers and the integer sizes carry Triton's divisibility-by-16
+Each case is one kernel as its launcher starts it on a GPU for bf16 inputs, D = Dv = 64 (GOAT: D = 80,
+its 64-wide head and 16 prior columns, with the key-only bias; principled: gate width 16), causal, no
+packed documents, with the launchers' GPU tiles (`triton_op._blocks`, `triton_selected._tiles`,
+`principled.triton_kernel._blocks`); pointers and the integer sizes carry Triton's divisibility-by-16
 specialisation, as at B = 4, H = 16, T = 8K. Triton's compiler lowers it for GPUTarget("cuda", 90, 32)
 (source -> TTIR -> TTGIR -> LLVM -> PTX, as tests/test_triton_compile.py does for the first two
 stages), then the `ptxas` Triton ships (or TRITON_PTXAS_PATH, or one on PATH) assembles it with the
@@ -17,14 +20,16 @@ flags Triton's own build uses (-lineinfo -v --gpu-name=sm_90a) and `cuobjdump -s
 Two variants per case: "accurate" (the kernels' FAST switch off, as launched with
 ATTNLAB_TRITON_FAST_MATH=0 or under the interpreter: libdevice's log2f, div.full.f32) and "fast" (the
 switch as `triton_kernel.fast_math()` sets it on a GPU: PTX lg2.approx / rcp.approx for the Cauchy
-kernel's log and division; the Gaussian kernels do not read the switch, so their two rows must agree).
+kernel's log and division; the other kernels do not read the switch, so their two rows agree).
 
 Per kernel: SASS instructions (NOP padding left out), the instructions of each loop (a backward branch
 and its target; `main_loop` is the key- or query-tile loop that takes whole, unmasked tiles: most of
-the work at long T), ptxas's registers and spill bytes, local-memory instructions (STL / LDL), MUFU
-instructions by function, libdevice log2f bodies still inlined (each carries one FFMA by its leading
-polynomial coefficient, -0.16845393 = 0xbe2c7f30), FFMA / FMUL counts, HGMMA (wgmma) instructions,
-and the PTX's log / division forms.
+the work at long T), the scores each thread computes per trip of it (`scores_per_thread`: tiles differ
+between kernels and versions, so `main_loop_per_score` compares them), ptxas's registers and spill
+bytes, Triton's shared memory, local-memory instructions (STL / LDL), MUFU instructions by function,
+libdevice log2f bodies still inlined (each carries one FFMA by its leading polynomial coefficient,
+-0.16845393 = 0xbe2c7f30), FFMA / FMUL counts, HGMMA (wgmma) instructions, and the PTX's log /
+division forms.
 """
 
 from __future__ import annotations
@@ -50,20 +55,29 @@ sys.path.insert(0, str(ROOT / "benchmarks"))
 OUT = ROOT / "benchmarks" / "results" / "kernel_sass.json"
 ARCH = 90  # sm_90a: ptxas's name for an H100 with wgmma
 D = DV = 64
+GOAT_D = 80  # GOAT's product: D = 64 and its prior's 2R = 16 columns (R = 8, benchmarks/gpu_paths.py)
+DG = 16  # principled's gate width (the layer's default)
 VARIANTS = ("accurate", "fast")
 LIBDEVICE_LOG2F = "-0.16845393"  # libdevice log2f's leading polynomial coefficient (FFMA immediate)
 
 
 def _cases() -> dict:
-    """name -> (module, kernel, KERNEL code, tile kind, index of the main loop among the kernel's loops)."""
+    """name -> (module, kernel, KERNEL code, tile kind, index of the main loop among the kernel's loops,
+    the number of loops the kernel has; a kernel compiled into another count names no main loop)."""
     cases = {}
-    for family, code in (("hybrid-gaussian", 0), ("hybrid-cauchy", 1)):
-        # _fwd / _bwd_q: loop 0 takes the whole key tiles, loop 1 the diagonal; _bwd_kv the other way round
-        for kind, name, main in (("fwd", "_fwd", 0), ("bwd_kv", "_bwd_kv", 1), ("bwd_q", "_bwd_q", 0)):
-            cases[f"{family}/{kind}"] = ("attnlab.ops.scalar.triton_kernel", name, code, kind, main)
+    scalar = "attnlab.ops.scalar."
+    for family, code in (("hybrid-gaussian", 0), ("hybrid-cauchy", 1), ("goat", 2)):
+        # _fwd / _bwd_q: loop 0 takes the whole key tiles, loop 1 the diagonal; _bwd_kv: the diagonal, the
+        # whole query tiles, the ragged end (before the key-major kernel: the diagonal, then the rest)
+        for kind, mod, name, main, n in (("fwd", "triton_kernel", "_fwd", 0, (2,)),
+                                         ("bwd_kv", "triton_backward", "_bwd_kv", 1, (3, 2)),
+                                         ("bwd_q", "triton_backward", "_bwd_q", 0, (2,))):
+            cases[f"{family}/{kind}"] = (scalar + mod, name, code, kind, main, n)
+    for kind, name in (("fwd", "_fwd"), ("bwd_kv", "_bwd_kv"), ("bwd_q", "_bwd_q")):  # one loop each (causal)
+        cases[f"principled/{kind}"] = ("attnlab.ops.principled.triton_kernel", name, None, kind, 0, (1,))
     for family, code in (("window-gaussian", 0), ("window-cauchy", 1)):  # training through the window
         for kind, name in (("sel_fwd", "_sel_fwd"), ("sel_bwd", "_sel_bwd")):
-            cases[f"{family}/{kind}"] = ("attnlab.ops.scalar.triton_selected", name, code, kind, 0)
+            cases[f"{family}/{kind}"] = (scalar + "triton_selected", name, code, kind, 0, (1,))
     return cases
 
 
@@ -109,18 +123,39 @@ def _launch(case: str, fast: bool):
             os.environ.pop("ATTNLAB_TRITON_FAST_MATH")
         else:
             os.environ["ATTNLAB_TRITON_FAST_MATH"] = before
-    module, name, code, kind, _ = CASES[case]
-    fn = getattr(importlib.import_module(module), name)
+    module, name, code, kind, _, _ = CASES[case]
+    try:
+        mod = importlib.import_module(module)
+    except ModuleNotFoundError:  # --baseline: code from before the backward kernels had their own module
+        mod = importlib.import_module(module.replace("triton_backward", "triton_kernel"))
+    fn = getattr(mod, name)
     cuda = torch.device("cuda")  # only its type is read: the GPU tiles
-    cons = dict(D=D, DV=DV, BLOCK_D=_pow2(D), BLOCK_DV=_pow2(DV), HAS_DOT=True, KERNEL=code, FAST=FAST)
+    d = GOAT_D if code == 2 else D
+    try:  # the product's column blocks (one, or 64 + 16 for GOAT's 80); --baseline: one padded block
+        from attnlab.ops.scalar.triton_op import _split
+    except ImportError:
+        _split = lambda n: (_pow2(n), 0)  # noqa: E731
+    cons = dict(D=d, DV=DV, BLOCK_D=_split(d)[0], BLOCK_D2=_split(d)[1], BLOCK_DV=_pow2(DV), HAS_DOT=True,
+                KERNEL=code, FAST=FAST)
     if kind.startswith("sel"):
         BM, BJ, warps = _tiles(cuda)["fwd" if kind == "sel_fwd" else "bwd"]
         cons.update(BLOCK_M=BM, BLOCK_J=BJ)
         stages = 3  # Triton's default: the launcher names none
+    elif code is None:  # principled: its launcher's tiles, gate width 16
+        from attnlab.ops.principled import triton_kernel as principled
+
+        BM, BN, warps, stages = principled._blocks(cuda, (D, DG, DV))
+        cons = dict(D=D, DG=DG, DV=DV, BLOCK_D=_pow2(D), BLOCK_DG=_pow2(DG), BLOCK_DV=_pow2(DV), BLOCK_M=BM,
+                    BLOCK_N=BN, CAUSAL=True, PREC="ieee", UP=False, DOC=False, FAST=FAST)
     else:
-        BM, BN, warps, stages = _blocks(cuda, D, DV)["fwd" if kind == "fwd" else "bwd"]
-        cons.update(BLOCK_M=BM, BLOCK_N=BN, BIAS=False, CAUSAL=True, PREC="tf32", UP=False, DOC=False)
-    bf16 = {"Q", "K", "V", "DO"}  # the inputs in the run's dtype; the rest float32 (DOCS & co. too, unused)
+        tiles = _blocks(cuda, d, DV)
+        BM, BN, warps, stages = tiles[{"fwd": "fwd", "bwd_q": "bwd"}.get(kind, "bwd_kv") if "bwd_kv" in tiles else
+                                      "fwd" if kind == "fwd" else "bwd"]
+        cons.update(BLOCK_M=BM, BLOCK_N=BN, BIAS=code == 2, CAUSAL=True, PREC="tf32", UP=False, DOC=False)
+    for opt in ("FAST", "BLOCK_D2"):  # constexprs of later code only
+        if opt in cons and opt not in inspect.signature(fn.fn).parameters:
+            del cons[opt]
+    bf16 = {"Q", "K", "V", "DO", "QG", "KG"}  # the inputs in the run's dtype; the rest float32 (DOCS & co.: unused)
     names = list(inspect.signature(fn.fn).parameters)
     sig, attrs = {}, {}
     for i, n in enumerate(names):
@@ -128,7 +163,7 @@ def _launch(case: str, fast: bool):
             sig[n] = "constexpr"
         elif n == "sm_scale":
             sig[n] = "fp32"
-        elif n in ("Tq", "Tk", "T", "M", "H", "GK", "GV"):  # sizes: multiples of 16 at T = 8K, H = 16, but M
+        elif n in ("Tq", "Tk", "T", "M", "H", "GK", "GV", "GG"):  # sizes: multiples of 16 at T = 8K, H = 16, but M
             sig[n] = "i32"                                   # (keys per query: sink + k + w) need not be
             if n != "M":
                 attrs[(i,)] = [["tt.divisibility", 16]]
@@ -136,10 +171,12 @@ def _launch(case: str, fast: bool):
             sig[n] = "*bf16" if n in bf16 else "*i32" if n == "IDX" else "*fp32"
             attrs[(i,)] = [["tt.divisibility", 16]]
     if FAST is None:
-        del cons["FAST"]
+        cons.pop("FAST", None)
     missing = set(cons) - set(names)
     assert not missing, f"{name} takes no {missing}"
-    return fn, sig, {(names.index(n),): v for n, v in cons.items()}, attrs, warps, stages, FAST
+    per_thread = cons["BLOCK_M"] * cons.get("BLOCK_N", cons.get("BLOCK_J", 1)) / (32 * warps)  # scores per loop trip
+    per_thread = int(per_thread) if per_thread == int(per_thread) else per_thread
+    return fn, sig, {(names.index(n),): v for n, v in cons.items()}, attrs, warps, stages, FAST, per_thread
 
 
 def build_ptx(case: str, fast: bool) -> tuple[str, dict]:
@@ -148,7 +185,7 @@ def build_ptx(case: str, fast: bool) -> tuple[str, dict]:
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource, make_backend
 
-    fn, sig, cons, attrs, warps, stages_n, FAST = _launch(case, fast)
+    fn, sig, cons, attrs, warps, stages_n, FAST, per_thread = _launch(case, fast)
     target = GPUTarget("cuda", ARCH, 32)
     backend = make_backend(target)
     src = ASTSource(fn, sig, cons, attrs)
@@ -162,7 +199,8 @@ def build_ptx(case: str, fast: bool) -> tuple[str, dict]:
     meta: dict = {}
     for stage in ("ttir", "ttgir", "llir", "ptx"):
         mod = stages[stage](mod, meta)
-    return mod, dict(num_warps=warps, num_stages=stages_n, FAST=FAST)
+    return mod, dict(num_warps=warps, num_stages=stages_n, FAST=FAST, scores_per_thread=per_thread,
+                     shared_bytes=meta.get("shared"))
 
 
 _INSTR = re.compile(r"/\*([0-9a-f]{4,})\*/\s+(@!?U?P[T0-9]+\s+)?([A-Z][A-Z0-9_.]*)([^;]*);")
@@ -201,6 +239,8 @@ def _stats(instrs) -> dict:
         fmul=sum(op.split(".")[0] == "FMUL" for op in ops),
         libdevice_log2f=sum(op.startswith("FFMA") and LIBDEVICE_LOG2F in rest for _, _, op, rest in instrs),
         hgmma=sum(op.startswith("HGMMA") for op in ops),
+        fchk=sum(op.startswith("FCHK") for op in ops),  # the accurate division's range check (its slow path)
+        calls=sum(op.split(".")[0] == "CALL" for op in ops),  # a subroutine (the slow division, a library call)
         local_stores=sum(op.startswith("STL") for op in ops),
         local_loads=sum(op.startswith("LDL") for op in ops),
     )
@@ -225,9 +265,9 @@ def analyse(case: str, fast: bool, ptxas: str, cuobjdump: str) -> dict:
     regs = re.search(r"Used (\d+) registers", log)
     spill = re.search(r"(\d+) bytes spill stores, (\d+) bytes spill loads", log)
     found = loops(instrs)
-    main = CASES[case][4]
-    expect = 1 if CASES[case][3].startswith("sel") else 2  # loops per kernel (else no main loop is named)
-    loop = found[main]["stats"] if len(found) == expect else None
+    main, expect = CASES[case][4], CASES[case][5]  # the main loop's index, if the kernel has the loops expected
+    named = len(found) in expect
+    loop = found[main]["stats"] if named else None
     ptx_ops = {k: len(re.findall(pat, ptx)) for k, pat in (
         ("lg2.approx", r"\blg2\.approx\S*"), ("rcp.approx", r"\brcp\.approx\S*"),
         ("div.full.f32", r"\bdiv\.full\.f32"), ("div.rn.f32", r"\bdiv\.rn\S*\.f32"),
@@ -236,9 +276,12 @@ def analyse(case: str, fast: bool, ptxas: str, cuobjdump: str) -> dict:
         case=case, variant="fast" if fast else "accurate", FAST=meta["FAST"], kernel=CASES[case][1],
         num_warps=meta["num_warps"], num_stages=meta["num_stages"],
         sass_instructions=len(real),
-        main_loop_instructions=found[main]["instructions"] if len(found) == expect else None,
+        main_loop_instructions=found[main]["instructions"] if named else None,
+        scores_per_thread=meta["scores_per_thread"],
+        main_loop_per_score=round(found[main]["instructions"] / meta["scores_per_thread"], 2) if named else None,
         loop_instructions=[lp["instructions"] for lp in found],
         registers=int(regs.group(1)) if regs else None,
+        shared_bytes=meta["shared_bytes"],  # Triton's shared memory per program (the H100 allows 227 KB)
         spill_store_bytes=int(spill.group(1)) if spill else None,
         spill_load_bytes=int(spill.group(2)) if spill else None,
         **_stats(real),
@@ -259,34 +302,38 @@ def _summary(rows: list[dict]) -> list[dict]:
     out = []
     by = {(r["case"], r["variant"]): r for r in rows}
     for case in dict.fromkeys(r["case"] for r in rows):
-        have = [v for v in ("baseline", *VARIANTS) if (case, v) in by]
+        have = [v for v in ("baseline", "baseline-fast", *VARIANTS) if (case, v) in by]
         if len(have) > 1:
-            out.append(dict(case=case, **{f"{k} ({' -> '.join(have)})": [by[case, v][k] for v in have] for k in (
-                "sass_instructions", "main_loop_instructions", "registers", "spill_store_bytes", "spill_load_bytes")}))
+            out.append(dict(case=case, **{f"{k} ({' -> '.join(have)})": [by[case, v].get(k) for v in have] for k in (
+                "sass_instructions", "main_loop_instructions", "scores_per_thread", "main_loop_per_score",
+                "registers", "spill_store_bytes", "spill_load_bytes", "shared_bytes", "hgmma")}))
     return out
 
 
 def baseline_rows(rev: str, cases: list[str]) -> list[dict]:
     """The cases compiled from the src/ of git revision `rev` (read with git archive; the checkout is not
-    touched), in a child process: the kernels as they were before the FAST switch, variant "baseline"."""
+    touched), in a child process: variants "baseline" (its FAST switch off, or code from before it) and
+    "baseline-fast" (as that code ran on a GPU)."""
     commit = subprocess.run(["git", "-C", str(ROOT), "rev-parse", "--short", rev], capture_output=True, text=True,
                             check=True).stdout.strip()
     with tempfile.TemporaryDirectory() as tmp:
         tar = subprocess.run(["git", "-C", str(ROOT), "archive", commit, "src"], capture_output=True, check=True).stdout
         subprocess.run(["tar", "-x", "-C", tmp], input=tar, check=True)
         p = subprocess.run([sys.executable, __file__, "--src", str(Path(tmp) / "src"), "--cases", ",".join(cases),
-                            "--variants", "accurate", "--out", "-"], capture_output=True, text=True)
+                            "--variants", "accurate,fast", "--out", "-"], capture_output=True, text=True)
         if p.returncode:
             raise RuntimeError(f"baseline {rev} failed:\n{p.stderr[-3000:]}")
     rows = json.loads(p.stdout)["rows"]
     for r in rows:
-        r["variant"], r["source"] = "baseline", f"git {commit} ({rev})"
+        r["variant"] = "baseline" if r["variant"] == "accurate" else "baseline-fast"
+        r["source"] = f"git {commit} ({rev})"
     return rows
 
 
 def _print(r: dict, quiet: bool) -> None:
-    print(f"{r['case']:24s} {r['variant']:8s} sass {r['sass_instructions']:5d}  main loop "
-          f"{r['main_loop_instructions']!s:>5s}  regs {r['registers']}  spill {r['spill_store_bytes']}/"
+    print(f"{r['case']:24s} {r['variant']:13s} sass {r['sass_instructions']:5d}  main loop "
+          f"{r['main_loop_instructions']!s:>5s} ({r.get('main_loop_per_score')!s:>5s} / score)  regs {r['registers']}  "
+          f"spill {r['spill_store_bytes']}/"
           f"{r['spill_load_bytes']} B  MUFU {r['mufu']}  libdevice log2f {r['libdevice_log2f']} (main loop "
           f"{(r['main_loop'] or {}).get('libdevice_log2f')})  HGMMA {r['hgmma']}",
           file=sys.stderr if quiet else sys.stdout)
@@ -327,7 +374,8 @@ def main(argv=None) -> int:
     out = dict(
         target=f"sm_{ARCH}a (GPUTarget('cuda', {ARCH}, 32)), compiled on the CPU", triton=triton.__version__,
         ptxas=(ver or ["?"])[0], ptxas_path=ptxas,
-        shape="bf16, D = Dv = 64, causal, no bias / documents, the launchers' GPU tiles; divisibility-16 args",
+        shape="bf16, D = Dv = 64 (GOAT: D = 80 with its key-only bias; principled: gate width 16), causal, no "
+              "documents, the launchers' GPU tiles; divisibility-16 args",
         rows=rows, summary=_summary(rows))
     if args.out == "-":
         print(json.dumps(out, indent=1))

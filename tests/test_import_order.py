@@ -81,7 +81,7 @@ def test_no_import_circle():
 
 def test_scalar_family_imports_point_one_way():
     """Inside ops/scalar/ (its __init__ states the order): the formula first, the public ops last."""
-    order = ["naive", "fused", "chunked", "selected", "triton_kernel", "triton_op", "route", "budget", "window", "attention", "approx"]
+    order = ["naive", "fused", "chunked", "selected", "triton_kernel", "triton_backward", "triton_op", "route", "budget", "window", "attention", "approx"]
     rank = {f"attnlab.ops.scalar.{n}": i for i, n in enumerate(order)}
     for m, targets in _imports().items():
         for t in targets:

@@ -65,6 +65,7 @@ SHAPES = {
     "noncausal-33x20": (1, 2, 2, 33, 20, 32, 16, False),
     "noncausal-40x70": (1, 2, 1, 40, 70, 16, 16, False),
     "offset-40of100": (1, 2, 2, 40, 100, 16, 16, True),
+    "T70-D80-split": (1, 2, 1, 70, 70, 80, 32, True),  # the product as two column blocks, 64 + 16
 }
 
 
@@ -111,6 +112,30 @@ def test_far_scalar_keys_float32(kernel):
     assert rel_err(out, ref) < 1e-4
     for name in ref_g:
         assert rel_err(got[name], ref_g[name]) < 1e-3, name
+
+
+@pytest.mark.parametrize("kernel", ["gaussian", "cauchy"])
+def test_zero_gain_and_extreme_tau(kernel):
+    """A head with gain 0 (no scalar term: the kernels' g = 0, d score / d ks = 0) and tau from 0.05 to 20
+    across the query rows, over tile edges (T = 70): the kernels fold lam / tau into one factor per row
+    and keep scores in units of the product's scale (triton_kernel's module docstring)."""
+    ins = make(1, 2, 1, 70, 70, 32, 16, hybrid=True, per_query_tau=True)
+    ins["tau"] = 0.05 * 400.0 ** torch.rand(ins["tau"].shape, generator=torch.Generator().manual_seed(1),
+                                            dtype=torch.float64)
+    ins["lam"] = torch.tensor([0.0, 2.5], dtype=torch.float64)
+    ref, ref_g = run(ins, "naive", kernel, True)
+    out, got = run(ins, "triton", kernel, True, torch.float32)
+    assert rel_err(out, ref) < 1e-5
+    for name in ref_g:
+        assert rel_err(got[name], ref_g[name]) < 1e-4, name
+
+
+def test_product_column_blocks():
+    """D past a power of two runs as two blocks when that is narrower (GOAT's 64 + 16 prior columns)."""
+    from attnlab.ops.scalar.triton_op import _split
+
+    assert _split(80) == (64, 16) and _split(72) == (64, 16) and _split(96) == (64, 32) and _split(48) == (32, 16)
+    assert _split(64) == (64, 0) and _split(24) == (32, 0) and _split(100) == (128, 0) and _split(16) == (16, 0)
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
@@ -221,6 +246,7 @@ GOAT_SHAPES = {  # (B, H, G, Tq, Tk, D, R, hybrid term, u batched)
     "T63-gqa": (1, 4, 2, 63, 63, 16, 4, False, False),
     "offset-20of70-hybrid": (2, 2, 1, 20, 70, 24, 3, True, True),
     "T1": (1, 2, 2, 1, 1, 16, 2, False, False),
+    "D64-R8-split-gqa": (1, 4, 2, 45, 45, 64, 8, True, False),  # 64 + 16 prior columns: two blocks, not 128
 }
 
 
@@ -332,14 +358,14 @@ def test_packed_documents_equal_each_document_alone(shape, kernel):
         assert rel_err(a, b) < 1e-4, name
 
 
-def test_documents_need_the_kernel_and_their_shape():
-    """docs= on a route without the kernel, of the wrong shape or dtype: one error naming docs."""
+def test_documents_need_their_shape():
+    """docs= of the wrong shape or dtype: one error naming docs (every route takes docs:
+    tests/test_cu_seqlens_softmax_family.py compares them with each document alone)."""
     ins = {n: x.float() for n, x in make(1, 2, 2, 8, 8, 16, 16, hybrid=True).items()}
     docs = torch.zeros(1, 8, dtype=torch.long)
     args = (ins["q"], ins["k"], ins["v"], ins["qs"], ins["ks"], ins["tau"])
-    for impl in ("naive", "fast", "auto"):  # the CPU's routes: no kernel
-        with pytest.raises(ValueError, match="docs .packed documents. needs the Triton kernel"):
-            hybrid_attention(*args, impl=impl, docs=docs)
+    for impl in ("naive", "fast", "auto"):  # the CPU's routes, without the kernel: one document is no packing
+        torch.testing.assert_close(hybrid_attention(*args, impl=impl, docs=docs), hybrid_attention(*args, impl=impl))
     with pytest.raises(ValueError, match="docs must have shape"):
         hybrid_attention(*args, impl="triton", docs=docs[:, :5])
     with pytest.raises(TypeError, match="docs must be an integer tensor"):

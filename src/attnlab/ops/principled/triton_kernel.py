@@ -97,7 +97,12 @@ def _query_tile(Q, QG, C, SPB, GAM, DOCS, row, drow, off, offs_m, m_ok, offs_d, 
 def _fwd(Q, K, QG, KG, V, C, SPB, GAM, OK, W0, LSE, DOCS, START, END, Tq, Tk, H, GK, GG, GV, sm_scale,
          D: tl.constexpr, DG: tl.constexpr, DV: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DG: tl.constexpr,
          BLOCK_DV: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, CAUSAL: tl.constexpr,
-         PREC: tl.constexpr, UP: tl.constexpr, DOC: tl.constexpr):
+         PREC: tl.constexpr, UP: tl.constexpr, DOC: tl.constexpr, SPLIT: tl.constexpr = False):
+    """SPLIT (16-bit v): the weights enter the product with v in two 16-bit parts, p = hi + lo, so that
+    the float32 key readout carries p to ~2^-16 rather than the 2^-9 of one bf16 rounding: the
+    backward's Delta = do . o_keys must equal sum_s w_s do . v_s, whose sum over keys the gradient of
+    gamma (and alpha's, through c) is, up to a small remainder; a 16-bit p alone puts its rounding into
+    that remainder (2.9e-2 relative error on gamma's gradient, tests/test_principled_triton.py)."""
     m0 = tl.program_id(0) * BLOCK_M
     bh = tl.program_id(1)
     off = Tk - Tq
@@ -123,7 +128,10 @@ def _fwd(Q, K, QG, KG, V, C, SPB, GAM, OK, W0, LSE, DOCS, START, END, Tq, Tk, H,
         r = tl.exp2(m_i - m_new)
         p = tl.exp2(y - m_new[:, None])  # 0 where hidden
         ground = tl.where(y == float("-inf"), 0.0, tl.maximum(tl.exp2(-m_new)[:, None] - p, 0.0))
-        acc = acc * r[:, None] + _mm(p.to(V.dtype.element_ty), v, PREC, UP)
+        p_hi = p.to(V.dtype.element_ty)
+        acc = acc * r[:, None] + _mm(p_hi, v, PREC, UP)
+        if SPLIT:
+            acc += _mm((p - p_hi.to(tl.float32)).to(V.dtype.element_ty), v, PREC, UP)
         l_i = l_i * r + tl.sum(p, 1)
         ex = ex * r + tl.sum(ground, 1)
         m_i = m_new
@@ -194,8 +202,8 @@ def _bwd_kv(Q, K, QG, KG, V, C, SPB, GAM, DO, LSE, E, HD, DOCS, START, END, DK, 
 
 
 @triton.jit
-def _bwd_q(Q, K, QG, KG, V, C, SPB, GAM, DO, LSE, E, HD, DOCS, START, END, DQK, DSUM, DQG, DSPB, Tq, Tk, H, GK, GG,
-           GV, sm_scale,
+def _bwd_q(Q, K, QG, KG, V, C, SPB, GAM, DO, LSE, E, HD, DOCS, START, END, DQK, DSUM, DQG, DSPB, DLOG, Tq, Tk, H,
+           GK, GG, GV, sm_scale,
            D: tl.constexpr, DG: tl.constexpr, DV: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DG: tl.constexpr,
            BLOCK_DV: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, CAUSAL: tl.constexpr,
            PREC: tl.constexpr, UP: tl.constexpr, DOC: tl.constexpr):
@@ -213,6 +221,7 @@ def _bwd_q(Q, K, QG, KG, V, C, SPB, GAM, DO, LSE, E, HD, DOCS, START, END, DQK, 
     dqg = tl.zeros((BLOCK_M, BLOCK_DG), tl.float32)
     dsum = tl.zeros((BLOCK_M,), tl.float32)
     dspb = tl.zeros((BLOCK_M,), tl.float32)
+    dlog = tl.zeros((BLOCK_M,), tl.float32)  # sum_s ds y: c's gradient in float32 (the host's note)
     lo, hi = _doc_span(START, END, drow, m0 + off, tl.minimum(m0 + BLOCK_M, Tq) - 1 + off, 0,
                        _seen_end(m0, Tk, off, BLOCK_M, CAUSAL), BLOCK_N, DOC)
     for start_n in range(lo, hi, BLOCK_N):
@@ -225,24 +234,26 @@ def _bwd_q(Q, K, QG, KG, V, C, SPB, GAM, DO, LSE, E, HD, DOCS, START, END, DQK, 
         dqk += _mm(ds.to(K.dtype.element_ty), k, PREC, UP)
         dsum += tl.sum(ds, 1)
         dspb -= tl.sum(ds * sp, 1)
+        dlog += tl.sum(ds * tl.maximum(y, -3.0e38), 1)  # (0 where hidden: ds = 0 and y = -inf there)
         dqg += _mm((ds * tl.sigmoid(ng)).to(KG.dtype.element_ty), kg, PREC, UP)
     tl.store(DQK + (row + offs_m[:, None]) * D + offs_d[None, :], dqk, mask=m_ok[:, None] & (offs_d[None, :] < D))
     tl.store(DQG + (row + offs_m[:, None]) * DG + offs_g[None, :], dqg * spb[:, None],
              mask=m_ok[:, None] & (offs_g[None, :] < DG))
     tl.store(DSUM + row + offs_m, dsum, mask=m_ok)
     tl.store(DSPB + row + offs_m, dspb, mask=m_ok)
+    tl.store(DLOG + row + offs_m, dlog, mask=m_ok)
 
 
 def _pow2(n: int) -> int:
     return max(16, 1 << (max(n, 1) - 1).bit_length())
 
 
-def _launch(kernel, grid, tensors, Tq, Tk, H, groups, sm_scale, dims, causal, dtype, blocks, docs):
+def _launch(kernel, grid, tensors, Tq, Tk, H, groups, sm_scale, dims, causal, dtype, blocks, docs, **extra):
     D, DG, DV = dims
     BLOCK_M, BLOCK_N, warps, stages = blocks
     up = interpreted() and dtype in (torch.bfloat16, torch.float16)
     kernel[grid](*tensors, Tq, Tk, H, *groups, sm_scale, D, DG, DV, _pow2(D), _pow2(DG), _pow2(DV), BLOCK_M, BLOCK_N,
-                 causal, "ieee", up, docs, num_warps=warps, num_stages=stages)
+                 causal, "ieee", up, docs, num_warps=warps, num_stages=stages, **extra)
 
 
 def _blocks(device: torch.device, dims) -> tuple[int, int, int, int]:
@@ -272,7 +283,8 @@ class _Principled(torch.autograd.Function):
         grid = (triton.cdiv(Tq, blocks[0]), B * H)
         spans = document_spans(docs) if docs is not None else (w0,) * 3
         _launch(_fwd, grid, (q, k, qg, kg, v, c, spb, gamma, ok, w0, lse, *spans), Tq, Tk, H, groups, 1 / math.sqrt(D),
-                (D, DG, DV), causal, q.dtype, blocks, docs is not None)
+                (D, DG, DV), causal, q.dtype, blocks, docs is not None,
+                SPLIT=v.dtype in (torch.bfloat16, torch.float16))
         ctx.save_for_backward(q, k, qg, kg, v, c, spb, gamma, ok, w0, lse, *spans)
         ctx.docs = docs is not None
         ctx.causal = causal
@@ -297,11 +309,14 @@ class _Principled(torch.autograd.Function):
         _launch(_bwd_kv, (triton.cdiv(Tk, blocks[1]), B * H), (*args, dk, dkg, dv), Tq, Tk, H, groups, sm_scale,
                 (D, DG, DV), ctx.causal, q.dtype, blocks, ctx.docs)
         dqk, dqg = torch.empty(B, H, Tq, D, **f32), torch.empty(B, H, Tq, DG, **f32)
-        dsum, dspb = torch.empty(B, H, Tq, **f32), torch.empty(B, H, Tq, **f32)
-        _launch(_bwd_q, (triton.cdiv(Tq, blocks[0]), B * H), (*args, dqk, dsum, dqg, dspb), Tq, Tk, H, groups,
+        dsum, dspb, dlog = (torch.empty(B, H, Tq, **f32) for _ in range(3))
+        _launch(_bwd_q, (triton.cdiv(Tq, blocks[0]), B * H), (*args, dqk, dsum, dqg, dspb, dlog), Tq, Tk, H, groups,
                 sm_scale, (D, DG, DV), ctx.causal, q.dtype, blocks, ctx.docs)
         dq = dqk * (c * sm_scale)[..., None]
-        dc = (q.float() * dqk).sum(-1) * sm_scale - gamma * dsum
+        # c's gradient sum_s ds (s - gamma) from float32 row sums: with the natural logit l = c (s - gamma) - b
+        # = y ln 2 and b = softplus(beta) sp, it is (sum_s ds l + softplus(beta) sum_s ds sp) / c. (q . dqk
+        # would carry each ds rounded to 16 bits for the product: ~1e-2 on alpha's gradient in bf16.)
+        dc = (math.log(2.0) * dlog - spb * dspb) / c
         dgamma = -c * dsum
 
         def grouped(x, G):  # per query head -> per group

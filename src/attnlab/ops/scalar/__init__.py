@@ -3,11 +3,11 @@ through each query's scalar window, and approximate (docs/mechanisms.md).
 
 One folder, as flash-linear-attention lays out an op: the formula and its naive reference
 (`naive`), the fused SDPA route (`fused`), query chunks of explicit scores (`chunked`), the Triton
-kernels (`triton_kernel`, its host side `triton_op`, and `triton_selected` for training through the
+kernels (`triton_kernel` and its backward `triton_backward`, their host side `triton_op`, and `triton_selected` for training through the
 window; imported only when used, where `route` says they run), the public ops that choose among them
 (`attention`), windowed attention (`window`, with its selected-keys path in `selected` and the
 budget rule in `budget`) and the approximate op (`approx`). Imports point one way: naive <- fused, chunked <- selected <- window,
-triton_kernel <- triton_op <- route <- window, attention, budget <- window, and attention <- approx.
+triton_kernel <- triton_backward <- triton_op <- route <- window, attention, budget <- window, and attention <- approx.
 """
 
 from .approx import APPROX_TOL, approx_plan, scalar_attention_approx

@@ -6,16 +6,25 @@ forward or backward) whose score is
     s_ts = [q_t . k_s / sqrt(d)] + lam_t * phi((qs_t - ks_s)^2 / tau_t)
 
 with phi(x) = -x (Gaussian) or -log(1 + x) (Cauchy) and the bracket present for hybrid heads only.
+In the key-tile loops the score is kept in units of C = log2(e) / sqrt(d) (log2(e) without the
+product), the product's own scale, so that beyond the product it costs a subtraction, a multiply and
+a multiply-add per score (Gaussian: s'_ts = u (qs_t - ks_s) + q_t . k_s with u = g_t (qs_t - ks_s),
+g_t = -lam_t log2(e) / (tau_t C) formed once per query row on the host; Cauchy: s' = g_t log2(1 + x)
++ q . k, g_t = -lam_t / C; a key-only term u_s arrives in units of C too), and the exponent C s' - C m
+one multiply-add more; the row max m and the log-sum-exp carry the factor, so every exp2 of the
+backward takes C s' - lse directly. qs - ks itself is formed per score, in float32: expanding the
+square would cancel for far-off scalars (tests/test_scalar_triton.py).
 The dot product runs on the matrix units in the inputs' dtype (bf16 / fp16 operands, float32
 accumulation; float32 inputs in full float32, no TF32); the scalar term is formed in float32 from
 float32 qs, ks, tau and lam whatever the inputs' dtype, so it carries none of the cancellation of
 the augmented SDPA route (`attnlab.ops.scalar`, module docstring) and needs no reference shift.
 
-Backward (two kernels, as FlashAttention-2): one per key tile accumulates dk, dv and dks over the
-query tiles that see it; one per query tile accumulates dq, dqs and the per-row gradients of tau
-and lam over the key tiles it sees. Probabilities are recomputed from the forward's log-sum-exp.
-Grouped keys / values (GQA) are read in place; their gradients are formed per query head and
-summed over each group. Causal masking aligns the Tq queries with the last Tq of the Tk keys.
+Backward (`triton_backward`, two kernels as FlashAttention-2): one per key tile accumulates dk, dv
+and dks over the query tiles that see it, its scores key-major; one per query tile accumulates dq,
+dqs and the per-row gradients of tau and lam over the key tiles it sees. Probabilities are
+recomputed from the forward's log-sum-exp. Grouped keys / values (GQA) are read in place; their
+gradients are formed per query head and summed over each group. Causal masking aligns the Tq
+queries with the last Tq of the Tk keys.
 
 On the CPU the kernels run under Triton's interpreter (TRITON_INTERPRET=1, set before Triton is
 imported): that is how the tests compare them with the naive op without a GPU.
@@ -100,39 +109,117 @@ def _over_1p(a, x, FAST: tl.constexpr):
 
 
 @triton.jit
-def _scores(q, k, qs, ks, us, tau, lam, offs_m, offs_n, Tk, off, sm_scale, HAS_DOT: tl.constexpr,
-            BIAS: tl.constexpr, KERNEL: tl.constexpr, CAUSAL: tl.constexpr, MASK: tl.constexpr, PREC: tl.constexpr, UP: tl.constexpr,
-            dq=0, dk=0, DOC: tl.constexpr = False, FAST: tl.constexpr = False):
-    """(BLOCK_M, BLOCK_N) scores in base 2 (the score times log2(e), so exp2 takes them; -inf where
-    hidden, if MASK: tiles wholly visible skip the mask) and the pieces the backward needs: d = qs - ks,
-    x = d^2 / tau and l1 = log2(1 + x) (Cauchy; x again for the Gaussian; KERNEL 2 has no scalar term).
-    FAST: the log in the hardware's approximate form (`_log2_1p`)."""
-    if KERNEL == 2:  # no scalar term (GOAT): the product alone
-        d = 0.0
-        x = 0.0
-        l1 = 0.0
-        s = _mm(q, tl.trans(k), PREC, UP) * (sm_scale * LOG2E)
-    else:
-        d = qs[:, None] - ks[None, :]
-        x = d * d * tau[:, None]  # tau holds 1 / tau_t: a product per entry, not a division
-        if KERNEL == 0:
-            l1 = x
-            s = -(lam * LOG2E)[:, None] * x  # -lam x log2(e)
-        else:
-            l1 = _log2_1p(x, FAST)
-            s = -lam[:, None] * l1  # -lam ln(1 + x) log2(e)
-        if HAS_DOT:
-            s += _mm(q, tl.trans(k), PREC, UP) * (sm_scale * LOG2E)
-    if BIAS:  # a key-only term u_s, in float32
-        s += (us * LOG2E)[None, :]
-    if MASK:
-        ok = offs_n[None, :] < Tk
-        if CAUSAL:
-            ok = ok & (offs_n[None, :] <= offs_m[:, None] + off)
-        if DOC:  # packed documents: a query sees the keys of its own document only
-            ok = ok & (dq[:, None] == dk[None, :])
-        s = tl.where(ok, s, float("-inf"))
-    return s, d, x, l1
+def _lg2(x1, FAST: tl.constexpr):
+    """log2(x1) for x1 = 1 + x >= 1, as `_log2_1p` takes it (FAST: one MUFU.LG2)."""
+    if FAST:
+        return tl.inline_asm_elementwise("lg2.approx.ftz.f32 $0, $1;", "=f,f", [x1], dtype=tl.float32,
+                                         is_pure=True, pack=1)
+    return tl.log2(x1)
+
+
+@triton.jit
+def _rcp(x1, FAST: tl.constexpr):
+    """1 / x1 for x1 = 1 + x >= 1, as `_over_1p` takes it (FAST: one MUFU.RCP)."""
+    if FAST:
+        return tl.inline_asm_elementwise("rcp.approx.ftz.f32 $0, $1;", "=f,f", [x1], dtype=tl.float32,
+                                         is_pure=True, pack=1)
+    return 1.0 / x1
+
+
+@triton.jit
+def _unit(sm_scale, HAS_DOT: tl.constexpr):
+    """C, the scores' unit (module docstring): the product's scale in base 2, log2(e) without a product."""
+    if HAS_DOT:
+        return sm_scale * LOG2E
+    return LOG2E
+
+
+@triton.jit
+def _vec(X, base, offs, ok, other, EDGE: tl.constexpr):
+    """X[base + offs] (float32 per row or key), `other` where not ok; EDGE False: every one is there."""
+    if EDGE:
+        return tl.load(X + base + offs, mask=ok, other=other)
+    return tl.load(X + base + offs)
+
+
+@triton.jit
+def _tile(X, base, offs, ok, offs_d, D: tl.constexpr, END: tl.constexpr, LOAD: tl.constexpr, EDGE: tl.constexpr,
+          dtype: tl.constexpr):
+    """(len(offs), len(offs_d)) entries [base + offs, offs_d] of a row-major (.., D) tensor, zeros where
+    absent: the columns offs_d (ending before END) are masked only when D < END; EDGE False: every row
+    is there. Zeros without LOAD."""
+    if not LOAD:
+        return tl.zeros((offs.shape[0], offs_d.shape[0]), dtype=dtype)
+    ptr = X + (base + offs[:, None]) * D + offs_d[None, :]
+    if EDGE:
+        if D < END:
+            return tl.load(ptr, mask=ok[:, None] & (offs_d[None, :] < D), other=0.0)
+        return tl.load(ptr, mask=ok[:, None], other=0.0)
+    if D < END:
+        return tl.load(ptr, mask=offs_d[None, :] < D, other=0.0)
+    return tl.load(ptr)
+
+
+@triton.jit
+def _key_tile(K, V, KS, U, kbase, vbase, krow, offs_n, n_ok, offs_d, offs_d2, offs_dv, D: tl.constexpr,
+              DV: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_D2: tl.constexpr, BLOCK_DV: tl.constexpr,
+              HAS_DOT: tl.constexpr, BIAS: tl.constexpr, EDGE: tl.constexpr):
+    """A key tile's scalar keys, key-only terms (0 without them), key vectors (columns [0, BLOCK_D) and,
+    split, [BLOCK_D, BLOCK_D + BLOCK_D2)) and values (zeros past Tk)."""
+    ks = _vec(KS, krow, offs_n, n_ok, 0.0, EDGE)
+    us = 0.0
+    if BIAS:
+        us = _vec(U, krow, offs_n, n_ok, 0.0, EDGE)
+    k = _tile(K, kbase, offs_n, n_ok, offs_d, D, BLOCK_D, HAS_DOT, EDGE, K.dtype.element_ty)
+    k2 = 0.0
+    if BLOCK_D2 > 0:
+        k2 = _tile(K, kbase, offs_n, n_ok, offs_d2, D, BLOCK_D + BLOCK_D2, True, EDGE, K.dtype.element_ty)
+    v = _tile(V, vbase, offs_n, n_ok, offs_dv, DV, BLOCK_DV, True, EDGE, V.dtype.element_ty)
+    return ks, us, k, k2, v
+
+
+@triton.jit
+def _dot(a, b, a2, b2, BLOCK_D2: tl.constexpr, PREC: tl.constexpr, UP: tl.constexpr):
+    """a @ b^T over the product's columns: one block, or two when split (BLOCK_D2 > 0: D = 80 as 64 + 16
+    rather than padded to 128)."""
+    out = _mm(a, tl.trans(b), PREC, UP)
+    if BLOCK_D2 > 0:
+        out += _mm(a2, tl.trans(b2), PREC, UP)
+    return out
+
+
+@triton.jit
+def _cols2(BLOCK_D: tl.constexpr, BLOCK_D2: tl.constexpr):
+    """The second block's columns when the product is split (else 16 unused ones)."""
+    return BLOCK_D + tl.arange(0, BLOCK_D2 if BLOCK_D2 > 0 else 16)
+
+
+@triton.jit
+def _score(dot, dd, g, tau, KERNEL: tl.constexpr, FAST: tl.constexpr):
+    """A tile's scores in units of C from its product `dot` (0.0 without one), dd = qs - ks (or its
+    negation) and the query's g and 1 / tau broadcast against it, with what the backward reuses:
+    Gaussian u = g dd (the score is u dd + dot); Cauchy t = dd / tau, x1 = 1 + t dd and l1 =
+    log2(x1) (the score is g l1 + dot); nothing without a scalar term (KERNEL 2)."""
+    if KERNEL == 0:
+        u = g * dd
+        return u * dd + dot, u, u, u
+    if KERNEL == 1:
+        t = tau * dd
+        x1 = t * dd + 1.0
+        l1 = _lg2(x1, FAST)
+        return g * l1 + dot, t, x1, l1
+    return dot, dot, dot, dot
+
+
+@triton.jit
+def _seen(s, pos_q, pos_k, Tk, off, CAUSAL: tl.constexpr, doc_q, doc_k, DOC: tl.constexpr):
+    """s, -inf where query pos_q does not see key pos_k (both broadcast to the tile, either way round)."""
+    ok = pos_k < Tk
+    if CAUSAL:
+        ok = ok & (pos_k <= pos_q + off)
+    if DOC:  # packed documents: a query sees the keys of its own document only
+        ok = ok & (doc_q == doc_k)
+    return tl.where(ok, s, float("-inf"))
 
 
 @triton.jit
@@ -181,27 +268,6 @@ def _query_rows(Q, QS, TAU, LAM, row, offs_m, m_ok, offs_d, D: tl.constexpr, HAS
 
 
 @triton.jit
-def _load_bias(U, krow, offs_n, n_ok, BIAS: tl.constexpr):
-    """A key tile's key-only terms u (float32), or 0 without them."""
-    u = 0.0
-    if BIAS:
-        u = tl.load(U + krow + offs_n, mask=n_ok, other=0.0)
-    return u
-
-
-@triton.jit
-def _key_rows(K, V, KS, U, kbase, vbase, krow, offs_n, n_ok, offs_d, offs_dv, D: tl.constexpr, DV: tl.constexpr,
-              HAS_DOT: tl.constexpr, BIAS: tl.constexpr, BLOCK_D: tl.constexpr):
-    """A key tile's scalar keys, key-only terms, key vectors and values (zeros past Tk)."""
-    ks = tl.load(KS + krow + offs_n, mask=n_ok, other=0.0)
-    us = _load_bias(U, krow, offs_n, n_ok, BIAS)
-    k = _load_rows(K, kbase, offs_n, n_ok, offs_d, D, HAS_DOT, BLOCK_D, K.dtype.element_ty)
-    v = tl.load(V + (vbase + offs_n[:, None]) * DV + offs_dv[None, :], mask=n_ok[:, None] & (offs_dv[None, :] < DV),
-                other=0.0)
-    return ks, us, k, v
-
-
-@triton.jit
 def _grad_rows(LSE, DELTA, DO, row, offs_m, m_ok, offs_dv, DV: tl.constexpr):
     """A query tile's log-sum-exp (+inf past Tq, so p = 0 there), delta and output gradient."""
     lse = tl.load(LSE + row + offs_m, mask=m_ok, other=float("inf"))
@@ -241,41 +307,60 @@ def _doc_span(START, END, drow, first, last, lo, hi, BLOCK: tl.constexpr, DOC: t
     return lo, hi
 
 
+
 @triton.jit
-def _fwd_tile(acc, m_i, l_i, q, qs, tau, lam, K, V, KS, U, kbase, vbase, krow, start_n, offs_m, offs_d, offs_dv,
-              Tk, off, sm_scale, D: tl.constexpr, DV: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr,
-              HAS_DOT: tl.constexpr, BIAS: tl.constexpr, KERNEL: tl.constexpr, CAUSAL: tl.constexpr, MASK: tl.constexpr,
-              PREC: tl.constexpr, UP: tl.constexpr, DOCS, drow, dq, DOC: tl.constexpr, FAST: tl.constexpr):
-    """One key tile of the online softmax: the running max m_i, sum l_i and output acc, updated."""
+def _fwd_tile(acc, m_i, l_i, q, q2, qs, tau, g, K, V, KS, U, kbase, vbase, krow, start_n, offs_m, offs_d, offs_d2,
+              offs_dv, Tk, off, C, D: tl.constexpr, DV: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_D2: tl.constexpr,
+              BLOCK_DV: tl.constexpr, BLOCK_N: tl.constexpr, HAS_DOT: tl.constexpr, BIAS: tl.constexpr,
+              KERNEL: tl.constexpr, CAUSAL: tl.constexpr, MASK: tl.constexpr, PREC: tl.constexpr, UP: tl.constexpr,
+              DOCS, drow, dq, DOC: tl.constexpr, FAST: tl.constexpr):
+    """One key tile of the online softmax: the running max m_i (units of C), sum l_i and output acc,
+    updated. MASK: the causal / document mask and the end of the keys (else a whole tile, every key
+    seen by every row)."""
     offs_n = start_n + tl.arange(0, BLOCK_N)
     n_ok = offs_n < Tk
-    ks, us, k, v = _key_rows(K, V, KS, U, kbase, vbase, krow, offs_n, n_ok, offs_d, offs_dv, D, DV, HAS_DOT, BIAS,
-                             BLOCK_D)
-    dk = _doc_ids(DOCS, drow, offs_n, n_ok, DOC)
-    s, d, x, l1 = _scores(q, k, qs, ks, us, tau, lam, offs_m, offs_n, Tk, off, sm_scale, HAS_DOT, BIAS, KERNEL, CAUSAL,
-                          MASK, PREC, UP, dq, dk, DOC, FAST)
+    ks, us, k, k2, v = _key_tile(K, V, KS, U, kbase, vbase, krow, offs_n, n_ok, offs_d, offs_d2, offs_dv, D, DV,
+                                 BLOCK_D, BLOCK_D2, BLOCK_DV, HAS_DOT, BIAS, MASK)
+    dot = 0.0
+    if HAS_DOT:
+        dot = _dot(q, k, q2, k2, BLOCK_D2, PREC, UP)
+    s, _, _, _ = _score(dot, qs[:, None] - ks[None, :], g[:, None], tau[:, None], KERNEL, FAST)
+    if BIAS:  # a key-only term u_s (in units of C), in float32
+        s += us[None, :]
+    if MASK:
+        s = _seen(s, offs_m[:, None], offs_n[None, :], Tk, off, CAUSAL, dq[:, None],
+                  _doc_ids(DOCS, drow, offs_n, n_ok, DOC)[None, :], DOC)
     m_new = tl.maximum(m_i, tl.max(s, 1))
-    m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
-    p = tl.exp2(s - m_safe[:, None])
-    alpha = tl.exp2(m_i - m_safe)
+    mc = tl.where(m_new == float("-inf"), 0.0, m_new * C)
+    p = tl.exp2(s * C - mc[:, None])
+    alpha = tl.exp2(m_i * C - mc)
     acc = acc * alpha[:, None] + _mm(p.to(v.dtype), v, PREC, UP)
     return acc, m_new, l_i * alpha + tl.sum(p, 1)
 
 
 @triton.jit
-def _fwd(Q, K, V, QS, KS, U, TAU, LAM, O, LSE, DOCS, START, END, Tq, Tk, H, GK, GV, sm_scale,
+def _fwd(Q, K, V, QS, KS, U, TAU, G, O, LSE, DOCS, START, END, Tq, Tk, H, GK, GV, sm_scale,
          D: tl.constexpr, DV: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
          BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, HAS_DOT: tl.constexpr, BIAS: tl.constexpr, KERNEL: tl.constexpr,
-         CAUSAL: tl.constexpr, PREC: tl.constexpr, UP: tl.constexpr, DOC: tl.constexpr, FAST: tl.constexpr):
+         CAUSAL: tl.constexpr, PREC: tl.constexpr, UP: tl.constexpr, DOC: tl.constexpr, FAST: tl.constexpr,
+         BLOCK_D2: tl.constexpr = 0):
     m0 = tl.program_id(0) * BLOCK_M
     off = Tk - Tq
     row, krow, kbase, vbase = _bases(tl.program_id(1), H, GK, GV, Tq, Tk)
     drow = (tl.program_id(1) // H).to(tl.int64) * Tk  # the batch row's document ids (by key position)
     offs_m = m0 + tl.arange(0, BLOCK_M)
     offs_d = tl.arange(0, BLOCK_D)
+    offs_d2 = _cols2(BLOCK_D, BLOCK_D2)
     offs_dv = tl.arange(0, BLOCK_DV)
     m_ok = offs_m < Tq
-    qs, tau, lam, q = _query_rows(Q, QS, TAU, LAM, row, offs_m, m_ok, offs_d, D, HAS_DOT, BLOCK_D)
+    qs = tl.load(QS + row + offs_m, mask=m_ok, other=0.0)
+    tau = tl.load(TAU + row + offs_m, mask=m_ok, other=1.0)
+    g = tl.load(G + row + offs_m, mask=m_ok, other=0.0)
+    q = _tile(Q, row, offs_m, m_ok, offs_d, D, BLOCK_D, HAS_DOT, True, Q.dtype.element_ty)
+    q2 = 0.0
+    if BLOCK_D2 > 0:
+        q2 = _tile(Q, row, offs_m, m_ok, offs_d2, D, BLOCK_D + BLOCK_D2, True, True, Q.dtype.element_ty)
+    C = _unit(sm_scale, HAS_DOT)
     dq = _doc_ids(DOCS, drow, offs_m + off, m_ok, DOC)
     m_i = tl.full((BLOCK_M,), float("-inf"), tl.float32)
     l_i = tl.zeros((BLOCK_M,), tl.float32)
@@ -287,166 +372,18 @@ def _fwd(Q, K, V, QS, KS, U, TAU, LAM, O, LSE, DOCS, START, END, Tq, Tk, H, GK, 
         lo, hi = _doc_span(START, END, drow, m0 + off, tl.minimum(m0 + BLOCK_M, Tq) - 1 + off, lo, hi, BLOCK_N, DOC)
         full = lo
     for start_n in range(lo, full, BLOCK_N):  # whole tiles: no mask
-        acc, m_i, l_i = _fwd_tile(acc, m_i, l_i, q, qs, tau, lam, K, V, KS, U, kbase, vbase, krow, start_n, offs_m,
-                                  offs_d, offs_dv, Tk, off, sm_scale, D, DV, BLOCK_D, BLOCK_N, HAS_DOT, BIAS, KERNEL,
-                                  CAUSAL, False, PREC, UP, DOCS, drow, dq, DOC, FAST)
+        acc, m_i, l_i = _fwd_tile(acc, m_i, l_i, q, q2, qs, tau, g, K, V, KS, U, kbase, vbase, krow, start_n, offs_m,
+                                  offs_d, offs_d2, offs_dv, Tk, off, C, D, DV, BLOCK_D, BLOCK_D2, BLOCK_DV, BLOCK_N,
+                                  HAS_DOT, BIAS, KERNEL, CAUSAL, False, PREC, UP, DOCS, drow, dq, DOC, FAST)
     for start_n in range(full, hi, BLOCK_N):  # the diagonal and the ragged end
-        acc, m_i, l_i = _fwd_tile(acc, m_i, l_i, q, qs, tau, lam, K, V, KS, U, kbase, vbase, krow, start_n, offs_m,
-                                  offs_d, offs_dv, Tk, off, sm_scale, D, DV, BLOCK_D, BLOCK_N, HAS_DOT, BIAS, KERNEL,
-                                  CAUSAL, True, PREC, UP, DOCS, drow, dq, DOC, FAST)
+        acc, m_i, l_i = _fwd_tile(acc, m_i, l_i, q, q2, qs, tau, g, K, V, KS, U, kbase, vbase, krow, start_n, offs_m,
+                                  offs_d, offs_d2, offs_dv, Tk, off, C, D, DV, BLOCK_D, BLOCK_D2, BLOCK_DV, BLOCK_N,
+                                  HAS_DOT, BIAS, KERNEL, CAUSAL, True, PREC, UP, DOCS, drow, dq, DOC, FAST)
     l_safe = tl.where(l_i == 0.0, 1.0, l_i)
     out = acc / l_safe[:, None]
     tl.store(O + (row + offs_m[:, None]) * DV + offs_dv[None, :], out.to(O.dtype.element_ty),
              mask=m_ok[:, None] & (offs_dv[None, :] < DV))
-    tl.store(LSE + row + offs_m, m_i + tl.log2(l_safe), mask=m_ok)  # base 2, as the scores
-
-
-@triton.jit
-def _kv_tile(dk, dv, dks, du, k, v, ks, us, Q, QS, TAU, LAM, DO, LSE, DELTA, row, start_m, offs_n, offs_d, offs_dv, Tq, Tk,
-             off, sm_scale, D: tl.constexpr, DV: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr,
-             HAS_DOT: tl.constexpr, BIAS: tl.constexpr, KERNEL: tl.constexpr, CAUSAL: tl.constexpr, MASK: tl.constexpr,
-             PREC: tl.constexpr, UP: tl.constexpr, DOCS, drow, dkey, DOC: tl.constexpr, FAST: tl.constexpr):
-    """One query tile's share of a key tile's dk, dv, dks and du. Rows past Tq read lse = +inf: p = 0."""
-    offs_m = start_m + tl.arange(0, BLOCK_M)
-    m_ok = offs_m < Tq
-    qs, tau, lam, q = _query_rows(Q, QS, TAU, LAM, row, offs_m, m_ok, offs_d, D, HAS_DOT, BLOCK_D)
-    lse, delta, do = _grad_rows(LSE, DELTA, DO, row, offs_m, m_ok, offs_dv, DV)
-    dqd = _doc_ids(DOCS, drow, offs_m + off, m_ok, DOC)
-    s, d, x, l1 = _scores(q, k, qs, ks, us, tau, lam, offs_m, offs_n, Tk, off, sm_scale, HAS_DOT, BIAS, KERNEL, CAUSAL,
-                          MASK, PREC, UP, dqd, dkey, DOC, FAST)
-    if KERNEL == 1:
-        d = _over_1p(d, x, FAST)  # d phi'(x) with phi' = 1 / (1 + x), before the products: one tile live, not two
-    p = tl.exp2(s - lse[:, None])
-    dv += _mm(tl.trans(p.to(do.dtype)), do, PREC, UP)
-    ds = p * (_mm(do, tl.trans(v), PREC, UP) - delta[:, None])  # the gradient of the (natural) score
-    if HAS_DOT:
-        dk += _mm(tl.trans(ds.to(q.dtype)), q, PREC, UP)
-    if BIAS:
-        du += tl.sum(ds, 0)
-    if KERNEL != 2:
-        dks += tl.sum(ds * d * (2.0 * lam * tau)[:, None], 0)  # d score / d ks = 2 lam phi'(x) (qs - ks) / tau
-    return dk, dv, dks, du
-
-
-@triton.jit
-def _bwd_kv(Q, K, V, QS, KS, U, TAU, LAM, DO, LSE, DELTA, DOCS, START, END, DK, DV_, DKS, DU, Tq, Tk, H, GK, GV,
-            sm_scale, D: tl.constexpr, DV: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
-            BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, HAS_DOT: tl.constexpr, BIAS: tl.constexpr, KERNEL: tl.constexpr,
-            CAUSAL: tl.constexpr, PREC: tl.constexpr, UP: tl.constexpr, DOC: tl.constexpr, FAST: tl.constexpr):
-    n0 = tl.program_id(0) * BLOCK_N
-    off = Tk - Tq
-    row, krow, kbase, vbase = _bases(tl.program_id(1), H, GK, GV, Tq, Tk)
-    drow = (tl.program_id(1) // H).to(tl.int64) * Tk
-    offs_n = n0 + tl.arange(0, BLOCK_N)
-    offs_d = tl.arange(0, BLOCK_D)
-    offs_dv = tl.arange(0, BLOCK_DV)
-    n_ok = offs_n < Tk
-    ks, us, k, v = _key_rows(K, V, KS, U, kbase, vbase, krow, offs_n, n_ok, offs_d, offs_dv, D, DV, HAS_DOT, BIAS,
-                             BLOCK_D)
-    dkey = _doc_ids(DOCS, drow, offs_n, n_ok, DOC)
-    dk = tl.zeros((BLOCK_N, BLOCK_D), tl.float32)
-    dv = tl.zeros((BLOCK_N, BLOCK_DV), tl.float32)
-    dks = tl.zeros((BLOCK_N,), tl.float32)
-    du = tl.zeros((BLOCK_N,), tl.float32)
-    lo = 0
-    full = 0  # query tiles from `full` on see this key tile whole (keys past Tk are never stored)
-    if CAUSAL:
-        lo = n0 - off  # the first query that sees this tile's first key
-        if lo < 0:
-            lo = 0
-        lo = lo // BLOCK_M * BLOCK_M
-        full = n0 + BLOCK_N - 1 - off  # the first query that sees the tile's last key
-        if full < 0:
-            full = 0
-        full = (full + BLOCK_M - 1) // BLOCK_M * BLOCK_M
-        if full > Tq:
-            full = Tq
-    end = Tq
-    if DOC:  # only the query tiles of this key tile's documents, every one masked
-        lo, end = _doc_span(START, END, drow, n0, tl.minimum(n0 + BLOCK_N, Tk) - 1, lo + off, end + off, 1, DOC)
-        lo = tl.maximum(lo - off, 0) // BLOCK_M * BLOCK_M
-        end = end - off
-        full = end
-    for start_m in range(lo, full, BLOCK_M):  # the diagonal
-        dk, dv, dks, du = _kv_tile(dk, dv, dks, du, k, v, ks, us, Q, QS, TAU, LAM, DO, LSE, DELTA, row, start_m, offs_n, offs_d,
-                               offs_dv, Tq, Tk, off, sm_scale, D, DV, BLOCK_D, BLOCK_M, HAS_DOT, BIAS, KERNEL, CAUSAL,
-                               True, PREC, UP, DOCS, drow, dkey, DOC, FAST)
-    for start_m in range(full, end, BLOCK_M):  # whole tiles (non-causal: every tile; padded keys are not stored)
-        dk, dv, dks, du = _kv_tile(dk, dv, dks, du, k, v, ks, us, Q, QS, TAU, LAM, DO, LSE, DELTA, row, start_m, offs_n, offs_d,
-                               offs_dv, Tq, Tk, off, sm_scale, D, DV, BLOCK_D, BLOCK_M, HAS_DOT, BIAS, KERNEL, CAUSAL,
-                               False, PREC, UP, DOCS, drow, dkey, DOC, FAST)
-    tl.store(DK + (krow + offs_n[:, None]) * BLOCK_D + offs_d[None, :], dk * sm_scale, mask=n_ok[:, None])
-    tl.store(DV_ + (krow + offs_n[:, None]) * BLOCK_DV + offs_dv[None, :], dv, mask=n_ok[:, None])
-    tl.store(DKS + krow + offs_n, dks, mask=n_ok)
-    if BIAS:
-        tl.store(DU + krow + offs_n, du, mask=n_ok)
-
-
-@triton.jit
-def _q_tile(dq, da, dx, dl, q, qs, tau, lam, do, lse, delta, K, V, KS, U, kbase, vbase, krow, start_n, offs_m,
-            offs_d, offs_dv, Tk, off, sm_scale, D: tl.constexpr, DV: tl.constexpr, BLOCK_D: tl.constexpr,
-            BLOCK_N: tl.constexpr, HAS_DOT: tl.constexpr, BIAS: tl.constexpr, KERNEL: tl.constexpr, CAUSAL: tl.constexpr,
-            MASK: tl.constexpr, PREC: tl.constexpr, UP: tl.constexpr, DOCS, drow, dqd, DOC: tl.constexpr,
-            FAST: tl.constexpr):
-    """One key tile's share of a query tile's dq and of the per-row sums A = sum ds phi' d, X = sum ds
-    phi' x and L = sum ds l1 (phi' = 1 for the Gaussian, 1 / (1 + x) for the Cauchy kernel) that give
-    the gradients of qs, tau and the gain."""
-    offs_n = start_n + tl.arange(0, BLOCK_N)
-    n_ok = offs_n < Tk
-    ks, us, k, v = _key_rows(K, V, KS, U, kbase, vbase, krow, offs_n, n_ok, offs_d, offs_dv, D, DV, HAS_DOT, BIAS,
-                             BLOCK_D)
-    dkey = _doc_ids(DOCS, drow, offs_n, n_ok, DOC)
-    s, d, x, l1 = _scores(q, k, qs, ks, us, tau, lam, offs_m, offs_n, Tk, off, sm_scale, HAS_DOT, BIAS, KERNEL, CAUSAL,
-                          MASK, PREC, UP, dqd, dkey, DOC, FAST)
-    p = tl.exp2(s - lse[:, None])
-    ds = p * (_mm(do, tl.trans(v), PREC, UP) - delta[:, None])  # 0 wherever a key is hidden
-    if HAS_DOT:
-        dq += _mm(ds.to(k.dtype), k, PREC, UP)
-    if KERNEL == 1:
-        dl += tl.sum(ds * l1, 1)
-        ds = _over_1p(ds, x, FAST)
-    if KERNEL != 2:
-        da += tl.sum(ds * d, 1)
-        dx += tl.sum(ds * x, 1)
-    return dq, da, dx, dl
-
-
-@triton.jit
-def _bwd_q(Q, K, V, QS, KS, U, TAU, LAM, DO, LSE, DELTA, DOCS, START, END, DQ, DQS, DTAU, DLAM, Tq, Tk, H, GK, GV,
-           sm_scale, D: tl.constexpr, DV: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
-           BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, HAS_DOT: tl.constexpr, BIAS: tl.constexpr, KERNEL: tl.constexpr,
-           CAUSAL: tl.constexpr, PREC: tl.constexpr, UP: tl.constexpr, DOC: tl.constexpr, FAST: tl.constexpr):
-    m0 = tl.program_id(0) * BLOCK_M
-    off = Tk - Tq
-    row, krow, kbase, vbase = _bases(tl.program_id(1), H, GK, GV, Tq, Tk)
-    drow = (tl.program_id(1) // H).to(tl.int64) * Tk
-    offs_m = m0 + tl.arange(0, BLOCK_M)
-    offs_d = tl.arange(0, BLOCK_D)
-    offs_dv = tl.arange(0, BLOCK_DV)
-    m_ok = offs_m < Tq
-    qs, tau, lam, q = _query_rows(Q, QS, TAU, LAM, row, offs_m, m_ok, offs_d, D, HAS_DOT, BLOCK_D)
-    lse, delta, do = _grad_rows(LSE, DELTA, DO, row, offs_m, m_ok, offs_dv, DV)
-    dq = tl.zeros((BLOCK_M, BLOCK_D), tl.float32)
-    da = tl.zeros((BLOCK_M,), tl.float32)
-    dx = tl.zeros((BLOCK_M,), tl.float32)
-    dl = tl.zeros((BLOCK_M,), tl.float32)
-    dqd = _doc_ids(DOCS, drow, offs_m + off, m_ok, DOC)
-    lo = 0
-    full = _visible_tiles(m0, Tk, off, BLOCK_N, CAUSAL)
-    hi = _seen_end(m0, Tk, off, BLOCK_M, CAUSAL)
-    if DOC:
-        lo, hi = _doc_span(START, END, drow, m0 + off, tl.minimum(m0 + BLOCK_M, Tq) - 1 + off, lo, hi, BLOCK_N, DOC)
-        full = lo
-    for start_n in range(lo, full, BLOCK_N):
-        dq, da, dx, dl = _q_tile(dq, da, dx, dl, q, qs, tau, lam, do, lse, delta, K, V, KS, U, kbase, vbase,
-                                 krow, start_n, offs_m, offs_d, offs_dv, Tk, off, sm_scale, D, DV, BLOCK_D,
-                                 BLOCK_N, HAS_DOT, BIAS, KERNEL, CAUSAL, False, PREC, UP, DOCS, drow, dqd, DOC, FAST)
-    for start_n in range(full, hi, BLOCK_N):
-        dq, da, dx, dl = _q_tile(dq, da, dx, dl, q, qs, tau, lam, do, lse, delta, K, V, KS, U, kbase, vbase,
-                                 krow, start_n, offs_m, offs_d, offs_dv, Tk, off, sm_scale, D, DV, BLOCK_D,
-                                 BLOCK_N, HAS_DOT, BIAS, KERNEL, CAUSAL, True, PREC, UP, DOCS, drow, dqd, DOC, FAST)
-    tl.store(DQ + (row + offs_m[:, None]) * BLOCK_D + offs_d[None, :], dq * sm_scale, mask=m_ok[:, None])
-    _store_row_grads(DQS, DTAU, DLAM, row, offs_m, m_ok, lam, tau, da, dx, dl, KERNEL)
+    tl.store(LSE + row + offs_m, m_i * C + tl.log2(l_safe), mask=m_ok)  # base 2, as the exponents
 
 
 @triton.jit

@@ -1,6 +1,6 @@
 """The Triton kernel's host side: its autograd Function, tile sizes, and `triton_scalar_attention`,
 which `attention` (scalar and hybrid heads) and `attnlab.ops.goat` call. The kernels and the math
-are in `triton_kernel`."""
+are in `triton_kernel` (forward) and `triton_backward`."""
 
 from __future__ import annotations
 
@@ -8,10 +8,12 @@ import math
 
 import torch
 
-from .triton_kernel import _bwd_kv, _bwd_q, _fwd, fast_math, interpreted
+from .triton_backward import _bwd_kv, _bwd_q
+from .triton_kernel import _fwd, fast_math, interpreted
 
 __all__ = ["available", "triton_scalar_attention"]
 
+LOG2E = 1.4426950408889634
 GAUSSIAN, CAUCHY, NONE = 0, 1, 2  # the scalar term's kernel; NONE: no scalar term (GOAT's prior alone)
 
 
@@ -27,24 +29,43 @@ def available(device: torch.device) -> str | None:
 # benchmarks/results/gpu.json's tuning), the scores then arriving in the matrix units' register layout
 # that the p @ v product reads, where the product-free kernel must convert its tile's layout first.
 SCALAR_DOT = True
-BLOCKS: dict = {}  # overrides of `_blocks`' choice by kernel ("fwd" / "bwd"): benchmarks/gpu.py's tuning
+BLOCKS: dict = {}  # overrides of `_blocks`' choice by kernel ("fwd", "bwd", "bwd_kv"): benchmarks/gpu.py's tuning
 
 
 def _blocks(device: torch.device, D: int, DV: int) -> dict:
-    """(BLOCK_M, BLOCK_N, num_warps, num_stages) per kernel: small under the interpreter (each program
-    is NumPy work); on a GPU 64 x 64 tiles on 4 warps, the fastest of five tilings an H100 timed at T = 8K
-    for each pass (benchmarks/results/gpu.json's tuning: forward 5.1 ms against 5.5 for 128 x 64 on 8
-    warps; backward 1.7x faster than on 8 warps)."""
+    """(BLOCK_M, BLOCK_N, num_warps, num_stages) per kernel ("fwd"; "bwd": the dq kernel's; "bwd_kv": the
+    dk/dv kernel's, BLOCK_M queries by BLOCK_N keys): small under the interpreter (each program is NumPy
+    work). On a GPU the forward and the dq kernel take 64 x 64 tiles on 4 warps, the fastest of five
+    tilings an H100 timed at T = 8K (benchmarks/results/gpu.json's tuning: forward 5.1 ms against 5.5
+    for 128 x 64 on 8 warps; backward 1.7x faster than on 8 warps). The key-major dk/dv kernel takes 32
+    queries by 64 keys: with 64 queries each thread holds 16 per-query columns (qs, g, lse, delta; the
+    Cauchy kernel's tau) beside its tiles, and sm_90a code needs 255 registers and spills (the Cauchy
+    kernel always, the Gaussian and GOAT ones where the sequence length is no multiple of 16;
+    benchmarks/kernel_sass.py). A "bwd" override (benchmarks/gpu.py's tuning) sets both backward kernels."""
     if device.type != "cuda":
-        return dict(fwd=(32, 32, 4, 1), bwd=(32, 32, 4, 1))
-    wide = max(D, DV) > 64
-    cfg = dict(fwd=(64, 64, 4, 3), bwd=(64, 64, 4, 2) if not wide else (32, 64, 4, 2))
+        return dict(fwd=(32, 32, 4, 1), bwd=(32, 32, 4, 1), bwd_kv=(32, 32, 4, 1))
+    wide = max(*_split(D), _pow2(DV)) > 64  # a block past 64 columns (D = 80 is two blocks, 64 + 16)
+    cfg = dict(fwd=(64, 64, 4, 3), bwd=(64, 64, 4, 2) if not wide else (32, 64, 4, 2), bwd_kv=(32, 64, 4, 2))
+    if "bwd" in BLOCKS:
+        cfg["bwd_kv"] = BLOCKS["bwd"]
     cfg.update(BLOCKS)
     return cfg
 
 
 def _pow2(n: int) -> int:
     return max(16, 1 << (max(n, 1) - 1).bit_length())
+
+
+def _split(D: int) -> tuple[int, int]:
+    """(BLOCK_D, BLOCK_D2): the product's D columns as one power-of-two block, or as two (the largest
+    power of two below D, then the rest padded) when that is narrower: D = 80 (GOAT's 64-wide head and
+    its 16 prior columns) as 64 + 16, not 128; BLOCK_D2 = 0 for one block."""
+    whole = _pow2(D)
+    if D <= 16 or D == whole:
+        return whole, 0
+    first = whole // 2
+    rest = _pow2(D - first)
+    return (first, rest) if first + rest < whole else (whole, 0)
 
 
 class _ScalarFamily(torch.autograd.Function):
@@ -68,42 +89,49 @@ class _ScalarFamily(torch.autograd.Function):
         f32 = torch.zeros(1, device=v.device)
         qs32 = qs.float().contiguous() if qs is not None else f32.expand(B, H, Tq).contiguous()
         ks32 = ks.float().contiguous() if ks is not None else f32
-        uu = u.float().contiguous() if u is not None else f32
+        if sm_scale is None:  # (scalar heads: any scale of their zero product; 1 keeps the scores' unit log2 e)
+            sm_scale = 1.0 / math.sqrt(D) if has_dot else 1.0
+        unit = (sm_scale if q is not None else 1.0) * LOG2E  # C: the kernels' scores are in units of it
+        uu = (u.double() * (LOG2E / unit)).float().contiguous() if u is not None else f32
         tau32, lam32 = (1.0 / tau.float()).contiguous(), lam.float().contiguous()  # the kernels take 1 / tau
+        g = -lam32.double() * (tau32.double() * (LOG2E / unit) if kernel == GAUSSIAN else 1.0 / unit)
+        g32 = g.float().contiguous()  # the scalar term's factor per query (triton_kernel's module docstring)
         out = torch.empty(B, H, Tq, DV, dtype=torch.float32, device=v.device)  # float32: the backward's delta
         lse = torch.empty(B, H, Tq, dtype=torch.float32, device=v.device)
         BM, BN, warps, stages = _blocks(v.device, D, DV)["fwd"]
-        consts = dict(D=D, DV=DV, BLOCK_D=_pow2(D), BLOCK_DV=_pow2(DV), HAS_DOT=q is not None, BIAS=u is not None,
-                      KERNEL=kernel, CAUSAL=causal, PREC="ieee" if v.dtype == torch.float32 else "tf32",
+        BD, BD2 = _split(D)
+        consts = dict(D=D, DV=DV, BLOCK_D=BD, BLOCK_D2=BD2, BLOCK_DV=_pow2(DV), HAS_DOT=q is not None,
+                      BIAS=u is not None, KERNEL=kernel, CAUSAL=causal,
+                      PREC="ieee" if v.dtype == torch.float32 else "tf32",
                       UP=interpreted() and v.dtype == torch.bfloat16, DOC=docs is not None,
                       FAST=fast_math())  # the Cauchy log / division in hardware approximations (not interpreted)
         segs, start, end = document_spans(docs) if docs is not None else (f32, f32, f32)
-        if sm_scale is None:
-            sm_scale = 1.0 / math.sqrt(D) if has_dot else 0.0
-        _fwd[(-(-Tq // BM), B * H)](qq, kk, vv, qs32, ks32, uu, tau32, lam32, out, lse, segs, start, end, Tq, Tk, H, GK,
+        _fwd[(-(-Tq // BM), B * H)](qq, kk, vv, qs32, ks32, uu, tau32, g32, out, lse, segs, start, end, Tq, Tk, H, GK,
                                    GV, sm_scale, BLOCK_M=BM, BLOCK_N=BN, num_warps=warps, num_stages=stages, **consts)
-        ctx.save_for_backward(qq, kk, vv, qs32, ks32, uu, tau32, lam32, out, lse, segs, start, end)
+        ctx.save_for_backward(qq, kk, vv, qs32, ks32, uu, tau32, g32, lam32, out, lse, segs, start, end)
         ctx.meta = (has_dot, qs is not None, u is not None, u.shape if u is not None else None, consts, sm_scale,
                     GK, GV)
         return out.to(v.dtype)
 
     @staticmethod
     def backward(ctx, dout):
-        qq, kk, vv, qs32, ks32, uu, tau32, lam32, out, lse, segs, start, end = ctx.saved_tensors
+        qq, kk, vv, qs32, ks32, uu, tau32, g32, lam32, out, lse, segs, start, end = ctx.saved_tensors
         has_dot, has_scalar, has_bias, _, consts, sm_scale, GK, GV = ctx.meta
         B, H, Tq = tau32.shape
         Tk = vv.shape[2]
         dout = dout.contiguous()
         delta = (dout.float() * out).sum(-1).contiguous()  # (B, H, Tq): sum_s p_ts dp_ts, from the float32 output
-        BD, BDV = consts["BLOCK_D"], consts["BLOCK_DV"]
+        BD, BDV = consts["BLOCK_D"] + consts["BLOCK_D2"], consts["BLOCK_DV"]
         dev = vv.device
         empty = lambda *shape: torch.empty(*shape, dtype=torch.float32, device=dev)  # noqa: E731
         dk, dv, dks, du = empty(B, H, Tk, BD), empty(B, H, Tk, BDV), empty(B, H, Tk), empty(B, H, Tk)
         dq, dqs, dtau, dlam = empty(B, H, Tq, BD), empty(B, H, Tq), empty(B, H, Tq), empty(B, H, Tq)
-        BM, BN, warps, stages = _blocks(dev, consts["D"], consts["DV"])["bwd"]
-        args = (qq, kk, vv, qs32, ks32, uu, tau32, lam32, dout, lse, delta, segs, start, end)
+        tiles = _blocks(dev, consts["D"], consts["DV"])
+        args = (qq, kk, vv, qs32, ks32, uu, tau32, g32, lam32, dout, lse, delta, segs, start, end)
+        BM, BN, warps, stages = tiles["bwd_kv"]
         _bwd_kv[(-(-Tk // BN), B * H)](*args, dk, dv, dks, du, Tq, Tk, H, GK, GV, sm_scale, BLOCK_M=BM, BLOCK_N=BN,
                                       num_warps=warps, num_stages=stages, **consts)
+        BM, BN, warps, stages = tiles["bwd"]
         _bwd_q[(-(-Tq // BM), B * H)](*args, dq, dqs, dtau, dlam, Tq, Tk, H, GK, GV, sm_scale, BLOCK_M=BM,
                                      BLOCK_N=BN, num_warps=warps, num_stages=stages, **consts)
         D, DV = consts["D"], consts["DV"]
@@ -149,6 +177,8 @@ def triton_scalar_attention(q, k, v, qs, ks, tau_b, lam_b, kernel: str | None, c
     dev = v.device
     tau = (torch.ones((), device=dev) if tau_b is None else tau_b.float()).expand(B, H, Tq)
     lam = (torch.ones((), device=dev) if lam_b is None else lam_b.float()).expand(B, H, Tq)
+    if sm_scale is not None and not sm_scale > 0:  # the kernels keep scores in units of it (triton_kernel)
+        raise ValueError(f"sm_scale must be > 0, got {sm_scale}")
     code = NONE if kernel is None else GAUSSIAN if kernel == "gaussian" else CAUCHY
     uu = None if u is None else u.float().expand(B, H, v.shape[2])
     return _ScalarFamily.apply(q, k, v, None if qs is None else qs.float(), None if ks is None else ks.float(),
