@@ -160,3 +160,24 @@ def test_check_reload_uses_one_relative_error(tmp_path):
     check_reload(tmp_path, idx, want, 1e-6, "the model")
     with pytest.raises(RuntimeError, match="differ from the model's by .* relative"):
         check_reload(tmp_path, idx, want + 1.0, 1e-6, "the model")
+
+
+def test_a_config_is_read_once_per_file_version(tmp_path, monkeypatch):
+    """load_hf_config reads a model's config once while its file is unchanged (a GGUF's metadata takes
+    seconds; a trial spec validates every variant against it), hands out a copy each time, and reads
+    it again once the file changes."""
+    from transformers import AutoConfig
+
+    M.tiny_model("llama", n_layers=2, d_model=32, vocab=50).save_pretrained(tmp_path)
+    src = M.resolve_source(str(tmp_path))
+    reads, real = [], AutoConfig.from_pretrained
+    monkeypatch.setattr(AutoConfig, "from_pretrained", lambda *a, **k: reads.append(a) or real(*a, **k))
+    M._read_config.cache_clear()
+    first, second = M.load_hf_config(src), M.load_hf_config(src)
+    assert len(reads) == 1 and first is not second and first.to_dict() == second.to_dict()
+    first.num_hidden_layers = 99  # a caller's change reaches no other caller
+    assert M.load_hf_config(src).num_hidden_layers == 2
+    cfg = json.loads((tmp_path / "config.json").read_text())
+    cfg["num_hidden_layers"] = 3
+    (tmp_path / "config.json").write_text(json.dumps(cfg) + "\n" * 3)  # a new size: a new version
+    assert M.load_hf_config(src).num_hidden_layers == 3 and len(reads) == 2

@@ -3,6 +3,7 @@ many parameters: where a variant trains more than 10 % above the rank-8 control 
 plus LoRA, `trainable_count`), a control within 10 % of its count exists and a rule on nll compares
 the two. Counted from SmolLM2-135M's config alone (no weights)."""
 
+import functools
 from pathlib import Path
 
 import pytest
@@ -10,9 +11,20 @@ import pytest
 pytest.importorskip("transformers")
 
 from attnlab.experiments.retrofit_trial import load_trial  # noqa: E402
-from attnlab.retrofit.convert import RetrofitError  # noqa: E402
+from attnlab.retrofit.convert import RetrofitError, plan  # noqa: E402
 from attnlab.retrofit.finetune import trainable_count  # noqa: E402
-from attnlab.retrofit.io import plan_source  # noqa: E402
+
+@functools.lru_cache(maxsize=None)
+def hf_config(model: str):
+    """The model's HF config, read once per model (reading a GGUF's metadata takes seconds)."""
+    from attnlab.retrofit.io import _source
+    from attnlab.search.hf_model import load_hf_config
+
+    try:
+        return load_hf_config(_source(model), use=None)
+    except (OSError, ValueError) as e:
+        raise RetrofitError(str(e)) from None
+
 
 SPECS = sorted((Path(__file__).resolve().parents[1] / "experiments" / "retrofit").glob("*/spec.toml"))
 
@@ -22,8 +34,8 @@ def test_each_variant_has_a_control_of_its_size(spec):
     trial = load_trial(spec)
     runs = {r.variant: r for r in trial.runs}
     try:
-        counts = {v: trainable_count(plan_source(r.retrofit.model, r.retrofit.layers, r.retrofit.attn,
-                                                 r.retrofit.settings)[1], r.finetune) for v, r in runs.items()}
+        counts = {v: trainable_count(plan(hf_config(r.retrofit.model), r.retrofit.layers, r.retrofit.attn,
+                                          r.retrofit.settings), r.finetune) for v, r in runs.items()}
     except RetrofitError as e:
         pytest.skip(f"the trial's model config is not here: {e}")
     controls = {v for v, r in runs.items() if r.retrofit.attn == "softmax" and not r.retrofit.settings}

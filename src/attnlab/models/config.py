@@ -9,6 +9,7 @@ checks combinations and fills derived fields.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import re
 import types
 import typing
@@ -116,7 +117,7 @@ def build_dataclass(cls, data: dict, prefix: str = ""):
     raised by the dataclass's own `__post_init__` is re-raised as ConfigError."""
     if not isinstance(data, dict):
         raise ConfigError(f"{prefix.rstrip('.') or 'config'} must be a table, got {data!r}")
-    hints = typing.get_type_hints(cls)
+    hints = _type_hints(cls)
     init_fields = {f.name: f for f in dataclasses.fields(cls) if f.init}
     kwargs = {}
     for key, value in data.items():
@@ -229,6 +230,13 @@ class ModelConfig:
 _MODEL_OWNED = ("mechanism", "d_model", "n_heads")
 
 
+@functools.lru_cache(maxsize=None)
+def _type_hints(cls) -> dict:
+    """typing.get_type_hints of a config class, read once (it evaluates every annotation's text); callers
+    only read it."""
+    return typing.get_type_hints(cls)
+
+
 def attention_config(cls, cfg: ModelConfig, layer: int):
     """Build layer `layer`'s AttentionConfig from the model's shared and per-layer tables.
 
@@ -237,7 +245,7 @@ def attention_config(cls, cfg: ModelConfig, layer: int):
     own table `model.layer_attention[i]` that its mechanism does not read. Defaults that depend on
     the model come from the mechanism: RoPE on its vector queries/keys where it has them
     (`rope_default`), the cosFormer horizon M = max_seq_len (one horizon for training and decoding)."""
-    hints = typing.get_type_hints(cls)
+    hints = _type_hints(cls)
     allowed = {f.name for f in dataclasses.fields(cls) if f.init} - set(_MODEL_OWNED)
     mechanism = cfg.layer_attn[layer]
     reads = set(SHARED_FIELDS) | set(mechanism_class(mechanism).options)

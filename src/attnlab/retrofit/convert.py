@@ -153,8 +153,9 @@ def _check_shapes(cfg: ModelConfig, chosen: list[int], mechanism: str, C: int, H
     """Build the layers on the meta device (no memory) and check that each can take the model's weights."""
     from attnlab.layers import Attention
 
+    configs = cfg.attention_configs()
     for i in chosen:
-        ac = cfg.attention_configs()[i]
+        ac = configs[i]
         with torch.device("meta"):
             layer = Attention(ac)
         found = [name for name, _, _ in _SOURCES if hasattr(layer, name)]

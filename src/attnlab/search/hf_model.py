@@ -11,6 +11,7 @@ here: `resolve_source` -> `load_hf_config` (cheap, checked first) -> `load_token
 
 from __future__ import annotations
 
+import functools
 import os
 import subprocess
 import sys
@@ -120,14 +121,27 @@ def gguf_kwargs(source: ModelSource) -> dict:
 
 
 def load_hf_config(source: ModelSource, use: str | None = "search"):
-    """The model config only (cheap): used to validate layers and family before loading weights.
+    """The model config only: used to validate layers and family before loading weights. Read once per
+    file version (transformers reads a GGUF's whole metadata for it: seconds), a copy returned each time.
     use: check the family for 'search' or 'retrofit' (`check_family`), or None for no check."""
-    from transformers import AutoConfig
+    import copy
 
-    config = AutoConfig.from_pretrained(source.path, **gguf_kwargs(source))
+    where = Path(source.path) / source.gguf_file if source.gguf_file else Path(source.path) / "config.json"
+    try:
+        stamp = where.stat().st_mtime_ns, where.stat().st_size
+    except OSError:
+        stamp = None  # a hub id or a missing file: read it (and fail) as transformers does
+    config = copy.deepcopy(_read_config(source.path, source.gguf_file, stamp))
     if use is not None:
         check_family(config, use)
     return config
+
+
+@functools.lru_cache(maxsize=8)
+def _read_config(path: str, gguf_file: str | None, stamp):
+    from transformers import AutoConfig
+
+    return AutoConfig.from_pretrained(path, **({"gguf_file": gguf_file} if gguf_file else {}))
 
 
 def check_family(config, use: str = "search", error: type[Exception] = ValueError) -> None:
