@@ -10,24 +10,11 @@ import pytest
 import torch
 
 from attnlab.ops import cosformer_attention, gla_attention, ssd_attention
-from attnlab.testing import rel_rms
+from attnlab.testing import PACKED_LENGTHS, cu_offsets, rel_rms
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
-LENGTHS = {
-    "one": [70],
-    "len1": [1],
-    "len63": [63],
-    "awkward": [5, 1, 0, 63, 9],
-    "many": [3, 0, 1, 17, 1, 1, 40, 9, 0, 2, 1, 30],
-}
-
-
-def offsets(lengths):
-    cu = [0]
-    for n in lengths:
-        cu.append(cu[-1] + n)
-    return cu
+LENGTHS, offsets = PACKED_LENGTHS, cu_offsets
 
 
 def make(T, vector, H=2, Dk=8, Dv=6, seed=0, dtype=torch.float32):

@@ -138,3 +138,22 @@ class LargestTensor:
 
     def __exit__(self, *exc) -> None:
         self._mode.__exit__(*exc)
+
+
+# Document lengths the packed-sequence (cu_seqlens) tests pack into one row: one document, a lone
+# token, a 63-token one, empty documents between others, and many short ones around a long one.
+PACKED_LENGTHS = {
+    "one": [70],
+    "len1": [1],
+    "len63": [63],
+    "awkward": [5, 1, 0, 63, 9],
+    "many": [3, 0, 1, 17, 1, 1, 40, 9, 0, 2, 1, 30],
+}
+
+
+def cu_offsets(lengths: list[int]) -> list[int]:
+    """cu_seqlens of documents of these lengths packed in order: [0, n0, n0 + n1, ...]."""
+    cu = [0]
+    for n in lengths:
+        cu.append(cu[-1] + n)
+    return cu
