@@ -81,3 +81,25 @@ def test_compare_command(tmp_path, capsys):
     assert {p.name for p in (tmp_path / "cmp").iterdir()} == {"compare.md", "compare.json", "compare_loss.png"}
     assert main(["compare", str(tmp_path / "softmax"), str(tmp_path / "nothing"), "--out", str(tmp_path / "c2")]) == 2
     assert "not a finished run" in capsys.readouterr().err and not (tmp_path / "c2").exists()
+
+
+@pytest.mark.parametrize("temperature,top_k,top_p", [(1.0, None, 0.9), (0.7, 5, None), (0.7, None, 0.8),
+                                                     (1.5, 10, 0.9), (0.3, 3, 0.5), (2.0, None, 0.95)])
+def test_the_distribution_is_hugging_faces(temperature, top_k, top_p):
+    """The distribution a sampled token is drawn from equals what transformers' generate draws from
+    with the same options (its warpers: temperature, then top-k, then top-p), token for token."""
+    pytest.importorskip("transformers")
+    from transformers.generation.logits_process import (LogitsProcessorList, TemperatureLogitsWarper,
+                                                        TopKLogitsWarper, TopPLogitsWarper)
+
+    logits = torch.randn(64, 50, generator=torch.Generator().manual_seed(3)) * 3
+    warpers = LogitsProcessorList([TemperatureLogitsWarper(temperature)]
+                                  + ([TopKLogitsWarper(top_k)] if top_k else [])
+                                  + ([TopPLogitsWarper(top_p)] if top_p else []))
+    want = torch.softmax(warpers(torch.zeros(64, 1, dtype=torch.long), logits.clone()), dim=-1)
+    got = torch.softmax(filter_logits(logits / temperature, top_k, top_p), dim=-1)
+    assert torch.equal(got > 0, want > 0)
+    assert torch.allclose(got, want, atol=1e-6)
+    draws = next_token(logits, greedy=False, temperature=temperature, top_k=top_k, top_p=top_p,
+                       generator=torch.Generator().manual_seed(0))
+    assert bool((want.gather(-1, draws) > 0).all())  # every draw is one transformers could make

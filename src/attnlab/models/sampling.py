@@ -42,8 +42,9 @@ def filter_logits(logits: torch.Tensor, top_k: int | None = None, top_p: float |
 def next_token(logits: torch.Tensor, *, greedy: bool = True, temperature: float = 1.0, top_k: int | None = None,
                top_p: float | None = None, generator: torch.Generator | None = None) -> torch.Tensor:
     """The next token (B, 1) from logits (B, V): the argmax when greedy, else a draw from
-    softmax(filter_logits(logits) / temperature) with `generator`."""
+    softmax(filter_logits(logits / temperature)) with `generator`: the temperature first, so top_p
+    counts the tempered mass, in the order of Hugging Face's warpers (temperature, top-k, top-p)."""
     if greedy:
         return logits.argmax(-1, keepdim=True)
-    probs = F.softmax(filter_logits(logits.float(), top_k, top_p) / temperature, dim=-1)
+    probs = F.softmax(filter_logits(logits.float() / temperature, top_k, top_p), dim=-1)
     return torch.multinomial(probs, 1, generator=generator)
