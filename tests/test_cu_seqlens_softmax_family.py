@@ -9,7 +9,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from attnlab.ops import hybrid_attention, principled_attention, scalar_attention, softmax_attention
+from attnlab.ops import goat_attention, hybrid_attention, principled_attention, scalar_attention, softmax_attention
 from attnlab.testing import PACKED_LENGTHS, cu_offsets, rel_rms
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -243,3 +243,35 @@ def test_cuda_softmax_flex_documents_alone(scale, window):
     w = torch.autograd.grad(ref.square().sum(), (q, k, v))
     for a, b in zip(g, w):
         assert rel_rms(a, b, floor=1e-3) < 2e-3
+
+
+GOAT = {"causal": {}, "window": {"window": 5}, "hybrid": {"hybrid": True}, "bidirectional": {"causal": False}}
+
+
+def goat(q, k, v, freqs, lam_sym, lam_asym, u, hybrid=False, qs=None, ks=None, tau=None, **kw):
+    extra = {"qs": qs, "ks": ks, "tau": tau} if hybrid else {}
+    return goat_attention(q, k, v, freqs, lam_sym, lam_asym, u, **extra, **kw)
+
+
+@pytest.mark.parametrize("impl", ["fast", "naive", "triton"])
+@pytest.mark.parametrize("lengths", ["len1", "awkward", "many"])
+@pytest.mark.parametrize("case", GOAT.keys())
+def test_goat_documents_alone(case, lengths, impl):
+    """GOAT's spectral prior reads i - j, the same wherever a document lies: packed, each query reads
+    its own document (its key-only term u given per key, as a layer gives it at positions inside the
+    document), equal to each document alone, outputs and every gradient (u's and the prior's too)."""
+    kw = dict(GOAT[case])
+    if impl == "triton":
+        pytest.importorskip("triton")
+        if "window" in kw or "causal" in kw:
+            pytest.skip("the kernel runs GOAT causal, without a window")
+    cu = offsets(LENGTHS[lengths])
+    T = cu[-1]
+    t = {"q": randn(1, 4, T, 8, seed=1), "k": randn(1, 2, T, 8, seed=2), "v": randn(1, 2, T, 6, seed=3),
+         "freqs": torch.rand(3, generator=torch.Generator().manual_seed(4)), "lam_sym": randn(2, 3, seed=5),
+         "lam_asym": randn(2, 3, seed=6), "u": randn(1, 2, T, seed=7)}
+    if kw.pop("hybrid", False):
+        t.update(qs=randn(1, 4, T, seed=8), ks=randn(1, 4, T, seed=9),
+                 tau=torch.rand(4, generator=torch.Generator().manual_seed(10)) + 0.5)
+        kw["hybrid"] = True
+    compare(goat, t, cu, impl, floor=1e-2, **kw)

@@ -64,13 +64,16 @@ ONE_PASS = {  # mechanisms whose ops take docs on the CPU's own paths (no Triton
     "ssd+cosformer": (["ssd", "cosformer"], {}, 64),
     "softmax-krms-swa-gqa": (["softmax"], {"scale": "krms", "sliding_window": 5, "n_kv_heads": 2}, 64),
     "cosformer-own-horizon+gla-rope": (["cosformer", "gla"], {"rope": True}, 0),  # M: each document's length
+    "goat+goat_hybrid": (["goat", "goat_hybrid"], {"goat_rank": 2}, 64),  # u at positions inside documents
+    "goat-swa-rope": (["goat"], {"goat_rank": 2, "sliding_window": 5, "goat_rope": True, "goat_width": "extra"}, 64),
 }
 
 
 @pytest.mark.parametrize("attn, options, max_seq_len", ONE_PASS.values(), ids=ONE_PASS.keys())
 def test_linear_and_softmax_documents_in_one_pass(attn, options, max_seq_len):
-    """gla, ssd and cosformer restart their recurrences, softmax its scalings and window, at every
-    document: the packed rows run in one pass (no re-padding), equal to each document alone."""
+    """gla, ssd and cosformer restart their recurrences, softmax its scalings and window, GOAT its
+    key-only term, at every document: the packed rows run in one pass (no re-padding), equal to each
+    document alone."""
     torch.manual_seed(0)
     m = LM(ModelConfig(vocab_size=32, d_model=32, n_layers=len(attn), n_heads=4, attn=attn, max_seq_len=max_seq_len,
                        attention=dict(options)))
@@ -150,10 +153,9 @@ def test_document_attention_forward():
 
 def test_layer_refuses_documents_it_cannot_keep_apart():
     torch.manual_seed(0)
-    m = LM(ModelConfig(vocab_size=32, d_model=32, n_layers=1, n_heads=4, attn=["goat"], max_seq_len=64,
-                       attention={"goat_rank": 2}))
+    m = LM(ModelConfig(vocab_size=32, d_model=32, n_layers=1, n_heads=4, attn=["hybrid"], max_seq_len=64))
     x = torch.randn(1, 8, 32)
-    with pytest.raises(ValueError, match="docs: mechanism 'goat'"):
+    with pytest.raises(ValueError, match="docs: mechanism 'hybrid'"):  # off the Triton route on the CPU
         m.blocks[0].attn(x, docs=torch.zeros(1, 8, dtype=torch.long))
 
 

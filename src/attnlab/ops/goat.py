@@ -31,8 +31,10 @@ from __future__ import annotations
 import math
 
 import torch
+import torch.nn.functional as F
 
 from ..checks import TRITON_IMPLS, check_finite, check_impl, check_tensor, check_window, visible_keys
+from ._packed import packing
 from ._sdpa import check_causal, check_qkv, expand_heads, fused_attention, upcast, without_autocast
 from .scalar.attention import _use_triton
 from .scalar.fused import _augment
@@ -104,7 +106,7 @@ def spectral_prior(freqs, lam_sym, lam_asym, qpos: torch.Tensor, kpos: torch.Ten
 @without_autocast
 def goat_attention(
     q, k, v, freqs, lam_sym, lam_asym, u, *, qs=None, ks=None, tau=None, causal: bool = True, impl: str = "auto",
-    window: int | None = None,
+    window: int | None = None, cu_seqlens=None, docs: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """GOAT attention o_i = sum_j softmax_j(q_i . k_j / sqrt(d) + log pi_ij [- (qs_i - ks_j)^2 / tau_i]) v_j.
 
@@ -130,6 +132,12 @@ def goat_attention(
         window: a causal sliding window: each query reads only its last ``window`` keys (itself
             included); None (default) for every earlier key. u still holds every key position's
             term (a decode cache passes the held keys' terms).
+        cu_seqlens: packed documents (`attnlab.ops._packed`: offsets of the documents packed in a
+            batch of one row), each query reading the keys of its own document only. The spectral
+            part reads i - j, the same wherever a document lies, so packing changes only u: give it
+            at each key's position inside its document (`attnlab.data.positions_in_doc`).
+        docs: packed documents as (B, Tk) integer ids (a run of equal ids is a document); as
+            cu_seqlens otherwise. Give at most one of the two.
 
     Returns:
         (B, H, Tq, Dv) in v's dtype.
@@ -139,7 +147,8 @@ def goat_attention(
             of q's dtype); tau neither a float nor a tensor; causal is not a bool.
         ValueError: shapes that do not fit (batch, groups, lengths, (G, R) weights, u, qs and
             ks), another device, NaN or inf in any input, tau <= 0, only some of qs, ks and tau
-            given, an unknown impl, or a window that is not an int >= 1 or comes without causal.
+            given, an unknown impl, or a window that is not an int >= 1 or comes without causal;
+            cu_seqlens or docs that do not describe packed documents (`attnlab.ops._packed`), or both.
     """
     check_impl(impl, TRITON_IMPLS)
     check_causal(causal)
@@ -147,6 +156,7 @@ def goat_attention(
     B, H, Tq, D = check_qkv(q, k, v, causal)
     G, Tk = k.shape[1], k.shape[2]
     _check_prior(freqs, lam_sym, lam_asym, u, B, G, Tk, q)
+    packed = packing(cu_seqlens, docs, B, Tk, q)
     scalar = qs is not None or ks is not None or tau is not None
     if scalar:
         if qs is None or ks is None or tau is None:
@@ -163,11 +173,14 @@ def goat_attention(
         scores = scores + expand_heads(goat_prior(freqs, lam_sym, lam_asym, u, Tq, causal, window), H)
         if scalar:
             scores = scores + scalar_logits(qs, ks, tau, causal, window=window)
+        if packed is not None:
+            scores = scores.masked_fill(~packed.same(Tq), float("-inf"))
         w = torch.softmax(scores, dim=-1)
         return (w @ expand_heads(v, H).to(w.dtype)).to(v.dtype)  # (B, H, Tq, Dv)
 
     if _use_triton(impl, q.device, window):
-        return _goat_triton(q, k, v, freqs, lam_sym, lam_asym, u, qs, ks, tau, causal)
+        return _goat_triton(q, k, v, freqs, lam_sym, lam_asym, u, qs, ks, tau, causal,
+                            None if packed is None else packed.seg)
     cos_q, sin_q = _phases(freqs, Tk - Tq, Tq, cdt)  # (Tq, R)
     cos_k, sin_k = _phases(freqs, 0, Tk, cdt)  # (Tk, R)
     a = expand_heads(lam_sym.to(cdt)[None, :, None, :], H)  # (1, H, 1, R)
@@ -188,10 +201,16 @@ def goat_attention(
         sq, sk = _augment(qs, ks, inv_tau, cdt, causal)  # (B, H, Tq, 2), (B, H, Tk, 2)
         qa = torch.cat([qa, sq], dim=-1)
         ka = torch.cat([expand_heads(ka, H), sk], dim=-1)  # the scalar keys are per head
+    if packed is not None:  # one masked call: each query's own document, causal and windowed as asked
+        keep = packed.same(Tq)
+        if causal:
+            keep = keep & visible_keys(Tq, Tk, True, q.device, window)
+        return F.scaled_dot_product_attention(qa, expand_heads(ka, H), expand_heads(v.to(cdt), H), attn_mask=keep,
+                                              scale=1.0).to(v.dtype)
     return fused_attention(qa, ka, v.to(cdt), causal=causal, window=window).to(v.dtype)
 
 
-def _goat_triton(q, k, v, freqs, lam_sym, lam_asym, u, qs, ks, tau, causal: bool) -> torch.Tensor:
+def _goat_triton(q, k, v, freqs, lam_sym, lam_asym, u, qs, ks, tau, causal: bool, docs=None) -> torch.Tensor:
     """GOAT through the scalar family's Triton kernel (`scalar.triton_op`): the spectral prior as 2R columns appended to q / sqrt(d) and k in
     the inputs' dtype (its terms are of the size of its weights, so 16-bit columns cost it only their
     rounding), the key-only term u as a float32 bias per key, the hybrid term (if any) in float32."""
@@ -208,7 +227,7 @@ def _goat_triton(q, k, v, freqs, lam_sym, lam_asym, u, qs, ks, tau, causal: bool
     ka = torch.cat([k, torch.cat([cos_k, sin_k], dim=-1).to(k.dtype).expand(B, G, Tk, -1)], dim=-1)
     tau_b = None if qs is None else _tau(tau, B, H, Tq, torch.float32, q.device)
     return triton_scalar_attention(qa, ka, v, qs, ks, tau_b, None, None if qs is None else "gaussian", causal,
-                                   sm_scale=1.0, u=expand_heads(u.float(), H))
+                                   sm_scale=1.0, u=expand_heads(u.float(), H), docs=docs)
 
 
 __all__ = ["goat_attention", "goat_prior"]

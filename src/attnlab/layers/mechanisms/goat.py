@@ -21,6 +21,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ...checks import trusted
+from ...data.packing import positions_in_doc
 from ...ops import goat_attention
 from ..attention import Attention
 from ..rope import RotaryEmbedding
@@ -107,6 +108,13 @@ class GoatPrior(nn.Module):
         """u for key positions start .. start + n_keys − 1: (1, G, n_keys), float32."""
         return self.key_term_at(torch.arange(start, start + n_keys, device=self.freqs.device))
 
+    def key_term_in_docs(self, docs: torch.Tensor) -> torch.Tensor:
+        """u of packed documents' keys, docs (B, T) ids: each at its position inside its document,
+        (B, G, T), float32."""
+        B, T = docs.shape
+        u = self.key_term_at(positions_in_doc(docs).reshape(-1))  # (1, G, B * T)
+        return u[0].view(-1, B, T).transpose(0, 1)
+
     def key_term_at(self, positions: torch.Tensor) -> torch.Tensor:
         """u for the key positions given (n,), an integer tensor: (1, G, n), float32."""
         t = positions.to(device=self.freqs.device, dtype=torch.float32)
@@ -145,15 +153,22 @@ class GoatAttention(Attention):
         self.prior = GoatPrior(self.n_kv, c.goat_rank, c.goat_abs_rank, c.goat_base, c.goat_train_len,
                                init=c.goat_prior_init)
 
-    def goat(self, q, k, v, impl, start: int = 0, **scalar):
+    def takes_documents(self, device) -> bool:
+        """Packed documents in one pass: the prior's spectral part reads i − j, the same in any
+        document, and the key-only term is evaluated at each key's position inside its document."""
+        return True
+
+    def goat(self, q, k, v, impl, start: int = 0, docs=None, **scalar):
         """The op over keys at positions start .. start + Tk − 1 (a sliding window's cache holds the
-        last ones only: the key-only term follows their positions)."""
+        last ones only: the key-only term follows their positions); with packed documents' ids docs
+        (B, Tk), at each key's position inside its document."""
         pr = self.prior
-        return goat_attention(q, k, v, pr.freqs, pr.lam_sym, pr.lam_asym, pr.key_term(k.shape[2], start),
-                              causal=True, impl=impl, window=self.config.sliding_window, **scalar)
+        u = pr.key_term(k.shape[2], start) if docs is None else pr.key_term_in_docs(docs)
+        return goat_attention(q, k, v, pr.freqs, pr.lam_sym, pr.lam_asym, u, causal=True, impl=impl,
+                              window=self.config.sliding_window, docs=docs, **scalar)
 
     def attend(self, p: Projected, values=None, impl: str | None = None):
-        return self.goat(p.q, p.k, p.v if values is None else values, impl or self.config.impl), None
+        return self.goat(p.q, p.k, p.v if values is None else values, impl or self.config.impl, docs=p.docs), None
 
     def step_readout(self, p: Projected, cache):
         full = cache.kv.append(k=p.k, v=p.v)  # one query against every cached key: the op's offset form

@@ -36,12 +36,14 @@ class GoatHybridAttention(HybridAttention):
         self.prior = GoatPrior(self.n_kv, c.goat_rank, c.goat_abs_rank, c.goat_base, c.goat_train_len)
 
     def takes_documents(self, device) -> bool:
-        return False  # GOAT's prior reads absolute key positions: packed documents re-pad
+        """Packed documents in one pass, as the goat mechanism takes them (`GoatAttention.goat`)."""
+        return True
 
-    def scalar_op(self, qs, ks, vals, tau, q, k, impl, n_prefix: int = 0, start: int = 0):
+    def scalar_op(self, qs, ks, vals, tau, q, k, impl, n_prefix: int = 0, start: int = 0, docs=None):
         pr = self.prior  # keys at positions start .. (a sliding window's cache holds the last ones only)
-        return goat_attention(q, k, vals, pr.freqs, pr.lam_sym, pr.lam_asym, pr.key_term(k.shape[2], start),
-                              qs=qs, ks=ks, tau=tau, causal=True, impl=impl, window=self.config.sliding_window)
+        u = pr.key_term(k.shape[2], start) if docs is None else pr.key_term_in_docs(docs)
+        return goat_attention(q, k, vals, pr.freqs, pr.lam_sym, pr.lam_asym, u, qs=qs, ks=ks, tau=tau, causal=True,
+                              impl=impl, window=self.config.sliding_window, docs=docs)
 
     def step_readout(self, p, cache):
         full = cache.scalar.append(ks=p.ks, v=p.v, k=p.k)  # no sink: the op's offset form over the cached keys
