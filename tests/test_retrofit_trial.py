@@ -248,3 +248,19 @@ def test_jobs_run_side_by_side_and_match_one_at_a_time(tmp_path, model_dir, caps
     assert "--jobs must be an int >= 1" in capsys.readouterr().err
     assert main(["retrofit", "--attn", "hybrid", "--out", str(tmp_path / "x"), "--jobs", "2"]) == 2
     assert not (tmp_path / "x").exists()
+
+
+def test_perplexities_under_different_rules_are_not_compared():
+    """A rule comparing perplexities of runs scored under different perplexity rules (or a variant whose
+    seeds mix them, mid-rerun) is inconclusive and says why; attention statistics are compared as usual."""
+    from attnlab.experiments.retrofit_trial import _same_rule
+
+    stats = {"a": {"earlier_rule": True, "seeds": [0, 1]}, "b": {"seeds": [0, 1]},
+             "c": {"earlier_rule": True, "mixed_rule": True, "seeds": [0, 1]}, "d": {"seeds": [0]}, "e": {"seeds": []}}
+    supported = {"outcome": "supported", "reason": "a 1.0 vs b 2.0"}
+    got = _same_rule({"metric": "nll", "compare": ["a", "b"]}, supported, stats)
+    assert got["outcome"] == "inconclusive" and "a earlier, b current" in got["reason"] and "a 1.0" in got["reason"]
+    assert _same_rule({"metric": "ppl", "compare": ["c", "a"]}, supported, stats)["outcome"] == "inconclusive"
+    assert _same_rule({"metric": "nll", "compare": ["b", "d"]}, supported, stats) == supported
+    assert _same_rule({"metric": "first_token_share", "compare": ["a", "b"]}, supported, stats) == supported
+    assert _same_rule({"metric": "nll", "compare": ["a", "e"]}, supported, stats) == supported  # e: nothing ran

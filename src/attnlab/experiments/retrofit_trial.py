@@ -295,7 +295,7 @@ def collect(trial: Trial) -> tuple[dict, dict]:
             stats[ORIGINAL]["earlier_rule"] = True
         layers[ORIGINAL] = {k: [row.get(k) for row in orig["eval"]["layers"]] for k in PER_LAYER}
     for v in trial.variants:
-        done, per_layer, earlier = {}, [], False
+        done, per_layer, earlier, current = {}, [], False, False
         for run in (r for r in trial.runs if r.variant == v):
             res = finished(run.folder, _fingerprint(run, ev))
             if res is None:
@@ -308,9 +308,12 @@ def collect(trial: Trial) -> tuple[dict, dict]:
             done[run.seed] = m
             per_layer.append(res["eval"]["layers"])
             earlier = earlier or res.get("perplexity_rule") != PERPLEXITY_RULE
+            current = current or res.get("perplexity_rule") == PERPLEXITY_RULE
         stats[v] = seed_stats(done)
         if earlier:
             stats[v]["earlier_rule"] = True
+            if current:
+                stats[v]["mixed_rule"] = True  # some seeds rerun under today's rule, some not yet
         stats[v]["tokens"] = next((r.finetune.steps * r.finetune.batch * r.finetune.context
                                    for r in trial.runs if r.variant == v), 0)
         if per_layer:
@@ -337,12 +340,35 @@ def write_report(trial: Trial) -> dict:
     for v in keep_recorded(stats, old, {ORIGINAL: list(trial.seeds), **seeds}, same):
         if (old.get("per_layer") or {}).get(v) is not None:
             layers[v] = old["per_layer"][v]
-    judged = [judge(r, stats) for r in trial.rules]
+    judged = [_same_rule(r, judge(r, stats), stats) for r in trial.rules]
     results = {"title": trial.title, "claim": trial.claim, "spec": str(trial.path), "variants": stats,
                "per_layer": layers, "verdicts": judged,
                "runs": {r.variant: _fingerprint(r, r.eval) for r in trial.runs}}
     write_outputs(trial.out, results, report_markdown(trial, stats, layers, judged))
     return results
+
+
+def _rule_of(stats: dict, v: str) -> str:
+    s = stats.get(v, {})
+    return "mixed" if s.get("mixed_rule") else "earlier" if s.get("earlier_rule") else "current"
+
+
+def _same_rule(rule: dict, judged: dict, stats: dict) -> dict:
+    """A comparison of perplexities scored under different perplexity rules (or a variant whose seeds
+    mix them) is not judged: inconclusive, saying which to rerun. Attention statistics are unaffected."""
+    m = rule.get("metric", "")
+    if "compare" not in rule or not (m in ("ppl", "nll", "ppl_gap") or m.startswith(("exact@", "gap:", "window",
+                                                                                       "learned"))):
+        return judged
+    if not all(stats.get(v, {}).get("seeds") for v in rule["compare"]):
+        return judged  # a variant with no finished run: the judge already says what is missing
+    rules = {v: _rule_of(stats, v) for v in rule["compare"]}
+    if len(set(rules.values())) == 1 and "mixed" not in rules.values():
+        return judged
+    said = ", ".join(f"{v} {r}" for v, r in rules.items())
+    return {**judged, "outcome": "inconclusive",
+            "reason": f"not judged: scored under different perplexity rules ({said}); rerun the earlier runs "
+                      f"(measured: {judged['reason']})"}
 
 
 def report_markdown(trial: Trial, stats: dict, layers: dict, judged: list[dict]) -> str:
@@ -373,11 +399,13 @@ def report_markdown(trial: Trial, stats: dict, layers: dict, judged: list[dict])
     rows = [[v, len(stats[v]["seeds"])] + [pm(stats[v]["mean"].get(k), stats[v]["sd"].get(k)) for k in shown]
             for v in [ORIGINAL, *trial.variants] if v in stats]
     lines += [markdown_table(["variant", "seeds", *shown], rows), ""]
-    earlier = [v for v in [ORIGINAL, *trial.variants] if stats.get(v, {}).get("earlier_rule")]
+    earlier = [v + (" (some seeds)" if stats[v].get("mixed_rule") else "") for v in [ORIGINAL, *trial.variants]
+               if stats.get(v, {}).get("earlier_rule")]
     if earlier:
         lines += [f"Scored under the earlier perplexity rule (every prediction, the first token of a document "
                   f"from the previous document's EOS included; the rule now is {PERPLEXITY_RULE}, "
-                  f"docs/retrofit.md): {', '.join(earlier)}. Rerunning those runs regenerates their numbers.", ""]
+                  f"docs/retrofit.md): {', '.join(earlier)}. Rerunning those runs regenerates their numbers; "
+                  f"until then a rule comparing perplexities scored under different rules is not judged.", ""]
     decode = [n for n in ev.decode_names() if not n.startswith("exact@")]
     if decode:
         lines += ["### Decoding through key selection: perplexity gap (%) against each model's exact loss", "",
