@@ -223,11 +223,8 @@ def test_cli_names_a_bad_tokenizer_before_any_work(tmp_path, capsys):
 
 
 @pytest.fixture(scope="module")
-def corpus(tmp_path_factory) -> str:
-    text = (Path(sysconfig.get_paths()["stdlib"]) / "argparse.py").read_text(encoding="utf-8")
-    path = tmp_path_factory.mktemp("corpus") / "corpus.txt"
-    path.write_text(text, encoding="utf-8")
-    return str(path)
+def corpus(argparse_corpus) -> str:
+    return argparse_corpus
 
 
 def test_a_run_keeps_its_gguf_tokenizer(files, corpus, tmp_path):

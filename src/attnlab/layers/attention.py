@@ -287,8 +287,9 @@ class Attention(nn.Module):
         if docs is not None and not self.takes_documents(x.device):
             raise ValueError(f"docs: mechanism {self.mechanism!r} with these settings does not keep packed documents "
                              f"apart on {x.device} (see takes_documents); attnlab.models.LM re-pads them instead")
-        p = self.project(x, 0 if docs is None else positions_in_doc(docs))
-        p.docs = docs
+        doc_pos = None if docs is None else positions_in_doc(docs)
+        p = self.project(x, 0 if docs is None else doc_pos)
+        p.docs, p.doc_pos = docs, doc_pos
         o, scal = self.attend(p)
         y, g = self._finish(o, x)
         if record:

@@ -50,6 +50,7 @@ class Projected:
     v0: torch.Tensor | None = None
     log_decay: torch.Tensor | None = None
     docs: torch.Tensor | None = None  # packed documents: (B, T) document ids (Attention.forward's docs)
+    doc_pos: torch.Tensor | None = None  # with docs: each token's position inside its document (B, T)
 
 
 @dataclass

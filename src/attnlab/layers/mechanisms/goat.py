@@ -21,7 +21,6 @@ import torch.nn.functional as F
 from torch import nn
 
 from ...checks import trusted
-from ...data.packing import positions_in_doc
 from ...ops import goat_attention
 from ..attention import Attention
 from ..rope import RotaryEmbedding
@@ -108,11 +107,11 @@ class GoatPrior(nn.Module):
         """u for key positions start .. start + n_keys − 1: (1, G, n_keys), float32."""
         return self.key_term_at(torch.arange(start, start + n_keys, device=self.freqs.device))
 
-    def key_term_in_docs(self, docs: torch.Tensor) -> torch.Tensor:
-        """u of packed documents' keys, docs (B, T) ids: each at its position inside its document,
-        (B, G, T), float32."""
-        B, T = docs.shape
-        u = self.key_term_at(positions_in_doc(docs).reshape(-1))  # (1, G, B * T)
+    def key_term_in_docs(self, doc_pos: torch.Tensor) -> torch.Tensor:
+        """u of packed documents' keys at their positions inside their documents, doc_pos (B, T)
+        (`Projected.doc_pos`): (B, G, T), float32."""
+        B, T = doc_pos.shape
+        u = self.key_term_at(doc_pos.reshape(-1))  # (1, G, B * T)
         return u[0].view(-1, B, T).transpose(0, 1)
 
     def key_term_at(self, positions: torch.Tensor) -> torch.Tensor:
@@ -158,17 +157,18 @@ class GoatAttention(Attention):
         document, and the key-only term is evaluated at each key's position inside its document."""
         return True
 
-    def goat(self, q, k, v, impl, start: int = 0, docs=None, **scalar):
+    def goat(self, q, k, v, impl, start: int = 0, docs=None, doc_pos=None, **scalar):
         """The op over keys at positions start .. start + Tk − 1 (a sliding window's cache holds the
         last ones only: the key-only term follows their positions); with packed documents' ids docs
-        (B, Tk), at each key's position inside its document."""
+        (B, Tk), at each key's position inside its document, doc_pos."""
         pr = self.prior
-        u = pr.key_term(k.shape[2], start) if docs is None else pr.key_term_in_docs(docs)
+        u = pr.key_term(k.shape[2], start) if docs is None else pr.key_term_in_docs(doc_pos)
         return goat_attention(q, k, v, pr.freqs, pr.lam_sym, pr.lam_asym, u, causal=True, impl=impl,
                               window=self.config.sliding_window, docs=docs, **scalar)
 
     def attend(self, p: Projected, values=None, impl: str | None = None):
-        return self.goat(p.q, p.k, p.v if values is None else values, impl or self.config.impl, docs=p.docs), None
+        return self.goat(p.q, p.k, p.v if values is None else values, impl or self.config.impl, docs=p.docs,
+                         doc_pos=p.doc_pos), None
 
     def step_readout(self, p: Projected, cache):
         full = cache.kv.append(k=p.k, v=p.v)  # one query against every cached key: the op's offset form

@@ -7,6 +7,7 @@ and decoding is exact (the sorted cache knows nothing of the prior)."""
 from __future__ import annotations
 
 from ...cache.kv import KVCache
+from ...data.packing import positions_in_doc
 from ...ops import goat_attention
 from ..registry import register
 from .goat import GOAT_OPTIONS, GoatPrior, check_goat_options, content_dim
@@ -41,7 +42,7 @@ class GoatHybridAttention(HybridAttention):
 
     def scalar_op(self, qs, ks, vals, tau, q, k, impl, n_prefix: int = 0, start: int = 0, docs=None):
         pr = self.prior  # keys at positions start .. (a sliding window's cache holds the last ones only)
-        u = pr.key_term(k.shape[2], start) if docs is None else pr.key_term_in_docs(docs)
+        u = pr.key_term(k.shape[2], start) if docs is None else pr.key_term_in_docs(positions_in_doc(docs))
         return goat_attention(q, k, vals, pr.freqs, pr.lam_sym, pr.lam_asym, u, qs=qs, ks=ks, tau=tau, causal=True,
                               impl=impl, window=self.config.sliding_window, docs=docs)
 
