@@ -1,7 +1,7 @@
 """Packed documents kept apart in one pass: `LM.forward(idx, doc_ids=...)` through ops that keep other
 documents out themselves (the Triton kernels of scalar, hybrid and principled heads, here under
-TRITON_INTERPRET=1; the docs argument of softmax with every scaling and window, gla, ssd and
-cosformer) equals running every document alone, logits and every parameter's gradient; RoPE positions
+TRITON_INTERPRET=1, and their CPU query chunks; the docs argument of softmax with every scaling and
+window, gla, ssd, cosformer and GOAT) equals running every document alone, logits and every parameter's gradient; RoPE positions
 restart in each document."""
 
 from __future__ import annotations
@@ -66,14 +66,17 @@ ONE_PASS = {  # mechanisms whose ops take docs on the CPU's own paths (no Triton
     "cosformer-own-horizon+gla-rope": (["cosformer", "gla"], {"rope": True}, 0),  # M: each document's length
     "goat+goat_hybrid": (["goat", "goat_hybrid"], {"goat_rank": 2}, 64),  # u at positions inside documents
     "goat-swa-rope": (["goat"], {"goat_rank": 2, "sliding_window": 5, "goat_rope": True, "goat_width": "extra"}, 64),
+    "scalar+hybrid": (["scalar", "hybrid"], {}, 64),  # the CPU's query chunks mask other documents
+    "hybrid+principled-gqa": (["hybrid", "principled"], {"n_kv_heads": 2}, 64),
+    "scalar-cauchy-chunks": (["scalar"], {"kernel": "cauchy", "impl": "fast"}, 64),
 }
 
 
 @pytest.mark.parametrize("attn, options, max_seq_len", ONE_PASS.values(), ids=ONE_PASS.keys())
 def test_linear_and_softmax_documents_in_one_pass(attn, options, max_seq_len):
     """gla, ssd and cosformer restart their recurrences, softmax its scalings and window, GOAT its
-    key-only term, at every document: the packed rows run in one pass (no re-padding), equal to each
-    document alone."""
+    key-only term, scalar, hybrid and principled heads their exact ops' query chunks, at every
+    document: the packed rows run in one pass (no re-padding), equal to each document alone."""
     torch.manual_seed(0)
     m = LM(ModelConfig(vocab_size=32, d_model=32, n_layers=len(attn), n_heads=4, attn=attn, max_seq_len=max_seq_len,
                        attention=dict(options)))
@@ -122,10 +125,11 @@ def test_one_pass_compiles_as_one_graph():
 
 
 def test_layers_without_a_one_pass_route_re_pad():
-    """A model with any layer whose op cannot mask documents (here impl 'auto' on the CPU) re-pads them,
-    which is also exact."""
+    """A model with any layer whose op cannot mask documents (here scalar heads beside a sink) re-pads
+    them, which is also exact."""
     torch.manual_seed(0)
-    m = LM(ModelConfig(vocab_size=32, d_model=32, n_layers=2, n_heads=4, attn=["hybrid", "gla"], max_seq_len=64))
+    m = LM(ModelConfig(vocab_size=32, d_model=32, n_layers=2, n_heads=4, attn=["hybrid", "gla"], max_seq_len=64,
+                       attention={"sink": True}))
     assert not m.takes_documents(torch.device("cpu"))
     idx = torch.randint(0, 32, (1, 24), generator=torch.Generator().manual_seed(1))
     docs = doc_ids()[1:] * 0
@@ -153,9 +157,10 @@ def test_document_attention_forward():
 
 def test_layer_refuses_documents_it_cannot_keep_apart():
     torch.manual_seed(0)
-    m = LM(ModelConfig(vocab_size=32, d_model=32, n_layers=1, n_heads=4, attn=["hybrid"], max_seq_len=64))
+    m = LM(ModelConfig(vocab_size=32, d_model=32, n_layers=1, n_heads=4, attn=["hybrid"], max_seq_len=64,
+                       attention={"sink": True}))
     x = torch.randn(1, 8, 32)
-    with pytest.raises(ValueError, match="docs: mechanism 'hybrid'"):  # off the Triton route on the CPU
+    with pytest.raises(ValueError, match="docs: mechanism 'hybrid'"):  # beside a sink
         m.blocks[0].attn(x, docs=torch.zeros(1, 8, dtype=torch.long))
 
 

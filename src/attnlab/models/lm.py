@@ -21,10 +21,11 @@ Documents. When attention must not cross document boundaries (`data.pack = "docu
 the model is given the per-token document ids of each packed sequence, `forward(...,
 doc_ids=...)`, and restarts at every boundary, equal to running each document alone. Where
 every layer's op keeps documents apart itself (`takes_documents`: the ops' `docs` argument, taken by
-softmax heads with every scaling and window, gla, ssd and cosformer on every path, and
-the Triton kernels of scalar, hybrid and principled heads), the packed sequence runs as it is, RoPE
-positions counted from each document's first token: one pass, static shapes, no host sync.
-Otherwise (goat, goat_hybrid, learned positions, scalar heads off their kernel) each row is cut into its document
+softmax heads with every scaling and window, gla, ssd, cosformer, goat and goat_hybrid, and
+scalar, hybrid and principled heads that read every key of their document, on every path), the
+packed sequence runs as it is, RoPE positions counted from each document's first token: one pass,
+static shapes, no host sync. Otherwise (learned positions, scalar heads with a sink, a trained or
+decode window, principled heads with a sliding window) each row is cut into its document
 segments, the segments run as a batch of their own (right-padded; padding comes after every
 real token so causal attention never reads it) and the outputs go back in place: every
 mechanism keeps its fast path and recurrent states start afresh, at the price of the segment

@@ -74,7 +74,7 @@ class DataConfig:
     pack: Literal["stream", "documents"] = opt(
         "stream", "'stream': documents packed back to back, attention crossing them; 'documents': each token attends "
                   "within its own document, positions restarting there (in one pass where every layer's op masks "
-                  "documents: the Triton kernels, FlexAttention on CUDA; else each document re-padded)")
+                  "documents, as every mechanism's exact op does; else, e.g. beside a sink, each document re-padded)")
     max_docs: int = opt(0, "use at most this many documents per split (0 = all)")
     mqar_pairs: int = opt(8, "MQAR key-value pairs per sequence (source='mqar'; vocabulary = model.vocab_size)")
     mqar_power_a: float = opt(0.01, "MQAR power-law parameter of the key-to-query gaps (Zoology's power_a)")

@@ -57,9 +57,9 @@ class PrincipledAttention(Attention):
                                     causal=True, impl=impl, window=self.config.sliding_window, docs=p.docs)
 
     def takes_documents(self, device) -> bool:
-        """Packed documents in one pass through the Triton kernel (K counts each query's document),
-        without a sliding window."""
-        return self.config.sliding_window is None and self.triton_route(device)
+        """Packed documents in one pass on every route (K counts each query's document), without a
+        sliding window."""
+        return self.config.sliding_window is None
 
     def attend(self, p: Projected, values=None, impl: str | None = None):
         v, v0 = (p.v, p.v0) if values is None else (values, None)  # weights leave the ground value out

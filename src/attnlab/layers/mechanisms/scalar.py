@@ -150,13 +150,13 @@ class ScalarAttention(ScalarDecode, Attention):
                                 window=self.config.sliding_window, n_prefix=n_prefix, docs=docs)
 
     def takes_documents(self, device) -> bool:
-        """Packed documents in one pass: through the Triton kernel, for a layer of scalar (or hybrid)
-        heads only that reads every key of its document (no sink, no trained or decode window, no
-        selector, no sliding window)."""
+        """Packed documents in one pass, on every route of the exact op (the Triton kernel, the CPU's
+        query chunks), for a layer of scalar (or hybrid) heads only that reads every key of its
+        document (no sink, no trained or decode window, no selector, no sliding window)."""
         c = self.config
         plain = not (c.sink or self.n_scalar < c.n_heads or c.train_window is not None or c.sliding_window is not None
                      or self.decode_window is not None or self.decode_budget is not None or self.decode_select is not None)
-        return plain and self.triton_route(device)
+        return plain
 
     def with_sink(self, p: Projected):
         """The scalar op's inputs, with the sink prepended when on: (qs, ks, values, tau, q, k, n_prefix)."""
