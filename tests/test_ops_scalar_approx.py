@@ -115,6 +115,63 @@ def test_dense_keys_fall_back_to_the_exact_path():
     assert torch.equal(scalar_attention_approx(qs, ks, v, tau), scalar_attention(qs, ks, v, tau, impl="fast"))
 
 
+def _doc_ids(lengths) -> torch.Tensor:
+    """(B, T) document ids, one row per entry of lengths."""
+    return torch.tensor([[i for i, n in enumerate(row) for _ in range(n)] for row in lengths])
+
+
+def _alone(lengths):
+    """The naive op run on each document of each row alone, put back in place (the reference)."""
+    def fn(qs, ks, v, tau):
+        def cut(x, b, lo, hi):  # a row's document; a per-head tau (or a float) as it is
+            if not torch.is_tensor(x) or x.dim() < 3:
+                return x
+            return x[b:b + 1, ..., lo:hi] if x.dim() == 3 else x[b:b + 1, :, lo:hi]
+
+        rows = []
+        for b, row in enumerate(lengths):
+            edges = [sum(row[:i]) for i in range(len(row) + 1)]
+            rows.append(torch.cat([_naive(*(cut(x, b, lo, hi) for x in (qs, ks, v, tau)))
+                                   for lo, hi in zip(edges[:-1], edges[1:])], dim=2))
+        return torch.cat(rows)
+    return fn
+
+
+DOC_LENGTHS = [[5, 1, 63, 61], [130]]  # a one-token document, a row that is one document
+
+
+@pytest.mark.parametrize("keys, tau", [("spread", 0.3), ("spread", 20.0), ("clustered", 1.0)])
+@pytest.mark.parametrize("tau_form", ["per-head", "per-query"])
+def test_documents_match_each_document_alone(keys, tau, tau_form):
+    """Packed documents (docs) through the sorted runs: another document's keys hidden, outputs and
+    every gradient equal to each document alone up to the tolerance."""
+    _check(compare_fwd_bwd(_approx(block=16, max_window=130, docs=_doc_ids(DOC_LENGTHS)), _alone(DOC_LENGTHS),
+                           _inputs(130, keys, tau_form=tau_form, tau=tau, G=2)))
+
+
+def test_documents_within_the_bound_exact_rows_and_fallback(monkeypatch):
+    """cu_seqlens (B = 1) in float64: within 2 tol max|v| of each document alone; a query far from its
+    run gets its exact row, inside its document; dense keys fall back to the exact path with docs."""
+    T, tol, lengths = 130, 1e-3, [[5, 1, 63, 61]]
+    cu = torch.tensor([0, 5, 6, 69, 130])
+    qs, ks, v, t = (x.detach().double() for x in _inputs(T, "spread", tau=0.3))
+    qs, ks, v = qs[:1], ks[:1], v[:1]
+    approx = scalar_attention_approx(qs, ks, v, t, tol=tol, block=8, max_window=T, cu_seqlens=cu)
+    assert (approx - _alone(lengths)(qs, ks, v, t)).abs().max() <= 2 * tol * v.abs().max()
+    calls, exact_rows = [], sa._exact_rows
+    monkeypatch.setattr(sa, "_exact_rows", lambda out, fail, *a: calls.append(int(fail.sum())) or exact_rows(out, fail, *a))
+    qs = qs.clone()
+    qs[:, :, 100] = ks[:, :, 80] + 0.01  # its nearest key (of its document) is far from its block's run
+    qs[:, :, 3] = 1e3  # no key within reach
+    _check(compare_fwd_bwd(_approx(block=16, max_window=T, cu_seqlens=cu), _alone(lengths),
+                           [x.requires_grad_() for x in (qs, ks, v, t)]), 1e-6)
+    assert calls and calls[0] > 0
+    qd, kd, vd, td = (x.detach()[:1] if torch.is_tensor(x) else x for x in _inputs(256, "clustered", tau_form="float"))
+    cu = torch.tensor([0, 100, 256])
+    assert torch.equal(scalar_attention_approx(qd, kd, vd, td, cu_seqlens=cu),
+                       scalar_attention(qd, kd, vd, td, impl="fast", cu_seqlens=cu))
+
+
 def test_bf16_inputs():
     qs, ks, v, tau = (x.detach() for x in _inputs(300))
     out = scalar_attention_approx(qs.bfloat16(), ks.bfloat16(), v.bfloat16(), tau.bfloat16(), max_window=300)
@@ -140,6 +197,9 @@ def test_non_finite_inputs_raise(name, bad):
     (dict(tau=-1.0), ValueError, "tau"), (dict(tau=torch.ones(3)), ValueError, "tau"),
     (dict(tau=torch.ones(B, H, 5)), ValueError, "tau"),
     (dict(v=torch.randn(B, 3, 20, DV)), ValueError, "v"), (dict(ks=torch.randn(B, H, 19)), ValueError, "ks"),
+    (dict(cu_seqlens=[0, 20]), ValueError, "batch size must be 1"),
+    (dict(docs=torch.zeros(B, 19, dtype=torch.long)), ValueError, "docs must have shape"),
+    (dict(docs=torch.zeros(B, 20)), TypeError, "docs must be an integer"),
 ])
 def test_bad_arguments_raise(kw, exc, match):
     qs, ks, v, tau = (x.detach() for x in _inputs(20))

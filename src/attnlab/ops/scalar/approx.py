@@ -24,6 +24,12 @@ Gradients: the run pass is a custom autograd function that recomputes the weight
 (`_RunAttention`); the sorts' permutations, gathers and the exact rows go through autograd.
 Per-token tau (B, H, T) is supported (each query's radius uses its own tau). Memory: O(T (W /
 block + Dv)) held per call and head, temporaries bounded by CHUNK_ELEMENTS.
+
+Packed documents (``docs`` / ``cu_seqlens``, `attnlab.ops._packed`): a key of another document is
+masked as a future key is, n_out counts the visible keys of the query's own document, and the exact
+rows and fallbacks keep documents apart too, so the bound holds against each document run alone
+(the runs themselves are cut from the whole row's sorted keys: the result is within the bound of
+each document's exact attention, not the same float as the approximation run per document).
 """
 
 from __future__ import annotations
@@ -33,6 +39,7 @@ import math
 import torch
 
 from ...checks import check_int, check_same
+from .._packed import packing
 from .._sdpa import upcast
 from .attention import scalar_attention
 from .naive import _check_scalars, _check_values, _tau
@@ -118,7 +125,8 @@ def approx_plan(qs, ks, tau, *, tol: float = APPROX_TOL, block: int = 64) -> dic
 
 
 def scalar_attention_approx(qs, ks, v, tau, *, tol: float = APPROX_TOL, block: int = 64,
-                            max_window: int | None = None) -> torch.Tensor:
+                            max_window: int | None = None, docs: torch.Tensor | None = None,
+                            cu_seqlens=None) -> torch.Tensor:
     """Causal scalar attention o_t = sum_{s<=t} softmax_s(-(qs_t - ks_s)^2 / tau_t) v_s, with each
     query's dropped softmax mass at most `tol` (see the module docstring for the bound).
 
@@ -133,6 +141,10 @@ def scalar_attention_approx(qs, ks, v, tau, *, tol: float = APPROX_TOL, block: i
         block: sorted queries per block (each block reads one run of keys), an int >= 1.
         max_window: the widest run of keys to read before running the exact fused path instead;
             None for T // 4.
+        docs: packed documents (module docstring), (B, T) integer document ids; None for one
+            document per row.
+        cu_seqlens: packed documents as N + 1 offsets [0, ..., T] into one row (B = 1), as
+            flash-linear-attention's ops take them. Give at most one of docs and cu_seqlens.
 
     Returns:
         (B, H, T, Dv) in v's dtype.
@@ -142,9 +154,12 @@ def scalar_attention_approx(qs, ks, v, tau, *, tol: float = APPROX_TOL, block: i
             neither a float nor a tensor; tol not a float; block or max_window not an int.
         ValueError: shapes that do not fit (batch, heads, groups, ks or v of another length than
             qs), another device, NaN or inf in any input, tau <= 0, tol outside (0, 1), block or
-            max_window < 1.
+            max_window < 1, docs or cu_seqlens (both, another shape, device or dtype, offsets not
+            from 0 to T, cu_seqlens with B != 1).
     """
     B, H, T, tol, tau_b = _check(qs, ks, v, tau, tol, block, max_window)
+    packed = packing(cu_seqlens, docs, B, T, qs)
+    seg = None if packed is None else packed.seg  # (B, T): each position's document
     cap = max(1, T // 4) if max_window is None else max_window
     cdt = upcast(qs.dtype)
     tau_full = tau_b.expand(B, H, T)
@@ -152,18 +167,20 @@ def scalar_attention_approx(qs, ks, v, tau, *, tol: float = APPROX_TOL, block: i
     k_sorted, k_perm = ks.detach().to(cdt).sort(-1)
     W, start = _window(k_sorted, q_sorted, tau_full.detach().gather(-1, q_perm), tol, block)
     if T == 0 or W > cap:
-        return scalar_attention(qs, ks, v, tau, causal=True, impl="fast")
-    out, fail = _windowed(qs, ks, v, tau_full, q_perm, k_sorted, k_perm, start, W, tol, block, cdt)
+        return scalar_attention(qs, ks, v, tau, causal=True, impl="fast", docs=seg)
+    out, fail = _windowed(qs, ks, v, tau_full, q_perm, k_sorted, k_perm, start, W, tol, block, cdt, packed)
     if fail.any():
         if int(fail.sum(-1).max()) > max(block, T // FALLBACK_FRACTION):
-            return scalar_attention(qs, ks, v, tau, causal=True, impl="fast")
-        out = _exact_rows(out, fail, qs, ks, v, tau_full, cdt)
+            return scalar_attention(qs, ks, v, tau, causal=True, impl="fast", docs=seg)
+        out = _exact_rows(out, fail, qs, ks, v, tau_full, cdt, seg)
     return out.to(v.dtype)
 
 
-def _windowed(qs, ks, v, tau_full, q_perm, k_sorted, k_perm, start, W: int, tol: float, block: int, cdt):
+def _windowed(qs, ks, v, tau_full, q_perm, k_sorted, k_perm, start, W: int, tol: float, block: int, cdt,
+              packed=None):
     """Every query against its block's run of W sorted keys: (B, H, T, Dv) in cdt, and the
-    queries whose bound exceeds tol, (B, H, T) bool in time order."""
+    queries whose bound exceeds tol, (B, H, T) bool in time order. packed: the documents' `Packing`
+    (keys of other documents hidden), or None."""
     B, H, T = qs.shape
     G, Dv = v.shape[1], v.shape[-1]
     nb = start.shape[-1]
@@ -179,13 +196,20 @@ def _windowed(qs, ks, v, tau_full, q_perm, k_sorted, k_perm, start, W: int, tol:
     rows = (torch.arange(B, device=qs.device)[:, None] * G + head_group) * T  # (B, H)
     v_idx = rows[..., None, None] + pos_k  # (B, H, nb, W): rows of the values flattened to (B G T, Dv)
     v_flat = v.to(cdt).reshape(B * G * T, Dv)
+    seg_q = seg_k = None
+    seen = pos_q + 1  # visible keys of each query
+    if packed is not None:  # each run key's and block query's document; a query sees its document's start on
+        segs = packed.seg[:, None].expand(B, H, T)
+        seg_q = segs.gather(-1, qp).view(B, H, nb, block)
+        seg_k = segs.gather(-1, pos_k.view(B, H, nb * W)).view(B, H, nb, W)
+        seen = packed.pos[:, None].expand(B, H, T).gather(-1, qp).view(B, H, nb, block) + 1
     # o_b (B, H, nb, block, Dv); lse, n_in (B, H, nb, block)
-    o_b, lse, n_in = _RunAttention.apply(q_b, t_b, k_b, v_flat, v_idx, pos_q, pos_k)
+    o_b, lse, n_in = _RunAttention.apply(q_b, t_b, k_b, v_flat, v_idx, pos_q, pos_k, seg_q, seg_k)
     o_sorted = o_b.view(B, H, nb * block, Dv)[:, :, :T]  # (B, H, T, Dv) in sorted-query order
     inv = torch.empty_like(q_perm).scatter_(-1, q_perm, torch.arange(T, device=qs.device).expand(B, H, T))
     out = o_sorted.gather(2, inv.unsqueeze(-1).expand(B, H, T, Dv))  # (B, H, T, Dv) in time order
     with torch.no_grad():
-        n_out = (pos_q + 1) - n_in  # visible keys outside the run
+        n_out = seen - n_in  # visible keys outside the run
         before = torch.cat([k_sorted.new_full((B, H, 1), float("-inf")), k_sorted], dim=-1)
         after = torch.cat([k_sorted, k_sorted.new_full((B, H, 1), float("inf"))], dim=-1)
         left = before.gather(-1, start).unsqueeze(-1)  # (B, H, nb, 1): the nearest excluded key below
@@ -198,12 +222,14 @@ def _windowed(qs, ks, v, tau_full, q_perm, k_sorted, k_perm, start, W: int, tol:
     return out, fail
 
 
-def _run_logits(q, t, k, pos_q, pos_k):
+def _run_logits(q, t, k, pos_q, pos_k, seg_q=None, seg_k=None):
     """Masked logits (B, H, nb, block, W) of each block's queries against its run, and the number of
     keys each query sees there; rows that see none are left unmasked (finite; their output is
-    replaced by an exact row)."""
+    replaced by an exact row). seg_q, seg_k: the queries' and keys' documents, or None."""
     logits = -(q.unsqueeze(-1) - k.unsqueeze(-2)).pow(2) / t.unsqueeze(-1)
     hidden = pos_k.unsqueeze(-2) > pos_q.unsqueeze(-1)
+    if seg_q is not None:
+        hidden = hidden | (seg_k.unsqueeze(-2) != seg_q.unsqueeze(-1))
     n_in = hidden.shape[-1] - hidden.sum(-1, keepdim=True)  # visible keys in the run
     return logits.masked_fill(hidden & (n_in > 0), float("-inf")), n_in
 
@@ -228,8 +254,9 @@ class _RunAttention(torch.autograd.Function):
     CHUNK_ELEMENTS (times Dv for the gathered values)."""
 
     @staticmethod
-    def forward(ctx, q, t, k, v_flat, v_idx, pos_q, pos_k):
-        # q, t, pos_q (B, H, nb, block); k, v_idx, pos_k (B, H, nb, W); v_flat (B G T, Dv)
+    def forward(ctx, q, t, k, v_flat, v_idx, pos_q, pos_k, seg_q=None, seg_k=None):
+        # q, t, pos_q, seg_q (B, H, nb, block); k, v_idx, pos_k, seg_k (B, H, nb, W); v_flat (B G T, Dv);
+        # seg_q, seg_k: documents, or None
         B, H, nb, block = q.shape
         # results are written into tensors allocated once: small per-chunk results kept alive between
         # the chunks' large temporaries would fragment the CPU heap (measured: 2.6x the peak RSS at 64K)
@@ -237,7 +264,8 @@ class _RunAttention(torch.autograd.Function):
         m, z, lse = (q.new_empty(B, H, nb, block, 1) for _ in range(3))
         n_in = torch.empty(B, H, nb, block, 1, dtype=torch.long, device=q.device)
         for c in _chunks(q, k):
-            logits, n_in[:, :, c] = _run_logits(q[:, :, c], t[:, :, c], k[:, :, c], pos_q[:, :, c], pos_k[:, :, c])
+            logits, n_in[:, :, c] = _run_logits(q[:, :, c], t[:, :, c], k[:, :, c], pos_q[:, :, c], pos_k[:, :, c],
+                                                *_docs_of(seg_q, seg_k, c))
             # the row max and sum kept apart: logits reach -1e4 and more, where a float32 log-sum-exp
             # would carry an absolute rounding error of ~1e-3 into every recomputed weight
             torch.amax(logits, -1, keepdim=True, out=m[:, :, c])
@@ -246,19 +274,19 @@ class _RunAttention(torch.autograd.Function):
             torch.div(p @ _gather(v_flat, v_idx[:, :, c]), z[:, :, c], out=o[:, :, c])  # (B, H, n, block, Dv)
         torch.add(m, z.log(), out=lse)
         lse.masked_fill_(n_in == 0, float("-inf"))  # -inf: no visible key in the run
-        ctx.save_for_backward(q, t, k, v_flat, v_idx, pos_q, pos_k, m, z)
+        ctx.save_for_backward(q, t, k, v_flat, v_idx, pos_q, pos_k, m, z, seg_q, seg_k)
         lse, n_in = lse.squeeze(-1), n_in.squeeze(-1)
         ctx.mark_non_differentiable(lse, n_in)
         return o, lse, n_in
 
     @staticmethod
     def backward(ctx, d_o, *_):
-        q, t, k, v_flat, v_idx, pos_q, pos_k, m, z = ctx.saved_tensors
+        q, t, k, v_flat, v_idx, pos_q, pos_k, m, z, seg_q, seg_k = ctx.saved_tensors
         dq, dt, dk = torch.empty_like(q), torch.empty_like(t), torch.empty_like(k)
         dv = torch.zeros_like(v_flat)
         for c in _chunks(q, k):
             qc, tc, kc, doc = q[:, :, c], t[:, :, c], k[:, :, c], d_o[:, :, c]
-            logits, _ = _run_logits(qc, tc, kc, pos_q[:, :, c], pos_k[:, :, c])
+            logits, _ = _run_logits(qc, tc, kc, pos_q[:, :, c], pos_k[:, :, c], *_docs_of(seg_q, seg_k, c))
             p = torch.exp(logits - m[:, :, c]) / z[:, :, c]
             dp = doc @ _gather(v_flat, v_idx[:, :, c]).transpose(-1, -2)
             # sum_w p dp rather than d_o . o: the same rounding as dp, so a row whose weight sits on one
@@ -270,11 +298,17 @@ class _RunAttention(torch.autograd.Function):
             torch.div((ds_t * diff).sum(-1), tc, out=dt[:, :, c])  # d logits / d t = diff^2 / t^2
             torch.mul(ds_t.sum(-2), 2.0, out=dk[:, :, c])
             dv.index_add_(0, v_idx[:, :, c].reshape(-1), (p.transpose(-1, -2) @ doc).reshape(-1, dv.shape[-1]))
-        return dq, dt, dk, dv, None, None, None
+        return dq, dt, dk, dv, None, None, None, None, None
 
 
-def _exact_rows(out, fail, qs, ks, v, tau_full, cdt):
-    """`out` with the rows where `fail` (B, H, T) replaced by the naive formula's."""
+def _docs_of(seg_q, seg_k, c: slice) -> tuple:
+    """The documents of a chunk of blocks: (seg_q, seg_k) sliced, or (None, None)."""
+    return (None, None) if seg_q is None else (seg_q[:, :, c], seg_k[:, :, c])
+
+
+def _exact_rows(out, fail, qs, ks, v, tau_full, cdt, seg=None):
+    """`out` with the rows where `fail` (B, H, T) replaced by the naive formula's (seg (B, T): the
+    documents, keys of another one hidden; or None)."""
     B, H, T = qs.shape
     G, Dv = v.shape[1], v.shape[-1]
     counts = fail.sum(-1)  # (B, H)
@@ -286,6 +320,8 @@ def _exact_rows(out, fail, qs, ks, v, tau_full, cdt):
     t_f = tau_full.to(cdt).gather(-1, pos).unsqueeze(-1)
     logits = -(q_f - ks.to(cdt)[..., None, :L]).pow(2) / t_f  # (B, H, F, L)
     hidden = torch.arange(L, device=qs.device) > pos.unsqueeze(-1)
+    if seg is not None:  # (B, H, F, L): and the keys of other documents
+        hidden = hidden | (seg[:, None, None, :L] != seg[:, None].expand(B, H, T).gather(-1, pos).unsqueeze(-1))
     w = torch.softmax(logits.masked_fill(hidden, float("-inf")), dim=-1)
     o_f = w.view(B, G, (H // G) * F, L) @ v.to(cdt)[:, :, :L]  # grouped values read in place
     o_f = o_f.view(B, H, F, Dv)

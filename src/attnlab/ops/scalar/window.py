@@ -26,6 +26,12 @@ memory O(T x m) per head and never T x T, the chunk's gathers recomputed in the 
 (activation checkpointing) so training through the window keeps O(T x m) as well. Tests compare
 the two paths' outputs and every gradient, with ties and the local window.
 
+Packed documents (``docs`` / ``cu_seqlens``, `attnlab.ops._packed`): a query's candidates and local
+keys are the keys of its own document, so each document reads what it would alone; both paths and
+the Triton kernel take them (the selected indices carry the documents), the sorted search steps
+aside for the dense one. A sink, a budget or keep_fn are rules about one sequence's positions and
+are refused beside them.
+
 Other selection rules. `keep_fn` replaces the window rule by any other choice of keys (the key
 selectors of `attnlab.eval.selectors`: oracle top-K, Quest pages, learned search vectors): it is
 called once per query chunk as keep_fn(a, b, logits) with the chunk's query rows a..b-1 (the keys
@@ -40,6 +46,7 @@ from typing import Callable
 import torch
 
 from ...checks import check_int, check_same, visible_keys
+from .._packed import packing
 from .._sdpa import check_qkv, expand_heads, upcast
 from .budget import budget_evictions
 from .nearest import SORTED_FROM, SORTED_ON, nearest_sorted
@@ -96,7 +103,8 @@ def nearest_newest(dist: torch.Tensor, n: int) -> torch.Tensor:
 
 
 def window_mask(qs: torch.Tensor, ks: torch.Tensor, window: int, *, n_prefix: int = 0,
-                causal: bool = True, evicted_at: torch.Tensor | None = None, local: int = 0) -> torch.Tensor:
+                causal: bool = True, evicted_at: torch.Tensor | None = None, local: int = 0,
+                seg: torch.Tensor | None = None) -> torch.Tensor:
     """Which keys are in each query's window: the `window` candidates nearest to it in scalar
     space, the newest first among equal distances.
 
@@ -111,6 +119,9 @@ def window_mask(qs: torch.Tensor, ks: torch.Tensor, window: int, *, n_prefix: in
             while evicted_at[s] >= t; None keeps every key.
         local: (causal only) the last `local` keys t - local < s <= t are always in too, and the
             window's keys are the nearest among the older ones (module docstring); an int >= 0.
+        seg: packed documents, (B, Tk) run index of each key's document (`attnlab.ops._packed`):
+            only keys of the query's own document are candidates (or local keys); None for one
+            document per row.
 
     Returns:
         (B, H, Tq, Tk) bool, True where key s is in query t's window.
@@ -128,6 +139,8 @@ def window_mask(qs: torch.Tensor, ks: torch.Tensor, window: int, *, n_prefix: in
     pos_q = torch.arange(Tk - Tq, Tk, device=qs.device)[:, None]
     candidate = visible_keys(Tq, Tk, causal, qs.device)  # (Tq, Tk)
     candidate[:, :n_prefix] = False
+    if seg is not None:  # (B, 1, Tq, Tk): and the keys of the query's document only
+        candidate = candidate & (seg[:, None, Tk - Tq:, None] == seg[:, None, None, :])
     recent = None
     if local:
         pos_k = torch.arange(Tk, device=qs.device)
@@ -146,7 +159,7 @@ def window_mask(qs: torch.Tensor, ks: torch.Tensor, window: int, *, n_prefix: in
 
 
 def window_indices(qs: torch.Tensor, ks: torch.Tensor, window: int, *, n_prefix: int = 0, local: int = 0,
-                   query_chunk: int = 256) -> tuple[torch.Tensor, torch.Tensor]:
+                   query_chunk: int = 256, seg: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """The keys of `window_mask` (causal, Tq = Tk = T) as indices.
 
     Memory O(query_chunk x T) per head while computing, O(T x m) kept; no gradient. Once a chunk's
@@ -161,6 +174,9 @@ def window_indices(qs: torch.Tensor, ks: torch.Tensor, window: int, *, n_prefix:
         n_prefix: leading keys (a sink) always selected, not counted toward `window`.
         local: the last `local` keys each query sees, always selected.
         query_chunk: query rows whose distances are computed at once.
+        seg: packed documents, (B, T) run index of each position's document: a query selects
+            among the keys of its own document only (local keys included); the sorted search is
+            not used. None for one document per row.
 
     Returns:
         idx (B, H, T, m) int64 key indices and ok (B, H, T, m) bool, True where the column
@@ -182,12 +198,14 @@ def window_indices(qs: torch.Tensor, ks: torch.Tensor, window: int, *, n_prefix:
         rec = pos[:, None] - torch.arange(local, device=ks.device)  # (T, local): t, t-1, ...
         idx[..., n_prefix : n_prefix + local] = rec.clamp_min(0)
         ok[..., n_prefix : n_prefix + local] = rec >= n_prefix
+        if seg is not None:  # (B, 1, T, local): a local key of another document is no key
+            ok[..., n_prefix : n_prefix + local] &= (seg[:, None, rec.clamp_min(0)] == seg[:, None, :, None])
     if not k:
         return idx, ok
     cdt = upcast(qs.dtype)
     # the sorted search decides on the host whether its candidates settle a chunk: free on the CPU,
     # a device sync per chunk elsewhere, so accelerators score every chunk densely (no read back)
-    sorted_search = cdt == torch.float32 and qs.device.type in SORTED_ON
+    sorted_search = cdt == torch.float32 and qs.device.type in SORTED_ON and seg is None
     with torch.no_grad():
         q32, k32 = qs.detach().to(cdt), ks.detach().to(cdt)
         for a in range(0, T, query_chunk):
@@ -199,6 +217,8 @@ def window_indices(qs: torch.Tensor, ks: torch.Tensor, window: int, *, n_prefix:
                 continue
             dist = (q32[..., a:b, None] - k32[..., None, :b]).abs()  # (B, H, c, b)
             cand = (pos[:b] >= n_prefix) & (pos[:b] <= pos[a:b, None] - local)  # (c, b)
+            if seg is not None:  # (B, 1, c, b): the keys of each query's document
+                cand = cand & (seg[:, None, a:b, None] == seg[:, None, None, :b])
             dist = dist.masked_fill(~cand, float("inf"))
             kk = min(k, b)  # a chunk's keys 0..b-1 may be fewer than k
             if dist.dtype == torch.float32:  # one exact top-k: (distance bits, newest first) as one int64
@@ -237,6 +257,8 @@ def windowed_attention(
     impl: str = "auto",
     scalar_scale=None,
     kernel: str = "gaussian",
+    docs: torch.Tensor | None = None,
+    cu_seqlens=None,
 ) -> torch.Tensor:
     """Causal scalar attention (q, k None) or hybrid attention (q, k given) over each query's
     scalar window; see the module docstring.
@@ -266,6 +288,11 @@ def windowed_attention(
             None for 1. It changes the scores, not which keys the window selects.
         kernel: the scalar term's kernel, "gaussian" or "cauchy" (`attnlab.ops.scalar`); both
             select the same keys.
+        docs: packed documents (`attnlab.ops._packed`), (B, T) integer document ids: each query's
+            window (and local keys) holds keys of its own document only, as if each document ran
+            alone. Not with a prefix, a budget or keep_fn (position rules of one sequence).
+        cu_seqlens: packed documents as N + 1 offsets [0, ..., T] into one row (B = 1), as
+            flash-linear-attention's ops take them; as docs otherwise. Give at most one of the two.
 
     Returns:
         (B, H, T, Dv) in v's dtype.
@@ -277,8 +304,9 @@ def windowed_attention(
             another device, NaN or inf, tau <= 0, window, query_chunk, n_prefix, local, budget
             or history out of range (a non-int: NotAnIntError, a TypeError too), q without k,
             impl="fast" with a budget or keep_fn, keep_fn with a window, budget or local, a
-            keep_fn mask that is not bool of the chunk's shape or leaves a query no key, or an
-            unknown impl.
+            keep_fn mask that is not bool of the chunk's shape or leaves a query no key, an
+            unknown impl, docs or cu_seqlens (both; with n_prefix, budget or keep_fn; of another
+            shape, device or dtype; offsets not from 0 to T; cu_seqlens with B != 1).
     """
     if window is not None:
         check_int("window", window, 1)
@@ -315,13 +343,20 @@ def windowed_attention(
     _tau(tau, B, H, T, upcast(qs.dtype), qs.device)
     if scalar_scale is not None:
         _scalar_scale(scalar_scale, H, upcast(qs.dtype), qs.device)
+    seg = None
+    if docs is not None or cu_seqlens is not None:
+        if n_prefix or budget is not None or keep_fn is not None:
+            raise ValueError(f"packed documents (docs / cu_seqlens) take no prefix, budget or keep_fn (rules for the "
+                             f"positions of one sequence), got n_prefix={n_prefix!r}, budget={budget!r}, "
+                             f"keep_fn={'given' if keep_fn is not None else None}")
+        seg = packing(cu_seqlens, docs, B, T, qs).seg  # (B, T): each position's document
     cdt = upcast(v.dtype)
     vals = expand_heads(v, H)
     per_query_tau = torch.is_tensor(tau) and tau.dim() == 3
     window = T if window is None else window
     if impl != "naive" and budget is None and keep_fn is None:
         chunk = select_chunk(query_chunk, B, H, T, qs.device)
-        idx, ok = window_indices(qs, ks, max(window, 1), n_prefix=n_prefix, local=local, query_chunk=chunk)
+        idx, ok = window_indices(qs, ks, max(window, 1), n_prefix=n_prefix, local=local, query_chunk=chunk, seg=seg)
         if triton_route(impl, qs.device):  # the selected keys only, gathered inside the kernel
             from .triton_selected import triton_selected_attention
 
@@ -342,7 +377,7 @@ def windowed_attention(
                                    scalar_scale=scalar_scale, kernel=kernel)
         if keep_fn is None:
             keep = window_mask(qs[..., a:b], ks[..., :b], max(window, 1), n_prefix=n_prefix, evicted_at=evicted,
-                               local=local)
+                               local=local, seg=None if seg is None else seg[:, :b])
         else:
             keep = _chunk_keep(keep_fn, a, b, logits)
         w = torch.softmax(logits.masked_fill(~keep, float("-inf")), dim=-1)
