@@ -17,7 +17,7 @@ COMPAT_TORCH ?= torch==2.11.0
 COMPAT_VENV  ?= .venv-compat
 COMPAT_TESTS ?= tests/test_compile_counts.py tests/test_compile.py tests/test_no_host_sync.py
 
-.PHONY: venv test test-compat test-slow quickstart bench docs clean
+.PHONY: venv test test-heavy test-compat test-slow quickstart bench docs clean
 
 $(BIN)/.installed: pyproject.toml constraints.txt
 	$(PYTHON) -m venv $(VENV)
@@ -29,7 +29,12 @@ $(BIN)/.installed: pyproject.toml constraints.txt
 venv: $(BIN)/.installed
 
 test: venv
-	$(BIN)/python -m pytest -q -m "not slow" -n $(TEST_WORKERS) $(PYTEST_ARGS)
+	$(BIN)/python -m pytest -q -m "not slow and not heavy" -n $(TEST_WORKERS) $(PYTEST_ARGS)
+
+# The tests of seconds each that `make test` leaves out (end-to-end commands, subprocesses, DDP,
+# compiles, interpreted kernels at larger shapes); CI runs them after `make test`.
+test-heavy: venv
+	$(BIN)/python -m pytest -q -m "heavy and not slow" -n $(TEST_WORKERS) $(PYTEST_ARGS)
 
 $(COMPAT_VENV)/bin/.installed: pyproject.toml constraints.txt
 	$(PYTHON) -m venv $(COMPAT_VENV)

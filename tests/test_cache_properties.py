@@ -82,6 +82,7 @@ def check(cache, live, ks_hist):
     assert int(cache.n_entries().max()) == max(len(g) for g in got)
 
 
+@pytest.mark.heavy
 @settings(max_examples=100, deadline=None)
 @given(st.lists(op, min_size=4, max_size=45))
 def test_invariants_under_random_operations(ops):
@@ -207,6 +208,7 @@ def check_attend(cache, gen, window) -> None:
     assert torch.allclose(fast[rows], naive[rows], atol=1e-5, rtol=1e-5)
 
 
+@pytest.mark.heavy
 @settings(max_examples=100, deadline=None)
 @given(st.booleans(), st.booleans(), st.integers(0, 2 ** 16), st.lists(q_op, min_size=4, max_size=40))
 def test_rejected_calls_leave_state_bit_identical(hybrid, sink, seed, ops):

@@ -214,6 +214,7 @@ def resume_argv(run_dir, *extra):
     return ["train", str(TINY), "--run-dir", str(run_dir), *CLI_RUN, "train.steps=6", "--resume", *extra]
 
 
+@pytest.mark.heavy
 @pytest.mark.parametrize(
     "file, damage, words",
     [
@@ -265,6 +266,7 @@ def test_eval_with_overrides_that_change_the_model_names_the_key(run_copy, capsy
     assert "model.d_model was 32, now 64" in line
 
 
+@pytest.mark.heavy
 def test_resume_accepts_a_default_written_out(run_copy, capsys):
     """The comparison is of the model each config builds: rope=true is the default here, so no change."""
     from attnlab.cli import main

@@ -113,6 +113,7 @@ def test_usage_errors_are_one_line(argv, must_contain, tmp_path, capsys, monkeyp
     assert list(tmp_path.iterdir()) == []
 
 
+@pytest.mark.heavy
 def test_subprocess_exit_code_and_message(tmp_path):
     env = {**os.environ, "PYTHONPATH": str(ROOT / "src")}
     proc = subprocess.run(
@@ -136,6 +137,7 @@ def trained(tmp_path_factory):
     return run_dir
 
 
+@pytest.mark.heavy
 def test_train_writes_run_folder(trained):
     for name in ("config.toml", "config.json", "log.jsonl", "train.csv", "eval.csv", "summary.json"):
         assert (trained / name).is_file(), name
@@ -177,6 +179,7 @@ def test_eval_writes_json_and_markdown(trained, capsys):
     assert "top-8" in md and "hybrid" in md and md in out + "\n"
 
 
+@pytest.mark.heavy
 def test_eval_windowed_and_by_length(trained, capsys):
     code, out, _ = run_main(["eval", str(trained), "--seq-lens", "16", "--max-tokens", "256", "--analysis-len", "16",
                              "--windows", "2,64", "--budgets", "4", "--lengths", "16,48", "--compress", "0"], capsys)
@@ -243,6 +246,7 @@ def test_eval_needs_a_trained_run(tmp_path, capsys):
     assert code == 2 and "train it first" in err
 
 
+@pytest.mark.heavy
 def test_eval_reports_mqar_accuracy_for_a_moved_mqar_run(tmp_path, capsys):
     run_dir = tmp_path / "mqar"
     argv = ["train", TINY, "--run-dir", str(run_dir), *FAST, "data.source=mqar", "data.seq_len=32",

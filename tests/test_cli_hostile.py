@@ -215,6 +215,7 @@ def test_search_internal_import_error_at_run_time_propagates(tmp_path, monkeypat
         main(["search", "train"])
 
 
+@pytest.mark.heavy
 def test_subprocess_non_finite_override(tmp_path):
     """The real entry point: exit status 2, one line, no traceback, no run folder."""
     import subprocess

@@ -53,6 +53,7 @@ def _grads(model) -> dict:
     return {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
 
 
+@pytest.mark.heavy
 @pytest.mark.parametrize("mechanism", MAIN)
 def test_fullgraph_training_steps_equal_eager(mechanism):
     """Compiled with fullgraph=True (a graph break raises): logits, loss and every gradient equal the
@@ -88,6 +89,7 @@ def test_fullgraph_training_steps_equal_eager(mechanism):
         steps[1](*_batch())
 
 
+@pytest.mark.heavy
 @pytest.mark.parametrize("backend", ["eager", pytest.param("aot_eager", marks=pytest.mark.slow)])
 def test_fullgraph_every_other_mechanism(backend):
     """One model with a layer of every other registered mechanism (and scalar/hybrid variants:
@@ -172,6 +174,7 @@ def test_ops_called_directly_still_check_values():
             softmax_attention(q, bad, q)
 
 
+@pytest.mark.heavy
 def test_op_compiled_alone_asserts_in_graph():
     """An op compiled on its own traces without a break and keeps its checks as asserts; the fused
     SDPA kernel would otherwise turn a NaN query row into zeros, silently."""

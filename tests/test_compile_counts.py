@@ -72,6 +72,7 @@ def _count(model: LM, steps: int = 3, docs: bool = False) -> tuple[CompileCounte
     return cnt, {k: dict(v) for k, v in counters.items() if k in ("graph_break", "recompiles")}
 
 
+@pytest.mark.heavy
 @pytest.mark.parametrize("name", list(CONFIGS))
 def test_one_graph_no_recompile(name):
     cnt, seen = _count(_model(name))
@@ -79,6 +80,7 @@ def test_one_graph_no_recompile(name):
     assert not seen.get("graph_break") and not seen.get("recompiles"), seen
 
 
+@pytest.mark.heavy
 @pytest.mark.parametrize("name", ["softmax", "hybrid-window-cauchy"])
 def test_packed_documents_one_graph(name):
     """Packed documents (doc_ids) through a compiled model: every mechanism that keeps documents apart

@@ -203,6 +203,7 @@ def test_empty_row():
     assert o.shape == (1, 2, 0, 6) and st.kv.shape == (1, 2, 16, 6) and not st.kv.any()
 
 
+@pytest.mark.heavy
 @pytest.mark.parametrize("op", ["gla", "ssd", "cosformer", "cosformer-bidirectional"])
 def test_one_graph_under_compile(op):
     """The fast path reads nothing of cu_seqlens on the host and no shape depends on it: it traces as

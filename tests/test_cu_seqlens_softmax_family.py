@@ -15,6 +15,8 @@ from attnlab.testing import PACKED_LENGTHS, cu_offsets, rel_rms
 pytestmark = pytest.mark.usefixtures("one_thread")
 
 LENGTHS, offsets = PACKED_LENGTHS, cu_offsets
+# the kernels' cases at twelve documents take seconds each under the interpreter: `make test-heavy`
+KERNEL_LENGTHS = ["len1", "awkward", pytest.param("many", marks=pytest.mark.heavy)]
 
 
 def randn(*shape, seed=0):
@@ -137,7 +139,7 @@ def scalar_inputs(T, hybrid):
 
 
 @pytest.mark.parametrize("impl", ["fast", "naive", "triton"])
-@pytest.mark.parametrize("lengths", ["len1", "awkward", "many"])
+@pytest.mark.parametrize("lengths", KERNEL_LENGTHS)
 @pytest.mark.parametrize("kernel, window", KERNELS, ids=[f"{k}-w{w}" for k, w in KERNELS])
 @pytest.mark.parametrize("op", ["scalar", "hybrid"])
 def test_scalar_hybrid_documents_alone(op, kernel, window, lengths, impl):
@@ -163,7 +165,7 @@ def principled(q, k, qg, kg, v, alpha, **kw):
 
 
 @pytest.mark.parametrize("impl", ["fast", "naive", "triton"])
-@pytest.mark.parametrize("lengths", ["len1", "awkward", "many"])
+@pytest.mark.parametrize("lengths", KERNEL_LENGTHS)
 @pytest.mark.parametrize("case", PRINCIPLED.keys())
 def test_principled_documents_alone(case, lengths, impl):
     """K counts each query's own document (and window); the ground weight w0 too."""
@@ -207,6 +209,7 @@ FAST_GRAPHS = {
 }
 
 
+@pytest.mark.heavy
 @pytest.mark.parametrize("name", FAST_GRAPHS.keys())
 def test_fast_paths_one_graph_under_compile(name):
     """No host read of cu_seqlens and no shape that depends on it: one graph, forward and backward."""
@@ -254,7 +257,7 @@ def goat(q, k, v, freqs, lam_sym, lam_asym, u, hybrid=False, qs=None, ks=None, t
 
 
 @pytest.mark.parametrize("impl", ["fast", "naive", "triton"])
-@pytest.mark.parametrize("lengths", ["len1", "awkward", "many"])
+@pytest.mark.parametrize("lengths", KERNEL_LENGTHS)
 @pytest.mark.parametrize("case", GOAT.keys())
 def test_goat_documents_alone(case, lengths, impl):
     """GOAT's spectral prior reads i - j, the same wherever a document lies: packed, each query reads

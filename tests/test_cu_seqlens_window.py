@@ -80,6 +80,7 @@ def test_window_documents_at_awkward_lengths(lengths):
     compare(inputs(cu[-1], hybrid=True), cu, "fast", window=5, local=2)
 
 
+@pytest.mark.heavy
 @pytest.mark.parametrize("hybrid", [False, True], ids=["scalar", "hybrid"])
 def test_window_documents_through_the_triton_kernel(hybrid):
     """The Triton kernel reads the selected keys (idx, ok), which carry the documents: interpreter on

@@ -45,6 +45,7 @@ def test_split_rule_is_the_documented_hash():
     assert 0.015 < counts["test"] / 20000 < 0.025 and 0.015 < counts["val"] / 20000 < 0.025
 
 
+@pytest.mark.heavy
 def test_stdlib_corpus_splits_are_disjoint_and_follow_the_rules():
     files = {s: stdlib_files(s) for s in ("train", "val", "test")}
     every = stdlib_files("all")

@@ -50,6 +50,7 @@ def final_weights(run_dir: Path) -> dict:
     return load_file(str(run_dir / "checkpoints" / "step_000006" / "model.safetensors"))
 
 
+@pytest.mark.heavy
 def test_two_processes_match_one(tmp_path, corpus):
     """DDP and FSDP2 on two ranks follow the single-process run with the same global batch; the FSDP
     checkpoint is written in the single-process format (same names, full tensors); and no rank reads a

@@ -15,6 +15,7 @@ from pathlib import Path
 
 import pytest
 
+pytestmark = pytest.mark.heavy  # every test reads the built site (mkdocs --strict, seconds)
 ROOT = Path(__file__).resolve().parents[1]
 
 pytest.importorskip("mkdocs", reason="the [docs] extra is not installed")

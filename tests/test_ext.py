@@ -101,6 +101,7 @@ def test_principled_matches_naive(path, case):
     assert_close(errs, 1e-3 if ref64 else TOL)
 
 
+@pytest.mark.heavy
 def test_principled_float64_and_gradcheck(path):
     inputs = principled_inputs(33, Tk=40, dtype=torch.float64, groups=(2, 4, 1))
     assert_close(compare_fwd_bwd(principled("fast", block_q=8, block_k=16), principled("naive"), inputs), 1e-10)

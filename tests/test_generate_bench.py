@@ -12,6 +12,8 @@ from pathlib import Path
 from attnlab.train import train
 from attnlab.train.config import load_config
 
+import pytest
+
 ROOT = Path(__file__).resolve().parents[1]
 CORPUS = (Path(sysconfig.get_paths()["stdlib"]) / "argparse.py").as_posix()
 
@@ -23,6 +25,7 @@ def _bench():
     return mod
 
 
+@pytest.mark.heavy
 def test_generate_benchmark_on_a_tiny_run(tmp_path):
     cfg = load_config(ROOT / "configs" / "tiny.toml", [
         "model.attn=hybrid", "model.d_model=16", "model.n_heads=2", "data.seq_len=16", f"data.source={CORPUS}",
@@ -41,6 +44,7 @@ def test_generate_benchmark_on_a_tiny_run(tmp_path):
     assert (tmp_path / "gen.png").read_bytes()[:4] == b"\x89PNG"
 
 
+@pytest.mark.heavy
 def test_generate_benchmark_with_learned_selection_and_a_softmax_model(tmp_path):
     """--selector decodes through search projections trained on the run (K as large as the text:
     every key, so no gap), --softmax-run adds another model's exact loss on the same tokens."""

@@ -7,6 +7,8 @@ import importlib.util
 import sys
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parents[1]
 
 
@@ -18,6 +20,7 @@ def _gpu_module():
     return mod
 
 
+@pytest.mark.heavy
 def test_a_run_cut_short_keeps_its_failures(tmp_path):
     tests = tmp_path / "tests"
     tests.mkdir()

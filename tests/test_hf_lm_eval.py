@@ -63,6 +63,7 @@ def greedy_text(lm, prompt: str, n: int) -> str:
     return tok.decode(out).split("\n")[0]
 
 
+@pytest.mark.heavy
 def test_harness_on_the_exported_folder(setup):
     lm, folder, tm = setup
     res = lm_eval.simple_evaluate(model="hf", model_args={"pretrained": str(folder), "device": "cpu"}, tasks=TASKS,

@@ -192,6 +192,7 @@ def test_bad_configs_and_inputs_are_named(tmp_path):
         hf(torch.zeros(1, 3, dtype=torch.long), attention_mask=torch.ones(1, 2))
 
 
+@pytest.mark.heavy
 def test_import_attnlab_needs_no_transformers():
     import subprocess
     import sys
@@ -205,6 +206,7 @@ def test_import_attnlab_needs_no_transformers():
     assert "needs transformers" in out.stdout
 
 
+@pytest.mark.heavy
 def test_exported_model_compiles_fullgraph(tmp_path):
     """torch.compile(fullgraph=True) of an exported model with a softmax, a scalar and a hybrid layer
     (a graph break raises): the training forward with labels gives the eager logits, loss and gradients."""

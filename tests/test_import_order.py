@@ -13,6 +13,8 @@ from __future__ import annotations
 import ast
 from pathlib import Path
 
+import pytest
+
 SRC = Path(__file__).resolve().parents[1] / "src" / "attnlab"
 ORDER = ["cli", "experiments", "retrofit", "search", "hf", "train eval", "models", "layers", "cache", "index", "ops",
          "data"]
@@ -55,6 +57,7 @@ def _layer(mod: str) -> int | None:
     return next((i for i, names in enumerate(ORDER) if top in names.split()), None)
 
 
+@pytest.mark.heavy
 def test_no_import_points_up_the_order():
     found = {(m, t) for m, targets in _imports().items() for t in targets
              if _layer(m) is not None and _layer(t) is not None and _layer(t) < _layer(m)}
@@ -62,6 +65,7 @@ def test_no_import_points_up_the_order():
     assert set(UPWARD) - found == set(), f"listed but gone (take them off UPWARD): {sorted(set(UPWARD) - found)}"
 
 
+@pytest.mark.heavy
 def test_no_import_circle():
     graph, state = _imports(), {}
 
@@ -79,6 +83,7 @@ def test_no_import_circle():
             visit(m, [m])
 
 
+@pytest.mark.heavy
 def test_scalar_family_imports_point_one_way():
     """Inside ops/scalar/ (its __init__ states the order): the formula first, the public ops last."""
     order = ["naive", "fused", "chunked", "selected", "triton_kernel", "triton_backward", "triton_op", "route", "budget", "window", "attention", "approx"]

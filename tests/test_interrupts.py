@@ -84,6 +84,7 @@ def reference(tmp_path_factory) -> Path:
     return run_dir
 
 
+@pytest.mark.heavy
 def test_sigint_sigterm_sigkill_at_random_steps_then_resume_equal_an_uninterrupted_run(tmp_path, reference, capsys):
     """Three victims at once: SIGINT and SIGTERM save the step they are in and print the command that
     resumes; SIGKILL loses the steps since the last checkpoint, which the resume trains again. While
@@ -147,6 +148,7 @@ def _losses(run_dir) -> list:
     return [(r["step"], r["loss"], r["grad_norm"], r["lr"]) for r in read_log(run_dir, "train")]  # not timings
 
 
+@pytest.mark.heavy
 def test_a_second_signal_exits_at_once_leaving_the_previous_checkpoint(tmp_path):
     run_dir = tmp_path / "run"  # steps of about a second, so the second signal comes mid-step
     victim = attnlab(*train_args(run_dir, "train.steps=2000", "train.ckpt_every=1", "train.eval_every=0",
@@ -205,6 +207,7 @@ def sweep_spec(folder: Path, steps: int) -> Path:
     return folder / "spec.toml"
 
 
+@pytest.mark.heavy
 def test_sweep_with_workers_stops_them_on_sigterm_refuses_a_manual_run_and_resumes(tmp_path, capsys):
     spec = sweep_spec(tmp_path / "exp", steps=200)
     runs = [tmp_path / "exp" / "runs" / v / "seed0" for v in ("softmax", "hybrid")]

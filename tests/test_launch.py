@@ -79,6 +79,7 @@ def start_sweep(spec: Path, status: dict) -> threading.Thread:
     return sweep
 
 
+@pytest.mark.heavy
 def test_a_killed_job_is_resubmitted_and_resumes_onto_the_jobs_1_results(tmp_path, capsys):
     seeds = "seeds = [0]\n"
     ref = write_spec(tmp_path / "ref")

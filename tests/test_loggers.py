@@ -252,6 +252,7 @@ def logged(tmp_path_factory, argparse_corpus):
     return run, first_rows, resumed
 
 
+@pytest.mark.heavy
 def test_rows_carry_speed_mfu_and_memory(logged):
     run, first_rows, summary = logged
     rows = read_log(run, "train")
@@ -266,6 +267,7 @@ def test_rows_carry_speed_mfu_and_memory(logged):
         assert all(a[k] == b[k] for k in STEADY)
 
 
+@pytest.mark.heavy
 def test_resumed_run_widens_an_older_train_csv(logged):
     run, _, _ = logged
     rows = {r["step"]: r for r in read_log(run, "train")}

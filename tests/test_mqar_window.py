@@ -165,6 +165,7 @@ def test_scaled_accuracy_keeps_the_distance_rule(hybrid_run, monkeypatch):
     assert far["mqar"]["1x"]["exact"] > 0 and far["mqar"]["4x"]["exact"] > 0
 
 
+@pytest.mark.heavy
 def test_scaled_and_windowed_accuracy_of_a_model_equal_a_direct_count(hybrid_run):
     from attnlab.eval.tasks import mqar_accuracy
     from attnlab.eval.window import decode_window
@@ -277,6 +278,7 @@ def test_zero_filler_reaches_training_batches_and_the_metrics(tmp_path, monkeypa
     assert ev["mqar"] == {"1x": {"exact": 1.0}, "2x": {"exact": 1.0}}
 
 
+@pytest.mark.heavy
 def test_scales_that_keep_the_pairs(hybrid_run, tmp_path):
     """mqar_scale_pairs = false: s x the length with the training's pairs, which a vocabulary too small
     for s x the pairs still holds."""

@@ -204,6 +204,7 @@ def test_fla_reason_when_not_installed(monkeypatch):
     assert gla_mod._fla_kernels() is reason
 
 
+@pytest.mark.heavy
 def test_import_attnlab_never_needs_fla():
     code = (
         "import sys; sys.modules['fla'] = None\n"

@@ -202,6 +202,7 @@ def test_ties_split_the_gradient_like_torch_maximum():
     assert torch.allclose(at, (above + below) / 2, rtol=1e-6, atol=1e-9)
 
 
+@pytest.mark.heavy
 def test_gradcheck_float64():
     inputs = [x.detach().double().requires_grad_() for x in make_inputs(7, form="query", v0="head", seed=8)]
 

@@ -30,6 +30,7 @@ def model(attn) -> LM:
     return LM(cfg)
 
 
+@pytest.mark.heavy
 @pytest.mark.parametrize("attn", [["hybrid", "principled"], ["scalar", "hybrid"]], ids=["hybrid+principled", "scalar+hybrid"])
 def test_documents_in_one_pass_equal_each_document_alone(attn):
     m = model(attn)
@@ -102,6 +103,7 @@ def test_linear_and_softmax_documents_in_one_pass(attn, options, max_seq_len):
             assert rel_rms(g, w, floor=1e-3) < 1e-4, name
 
 
+@pytest.mark.heavy
 def test_one_pass_compiles_as_one_graph():
     """The packed route of these mechanisms reads nothing on the host: a compiled training step with
     doc_ids is one graph (fullgraph), with no recompile over steps of one shape, and gives the eager

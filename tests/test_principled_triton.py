@@ -66,12 +66,14 @@ SHAPES = {
 }
 
 
+@pytest.mark.heavy
 @pytest.mark.parametrize("shape", SHAPES.values(), ids=SHAPES.keys())
 def test_kernel_matches_naive(shape):
     *dims, causal = shape
     check(make(*dims), causal)
 
 
+@pytest.mark.heavy
 def test_per_query_parameters_and_a_strong_threshold():
     """alpha, beta, gamma per query, gamma large enough that most keys sit below the threshold (the
     ground state takes most of the mass)."""
@@ -99,6 +101,7 @@ def test_16bit_inputs(dtype):
     check(make(1, 2, 2, 40, 40, 32, 8, 32), True, dtype, tol=2e-3, dout_dtype=dtype)
 
 
+@pytest.mark.heavy
 def test_bf16_threshold_gradients_where_they_cancel():
     """gamma lowered by 2: most keys sit above the threshold, so gamma's gradient -c sum_s ds_s and c's
     (alpha's) are small differences of large terms, sum_s w_s do.v_s against Delta = do.o_keys. The
@@ -172,6 +175,7 @@ def test_cuda_kernel_matches_float64_at_gpu_shapes():
     check(ins, True, torch.bfloat16, tol=2e-3, dout_dtype=torch.bfloat16)
 
 
+@pytest.mark.heavy
 def test_packed_documents_equal_each_document_alone():
     """docs=...: each query reads its own document's keys (K counts them); output, w0 and every gradient
     equal the naive op run on each document by itself."""

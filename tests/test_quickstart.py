@@ -82,6 +82,7 @@ def report(tmp_path_factory):
     return out, argv
 
 
+@pytest.mark.heavy
 def test_quickstart_end_to_end(report, capsys):
     """The quickstart is the sweep of experiments/quickstart/spec.toml: same results format, same code."""
     out, argv = report

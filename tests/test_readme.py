@@ -144,6 +144,7 @@ def test_bash_blocks_found():
     assert any(b.path == README for b in RUNNABLE) and QUICK, "no runnable bash block or quick command was found"
 
 
+@pytest.mark.heavy
 @pytest.mark.parametrize("block,command", QUICK, ids=[f"{b.id}:{c.split()[1] if len(c.split()) > 1 else c}"
                                                       for b, c in QUICK])
 def test_quick_commands(block: Block, command: str, tmp_path):

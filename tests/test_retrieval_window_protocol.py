@@ -155,6 +155,7 @@ def test_the_rules_were_written_before_the_runs(exp):
         assert _without_lr(spec) == _without_lr(template)
 
 
+@pytest.mark.heavy
 @CASES
 def test_every_run_config_loads_and_builds(exp, tmp_path):
     """Both halves load with the sweep's own loader, and every (variant, seed) config passes the checks

@@ -29,6 +29,7 @@ def hf_config(model: str):
 SPECS = sorted((Path(__file__).resolve().parents[1] / "experiments" / "retrofit").glob("*/spec.toml"))
 
 
+@pytest.mark.heavy
 @pytest.mark.parametrize("spec", SPECS, ids=[p.parent.name for p in SPECS])
 def test_each_variant_has_a_control_of_its_size(spec):
     trial = load_trial(spec)

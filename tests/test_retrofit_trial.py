@@ -80,6 +80,7 @@ def _spec(tmp_path, model_dir, text=SPEC):
     return path
 
 
+@pytest.mark.heavy
 def test_trial_runs_reports_and_resumes(tmp_path, model_dir, capsys):
     spec = _spec(tmp_path, model_dir)
     assert main(["retrofit", "trial", str(spec), "--no-progress"]) == 0
@@ -187,6 +188,7 @@ def test_new_lr_scale_moves_only_the_new_parameters_faster(model_dir, tmp_path):
     assert 5 * moved[1.0] < moved[10.0] < 15 * moved[1.0], moved
 
 
+@pytest.mark.heavy
 def test_decode_metrics_and_align_in_a_trial(tmp_path, model_dir):
     """[eval] windows: the windowed and learned-selection losses beside the exact one, their gaps, a
     control without scalar layers reporting the exact loss only; finetune.align trains with L_align."""
@@ -227,6 +229,7 @@ metric_b = "gap:learned4@24"
     assert hyb["window4@24"] is not None and hyb["learned4@24"] is not None
 
 
+@pytest.mark.heavy
 def test_jobs_run_side_by_side_and_match_one_at_a_time(tmp_path, model_dir, capsys):
     """--jobs 2: the runs in two worker processes, each on its own copy of the model, give the
     results of the runs made one after another in this process."""

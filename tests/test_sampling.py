@@ -66,6 +66,7 @@ def test_sample_command(tmp_path, capsys):
     assert main(["sample", str(tmp_path / "nothing")]) == 2
 
 
+@pytest.mark.heavy
 def test_compare_command(tmp_path, capsys):
     """Two runs side by side: a table of their numbers, written with its JSON and the loss-curve plot;
     a folder that is not a finished run is refused by name, before anything is written."""

@@ -69,6 +69,7 @@ SHAPES = {
 }
 
 
+@pytest.mark.heavy
 @pytest.mark.parametrize("kernel", ["gaussian", "cauchy"])
 @pytest.mark.parametrize("shape", list(SHAPES), ids=list(SHAPES))
 def test_hybrid_kernel_matches_naive(shape, kernel):
@@ -82,6 +83,7 @@ def test_hybrid_kernel_matches_naive(shape, kernel):
         assert rel_err(got[name], ref_g[name]) < 1e-4, name
 
 
+@pytest.mark.heavy
 @pytest.mark.parametrize("kernel", ["gaussian", "cauchy"])
 @pytest.mark.parametrize("shape", ["T1", "T63-gqa", "noncausal-33x20"])
 def test_scalar_kernel_matches_naive(shape, kernel):
@@ -114,6 +116,7 @@ def test_far_scalar_keys_float32(kernel):
         assert rel_err(got[name], ref_g[name]) < 1e-3, name
 
 
+@pytest.mark.heavy
 @pytest.mark.parametrize("kernel", ["gaussian", "cauchy"])
 def test_zero_gain_and_extreme_tau(kernel):
     """A head with gain 0 (no scalar term: the kernels' g = 0, d score / d ks = 0) and tau from 0.05 to 20
@@ -152,6 +155,7 @@ def test_16bit_inputs(kernel, dtype):
         assert rel_err(got[name], ref_g[name]) < 1e-2, name
 
 
+@pytest.mark.heavy
 @pytest.mark.parametrize("through_dot", [True, False], ids=["dot-kernel", "product-free"])
 def test_scalar_heads_both_kernels(monkeypatch, through_dot):
     """Scalar heads through the dot-product kernel on zero vectors (SCALAR_DOT, the default) and through
@@ -275,6 +279,7 @@ def run_goat(ins: dict, impl: str, dtype=torch.float64, dout_dtype=None):
     return out, dict(zip(t, grads))
 
 
+@pytest.mark.heavy
 @pytest.mark.parametrize("shape", list(GOAT_SHAPES), ids=list(GOAT_SHAPES))
 def test_goat_through_the_kernel(shape):
     """GOAT (and goat_hybrid) through the kernel: the prior's columns in the product, u as a float32
@@ -287,6 +292,7 @@ def test_goat_through_the_kernel(shape):
         assert rel_err(got[name], ref_g[name]) < 1e-4, name
 
 
+@pytest.mark.heavy
 def test_goat_through_the_kernel_bf16():
     """bf16 inputs: the output and the activations' gradients within 1e-2 of float64; the spectral
     weights' gradients are sums over every query of the prior columns' bf16 gradients (as any bf16
@@ -327,6 +333,7 @@ DOCS = {  # (B, H, G, T, D, Dv, document lengths per row): ragged documents acro
 }
 
 
+@pytest.mark.heavy
 @pytest.mark.parametrize("shape", DOCS.values(), ids=DOCS.keys())
 @pytest.mark.parametrize("kernel", ["gaussian", "cauchy"])
 def test_packed_documents_equal_each_document_alone(shape, kernel):

@@ -117,6 +117,7 @@ def test_prime_needs_every_substituted_layer_recorded(lm, example):
         prefilled_logits(lm.model, [1], inputs, 256, 1, [])
 
 
+@pytest.mark.heavy
 def test_tasks_with_an_exact_prefill_share_it_across_methods_and_resume(lm, tmp_path):
     plain = ["streaming", "quest"]
     cfg = small(tmp_path / "out", depths=[0.1, 0.9], n_examples=2, methods=["full", *plain], ks=[288],

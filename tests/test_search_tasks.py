@@ -82,6 +82,7 @@ def test_full_attention_accuracy_is_the_models_own_argmax(lm, tmp_path):
     assert "### needle: whole answer right" in md and "| full " in md and "Partial" not in md
 
 
+@pytest.mark.heavy
 def test_every_selector_with_k_at_least_the_length_is_full_attention(lm, tmp_path, monkeypatch):
     plain = [m for m in METHODS if not m.startswith("learned")]
     seen = []

@@ -165,6 +165,7 @@ def test_train_rejects_bad_config_before_work(tmp_path, corpus):
     assert not (tmp_path / "x").exists()
 
 
+@pytest.mark.heavy
 def test_train_per_kv_head_sets_and_evaluate_them(tmp_path, corpus):
     """groups='kv': one search space per KV head, saved, resumed and evaluated with every method
     using the same grouping; at K >= context all of them are full attention."""
@@ -190,6 +191,7 @@ def test_train_per_kv_head_sets_and_evaluate_them(tmp_path, corpus):
         train_projections(SearchTrainConfig(**{**cfg.__dict__, "groups": 1, "steps": 4}), lm=lm, progress=False)
 
 
+@pytest.mark.heavy
 def test_eval_sweep_writes_json_markdown_png(tmp_path, corpus):
     lm = tiny_lm("qwen3")
     torch.manual_seed(0)

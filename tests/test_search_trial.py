@@ -57,6 +57,7 @@ threshold = 0.0
     return path
 
 
+@pytest.mark.heavy
 def test_trial_trains_evaluates_and_reports(tmp_path, corpus, monkeypatch):
     lm = tiny_lm("llama")
     trial = load_trial(spec(tmp_path, corpus))
@@ -124,6 +125,7 @@ gap = 3.23
 '''
 
 
+@pytest.mark.heavy
 def test_eval_only_variants_share_training_and_report_a_coverage_frontier(tmp_path, corpus, monkeypatch):
     lm = tiny_lm("llama")
     path = spec(tmp_path, corpus, COVERAGE)

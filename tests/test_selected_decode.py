@@ -57,6 +57,7 @@ def test_generate_with_a_selector_and_left_padding():
     assert torch.equal(model.generate(padded, 6, selector=sel, attention_mask=mask)[:, 3:], alone)
 
 
+@pytest.mark.heavy
 def test_hnsw_ivf_and_half_keys_decode_as_the_exact_index_where_they_are_exact():
     """HNSW reads every key while they fit in K and stays close after; IVF probing every list is exact
     search (exact too before its lists are learned); half-precision search keys stay close."""

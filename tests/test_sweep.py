@@ -65,6 +65,7 @@ def reference(tmp_path_factory) -> tuple[Path, dict]:
 # --------------------------------------------------------------------------- results
 
 
+@pytest.mark.heavy
 def test_sweep_writes_results_report_and_plots(reference):
     out, res = reference
     assert sorted((r["variant"], r["seed"]) for r in res["runs"]) == sorted((v, s) for v in VARIANTS for s in SEEDS)
@@ -170,6 +171,7 @@ def _truncate_log(run: Path, last_step: int) -> None:
     (run / "log.jsonl").write_text("".join(r + "\n" for r in rows))
 
 
+@pytest.mark.heavy
 def test_interrupted_sweep_resumes_onto_the_uninterrupted_results(reference, tmp_path, capsys):
     ref_out, ref = reference
     out = tmp_path / "killed"
@@ -219,6 +221,7 @@ def test_interrupted_sweep_resumes_onto_the_uninterrupted_results(reference, tmp
     assert len(err) == 1 and "train.eval_batches" in err[0] and "another config" in err[0]
 
 
+@pytest.mark.heavy
 def test_two_jobs_train_the_same_runs_as_one(reference, tmp_path):
     _, ref = reference
     res = sweep(tmp_path / "jobs2", "--jobs", "2")
@@ -345,6 +348,7 @@ def _with_metrics(metrics: dict) -> str:
     return head + "[metrics]\n" + "".join(f"{k} = {json.dumps(v)}\n" for k, v in metrics.items()) + verdict
 
 
+@pytest.mark.heavy
 def test_more_metrics_reevaluate_without_training(reference, tmp_path):
     ref_out, ref = reference
     out = tmp_path / "more"
@@ -376,6 +380,7 @@ def test_more_metrics_reevaluate_without_training(reference, tmp_path):
         assert (out / png).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
+@pytest.mark.heavy
 def test_run_folder_from_before_an_option_existed_matches(reference, tmp_path):
     ref_out, _ = reference
     out = tmp_path / "old"
@@ -398,6 +403,7 @@ def test_windowed_loss_by_length_derived_from_loss_and_gap():
     assert got["wloss@8/T=64"] == 2.25 and got["wloss@8/T=128"] is None and got["wloss@4/T=64"] == 1.0
 
 
+@pytest.mark.heavy
 def test_recorded_runs_stand_for_absent_run_folders(reference, tmp_path):
     """A fresh clone holds results.json, not the run folders: --report-only rebuilds the same results,
     and a spec given a new variant trains only that one; a variant whose overrides changed trains again."""
@@ -425,6 +431,7 @@ def test_recorded_runs_stand_for_absent_run_folders(reference, tmp_path):
     assert states[("hybrid", 0)] == "new" and states[("softmax", 0)] == "recorded" and states[("swa", 0)] == "done"
 
 
+@pytest.mark.heavy
 def test_a_sweep_run_in_pieces_equals_it_run_whole(reference, tmp_path, capsys):
     """A sweep in two pieces on two machines (a GPU lease each, say): the first piece trains the softmax
     runs; only the spec and its results.json travel on (run folders stay behind, as on a fresh machine);
@@ -472,6 +479,7 @@ def test_every_committed_report_rebuilds_from_its_results(spec, tmp_path):
     assert [v["outcome"] for v in after["verdicts"]] == [v["outcome"] for v in before.get("verdicts", [])] or not before.get("verdicts")
 
 
+@pytest.mark.heavy
 def test_a_finished_sweep_run_again_rewrites_nothing(reference, tmp_path, capsys):
     """Reproducing a finished spec trains nothing and leaves results.json, report.md and the plots as they
     are (byte for byte, untouched), naming the machine and command that trained the runs."""

@@ -102,6 +102,7 @@ def pieces(tmp_path_factory):
     return {"base": base, "whole": whole, "r1": r1, "r2": r2, "cut": cut}
 
 
+@pytest.mark.heavy
 def test_records_are_written_as_runs_finish(pieces):
     """A command cut off in its second run leaves the first run's record; the command run again adds the
     second; each records folder holds one small file (no checkpoints) with everything the report needs."""
@@ -121,6 +122,7 @@ def test_records_are_written_as_runs_finish(pieces):
     assert rec.same_run(cut["runs"][0], whole["softmax/seed0"])
 
 
+@pytest.mark.heavy
 def test_two_pieces_merged_equal_the_sweep_run_whole(pieces, tmp_path, capsys):
     """Merging both pieces' records into a folder holding only the spec gives the whole sweep's results.json
     up to timings and machine, and, given the same timings, the same report.md."""
@@ -147,6 +149,7 @@ def test_two_pieces_merged_equal_the_sweep_run_whole(pieces, tmp_path, capsys):
     assert reports[0] == reports[1]
 
 
+@pytest.mark.heavy
 def test_the_report_names_the_machine_that_trained_each_run(pieces, tmp_path):
     """Records from a GPU machine: results.json lists each machine with its runs, the report names them."""
     gpu = tmp_path / "gpu"
@@ -172,6 +175,7 @@ def test_the_report_names_the_machine_that_trained_each_run(pieces, tmp_path):
     assert f"Machine: Python" in (only_gpu.parent / "report.md").read_text() and GPU in (only_gpu.parent / "report.md").read_text()
 
 
+@pytest.mark.heavy
 def test_a_merge_adds_to_the_committed_results_and_is_idempotent(pieces, tmp_path, capsys):
     """Piece by piece into the experiment's folder: the second merge keeps the first's runs; merging the
     same records again rewrites nothing; a later --report-only keeps the merged runs and machine."""
@@ -209,6 +213,7 @@ def _refused(spec: Path, args: list[str], words: list[str], capsys) -> None:
     assert only_files(spec.parent) == before  # nothing written
 
 
+@pytest.mark.heavy
 def test_records_of_another_spec_are_refused_naming_the_file(pieces, tmp_path, capsys):
     merged = folder(tmp_path / "merged", spec_text([s for s in SHARED if s != "train.steps=4"] + ["train.steps=6"]))
     r1 = next(pieces["r1"].iterdir())
@@ -231,6 +236,7 @@ def test_records_of_another_spec_are_refused_naming_the_file(pieces, tmp_path, c
     _refused(folder(tmp_path / "m7"), ["--merge", str(cut)], [str(cut), "lacks curves"], capsys)
 
 
+@pytest.mark.heavy
 def test_a_run_recorded_twice_differently_is_refused_unless_replace_says_which_wins(pieces, tmp_path, capsys):
     def retrained(b):  # the same run trained again, on a machine whose numbers differ a little (a GPU)
         b["runs"][0]["val_loss"] += 1e-3
@@ -251,6 +257,7 @@ def test_a_run_recorded_twice_differently_is_refused_unless_replace_says_which_w
     assert now["softmax/seed1"] == first["runs"][1]
 
 
+@pytest.mark.heavy
 def test_a_local_run_folder_wins_only_when_it_holds_the_same_run(pieces, tmp_path, capsys):
     """The whole sweep's folder already holds finished runs: the same records merge (the folders stand for
     them); a different record of a run whose folder is here is refused naming the folder."""

@@ -61,6 +61,7 @@ def test_final_spec_trains_each_taught_variant_at_its_chosen_weight():
     assert strip(tomllib.loads(FINAL.read_text())) == strip(template)
 
 
+@pytest.mark.heavy
 def test_every_run_config_loads_and_builds(tmp_path):
     from attnlab.cli._common import check_model_builds
     from attnlab.experiments.sweep import load_spec, plan

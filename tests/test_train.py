@@ -146,6 +146,7 @@ class PasskeyOracle(torch.nn.Module):
         return logits, loss
 
 
+@pytest.mark.heavy
 def test_evaluate_scores_passkey_oracles(tmp_path, corpus, monkeypatch):
     """evaluate()'s passkey accuracy per length and depth is the share of examples whose whole key is
     spelled: 1 for an oracle; for one that looks only at the second half of the prompt, 0 with the

@@ -53,6 +53,7 @@ def test_fused_adamw_and_tf32_only_where_they_apply():
     assert torch.backends.cuda.matmul.allow_tf32 == before
 
 
+@pytest.mark.heavy
 def test_train_compile_runs_the_compiled_model(tmp_path, corpus, monkeypatch):
     """train.compile wraps the model in torch.compile (aot_eager here, for the CPU's time); the
     checkpointed module stays the plain one and the losses equal eager's closely."""

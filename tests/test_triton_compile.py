@@ -8,11 +8,17 @@ interpreter, then compiled in a fresh process without it through Triton's front 
 layout passes (source -> TTIR -> TTGIR for CUDA sm_90). No GPU is needed for that; the later stages
 (LLVM, PTX) are left to the GPU check, where they cost nothing extra.
 
+Recording and lowering take about 30 s; a passing run is remembered in $ATTNLAB_CACHE (or
+~/.cache/attnlab)/triton_lowered/, keyed by a hash of everything its outcome depends on (the ops'
+sources and attnlab's top-level modules, benchmarks/gpu_paths.py, this file, the Triton, torch and
+Python versions), so a rerun after an unrelated change costs nothing, as Triton's own cache does.
+
     python tests/test_triton_compile.py LAUNCHES.json   # the compile half, on its own
 """
 
 from __future__ import annotations
 
+import hashlib
 import importlib
 import inspect
 import json
@@ -138,12 +144,30 @@ def _gpu_path_launches():
         (o.sum() + w0.sum()).backward()
 
 
+def _key() -> str:
+    """A hash of everything a lowering's outcome depends on (module docstring)."""
+    import triton
+
+    src = ROOT / "src" / "attnlab"
+    h = hashlib.sha256(f"{triton.__version__} {torch.__version__} {sys.version_info[:3]}".encode())
+    for path in [*sorted(src.glob("*.py")), *sorted((src / "ops").rglob("*.py")), ROOT / "benchmarks" / "gpu_paths.py",
+                 Path(__file__)]:
+        h.update(str(path.relative_to(ROOT)).encode() + b"\0" + path.read_bytes())
+    return h.hexdigest()[:20]
+
+
 @pytest.mark.skipif(torch.cuda.is_available(), reason="on a GPU the kernels compile for real in the cuda tests")
 @pytest.mark.usefixtures("one_thread")
 def test_every_kernel_lowers_for_sm90(tmp_path):
     pytest.importorskip("triton")
     pytest.importorskip("triton.backends.nvidia")
     assert os.environ.get("TRITON_INTERPRET") == "1"  # tests/conftest.py, on a machine without CUDA
+    from attnlab.data.cache import atomic_write_text, default_cache_dir
+
+    passed = default_cache_dir() / "triton_lowered" / f"{_key()}.json"
+    if passed.is_file():  # these very sources lowered before: nothing that decides the outcome changed
+        assert json.loads(passed.read_text())["failed"] == 0
+        return
     launches = record_launches(_gpu_path_launches)
     kernels = {(r["module"], r["name"]) for r in launches}
     assert {m for m, _ in kernels} >= {"attnlab.ops.scalar.triton_kernel", "attnlab.ops.principled.triton_kernel",
@@ -155,6 +179,8 @@ def test_every_kernel_lowers_for_sm90(tmp_path):
     p = subprocess.run([sys.executable, __file__, str(path)], capture_output=True, text=True, env=env, timeout=600)
     assert p.returncode == 0, p.stdout[-6000:] + p.stderr[-3000:]
     assert f"{len(launches)} launches lowered" in p.stdout, p.stdout
+    passed.parent.mkdir(parents=True, exist_ok=True)
+    atomic_write_text(passed, json.dumps({"launches": len(launches), "failed": 0}) + "\n")
 
 
 if __name__ == "__main__":

@@ -66,7 +66,7 @@ CASES = {
 
 @pytest.mark.parametrize("hybrid", [False, True], ids=["scalar", "hybrid"])
 @pytest.mark.parametrize("kernel", ["gaussian", "cauchy"])
-@pytest.mark.parametrize("case", list(CASES))
+@pytest.mark.parametrize("case", [pytest.param(c, marks=pytest.mark.heavy) if CASES[c][3] > 60 else c for c in CASES])
 def test_kernel_matches_naive(case, kernel, hybrid):
     B, H, G, T, D, Dv, window, local, n_prefix = CASES[case]
     ins = make(B, H, G, T, D, Dv, hybrid=hybrid, per_query_tau=case == "T63-gqa")
@@ -84,6 +84,7 @@ def test_bf16_inputs():
     check(ins, torch.bfloat16, tol=2e-2, window=8, local=8, kernel="cauchy")
 
 
+@pytest.mark.heavy
 def test_the_layer_trains_through_the_kernel(monkeypatch):
     """A windowed hybrid layer with impl='triton' runs the kernel (and its loss equals impl='fast')."""
     from attnlab.models.config import ModelConfig
