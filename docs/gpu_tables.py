@@ -66,10 +66,16 @@ def decode_speed_table(res: dict) -> str:
     """benchmarks/decode_speed.py: the median decode step (ms) of each method per model, batch and
     context, with the window's speedup over exact decoding (each decoded the same way: the caches
     eagerly, static and compiled) and attnlab's compiled exact step against transformers'
-    static-cache generate (a ratio above 1: attnlab is slower)."""
+    static-cache generate (a ratio above 1: attnlab is slower). Where the rows carry the memory-bandwidth
+    floor (`x_floor`: the step's time over the time its bytes take at the device's bandwidth), the
+    compiled exact and window steps' multiples of it stand beside them."""
     cells: dict = {}
+    floors: dict = {}
     for r in res["rows"]:
         cells.setdefault((r["model"], r["batch"], r["context"]), {})[r["method"]] = r.get("step_ms")
+        if r.get("x_floor") is not None:
+            floors.setdefault((r["model"], r["batch"], r["context"]), {})[r["method"]] = r["x_floor"]
+    floored = [m for m in ("exact_compiled", "window_compiled") if any(m in by for by in floors.values())]
     shown = [m for m in DECODE_METHODS if any(m in by for by in cells.values())]
 
     def ratio(by, a, b, fmt):
@@ -78,9 +84,12 @@ def decode_speed_table(res: dict) -> str:
     rows = []
     for (model, batch, ctx), by in sorted(cells.items(), key=lambda kv: kv[0]):
         ms = [f"{by[m]:.2f}" if by.get(m) is not None else "—" for m in shown]
+        fl = floors.get((model, batch, ctx), {})
         rows.append([model, str(batch), f"{ctx:,}", *ms, ratio(by, "exact", "window", "{:.1f}×"),
                      ratio(by, "exact_compiled", "window_compiled", "{:.1f}×"),
-                     ratio(by, "exact_compiled", "hf_static", "{:.2f}")])
+                     ratio(by, "exact_compiled", "hf_static", "{:.2f}"),
+                     *(f"{fl[m]:.1f}×" if m in fl else "—" for m in floored)])
     header = ["model", "batch", "context", *(DECODE_HEADS[DECODE_METHODS.index(m)] for m in shown),
-              "window speedup (caches)", "window speedup (compiled)", "compiled / HF"]
-    return _table(header, "lrr" + "r" * (len(shown) + 3), rows)
+              "window speedup (caches)", "window speedup (compiled)", "compiled / HF",
+              *(f"{DECODE_HEADS[DECODE_METHODS.index(m)]}: × floor" for m in floored)]
+    return _table(header, "lrr" + "r" * (len(shown) + 3 + len(floored)), rows)
