@@ -144,7 +144,8 @@ def _launch(case: str, fast: bool):
     elif code is None:  # principled: its launcher's tiles, gate width 16
         from attnlab.ops.principled import triton_kernel as principled
 
-        BM, BN, warps, stages = principled._blocks(cuda, (D, DG, DV))
+        per_kind = "kind" in inspect.signature(principled._blocks).parameters  # tiles per kernel (not in older code)
+        BM, BN, warps, stages = principled._blocks(cuda, (D, DG, DV), *([kind] if per_kind else []))
         cons = dict(D=D, DG=DG, DV=DV, BLOCK_D=_pow2(D), BLOCK_DG=_pow2(DG), BLOCK_DV=_pow2(DV), BLOCK_M=BM,
                     BLOCK_N=BN, CAUSAL=True, PREC="ieee", UP=False, DOC=False, FAST=FAST)
     else:

@@ -29,7 +29,8 @@ import torch
 import triton
 import triton.language as tl
 
-from ..scalar.triton_kernel import LOG2E, _bases, _doc_ids, _doc_span, _load_rows, _mm, _seen_end, interpreted
+from ..scalar.triton_kernel import (LN2, LOG2E, _bases, _doc_ids, _doc_span, _lg2, _load_rows, _mm, _rcp, _seen_end,
+                                    fast_math, interpreted)
 from ..scalar.triton_op import document_spans
 
 __all__ = ["document_log_counts", "triton_principled"]
@@ -38,20 +39,33 @@ NEG_LOG2E: tl.constexpr = tl.constexpr(-1.4426950408889634)
 
 
 @triton.jit
+def _gate(ng, FAST: tl.constexpr):
+    """softplus(ng) and sigmoid(ng) (its derivative) of the negated gate score ng = -g, from one
+    exponential e = 2^(-|ng| log2 e) <= 1: softplus = max(ng, 0) + ln 2 log2(1 + e) and sigmoid = (1 or
+    e) / (1 + e), overflow-free. FAST: the log and the reciprocal in the hardware's forms (one MUFU.LG2,
+    one MUFU.RCP; `scalar.triton_kernel._lg2`, `_rcp`) where libdevice's logf and a division cost ~40
+    instructions per score."""
+    e = tl.exp2(-tl.abs(ng) * LOG2E)
+    x1 = 1.0 + e
+    sp = tl.maximum(ng, 0.0) + LN2 * _lg2(x1, FAST)
+    sig = tl.where(ng >= 0.0, 1.0, e) * _rcp(x1, FAST)
+    return sp, sig
+
+
+@triton.jit
 def _logits(q, k, qg, kg, cs, thr, nspb, offs_m, offs_n, Tk, off, CAUSAL: tl.constexpr, PREC: tl.constexpr,
-            UP: tl.constexpr, dq, dk, DOC: tl.constexpr):
-    """(BLOCK_M, BLOCK_N) logits y in base 2 relative to the threshold (-inf where hidden), the negated
-    gate score -g and softplus(-g)."""
+            UP: tl.constexpr, dq, dk, DOC: tl.constexpr, FAST: tl.constexpr):
+    """(BLOCK_M, BLOCK_N) logits y in base 2 relative to the threshold (-inf where hidden), sigmoid(-g)
+    (softplus(-g)'s derivative, for the backward) and softplus(-g), g the gate score."""
     y = _mm(q, tl.trans(k), PREC, UP) * (cs * LOG2E)[:, None]
-    ng = -_mm(qg, tl.trans(kg), PREC, UP)
-    sp = tl.maximum(ng, 0.0) + tl.log(1.0 + tl.exp(-tl.abs(ng)))  # softplus(-g), overflow-free
+    sp, sig = _gate(-_mm(qg, tl.trans(kg), PREC, UP), FAST)
     y = y + thr[:, None] + nspb[:, None] * sp
     seen = offs_n[None, :] < Tk
     if CAUSAL:
         seen = seen & (offs_n[None, :] <= offs_m[:, None] + off)
     if DOC:  # packed documents: a query sees the keys of its own document only
         seen = seen & (dq[:, None] == dk[None, :])
-    return tl.where(seen, y, float("-inf")), ng, sp
+    return tl.where(seen, y, float("-inf")), sig, sp
 
 
 @triton.jit
@@ -97,12 +111,14 @@ def _query_tile(Q, QG, C, SPB, GAM, DOCS, row, drow, off, offs_m, m_ok, offs_d, 
 def _fwd(Q, K, QG, KG, V, C, SPB, GAM, OK, W0, LSE, DOCS, START, END, Tq, Tk, H, GK, GG, GV, sm_scale,
          D: tl.constexpr, DG: tl.constexpr, DV: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DG: tl.constexpr,
          BLOCK_DV: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, CAUSAL: tl.constexpr,
-         PREC: tl.constexpr, UP: tl.constexpr, DOC: tl.constexpr, SPLIT: tl.constexpr = False):
+         PREC: tl.constexpr, UP: tl.constexpr, DOC: tl.constexpr, FAST: tl.constexpr = False,
+         SPLIT: tl.constexpr = False):
     """SPLIT (16-bit v): the weights enter the product with v in two 16-bit parts, p = hi + lo, so that
     the float32 key readout carries p to ~2^-16 rather than the 2^-9 of one bf16 rounding: the
     backward's Delta = do . o_keys must equal sum_s w_s do . v_s, whose sum over keys the gradient of
     gamma (and alpha's, through c) is, up to a small remainder; a 16-bit p alone puts its rounding into
-    that remainder (2.9e-2 relative error on gamma's gradient, tests/test_principled_triton.py)."""
+    that remainder (2.9e-2 relative error on gamma's gradient, tests/test_principled_triton.py). FAST:
+    the gate's log and reciprocal in the hardware's forms (`_gate`)."""
     m0 = tl.program_id(0) * BLOCK_M
     bh = tl.program_id(1)
     off = Tk - Tq
@@ -123,7 +139,8 @@ def _fwd(Q, K, QG, KG, V, C, SPB, GAM, OK, W0, LSE, DOCS, START, END, Tq, Tk, H,
         n_ok = offs_n < Tk
         k, kg, v, dk = _key_tile(K, KG, V, DOCS, kbase, gbase, vbase, drow, offs_n, n_ok, offs_d, offs_g, offs_v, D, DG,
                                  DV, BLOCK_D, BLOCK_DG, BLOCK_DV, DOC)
-        y, _ng, _sp = _logits(q, k, qg, kg, cs, thr, nspb, offs_m, offs_n, Tk, off, CAUSAL, PREC, UP, dq, dk, DOC)
+        y, _sig, _sp = _logits(q, k, qg, kg, cs, thr, nspb, offs_m, offs_n, Tk, off, CAUSAL, PREC, UP, dq, dk, DOC,
+                               FAST)
         m_new = tl.maximum(m_i, tl.max(y, 1))
         r = tl.exp2(m_i - m_new)
         p = tl.exp2(y - m_new[:, None])  # 0 where hidden
@@ -166,7 +183,7 @@ def _grad_rows(DO, LSE, E, HD, row, offs_m, m_ok, offs_v, DV: tl.constexpr, BLOC
 def _bwd_kv(Q, K, QG, KG, V, C, SPB, GAM, DO, LSE, E, HD, DOCS, START, END, DK, DKG, DV_, Tq, Tk, H, GK, GG, GV,
             sm_scale, D: tl.constexpr, DG: tl.constexpr, DV: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DG: tl.constexpr,
             BLOCK_DV: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, CAUSAL: tl.constexpr,
-            PREC: tl.constexpr, UP: tl.constexpr, DOC: tl.constexpr):
+            PREC: tl.constexpr, UP: tl.constexpr, DOC: tl.constexpr, FAST: tl.constexpr = False):
     n0 = tl.program_id(0) * BLOCK_N
     bh = tl.program_id(1)
     off = Tk - Tq
@@ -189,11 +206,12 @@ def _bwd_kv(Q, K, QG, KG, V, C, SPB, GAM, DO, LSE, E, HD, DOCS, START, END, DK, 
         q, qg, cs, thr, nspb, spb, dq_ids = _query_tile(Q, QG, C, SPB, GAM, DOCS, row, drow, off, offs_m, m_ok, offs_d,
                                                         offs_g, sm_scale, D, DG, BLOCK_D, BLOCK_DG, DOC)
         do, lse, e, hd = _grad_rows(DO, LSE, E, HD, row, offs_m, m_ok, offs_v, DV, BLOCK_DV)
-        y, ng, _ = _logits(q, k, qg, kg, cs, thr, nspb, offs_m, offs_n, Tk, off, CAUSAL, PREC, UP, dq_ids, dk_ids, DOC)
+        y, sig, _ = _logits(q, k, qg, kg, cs, thr, nspb, offs_m, offs_n, Tk, off, CAUSAL, PREC, UP, dq_ids, dk_ids, DOC,
+                            FAST)
         w, ds = _dlogits(y, do, v, lse, e, hd, PREC, UP)
         dv += _mm(tl.trans(w).to(DO.dtype.element_ty), do, PREC, UP)
         dk += _mm(tl.trans(ds * cs[:, None]).to(Q.dtype.element_ty), q, PREC, UP)
-        gate = ds * tl.sigmoid(ng) * spb[:, None]  # dL/dg
+        gate = ds * sig * spb[:, None]  # dL/dg
         dkg += _mm(tl.trans(gate).to(QG.dtype.element_ty), qg, PREC, UP)
     out = (krow + offs_n[:, None])  # per query head: the host sums each group
     tl.store(DK + out * D + offs_d[None, :], dk, mask=n_ok[:, None] & (offs_d[None, :] < D))
@@ -206,7 +224,7 @@ def _bwd_q(Q, K, QG, KG, V, C, SPB, GAM, DO, LSE, E, HD, DOCS, START, END, DQK, 
            GK, GG, GV, sm_scale,
            D: tl.constexpr, DG: tl.constexpr, DV: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DG: tl.constexpr,
            BLOCK_DV: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, CAUSAL: tl.constexpr,
-           PREC: tl.constexpr, UP: tl.constexpr, DOC: tl.constexpr):
+           PREC: tl.constexpr, UP: tl.constexpr, DOC: tl.constexpr, FAST: tl.constexpr = False):
     m0 = tl.program_id(0) * BLOCK_M
     bh = tl.program_id(1)
     off = Tk - Tq
@@ -229,13 +247,14 @@ def _bwd_q(Q, K, QG, KG, V, C, SPB, GAM, DO, LSE, E, HD, DOCS, START, END, DQK, 
         n_ok = offs_n < Tk
         k, kg, v, dk_ids = _key_tile(K, KG, V, DOCS, kbase, gbase, vbase, drow, offs_n, n_ok, offs_d, offs_g, offs_v, D,
                                      DG, DV, BLOCK_D, BLOCK_DG, BLOCK_DV, DOC)
-        y, ng, sp = _logits(q, k, qg, kg, cs, thr, nspb, offs_m, offs_n, Tk, off, CAUSAL, PREC, UP, dq_ids, dk_ids, DOC)
+        y, sig, sp = _logits(q, k, qg, kg, cs, thr, nspb, offs_m, offs_n, Tk, off, CAUSAL, PREC, UP, dq_ids, dk_ids,
+                             DOC, FAST)
         _w, ds = _dlogits(y, do, v, lse, e, hd, PREC, UP)
         dqk += _mm(ds.to(K.dtype.element_ty), k, PREC, UP)
         dsum += tl.sum(ds, 1)
         dspb -= tl.sum(ds * sp, 1)
         dlog += tl.sum(ds * tl.maximum(y, -3.0e38), 1)  # (0 where hidden: ds = 0 and y = -inf there)
-        dqg += _mm((ds * tl.sigmoid(ng)).to(KG.dtype.element_ty), kg, PREC, UP)
+        dqg += _mm((ds * sig).to(KG.dtype.element_ty), kg, PREC, UP)
     tl.store(DQK + (row + offs_m[:, None]) * D + offs_d[None, :], dqk, mask=m_ok[:, None] & (offs_d[None, :] < D))
     tl.store(DQG + (row + offs_m[:, None]) * DG + offs_g[None, :], dqg * spb[:, None],
              mask=m_ok[:, None] & (offs_g[None, :] < DG))
@@ -253,14 +272,19 @@ def _launch(kernel, grid, tensors, Tq, Tk, H, groups, sm_scale, dims, causal, dt
     BLOCK_M, BLOCK_N, warps, stages = blocks
     up = interpreted() and dtype in (torch.bfloat16, torch.float16)
     kernel[grid](*tensors, Tq, Tk, H, *groups, sm_scale, D, DG, DV, _pow2(D), _pow2(DG), _pow2(DV), BLOCK_M, BLOCK_N,
-                 causal, "ieee", up, docs, num_warps=warps, num_stages=stages, **extra)
+                 causal, "ieee", up, docs, FAST=fast_math(), num_warps=warps, num_stages=stages, **extra)
 
 
-def _blocks(device: torch.device, dims) -> tuple[int, int, int, int]:
-    """(BLOCK_M, BLOCK_N, num_warps, num_stages): small under the interpreter (NumPy work per program);
-    on a GPU 64 x 64 tiles on 4 warps (the scalar kernel's tuned choice; 32-row tiles past width 64)."""
+def _blocks(device: torch.device, dims, kind: str = "fwd") -> tuple[int, int, int, int]:
+    """(BLOCK_M, BLOCK_N, num_warps, num_stages) of kernel kind "fwd", "bwd_kv" or "bwd_q": small under
+    the interpreter (NumPy work per program); on a GPU 64 x 64 tiles on 4 warps (the scalar kernel's
+    tuned choice; 32-row tiles past width 64), and 32-query tiles for the key-major dk/dv kernel, whose
+    three accumulators (dk, dkg, dv) leave no registers for 64 x 64 tiles of scores (measured:
+    benchmarks/kernel_sass.py, spills at 64 x 64)."""
     if device.type != "cuda":
         return 32, 32, 4, 1
+    if kind == "bwd_kv":
+        return 32, 64, 4, 2
     return (64, 64, 4, 2) if max(dims) <= 64 else (32, 64, 4, 2)
 
 
@@ -297,6 +321,7 @@ class _Principled(torch.autograd.Function):
         Tk, DG, DV = k.shape[2], qg.shape[3], v.shape[3]
         groups = (k.shape[1], kg.shape[1], v.shape[1])
         blocks = _blocks(q.device, (D, DG, DV))
+        kv_blocks = _blocks(q.device, (D, DG, DV), "bwd_kv")
         d_ok = torch.zeros_like(ok) if d_ok is None else d_ok.float()
         d_w0 = torch.zeros_like(w0) if d_w0 is None else d_w0.float()
         delta = (d_ok * ok).sum(-1) - d_w0 * (1 - w0)  # (B, H, Tq)
@@ -306,8 +331,8 @@ class _Principled(torch.autograd.Function):
         f32 = dict(device=q.device, dtype=torch.float32)
         dk, dkg, dv = torch.empty(B, H, Tk, D, **f32), torch.empty(B, H, Tk, DG, **f32), torch.empty(B, H, Tk, DV, **f32)
         args = (q, k, qg, kg, v, c, spb, gamma, do, lse, e, hd, *spans)
-        _launch(_bwd_kv, (triton.cdiv(Tk, blocks[1]), B * H), (*args, dk, dkg, dv), Tq, Tk, H, groups, sm_scale,
-                (D, DG, DV), ctx.causal, q.dtype, blocks, ctx.docs)
+        _launch(_bwd_kv, (triton.cdiv(Tk, kv_blocks[1]), B * H), (*args, dk, dkg, dv), Tq, Tk, H, groups, sm_scale,
+                (D, DG, DV), ctx.causal, q.dtype, kv_blocks, ctx.docs)
         dqk, dqg = torch.empty(B, H, Tq, D, **f32), torch.empty(B, H, Tq, DG, **f32)
         dsum, dspb, dlog = (torch.empty(B, H, Tq, **f32) for _ in range(3))
         _launch(_bwd_q, (triton.cdiv(Tq, blocks[0]), B * H), (*args, dqk, dsum, dqg, dspb, dlog), Tq, Tk, H, groups,
