@@ -33,12 +33,13 @@ def test_a_run_cut_short_keeps_its_failures(tmp_path):
         "def test_c_hangs():\n    time.sleep(600)\n")
     (tmp_path / "pytest.ini").write_text("[pytest]\nmarkers =\n    fake: a test of the stream\n")
     doc = {}
-    _gpu_module().run_cuda_tests(doc, timeout=60, log=tmp_path / "out.tests.log", workers=1, per_test=3,
+    # per_test: far below the run's limit, and above what a loaded machine takes to set a test up
+    _gpu_module().run_cuda_tests(doc, timeout=90, log=tmp_path / "out.tests.log", workers=1, per_test=12,
                                  files=[str(tests / "test_fake.py")], marker="fake")
     t = doc["cuda_tests"]
     assert t["outcomes"] == {"tests/test_fake.py::test_a_passes": "PASSED", "tests/test_fake.py::test_b_fails": "FAILED",
                              "tests/test_fake.py::test_c_hangs": "FAILED"}
     assert "arithmetic broke" in t["failures"]["tests/test_fake.py::test_b_fails"]
     assert "Timeout" in t["failures"]["tests/test_fake.py::test_c_hangs"]  # the per-test limit, not the run's
-    assert t["unreported"] == 0 and t["seconds"] < 45
+    assert t["unreported"] == 0 and t["seconds"] < 75
     assert (tmp_path / "out.tests.jsonl").read_text().count("\n") == 3  # each written as it happened
