@@ -281,6 +281,7 @@ def test_resumed_run_widens_an_older_train_csv(logged):
         assert float(r["loss"]) == rows[step]["loss"]
 
 
+@pytest.mark.heavy
 def test_wandb_offline_run_holds_the_logged_rows(logged):
     run, first_rows, _ = logged
     files = sorted(run.glob("wandb/offline-run-*/run-*.wandb"))
@@ -300,6 +301,7 @@ def test_wandb_offline_run_holds_the_logged_rows(logged):
         (r["step"], r["val_loss"]) for r in read_log(run, "eval")]
 
 
+@pytest.mark.heavy
 def test_mlflow_store_holds_the_logged_rows(logged):
     from mlflow.tracking import MlflowClient
 

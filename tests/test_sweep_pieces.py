@@ -282,6 +282,7 @@ def test_bad_piece_options_are_one_line_errors(args, words, tmp_path, capsys):
     _refused(folder(tmp_path / "f"), args, words, capsys)
 
 
+@pytest.mark.heavy
 def test_a_records_target_that_cannot_take_this_spec_is_refused_before_training(pieces, tmp_path, capsys):
     spec = folder(tmp_path / "f")
     afile = tmp_path / "afile"
