@@ -81,7 +81,7 @@ def test_one_graph_no_recompile(name):
 
 
 @pytest.mark.heavy
-@pytest.mark.parametrize("name", ["softmax", "hybrid-window-cauchy"])
+@pytest.mark.parametrize("name", ["softmax", "hybrid-cauchy-gqa", "principled", "hybrid-window-cauchy"])
 def test_packed_documents_one_graph(name):
     """Packed documents (doc_ids) through a compiled model: every mechanism that keeps documents apart
     inside its op (takes_documents) traces as one graph; the others are re-padded per step, which needs
