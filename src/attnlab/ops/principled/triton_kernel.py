@@ -1,6 +1,6 @@
 """Principled attention's fused GPU kernel, in Triton (the math: docs/mechanisms.md#principled-attention).
 
-The tiled algorithm of `attnlab.ops.principled.attention` (module docstring) as one online loop over key
+The tiled algorithm of `attnlab.ops.principled.tiled` (module docstring) as one online loop over key
 tiles per query tile, no Tq x Tk matrix stored forward or backward. In base 2 and relative to the
 threshold, the logit of query t and key s is
 
