@@ -19,8 +19,8 @@ import triton
 import triton.language as tl
 
 from .triton_kernel import (
-    LOG2E, _bases, _cols2, _doc_ids, _doc_span, _dot, _key_tile, _mm, _rcp, _score, _seen, _seen_end, _store_row_grads,
-    _tile, _unit, _vec, _visible_tiles,
+    LOG2E, _doc_ids, _doc_span, _dot, _key_tile, _mm, _program_rows, _query_scalars, _rcp, _score, _seen,
+    _seen_end, _store_row_grads, _tile, _unit, _vec, _visible_tiles,
 )
 
 
@@ -81,12 +81,9 @@ def _bwd_kv(Q, K, V, QS, KS, U, TAU, G, LAM, DO, LSE, DELTA, DOCS, START, END, D
             BLOCK_D2: tl.constexpr = 0):
     n0 = tl.program_id(0) * BLOCK_N
     off = Tk - Tq
-    row, krow, kbase, vbase = _bases(tl.program_id(1), H, GK, GV, Tq, Tk)
-    drow = (tl.program_id(1) // H).to(tl.int64) * Tk
+    row, krow, kbase, vbase, drow, offs_d, offs_d2, offs_dv = _program_rows(H, GK, GV, Tq, Tk, BLOCK_D, BLOCK_D2,
+                                                                            BLOCK_DV)
     offs_n = n0 + tl.arange(0, BLOCK_N)
-    offs_d = tl.arange(0, BLOCK_D)
-    offs_d2 = _cols2(BLOCK_D, BLOCK_D2)
-    offs_dv = tl.arange(0, BLOCK_DV)
     n_ok = offs_n < Tk
     ks, us, k, k2, v = _key_tile(K, V, KS, U, kbase, vbase, krow, offs_n, n_ok, offs_d, offs_d2, offs_dv, D, DV,
                                  BLOCK_D, BLOCK_D2, BLOCK_DV, HAS_DOT, BIAS, True)
@@ -197,16 +194,11 @@ def _bwd_q(Q, K, V, QS, KS, U, TAU, G, LAM, DO, LSE, DELTA, DOCS, START, END, DQ
            BLOCK_D2: tl.constexpr = 0):
     m0 = tl.program_id(0) * BLOCK_M
     off = Tk - Tq
-    row, krow, kbase, vbase = _bases(tl.program_id(1), H, GK, GV, Tq, Tk)
-    drow = (tl.program_id(1) // H).to(tl.int64) * Tk
+    row, krow, kbase, vbase, drow, offs_d, offs_d2, offs_dv = _program_rows(H, GK, GV, Tq, Tk, BLOCK_D, BLOCK_D2,
+                                                                            BLOCK_DV)
     offs_m = m0 + tl.arange(0, BLOCK_M)
-    offs_d = tl.arange(0, BLOCK_D)
-    offs_d2 = _cols2(BLOCK_D, BLOCK_D2)
-    offs_dv = tl.arange(0, BLOCK_DV)
     m_ok = offs_m < Tq
-    qs = tl.load(QS + row + offs_m, mask=m_ok, other=0.0)
-    tau = tl.load(TAU + row + offs_m, mask=m_ok, other=1.0)
-    g = tl.load(G + row + offs_m, mask=m_ok, other=0.0)
+    qs, tau, g = _query_scalars(QS, TAU, G, row, offs_m, m_ok)
     lam = tl.load(LAM + row + offs_m, mask=m_ok, other=0.0)
     lse = tl.load(LSE + row + offs_m, mask=m_ok, other=float("inf"))  # p = 0 past Tq
     delta = tl.load(DELTA + row + offs_m, mask=m_ok, other=0.0)

@@ -257,6 +257,25 @@ def _bases(bh, H, GK, GV, Tq, Tk):
 
 
 @triton.jit
+def _program_rows(H, GK, GV, Tq, Tk, BLOCK_D: tl.constexpr, BLOCK_D2: tl.constexpr, BLOCK_DV: tl.constexpr):
+    """Program (batch x head) program_id(1)'s row offsets (`_bases`), its batch row of document ids (by
+    key position) and the column offsets of its tiles: head, second head part, values."""
+    row, krow, kbase, vbase = _bases(tl.program_id(1), H, GK, GV, Tq, Tk)
+    drow = (tl.program_id(1) // H).to(tl.int64) * Tk
+    return (row, krow, kbase, vbase, drow, tl.arange(0, BLOCK_D), _cols2(BLOCK_D, BLOCK_D2),
+            tl.arange(0, BLOCK_DV))
+
+
+@triton.jit
+def _query_scalars(QS, TAU, G, row, offs_m, m_ok):
+    """A query tile's scalar queries, temperatures and gains (0, 1, 0 past Tq)."""
+    qs = tl.load(QS + row + offs_m, mask=m_ok, other=0.0)
+    tau = tl.load(TAU + row + offs_m, mask=m_ok, other=1.0)
+    g = tl.load(G + row + offs_m, mask=m_ok, other=0.0)
+    return qs, tau, g
+
+
+@triton.jit
 def _query_rows(Q, QS, TAU, LAM, row, offs_m, m_ok, offs_d, D: tl.constexpr, HAS_DOT: tl.constexpr,
                 BLOCK_D: tl.constexpr):
     """A query tile's qs, 1 / tau, gain and vectors (zeros past Tq)."""
@@ -346,16 +365,11 @@ def _fwd(Q, K, V, QS, KS, U, TAU, G, O, LSE, DOCS, START, END, Tq, Tk, H, GK, GV
          BLOCK_D2: tl.constexpr = 0):
     m0 = tl.program_id(0) * BLOCK_M
     off = Tk - Tq
-    row, krow, kbase, vbase = _bases(tl.program_id(1), H, GK, GV, Tq, Tk)
-    drow = (tl.program_id(1) // H).to(tl.int64) * Tk  # the batch row's document ids (by key position)
+    row, krow, kbase, vbase, drow, offs_d, offs_d2, offs_dv = _program_rows(H, GK, GV, Tq, Tk, BLOCK_D, BLOCK_D2,
+                                                                            BLOCK_DV)
     offs_m = m0 + tl.arange(0, BLOCK_M)
-    offs_d = tl.arange(0, BLOCK_D)
-    offs_d2 = _cols2(BLOCK_D, BLOCK_D2)
-    offs_dv = tl.arange(0, BLOCK_DV)
     m_ok = offs_m < Tq
-    qs = tl.load(QS + row + offs_m, mask=m_ok, other=0.0)
-    tau = tl.load(TAU + row + offs_m, mask=m_ok, other=1.0)
-    g = tl.load(G + row + offs_m, mask=m_ok, other=0.0)
+    qs, tau, g = _query_scalars(QS, TAU, G, row, offs_m, m_ok)
     q = _tile(Q, row, offs_m, m_ok, offs_d, D, BLOCK_D, HAS_DOT, True, Q.dtype.element_ty)
     q2 = 0.0
     if BLOCK_D2 > 0:
