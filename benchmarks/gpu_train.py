@@ -146,6 +146,10 @@ def prepare(name: str, T: int, batch: int, warmup: int, compile_it: bool, device
     counters.clear()
     model = build(name, T, shape).to(device)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=device.type == "cuda" or None)
+    if compile_it and device.type == "cpu":  # the CPU kernels load before tracing, or the graph never uses them
+        from attnlab.ops import _ext
+
+        _ext.library()
     step_model = torch.compile(model) if compile_it else model
     idx = torch.randint(0, shape["vocab"], (batch, T + 1), device=device)
     # bf16 autocast on a GPU (as in training there); float32 on the CPU, where bf16 matmuls are emulated

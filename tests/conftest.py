@@ -41,6 +41,21 @@ def one_thread():
     torch.set_num_threads(before)
 
 
+@pytest.fixture(params=["kernel", "fallback"])
+def cpu_kernels(request, monkeypatch):
+    """Run the test on attnlab's compiled CPU kernels (ops/_ext.py; skipped where they cannot be built)
+    and on the pure-PyTorch fast paths (ATTNLAB_NO_EXT=1). Returns "kernel" or "fallback"."""
+    from attnlab.ops import _ext
+
+    monkeypatch.delenv("ATTNLAB_NO_EXT", raising=False)
+    if request.param == "kernel":
+        if _ext.library() is None:
+            pytest.skip("compiled kernels unavailable on this machine (no C++ compiler or build failed)")
+    else:
+        monkeypatch.setenv("ATTNLAB_NO_EXT", "1")
+    return request.param
+
+
 CODE = "def add(a, b):\n    '''Sum.'''\n    return a + b\n\nclass Box:\n    def __init__(self, x):\n        self.x = x\n"
 
 

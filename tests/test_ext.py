@@ -24,15 +24,10 @@ def _kernels_or_skip():
         pytest.skip("compiled kernels unavailable on this machine (no C++ compiler or build failed)")
 
 
-@pytest.fixture(params=["kernel", "fallback"])
-def path(request, monkeypatch):
-    """Run the test on the compiled kernels and on the pure-PyTorch fast path."""
-    monkeypatch.delenv("ATTNLAB_NO_EXT", raising=False)
-    if request.param == "kernel":
-        _kernels_or_skip()
-    else:
-        monkeypatch.setenv("ATTNLAB_NO_EXT", "1")
-    return request.param
+@pytest.fixture
+def path(cpu_kernels):
+    """Run the test on the compiled kernels and on the pure-PyTorch fast path (conftest.cpu_kernels)."""
+    return cpu_kernels
 
 
 def _rand(g, *shape, dtype=torch.float32, scale=1.0, shift=0.0):

@@ -5,7 +5,8 @@ the newest of equally distant keys."""
 import pytest
 import torch
 
-from attnlab.ops.scalar.window import nearest_newest, nearest_newest_naive, window_mask
+from attnlab.ops.scalar.nearest import nearest_newest, nearest_newest_naive
+from attnlab.ops.scalar.window import window_mask
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
@@ -42,6 +43,7 @@ def test_sorted_search_chooses_the_dense_windows(monkeypatch, local, n_prefix):
     densely), and all keys equal."""
     from attnlab.ops.scalar import window as wmod
 
+    monkeypatch.setenv("ATTNLAB_NO_EXT", "1")  # the PyTorch selection (the compiled one: test_window_cpu.py)
     g = torch.Generator().manual_seed(4)
     B, H, T = 2, 3, 300
     qs, ks = torch.randn(B, H, T, generator=g), torch.randn(B, H, T, generator=g)
@@ -74,6 +76,7 @@ def test_accelerators_choose_densely_without_reading_back(monkeypatch):
     chunk is scored densely: the same indices as the CPU's sorted route, and no value read at all."""
     from attnlab.ops.scalar import window as wmod
 
+    monkeypatch.setenv("ATTNLAB_NO_EXT", "1")  # the PyTorch selection (the compiled one: test_window_cpu.py)
     g = torch.Generator().manual_seed(5)
     qs, ks = torch.randn(1, 2, 200, generator=g), torch.randn(1, 2, 200, generator=g)
     monkeypatch.setattr(wmod, "SORTED_FROM", 20)

@@ -30,7 +30,7 @@ from pathlib import Path
 import torch
 
 CSRC = Path(__file__).resolve().parent / "csrc"
-SOURCES = ("principled.cpp", "gla.cpp")
+SOURCES = ("principled.cpp", "gla.cpp", "window.cpp")
 CFLAGS = ("-O3", "-march=native", "-fopenmp", "-fno-math-errno", "-fno-trapping-math")
 DTYPES = {torch.float32: "f32", torch.float64: "f64"}
 
@@ -121,6 +121,9 @@ def _bind(lib: ctypes.CDLL) -> ctypes.CDLL:
         getattr(lib, f"attnlab_principled_bwd_{suffix}").argtypes = [p] * 21 + [i] * 10 + [n, i, i, n]
         getattr(lib, f"attnlab_gla_fwd_{suffix}").argtypes = [p] * 8 + [i] * 6 + [n]
         getattr(lib, f"attnlab_gla_bwd_{suffix}").argtypes = [p] * 14 + [i] * 6 + [n]
+        getattr(lib, f"attnlab_window_select_{suffix}").argtypes = [p] * 5 + [i] * 6 + [n]
+        getattr(lib, f"attnlab_window_fwd_{suffix}").argtypes = [p] * 11 + [i] * 6 + [n, n]
+        getattr(lib, f"attnlab_window_bwd_{suffix}").argtypes = [p] * 18 + [i] * 6 + [n, n]
     return lib
 
 

@@ -32,6 +32,7 @@ from attnlab.interrupt import Interrupted, graceful, requested
 from attnlab.lock import FolderLock
 from attnlab.models.lm import token_loss
 from attnlab.checks import async_value_checks
+from attnlab.ops import _ext
 from attnlab.regularizers import regularization
 
 from . import ddp
@@ -89,6 +90,8 @@ class Trainer:
         self._replica = None  # sharded runs: an unsharded CPU copy that checkpoints pass through
         self.optimizer = make_optimizer(self.model, cfg.train, self.device)  # after sharding: FSDP's parameters
         if cfg.train.compiles(self.device):  # checkpoints, evaluation and resume keep using the plain module
+            if self.device.type == "cpu":  # a graph traced before the CPU kernels load would never use them
+                _ext.library()
             self.ddp_model = torch.compile(self.ddp_model)
         self.logger = RunLogger(self.run_dir, enabled=self.env.is_main, tensorboard=cfg.run.tensorboard_if_installed,
                                 loggers=cfg.run.loggers, meta={"title": str(self.run_dir), "project": cfg.run.project,

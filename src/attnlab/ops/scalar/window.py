@@ -23,8 +23,11 @@ head) and masks outside the window: the reference. impl="auto" / "fast" (no budg
 selects each query's keys first (under no_grad: O(query_chunk x Tk) per chunk for the distances,
 kept only as O(T x m) indices, m = k + w + n_prefix) and scores, normalises and reads only those:
 memory O(T x m) per head and never T x T, the chunk's gathers recomputed in the backward pass
-(activation checkpointing) so training through the window keeps O(T x m) as well. Tests compare
-the two paths' outputs and every gradient, with ties and the local window.
+(activation checkpointing) so training through the window keeps O(T x m) as well. On the CPU the
+compiled kernels (`window_cpu`, csrc/window.cpp) do both steps with no T x T pass at all: the
+selection from one sort per head (O(T log T + T k)), the attention over the m selected keys forward
+and backward (O(T x m)). Tests compare the paths' outputs and every gradient, with ties and the
+local window, on the kernels and without them.
 
 Packed documents (``docs`` / ``cu_seqlens``, `attnlab.ops._packed`): a query's candidates and local
 keys are the keys of its own document, so each document reads what it would alone; both paths and
@@ -49,8 +52,9 @@ from ...checks import check_int, check_same, visible_keys
 from .._packed import packing
 from .._sdpa import check_qkv, expand_heads, upcast
 from .budget import budget_evictions
-from .nearest import SORTED_FROM, SORTED_ON, nearest_sorted
+from .nearest import SORTED_FROM, SORTED_ON, nearest_newest, nearest_sorted
 from .route import triton_missing, triton_route
+from . import window_cpu
 from .selected import selected_attention
 from .naive import _check_scalars, _check_values, _scalar_scale, _tau, check_kernel, hybrid_logits, scalar_logits
 
@@ -67,39 +71,6 @@ def select_chunk(query_chunk: int, B: int, H: int, T: int, device: torch.device)
     if device.type != "cuda":
         return min(query_chunk, SELECT_CHUNK)
     return max(SELECT_CHUNK, min(T, CUDA_CHUNK_ELEMENTS // max(1, B * H * T)))
-
-
-def nearest_newest_naive(dist: torch.Tensor, n: int) -> torch.Tensor:
-    """The reference of `nearest_newest`: a stable sort of each row, newest first."""
-    Tk = dist.shape[-1]
-    keep = torch.zeros(dist.shape, dtype=torch.bool, device=dist.device)
-    keep.scatter_(-1, Tk - 1 - dist.flip(-1).sort(dim=-1, stable=True).indices[..., :n], True)
-    return keep
-
-
-def nearest_newest(dist: torch.Tensor, n: int) -> torch.Tensor:
-    """Bool mask of the n smallest entries of each row of dist (..., Tk), the newest (rightmost)
-    first among equal values. A topk of n + 1 finds them; only the rows where the n-th and the
-    (n+1)-th smallest are equal (a tie at the boundary, e.g. rows with fewer than n finite entries)
-    are redone: every entry below the n-th value, and of the entries equal to it the rightmost ones
-    still needed. Equal to the stable sort of `nearest_newest_naive` (tested with ties and
-    infinities; a tensor holding NaN takes the sort throughout)."""
-    Tk = dist.shape[-1]
-    if n >= Tk or bool(torch.isnan(dist).any()):
-        return nearest_newest_naive(dist, n)
-    vals, idx = dist.topk(n + 1, dim=-1, largest=False, sorted=True)
-    keep = torch.zeros(dist.shape, dtype=torch.bool, device=dist.device)
-    keep.scatter_(-1, idx[..., :n], True)
-    tied = (vals[..., n - 1] == vals[..., n]).reshape(-1)
-    if bool(tied.any()):  # those rows: everything below the n-th value, then the newest of its ties
-        rows = tied.nonzero().squeeze(1)
-        d = dist.reshape(-1, Tk)[rows]
-        thr = vals.reshape(-1, n + 1)[rows, n - 1 : n]
-        below, tie = d < thr, d == thr
-        need = n - below.sum(-1, keepdim=True, dtype=torch.int32)
-        from_right = tie.flip(-1).cumsum(-1, dtype=torch.int32).flip(-1)  # ties at or right of each slot
-        keep.view(-1, Tk)[rows] = below | (tie & (from_right <= need))
-    return keep
 
 
 def window_mask(qs: torch.Tensor, ks: torch.Tensor, window: int, *, n_prefix: int = 0,
@@ -162,7 +133,8 @@ def window_indices(qs: torch.Tensor, ks: torch.Tensor, window: int, *, n_prefix:
                    query_chunk: int = 256, seg: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """The keys of `window_mask` (causal, Tq = Tk = T) as indices.
 
-    Memory O(query_chunk x T) per head while computing, O(T x m) kept; no gradient. Once a chunk's
+    On the CPU with the compiled kernels: `window_cpu.select_nearest`, O(T log T + T k) per head. Otherwise
+    memory O(query_chunk x T) per head while computing, O(T x m) kept; no gradient. Once a chunk's
     queries see SORTED_FROM or more older keys (float32), each scores only its 2k neighbours in
     sorted order (`nearest.nearest_sorted`, the same choice); that search runs on the devices in
     `nearest.SORTED_ON` (the CPU), where its check reads nothing back from an accelerator. The arguments are not checked (`windowed_attention` checks them before calling this).
@@ -171,7 +143,7 @@ def window_indices(qs: torch.Tensor, ks: torch.Tensor, window: int, *, n_prefix:
         qs: scalar queries (B, H, T).
         ks: scalar keys (B, H, T).
         window: keys per window, an int >= 1.
-        n_prefix: leading keys (a sink) always selected, not counted toward `window`.
+        n_prefix: leading keys (a sink) selected by every query at or after them, not counted toward `window`.
         local: the last `local` keys each query sees, always selected.
         query_chunk: query rows whose distances are computed at once.
         seg: packed documents, (B, T) run index of each position's document: a query selects
@@ -193,7 +165,7 @@ def window_indices(qs: torch.Tensor, ks: torch.Tensor, window: int, *, n_prefix:
         return idx, ok
     pos = torch.arange(T, device=ks.device)
     idx[..., :n_prefix] = torch.arange(n_prefix, device=ks.device)
-    ok[..., :n_prefix] = True
+    ok[..., :n_prefix] = torch.arange(n_prefix, device=ks.device) <= pos[:, None]  # a query before the sink's end
     if local:
         rec = pos[:, None] - torch.arange(local, device=ks.device)  # (T, local): t, t-1, ...
         idx[..., n_prefix : n_prefix + local] = rec.clamp_min(0)
@@ -203,6 +175,10 @@ def window_indices(qs: torch.Tensor, ks: torch.Tensor, window: int, *, n_prefix:
     if not k:
         return idx, ok
     cdt = upcast(qs.dtype)
+    if window_cpu.available(qs.device, cdt):  # the compiled CPU kernel: one sort per head, O(T x k) after it
+        sel = window_cpu.select_nearest(qs.detach().to(cdt), ks.detach().to(cdt), k, n_prefix, local, seg)
+        idx[..., n_prefix + local:], ok[..., n_prefix + local:] = sel
+        return idx, ok
     # the sorted search decides on the host whether its candidates settle a chunk: free on the CPU,
     # a device sync per chunk elsewhere, so accelerators score every chunk densely (no read back)
     sorted_search = cdt == torch.float32 and qs.device.type in SORTED_ON and seg is None
@@ -363,6 +339,11 @@ def windowed_attention(
             lam = None if scalar_scale is None else _scalar_scale(scalar_scale, H, torch.float32, qs.device)
             return triton_selected_attention(qs, ks, v, _tau(tau, B, H, T, torch.float32, qs.device), idx, ok, q=q,
                                              k=k, lam_b=lam, kernel=kernel)
+        if window_cpu.available(qs.device, cdt):  # the compiled CPU kernel: O(T x m) forward and backward
+            lam = None if scalar_scale is None else _scalar_scale(scalar_scale, H, cdt, qs.device)
+            out = window_cpu.selected_cpu(qs, ks, v.to(cdt), _tau(tau, B, H, T, cdt, qs.device), idx, ok, q, k, lam,
+                                          kernel)
+            return out.to(v.dtype)
         return selected_attention(qs, ks, v, tau, idx, ok, q, k, chunk, scalar_scale, kernel)
     evicted = None if budget is None else budget_evictions(qs, ks, budget, history=history, n_prefix=n_prefix,
                                                            local=local)
