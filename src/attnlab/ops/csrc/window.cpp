@@ -1,4 +1,4 @@
-// Windowed scalar / hybrid attention on the CPU (docs/mechanisms.md#window, "Compiled CPU path"):
+// Windowed scalar / hybrid attention on the CPU (docs/mechanisms.md, "Windowed decoding for a whole sequence"):
 // the selection of each query's k nearest keys in scalar space, and attention over the selected
 // keys only, forward and backward. Work O(T (k + w)) per head after one O(T log T) sort; no T x T
 // pass anywhere.
