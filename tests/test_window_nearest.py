@@ -1,12 +1,14 @@
 """The window's nearest-n rule by topk (`nearest_newest`) equals the stable sort it replaced, on rows
 full of ties, infinities, -infinity, NaN and fewer entries than n; window_mask through it keeps
-the newest of equally distant keys."""
+the newest of equally distant keys; the merge-sort tree (`tree.tree_select`) selects the same keys."""
 
 import pytest
 import torch
 
 from attnlab.ops.scalar.nearest import nearest_newest, nearest_newest_naive
 from attnlab.ops.scalar.window import window_mask
+
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
@@ -35,53 +37,44 @@ def test_window_mask_takes_the_newest_of_equal_keys():
     assert m[0, 0, 0].tolist() == [False, False, False, True, False, True, False]
 
 
-@pytest.mark.parametrize("local,n_prefix", [(0, 0), (5, 1), (32, 0)])
-def test_sorted_search_chooses_the_dense_windows(monkeypatch, local, n_prefix):
-    """window_indices through sorted candidates (the long-context route, forced on short sequences)
-    returns the dense rule's indices, in its order: random keys, keys repeated (ties broken newest
-    first), keys on a coarse grid (ties across the candidates' boundary: those chunks are scored
-    densely), and all keys equal."""
-    from attnlab.ops.scalar import window as wmod
+@pytest.mark.parametrize("local,n_prefix,block", [(0, 0, 4), (5, 1, 64), (32, 0, 4), (0, 3, 16)])
+def test_tree_chooses_the_dense_windows(monkeypatch, local, n_prefix, block):
+    """window_indices through the merge-sort tree (the long-context route where no compiled kernel runs,
+    forced on short sequences) returns the dense rule's indices, in its order: random keys, keys
+    repeated (ties broken newest first), keys on a coarse grid (ties on both sides of a query and
+    across node boundaries), and all keys equal; lengths around the block and level sizes."""
+    from attnlab.ops.scalar import tree, window as wmod
 
     monkeypatch.setenv("ATTNLAB_NO_EXT", "1")  # the PyTorch selection (the compiled one: test_window_cpu.py)
+    monkeypatch.setattr(tree, "TREE_BLOCK", block)
+    monkeypatch.setattr(tree.tree_select, "__defaults__", (37, block))  # chunks that split the rows unevenly
     g = torch.Generator().manual_seed(4)
-    B, H, T = 2, 3, 300
-    qs, ks = torch.randn(B, H, T, generator=g), torch.randn(B, H, T, generator=g)
-    rep = ks.clone()
-    rep[..., 100:200] = rep[..., :100]
-    grid = (ks * 2).round() / 2
-    for keys in (ks, rep, grid, torch.zeros_like(ks)):
-        for window in (1, 7):
-            monkeypatch.setattr(wmod, "SORTED_FROM", 10**9)
-            want = wmod.window_indices(qs, keys, window, n_prefix=n_prefix, local=local, query_chunk=16)
-            monkeypatch.setattr(wmod, "SORTED_FROM", 20)
-            got = wmod.window_indices(qs, keys, window, n_prefix=n_prefix, local=local, query_chunk=16)
-            assert torch.equal(got[1], want[1]) and torch.equal(got[0][got[1]], want[0][want[1]])
+    for T in (1, 64, 130):
+        B, H = 2, 3
+        qs, ks = torch.randn(B, H, T, generator=g), torch.randn(B, H, T, generator=g)
+        rep = ks.clone()
+        rep[..., T // 3 : 2 * (T // 3)] = rep[..., : T // 3]
+        grid = (ks * 2).round() / 2
+        for keys, q in ((ks, qs), (rep, qs), (grid, (qs * 2).round() / 2), (torch.zeros_like(ks), qs)):
+            for window in (1, 7):
+                monkeypatch.setattr(wmod, "TREE_FROM", 10**9)
+                want = wmod.window_indices(q, keys, window, n_prefix=n_prefix, local=local, query_chunk=16)
+                monkeypatch.setattr(wmod, "TREE_FROM", 1)
+                got = wmod.window_indices(q, keys, window, n_prefix=n_prefix, local=local, query_chunk=16)
+                assert torch.equal(got[1], want[1]), (T, window)
+                assert torch.equal(got[0][got[1]], want[0][want[1]]), (T, window)
 
 
-def test_sorted_search_defers_undecided_rows():
-    """A tie across the boundary of the candidates leaves the choice to the dense rule (None)."""
-    from attnlab.ops.scalar.nearest import nearest_sorted
-
-    q, k = torch.zeros(1, 1, 64), torch.zeros(1, 1, 64)
-    assert nearest_sorted(q, k, 48, 64, 0, 0, 4) is None
-    k = torch.arange(64.0).view(1, 1, 64)
-    q = k.clone() + 0.25
-    idx, ok = nearest_sorted(q, k, 48, 64, 0, 0, 3)
-    assert ok.all() and torch.equal(idx[0, 0, 0], torch.tensor([48, 47, 46]))
-
-
-def test_accelerators_choose_densely_without_reading_back(monkeypatch):
-    """Where the sorted search would read a bool back from the device (any device but the CPU), every
-    chunk is scored densely: the same indices as the CPU's sorted route, and no value read at all."""
+def test_tree_reads_nothing_back(monkeypatch):
+    """The tree's selection runs on any device without a host sync: no tensor value is read on the host
+    (the route accelerators take for long sequences), and it gives the dense rule's keys."""
     from attnlab.ops.scalar import window as wmod
 
-    monkeypatch.setenv("ATTNLAB_NO_EXT", "1")  # the PyTorch selection (the compiled one: test_window_cpu.py)
+    monkeypatch.setenv("ATTNLAB_NO_EXT", "1")
     g = torch.Generator().manual_seed(5)
     qs, ks = torch.randn(1, 2, 200, generator=g), torch.randn(1, 2, 200, generator=g)
-    monkeypatch.setattr(wmod, "SORTED_FROM", 20)
     want = wmod.window_indices(qs, ks, 5, local=4, query_chunk=16)
-    monkeypatch.setattr(wmod, "SORTED_ON", ())  # the CPU treated as an accelerator
+    monkeypatch.setattr(wmod, "TREE_FROM", 1)
     reads = []
     for name in ("item", "__bool__", "__int__", "__float__", "nonzero", "tolist"):
         real = getattr(torch.Tensor, name)
@@ -90,3 +83,17 @@ def test_accelerators_choose_densely_without_reading_back(monkeypatch):
     monkeypatch.undo()
     assert reads == []
     assert torch.equal(got[1], want[1]) and torch.equal(got[0][got[1]], want[0][want[1]])
+
+
+@pytest.mark.cuda
+def test_cuda_tree_selects_what_the_cpu_does_at_8k():
+    """On CUDA (the route its long sequences take): the same keys in the same order as on the CPU, with
+    ties (the second half of the keys repeats the first), the sink and a local window."""
+    from attnlab.ops.scalar.tree import tree_select
+
+    g = torch.Generator().manual_seed(6)
+    qs, ks = torch.randn(2, 4, 8192, generator=g), torch.randn(2, 4, 8192, generator=g)
+    ks[..., 4096:] = ks[..., :4096]
+    want = tree_select(qs, ks, 16, 1, 32)
+    got = tree_select(qs.cuda(), ks.cuda(), 16, 1, 32)
+    assert torch.equal(got[1].cpu(), want[1]) and torch.equal(got[0].cpu(), want[0])

@@ -31,7 +31,7 @@ local window, on the kernels and without them.
 
 Packed documents (``docs`` / ``cu_seqlens``, `attnlab.ops._packed`): a query's candidates and local
 keys are the keys of its own document, so each document reads what it would alone; both paths and
-the Triton kernel take them (the selected indices carry the documents), the sorted search steps
+the Triton kernel take them (the selected indices carry the documents), the tree steps
 aside for the dense one. A sink, a budget or keep_fn are rules about one sequence's positions and
 are refused beside them.
 
@@ -52,7 +52,8 @@ from ...checks import check_int, check_same, visible_keys
 from .._packed import packing
 from .._sdpa import check_qkv, expand_heads, upcast
 from .budget import budget_evictions
-from .nearest import SORTED_FROM, SORTED_ON, nearest_newest, nearest_sorted
+from .nearest import nearest_newest
+from .tree import tree_select
 from .route import triton_missing, triton_route
 from . import window_cpu
 from .selected import selected_attention
@@ -60,6 +61,7 @@ from .naive import _check_scalars, _check_values, _scalar_scale, _tau, check_ker
 
 __all__ = ["window_indices", "window_mask", "windowed_attention"]
 
+TREE_FROM = 1024  # sequences at least this long select through the merge-sort tree where no compiled kernel runs
 SELECT_CHUNK = 64  # query rows per chunk of the selected-keys path (fastest of 32, 64, 128 measured at T = 256)
 CUDA_CHUNK_ELEMENTS = 1 << 26  # on CUDA: query rows per chunk such that B x H x rows x T scores stay below this
 
@@ -133,11 +135,12 @@ def window_indices(qs: torch.Tensor, ks: torch.Tensor, window: int, *, n_prefix:
                    query_chunk: int = 256, seg: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """The keys of `window_mask` (causal, Tq = Tk = T) as indices.
 
-    On the CPU with the compiled kernels: `window_cpu.select_nearest`, O(T log T + T k) per head. Otherwise
-    memory O(query_chunk x T) per head while computing, O(T x m) kept; no gradient. Once a chunk's
-    queries see SORTED_FROM or more older keys (float32), each scores only its 2k neighbours in
-    sorted order (`nearest.nearest_sorted`, the same choice); that search runs on the devices in
-    `nearest.SORTED_ON` (the CPU), where its check reads nothing back from an accelerator. The arguments are not checked (`windowed_attention` checks them before calling this).
+    Three routes to the same keys, none with a gradient or a value read back to the host: on the CPU
+    with the compiled kernels `window_cpu.select_nearest` (O(T log T + T k) per head); from TREE_FROM
+    positions on (float32 work, one document per row) the merge-sort tree of `tree.tree_select`
+    (O(T (k log T + c)), any device); otherwise query chunks scored densely, O(query_chunk x T) memory
+    per head while computing. O(T x m) kept. The arguments are not checked (`windowed_attention` checks
+    them before calling this).
 
     Args:
         qs: scalar queries (B, H, T).
@@ -147,8 +150,8 @@ def window_indices(qs: torch.Tensor, ks: torch.Tensor, window: int, *, n_prefix:
         local: the last `local` keys each query sees, always selected.
         query_chunk: query rows whose distances are computed at once.
         seg: packed documents, (B, T) run index of each position's document: a query selects
-            among the keys of its own document only (local keys included); the sorted search is
-            not used. None for one document per row.
+            among the keys of its own document only (local keys included); the tree is not used.
+            None for one document per row.
 
     Returns:
         idx (B, H, T, m) int64 key indices and ok (B, H, T, m) bool, True where the column
@@ -175,22 +178,17 @@ def window_indices(qs: torch.Tensor, ks: torch.Tensor, window: int, *, n_prefix:
     if not k:
         return idx, ok
     cdt = upcast(qs.dtype)
-    if window_cpu.available(qs.device, cdt):  # the compiled CPU kernel: one sort per head, O(T x k) after it
-        sel = window_cpu.select_nearest(qs.detach().to(cdt), ks.detach().to(cdt), k, n_prefix, local, seg)
-        idx[..., n_prefix + local:], ok[..., n_prefix + local:] = sel
-        return idx, ok
-    # the sorted search decides on the host whether its candidates settle a chunk: free on the CPU,
-    # a device sync per chunk elsewhere, so accelerators score every chunk densely (no read back)
-    sorted_search = cdt == torch.float32 and qs.device.type in SORTED_ON and seg is None
+    win = slice(n_prefix + local, None)  # the window's columns
     with torch.no_grad():
         q32, k32 = qs.detach().to(cdt), ks.detach().to(cdt)
+        if window_cpu.available(qs.device, cdt):  # the compiled CPU kernel: one sort per head, O(T x k) after it
+            idx[..., win], ok[..., win] = window_cpu.select_nearest(q32, k32, k, n_prefix, local, seg)
+            return idx, ok
+        if cdt == torch.float32 and seg is None and T >= TREE_FROM:  # long contexts, any device: no T x T pass
+            idx[..., win], ok[..., win] = tree_select(q32, k32, k, n_prefix, local)
+            return idx, ok
         for a in range(0, T, query_chunk):
             b = min(T, a + query_chunk)
-            found = (nearest_sorted(q32, k32, a, b, n_prefix, local, k)
-                     if sorted_search and a - local + 1 - n_prefix >= SORTED_FROM else None)
-            if found is not None:  # a long context: only candidates near each query in sorted order
-                idx[:, :, a:b, n_prefix + local :], ok[:, :, a:b, n_prefix + local :] = found
-                continue
             dist = (q32[..., a:b, None] - k32[..., None, :b]).abs()  # (B, H, c, b)
             cand = (pos[:b] >= n_prefix) & (pos[:b] <= pos[a:b, None] - local)  # (c, b)
             if seg is not None:  # (B, 1, c, b): the keys of each query's document
