@@ -6,7 +6,6 @@
 #pragma once
 
 #include <algorithm>
-#include <bit>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
@@ -27,6 +26,15 @@ void dgemm_(const char* ta, const char* tb, const int* m, const int* n, const in
 namespace attnlab {
 
 using i64 = int64_t;
+
+// The bits of x as a To (std::bit_cast is C++20; torch builds extensions as C++17 up to 2.11).
+template <typename To, typename From>
+inline To bitcast(From x) {
+  static_assert(sizeof(To) == sizeof(From), "bitcast between types of one size");
+  To y;
+  std::memcpy(&y, &x, sizeof y);
+  return y;
+}
 
 constexpr double LOG2E = 1.4426950408889634;
 
@@ -72,7 +80,7 @@ inline float ex2(float x) {
   p = p * f + 2.4022650695910071e-01f;
   p = p * f + 6.9314718055994531e-01f;
   p = p * f + 1.0f;
-  return x < -126.0f ? 0.0f : p * std::bit_cast<float>(biased << 23);
+  return x < -126.0f ? 0.0f : p * bitcast<float>(biased << 23);
 }
 
 inline double ex2(double x) { return std::exp2(x); }

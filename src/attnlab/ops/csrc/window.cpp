@@ -145,10 +145,10 @@ inline T dot(const T* __restrict a, const T* __restrict b, i64 n) {
 // e log 2: an absolute error near float rounding of 1 + x, which is what a logit needs. double: libm.
 inline float log1p_pos(float x) {
   const float y = 1.0f + x;
-  int32_t bits = std::bit_cast<int32_t>(y);
+  int32_t bits = bitcast<int32_t>(y);
   int32_t e = ((bits >> 23) & 0xff) - 127;
   bits = (bits & 0x007fffff) | 0x3f800000;  // m in [1, 2)
-  float m = std::bit_cast<float>(bits);
+  float m = bitcast<float>(bits);
   const bool big = m > 1.41421356f;
   m = big ? 0.5f * m : m;
   e = big ? e + 1 : e;
