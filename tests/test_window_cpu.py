@@ -179,3 +179,25 @@ def test_selection_of_every_query_is_its_nearest(kernels, T, k, local):
         for t in range(T):
             cand = sorted(range(0, t - local + 1), key=lambda s: (abs(float(qs[0, h, t] - ks[0, h, s])), -s))[:k]
             assert idx[0, h, t][ok[0, h, t]].tolist() == cand
+
+
+def test_benchmark_runs_and_writes_its_rows(kernels, tmp_path, monkeypatch):
+    """benchmarks/window_cpu.py at two tiny lengths: a row per length with every path timed, and a path
+    past --max-s left out of the longer length."""
+    import importlib.util
+    import json
+    from pathlib import Path
+
+    bench = Path(__file__).resolve().parents[1] / "benchmarks"
+    monkeypatch.syspath_prepend(str(bench))
+    spec = importlib.util.spec_from_file_location("window_cpu_bench", bench / "window_cpu.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    out = tmp_path / "w.json"
+    mod.main(["--T", "40,80", "--rounds", "1", "--threads", "1", "--out", str(out)])
+    rows = json.loads(out.read_text())["rows"]
+    assert [r["T"] for r in rows] == [40, 80]
+    assert all(r["kernels_ms"] > 0 and r["exact_over_kernels"] > 0 and r["select_ms"] > 0 for r in rows)
+    mod.main(["--T", "40,80", "--rounds", "1", "--threads", "1", "--max-s", "0", "--out", str(out)])
+    rows = json.loads(out.read_text())["rows"]
+    assert "kernels_ms" in rows[1] and "exact_ms" not in rows[1] and "pytorch_ms" not in rows[1]
