@@ -16,7 +16,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from attnlab.ops import gla as gla_mod
+from attnlab.ops import gla_fla as fla_mod
 from attnlab.ops.gla import gla_attention, ssd_attention
 from attnlab.testing import compare_fwd_bwd, rel_rms
 
@@ -73,8 +73,8 @@ def fla_on_cpu(monkeypatch):
 
     def install(ssd_ref="recurrent"):
         seen: list = []
-        monkeypatch.setattr(gla_mod, "_fla_missing", lambda *a, **kw: None)
-        monkeypatch.setattr(gla_mod, "_fla_kernels", lambda: _naive_kernels(ssd_ref, seen))
+        monkeypatch.setattr(fla_mod, "fla_missing", lambda *a, **kw: None)
+        monkeypatch.setattr(fla_mod, "fla_kernels", lambda: _naive_kernels(ssd_ref, seen))
         return seen
 
     return install
@@ -135,7 +135,7 @@ def test_real_fla_functions_take_what_the_route_passes():
     from fla.ops.gla import chunk_gla
     from fla.ops.simple_gla import chunk_simple_gla
 
-    kernels = gla_mod._fla_kernels()
+    kernels = fla_mod.fla_kernels()
     assert not isinstance(kernels, str), kernels
     assert kernels[True] is chunk_gla and kernels[False] is chunk_simple_gla
     for fn in (chunk_gla, chunk_simple_gla):
@@ -164,9 +164,9 @@ def test_auto_on_the_cpu_never_touches_fla(monkeypatch, op):
     def boom(*a, **kw):
         raise AssertionError("fla consulted on the CPU")
 
-    monkeypatch.setattr(gla_mod, "_fla_kernels", boom)
-    monkeypatch.setattr(gla_mod, "_fla_missing", boom)
-    monkeypatch.setattr(gla_mod, "_fla_attention", boom)
+    monkeypatch.setattr(fla_mod, "fla_kernels", boom)
+    monkeypatch.setattr(fla_mod, "fla_missing", boom)
+    monkeypatch.setattr(fla_mod, "fla_attention", boom)
     xs = _inputs(op, 2, 2, 40, 16, 8)
     a = OPS[op][0](*xs[:4], initial_state=xs[4], impl="auto")
     b = OPS[op][0](*xs[:4], initial_state=xs[4], impl="fast")
@@ -174,34 +174,34 @@ def test_auto_on_the_cpu_never_touches_fla(monkeypatch, op):
 
 
 def test_reasons_fla_cannot_run(monkeypatch):
-    """`_fla_missing` on a CUDA device (nothing here touches the GPU): each reason names its cause."""
+    """`fla_missing` on a CUDA device (nothing here touches the GPU): each reason names its cause."""
     cuda = torch.device("cuda")
-    miss = gla_mod._fla_missing
+    miss = fla_mod.fla_missing
     assert "CUDA tensors" in miss(torch.device("cpu"), torch.float32, 64, 64, True, False)
     assert "got torch.float64" in miss(cuda, torch.float64, 64, 64, True, False)
     assert "Dk=8, Dv=64" in miss(cuda, torch.bfloat16, 8, 64, True, False)
-    monkeypatch.setattr(gla_mod, "_fla_kernels", lambda: "flash-linear-attention is not installed (x)")
+    monkeypatch.setattr(fla_mod, "fla_kernels", lambda: "flash-linear-attention is not installed (x)")
     assert miss(cuda, torch.bfloat16, 64, 64, True, False) == "flash-linear-attention is not installed (x)"
-    monkeypatch.setattr(gla_mod, "_fla_kernels", lambda: {True: None, False: None})
-    monkeypatch.setitem(gla_mod._FLA, "ssd_grad_refused", False)
+    monkeypatch.setattr(fla_mod, "fla_kernels", lambda: {True: None, False: None})
+    monkeypatch.setitem(fla_mod.FLA, "ssd_grad_refused", False)
     assert miss(cuda, torch.bfloat16, 64, 64, True, True) is None
     assert miss(cuda, torch.bfloat16, 64, 64, False, True) is None
     assert "even Dk and Dv" in miss(cuda, torch.bfloat16, 64, 33, False, True)
     assert miss(cuda, torch.float32, 64, 33, False, True) is None
     assert miss(cuda, torch.bfloat16, 64, 33, False, False) is None  # the forward alone is fine
-    monkeypatch.setitem(gla_mod._FLA, "ssd_grad_refused", True)
+    monkeypatch.setitem(fla_mod.FLA, "ssd_grad_refused", True)
     assert "Hopper" in miss(cuda, torch.bfloat16, 64, 64, False, True)
     assert miss(cuda, torch.bfloat16, 64, 64, False, False) is None
     assert miss(cuda, torch.bfloat16, 64, 64, True, True) is None  # gla's backward is its own kernel
 
 
 def test_fla_reason_when_not_installed(monkeypatch):
-    """Without fla, _fla_kernels says so (and the import is retried only once)."""
+    """Without fla, fla_kernels says so (and the import is retried only once)."""
     monkeypatch.setitem(sys.modules, "fla", None)
-    monkeypatch.setattr(gla_mod, "_FLA", {})
-    reason = gla_mod._fla_kernels()
+    monkeypatch.setattr(fla_mod, "FLA", {})
+    reason = fla_mod.fla_kernels()
     assert isinstance(reason, str) and reason.startswith("flash-linear-attention is not installed"), reason
-    assert gla_mod._fla_kernels() is reason
+    assert fla_mod.fla_kernels() is reason
 
 
 @pytest.mark.heavy
@@ -243,7 +243,7 @@ def test_fla_kernels_match_naive_on_cuda(op, dtype):
     state and the gradients of q, k, v, log_decay and initial_state, by relative RMS."""
     pytest.importorskip("fla")
     sh = GPU_SHAPE
-    reason = gla_mod._fla_missing(torch.device("cuda"), dtype, sh["Dk"], sh["Dv"], OPS[op][1], True)
+    reason = fla_mod.fla_missing(torch.device("cuda"), dtype, sh["Dk"], sh["Dv"], OPS[op][1], True)
     if reason is not None:
         pytest.skip(reason)
     xs = _inputs(op, *sh.values(), dtype=dtype, device="cuda")
@@ -276,8 +276,8 @@ def test_fla_forward_on_cuda(op):
 def test_auto_on_cuda_takes_fla(monkeypatch, op):
     pytest.importorskip("fla")
     calls = []
-    real = gla_mod._fla_attention
-    monkeypatch.setattr(gla_mod, "_fla_attention", lambda *a: calls.append(1) or real(*a))
+    real = fla_mod.fla_attention
+    monkeypatch.setattr(fla_mod, "fla_attention", lambda *a: calls.append(1) or real(*a))
     xs = [x.detach() for x in _inputs(op, 1, 2, 64, 64, 64, dtype=torch.bfloat16, device="cuda")]
     with torch.no_grad():
         OPS[op][0](*xs[:4], initial_state=xs[4], impl="auto")
