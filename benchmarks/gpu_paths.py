@@ -16,6 +16,7 @@ from attnlab.ops import (gla_attention, goat_attention, hybrid_attention, scalar
                          windowed_attention)
 from attnlab.ops.cosformer import cosformer_attention
 from attnlab.ops.principled import principled_attention
+from attnlab.ops.scalar.flex import flex_scalar_attention
 from attnlab.ops.softmax import softmax_attention
 from attnlab.testing import rel_rms
 
@@ -107,6 +108,16 @@ def _window(kernel):
                                               impl=impl, kernel=kernel, scalar_scale=t["lam"])
 
 
+def _flex(kernel, hybrid=True):
+    """FlexAttention's generated kernel for the same formula (`ops.scalar.flex`); "naive" is the naive op."""
+    def run(impl, t):
+        if impl == "naive":
+            return (_hybrid(kernel) if hybrid else _scalar(kernel))("naive", t)
+        kw = dict(q=t["q"], k=t["k"], scalar_scale=t["lam"]) if hybrid else {}
+        return flex_scalar_attention(t["qs"], t["ks"], t["v"], t["tau"], kernel=kernel, **kw)
+    return run
+
+
 def _fix(impl, fn):
     """A path pinned to one impl for its fast run (its reference stays "naive")."""
     return lambda i, t: fn("naive" if i == "naive" else impl, t)
@@ -119,6 +130,10 @@ PATHS = {
     "scalar-cauchy/triton": (_fix("triton", _scalar("cauchy")), dict(dot=False), None),
     "hybrid-gaussian/triton": (_fix("triton", _hybrid("gaussian")), {}, None),
     "hybrid-cauchy/triton": (_fix("triton", _hybrid("cauchy")), {}, None),
+    "scalar-gaussian/flex": (_flex("gaussian", False), dict(dot=False), None),
+    "scalar-cauchy/flex": (_flex("cauchy", False), dict(dot=False), None),
+    "hybrid-gaussian/flex": (_flex("gaussian"), {}, None),
+    "hybrid-cauchy/flex": (_flex("cauchy"), {}, None),
     "scalar-gaussian/sdpa": (_fix("fast", _scalar("gaussian")), dict(dot=False), None),
     "hybrid-gaussian/sdpa": (_fix("fast", _hybrid("gaussian")), {}, None),
     "hybrid-cauchy/chunked": (_fix("fast", _hybrid("cauchy")), {}, 8192),
@@ -139,7 +154,10 @@ PATHS = {
     "gla/chunked": (_fix("fast", _gla), dict(scalar=False, decay="vector"), 8192),
     "ssd/chunked": (_fix("fast", _ssd), dict(scalar=False, decay="scalar"), 8192),
 }
-NEEDS_CUDA = ("gla/fla", "ssd/fla")  # flash-linear-attention's kernels: no CPU run, not even under TRITON_INTERPRET
+# flash-linear-attention's kernels (no CPU run, not even under TRITON_INTERPRET) and FlexAttention's backward
+# (none on the CPU; its forwards are compared on the CPU in tests/test_scalar_flex.py)
+NEEDS_CUDA = ("gla/fla", "ssd/fla", "scalar-gaussian/flex", "scalar-cauchy/flex", "hybrid-gaussian/flex",
+              "hybrid-cauchy/flex")
 
 
 def make(name, B, H, T, D, dtype, device, seed=0):

@@ -1,0 +1,84 @@
+"""FlexAttention's form of scalar and hybrid attention (`ops.scalar.flex`): equal to the naive op on
+the CPU (forward: FlexAttention has no CPU backward) at awkward lengths, both kernels, tau per head or
+per query, a signed gain and grouped heads; on CUDA, outputs and every gradient against float64."""
+
+from __future__ import annotations
+
+import warnings
+
+import pytest
+import torch
+
+from attnlab.ops import hybrid_attention, scalar_attention
+from attnlab.ops.scalar.flex import flex_scalar_attention
+from attnlab.testing import rel_rms
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+
+def _inputs(T, hybrid, tau_form, gain, dtype=torch.float64, device="cpu", G=2, seed=0):
+    B, H, D, Dv = 2, 4, 16, 8
+    g = torch.Generator().manual_seed(seed)
+    r = lambda *s: torch.randn(*s, generator=g, dtype=torch.float64).to(device, dtype)  # noqa: E731
+    qs, ks, v = r(B, H, T), r(B, H, T), r(B, G, T, Dv)
+    tau = {"float": 0.7, "head": (torch.rand(H, generator=g, dtype=torch.float64) + 0.3).to(device, dtype),
+           "query": (torch.rand(B, H, T, generator=g, dtype=torch.float64) + 0.3).to(device, dtype)}[tau_form]
+    kw = {}
+    if hybrid:
+        kw = {"q": r(B, H, T, D), "k": r(B, G, T, D)}
+        if gain:
+            kw["scalar_scale"] = torch.tensor([0.7, 0.0, -0.4, 2.0], dtype=dtype, device=device)
+    return qs, ks, v, tau, kw
+
+
+def _naive(qs, ks, v, tau, kernel, q=None, k=None, scalar_scale=None):
+    if q is None:
+        return scalar_attention(qs, ks, v, tau, impl="naive", kernel=kernel)
+    return hybrid_attention(q, k, v, qs, ks, tau, impl="naive", kernel=kernel, scalar_scale=scalar_scale)
+
+
+@pytest.mark.parametrize("T,kernel,hybrid,tau_form,gain", [
+    (1, "gaussian", False, "float", False), (63, "cauchy", False, "query", False), (130, "gaussian", True, "head", True),
+    (130, "cauchy", True, "query", True), (63, "cauchy", True, "head", False), (1, "cauchy", True, "query", True)])
+def test_flex_forward_equals_naive_on_the_cpu(T, kernel, hybrid, tau_form, gain):
+    qs, ks, v, tau, kw = _inputs(T, hybrid, tau_form, gain)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # FlexAttention's note that its CPU form is not compiled
+        got = flex_scalar_attention(qs, ks, v, tau, kernel=kernel, **kw)
+    assert rel_rms(got, _naive(qs, ks, v, tau, kernel, **kw)) < 1e-12
+
+
+def test_flex_checks_its_arguments():
+    qs, ks, v, tau, kw = _inputs(8, True, "head", False)
+    with pytest.raises(ValueError, match="q and k"):
+        flex_scalar_attention(qs, ks, v, tau, q=kw["q"])
+    with pytest.raises(ValueError, match="kernel"):
+        flex_scalar_attention(qs, ks, v, tau, kernel="laplace")
+    with pytest.raises(ValueError, match="scalar_scale"):
+        flex_scalar_attention(qs, ks, v, tau, scalar_scale=1.0)
+    with pytest.raises(ValueError, match="tau"):
+        flex_scalar_attention(qs, ks, v, -1.0, **kw)
+    bad = qs.clone()
+    bad[0, 0, 3] = float("nan")
+    with pytest.raises(ValueError, match="qs"):
+        flex_scalar_attention(bad, ks, v, tau, **kw)
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("kernel", ["gaussian", "cauchy"])
+@pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-4), (torch.bfloat16, 2e-2)])
+def test_cuda_flex_matches_float64_on_every_gradient(kernel, dtype, tol):
+    qs, ks, v, tau, kw = _inputs(1000, True, "query", True, dtype=dtype, device="cuda")
+    leaves = [qs, ks, v, tau, kw["q"], kw["k"], kw["scalar_scale"]]
+    for x in leaves:
+        x.requires_grad_()
+    out = flex_scalar_attention(qs, ks, v, tau, q=kw["q"], k=kw["k"], scalar_scale=kw["scalar_scale"], kernel=kernel)
+    ref_leaves = [x.detach().double().requires_grad_() for x in leaves]
+    rq, rk, rv, rt, q64, k64, lam64 = ref_leaves
+    ref = _naive(rq, rk, rv, rt, kernel, q=q64, k=k64, scalar_scale=lam64)
+    dout = torch.randn_like(ref)
+    got = torch.autograd.grad(out, leaves, dout.to(out.dtype))
+    want = torch.autograd.grad(ref, ref_leaves, dout)
+    assert rel_rms(out.double(), ref) < tol
+    for a, b in zip(got, want):
+        assert rel_rms(a.double(), b, floor=1e-2) < tol
