@@ -19,10 +19,10 @@ accumulates dq, dqs and the per-row sums that give tau's and the gain's gradient
 each selected key's share of dk, dv and dks with atomic adds into per-query-head float32 buffers
 (a key is selected by many queries); the host sums GQA groups. Indices of -1 are unused columns.
 
-The selection itself stays in `window.window_indices` (a chunked top-k over the scalar distances,
-O(T^2) scalar comparisons and O(chunk x T) memory, no gradient): on a GPU that is a few large batched
-kernels per chunk, and it yields exactly the key set the sorted cache decodes with (ties: newest
-first), which a walk of the sorted order inside the kernel would have to reproduce.
+The selection itself stays in `window.window_indices`, with no gradient and exactly the key set the
+sorted cache decodes with (ties: newest first): below `window.TREE_FROM` positions a chunked top-k over
+the scalar distances, from there the merge-sort tree of `tree.tree_select` (batched searchsorted and
+one top-k over O(k log T) candidates per query, no T x T pass and no host sync).
 """
 
 from __future__ import annotations
