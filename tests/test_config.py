@@ -11,8 +11,9 @@ import pytest
 from attnlab.train.config_help import config_keys, format_config_keys
 from attnlab.train.config import (
     ConfigError, RunConfig, TrainConfig, apply_overrides, config_from_dict, dumps_toml,
-    load_config, parse_value, save_config, to_dict,
+    load_config, save_config, to_dict,
 )
+from attnlab.train.overrides import parse_value
 
 if sys.version_info >= (3, 11):
     import tomllib

@@ -30,7 +30,7 @@ RESUMABLE = (TRANSFER_DIR, FINETUNE_DIR)  # checkpoint folders a rerun continues
 def parse_settings(items: list[str] | dict | None) -> dict:
     """`KEY=VALUE` words (values as TOML literals, bare words as strings, none/null as None) -> dict."""
     from attnlab.layers import AttentionConfig
-    from attnlab.train.config import parse_value
+    from attnlab.train.overrides import parse_value
 
     if isinstance(items, dict) or items is None:
         return dict(items or {})
