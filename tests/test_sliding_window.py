@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from attnlab.cache.kv import KVCache
-from attnlab.checks import key_counts, visible_keys
+from attnlab.masks import key_counts, visible_keys
 from attnlab.layers import Attention, AttentionConfig
 from attnlab.models import LM, ModelConfig
 from attnlab.ops import goat_attention, hybrid_attention, principled_attention, scalar_attention, softmax_attention

@@ -15,7 +15,8 @@ import math
 import torch
 import torch.nn.functional as F
 
-from ..checks import check_finite, check_groups, check_lengths, check_like, check_same, check_tensor, visible_keys
+from ..checks import check_finite, check_groups, check_lengths, check_like, check_same, check_tensor
+from ..masks import visible_keys
 
 LOW_PRECISION = (torch.bfloat16, torch.float16)
 

@@ -33,7 +33,8 @@ import math
 import torch
 import torch.nn.functional as F
 
-from ..checks import TRITON_IMPLS, check_finite, check_impl, check_tensor, check_window, visible_keys
+from ..checks import TRITON_IMPLS, check_finite, check_impl, check_tensor, check_window
+from ..masks import visible_keys
 from ._packed import packing
 from ._sdpa import check_causal, check_qkv, expand_heads, fused_attention, upcast, without_autocast
 from .scalar.attention import _use_triton

@@ -11,7 +11,8 @@ import math
 
 import torch
 
-from ..checks import check_choice, check_impl, check_positive, check_window, key_counts, visible_keys
+from ..checks import check_choice, check_impl, check_positive, check_window
+from ..masks import key_counts, visible_keys
 from ._packed import Packing, packing, segment_logcumsumexp, segment_logsumexp, segment_sum
 from ._sdpa import check_causal, check_qkv, expand_heads, fused_attention, packed_attention, upcast
 

@@ -16,7 +16,8 @@ import torch.nn.functional as F
 from ...checks import (
     check_finite, check_groups, check_impl, check_like, check_param, check_same, check_tensor, empty_result,
 )
-from ...checks import TRITON_IMPLS, check_window, key_counts, visible_keys
+from ...checks import TRITON_IMPLS, check_window
+from ...masks import key_counts, visible_keys
 from .. import _ext
 from .._packed import packing
 from .naive import principled_band, principled_naive

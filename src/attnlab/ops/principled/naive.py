@@ -19,7 +19,7 @@ import math
 import torch
 import torch.nn.functional as F
 
-from ...checks import key_counts, visible_keys
+from ...masks import key_counts, visible_keys
 from .._sdpa import BAND_CHUNK, band_spans
 
 

@@ -25,7 +25,7 @@ import math
 
 import torch
 
-from ...checks import visible_keys
+from ...masks import visible_keys
 from .._sdpa import band_keys, band_mask, band_spans, expand_heads, upcast
 from .naive import _scalar_scale, _tau, hybrid_scores, kernel_term, scalar_scores
 

@@ -24,8 +24,9 @@ import torch
 
 from ...checks import (
     check_finite, check_groups, check_lengths, check_like, check_param, check_positive, check_same, check_tensor,
-    check_window, visible_keys,
+    check_window,
 )
+from ...masks import visible_keys
 from .._sdpa import check_causal, check_qkv, expand_heads, upcast
 
 
@@ -66,7 +67,7 @@ def scalar_logits(qs, ks, tau, causal: bool = True, kernel: str = "gaussian", wi
         tau: temperature > 0: a float, per head (H,) or per query (B, H, Tq).
         causal: hide key s from query t when s > t + Tk - Tq (the queries are the last Tq of the
             Tk positions; needs Tq <= Tk).
-        window: a causal sliding window (`checks.visible_keys`): also hide the keys before each
+        window: a causal sliding window (`masks.visible_keys`): also hide the keys before each
             query's last `window`, except the first n_prefix.
         n_prefix: with a window, the leading keys (a sink) every query still sees.
 

@@ -48,7 +48,8 @@ from typing import Callable
 
 import torch
 
-from ...checks import check_int, check_same, visible_keys
+from ...checks import check_int, check_same
+from ...masks import visible_keys
 from .._packed import packing
 from .._sdpa import check_qkv, expand_heads, upcast
 from .budget import budget_evictions
