@@ -76,7 +76,7 @@ def _cases() -> dict:
     for kind, name in (("fwd", "_fwd"), ("bwd_kv", "_bwd_kv"), ("bwd_q", "_bwd_q")):  # one loop each (causal)
         cases[f"principled/{kind}"] = ("attnlab.ops.principled.triton_kernel", name, None, kind, 0, (1,))
     for family, code in (("window-gaussian", 0), ("window-cauchy", 1)):  # training through the window
-        for kind, name in (("sel_fwd", "_sel_fwd"), ("sel_bwd", "_sel_bwd")):
+        for kind, name in (("sel_fwd", "_sel_fwd"), ("sel_bwd", "_sel_bwd"), ("sel_bwd_keys", "_sel_bwd_keys")):
             cases[f"{family}/{kind}"] = (scalar + "triton_selected", name, code, kind, 0, (1,))
     return cases
 
@@ -137,7 +137,11 @@ def _launch(case: str, fast: bool):
         _split = lambda n: (_pow2(n), 0)  # noqa: E731
     cons = dict(D=d, DV=DV, BLOCK_D=_split(d)[0], BLOCK_D2=_split(d)[1], BLOCK_DV=_pow2(DV), HAS_DOT=True,
                 KERNEL=code, FAST=FAST)
-    if kind.startswith("sel"):
+    if kind == "sel_bwd_keys":  # the key side of the window's backward: key tiles over their pairs
+        BN, BP, warps = _tiles(cuda)["keys"]
+        cons.update(BLOCK_N=BN, BLOCK_P=BP)
+        stages = 3
+    elif kind.startswith("sel"):
         BM, BJ, warps = _tiles(cuda)["fwd" if kind == "sel_fwd" else "bwd"]
         cons.update(BLOCK_M=BM, BLOCK_J=BJ)
         stages = 3  # Triton's default: the launcher names none
@@ -169,13 +173,15 @@ def _launch(case: str, fast: bool):
             if n != "M":
                 attrs[(i,)] = [["tt.divisibility", 16]]
         else:  # a tensor
-            sig[n] = "*bf16" if n in bf16 else "*i32" if n == "IDX" else "*fp32"
+            sig[n] = "*bf16" if n in bf16 else "*i32" if n in ("IDX", "PAIR_Q", "PAIR_K", "START") else "*fp32"
             attrs[(i,)] = [["tt.divisibility", 16]]
     if FAST is None:
         cons.pop("FAST", None)
     missing = set(cons) - set(names)
     assert not missing, f"{name} takes no {missing}"
-    per_thread = cons["BLOCK_M"] * cons.get("BLOCK_N", cons.get("BLOCK_J", 1)) / (32 * warps)  # scores per loop trip
+    rows_, cols_ = (cons["BLOCK_N"], cons["BLOCK_P"]) if "BLOCK_P" in cons else (
+        cons["BLOCK_M"], cons.get("BLOCK_N", cons.get("BLOCK_J", 1)))
+    per_thread = rows_ * cols_ / (32 * warps)  # scores per loop trip
     per_thread = int(per_thread) if per_thread == int(per_thread) else per_thread
     return fn, sig, {(names.index(n),): v for n, v in cons.items()}, attrs, warps, stages, FAST, per_thread
 
@@ -311,6 +317,18 @@ def _summary(rows: list[dict]) -> list[dict]:
     return out
 
 
+def _has_kernel(case: str) -> bool:
+    """Whether the code imported has the case's kernel (a --baseline commit may predate it)."""
+    import importlib
+
+    module, name = CASES[case][:2]
+    try:
+        mod = importlib.import_module(module)
+    except ModuleNotFoundError:
+        mod = importlib.import_module(module.replace("triton_backward", "triton_kernel"))
+    return hasattr(mod, name)
+
+
 def baseline_rows(rev: str, cases: list[str]) -> list[dict]:
     """The cases compiled from the src/ of git revision `rev` (read with git archive; the checkout is not
     touched), in a child process: variants "baseline" (its FAST switch off, or code from before it) and
@@ -364,6 +382,8 @@ def main(argv=None) -> int:
     for r in rows:
         _print(r, args.out == "-")
     for case in cases:
+        if args.src and not _has_kernel(case):  # a baseline from before this kernel: no row for it
+            continue
         for v in variants:
             r = analyse(case, v == "fast", ptxas, cuobjdump)
             rows.append(r)

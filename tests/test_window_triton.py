@@ -132,3 +132,14 @@ def test_cuda_kernel_matches_float64_at_gpu_shapes(kernel):
     ins = make(2, 8, 2, 1000, 64, 64, hybrid=True)
     check(ins, torch.float32, tol=1e-4, window=16, local=32, kernel=kernel)
     check(ins, torch.bfloat16, tol=2e-2, window=16, local=32, kernel=kernel)
+
+
+def test_selection_inverted_by_key():
+    """`_invert`: every used (query, key) pair once, grouped by key in query order, START the first pair of
+    each key; unused columns (-1) sort past the last key."""
+    from attnlab.ops.scalar.triton_selected import _invert
+
+    sel = torch.tensor([[[[0, -1], [1, 0], [2, 1]]]], dtype=torch.int32)  # (1, 1, T=3, M=2)
+    pq, pk, start = _invert(sel)
+    assert start[0, 0].tolist() == [0, 2, 4, 5]
+    assert pk[0, 0, :5].tolist() == [0, 0, 1, 1, 2] and pq[0, 0, :5].tolist() == [0, 1, 1, 2, 2]

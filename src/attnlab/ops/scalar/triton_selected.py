@@ -14,10 +14,12 @@ and runs the online softmax over them: O(T m D) work, O(T) memory besides the in
 tile anywhere. The dot products of gathered rows are elementwise products summed in float32 (each
 query has its own keys, so there is no shared tile for the matrix units).
 
-Backward: one program per query tile recomputes the probabilities from the forward's log-sum-exp,
-accumulates dq, dqs and the per-row sums that give tau's and the gain's gradients, and scatters
-each selected key's share of dk, dv and dks with atomic adds into per-query-head float32 buffers
-(a key is selected by many queries); the host sums GQA groups. Indices of -1 are unused columns.
+Backward, in two kernels and with no atomics: one program per query tile recomputes the probabilities
+from the forward's log-sum-exp and accumulates dq and the per-row sums that give dqs, tau's and the
+gain's gradients; one program per tile of keys reads the (query, key) pairs that select its keys (the
+selection inverted on the device by one sort of the pairs by key, `_invert`) and sums each pair's
+share of dk, dv and dks into its key through a one-hot product, writing every key's gradient once into
+per-query-head float32 buffers; the host sums GQA groups. Indices of -1 are unused columns.
 
 The selection itself stays in `window.window_indices`, with no gradient and exactly the key set the
 sorted cache decodes with (ties: newest first): below `window.TREE_FROM` positions a chunked top-k over
@@ -124,10 +126,11 @@ def _sel_fwd(Q, K, V, QS, KS, TAU, LAM, IDX, O, LSE, T, M, H, GK, GV, sm_scale, 
 
 
 @triton.jit
-def _sel_bwd(Q, K, V, QS, KS, TAU, LAM, IDX, DO, LSE, DELTA, DQ, DQS, DTAU, DLAM, DK, DV_, DKS, T, M, H, GK, GV,
+def _sel_bwd(Q, K, V, QS, KS, TAU, LAM, IDX, DO, LSE, DELTA, DQ, DQS, DTAU, DLAM, T, M, H, GK, GV,
              sm_scale, D: tl.constexpr, DV: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
              BLOCK_M: tl.constexpr, BLOCK_J: tl.constexpr, HAS_DOT: tl.constexpr, KERNEL: tl.constexpr,
              FAST: tl.constexpr):
+    """The query side of the backward: dq and the per-row sums that give dqs, dtau and the gain's gradient."""
     row, krow, kbase, vbase, offs_m, offs_d, offs_dv, m_ok, qs, tau, lam, q = _sel_program(
         Q, QS, TAU, LAM, T, H, GK, GV, D, BLOCK_D, BLOCK_DV, BLOCK_M, HAS_DOT)
     lse, delta, do = _grad_rows(LSE, DELTA, DO, row, offs_m, m_ok, offs_dv, DV)
@@ -142,32 +145,109 @@ def _sel_bwd(Q, K, V, QS, KS, TAU, LAM, IDX, DO, LSE, DELTA, DQ, DQS, DTAU, DLAM
         p = tl.exp2(s - lse[:, None])  # 0 where not valid
         v = _gather(V, vbase, ix, valid, offs_dv, DV)
         ds = p * (tl.sum(do[:, None, :] * v, 2) - delta[:, None])
-        at = (krow + ix.to(tl.int64))[:, :, None]  # the key's row in the per-query-head buffers
-        tl.atomic_add(DV_ + at * BLOCK_DV + offs_dv[None, None, :], p[:, :, None] * do[:, None, :],
-                      mask=valid[:, :, None], sem="relaxed")
         if HAS_DOT:
             dq += tl.sum(ds[:, :, None] * k, 1)
-            tl.atomic_add(DK + at * BLOCK_D + offs_d[None, None, :],
-                          (ds * sm_scale)[:, :, None] * q.to(tl.float32)[:, None, :], mask=valid[:, :, None],
-                          sem="relaxed")
         if KERNEL == 1:
             dl += tl.sum(ds * l1, 1)
             ds = _over_1p(ds, x, FAST)
         da += tl.sum(ds * d, 1)
         dx += tl.sum(ds * x, 1)
-        tl.atomic_add(DKS + krow + ix, ds * d * (2.0 * lam * tau)[:, None], mask=valid, sem="relaxed")
     tl.store(DQ + (row + offs_m[:, None]) * BLOCK_D + offs_d[None, :], dq * sm_scale, mask=m_ok[:, None])
     _store_row_grads(DQS, DTAU, DLAM, row, offs_m, m_ok, lam, tau, da, dx, dl, KERNEL)
+
+
+@triton.jit
+def _rows_at(X, base, ix, ok, offs, D: tl.constexpr):
+    """(len(ix), len(offs)) rows base + ix of a row-major (.., D) tensor, in float32 (0 where not ok)."""
+    return tl.load(X + (base + ix.to(tl.int64))[:, None] * D + offs[None, :], mask=ok[:, None] & (offs[None, :] < D),
+                   other=0.0).to(tl.float32)
+
+
+@triton.jit
+def _sel_bwd_keys(Q, K, V, QS, KS, TAU, LAM, PAIR_Q, PAIR_K, START, DO, LSE, DELTA, DK, DV_, DKS, T, M, H, GK, GV,
+                  sm_scale, D: tl.constexpr, DV: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
+                  BLOCK_N: tl.constexpr, BLOCK_P: tl.constexpr, HAS_DOT: tl.constexpr, KERNEL: tl.constexpr,
+                  FAST: tl.constexpr):
+    """The key side of the backward, one program per BLOCK_N keys of a head: the (query, key) pairs that
+    select those keys (the selection inverted: PAIR_Q / PAIR_K sorted by key, START[s] the first pair of
+    key s) are read BLOCK_P at a time, each pair's share of dk, dv and dks computed from its query's
+    row, and the shares summed into the block's keys as a product with the pairs' one-hot key matrix:
+    every key's gradient is written once, with no atomics."""
+    bh = tl.program_id(1)
+    row, krow, kbase, vbase = _bases(bh, H, GK, GV, T, T)
+    n0 = tl.program_id(0) * BLOCK_N
+    offs_n = n0 + tl.arange(0, BLOCK_N)
+    n_ok = offs_n < T
+    offs_d = tl.arange(0, BLOCK_D)
+    offs_dv = tl.arange(0, BLOCK_DV)
+    srow = bh.to(tl.int64) * (T + 1)
+    p_lo = tl.load(START + srow + n0)
+    p_hi = tl.load(START + srow + tl.minimum(n0 + BLOCK_N, T))
+    prow = bh.to(tl.int64) * T * M
+    dk = tl.zeros((BLOCK_N, BLOCK_D), tl.float32)
+    dv = tl.zeros((BLOCK_N, BLOCK_DV), tl.float32)
+    dks = tl.zeros((BLOCK_N,), tl.float32)
+    for p0 in range(p_lo, p_hi, BLOCK_P):
+        offs_p = p0 + tl.arange(0, BLOCK_P)
+        ok = offs_p < p_hi
+        t = tl.load(PAIR_Q + prow + offs_p, mask=ok, other=0)
+        s_key = tl.load(PAIR_K + prow + offs_p, mask=ok, other=0)
+        qs = tl.load(QS + row + t, mask=ok, other=0.0)
+        tau = tl.load(TAU + row + t, mask=ok, other=1.0)
+        lam = tl.load(LAM + row + t, mask=ok, other=0.0)
+        lse = tl.load(LSE + row + t, mask=ok, other=float("inf"))
+        delta = tl.load(DELTA + row + t, mask=ok, other=0.0)
+        do = _rows_at(DO, row, t, ok, offs_dv, DV)
+        v = _rows_at(V, vbase, s_key, ok, offs_dv, DV)
+        d = qs - tl.load(KS + krow + s_key, mask=ok, other=0.0)
+        x = d * d * tau  # tau holds 1 / tau_t
+        if KERNEL == 0:
+            sc = -(lam * LOG2E) * x
+        else:
+            sc = -lam * _log2_1p(x, FAST)
+        if HAS_DOT:
+            q = _rows_at(Q, row, t, ok, offs_d, D)
+            kv = _rows_at(K, kbase, s_key, ok, offs_d, D)
+            sc += tl.sum(q * kv, 1) * (sm_scale * LOG2E)
+        p = tl.where(ok, tl.exp2(sc - lse), 0.0)
+        ds = p * (tl.sum(do * v, 1) - delta)
+        onehot = ((s_key - n0)[None, :] == tl.arange(0, BLOCK_N)[:, None]) & ok[None, :]  # (BLOCK_N, BLOCK_P)
+        oh = onehot.to(tl.float32)
+        dv += tl.dot(oh, p[:, None] * do, input_precision="ieee")
+        if HAS_DOT:
+            dk += tl.dot(oh, (ds * sm_scale)[:, None] * q, input_precision="ieee")
+        if KERNEL == 1:
+            ds = _over_1p(ds, x, FAST)
+        dks += tl.sum(oh * (ds * d * 2.0 * lam * tau)[None, :], 1)
+    at = krow + offs_n
+    tl.store(DV_ + at[:, None] * BLOCK_DV + offs_dv[None, :], dv, mask=n_ok[:, None])
+    tl.store(DK + at[:, None] * BLOCK_D + offs_d[None, :], dk, mask=n_ok[:, None])
+    tl.store(DKS + at, dks, mask=n_ok)
+
+
+def _invert(sel: torch.Tensor):
+    """The selection inverted per head, with no host sync: pairs (query, key) of sel (B, H, T, M) (-1:
+    unused) sorted by key -> (PAIR_Q, PAIR_K) (B, H, T * M) int32 (unused columns sort last, past T) and
+    START (B, H, T + 1) int32, the first pair of each key (START[T]: one past the last used pair)."""
+    B, H, T, M = sel.shape
+    key = torch.where(sel >= 0, sel, T).view(B, H, T * M)
+    pair_k, order = key.sort(dim=-1, stable=True)
+    pair_q = torch.div(order, M, rounding_mode="floor")
+    bounds = torch.arange(T + 1, device=sel.device, dtype=pair_k.dtype).expand(B, H, T + 1).contiguous()
+    start = torch.searchsorted(pair_k.contiguous(), bounds)
+    return pair_q.to(torch.int32).contiguous(), pair_k.to(torch.int32).contiguous(), start.to(torch.int32).contiguous()
 
 
 def _tiles(device: torch.device) -> dict:
     """(BLOCK_M, BLOCK_J, num_warps) per kernel. On a GPU the largest tiles that ptxas compiles for sm_90
     without spilling registers (at D = Dv = 64; read with `ptxas -v` from the PTX Triton builds, no GPU
     needed): the forward 16 queries x 8 columns on 8 warps, the backward 16 x 4 on 8 warps (16 x 16 on
-    4 warps spilled 2.8 KB forward and 9.6 KB backward). Their speed is measured by benchmarks/gpu.py."""
+    4 warps spilled 2.8 KB forward and 9.6 KB backward); the key side 16 keys x 16 pairs on 4 warps
+    (234 registers; 32 x 32 spilled 524 B, and the one-hot product's work per pair grows with the keys
+    per tile). Their speed is measured by benchmarks/gpu.py."""
     if device.type != "cuda":
-        return dict(fwd=(16, 8, 1), bwd=(16, 8, 1))
-    return dict(fwd=(16, 8, 8), bwd=(16, 4, 8))
+        return dict(fwd=(16, 8, 1), bwd=(16, 8, 1), keys=(16, 16, 4))
+    return dict(fwd=(16, 8, 8), bwd=(16, 4, 8), keys=(16, 16, 4))
 
 
 class _Selected(torch.autograd.Function):
@@ -208,12 +288,16 @@ class _Selected(torch.autograd.Function):
         BD, BDV = consts["BLOCK_D"], consts["BLOCK_DV"]
         BM, BJ, warps = _tiles(vv.device)["bwd"]
         f32 = dict(dtype=torch.float32, device=vv.device)
-        dk, dv, dks = torch.zeros(B, H, T, BD, **f32), torch.zeros(B, H, T, BDV, **f32), torch.zeros(B, H, T, **f32)
+        dk, dv, dks = torch.empty(B, H, T, BD, **f32), torch.empty(B, H, T, BDV, **f32), torch.empty(B, H, T, **f32)
         dq, dqs, dtau, dlam = (torch.empty(B, H, T, BD, **f32), torch.empty(B, H, T, **f32),
                                torch.empty(B, H, T, **f32), torch.empty(B, H, T, **f32))
         _sel_bwd[(-(-T // BM), B * H)](qq, kk, vv, qs32, ks32, tau32, lam32, sel, dout, lse, delta, dq, dqs, dtau, dlam,
-                                      dk, dv, dks, T, M, H, GK, GV, sm_scale, BLOCK_M=BM, BLOCK_J=BJ, num_warps=warps,
-                                      **consts)
+                                      T, M, H, GK, GV, sm_scale, BLOCK_M=BM, BLOCK_J=BJ, num_warps=warps, **consts)
+        pair_q, pair_k, start = _invert(sel)
+        BN, BP, warps = _tiles(vv.device)["keys"]
+        _sel_bwd_keys[(-(-T // BN), B * H)](qq, kk, vv, qs32, ks32, tau32, lam32, pair_q, pair_k, start, dout, lse,
+                                           delta, dk, dv, dks, T, M, H, GK, GV, sm_scale, BLOCK_N=BN, BLOCK_P=BP,
+                                           num_warps=warps, **consts)
         D, DV = consts["D"], consts["DV"]
         dv = dv[..., :DV].view(B, GV, H // GV, T, DV).sum(2).to(vv.dtype)
         dq_, dk_ = None, None
