@@ -20,7 +20,7 @@ import torch.nn.functional as F
 from ..checks import check_finite, check_like, check_tensor
 from ..ops._sdpa import expand_heads, upcast
 from ..ops.scalar.fused import _augment
-from ..ops.scalar.naive import _tau
+from ..ops.scalar.args import _tau
 from .kv import KVCache
 
 

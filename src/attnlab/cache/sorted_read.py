@@ -92,7 +92,7 @@ def make_query(cache, qs: torch.Tensor, tau, q: torch.Tensor | None = None, wind
     if scalar_scale is not None:
         if not cache.hybrid:
             raise ValueError("scalar_scale scales the hybrid's scalar term: this cache has pure scalar heads")
-        from ..ops.scalar.naive import _scalar_scale
+        from ..ops.scalar.args import _scalar_scale
 
         lam = _scalar_scale(scalar_scale, H, torch.float32, cache.device).view(H)
     return DecodeQuery(qr, q_rows, tau_r, r, window, lam)

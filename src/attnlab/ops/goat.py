@@ -39,7 +39,8 @@ from ._packed import packing
 from ._sdpa import check_causal, check_qkv, expand_heads, fused_attention, upcast, without_autocast
 from .scalar.attention import _use_triton
 from .scalar.fused import _augment
-from .scalar.naive import _check_scalars, _tau, scalar_logits
+from .scalar.naive import scalar_logits
+from .scalar.args import _check_scalars, _tau
 
 
 def _check_prior(freqs, lam_sym, lam_asym, u, B: int, G: int, Tk: int, like: torch.Tensor) -> None:

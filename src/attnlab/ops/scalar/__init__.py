@@ -13,7 +13,8 @@ triton_kernel <- triton_backward <- triton_op <- route <- window, attention, bud
 from .approx import APPROX_TOL, approx_plan, scalar_attention_approx
 from .attention import hybrid_attention, scalar_attention
 from .route import triton_missing, triton_route
-from .naive import KERNELS, check_kernel, hybrid_logits, hybrid_scores, kernel_term, scalar_logits, scalar_scores
+from .naive import hybrid_logits, hybrid_scores, kernel_term, scalar_logits, scalar_scores
+from .args import KERNELS, check_kernel
 from .budget import budget_evictions, range_distance
 from .window import window_indices, window_mask, windowed_attention
 

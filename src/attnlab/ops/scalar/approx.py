@@ -42,7 +42,7 @@ from ...checks import check_int, check_same
 from .._packed import packing
 from .._sdpa import upcast
 from .attention import scalar_attention
-from .naive import _check_scalars, _check_values, _tau
+from .args import _check_scalars, _check_values, _tau
 
 __all__ = ["APPROX_TOL", "approx_plan", "scalar_attention_approx"]
 

@@ -23,9 +23,8 @@ from .._sdpa import check_causal, check_qkv, expand_heads, fused_attention, upca
 from .chunked import chunked_kernel_attention
 from .fused import _augment, _slots
 from .route import triton_missing, triton_route
-from .naive import (
-    _check_scalars, _check_values, _scalar_scale, _tau, check_kernel, hybrid_logits, scalar_logits,
-)
+from .naive import hybrid_logits, scalar_logits
+from .args import _check_scalars, _check_values, _scalar_scale, _tau, check_kernel
 
 
 @without_autocast

@@ -27,7 +27,8 @@ import torch
 
 from ...masks import visible_keys
 from .._sdpa import band_keys, band_mask, band_spans, expand_heads, upcast
-from .naive import _scalar_scale, _tau, hybrid_scores, kernel_term, scalar_scores
+from .naive import hybrid_scores, kernel_term, scalar_scores
+from .args import _scalar_scale, _tau
 
 __all__ = ["chunk_bias", "chunk_mask", "chunked_kernel_attention", "selected_kernel_attention"]
 

@@ -17,7 +17,7 @@ from __future__ import annotations
 import torch
 
 from .._sdpa import _compiled_flex, check_qkv, expand_heads, upcast
-from .naive import _check_scalars, _check_values, _scalar_scale, _tau, check_kernel
+from .args import _check_scalars, _check_values, _scalar_scale, _tau, check_kernel
 
 __all__ = ["flex_scalar_attention"]
 

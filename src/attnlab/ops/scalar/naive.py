@@ -3,9 +3,9 @@
 scalar: softmax_s(-(qs_t - ks_s)^2 / tau) v_s
 hybrid: softmax_s(q_t . k_s / sqrt(d) - (qs_t - ks_s)^2 / tau) v_s
 
-The formula, once: the checks of the scalar family's arguments, the score of each kernel
-(`scalar_scores`, `hybrid_scores`) and the masked logits the naive paths materialise
-(`scalar_logits`, `hybrid_logits`). Every fast path of the family (`fused`, `chunked`,
+The formula, once: the score of each kernel (`scalar_scores`, `hybrid_scores`) and the masked logits
+the naive paths materialise (`scalar_logits`, `hybrid_logits`); the family's argument checks are in
+`args`. Every fast path of the family (`fused`, `chunked`,
 `triton_kernel`, `window`, `approx`) is tested against them.
 
 Kernel. kernel="cauchy" replaces the Gaussian weight exp(-x), x = (qs - ks)^2 / tau, by the
@@ -22,35 +22,10 @@ import math
 
 import torch
 
-from ...checks import (
-    check_finite, check_groups, check_lengths, check_like, check_param, check_positive, check_same, check_tensor,
-    check_window,
-)
+from ...checks import check_window
 from ...masks import visible_keys
 from .._sdpa import check_causal, check_qkv, expand_heads, upcast
-
-
-def _check_scalars(qs, ks, like=None, like_name="", causal: bool = True) -> tuple[int, int, int]:
-    """qs (B, H, Tq), ks (B, H, Tk): finite floating tensors (of the dtype of `like` if given),
-    Tq <= Tk under causal masking. Returns (B, H, Tq)."""
-    check_tensor("qs", qs, 3)
-    check_tensor("ks", ks, 3)
-    ref, ref_name = (qs, "qs") if like is None else (like, like_name)
-    check_like("qs", qs, ref, ref_name)
-    check_like("ks", ks, ref, ref_name)
-    if ks.shape[:2] != qs.shape[:2]:
-        raise ValueError(f"ks must have the (B, H) of qs = {tuple(qs.shape[:2])}, got shape {tuple(ks.shape)}")
-    check_lengths(qs.shape[2], ks.shape[2], causal, "qs", "ks")
-    check_finite("qs", qs)
-    check_finite("ks", ks)
-    return tuple(qs.shape)
-
-
-def _tau(tau, B: int, H: int, T: int, dtype: torch.dtype, device) -> torch.Tensor:
-    """tau (finite float, (H,) or (B, H, Tq), all > 0) as a tensor of `dtype` broadcastable to (B, H, Tq)."""
-    out = check_param("tau", tau, B, H, T, torch.empty(0, dtype=dtype, device=device))
-    check_positive("tau", tau)
-    return out
+from .args import _check_scalars, _scalar_scale, _tau, check_kernel
 
 
 def scalar_logits(qs, ks, tau, causal: bool = True, kernel: str = "gaussian", window: int | None = None,
@@ -90,14 +65,6 @@ def scalar_logits(qs, ks, tau, causal: bool = True, kernel: str = "gaussian", wi
     if not causal:
         return logits
     return logits.masked_fill(~visible_keys(T, ks.shape[2], True, qs.device, window, n_prefix), float("-inf"))
-
-KERNELS = ("gaussian", "cauchy")
-
-
-def check_kernel(kernel) -> None:
-    if kernel not in KERNELS:
-        raise ValueError(f"kernel must be one of {KERNELS}, got {kernel!r}")
-
 
 def kernel_term(x: torch.Tensor, kernel: str = "gaussian") -> torch.Tensor:
     """The scalar logit of x = (qs - ks)^2 / tau >= 0: -x (Gaussian) or -log(1 + x) (Cauchy)."""
@@ -168,25 +135,3 @@ def hybrid_logits(q, k, qs, ks, tau, causal: bool = True, scalar_scale=None, ker
         scal = (scal.masked_fill(hidden, 0.0) * lam).masked_fill(hidden, float("-inf"))
     dots = q.to(scal.dtype) @ expand_heads(k, H).to(scal.dtype).transpose(-1, -2)
     return dots / math.sqrt(D) + scal
-
-
-def _scalar_scale(scale, H: int, dtype, device) -> torch.Tensor:
-    """The hybrid's scalar-term scale lam (a float >= 0 or an (H,) tensor) as (1, H, 1)."""
-    if isinstance(scale, torch.Tensor):
-        if tuple(scale.shape) != (H,) or not scale.is_floating_point():
-            raise ValueError(f"scalar_scale must be a float or a floating (H,) = ({H},) tensor, got shape "
-                             f"{tuple(scale.shape)} dtype {scale.dtype}")
-        check_finite("scalar_scale", scale)
-        return scale.to(dtype=dtype, device=device)[None, :, None]
-    if isinstance(scale, bool) or not isinstance(scale, (int, float)) or not 0 <= scale < math.inf:
-        raise ValueError(f"scalar_scale must be a finite float >= 0 or an (H,) tensor, got {scale!r}")
-    return torch.full((1, H, 1), float(scale), dtype=dtype, device=device)
-
-
-def _check_values(v, qs, B: int, H: int, T: int) -> None:
-    check_tensor("v", v, 4)
-    check_like("v", v, qs, "qs")
-    check_same("qs", B, "v", v.shape[0], "batch size (dim 0)")
-    check_same("ks", T, "v", v.shape[2], "sequence length (dim 2)")
-    check_groups(H, v.shape[1], "v")
-    check_finite("v", v)

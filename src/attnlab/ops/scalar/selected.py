@@ -11,7 +11,7 @@ import torch.nn.functional as F
 from .._sdpa import expand_heads, upcast
 from .chunked import chunk_bias, selected_kernel_attention
 from .fused import _augment
-from .naive import _scalar_scale, _tau
+from .args import _scalar_scale, _tau
 
 
 def _selected_chunk(qa, ka, vals, idx, ok):

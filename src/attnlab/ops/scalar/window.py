@@ -58,7 +58,8 @@ from .tree import tree_select
 from .route import triton_missing, triton_route
 from . import window_cpu
 from .selected import selected_attention
-from .naive import _check_scalars, _check_values, _scalar_scale, _tau, check_kernel, hybrid_logits, scalar_logits
+from .naive import hybrid_logits, scalar_logits
+from .args import _check_scalars, _check_values, _scalar_scale, _tau, check_kernel
 
 __all__ = ["window_indices", "window_mask", "windowed_attention"]
 
