@@ -364,3 +364,19 @@ def topk_summary(layers: list[dict]) -> dict[str, float | None]:
         for k, heads in (layer.get("topk_scalar_mass") or {}).items():
             per_k.setdefault(str(k), []).extend(heads)
     return {k: mean(v) for k, v in sorted(per_k.items(), key=lambda kv: int(kv[0]))}
+
+
+def layer_inputs(model, x: torch.Tensor, **kwargs) -> dict[int, torch.Tensor]:
+    """Each block's attention input (B, T, C) on tokens x, by block index: one forward with hooks;
+    `kwargs` go to the model's forward."""
+    inputs = {}
+    hooks = [
+        blk.attn.register_forward_pre_hook(lambda mod, args, i=i: inputs.__setitem__(i, args[0]))
+        for i, blk in enumerate(model.blocks)
+    ]
+    try:
+        model(x, **kwargs)
+    finally:
+        for h in hooks:
+            h.remove()
+    return inputs

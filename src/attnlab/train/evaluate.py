@@ -32,7 +32,7 @@ from attnlab.data.cache import atomic_write_text
 from attnlab.data.corpus import load_corpus
 from attnlab.data.packing import pack_documents, sequential_batches
 from attnlab.eval.metrics import (
-    TOPK_KS, alignment_profile, attention_entropy, gate_profile, gate_suppression, ground_weight,
+    TOPK_KS, alignment_profile, layer_inputs, attention_entropy, gate_profile, gate_suppression, ground_weight,
     loss_at_lengths, sink_share, topk_scalar_mass,
 )
 from attnlab.eval.repeat import repeated_span_loss
@@ -79,22 +79,6 @@ def load_run(source: RunConfig | str | os.PathLike, overrides: list[str] | None 
 
 
 @torch.no_grad()
-def layer_inputs(model, x: torch.Tensor, **kwargs) -> dict[int, torch.Tensor]:
-    """Each block's attention input (B, T, C) on tokens x, by block index: one forward with hooks;
-    `kwargs` go to the model's forward."""
-    inputs = {}
-    hooks = [
-        blk.attn.register_forward_pre_hook(lambda mod, args, i=i: inputs.__setitem__(i, args[0]))
-        for i, blk in enumerate(model.blocks)
-    ]
-    try:
-        model(x, **kwargs)
-    finally:
-        for h in hooks:
-            h.remove()
-    return inputs
-
-
 @torch.no_grad()
 def attention_report(model, x: torch.Tensor, topk=TOPK_KS, *, alignment: bool = True) -> list[dict]:
     """Per-layer, per-head attention statistics of `model` on tokens x (B, T); `alignment`: also

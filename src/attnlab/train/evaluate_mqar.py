@@ -7,7 +7,7 @@ import torch
 
 from attnlab import interrupt
 from attnlab.data.synthetic import mqar
-from attnlab.eval.metrics import EVAL_STOPPED
+from attnlab.eval.metrics import EVAL_STOPPED, layer_inputs
 from attnlab.eval.tasks import MQAR_TEST_SEED, mqar_accuracy, mqar_attention_summary, mqar_pair_attention
 from attnlab.eval.window import decode_window, windowed_layers
 
@@ -78,8 +78,6 @@ def mqar_attention_report(model, cfg: RunConfig, windows: list[int], device, num
     `mqar_attention_summary`, "window=<k>": the same with each scalar/hybrid head reading only its k
     nearest keys}, windows as in `mqar_report`. The weights are (B, H, T, T): batches of
     `batch_size` sequences."""
-    from .evaluate import layer_inputs  # (evaluate imports this module)
-
     d = cfg.data
     inputs, labels = mqar(cfg.model.vocab_size, d.seq_len, d.mqar_pairs, num_examples, seed=MQAR_TEST_SEED,
                           power_a=d.mqar_power_a, num_queries=d.mqar_queries or None, min_gap=d.mqar_min_gap,
