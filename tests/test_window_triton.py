@@ -54,19 +54,21 @@ def check(ins, dtype=torch.float32, tol=1e-5, **kw):
         assert rel_rms(got[n].double().cpu(), ref_g[n].cpu(), floor=1e-2) < 10 * tol, n
 
 
-# (B, H, G, T, D, Dv, window, local, n_prefix): T = 1, not a tile multiple, GQA, a sink, k + w >= T
+# (B, H, G, T, D, Dv, window, local, n_prefix): T = 1, not a tile multiple, GQA, a sink, k + w >= T, D = 80
 CASES = {
     "T1": (1, 2, 1, 1, 16, 16, 3, 2, 0),
     "T63-gqa": (2, 4, 2, 63, 16, 8, 5, 3, 0),
     "T130-sink": (1, 2, 2, 130, 64, 16, 7, 4, 1),
     "k+w>=T": (1, 2, 1, 20, 16, 16, 30, 4, 0),
     "no-local": (1, 2, 2, 40, 16, 16, 6, 0, 0),
+    "D80-sink2": (1, 2, 1, 50, 80, 24, 5, 3, 2),  # D not a power of two; queries before the sink's end
 }
 
 
 @pytest.mark.parametrize("hybrid", [False, True], ids=["scalar", "hybrid"])
 @pytest.mark.parametrize("kernel", ["gaussian", "cauchy"])
-@pytest.mark.parametrize("case", [pytest.param(c, marks=pytest.mark.heavy) if CASES[c][3] > 60 else c for c in CASES])
+@pytest.mark.parametrize("case", [pytest.param(c, marks=pytest.mark.heavy) if CASES[c][3] > 60 or CASES[c][4] > 64 else c
+                                  for c in CASES])
 def test_kernel_matches_naive(case, kernel, hybrid):
     B, H, G, T, D, Dv, window, local, n_prefix = CASES[case]
     ins = make(B, H, G, T, D, Dv, hybrid=hybrid, per_query_tau=case == "T63-gqa")
