@@ -157,7 +157,7 @@ def test_from_layer_records_while_the_lm_loss_trains_through_the_window(kernel):
     got = regularization(recs, {"kl_dense": 1.0, "align": 1.0}, kl_queries=None, kernels=[kernel] * 2)
     want = sum(float(dense_kl_loss(r.qs, r.ks, r.tau, r.q_score, r.k_score, kernel=kernel, n_prefix=r.n_prefix).detach())
                for r in recs)
-    assert float(got["kl_dense"]) == pytest.approx(want, rel=1e-6)
+    assert float(got["kl_dense"].detach()) == pytest.approx(want, rel=1e-6)
     assert recs[0].n_prefix == 1 and recs[0].qs.shape[-1] == 49  # the sink's position is left out
     model.zero_grad()
     got["kl_dense"].backward(retain_graph=True)
