@@ -90,3 +90,13 @@ def autocast(device: torch.device, dtype: str):
     if dtype == "bfloat16":
         return torch.autocast(device_type=device.type, dtype=torch.bfloat16)
     return contextlib.nullcontext()
+
+
+def compile_model(model: torch.nn.Module, device: torch.device) -> torch.nn.Module:
+    """torch.compile(model), on the CPU after loading attnlab's compiled CPU kernels: a graph traced before
+    they load never uses them (`attnlab.ops._ext`)."""
+    if device.type == "cpu":
+        from attnlab.ops import _ext
+
+        _ext.library()
+    return torch.compile(model)

@@ -32,7 +32,6 @@ from attnlab.interrupt import Interrupted, graceful, requested
 from attnlab.lock import FolderLock
 from attnlab.models.lm import token_loss
 from attnlab.checks import async_value_checks
-from attnlab.ops import _ext
 from attnlab.regularizers import regularization
 
 from . import ddp
@@ -45,8 +44,8 @@ from .loggers import check_loggers
 from .logging import LOG_PATHS, RunLogger, ordered, read_log
 from .stats import attention_stats
 from .throughput import Throughput
-from .setup import (DataError, allow_tf32, autocast, build_model, has_unused_parameters, make_optimizer,  # noqa: F401
-                    resolve_device, seed_everything, to_device)
+from .setup import (DataError, allow_tf32, autocast, build_model, compile_model,  # noqa: F401
+                    has_unused_parameters, make_optimizer, resolve_device, seed_everything, to_device)
 
 
 class Trainer:
@@ -90,9 +89,7 @@ class Trainer:
         self._replica = None  # sharded runs: an unsharded CPU copy that checkpoints pass through
         self.optimizer = make_optimizer(self.model, cfg.train, self.device)  # after sharding: FSDP's parameters
         if cfg.train.compiles(self.device):  # checkpoints, evaluation and resume keep using the plain module
-            if self.device.type == "cpu":  # a graph traced before the CPU kernels load would never use them
-                _ext.library()
-            self.ddp_model = torch.compile(self.ddp_model)
+            self.ddp_model = compile_model(self.ddp_model, self.device)
         self.logger = RunLogger(self.run_dir, enabled=self.env.is_main, tensorboard=cfg.run.tensorboard_if_installed,
                                 loggers=cfg.run.loggers, meta={"title": str(self.run_dir), "project": cfg.run.project,
                                                                "config": to_dict(cfg)})
