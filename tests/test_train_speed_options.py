@@ -104,3 +104,19 @@ def test_train_compile_is_auto_by_default():
     assert TrainConfig(compile=True).compiles("cpu") and not TrainConfig(compile=False).compiles("cuda")
     with pytest.raises(ConfigError, match="train.compile"):
         load_config(None, ["train.compile=sometimes"])
+
+
+def test_cpu_kernels_load_before_the_graph_is_traced(monkeypatch):
+    """On the CPU, compile_model loads attnlab's compiled CPU kernels before torch.compile: a graph traced
+    while they are not loaded keeps the PyTorch paths for good (ops/_ext.py, `_loaded`)."""
+    from attnlab.ops import _ext
+    from attnlab.train.setup import compile_model
+
+    order = []
+    monkeypatch.setattr(_ext, "library", lambda: order.append("load"))
+    monkeypatch.setattr(torch, "compile", lambda m, **k: order.append("compile") or m)
+    m = torch.nn.Linear(2, 2)
+    assert compile_model(m, torch.device("cpu")) is m and order == ["load", "compile"]
+    order.clear()
+    compile_model(m, torch.device("meta"))  # elsewhere: nothing to load
+    assert order == ["compile"]
