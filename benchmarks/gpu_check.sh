@@ -32,7 +32,7 @@ python3 benchmarks/gpu.py --out "$out/gpu.json" --minutes "$(part 0.28)" --tests
 # 2. kernels: fla's paths last, they autotune on each new shape
 paths=sdpa-flash,hybrid-gaussian/triton,hybrid-cauchy/triton,hybrid-cauchy-window16+32/triton
 paths=$paths,hybrid-gaussian-window16+32/triton,goat/triton,principled/triton,softmax-ktotal/sdpa
-paths=$paths,hybrid-gaussian/flex,hybrid-cauchy/flex,cosformer/chunked,gla/chunked,ssd/chunked,gla/fla,ssd/fla
+paths=$paths,hybrid-gaussian/flex,hybrid-cauchy/flex,goat/flex,cosformer/chunked,gla/chunked,ssd/chunked,gla/fla,ssd/fla
 python3 benchmarks/gpu.py --out "$out/gpu.json" --minutes "$(part 0.3)" --T 8192,32768 --err-T 1024 \
   --skip tests,tune,models,train --paths "$paths" --keep-from "$out/gpu.json" 2>&1 | tee -a "$out/gpu.log"
 # 3. training throughput

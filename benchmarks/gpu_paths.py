@@ -16,6 +16,7 @@ from attnlab.ops import (gla_attention, goat_attention, hybrid_attention, scalar
                          windowed_attention)
 from attnlab.ops.cosformer import cosformer_attention
 from attnlab.ops.principled import principled_attention
+from attnlab.ops.goat_flex import flex_goat_attention
 from attnlab.ops.scalar.flex import flex_scalar_attention
 from attnlab.ops.softmax import softmax_attention
 from attnlab.testing import rel_rms
@@ -118,6 +119,12 @@ def _flex(kernel, hybrid=True):
     return run
 
 
+def _goat_flex(impl, t):
+    if impl == "naive":
+        return _goat("naive", t)
+    return flex_goat_attention(t["q"], t["k"], t["v"], t["freqs"], t["lam_sym"], t["lam_asym"], t["u"])
+
+
 def _fix(impl, fn):
     """A path pinned to one impl for its fast run (its reference stays "naive")."""
     return lambda i, t: fn("naive" if i == "naive" else impl, t)
@@ -139,6 +146,7 @@ PATHS = {
     "hybrid-cauchy/chunked": (_fix("fast", _hybrid("cauchy")), {}, 8192),
     "goat/triton": (_fix("triton", _goat), dict(scalar=False, goat=True), None),
     "goat/sdpa": (_fix("fast", _goat), dict(scalar=False, goat=True), None),
+    "goat/flex": (_goat_flex, dict(scalar=False, goat=True), None),
     "softmax-ktotal/sdpa": (_fix("fast", _softmax("ktotal")), dict(scalar=False), None),
     "softmax-kmean/sdpa": (_fix("fast", _softmax("kmean")), dict(scalar=False), None),
     "softmax-krms/sdpa": (_fix("fast", _softmax("krms")), dict(scalar=False), None),
@@ -157,7 +165,7 @@ PATHS = {
 # flash-linear-attention's kernels (no CPU run, not even under TRITON_INTERPRET) and FlexAttention's backward
 # (none on the CPU; its forwards are compared on the CPU in tests/test_scalar_flex.py)
 NEEDS_CUDA = ("gla/fla", "ssd/fla", "scalar-gaussian/flex", "scalar-cauchy/flex", "hybrid-gaussian/flex",
-              "hybrid-cauchy/flex")
+              "hybrid-cauchy/flex", "goat/flex")
 
 
 def make(name, B, H, T, D, dtype, device, seed=0):

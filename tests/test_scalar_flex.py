@@ -1,4 +1,4 @@
-"""FlexAttention's form of scalar and hybrid attention (`ops.scalar.flex`): equal to the naive op on
+"""FlexAttention's form of scalar and hybrid attention (`ops.scalar.flex`) and of GOAT (`ops.goat_flex`): equal to the naive op on
 the CPU (forward: FlexAttention has no CPU backward) at awkward lengths, both kernels, tau per head or
 per query, a signed gain and grouped heads; on CUDA, outputs and every gradient against float64."""
 
@@ -82,3 +82,47 @@ def test_cuda_flex_matches_float64_on_every_gradient(kernel, dtype, tol):
     assert rel_rms(out.double(), ref) < tol
     for a, b in zip(got, want):
         assert rel_rms(a.double(), b, floor=1e-2) < tol
+
+
+def _goat_inputs(T, dtype=torch.float64, device="cpu"):
+    B, H, G, D, R = 2, 4, 2, 16, 8
+    g = torch.Generator().manual_seed(T)
+    r = lambda *s: torch.randn(*s, generator=g, dtype=torch.float64).to(device, dtype)  # noqa: E731
+    freqs = torch.logspace(-3, 0, R, dtype=torch.float64).to(device)
+    return [r(B, H, T, D), r(B, G, T, D), r(B, G, T, 8), freqs, 0.1 * r(G, R), 0.1 * r(G, R), 0.1 * r(1, G, T)]
+
+
+@pytest.mark.parametrize("T", [1, 130])
+def test_flex_goat_forward_equals_naive_on_the_cpu(T):
+    """GOAT's prior as a score_mod (`ops.goat_flex`): the naive op's forward, GQA included."""
+    from attnlab.ops.goat import goat_attention
+    from attnlab.ops.goat_flex import flex_goat_attention
+
+    ins = _goat_inputs(T)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        got = flex_goat_attention(*ins)
+    assert rel_rms(got, goat_attention(*ins, impl="naive")) < 1e-12
+    bad = ins[6].clone()
+    bad[0, 0, 0] = float("inf")
+    with pytest.raises(ValueError, match="u"):
+        flex_goat_attention(*ins[:6], bad)
+
+
+@pytest.mark.cuda
+def test_cuda_flex_goat_matches_float64_on_every_gradient():
+    from attnlab.ops.goat import goat_attention
+    from attnlab.ops.goat_flex import flex_goat_attention
+
+    ins = _goat_inputs(1000, torch.bfloat16, "cuda")
+    ins = [x if i == 3 else x.float() if i > 3 else x for i, x in enumerate(ins)]  # weights in float32
+    leaves = [x.requires_grad_() if i != 3 else x for i, x in enumerate(ins)]
+    out = flex_goat_attention(*leaves)
+    ref_in = [x.detach().double().requires_grad_(i != 3) for i, x in enumerate(ins)]
+    ref = goat_attention(*ref_in, impl="naive")
+    dout = torch.randn_like(ref)
+    grads = torch.autograd.grad(out, [x for i, x in enumerate(leaves) if i != 3], dout.to(out.dtype))
+    want = torch.autograd.grad(ref, [x for i, x in enumerate(ref_in) if i != 3], dout)
+    assert rel_rms(out.double(), ref) < 2e-2
+    for a, b in zip(grads, want):
+        assert rel_rms(a.double(), b, floor=1e-2) < 2e-2
