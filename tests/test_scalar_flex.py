@@ -1,6 +1,7 @@
-"""FlexAttention's form of scalar and hybrid attention (`ops.scalar.flex`) and of GOAT (`ops.goat_flex`): equal to the naive op on
-the CPU (forward: FlexAttention has no CPU backward) at awkward lengths, both kernels, tau per head or
-per query, a signed gain and grouped heads; on CUDA, outputs and every gradient against float64."""
+"""FlexAttention's form of scalar and hybrid attention (`ops.scalar.flex`) and of GOAT (`ops.goat_flex`):
+equal to the naive op on the CPU (forward: FlexAttention has no CPU backward) at awkward lengths, both
+kernels, tau per head or per query, a signed gain and grouped heads; on CUDA, outputs and every gradient
+against float64."""
 
 from __future__ import annotations
 
