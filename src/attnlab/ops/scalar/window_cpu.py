@@ -86,9 +86,10 @@ def _bwd(qs: torch.Tensor, ks: torch.Tensor, tau: torch.Tensor, lam: Optional[to
          k: Optional[torch.Tensor], v: torch.Tensor, idx: torch.Tensor, o: torch.Tensor, w: torch.Tensor,
          d_o: torch.Tensor, cauchy: bool) -> list[torch.Tensor]:
     dqs, dks, dtau, dv, dlam, dq, dk = _grads_like(qs, v, q)
+    dot = q is not None  # scalar heads have no dq, dk
     _ext.call("attnlab_window_bwd", v.dtype, qs, ks, tau, _ptr(lam), _ptr(q), _ptr(k), v, idx, o, w,
-              d_o.contiguous(), dqs, dks, dtau, _ptr(None if lam is None else dlam), _ptr(None if q is None else dq), _ptr(None if q is None else dk),
-              dv, *_sizes(qs, q, v, idx), int(cauchy), torch.get_num_threads())
+              d_o.contiguous(), dqs, dks, dtau, _ptr(None if lam is None else dlam), _ptr(dq if dot else None),
+              _ptr(dk if dot else None), dv, *_sizes(qs, q, v, idx), int(cauchy), torch.get_num_threads())
     return [dqs, dks, dtau, dv, dlam, dq, dk]
 
 
