@@ -15,7 +15,8 @@ the distances grow and equal values come newest first; walking up order R likewi
 k nearest (distance, newest) are among those 2k. Every key lies in one node or the fringe, so the k
 smallest (distance bits, newest) among the candidates are exactly the dense rule's. One top-k over
 L x 2k + c candidates per query replaces the dense top-k over every visible key; query rows run in
-chunks, so the candidates take O(chunk x (2kL + c)) memory.
+chunks (on CUDA as many as keep B x H x rows x candidates within CUDA_CANDIDATES), so the candidates
+take O(chunk x (2kL + c)) memory.
 
 The arguments are float32 (distances compared as the dense rule's float32 values); the callers check.
 """
@@ -24,9 +25,10 @@ from __future__ import annotations
 
 import torch
 
-__all__ = ["TREE_BLOCK", "tree_select"]
+__all__ = ["CUDA_CANDIDATES", "TREE_BLOCK", "tree_select"]
 
 TREE_BLOCK = 64  # keys per leaf block (c): the fringe each query scores directly
+CUDA_CANDIDATES = 1 << 26  # on CUDA: query rows per chunk such that B x H x rows x candidates stay below this
 
 
 def _ordered(x: torch.Tensor) -> torch.Tensor:
@@ -71,6 +73,8 @@ def tree_select(q32: torch.Tensor, k32: torch.Tensor, k: int, n_prefix: int, loc
     if T == 0 or k == 0:
         return idx, ok
     levels, P = _levels(k32, n_prefix, c)
+    if dev.type == "cuda":  # fewer, larger chunks: each costs a few dozen launches whatever its size
+        chunk = max(chunk, CUDA_CANDIDATES // max(1, B * H * (2 * k * len(levels) + c)))
     kk = torch.arange(k, device=dev)
     fr = torch.arange(c, device=dev)
     big = torch.iinfo(torch.int64).max
