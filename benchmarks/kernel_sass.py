@@ -106,8 +106,6 @@ def find_tool(name: str) -> str | None:
 def _launch(case: str, fast: bool):
     """(jit function, signature, constexprs, divisibility attrs, num_warps, num_stages) of one case as the
     launchers build it on a GPU, with the FAST switch `fast_math()` gives under ATTNLAB_TRITON_FAST_MATH."""
-    import importlib
-
     import torch
 
     from attnlab.ops.scalar import triton_kernel
@@ -123,12 +121,8 @@ def _launch(case: str, fast: bool):
             os.environ.pop("ATTNLAB_TRITON_FAST_MATH")
         else:
             os.environ["ATTNLAB_TRITON_FAST_MATH"] = before
-    module, name, code, kind, _, _ = CASES[case]
-    try:
-        mod = importlib.import_module(module)
-    except ModuleNotFoundError:  # --baseline: code from before the backward kernels had their own module
-        mod = importlib.import_module(module.replace("triton_backward", "triton_kernel"))
-    fn = getattr(mod, name)
+    _, name, code, kind, _, _ = CASES[case]
+    fn = getattr(_kernel_module(case), name)
     cuda = torch.device("cuda")  # only its type is read: the GPU tiles
     d = GOAT_D if code == 2 else D
     try:  # the product's column blocks (one, or 64 + 16 for GOAT's 80); --baseline: one padded block
@@ -137,13 +131,9 @@ def _launch(case: str, fast: bool):
         _split = lambda n: (_pow2(n), 0)  # noqa: E731
     cons = dict(D=d, DV=DV, BLOCK_D=_split(d)[0], BLOCK_D2=_split(d)[1], BLOCK_DV=_pow2(DV), HAS_DOT=True,
                 KERNEL=code, FAST=FAST)
-    if kind == "sel_bwd_keys":  # the key side of the window's backward: key tiles over their pairs
-        BN, BP, warps = _tiles(cuda)["keys"]
-        cons.update(BLOCK_N=BN, BLOCK_P=BP)
-        stages = 3
-    elif kind.startswith("sel"):
-        BM, BJ, warps = _tiles(cuda)["fwd" if kind == "sel_fwd" else "bwd"]
-        cons.update(BLOCK_M=BM, BLOCK_J=BJ)
+    if kind.startswith("sel"):  # the window's kernels; its key side tiles keys x the pairs selecting them
+        a, b, warps = _tiles(cuda)[{"sel_fwd": "fwd", "sel_bwd": "bwd"}.get(kind, "keys")]
+        cons.update(zip(("BLOCK_N", "BLOCK_P") if kind == "sel_bwd_keys" else ("BLOCK_M", "BLOCK_J"), (a, b)))
         stages = 3  # Triton's default: the launcher names none
     elif code is None:  # principled: its launcher's tiles, gate width 16
         from attnlab.ops.principled import triton_kernel as principled
@@ -317,16 +307,15 @@ def _summary(rows: list[dict]) -> list[dict]:
     return out
 
 
-def _has_kernel(case: str) -> bool:
-    """Whether the code imported has the case's kernel (a --baseline commit may predate it)."""
+def _kernel_module(case: str):
+    """The case's kernel module (--baseline code may predate triton_backward: then triton_kernel)."""
     import importlib
 
-    module, name = CASES[case][:2]
+    module = CASES[case][0]
     try:
-        mod = importlib.import_module(module)
+        return importlib.import_module(module)
     except ModuleNotFoundError:
-        mod = importlib.import_module(module.replace("triton_backward", "triton_kernel"))
-    return hasattr(mod, name)
+        return importlib.import_module(module.replace("triton_backward", "triton_kernel"))
 
 
 def baseline_rows(rev: str, cases: list[str]) -> list[dict]:
@@ -382,7 +371,7 @@ def main(argv=None) -> int:
     for r in rows:
         _print(r, args.out == "-")
     for case in cases:
-        if args.src and not _has_kernel(case):  # a baseline from before this kernel: no row for it
+        if args.src and not hasattr(_kernel_module(case), CASES[case][1]):  # a baseline predating the kernel
             continue
         for v in variants:
             r = analyse(case, v == "fast", ptxas, cuobjdump)

@@ -127,3 +127,8 @@ def test_cuda_flex_goat_matches_float64_on_every_gradient():
     assert rel_rms(out.double(), ref) < 2e-2
     for a, b in zip(grads, want):
         assert rel_rms(a.double(), b, floor=1e-2) < 2e-2
+
+
+def test_flex_empty_sequence():
+    qs, ks, v, tau, kw = _inputs(0, True, "head", True)
+    assert flex_scalar_attention(qs, ks, v, tau, **kw).shape == (2, 4, 0, 8)

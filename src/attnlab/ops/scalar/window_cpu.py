@@ -26,7 +26,7 @@ __all__ = ["available", "select_nearest", "selected_cpu"]
 
 def available(device: torch.device, dtype: torch.dtype) -> bool:
     """True when the compiled kernels take work of this device and dtype (the CPU, float32 / float64)."""
-    return device.type == "cpu" and dtype in _ext.DTYPES and _ext.usable(torch.empty(0, dtype=dtype))
+    return device.type == "cpu" and dtype in _ext.DTYPES and _ext._loaded()
 
 
 def _ptr(x: Optional[torch.Tensor]) -> int:
