@@ -22,7 +22,6 @@ from __future__ import annotations
 import argparse
 import copy
 import json
-import re
 import os
 import statistics
 import subprocess
@@ -37,6 +36,7 @@ sys.path.insert(0, str(HERE))
 sys.path.insert(0, str(HERE.parent / "src"))
 
 from gpu_paths import PATHS, as_reference, fwd_bwd, make, rel_err  # noqa: E402
+from gpu_tests import run_cuda_tests  # noqa: E402
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 
@@ -45,70 +45,6 @@ def save(path: Path, doc: dict) -> None:
     tmp = path.with_suffix(".tmp")
     tmp.write_text(json.dumps(doc, indent=1) + "\n")
     tmp.replace(path)
-
-
-def run_cuda_tests(doc: dict, timeout: float, log: Path, workers: int = 4, per_test: float = 60.0,
-                   files: list[str] | None = None, marker: str = "cuda") -> None:
-    """`pytest -m cuda` over the files that hold cuda tests, on `workers` xdist workers (few enough
-    that compiling kernels does not starve the tests) with a per-test timeout of `per_test` seconds
-    (far below the run's), its output streamed to `log`. Each outcome, with its failure text, is
-    written as it happens to <log>.jsonl (tests/conftest.py: ATTNLAB_TEST_STREAM) and printed at once:
-    a run cut short keeps every result and traceback it reached. doc["cuda_tests"] holds the outcomes,
-    the failures' text and the tests that never reported. files / marker: which tests (default: the
-    files of tests/ that hold cuda tests, marker "cuda")."""
-    import importlib.util
-
-    t0 = time.time()
-    if files is None:
-        files = sorted(str(f) for f in (HERE.parent / "tests").glob("test_*.py") if "mark.cuda" in f.read_text())
-    cmd = [sys.executable, "-m", "pytest", "-v", "-rfE", "--tb=short", "-m", marker, "-p", "no:cacheprovider",
-           "-p", "no:benchmark", *files]  # only the files with cuda tests: others import packages it may lack
-    if importlib.util.find_spec("xdist") and workers > 1:
-        cmd[3:3] = ["-n", str(min(workers, os.cpu_count() or 1))]
-    if importlib.util.find_spec("pytest_timeout"):
-        cmd[3:3] = ["--timeout", str(max(1, int(min(per_test, timeout - 15))))]
-    stream = log.with_suffix(".jsonl")
-    stream.write_text("")
-    env = {**os.environ, "ATTNLAB_TEST_STREAM": str(stream), "PYTHONPATH": os.pathsep.join(
-        [str(HERE.parent / "src"), *filter(None, [os.environ.get("PYTHONPATH")])])}
-    seen: dict[str, dict] = {}
-
-    def drain() -> None:  # print each new outcome (failures with their text) as it arrives
-        for line in stream.read_text(errors="replace").splitlines()[len(seen):]:
-            row = json.loads(line)
-            seen[f"{row['test']}#{len(seen)}"] = row
-            print(f"  {row['outcome']} {row['test']} ({row['when']}, {row['seconds']} s)", flush=True)
-            if row.get("failure"):
-                print("    " + row["failure"][-1500:].replace("\n", "\n    "), flush=True)
-
-    with open(log, "w") as fh:
-        p = subprocess.Popen(cmd, stdout=fh, stderr=subprocess.STDOUT, text=True, env=env)
-        rc = None
-        while time.time() - t0 < timeout:
-            try:
-                rc = p.wait(timeout=2)
-                break
-            except subprocess.TimeoutExpired:
-                drain()
-        if rc is None:
-            p.kill()
-    drain()
-    text = log.read_text(errors="replace")
-    outcomes, failures = {}, {}
-    for row in seen.values():
-        if row["outcome"] in ("FAILED", "ERROR") or row["test"] not in outcomes:
-            outcomes[row["test"]] = "ERROR" if row["outcome"] == "FAILED" and row["when"] != "call" else row["outcome"]
-        if row.get("failure"):
-            failures[row["test"]] = row["failure"]
-    items = re.search(r"(\d+) workers \[(\d+) items?\]|collected (\d+) items?", text)
-    n_items = int(items.group(2) or items.group(3)) if items else None
-    doc["cuda_tests"] = {"returncode": rc, "seconds": round(time.time() - t0, 1), "items": n_items,
-                         "outcomes": outcomes, "failures": failures,
-                         "unreported": None if n_items is None else n_items - len(outcomes),
-                         "log": log.name, "stream": stream.name, "tail": text[-3000:] if rc is None or rc else text[-600:]}
-    counts = {o: list(outcomes.values()).count(o) for o in sorted(set(outcomes.values()))}
-    print(f"cuda tests: {counts}, {doc['cuda_tests']['unreported']} unreported, rc {rc}, "
-          f"{doc['cuda_tests']['seconds']} s", flush=True)
 
 
 def errors(name: str, dtype: torch.dtype, T: int, device, H: int = 4, D: int = 64) -> tuple[float, float, str]:

@@ -302,7 +302,8 @@ def main(argv=None) -> None:
         try:
             row = {**measure(name, T, batch, a.steps, a.warmup, name in compiled, dev, shape, a.peak_tflops), **label}
         except Exception as e:  # noqa: BLE001 - the row records what failed
-            row = {"model": name, "T": T, **label, "error": f"{type(e).__name__}: {str(e)[:300]}"}
+            msg = str(e) if len(str(e)) <= 1500 else f"{str(e)[:500]} [...] {str(e)[-1000:]}"  # the cause is last
+            row = {"model": name, "T": T, **label, "error": f"{type(e).__name__}: {msg}"}
         torch.cuda.empty_cache()
         doc["rows"].append(row)
         print(f"  {name} T={T}{' (25m)' if label else ''}: "

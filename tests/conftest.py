@@ -80,6 +80,17 @@ def argparse_corpus(tmp_path_factory) -> str:
     return str(path)
 
 
+def failure_text(text: str, limit: int = 6000) -> str:
+    """A failure's text within `limit` characters: its first error line onward (where the exception's
+    message is) and its closing lines, the frames between cut."""
+    if len(text) <= limit:
+        return text
+    lines = text.splitlines()
+    first = next((i for i, line in enumerate(lines) if line.startswith("E ")), None)
+    head = "\n".join(lines[first:])[: limit // 2] if first is not None else ""
+    return head + "\n[...]\n" + text[-(limit - len(head)):]
+
+
 def pytest_runtest_logreport(report):
     """With ATTNLAB_TEST_STREAM=PATH, one JSON line per test outcome (and per failed setup or teardown)
     is appended to PATH the moment pytest reports it, the failure's text included: a run killed at its
@@ -87,14 +98,15 @@ def pytest_runtest_logreport(report):
     tracebacks only in its closing summary). Under pytest-xdist the controller writes every worker's
     reports."""
     path = os.environ.get("ATTNLAB_TEST_STREAM")
-    if not path or not (report.when == "call" or report.failed or report.skipped):
+    if not path or os.environ.get("PYTEST_XDIST_WORKER") or not (
+            report.when == "call" or report.failed or report.skipped):
         return
     import json
 
     row = {"test": report.nodeid, "when": report.when, "outcome": report.outcome.upper(),
            "seconds": round(report.duration, 2)}
     if report.failed:
-        row["failure"] = str(report.longrepr)[-4000:]
+        row["failure"] = failure_text(str(report.longrepr))
     elif report.skipped and isinstance(report.longrepr, tuple):
         row["reason"] = str(report.longrepr[-1])
     with open(path, "a", encoding="utf-8") as fh:

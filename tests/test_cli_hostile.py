@@ -174,6 +174,19 @@ def test_search_without_transformers_names_the_extra(tmp_path, capsys, monkeypat
     assert calls == [], "the command ran although its packages are missing"
 
 
+def test_search_runs_without_the_packages_only_some_methods_need(tmp_path, capsys, monkeypatch):
+    """A GPU machine with transformers but no faiss, gguf or datasets trains projections: those three are
+    imported only where used (and their absence there is test_search_optional_package_missing_at_run_time)."""
+    import attnlab.cli.search_commands as search_cli
+
+    calls = []
+    monkeypatch.setattr(search_cli, "_train", lambda args: calls.append(args) or 0)
+    for name in ("faiss", "gguf", "datasets"):
+        monkeypatch.setitem(sys.modules, name, None)  # as if not installed
+    monkeypatch.chdir(tmp_path)
+    assert main(["search", "train", "--steps", "1", "--out", str(tmp_path / "s")]) == 0 and len(calls) == 1
+
+
 def test_search_is_registered_when_its_module_cannot_import_an_optional_package(tmp_path, capsys, monkeypatch):
     _import_of_search_cli_raises(monkeypatch, ModuleNotFoundError("No module named 'faiss'", name="faiss"))
     with pytest.raises(SystemExit):

@@ -142,3 +142,44 @@ def test_cauchy_kernels_use_the_hardware_log_and_reciprocal(sass):
     c, g = sass["hybrid-cauchy/fwd", "fast"], sass["hybrid-gaussian/fwd", "fast"]
     assert c["main_loop_instructions"] < 1.25 * g["main_loop_instructions"], (c["main_loop_instructions"],
                                                                            g["main_loop_instructions"])
+
+
+INDUCTOR_SCALE = r"""
+import json, sys
+sys.path.insert(0, sys.argv[1])
+import kernel_sass as ks
+from triton._C.libtriton import ir
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource, make_backend
+out = {}
+for case in ks.CASES:
+    fn, sig, cons, attrs, warps, stages, _, _ = ks._launch(case, True)
+    sig["sm_scale"] = "fp64"  # as torch.compile's Inductor types a Python float argument
+    target = GPUTarget("cuda", 90, 32)
+    backend = make_backend(target)
+    options = backend.parse_options(dict(num_warps=warps, num_stages=stages))
+    ctx = ir.context()
+    ir.load_dialects(ctx)
+    backend.load_dialects(ctx)
+    mod = ASTSource(fn, sig, cons, attrs).make_ir(target, options, backend.get_codegen_implementation(options),
+                                                  backend.get_module_map(), ctx)
+    out[case] = [line.strip() for line in str(mod).splitlines() if "f64" in line]
+print(json.dumps(out))
+"""
+
+
+def test_kernels_compile_with_the_scale_inductor_passes():
+    """Under torch.compile, Inductor launches the kernels itself and types the Python-float `sm_scale` as
+    fp64 (on a GPU, the hybrid model's compile failed on `_unit`'s "Inconsistent return types: fp64 and
+    fp32"). Every kernel compiles for sm_90a with an fp64 scale, and the only fp64 in its IR is the
+    argument and its one conversion to fp32: no fp64 arithmetic in the loops."""
+    _tools_or_skip()
+    env = {**os.environ, "TRITON_INTERPRET": "0", "PYTHONPATH": os.pathsep.join(
+        [str(ROOT / "src"), *filter(None, [os.environ.get("PYTHONPATH")])])}
+    p = subprocess.run([sys.executable, "-c", INDUCTOR_SCALE, str(ROOT / "benchmarks")], capture_output=True,
+                       text=True, env=env, timeout=300)
+    assert p.returncode == 0, p.stderr[-4000:]
+    lines = json.loads(p.stdout)
+    assert set(lines) == set(BUDGETS) | {c for c in lines if c.startswith("window-")} and len(lines) == 18
+    for case, f64 in lines.items():
+        assert len(f64) == 2 and "tt.func" in f64[0] and "arith.truncf" in f64[1], (case, f64)

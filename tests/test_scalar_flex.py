@@ -77,7 +77,7 @@ def test_cuda_flex_matches_float64_on_every_gradient(kernel, dtype, tol):
     ref_leaves = [x.detach().double().requires_grad_() for x in leaves]
     rq, rk, rv, rt, q64, k64, lam64 = ref_leaves
     ref = _naive(rq, rk, rv, rt, kernel, q=q64, k=k64, scalar_scale=lam64)
-    dout = torch.randn_like(ref)
+    dout = torch.randn_like(ref).to(dtype).double()  # the output gradient both see, rounded to the run's dtype
     got = torch.autograd.grad(out, leaves, dout.to(out.dtype))
     want = torch.autograd.grad(ref, ref_leaves, dout)
     assert rel_rms(out.double(), ref) < tol
@@ -110,6 +110,7 @@ def test_flex_goat_forward_equals_naive_on_the_cpu(T):
         flex_goat_attention(*ins[:6], bad)
 
 
+@pytest.mark.timeout(180)  # FlexAttention compiled forward and backward, in two dtypes (50 s on an H200)
 @pytest.mark.cuda
 def test_cuda_flex_goat_matches_float64_on_every_gradient():
     from attnlab.ops.goat import goat_attention
@@ -121,7 +122,7 @@ def test_cuda_flex_goat_matches_float64_on_every_gradient():
     out = flex_goat_attention(*leaves)
     ref_in = [x.detach().double().requires_grad_(i != 3) for i, x in enumerate(ins)]
     ref = goat_attention(*ref_in, impl="naive")
-    dout = torch.randn_like(ref)
+    dout = torch.randn_like(ref).to(leaves[0].dtype).double()  # rounded as the run sees it
     grads = torch.autograd.grad(out, [x for i, x in enumerate(leaves) if i != 3], dout.to(out.dtype))
     want = torch.autograd.grad(ref, [x for i, x in enumerate(ref_in) if i != 3], dout)
     assert rel_rms(out.double(), ref) < 2e-2

@@ -63,6 +63,9 @@ def test_tree_chooses_the_dense_windows(monkeypatch, local, n_prefix, block):
                 got = wmod.window_indices(q, keys, window, n_prefix=n_prefix, local=local, query_chunk=16)
                 assert torch.equal(got[1], want[1]), (T, window)
                 assert torch.equal(got[0][got[1]], want[0][want[1]]), (T, window)
+                sel = tree.tree_select(q.float(), keys.float(), window, n_prefix, local)
+                assert not sel[0][~sel[1]].any()  # padding slots 0: the same on every device (CUDA's topk
+                #                                   orders ties of the padding's key as it likes)
 
 
 def test_tree_reads_nothing_back(monkeypatch):

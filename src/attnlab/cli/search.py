@@ -11,6 +11,9 @@ from ._common import UsageError, Formatter
 
 HF_EXTRA = "pip install 'attnlab[hf]'"
 HF_PACKAGES = ("transformers", "datasets", "faiss", "gguf", "accelerate")  # the [hf] extra, as imported
+HF_REQUIRED = ("transformers",)  # what every search command imports; the rest only where used (faiss: the
+#                                  hnsw/ivf methods, gguf: a GGUF model, datasets: a Hub corpus), each missing
+#                                  one the same one-line error when it is reached
 
 
 def _missing_extra(e: ImportError) -> str | None:
@@ -69,7 +72,7 @@ def _installed(name: str) -> bool:
 def run_search(ns) -> int:
     """Run a `search` command once its optional packages are known to be there; an ImportError
     of one of them later on is the same one-line error, any other ImportError propagates."""
-    missing = [name for name in HF_PACKAGES if not _installed(name)]
+    missing = [name for name in HF_REQUIRED if not _installed(name)]
     if missing:
         raise _extra_error(missing)
     from attnlab.experiments.launch import JobFailed

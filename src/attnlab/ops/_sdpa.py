@@ -171,7 +171,7 @@ def packed_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, seg: tor
             return keep
 
         mask = create_block_mask(same_document, B=q.shape[0], H=None, Q_LEN=Tq, KV_LEN=Tk, device=q.device)
-        return _compiled_flex()(q, k, v, block_mask=mask, scale=float(scale), enable_gqa=gqa)
+        return flex_call(q, k, v, block_mask=mask, scale=scale, enable_gqa=gqa)
     width = max(E, Dv)
     if E < width:
         q, k = F.pad(q, (0, width - E)), F.pad(k, (0, width - E))
@@ -207,6 +207,27 @@ def _compiled_flex():
 
         _FLEX.append(torch.compile(flex_attention, dynamic=False))
     return _FLEX[0]
+
+
+FLEX_MIN_WIDTH = 16  # FlexAttention's smallest head width, for q/k and for v alike (torch 2.11 on CUDA refuses less)
+
+
+def flex_call(q, k, v, *, block_mask, score_mod=None, scale=None, enable_gqa: bool = False) -> torch.Tensor:
+    """flex_attention, compiled on CUDA, eager elsewhere; q/k or v narrower than FLEX_MIN_WIDTH zero-padded
+    to it (a zero column adds nothing to q.k; the scale stays that of the true width) and the output's
+    padding sliced off."""
+    from torch.nn.attention.flex_attention import flex_attention
+
+    E, Dv = q.shape[-1], v.shape[-1]
+    if scale is None:
+        scale = 1.0 / math.sqrt(E)
+    if E < FLEX_MIN_WIDTH:
+        q, k = F.pad(q, (0, FLEX_MIN_WIDTH - E)), F.pad(k, (0, FLEX_MIN_WIDTH - E))
+    if Dv < FLEX_MIN_WIDTH:
+        v = F.pad(v, (0, FLEX_MIN_WIDTH - Dv))
+    fn = _compiled_flex() if q.device.type == "cuda" else flex_attention
+    out = fn(q, k, v, score_mod=score_mod, block_mask=block_mask, scale=float(scale), enable_gqa=enable_gqa)
+    return out[..., :Dv] if Dv < out.shape[-1] else out
 
 
 def check_qkv(q, k, v, causal: bool = True) -> tuple[int, int, int, int]:

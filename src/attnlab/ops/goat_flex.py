@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import torch
 
-from ._sdpa import _compiled_flex, check_qkv
+from ._sdpa import check_qkv, flex_call
 from .goat import _check_prior
 
 __all__ = ["flex_goat_attention"]
@@ -18,7 +18,7 @@ __all__ = ["flex_goat_attention"]
 def flex_goat_attention(q, k, v, freqs, lam_sym, lam_asym, u) -> torch.Tensor:
     """Causal GOAT attention of q (B, H, T, D), k (B, G, T, D), v (B, G', T, Dv), freqs (R,), lam_sym and
     lam_asym (G, R), u (B or 1, G, T) through FlexAttention -> (B, H, T, Dv) in v's dtype."""
-    from torch.nn.attention.flex_attention import create_block_mask, flex_attention
+    from torch.nn.attention.flex_attention import create_block_mask
 
     B, H, T, _ = check_qkv(q, k, v, True)
     G = k.shape[1]
@@ -29,15 +29,15 @@ def flex_goat_attention(q, k, v, freqs, lam_sym, lam_asym, u) -> torch.Tensor:
     w, a, b_, uu = (x.to(work) for x in (freqs, lam_sym, lam_asym, u))
     per_group = H // G
     ub = uu.shape[0]
+    # the prior's offset term per group and offset i - j in -(T - 1) .. T - 1 (the masked ones too: FlexAttention
+    # may score them), built once: one read per score, and each tensor the score reads indexed once (its
+    # backward cannot take a tensor indexed twice, as the loop over frequencies did)
+    phase = w[:, None] * torch.arange(-(T - 1), T, device=q.device, dtype=work)[None, :]  # (R, 2T - 1)
+    table = a @ torch.cos(phase) + b_ @ torch.sin(phase)  # (G, 2T - 1)
 
     def score_mod(score, b, h, i, j):
         g = h // per_group
-        delta = (i - j).to(work)
-        prior = uu[b if ub > 1 else 0, g, j]
-        for r in range(w.shape[0]):
-            ph = w[r] * delta
-            prior = prior + a[g, r] * torch.cos(ph) + b_[g, r] * torch.sin(ph)
-        return score + prior
+        return score + uu[b if ub > 1 else 0, g, j] + table[g, i - j + (T - 1)]
 
     gqa = G != H or v.shape[1] != H
     if gqa and G != v.shape[1]:  # FlexAttention groups k and v alike
@@ -45,5 +45,4 @@ def flex_goat_attention(q, k, v, freqs, lam_sym, lam_asym, u) -> torch.Tensor:
 
         k, v, gqa = expand_heads(k, H), expand_heads(v, H), False
     mask = create_block_mask(lambda b, h, i, j: i >= j, None, None, T, T, device=q.device)
-    fn = _compiled_flex() if q.device.type == "cuda" else flex_attention
-    return fn(q, k, v, score_mod=score_mod, block_mask=mask, enable_gqa=gqa).to(v.dtype)
+    return flex_call(q, k, v, score_mod=score_mod, block_mask=mask, enable_gqa=gqa).to(v.dtype)

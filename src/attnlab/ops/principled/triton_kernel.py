@@ -119,6 +119,7 @@ def _fwd(Q, K, QG, KG, V, C, SPB, GAM, OK, W0, LSE, DOCS, START, END, Tq, Tk, H,
     gamma (and alpha's, through c) is, up to a small remainder; a 16-bit p alone puts its rounding into
     that remainder (2.9e-2 relative error on gamma's gradient, tests/test_principled_triton.py). FAST:
     the gate's log and reciprocal in the hardware's forms (`_gate`)."""
+    sm_scale = tl.cast(sm_scale, tl.float32)  # a Python float reaches a kernel as fp64 under Inductor
     m0 = tl.program_id(0) * BLOCK_M
     bh = tl.program_id(1)
     off = Tk - Tq
@@ -184,6 +185,7 @@ def _bwd_kv(Q, K, QG, KG, V, C, SPB, GAM, DO, LSE, E, HD, DOCS, START, END, DK, 
             sm_scale, D: tl.constexpr, DG: tl.constexpr, DV: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DG: tl.constexpr,
             BLOCK_DV: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, CAUSAL: tl.constexpr,
             PREC: tl.constexpr, UP: tl.constexpr, DOC: tl.constexpr, FAST: tl.constexpr = False):
+    sm_scale = tl.cast(sm_scale, tl.float32)  # a Python float reaches a kernel as fp64 under Inductor
     n0 = tl.program_id(0) * BLOCK_N
     bh = tl.program_id(1)
     off = Tk - Tq
@@ -225,6 +227,7 @@ def _bwd_q(Q, K, QG, KG, V, C, SPB, GAM, DO, LSE, E, HD, DOCS, START, END, DQK, 
            D: tl.constexpr, DG: tl.constexpr, DV: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DG: tl.constexpr,
            BLOCK_DV: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, CAUSAL: tl.constexpr,
            PREC: tl.constexpr, UP: tl.constexpr, DOC: tl.constexpr, FAST: tl.constexpr = False):
+    sm_scale = tl.cast(sm_scale, tl.float32)  # a Python float reaches a kernel as fp64 under Inductor
     m0 = tl.program_id(0) * BLOCK_M
     bh = tl.program_id(1)
     off = Tk - Tq

@@ -14,9 +14,11 @@ this path (its speed is measured first, on the GPU).
 
 from __future__ import annotations
 
+import math
+
 import torch
 
-from .._sdpa import _compiled_flex, check_qkv, expand_heads, upcast
+from .._sdpa import check_qkv, expand_heads, flex_call, upcast
 from .args import _check_scalars, _check_values, _scalar_scale, _tau, check_kernel
 
 __all__ = ["flex_scalar_attention"]
@@ -42,7 +44,7 @@ def flex_scalar_attention(qs: torch.Tensor, ks: torch.Tensor, v: torch.Tensor, t
     Raises:
         TypeError / ValueError: as `hybrid_attention` and `scalar_attention` raise them.
     """
-    from torch.nn.attention.flex_attention import create_block_mask, flex_attention
+    from torch.nn.attention.flex_attention import create_block_mask
 
     check_kernel(kernel)
     if (q is None) != (k is None):
@@ -77,6 +79,6 @@ def flex_scalar_attention(qs: torch.Tensor, ks: torch.Tensor, v: torch.Tensor, t
         k, v = expand_heads(k, H), expand_heads(v, H)
         gqa = False
     mask = create_block_mask(lambda b, h, qi, ki: qi >= ki, None, None, T, T, device=qs.device)
-    fn = _compiled_flex() if qs.device.type == "cuda" else flex_attention
-    out = fn(q.to(v.dtype), k.to(v.dtype), v, score_mod=score_mod, block_mask=mask, enable_gqa=gqa)
+    out = flex_call(q.to(v.dtype), k.to(v.dtype), v, score_mod=score_mod, block_mask=mask,
+                    scale=1.0 / math.sqrt(q.shape[-1]), enable_gqa=gqa)
     return out.to(v.dtype)

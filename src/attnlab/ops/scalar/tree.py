@@ -65,7 +65,8 @@ def tree_select(q32: torch.Tensor, k32: torch.Tensor, k: int, n_prefix: int, loc
                 chunk: int = 1024, c: int = TREE_BLOCK) -> tuple[torch.Tensor, torch.Tensor]:
     """Query t's k nearest keys among positions n_prefix .. t - local of k32 (B, H, T), for the float32
     scalar queries q32 (B, H, T) -> idx (B, H, T, k) int64 in the dense rule's order (distance, then
-    newest) and ok (B, H, T, k) bool (False past the keys a query has). No value is read back."""
+    newest) and ok (B, H, T, k) bool (False past the keys a query has, where idx is 0: the same on every
+    device). No value is read back."""
     B, H, T = k32.shape
     dev = k32.device
     idx = torch.zeros(B, H, T, k, dtype=torch.long, device=dev)
@@ -107,6 +108,7 @@ def tree_select(q32: torch.Tensor, k32: torch.Tensor, k: int, n_prefix: int, loc
         order = order.masked_fill(~ok_c, big)
         m = min(k, order.shape[-1])
         top = order.topk(m, dim=-1, largest=False).indices
-        idx[:, :, a:b, :m] = cand.gather(-1, top)
-        ok[:, :, a:b, :m] = order.gather(-1, top) < big
+        got = order.gather(-1, top) < big
+        idx[:, :, a:b, :m] = cand.gather(-1, top).masked_fill(~got, 0)  # a tie of `big`s orders by device
+        ok[:, :, a:b, :m] = got
     return idx, ok

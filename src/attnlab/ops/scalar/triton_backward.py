@@ -79,6 +79,7 @@ def _bwd_kv(Q, K, V, QS, KS, U, TAU, G, LAM, DO, LSE, DELTA, DOCS, START, END, D
             BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, HAS_DOT: tl.constexpr, BIAS: tl.constexpr, KERNEL: tl.constexpr,
             CAUSAL: tl.constexpr, PREC: tl.constexpr, UP: tl.constexpr, DOC: tl.constexpr, FAST: tl.constexpr,
             BLOCK_D2: tl.constexpr = 0):
+    sm_scale = tl.cast(sm_scale, tl.float32)  # a Python float reaches a kernel as fp64 under Inductor
     n0 = tl.program_id(0) * BLOCK_N
     off = Tk - Tq
     row, krow, kbase, vbase, drow, offs_d, offs_d2, offs_dv = _program_rows(H, GK, GV, Tq, Tk, BLOCK_D, BLOCK_D2,
@@ -192,6 +193,7 @@ def _bwd_q(Q, K, V, QS, KS, U, TAU, G, LAM, DO, LSE, DELTA, DOCS, START, END, DQ
            BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, HAS_DOT: tl.constexpr, BIAS: tl.constexpr, KERNEL: tl.constexpr,
            CAUSAL: tl.constexpr, PREC: tl.constexpr, UP: tl.constexpr, DOC: tl.constexpr, FAST: tl.constexpr,
            BLOCK_D2: tl.constexpr = 0):
+    sm_scale = tl.cast(sm_scale, tl.float32)  # a Python float reaches a kernel as fp64 under Inductor
     m0 = tl.program_id(0) * BLOCK_M
     off = Tk - Tq
     row, krow, kbase, vbase, drow, offs_d, offs_d2, offs_dv = _program_rows(H, GK, GV, Tq, Tk, BLOCK_D, BLOCK_D2,

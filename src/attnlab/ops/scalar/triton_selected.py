@@ -30,6 +30,7 @@ one top-k over O(k log T) candidates per query, no T x T pass and no host sync).
 from __future__ import annotations
 
 import math
+from typing import Optional
 
 import torch
 import triton
@@ -103,6 +104,7 @@ def _sel_columns(IDX, K, KS, q, qs, tau, lam, row, kbase, krow, offs_m, m_ok, j0
 def _sel_fwd(Q, K, V, QS, KS, TAU, LAM, IDX, O, LSE, T, M, H, GK, GV, sm_scale, D: tl.constexpr, DV: tl.constexpr,
              BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_J: tl.constexpr,
              HAS_DOT: tl.constexpr, KERNEL: tl.constexpr, FAST: tl.constexpr):
+    sm_scale = tl.cast(sm_scale, tl.float32)  # a Python float reaches a kernel as fp64 under Inductor
     row, krow, kbase, vbase, offs_m, offs_d, offs_dv, m_ok, qs, tau, lam, q = _sel_program(
         Q, QS, TAU, LAM, T, H, GK, GV, D, BLOCK_D, BLOCK_DV, BLOCK_M, HAS_DOT)
     m_i = tl.full((BLOCK_M,), float("-inf"), tl.float32)
@@ -131,6 +133,7 @@ def _sel_bwd(Q, K, V, QS, KS, TAU, LAM, IDX, DO, LSE, DELTA, DQ, DQS, DTAU, DLAM
              BLOCK_M: tl.constexpr, BLOCK_J: tl.constexpr, HAS_DOT: tl.constexpr, KERNEL: tl.constexpr,
              FAST: tl.constexpr):
     """The query side of the backward: dq and the per-row sums that give dqs, dtau and the gain's gradient."""
+    sm_scale = tl.cast(sm_scale, tl.float32)  # a Python float reaches a kernel as fp64 under Inductor
     row, krow, kbase, vbase, offs_m, offs_d, offs_dv, m_ok, qs, tau, lam, q = _sel_program(
         Q, QS, TAU, LAM, T, H, GK, GV, D, BLOCK_D, BLOCK_DV, BLOCK_M, HAS_DOT)
     lse, delta, do = _grad_rows(LSE, DELTA, DO, row, offs_m, m_ok, offs_dv, DV)
@@ -173,6 +176,7 @@ def _sel_bwd_keys(Q, K, V, QS, KS, TAU, LAM, PAIR_Q, PAIR_K, START, DO, LSE, DEL
     key s) are read BLOCK_P at a time, each pair's share of dk, dv and dks computed from its query's
     row, and the shares summed into the block's keys as a product with the pairs' one-hot key matrix:
     every key's gradient is written once, with no atomics."""
+    sm_scale = tl.cast(sm_scale, tl.float32)  # a Python float reaches a kernel as fp64 under Inductor
     bh = tl.program_id(1)
     row, krow, kbase, vbase = _bases(bh, H, GK, GV, T, T)
     n0 = tl.program_id(0) * BLOCK_N
@@ -250,61 +254,101 @@ def _tiles(device: torch.device) -> dict:
     return dict(fwd=(16, 8, 8), bwd=(16, 4, 8), keys=(16, 16, 4))
 
 
+def _consts(q, v, kernel: int) -> dict:
+    D = q.shape[-1] if q is not None else 16
+    return dict(D=D, DV=v.shape[-1], BLOCK_D=_pow2(D), BLOCK_DV=_pow2(v.shape[-1]), HAS_DOT=q is not None,
+                KERNEL=kernel, FAST=fast_math())  # the Cauchy log / division in hardware approximations (not interpreted)
+
+
+# The kernels run inside two custom ops: torch.compile sees each as one opaque call (as it sees SDPA), not
+# Triton source it must analyse and relaunch (torch 2.11's Inductor failed on these kernels' arguments with
+# "NotImplementedError: View" in the windowed model's compile on a GPU).
+@torch.library.custom_op("attnlab::selected_fwd", mutates_args=())
+def _fwd_op(q: Optional[torch.Tensor], k: Optional[torch.Tensor], v: torch.Tensor, qs: torch.Tensor,
+            ks: torch.Tensor, tau_inv: torch.Tensor, lam: torch.Tensor, sel: torch.Tensor, kernel: int,
+            sm_scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """(out float32 (B, H, T, Dv), lse (B, H, T)) over the selected keys: float32 qs, ks, 1 / tau, lam
+    (B, H, T); sel (B, H, T, M) int32, -1 unused."""
+    B, H, T = qs.shape
+    consts = _consts(q, v, kernel)
+    none = v.new_zeros(1)
+    GK = k.shape[1] if q is not None else H
+    out = torch.empty(B, H, T, consts["DV"], dtype=torch.float32, device=v.device)
+    lse = torch.empty(B, H, T, dtype=torch.float32, device=v.device)
+    BM, BJ, warps = _tiles(v.device)["fwd"]
+    _sel_fwd[(-(-T // BM), B * H)](none if q is None else q.contiguous(), none if k is None else k.contiguous(),
+                                  v.contiguous(), qs.contiguous(), ks.contiguous(), tau_inv.contiguous(),
+                                  lam.contiguous(), sel.contiguous(), out, lse, T, sel.shape[-1], H, GK, v.shape[1],
+                                  sm_scale, BLOCK_M=BM, BLOCK_J=BJ, num_warps=warps, **consts)
+    return out, lse
+
+
+@_fwd_op.register_fake
+def _(q, k, v, qs, ks, tau_inv, lam, sel, kernel, sm_scale):
+    B, H, T = qs.shape
+    return qs.new_empty(B, H, T, v.shape[-1]), qs.new_empty(B, H, T)
+
+
+@torch.library.custom_op("attnlab::selected_bwd", mutates_args=())
+def _bwd_op(q: Optional[torch.Tensor], k: Optional[torch.Tensor], v: torch.Tensor, qs: torch.Tensor,
+            ks: torch.Tensor, tau_inv: torch.Tensor, lam: torch.Tensor, sel: torch.Tensor, out: torch.Tensor,
+            lse: torch.Tensor, dout: torch.Tensor, kernel: int, sm_scale: float) -> list[torch.Tensor]:
+    """[dq, dk (empty without q), dv, dqs, dks, dtau, dlam] of `_Selected.backward` (dtau: of tau itself)."""
+    B, H, T = qs.shape
+    M = sel.shape[-1]
+    consts = _consts(q, v, kernel)
+    GK, GV = (k.shape[1] if q is not None else H), v.shape[1]
+    none = v.new_zeros(1)
+    qq, kk = (none if q is None else q.contiguous()), (none if k is None else k.contiguous())
+    vv, dout = v.contiguous(), dout.contiguous()
+    delta = (dout.float() * out).sum(-1).contiguous()
+    BD, BDV = consts["BLOCK_D"], consts["BLOCK_DV"]
+    BM, BJ, warps = _tiles(v.device)["bwd"]
+    f32 = dict(dtype=torch.float32, device=v.device)
+    dk, dv, dks = torch.empty(B, H, T, BD, **f32), torch.empty(B, H, T, BDV, **f32), torch.empty(B, H, T, **f32)
+    dq, dqs, dtau, dlam = (torch.empty(B, H, T, BD, **f32), torch.empty(B, H, T, **f32),
+                           torch.empty(B, H, T, **f32), torch.empty(B, H, T, **f32))
+    scalars = (qs.contiguous(), ks.contiguous(), tau_inv.contiguous(), lam.contiguous())
+    _sel_bwd[(-(-T // BM), B * H)](qq, kk, vv, *scalars, sel, dout, lse, delta, dq, dqs, dtau, dlam,
+                                  T, M, H, GK, GV, sm_scale, BLOCK_M=BM, BLOCK_J=BJ, num_warps=warps, **consts)
+    pair_q, pair_k, start = _invert(sel)
+    BN, BP, warps = _tiles(v.device)["keys"]
+    _sel_bwd_keys[(-(-T // BN), B * H)](qq, kk, vv, *scalars, pair_q, pair_k, start, dout, lse, delta, dk, dv, dks,
+                                       T, M, H, GK, GV, sm_scale, BLOCK_N=BN, BLOCK_P=BP, num_warps=warps, **consts)
+    D, DV = consts["D"], consts["DV"]
+    dv = dv[..., :DV].view(B, GV, H // GV, T, DV).sum(2).to(v.dtype)
+    if q is None:
+        return [none.new_empty(0), none.new_empty(0), dv, dqs, dks, dtau, dlam]
+    return [dq[..., :D].to(q.dtype).contiguous(), dk[..., :D].view(B, GK, H // GK, T, D).sum(2).to(k.dtype), dv, dqs,
+            dks, dtau, dlam]
+
+
+@_bwd_op.register_fake
+def _(q, k, v, qs, ks, tau_inv, lam, sel, out, lse, dout, kernel, sm_scale):
+    B, H, T = qs.shape
+    e = v.new_empty(0)
+    dq = e if q is None else q.new_empty(q.shape)
+    dk = e if k is None else k.new_empty(k.shape)
+    return [dq, dk, v.new_empty(v.shape), *(qs.new_empty(B, H, T) for _ in range(4))]
+
+
 class _Selected(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k, v, qs, ks, tau, lam, sel, kernel: int, sm_scale: float):
-        B, H, T = qs.shape
-        M = sel.shape[-1]
-        has_dot = q is not None
-        D = q.shape[-1] if has_dot else 16
-        DV = v.shape[-1]
-        GK = k.shape[1] if has_dot else H
-        GV = v.shape[1]
-        none = v.new_zeros(1)
-        qq = q.contiguous() if has_dot else none
-        kk = k.contiguous() if has_dot else none
-        vv = v.contiguous()
         qs32, ks32 = qs.float().contiguous(), ks.float().contiguous()
         tau32, lam32 = (1.0 / tau.float()).contiguous(), lam.float().contiguous()
-        out = torch.empty(B, H, T, DV, dtype=torch.float32, device=v.device)
-        lse = torch.empty(B, H, T, dtype=torch.float32, device=v.device)
-        BM, BJ, warps = _tiles(v.device)["fwd"]
-        consts = dict(D=D, DV=DV, BLOCK_D=_pow2(D), BLOCK_DV=_pow2(DV), HAS_DOT=has_dot, KERNEL=kernel,
-                      FAST=fast_math())  # the Cauchy log / division in hardware approximations (not interpreted)
-        _sel_fwd[(-(-T // BM), B * H)](qq, kk, vv, qs32, ks32, tau32, lam32, sel, out, lse, T, M, H, GK, GV, sm_scale,
-                                      BLOCK_M=BM, BLOCK_J=BJ, num_warps=warps, **consts)
-        ctx.save_for_backward(qq, kk, vv, qs32, ks32, tau32, lam32, sel, out, lse)
-        ctx.meta = (has_dot, consts, sm_scale, GK, GV)
+        out, lse = _fwd_op(q, k, v, qs32, ks32, tau32, lam32, sel, kernel, sm_scale)
+        ctx.save_for_backward(q, k, v, qs32, ks32, tau32, lam32, sel, out, lse)
+        ctx.meta = (kernel, sm_scale)
         return out.to(v.dtype)
 
     @staticmethod
     def backward(ctx, dout):
-        qq, kk, vv, qs32, ks32, tau32, lam32, sel, out, lse = ctx.saved_tensors
-        has_dot, consts, sm_scale, GK, GV = ctx.meta
-        B, H, T = qs32.shape
-        M = sel.shape[-1]
-        dout = dout.contiguous()
-        delta = (dout.float() * out).sum(-1).contiguous()
-        BD, BDV = consts["BLOCK_D"], consts["BLOCK_DV"]
-        BM, BJ, warps = _tiles(vv.device)["bwd"]
-        f32 = dict(dtype=torch.float32, device=vv.device)
-        dk, dv, dks = torch.empty(B, H, T, BD, **f32), torch.empty(B, H, T, BDV, **f32), torch.empty(B, H, T, **f32)
-        dq, dqs, dtau, dlam = (torch.empty(B, H, T, BD, **f32), torch.empty(B, H, T, **f32),
-                               torch.empty(B, H, T, **f32), torch.empty(B, H, T, **f32))
-        _sel_bwd[(-(-T // BM), B * H)](qq, kk, vv, qs32, ks32, tau32, lam32, sel, dout, lse, delta, dq, dqs, dtau, dlam,
-                                      T, M, H, GK, GV, sm_scale, BLOCK_M=BM, BLOCK_J=BJ, num_warps=warps, **consts)
-        pair_q, pair_k, start = _invert(sel)
-        BN, BP, warps = _tiles(vv.device)["keys"]
-        _sel_bwd_keys[(-(-T // BN), B * H)](qq, kk, vv, qs32, ks32, tau32, lam32, pair_q, pair_k, start, dout, lse,
-                                           delta, dk, dv, dks, T, M, H, GK, GV, sm_scale, BLOCK_N=BN, BLOCK_P=BP,
-                                           num_warps=warps, **consts)
-        D, DV = consts["D"], consts["DV"]
-        dv = dv[..., :DV].view(B, GV, H // GV, T, DV).sum(2).to(vv.dtype)
-        dq_, dk_ = None, None
-        if has_dot:
-            dq_ = dq[..., :D].to(qq.dtype)
-            dk_ = dk[..., :D].view(B, GK, H // GK, T, D).sum(2).to(kk.dtype)
-        return dq_, dk_, dv, dqs, dks, dtau, dlam, None, None, None
+        q, k, v, qs32, ks32, tau32, lam32, sel, out, lse = ctx.saved_tensors
+        dq, dk, dv, dqs, dks, dtau, dlam = _bwd_op(q, k, v, qs32, ks32, tau32, lam32, sel, out, lse, dout, *ctx.meta)
+        if q is None:
+            dq = dk = None
+        return dq, dk, dv, dqs, dks, dtau, dlam, None, None, None
 
 
 def triton_selected_attention(qs, ks, v, tau_b, idx, ok, *, q=None, k=None, lam_b=None, kernel: str = "gaussian",
