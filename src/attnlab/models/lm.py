@@ -221,28 +221,28 @@ class LM(nn.Module):
         if doc_ids is not None:
             if doc_ids.shape != idx.shape:
                 raise ValueError(f"doc_ids must have the shape of idx {tuple(idx.shape)}, got {tuple(doc_ids.shape)}")
-        # Every layer and op checks its inputs' values (the input policy); eagerly, checks of accelerator
-        # tensors are device-side asserts rather than a host sync per check (the logits' too). Under
-        # torch.compile the layers' checks stay out of the graph and one assert over the logits and every
-        # parameter stands for them (attnlab.checks.set_model_boundary, check_output_finite).
+        # Every layer and op checks its inputs' values (the input policy); eagerly as device-side asserts on
+        # accelerators, no host sync per check (the logits' too). Under torch.compile the layers' checks stay
+        # out of the graph and one assert at the end stands for them (checks.set_model_boundary).
         compiling = torch.compiler.is_compiling()
         before = set_model_boundary(True) if compiling else False
         try:
             with nullcontext() if compiling else async_value_checks():
                 x = self._layers(idx, record, doc_ids)
-                logits = self.head(self.norm_f(x))  # (B, T, V)
+                logits = self.head(h := self.norm_f(x))  # (B, T, V)
                 if not compiling:
                     check_output_finite("logits", logits, self)  # what no layer input shows: the last MLP, norm_f, head
         finally:
             if compiling:
                 set_model_boundary(before)
-        if compiling:
-            check_output_finite("logits", logits, self)  # one assert: the logits and every parameter
         loss = None
         if targets is not None:
             if targets.shape != idx.shape:
                 raise ValueError(f"targets must have the shape of idx {tuple(idx.shape)}, got {tuple(targets.shape)}")
             loss = token_loss(logits, targets)
+        if compiling:  # for the logits: h, every parameter, the loss (inf on overflow; NaN alone: no target counted)
+            seen = () if loss is None else (loss.nan_to_num(nan=0.0, posinf=math.inf, neginf=-math.inf),)
+            check_output_finite("logits", logits, self, compiled_stand_in=(h, *seen))
         return logits, loss
 
     def _layers(self, idx: torch.Tensor, record: bool, doc_ids: torch.Tensor | None) -> torch.Tensor:
