@@ -80,6 +80,14 @@ def argparse_corpus(tmp_path_factory) -> str:
     return str(path)
 
 
+_XDIST_WORKER = False  # set in an xdist worker, whose controller writes the stream (each report once)
+
+
+def pytest_configure(config):
+    global _XDIST_WORKER
+    _XDIST_WORKER = hasattr(config, "workerinput")  # not PYTEST_XDIST_WORKER: a pytest run inside a worker inherits it
+
+
 def failure_text(text: str, limit: int = 6000) -> str:
     """A failure's text within `limit` characters: its first error line onward (where the exception's
     message is) and its closing lines, the frames between cut."""
@@ -98,8 +106,7 @@ def pytest_runtest_logreport(report):
     tracebacks only in its closing summary). Under pytest-xdist the controller writes every worker's
     reports."""
     path = os.environ.get("ATTNLAB_TEST_STREAM")
-    if not path or os.environ.get("PYTEST_XDIST_WORKER") or not (
-            report.when == "call" or report.failed or report.skipped):
+    if not path or _XDIST_WORKER or not (report.when == "call" or report.failed or report.skipped):
         return
     import json
 
