@@ -133,3 +133,44 @@ def test_cuda_flex_goat_matches_float64_on_every_gradient():
 def test_flex_empty_sequence():
     qs, ks, v, tau, kw = _inputs(0, True, "head", True)
     assert flex_scalar_attention(qs, ks, v, tau, **kw).shape == (2, 4, 0, 8)
+
+
+class _Reads(torch.overrides.TorchFunctionMode):
+    """Counts, per tensor, the indexing reads a score function makes (`x[b, h, i]`)."""
+
+    def __init__(self):
+        super().__init__()
+        self.reads = {}
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        if func is torch.Tensor.__getitem__:
+            self.reads[id(args[0])] = self.reads.get(id(args[0]), 0) + 1
+        return func(*args, **(kwargs or {}))
+
+
+@pytest.mark.parametrize("form", ["hybrid", "goat"])
+def test_score_functions_index_each_tensor_once(form, monkeypatch):
+    """FlexAttention's backward on a GPU refuses a score function that indexes one tensor needing gradients
+    twice (GOAT's loop over frequencies did: "multiple indexing operations on the same tensor"). Each form's
+    score function, called as the kernel calls it, reads each tensor it captures at most once."""
+    from attnlab.ops import _sdpa
+    from attnlab.ops.goat_flex import flex_goat_attention
+
+    seen = {}
+
+    def spy(q, k, v, *, block_mask, score_mod=None, scale=None, enable_gqa=False):
+        idx = [torch.tensor(1), torch.tensor(2), torch.tensor(5), torch.tensor(3)]  # b, h, query, key
+        with _Reads() as mode:
+            score_mod(torch.tensor(0.5), *idx)
+        seen.update(mode.reads)
+        return q.new_zeros(*q.shape[:3], v.shape[-1])
+
+    monkeypatch.setattr(_sdpa, "flex_call", spy)
+    monkeypatch.setattr("attnlab.ops.scalar.flex.flex_call", spy)
+    monkeypatch.setattr("attnlab.ops.goat_flex.flex_call", spy)
+    if form == "goat":
+        flex_goat_attention(*_goat_inputs(16))
+    else:
+        qs, ks, v, tau, kw = _inputs(16, True, "query", True)
+        flex_scalar_attention(qs, ks, v, tau, **kw)
+    assert seen and max(seen.values()) == 1, seen
