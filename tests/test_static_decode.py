@@ -239,9 +239,9 @@ def test_static_codes_choose_the_dense_windows():
     want, ok_want = window_indices(qs, ks, k)  # every key up to t a candidate (no local window)
     for t in (0, 3, 17, 39):
         for merged in {0, t // 2, t}:
-            low, high = merge_codes(ks, merged)
+            codes = merge_codes(ks, merged)
             tail = t + 1 - merged
-            idx, ok = window_keys(qs[..., t], ks, low, high, torch.tensor(merged), torch.tensor(t), k, max(tail, 1))
+            idx, ok = window_keys(qs[..., t], ks, codes, torch.tensor(merged), torch.tensor(t), k, max(tail, 1))
             assert torch.equal(ok, ok_want[:, :, t])
             assert torch.equal(idx[ok], want[:, :, t][ok_want[:, :, t]]), (t, merged)
 

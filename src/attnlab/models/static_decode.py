@@ -146,9 +146,8 @@ class StaticDecoder(ScalarReadouts, nn.Module):
                 self.register_buffer(f"qh{i}", torch.zeros(B, a.n_scalar, QUERY_HISTORY, device=p.device),
                                      persistent=False)
             elif self.windowed[i]:
-                for name in ("low", "high"):
-                    self.register_buffer(f"{name}{i}", torch.full((B, a.n_scalar, N), LAST, device=p.device),
-                                         persistent=False)
+                self.register_buffer(f"codes{i}", torch.full((B, a.n_scalar, 2, N), LAST, device=p.device),
+                                     persistent=False)  # the sorted codes, low and high (static_window)
                 self.register_buffer(f"m{i}", torch.zeros((), dtype=torch.long, device=p.device), persistent=False)
         self.register_buffer("pos", torch.zeros((), dtype=torch.long, device=p.device), persistent=False)
         self.register_buffer("slots", torch.arange(N, device=p.device), persistent=False)
@@ -185,9 +184,7 @@ class StaticDecoder(ScalarReadouts, nn.Module):
             w = blk.attn.config.local_window
             if force or t - w + 1 - self.merged[i] > self.tail:
                 upto = max(0, min(t - w + 1, t))  # every position below it written already
-                low, high = merge_codes(getattr(self, f"ks{i}"), upto)
-                getattr(self, f"low{i}").copy_(low)
-                getattr(self, f"high{i}").copy_(high)
+                getattr(self, f"codes{i}").copy_(merge_codes(getattr(self, f"ks{i}"), upto))
                 getattr(self, f"m{i}").fill_(upto)
                 self.merged[i] = upto
 

@@ -92,8 +92,7 @@ class ScalarReadouts:
         B, H, N = ksb.shape
         qs = p.qs[..., 0].float()
         if self.budget is None:
-            idx, ok = window_keys(qs, ksb, getattr(self, f"low{i}"), getattr(self, f"high{i}"),
-                                  getattr(self, f"m{i}"), t - w, kwin, self.tail)
+            idx, ok = window_keys(qs, ksb, getattr(self, f"codes{i}"), getattr(self, f"m{i}"), t - w, kwin, self.tail)
         else:  # the live older keys, then the step's evictions (the cache's order: read, then evict)
             alive, qh = getattr(self, f"alive{i}"), getattr(self, f"qh{i}")
             older = alive & (self.slots <= t - w)

@@ -43,37 +43,37 @@ def float_order(x: torch.Tensor) -> torch.Tensor:
     return torch.where(bits < 0, bits ^ 0x7FFFFFFF, bits).to(torch.int64)
 
 
-def merge_codes(ks: torch.Tensor, merged: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """The sorted codes of the scalar keys ks (B, H, N) float32 at positions < merged: `low`
-    (order << 32 | position) and `high` (order << 32 | POS_MAX - position), each (B, H, N), unused
-    slots last."""
+def merge_codes(ks: torch.Tensor, merged: int) -> torch.Tensor:
+    """The sorted codes of the scalar keys ks (B, H, N) float32 at positions < merged, (B, H, 2, N):
+    `low` [..., 0, :] (order << 32 | position) and `high` [..., 1, :] (order << 32 | POS_MAX -
+    position), unused slots last. One tensor, so that a decode step searches both in one call."""
     N = ks.shape[-1]
     pos = torch.arange(N, device=ks.device)
-    order = float_order(ks) << 32
-    used = pos < merged
-    low = torch.where(used, order | pos, LAST).sort(dim=-1).values
-    high = torch.where(used, order | (POS_MAX - pos), LAST).sort(dim=-1).values
-    return low, high
+    order = (float_order(ks) << 32)[..., None, :]
+    both = torch.stack([pos, POS_MAX - pos])  # (2, N)
+    return torch.where(pos < merged, order | both, LAST).sort(dim=-1).values
 
 
-def window_keys(qs: torch.Tensor, ks: torch.Tensor, low: torch.Tensor, high: torch.Tensor, merged: torch.Tensor,
+def window_keys(qs: torch.Tensor, ks: torch.Tensor, codes: torch.Tensor, merged: torch.Tensor,
                 last_old: torch.Tensor, k: int, tail: int) -> tuple[torch.Tensor, torch.Tensor]:
     """The k keys nearest to each scalar query qs (B, H) float32 among positions 0 .. last_old (a
     0-dim tensor; none when negative): those below `merged` (a 0-dim tensor) through the sorted codes
-    low / high (B, H, N), those from merged to last_old (at most `tail`) scored directly. ks (B, H, N)
-    the stored scalar keys. Returns positions (B, H, k) and validity (False where fewer keys exist),
-    in the dense rule's order (nearest first, the newest first among equal distances)."""
+    (B, H, 2, N) of `merge_codes`, those from merged to last_old (at most `tail`) scored directly.
+    ks (B, H, N) the stored scalar keys. Returns positions (B, H, k) and validity (False where fewer
+    keys exist), in the dense rule's order (nearest first, the newest first among equal distances)."""
     B, H, N = ks.shape
     dev = ks.device
-    code = (float_order(qs) << 32)[..., None]  # (B, H, 1): every key below the query sorts before it
+    code = (float_order(qs) << 32)[..., None, None].expand(B, H, 2, 1)  # every key below the query sorts first
     spread = torch.arange(k, device=dev)
-    i_lo = torch.searchsorted(low, code) - k + spread  # (B, H, k): the k slots before the insertion point
-    i_hi = torch.searchsorted(high, code) + spread  # the k slots from it
+    at = torch.searchsorted(codes, code.contiguous())  # (B, H, 2, 1): the insertion points in low and high
+    shift = ((torch.arange(2, device=dev) - 1) * k)[:, None]  # -k, 0: the k slots before it in low, k from it in high
+    i = at + shift + spread  # (B, H, 2, k)
+    i_lo, i_hi = i[:, :, 0], i[:, :, 1]
     n_sorted = torch.minimum(merged, last_old + 1)
     ok_lo = i_lo >= 0
     ok_hi = i_hi < n_sorted
-    p_lo = low.gather(-1, i_lo.clamp(0, N - 1)) & 0xFFFFFFFF
-    p_hi = POS_MAX - (high.gather(-1, i_hi.clamp(0, N - 1)) & 0xFFFFFFFF)
+    got = codes.gather(-1, i.clamp(0, N - 1)) & 0xFFFFFFFF
+    p_lo, p_hi = got[:, :, 0], POS_MAX - got[:, :, 1]
     p_tail = merged + torch.arange(tail, device=dev)  # (tail,)
     ok_tail = p_tail <= last_old
     cand = torch.cat([p_lo, p_hi, p_tail.clamp(max=N - 1).expand(B, H, tail)], -1)  # (B, H, 2k + tail)
