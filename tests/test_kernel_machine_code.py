@@ -172,7 +172,7 @@ def test_kernels_compile_with_the_scale_inductor_passes():
     """Under torch.compile, Inductor launches the kernels itself and types the Python-float `sm_scale` as
     fp64 (on a GPU, the hybrid model's compile failed on `_unit`'s "Inconsistent return types: fp64 and
     fp32"). Every kernel compiles for sm_90a with an fp64 scale, and the only fp64 in its IR is the
-    argument and its one conversion to fp32: no fp64 arithmetic in the loops."""
+    argument (passed on to a helper or not) and its conversion to fp32: no fp64 arithmetic in the loops."""
     _tools_or_skip()
     env = {**os.environ, "TRITON_INTERPRET": "0", "PYTHONPATH": os.pathsep.join(
         [str(ROOT / "src"), *filter(None, [os.environ.get("PYTHONPATH")])])}
@@ -182,4 +182,5 @@ def test_kernels_compile_with_the_scale_inductor_passes():
     lines = json.loads(p.stdout)
     assert set(lines) == set(BUDGETS) | {c for c in lines if c.startswith("window-")} and len(lines) == 18
     for case, f64 in lines.items():
-        assert len(f64) == 2 and "tt.func" in f64[0] and "arith.truncf" in f64[1], (case, f64)
+        ops = [line for line in f64 if "tt.func" not in line and "tt.call" not in line]  # the argument passed on
+        assert ops and all("arith.truncf" in line for line in ops), (case, f64)

@@ -230,8 +230,7 @@ def check_finite(name: str, value) -> None:
         raise ValueError(f"{name} must be finite, got {value}")
 
 
-def check_output_finite(name: str, out: torch.Tensor, module: torch.nn.Module | None = None,
-                        compiled_stand_in: tuple = ()) -> None:
+def check_output_finite(name: str, out: torch.Tensor, module: torch.nn.Module | None = None, compiled_stand_in=()):
     """A model's check of its own output (LM: the logits), after its layers checked their inputs:
     it catches what no layer input shows, a non-finite parameter after the last attention op (the
     last MLP, the final norm, the head) or an overflow there.
@@ -242,15 +241,13 @@ def check_output_finite(name: str, out: torch.Tensor, module: torch.nn.Module | 
     magnitude of each, one fused reduction: a NaN or inf anywhere fails it), which stands for the checks
     the layers leave out of a model's graph (`set_model_boundary`): RuntimeError("<name> must be
     finite ...") on the CPU, a device-side assert on an accelerator; the parameter is not named there.
-    `compiled_stand_in`: under torch.compile, tensors checked in place of `out` (LM: the final hidden
-    state and the loss rather than the logits, whose reduction made Inductor keep a float32 copy of
-    the log-softmax, B x T x vocab, for the backward)."""
+    `compiled_stand_in`: tensors checked instead of `out` under torch.compile (LM: h and the loss; a check of
+    the logits made Inductor keep their float32 log-softmax for the backward)."""
     if torch.compiler.is_compiling():
         if COMPILED_VALUE_CHECKS:
-            params = [] if module is None else [p.detach() for p in module.parameters()
+            params = [] if module is None else [p for p in module.parameters()
                                                 if p.is_floating_point() and type(p) in (torch.nn.Parameter, torch.Tensor)]
-            outs = [t.detach() for t in compiled_stand_in] if compiled_stand_in else [out.detach()]
-            peaks = torch._foreach_norm([*outs, *params], float("inf"))  # NaN propagates through max
+            peaks = torch._foreach_norm([t.detach() for t in [*(compiled_stand_in or (out,)), *params]], float("inf"))
             assert_values(
                 torch.isfinite(torch.stack([m.float() for m in peaks])).all(),
                 f"{name} must be finite: a parameter or an activation of the compiled model is NaN or inf "

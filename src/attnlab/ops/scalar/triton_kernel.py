@@ -129,8 +129,8 @@ def _rcp(x1, FAST: tl.constexpr):
 @triton.jit
 def _unit(sm_scale, HAS_DOT: tl.constexpr):
     """C, the scores' unit (module docstring): the product's scale in base 2, log2(e) without a product."""
-    if HAS_DOT:
-        return sm_scale * LOG2E
+    if HAS_DOT:  # (a Python float reaches a kernel as fp64 under Inductor: both returns fp32)
+        return tl.cast(sm_scale, tl.float32) * LOG2E
     return LOG2E
 
 
@@ -363,7 +363,6 @@ def _fwd(Q, K, V, QS, KS, U, TAU, G, O, LSE, DOCS, START, END, Tq, Tk, H, GK, GV
          BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, HAS_DOT: tl.constexpr, BIAS: tl.constexpr, KERNEL: tl.constexpr,
          CAUSAL: tl.constexpr, PREC: tl.constexpr, UP: tl.constexpr, DOC: tl.constexpr, FAST: tl.constexpr,
          BLOCK_D2: tl.constexpr = 0):
-    sm_scale = tl.cast(sm_scale, tl.float32)  # a Python float reaches a kernel as fp64 under Inductor
     m0 = tl.program_id(0) * BLOCK_M
     off = Tk - Tq
     row, krow, kbase, vbase, drow, offs_d, offs_d2, offs_dv = _program_rows(H, GK, GV, Tq, Tk, BLOCK_D, BLOCK_D2,
