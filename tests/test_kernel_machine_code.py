@@ -168,6 +168,7 @@ print(json.dumps(out))
 """
 
 
+@pytest.mark.heavy  # a child process compiling 18 kernels to IR: seconds
 def test_kernels_compile_with_the_scale_inductor_passes():
     """Under torch.compile, Inductor launches the kernels itself and types the Python-float `sm_scale` as
     fp64 (on a GPU, the hybrid model's compile failed on `_unit`'s "Inconsistent return types: fp64 and

@@ -147,6 +147,7 @@ def test_selection_inverted_by_key():
     assert pk[0, 0, :5].tolist() == [0, 0, 1, 1, 2] and pq[0, 0, :5].tolist() == [0, 1, 1, 2, 2]
 
 
+@pytest.mark.heavy
 def test_one_graph_under_compile_with_the_kernels_opaque():
     """The kernels run inside custom ops (attnlab::selected_fwd / selected_bwd): torch.compile traces the
     layer's call as one graph without reading the Triton source (on a GPU, Inductor's own launch of
