@@ -121,6 +121,31 @@ def test_trained_window_decodes_through_static_codes(name):
         assert dec.merged[0] <= t - WINDOWS[name]["local_window"] + 1
 
 
+def test_a_window_step_searches_its_sorted_codes_once_per_layer():
+    """Each windowed layer's step finds the query's place in its low and high sorted codes with one
+    searchsorted over both (one (B, H, 2, N) buffer), not one per array: on a GPU the step is bound by
+    launches (benchmarks/results/gpu_logs/2026-11-27-h200/check/decode_speed_gpu.json)."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class Count(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.n = 0
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            self.n += func.overloadpacket is torch.ops.aten.searchsorted
+            return func(*args, **(kwargs or {}))
+
+    torch.manual_seed(0)
+    m = LM(ModelConfig(vocab_size=50, d_model=64, n_layers=3, n_heads=4, attn="hybrid", max_seq_len=128,
+                       attention=dict(train_window=3, local_window=2))).eval()
+    dec = StaticDecoder(m, 1, 48, tail=64)
+    dec.prefill(torch.randint(0, 50, (1, 20), generator=torch.Generator().manual_seed(1)))
+    with torch.no_grad(), Count() as count:
+        dec.step(torch.tensor([[7]]))
+    assert count.n == 3
+
+
 @pytest.mark.parametrize("attn,attention", [("hybrid", {}), ("scalar", dict(kernel="cauchy", sink=True)),
                                             ("hybrid", dict(train_window=3, local_window=2))],
                          ids=["hybrid", "scalar-cauchy-sink", "window-trained"])

@@ -14,16 +14,14 @@ this path (its speed is measured first, on the GPU).
 
 from __future__ import annotations
 
-import math
-
 import torch
 
-from .._sdpa import check_qkv, expand_heads, flex_call, upcast
+from .._sdpa import FLEX_MIN_WIDTH, check_qkv, expand_heads, flex_call, upcast
 from .args import _check_scalars, _check_values, _scalar_scale, _tau, check_kernel
 
 __all__ = ["flex_scalar_attention"]
 
-ZERO_WIDTH = 16  # the head width scalar heads give FlexAttention (the smallest it tiles)
+ZERO_WIDTH = FLEX_MIN_WIDTH  # the head width scalar heads give FlexAttention (the smallest it tiles)
 
 
 def flex_scalar_attention(qs: torch.Tensor, ks: torch.Tensor, v: torch.Tensor, tau, *, q: torch.Tensor | None = None,
@@ -79,6 +77,5 @@ def flex_scalar_attention(qs: torch.Tensor, ks: torch.Tensor, v: torch.Tensor, t
         k, v = expand_heads(k, H), expand_heads(v, H)
         gqa = False
     mask = create_block_mask(lambda b, h, qi, ki: qi >= ki, None, None, T, T, device=qs.device)
-    out = flex_call(q.to(v.dtype), k.to(v.dtype), v, score_mod=score_mod, block_mask=mask,
-                    scale=1.0 / math.sqrt(q.shape[-1]), enable_gqa=gqa)
+    out = flex_call(q.to(v.dtype), k.to(v.dtype), v, score_mod=score_mod, block_mask=mask, enable_gqa=gqa)
     return out.to(v.dtype)
