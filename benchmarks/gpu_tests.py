@@ -14,6 +14,8 @@ from pathlib import Path
 HERE = Path(__file__).resolve().parent
 LAST = "fla"  # -k expression of the tests run after the rest with the time left: flash-linear-attention's
 #               kernels autotune for minutes on each new shape, which starved every other test before
+FIRST_FIT = "fla"  # whose autotuned kernels take their first working config in the tests (tests/triton_first_fit.py):
+#                    an exactness test needs one config, not the fastest; the speed rows tune fully
 
 
 def _base_cmd(files: list[str], marker: str) -> list[str]:
@@ -33,7 +35,8 @@ def run_cuda_tests(doc: dict, timeout: float, log: Path, workers: int = 4, per_t
     """`pytest -m cuda` over the files that hold cuda tests, in two passes within `timeout` seconds: the
     tests not matching `last` (-k), then those that do with the time left. Each pass runs on `workers`
     xdist workers (few enough that compiling kernels does not starve the tests); the first with a
-    per-test timeout of `per_test` seconds, the second with the time left. Output is streamed to `log`;
+    per-test timeout of `per_test` seconds, the second with the time left. flash-linear-attention's
+    autotuned kernels take their first working config (FIRST_FIT; ATTNLAB_TRITON_FIRST_FIT). Output is streamed to `log`;
     each outcome, with its failure text, is written as it happens to <log>.jsonl (tests/conftest.py:
     ATTNLAB_TEST_STREAM) and printed at once: a run cut short keeps every result and traceback it
     reached. doc["cuda_tests"] holds the outcomes, the failures' text and the ids of the tests that
@@ -46,6 +49,7 @@ def run_cuda_tests(doc: dict, timeout: float, log: Path, workers: int = 4, per_t
     stream.write_text("")
     env = {**os.environ, "ATTNLAB_TEST_STREAM": str(stream), "PYTHONPATH": os.pathsep.join(
         [str(HERE.parent / "src"), *filter(None, [os.environ.get("PYTHONPATH")])])}
+    env.setdefault("ATTNLAB_TRITON_FIRST_FIT", FIRST_FIT)
     selected = collect(files, marker, env)
     seen: list[dict] = []
 

@@ -86,6 +86,10 @@ _XDIST_WORKER = False  # set in an xdist worker, whose controller writes the str
 def pytest_configure(config):
     global _XDIST_WORKER
     _XDIST_WORKER = hasattr(config, "workerinput")  # not PYTEST_XDIST_WORKER: a pytest run inside a worker inherits it
+    if os.environ.get("ATTNLAB_TRITON_FIRST_FIT"):  # the GPU check's tests: one working config, not the fastest
+        from triton_first_fit import install
+
+        install()
 
 
 def failure_text(text: str, limit: int = 6000) -> str:

@@ -25,11 +25,13 @@ def _gpu_module():
 def test_a_run_cut_short_keeps_its_failures(tmp_path):
     tests = tmp_path / "tests"
     tests.mkdir()
-    (tests / "conftest.py").write_text((ROOT / "tests" / "conftest.py").read_text())
+    for name in ("conftest.py", "triton_first_fit.py"):  # the check's own test set-up
+        (tests / name).write_text((ROOT / "tests" / name).read_text())
     (tests / "test_fake.py").write_text(
         "import time, pytest\n"
         "pytestmark = pytest.mark.fake\n"
-        "def test_a_passes():\n    assert 1\n"
+        "def test_a_passes():\n"  # fla's kernels autotune first-fit in the check's tests
+        "    import os, triton_first_fit\n    assert os.environ['ATTNLAB_TRITON_FIRST_FIT'] == 'fla' and triton_first_fit._PATCHED\n"
         "def test_b_fails():\n    assert 2 + 2 == 5, 'arithmetic broke'\n"
         "def test_c_hangs():\n    time.sleep(600)\n"
         "def test_fla_autotunes():\n    time.sleep(14)\n")
@@ -53,7 +55,8 @@ def test_a_run_cut_short_keeps_its_failures(tmp_path):
 def test_a_run_out_of_time_names_the_tests_it_never_reached(tmp_path):
     tests = tmp_path / "tests"
     tests.mkdir()
-    (tests / "conftest.py").write_text((ROOT / "tests" / "conftest.py").read_text())
+    for name in ("conftest.py", "triton_first_fit.py"):  # the check's own test set-up
+        (tests / name).write_text((ROOT / "tests" / name).read_text())
     (tests / "test_fake.py").write_text("import time\ndef test_a_slow():\n    time.sleep(600)\n"
                                         "def test_fla_never_starts():\n    pass\n")
     doc = {}
