@@ -16,7 +16,10 @@ on the models trained through a window. Methods:
 - `window` (windowed models): its trained window through the sorted cache and the ring (`LM.make_caches()`);
 - `window_static` / `window_compiled` (windowed models): the trained window through `StaticDecoder`'s
   static codes (`attnlab.models.static_window`), eager / compiled; one decoder serves both, as one
-  serves exact_static and exact_compiled;
+  serves exact_static and exact_compiled; on a GPU each layer's choice of keys is one Triton kernel
+  (`static_window_kernel`);
+- `window_ops_static` / `window_ops_compiled`: the same choice through PyTorch's ops (`window_keys`'
+  impl="torch", a chain of launches per layer), beside the kernel in the same run;
 - `learned` (windowed models, contexts up to --learned-max): learned key selection, `DecodeSelector`
   with search projections (random: the cost does not depend on them) scored exactly by a matmul and
   a top-K (index="exact", the device route), K = k + w of the window, through the caches (the
@@ -142,6 +145,10 @@ def hf_step_bytes(model, B: int, n: int) -> int:
     return weights + c.num_hidden_layers * B * n * kv
 
 
+METHODS = ("exact", "exact_static", "exact_compiled", "window", "window_static", "window_compiled", "window_ops_static",
+           "window_ops_compiled", "learned", "learned_static", "learned_compiled", "hf_static")
+
+
 class Ours:
     """An attnlab decoder after its prompt: `step(tok)` -> logits."""
 
@@ -173,6 +180,8 @@ class Static:
     def __init__(self, m: LM, kind: str, idx: torch.Tensor, total: int, dev, backend: str = "inductor"):
         sel = learned_selector(m, dev) if kind == "learned" else None
         self.dec = StaticDecoder(m, idx.shape[0], total, exact=kind == "exact", selector=sel)
+        if kind == "window_ops":  # the window's choice of keys through PyTorch's ops, not the GPU kernel
+            self.dec.window_impl = "torch"
         B, H, T = idx.shape[0], m.cfg.n_heads, idx.shape[1]
         chunk = max(16, min(1024, 2**28 // (B * H * T)))  # an exact chunk's scores (B, H, chunk, T) under 1 GiB
         self.logits = self.dec.prefill(idx, chunk=chunk)
@@ -318,6 +327,9 @@ def main(argv=None) -> None:
     ap.add_argument("--smoke", action="store_true", help="every method at tiny sizes on the CPU, compiled steps "
                     "through dynamo's eager backend: checks the script runs (under a minute), measures nothing to keep")
     a = ap.parse_args(argv)
+    unknown = [x for x in a.methods.split(",") if x and x not in METHODS]
+    if unknown:
+        raise SystemExit(f"--methods: unknown {unknown}; known: {', '.join(METHODS)}")
     if a.smoke:
         a.device, a.models, a.contexts, a.batches = "cpu", "windowed", "48", "2"
         a.steps, a.rounds, a.warmup, a.compile_backend = 2, 1, 1, "eager"

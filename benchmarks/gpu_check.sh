@@ -48,5 +48,5 @@ python3 benchmarks/gpu.py --out "$out/gpu.json" --minutes "$(part 0.25)" --T 819
 #    benchmarks/gpu_decode.sh is the whole decode table, for a slot of its own
 left=$(python3 -c "print(int($minutes * 60 * 0.15))")
 timeout "$left" python3 benchmarks/decode_speed.py --device cuda --out "$out/decode_speed_gpu.json" --keep --steps 16 \
-  --rounds 3 --warmup 3 --methods window_compiled,exact_compiled,hf_static,exact --models windowed --batches 1 \
+  --rounds 3 --warmup 3 --methods window_compiled,exact_compiled,window_ops_compiled,hf_static,exact --models windowed --batches 1 \
   --contexts 4096,32768,131072 --window-max 131072 --learned-max 0 --max-hf-context 131072 2>&1 | tee "$out/decode.log"

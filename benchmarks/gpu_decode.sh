@@ -25,7 +25,7 @@ if [ "${2:-}" = "--smoke" ]; then
 fi
 timeout 180 $py -m pytest -q -m cuda tests/test_static_decode.py -p no:cacheprovider 2>&1 | tee "$out/decode_tests.log"
 common="--device cuda --out $out/decode_speed_gpu.json --keep --steps 16 --rounds 3 --warmup 3"
-common="$common --methods exact,exact_compiled,window_compiled,learned_compiled,hf_static --max-hf-context 131072"
+common="$common --methods exact,exact_compiled,window_compiled,window_ops_compiled,learned_compiled,hf_static --max-hf-context 131072"
 common="$common --window-max 131072 --learned-max 0 --max-gpt2-context 131072"
 $py benchmarks/decode_speed.py $common --models windowed --batches 1 --contexts 4096,32768,131072 2>&1 | tee "$out/decode.log"
 $py benchmarks/decode_speed.py $common --models windowed --batches 8 --contexts 4096,32768 2>&1 | tee -a "$out/decode.log"

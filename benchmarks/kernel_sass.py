@@ -78,6 +78,8 @@ def _cases() -> dict:
     for family, code in (("window-gaussian", 0), ("window-cauchy", 1)):  # training through the window
         for kind, name in (("sel_fwd", "_sel_fwd"), ("sel_bwd", "_sel_bwd"), ("sel_bwd_keys", "_sel_bwd_keys")):
             cases[f"{family}/{kind}"] = (scalar + "triton_selected", name, code, kind, 0, (1,))
+    # a trained window's choice of keys in a decode step: no key-tile loop (its rounds are unrolled)
+    cases["window-decode/keys"] = ("attnlab.models.static_window_kernel", "_window_keys", None, "decode_keys", 0, ())
     return cases
 
 
@@ -123,6 +125,8 @@ def _launch(case: str, fast: bool):
             os.environ["ATTNLAB_TRITON_FAST_MATH"] = before
     _, name, code, kind, _, _ = CASES[case]
     fn = getattr(_kernel_module(case), name)
+    if kind == "decode_keys":
+        return _decode_keys_launch(fn) + (FAST, 1)
     cuda = torch.device("cuda")  # only its type is read: the GPU tiles
     d = GOAT_D if code == 2 else D
     try:  # the product's column blocks (one, or 64 + 16 for GOAT's 80); --baseline: one padded block
@@ -174,6 +178,21 @@ def _launch(case: str, fast: bool):
     per_thread = rows_ * cols_ / (32 * warps)  # scores per loop trip
     per_thread = int(per_thread) if per_thread == int(per_thread) else per_thread
     return fn, sig, {(names.index(n),): v for n, v in cons.items()}, attrs, warps, stages, FAST, per_thread
+
+
+def _decode_keys_launch(fn) -> tuple:
+    """The decode step's window-keys kernel as `static_window_kernel` launches it for the shipped window
+    (k = 16) with a tail of 256 over a 128K-position cache."""
+    import inspect
+
+    from attnlab.models.static_window_kernel import PROBES, _pow2, search_rounds
+
+    cons = dict(K=16, TAIL=256, KP=_pow2(16), CP=_pow2(2 * _pow2(16) + 256), ROUNDS=search_rounds(2**17), PROBES=PROBES)
+    types = dict(QS="*fp32", KS="*fp32", CODES="*i64", MERGED="*i64", LAST_OLD="*i64", IDX="*i64", OK="*i1", N="i32")
+    names = list(inspect.signature(fn.fn).parameters)
+    sig = {n: "constexpr" if n in cons else types[n] for n in names}
+    attrs = {(i,): [["tt.divisibility", 16]] for i, n in enumerate(names) if n in ("KS", "CODES", "IDX", "N")}
+    return fn, sig, {(names.index(n),): v for n, v in cons.items()}, attrs, 4, 3
 
 
 def build_ptx(case: str, fast: bool) -> tuple[str, dict]:

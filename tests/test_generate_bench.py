@@ -74,9 +74,13 @@ def test_decode_speed_benchmark_rows(tmp_path):
     mod = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(mod)
     out = tmp_path / "ds.json"
-    mod.main(["--out", str(out), "--models", "windowed", "--contexts", "24", "--methods", "exact,exact_static,window",
+    methods = "exact,exact_static,window,window_ops_static"
+    mod.main(["--out", str(out), "--models", "windowed", "--contexts", "24", "--methods", methods,
               "--steps", "1", "--rounds", "1", "--warmup", "1"])
     doc = json.loads(out.read_text())
     assert doc["device"].startswith("cpu") and doc["threads"] == 1
-    assert [(r["method"], r["context"]) for r in doc["rows"]] == [("exact", 24), ("exact_static", 24), ("window", 24)]
+    assert [(r["method"], r["context"]) for r in doc["rows"]] == [(m, 24) for m in methods.split(",")]
     assert all(r["step_ms"] > 0 and r["tokens_per_s"] > 0 for r in doc["rows"])
+    with pytest.raises(SystemExit, match="--methods: unknown"):
+        mod.main(["--out", str(tmp_path / "no.json"), "--methods", "window_compild"])
+    assert not (tmp_path / "no.json").exists()

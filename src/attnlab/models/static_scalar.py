@@ -23,6 +23,8 @@ __all__ = ["ScalarReadouts"]
 class ScalarReadouts:
     """The scalar and hybrid heads' readouts of `StaticDecoder` (module docstring)."""
 
+    window_impl = "auto"  # a trained window's choice of keys: one Triton kernel on CUDA (`window_keys`' impl)
+
     def _scalar_attend(self, i: int, a, p, h: torch.Tensor, positions: torch.Tensor, visible: torch.Tensor):
         """The scalar or hybrid heads' readout (B, H_s, T, D) of layer i's tokens p, their entries written."""
         n = visible.shape[-1]
@@ -92,7 +94,8 @@ class ScalarReadouts:
         B, H, N = ksb.shape
         qs = p.qs[..., 0].float()
         if self.budget is None:
-            idx, ok = window_keys(qs, ksb, getattr(self, f"codes{i}"), getattr(self, f"m{i}"), t - w, kwin, self.tail)
+            idx, ok = window_keys(qs, ksb, getattr(self, f"codes{i}"), getattr(self, f"m{i}"), t - w, kwin, self.tail,
+                                  impl=self.window_impl)
         else:  # the live older keys, then the step's evictions (the cache's order: read, then evict)
             alive, qh = getattr(self, f"alive{i}"), getattr(self, f"qh{i}")
             older = alive & (self.slots <= t - w)

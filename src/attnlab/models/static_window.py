@@ -55,12 +55,24 @@ def merge_codes(ks: torch.Tensor, merged: int) -> torch.Tensor:
 
 
 def window_keys(qs: torch.Tensor, ks: torch.Tensor, codes: torch.Tensor, merged: torch.Tensor,
-                last_old: torch.Tensor, k: int, tail: int) -> tuple[torch.Tensor, torch.Tensor]:
+                last_old: torch.Tensor, k: int, tail: int, impl: str = "auto") -> tuple[torch.Tensor, torch.Tensor]:
     """The k keys nearest to each scalar query qs (B, H) float32 among positions 0 .. last_old (a
     0-dim tensor; none when negative): those below `merged` (a 0-dim tensor) through the sorted codes
     (B, H, 2, N) of `merge_codes`, those from merged to last_old (at most `tail`) scored directly.
     ks (B, H, N) the stored scalar keys. Returns positions (B, H, k) and validity (False where fewer
-    keys exist), in the dense rule's order (nearest first, the newest first among equal distances)."""
+    keys exist), in the dense rule's order (nearest first, the newest first among equal distances).
+    impl: "auto" runs one Triton kernel on CUDA (`static_window_kernel`, the same keys) and the PyTorch
+    ops below elsewhere; "triton" the kernel (the CPU under TRITON_INTERPRET=1); "torch" the ops."""
+    from ..ops.scalar.route import triton_missing, triton_route
+
+    if impl not in ("auto", "triton", "torch"):
+        raise ValueError(f"impl must be 'auto', 'triton' or 'torch', got {impl!r}")
+    if impl == "triton" and triton_missing(qs.device):
+        raise ValueError(f"impl='triton': {triton_missing(qs.device)}")
+    if triton_route(impl, qs.device):
+        from .static_window_kernel import triton_window_keys
+
+        return triton_window_keys(qs, ks, codes, merged, last_old, k, tail)
     B, H, N = ks.shape
     dev = ks.device
     code = (float_order(qs) << 32)[..., None, None].expand(B, H, 2, 1)  # every key below the query sorts first
