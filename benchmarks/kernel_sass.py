@@ -337,6 +337,13 @@ def _kernel_module(case: str):
         return importlib.import_module(module.replace("triton_backward", "triton_kernel"))
 
 
+def _has_kernel(case: str) -> bool:
+    try:
+        return hasattr(_kernel_module(case), CASES[case][1])
+    except ModuleNotFoundError:
+        return False
+
+
 def baseline_rows(rev: str, cases: list[str]) -> list[dict]:
     """The cases compiled from the src/ of git revision `rev` (read with git archive; the checkout is not
     touched), in a child process: variants "baseline" (its FAST switch off, or code from before it) and
@@ -390,7 +397,7 @@ def main(argv=None) -> int:
     for r in rows:
         _print(r, args.out == "-")
     for case in cases:
-        if args.src and not hasattr(_kernel_module(case), CASES[case][1]):  # a baseline predating the kernel
+        if args.src and not _has_kernel(case):  # a baseline predating the kernel
             continue
         for v in variants:
             r = analyse(case, v == "fast", ptxas, cuobjdump)

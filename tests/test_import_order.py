@@ -86,7 +86,7 @@ def test_no_import_circle():
 @pytest.mark.heavy
 def test_scalar_family_imports_point_one_way():
     """Inside ops/scalar/ (its __init__ states the order): the formula first, the public ops last."""
-    order = ["args", "naive", "fused", "chunked", "selected", "nearest", "tree", "window_cpu", "triton_kernel",
+    order = ["args", "naive", "fused", "chunked", "selected", "nearest", "tree", "window_cpu", "triton_math", "triton_kernel",
              "triton_backward", "triton_op", "route", "budget", "window", "attention", "approx", "flex"]
     rank = {f"attnlab.ops.scalar.{n}": i for i, n in enumerate(order)}
     for m, targets in _imports().items():

@@ -54,6 +54,12 @@ def test_the_kernel_chooses_the_keys_the_ops_choose_on_long_caches(N):
         assert same(*both(qs, ks, merged, t, k, tail_)), (N, t, merged)
 
 
+def test_the_kernel_spells_out_the_codes_constants():
+    from attnlab.models import static_window
+
+    assert (static_window.POS_MAX, static_window.LAST) == (2**31 - 1, 2**63 - 1)
+
+
 def test_search_rounds():
     assert [search_rounds(n) for n in (0, 1, 128, 129, 128 * 129, 128 * 129 + 1, 2**17)] == [1, 1, 1, 2, 2, 3, 3]
 

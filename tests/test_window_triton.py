@@ -118,9 +118,9 @@ def test_refusals_name_the_argument():
 
 
 def test_without_the_interpreter_triton_on_the_cpu_is_refused(monkeypatch):
-    from attnlab.ops.scalar import triton_kernel
+    from attnlab.ops.scalar import triton_math
 
-    monkeypatch.setattr(triton_kernel, "interpreted", lambda: False)
+    monkeypatch.setattr(triton_math, "interpreted", lambda: False)
     monkeypatch.setattr("attnlab.ops.scalar.triton_op.interpreted", lambda: False)
     ins = make(1, 2, 1, 8, 16, 16, hybrid=False)
     if DEV == "cpu":

@@ -29,8 +29,8 @@ import torch
 import triton
 import triton.language as tl
 
-from ..scalar.triton_kernel import (LN2, LOG2E, _bases, _doc_ids, _doc_span, _lg2, _load_rows, _mm, _rcp, _seen_end,
-                                    fast_math, interpreted)
+from ..scalar.triton_kernel import _bases, _doc_ids, _doc_span, _load_rows, _seen_end
+from ..scalar.triton_math import LN2, LOG2E, _lg2, _mm, _rcp, fast_math, interpreted
 from ..scalar.triton_op import document_spans
 
 __all__ = ["document_log_counts", "triton_principled"]
@@ -43,7 +43,7 @@ def _gate(ng, FAST: tl.constexpr):
     """softplus(ng) and sigmoid(ng) (its derivative) of the negated gate score ng = -g, from one
     exponential e = 2^(-|ng| log2 e) <= 1: softplus = max(ng, 0) + ln 2 log2(1 + e) and sigmoid = (1 or
     e) / (1 + e), overflow-free. FAST: the log and the reciprocal in the hardware's forms (one MUFU.LG2,
-    one MUFU.RCP; `scalar.triton_kernel._lg2`, `_rcp`) where libdevice's logf and a division cost ~40
+    one MUFU.RCP; `scalar.triton_math._lg2`, `_rcp`) where libdevice's logf and a division cost ~40
     instructions per score."""
     e = tl.exp2(-tl.abs(ng) * LOG2E)
     x1 = 1.0 + e

@@ -19,9 +19,10 @@ import triton
 import triton.language as tl
 
 from .triton_kernel import (
-    LOG2E, _doc_ids, _doc_span, _dot, _key_tile, _mm, _program_rows, _query_scalars, _rcp, _score, _seen,
-    _seen_end, _store_row_grads, _tile, _unit, _vec, _visible_tiles,
+    _doc_ids, _doc_span, _dot, _key_tile, _program_rows, _query_scalars, _score, _seen, _seen_end, _store_row_grads,
+    _tile, _unit, _vec, _visible_tiles,
 )
+from .triton_math import LOG2E, _mm, _rcp
 
 
 @triton.jit

@@ -9,7 +9,8 @@ import math
 import torch
 
 from .triton_backward import _bwd_kv, _bwd_q
-from .triton_kernel import _fwd, fast_math, interpreted
+from .triton_kernel import _fwd
+from .triton_math import fast_math, interpreted
 
 __all__ = ["available", "triton_scalar_attention"]
 

@@ -36,7 +36,8 @@ import torch
 import triton
 import triton.language as tl
 
-from .triton_kernel import LOG2E, _bases, _grad_rows, _log2_1p, _over_1p, _query_rows, _store_row_grads, fast_math
+from .triton_kernel import _bases, _grad_rows, _query_rows, _store_row_grads
+from .triton_math import LOG2E, _log2_1p, _over_1p, fast_math
 from .triton_op import CAUCHY, GAUSSIAN, _pow2
 
 __all__ = ["triton_selected_attention"]
@@ -54,7 +55,7 @@ def _sel_scores(q, K, KS, qs, tau, lam, kbase, krow, ix, valid, offs_d, sm_scale
                 HAS_DOT: tl.constexpr, KERNEL: tl.constexpr, FAST: tl.constexpr):
     """Scores in base 2 of a query tile against its gathered keys (-inf where not valid), the gathered
     key vectors (HAS_DOT) and the pieces the backward needs: d = qs - ks, x = d^2 / tau, l1 = log2(1 + x)
-    (FAST: in the hardware's approximate log, `triton_kernel._log2_1p`)."""
+    (FAST: in the hardware's approximate log, `triton_math._log2_1p`)."""
     ks = tl.load(KS + krow + ix, mask=valid, other=0.0)
     d = qs[:, None] - ks
     x = d * d * tau[:, None]  # tau holds 1 / tau_t
