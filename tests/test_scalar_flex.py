@@ -65,10 +65,52 @@ def test_flex_checks_its_arguments():
         flex_scalar_attention(bad, ks, v, tau, **kw)
 
 
+def _grads_reading_the_output(leaves, kernel: str, dout: torch.Tensor, out_dtype) -> tuple:
+    """Float64 gradients of the hybrid op (leaves qs, ks, v, tau, q, k, lam; tau per query) as a backward
+    computes them that forms each row's delta = sum_d dout * out from its output rounded to out_dtype:
+    FlexAttention's (it keeps the output in the inputs' dtype; attnlab's Triton kernels keep it in float32
+    for this sum). ds = p (dp - delta); the gradients are those of the scores under ds, and of v."""
+    from attnlab.ops.scalar.naive import hybrid_logits
+
+    qs, ks, v, tau, q, k, lam = leaves
+    s = hybrid_logits(q, k, qs, ks, tau, causal=True, scalar_scale=lam, kernel=kernel)  # (B, H, T, T)
+    p = torch.softmax(s, -1)
+    vh = v.repeat_interleave(q.shape[1] // v.shape[1], dim=1)
+    out = p @ vh
+    delta = (dout * out.detach().to(out_dtype).double()).sum(-1, keepdim=True)
+    ds = (p * (dout @ vh.transpose(-1, -2) - delta)).detach().masked_fill(torch.isinf(s), 0)
+    g = torch.autograd.grad(s, [qs, ks, tau, q, k, lam], ds)
+    dv = torch.autograd.grad(out, v, dout)[0]
+    return g[0], g[1], dv, g[2], g[3], g[4], g[5]
+
+
+@pytest.mark.heavy  # float64 scores of 2 x 4 x 300 x 300, three backward passes: seconds
+def test_a_backward_reading_its_bf16_output_misses_taus_gradient_by_more_than_2e2():
+    """Why FlexAttention's bf16 gradients are compared with `_grads_reading_the_output`: the delta of its
+    backward, formed from the bf16 output, costs the Gaussian hybrid's per-query tau gradient 2.7-3.1e-2
+    relative RMS by itself (and the gain's up to 2.2e-2; exact inputs, exact arithmetic otherwise; an H200
+    measured 3.3e-2 on FlexAttention against a 2e-2 limit), where forming it from the float32 output costs
+    5e-7."""
+    qs, ks, v, tau, kw = _inputs(300, True, "query", True, dtype=torch.bfloat16)
+    leaves = [x.double().requires_grad_() for x in (qs, ks, v, tau, kw["q"], kw["k"], kw["scalar_scale"])]
+    ref = _naive(*leaves[:4], "gaussian", q=leaves[4], k=leaves[5], scalar_scale=leaves[6])
+    dout = torch.randn_like(ref).to(torch.bfloat16).double()
+    exact = torch.autograd.grad(ref, leaves, dout)
+    f64, f32, bf16 = (_grads_reading_the_output(leaves, "gaussian", dout, dt)
+                      for dt in (torch.float64, torch.float32, torch.bfloat16))
+    assert all(rel_rms(a, b, floor=1e-2) < 1e-12 for a, b in zip(f64, exact))  # the helper is the gradient
+    assert all(rel_rms(a, b, floor=1e-2) < 1e-5 for a, b in zip(f32, exact))
+    assert rel_rms(bf16[3], exact[3], floor=1e-2) > 2e-2  # tau's
+    assert all(rel_rms(a, b, floor=1e-2) < 1e-2 for a, b in zip(bf16[:3], exact[:3]))
+
+
 @pytest.mark.cuda
 @pytest.mark.parametrize("kernel", ["gaussian", "cauchy"])
 @pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-4), (torch.bfloat16, 2e-2)])
 def test_cuda_flex_matches_float64_on_every_gradient(kernel, dtype, tol):
+    """Outputs against float64; gradients against float64 with the delta of a backward that reads its output in
+    the run's dtype, as FlexAttention's does (`_grads_reading_the_output`; in bf16 that alone costs tau's
+    gradient ~3e-2, above the limit: the test above)."""
     qs, ks, v, tau, kw = _inputs(1000, True, "query", True, dtype=dtype, device="cuda")
     leaves = [qs, ks, v, tau, kw["q"], kw["k"], kw["scalar_scale"]]
     for x in leaves:
@@ -79,7 +121,7 @@ def test_cuda_flex_matches_float64_on_every_gradient(kernel, dtype, tol):
     ref = _naive(rq, rk, rv, rt, kernel, q=q64, k=k64, scalar_scale=lam64)
     dout = torch.randn_like(ref).to(dtype).double()  # the output gradient both see, rounded to the run's dtype
     got = torch.autograd.grad(out, leaves, dout.to(out.dtype))
-    want = torch.autograd.grad(ref, ref_leaves, dout)
+    want = _grads_reading_the_output(ref_leaves, kernel, dout, dtype)
     assert rel_rms(out.double(), ref) < tol
     for a, b in zip(got, want):
         assert rel_rms(a.double(), b, floor=1e-2) < tol
