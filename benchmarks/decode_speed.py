@@ -34,7 +34,9 @@ For each (model, batch, context) every decoder takes the prompt, then `--rounds`
 of `--steps` timed steps each (wall clock, after `--warmup` steps); the median step is reported.
 Writes JSON: top-level `device`, `torch`, `threads`, `bandwidth_gbps` and `bandwidth_source` (the
 GPU's data-sheet peak when its name is known, else a copy measured here), `rows` with `model`,
-`method`, `batch`, `context`, `step_ms`, `tokens_per_s`, `bytes_per_step` (what the step must read:
+`method`, `batch`, `context`, `step_ms`, `tokens_per_s`, `cudagraph_skips` (compiled steps on CUDA: graphs
+Inductor did not capture during the warm-up, its reasons in the log; 0 when the step replays as one
+CUDA graph), `bytes_per_step` (what the step must read:
 weights, and the cache entries its method reads, `step_bytes`), `floor_ms` (those bytes at the
 bandwidth: the memory-bandwidth floor) and `x_floor` (step_ms / floor_ms), `ready_s` (seconds to take
 the prompt, with --prefill-threads; 0 for the second method of a shared decoder) (or `error`).
@@ -266,13 +268,18 @@ def measure(name: str, B: int, T: int, a, dev, methods) -> list[dict]:
             torch.set_num_threads(a.threads)
         ready[method] = round(time.perf_counter() - t0, 2)  # the prompt (0 for a method sharing a decoder made already)
         print(f"  {name} B={B} T={T} {method}: ready in {ready[method]:.1f} s", flush=True)
+    from torch._dynamo.utils import counters
+
     times = {k: [] for k in decs}
+    skips = {}
     for k, d in decs.items():  # warm-up (and, compiled, the compilation)
         if k != "hf_static":
+            before = counters["inductor"]["cudagraph_skips"]
             tok = d.logits.argmax(-1, keepdim=True)
             for _ in range(a.warmup):
                 tok = d.step(tok).argmax(-1, keepdim=True)
             d.tok = tok
+            skips[k] = counters["inductor"]["cudagraph_skips"] - before  # graphs Inductor did not capture
     for _ in range(a.rounds):  # interleaved rounds: the machine's drift hits every method alike
         for k, d in decs.items():
             if k == "hf_static":
@@ -291,7 +298,8 @@ def measure(name: str, B: int, T: int, a, dev, methods) -> list[dict]:
         rows.append(dict(model=name, method=k, batch=B, context=T, step_ms=round(ms, 4),
                          tokens_per_s=round(B / ms * 1e3, 1), bytes_per_step=nbytes, floor_ms=round(floor, 5),
                          x_floor=round(ms / floor, 2), ready_s=ready[k],
-                         **({"compile_backend": a.compile_backend} if k.endswith("_compiled") else {})))
+                         **({"compile_backend": a.compile_backend} if k.endswith("_compiled") else {}),
+                         **({"cudagraph_skips": skips[k]} if k.endswith("_compiled") and dev.type == "cuda" else {})))
         print(f"  {name} B={B} T={T} {k}: {ms:.3f} ms/step, {nbytes / 2**20:.1f} MiB read, "
               f"floor {floor:.4f} ms (x{ms / floor:.1f})", flush=True)
     return rows
@@ -349,6 +357,8 @@ def run(a, dev, argv) -> None:
     else:
         a.bandwidth_gbps, source = a.bandwidth, "given (--bandwidth)"
     print(f"bandwidth for the floor: {a.bandwidth_gbps} GB/s ({source})", flush=True)
+    if dev.type == "cuda":  # why Inductor would not capture a compiled step as a CUDA graph, in the log
+        torch._logging.set_logs(cudagraphs=True)
     doc = {"device": torch.cuda.get_device_name() if dev.type == "cuda" else f"cpu: {platform.processor() or platform.machine()}",
            "torch": torch.__version__, "threads": torch.get_num_threads(),
            "bandwidth_gbps": a.bandwidth_gbps, "bandwidth_source": source,

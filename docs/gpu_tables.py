@@ -55,11 +55,11 @@ def gpu_models_table(res: Json) -> str:
     return _table(["mechanism", "ms per step", "tokens/s"], "lrr", rows)
 
 
-DECODE_METHODS = ("exact", "exact_static", "exact_compiled", "window", "window_static", "window_compiled", "learned",
-                  "learned_static", "learned_compiled", "hf_static")
+DECODE_METHODS = ("exact", "exact_static", "exact_compiled", "window", "window_static", "window_compiled",
+                  "window_ops_static", "window_ops_compiled", "learned", "learned_static", "learned_compiled", "hf_static")
 DECODE_HEADS = ("exact (growing caches)", "exact, static", "exact, compiled", "window (sorted cache)",
-                "window, static", "window, compiled", "learned (caches)", "learned, static", "learned, compiled",
-                "HF static cache")
+                "window, static", "window, compiled", "window by PyTorch ops, static", "window by PyTorch ops, compiled",
+                "learned (caches)", "learned, static", "learned, compiled", "HF static cache")
 
 
 def decode_speed_table(res: dict) -> str:
