@@ -11,7 +11,8 @@
 #    30 % of the time; each outcome and its traceback written as it happens to OUT/gpu.tests.jsonl (and
 #    printed), the ids of the tests that never reported listed;
 # 2. training throughput per mechanism, compiled, against the plain PyTorch baseline, with dynamo's
-#    graphs, breaks and recompiles (benchmarks/gpu_train.py), about 30 %: OUT/gpu_train.json;
+#    graphs, breaks and recompiles, and `attnlab train` itself against the benchmark's step of the same
+#    model (benchmarks/gpu_train.py), about 30 %: OUT/gpu_train.json;
 # 3. the kernel table (benchmarks/gpu.py: errors against float64 at T = 1024, timings at 8K and 32K),
 #    about 25 %: OUT/gpu.json;
 # 4. decode rows (benchmarks/decode_speed.py on CUDA), about 15 %: OUT/decode_speed_gpu.json.
@@ -35,7 +36,7 @@ python3 benchmarks/gpu.py --out "$out/gpu.json" --minutes "$(part 0.3)" --tests-
   --skip errors,tune,speed,models,train 2>&1 | tee "$out/gpu.log"
 # 2. training throughput: the windowed model early (the rows the trainer and kernel issues read first)
 python3 benchmarks/gpu_train.py --out "$out/gpu_train.json" --minutes "$(part 0.3)" \
-  --models baseline,softmax,windowed,hybrid,scalar,goat_hybrid,principled,goat,gla,ssd,cosformer 2>&1 \
+  --models baseline,softmax,trainer,windowed,hybrid,scalar,goat_hybrid,principled,goat,gla,ssd,cosformer 2>&1 \
   | tee "$out/gpu_train.log"
 # 3. kernels: fla's paths last, they autotune on each new shape
 paths=sdpa-flash,hybrid-gaussian/triton,hybrid-cauchy/triton,hybrid-cauchy-window16+32/triton

@@ -11,7 +11,10 @@ PaLM count: 6 N per token for the N non-embedding parameters, plus 12 L d_model 
 peak memory, and the graphs, graph breaks and recompiles dynamo counted. Rows at T = 1024 (GPT-2 small:
 12 layers, d_model 768, 12 heads, batch 8) for every mechanism, at configs/25m.toml's shape (the at-scale
 experiment's: 8 layers, d_model 512, 8 heads, byte vocabulary, T = 1024, its batch of 64) for --at-scale
-ones, and at T = 8192 (batch 1) for --long ones. Writes the JSON after every row.
+ones, and at T = 8192 (batch 1) for --long ones. The model `trainer` is `attnlab train` itself
+(configs/gpt2-small.toml, byte tokenizer, the same batch) timed from its own log rows, beside this
+script's step of the same model in the same process (`measure_trainer`: the trainer issue's "within 5 %
+of the benchmark"). Writes the JSON after every row.
 
     python benchmarks/gpu_train.py --device cpu --models baseline,softmax,hybrid,windowed --cpu-both
 
@@ -195,6 +198,45 @@ def measure(name: str, T: int, batch: int, steps: int, warmup: int, compile_it: 
             "peak_bytes": torch.cuda.max_memory_allocated() if device.type == "cuda" else None, **info}
 
 
+def measure_trainer(T: int, batch: int, steps: int, warmup: int, compile_it: bool, device, shape: dict = SHAPE,
+                    peak_tflops: float = 989.0, log_every: int = 5) -> dict:
+    """`attnlab train` itself (configs/gpt2-small.toml at `shape` with the byte tokenizer, batch `batch`, no
+    gradient accumulation, bf16 autocast on a GPU) against this script's step of the same model in the same
+    process: the trainer's tokens/s is the median of its log rows (each the wall time of `log_every` steps,
+    the log row's one wait on the device included) after the first `warmup` steps' rows (the compile), the
+    benchmark's `measure("softmax")` at the byte vocabulary. vs_benchmark: the trainer's over the
+    benchmark's (the trainer issue's target: >= 0.95; evaluation and checkpoints run at the end only, as
+    they are amortised over a real run's steps)."""
+    import csv
+    import tempfile
+
+    from attnlab.data.tokenizer import BYTE_VOCAB_SIZE
+    from attnlab.train import train
+
+    bshape = dict(shape, vocab=BYTE_VOCAB_SIZE)
+    bench = measure("softmax", T, batch, steps, warmup, compile_it, device, bshape, peak_tflops)
+    first = log_every * -(-warmup // log_every)  # the rows up to here hold the compile
+    total = first + log_every * max(2, -(-steps // log_every))
+    with tempfile.TemporaryDirectory() as out:
+        overrides = [f"model.d_model={shape['d_model']}", f"model.n_layers={shape['n_layers']}",
+                     f"model.n_heads={shape['n_heads']}", "model.attn=softmax", "data.tokenizer=byte",
+                     f"data.seq_len={T}", f"train.batch_size={batch}", "train.grad_accum=1", f"train.steps={total}",
+                     "train.warmup_steps=1", f"train.log_every={log_every}", "train.eval_every=0", "train.eval_batches=2",
+                     "train.ckpt_every=0", f"train.compile={str(compile_it).lower()}",
+                     f"train.dtype={'bfloat16' if device.type == 'cuda' else 'float32'}", f"run.device={device.type}",
+                     f"run.out_dir={out}", "run.name=trainer", "run.progress=false"]
+        train(str(HERE.parent / "configs" / "gpt2-small.toml"), overrides)
+        with open(Path(out) / "trainer" / "train.csv") as fh:
+            logged = [(int(r["step"]), float(r["tokens_per_s"])) for r in csv.DictReader(fh)]
+    kept = [tps for step, tps in logged if step > first]
+    tps = statistics.median(kept)
+    return {"model": "trainer", "T": T, "batch": batch, "vocab": BYTE_VOCAB_SIZE, "tokens_per_s": round(tps),
+            "benchmark_tokens_per_s": bench["tokens_per_s"], "vs_benchmark": round(tps / bench["tokens_per_s"], 3),
+            "log_tokens_per_s": [round(t) for _, t in logged], "log_every": log_every,
+            "benchmark": {k: bench[k] for k in ("ms", "mfu", "peak_bytes", "warmup_s", "graphs", "breaks", "recompiles")
+                          if k in bench}}
+
+
 CPU_SHAPE = dict(vocab=256, d_model=128, n_layers=4, n_heads=4)  # the quickstart's model
 CPU_SHAPES = {"quickstart": CPU_SHAPE, "25m": SHAPE_25M}
 
@@ -260,8 +302,9 @@ def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", default=None, help="default benchmarks/results/gpu_train.json (cuda), train_cpu.json (cpu)")
     ap.add_argument("--device", choices=("cuda", "cpu"), default="cuda")
-    ap.add_argument("--models", default="baseline,softmax,hybrid,scalar,goat,goat_hybrid,principled,gla,ssd,cosformer,"
-                                        "windowed")
+    ap.add_argument("--models", default="baseline,softmax,trainer,hybrid,scalar,goat,goat_hybrid,principled,gla,ssd,"
+                                        "cosformer,windowed", help="mechanisms, baseline, windowed (configs/windowed.toml's "
+                    "attention) and trainer (`attnlab train` against this script's step of the same model)")
     ap.add_argument("--long", default="baseline,softmax,hybrid,scalar,windowed,gla", help="models also timed at T = 8192")
     ap.add_argument("--at-scale", default="softmax", help="models also timed at configs/25m.toml's shape (T = 1024, "
                                                           "batch 64)")
@@ -300,16 +343,21 @@ def main(argv=None) -> None:
             doc["rows"].append({"model": name, "T": T, **label, "error": "skipped: out of time"})
             continue
         try:
-            row = {**measure(name, T, batch, a.steps, a.warmup, name in compiled, dev, shape, a.peak_tflops), **label}
+            if name == "trainer":
+                row = {**measure_trainer(T, batch, a.steps, a.warmup, True, dev, shape, a.peak_tflops), **label}
+            else:
+                row = {**measure(name, T, batch, a.steps, a.warmup, name in compiled, dev, shape, a.peak_tflops), **label}
         except Exception as e:  # noqa: BLE001 - the row records what failed
             msg = str(e) if len(str(e)) <= 1500 else f"{str(e)[:500]} [...] {str(e)[-1000:]}"  # the cause is last
             row = {"model": name, "T": T, **label, "error": f"{type(e).__name__}: {msg}"}
         torch.cuda.empty_cache()
         doc["rows"].append(row)
         print(f"  {name} T={T}{' (25m)' if label else ''}: "
-              + (f"{row['tokens_per_s']:,} tok/s, MFU {row['mfu']:.1%}, {row['ms']} ms, graphs "
-                 f"{row.get('graphs')}, breaks {row.get('breaks')}, recompiles {row.get('recompiles')}"
-                 if "error" not in row else row["error"]), flush=True)
+              + (row["error"] if "error" in row else
+                 f"{row['tokens_per_s']:,} tok/s, {row['vs_benchmark']}x the benchmark's step of the same model "
+                 f"({row['benchmark_tokens_per_s']:,} tok/s)" if name == "trainer" else
+                 f"{row['tokens_per_s']:,} tok/s, MFU {row['mfu']:.1%}, {row['ms']} ms, graphs "
+                 f"{row.get('graphs')}, breaks {row.get('breaks')}, recompiles {row.get('recompiles')}"), flush=True)
         out.write_text(json.dumps(doc, indent=1) + "\n")
     print(f"wrote {out}")
 

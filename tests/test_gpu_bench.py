@@ -51,3 +51,18 @@ def test_train_benchmark_baseline_matches_the_softmax_lm():
         row = gpu_train.measure(name, 16, 2, steps=1, warmup=1, compile_it=False, device=torch.device("cpu"),
                                 shape=shape)
         assert {"model", "T", "tokens_per_s", "mfu", "peak_bytes"} <= set(row) and row["tokens_per_s"] > 0
+
+
+@pytest.mark.heavy  # two small trainings on the CPU: seconds
+def test_train_benchmark_times_attnlab_train_against_its_step():
+    """The `trainer` row: `attnlab train` of configs/gpt2-small.toml at a given shape (byte tokenizer) runs
+    and is timed from its own log rows after the compile's, beside this script's step of the same model."""
+    import gpu_train
+
+    shape = dict(vocab=0, d_model=32, n_layers=2, n_heads=4)  # the vocabulary: the byte tokenizer's
+    row = gpu_train.measure_trainer(32, 2, steps=3, warmup=2, compile_it=False, device=torch.device("cpu"),
+                                    shape=shape, log_every=1)
+    assert row["model"] == "trainer" and row["vocab"] == 257 and row["tokens_per_s"] > 0
+    assert row["benchmark_tokens_per_s"] > 0 and row["vs_benchmark"] == pytest.approx(
+        row["tokens_per_s"] / row["benchmark_tokens_per_s"], rel=1e-2)
+    assert len(row["log_tokens_per_s"]) == 5  # 2 warm-up rows, 3 timed
