@@ -36,18 +36,17 @@ def test_the_kernel_chooses_the_keys_the_ops_choose_on_ties():
     ks = torch.randint(-3, 4, (B, H, N), generator=g).float() / 2 + 0.0  # many exact ties, +0.0 only
     qs = torch.randint(-3, 4, (B, H, N), generator=g).float() / 2
     qs[0, 0, 5] = -0.0
-    for t in (0, 3, 17, 39):
-        for merged in sorted({0, t // 2, t}):
-            assert same(*both(qs[..., t], ks, merged, t, k, max(t + 1 - merged, 1))), (t, merged)
+    for t, merged in ((0, 0), (3, 3), (17, 8), (39, 0), (39, 39)):  # a tail only, codes only, both
+        assert same(*both(qs[..., t], ks, merged, t, k, max(t + 1 - merged, 1))), (t, merged)
 
 
-@pytest.mark.parametrize("N", [100, 300, 20000])  # searches of 1, 2 and 3 rounds of 128 probes
+@pytest.mark.parametrize("N", [100, 300, pytest.param(20000, marks=pytest.mark.heavy)])  # 1, 2, 3 search rounds
 def test_the_kernel_chooses_the_keys_the_ops_choose_on_long_caches(N):
     g = torch.Generator().manual_seed(N)
     B, H, k, tail = 1, 2, 16, 37  # neither a power of two
     ks = torch.randn(B, H, N, generator=g) + 0.0
     ks[:, :, ::7] = ks[:, :, 3:4]  # repeats of one key
-    for t, merged in ((N - 1, N - 30), (N // 2, N // 2 - 36), (N - 1, 0), (20, 0), (5, 5), (-1, 0), (-4, 0)):
+    for t, merged in ((N - 1, N - 30), (N // 2, N // 2 - 36), (20, 0), (-4, 0)):
         qs = torch.randn(B, H, generator=g)
         qs[0, 1] = ks[0, 1, 3]  # a query on the repeated key
         tail_ = max(tail, t + 1 - merged) if merged == 0 and t < 64 else tail
