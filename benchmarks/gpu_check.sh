@@ -36,7 +36,7 @@ python3 benchmarks/gpu.py --out "$out/gpu.json" --minutes "$(part 0.3)" --tests-
   --skip errors,tune,speed,models,train 2>&1 | tee "$out/gpu.log"
 # 2. training throughput: the windowed model early (the rows the trainer and kernel issues read first)
 python3 benchmarks/gpu_train.py --out "$out/gpu_train.json" --minutes "$(part 0.3)" \
-  --models baseline,softmax,trainer,windowed,hybrid,scalar,goat_hybrid,principled,goat,gla,ssd,cosformer 2>&1 \
+  --models baseline,softmax,windowed,hybrid,trainer,scalar,goat_hybrid,principled,goat,gla,ssd,cosformer 2>&1 \
   | tee "$out/gpu_train.log"
 # 3. kernels: fla's paths last, they autotune on each new shape
 paths=sdpa-flash,hybrid-gaussian/triton,hybrid-cauchy/triton,hybrid-cauchy-window16+32/triton
