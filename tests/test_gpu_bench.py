@@ -17,7 +17,8 @@ import gpu  # noqa: E402
 from gpu_paths import NEEDS_CUDA, PATHS  # noqa: E402
 
 pytestmark = pytest.mark.usefixtures("one_thread")
-CPU_PATHS = [pytest.param(n, marks=pytest.mark.skip(reason="its kernels run on CUDA only")) if n in NEEDS_CUDA else n
+CPU_PATHS = [pytest.param(n, marks=pytest.mark.skip(reason="its kernels run on CUDA only")) if n in NEEDS_CUDA else
+             pytest.param(n, marks=pytest.mark.heavy) if "window" in n and n.endswith("/triton") else n  # 3-4 s each
              for n in PATHS if n != "sdpa-flash"]
 
 

@@ -136,6 +136,7 @@ def test_low_precision_inputs(kernels, dtype, tol):
     assert max(err.values()) < tol and max(err_ref.values()) == 0.0, err
 
 
+@pytest.mark.heavy  # seconds
 def test_gradcheck(kernels):
     inputs, kw = _case(9, True, "cauchy", "query", True, 1, 2, False, ties=False)
     leaves = [x.requires_grad_() if isinstance(x, torch.Tensor) else x for x in inputs]
