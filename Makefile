@@ -15,7 +15,7 @@ TEST_WORKERS ?= 2
 # of what older torch traces differently: one compiled graph per model, no host sync in a step.
 COMPAT_TORCH ?= torch==2.11.0
 COMPAT_VENV  ?= .venv-compat
-COMPAT_TESTS ?= tests/test_compile_counts.py tests/test_compile.py tests/test_no_host_sync.py tests/test_ext.py::test_kernels_build_here tests/test_window_cpu.py tests/test_static_window_kernel.py::test_a_compiled_step_through_the_kernel_equals_eager
+COMPAT_TESTS ?= tests/test_compile_counts.py tests/test_compile.py tests/test_no_host_sync.py tests/test_ext.py::test_kernels_build_here tests/test_window_cpu.py tests/test_static_window_kernel.py::test_a_compiled_step_through_the_kernel_equals_eager tests/test_static_decode.py::test_compiled_steps_of_every_static_state_equal_generate
 
 .PHONY: venv test test-heavy test-compat test-slow quickstart bench docs clean
 

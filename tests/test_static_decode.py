@@ -146,6 +146,43 @@ def test_a_window_step_searches_its_sorted_codes_once_per_layer():
     assert count.n == 3
 
 
+@pytest.mark.parametrize("name", ["softmax-gqa-window", "hybrid-sink", "principled-gqa-query-ground", "gla"])
+def test_a_step_stacks_no_weights_and_reads_changed_ones(name):
+    """The decoder keeps each layer's wq, wk, wv stacked for its one q/k/v matmul: a step concatenates no
+    weight (a copy of them per step: 85 MB on GPT-2 small), and weights changed after the decoder was made
+    (in place, as an optimizer step changes them, or replaced) are read by its next step and prompt."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    m = model(*SETTINGS[name])
+    weights = {p.data_ptr() for blk in m.blocks for n in ("wq", "wk", "wv") for p in getattr(blk.attn, n).parameters()}
+
+    class Cats(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.n = 0
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            if func.overloadpacket is torch.ops.aten.cat:
+                self.n += any(t.data_ptr() in weights for t in args[0])
+            return func(*args, **(kwargs or {}))
+
+    idx = torch.randint(0, 50, (2, 7), generator=torch.Generator().manual_seed(1))
+    dec = StaticDecoder(m, 2, 32)
+    assert torch.equal(dec.generate(idx, 5), m.generate(idx, 5))
+    with torch.no_grad(), Cats() as cats:
+        dec.step(idx[:, :1])
+    assert cats.n == 0
+    with torch.no_grad():
+        m.blocks[0].attn.wq.weight.add_(0.3)  # in place, as an optimizer step
+    assert torch.equal(dec.generate(idx, 5), m.generate(idx, 5))
+    logits, caches = dec.prefill(idx), m.make_caches(2)
+    with torch.no_grad():
+        m.prefill(idx, caches)
+        m.blocks[1].attn.wv.weight = torch.nn.Parameter(m.blocks[1].attn.wv.weight * 2)  # replaced between steps
+        want = m.step(logits.argmax(-1, keepdim=True), caches, 7)
+    assert torch.allclose(dec.step(logits.argmax(-1, keepdim=True)), want, atol=1e-5)
+
+
 @pytest.mark.parametrize("attn,attention", [("hybrid", {}), ("scalar", dict(kernel="cauchy", sink=True)),
                                             ("hybrid", dict(train_window=3, local_window=2))],
                          ids=["hybrid", "scalar-cauchy-sink", "window-trained"])

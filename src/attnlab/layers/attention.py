@@ -147,11 +147,11 @@ class Attention(nn.Module):
         """
         self.build_vectors(c, c.n_heads)
 
-    def project(self, x: torch.Tensor, start_pos: int = 0) -> Projected:
+    def project(self, x: torch.Tensor, start_pos: int = 0, qkv=None) -> Projected:
         """x (B, T, C) at absolute positions start_pos.. -> the per-head tensors (see `Projected`):
-        by default q, k (rotated when RoPE is on) and v of every head."""
+        by default q, k (rotated when RoPE is on) and v of every head. qkv: `vectors`' fused weights."""
         self.check_start(start_pos)
-        q, k, v = self.vectors(x, self.config.n_heads)
+        q, k, v = self.vectors(x, self.config.n_heads, qkv)
         q, k = self.rotate(q, k, start_pos)
         return Projected(start_pos=start_pos, q=q, k=k, v=v)
 
@@ -210,23 +210,35 @@ class Attention(nn.Module):
         self.wv = nn.Linear(c.d_model, self.n_kv * D, bias=c.bias)
         self.rope = RotaryEmbedding(self.qk_dim, c.rope_base) if c.rope else None
 
-    def vectors(self, x: torch.Tensor, n_heads: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    def vectors(self, x: torch.Tensor, n_heads: int, qkv=None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """The vector projections of x, before RoPE.
 
         Args:
             x: the layer input (B, T, C).
             n_heads: the query heads to project (the vector-scoring heads of the layer).
+            qkv: (weight, bias or None): wq, wk and wv stacked into one matrix (`fused_qkv`), as a
+                decoder keeps them between steps; None stacks them here, at every call (training).
 
         Returns:
             q (B, n_heads, T, qk_dim), k (B, n_kv, T, qk_dim) and v (B, n_kv, T, head_dim).
         """
         d, D = self.qk_dim, self.config.head_dim
-        if all(type(m) is nn.Linear for m in (self.wq, self.wk, self.wv)):  # one matmul (wrapped ones, LoRA's, apart)
-            bias = None if self.wq.bias is None else torch.cat([self.wq.bias, self.wk.bias, self.wv.bias])
-            qkv = F.linear(x, torch.cat([self.wq.weight, self.wk.weight, self.wv.weight]), bias)
-            q, k, v = qkv.split([n_heads * d, self.n_kv * d, self.n_kv * D], dim=-1)
+        if qkv is None and self.fusable():  # one matmul (wrapped ones, LoRA's, apart)
+            qkv = self.fused_qkv()
+        if qkv is not None:
+            out = F.linear(x, *qkv)
+            q, k, v = out.split([n_heads * d, self.n_kv * d, self.n_kv * D], dim=-1)
             return heads(q, n_heads, d), heads(k, self.n_kv, d), heads(v, self.n_kv, D)
         return heads(self.wq(x), n_heads, d), heads(self.wk(x), self.n_kv, d), heads(self.wv(x), self.n_kv, D)
+
+    def fusable(self) -> bool:
+        """Whether wq, wk and wv are plain linear maps, projected as one matmul (`fused_qkv`)."""
+        return all(type(getattr(self, n, None)) is nn.Linear for n in ("wq", "wk", "wv"))
+
+    def fused_qkv(self) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """wq, wk and wv stacked: (weight (q + k + v out, C), bias or None), in `vectors`' order."""
+        bias = None if self.wq.bias is None else torch.cat([self.wq.bias, self.wk.bias, self.wv.bias])
+        return torch.cat([self.wq.weight, self.wk.weight, self.wv.weight]), bias
 
     def rotate(self, q: torch.Tensor, k: torch.Tensor, start_pos: int) -> tuple[torch.Tensor, torch.Tensor]:
         """q and k rotated by RoPE at absolute positions start_pos.. (unchanged without RoPE).

@@ -149,6 +149,16 @@ class StaticDecoder(ScalarReadouts, nn.Module):
                 self.register_buffer(f"codes{i}", torch.full((B, a.n_scalar, 2, N), LAST, device=p.device),
                                      persistent=False)  # the sorted codes, low and high (static_window)
                 self.register_buffer(f"m{i}", torch.zeros((), dtype=torch.long, device=p.device), persistent=False)
+        self.fused = [blk.attn.fusable() and not getattr(self.states[str(i)] if str(i) in self.states else None,
+                                                         "stack_qkv_off", False)
+                      for i, blk in enumerate(model.blocks)]  # q, k, v as one matmul of stacked weights
+        for i, blk in enumerate(model.blocks):
+            if self.fused[i]:
+                w, b = blk.attn.fused_qkv()
+                self.register_buffer(f"qkvw{i}", w.detach().clone(), persistent=False)
+                if b is not None:
+                    self.register_buffer(f"qkvb{i}", b.detach().clone(), persistent=False)
+        self._qkv_seen: list = [None] * len(model.blocks)  # the weights' versions the stacks were made from
         self.register_buffer("pos", torch.zeros((), dtype=torch.long, device=p.device), persistent=False)
         self.register_buffer("slots", torch.arange(N, device=p.device), persistent=False)
         self.length = 0  # positions written (a host copy of pos: no synchronisation to check it)
@@ -162,7 +172,7 @@ class StaticDecoder(ScalarReadouts, nn.Module):
         the buffers first; visible (T, N) marks the buffer slots each token reads."""
         a = blk.attn
         B, T = h.shape[:2]
-        p = a.project(h, positions.expand(B, T))
+        p = a.project(h, positions.expand(B, T), qkv=self._qkv(i))
         n = visible.shape[-1]  # the slots read: all of them in a step, those up to the chunk's end in a prefill
         if str(i) in self.states:
             return self.states[str(i)].attend(a, p, positions, n)
@@ -173,6 +183,26 @@ class StaticDecoder(ScalarReadouts, nn.Module):
             od = softmax_step(p.q, e, ok, a.config.scale, a.config.p, chunk)
             o = torch.cat([o, od.to(o.dtype)], dim=1)
         return o
+
+    def _qkv(self, i: int):
+        """Layer i's stacked q, k, v weights (and bias) for `Attention.project`, or None."""
+        return (getattr(self, f"qkvw{i}"), getattr(self, f"qkvb{i}", None)) if self.fused[i] else None
+
+    def _sync_qkv(self, force: bool = False) -> None:
+        """Stack each layer's wq, wk, wv again where they changed since (an optimizer step, a load: their
+        version counters or storage; force: always, as a prompt does), between steps: a step reads the
+        stacks, not a copy of the weights made at every step (GPT-2 small: 85 MB a step)."""
+        for i, blk in enumerate(self.model.blocks):
+            if not self.fused[i]:
+                continue
+            a = blk.attn
+            seen = tuple((t._version, t.data_ptr()) for m in (a.wq, a.wk, a.wv) for t in (m.weight, m.bias) if t is not None)
+            if force or seen != self._qkv_seen[i]:
+                w, b = a.fused_qkv()
+                getattr(self, f"qkvw{i}").copy_(w)
+                if b is not None:
+                    getattr(self, f"qkvb{i}").copy_(b)
+                self._qkv_seen[i] = seen
 
     def _merge(self, t: int, force: bool = False) -> None:
         """Before the step at position t: a windowed layer whose directly scored older keys would pass
@@ -226,6 +256,7 @@ class StaticDecoder(ScalarReadouts, nn.Module):
             raise ValueError(f"idx must be (batch_size={self.batch_size}, T0) with 1 <= T0 <= max_len={self.max_len}, "
                              f"got shape {tuple(idx.shape)}")
         T = idx.shape[1]
+        self._sync_qkv(force=True)
         for state in [*self.states.values(), *self.dots.values()]:
             state.reset()
         if any(self.windowed):
@@ -256,7 +287,7 @@ class StaticDecoder(ScalarReadouts, nn.Module):
             x = x + m.pos_emb(positions)[None]
         for i, blk in enumerate(m.blocks):
             a, h = blk.attn, blk.norm1(x)
-            p = a.project(h, 0)
+            p = a.project(h, 0, qkv=self._qkv(i))
             if str(i) in self.states:
                 x = x + a.finish(self.states[str(i)].fill(a, p, T), h)
                 x = x + blk.mlp(blk.norm2(x))
@@ -298,6 +329,7 @@ class StaticDecoder(ScalarReadouts, nn.Module):
             raise ValueError(f"the buffers are full: max_len={self.max_len} positions")
         if idx_t.shape != (self.batch_size, 1):
             raise ValueError(f"idx_t must be (batch_size={self.batch_size}, 1), got shape {tuple(idx_t.shape)}")
+        self._sync_qkv()
         self._merge(self.length)
         with async_value_checks():  # the ops' value checks as device-side asserts: no host sync (on the CPU: read)
             logits = self._step(idx_t)

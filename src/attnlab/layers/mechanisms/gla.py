@@ -23,8 +23,8 @@ class GLAAttention(RecurrentAttention):
         self.decay_down = nn.Linear(c.d_model, c.gla_rank, bias=False)
         self.decay_up = nn.Linear(c.gla_rank, c.n_heads * c.head_dim, bias=True)
 
-    def project(self, x, start_pos: int = 0) -> Projected:
-        p = super().project(x, start_pos)
+    def project(self, x, start_pos: int = 0, qkv=None) -> Projected:
+        p = super().project(x, start_pos, qkv)
         c = self.config
         raw = self.decay_up(self.decay_down(x))  # (B, T, H*D), low rank
         p.log_decay = heads(F.logsigmoid(raw) / c.gla_normalizer, c.n_heads, c.head_dim)  # (B, H, T, D)

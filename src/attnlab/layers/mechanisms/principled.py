@@ -39,10 +39,10 @@ class PrincipledAttention(Attention):
         self.gamma = HeadParam(c.gamma, H, D, c.gamma_init)
         self.ground = GroundValue(c.v0, H, D)
 
-    def project(self, x, start_pos: int = 0) -> Projected:
+    def project(self, x, start_pos: int = 0, qkv=None) -> Projected:
         self.check_start(start_pos)
         c = self.config
-        q, k, v = self.vectors(x, c.n_heads)
+        q, k, v = self.vectors(x, c.n_heads, qkv)
         p = Projected(start_pos=start_pos, v=v)
         p.alpha, p.beta, p.gamma = self.alpha(q), self.beta(q), self.gamma(q)  # from the un-rotated q
         p.qg = heads(self.wqg(x), c.n_heads, c.gate_dim)  # (B, H, T, Dg)

@@ -118,11 +118,11 @@ class ScalarAttention(ScalarDecode, Attention):
 
     # ------------------------------------------------------------------ full sequence
 
-    def project(self, x, start_pos: int = 0) -> Projected:
+    def project(self, x, start_pos: int = 0, qkv=None) -> Projected:
         self.check_start(start_pos)
         p = Projected(start_pos=start_pos)
         if self.n_dot:
-            q, k, p.v = self.vectors(x, self.n_dot)
+            q, k, p.v = self.vectors(x, self.n_dot, qkv)
             p.q, p.k = self.rotate(q, k, start_pos)
         p.qs = self.wqs(x).transpose(1, 2)  # (B, H_s, T)
         p.ks = self.wks(x).transpose(1, 2)

@@ -31,8 +31,8 @@ class SSDAttention(RecurrentAttention):
             self.dt_proj.bias.copy_(dt + torch.log(-torch.expm1(-dt)))
         self.A_log = nn.Parameter(torch.log(torch.empty(H).uniform_(1.0, 16.0)))
 
-    def project(self, x, start_pos: int = 0) -> Projected:
-        p = super().project(x, start_pos)
+    def project(self, x, start_pos: int = 0, qkv=None) -> Projected:
+        p = super().project(x, start_pos, qkv)
         # softplus of a contiguous (B, H, T): on the transposed view, torch.compile's backward (AOTAutograd,
         # torch 2.13) gets the strides of softplus_backward wrong and fails on a view
         # in q's dtype: CUDA autocast computes softplus in float32 (the CPU's keeps bf16), and the op needs one dtype
