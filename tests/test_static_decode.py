@@ -345,7 +345,7 @@ def test_sliding_windows_keep_a_ring_of_w_slots():
     assert tuple(dec.states["1"].state.shape) == (2, 4, 16, 16)
 
 
-@pytest.mark.slow
+@pytest.mark.heavy  # compiles a step per model (seconds each); make test-compat runs it under torch 2.11 too
 @pytest.mark.parametrize("name", ["softmax-gqa-window", "goat-hybrid-gqa", "principled-window", "gla", "ssd",
                                   "cosformer", "hybrid-sink-weight-gqa-gain", "scalar-mixed-gqa-sliding-sink"])
 def test_compiled_steps_of_every_static_state_equal_generate(name):
