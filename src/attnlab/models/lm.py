@@ -90,12 +90,9 @@ class SwiGLU(nn.Module):
         self.w3 = nn.Linear(d_model, hidden, bias=False)
         self.w2 = nn.Linear(hidden, d_model, bias=False)
 
-    stacked = True  # forward takes w1 and w3 stacked (`StaticDecoder` keeps them so)
-
-    def forward(self, x: torch.Tensor, w13: torch.Tensor | None = None) -> torch.Tensor:
-        """x (B, T, d_model) -> (B, T, d_model); w13: w1 and w3 stacked (2 hidden, d_model), one matmul."""
-        g, u = (self.w1(x), self.w3(x)) if w13 is None else F.linear(x, w13).chunk(2, dim=-1)
-        return self.w2(F.silu(g) * u)  # (B, T, C) -> (B, T, hidden) -> (B, T, C)
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """x (B, T, d_model) -> (B, T, d_model)."""
+        return self.w2(F.silu(self.w1(x)) * self.w3(x))  # (B, T, C) -> (B, T, hidden) -> (B, T, C)
 
 
 class Block(nn.Module):

@@ -149,20 +149,16 @@ class StaticDecoder(ScalarReadouts, nn.Module):
                 self.register_buffer(f"codes{i}", torch.full((B, a.n_scalar, 2, N), LAST, device=p.device),
                                      persistent=False)  # the sorted codes, low and high (static_window)
                 self.register_buffer(f"m{i}", torch.zeros((), dtype=torch.long, device=p.device), persistent=False)
-        # weights stacked once for one matmul each (a forward stacks them at every call): each layer's wq, wk,
-        # wv (`Attention.vectors`) and its MLP's w1, w3; kept current by `_sync_stacks`
-        self.stacks: dict[str, list] = {}
+        self.fused = [blk.attn.fusable() and not getattr(self.states[str(i)] if str(i) in self.states else None,
+                                                         "stack_qkv_off", False)
+                      for i, blk in enumerate(model.blocks)]  # q, k, v as one matmul of stacked weights
         for i, blk in enumerate(model.blocks):
-            a, mlp = blk.attn, blk.mlp
-            if a.fusable() and not getattr(self.states[str(i)] if str(i) in self.states else None, "stack_qkv_off", False):
-                self.stacks[f"qkv{i}"] = [a.wq, a.wk, a.wv]
-            if getattr(mlp, "stacked", False) and all(type(m) is nn.Linear and m.bias is None for m in (mlp.w1, mlp.w3)):
-                self.stacks[f"w13_{i}"] = [mlp.w1, mlp.w3]
-        for name, mods in self.stacks.items():
-            self.register_buffer(name, torch.cat([m.weight for m in mods]).detach().clone(), persistent=False)
-            if mods[0].bias is not None:
-                self.register_buffer(f"{name}_bias", torch.cat([m.bias for m in mods]).detach().clone(), persistent=False)
-        self._stacks_seen: dict = {}  # the weights' versions each stack was made from
+            if self.fused[i]:
+                w, b = blk.attn.fused_qkv()
+                self.register_buffer(f"qkvw{i}", w.detach().clone(), persistent=False)
+                if b is not None:
+                    self.register_buffer(f"qkvb{i}", b.detach().clone(), persistent=False)
+        self._qkv_seen: list = [None] * len(model.blocks)  # the weights' versions the stacks were made from
         self.register_buffer("pos", torch.zeros((), dtype=torch.long, device=p.device), persistent=False)
         self.register_buffer("slots", torch.arange(N, device=p.device), persistent=False)
         self.length = 0  # positions written (a host copy of pos: no synchronisation to check it)
@@ -190,26 +186,23 @@ class StaticDecoder(ScalarReadouts, nn.Module):
 
     def _qkv(self, i: int):
         """Layer i's stacked q, k, v weights (and bias) for `Attention.project`, or None."""
-        name = f"qkv{i}"
-        return (getattr(self, name), getattr(self, f"{name}_bias", None)) if name in self.stacks else None
+        return (getattr(self, f"qkvw{i}"), getattr(self, f"qkvb{i}", None)) if self.fused[i] else None
 
-    def _mlp(self, i: int, blk, h: torch.Tensor) -> torch.Tensor:
-        """Layer i's MLP of h, its w1 and w3 as one matmul of their stack when it has one."""
-        name = f"w13_{i}"
-        return blk.mlp(h, getattr(self, name)) if name in self.stacks else blk.mlp(h)
-
-    def _sync_stacks(self, force: bool = False) -> None:
-        """Stack again the weights that changed since (an optimizer step, a load: their version counters or
-        storage; force: all, as a prompt does), between steps: a step reads the stacks instead of copying
-        the weights at every step (GPT-2 small's q, k, v: 85 MB a step)."""
-        for name, mods in self.stacks.items():
-            params = [t for m in mods for t in (m.weight, m.bias) if t is not None]
-            seen = tuple((t._version, t.data_ptr()) for t in params)
-            if force or seen != self._stacks_seen.get(name):
-                getattr(self, name).copy_(torch.cat([m.weight for m in mods]))
-                if mods[0].bias is not None:
-                    getattr(self, f"{name}_bias").copy_(torch.cat([m.bias for m in mods]))
-                self._stacks_seen[name] = seen
+    def _sync_qkv(self, force: bool = False) -> None:
+        """Stack each layer's wq, wk, wv again where they changed since (an optimizer step, a load: their
+        version counters or storage; force: always, as a prompt does), between steps: a step reads the
+        stacks, not a copy of the weights made at every step (GPT-2 small: 85 MB a step)."""
+        for i, blk in enumerate(self.model.blocks):
+            if not self.fused[i]:
+                continue
+            a = blk.attn
+            seen = tuple((t._version, t.data_ptr()) for m in (a.wq, a.wk, a.wv) for t in (m.weight, m.bias) if t is not None)
+            if force or seen != self._qkv_seen[i]:
+                w, b = a.fused_qkv()
+                getattr(self, f"qkvw{i}").copy_(w)
+                if b is not None:
+                    getattr(self, f"qkvb{i}").copy_(b)
+                self._qkv_seen[i] = seen
 
     def _merge(self, t: int, force: bool = False) -> None:
         """Before the step at position t: a windowed layer whose directly scored older keys would pass
@@ -233,7 +226,7 @@ class StaticDecoder(ScalarReadouts, nn.Module):
         for i, blk in enumerate(m.blocks):
             h = blk.norm1(x)
             x = x + blk.attn.finish(self._attend(i, blk, h, positions, visible), h)
-            x = x + self._mlp(i, blk, blk.norm2(x))
+            x = x + blk.mlp(blk.norm2(x))
         return m.head(m.norm_f(x))
 
     def step_logits(self, idx_t: torch.Tensor) -> torch.Tensor:
@@ -263,7 +256,7 @@ class StaticDecoder(ScalarReadouts, nn.Module):
             raise ValueError(f"idx must be (batch_size={self.batch_size}, T0) with 1 <= T0 <= max_len={self.max_len}, "
                              f"got shape {tuple(idx.shape)}")
         T = idx.shape[1]
-        self._sync_stacks(force=True)
+        self._sync_qkv(force=True)
         for state in [*self.states.values(), *self.dots.values()]:
             state.reset()
         if any(self.windowed):
@@ -297,7 +290,7 @@ class StaticDecoder(ScalarReadouts, nn.Module):
             p = a.project(h, 0, qkv=self._qkv(i))
             if str(i) in self.states:
                 x = x + a.finish(self.states[str(i)].fill(a, p, T), h)
-                x = x + self._mlp(i, blk, blk.norm2(x))
+                x = x + blk.mlp(blk.norm2(x))
                 continue
             if str(i) in self.dots:
                 m_ = min(T, self.dots[str(i)].kpos.shape[0])
@@ -310,7 +303,7 @@ class StaticDecoder(ScalarReadouts, nn.Module):
             if self.windowed[i] and self.budget is not None:
                 self._budget_prompt(i, a, p, T)
             x = x + a.finish(a.attend(p)[0], h)
-            x = x + self._mlp(i, blk, blk.norm2(x))
+            x = x + blk.mlp(blk.norm2(x))
         self.pos.fill_(T)
         self.length = T
         self._merge(T, force=True)
@@ -336,7 +329,7 @@ class StaticDecoder(ScalarReadouts, nn.Module):
             raise ValueError(f"the buffers are full: max_len={self.max_len} positions")
         if idx_t.shape != (self.batch_size, 1):
             raise ValueError(f"idx_t must be (batch_size={self.batch_size}, 1), got shape {tuple(idx_t.shape)}")
-        self._sync_stacks()
+        self._sync_qkv()
         self._merge(self.length)
         with async_value_checks():  # the ops' value checks as device-side asserts: no host sync (on the CPU: read)
             logits = self._step(idx_t)
