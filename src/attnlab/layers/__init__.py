@@ -7,7 +7,8 @@ sink and output gate; `forward(x, record=True)`
 keeps an `AttentionRecord` for `attnlab.regularizers`, and `make_cache` / `step` decode.
 """
 
-from .attention import Attention, LayerCache
+from .attention import Attention
+from .layer_cache import LayerCache
 from .config import AttentionConfig
 from .gate import OutputGate
 from .params import GroundValue, HeadParam, Temperature

@@ -15,20 +15,19 @@ docs/mechanisms.md; adding one is walked through in docs/adding-a-mechanism.md.
 
 from __future__ import annotations
 
-
-from dataclasses import dataclass
-from typing import Any, ClassVar
+from typing import ClassVar
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ..cache.kv import KVCache, RecurrentState
+from ..cache.kv import KVCache
 from ..cache.options import DecodeOptions
 from ..checks import check_finite
 from ..data.packing import positions_in_doc
 from .config import AttentionConfig
 from .gate import OutputGate
+from .layer_cache import LayerCache
 from .record import AttentionRecord, Projected
 from .rope import RotaryEmbedding
 
@@ -37,39 +36,6 @@ def heads(x: torch.Tensor, n: int, d: int) -> torch.Tensor:
     """(B, T, n*d) -> (B, n, T, d)."""
     B, T, _ = x.shape
     return x.view(B, T, n, d).transpose(1, 2)
-
-
-@dataclass
-class LayerCache:
-    """Decode state of one layer, made by `Attention.make_cache` (whose arguments set the options).
-
-    Args:
-        batch_size: B, the batch of every step.
-        pos: tokens seen (the next token's position).
-        kv: plain cache of the vector heads (k, v, and what else a mechanism keeps per key).
-        scalar: the scalar heads' cache (KVCache, ExactScalarCache or SortedScalarCache).
-        state: the recurrent state of the linear family.
-        window: the sorted cache's window k; None for exact decoding.
-        budget: with window, the entries per head the sorted cache keeps after each step.
-        compress: with window, the key span merged after each step (density compression).
-        max_len: the cosformer horizon M.
-        ring: the last local_window tokens of a window-trained scalar/hybrid layer.
-        exact: decode every key even where the layer was trained through a window.
-        selector: the scalar/hybrid heads' learned key selector (`attnlab.cache.selected`), or None.
-    """
-
-    batch_size: int
-    pos: int = 0
-    kv: KVCache | None = None
-    scalar: Any = None
-    state: RecurrentState | None = None
-    window: int | None = None
-    budget: int | None = None
-    compress: float | None = None
-    max_len: int | None = None
-    ring: Any = None
-    exact: bool = False
-    selector: Any = None
 
 
 class Attention(nn.Module):
