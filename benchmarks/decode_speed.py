@@ -62,12 +62,14 @@ import torch
 
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE.parent / "src"))
+sys.path.insert(0, str(HERE.parent / "docs"))
 
 from attnlab.cache.selected import DecodeSelector  # noqa: E402
 from attnlab.index.projections import SearchProjections  # noqa: E402
 from attnlab.models.config import ModelConfig  # noqa: E402
 from attnlab.models.lm import LM  # noqa: E402
 from attnlab.models.static_decode import StaticDecoder  # noqa: E402
+from gpu_tables import DECODE_METHODS as METHODS  # noqa: E402  (docs/gpu_tables.py: every method, in the table's order)
 
 MODELS = {
     "windowed": dict(vocab_size=256, d_model=128, n_layers=4, n_heads=4, attn="hybrid",
@@ -145,10 +147,6 @@ def hf_step_bytes(model, B: int, n: int) -> int:
     kv = 2 * c.num_key_value_heads * (c.hidden_size // c.num_attention_heads) * es
     weights = weight_bytes(model, model.model.embed_tokens.weight, model.lm_head.weight, B)
     return weights + c.num_hidden_layers * B * n * kv
-
-
-METHODS = ("exact", "exact_static", "exact_compiled", "window", "window_static", "window_compiled", "window_ops_static",
-           "window_ops_compiled", "learned", "learned_static", "learned_compiled", "hf_static")
 
 
 class Ours:

@@ -44,7 +44,8 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 SCRIPT = ROOT / "benchmarks" / "kernel_sass.py"
-SOURCES = [SCRIPT, *sorted((ROOT / "src" / "attnlab" / "ops" / "scalar").glob("triton_*.py")),
+SOURCES = [SCRIPT, ROOT / "benchmarks" / "kernel_cases.py",
+           *sorted((ROOT / "src" / "attnlab" / "ops" / "scalar").glob("triton_*.py")),
            ROOT / "src" / "attnlab" / "ops" / "principled" / "triton_kernel.py",
            ROOT / "src" / "attnlab" / "models" / "static_window_kernel.py"]
 H100_SHARED = 227 * 1024

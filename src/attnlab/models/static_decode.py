@@ -149,7 +149,7 @@ class StaticDecoder(ScalarReadouts, nn.Module):
                 self.register_buffer(f"codes{i}", torch.full((B, a.n_scalar, 2, N), LAST, device=p.device),
                                      persistent=False)  # the sorted codes, low and high (static_window)
                 self.register_buffer(f"m{i}", torch.zeros((), dtype=torch.long, device=p.device), persistent=False)
-        self.fused = [blk.attn.fusable() and self._stack_pays(blk.attn)
+        self.fused = [blk.attn.fusable()
                       and not getattr(self.states[str(i)] if str(i) in self.states else None, "stack_qkv_off", False)
                       for i, blk in enumerate(model.blocks)]  # q, k, v as one matmul of stacked weights
         for i, blk in enumerate(model.blocks):
@@ -183,15 +183,6 @@ class StaticDecoder(ScalarReadouts, nn.Module):
             od = softmax_step(p.q, e, ok, a.config.scale, a.config.p, chunk)
             o = torch.cat([o, od.to(o.dtype)], dim=1)
         return o
-
-    # Keep a layer's q, k, v weights stacked from this many bytes: on the CPU a compiled exact step of GPT-2
-    # small's shape (2.4 MB a layer) took 40.4 ms stacked against 45.6 ms stacking them at every step (batch 1,
-    # 5 interleaved rounds), while the windowed model of configs/windowed.toml (0.2 MB a layer) took 1.47 against
-    # 1.33 ms: its step is bound by launches, and Inductor then fuses the stacking into a kernel it runs anyway.
-    stack_min_bytes = 1 << 20
-
-    def _stack_pays(self, a) -> bool:
-        return sum(p.numel() * p.element_size() for m in (a.wq, a.wk, a.wv) for p in m.parameters()) >= self.stack_min_bytes
 
     def _qkv(self, i: int):
         """Layer i's stacked q, k, v weights (and bias) for `Attention.project`, or None."""
