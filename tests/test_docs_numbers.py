@@ -175,7 +175,8 @@ def rebuilt_text(report: Path) -> str:
             trial = load_trial(spec_path)
             return report_markdown(trial, _with_unrun(trial, res["variants"]), res["verdicts"])
         case "retrofit":
-            from attnlab.experiments.retrofit_trial import load_trial, report_markdown
+            from attnlab.experiments.retrofit_report import report_markdown
+            from attnlab.experiments.retrofit_trial import load_trial
 
             trial = load_trial(spec_path)
             return report_markdown(trial, _with_unrun(trial, res["variants"]), res["per_layer"], res["verdicts"])
@@ -223,7 +224,7 @@ def test_report_only_rebuild_changes_nothing(tmp_path, no_plots, monkeypatch):
             (tmp_path / rel).parent.mkdir(parents=True, exist_ok=True)
             shutil.copy2(f, tmp_path / rel)
     monkeypatch.chdir(tmp_path)
-    from attnlab.experiments import retrofit_trial, scalings, search_trial
+    from attnlab.experiments import retrofit_report, retrofit_trial, scalings, search_trial
     from attnlab.experiments.sweep import load_spec, write_results
 
     changed = []
@@ -235,7 +236,7 @@ def test_report_only_rebuild_changes_nothing(tmp_path, no_plots, monkeypatch):
             case "search":
                 search_trial.write_report(search_trial.load_trial(rel / "spec.toml"))
             case "retrofit":
-                retrofit_trial.write_report(retrofit_trial.load_trial(rel / "spec.toml"))
+                retrofit_report.write_report(retrofit_trial.load_trial(rel / "spec.toml"))
             case "scalings":
                 scalings.run(rel, report_only=True)
         for name in ("report.md", "results.json"):

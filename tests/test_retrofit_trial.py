@@ -256,7 +256,7 @@ def test_jobs_run_side_by_side_and_match_one_at_a_time(tmp_path, model_dir, caps
 def test_perplexities_under_different_rules_are_not_compared():
     """A rule comparing perplexities of runs scored under different perplexity rules (or a variant whose
     seeds mix them, mid-rerun) is inconclusive and says why; attention statistics are compared as usual."""
-    from attnlab.experiments.retrofit_trial import _same_rule
+    from attnlab.experiments.retrofit_report import _same_rule
 
     stats = {"a": {"earlier_rule": True, "seeds": [0, 1]}, "b": {"seeds": [0, 1]},
              "c": {"earlier_rule": True, "mixed_rule": True, "seeds": [0, 1]}, "d": {"seeds": [0]}, "e": {"seeds": []}}
