@@ -95,6 +95,47 @@ def test_an_interrupted_decode_evaluation_keeps_what_it_measured(llama, tmp_path
     assert len(calls) == 1 + 6
 
 
+def test_a_resumed_evaluation_reads_the_selector_it_trained(llama, tmp_path, monkeypatch):
+    """partial=: the learned selector's search projections are kept beside the partial file as soon
+    as they are trained; a rerun with the same config reads them (it trains nothing) and reports
+    exactly what an uninterrupted evaluation reports; another config trains its own."""
+    import sys
+
+    import attnlab.eval.selector_training as st
+    from attnlab.retrofit.evaluate import selector_path
+
+    ev = sys.modules["attnlab.retrofit.evaluate"]
+    cfg = EvalConfig(contexts=1, context=32, windows=[4], window_lengths=[24], window_contexts=1,
+                     learned_steps=3, learned_context=16, learned_contexts=2)
+    model = convert(llama, "1,2", "scalar")
+    whole = evaluate_retrofit(model, cfg)["decode"]
+    path = tmp_path / "decode.partial.json"
+    real, calls = ev.perplexity, []
+
+    def flaky(m, ids):
+        calls.append(1)
+        if len(calls) == 1 + 3:  # the held-out perplexity, exact@24, window4@24, then stop in learned4@24
+            raise KeyboardInterrupt("stopped by the test")
+        return real(m, ids)
+
+    monkeypatch.setattr(ev, "perplexity", flaky)
+    with pytest.raises(KeyboardInterrupt):
+        evaluate_retrofit(model, cfg, partial=path)
+    assert selector_path(path).is_file() and list(json.loads(path.read_text())["decode"]) == ["exact@24", "window4@24"]
+    monkeypatch.setattr(ev, "perplexity", real)
+    trained = st.train_selector_projections
+    monkeypatch.setattr(st, "train_selector_projections",
+                        lambda *a, **k: (_ for _ in ()).throw(AssertionError("trained again")))
+    assert evaluate_retrofit(model, cfg, partial=path)["decode"] == whole  # the same projections, bit for bit
+    other = EvalConfig(**{**vars(cfg), "learned_steps": 2})
+    with pytest.raises(AssertionError, match="trained again"):
+        evaluate_retrofit(model, other, partial=tmp_path / "other.partial.json")
+    selector_path(tmp_path / "other.partial.json").write_bytes(selector_path(path).read_bytes())
+    monkeypatch.setattr(st, "train_selector_projections", trained)
+    evaluate_retrofit(model, other, partial=tmp_path / "other.partial.json")  # another config: not read
+    assert selector_path(tmp_path / "other.partial.json").read_bytes() != selector_path(path).read_bytes()
+
+
 def test_a_signal_stops_the_evaluation_after_the_loss_it_is_measuring(llama, tmp_path, monkeypatch):
     """Under interrupt.graceful (a trial's run), SIGINT lets the decode loss in progress finish and be
     kept, then stops the evaluation with Interrupted."""

@@ -49,7 +49,7 @@ from attnlab.pool import run_pool
 from attnlab.models.config import ConfigError
 
 from ..retrofit.convert import RetrofitError
-from ..retrofit.evaluate import PER_LAYER, EvalConfig
+from ..retrofit.evaluate import PER_LAYER, EvalConfig, selector_path
 from ..search.metrics import PERPLEXITY_RULE
 from ..retrofit.finetune import FinetuneConfig
 from ..retrofit.transfer import TransferConfig
@@ -225,6 +225,7 @@ def run_one(run: TrialRun | None, ev: EvalConfig, folder: Path, hf_model, tok, p
         res["ppl_original_hf"] = report.get("perplexity_original")
     atomic_write_text(folder / RESULT, json.dumps(res, indent=1, default=str) + "\n")
     (folder / PARTIAL).unlink(missing_ok=True)
+    selector_path(folder / PARTIAL).unlink(missing_ok=True)
     return res
 
 

@@ -132,7 +132,9 @@ def evaluate_retrofit(model, cfg: EvalConfig, original=None, encode=None, eos_id
     PER_LAYER where the layer has them; also kept as `model.eval_report` (written to eval.json by `save`).
 
     partial: a json path where each decode loss is kept as soon as it is measured (the long part of
-    an evaluation); a rerun with the same cfg measures only the ones missing there."""
+    an evaluation), and the learned selector's trained search projections beside it
+    (`selector_path`); a rerun with the same cfg measures only the losses missing there and reads
+    the projections instead of training them again."""
     from attnlab.train.evaluate import attention_report
 
     cfg.check()
@@ -176,12 +178,16 @@ def _decode_losses(model, cfg: EvalConfig, encode, eos_id, partial=None) -> dict
     lengths = cfg.window_lengths or [cfg.context]
     learned = [f"learned{k}@{T}" for T in lengths for k in cfg.windows]
     if cfg.learned_steps and selectable and any(n not in out for n in learned):
-        from attnlab.eval.selector_training import train_selector_projections
+        proj = _kept_projections(partial, cfg)
+        if proj is None:
+            from attnlab.eval.selector_training import train_selector_projections
 
-        train = split_contexts(cfg.corpus, "train", cfg.learned_context, cfg.learned_contexts, cfg.seed, encode,
-                               eos_id).input_ids
-        with torch.enable_grad():  # evaluate_retrofit runs under no_grad; the projections train
-            proj = train_selector_projections(lm, [row[None] for row in train], cfg.learned_steps, seed=cfg.seed)
+            train = split_contexts(cfg.corpus, "train", cfg.learned_context, cfg.learned_contexts, cfg.seed, encode,
+                                   eos_id).input_ids
+            with torch.enable_grad():  # evaluate_retrofit runs under no_grad; the projections train
+                proj = train_selector_projections(lm, [row[None] for row in train], cfg.learned_steps, seed=cfg.seed)
+            if partial is not None:  # a resumed evaluation reads them instead of training them again
+                proj.save(selector_path(partial), extra_meta={"eval_config": _plain(cfg)})
 
     def measure(name: str, ids, selection=None) -> None:
         if name in out:
@@ -204,6 +210,26 @@ def _decode_losses(model, cfg: EvalConfig, encode, eos_id, partial=None) -> dict
 
 def _plain(cfg: EvalConfig) -> dict:
     return json.loads(json.dumps(vars(cfg), default=str))
+
+
+def selector_path(partial) -> Path:
+    """Where an evaluation with `partial` keeps the search projections it trained for the learned
+    selector (beside the partial file), until the evaluation ends."""
+    partial = Path(partial)
+    return partial.with_name(partial.stem + ".selector.safetensors")
+
+
+def _kept_projections(partial, cfg: EvalConfig):
+    """The search projections an interrupted evaluation with the same cfg trained (None if none)."""
+    if partial is None or not selector_path(partial).is_file():
+        return None
+    from attnlab.index.projections import SearchProjections
+
+    try:
+        proj, meta, _ = SearchProjections.load(selector_path(partial))
+    except (OSError, ValueError):
+        return None
+    return proj.eval() if meta.get("eval_config") == _plain(cfg) else None
 
 
 def _kept(partial, cfg: EvalConfig) -> dict:
