@@ -14,7 +14,9 @@ from attnlab.eval.selectors import (
     METHODS, SelectionTally, quest_page_bounds, select_keys,
 )
 from attnlab.eval.window import decode_window
-from attnlab.ops import hybrid_logits, scalar_logits, window_mask, windowed_attention
+from attnlab.index.keep import IndexedKeep, learned_indices, learned_keep
+from attnlab.testing import rel_rms
+from attnlab.ops import hybrid_logits, scalar_logits, window_indices, window_mask, windowed_attention
 from attnlab.index.projections import SearchProjections
 
 from test_window import _model  # the same tiny LMs (learned positions: no tied keys)
@@ -67,7 +69,7 @@ def test_window_method_equals_decode_window(attn, attention):
                 want, want_w = model(idx)[0], layer.attention_weights(x)
             with select_keys(model, "window", K):
                 got, got_w = model(idx)[0], layer.attention_weights(x)
-        # the window method runs the dense (naive) path, decode_window the selected-keys one
+        # both read the selected keys (the window method through its IndexedKeep's indices)
         torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-5)
         assert torch.equal(got_w, want_w)
 
@@ -377,3 +379,139 @@ def test_windowed_attention_keep_fn_hook():
         windowed_attention(qs, ks, v, tau, None, keep_fn=lambda a, b, logits: torch.ones(1, dtype=torch.bool))
     with pytest.raises(ValueError, match="at least one key"):  # only future keys: nothing a query sees
         windowed_attention(qs, ks, v, tau, None, keep_fn=lambda a, b, logits: logits == float("-inf"))
+
+
+# --------------------------------------------------------------------------- keys as indices
+
+
+def _mask_of(idx, ok, T):
+    """(B, H, T, T) bool: the keys idx / ok hold."""
+    spare = idx.masked_fill(~ok, T)  # unused columns land on a spare column, cut off
+    return torch.zeros(*idx.shape[:3], T + 1, dtype=torch.bool).scatter_(-1, spare, True)[..., :T]
+
+
+@pytest.mark.parametrize("n_prefix", [0, 1, 2])
+@pytest.mark.parametrize("K", [1, 5, 40])
+def test_learned_indices_are_the_keys_of_learned_keep(n_prefix, K):
+    """The same keys as the mask, chunk by chunk, ties included (search vectors rounded to a coarse
+    grid tie often), the prefix from its own position on, K beyond the keys a query sees."""
+    g = torch.Generator().manual_seed(K + n_prefix)
+    B, H, T, d, chunk = 2, 3, 37, 4, 8
+    sq, sk = ((torch.randn(B, H, T, d, generator=g) * 2).round() / 2 for _ in range(2))
+    idx, ok = learned_indices(sq, sk, K, n_prefix, query_chunk=chunk)
+    assert idx.shape == ok.shape == (B, H, T, n_prefix + min(K, T))
+    keep = learned_keep(sq, sk, K, n_prefix)
+    want = torch.cat([torch.nn.functional.pad(keep(a, b, None), (0, T - b)) for a in range(0, T, chunk)
+                      for b in [min(T, a + chunk)]], dim=2)
+    causal = torch.ones(T, T, dtype=torch.bool).tril()
+    assert torch.equal(_mask_of(idx, ok, T), want & causal)  # the mask keeps the prefix for every row
+    assert bool(((idx <= torch.arange(T).view(1, 1, T, 1)) | ~ok).all())
+
+
+def _op_inputs(hybrid, kernel_seed=0):
+    g = torch.Generator().manual_seed(kernel_seed)
+    B, H, T, D = 2, 4, 41, 8
+    qs, ks = torch.randn(B, H, T, generator=g), torch.randn(B, H, T, generator=g)
+    v = torch.randn(B, 2, T, D, generator=g)
+    q, k = (torch.randn(B, H, T, D, generator=g), torch.randn(B, 2, T, D, generator=g)) if hybrid else (None, None)
+    return qs, ks, v, q, k, torch.tensor([0.1, 0.3, 1.0, 2.0])
+
+
+@pytest.mark.parametrize("hybrid", [True, False], ids=["hybrid", "scalar"])
+@pytest.mark.parametrize("kernel", ["gaussian", "cauchy"])
+@pytest.mark.parametrize("rule", ["window", "learned"])
+def test_an_indexed_keep_reads_the_selected_keys_only(hybrid, kernel, rule, monkeypatch):
+    """windowed_attention reads an IndexedKeep through the selected-keys path without calling its mask;
+    outputs and every gradient equal the dense path masked by the same keep_fn (impl="naive"), on
+    the compiled CPU kernels and on the PyTorch path."""
+    from attnlab.ops.scalar import window_cpu
+
+    qs, ks, v, q, k, tau = _op_inputs(hybrid)
+    T, K, n_prefix = qs.shape[-1], 6, 1
+    if rule == "window":
+        mask = lambda a, b, logits: window_mask(qs[..., a:b], ks[..., :b], K, n_prefix=n_prefix)  # noqa: E731
+        indices = lambda: window_indices(qs, ks, K, n_prefix=n_prefix)  # noqa: E731
+    else:
+        g = torch.Generator().manual_seed(5)
+        sq, sk = (torch.randn(*qs.shape, 4, generator=g) for _ in range(2))
+        mask, indices = learned_keep(sq, sk, K, n_prefix), lambda: learned_indices(sq, sk, K, n_prefix)
+    calls = []
+    counted = IndexedKeep(lambda a, b, logits: calls.append(a) or mask(a, b, logits), indices)
+    leaves = [x.clone().requires_grad_() for x in (qs, ks, v, tau) + ((q, k) if hybrid else ())]
+    lam = torch.tensor([0.5, 1.0, 2.0, -0.3], requires_grad=True) if hybrid else None
+
+    def run(keep, impl="auto"):
+        o = windowed_attention(*leaves[:4], None, q=leaves[4] if hybrid else None, k=leaves[5] if hybrid else None,
+                               n_prefix=n_prefix, keep_fn=keep, impl=impl, kernel=kernel, scalar_scale=lam)
+        cot = torch.randn(o.shape, generator=torch.Generator().manual_seed(9))
+        return o, torch.autograd.grad((o * cot).sum(), leaves + ([lam] if hybrid else []))
+
+    want, want_g = run(mask, "naive")
+    for compiled in (True, False):
+        with monkeypatch.context() as m:
+            if not compiled:
+                m.setattr(window_cpu, "available", lambda *a: False)
+            got, got_g = run(counted)
+        assert not calls  # the selected-keys path: the mask is never built
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
+        for a, b in zip(got_g, want_g):  # float32 sums in another order (tau 0.1: logits up to ~100)
+            assert rel_rms(a, b) < 1e-5
+    ref, _ = run(counted, "naive")  # the reference path masks with the keep function itself
+    assert calls and torch.equal(ref, want)
+
+
+def test_bad_indices_are_refused_before_any_work():
+    qs, ks, v, q, k, tau = _op_inputs(True)
+    B, H, T = qs.shape
+    idx, ok = window_indices(qs, ks, 4, n_prefix=1)
+    mask = lambda a, b, logits: window_mask(qs[..., a:b], ks[..., :b], 4, n_prefix=1)  # noqa: E731
+    future = idx.clone()
+    future[:, :, 3, 1] = 10
+    nothing = ok.clone()
+    nothing[0, 0, 5] = False
+    for bad, msg in [((idx.int(), ok), "must return"), ((idx, ok.float()), "must return"),
+                     ((idx[:, :, :-1], ok[:, :, :-1]), "must return"), (idx, "must return"),
+                     ((idx + T, ok), "outside 0 .. T - 1"), ((future, ok), "after its query"),
+                     ((idx, nothing), "at least one key")]:
+        with pytest.raises(ValueError, match=msg):
+            windowed_attention(qs, ks, v, tau, None, q=q, k=k, n_prefix=1, keep_fn=IndexedKeep(mask, lambda: bad))
+    with pytest.raises(ValueError, match="nor a keep_fn without indices"):
+        windowed_attention(qs, ks, v, tau, None, q=q, k=k, n_prefix=1, keep_fn=mask, impl="fast")
+    fast = windowed_attention(qs, ks, v, tau, None, q=q, k=k, n_prefix=1, keep_fn=IndexedKeep(mask, lambda: (idx, ok)),
+                              impl="fast")
+    torch.testing.assert_close(fast, windowed_attention(qs, ks, v, tau, 4, q=q, k=k, n_prefix=1))
+
+
+@pytest.mark.parametrize("method", ["window", "learned"])
+@pytest.mark.parametrize("attn,attention", [CONFIGS[1], CONFIGS[3]], ids=[IDS[1], IDS[3]])
+def test_a_model_reads_the_same_keys_as_indices_as_through_the_mask(attn, attention, method, monkeypatch):
+    """select_keys' window and learned rules through their indices give what masking the dense scores
+    with the same rules gives (the route before indices), to float rounding."""
+    import attnlab.eval.selectors as selectors
+
+    model, idx = _model(attn, **attention), _tokens()
+    kw = _kw(method, model)
+    with torch.no_grad():
+        with select_keys(model, method, 5, **kw):
+            got = model(idx)[0]
+        monkeypatch.setattr(selectors, "IndexedKeep", lambda mask, indices: mask)
+        with select_keys(model, method, 5, **kw):
+            want = model(idx)[0]
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+
+
+def test_the_route_benchmark_runs_and_finds_the_routes_equal(tmp_path, monkeypatch):
+    """benchmarks/selector_route.py at a tiny size: one row per (rule, K, T), the two routes equal."""
+    import json
+    import sys
+    from pathlib import Path
+
+    bench = Path(__file__).resolve().parents[1] / "benchmarks"
+    monkeypatch.syspath_prepend(str(bench))
+    sys.modules.pop("selector_route", None)
+    import selector_route
+
+    selector_route.main(["--T", "40", "--K", "4", "--rounds", "1", "--out", str(tmp_path / "r.json")])
+    rows = json.loads((tmp_path / "r.json").read_text())["rows"]
+    assert [(r["rule"], r["K"], r["T"]) for r in rows] == [("window", 4, 40), ("learned", 4, 40)]
+    assert all(r["max_abs_diff"] < 1e-4 and r["mask_s"] > 0 and r["indices_s"] > 0 for r in rows)

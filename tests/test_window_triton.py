@@ -111,7 +111,7 @@ def test_the_layer_trains_through_the_kernel(monkeypatch):
 
 def test_refusals_name_the_argument():
     ins = make(1, 2, 1, 8, 16, 16, hybrid=False)
-    with pytest.raises(ValueError, match="impl='triton' selects by the window rule"):
+    with pytest.raises(ValueError, match="impl='triton' reads selected keys: it takes no budget"):
         windowed_attention(ins["qs"], ins["ks"], ins["v"], ins["tau"], 3, budget=4, impl="triton")
     with pytest.raises(ValueError, match="impl must be"):
         windowed_attention(ins["qs"], ins["ks"], ins["v"], ins["tau"], 3, impl="trition")
@@ -134,6 +134,32 @@ def test_cuda_kernel_matches_float64_at_gpu_shapes(kernel):
     ins = make(2, 8, 2, 1000, 64, 64, hybrid=True)
     check(ins, torch.float32, tol=1e-4, window=16, local=32, kernel=kernel)
     check(ins, torch.bfloat16, tol=2e-2, window=16, local=32, kernel=kernel)
+
+
+@pytest.mark.parametrize("kernel", ["gaussian", pytest.param("cauchy", marks=pytest.mark.heavy)])
+def test_keys_given_as_indices_go_through_the_kernel(kernel):
+    """An IndexedKeep (the learned selector's keys: any K keys per query, the sink first) through
+    impl="triton" equals the naive op masked by the same keep_fn, in float64 against float32."""
+    from attnlab.index.keep import IndexedKeep, learned_indices, learned_keep
+
+    ins = make(1, 2, 1, 40, 16, 16, hybrid=True)
+    g = torch.Generator().manual_seed(3)
+    sq, sk = (torch.randn(1, 2, 40, 4, generator=g, dtype=torch.float64) for _ in range(2))
+    keep = IndexedKeep(learned_keep(sq, sk, 6, 1), lambda: tuple(x.to(DEV) for x in learned_indices(sq, sk, 6, 1)))
+
+    def through(impl, dtype):
+        t = {n: x.to(DEV, dtype if n not in ("tau", "lam") or dtype == torch.float64 else torch.float32)
+             .requires_grad_() for n, x in ins.items()}
+        out = windowed_attention(t["qs"], t["ks"], t["v"], t["tau"], None, q=t["q"], k=t["k"], scalar_scale=t["lam"],
+                                 n_prefix=1, keep_fn=keep, impl=impl, kernel=kernel)
+        dout = torch.randn(out.shape, generator=torch.Generator().manual_seed(5), dtype=torch.float64)
+        return out, torch.autograd.grad(out, list(t.values()), dout.to(DEV, out.dtype))
+
+    ref, ref_g = through("naive", torch.float64)
+    out, got = through("triton", torch.float32)
+    assert rel_rms(out.double().cpu(), ref.cpu()) < 1e-5
+    for a, b in zip(got, ref_g):
+        assert rel_rms(a.double().cpu(), b.cpu(), floor=1e-2) < 1e-4
 
 
 def test_selection_inverted_by_key():

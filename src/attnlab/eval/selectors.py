@@ -22,6 +22,12 @@ and per query, plus the always-kept prefix entries (the learned sink), through t
   layer's input h is mapped by `attnlab.search.SearchProjections` to unit search vectors, one
   search space per head, and each query reads the K causal keys with the highest q^s . k^s.
 
+The window and learned rules come with their keys as indices too (`attnlab.index.keep.IndexedKeep`), so
+the layers read them through the O(T x K) selected-keys path of `windowed_attention` instead of
+masking T x T scores (the same keys, so outputs equal to float rounding; the window's two routes
+may keep different keys of two whose distances tie only after float32 rounding). With a tally every
+rule masks the dense scores, which the tally reads.
+
 Every method leaves a query that sees at most K keys with all of them (exact attention). With a
 `SelectionTally` the context also counts, over queries that see more than K keys besides the
 prefix, Mass@K (the exact attention's weight on the keys read, the prefix included) and Recall@K
@@ -37,10 +43,11 @@ from typing import Iterator
 import torch
 
 from ..checks import check_choice, check_int
-from ..ops import window_mask
+from ..ops import window_indices, window_mask
 from ..ops._sdpa import expand_heads, upcast
 from ..index.pages import _PageRanges, _quest_keep, quest_page_bounds, scalar_term
-from ..index.keep import candidate_keys, learned_keep, top_keys, with_prefix  # noqa: F401 (re-exported)
+from ..index.keep import (IndexedKeep, candidate_keys, learned_indices, learned_keep, top_keys,  # noqa: F401
+                          with_prefix)
 from ..index.projections import check_projections
 from ..models.lm import selectable_layers
 
@@ -119,8 +126,9 @@ class SelectionTally:
 def _keep_fn(method: str, K: int, page: int, qs, ks, tau, q, k, n_prefix: int, search=None,
              kernel: str = "gaussian", lam=None):
     """keep_fn(a, b, logits) of `method` for one call of a layer's op (see `windowed_attention`)."""
-    if method == "window":
-        return lambda a, b, logits: window_mask(qs[..., a:b], ks[..., :b], K, n_prefix=n_prefix)
+    if method == "window":  # the selected-keys path reads it as the window rule's indices
+        return IndexedKeep(lambda a, b, logits: window_mask(qs[..., a:b], ks[..., :b], K, n_prefix=n_prefix),
+                           lambda: window_indices(qs, ks, K, n_prefix=n_prefix))
     if method == "oracle":
         return lambda a, b, logits: with_prefix(top_keys(logits, candidate_keys(a, b, n_prefix, logits.device), K), n_prefix)
     if method == "quest":
@@ -135,7 +143,7 @@ def _keep_fn(method: str, K: int, page: int, qs, ks, tau, q, k, n_prefix: int, s
 
         return quest
     sq, sk = search  # (B, H, T_op, d): zero rows at the prefix positions
-    return learned_keep(sq, sk, K, n_prefix)
+    return IndexedKeep(learned_keep(sq, sk, K, n_prefix), lambda: learned_indices(sq, sk, K, n_prefix))
 
 
 @contextlib.contextmanager

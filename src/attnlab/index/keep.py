@@ -3,9 +3,13 @@ selector picks them (`eval.selectors`), and the learned rule that decoding throu
 `DecodeSelector` reproduces in one pass (`cache.selected.selected_prefill`).
 
 A keep function is keep_fn(a, b, logits) -> (b - a, b) bool (broadcast over batch and heads) for the
-op's query rows a..b-1 against its keys 0..b-1, the first n_prefix of them a sink every query reads."""
+op's query rows a..b-1 against its keys 0..b-1, the first n_prefix of them a sink every query reads.
+An `IndexedKeep` is a keep function that also gives the same keys as indices, which
+`windowed_attention` reads through its O(T x m) selected-keys path instead of masking T x T scores."""
 
 from __future__ import annotations
+
+from typing import Callable
 
 import torch
 
@@ -34,6 +38,54 @@ def with_prefix(keep: torch.Tensor, n_prefix: int) -> torch.Tensor:
     if n_prefix:
         keep[..., :n_prefix] = True
     return keep
+
+
+class IndexedKeep:
+    """A keep function (`keep(a, b, logits)`, the mask of query rows a..b-1, the reference) that also
+    holds the same keys as indices: `indices()` -> idx (B, H, T, m) int64 and ok (B, H, T, m) bool,
+    laid out as `attnlab.ops.scalar.window.window_indices` lays out the window's (the prefix columns
+    first, then the selected keys; ok False on unused columns)."""
+
+    def __init__(self, keep: Callable[[int, int, torch.Tensor], torch.Tensor],
+                 indices: Callable[[], tuple[torch.Tensor, torch.Tensor]]):
+        self.keep, self._indices = keep, indices
+
+    def __call__(self, a: int, b: int, logits: torch.Tensor) -> torch.Tensor:
+        return self.keep(a, b, logits)
+
+    def indices(self) -> tuple[torch.Tensor, torch.Tensor]:
+        return self._indices()
+
+
+def prefix_columns(B: int, H: int, T: int, m: int, n_prefix: int, device=None) -> tuple[torch.Tensor, torch.Tensor]:
+    """idx, ok (B, H, T, m) with the first n_prefix columns the prefix keys (kept from their own
+    position on) and the rest unused, to be filled by a selection rule."""
+    idx = torch.zeros(B, H, T, m, dtype=torch.long, device=device)
+    ok = torch.zeros(B, H, T, m, dtype=torch.bool, device=device)
+    pre = torch.arange(n_prefix, device=device)
+    idx[..., :n_prefix] = pre
+    ok[..., :n_prefix] = pre <= torch.arange(T, device=device)[:, None]
+    return idx, ok
+
+
+def learned_indices(sq: torch.Tensor, sk: torch.Tensor, K: int, n_prefix: int, query_chunk: int = 512):
+    """The keys of `learned_keep` as indices (see `IndexedKeep`): per query the prefix, then the K
+    causal keys its search query scores highest. Scored in chunks of `query_chunk` query rows
+    exactly as `learned_keep` scores the chunks of `windowed_attention` (the same products, the same
+    top-k call), so both select the same keys, ties included."""
+    B, H, T, _ = sq.shape
+    m = n_prefix + min(K, T)
+    idx, ok = prefix_columns(B, H, T, m, n_prefix, sq.device)
+    for a in range(0, T, query_chunk):
+        b = min(T, a + query_chunk)
+        scores = sq[:, :, a:b] @ sk[:, :, :b].transpose(-1, -2)  # (B, H, Tq, b)
+        candidate = candidate_keys(a, b, n_prefix, scores.device).expand(scores.shape)
+        n = min(K, b)
+        if n:
+            best = scores.masked_fill(~candidate, float("-inf")).topk(n, dim=-1).indices
+            idx[:, :, a:b, n_prefix:n_prefix + n] = best
+            ok[:, :, a:b, n_prefix:n_prefix + n] = candidate.gather(-1, best)
+    return idx, ok
 
 
 def learned_keep(sq: torch.Tensor, sk: torch.Tensor, K: int, n_prefix: int):

@@ -24,6 +24,27 @@ def _selected_chunk(qa, ka, vals, idx, ok):
     return out[..., : vals.shape[-1]]
 
 
+def checked_indices(keep_fn, B: int, H: int, T: int, device) -> tuple[torch.Tensor, torch.Tensor]:
+    """The idx / ok of a keep_fn with indices (`attnlab.index.keep.IndexedKeep`), checked for the
+    selected-keys path: int64 and bool (B, H, T, m) on the op's device, every index in 0 .. T - 1 and
+    a key its query sees (<= t) where ok, and at least one key per query."""
+    out = keep_fn.indices()
+    idx, ok = out if isinstance(out, tuple) and len(out) == 2 else (None, None)
+    if not (isinstance(idx, torch.Tensor) and isinstance(ok, torch.Tensor) and idx.dtype == torch.long
+            and ok.dtype == torch.bool and idx.dim() == 4 and tuple(idx.shape[:3]) == (B, H, T)
+            and idx.shape == ok.shape and idx.device == ok.device == device):
+        got = tuple(type(x).__name__ if not isinstance(x, torch.Tensor) else f"{x.dtype} {tuple(x.shape)}"
+                    for x in (out if isinstance(out, tuple) else (out,)))
+        raise ValueError(f"keep_fn.indices() must return (idx int64, ok bool), both (B, H, T, m) = ({B}, {H}, {T}, m) "
+                         f"on {device}, got {got}")
+    pos = torch.arange(T, device=device).view(1, 1, T, 1)
+    if not bool(((idx >= 0) & (idx < T) & ((idx <= pos) | ~ok)).all()):
+        raise ValueError("keep_fn.indices(): an index outside 0 .. T - 1, or a kept one after its query (> t)")
+    if T and not bool(ok.any(-1).all()):  # an empty softmax would be NaN
+        raise ValueError("keep_fn.indices() must keep at least one key each query sees")
+    return idx, ok
+
+
 def selected_attention(qs, ks, v, tau, idx, ok, q, k, query_chunk, scalar_scale=None, kernel: str = "gaussian"):
     """The selected-keys path of `windowed_attention` over the keys idx / ok (B, H, T, m) select
     (`window.window_indices`): under the Gaussian kernel the scores are the fused path's augmented dot

@@ -40,6 +40,10 @@ selectors of `attnlab.eval.selectors`: oracle top-K, Quest pages, learned search
 called once per query chunk as keep_fn(a, b, logits) with the chunk's query rows a..b-1 (the keys
 are 0..b-1) and their logits (B, H, b - a, b), -inf where a key is hidden, and returns the
 (B, H, b - a, b) bool mask of the keys each query reads (the prefix entries too, if it wants them).
+A keep_fn that also has the same keys as indices (an `attnlab.index.keep.IndexedKeep`: its
+`indices()` gives idx / ok (B, H, T, m) as `window_indices` lays them out) is read through the
+selected-keys path on impl "auto" / "fast", O(T x m) like the window rule's; impl="naive" still
+masks the dense scores with its keep_fn, the reference.
 """
 
 from __future__ import annotations
@@ -57,7 +61,7 @@ from .nearest import nearest_newest
 from .tree import tree_select
 from .route import triton_missing, triton_route
 from . import window_cpu
-from .selected import selected_attention
+from .selected import checked_indices, selected_attention
 from .naive import hybrid_logits, scalar_logits
 from .args import _check_scalars, _check_values, _scalar_scale, _tau, check_kernel
 
@@ -259,7 +263,7 @@ def windowed_attention(
         local: the last `local` keys are always read and the window's keys are the nearest among
             the older ones; an int >= 0.
         impl: ``"naive"`` scores every key and masks; ``"fast"`` reads the selected keys only;
-            ``"auto"`` is ``"fast"``, or ``"naive"`` with a budget or keep_fn.
+            ``"auto"`` is ``"fast"``, or ``"naive"`` with a budget or a keep_fn without indices.
         scalar_scale: hybrid only: lam in q·k/√D − lam (qs − ks)²/τ, as `hybrid_attention` takes it;
             None for 1. It changes the scores, not which keys the window selects.
         kernel: the scalar term's kernel, "gaussian" or "cauchy" (`attnlab.ops.scalar`); both
@@ -279,8 +283,9 @@ def windowed_attention(
         ValueError: shapes that do not fit (batch, heads, groups, ks of another length than qs),
             another device, NaN or inf, tau <= 0, window, query_chunk, n_prefix, local, budget
             or history out of range (a non-int: NotAnIntError, a TypeError too), q without k,
-            impl="fast" with a budget or keep_fn, keep_fn with a window, budget or local, a
-            keep_fn mask that is not bool of the chunk's shape or leaves a query no key, an
+            impl="fast" with a budget or a keep_fn without indices, keep_fn with a window, budget
+            or local, a keep_fn mask (or indices) not bool of the chunk's shape (or not of
+            `window_indices`' layout) or leaving a query no key, an
             unknown impl, docs or cu_seqlens (both; with n_prefix, budget or keep_fn; of another
             shape, device or dtype; offsets not from 0 to T; cu_seqlens with B != 1).
     """
@@ -292,8 +297,10 @@ def windowed_attention(
     if impl not in ("auto", "naive", "fast", "triton"):
         raise ValueError(f"impl must be 'auto', 'naive', 'fast' or 'triton', got {impl!r}")
     check_kernel(kernel)
-    if impl in ("fast", "triton") and (budget is not None or keep_fn is not None):
-        raise ValueError(f"impl={impl!r} selects by the window rule: it takes no budget or keep_fn")
+    indexed = keep_fn is not None and callable(getattr(keep_fn, "indices", None))
+    if impl in ("fast", "triton") and (budget is not None or (keep_fn is not None and not indexed)):
+        raise ValueError(f"impl={impl!r} reads selected keys: it takes no budget, nor a keep_fn without indices "
+                         f"(an IndexedKeep)")
     if impl == "triton" and (why := triton_missing(qs.device)) is not None:
         raise ValueError(f"impl='triton': {why}")
     if local and keep_fn is not None:
@@ -330,9 +337,13 @@ def windowed_attention(
     vals = expand_heads(v, H)
     per_query_tau = torch.is_tensor(tau) and tau.dim() == 3
     window = T if window is None else window
-    if impl != "naive" and budget is None and keep_fn is None:
+    if impl != "naive" and budget is None and (keep_fn is None or indexed):
         chunk = select_chunk(query_chunk, B, H, T, qs.device)
-        idx, ok = window_indices(qs, ks, max(window, 1), n_prefix=n_prefix, local=local, query_chunk=chunk, seg=seg)
+        if keep_fn is None:
+            idx, ok = window_indices(qs, ks, max(window, 1), n_prefix=n_prefix, local=local, query_chunk=chunk,
+                                     seg=seg)
+        else:
+            idx, ok = checked_indices(keep_fn, B, H, T, qs.device)
         if triton_route(impl, qs.device):  # the selected keys only, gathered inside the kernel
             from .triton_selected import triton_selected_attention
 
