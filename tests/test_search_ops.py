@@ -8,7 +8,7 @@ import torch
 from attnlab.data.packing import doc_causal_mask
 from attnlab.search.capture import pack_contexts, teacher_attention
 from attnlab.search.metrics import mass_at_k, recall_at_k, rel_gap, retrieval_stats, token_nll
-from attnlab.index.projections import SearchProjections, search_losses
+from attnlab.index.projections import SearchProjections, search_losses, search_losses_from, search_targets
 from attnlab.search.quest import QuestIndex, quest_bounds, quest_select
 from attnlab.search.retrieval import (ExactIndex, HNSWIndex, block_starts, oracle_select,
                                       streaming_select, topk_candidates)
@@ -108,6 +108,9 @@ def test_search_losses_fast_matches_naive(k_pos):
     teacher = torch.softmax(torch.randn(B, T, T).masked_fill(~allowed, float("-inf")), -1)
     teacher[0, 5, 0] = 0.0  # an exact zero in the teacher: 0 log 0 = 0
     teacher[0, 5] /= teacher[0, 5].sum()
+    teacher[1, 3, 10] = 0.2  # teacher mass on a key the query may not read: not in either loss
+    allowed = allowed.clone()
+    allowed[1, 7] = False  # a query with no admissible key: it adds 0 to both means
     qs = torch.nn.functional.normalize(torch.randn(B, T, d, dtype=torch.float64), dim=-1).requires_grad_()
     ks = torch.nn.functional.normalize(torch.randn(B, T, d, dtype=torch.float64), dim=-1).requires_grad_()
     if k_pos >= T:  # every admissible key is a positive: L_NCE is 0 on both paths
@@ -119,6 +122,11 @@ def test_search_losses_fast_matches_naive(k_pos):
             lambda a, b: search_losses(a, b, teacher.double(), allowed, 0.1, k_pos, impl="naive")[which],
             [qs, ks])
         assert max(errs.values()) < 1e-9, (which, errs)
+    targets = search_targets(teacher.double(), allowed, k_pos)  # computed once, reused by every step
+    for _ in range(2):
+        got = search_losses_from(qs, ks, targets, 0.1)
+        want = search_losses(qs, ks, teacher.double(), allowed, 0.1, k_pos, impl="naive")
+        assert all(abs(g.item() - w.item()) < 1e-9 for g, w in zip(got, want))
 
 
 def test_search_losses_hand_values():

@@ -11,7 +11,7 @@ from typing import Iterable
 import torch
 
 from ..checks import check_int, check_positive
-from ..index.projections import SearchProjections, search_losses
+from ..index.projections import SearchProjections, search_losses_from, search_targets
 from ..models.lm import selectable_layers
 
 @torch.no_grad()
@@ -32,6 +32,12 @@ def _capture(model, layers, x: torch.Tensor) -> list[tuple[torch.Tensor, torch.T
         w = w[..., w.shape[-1] - w.shape[-2]:]
         out.append((inputs[i].float(), w / w.sum(-1, keepdim=True).clamp_min(1e-30)))
     return out
+
+
+def _causal(teacher: torch.Tensor) -> torch.Tensor:
+    """(B * H, T, T) bool, a view: the causal keys of teacher (B, H, T, T)."""
+    B, H, T, _ = teacher.shape
+    return torch.ones(T, T, dtype=torch.bool, device=teacher.device).tril().expand(B * H, T, T)
 
 
 def train_selector_projections(model, batches: Iterable[torch.Tensor], steps: int, *, d_search: int = 32,
@@ -77,8 +83,11 @@ def train_selector_projections(model, batches: Iterable[torch.Tensor], steps: in
             raise ValueError(f"batches[{j}] must be a (B, T) int64 token tensor, got {got}")
     was_training = model.training
     model.eval()
-    try:
-        data = [_capture(model, layers, x) for x in batches]
+    try:  # per batch and layer: the input and the teacher's targets (the teacher is fixed: computed once)
+        data = []
+        for x in batches:
+            data.append([(h, search_targets(teacher.flatten(0, 1), _causal(teacher), k_pos))
+                         for h, teacher in _capture(model, layers, x)])
     finally:
         model.train(was_training)
 
@@ -95,11 +104,9 @@ def train_selector_projections(model, batches: Iterable[torch.Tensor], steps: in
         for g in opt.param_groups:
             g["lr"] = lr * warm * (0.1 + 0.45 * (1 + math.cos(math.pi * step / steps)))
         total = 0.0
-        for i, (h, teacher) in zip(ids, data[step % len(data)]):
-            B, H, T, _ = teacher.shape
+        for i, (h, targets) in zip(ids, data[step % len(data)]):
             sq, sk = proj(i, h)  # (B, H, T, d)
-            allowed = torch.ones(T, T, dtype=torch.bool).tril().expand(B * H, T, T)
-            nce, kl = search_losses(sq.flatten(0, 1), sk.flatten(0, 1), teacher.flatten(0, 1), allowed, proj.tau, k_pos)
+            nce, kl = search_losses_from(sq.flatten(0, 1), sk.flatten(0, 1), targets, proj.tau)
             total = total + alpha * nce + beta * kl
         loss = total / len(ids)
         opt.zero_grad(set_to_none=True)

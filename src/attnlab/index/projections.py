@@ -153,23 +153,46 @@ def search_losses_naive(qs, ks, teacher, allowed, tau: float, k_pos: int):
     return nce / n, kl / n
 
 
-def search_losses_fast(qs, ks, teacher, allowed, tau: float, k_pos: int):
-    """All queries at once with dense (B, Tq, Tk) masked logits."""
+class SearchTargets:
+    """What the losses read of a fixed teacher and admissible mask, computed once (`search_targets`)
+    and reused by every step that trains against them (`search_losses_from`): the positives (each
+    query's top-k_pos admissible teacher keys) as indices, the teacher restricted to the admissible
+    keys, and per query its mass, its sum of A log A and whether it has an admissible key."""
+
+    def __init__(self, allowed, pos, pos_ok, a, mass, ent, has):
+        self.allowed, self.pos, self.pos_ok, self.a, self.mass, self.ent, self.has = (
+            allowed, pos, pos_ok, a, mass, ent, has)
+
+
+@torch.no_grad()
+def search_targets(teacher: torch.Tensor, allowed: torch.Tensor, k_pos: int) -> SearchTargets:
+    """The SearchTargets of teacher (B, Tq, Tk) and the admissible mask (B, Tq, Tk) (see `search_losses`)."""
+    kk = min(k_pos, teacher.shape[-1])
+    pos = teacher.masked_fill(~allowed, -1.0).topk(kk, dim=-1).indices  # (B, Tq, kk)
+    a = torch.where(allowed & (teacher > 0), teacher, torch.zeros((), dtype=teacher.dtype, device=teacher.device))
+    ent = torch.where(a > 0, a * a.clamp_min(1e-30).log(), torch.zeros_like(a)).sum(-1)  # (B, Tq)
+    return SearchTargets(allowed, pos, allowed.gather(-1, pos), a, a.sum(-1), ent, allowed.any(-1))
+
+
+def search_losses_from(qs: torch.Tensor, ks: torch.Tensor, targets: SearchTargets, tau: float):
+    """(L_NCE, L_KL) of `search_losses` against precomputed targets, with one dense (B, Tq, Tk) score
+    matrix: L_NCE from the log-sum-exp over the admissible keys and over the k_pos positives
+    (gathered); L_KL = sum A log A - sum A z + mass * lse, its sum A z = q . (A k) / tau a matmul."""
     z = (qs @ ks.transpose(1, 2)) / tau  # (B, Tq, Tk)
     neg = torch.finfo(z.dtype).min
-    z = z.masked_fill(~allowed, neg)
-    lse_all = torch.logsumexp(z, dim=-1)  # (B, Tq)
-    kk = min(k_pos, z.shape[-1])
-    top = teacher.masked_fill(~allowed, -1.0).topk(kk, dim=-1).indices
-    pos = torch.zeros_like(allowed).scatter_(-1, top, True) & allowed
-    lse_pos = torch.logsumexp(z.masked_fill(~pos, neg), dim=-1)
-    has = allowed.any(-1)
-    nce = torch.where(has, lse_all - lse_pos, torch.zeros_like(lse_all)).mean()
-    logp = z - lse_all[..., None]
-    a = teacher.to(z.dtype)
-    nz = (a > 0) & allowed
-    kl_terms = torch.where(nz, a * (a.clamp_min(1e-30).log() - logp), torch.zeros_like(a))
-    return nce, kl_terms.sum(-1).mean()
+    lse_all = torch.logsumexp(z.masked_fill(~targets.allowed, neg), dim=-1)  # (B, Tq)
+    lse_pos = torch.logsumexp(z.gather(-1, targets.pos).masked_fill(~targets.pos_ok, neg), dim=-1)
+    nce = torch.where(targets.has, lse_all - lse_pos, torch.zeros_like(lse_all)).mean()
+    a = targets.a.to(z.dtype)
+    az = (qs * (a @ ks)).sum(-1) / tau  # sum_j A_tj z_tj, A zero outside the admissible keys
+    kl = targets.ent.to(z.dtype) - az + torch.where(targets.mass > 0, lse_all * targets.mass.to(z.dtype),
+                                                    torch.zeros_like(lse_all))
+    return nce, kl.mean()
+
+
+def search_losses_fast(qs, ks, teacher, allowed, tau: float, k_pos: int):
+    """All queries at once (`search_losses_from` on the teacher's targets)."""
+    return search_losses_from(qs, ks, search_targets(teacher, allowed, k_pos), tau)
 
 
 def search_losses(qs, ks, teacher, allowed, tau: float, k_pos: int = 16, impl: str = "auto"):
