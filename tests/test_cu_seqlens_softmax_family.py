@@ -16,7 +16,10 @@ pytestmark = pytest.mark.usefixtures("one_thread")
 
 LENGTHS, offsets = PACKED_LENGTHS, cu_offsets
 # the kernels' cases at twelve documents take seconds each under the interpreter: `make test-heavy`
-KERNEL_LENGTHS = ["len1", "awkward", pytest.param("many", marks=pytest.mark.heavy)]
+# (and the interpreted kernels at the awkward lengths, 2-3 s each)
+KERNEL_CASES = [pytest.param(n, impl, id=f"{n}-{impl}",
+                             marks=pytest.mark.heavy if n == "many" or (n, impl) == ("awkward", "triton") else ())
+                for n in ("len1", "awkward", "many") for impl in ("fast", "naive", "triton")]
 
 
 def randn(*shape, seed=0):
@@ -138,8 +141,7 @@ def scalar_inputs(T, hybrid):
     return t
 
 
-@pytest.mark.parametrize("impl", ["fast", "naive", "triton"])
-@pytest.mark.parametrize("lengths", KERNEL_LENGTHS)
+@pytest.mark.parametrize("lengths, impl", KERNEL_CASES)
 @pytest.mark.parametrize("kernel, window", KERNELS, ids=[f"{k}-w{w}" for k, w in KERNELS])
 @pytest.mark.parametrize("op", ["scalar", "hybrid"])
 def test_scalar_hybrid_documents_alone(op, kernel, window, lengths, impl):
@@ -164,8 +166,7 @@ def principled(q, k, qg, kg, v, alpha, **kw):
                                 v0=v0.to(q.dtype), return_ground=True, **kw)
 
 
-@pytest.mark.parametrize("impl", ["fast", "naive", "triton"])
-@pytest.mark.parametrize("lengths", KERNEL_LENGTHS)
+@pytest.mark.parametrize("lengths, impl", KERNEL_CASES)
 @pytest.mark.parametrize("case", PRINCIPLED.keys())
 def test_principled_documents_alone(case, lengths, impl):
     """K counts each query's own document (and window); the ground weight w0 too."""
@@ -256,8 +257,7 @@ def goat(q, k, v, freqs, lam_sym, lam_asym, u, hybrid=False, qs=None, ks=None, t
     return goat_attention(q, k, v, freqs, lam_sym, lam_asym, u, **extra, **kw)
 
 
-@pytest.mark.parametrize("impl", ["fast", "naive", "triton"])
-@pytest.mark.parametrize("lengths", KERNEL_LENGTHS)
+@pytest.mark.parametrize("lengths, impl", KERNEL_CASES)
 @pytest.mark.parametrize("case", GOAT.keys())
 def test_goat_documents_alone(case, lengths, impl):
     """GOAT's spectral prior reads i - j, the same wherever a document lies: packed, each query reads
