@@ -10,7 +10,7 @@ from attnlab.experiments.trial import Trial, keep_recorded, pm, recorded_results
 
 from ..retrofit.evaluate import PER_LAYER
 from ..search.metrics import PERPLEXITY_RULE
-from .retrofit_trial import ORIGINAL, SCALARS, _filled, _fingerprint, finished, metric_names
+from .retrofit_runs import ORIGINAL, SCALARS, _filled, _fingerprint, finished, metric_names
 
 
 def collect(trial: Trial) -> tuple[dict, dict]:

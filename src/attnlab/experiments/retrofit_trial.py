@@ -33,7 +33,7 @@ import json
 import math
 import shutil
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict
 from pathlib import Path
 
 import torch
@@ -50,40 +50,15 @@ from attnlab.models.config import ConfigError
 
 from ..retrofit.convert import RetrofitError
 from ..retrofit.evaluate import PER_LAYER, EvalConfig, selector_path
-from ..search.metrics import PERPLEXITY_RULE
 from ..retrofit.finetune import FinetuneConfig
 from ..retrofit.transfer import TransferConfig
+from ..search.metrics import PERPLEXITY_RULE
+from .retrofit_report import write_report
+from .retrofit_runs import (ORIGINAL, PARTIAL, RESULT, RetrofitSpec, TrialRun, _current, _filled, _fingerprint,
+                            metric_names)
 
 SPEC_KEYS = ("title", "claim", "description", "seeds", "retrofit", "transfer", "finetune", "eval", "variants",
              "verdict", "out")
-ORIGINAL = "original"
-RESULT = "result.json"
-PARTIAL = "decode.partial.json"  # the decode losses of an evaluation not yet finished
-SCALARS = ("ppl", "nll", "ppl_gap", *PER_LAYER, "first_token_share_before", "first_token_share_all",
-           "new_change_rms", "trainable_params", "wall_s")
-
-
-@dataclass
-class RetrofitSpec:
-    """What is converted: `attnlab retrofit --model/--layers/--attn/--set`."""
-
-    model: str = "smollm2"
-    layers: str = "middle6"
-    attn: str = "softmax"
-    settings: dict = field(default_factory=dict)
-
-
-@dataclass
-class TrialRun:
-    variant: str
-    seed: int
-    folder: Path
-    retrofit: RetrofitSpec
-    transfer: TransferConfig
-    finetune: FinetuneConfig
-    eval: EvalConfig
-
-
 SECTIONS = {"retrofit": (RetrofitSpec, ()), "transfer": (TransferConfig, ("seed",)),
             "finetune": (FinetuneConfig, ("seed", "checkpoint_every")), "eval": (EvalConfig, ())}
 
@@ -133,41 +108,6 @@ def load_trial(path) -> Trial:
     return Trial(head.path, head.title, head.claim, head.description, seeds, names, runs, rules, out)
 
 
-def _fingerprint(run: TrialRun | None, ev: EvalConfig) -> dict:
-    d = {"eval": asdict(ev)}
-    if run is not None:
-        d.update(retrofit=asdict(run.retrofit), transfer=asdict(run.transfer), finetune=asdict(run.finetune))
-    return json.loads(json.dumps(d, default=str))
-
-
-def _filled(fp: dict) -> dict | None:
-    """A fingerprint with every section's fields present (fields added since it was written take
-    their defaults, which is what such a run used); None if it names a field that no longer exists."""
-    classes = {"eval": EvalConfig, "transfer": TransferConfig, "finetune": FinetuneConfig, "retrofit": RetrofitSpec}
-    try:
-        return json.loads(json.dumps({k: asdict(classes[k](**v)) if k in classes else v for k, v in fp.items()},
-                                     default=str))
-    except TypeError:
-        return None
-
-
-def finished(folder: Path, want: dict) -> dict | None:
-    """The run's result.json when it was written for exactly these settings, else None."""
-    try:
-        res = json.loads((folder / RESULT).read_text())
-    except (OSError, ValueError):
-        return None
-    have = _filled(res.get("fingerprint") or {})
-    return res if have is not None and have == _filled(want) else None
-
-
-def _current(folder: Path, want: dict) -> bool:
-    """Whether the run's result.json was written for these settings under today's perplexity rule (a
-    result scored under the earlier rule still counts in reports, and a run of the trial redoes it)."""
-    res = finished(folder, want)
-    return res is not None and res.get("perplexity_rule") == PERPLEXITY_RULE
-
-
 def _summary(report: dict, replaced: set[int]) -> dict:
     """The run's scalars from an `evaluate_retrofit` report."""
     layers = report["layers"]
@@ -181,11 +121,6 @@ def _summary(report: dict, replaced: set[int]) -> dict:
         if not name.startswith("exact@"):
             out["gap:" + name] = 100.0 * math.expm1(nll - decode["exact@" + name.split("@")[1]])
     return out
-
-
-def metric_names(ev: EvalConfig) -> list[str]:
-    """Every per-run scalar a `[[verdict]]` rule may name."""
-    return [*SCALARS, *ev.decode_names(), *("gap:" + n for n in ev.decode_names() if not n.startswith("exact@"))]
 
 
 def run_one(run: TrialRun | None, ev: EvalConfig, folder: Path, hf_model, tok, progress: bool = True) -> dict:
@@ -264,8 +199,6 @@ def run_trial(trial: Trial, hf_model=None, tok=None, progress: bool = True, repo
             run_one(run, ev, orig if run is None else run.folder, hf_model, tok, progress)
             if interrupt.requested() is not None:
                 raise interrupt.Interrupted(interrupt.requested(), "stopped between runs; rerun to resume")
-        from .retrofit_report import write_report
-
         return write_report(trial)
 
 
