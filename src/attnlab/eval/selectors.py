@@ -184,8 +184,8 @@ def select_keys(model, method: str, K: int, *, projections=None, page: int = 16,
         def select(qs, ks, tau, q, k, n_prefix):
             search = _search_vectors(projections, i, inputs.pop(i, None), qs, n_prefix) if method == "learned" else None
             fn = _keep_fn(method, K, page, qs, ks, tau, q, k, n_prefix, search, *scalar_term(layer))
-            if tally is None:
-                return torch.no_grad()(fn)
+            if tally is None:  # an IndexedKeep stays one, so that the op reads its indices
+                return fn if callable(getattr(fn, "indices", None)) else torch.no_grad()(fn)
 
             @torch.no_grad()
             def counted(a, b, logits):

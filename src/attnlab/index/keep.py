@@ -50,9 +50,11 @@ class IndexedKeep:
                  indices: Callable[[], tuple[torch.Tensor, torch.Tensor]]):
         self.keep, self._indices = keep, indices
 
+    @torch.no_grad()  # keys are chosen, not differentiated
     def __call__(self, a: int, b: int, logits: torch.Tensor) -> torch.Tensor:
         return self.keep(a, b, logits)
 
+    @torch.no_grad()
     def indices(self) -> tuple[torch.Tensor, torch.Tensor]:
         return self._indices()
 
