@@ -461,6 +461,23 @@ def test_an_indexed_keep_reads_the_selected_keys_only(hybrid, kernel, rule, monk
     assert calls and torch.equal(ref, want)
 
 
+@pytest.mark.parametrize("T", [0, 1, 2])
+@pytest.mark.parametrize("n_prefix", [0, 1])
+def test_an_indexed_keep_at_the_shortest_lengths(T, n_prefix):
+    """T = 0, 1, 2 (fewer keys than K, a sink that is the only key): the indices route gives what the
+    dense path masked by the same keep function gives."""
+    if T == 0 and n_prefix:
+        pytest.skip("a prefix needs a position")
+    g = torch.Generator().manual_seed(T)
+    qs, ks, v = torch.randn(1, 2, T, generator=g), torch.randn(1, 2, T, generator=g), torch.randn(1, 1, T, 4, generator=g)
+    sq, sk = torch.randn(1, 2, T, 3, generator=g), torch.randn(1, 2, T, 3, generator=g)
+    keep = IndexedKeep(learned_keep(sq, sk, 3, n_prefix), lambda: learned_indices(sq, sk, 3, n_prefix))
+    got = windowed_attention(qs, ks, v, 0.5, None, n_prefix=n_prefix, keep_fn=keep)
+    assert got.shape == (1, 2, T, 4)
+    torch.testing.assert_close(got, windowed_attention(qs, ks, v, 0.5, None, n_prefix=n_prefix, keep_fn=keep,
+                                                       impl="naive"))
+
+
 def test_bad_indices_are_refused_before_any_work():
     qs, ks, v, q, k, tau = _op_inputs(True)
     B, H, T = qs.shape

@@ -13,6 +13,8 @@ from typing import Callable
 
 import torch
 
+from ..ops.scalar.window import prefix_columns
+
 
 def candidate_keys(a: int, b: int, n_prefix: int, device=None) -> torch.Tensor:
     """(b - a, b) bool: the keys query rows a..b-1 may select, the causal keys past the prefix."""
@@ -57,17 +59,6 @@ class IndexedKeep:
     @torch.no_grad()
     def indices(self) -> tuple[torch.Tensor, torch.Tensor]:
         return self._indices()
-
-
-def prefix_columns(B: int, H: int, T: int, m: int, n_prefix: int, device=None) -> tuple[torch.Tensor, torch.Tensor]:
-    """idx, ok (B, H, T, m) with the first n_prefix columns the prefix keys (kept from their own
-    position on) and the rest unused, to be filled by a selection rule."""
-    idx = torch.zeros(B, H, T, m, dtype=torch.long, device=device)
-    ok = torch.zeros(B, H, T, m, dtype=torch.bool, device=device)
-    pre = torch.arange(n_prefix, device=device)
-    idx[..., :n_prefix] = pre
-    ok[..., :n_prefix] = pre <= torch.arange(T, device=device)[:, None]
-    return idx, ok
 
 
 def learned_indices(sq: torch.Tensor, sk: torch.Tensor, K: int, n_prefix: int, query_chunk: int = 512):

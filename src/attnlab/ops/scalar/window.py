@@ -137,6 +137,18 @@ def window_mask(qs: torch.Tensor, ks: torch.Tensor, window: int, *, n_prefix: in
     return keep
 
 
+def prefix_columns(B: int, H: int, T: int, m: int, n_prefix: int, device=None) -> tuple[torch.Tensor, torch.Tensor]:
+    """idx, ok (B, H, T, m) with the first n_prefix columns the prefix keys (kept from their own
+    position on: a query before the sink's end) and the other columns unused, for a selection rule
+    to fill (`window_indices`, `attnlab.index.keep.learned_indices`)."""
+    idx = torch.zeros(B, H, T, m, dtype=torch.long, device=device)
+    ok = torch.zeros(B, H, T, m, dtype=torch.bool, device=device)
+    pre = torch.arange(n_prefix, device=device)
+    idx[..., :n_prefix] = pre
+    ok[..., :n_prefix] = pre <= torch.arange(T, device=device)[:, None]
+    return idx, ok
+
+
 def window_indices(qs: torch.Tensor, ks: torch.Tensor, window: int, *, n_prefix: int = 0, local: int = 0,
                    query_chunk: int = 256, seg: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """The keys of `window_mask` (causal, Tq = Tk = T) as indices.
@@ -167,14 +179,10 @@ def window_indices(qs: torch.Tensor, ks: torch.Tensor, window: int, *, n_prefix:
     """
     B, H, T = ks.shape
     k = min(window, max(T - n_prefix, 0))
-    m = n_prefix + local + k
-    idx = torch.zeros(B, H, T, m, dtype=torch.long, device=ks.device)
-    ok = torch.zeros(B, H, T, m, dtype=torch.bool, device=ks.device)
+    idx, ok = prefix_columns(B, H, T, n_prefix + local + k, n_prefix, ks.device)
     if T == 0:
         return idx, ok
     pos = torch.arange(T, device=ks.device)
-    idx[..., :n_prefix] = torch.arange(n_prefix, device=ks.device)
-    ok[..., :n_prefix] = torch.arange(n_prefix, device=ks.device) <= pos[:, None]  # a query before the sink's end
     if local:
         rec = pos[:, None] - torch.arange(local, device=ks.device)  # (T, local): t, t-1, ...
         idx[..., n_prefix : n_prefix + local] = rec.clamp_min(0)
