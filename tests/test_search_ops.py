@@ -129,6 +129,30 @@ def test_search_losses_fast_matches_naive(k_pos):
         assert all(abs(g.item() - w.item()) < 1e-9 for g, w in zip(got, want))
 
 
+def test_search_losses_hold_exponents_above_the_floor_exactly():
+    """Sharp scores (tau 0.002: most exponents z - max far below -87, where the held log-sum-exp
+    floors them) in float32 give the float64 query-by-query losses and gradients; a hidden key
+    scoring above every admissible one, and a query with no admissible key, change nothing."""
+    B, T, d = 2, 40, 8
+    allowed = torch.ones(T, T, dtype=torch.bool).tril().expand(B, T, T).clone()
+    allowed[0, 20] = False  # no admissible key
+    allowed[1, 30, 29] = False  # hidden: the best score of its row (below)
+    g = torch.Generator().manual_seed(3)
+    teacher = torch.softmax(torch.randn(B, T, T, generator=g).masked_fill(~allowed, float("-inf")), -1).nan_to_num(0.0)
+    qs = torch.nn.functional.normalize(torch.randn(B, T, d, generator=g), dim=-1)
+    ks = torch.nn.functional.normalize(torch.randn(B, T, d, generator=g), dim=-1)
+    ks[1, 29] = qs[1, 30]
+    z = (qs @ ks.transpose(1, 2)) / 0.002
+    assert (z - z.amax(-1, keepdim=True) < -90).float().mean() > 0.5  # the floor is in play
+    qs, ks = qs.requires_grad_(), ks.requires_grad_()
+    for which in (0, 1):
+        errs = compare_fwd_bwd(
+            lambda a, b: search_losses(a, b, teacher, allowed, 0.002, 4, impl="fast")[which],
+            lambda a, b: search_losses(a.double(), b.double(), teacher.double(), allowed, 0.002, 4, impl="naive")[which],
+            [qs, ks])
+        assert all(math.isfinite(e) for e in errs.values()) and max(errs.values()) < 1e-5, (which, errs)
+
+
 def test_search_losses_hand_values():
     # one query, two admissible keys, scores z = (2, 0), teacher (0.5, 0.5), positives = top-1
     qs = torch.tensor([[[1.0, 0.0], [1.0, 0.0]]])
@@ -406,3 +430,18 @@ def test_search_benchmark_runs_shared_and_grouped(tmp_path):
         assert row["kv_cache_mb"] == 2 * 3 * 300 * 64 * 4 / 2 ** 20
     rows = mod.train_rows(96, [0, 32], rounds=1)
     assert [r["query_rows"] for r in rows] == [96, 32] and rows[0]["x_first"] == 1.0 and rows[1]["step_s"] > 0
+
+
+def test_search_losses_benchmark_runs(tmp_path):
+    """benchmarks/search_losses.py at a tiny size: its three routes agree with each other and with
+    the query-by-query reference."""
+    import json
+    import sys
+    from pathlib import Path
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+    sys.modules.pop("search_losses", None)
+    import search_losses as bench
+    bench.main(["--T", "12", "--rounds", "1", "--out", str(tmp_path / "r.json")])
+    (row,) = json.loads((tmp_path / "r.json").read_text())["rows"]
+    assert row["max_abs_diff"] < 1e-5 and row["max_abs_diff_naive"] < 1e-4
+    assert {"in_step_s", "cached_s", "plain_lse_s", "plain_lse_ratio"} <= set(row)
