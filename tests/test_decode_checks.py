@@ -27,6 +27,7 @@ def _elements_checked(monkeypatch) -> list[int]:
     return seen
 
 
+@pytest.mark.heavy  # 1.1-2.5 s per mechanism
 @pytest.mark.parametrize("attn", ["softmax", "principled", "scalar", "hybrid"])
 def test_a_step_reads_no_more_as_the_cache_grows(attn, monkeypatch):
     """(GOAT is not here: its step computes the key-only term of every held key, O(n) work of its own,

@@ -167,6 +167,7 @@ def _finite(x):
     return x is None or math.isfinite(x)
 
 
+@pytest.mark.heavy  # 2.1 s
 def test_bf16_model_on_the_cpu_trains_and_evaluates(tmp_path, corpus, model_dir, capsys):
     """`attnlab search train --device cpu --dtype bfloat16` from a model folder, then the evaluation with
     the model in bf16 and in float32: finite numbers, full attention's perplexity close to float32's

@@ -75,12 +75,14 @@ def test_kernel_matches_naive(case, kernel, hybrid):
     check(ins, window=window, local=local, n_prefix=n_prefix, kernel=kernel)
 
 
+@pytest.mark.heavy  # 2.0 s under the interpreter
 def test_ties_pick_the_keys_the_naive_op_picks():
     """Integer scalar keys: many equal distances; the window takes the newest first, as the cache."""
     ins = make(1, 2, 2, 48, 16, 16, hybrid=True, ties=True)
     check(ins, window=6, local=4, kernel="cauchy")
 
 
+@pytest.mark.heavy  # 2.0 s under the interpreter
 def test_bf16_inputs():
     ins = make(1, 2, 1, 40, 64, 16, hybrid=True)
     check(ins, torch.bfloat16, tol=2e-2, window=8, local=8, kernel="cauchy")
