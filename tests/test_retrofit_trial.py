@@ -267,3 +267,72 @@ def test_perplexities_under_different_rules_are_not_compared():
     assert _same_rule({"metric": "nll", "compare": ["b", "d"]}, supported, stats) == supported
     assert _same_rule({"metric": "first_token_share", "compare": ["a", "b"]}, supported, stats) == supported
     assert _same_rule({"metric": "nll", "compare": ["a", "e"]}, supported, stats) == supported  # e: nothing ran
+
+
+def _two_trials(tmp_path, model_dir, second_transfer):
+    """Trials `a` (a control) and `b` (the same control, `second_transfer` added, and a gate) side by side."""
+    one = SPEC.split("[[variants]]")[0].replace("seeds = [0, 1]", "seeds = [0]") + '[[variants]]\nname = "control"\n'
+    paths = []
+    for name, text in (("a", one), ("b", one + second_transfer + GATE)):
+        (tmp_path / name).mkdir()
+        paths.append(tmp_path / name / "spec.toml")
+        paths[-1].write_text(text.format(model=model_dir))
+    return paths
+
+
+GATE = '[[variants]]\nname = "gate"\nretrofit = {{ settings = {{ output_gate = "elementwise" }} }}\n'
+
+
+def test_a_run_another_trial_did_with_the_same_settings_is_borrowed(tmp_path, model_dir):
+    """`borrow` copies a finished run of a trial beside this one when the settings match once unread
+    options are dropped (transfer options with no transfer step), under today's rule, same seed; not
+    otherwise."""
+    from attnlab.experiments.retrofit_runs import PERPLEXITY_RULE, _fingerprint, borrow, same_settings
+
+    a_spec, b_spec = _two_trials(tmp_path, model_dir, "[transfer]\ncontexts = 3\ncontext = 16\n")
+    a, b = load_trial(a_spec), load_trial(b_spec)
+    ctrl_a, ctrl_b = a.runs[0], next(r for r in b.runs if r.variant == "control")
+    fa, fb = _fingerprint(ctrl_a, ctrl_a.eval), _fingerprint(ctrl_b, ctrl_b.eval)
+    assert fa != fb and same_settings(fa, fb)  # the transfer options differ, and no transfer step reads them
+    moved = json.loads(json.dumps(fb))
+    moved["transfer"]["steps"] = 5
+    assert not same_settings(fa, moved)
+    assert borrow(ctrl_b.folder, fb, 0, tmp_path) is None  # nothing finished yet
+    ctrl_a.folder.mkdir(parents=True)
+    res = {"variant": "control", "seed": 0, "nll": 1.5, "fingerprint": fa, "perplexity_rule": PERPLEXITY_RULE}
+    (ctrl_a.folder / "result.json").write_text(json.dumps(res))
+    assert borrow(ctrl_b.folder, fb, 1, tmp_path) is None  # another seed
+    gate = next(r for r in b.runs if r.variant == "gate")
+    assert borrow(gate.folder, _fingerprint(gate, gate.eval), 0, tmp_path) is None  # other settings
+    got = borrow(ctrl_b.folder, fb, 0, tmp_path)
+    assert got["nll"] == 1.5 and got["reused_from"] == "a/runs/control/seed0" and got["fingerprint"] == fb
+    assert json.loads((ctrl_b.folder / "result.json").read_text()) == got
+    assert json.loads((ctrl_b.folder / "fingerprint.json").read_text()) == fb
+    (ctrl_b.folder / "result.json").unlink()
+    (ctrl_a.folder / "result.json").write_text(json.dumps({**res, "perplexity_rule": "earlier"}))
+    assert borrow(ctrl_b.folder, fb, 0, tmp_path) is None  # scored under another rule: redone
+    # the original model: the same evaluation, whatever the variants
+    orig_a, orig_b = a.out / "runs" / ORIGINAL, b.out / "runs" / ORIGINAL
+    orig_a.mkdir(parents=True)
+    (orig_a / "result.json").write_text(json.dumps({"variant": ORIGINAL, "seed": None, "nll": 2.0,
+                                                    "fingerprint": _fingerprint(None, a.runs[0].eval),
+                                                    "perplexity_rule": PERPLEXITY_RULE}))
+    assert borrow(orig_b, _fingerprint(None, b.runs[0].eval), None, tmp_path)["reused_from"] == "a/runs/original"
+
+
+@pytest.mark.heavy
+def test_a_trial_reuses_what_a_trial_beside_it_ran(tmp_path, model_dir):
+    """Trial b runs only its gate: its original and control are a's (identical settings), named in its report;
+    --no-reuse runs them all."""
+    a_spec, b_spec = _two_trials(tmp_path, model_dir, "[transfer]\ncontext = 16\n")
+    assert main(["retrofit", "trial", str(a_spec), "--no-progress"]) == 0
+    assert main(["retrofit", "trial", str(b_spec), "--no-progress"]) == 0
+    ra, rb = (json.loads((p.parent / "results.json").read_text())["variants"] for p in (a_spec, b_spec))
+    assert rb["control"]["mean"] == ra["control"]["mean"] and rb[ORIGINAL]["mean"] == ra[ORIGINAL]["mean"]
+    assert rb["control"]["reused_from"] == ["a/runs/control/seed0"] and "reused_from" not in rb["gate"]
+    assert "`a/runs/control/seed0`" in (b_spec.parent / "report.md").read_text()
+    shutil.rmtree(b_spec.parent / "runs")
+    assert main(["retrofit", "trial", str(b_spec), "--no-progress", "--no-reuse"]) == 0
+    again = json.loads((b_spec.parent / "results.json").read_text())["variants"]
+    assert "reused_from" not in again["control"]
+    assert again["control"]["mean"]["nll"] == pytest.approx(ra["control"]["mean"]["nll"], abs=1e-6)  # the same run

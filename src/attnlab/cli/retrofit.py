@@ -39,6 +39,9 @@ def add_retrofit(sub) -> None:
                    help="run the retrofit experiment SPEC.toml (variants x seeds, resumable) and write its report")
     p.add_argument("--report-only", action="store_true", help="with trial: rebuild the report from finished runs")
     p.add_argument("--no-progress", action="store_true", help="with trial: no progress bars")
+    p.add_argument("--no-reuse", action="store_true",
+                   help="with trial: run every run here, even one a trial in a folder beside it finished for the "
+                        "same settings and seed (by default that run's result is copied, its source named)")
     p.add_argument("--jobs", type=int, default=1, metavar="N",
                    help="with trial: run N (variant, seed) runs at once, each in its own process with 1/N of the "
                         "threads (default: 1)")
@@ -100,8 +103,9 @@ def cmd_retrofit(ns) -> int:
     for flag in ("attn", "out"):
         if getattr(ns, flag) is None:
             raise UsageError(f"attnlab retrofit: --{flag} is required (or: attnlab retrofit trial SPEC.toml)")
-    if ns.report_only or ns.no_progress or ns.jobs != 1:
-        raise UsageError("--report-only, --no-progress and --jobs belong to `attnlab retrofit trial SPEC.toml`")
+    if ns.report_only or ns.no_progress or ns.no_reuse or ns.jobs != 1:
+        raise UsageError("--report-only, --no-progress, --no-reuse and --jobs belong to "
+                         "`attnlab retrofit trial SPEC.toml`")
     try:
         import attnlab.hf  # noqa: F401
         from attnlab.retrofit import RetrofitError, check_out, load_source, parse_settings, plan_source, save
@@ -222,7 +226,7 @@ def cmd_trial(ns) -> int:
         raise UsageError(str(e)) from None
     trial = load_trial(ns.trial[1])  # ConfigError names the key; every variant's plan checked
     res = run_trial(trial, progress=not ns.no_progress, report_only=ns.report_only, jobs=ns.jobs, device=device,
-                    dtype=dtype)
+                    dtype=dtype, reuse=not ns.no_reuse)
     for v in res["verdicts"]:
         print(f"{v['name'] or v['metric']}: {v['outcome']}")
     print(f"wrote {trial.out}/results.json, report.md")

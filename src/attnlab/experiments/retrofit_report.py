@@ -10,7 +10,7 @@ from attnlab.experiments.trial import Trial, keep_recorded, pm, recorded_results
 
 from ..retrofit.evaluate import PER_LAYER
 from ..search.metrics import PERPLEXITY_RULE
-from .retrofit_runs import ORIGINAL, SCALARS, _filled, _fingerprint, finished, metric_names
+from .retrofit_runs import ORIGINAL, SCALARS, _fingerprint, finished, metric_names, same_settings
 
 
 def collect(trial: Trial) -> tuple[dict, dict]:
@@ -25,9 +25,11 @@ def collect(trial: Trial) -> tuple[dict, dict]:
         stats[ORIGINAL]["sd"] = {k: (0.0 if v is not None else None) for k, v in stats[ORIGINAL]["mean"].items()}
         if orig.get("perplexity_rule") != PERPLEXITY_RULE:
             stats[ORIGINAL]["earlier_rule"] = True
+        if orig.get("reused_from"):
+            stats[ORIGINAL]["reused_from"] = [orig["reused_from"]]
         layers[ORIGINAL] = {k: [row.get(k) for row in orig["eval"]["layers"]] for k in PER_LAYER}
     for v in trial.variants:
-        done, per_layer, earlier, current = {}, [], False, False
+        done, per_layer, earlier, current, reused = {}, [], False, False, []
         for run in (r for r in trial.runs if r.variant == v):
             res = finished(run.folder, _fingerprint(run, ev))
             if res is None:
@@ -41,7 +43,11 @@ def collect(trial: Trial) -> tuple[dict, dict]:
             per_layer.append(res["eval"]["layers"])
             earlier = earlier or res.get("perplexity_rule") != PERPLEXITY_RULE
             current = current or res.get("perplexity_rule") == PERPLEXITY_RULE
+            if res.get("reused_from"):
+                reused.append(res["reused_from"])
         stats[v] = seed_stats(done)
+        if reused:
+            stats[v]["reused_from"] = reused
         if earlier:
             stats[v]["earlier_rule"] = True
             if current:
@@ -63,10 +69,10 @@ def write_report(trial: Trial) -> dict:
 
     def same(v: str) -> bool:
         if v == ORIGINAL:  # the unchanged model, measured by the shared evaluation
-            return any(_filled({"eval": fp.get("eval")}) == _fingerprint(None, ev)
+            return any(same_settings({"eval": fp.get("eval")}, _fingerprint(None, ev))
                        for fp in (old.get("runs") or {}).values() if isinstance(fp, dict))
         fp = (old.get("runs") or {}).get(v)
-        return isinstance(fp, dict) and _filled(fp) == fingerprints[v]
+        return isinstance(fp, dict) and same_settings(fp, fingerprints[v])
 
     seeds = {v: [r.seed for r in trial.runs if r.variant == v] for v in trial.variants}
     for v in keep_recorded(stats, old, {ORIGINAL: list(trial.seeds), **seeds}, same):
@@ -121,6 +127,12 @@ def report_markdown(trial: Trial, stats: dict, layers: dict, judged: list[dict])
         wall = stats[v]["mean"].get("wall_s")
         lines.append(f"- **{v}**: layers {r.layers} → {r.attn}{' ' + str(r.settings) if r.settings else ''}; {moved}{tune}; "
                      f"wall time per run {fmt(wall, 3) if wall else '—'} s; seeds done {stats[v]['seeds']}.")
+    reused = [f"{v} ({', '.join(f'`{p}`' for p in stats[v]['reused_from'])})" for v in [ORIGINAL, *trial.variants]
+              if stats.get(v, {}).get("reused_from")]
+    if reused:
+        lines += ["", "Taken from another trial's runs of the same settings and seeds (the same computation, run "
+                  "once; `attnlab retrofit trial` copies them; paths from the folder that holds this trial): "
+                  + "; ".join(reused) + "."]
     lines += ["", "## Results: mean ± sd over training seeds", "",
               "ppl: held-out perplexity; ppl_gap: % against the original model; nll = ln ppl. first-token share, "
               "gate_low (share of gate values below 0.1), ground_weight (the ground state's mass) and "

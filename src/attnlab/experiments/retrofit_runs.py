@@ -9,6 +9,7 @@ import json
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
+from ..data.cache import atomic_write_text
 from ..retrofit.evaluate import PER_LAYER, EvalConfig
 from ..retrofit.finetune import FinetuneConfig
 from ..retrofit.transfer import TransferConfig
@@ -60,14 +61,29 @@ def _filled(fp: dict) -> dict | None:
         return None
 
 
+def _effective(fp: dict) -> dict | None:
+    """The settings that decide a run's outcome: the filled fingerprint, with the transfer options
+    of a run that takes no transfer step set to their defaults (nothing reads them)."""
+    fp = _filled(fp)
+    if fp is not None and isinstance(fp.get("transfer"), dict) and fp["transfer"].get("steps") == 0:
+        fp["transfer"] = json.loads(json.dumps(asdict(TransferConfig()), default=str))
+    return fp
+
+
+def same_settings(have: dict, want: dict) -> bool:
+    """Whether a run recorded with fingerprint `have` is a run for the settings `want`: equal once
+    filled (`_filled`) and with unread options dropped (`_effective`)."""
+    have = _effective(have)
+    return have is not None and have == _effective(want)
+
+
 def finished(folder: Path, want: dict) -> dict | None:
-    """The run's result.json when it was written for exactly these settings, else None."""
+    """The run's result.json when it was written for these settings (`same_settings`), else None."""
     try:
         res = json.loads((folder / RESULT).read_text())
     except (OSError, ValueError):
         return None
-    have = _filled(res.get("fingerprint") or {})
-    return res if have is not None and have == _filled(want) else None
+    return res if same_settings(res.get("fingerprint") or {}, want) else None
 
 
 def _current(folder: Path, want: dict) -> bool:
@@ -75,6 +91,29 @@ def _current(folder: Path, want: dict) -> bool:
     result scored under the earlier rule still counts in reports, and a run of the trial redoes it)."""
     res = finished(folder, want)
     return res is not None and res.get("perplexity_rule") == PERPLEXITY_RULE
+
+
+def borrow(folder: Path, want: dict, seed: int | None, trials: Path) -> dict | None:
+    """A run another trial under `trials` already finished for the same settings and seed under
+    today's perplexity rule (the same fingerprint once unread options are dropped: the same
+    computation), copied into `folder` with `reused_from` naming its folder; None when there is none.
+    seed None: the original model (a `runs/original` folder)."""
+    own = folder.resolve()
+    pattern = f"*/runs/{ORIGINAL}/{RESULT}" if seed is None else f"*/runs/*/seed{seed}/{RESULT}"
+    for path in sorted(trials.glob(pattern)):
+        src = path.parent
+        if src.resolve() == own:
+            continue
+        res = finished(src, want)
+        if res is None or res.get("perplexity_rule") != PERPLEXITY_RULE or res.get("seed") != seed:
+            continue
+        variant = folder.name if seed is None else folder.parent.name
+        res = {**res, "variant": variant, "fingerprint": want, "reused_from": src.relative_to(trials).as_posix()}
+        folder.mkdir(parents=True, exist_ok=True)
+        atomic_write_text(folder / "fingerprint.json", json.dumps(want) + "\n")
+        atomic_write_text(folder / RESULT, json.dumps(res, indent=1, default=str) + "\n")
+        return res
+    return None
 
 
 def metric_names(ev: EvalConfig) -> list[str]:

@@ -54,8 +54,8 @@ from ..retrofit.finetune import FinetuneConfig
 from ..retrofit.transfer import TransferConfig
 from ..search.metrics import PERPLEXITY_RULE
 from .retrofit_report import write_report
-from .retrofit_runs import (ORIGINAL, PARTIAL, RESULT, RetrofitSpec, TrialRun, _current, _filled, _fingerprint,
-                            metric_names)
+from .retrofit_runs import (ORIGINAL, PARTIAL, RESULT, RetrofitSpec, TrialRun, _current, _fingerprint, borrow,
+                            metric_names, same_settings)
 
 SPEC_KEYS = ("title", "claim", "description", "seeds", "retrofit", "transfer", "finetune", "eval", "variants",
              "verdict", "out")
@@ -133,7 +133,7 @@ def run_one(run: TrialRun | None, ev: EvalConfig, folder: Path, hf_model, tok, p
     t0 = time.perf_counter()
     rs = run.retrofit if run is not None else RetrofitSpec(layers="0")
     mark = folder / "fingerprint.json"  # a run folder left by other settings (an edited spec) starts afresh
-    if mark.is_file() and _filled(json.loads(mark.read_text())) != _filled(_fingerprint(run, ev)):
+    if mark.is_file() and not same_settings(json.loads(mark.read_text()), _fingerprint(run, ev)):
         shutil.rmtree(folder)
     folder.mkdir(parents=True, exist_ok=True)
     atomic_write_text(mark, json.dumps(_fingerprint(run, ev)) + "\n")
@@ -165,22 +165,26 @@ def run_one(run: TrialRun | None, ev: EvalConfig, folder: Path, hf_model, tok, p
 
 
 def run_trial(trial: Trial, hf_model=None, tok=None, progress: bool = True, report_only: bool = False,
-              jobs: int = 1, device=None, dtype=None) -> dict:
+              jobs: int = 1, device=None, dtype=None, reuse: bool = True) -> dict:
     """Run every unfinished (variant, seed), then write OUT/results.json and report.md. OUT is locked
     meanwhile; SIGINT/SIGTERM stop it after the current step, and the same command resumes.
 
     jobs > 1 runs that many (variant, seed) runs at once, each in a worker process with its own copy
     of the model and 1/jobs of this process's threads (`attnlab.pool`); the runs' folders are disjoint.
     device, dtype: where the original model loads and in which dtype (None: the CPU, float32), when
-    hf_model is not given; the runs follow it."""
+    hf_model is not given; the runs follow it. reuse: a run that a trial in a folder beside this
+    one finished for the same settings and seed (`retrofit_runs.borrow`: the control of one trial is
+    often another's) is copied with its source named, not run again; False runs everything here."""
     check_int("jobs", jobs)
     ev = trial.runs[0].eval
     check_free(trial.out)
     with FolderLock(trial.out), interrupt.graceful():
-        todo = [] if report_only else [r for r in trial.runs if not _current(r.folder, _fingerprint(r, ev))]
         orig = trial.out / "runs" / ORIGINAL
-        if not report_only and not _current(orig, _fingerprint(None, ev)):
-            todo.insert(0, None)
+        todo = [] if report_only else [r for r in [None, *trial.runs]
+                                       if not _current(orig if r is None else r.folder, _fingerprint(r, ev))]
+        if reuse:  # a run another trial beside this one already did with the same settings is copied, not redone
+            todo = [r for r in todo if borrow(orig if r is None else r.folder, _fingerprint(r, ev),
+                                              None if r is None else r.seed, trial.out.parent) is None]
         if jobs > 1 and len(todo) > 1:
             threads = max(1, torch.get_num_threads() // jobs)
             keys = [None if r is None else (r.variant, r.seed) for r in todo]
