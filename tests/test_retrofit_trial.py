@@ -321,12 +321,16 @@ def test_a_run_another_trial_did_with_the_same_settings_is_borrowed(tmp_path, mo
 
 
 @pytest.mark.heavy
-def test_a_trial_reuses_what_a_trial_beside_it_ran(tmp_path, model_dir):
+def test_a_trial_reuses_what_a_trial_beside_it_ran(tmp_path, model_dir, capsys):
     """Trial b runs only its gate: its original and control are a's (identical settings), named in its report;
     --no-reuse runs them all."""
     a_spec, b_spec = _two_trials(tmp_path, model_dir, "[transfer]\ncontext = 16\n")
     assert main(["retrofit", "trial", str(a_spec), "--no-progress"]) == 0
+    capsys.readouterr()
     assert main(["retrofit", "trial", str(b_spec), "--no-progress"]) == 0
+    printed = capsys.readouterr().out
+    assert "3 runs (0 done, 2 copied from identical runs beside it, 1 to run)" in printed, printed
+    assert "finished gate/seed0 (1 of 1): nll " in printed
     ra, rb = (json.loads((p.parent / "results.json").read_text())["variants"] for p in (a_spec, b_spec))
     assert rb["control"]["mean"] == ra["control"]["mean"] and rb[ORIGINAL]["mean"] == ra[ORIGINAL]["mean"]
     assert rb["control"]["reused_from"] == ["a/runs/control/seed0"] and "reused_from" not in rb["gate"]

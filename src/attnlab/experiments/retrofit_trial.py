@@ -182,15 +182,27 @@ def run_trial(trial: Trial, hf_model=None, tok=None, progress: bool = True, repo
         orig = trial.out / "runs" / ORIGINAL
         todo = [] if report_only else [r for r in [None, *trial.runs]
                                        if not _current(orig if r is None else r.folder, _fingerprint(r, ev))]
+        stale = len(todo)
         if reuse:  # a run another trial beside this one already did with the same settings is copied, not redone
             todo = [r for r in todo if borrow(orig if r is None else r.folder, _fingerprint(r, ev),
                                               None if r is None else r.seed, trial.out.parent) is None]
+        if not report_only:
+            print(f"trial {trial.title!r}: {len(trial.runs) + 1} runs ({len(trial.runs) + 1 - stale} done, "
+                  f"{stale - len(todo)} copied from identical runs beside it, {len(todo)} to run) in {trial.out}",
+                  flush=True)
+        names, count = [ORIGINAL if r is None else f"{r.variant}/seed{r.seed}" for r in todo], [0]
+
+        def done(i: int) -> None:  # one line per finished run: a trial of hours says where it is
+            res = json.loads(((orig if todo[i] is None else todo[i].folder) / RESULT).read_text())
+            count[0] += 1
+            print(f"finished {names[i]} ({count[0]} of {len(todo)}): nll {res['nll']:.4f}, {res['wall_s']:,.0f} s",
+                  flush=True)
         if jobs > 1 and len(todo) > 1:
             threads = max(1, torch.get_num_threads() // jobs)
             keys = [None if r is None else (r.variant, r.seed) for r in todo]
             run_pool(_trial_job, [(str(trial.path), key, threads, None if device is None else str(device),
                                    None if dtype is None else str(dtype).removeprefix("torch."))
-                                  for key in keys], jobs,
+                                  for key in keys], jobs, on_done=done,
                      stopped=lambda: "stopped; finished runs are kept and the rerun resumes the others")
             todo = []
         if todo and hf_model is None:
@@ -198,9 +210,10 @@ def run_trial(trial: Trial, hf_model=None, tok=None, progress: bool = True, repo
 
             hf_model, tok = load_source(plan_source(trial.runs[0].retrofit.model, "0", "softmax")[0], device,
                                         dtype or torch.float32)
-        for run in todo:
+        for i, run in enumerate(todo):
             torch.manual_seed(0)
             run_one(run, ev, orig if run is None else run.folder, hf_model, tok, progress)
+            done(i)
             if interrupt.requested() is not None:
                 raise interrupt.Interrupted(interrupt.requested(), "stopped between runs; rerun to resume")
         return write_report(trial)
