@@ -128,8 +128,6 @@ def _decode_keys_launch(fn) -> tuple:
 
 def _kernel_module(case: str):
     """The case's kernel module (--baseline code may predate triton_backward: then triton_kernel)."""
-    import importlib
-
     module = CASES[case][0]
     try:
         return importlib.import_module(module)

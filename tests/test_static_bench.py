@@ -10,7 +10,6 @@ import json
 from pathlib import Path
 
 import pytest
-import torch
 
 ROOT = Path(__file__).resolve().parents[1]
 

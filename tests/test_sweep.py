@@ -450,11 +450,6 @@ def test_a_sweep_run_in_pieces_equals_it_run_whole(reference, tmp_path, capsys):
     assert "--only names runs the spec does not have: gla/seed0" in capsys.readouterr().err
 
 
-def _write(folder: Path, text: str) -> Path:
-    (folder / "spec.toml").write_text(text)
-    return folder / "spec.toml"
-
-
 COMMITTED = sorted(p for p in (ROOT / "experiments").rglob("spec.toml")
                    if "runs" not in p.relative_to(ROOT).parts and (p.parent / "results.json").is_file()
                    and "variants" in read_toml(p) and "base" in read_toml(p))

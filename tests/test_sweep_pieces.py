@@ -165,14 +165,14 @@ def test_the_report_names_the_machine_that_trained_each_run(pieces, tmp_path):
     assert by == {None: ["softmax/seed0", "softmax/seed1"], GPU: ["hybrid/seed0", "hybrid/seed1"]}
     assert [r["machine"].get("cuda") for r in res["runs"]] == [None, None, GPU, GPU]
     text = (merged.parent / "report.md").read_text()
-    assert f"trained on 2 machines (a sweep in pieces): " in text
+    assert "trained on 2 machines (a sweep in pieces): " in text
     assert f"{GPU} (Python" in text and "16 CPUs" in text and "trained hybrid/seed0, hybrid/seed1." in text
     # all on one GPU machine: that one is "machine", named in the report
     only_gpu = folder(tmp_path / "only-gpu")
     assert sweep(only_gpu, "--merge", str(gpu)) == 0
     res = results(only_gpu)
     assert res["machine"]["cuda"] == GPU and "machines" not in res and res["missing"] == ["softmax/seed0", "softmax/seed1"]
-    assert f"Machine: Python" in (only_gpu.parent / "report.md").read_text() and GPU in (only_gpu.parent / "report.md").read_text()
+    assert "Machine: Python" in (only_gpu.parent / "report.md").read_text() and GPU in (only_gpu.parent / "report.md").read_text()
 
 
 @pytest.mark.heavy

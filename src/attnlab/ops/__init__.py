@@ -34,6 +34,7 @@ __all__ = [
     "scalar_logits",
     "hybrid_logits",
     "budget_evictions",
+    "range_distance",
     "window_indices",
     "window_mask",
     "windowed_attention",
