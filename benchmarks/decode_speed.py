@@ -187,7 +187,9 @@ class Static:
         self.logits = self.dec.prefill(idx, chunk=chunk)
         self.eager = self.dec.step_logits
         mode = "reduce-overhead" if dev.type == "cuda" and backend == "inductor" else None
-        self.fast = torch.compile(self.dec.step_logits, fullgraph=True, mode=mode, backend=backend)
+        # dynamic=False: each decoder's buffers have one shape; another decoder's (another context) gets its own
+        # graph rather than turning this one dynamic
+        self.fast = torch.compile(self.dec.step_logits, fullgraph=True, dynamic=False, mode=mode, backend=backend)
 
     def stepper(self, compiled: bool):
         def step(tok):
@@ -231,75 +233,140 @@ class HFStatic:
         return (run(1 + n) - run(1)) / n
 
 
-@torch.no_grad()
-def measure(name: str, B: int, T: int, a, dev, methods) -> list[dict]:
-    kw = MODELS[name]
-    total = T + 2 * (a.warmup + a.rounds * a.steps) + 2  # two methods may step one shared decoder
-    cfg = ModelConfig(max_seq_len=total, **kw)
-    torch.manual_seed(0)
-    m = LM(cfg).to(dev).eval()
-    idx = torch.randint(0, cfg.vocab_size, (B, T), generator=torch.Generator().manual_seed(1)).to(dev)
-    decs, rows, shared, ready = {}, [], {}, {}
-    torch._dynamo.reset()  # this configuration's compiled steps only: dynamo keeps a few graphs per function
-    for method in methods:
-        windowed = method.startswith(("window", "learned"))
-        if windowed and ("train_window" not in kw.get("attention", {}) or T > a.window_max) \
-                or method == "learned" and T > a.learned_max:
-            continue
-        if method == "hf_static" and T > a.max_hf_context:
-            continue
-        t0 = time.perf_counter()
-        torch.set_num_threads(a.prefill_threads)
-        try:
-            if method == "hf_static":
-                decs[method] = HFStatic(cfg, idx, total)
-            elif method.endswith(("_static", "_compiled")):
-                kind = method.rsplit("_", 1)[0]  # exact, window or learned: one decoder serves both steps
-                if kind not in shared:
-                    shared[kind] = Static(m, kind, idx, total, dev, a.compile_backend)
-                decs[method] = Stepper(shared[kind].stepper(method.endswith("compiled")), shared[kind].logits)
-            else:
-                decs[method] = Ours(m, method, idx, total)
-        except Exception as e:  # noqa: BLE001 - the row records what failed
-            rows.append(dict(model=name, method=method, batch=B, context=T, error=f"{type(e).__name__}: {e}"[:300]))
-        finally:
-            torch.set_num_threads(a.threads)
-        ready[method] = round(time.perf_counter() - t0, 2)  # the prompt (0 for a method sharing a decoder made already)
-        print(f"  {name} B={B} T={T} {method}: ready in {ready[method]:.1f} s", flush=True)
-    from torch._dynamo.utils import counters
+class Prepared:
+    """One (model, batch, context)'s decoders after their prompts and warm-up steps."""
 
-    times = {k: [] for k in decs}
-    skips = {}
-    for k, d in decs.items():  # warm-up (and, compiled, the compilation)
-        if k != "hf_static":
-            before = counters["inductor"]["cudagraph_skips"]
-            tok = d.logits.argmax(-1, keepdim=True)
-            for _ in range(a.warmup):
-                tok = d.step(tok).argmax(-1, keepdim=True)
-            d.tok = tok
-            skips[k] = counters["inductor"]["cudagraph_skips"] - before  # graphs Inductor did not capture
-    for _ in range(a.rounds):  # interleaved rounds: the machine's drift hits every method alike
-        for k, d in decs.items():
-            if k == "hf_static":
-                times[k].append(d.time_steps(2 * a.steps))  # a difference of two runs: more steps
+    def __init__(self, name: str, B: int, T: int, a, dev, methods, reset: bool = True):
+        kw = MODELS[name]
+        self.name, self.B, self.T = name, B, T
+        total = T + 2 * (a.warmup + a.rounds * a.steps) + 2  # two methods may step one shared decoder
+        cfg = ModelConfig(max_seq_len=total, **kw)
+        torch.manual_seed(0)
+        self.m = m = LM(cfg).to(dev).eval()
+        idx = torch.randint(0, cfg.vocab_size, (B, T), generator=torch.Generator().manual_seed(1)).to(dev)
+        self.decs, self.errors, shared, self.ready = {}, [], {}, {}
+        if reset:
+            torch._dynamo.reset()  # this configuration's compiled steps only: dynamo keeps a few graphs per function
+        for method in methods:
+            windowed = method.startswith(("window", "learned"))
+            if windowed and ("train_window" not in kw.get("attention", {}) or T > a.window_max) \
+                    or method == "learned" and T > a.learned_max:
                 continue
+            if method == "hf_static" and T > a.max_hf_context:
+                continue
+            t0 = time.perf_counter()
+            torch.set_num_threads(a.prefill_threads)
+            try:
+                if method == "hf_static":
+                    self.decs[method] = HFStatic(cfg, idx, total)
+                elif method.endswith(("_static", "_compiled")):
+                    kind = method.rsplit("_", 1)[0]  # exact, window or learned: one decoder serves both steps
+                    if kind not in shared:
+                        shared[kind] = Static(m, kind, idx, total, dev, a.compile_backend)
+                    self.decs[method] = Stepper(shared[kind].stepper(method.endswith("compiled")), shared[kind].logits)
+                else:
+                    self.decs[method] = Ours(m, method, idx, total)
+            except Exception as e:  # noqa: BLE001 - the row records what failed
+                self.errors.append(dict(model=name, method=method, batch=B, context=T,
+                                        error=f"{type(e).__name__}: {e}"[:300]))
+            finally:
+                torch.set_num_threads(a.threads)
+            self.ready[method] = round(time.perf_counter() - t0, 2)  # the prompt (0 for a method sharing a decoder made already)
+            print(f"  {name} B={B} T={T} {method}: ready in {self.ready[method]:.1f} s", flush=True)
+        from torch._dynamo.utils import counters
+
+        self.skips = {}
+        for k, d in self.decs.items():  # warm-up (and, compiled, the compilation)
+            if k != "hf_static":
+                before = counters["inductor"]["cudagraph_skips"]
+                tok = d.logits.argmax(-1, keepdim=True)
+                for _ in range(a.warmup):
+                    tok = d.step(tok).argmax(-1, keepdim=True)
+                d.tok = tok
+                self.skips[k] = counters["inductor"]["cudagraph_skips"] - before  # graphs Inductor did not capture
+        self.rounds = {k: [] for k in self.decs}  # per method, one list of step times per round
+
+    def time_round(self, a, dev) -> None:
+        """One round: `a.steps` timed steps of every method in turn."""
+        for k, d in self.decs.items():
+            if k == "hf_static":
+                self.rounds[k].append([d.time_steps(2 * a.steps)])  # a difference of two runs: more steps
+                continue
+            ts = []
             for _ in range(a.steps):
                 sync(dev)
                 t0 = time.perf_counter()
                 d.tok = d.step(d.tok).argmax(-1, keepdim=True)
                 sync(dev)
-                times[k].append(time.perf_counter() - t0)
-    for k, ts in times.items():
-        ms = statistics.median(ts) * 1e3
-        nbytes = hf_step_bytes(decs[k].model, B, T) if k == "hf_static" else step_bytes(m, k, B, T)
-        floor = nbytes / (a.bandwidth_gbps * 1e9) * 1e3
-        rows.append(dict(model=name, method=k, batch=B, context=T, step_ms=round(ms, 4),
-                         tokens_per_s=round(B / ms * 1e3, 1), bytes_per_step=nbytes, floor_ms=round(floor, 5),
-                         x_floor=round(ms / floor, 2), ready_s=ready[k],
-                         **({"compile_backend": a.compile_backend} if k.endswith("_compiled") else {}),
-                         **({"cudagraph_skips": skips[k]} if k.endswith("_compiled") and dev.type == "cuda" else {})))
-        print(f"  {name} B={B} T={T} {k}: {ms:.3f} ms/step, {nbytes / 2**20:.1f} MiB read, "
-              f"floor {floor:.4f} ms (x{ms / floor:.1f})", flush=True)
+                ts.append(time.perf_counter() - t0)
+            self.rounds[k].append(ts)
+
+    def rows(self, a, dev) -> list[dict]:
+        """A row per method: the median step over every round, the bytes it must read and its floor."""
+        rows = list(self.errors)
+        B, T, m = self.B, self.T, self.m
+        for k, rounds in self.rounds.items():
+            ms = statistics.median(t for r in rounds for t in r) * 1e3
+            nbytes = hf_step_bytes(self.decs[k].model, B, T) if k == "hf_static" else step_bytes(m, k, B, T)
+            floor = nbytes / (a.bandwidth_gbps * 1e9) * 1e3
+            rows.append(dict(model=self.name, method=k, batch=B, context=T, step_ms=round(ms, 4),
+                             tokens_per_s=round(B / ms * 1e3, 1), bytes_per_step=nbytes, floor_ms=round(floor, 5),
+                             x_floor=round(ms / floor, 2), ready_s=self.ready[k],
+                             **({"compile_backend": a.compile_backend} if k.endswith("_compiled") else {}),
+                             **({"cudagraph_skips": self.skips[k]} if k.endswith("_compiled") and dev.type == "cuda" else {})))
+            print(f"  {self.name} B={B} T={T} {k}: {ms:.3f} ms/step, {nbytes / 2**20:.1f} MiB read, "
+                  f"floor {floor:.4f} ms (x{ms / floor:.1f})", flush=True)
+        return rows
+
+
+def sorted_runs(prep: Prepared) -> int | None:
+    """The sorted runs a `window` step searches now (the index's levels in use, and its buffer when it
+    holds keys), the most over layers and rows' shared index; None without a window decoder."""
+    from attnlab.cache.sorted import SortedScalarCache
+
+    d = prep.decs.get("window")
+    if d is None:
+        return None
+    counts = [len(c.scalar.index.runs()) + (c.scalar.index.buf_len > 0)
+              for c in d.caches if isinstance(getattr(c, "scalar", None), SortedScalarCache)]
+    return max(counts) if counts else None
+
+
+@torch.no_grad()
+def measure(name: str, B: int, T: int, a, dev, methods) -> list[dict]:
+    prep = Prepared(name, B, T, a, dev, methods)
+    for _ in range(a.rounds):  # interleaved rounds: the machine's drift hits every method alike
+        prep.time_round(a, dev)
+    return prep.rows(a, dev)
+
+
+@torch.no_grad()
+def measure_across(name: str, B: int, contexts: list[int], a, dev, methods) -> list[dict]:
+    """Every context's decoders at once, their rounds interleaved across contexts as well as methods,
+    so a step's growth with the context is a ratio within each round (`x_first_context`: the median
+    over rounds of this round's median step over the first context's, same method), not a comparison
+    of runs minutes apart. Compiled steps keep their graphs (no reset between contexts)."""
+    torch._dynamo.reset()
+    cfg = torch._dynamo.config  # a graph per context and compiled method, each kept
+    limit = "recompile_limit" if hasattr(cfg, "recompile_limit") else "cache_size_limit"
+    setattr(cfg, limit, max(getattr(cfg, limit), 2 * len(contexts) * len(methods)))
+    preps = [Prepared(name, B, T, a, dev, methods, reset=False) for T in contexts]
+    for _ in range(a.rounds):
+        for prep in preps:
+            prep.time_round(a, dev)
+    rows, first = [], preps[0]
+    for prep in preps:
+        runs = sorted_runs(prep)
+        for row in prep.rows(a, dev):
+            k = row["method"]
+            if "error" not in row and k in first.rounds:
+                per_round = [statistics.median(x) / statistics.median(y)
+                             for x, y in zip(prep.rounds[k], first.rounds[k])]
+                row["x_first_context"] = round(statistics.median(per_round), 4)
+                row["x_first_context_rounds"] = [round(r, 4) for r in per_round]
+            if k == "window" and runs is not None:
+                row["sorted_runs"] = runs
+            rows.append(row)
     return rows
 
 
@@ -330,6 +397,9 @@ def main(argv=None) -> None:
                     "('eager': dynamo's graph capture only, no code generation)")
     ap.add_argument("--bandwidth", type=float, default=None, help="GB/s for the floor (default: the GPU's data-sheet "
                     "peak when known, else a copy measured here)")
+    ap.add_argument("--across-contexts", action="store_true", help="every context's decoders at once, rounds "
+                    "interleaved across contexts: rows gain x_first_context (the step over the first context's, "
+                    "median of per-round ratios) and, for window, sorted_runs")
     ap.add_argument("--smoke", action="store_true", help="every method at tiny sizes on the CPU, compiled steps "
                     "through dynamo's eager backend: checks the script runs (under a minute), measures nothing to keep")
     a = ap.parse_args(argv)
@@ -370,10 +440,11 @@ def run(a, dev, argv) -> None:
         kept = [{**r, "command": r.get("command", old.get("command"))} for r in old["rows"]]
     for name in a.models.split(","):
         for B in (int(x) for x in a.batches.split(",")):
-            for T in (int(x) for x in a.contexts.split(",")):
-                if name.startswith("gpt2-small") and T > a.max_gpt2_context:
-                    continue
-                doc["rows"] += measure(name, B, T, a, dev, methods)
+            contexts = [T for T in (int(x) for x in a.contexts.split(","))
+                        if not (name.startswith("gpt2-small") and T > a.max_gpt2_context)]
+            for group in ([contexts] if a.across_contexts else [[T] for T in contexts]):
+                doc["rows"] += (measure_across(name, B, group, a, dev, methods) if a.across_contexts
+                                else measure(name, B, group[0], a, dev, methods))
                 done = {(r["model"], r["method"], r["batch"], r["context"]) for r in doc["rows"]}
                 rows = [r for r in kept if (r["model"], r["method"], r["batch"], r["context"]) not in done] + doc["rows"]
                 tmp = out.with_suffix(".tmp")

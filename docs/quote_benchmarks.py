@@ -68,6 +68,12 @@ def _decode_flat(model: str, batch: str, method: str) -> str:
     return fmt(max(ms for _, ms in rows) / rows[0][1], "x2")
 
 
+def _flat_across(name: str) -> str:
+    """The largest `x_first_context` (a step over the first context's, median of per-round ratios) of a
+    `decode_speed.py --across-contexts` file, over every method and context."""
+    return fmt(max(r["x_first_context"] for r in load(name)["rows"] if "x_first_context" in r), "x2")
+
+
 def _sw_over_ideal() -> str:
     """benchmarks/sliding_window.py: the window's time ratio to full attention over the work ratio 2w/T,
     the range over T."""
@@ -258,6 +264,7 @@ BENCHMARKS: dict[str, Callable[..., str]] = {
     "cpu-machine": _cpu_machine,
     "gate-overhead": _gate_overhead,
     "decode-flat": _decode_flat,
+    "flat-across": _flat_across,
     "reach": _reach,
     "right": _right,
     "gpu-error": _gpu_error,

@@ -84,3 +84,24 @@ def test_decode_speed_benchmark_rows(tmp_path):
     with pytest.raises(SystemExit, match="--methods: unknown"):
         mod.main(["--out", str(tmp_path / "no.json"), "--methods", "window_compild"])
     assert not (tmp_path / "no.json").exists()
+
+
+def test_decode_speed_across_contexts(tmp_path):
+    """--across-contexts: every context's decoders at once, rounds interleaved; each row's
+    x_first_context is the median of per-round ratios to the first context's step (1 for the first),
+    and the window rows count the sorted runs a step searches (the prompt's run and the buffer here)."""
+    spec = importlib.util.spec_from_file_location("decode_speed_across", ROOT / "benchmarks" / "decode_speed.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    out = tmp_path / "ds.json"
+    mod.main(["--out", str(out), "--models", "windowed", "--contexts", "100,400", "--methods", "window,exact",
+              "--steps", "2", "--rounds", "3", "--warmup", "1", "--across-contexts"])
+    rows = {(r["method"], r["context"]): r for r in json.loads(out.read_text())["rows"]}
+    assert set(rows) == {(m, T) for m in ("window", "exact") for T in (100, 400)}
+    for m in ("window", "exact"):
+        assert rows[m, 100]["x_first_context"] == 1.0 and rows[m, 100]["x_first_context_rounds"] == [1.0] * 3
+        ratios = rows[m, 400]["x_first_context_rounds"]
+        assert len(ratios) == 3 and all(r > 0 for r in ratios)
+        assert rows[m, 400]["x_first_context"] == round(sorted(ratios)[1], 4)
+    assert all(1 <= rows["window", T]["sorted_runs"] <= 3 for T in (100, 400))
+    assert "sorted_runs" not in rows["exact", 400]
