@@ -33,6 +33,11 @@ def test_transfer_lowers_each_layers_error(llama, mech, tmp_path):
     assert set(rep["layers"]) == {"1", "2"} and r.transfer_report is rep
     for i, rec in rep["layers"].items():
         assert rec["step"] == 30 and rec["after"] < 0.7 * rec["before"], (i, rec)
+        # the val split's contexts, never trained on, measured before and after: here (4 contexts of 64 tokens)
+        # a layer can fit its training contexts and do worse on these, which only they show
+        assert 0 < rec["heldout_before"] < 10 and 0 < rec["heldout_after"] < 10, (i, rec)
+        assert rec["heldout_after"] != rec["after"] and rec["heldout_before"] != rec["before"], (i, rec)
+    assert rep["config"]["heldout_contexts"] == 2
     after = _params(r, [0])
     assert all(torch.equal(v, after[k]) for k, v in untouched.items())  # only the chosen layers train
     assert not any(p.requires_grad and p.grad is not None for p in r.parameters())
@@ -49,7 +54,7 @@ def test_signal_mid_transfer_saves_and_resume_equals_one_run(llama, tmp_path, mo
 
     cfg = TransferConfig(steps=5, contexts=2, context=32)
     one = convert(llama, "1,2", "scalar")
-    transfer(llama, one, [1, 2], cfg, tmp_path / "one")
+    one_rep = transfer(llama, one, [1, 2], cfg, tmp_path / "one")
     want = _params(one, [1, 2])
 
     import attnlab.retrofit.transfer as tr
@@ -76,6 +81,9 @@ def test_signal_mid_transfer_saves_and_resume_equals_one_run(llama, tmp_path, mo
     assert rep["layers"]["1"]["resumed_from"] in (3, 4, 5) and rep["layers"]["2"]["resumed_from"] == 0
     got = _params(two, [1, 2])
     assert all(torch.equal(v, got[k]) for k, v in want.items())
+    for i in "12":  # the errors before training come back from the checkpoint, held out included
+        assert {k: rep["layers"][i][k] for k in ("before", "after", "heldout_before", "heldout_after")} \
+            == {k: one_rep["layers"][i][k] for k in ("before", "after", "heldout_before", "heldout_after")}
 
     three = convert(llama, "1,2", "scalar")
     part = transfer(llama, three, [1, 2], cfg, tmp_path / "three", until=7)  # layer 1 whole, layer 2 two steps
@@ -85,6 +93,21 @@ def test_signal_mid_transfer_saves_and_resume_equals_one_run(llama, tmp_path, mo
     assert rep["layers"]["2"]["resumed_from"] == 2
     got = _params(three, [1, 2])
     assert all(torch.equal(v, got[k]) for k, v in want.items())
+
+    # the held-out contexts are measured, not trained on: another number of them resumes the same training,
+    # its error before unknown (the checkpoint measured other contexts); none at all leaves the keys out
+    four = convert(llama, "1,2", "scalar")
+    transfer(llama, four, [1, 2], cfg, tmp_path / "four", until=2)
+    four = convert(llama, "1,2", "scalar")
+    rep = transfer(llama, four, [1, 2], TransferConfig(steps=5, contexts=2, context=32, heldout_contexts=1),
+                   tmp_path / "four")
+    assert rep["layers"]["1"]["resumed_from"] == 2 and rep["layers"]["1"]["heldout_before"] is None
+    assert rep["layers"]["2"]["heldout_before"] is not None
+    got = _params(four, [1, 2])
+    assert all(torch.equal(v, got[k]) for k, v in want.items())
+    none = transfer(llama, convert(llama, "1,2", "scalar"), [1, 2],
+                    TransferConfig(steps=1, contexts=2, context=32, heldout_contexts=0), tmp_path / "five")
+    assert "heldout_before" not in none["layers"]["1"] and none["config"]["heldout_contexts"] == 0
 
     with pytest.raises(RetrofitError, match="same options or use another --out"):
         transfer(llama, convert(llama, "1,2", "scalar"), [1, 2], TransferConfig(steps=6, contexts=2, context=32),
@@ -102,7 +125,7 @@ def test_cli_transfer_writes_report_and_resumes(llama, tmp_path, capsys):
     rep = json.loads((tmp_path / "a" / "transfer.json").read_text())
     assert all(r["after"] < r["before"] for r in rep["layers"].values())
     assert not (tmp_path / "a" / "transfer").exists()
-    assert "layer 1: relative error" in capsys.readouterr().out
+    assert "layer 1: relative error" in (out := capsys.readouterr().out) and "; held out " in out
 
     # an interrupted transfer left in OUT/transfer/: the same command resumes it, to the same weights
     from attnlab.retrofit import load_source, plan_source
@@ -137,6 +160,9 @@ def test_cli_bad_transfer_options_are_one_line_errors(tmp_path, capsys, monkeypa
         (["--transfer-steps", "5", "--transfer-context", "1"], "--transfer-context must be an integer >= 2"),
         (["--transfer-steps", "5", "--transfer-context", "1000"], "exceeds the model's max_position_embeddings"),
         (["--transfer-contexts", "4"], "given without --transfer-steps"),
+        (["--transfer-steps", "5", "--transfer-heldout-contexts", "-1"],
+         "--transfer-heldout-contexts must be an integer >= 0"),
+        (["--transfer-heldout-contexts", "0"], "--transfer-heldout-contexts given without --transfer-steps"),
     ]:
         capsys.readouterr()
         assert main(["retrofit", "--model", str(src), "--layers", "1", "--attn", "scalar", *args,

@@ -67,6 +67,9 @@ def add_retrofit(sub) -> None:
                    help="packed stdlib-corpus contexts captured for transfer (default: 8)")
     t.add_argument("--transfer-context", type=int, default=None, metavar="T", help="tokens per context (default: 256)")
     t.add_argument("--transfer-lr", type=float, default=None, metavar="LR", help="AdamW learning rate (default: 1e-3)")
+    t.add_argument("--transfer-heldout-contexts", type=int, default=None, metavar="M",
+                   help="contexts of the corpus's val split on which each layer's error is also reported, never "
+                        "trained on; 0: none (default: 2)")
     f = p.add_argument_group("fine-tuning (docs/retrofit.md#fine-tuning)")
     f.add_argument("--finetune-steps", type=int, default=0, metavar="N",
                    help="fine-tune N AdamW steps on next-token loss over the stdlib corpus, after transfer; 0: none "
@@ -170,10 +173,10 @@ def _transfer_config(ns, TransferConfig):
     --transfer-* option given without --transfer-steps)."""
     from attnlab.retrofit import RetrofitError
 
-    given = {k: getattr(ns, f"transfer_{k}") for k in ("contexts", "context", "lr")}
+    given = {k: getattr(ns, f"transfer_{k}") for k in ("contexts", "context", "lr", "heldout_contexts")}
     given = {k: v for k, v in given.items() if v is not None}
     if ns.transfer_steps == 0 and given:
-        flags = ", ".join(f"--transfer-{k}" for k in given)
+        flags = ", ".join(f"--transfer-{k.replace('_', '-')}" for k in given)
         raise RetrofitError(f"{flags} given without --transfer-steps N (N > 0): no transfer would run")
     return TransferConfig(steps=ns.transfer_steps, **given).check()
 

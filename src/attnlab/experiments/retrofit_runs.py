@@ -44,9 +44,13 @@ class TrialRun:
 
 
 def _fingerprint(run: TrialRun | None, ev: EvalConfig) -> dict:
+    """A run's settings, as its result.json and the trial's results.json record them: every option
+    but the transfer's held-out contexts, which it only measures on (the error it reports there)."""
     d = {"eval": asdict(ev)}
     if run is not None:
-        d.update(retrofit=asdict(run.retrofit), transfer=asdict(run.transfer), finetune=asdict(run.finetune))
+        transfer = asdict(run.transfer)
+        transfer.pop("heldout_contexts")
+        d.update(retrofit=asdict(run.retrofit), transfer=transfer, finetune=asdict(run.finetune))
     return json.loads(json.dumps(d, default=str))
 
 

@@ -10,7 +10,10 @@ model's q/k/v/o weights but computes something else. Transfer fits it back, laye
 2. for each replaced layer in turn, every parameter of the new layer `blocks[i].attn` (and nothing
    else) is trained with AdamW (no weight decay, constant lr) on MSE(attn(x_i), y_i), full batch,
    `steps` steps;
-3. the relative error  mean((attn(x) − y)²) / mean(y²)  is reported before and after.
+3. the relative error  mean((attn(x) − y)²) / mean(y²)  is reported before and after, on the
+   training contexts and on `heldout_contexts` contexts of the corpus's val split that transfer never
+   trains on (captured the same way; `heldout_before` / `heldout_after`): a layer that fits its
+   training contexts but not these has memorised them.
 
 Resumable (the loop of loop.py, which fine-tuning shares): `OUT/transfer/layer<i>.safetensors`
 holds the layer's parameters, the optimizer state, the step and the error before, written atomically
@@ -41,8 +44,9 @@ TRANSFER_DIR = "transfer"
 class TransferConfig:
     """Options of attention transfer (`--transfer-*`): `steps` optimizer steps per layer at `lr` on
     `contexts` captured contexts of `context` tokens from corpus/split (drawn with `seed`), each new
-    layer trained alone to reproduce the replaced layer's output (MSE); checkpoints every
-    checkpoint_every steps. `check()` raises RetrofitError naming the option."""
+    layer trained alone to reproduce the replaced layer's output (MSE), its error also reported on
+    `heldout_contexts` contexts of the val split (0: none); checkpoints every checkpoint_every steps.
+    `check()` raises RetrofitError naming the option."""
 
     steps: int = 0
     contexts: int = 8
@@ -52,11 +56,13 @@ class TransferConfig:
     split: str = "train"
     seed: int = 0
     checkpoint_every: int = 50
+    heldout_contexts: int = 2
 
     def check(self, max_positions: int | None = None) -> "TransferConfig":
         """RetrofitError naming the option, for a value that cannot work."""
         for name, flag, low in (("steps", "--transfer-steps", 0), ("contexts", "--transfer-contexts", 1),
-                                ("context", "--transfer-context", 2), ("checkpoint_every", "checkpoint_every", 1)):
+                                ("context", "--transfer-context", 2), ("checkpoint_every", "checkpoint_every", 1),
+                                ("heldout_contexts", "--transfer-heldout-contexts", 0)):
             v = getattr(self, name)
             if isinstance(v, bool) or not isinstance(v, int) or v < low:
                 raise RetrofitError(f"{flag} must be an integer >= {low}, got {v!r}")
@@ -133,8 +139,11 @@ def _loss(attn, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
 
 
 def _fingerprint(cfg: TransferConfig, layer: int, mechanism: str) -> dict:
+    """The options that decide a layer's training (a checkpoint resumes only under the same): not how
+    often it checkpoints, nor the held-out contexts it is only measured on."""
     d = asdict(cfg)
     d.pop("checkpoint_every")
+    d.pop("heldout_contexts")
     return {**d, "layer": layer, "mechanism": mechanism}
 
 
@@ -155,21 +164,29 @@ def transfer_attention(hf_model, model, layers: list[int], cfg: TransferConfig, 
     folder = Path(out) / TRANSFER_DIR
     report = {"config": _fingerprint(cfg, -1, mechanism), "layers": {}}
     report["config"].pop("layer")
+    report["config"]["heldout_contexts"] = cfg.heldout_contexts
     if cfg.steps == 0:
         return report
     ids = contexts(cfg.corpus, cfg.split, cfg.context, cfg.contexts, cfg.seed, encode, eos_id,
                    "--transfer-contexts/--transfer-context").input_ids
+    held = None if cfg.heldout_contexts == 0 else contexts(
+        cfg.corpus, "val", cfg.context, cfg.heldout_contexts, cfg.seed, encode, eos_id,
+        f"--transfer-heldout-contexts/--transfer-context ({cfg.corpus} val split)").input_ids
     caps = capture(hf_model, layers, ids)
+    held_caps = None if held is None else capture(hf_model, layers, held)
     budget = math.inf if until is None else until
     with FolderLock(out, beside=True), graceful():
         for i in layers:
             attn = model.model.blocks[i].attn
             x, y = caps[i]
-            rec = _layer(attn, x, y, cfg, folder / f"layer{i}.safetensors", _fingerprint(cfg, i, mechanism), budget)
+            rec = _layer(attn, x, y, cfg, folder / f"layer{i}.safetensors", _fingerprint(cfg, i, mechanism), budget,
+                         None if held_caps is None else held_caps[i])
             budget -= rec.pop("ran")
             report["layers"][str(i)] = rec
             if log is not None and rec["step"] == cfg.steps:
-                log(f"layer {i}: relative error {rec['before']:.4g} -> {rec['after']:.4g} ({cfg.steps} steps)")
+                log(f"layer {i}: relative error {rec['before']:.4g} -> {rec['after']:.4g} ({cfg.steps} steps)"
+                    + ("" if held_caps is None else f"; held out {_g(rec['heldout_before'])} -> "
+                                                    f"{rec['heldout_after']:.4g}"))
             if rec["step"] < cfg.steps:
                 report["stopped"] = f"layer {i} at step {rec['step']} of {cfg.steps}"
                 break
@@ -180,15 +197,26 @@ def transfer_attention(hf_model, model, layers: list[int], cfg: TransferConfig, 
     return report
 
 
-def _layer(attn, x, y, cfg: TransferConfig, path: Path, fingerprint: dict, budget: float) -> dict:
+def _g(v) -> str:
+    return "?" if v is None else f"{v:.4g}"
+
+
+def _layer(attn, x, y, cfg: TransferConfig, path: Path, fingerprint: dict, budget: float,
+           held: tuple[torch.Tensor, torch.Tensor] | None = None) -> dict:
+    """Train one layer (resuming its checkpoint); its errors before and after, and on `held` (the
+    held-out capture) as heldout_before / heldout_after (before: None when resumed from a checkpoint
+    written without it or with another number of held-out contexts)."""
     for p in attn.parameters():
         p.requires_grad_(True)
     opt = torch.optim.AdamW(attn.parameters(), lr=cfg.lr, weight_decay=0.0)
     params = attn.state_dict(keep_vars=True)  # the live tensors: a resume sets them, a save reads them
     meta = resume(path, params, opt, fingerprint, "transfer")
     start, before = (0, None) if meta is None else (int(meta["step"]), meta["before"])
+    same_held = meta is not None and meta.get("heldout_contexts") == cfg.heldout_contexts
+    held_before = meta.get("heldout_before") if same_held else None  # measured on these contexts, else unknown
     if before is None:
         before = relative_error(attn, x, y)
+        held_before = None if held is None else relative_error(attn, *held)
 
     def step(_: int) -> None:
         loss = _loss(attn, x, y)
@@ -196,9 +224,13 @@ def _layer(attn, x, y, cfg: TransferConfig, path: Path, fingerprint: dict, budge
         loss.backward()
         opt.step()
 
-    state = {"fingerprint": fingerprint, "before": before}
+    state = {"fingerprint": fingerprint, "before": before, "heldout_before": held_before,
+             "heldout_contexts": cfg.heldout_contexts}
     done, ran = train_steps(step, path, params, opt, state, start, cfg.steps, cfg.checkpoint_every, budget)
     for p in attn.parameters():
         p.grad = None
     after = relative_error(attn, x, y)
-    return {"before": before, "after": after, "step": done, "resumed_from": start, "ran": ran}
+    rec = {"before": before, "after": after, "step": done, "resumed_from": start, "ran": ran}
+    if held is not None:
+        rec.update(heldout_before=held_before, heldout_after=relative_error(attn, *held))
+    return rec
