@@ -74,6 +74,15 @@ def _flat_across(name: str) -> str:
     return fmt(max(r["x_first_context"] for r in load(name)["rows"] if "x_first_context" in r), "x2")
 
 
+def _retrofit_transfer_min(mechanism: str, steps: str, tokens: str, layers: str) -> str:
+    """Minutes of attention transfer at benchmarks/results/retrofit_cost.json's median step cost: `steps`
+    steps per layer over `tokens` captured tokens, `layers` layers."""
+    rows = [r for r in load("retrofit_cost")["rows"] if r["mechanism"] == mechanism and r["stage"] == "transfer"]
+    if len(rows) != 1:
+        raise NumberError(f"retrofit_cost has {len(rows)} transfer rows for {mechanism!r}")
+    return fmt(rows[0]["median_s_per_1k_tokens"] * int(steps) * int(tokens) / 1e3 * int(layers) / 60, ".0f")
+
+
 def _sw_over_ideal() -> str:
     """benchmarks/sliding_window.py: the window's time ratio to full attention over the work ratio 2w/T,
     the range over T."""
@@ -265,6 +274,7 @@ BENCHMARKS: dict[str, Callable[..., str]] = {
     "gate-overhead": _gate_overhead,
     "decode-flat": _decode_flat,
     "flat-across": _flat_across,
+    "retrofit-transfer-min": _retrofit_transfer_min,
     "reach": _reach,
     "right": _right,
     "gpu-error": _gpu_error,

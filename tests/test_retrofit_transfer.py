@@ -170,3 +170,29 @@ def test_cli_bad_transfer_options_are_one_line_errors(tmp_path, capsys, monkeypa
         err = capsys.readouterr().err.strip()
         assert err.startswith("error: ") and msg in err and "\n" not in err, err
     assert not (tmp_path / "new").exists()
+
+
+def test_retrofit_cost_benchmark_runs(llama, tmp_path):
+    """benchmarks/retrofit_cost.py on a local model folder: a row per mechanism and stage with each
+    round's per-1K-token time (the difference of two calls) and its median, the settings beside them."""
+    import importlib.util
+    import statistics
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1]
+    spec = importlib.util.spec_from_file_location("retrofit_cost", root / "benchmarks" / "retrofit_cost.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    llama.save_pretrained(tmp_path / "llama")
+    out = tmp_path / "rc.json"
+    mod.main(["--model", str(tmp_path / "llama"), "--layers", "1", "--mechanisms", "scalar", "--rounds", "2",
+              "--context", "16", "--contexts", "1", "--batch", "1", "--lora", "2", "--out", str(out)])
+    doc = json.loads(out.read_text())
+    assert doc["config"]["transfer_steps"] == [10, 30] and doc["config"]["peak_rss_gb"] > 0
+    assert [(r["mechanism"], r["stage"]) for r in doc["rows"]] == [("scalar", "transfer"), ("scalar", "finetune")]
+    for r in doc["rows"]:
+        assert len(r["rounds_s_per_1k_tokens"]) == 2
+        assert r["median_s_per_1k_tokens"] == pytest.approx(statistics.median(r["rounds_s_per_1k_tokens"]), abs=1e-4)
+    with pytest.raises(SystemExit):
+        mod.main(["--model", str(tmp_path / "llama"), "--rounds", "0", "--out", str(tmp_path / "no.json")])
+    assert not (tmp_path / "no.json").exists()
