@@ -42,6 +42,16 @@ bandwidth: the memory-bandwidth floor) and `x_floor` (step_ms / floor_ms), `read
 the prompt, with --prefill-threads; 0 for the second method of a shared decoder) (or `error`).
 `python docs/result_tables.py decode-speed` renders it.
 
+Whether a step stays flat as the context grows is a comparison across contexts, which the default
+measures minutes apart, one context after another; `--across-contexts` keeps every context's
+decoders at once and interleaves their rounds, and each row gains `x_first_context` (the median over
+rounds of the step's ratio to the first context's step in the same round, every round's ratio in
+`x_first_context_rounds`) and, for `window`, `sorted_runs` (the sorted runs a step searches):
+
+    python benchmarks/decode_speed.py --out benchmarks/results/decode_flat.json --models windowed \
+        --contexts 1024,4096,16384,65536 --methods window,window_static,window_compiled --steps 64 \
+        --rounds 15 --warmup 8 --prefill-threads 2 --across-contexts
+
     python benchmarks/decode_speed.py --smoke --out /tmp/ds.json   # every method at tiny sizes on the CPU,
                                                                    # compiled steps traced by dynamo only (< 1 min)
 """

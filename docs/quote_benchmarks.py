@@ -68,10 +68,11 @@ def _decode_flat(model: str, batch: str, method: str) -> str:
     return fmt(max(ms for _, ms in rows) / rows[0][1], "x2")
 
 
-def _flat_across(name: str) -> str:
+def _flat_across(name: str, batch: str) -> str:
     """The largest `x_first_context` (a step over the first context's, median of per-round ratios) of a
-    `decode_speed.py --across-contexts` file, over every method and context."""
-    return fmt(max(r["x_first_context"] for r in load(name)["rows"] if "x_first_context" in r), "x2")
+    `decode_speed.py --across-contexts` file at one batch size, over every method and context."""
+    return fmt(max(r["x_first_context"] for r in load(name)["rows"]
+                   if "x_first_context" in r and str(r["batch"]) == batch), "x2")
 
 
 def _retrofit_transfer_min(mechanism: str, steps: str, tokens: str, layers: str) -> str:
