@@ -37,7 +37,6 @@ sys.path.insert(0, str(ROOT / "benchmarks"))
 
 from _interleaved import write_json  # noqa: E402
 
-import attnlab.hf  # noqa: E402,F401  (registers the retrofitted model with transformers)
 from attnlab.retrofit import FinetuneConfig, TransferConfig, convert, finetune, transfer_attention  # noqa: E402
 from attnlab.retrofit.io import load_source, plan_source  # noqa: E402
 
