@@ -68,9 +68,9 @@ def main(argv=None) -> None:
     mechanisms = [m for m in a.mechanisms.split(",") if m]
     if a.threads is not None:
         torch.set_num_threads(a.threads)
-    plans = {m: plan_source(a.model, a.layers, m)[1] for m in mechanisms}  # bad input fails here, before any load
-    source, _ = plan_source(a.model, a.layers, mechanisms[0])
-    hf, _ = load_source(source)
+    planned = {m: plan_source(a.model, a.layers, m) for m in mechanisms}  # bad input fails here, before any load
+    plans = {m: plan for m, (_, plan) in planned.items()}
+    hf, _ = load_source(planned[mechanisms[0]][0])
     S, F = a.transfer_steps, a.finetune_steps
     layer_tokens = a.contexts * a.context / 1e3  # thousands of tokens per layer-step
     train_tokens = a.batch * a.context / 1e3

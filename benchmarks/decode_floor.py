@@ -1,0 +1,81 @@
+"""What one decode step must read (weights and the cache entries its method reads) and the
+memory-bandwidth floor those bytes set: benchmarks/decode_speed.py's `bytes_per_step`, `floor_ms` and
+`x_floor`."""
+
+from __future__ import annotations
+
+import math
+import time
+
+import torch
+
+from attnlab.models.lm import LM
+
+
+def sync(dev) -> None:
+    if dev.type == "cuda":
+        torch.cuda.synchronize()
+
+
+PEAK_GBPS = (("H200", 4800.0), ("H100 NVL", 3900.0), ("H100 PCIe", 2000.0), ("H100", 3350.0),
+             ("A100-PCIE", 1555.0), ("A100", 2039.0))  # HBM bandwidth from the data sheets, GB/s
+
+
+def bandwidth(dev) -> tuple[float, str]:
+    """GB/s for the floor: a known GPU's data-sheet peak, else a copy measured here (bytes read and
+    written / seconds, best of 5), on the CPU with the threads the steps run with."""
+    if dev.type == "cuda":
+        name = torch.cuda.get_device_name()
+        for key, gbps in PEAK_GBPS:
+            if key in name:
+                return gbps, f"data-sheet peak of {name}"
+    x = torch.ones((1 << 28 if dev.type == "cuda" else 1 << 24) // 4, device=dev)  # 256 MiB / 16 MiB
+    y = torch.empty_like(x)
+    best = math.inf
+    for _ in range(5):
+        sync(dev)
+        t0 = time.perf_counter()
+        y.copy_(x)
+        sync(dev)
+        best = min(best, time.perf_counter() - t0)
+    return round(2 * x.numel() * 4 / best / 1e9, 1), f"copy measured on {dev.type} ({torch.get_num_threads()} threads)"
+
+
+def weight_bytes(model, emb, head, B: int) -> int:
+    """Bytes of the weights one step reads: every parameter once, but of a token embedding emb untied
+    from the output head's matrix only the B rows looked up (a tied one is the head's, read whole)."""
+    total = sum(p.numel() * p.element_size() for p in model.parameters())
+    return total if head is emb else total - emb.numel() * emb.element_size() + B * emb.shape[1] * emb.element_size()
+
+
+def step_bytes(m: LM, method: str, B: int, n: int, tail: int = 256) -> int:
+    """What one step of `method` must read with n positions cached: the weights, and per layer and row
+    the cache entries its rule reads. A head's entry: its group's vector key (hybrid, softmax), value
+    and scalar key (4 bytes). exact: all n entries; window: the k + w keys read, the 2k + tail
+    candidate scalar keys and two binary searches over n 8-byte codes; learned: all n search keys
+    (d_search float32) and the K entries read, and the search projections' weights."""
+    total = weight_bytes(m, m.tok_emb.weight, m.head.weight, B)
+    for blk in m.blocks:
+        a, es = blk.attn, next(m.parameters()).element_size()
+        Hs, c = a.n_scalar, a.config
+        k = 0 if a.mechanism == "scalar" else a.qk_dim * es  # per group / head
+        v, groups = c.head_dim * es, a.value_groups if a.mechanism == "scalar" else a.n_kv
+        if method.startswith("exact"):
+            total += B * n * ((a.n_kv * k if k else 0) + groups * v + Hs * 4)
+        elif method.startswith("window"):
+            kw, w = c.train_window, c.local_window
+            total += B * Hs * ((kw + w) * (k + v + 4) + (2 * kw + tail) * 4 + 2 * math.ceil(math.log2(max(n, 2))) * 8)
+        elif method.startswith("learned"):
+            K, d = c.train_window + c.local_window, 32  # learned_selector's K and d_search
+            total += B * Hs * (n * d * 4 + K * (k + v + 4))
+    if method.startswith("learned"):
+        total += 2 * len(m.blocks) * m.cfg.d_model * 32 * m.blocks[0].attn.n_scalar * 4  # two maps per layer
+    return total
+
+
+def hf_step_bytes(model, B: int, n: int) -> int:
+    """A Llama step's reads: its weights (`weight_bytes`) and every cached key and value of n positions."""
+    c, es = model.config, next(model.parameters()).element_size()
+    kv = 2 * c.num_key_value_heads * (c.hidden_size // c.num_attention_heads) * es
+    weights = weight_bytes(model, model.model.embed_tokens.weight, model.lm_head.weight, B)
+    return weights + c.num_hidden_layers * B * n * kv
