@@ -1,6 +1,7 @@
-"""What one decode step must read (weights and the cache entries its method reads) and the
-memory-bandwidth floor those bytes set: benchmarks/decode_speed.py's `bytes_per_step`, `floor_ms` and
-`x_floor`."""
+"""What benchmarks/decode_speed.py measures a decode step against: what the step must read (weights
+and the cache entries its method reads) and the memory-bandwidth floor those bytes set (its
+`bytes_per_step`, `floor_ms` and `x_floor`), and transformers' static-cache step on a same-shaped
+Llama (`HFStatic`, its `hf_static` rows)."""
 
 from __future__ import annotations
 
@@ -9,6 +10,7 @@ import time
 
 import torch
 
+from attnlab.models.config import ModelConfig
 from attnlab.models.lm import LM
 
 
@@ -79,3 +81,31 @@ def hf_step_bytes(model, B: int, n: int) -> int:
     kv = 2 * c.num_key_value_heads * (c.hidden_size // c.num_attention_heads) * es
     weights = weight_bytes(model, model.model.embed_tokens.weight, model.lm_head.weight, B)
     return weights + c.num_hidden_layers * B * n * kv
+
+
+class HFStatic:
+    """A Llama of the model's dimensions through transformers' generate with a static cache: the time of
+    one step is (t(1 + n new tokens) - t(1 new token)) / n after the same prompt."""
+
+    def __init__(self, cfg: ModelConfig, idx: torch.Tensor, total: int):
+        from transformers import LlamaConfig, LlamaForCausalLM
+
+        hc = LlamaConfig(vocab_size=cfg.vocab_size, hidden_size=cfg.d_model, intermediate_size=cfg.ffn_hidden,
+                         num_hidden_layers=cfg.n_layers, num_attention_heads=cfg.n_heads,
+                         num_key_value_heads=cfg.n_heads, max_position_embeddings=total + 8, tie_word_embeddings=False)
+        hc._attn_implementation = "sdpa"
+        self.model = LlamaForCausalLM(hc).to(idx.device).eval()
+        self.idx = idx
+        self.logits = None
+
+    def time_steps(self, n: int) -> float:
+        """Seconds per step of n steps (generate runs the prompt again each call)."""
+        def run(k):
+            sync(self.idx.device)
+            t0 = time.perf_counter()
+            self.model.generate(self.idx, max_new_tokens=k, min_new_tokens=k, do_sample=False,
+                                cache_implementation="static", pad_token_id=0)
+            sync(self.idx.device)
+            return time.perf_counter() - t0
+
+        return (run(1 + n) - run(1)) / n

@@ -31,7 +31,11 @@ on the models trained through a window. Methods:
   up to --max-hf-context.
 
 For each (model, batch, context) every decoder takes the prompt, then `--rounds` interleaved rounds
-of `--steps` timed steps each (wall clock, after `--warmup` steps); the median step is reported.
+of `--steps` timed steps each (wall clock, after `--warmup` steps); the median step is reported
+(`step_ms`), the mean (`mean_ms`) and `amortised_ms`, what a long generation pays per token: the
+mean, or for a static decoder the median plus its merges of sorted codes every `tail` steps over all
+of its steps (a merge lands in whichever of the two methods sharing the decoder steps across the
+tail, so their means alone would credit one method with every merge).
 Writes JSON: top-level `device`, `torch`, `threads`, `bandwidth_gbps` and `bandwidth_source` (the
 GPU's data-sheet peak when its name is known, else a copy measured here), `rows` with `model`,
 `method`, `batch`, `context`, `step_ms`, `tokens_per_s`, `cudagraph_skips` (compiled steps on CUDA: graphs
@@ -46,7 +50,8 @@ Whether a step stays flat as the context grows is a comparison across contexts, 
 measures minutes apart, one context after another; `--across-contexts` keeps every context's
 decoders at once and interleaves their rounds, and each row gains `x_first_context` (the median over
 rounds of the step's ratio to the first context's step in the same round, every round's ratio in
-`x_first_context_rounds`) and, for `window`, `sorted_runs` (the sorted runs a step searches):
+`x_first_context_rounds`), `x_first_context_amortised` (the same over `amortised_ms`) and, for
+`window`, `sorted_runs` (the sorted runs a step searches):
 
     python benchmarks/decode_speed.py --out benchmarks/results/decode_flat.json --models windowed \
         --contexts 1024,4096,16384,65536 --methods window,window_static,window_compiled --steps 64 \
@@ -80,7 +85,7 @@ from attnlab.models.config import ModelConfig  # noqa: E402
 from attnlab.models.lm import LM  # noqa: E402
 from attnlab.models.static_decode import StaticDecoder  # noqa: E402
 from gpu_tables import DECODE_METHODS as METHODS  # noqa: E402  (docs/gpu_tables.py: every method, in the table's order)
-from decode_floor import bandwidth, hf_step_bytes, step_bytes, sync  # noqa: E402,F401  (benchmarks/decode_floor.py)
+from decode_floor import HFStatic, bandwidth, hf_step_bytes, step_bytes, sync  # noqa: E402,F401  (benchmarks/decode_floor.py)
 
 MODELS = {
     "windowed": dict(vocab_size=256, d_model=128, n_layers=4, n_heads=4, attn="hybrid",
@@ -132,12 +137,27 @@ class Static:
         # dynamic=False: each decoder's buffers have one shape; another decoder's (another context) gets its own
         # graph rather than turning this one dynamic
         self.fast = torch.compile(self.dec.step_logits, fullgraph=True, dynamic=False, mode=mode, backend=backend)
+        self.steps, self.merge_s, merge = 0, 0.0, self.dec._merge
+
+        def timed_merge(t, force=False):  # the window's merges every `tail` steps, timed (the prompt's excluded)
+            t0, before = time.perf_counter(), list(self.dec.merged)
+            merge(t, force)
+            if not force and self.dec.merged != before:
+                sync(dev)
+                self.merge_s += time.perf_counter() - t0
+        self.dec._merge = timed_merge
 
     def stepper(self, compiled: bool):
         def step(tok):
             self.dec._step = self.fast if compiled else self.eager
+            self.steps += 1
             return self.dec.step(tok)
         return step
+
+    def merge_ms_per_step(self) -> float:
+        """The merges' time over every step the decoder took (both methods that share it): a merge lands
+        in whichever method's step crosses the tail, so only the decoder's total divides fairly."""
+        return self.merge_s / max(1, self.steps) * 1e3
 
 
 class Stepper:
@@ -145,34 +165,6 @@ class Stepper:
 
     def __init__(self, step, logits):
         self.step, self.logits = step, logits
-
-
-class HFStatic:
-    """A Llama of the model's dimensions through transformers' generate with a static cache: the time of
-    one step is (t(1 + n new tokens) - t(1 new token)) / n after the same prompt."""
-
-    def __init__(self, cfg: ModelConfig, idx: torch.Tensor, total: int):
-        from transformers import LlamaConfig, LlamaForCausalLM
-
-        hc = LlamaConfig(vocab_size=cfg.vocab_size, hidden_size=cfg.d_model, intermediate_size=cfg.ffn_hidden,
-                         num_hidden_layers=cfg.n_layers, num_attention_heads=cfg.n_heads,
-                         num_key_value_heads=cfg.n_heads, max_position_embeddings=total + 8, tie_word_embeddings=False)
-        hc._attn_implementation = "sdpa"
-        self.model = LlamaForCausalLM(hc).to(idx.device).eval()
-        self.idx = idx
-        self.logits = None
-
-    def time_steps(self, n: int) -> float:
-        """Seconds per step of n steps (generate runs the prompt again each call)."""
-        def run(k):
-            sync(self.idx.device)
-            t0 = time.perf_counter()
-            self.model.generate(self.idx, max_new_tokens=k, min_new_tokens=k, do_sample=False,
-                                cache_implementation="static", pad_token_id=0)
-            sync(self.idx.device)
-            return time.perf_counter() - t0
-
-        return (run(1 + n) - run(1)) / n
 
 
 class Prepared:
@@ -186,7 +178,8 @@ class Prepared:
         torch.manual_seed(0)
         self.m = m = LM(cfg).to(dev).eval()
         idx = torch.randint(0, cfg.vocab_size, (B, T), generator=torch.Generator().manual_seed(1)).to(dev)
-        self.decs, self.errors, shared, self.ready = {}, [], {}, {}
+        self.decs, self.errors, self.ready = {}, [], {}
+        self.shared = shared = {}  # kind -> the Static decoder its _static and _compiled methods step
         if reset:
             torch._dynamo.reset()  # this configuration's compiled steps only: dynamo keeps a few graphs per function
         for method in methods:
@@ -248,10 +241,13 @@ class Prepared:
         rows = list(self.errors)
         B, T, m = self.B, self.T, self.m
         for k, rounds in self.rounds.items():
-            ms = statistics.median(t for r in rounds for t in r) * 1e3
+            ms, mean = (f([t for r in rounds for t in r]) * 1e3 for f in (statistics.median, statistics.mean))
+            static = self.shared.get(k.rsplit("_", 1)[0]) if k.endswith(("_static", "_compiled")) else None
+            amortised = ms + static.merge_ms_per_step() if static is not None else mean  # what a long run pays a token
             nbytes = hf_step_bytes(self.decs[k].model, B, T) if k == "hf_static" else step_bytes(m, k, B, T)
             floor = nbytes / (a.bandwidth_gbps * 1e9) * 1e3
-            rows.append(dict(model=self.name, method=k, batch=B, context=T, step_ms=round(ms, 4),
+            rows.append(dict(model=self.name, method=k, batch=B, context=T, step_ms=round(ms, 4), mean_ms=round(mean, 4),
+                             amortised_ms=round(amortised, 4),
                              tokens_per_s=round(B / ms * 1e3, 1), bytes_per_step=nbytes, floor_ms=round(floor, 5),
                              x_floor=round(ms / floor, 2), ready_s=self.ready[k],
                              **({"compile_backend": a.compile_backend} if k.endswith("_compiled") else {}),
@@ -297,15 +293,18 @@ def measure_across(name: str, B: int, contexts: list[int], a, dev, methods) -> l
         for prep in preps:
             prep.time_round(a, dev)
     rows, first = [], preps[0]
-    for prep in preps:
+    per_prep = [prep.rows(a, dev) for prep in preps]
+    first_amortised = {r["method"]: r["amortised_ms"] for r in per_prep[0] if "error" not in r}
+    for prep, prep_rows in zip(preps, per_prep):
         runs = sorted_runs(prep)
-        for row in prep.rows(a, dev):
+        for row in prep_rows:
             k = row["method"]
             if "error" not in row and k in first.rounds:
                 per_round = [statistics.median(x) / statistics.median(y)
                              for x, y in zip(prep.rounds[k], first.rounds[k])]
                 row["x_first_context"] = round(statistics.median(per_round), 4)
                 row["x_first_context_rounds"] = [round(r, 4) for r in per_round]
+                row["x_first_context_amortised"] = round(row["amortised_ms"] / first_amortised[k], 4)
             if k == "window" and runs is not None:
                 row["sorted_runs"] = runs
             rows.append(row)
@@ -341,7 +340,7 @@ def main(argv=None) -> None:
                     "peak when known, else a copy measured here)")
     ap.add_argument("--across-contexts", action="store_true", help="every context's decoders at once, rounds "
                     "interleaved across contexts: rows gain x_first_context (the step over the first context's, "
-                    "median of per-round ratios) and, for window, sorted_runs")
+                    "median of per-round ratios), x_first_context_amortised and, for window, sorted_runs")
     ap.add_argument("--smoke", action="store_true", help="every method at tiny sizes on the CPU, compiled steps "
                     "through dynamo's eager backend: checks the script runs (under a minute), measures nothing to keep")
     a = ap.parse_args(argv)

@@ -68,11 +68,14 @@ def _decode_flat(model: str, batch: str, method: str) -> str:
     return fmt(max(ms for _, ms in rows) / rows[0][1], "x2")
 
 
-def _flat_across(name: str, batch: str) -> str:
-    """The largest `x_first_context` (a step over the first context's, median of per-round ratios) of a
-    `decode_speed.py --across-contexts` file at one batch size, over every method and context."""
-    return fmt(max(r["x_first_context"] for r in load(name)["rows"]
-                   if "x_first_context" in r and str(r["batch"]) == batch), "x2")
+def _flat_across(name: str, batch: str, field: str = "x_first_context") -> str:
+    """The largest `x_first_context` (a step over the first context's, median of per-round ratios; or
+    `field`, such as x_first_context_amortised) of a `decode_speed.py --across-contexts` file at one
+    batch size, over every method and context."""
+    got = [r[field] for r in load(name)["rows"] if field in r and str(r["batch"]) == batch]
+    if not got:
+        raise NumberError(f"{name} has no {field} at batch {batch}")
+    return fmt(max(got), "x2")
 
 
 def _retrofit_transfer_min(mechanism: str, steps: str, tokens: str, layers: str) -> str:

@@ -62,3 +62,26 @@ def test_rows_carry_the_floor(bench, tmp_path):
         assert r["step_ms"] > 0 and r["tokens_per_s"] > 0 and r["bytes_per_step"] > 0
         assert r["floor_ms"] == pytest.approx(r["bytes_per_step"] / 1e8, rel=1e-3)
         assert r["x_floor"] == pytest.approx(r["step_ms"] / r["floor_ms"], rel=2e-2)
+    for r in doc["rows"]:  # the merges of a static decoder's codes over its steps; the mean elsewhere
+        assert r["amortised_ms"] >= r["step_ms"] if r["method"] == "window_static" else r["amortised_ms"] == r["mean_ms"]
+
+
+def test_the_profile_splits_a_step_and_times_both_merges(tmp_path):
+    """benchmarks/decode_profile.py at tiny sizes: per-op rows for each context, the growth from the
+    first context to the last, the static decoder's merges apart from its step's ops, and one layer's
+    merge timed both ways (the script asserts the two merges agree bit for bit)."""
+    spec = importlib.util.spec_from_file_location("decode_profile_t", ROOT / "benchmarks" / "decode_profile.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    out = tmp_path / "dp.json"
+    mod.main(["--out", str(out), "--batch", "2", "--contexts", "40,300", "--methods", "window,window_static",
+              "--steps", "2", "--rounds", "1", "--warmup", "1", "--prefill-threads", "1", "--top", "100"])
+    rows = {(r["method"], r["context"]): r for r in json.loads(out.read_text())["rows"]}
+    assert set(rows) == {(k, T) for k in ("window", "window_static") for T in (40, 300)}
+    assert all(r["top"] and r["step_ms"] > 0 for r in rows.values())
+    assert "growth" in rows[("window", 300)] and "growth" not in rows[("window", 40)]
+    assert any(t["op"] == mod.MERGE for t in rows[("window_static", 40)]["top"] + rows[("window_static", 300)]["top"])
+    merge = rows[("window_static", 300)]["merge_one_layer_ms"]
+    assert merge["extend_codes"] > 0 and merge["merge_codes"] > 0 and merge["keys"] > 0
+    with pytest.raises(SystemExit, match="at least two"):
+        mod.main(["--out", str(out), "--contexts", "40"])

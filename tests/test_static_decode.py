@@ -308,6 +308,26 @@ def test_static_codes_choose_the_dense_windows():
             assert torch.equal(idx[ok], want[:, :, t][ok_want[:, :, t]]), (t, merged)
 
 
+def test_extending_codes_equals_sorting_them_again():
+    """extend_codes from any merge point to any later one = merge_codes at the later one, bit for bit,
+    on keys with many exact ties and both zeros, in place; a merge point past the keys is refused."""
+    from attnlab.models.static_window import extend_codes, merge_codes
+
+    g = torch.Generator().manual_seed(8)
+    B, H, N = 2, 3, 37
+    ks = torch.randint(-3, 4, (B, H, N), generator=g).float() / 2
+    ks[0, 1, ::5] = -0.0
+    ks = ks + 0.0  # as the buffers store them: one zero
+    for old in (0, 1, 9, 36):
+        for upto in {old, old + 1, min(N, old + 7), N}:
+            codes = merge_codes(ks, old)
+            got = extend_codes(codes, ks, old, upto)
+            assert got is codes and torch.equal(codes, merge_codes(ks, upto)), (old, upto)
+    for old, upto in ((5, 4), (-1, 3), (0, N + 1)):
+        with pytest.raises(ValueError, match="old <= upto"):
+            extend_codes(merge_codes(ks, 0), ks, old, upto)
+
+
 def test_generate_compile_builds_one_compiled_decoder(monkeypatch):
     """LM.generate(compile=True) compiles the decoder's step once (torch.compile, no CUDA graphs on the
     CPU), keeps it for the next call that fits, and samples as the eager path does."""

@@ -53,7 +53,8 @@ class Ops(TorchDispatchMode):
         if func is aten.index.Tensor and any(isinstance(i, torch.Tensor) and i.dtype == torch.bool for i in args[1]):
             self.ops.append(("index by a bool mask", ()))
         shapes = tuple(tuple(o.shape) for o in tree_leaves(out) if isinstance(o, torch.Tensor))
-        self.ops.append((str(func), shapes))
+        sized = func is aten.repeat_interleave.Tensor and (kwargs or {}).get("output_size", None) is not None
+        self.ops.append((str(func) + (" of a given size" if sized else ""), shapes))  # given: not shaped by data
         return out
 
 
@@ -117,6 +118,27 @@ def test_a_static_step_reads_nothing_back_and_keeps_its_shapes(name, reads):
     bad = sorted({op for op, _ in traces[0] + traces[1] if op in map(str, DATA_SHAPED) or op.startswith("index by")})
     assert bad == [], f"{name}: data-dependent ops in a step: {bad}"
     assert traces[0] == traces[1], f"{name}: a step's ops or shapes changed with the position or the tokens"
+
+
+def test_a_merge_of_sorted_codes_between_steps_reads_nothing_back(reads):
+    """The merge a windowed decoder makes every `tail` steps (here every step: tail 1) runs inside
+    `step` too: no value read back, no op shaped by data (the one repeat_interleave has its size given)."""
+    seen, on = reads
+    attn, attention, _ = OPTIONS["trained-window"]
+    dec = StaticDecoder(model(attn, attention, {}), 2, 32, tail=1)
+    idx = torch.randint(0, 50, (2, 16), generator=torch.Generator().manual_seed(5))
+    dec.prefill(idx[:, :9])
+    ops = Ops()
+    on[0] = True
+    with ops:
+        for t in range(9, 15):
+            dec.step(idx[:, t : t + 1])
+    on[0] = False
+    assert seen == [], f"values read back in a step that merges: {sorted(set(seen))}"
+    names = {op for op, _ in ops.ops}
+    assert "aten.repeat_interleave.Tensor of a given size" in names  # the merge ran (the spy sees it)
+    assert sorted(n for n in names if n in map(str, DATA_SHAPED) or n.startswith("index by")) == []
+    assert dec.merged[0] > 9 - attention["local_window"] + 1  # past the prompt's merge
 
 
 def test_the_spies_see_a_read_and_a_data_shaped_op(reads):

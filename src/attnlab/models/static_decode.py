@@ -18,7 +18,7 @@ O(max_len) per step; on CUDA, from 4K positions, the softmax and scalar-family e
 cache into chunks read in parallel and combined by log-sum-exp (split-K, `static_split`). A layer
 trained through a window (`train_window`, `local_window`), or any scalar layer under `window=k`,
 reads its k + w keys through sorted int64 codes merged every `tail` steps between steps
-(`static_window`): O(log max_len + k + w + tail), the prompt through the model's own forward in one
+(`static_window`): O(log max_len + k + w + tail), and an O(t) merge every `tail` steps at position t, the prompt through the model's own forward in one
 pass; `budget=M` adds the sorted cache's evictions (the prompt's in one pass too,
 `ops.scalar.budget_evictions`). A `selector` (`DecodeSelector`, index "exact") reads the K keys the
 search projections score highest: one matmul over a static buffer and a top-K per step, the prompt
@@ -39,7 +39,7 @@ from .decode import decode_window
 from .static_scalar import ScalarReadouts
 from .static_split import padded, split_chunk
 from .static_state import KEYED, RECURRENT, KeyStore, make_state, own_code, softmax_step
-from .static_window import LAST, merge_codes
+from .static_window import LAST, extend_codes, merge_codes
 
 __all__ = ["StaticDecoder", "supported"]
 
@@ -206,7 +206,8 @@ class StaticDecoder(ScalarReadouts, nn.Module):
 
     def _merge(self, t: int, force: bool = False) -> None:
         """Before the step at position t: a windowed layer whose directly scored older keys would pass
-        `tail` (or every one, force) re-sorts its codes up to t - w (between steps, not in the compiled
+        `tail` (or every one, force) brings its codes up to t - w: the keys since its last merge sorted
+        in (`extend_codes`), or every key sorted again when forced (between steps, not in the compiled
         graph)."""
         for i, blk in enumerate(self.model.blocks):
             if not self.windowed[i] or self.budget is not None:  # a budget scores every live slot: no codes
@@ -214,7 +215,11 @@ class StaticDecoder(ScalarReadouts, nn.Module):
             w = blk.attn.config.local_window
             if force or t - w + 1 - self.merged[i] > self.tail:
                 upto = max(0, min(t - w + 1, t))  # every position below it written already
-                getattr(self, f"codes{i}").copy_(merge_codes(getattr(self, f"ks{i}"), upto))
+                codes, ks = getattr(self, f"codes{i}"), getattr(self, f"ks{i}")
+                if force or upto < self.merged[i]:
+                    codes.copy_(merge_codes(ks, upto))
+                else:  # keys below the merge point never change: only the new ones are sorted in
+                    extend_codes(codes, ks, self.merged[i], upto)
                 getattr(self, f"m{i}").fill_(upto)
                 self.merged[i] = upto
 

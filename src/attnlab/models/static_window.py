@@ -16,10 +16,12 @@ made with shapes that never change, so the step compiles into one graph:
 - the older keys from M to t - w (at most `tail` of them) are scored directly;
 - the k nearest of those 2k + tail candidates by (distance bits, newest first) are the window,
   exactly the dense rule's top-k; a step costs O(log max_len + k + tail);
-- every `tail` steps, between steps, M moves up and both arrays are sorted again (O(max_len log
-  max_len), amortised over the tail).
+- every `tail` steps, between steps, M moves up: the keys it passes are sorted and merged into both
+  arrays (`extend_codes`: O(t) at position t, by searches and one ordered fill, where sorting both
+  arrays again, `merge_codes`, is O(max_len log max_len)), amortised over the tail.
 
-`merge_codes` and `window_keys` are the two pieces; `StaticDecoder` calls them. Under a memory budget
+`merge_codes` (after a prompt), `extend_codes` (between steps) and `window_keys` (in a step) are the
+pieces; `StaticDecoder` calls them. Under a memory budget
 (`budget=M`: at most M older keys per head, the cache's `evict_to_budget` after every step) evictions
 leave holes the codes cannot skip, so `nearest_alive` scores every live slot (O(max_len), still static)
 and `budget_keep` makes the eviction's choice on the device. The naive reference
@@ -30,7 +32,7 @@ from __future__ import annotations
 
 import torch
 
-__all__ = ["POS_MAX", "budget_keep", "float_order", "merge_codes", "nearest_alive", "window_keys"]
+__all__ = ["POS_MAX", "budget_keep", "extend_codes", "float_order", "merge_codes", "nearest_alive", "window_keys"]
 
 POS_MAX = 2**31 - 1  # positions below this (the low 32 bits of a code)
 LAST = torch.iinfo(torch.int64).max  # an unused slot's code: after every key
@@ -52,6 +54,33 @@ def merge_codes(ks: torch.Tensor, merged: int) -> torch.Tensor:
     order = (float_order(ks) << 32)[..., None, :]
     both = torch.stack([pos, POS_MAX - pos])  # (2, N)
     return torch.where(pos < merged, order | both, LAST).sort(dim=-1).values
+
+
+def extend_codes(codes: torch.Tensor, ks: torch.Tensor, old: int, upto: int) -> torch.Tensor:
+    """`codes` (B, H, 2, N), which hold `merge_codes(ks, old)`, made `merge_codes(ks, upto)` in place
+    (old <= upto) and returned. Only the new keys, positions old .. upto - 1, are sorted; each finds
+    its place among the old codes by binary search (every code is distinct: its low 32 bits hold its
+    position), and each old code moves up by the number of new codes below it (one
+    repeat_interleave of known size). O(upto + n log upto) for n new keys, where sorting again is O(upto log upto); no host sync
+    and no shape from data. The merge a decode step makes every `tail` steps."""
+    if not 0 <= old <= upto <= ks.shape[-1]:
+        raise ValueError(f"need 0 <= old <= upto <= {ks.shape[-1]}, got old={old}, upto={upto}")
+    if upto == old:
+        return codes
+    dev = ks.device
+    pos = torch.arange(old, upto, device=dev)
+    fresh = ((float_order(ks[..., old:upto]) << 32)[..., None, :]
+             | torch.stack([pos, POS_MAX - pos])).sort(dim=-1).values  # (B, H, 2, n)
+    before = codes[..., :old].contiguous()  # the old codes (a copy: their places move)
+    below = torch.searchsorted(before, fresh)  # (B, H, 2, n): old codes below each new one
+    rows, n = below.numel() // max(1, upto - old), upto - old
+    edges = torch.cat([below.new_zeros(rows, 1), below.reshape(rows, n), below.new_full((rows, 1), old)], 1)
+    shift = torch.repeat_interleave(torch.arange(n + 1, device=dev).repeat(rows), edges.diff(dim=1).reshape(-1),
+                                    output_size=rows * old)  # per old code, the new codes below it
+    head = codes[..., :upto]
+    head.scatter_(-1, torch.arange(old, device=dev) + shift.view(before.shape), before)
+    head.scatter_(-1, torch.arange(n, device=dev) + below, fresh)
+    return codes
 
 
 def window_keys(qs: torch.Tensor, ks: torch.Tensor, codes: torch.Tensor, merged: torch.Tensor,
