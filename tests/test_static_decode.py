@@ -39,6 +39,8 @@ SETTINGS = {
     "principled-gqa-query-ground": ("principled", dict(n_kv_heads=2, alpha="query", v0="head"), {}),
     "principled-window": ("principled", dict(sliding_window=2, beta="head"), {}),
     "gla": ("gla", {}, {}),
+    "gla-output-norm": ("gla", dict(output_norm=True), {}),
+    "softmax-output-norm-gate": ("softmax", dict(output_norm=True, output_gate="headwise"), {}),
     "ssd": ("ssd", {}, {}),
     "cosformer": ("cosformer", {}, {}),
     "cosformer-unnormalised": ("cosformer", dict(cosformer_normalize=False), {}),
@@ -52,11 +54,14 @@ SETTINGS = {
 
 
 def random_sinks(m):
-    """Sink values drawn at random (they start at zero), so a wrong sink weight shows in the logits."""
+    """Sink values drawn at random (they start at zero), so a wrong sink weight shows in the logits;
+    likewise output_norm's scales (they start at one)."""
     with torch.no_grad():
         for blk in m.blocks:
             if getattr(blk.attn, "sink_value", None) is not None:
                 blk.attn.sink_value.normal_(generator=torch.Generator().manual_seed(7))
+            if blk.attn.out_norm is not None:
+                blk.attn.out_norm.normal_(1.0, 0.5, generator=torch.Generator().manual_seed(8))
     return m
 
 

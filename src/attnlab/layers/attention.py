@@ -32,6 +32,9 @@ from .record import AttentionRecord, Projected
 from .rope import RotaryEmbedding
 
 
+OUT_NORM_EPS = 1e-6  # output_norm's epsilon inside the root mean square
+
+
 def heads(x: torch.Tensor, n: int, d: int) -> torch.Tensor:
     """(B, T, n*d) -> (B, n, T, d)."""
     B, T, _ = x.shape
@@ -80,6 +83,8 @@ class Attention(nn.Module):
         self.n_scalar = self.scalar_heads(c)  # heads with scalar queries/keys
         self.build(c)
         self.gate = OutputGate(c.output_gate, c.d_model, c.n_heads, c.head_dim, c.output_gate_scale) if c.output_gate else None
+        # output_norm: each head's readout at unit RMS, times a learned scale (flat: no weight decay, as norms)
+        self.out_norm = nn.Parameter(torch.ones(c.n_heads * c.head_dim)) if c.output_norm else None
         self.wo = nn.Linear(c.n_heads * c.head_dim, c.d_model, bias=c.bias)
         self.last: AttentionRecord | None = None
 
@@ -245,6 +250,9 @@ class Attention(nn.Module):
             raise ValueError(f"start_pos must be an int >= 0, got {start_pos!r}")
 
     def _finish(self, o: torch.Tensor, x: torch.Tensor):
+        if self.out_norm is not None:
+            B, H, T, D = o.shape
+            o = F.rms_norm(o, (D,), eps=OUT_NORM_EPS) * self.out_norm.view(H, 1, D).to(o.dtype)
         if self.gate is not None:  # the gate applied in the copy to W_O's layout (OutputGate.gated)
             y, g = self.gate.gated(o, x)
             return self.wo(y), g

@@ -19,7 +19,8 @@ from .typed_fields import field_problem
 # Fields every mechanism reads; each mechanism class lists the others it reads in `options`.
 LAYER_IMPLS = (*IMPLS, "approx", "triton")  # "approx": scalar heads only; "triton": the kernels' mechanisms
 TRITON_MECHANISMS = ("scalar", "hybrid", "principled")  # whose ops take impl="triton" (attnlab.ops.principled.triton_kernel, ops.scalar)
-SHARED_FIELDS = ("d_model", "n_heads", "mechanism", "head_dim", "output_gate", "output_gate_scale", "bias", "impl")
+SHARED_FIELDS = ("d_model", "n_heads", "mechanism", "head_dim", "output_gate", "output_gate_scale", "output_norm", "bias",
+                 "impl")
 TAU_MODES = ("global", "head", "token")
 PARAM_FORMS = ("constant", "layer", "head", "query")
 V0_FORMS = ("zero", "layer", "head")
@@ -47,7 +48,7 @@ class AttentionConfig:
     """Configuration of one attention layer; `(B, T, d_model) -> (B, T, d_model)`.
 
     Every mechanism reads the shared fields (d_model, n_heads, mechanism, head_dim, output_gate,
-    output_gate_scale, bias, impl) and the fields its class lists in `options`
+    output_gate_scale, output_norm, bias, impl) and the fields its class lists in `options`
     (`attnlab.layers.mechanism_class(name).options`); a field it does not read must keep its
     default, and setting it is an error. Each field below says which mechanisms read it;
     docs/mechanisms.md has the math. Derived fields are filled in when left None.
@@ -147,6 +148,10 @@ class AttentionConfig:
             per-head gate on the normaliser, σ(g) / σ(g').
         output_gate_scale: c in the gate c·σ(x W_g) (elementwise, headwise; default 1). With
             c = 2 the gate starts at exactly 1, the identity (docs/retrofit.md).
+        output_norm: RMS-normalise each head's readout over its channels, times a learned scale
+            per head and channel (starting at 1), before the output gate and W_O: a linear-attention
+            readout, unnormalised (GLA, SSD), enters W_O at unit scale whatever its sum's size, as
+            in flash-linear-attention's GLA layer (its RMSNorm on the output). Default False.
         bias: biases in the q/k/v/output projections.
         impl: the ops' "auto", "naive" or "fast"; "approx" (mechanism "scalar" only): the scalar
             heads run `attnlab.ops.scalar_attention_approx`
@@ -206,6 +211,7 @@ class AttentionConfig:
     goat_rope: bool = False
     output_gate: str | None = None
     output_gate_scale: float = 1.0
+    output_norm: bool = False
     bias: bool = False
     impl: str = "auto"
 
