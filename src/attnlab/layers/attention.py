@@ -32,7 +32,7 @@ from .record import AttentionRecord, Projected
 from .rope import RotaryEmbedding
 
 
-OUT_NORM_EPS = 1e-6  # output_norm's epsilon inside the root mean square
+OUT_NORM_EPS = 1e-6  # output_norm's epsilon; its learned scale is flat, H·Dv values: no weight decay, as norms
 
 
 def heads(x: torch.Tensor, n: int, d: int) -> torch.Tensor:
@@ -83,7 +83,6 @@ class Attention(nn.Module):
         self.n_scalar = self.scalar_heads(c)  # heads with scalar queries/keys
         self.build(c)
         self.gate = OutputGate(c.output_gate, c.d_model, c.n_heads, c.head_dim, c.output_gate_scale) if c.output_gate else None
-        # output_norm: each head's readout at unit RMS, times a learned scale (flat: no weight decay, as norms)
         self.out_norm = nn.Parameter(torch.ones(c.n_heads * c.head_dim)) if c.output_norm else None
         self.wo = nn.Linear(c.n_heads * c.head_dim, c.d_model, bias=c.bias)
         self.last: AttentionRecord | None = None
