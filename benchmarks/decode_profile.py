@@ -27,7 +27,9 @@ import json
 import os
 import platform
 import re
+import statistics
 import sys
+import time
 from pathlib import Path
 
 import torch
@@ -64,9 +66,6 @@ def time_merges(prep, rounds: int = 3) -> dict | None:
     """The first windowed layer's merge of its sorted codes at this context, both ways (median ms of
     `rounds`): `extend_codes` (the decoder's: the keys of one tail sorted in) and `merge_codes`
     (every key sorted again, as before it); None without a static window decoder."""
-    import statistics
-    import time
-
     from attnlab.models.static_window import extend_codes, merge_codes
 
     st = prep.shared.get("window")
@@ -93,8 +92,6 @@ def time_merges(prep, rounds: int = 3) -> dict | None:
 def profile_steps(d, steps: int) -> tuple[dict, float]:
     """`steps` steps of one decoder under the profiler -> ({op: (self us, calls)}, wall ms per step);
     the ops of merges inside the steps are summed under `MERGE` instead of under their own names."""
-    import time
-
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
         t0 = time.perf_counter()
         for _ in range(steps):

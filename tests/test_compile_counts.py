@@ -40,6 +40,7 @@ CONFIGS = {
     "goat_hybrid": {"attn": "goat_hybrid", "attention": {"goat_rank": 2}},
     "principled": {"attn": "principled"},
     "gla": {"attn": "gla"},
+    "gla-output-norm-gate": {"attn": "gla", "attention": {"output_norm": True, "output_gate": "elementwise"}},
     "ssd": {"attn": "ssd"},
     "cosformer": {"attn": "cosformer"},
 }

@@ -216,7 +216,7 @@ class StaticDecoder(ScalarReadouts, nn.Module):
             if force or t - w + 1 - self.merged[i] > self.tail:
                 upto = max(0, min(t - w + 1, t))  # every position below it written already
                 codes, ks = getattr(self, f"codes{i}"), getattr(self, f"ks{i}")
-                if force or upto < self.merged[i]:
+                if force:
                     codes.copy_(merge_codes(ks, upto))
                 else:  # keys below the merge point never change: only the new ones are sorted in
                     extend_codes(codes, ks, self.merged[i], upto)

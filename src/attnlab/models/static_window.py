@@ -73,7 +73,8 @@ def extend_codes(codes: torch.Tensor, ks: torch.Tensor, old: int, upto: int) -> 
              | torch.stack([pos, POS_MAX - pos])).sort(dim=-1).values  # (B, H, 2, n)
     before = codes[..., :old].contiguous()  # the old codes (a copy: their places move)
     below = torch.searchsorted(before, fresh)  # (B, H, 2, n): old codes below each new one
-    rows, n = below.numel() // max(1, upto - old), upto - old
+    n = upto - old
+    rows = below.numel() // n
     edges = torch.cat([below.new_zeros(rows, 1), below.reshape(rows, n), below.new_full((rows, 1), old)], 1)
     shift = torch.repeat_interleave(torch.arange(n + 1, device=dev).repeat(rows), edges.diff(dim=1).reshape(-1),
                                     output_size=rows * old)  # per old code, the new codes below it
