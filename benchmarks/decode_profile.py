@@ -64,7 +64,8 @@ def in_merge(e) -> bool:
 
 def time_merges(prep, rounds: int = 3) -> dict | None:
     """The first windowed layer's merge of its sorted codes at this context, both ways (median ms of
-    `rounds`): `extend_codes` (the decoder's: the keys of one tail sorted in) and `merge_codes`
+    `rounds`): `extend_codes` (the decoder's: the keys of one tail sorted in, its temporaries in the
+    decoder's scratch buffer) and `merge_codes`
     (every key sorted again, as before it); None without a static window decoder."""
     from attnlab.models.static_window import extend_codes, merge_codes
 
@@ -80,7 +81,7 @@ def time_merges(prep, rounds: int = 3) -> dict | None:
     for _ in range(rounds):
         work = base.clone()
         t0 = time.perf_counter()
-        extend_codes(work, ks, old, upto)
+        extend_codes(work, ks, old, upto, dec.merge_scratch)
         times["extend_codes"].append(time.perf_counter() - t0)
         t0 = time.perf_counter()
         again = merge_codes(ks, upto)

@@ -315,8 +315,10 @@ def test_static_codes_choose_the_dense_windows():
 
 def test_extending_codes_equals_sorting_them_again():
     """extend_codes from any merge point to any later one = merge_codes at the later one, bit for bit,
-    on keys with many exact ties and both zeros, in place; a merge point past the keys is refused."""
-    from attnlab.models.static_window import extend_codes, merge_codes
+    on keys with many exact ties and both zeros, in place, with its temporaries allocated or in one
+    scratch buffer reused from merge to merge (left holding garbage); a merge point past the keys and
+    a scratch buffer too small, of another dtype or device are refused."""
+    from attnlab.models.static_window import extend_codes, extend_scratch_size, merge_codes
 
     g = torch.Generator().manual_seed(8)
     B, H, N = 2, 3, 37
@@ -328,9 +330,17 @@ def test_extending_codes_equals_sorting_them_again():
             codes = merge_codes(ks, old)
             got = extend_codes(codes, ks, old, upto)
             assert got is codes and torch.equal(codes, merge_codes(ks, upto)), (old, upto)
+    scratch = torch.randint(-(2**62), 2**62, (extend_scratch_size(codes),), generator=g)
+    codes = merge_codes(ks, 0)
+    for old, upto in ((0, 0), (0, 1), (1, 9), (9, 36), (36, N)):  # a decoder's merges, one after another
+        assert extend_codes(codes, ks, old, upto, scratch) is codes
+        assert torch.equal(codes, merge_codes(ks, upto)), (old, upto)
     for old, upto in ((5, 4), (-1, 3), (0, N + 1)):
         with pytest.raises(ValueError, match="old <= upto"):
             extend_codes(merge_codes(ks, 0), ks, old, upto)
+    for bad in (scratch[:-1], scratch.int(), scratch.to("meta")):
+        with pytest.raises(ValueError, match="scratch must be int64"):
+            extend_codes(merge_codes(ks, 0), ks, 0, 5, bad)
 
 
 def test_generate_compile_builds_one_compiled_decoder(monkeypatch):

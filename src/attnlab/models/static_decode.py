@@ -39,7 +39,7 @@ from .decode import decode_window
 from .static_scalar import ScalarReadouts
 from .static_split import padded, split_chunk
 from .static_state import KEYED, RECURRENT, KeyStore, make_state, own_code, softmax_step
-from .static_window import LAST, extend_codes, merge_codes
+from .static_window import LAST, extend_codes, extend_scratch_size, merge_codes
 
 __all__ = ["StaticDecoder", "supported"]
 
@@ -149,6 +149,10 @@ class StaticDecoder(ScalarReadouts, nn.Module):
                 self.register_buffer(f"codes{i}", torch.full((B, a.n_scalar, 2, N), LAST, device=p.device),
                                      persistent=False)  # the sorted codes, low and high (static_window)
                 self.register_buffer(f"m{i}", torch.zeros((), dtype=torch.long, device=p.device), persistent=False)
+        sizes = [extend_scratch_size(c) for name, c in self.named_buffers() if name.startswith("codes")]
+        if sizes:  # the merges' temporaries, one buffer shared by the layers (they merge one after another)
+            self.register_buffer("merge_scratch", torch.empty(max(sizes), dtype=torch.int64, device=p.device),
+                                 persistent=False)
         self.fused = [blk.attn.fusable()
                       and not getattr(self.states[str(i)] if str(i) in self.states else None, "stack_qkv_off", False)
                       for i, blk in enumerate(model.blocks)]  # q, k, v as one matmul of stacked weights
@@ -219,7 +223,7 @@ class StaticDecoder(ScalarReadouts, nn.Module):
                 if force:
                     codes.copy_(merge_codes(ks, upto))
                 else:  # keys below the merge point never change: only the new ones are sorted in
-                    extend_codes(codes, ks, self.merged[i], upto)
+                    extend_codes(codes, ks, self.merged[i], upto, self.merge_scratch)
                 getattr(self, f"m{i}").fill_(upto)
                 self.merged[i] = upto
 

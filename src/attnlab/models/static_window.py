@@ -17,8 +17,9 @@ made with shapes that never change, so the step compiles into one graph:
 - the k nearest of those 2k + tail candidates by (distance bits, newest first) are the window,
   exactly the dense rule's top-k; a step costs O(log max_len + k + tail);
 - every `tail` steps, between steps, M moves up: the keys it passes are sorted and merged into both
-  arrays (`extend_codes`: O(t) at position t, by searches and one ordered fill, where sorting both
-  arrays again, `merge_codes`, is O(max_len log max_len)), amortised over the tail.
+  arrays (`extend_codes`: O(t) at position t, by searches, a running count and one ordered fill,
+  where sorting both arrays again, `merge_codes`, is O(max_len log max_len)), amortised over the
+  tail; its temporaries live in one scratch buffer the decoder keeps.
 
 `merge_codes` (after a prompt), `extend_codes` (between steps) and `window_keys` (in a step) are the
 pieces; `StaticDecoder` calls them. Under a memory budget
@@ -32,7 +33,8 @@ from __future__ import annotations
 
 import torch
 
-__all__ = ["POS_MAX", "budget_keep", "extend_codes", "float_order", "merge_codes", "nearest_alive", "window_keys"]
+__all__ = ["POS_MAX", "budget_keep", "extend_codes", "extend_scratch_size", "float_order", "merge_codes",
+           "nearest_alive", "window_keys"]
 
 POS_MAX = 2**31 - 1  # positions below this (the low 32 bits of a code)
 LAST = torch.iinfo(torch.int64).max  # an unused slot's code: after every key
@@ -56,32 +58,52 @@ def merge_codes(ks: torch.Tensor, merged: int) -> torch.Tensor:
     return torch.where(pos < merged, order | both, LAST).sort(dim=-1).values
 
 
-def extend_codes(codes: torch.Tensor, ks: torch.Tensor, old: int, upto: int) -> torch.Tensor:
+def extend_codes(codes: torch.Tensor, ks: torch.Tensor, old: int, upto: int,
+                 scratch: torch.Tensor | None = None) -> torch.Tensor:
     """`codes` (B, H, 2, N), which hold `merge_codes(ks, old)`, made `merge_codes(ks, upto)` in place
     (old <= upto) and returned. Only the new keys, positions old .. upto - 1, are sorted; each finds
     its place among the old codes by binary search (every code is distinct: its low 32 bits hold its
-    position), and each old code moves up by the number of new codes below it (one
-    repeat_interleave of known size). O(upto + n log upto) for n new keys, where sorting again is O(upto log upto); no host sync
-    and no shape from data. The merge a decode step makes every `tail` steps."""
+    position), and each old code moves up by the number of new codes below it: a count of the new
+    codes per place, summed cumulatively (a linear pass, no search per old code). O(upto + n log upto)
+    for n new keys, where sorting again is O(upto log upto); no host sync and no shape from data.
+    The merge a decode step makes every `tail` steps.
+    scratch: an int64 buffer of at least `extend_scratch_size(codes)` elements on codes' device that
+    holds the temporaries (a copy of the old codes, their destinations), so that a merge allocates
+    nothing of size upto; None allocates them."""
     if not 0 <= old <= upto <= ks.shape[-1]:
         raise ValueError(f"need 0 <= old <= upto <= {ks.shape[-1]}, got old={old}, upto={upto}")
+    if scratch is not None and (scratch.dtype != torch.int64 or scratch.device != codes.device
+                                or scratch.numel() < extend_scratch_size(codes)):
+        raise ValueError(f"scratch must be int64 on {codes.device} with at least {extend_scratch_size(codes)} "
+                         f"elements, got {scratch.dtype} on {scratch.device} with {scratch.numel()}")
     if upto == old:
         return codes
     dev = ks.device
     pos = torch.arange(old, upto, device=dev)
     fresh = ((float_order(ks[..., old:upto]) << 32)[..., None, :]
              | torch.stack([pos, POS_MAX - pos])).sort(dim=-1).values  # (B, H, 2, n)
-    before = codes[..., :old].contiguous()  # the old codes (a copy: their places move)
+    lead, rows = codes.shape[:-1], codes[..., 0].numel()
+    if scratch is None:
+        scratch = torch.empty(rows * (2 * old + 1), dtype=torch.int64, device=dev)
+    flat = scratch.view(-1)
+    before = flat[:rows * old].view(*lead, old)
+    before.copy_(codes[..., :old])  # the old codes (a copy: their places move)
     below = torch.searchsorted(before, fresh)  # (B, H, 2, n): old codes below each new one
-    n = upto - old
-    rows = below.numel() // n
-    edges = torch.cat([below.new_zeros(rows, 1), below.reshape(rows, n), below.new_full((rows, 1), old)], 1)
-    shift = torch.repeat_interleave(torch.arange(n + 1, device=dev).repeat(rows), edges.diff(dim=1).reshape(-1),
-                                    output_size=rows * old)  # per old code, the new codes below it
+    # new codes below old code j: those with below <= j, the running sum of how many sit at each place
+    dest = flat[rows * old:rows * (2 * old + 1)].view(*lead, old + 1).zero_()
+    dest.scatter_add_(-1, below, torch.ones_like(below))
+    torch.cumsum(dest, -1, out=dest)
+    dest = dest[..., :old].add_(torch.arange(old, device=dev))
     head = codes[..., :upto]
-    head.scatter_(-1, torch.arange(old, device=dev) + shift.view(before.shape), before)
-    head.scatter_(-1, torch.arange(n, device=dev) + below, fresh)
+    head.scatter_(-1, dest, before)
+    head.scatter_(-1, torch.arange(upto - old, device=dev) + below, fresh)
     return codes
+
+
+def extend_scratch_size(codes: torch.Tensor) -> int:
+    """How many int64 elements `extend_codes` needs as scratch for `codes` (B, H, 2, N), at any merge
+    point: a copy of the old codes and their N + 1 destination counts per row."""
+    return codes[..., 0].numel() * (2 * codes.shape[-1] + 1)
 
 
 def window_keys(qs: torch.Tensor, ks: torch.Tensor, codes: torch.Tensor, merged: torch.Tensor,
