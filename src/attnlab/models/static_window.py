@@ -92,7 +92,7 @@ def extend_codes(codes: torch.Tensor, ks: torch.Tensor, old: int, upto: int,
     # new codes below old code j: those with below <= j, the running sum of how many sit at each place
     dest = flat[rows * old:rows * (2 * old + 1)].view(*lead, old + 1).zero_()
     dest.scatter_add_(-1, below, torch.ones_like(below))
-    torch.cumsum(dest, -1, out=dest)
+    dest.cumsum_(-1)
     dest = dest[..., :old].add_(torch.arange(old, device=dev))
     head = codes[..., :upto]
     head.scatter_(-1, dest, before)
