@@ -72,10 +72,11 @@ def extend_codes(codes: torch.Tensor, ks: torch.Tensor, old: int, upto: int,
     nothing of size upto; None allocates them."""
     if not 0 <= old <= upto <= ks.shape[-1]:
         raise ValueError(f"need 0 <= old <= upto <= {ks.shape[-1]}, got old={old}, upto={upto}")
+    need = extend_scratch_size(codes)
     if scratch is not None and (scratch.dtype != torch.int64 or scratch.device != codes.device
-                                or scratch.numel() < extend_scratch_size(codes)):
-        raise ValueError(f"scratch must be int64 on {codes.device} with at least {extend_scratch_size(codes)} "
-                         f"elements, got {scratch.dtype} on {scratch.device} with {scratch.numel()}")
+                                or scratch.numel() < need):
+        raise ValueError(f"scratch must be int64 on {codes.device} with at least {need} elements, "
+                         f"got {scratch.dtype} on {scratch.device} with {scratch.numel()}")
     if upto == old:
         return codes
     dev = ks.device
