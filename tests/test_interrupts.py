@@ -199,7 +199,7 @@ def sweep_spec(folder: Path, steps: int) -> Path:
     shared = ["model.d_model=16", "model.n_heads=2", "data.seq_len=16", f"data.source={CORPUS}",
               f"train.steps={steps}", "train.ckpt_every=50", "train.eval_every=0", "train.log_every=1",
               "train.eval_batches=1", "run.tensorboard=false", "run.threads=1"]
-    lines = ['title = "interrupt"', 'claim = "none"', f'base = "{TINY}"', "seeds = [0]",
+    lines = ['title = "interrupt"', 'claim = "none"', 'below_budget = "a test"', f'base = "{TINY}"', "seeds = [0]",
              f"overrides = {json.dumps(shared)}"]
     for name in ("softmax", "hybrid"):
         lines += ["[[variants]]", f'name = "{name}"', f'overrides = ["model.attn={name}"]']

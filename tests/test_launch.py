@@ -34,7 +34,7 @@ SHARED = ["model.d_model=16", "model.n_heads=2", "data.seq_len=16", f"data.sourc
 
 
 def write_spec(folder: Path, extra: list[str] = ()) -> Path:
-    lines = ['title = "launch"', 'claim = "none"', f'base = "{TINY}"', "seeds = [0, 1]",
+    lines = ['title = "launch"', 'claim = "none"', 'below_budget = "a test"', f'base = "{TINY}"', "seeds = [0, 1]",
              f"overrides = {json.dumps(SHARED + list(extra))}",
              "[[variants]]", 'name = "hybrid"', 'overrides = ["model.attn=hybrid"]']
     folder.mkdir(parents=True, exist_ok=True)

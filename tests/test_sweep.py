@@ -32,7 +32,8 @@ METRICS = {"loss_at": [16, 32], "topk_mass": [4], "max_tokens": 256, "analysis_l
 
 def spec_text(shared=SHARED, variants=VARIANTS, extra="") -> str:
     lines = ['title = "Hybrid vs softmax, tiny"', 'claim = "hybrid reaches a lower validation loss than softmax"',
-             f'base = "{TINY}"', f"seeds = {json.dumps(SEEDS)}", f"overrides = {json.dumps(shared)}", "per_seed = true",
+             'below_budget = "a test"', f'base = "{TINY}"', f"seeds = {json.dumps(SEEDS)}",
+             f"overrides = {json.dumps(shared)}", "per_seed = true",
              extra]
     for name, ov in variants.items():
         lines += ["[[variants]]", f'name = "{name}"', f"overrides = {json.dumps(ov)}"]

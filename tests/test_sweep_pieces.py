@@ -33,7 +33,8 @@ TIMINGS = ("wall_seconds", "tokens_per_s", "train_seconds")
 
 def spec_text(shared=SHARED) -> str:
     lines = ['title = "Hybrid vs softmax, tiny, in pieces"', 'claim = "hybrid reaches a lower validation loss"',
-             f'base = "{TINY}"', "seeds = [0, 1]", f"overrides = {json.dumps(shared)}", "per_seed = true"]
+             'below_budget = "a test"', f'base = "{TINY}"', "seeds = [0, 1]", f"overrides = {json.dumps(shared)}",
+             "per_seed = true"]
     for name, ov in VARIANTS.items():
         lines += ["[[variants]]", f'name = "{name}"', f"overrides = {json.dumps(ov)}"]
     lines += ["[metrics]", "loss_at = [16, 32]", "topk_mass = [4]", "max_tokens = 256", "analysis_len = 16"]

@@ -34,7 +34,11 @@ def add_sweep(sub) -> None:
                "needs the mean beyond the number by more than twice its sd. A compare rule with `by` needs the gain\n"
                "to exceed `by` plus the margin; `times` scales the second variant's mean and sd first.",
     )
-    p.add_argument("spec", metavar="SPEC.toml", help="the sweep spec")
+    p.add_argument("spec", metavar="SPEC.toml", nargs="+", help="the sweep spec; several make one queue: every "
+                   "unfinished run of each, in order, --jobs at once, each report written when its sweep is done")
+    p.add_argument("--runs", metavar="DIR", help="keep the run folders (checkpoints, logs) under DIR instead of "
+                   "OUT/runs, so they outlive the checkout: DIR/<OUT inside the repository>/runs/<variant>/seed<k> "
+                   "(default: $ATTNLAB_RUNS, else OUT/runs)")
     p.add_argument("--jobs", type=int, metavar="N",
                    help="runs trained at once, in worker processes; each single-threaded unless the spec sets "
                         "run.threads (default: 1, in this process); with --launcher, jobs queued or running at "
@@ -70,9 +74,21 @@ def cmd_sweep(ns) -> int:
     positive_options(ns, "jobs")
     _check_piece_options(ns)
     launcher = launcher_from_options(ns)  # ConfigError names the option
-    if not Path(ns.spec).is_file():
-        raise UsageError(f"spec file {ns.spec!r} does not exist")
-    spec = sw.load_spec(ns.spec)  # ConfigError names the spec key
+    for path in ns.spec:
+        if not Path(path).is_file():
+            raise UsageError(f"spec file {path!r} does not exist")
+    if ns.runs:
+        import os
+
+        from attnlab.experiments.sweep.spec import RUNS_ENV
+
+        if Path(ns.runs).exists() and not Path(ns.runs).is_dir():
+            raise UsageError(f"--runs {ns.runs!r} is a file, not a folder")
+        os.environ[RUNS_ENV] = str(Path(ns.runs).resolve())  # the worker processes inherit it
+        ns.command_line = _without_runs(ns.command_line)  # where the run folders live reproduces nothing
+    if len(ns.spec) > 1:
+        return _queue(ns, launcher)
+    spec = sw.load_spec(ns.spec[0])  # ConfigError names the spec key
     out = Path(ns.out) if ns.out else spec.out
     # local jobs share this machine: single-threaded unless run.threads says otherwise (as --jobs N > 1)
     jobs = ns.jobs or 1 if launcher is None else (1 if launcher.kind == "slurm" or ns.jobs == 1 else 2)
@@ -108,6 +124,42 @@ def cmd_sweep(ns) -> int:
     except JobFailed as e:  # a job's own error, in its log under OUT/submitit
         print(f"error: {e}", file=sys.stderr)
         return 1
+    return 0
+
+
+def _without_runs(command: str) -> str:
+    import shlex
+
+    words, out = shlex.split(command), []
+    skip = False
+    for w in words:
+        if skip:
+            skip = False
+        elif w == "--runs":
+            skip = True
+        elif not w.startswith("--runs="):
+            out.append(w)
+    return shlex.join(out)
+
+
+def _queue(ns, launcher) -> int:
+    """Several specs: one queue of their unfinished runs (`sweep.run_queue`)."""
+    from attnlab.experiments import sweep as sw
+    from attnlab.experiments.sweep.runner import run_queue
+    from attnlab.train.trainer import DataError
+
+    clash = [o for o, given in (("--out", ns.out), ("--only", ns.only), ("--report-only", ns.report_only),
+                                ("--merge", ns.merge), ("--launcher", launcher)) if given]
+    if clash:
+        raise UsageError(f"{clash[0]} takes one spec; a queue of {len(ns.spec)} specs trains each into its own folder")
+    specs = [sw.load_spec(path) for path in ns.spec]
+    try:
+        for spec in specs:
+            for p in sw.plan(spec, spec.out, jobs=ns.jobs or 1):
+                check_model_builds(p.cfg, f"{spec.path}: variant {p.variant!r}, seed {p.seed}: ")
+        run_queue(specs, jobs=ns.jobs or 1, progress=not ns.no_progress, records=ns.records)
+    except (DataError, sw.SweepError) as e:
+        raise UsageError(str(e)) from None
     return 0
 
 

@@ -10,7 +10,8 @@ from pathlib import Path
 from .profiles import is_profile, profile_sections
 from ..report import MISSING, fmt, markdown_table, rebuild_command, report_head, save_figure
 from .runs import scalar_of
-from .spec import EVAL_ARG_KEYS, Spec
+from .budget import budget_lines
+from .spec import EVAL_ARG_KEYS, Spec, step_of
 from .verdict import answer_lines, verdict_lines
 
 
@@ -27,7 +28,7 @@ def _pm(mean, sd, digits: int = 4) -> str:
 
 
 def results_table(results: dict) -> str:
-    names = [n for n in results["scalars"] if not is_profile(n)]
+    names = [n for n in results["scalars"] if not is_profile(n) and step_of(n)[1] is None]
     headers = ["variant", "seeds", "params", "tokens/run"] + names + ["τ per layer"]
     rows = []
     for name, v in results["variants"].items():
@@ -73,6 +74,8 @@ def report_markdown(spec: Spec, results: dict, out: Path, metrics_png: bool = Tr
               "throughput and time of the session that finished the run; τ per layer: mean over heads and seeds.", ""]
     if spec.metrics:
         lines += [_metrics_text(spec.metrics), ""]
+    lines += budget_lines(results.get("budget"))
+    lines += steps_lines(spec, results)
     lines += profile_sections(results, out)
     lines += answer_lines(results.get("answer"))
     lines += verdict_lines(spec.verdicts, results.get("verdicts") or [])
@@ -83,6 +86,9 @@ def report_markdown(spec: Spec, results: dict, out: Path, metrics_png: bool = Tr
     if metrics_png:
         lines += ["![per-run metrics](metrics.png)", "", "Each per-run scalar: the mean over seeds as a bar, ±1 sd as an "
                   "error bar, each seed as a dot.", ""]
+    if spec.metrics.get("at_steps"):
+        lines += ["![by training tokens](by_tokens.png)", "", "Each metric measured on the checkpoints of "
+                  "metrics.at_steps, against the training tokens seen: the mean over seeds as a line, ±1 sd as a band.", ""]
     if spec.per_seed:
         names = results["scalars"]
         rows = [[r["variant"], r["seed"]] + [scalar_of(r, n) for n in names] for r in results["runs"]]
@@ -91,6 +97,64 @@ def report_markdown(spec: Spec, results: dict, out: Path, metrics_png: bool = Tr
               f"Run folders: `{os.path.relpath(out / 'runs', out)}/<variant>/seed<k>/` (config, logs, checkpoints, "
               f"summary.json, sweep.json). " + machines_text(results)]
     return "\n".join(lines)
+
+
+def _by_step(results: dict) -> tuple[list[str], list[int]]:
+    """(the metrics measured at steps, the steps), in the spec's order."""
+    names, steps = [], []
+    for n in results["scalars"]:
+        head, step = step_of(n)
+        if step is not None:
+            names += [head] if head not in names else []
+            steps += [step] if step not in steps else []
+    return names, steps
+
+
+def steps_lines(spec: Spec, results: dict) -> list[str]:
+    """With metrics.at_steps: per variant, each metric at each step (mean ± sd over seeds), by tokens seen."""
+    names, steps = _by_step(results)
+    if not steps:
+        return []
+    lines = ["## By training tokens", "", "Each metric on the checkpoint of each step of metrics.at_steps "
+             "(mean ± sd over seeds); tokens/param: the training tokens seen per parameter of the model.", ""]
+    for name, v in results["variants"].items():
+        per = v["tokens_per_run"] / v["steps"]
+        rows = [[N, fmt(N * per), f"{N * per / v['params']:.2f}" if v["params"] else None]
+                + [_pm(v["mean"].get(f"{m}/step={N}"), v["sd"].get(f"{m}/step={N}")) for m in names] for N in steps]
+        lines += [f"**{name}**", "", markdown_table(["step", "tokens", "tokens/param"] + names, rows), ""]
+    return lines
+
+
+def plot_steps(spec: Spec, results: dict, path: Path) -> Path | None:
+    """One panel per metric of metrics.at_steps: mean over seeds against training tokens, ±1 sd band."""
+    from ..report import pyplot
+
+    names, steps = _by_step(results)
+    if not steps:
+        return None
+    plt = pyplot()
+    ncols = min(3, len(names))
+    nrows = math.ceil(len(names) / ncols)
+    fig, axes = plt.subplots(nrows, ncols, figsize=(4.4 * ncols, 3.4 * nrows), dpi=120, squeeze=False)
+    for ax, m in zip(axes.flat, names):
+        for i, (name, v) in enumerate(results["variants"].items()):
+            per = v["tokens_per_run"] / v["steps"]
+            pts = [(N * per / 1e6, v["mean"].get(f"{m}/step={N}"), v["sd"].get(f"{m}/step={N}") or 0.0) for N in steps]
+            pts = [p for p in pts if p[1] is not None]
+            if not pts:
+                continue
+            x, y, sd = zip(*pts)
+            ax.plot(x, y, color=f"C{i}", marker="o", ms=3, lw=1.6, label=f"{name} (n={v['n']})")
+            ax.fill_between(x, [a - b for a, b in zip(y, sd)], [a + b for a, b in zip(y, sd)], color=f"C{i}", alpha=0.2, lw=0)
+        ax.set_xscale("log")
+        ax.set_xlabel("training tokens (millions)")
+        ax.set_title(m, fontsize=9)
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=7)
+    for ax in list(axes.flat)[len(names):]:
+        ax.set_visible(False)
+    fig.suptitle(spec.title, fontsize=10)
+    return save_figure(fig, path)
 
 
 def _machine_text(m: dict, cuda: bool = True) -> str:
@@ -150,6 +214,8 @@ _METRIC_TEXT = (
      "about 3L/4 tokens earlier in a context of L tokens, its first token left out (`attnlab.eval.repeat`); "
      "**repeat_control/T=L**: the same tokens with the earlier copy replaced by other text; "
      "**repeat_gain/T=L**: repeat_control minus repeat (what reaching the earlier copy is worth)"),
+    ("at_steps", "**<name>/step=N**: each metric again on the run's checkpoint of step N (metrics.at_steps; the "
+     "section \"By training tokens\" below)"),
     ("mqar_accuracy", "**mqar_accuracy**: MQAR accuracy at the query positions (256 test sequences of the training "
      "length, a seed no run trains or validates on)"),
     ("mqar_attention", "**mqar_region_mass@L, mqar_value_share@L, mqar_value_reach@L**: where layer L's attention at the "
@@ -222,7 +288,7 @@ def plot_metrics(spec: Spec, results: dict, path: Path) -> Path | None:
     from ..report import pyplot
 
     names = [n for n in results["scalars"]  # val_ppl, train_seconds: as val_loss, tokens_per_s
-             if n not in ("val_ppl", "train_seconds") and not is_profile(n)]
+             if n not in ("val_ppl", "train_seconds") and not is_profile(n) and step_of(n)[1] is None]
     if not names:
         return None
     plt = pyplot()

@@ -12,9 +12,10 @@ from attnlab.train.config import RunConfig
 
 from ..trial import mean_sd, recorded_results, sample_sd, write_outputs
 from ..report import machine_info, shown_path
-from .report import plot_curves, plot_metrics, report_markdown, results_table
+from .report import plot_curves, plot_metrics, plot_steps, report_markdown, results_table
 from .runs import (RunPlan, _record_of, collect_metrics, execute, plan, recorded_runs, recorded_threads, run_config,
                    scalar_of, summary_of)
+from .budget import budget_of
 from .verdict import answer, judge, verdict
 from .spec import OWNED_KEYS, SUMMARY_SCALARS, Spec, SweepError, Variant, load_spec, metric_names
 
@@ -32,7 +33,7 @@ def _run_entry(spec: Spec, variant: str, seed: int, cfg: RunConfig, run_dir: Pat
     log = read_log(run_dir)
     machine = {"machine": record["machine"]} if record.get("machine") else {}  # runs trained before it was kept: none
     return {
-        "variant": variant, "seed": seed, "run_dir": os.path.relpath(run_dir, out),
+        "variant": variant, "seed": seed, "run_dir": f"runs/{variant}/seed{seed}",  # under runs_root(OUT)
         "params": s["params"], "steps": s["steps"], "tokens": s["steps"] * cfg.train.tokens_per_step,
         **{k: s.get(k) for k in SUMMARY_SCALARS},
         "wall_seconds": record.get("wall_seconds"), "tau": s.get("tau"), "resumed": s.get("resumed_from") is not None,
@@ -119,7 +120,7 @@ def aggregate(spec: Spec, out: str | os.PathLike | None = None, *, records: dict
             "tau": [mean_sd([t[i] if i < len(t) else None for t in taus])[0] for i in range(n_layers)],
         }
     judged = [judge(rule, variants) for rule in spec.verdicts]
-    threads = {((_record_of(out / r["run_dir"]) or {}).get("threads")) for r in runs} - {None}
+    threads = {((_record_of(spec.run_dir(r["variant"], r["seed"], out)) or {}).get("threads")) for r in runs} - {None}
     if not threads and recorded:  # every run recorded: the threads they were measured with
         threads = {recorded_threads(out)} - {None}
     fallback = machine or machine_info(threads.pop() if len(threads) == 1 else None)
@@ -131,6 +132,7 @@ def aggregate(spec: Spec, out: str | os.PathLike | None = None, *, records: dict
         "verdict": judged[0] if judged else None,
         "verdicts": judged,
         "answer": answer(spec.answer, spec.verdicts, judged, variants, len(spec.seeds)) if spec.answer else None,
+        "budget": budget_of(spec, {"variants": variants}),
         "machine": trained_on,
         **({"machines": machines} if machines else {}),
     }
@@ -192,6 +194,8 @@ def write_results(spec: Spec, out: str | os.PathLike | None = None, *, command: 
     out.mkdir(parents=True, exist_ok=True)
     plot_curves(spec, results, out / "loss_curves.png")
     metrics_png = plot_metrics(spec, results, out / "metrics.png")
+    if spec.metrics.get("at_steps"):
+        plot_steps(spec, results, out / "by_tokens.png")
     write_outputs(out, results, report_markdown(spec, results, out, metrics_png is not None) + "\n", indent=2)
     if not quiet:
         print("\n" + results_table(results))

@@ -14,8 +14,9 @@ from attnlab.models.config import ConfigError
 from attnlab.pool import run_pool
 
 from ..launch import SUBMITIT_DIR, SweepJob, launch
+from .budget import check_budget
 from .records import check_target, write_records
-from .results import write_results
+from .results import whole_command, write_results
 from .runs import RunPlan, execute, plan, summary_of
 from .spec import Spec, SweepError, load_spec
 
@@ -52,6 +53,8 @@ def run(
     out = Path(out) if out is not None else spec.out
     plans = plans if plans is not None else plan(spec, out, jobs=jobs)
     todo = [p for p in plans if p.state not in ("done", "recorded")]
+    if any(p.state != "evaluate" for p in todo):
+        check_budget(spec, plans)  # nothing is trained below the budget rule without a stated reason
     chosen = plans
     if only is not None:
         names = select_runs(plans, only)
@@ -133,3 +136,75 @@ def _run_pool(todo: list[RunPlan], jobs_list: list[dict], jobs: int, bar, plans:
         bar.update(1)
 
     run_pool(execute, [(job,) for job in jobs_list], jobs, on_done=done, stopped=lambda: _stopped(plans, todo))
+
+
+def run_queue(specs: list[Spec | str | os.PathLike], *, jobs: int = 1, progress: bool = True, quiet: bool = False,
+              records: str | os.PathLike | None = None) -> list[dict]:
+    """Several sweeps as one queue: every unfinished run of every spec, in the specs' order, `jobs` at
+    once, so that no core idles at the end of one sweep while the next waits. Each spec's results.json
+    and report are written as soon as its last run finishes (and `records`, if given, after each of its
+    runs); returns the results of each spec. Every spec is loaded and planned, and the budget rule
+    checked, before anything trains. Each report names the command that trains its own sweep alone."""
+    from contextlib import ExitStack
+
+    from tqdm.auto import tqdm
+
+    specs = [s if isinstance(s, Spec) else load_spec(s) for s in specs]
+    outs = [s.out for s in specs]
+    dup = sorted({str(o) for o in outs if outs.count(o) > 1})
+    if dup:
+        raise SweepError(f"a queue trains each sweep once: {', '.join(dup)} is the output folder of more than one spec")
+    if isinstance(jobs, bool) or not isinstance(jobs, int) or jobs < 1:
+        raise ConfigError(f"jobs must be an int >= 1, got {jobs!r}")
+    plans = [plan(s, s.out, jobs=jobs) for s in specs]
+    todos = [[p for p in ps if p.state not in ("done", "recorded")] for ps in plans]
+    for s, ps, todo in zip(specs, plans, todos):
+        if any(p.state != "evaluate" for p in todo):
+            check_budget(s, ps)
+        if records is not None:
+            check_target(s, records)
+        for folder in [s.out] + [p.run_dir for p in todo]:
+            check_free(folder)
+    queue = [(k, p) for k, todo in enumerate(todos) for p in todo]
+    if not quiet:
+        print(f"queue of {len(specs)} sweeps: {len(queue)} runs to train, {jobs} at once", flush=True)
+    left = [len(t) for t in todos]
+    commands = [whole_command(s, s.out) + (f" --jobs {jobs}" if jobs > 1 else "") for s in specs]
+    results: list[dict | None] = [None] * len(specs)
+
+    def finished(i: int) -> None:
+        k = queue[i][0]
+        left[k] -= 1
+        if records is not None:
+            write_records(specs[k], plans[k], records, specs[k].out)
+        if left[k] == 0:
+            results[k] = write_results(specs[k], specs[k].out, command=commands[k], quiet=quiet)
+
+    every = [p for ps in plans for p in ps]
+    with ExitStack() as stack:
+        for s in specs:
+            stack.enter_context(FolderLock(s.out))
+        bar = tqdm(total=len(queue), desc="queue", unit="run", disable=not progress, dynamic_ncols=True)
+        jobs_list = [{"raw": p.raw, "state": p.state, "metrics": specs[k].metrics} for k, p in queue]
+        todo_all = [p for _, p in queue]
+
+        def done(i: int) -> None:
+            finished(i)
+            bar.set_postfix_str(f"{queue[i][1].variant}/seed{queue[i][1].seed}")
+            bar.update(1)
+        try:
+            if jobs == 1 or len(queue) <= 1:
+                with interrupt.graceful():
+                    for i, job in enumerate(jobs_list):
+                        execute(job)
+                        done(i)
+                        interrupt.check(lambda: _stopped(every, todo_all))
+            else:
+                run_pool(execute, [(job,) for job in jobs_list], jobs, on_done=done,
+                         stopped=lambda: _stopped(every, todo_all))
+        finally:
+            bar.close()
+        for k, s in enumerate(specs):  # sweeps with nothing left to train: their report rebuilt
+            if results[k] is None:
+                results[k] = write_results(s, s.out, command=commands[k], quiet=quiet, report_only=not todos[k])
+    return results

@@ -20,7 +20,7 @@ from attnlab.models.config import ConfigError
 from attnlab.train.config import RunConfig, apply_overrides, config_from_dict, read_toml, to_dict
 
 from ..report import machine_info, topk_summary
-from .spec import RECORD, Spec, SweepError, Variant, _need, metric_names, mqar_values, window_keys
+from .spec import RECORD, Spec, SweepError, Variant, _need, final_metric_names, mqar_values, window_keys
 
 
 # --------------------------------------------------------------------------- the runs
@@ -177,6 +177,7 @@ def plan(spec: Spec, out: str | os.PathLike | None = None, *, jobs: int = 1) -> 
         for seed in spec.seeds:
             cfg, _ = run_config(spec, v, seed, out, jobs=jobs)
             _check_eval_lengths(cfg, spec.metrics, v.name)
+            check_at_steps(cfg, spec.metrics, v.name)
             run_dir = Path(cfg.run_dir)
             state = _run_state(run_dir, cfg, spec.metrics)
             if state == "new" and (v.name, seed) in recorded:
@@ -229,8 +230,50 @@ def _check_eval_lengths(cfg: RunConfig, metrics: dict, variant: str) -> None:
 
 
 def collect_metrics(run_dir: str | os.PathLike, metrics: dict) -> dict[str, float | None]:
-    """The scalars of a [metrics] table, measured by `attnlab.train.evaluate` on the run's checkpoint."""
-    names = metric_names(metrics)
+    """The scalars of a [metrics] table, measured by `attnlab.train.evaluate` on the run's final checkpoint
+    and, with at_steps, on its checkpoint of each of those steps ("<name>/step=N"). Raises SweepError
+    for a step whose checkpoint the run folder does not hold."""
+    from attnlab.train.checkpoint import checkpoint_name, read_state
+    from attnlab.train.trainer import CKPT_DIR
+
+    out = _measure(run_dir, metrics)
+    final = (json.loads((Path(run_dir) / "summary.json").read_text()) or {}).get("steps") if metrics.get("at_steps") else None
+    for N in metrics.get("at_steps", []):
+        if N == final:
+            values = out
+        else:
+            ckpt = Path(run_dir) / CKPT_DIR / checkpoint_name(N)
+            if not (ckpt / "state.json").is_file() or read_state(ckpt)["step"] != N:
+                raise SweepError(f"metrics.at_steps: run folder {str(run_dir)!r} holds no checkpoint of step {N} "
+                                 f"(train.ckpt_every and train.keep_checkpoints decide which are kept)")
+            values = _measure(run_dir, metrics, str(ckpt))
+        out.update({f"{name}/step={N}": v for name, v in list(values.items()) if "/step=" not in name})
+    return out
+
+
+def check_at_steps(cfg: RunConfig, metrics: dict, variant: str) -> None:
+    """Every step of metrics.at_steps is one the run writes a checkpoint at and keeps to the end
+    (a multiple of train.ckpt_every, or train.steps; train.keep_checkpoints large enough)."""
+    steps, t = metrics.get("at_steps") or [], cfg.train
+    if not steps:
+        return
+    if steps[-1] > t.steps:
+        raise ConfigError(f"variant {variant!r}: metrics.at_steps names step {steps[-1]}, past train.steps={t.steps}")
+    off = [N for N in steps if N != t.steps and (not t.ckpt_every or N % t.ckpt_every)]
+    if off:
+        raise ConfigError(f"variant {variant!r}: metrics.at_steps {off} are not checkpoint steps (multiples of "
+                          f"train.ckpt_every={t.ckpt_every}, or train.steps)")
+    written = len(range(t.ckpt_every * -(-steps[0] // t.ckpt_every), t.steps + 1, t.ckpt_every)) if t.ckpt_every else 1
+    written += bool(t.ckpt_every) and t.steps % t.ckpt_every != 0
+    if t.keep_checkpoints < written:
+        raise ConfigError(f"variant {variant!r}: metrics.at_steps from step {steps[0]} needs the last {written} "
+                          f"checkpoints kept; train.keep_checkpoints is {t.keep_checkpoints}")
+
+
+def _measure(run_dir: str | os.PathLike, metrics: dict, checkpoint: str | None = None) -> dict[str, float | None]:
+    """The final-checkpoint scalars of a [metrics] table (`final_metric_names`), measured on `checkpoint`
+    (default: the newest)."""
+    names = final_metric_names(metrics)
     if not names:
         return {}
     from attnlab.train import evaluate
@@ -246,7 +289,7 @@ def collect_metrics(run_dir: str | os.PathLike, metrics: dict) -> dict[str, floa
                   mqar_attention=bool(metrics.get("mqar_attention")), heldout=metrics.get("heldout"),
                   heldout_lengths=metrics.get("heldout_lengths") or None, repeat_lengths=metrics.get("repeat_lengths") or None,
                   repeat_span=metrics.get("repeat_span", 32), repeat_probes=metrics.get("repeat_probes", 64),
-                  write=False, **args)
+                  checkpoint=checkpoint, write=False, **args)
     layers = ev.get("layers", [])
     topk = topk_summary(layers)
     out: dict[str, float | None] = {}

@@ -19,12 +19,12 @@ from .verdict import check_answer, check_rules
 
 
 SPEC_KEYS = ("title", "claim", "description", "base", "seeds", "overrides", "variants", "out", "per_seed",
-             "metrics", "verdict", "answer")
+             "metrics", "verdict", "answer", "below_budget")
 VARIANT_KEYS = ("name", "overrides", "description")
 # [metrics]: what to collect per run from attnlab.train.evaluate, and evaluate's arguments
 METRIC_KEYS = ("loss_at", "topk_mass", "entropy", "sink_share", "learned_sink_share", "alignment", "gate", "principled", "windowed_loss",
                "budgets", "compress", "lengths", "passkey", "mqar_accuracy", "mqar_scales", "mqar_windows", "mqar_scale_pairs",
-               "mqar_attention", "heldout", "heldout_lengths", "repeat_lengths", "repeat_span", "repeat_probes")
+               "mqar_attention", "heldout", "heldout_lengths", "repeat_lengths", "repeat_span", "repeat_probes", "at_steps")
 EVAL_ARG_KEYS = ("max_tokens", "batch_size", "analysis_len", "analysis_batch", "split", "passkey_depths")
 OWNED_KEYS = ("run.seed", "run.name", "run.out_dir", "run.resume", "run.overwrite", "run.progress")
 SUMMARY_SCALARS = ("val_loss", "val_ppl", "val_accuracy", "train_loss", "tokens_per_s", "train_seconds",
@@ -61,7 +61,8 @@ class Spec:
     config it gives; seeds; overrides shared by every run; variants; out: the output folder (default
     the spec's); per_seed: also a table per run; metrics: the [metrics] table; verdict: the first
     rule and verdicts every rule (empty without any); answer: the [answer] table (None without one);
-    raw: the TOML as read.
+    below_budget: why the spec may train a language model below the budget rule (`.budget`), "" for
+    none; raw: the TOML as read.
     """
 
     path: Path
@@ -79,11 +80,30 @@ class Spec:
     verdict: dict | None  # the first rule (None without any)
     verdicts: list[dict] = field(default_factory=list)  # every rule, in the spec's order
     answer: dict | None = None  # the [answer] table, checked (`verdict.check_answer`); None without one
+    below_budget: str = ""  # why this spec may train below the budget rule (.budget); "" for none
     raw: dict = field(repr=False, default_factory=dict)
 
     def run_dir(self, variant: str, seed: int, out: str | os.PathLike | None = None) -> Path:
-        """The run folder of (variant, seed): OUT/runs/<variant>/seed<k>, OUT = `out` or the spec's."""
-        return Path(out if out is not None else self.out) / "runs" / variant / f"seed{seed}"
+        """The run folder of (variant, seed): RUNS/<variant>/seed<k>, RUNS = `runs_root(OUT)`, OUT = `out`
+        or the spec's."""
+        return runs_root(out if out is not None else self.out) / variant / f"seed{seed}"
+
+
+RUNS_ENV = "ATTNLAB_RUNS"  # a folder for every sweep's run folders, outside the checkout
+
+
+def runs_root(out: str | os.PathLike) -> Path:
+    """Where the run folders of a sweep writing into OUT live: OUT/runs, or, with $ATTNLAB_RUNS set,
+    $ATTNLAB_RUNS/<OUT's path inside its git checkout>/runs, so that the runs of an experiment outlive
+    the checkout (a fresh clone of the same repository finds them there)."""
+    out = Path(out)
+    folder = os.environ.get(RUNS_ENV)
+    if not folder:
+        return out / "runs"
+    here = out.resolve()
+    top = next((p for p in [here, *here.parents] if (p / ".git").exists()), None)
+    key = here.relative_to(top) if top is not None else Path(*here.parts[1:])
+    return Path(folder).expanduser().resolve() / key / "runs"
 
 
 def _need(cond: bool, message: str) -> None:
@@ -146,7 +166,20 @@ def window_keys(metrics: dict) -> list[str]:
 
 
 def metric_names(metrics: dict) -> list[str]:
-    """The per-run scalars a [metrics] table asks for, in order."""
+    """The per-run scalars a [metrics] table asks for, in order: those of the final checkpoint, then with
+    at_steps each of them again on the checkpoint of each step N ("<name>/step=N")."""
+    names = final_metric_names(metrics)
+    return names + [f"{n}/step={N}" for N in metrics.get("at_steps", []) for n in names]
+
+
+def step_of(name: str) -> tuple[str, int | None]:
+    """(the metric's name on the final checkpoint, the step of `at_steps` it was measured at, or None)."""
+    head, sep, step = name.rpartition("/step=")
+    return (head, int(step)) if sep and step.isdigit() else (name, None)
+
+
+def final_metric_names(metrics: dict) -> list[str]:
+    """The per-run scalars a [metrics] table asks for on the final checkpoint, in order."""
     names = [f"loss@{L}" for L in metrics.get("loss_at", [])]
     names += [f"topk_mass@{k}" for k in metrics.get("topk_mass", [])]
     names += [n for n in ("entropy", "sink_share", "learned_sink_share") if metrics.get(n)]
@@ -206,9 +239,12 @@ def _check_metrics(m, key: str = "metrics") -> dict:
     _need(isinstance(m, dict), f"{key} must be a table, got {m!r}")
     _unknown(m, METRIC_KEYS + EVAL_ARG_KEYS, f"{key}.")
     for name in ("loss_at", "topk_mass", "passkey", "windowed_loss", "budgets", "lengths", "mqar_windows",
-                 "heldout_lengths", "repeat_lengths"):
+                 "heldout_lengths", "repeat_lengths", "at_steps"):
         if name in m:
             _int_list(m[name], f"{key}.{name}", 1)
+    if "at_steps" in m:
+        steps = m["at_steps"]
+        _need(steps and steps == sorted(set(steps)), f"{key}.at_steps must be increasing steps without repeats, got {steps!r}")
     if "heldout" in m:
         _need(isinstance(m["heldout"], str) and m["heldout"], f"{key}.heldout must be a corpus source the runs did not "
               f"train on (e.g. 'stdlib-tests' or a path), got {m['heldout']!r}")
@@ -265,7 +301,7 @@ def load_spec(path: str | os.PathLike) -> Spec:
     raw = read_toml(path)
     _unknown(raw, SPEC_KEYS, "")
     here = path.parent
-    for key in ("title", "claim", "description", "out"):
+    for key in ("title", "claim", "description", "out", "below_budget"):
         _need(isinstance(raw.get(key, ""), str), f"{key} must be a string, got {raw.get(key)!r}")
     _need("base" in raw, "base is missing: give a run config path (relative to the spec) or a [base] table")
     base = raw["base"]
@@ -306,5 +342,6 @@ def load_spec(path: str | os.PathLike) -> Spec:
         path=path, title=raw.get("title") or path.stem, claim=raw.get("claim", ""), description=raw.get("description", ""),
         base=base, base_raw=base_raw, seeds=seeds, overrides=overrides, variants=variants,
         out=here / raw["out"] if raw.get("out") else here, per_seed=raw.get("per_seed", False), metrics=metrics,
-        verdict=verdicts[0] if verdicts else None, verdicts=verdicts, answer=answer, raw=raw,
+        verdict=verdicts[0] if verdicts else None, verdicts=verdicts, answer=answer,
+        below_budget=raw.get("below_budget", "").strip(), raw=raw,
     )
