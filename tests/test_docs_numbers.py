@@ -144,7 +144,7 @@ def no_plots(monkeypatch):
     monkeypatch.setattr(report, "pyplot", _no_pyplot)
     monkeypatch.setattr(profiles, "pyplot", _no_pyplot)
     for module, name in ((profiles, "plot_lengths"), (profiles, "plot_indexed"), (results, "plot_curves"),
-                         (results, "plot_metrics")):
+                         (results, "plot_metrics"), (results, "plot_steps")):
         monkeypatch.setattr(module, name, _dry(getattr(module, name)))
     monkeypatch.setattr(search_trial, "plot_coverage", lambda *a, **k: None)
     monkeypatch.setattr(scalings, "plot", lambda *a, **k: None)
@@ -244,3 +244,23 @@ def test_report_only_rebuild_changes_nothing(tmp_path, no_plots, monkeypatch):
             if (json.loads(new) != json.loads(old)) if name.endswith(".json") else new != old:
                 changed.append(f"{rel}/{name}")
     assert not changed, f"a --report-only rebuild changes {changed}"
+
+
+def test_report_only_restores_a_report_edited_by_hand(tmp_path, monkeypatch):
+    """`attnlab sweep SPEC --report-only` writes report.md from results.json every time, so a committed
+    report edited by hand (a verdict typed over) does not survive a rebuild; its plots, the results being
+    those on disk, are left as they are."""
+    exp = Path("experiments") / "seed004" / "claims"
+    shutil.copytree(ROOT / "configs", tmp_path / "configs")
+    shutil.copytree(ROOT / exp, tmp_path / exp, ignore=shutil.ignore_patterns("runs"))
+    monkeypatch.chdir(tmp_path)
+    report, committed = exp / "report.md", (ROOT / exp / "report.md").read_text(encoding="utf-8")
+    pngs = {p.name: p.read_bytes() for p in (tmp_path / exp).glob("*.png")}
+    edited = committed.replace("**supported**", "**not supported**").replace("inconclusive", "supported")
+    assert edited != committed
+    report.write_text(edited, encoding="utf-8")
+    from attnlab.cli import main
+
+    assert main(["sweep", str(exp / "spec.toml"), "--report-only", "--no-progress"]) == 0
+    assert report.read_text(encoding="utf-8") == committed
+    assert {p.name: p.read_bytes() for p in (tmp_path / exp).glob("*.png")} == pngs

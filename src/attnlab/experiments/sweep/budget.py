@@ -121,9 +121,9 @@ def budget_lines(budget: dict | None) -> list[str]:
     for c in budget["controls"]:
         gain = "not measured" if c["mean"] is None else (
             f"{c['mean']:.3f}" + (f" ± {c['sd']:.2g}" if c["sd"] is not None else "") + " nats")
+        said = {True: ": it copies.", False: ": it does not copy yet.", None: ": whether it copies is not known."}
         lines.append(f"- Softmax control `{c['variant']}`: {c['metric']} {gain}; the rule asks at least "
-                     f"{budget['min_copy_gain']} (the control copies from its context)"
-                     + ("." if c["copies"] else ": it does not copy yet."))
+                     f"{budget['min_copy_gain']} nats (the control copies from its context)" + said[c["copies"]])
     if budget["meets"]:
         lines.append("- The runs meet the budget rule: their comparisons are evidence.")
     else:

@@ -283,12 +283,17 @@ def plot_curves(spec: Spec, results: dict, path: Path) -> Path:
     return save_figure(fig, path)
 
 
+def metric_panels(results: dict) -> list[str]:
+    """The per-run scalars metrics.png draws a panel for (none: no metrics.png)."""
+    return [n for n in results["scalars"]  # val_ppl, train_seconds: as val_loss, tokens_per_s
+            if n not in ("val_ppl", "train_seconds") and not is_profile(n) and step_of(n)[1] is None]
+
+
 def plot_metrics(spec: Spec, results: dict, path: Path) -> Path | None:
     """One panel per per-run scalar: bars (mean), error bars (sd), dots (seeds)."""
     from ..report import pyplot
 
-    names = [n for n in results["scalars"]  # val_ppl, train_seconds: as val_loss, tokens_per_s
-             if n not in ("val_ppl", "train_seconds") and not is_profile(n) and step_of(n)[1] is None]
+    names = metric_panels(results)
     if not names:
         return None
     plt = pyplot()

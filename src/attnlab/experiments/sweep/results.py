@@ -12,7 +12,7 @@ from attnlab.train.config import RunConfig
 
 from ..trial import mean_sd, recorded_results, sample_sd, write_outputs
 from ..report import machine_info, shown_path
-from .report import plot_curves, plot_metrics, plot_steps, report_markdown, results_table
+from .report import metric_panels, plot_curves, plot_metrics, plot_steps, report_markdown, results_table
 from .runs import (RunPlan, _record_of, collect_metrics, execute, plan, recorded_runs, recorded_threads, run_config,
                    scalar_of, summary_of)
 from .budget import budget_of
@@ -132,7 +132,7 @@ def aggregate(spec: Spec, out: str | os.PathLike | None = None, *, records: dict
         "verdict": judged[0] if judged else None,
         "verdicts": judged,
         "answer": answer(spec.answer, spec.verdicts, judged, variants, len(spec.seeds)) if spec.answer else None,
-        "budget": budget_of(spec, {"variants": variants}),
+        **({"budget": b} if (b := budget_of(spec, {"variants": variants})) else {}),
         "machine": trained_on,
         **({"machines": machines} if machines else {}),
     }
@@ -173,8 +173,9 @@ def write_results(spec: Spec, out: str | os.PathLike | None = None, *, command: 
     """Rebuild OUT/results.json, report.md, loss_curves.png and metrics.png from the run folders
     (and `records`, the runs a merge adds: `aggregate`). report_only: nothing trained now, so the report
     keeps the command that trained the runs and, for runs that do not name their machine, the machine the
-    committed results.json names. Files are rewritten only when the results differ from the recorded
-    results.json: rebuilding a finished sweep changes nothing on disk."""
+    committed results.json names. results.json and report.md are written every time (a rebuild of a
+    finished sweep writes the same bytes, and restores a report edited by hand); the plots are drawn
+    again only when the results differ from the recorded results.json or a plot is missing."""
     out = Path(out) if out is not None else spec.out
     made_by, machine = _trained_by(spec, out) if report_only or records is not None else (None, None)
     results = aggregate(spec, out, records=records, machine=machine)
@@ -187,16 +188,21 @@ def write_results(spec: Spec, out: str | os.PathLike | None = None, *, command: 
     elif report_only:
         results["command"] = made_by
     old = recorded_results(out)
-    if old and json.loads(json.dumps(results, default=str)) == old and (out / "report.md").is_file():
-        if not quiet:
-            print(f"\nresults unchanged: {out / 'results.json'} and its report left as they are")
-        return results
+    same = bool(old) and json.loads(json.dumps(results, default=str)) == old
     out.mkdir(parents=True, exist_ok=True)
-    plot_curves(spec, results, out / "loss_curves.png")
-    metrics_png = plot_metrics(spec, results, out / "metrics.png")
+    plots = {"loss_curves.png": plot_curves, "metrics.png": plot_metrics}
     if spec.metrics.get("at_steps"):
-        plot_steps(spec, results, out / "by_tokens.png")
-    write_outputs(out, results, report_markdown(spec, results, out, metrics_png is not None) + "\n", indent=2)
+        plots["by_tokens.png"] = plot_steps
+    if same and all((out / name).is_file() for name in plots):
+        # the results are those on disk: the plots stand; the report is written again all the same, so that
+        # a rebuild shows the committed report is the one its results make (a hand edit does not survive)
+        metrics_png = bool(metric_panels(results))
+    else:
+        metrics_png = False
+        for name, draw in plots.items():
+            drawn = draw(spec, results, out / name)
+            metrics_png = drawn is not None if name == "metrics.png" else metrics_png
+    write_outputs(out, results, report_markdown(spec, results, out, metrics_png) + "\n", indent=2)
     if not quiet:
         print("\n" + results_table(results))
         for v in results.get("verdicts") or []:
