@@ -17,7 +17,15 @@ COMPAT_TORCH ?= torch==2.11.0
 COMPAT_VENV  ?= .venv-compat
 COMPAT_TESTS ?= tests/test_compile_counts.py tests/test_compile.py tests/test_no_host_sync.py tests/test_ext.py::test_kernels_build_here tests/test_window_cpu.py tests/test_static_window_kernel.py::test_a_compiled_step_through_the_kernel_equals_eager tests/test_static_decode.py::test_compiled_steps_of_every_static_state_equal_generate
 
-.PHONY: venv test test-heavy test-compat test-slow quickstart bench docs clean
+# The tests that compare two implementations by the keys they choose (decoders, caches, selectors, the
+# window ops), run again under the instruction sets other than the machine's own: a float32 sum's order,
+# and so an ulp of a key, depends on the vector width (ATEN_CPU_CAPABILITY is how PyTorch pins one).
+ISA_TESTS ?= tests/test_selection_ties.py tests/test_static_decode.py tests/test_static_prefill.py \
+	tests/test_window_nearest.py tests/test_cache_sorted.py tests/test_cache_eviction.py tests/test_selected_decode.py \
+	tests/test_selectors.py tests/test_window.py tests/test_decode_step.py tests/test_search_decode_paths.py
+ISAS ?= default avx2
+
+.PHONY: venv test test-heavy test-isa test-compat test-slow quickstart bench docs clean
 
 $(BIN)/.installed: pyproject.toml constraints.txt
 	$(PYTHON) -m venv $(VENV)
@@ -35,6 +43,11 @@ test: venv
 # compiles, interpreted kernels at larger shapes); CI runs them after `make test`.
 test-heavy: venv
 	$(BIN)/python -m pytest -q -m "heavy and not slow" -n $(TEST_WORKERS) $(PYTEST_ARGS)
+
+test-isa: venv
+	@for isa in $(ISAS); do echo "ATEN_CPU_CAPABILITY=$$isa"; \
+	  ATEN_CPU_CAPABILITY=$$isa $(BIN)/python -m pytest -q -m "not slow and not heavy" -n $(TEST_WORKERS) \
+	    -p no:cacheprovider $(PYTEST_ARGS) $(ISA_TESTS) || exit 1; done
 
 $(COMPAT_VENV)/bin/.installed: pyproject.toml constraints.txt
 	$(PYTHON) -m venv $(COMPAT_VENV)

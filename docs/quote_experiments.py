@@ -169,9 +169,15 @@ def _layer_max(path: str, variant: str, key: str, spec: str) -> str:
 
 
 def _trial_minutes(path: str) -> str:
-    """The wall time of every run of a retrofit trial (the unchanged model's included), summed, in minutes."""
-    runs = [m for v in experiment(path)["variants"].values() for m in v["runs"].values()]
-    return f"{sum(m['wall_s'] for m in runs) / 60:.0f} min"
+    """The wall time of the runs a retrofit trial ran itself, summed, in minutes: the unchanged model's
+    one evaluation once (results.json repeats it for every seed), and no run copied from another trial
+    (its variant's reused_from names the source folder, ".../seed<k>" for one seed, else all of them)."""
+    total = 0.0
+    for name, v in experiment(path)["variants"].items():
+        copied = {p.rsplit("/seed", 1)[1] if "/seed" in p else "*" for p in v.get("reused_from", [])}
+        runs = list(v["runs"].items())[:1] if name == "original" else v["runs"].items()
+        total += sum(m["wall_s"] for seed, m in runs if "*" not in copied and str(seed) not in copied)
+    return f"{total / 60:.0f} min"
 
 
 def _run_times(path: str, pattern: str, unit: str) -> str:

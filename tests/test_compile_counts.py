@@ -11,6 +11,8 @@ tests/test_traceable.py forbids such constructs in the code a model calls."""
 
 from __future__ import annotations
 
+import re
+
 import pytest
 import torch
 from torch._dynamo.testing import CompileCounter
@@ -86,11 +88,34 @@ def test_one_graph_no_recompile(name):
 def test_packed_documents_one_graph(name):
     """Packed documents (doc_ids) through a compiled model: every mechanism that keeps documents apart
     inside its op (takes_documents) traces as one graph; the others are re-padded per step, which needs
-    the segment lengths on the host, so compile refuses it with a clear error under fullgraph."""
+    the segment lengths on the host, so the model refuses it under compile with a ValueError naming
+    doc_ids and the layers (under fullgraph Dynamo reports the user error it observed as Unsupported,
+    its message ours), and the trainer refuses train.compile with data.pack='documents' for such a
+    model before anything is written."""
     model = _model(name)
     if model.takes_documents(torch.device("cpu")):
         cnt, seen = _count(model, docs=True)
         assert cnt.frame_count == 1 and not seen.get("graph_break"), seen
-    else:
-        with pytest.raises(Exception):
-            _count(model, docs=True)
+        return
+    with pytest.raises(torch._dynamo.exc.Unsupported) as err:
+        _count(model, docs=True)
+    said = " ".join(str(e) for e in (err.value, err.value.__cause__, err.value.__context__) if e is not None)
+    assert re.search(r"ValueError\(.doc_ids: packed documents under torch.compile need every layer to keep "
+                     r"documents apart .* layer 0 \(hybrid\)", said), said
+
+
+def test_the_trainer_refuses_compiled_packed_documents_it_would_re_pad(tmp_path):
+    from pathlib import Path
+
+    from attnlab.models.config import ConfigError
+    from attnlab.train import load_config, train
+
+    root = Path(__file__).resolve().parents[1]
+    cfg = load_config(root / "configs" / "tiny.toml", [
+        "model.attn=hybrid", "model.attention.train_window=4", "model.attention.local_window=8",
+        "data.pack=documents", "train.compile=true", f"run.out_dir={tmp_path}", "run.name=r", "train.steps=2",
+        "run.progress=false", "run.tensorboard=false"])
+    with pytest.raises(ConfigError, match=r"train.compile with data.pack='documents': layer 0 \(hybrid\), .* "
+                                          r"set train.compile=false or data.pack='stream'"):
+        train(cfg)
+    assert not (tmp_path / "r").exists()

@@ -197,6 +197,7 @@ def test_regularization_from_layer_records():
 
 
 def test_regularizer_weights_start_late_and_ramp():
+    from attnlab.models.config import ConfigError
     from attnlab.train.config import RegularizersConfig
 
     r = RegularizersConfig(align=1.0, spread=0.5, tau=0.1, spread_start=10, ramp=4)
@@ -204,7 +205,7 @@ def test_regularizer_weights_start_late_and_ramp():
     assert r.weights_at(3)["align"] == 1.0 and r.weights_at(9)["spread"] == 0.0
     assert [r.weights_at(s)["spread"] for s in (10, 11, 13, 100)] == [0.125, 0.25, 0.5, 0.5]
     assert RegularizersConfig(align=2.0).weights_at(0) == {"align": 2.0, "spread": 0.0, "tau": 0.0}
-    with pytest.raises(Exception, match="regularizers.spread_start"):
+    with pytest.raises(ConfigError, match="regularizers.spread_start"):
         RegularizersConfig(spread_start=-1)
 
 

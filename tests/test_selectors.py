@@ -454,8 +454,11 @@ def test_an_indexed_keep_reads_the_selected_keys_only(hybrid, kernel, rule, monk
                 m.setattr(window_cpu, "available", lambda *a: False)
             got, got_g = run(counted)
         assert not calls  # the selected-keys path: the mask is never built
-        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
-        for a, b in zip(got_g, want_g):  # float32 sums in another order (tau 0.1: logits up to ~100)
+        # float32 sums in another order, and exp rounded per instruction set: at tau 0.1 the logits reach
+        # ~100, so a weight's relative error reaches ~100 * 2^-24 = 6e-6, and an output element near zero
+        # (a sum of terms of both signs) may differ relatively by much more: compared in relative RMS
+        assert rel_rms(got, want) < 1e-5
+        for a, b in zip(got_g, want_g):
             assert rel_rms(a, b) < 1e-5
     ref, _ = run(counted, "naive")  # the reference path masks with the keep function itself
     assert calls and torch.equal(ref, want)

@@ -194,6 +194,11 @@ class LM(nn.Module):
     def _layers(self, idx: torch.Tensor, record: bool, doc_ids: torch.Tensor | None) -> torch.Tensor:
         if doc_ids is not None and self.takes_documents(idx.device):
             return self._trunk(idx, record, docs=doc_ids)  # every layer keeps the documents apart in one pass
+        if doc_ids is not None and torch.compiler.is_compiling():
+            raise ValueError(f"doc_ids: packed documents under torch.compile need every layer to keep documents "
+                             f"apart inside its op (takes_documents); {self.not_taking(idx.device)} re-pads them "
+                             f"into single documents, which needs their lengths on the host: train it without "
+                             f"compile (train.compile=false) or with data.pack='stream'")
         if doc_ids is not None:
             seg, pos, n_seg = document_segments(doc_ids)
             L = int(pos.max()) + 1
@@ -202,6 +207,13 @@ class LM(nn.Module):
             h = self._trunk(packed, record)  # (S, L, C)
             return h[seg, pos].view(*idx.shape, -1)  # (B, T, C)
         return self._trunk(idx, record)  # (B, T, C)
+
+    def not_taking(self, device: torch.device) -> str:
+        """What keeps this model from taking packed documents as they are on `device`."""
+        if self.pos_emb is not None:
+            return "the learned position embedding"
+        names = [f"layer {i} ({blk.attn.mechanism})" for i, blk in enumerate(self.blocks) if not blk.attn.takes_documents(device)]
+        return ", ".join(names)
 
     def takes_documents(self, device: torch.device) -> bool:
         """Whether packed documents run as they are on `device`, each layer keeping documents apart

@@ -162,6 +162,9 @@ class TrainConfig:
     early_stop_metric: Literal["val_loss", "val_accuracy"] = opt(
         "val_loss", "what early stopping watches: val_loss (lower is better) or val_accuracy (MQAR; higher is better)")
     early_stop_min_delta: float = opt(0.0, "an evaluation improves on the best only by more than this")
+    freeze: list[str] = opt([], "parameters set to zero and never trained, by name pattern (fnmatch, e.g. "
+                                "'blocks.*.attn.wqs.*': a window's scalar projections frozen at zero make every key "
+                                "tie, so it reads its newest keys: a sliding window of the same keys and parameters)")
 
     tokens_per_step: int = field(init=False, default=0)  # derived in RunConfig: global tokens per optimizer step
 

@@ -10,6 +10,7 @@ import numpy as np
 import torch
 
 from attnlab.models import LM
+from attnlab.models.config import ConfigError
 
 from .config import RunConfig
 
@@ -44,7 +45,29 @@ def build_model(cfg: RunConfig, vocab_size: int) -> LM:
         raise ValueError(f"model.vocab_size ({mcfg.vocab_size}) is smaller than the tokenizer's vocabulary ({vocab_size})")
     model = LM(mcfg)
     model.gradient_checkpointing = cfg.train.checkpoint_activations
+    freeze(model, cfg.train.freeze)
     return model
+
+
+def freeze(model: torch.nn.Module, patterns: list[str]) -> list[str]:
+    """train.freeze: every parameter whose name matches one of `patterns` (fnmatch) set to zero and taken
+    out of training (requires_grad False: no gradient, no optimizer state). Returns the names frozen;
+    a pattern that matches no parameter is a ConfigError naming it and a few names that exist."""
+    import fnmatch
+
+    names = [n for n, _ in model.named_parameters()]
+    for pattern in patterns:
+        if not fnmatch.filter(names, pattern):
+            raise ConfigError(f"train.freeze: {pattern!r} matches no parameter of the model; its parameters are "
+                              f"named like {', '.join(names[:3])}, ...")
+    frozen = []
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if any(fnmatch.fnmatchcase(name, pat) for pat in patterns):
+                p.zero_()
+                p.requires_grad_(False)
+                frozen.append(name)
+    return frozen
 
 
 class DataError(ValueError):

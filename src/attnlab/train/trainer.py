@@ -30,6 +30,7 @@ from tqdm.auto import tqdm
 from attnlab.data.cache import atomic_write_text
 from attnlab.interrupt import Interrupted, graceful, requested
 from attnlab.lock import FolderLock
+from attnlab.models.config import ConfigError
 from attnlab.models.lm import token_loss
 from attnlab.checks import async_value_checks
 from attnlab.regularizers import regularization
@@ -70,6 +71,10 @@ class Trainer:
         except (ValueError, OSError) as e:  # a source that cannot be read: named, before any folder exists
             raise DataError(f"data.source={cfg.data.source!r} could not be loaded: {e}") from e
         self.model = build_model(cfg, self.data.vocab_size).to(self.device)
+        if cfg.train.compiles(self.device) and cfg.data.pack == "documents" and not self.model.takes_documents(self.device):
+            raise ConfigError(f"train.compile with data.pack='documents': {self.model.not_taking(self.device)} "
+                              f"re-pads packed documents into single ones, which needs their lengths on the host and "
+                              f"cannot be compiled; set train.compile=false or data.pack='stream'")
         allow_tf32(self.device, cfg.train.tf32)
         # only now, so a run that cannot start leaves nothing on disk; one writer per run folder
         self._lock = FolderLock(self.run_dir).acquire() if self.env.is_main else None

@@ -104,8 +104,13 @@ def budget_of(spec, results: dict) -> dict | None:
     if not rows:
         return None
     meets = min(rows.values()) >= MIN_TOKENS_PER_PARAM and all(c["copies"] for c in controls)
-    return {"min_tokens_per_param": MIN_TOKENS_PER_PARAM, "min_copy_gain": MIN_COPY_GAIN,
-            "tokens_per_param": rows, "controls": controls, "meets": meets, "below_budget": spec.below_budget or None}
+    walls = [r.get("wall_seconds") or r.get("train_seconds") for r in results.get("runs", [])]
+    walls = [w for w in walls if w]
+    out = {"min_tokens_per_param": MIN_TOKENS_PER_PARAM, "min_copy_gain": MIN_COPY_GAIN,
+           "tokens_per_param": rows, "controls": controls, "meets": meets, "below_budget": spec.below_budget or None}
+    if walls:
+        out["run_minutes"] = [round(min(walls) / 60, 1), round(max(walls) / 60, 1)]
+    return out
 
 
 def budget_lines(budget: dict | None) -> list[str]:
@@ -117,7 +122,9 @@ def budget_lines(budget: dict | None) -> list[str]:
     scale = f"{lo:g}" if lo == hi else f"{lo:g} to {hi:g}"
     lines = ["## Budget", "",
              f"- Scale: {scale} training tokens per parameter; the budget rule asks at least "
-             f"{budget['min_tokens_per_param']} (docs/guide/experiments.md, \"The budget rule\")."]
+             f"{budget['min_tokens_per_param']} (docs/guide/experiments.md, \"The budget rule\")"
+             + (f"; one run took {budget['run_minutes'][0]:g} to {budget['run_minutes'][1]:g} minutes (training and "
+                f"measurement, its torch threads as the Reproduce section says)." if budget.get("run_minutes") else ".")]
     for c in budget["controls"]:
         gain = "not measured" if c["mean"] is None else (
             f"{c['mean']:.3f}" + (f" ± {c['sd']:.2g}" if c["sd"] is not None else "") + " nats")

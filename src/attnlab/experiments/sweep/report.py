@@ -79,6 +79,7 @@ def report_markdown(spec: Spec, results: dict, out: Path, metrics_png: bool = Tr
     lines += profile_sections(results, out)
     lines += answer_lines(results.get("answer"))
     lines += verdict_lines(spec.verdicts, results.get("verdicts") or [])
+    lines += earlier_lines(spec, results)
     lines += ["## Plots", "", "![loss curves](loss_curves.png)", "",
               "Train and validation loss per variant (and, where a variant has scalar heads, its temperature τ, "
               "the mean over layers of the mean over heads): the mean over seeds as a line, the min-max over "
@@ -97,6 +98,26 @@ def report_markdown(spec: Spec, results: dict, out: Path, metrics_png: bool = Tr
               f"Run folders: `{os.path.relpath(out / 'runs', out)}/<variant>/seed<k>/` (config, logs, checkpoints, "
               f"summary.json, sweep.json). " + machines_text(results)]
     return "\n".join(lines)
+
+
+def earlier_lines(spec: Spec, results: dict) -> list[str]:
+    """With `earlier`: each rule's verdict at the earlier budget beside today's (rules matched by name; a
+    rule that only one of them has shows a dash for the other)."""
+    import json
+
+    if spec.earlier is None:
+        return []
+    old = json.loads(spec.earlier.read_text(encoding="utf-8"))
+    then = {v.get("name") or str(i): v for i, v in enumerate(old.get("verdicts") or [])}
+    now = {v.get("name") or str(i): v for i, v in enumerate(results.get("verdicts") or [])}
+    ratio = (old.get("budget") or {}).get("tokens_per_param") or {}
+    scale = (f"{min(ratio.values()):g}-{max(ratio.values()):g} tokens per parameter" if ratio else "its budget")
+    rows = [[name, then[name]["outcome"] if name in then else "—", now[name]["outcome"] if name in now else "—"]
+            for name in [*now, *(n for n in then if n not in now)]]
+    where = os.path.relpath(spec.earlier, spec.path.parent)
+    return ["## Beside the earlier verdicts", "",
+            f"The same rules judged on the earlier runs (`{where}`, at {scale}) and on these:", "",
+            markdown_table(["rule", "earlier", "now"], rows), ""]
 
 
 def _by_step(results: dict) -> tuple[list[str], list[int]]:

@@ -132,7 +132,7 @@ def aggregate(spec: Spec, out: str | os.PathLike | None = None, *, records: dict
         "verdict": judged[0] if judged else None,
         "verdicts": judged,
         "answer": answer(spec.answer, spec.verdicts, judged, variants, len(spec.seeds)) if spec.answer else None,
-        **({"budget": b} if (b := budget_of(spec, {"variants": variants})) else {}),
+        **({"budget": b} if (b := budget_of(spec, {"variants": variants, "runs": runs})) else {}),
         "machine": trained_on,
         **({"machines": machines} if machines else {}),
     }

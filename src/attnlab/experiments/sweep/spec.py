@@ -19,7 +19,7 @@ from .verdict import check_answer, check_rules
 
 
 SPEC_KEYS = ("title", "claim", "description", "base", "seeds", "overrides", "variants", "out", "per_seed",
-             "metrics", "verdict", "answer", "below_budget")
+             "metrics", "verdict", "answer", "below_budget", "earlier")
 VARIANT_KEYS = ("name", "overrides", "description")
 # [metrics]: what to collect per run from attnlab.train.evaluate, and evaluate's arguments
 METRIC_KEYS = ("loss_at", "topk_mass", "entropy", "sink_share", "learned_sink_share", "alignment", "gate", "principled", "windowed_loss",
@@ -62,7 +62,8 @@ class Spec:
     the spec's); per_seed: also a table per run; metrics: the [metrics] table; verdict: the first
     rule and verdicts every rule (empty without any); answer: the [answer] table (None without one);
     below_budget: why the spec may train a language model below the budget rule (`.budget`), "" for
-    none; raw: the TOML as read.
+    none; earlier: the results.json (a path relative to the spec) of the same question asked before,
+    whose verdicts the report shows beside this spec's; raw: the TOML as read.
     """
 
     path: Path
@@ -81,6 +82,7 @@ class Spec:
     verdicts: list[dict] = field(default_factory=list)  # every rule, in the spec's order
     answer: dict | None = None  # the [answer] table, checked (`verdict.check_answer`); None without one
     below_budget: str = ""  # why this spec may train below the budget rule (.budget); "" for none
+    earlier: Path | None = None  # the results.json of the same question asked at an earlier budget
     raw: dict = field(repr=False, default_factory=dict)
 
     def run_dir(self, variant: str, seed: int, out: str | os.PathLike | None = None) -> Path:
@@ -301,7 +303,7 @@ def load_spec(path: str | os.PathLike) -> Spec:
     raw = read_toml(path)
     _unknown(raw, SPEC_KEYS, "")
     here = path.parent
-    for key in ("title", "claim", "description", "out", "below_budget"):
+    for key in ("title", "claim", "description", "out", "below_budget", "earlier"):
         _need(isinstance(raw.get(key, ""), str), f"{key} must be a string, got {raw.get(key)!r}")
     _need("base" in raw, "base is missing: give a run config path (relative to the spec) or a [base] table")
     base = raw["base"]
@@ -336,6 +338,8 @@ def load_spec(path: str | os.PathLike) -> Spec:
     metrics = _check_metrics(raw["metrics"]) if "metrics" in raw else {}
     allowed = list(SUMMARY_SCALARS) + metric_names(metrics)
     verdicts = check_rules(raw["verdict"], [v.name for v in variants], allowed) if "verdict" in raw else []
+    earlier = here / raw["earlier"] if raw.get("earlier") else None
+    _need(earlier is None or earlier.is_file(), f"earlier: results file {str(earlier)!r} does not exist")
     _need("answer" not in raw or verdicts, "answer chooses among the verdict rules' variants: give [[verdict]] rules with it")
     answer = check_answer(raw["answer"], [v.name for v in variants], verdicts, allowed) if "answer" in raw else None
     return Spec(
@@ -343,5 +347,5 @@ def load_spec(path: str | os.PathLike) -> Spec:
         base=base, base_raw=base_raw, seeds=seeds, overrides=overrides, variants=variants,
         out=here / raw["out"] if raw.get("out") else here, per_seed=raw.get("per_seed", False), metrics=metrics,
         verdict=verdicts[0] if verdicts else None, verdicts=verdicts, answer=answer,
-        below_budget=raw.get("below_budget", "").strip(), raw=raw,
+        below_budget=raw.get("below_budget", "").strip(), earlier=earlier, raw=raw,
     )

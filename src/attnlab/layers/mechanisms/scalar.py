@@ -40,6 +40,7 @@ Plain decode caches store values in that layout; the sorted cache adds log w to 
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from ...cache.sorted import QUERY_HISTORY
@@ -56,6 +57,29 @@ from .scalar_decode import ScalarDecode, exact_impl
 
 SCALAR_OPTIONS = ("tau", "tau_init", "tau_param", "tau_max", "sink", "sink_key", "sink_weight", "train_window",
                   "local_window", "kernel", "sliding_window")
+
+
+class ScalarProjection(nn.Linear):
+    """The scalar query / key projection, summed in float64 and rounded once to the input's dtype.
+
+    Which keys a window reads is decided by comparing scalar keys, ties by position (newest first),
+    so a token's key must be the same bits however it was computed: in a prompt of T rows or in a
+    decode step of one. A float32 matmul's summation order depends on the number of rows and on the
+    CPU's vector width (the same row differs by an ulp between a 9-row and a 1-row product), and two
+    mathematically equal keys (a repeated token in the first layer) then compare as unequal in one
+    decoder and equal in the other. Summed in float64 (each float32 product is exact there) and
+    rounded once, a row's result no longer depends on the rows beside it, except where the float64
+    sums straddle a float32 rounding boundary (they differ by a few units of 2^-53: about once in
+    10^7 values). The projection is d_model x heads: its cost is negligible beside the layer's."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        kind = x.device.type
+        # the dtype nn.Linear would return: autocast's where it is on, else the inputs' promoted
+        dtype = (torch.get_autocast_dtype(kind) if torch.is_autocast_enabled(kind)
+                 else torch.promote_types(x.dtype, self.weight.dtype))
+        bias = None if self.bias is None else self.bias.double()
+        with torch.autocast(kind, enabled=False):
+            return F.linear(x.double(), self.weight.double(), bias).to(dtype)
 
 
 @register
@@ -97,8 +121,8 @@ class ScalarAttention(ScalarDecode, Attention):
         return config.n_scalar_heads
 
     def build(self, c) -> None:
-        self.wqs = nn.Linear(c.d_model, self.n_scalar, bias=c.bias)
-        self.wks = nn.Linear(c.d_model, self.n_scalar, bias=c.bias)
+        self.wqs = ScalarProjection(c.d_model, self.n_scalar, bias=c.bias)
+        self.wks = ScalarProjection(c.d_model, self.n_scalar, bias=c.bias)
         self.temperature = Temperature(c.tau, self.n_scalar, c.d_model, c.tau_init, c.tau_max, c.tau_param)
         self.build_values(c)
         if c.sink:
