@@ -25,7 +25,14 @@ ISA_TESTS ?= tests/test_selection_ties.py tests/test_static_decode.py tests/test
 	tests/test_selectors.py tests/test_window.py tests/test_decode_step.py tests/test_search_decode_paths.py
 ISAS ?= default avx2
 
-.PHONY: venv test test-heavy test-isa test-compat test-slow quickstart bench docs clean
+# kvpress (NVIDIA's KV-cache presses on Hugging Face models), the library the pretrained-model decoding
+# comparison measures attnlab's selectors against, wants transformers < 5.3 while the project tests with
+# 5.24: `make kvpress-env` gives it an environment of its own, attnlab installed into it in editable mode.
+KVPRESS_VENV ?= .venv-kvpress
+KVPRESS_SPEC ?= kvpress==0.5.5
+KVPRESS_TRANSFORMERS ?= transformers>=4.56,<5.3
+
+.PHONY: venv test test-heavy test-isa test-compat test-slow quickstart bench docs clean kvpress-env
 
 $(BIN)/.installed: pyproject.toml constraints.txt
 	$(PYTHON) -m venv $(VENV)
@@ -60,6 +67,17 @@ test-compat: $(COMPAT_VENV)/bin/.installed
 	$(COMPAT_VENV)/bin/python -c "import torch; print('torch', torch.__version__)"
 	$(COMPAT_VENV)/bin/python -m pytest -q -m "not slow" -n $(TEST_WORKERS) -p no:cacheprovider $(COMPAT_TESTS)
 
+$(KVPRESS_VENV)/bin/.installed: pyproject.toml
+	$(PYTHON) -m venv $(KVPRESS_VENV)
+	$(KVPRESS_VENV)/bin/pip install -q --upgrade pip
+	$(KVPRESS_VENV)/bin/pip install -q "$(TORCH_SPEC)"
+	$(KVPRESS_VENV)/bin/pip install -q "$(KVPRESS_SPEC)" "$(KVPRESS_TRANSFORMERS)"
+	$(KVPRESS_VENV)/bin/pip install -q -e ".[hf]" "$(KVPRESS_TRANSFORMERS)"
+	$(KVPRESS_VENV)/bin/python -c "import kvpress, transformers, attnlab; print('kvpress', kvpress.__version__ if hasattr(kvpress, '__version__') else '$(KVPRESS_SPEC)', 'transformers', transformers.__version__)"
+	touch $@
+
+kvpress-env: $(KVPRESS_VENV)/bin/.installed
+
 test-slow: venv
 	$(BIN)/python -m pytest -q -m slow $(PYTEST_ARGS)
 
@@ -76,4 +94,4 @@ bench: venv
 	$(BIN)/python benchmarks/train_speed.py
 
 clean:
-	rm -rf $(VENV) $(COMPAT_VENV) build site *.egg-info src/*.egg-info .pytest_cache
+	rm -rf $(VENV) $(COMPAT_VENV) $(KVPRESS_VENV) build site *.egg-info src/*.egg-info .pytest_cache

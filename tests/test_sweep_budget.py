@@ -6,7 +6,6 @@ metrics on the checkpoints of chosen steps (metrics.at_steps), run folders outsi
 from __future__ import annotations
 
 import json
-import sysconfig
 from pathlib import Path
 
 import pytest
@@ -20,12 +19,7 @@ from attnlab.experiments.sweep.spec import RUNS_ENV, metric_names, step_of
 from attnlab.models.config import ConfigError
 from attnlab.train import load_config
 
-ROOT = Path(__file__).resolve().parents[1]
-TINY = (ROOT / "configs" / "tiny.toml").as_posix()
-CORPUS = (Path(sysconfig.get_paths()["stdlib"]) / "argparse.py").as_posix()
-SHARED = ["model.d_model=16", "model.n_heads=2", "data.seq_len=16", f"data.source={CORPUS}", "train.steps=4",
-          "train.warmup_steps=0", "train.ckpt_every=2", "train.eval_every=2", "train.log_every=1",
-          "train.eval_batches=1", "run.tensorboard=false", "run.threads=1"]
+from test_sweep_pieces import SHARED, TINY  # the tiny sweep's shared overrides (4 steps of a 16-wide model)
 
 
 def write_spec(folder: Path, *, shared=SHARED, variants=("softmax",), extra: str = "", metrics: dict | None = None,

@@ -146,6 +146,15 @@ def steps_lines(spec: Spec, results: dict) -> list[str]:
     return lines
 
 
+def _panels(n: int, width: float, height: float):
+    """A figure of n panels, up to 3 a row: (fig, axes as a 2-D array)."""
+    from ..report import pyplot
+
+    ncols = min(3, n)
+    nrows = math.ceil(n / ncols)
+    return pyplot().subplots(nrows, ncols, figsize=(width * ncols, height * nrows), dpi=120, squeeze=False)
+
+
 def plot_steps(spec: Spec, results: dict, path: Path) -> Path | None:
     """One panel per metric of metrics.at_steps: mean over seeds against training tokens, ±1 sd band."""
     from ..report import pyplot
@@ -153,10 +162,7 @@ def plot_steps(spec: Spec, results: dict, path: Path) -> Path | None:
     names, steps = _by_step(results)
     if not steps:
         return None
-    plt = pyplot()
-    ncols = min(3, len(names))
-    nrows = math.ceil(len(names) / ncols)
-    fig, axes = plt.subplots(nrows, ncols, figsize=(4.4 * ncols, 3.4 * nrows), dpi=120, squeeze=False)
+    fig, axes = _panels(len(names), 4.4, 3.4)
     for ax, m in zip(axes.flat, names):
         for i, (name, v) in enumerate(results["variants"].items()):
             per = v["tokens_per_run"] / v["steps"]
@@ -317,10 +323,7 @@ def plot_metrics(spec: Spec, results: dict, path: Path) -> Path | None:
     names = metric_panels(results)
     if not names:
         return None
-    plt = pyplot()
-    ncols = min(3, len(names))
-    nrows = math.ceil(len(names) / ncols)
-    fig, axes = plt.subplots(nrows, ncols, figsize=(4.0 * ncols, 3.2 * nrows), dpi=120, squeeze=False)
+    fig, axes = _panels(len(names), 4.0, 3.2)
     variants = list(results["variants"])
     for ax, name in zip(axes.flat, names):
         spans: list[float] = []
