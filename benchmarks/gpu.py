@@ -1,26 +1,32 @@
-"""The GPU check: one command on one GPU that tests, checks and times attnlab's GPU paths.
+"""The GPU check's kernel table: attnlab's attention paths on one GPU, against SDPA's flash backend.
 
-    python benchmarks/gpu.py --out benchmarks/results/gpu.json
+    python benchmarks/gpu.py --out benchmarks/results/gpu.json --parts speed,errors
 
-1. `pytest -m cuda` (the tests that need a GPU; the CPU suite skips them).
-2. Errors: every path of `benchmarks/gpu_paths.py` against its naive op in float64 on the same inputs
-   (rounded to the run's dtype first, so the error is the path's and not the inputs'), in float32 and
-   bf16, at T = --err-T: relative RMS of the output and of the worst gradient.
-3. Speed: forward + backward in bf16 at B = 4, H = 16, D = 64 and each T of --T, every path and SDPA's
-   flash backend timed in interleaved rounds in the same run (medians of device-event timings), with
-   the peak memory above the inputs.
-4. Models: a two-layer model of each mechanism, forward + backward under bf16 autocast on CUDA,
-   tokens per second (or the error it raised).
+Parts (--parts, in the order given):
+- speed: forward + backward in bf16 at B = 4, H = 16, D = 64 and each T of --T, one row per path, each
+  path timed against SDPA's flash backend in interleaved rounds in the same process (medians of
+  device-event timings; ratio_to_flash the median of the rounds' ratios), the forward alone for the
+  Triton kernels, the peak memory above the inputs. flash-linear-attention's paths (`*/fla`) take the
+  first of their autotuning configs that runs (--fla-autotune first-fit; tests/triton_first_fit.py):
+  fully tuned, one GLA step took 249.7 s on an H100;
+- errors: every path of `benchmarks/gpu_paths.py` against its naive op in float64 on the same inputs
+  (rounded to the run's dtype first, so the error is the path's and not the inputs'), in float32 and
+  bf16, at T = --err-T: relative RMS of the output and of the worst gradient;
+- tune: the Triton kernel's tile choices at 8K, timed;
+- models: a two-layer model of each mechanism, forward + backward under bf16 autocast;
+- train: `attnlab train` on CUDA, 60 steps of two configs.
 
-Writes the JSON after each part (a run stopped early keeps what it measured): top-level device, torch,
-triton and `rows`, one per (path, dtype, T) with path, dtype, T, ms, ratio_to_flash, peak_bytes,
-rel_err, rel_err_grad (errors measured at err_T). `python docs/result_tables.py gpu` renders it.
+Rows are written as they come (benchmarks/gpu_rows.py), each under --row-cap seconds (the GPU check kills
+a row past it), none started after --seconds; run again on the same --out, a part measures only the
+rows the file lacks. Top-level device, torch, triton, `rows` (path, dtype, T, ms, flash_ms,
+ratio_to_flash, fwd_ms, peak_bytes, and rel_err, rel_err_grad once the errors part has measured the
+path) and `errors` (path, dtype, T, rel_err, rel_err_grad, worst). `python docs/result_tables.py gpu`
+renders it. --smoke runs the speed and errors parts on the CPU at tiny sizes (Triton in its interpreter).
 """
 
 from __future__ import annotations
 
 import argparse
-import copy
 import json
 import os
 import statistics
@@ -29,22 +35,20 @@ import sys
 import time
 from pathlib import Path
 
-import torch
+if "--smoke" in sys.argv[1:]:  # the CPU smoke mode runs Triton's interpreter, chosen before Triton is imported
+    os.environ.setdefault("TRITON_INTERPRET", "1")
 
+import torch  # noqa: E402
+
+T0 = time.time()  # --seconds count from here when run as a script (its imports included)
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 sys.path.insert(0, str(HERE.parent / "src"))
 
 from gpu_paths import PATHS, as_reference, fwd_bwd, make, rel_err  # noqa: E402
-from gpu_tests import run_cuda_tests  # noqa: E402
+from gpu_rows import RowFile, save  # noqa: E402
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
-
-
-def save(path: Path, doc: dict) -> None:
-    tmp = path.with_suffix(".tmp")
-    tmp.write_text(json.dumps(doc, indent=1) + "\n")
-    tmp.replace(path)
 
 
 def errors(name: str, dtype: torch.dtype, T: int, device, H: int = 4, D: int = 64) -> tuple[float, float, str]:
@@ -58,9 +62,15 @@ def errors(name: str, dtype: torch.dtype, T: int, device, H: int = 4, D: int = 6
     return rel_err(out, ref), rel_err(got[worst], ref_g[worst]), worst
 
 
-def timed(fn, reps: int) -> list[float]:
+def timed(fn, reps: int, device=None) -> list[float]:
+    """Milliseconds of each of `reps` calls: device events on CUDA, the wall clock elsewhere."""
     times = []
     for _ in range(reps):
+        if device is not None and device.type != "cuda":
+            t = time.perf_counter()
+            fn()
+            times.append(1e3 * (time.perf_counter() - t))
+            continue
         a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         a.record()
         fn()
@@ -70,43 +80,63 @@ def timed(fn, reps: int) -> list[float]:
     return times
 
 
-def speed(names, T: int, device, rounds: int, reps: int, budget_s: float, backward: bool = True) -> dict:
-    """name -> (median ms, peak bytes above the inputs) of forward + backward (or the forward alone) in
-    bf16, interleaved rounds; a path slower than 200 ms a step gets 2 repetitions a round."""
-    B, H, D = 4, 16, 64
-    steps, peaks, times = {}, {}, {n: [] for n in names}
-    for name in names:
-        t = make(name, B, H, T, D, torch.bfloat16, device)
-        dout = torch.randn(B, H, T, D, device=device, dtype=torch.bfloat16)
-        leaves = [x for x in t.values() if x.requires_grad]
+def _step(name: str, shape, T: int, dtype, device, backward: bool = True):
+    """One forward (+ backward) of path `name` on inputs of (B, H, T, D) = shape."""
+    B, H, D = shape
+    t = make(name, B, H, T, D, dtype, device)
+    dout = torch.randn(B, H, T, D, device=device, dtype=dtype)
+    leaves = [x for x in t.values() if x.requires_grad]
 
-        def step(name=name, t=t, dout=dout, leaves=leaves):
-            if not backward:
-                with torch.no_grad():
-                    return PATHS[name][0]("fast", t)
-            out = PATHS[name][0]("fast", t)
-            torch.autograd.grad(out, leaves, dout)
+    def step():
+        if not backward:
+            with torch.no_grad():
+                return PATHS[name][0]("fast", t)
+        torch.autograd.grad(PATHS[name][0]("fast", t), leaves, dout)
+    return step
 
-        try:
-            torch.cuda.synchronize()
-            t0 = time.time()
-            step()  # compile / warm up
-            torch.cuda.synchronize()
-            torch.cuda.reset_peak_memory_stats()
-            base = torch.cuda.memory_allocated()
-            step()
-            torch.cuda.synchronize()
-            peaks[name] = torch.cuda.max_memory_allocated() - base
-            if time.time() - t0 > budget_s:
-                raise TimeoutError(f"one step took {time.time() - t0:.1f} s")
-            steps[name] = (step, 2 if time.time() - t0 > 0.4 else reps)
-        except Exception as e:  # noqa: BLE001 - the row records what failed
-            print(f"  {name} T={T}: {type(e).__name__}: {str(e)[:200]}", flush=True)
-            times[name] = repr(e)[:300]
-    for _ in range(rounds):  # interleaved rounds: drift hits every path alike
-        for name, (step, n) in steps.items():
-            times[name] += timed(step, n)
-    return {n: (statistics.median(v) if isinstance(v, list) and v else v, peaks.get(n)) for n, v in times.items()}
+
+def speed_row(name: str, T: int, device, rounds: int, reps: int, shape=(4, 16, 64), dtype=torch.bfloat16) -> dict:
+    """Forward + backward of path `name` and of SDPA's flash backend on inputs of the same shape, warmed up,
+    then `rounds` interleaved rounds (drift hits both alike): ms and flash_ms the medians of the rounds'
+    medians, ratio_to_flash the median of the rounds' ratios; fwd_ms the forward alone (Triton kernels and
+    flash); peak_bytes what a step holds above its inputs (CUDA). A step over 0.2 s gets 2 calls a round."""
+    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
+    names = list(dict.fromkeys(["sdpa-flash", name]))
+    steps = {n: _step(n, shape, T, dtype, device) for n in names}
+    fwd = _step(name, shape, T, dtype, device, backward=False) if name.endswith("/triton") or name == "sdpa-flash" else None
+    for s in [*steps.values(), *([fwd] if fwd else [])]:  # compile / warm up
+        s()
+    sync()
+    peak = None
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats()
+        base = torch.cuda.memory_allocated()
+    t0 = time.perf_counter()
+    steps[name]()
+    sync()
+    n = 2 if time.perf_counter() - t0 > 0.2 else reps
+    if device.type == "cuda":
+        peak = torch.cuda.max_memory_allocated() - base
+    times, ratios, fwd_ms = {k: [] for k in names}, [], []
+    for _ in range(rounds):
+        for k in names:
+            times[k].append(statistics.median(timed(steps[k], n, device)))
+        ratios.append(times[name][-1] / times["sdpa-flash"][-1])
+        fwd_ms += timed(fwd, n, device) if fwd else []
+    return {"path": name, "dtype": str(dtype).removeprefix("torch."), "T": T, "ms": statistics.median(times[name]),
+            "flash_ms": statistics.median(times["sdpa-flash"]), "ratio_to_flash": statistics.median(ratios),
+            "fwd_ms": statistics.median(fwd_ms) if fwd_ms else None, "peak_bytes": peak, "rounds": rounds,
+            "calls_per_round": n}
+
+
+def _tile_ms(name: str, T: int, device, backward: bool = True):
+    """The tuning's measure: median ms of 5 calls after a warm-up in bf16 at B = 4, H = 16, D = 64 (or what failed)."""
+    try:
+        step = _step(name, (4, 16, 64), T, torch.bfloat16, device, backward)
+        step()
+        return statistics.median(timed(step, 5, device))
+    except Exception as e:  # noqa: BLE001 - the tuning records what failed
+        return repr(e)[:300]
 
 
 FWD_TILES = [(128, 64, 8, 3), (128, 64, 4, 3), (64, 64, 4, 3), (128, 128, 8, 3), (64, 32, 4, 4)]
@@ -123,7 +153,7 @@ def tune(doc: dict, device, T: int) -> None:
     for part, tiles in (("fwd", FWD_TILES), ("bwd", BWD_TILES)):
         for tile in tiles:  # the forward's tiles timed on the forward alone
             scalar_triton.BLOCKS[part] = tile
-            ms = speed([name], T, device, rounds=1, reps=5, budget_s=20.0, backward=part == "bwd")[name][0]
+            ms = _tile_ms(name, T, device, backward=part == "bwd")
             res[part, tile] = ms
             print(f"  tune {part} {tile}: {ms if isinstance(ms, str) else round(ms, 3)}", flush=True)
         ok = {t: ms for (p, t), ms in res.items() if p == part and isinstance(ms, float)}
@@ -134,7 +164,7 @@ def tune(doc: dict, device, T: int) -> None:
     dots = {}
     for flag in (False, True, False):  # scalar heads with and without the dot-product kernel's layout
         scalar_triton.SCALAR_DOT = flag
-        ms = speed(["scalar-gaussian/triton"], T, device, rounds=1, reps=5, budget_s=20.0)["scalar-gaussian/triton"][0]
+        ms = _tile_ms("scalar-gaussian/triton", T, device)
         dots.setdefault(str(flag), []).append(ms)
     scalar_triton.SCALAR_DOT = False
     doc["tuning"]["scalar_dot_ms"] = dots
@@ -230,119 +260,112 @@ def keep(doc: dict, old: dict) -> dict:
     return doc
 
 
-def error_rows(doc: dict, errs: dict, names, T: int, dev, deadline: float, flush) -> None:
-    """Each path's errors in float32 and bf16 (written after each path); none started in the last
-    quarter of the run's time, which the timings need."""
-    for name in names:
-        if time.time() > deadline - 0.25 * (deadline - doc["_start"]):
-            print(f"  err {name}: skipped (out of time)", flush=True)
-            doc.setdefault("skipped", []).append(f"errors {name}")
-            continue
-        for dn, dt in DTYPES.items():
-            try:
-                errs[name, dn] = errors(name, dt, T, dev)
-                print(f"  err {name} {dn}: out {errs[name, dn][0]:.2e} grad {errs[name, dn][1]:.2e} "
-                      f"({errs[name, dn][2]})", flush=True)
-            except Exception as ex:  # noqa: BLE001
-                errs[name, dn] = (None, None, f"{type(ex).__name__}: {str(ex)[:200]}")
-                print(f"  err {name} {dn}: {errs[name, dn][2]}", flush=True)
-            torch.cuda.empty_cache()
-        doc["errors"] = [{"path": n, "dtype": d, "T": T, "rel_err": v[0], "rel_err_grad": v[1], "worst": v[2]}
-                         for (n, d), v in errs.items()]
-        flush()
-
-
-def speed_rows(doc: dict, errs: dict, names, lengths, a, dev, deadline: float, flush) -> None:
-    for T in lengths:
-        if time.time() > deadline - 60:
-            print(f"speed T={T}: skipped (out of time)", flush=True)
-            doc.setdefault("skipped", []).append(f"speed T={T}")
-            break
-        todo = [n for n in names if PATHS[n][2] is None or T <= PATHS[n][2]]
-        res = speed(todo, T, dev, a.rounds, a.reps, budget_s=20.0)
-        fwd_only = speed([n for n in todo if n == "sdpa-flash" or n.endswith("/triton")], T, dev, a.rounds,
-                         a.reps, budget_s=20.0, backward=False)
-        flash = res.get("sdpa-flash", (None,))[0]
-        for name, (ms, peak) in res.items():
-            e = errs.get((name, "bfloat16"), (None, None, None))
-            ok = isinstance(ms, float)
-            row = {"path": name, "dtype": "bfloat16", "T": T, "ms": ms if ok else None,
-                   "ratio_to_flash": ms / flash if ok and isinstance(flash, float) else None,
-                   "peak_bytes": peak, "rel_err": e[0], "rel_err_grad": e[1], "err_T": a.err_T}
-            if not ok:
-                row["error"] = ms
-            if name in fwd_only and isinstance(fwd_only[name][0], float):
-                row["fwd_ms"] = fwd_only[name][0]
-            doc["rows"].append(row)
-            print(f"  T={T} {name}: " + (f"{ms:.3f} ms, x{row['ratio_to_flash'] or 0:.3f}, fwd {row.get('fwd_ms')}, "
-                                         f"peak {(peak or 0) / 2**20:.0f} MiB" if ok else str(ms)), flush=True)
-        flush()
+def error_row(spec: dict, doc: dict, device, T: int, heads: int, dim: int) -> dict:
+    """Path spec["path"]'s errors in spec["dtype"] at T, written into its speed rows of that dtype too."""
+    e, eg, worst = errors(spec["path"], DTYPES[spec["dtype"]], T, device, H=heads, D=dim)
+    if device.type == "cuda":
         torch.cuda.empty_cache()
+    for r in doc["rows"]:
+        if r["path"] == spec["path"] and r.get("dtype") == spec["dtype"]:
+            r.update(rel_err=e, rel_err_grad=eg, err_T=T)
+    return {"path": spec["path"], "dtype": spec["dtype"], "T": T, "rel_err": e, "rel_err_grad": eg, "worst": worst}
+
+
+def _fla_pinned(name: str, how: str):
+    """flash-linear-attention's autotuned kernels at their first config that runs, for `how` = first-fit."""
+    import contextlib
+
+    if how != "first-fit" or not name.endswith("/fla"):
+        return contextlib.nullcontext()
+    sys.path.insert(0, str(HERE.parent / "tests"))
+    from triton_first_fit import first_fit
+
+    return first_fit(("fla",))
 
 
 def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", default=str(HERE / "results" / "gpu.json"))
+    ap.add_argument("--parts", default="speed,errors", help="in order, of speed,errors,tune,models,train")
     ap.add_argument("--T", default="2048,8192,32768", help="sequence lengths timed")
     ap.add_argument("--err-T", type=int, default=2048, help="sequence length of the float64 comparisons")
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--reps", type=int, default=5)
-    ap.add_argument("--paths", default=",".join(PATHS))
-    ap.add_argument("--minutes", type=float, default=7.0, help="stop starting new work after this long")
-    ap.add_argument("--tests-minutes", type=float, default=2.5, help="time given to the cuda tests (part of --minutes)")
-    ap.add_argument("--skip", default="", help="parts to skip: tests,errors,tune,speed,models,train")
+    ap.add_argument("--paths", default=",".join(PATHS), help="in the order they are run")
+    ap.add_argument("--err-paths", default=None, help="paths of the errors part (default: --paths)")
+    ap.add_argument("--seconds", type=float, default=420.0, help="start no new row after this long")
+    ap.add_argument("--row-cap", type=float, default=45.0, help="seconds a row may take, its compile included")
+    ap.add_argument("--fla-autotune", choices=("first-fit", "full"), default="first-fit",
+                    help="flash-linear-attention's autotuning in the speed rows")
     ap.add_argument("--models", default="", help="mechanisms of the models part (default: every one)")
     ap.add_argument("--keep-from", default="", help="an earlier gpu.json whose rows of paths not run now are kept "
-                    "(marked with its command), and its models where not run now")
+                    "(marked with its command; measured again when a part reaches them), and its models")
+    ap.add_argument("--smoke", action="store_true", help="speed and errors on the CPU at tiny sizes")
     a = ap.parse_args(argv)
-    if not torch.cuda.is_available():
-        raise SystemExit("benchmarks/gpu.py needs a CUDA GPU")
+    parts = [p for p in a.parts.split(",") if p]
+    names = [n for n in a.paths.split(",") if n]
+    bad = [p for p in parts if p not in ("speed", "errors", "tune", "models", "train")] + [n for n in names if n not in PATHS]
+    if bad:
+        raise SystemExit(f"--parts / --paths: unknown {bad}; parts are speed,errors,tune,models,train, paths {list(PATHS)}")
+    if not a.smoke and not torch.cuda.is_available():
+        raise SystemExit("benchmarks/gpu.py needs a CUDA GPU (or --smoke)")
     import triton
 
-    start = time.time()
-    deadline = start + 60 * a.minutes
-    out = Path(a.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    dev = torch.device("cuda")
-    names = [n for n in a.paths.split(",") if n]
-    doc = {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "triton": triton.__version__,
-           "command": "python benchmarks/gpu.py " + " ".join(argv if argv is not None else sys.argv[1:]),
-           "shape": {"B": 4, "H": 16, "D": 64, "dtype": "bfloat16", "what": "forward + backward"},
-           "err_T": a.err_T, "rows": [], "_start": start}
-    old = json.loads(Path(a.keep_from).read_text()) if a.keep_from else None
+    dev = torch.device("cpu" if a.smoke else "cuda")
+    shape, dtypes = ((1, 2, 16), ["float32"]) if a.smoke else ((4, 16, 64), list(DTYPES))
+    if a.smoke and set(parts) - {"speed", "errors"}:
+        raise SystemExit("--smoke runs the speed and errors parts only")
+    lengths = [int(x) for x in a.T.split(",")]
+    rows = RowFile(a.out, {"device": torch.cuda.get_device_name() if dev.type == "cuda" else "cpu",
+                           "torch": torch.__version__, "triton": triton.__version__,
+                           "command": "python benchmarks/gpu.py " + " ".join(argv if argv is not None else sys.argv[1:]),
+                           "shape": {"B": shape[0], "H": shape[1], "D": shape[2], "dtype": "float32" if a.smoke else
+                                     "bfloat16", "what": "forward + backward"}, "err_T": a.err_T}, fields=("path", "T"))
+    if a.keep_from:
+        keep(rows.doc, json.loads(Path(a.keep_from).read_text()))
+    start = T0 if argv is None else time.time()
+    deadline = start + a.seconds - 2
 
-    def flush() -> None:  # what is measured so far, the earlier run's rows beside it: a cut run keeps both
-        now = {k: v for k, v in doc.items() if k != "_start"}
-        save(out, keep(copy.deepcopy(now), old) if old else now)
+    def speed_spec(spec: dict) -> dict:
+        with _fla_pinned(spec["path"], a.fla_autotune):
+            row = speed_row(spec["path"], spec["T"], dev, a.rounds, a.reps, shape, torch.float32 if a.smoke else
+                            torch.bfloat16)
+        if spec["path"].endswith("/fla"):
+            row["autotune"] = a.fla_autotune
+        if dev.type == "cuda":
+            torch.cuda.empty_cache()
+        return row
 
-    skip = set(a.skip.split(","))
-    errs: dict = {}
-    parts = {
-        "tests": lambda: run_cuda_tests(doc, timeout=60 * a.tests_minutes, log=out.with_suffix(".tests.log")),
-        "errors": lambda: error_rows(doc, errs, names, a.err_T, dev, deadline, flush),
-        "tune": lambda: tune(doc, dev, 8192),
-        "speed": lambda: speed_rows(doc, errs, names, [int(x) for x in a.T.split(",")], a, dev, deadline, flush),
-        "models": lambda: models(doc, dev, deadline, {m for m in a.models.split(",") if m}),
-        "train": lambda: train(doc, deadline),
-    }
-    for part, fn in parts.items():
-        if part in skip:
-            continue
-        if part in ("models", "train") and time.time() > deadline - 30:
-            doc.setdefault("skipped", []).append(part)
-            continue
-        try:
-            fn()
-        except Exception as e:  # noqa: BLE001 - a part that fails is recorded; the others still run
-            import traceback
+    for part in parts:
+        print(f"part {part}", flush=True)
+        if part == "speed":
+            plan = [{"path": n, "T": T, "cap": a.row_cap} for T in lengths for n in names
+                    if PATHS[n][2] is None or T <= PATHS[n][2]]
+            rows.run(plan, speed_spec, deadline, show=_show)
+        elif part == "errors":
+            errs = rows.view(("path", "dtype"), "errors")
+            plan = [{"path": n, "dtype": d, "cap": a.row_cap} for n in (a.err_paths or a.paths).split(",") if n
+                    for d in dtypes]
+            errs.run(plan, lambda spec: error_row(spec, errs.doc, dev, a.err_T, *((2, 16) if a.smoke else (4, 64))),
+                     deadline, show=_show)
+        elif part == "tune":
+            tune(rows.doc, dev, 8192)
+        elif part == "models":
+            models(rows.doc, dev, deadline, {m for m in a.models.split(",") if m})
+        elif part == "train":
+            train(rows.doc, deadline)
+        save(Path(a.out), rows.doc)
+    print(f"wrote {a.out} in {time.time() - start:.1f} s")
 
-            doc.setdefault("failures", {})[part] = traceback.format_exc()[-2000:]
-            print(f"part {part} failed: {type(e).__name__}: {e}", flush=True)
-        flush()
-        torch.cuda.empty_cache()
-    doc["seconds"] = round(time.time() - start, 1)
-    flush()
-    print(f"wrote {out} in {doc['seconds']} s")
+
+def _show(label: str, row) -> None:
+    if isinstance(row, str) or row.get("error"):
+        print(f"  {label}: {row if isinstance(row, str) else row['error'][:300]}", flush=True)
+    elif "ms" in row:
+        print(f"  {label}: {row['ms']:.3f} ms, x{row['ratio_to_flash']:.3f} flash ({row['flash_ms']:.3f} ms), fwd "
+              f"{row['fwd_ms']}, peak {(row['peak_bytes'] or 0) / 2**20:.0f} MiB, {row['seconds']} s", flush=True)
+    else:
+        print(f"  {label}: out {row['rel_err']:.2e} grad {row['rel_err_grad']:.2e} ({row['worst']})", flush=True)
 
 
 if __name__ == "__main__":

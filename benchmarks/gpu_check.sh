@@ -1,53 +1,41 @@
 #!/usr/bin/env bash
-# The one GPU check, for a GPU machine, in priority order; each part writes its rows as it goes:
+# The one GPU check, for a GPU machine: its parts in order of what is still unknown and worth most, each
+# under a hard cap, each writing its rows as it goes (benchmarks/gpu_check.py has the schedule):
 #
-#   bash benchmarks/gpu_check.sh OUT_DIR [MINUTES]     # MINUTES: 6.5 by default; run with a limit above it
+#   bash benchmarks/gpu_check.sh OUT_DIR [MINUTES] [--resume DIR]   # MINUTES: 6.5 by default
+#   bash benchmarks/gpu_check.sh OUT_DIR 1 --smoke                  # anywhere: every part's code on the CPU
 #
-# 0. flash-linear-attention from the wheels in .whl/ (pure Python; `pip download --no-deps -d .whl
-#    flash-linear-attention==0.6.0 fla-core==0.6.0`), installed into /tmp/site when the folder is there;
-#    fla's paths run last in part 2, so their autotuning (minutes on a new shape) cannot starve the rest;
-# 1. the cuda tests (benchmarks/gpu.py part "tests"): 4 workers, 60 s per test, in two passes (the
-#    rest, then flash-linear-attention's with the time left: its kernels autotune for minutes), about
-#    30 % of the time; each outcome and its traceback written as it happens to OUT/gpu.tests.jsonl (and
-#    printed), the ids of the tests that never reported listed;
-# 2. training throughput per mechanism, compiled, against the plain PyTorch baseline, with dynamo's
-#    graphs, breaks and recompiles, and `attnlab train` itself against the benchmark's step of the same
-#    model (benchmarks/gpu_train.py), about 30 %: OUT/gpu_train.json;
-# 3. the kernel table (benchmarks/gpu.py: errors against float64 at T = 1024, timings at 8K and 32K),
-#    about 25 %: OUT/gpu.json;
-# 4. decode rows (benchmarks/decode_speed.py on CUDA), about 15 %: OUT/decode_speed_gpu.json.
-# The order is the project's: GPU truth and the trainer first, then the kernels, then decoding. On a
-# 15-minute slot (the machine's start included) run it at 6.5 minutes: one run, no rerun.
-# At most 8 files come back: gpu.json, gpu.log, gpu.tests.log, gpu.tests.jsonl, gpu_train.json,
-# gpu_train.log, decode_speed_gpu.json, decode.log. Commit them under benchmarks/results/gpu_logs/<date>/
-# and the JSONs as benchmarks/results/{gpu,gpu_train,decode_speed_gpu}.json (docs/contributing.md).
+# 1. tests: the cuda tests that have never passed on a GPU, 4 workers, at most 40 s a test
+#    (flash-linear-attention's last, at their first autotuning config that runs), 22 % of the time;
+# 2. train: training throughput, compiled, against the plain PyTorch baseline (baseline, windowed,
+#    softmax, `attnlab train`, hybrid at T = 1024; softmax at configs/25m.toml's shape; the four at
+#    T = 8192), each row at most 60 s (the trainer 100 s), 36 %;
+# 3. kernels: forward + backward at 8K against SDPA flash, each path at most 40 s, fla's paths after
+#    the others, 20 %;
+# 4. decode: the windowed model's compiled step at 4K, 32K and 128K beside exact decoding, 12 %;
+# 5. recheck and 6. errors (the cuda tests that passed before; the kernel-error table) with the time left.
+# A part's unused time goes to the next. At its cap a part is killed with its whole process group and
+# every process it started; the next starts only when none is left. Run again on the same OUT_DIR (or
+# with --resume DIR, an earlier check's folder), it measures only what the files lack.
+# Files (8): gpu_check.json, gpu_check.log, gpu_tests.json, gpu_tests.jsonl, gpu_tests.log,
+# gpu_train.json, gpu.json, decode_speed_gpu.json; commit them under benchmarks/results/gpu_logs/<date>/
+# (docs/contributing.md).
 set -uo pipefail
-out=${1:?usage: bash benchmarks/gpu_check.sh OUT_DIR [MINUTES]}
+out=${1:?usage: bash benchmarks/gpu_check.sh OUT_DIR [MINUTES] [--smoke] [--resume DIR]}
 minutes=${2:-6.5}
+shift $(( $# < 2 ? $# : 2 ))
+py=${PYTHON:-python3}
 mkdir -p "$out"
 export PYTHONUNBUFFERED=1
-if ls .whl/*.whl >/dev/null 2>&1; then
-  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
-    && export PYTHONPATH=/tmp/site:${PYTHONPATH:-}
-fi
-part() { python3 -c "print(round($minutes * $1, 2))"; }
-# 1. tests
-python3 benchmarks/gpu.py --out "$out/gpu.json" --minutes "$(part 0.3)" --tests-minutes "$(part 0.3)" \
-  --skip errors,tune,speed,models,train 2>&1 | tee "$out/gpu.log"
-# 2. training throughput: the windowed model early (the rows the trainer and kernel issues read first)
-python3 benchmarks/gpu_train.py --out "$out/gpu_train.json" --minutes "$(part 0.3)" \
-  --models baseline,softmax,windowed,hybrid,trainer,scalar,goat_hybrid,principled,goat,gla,ssd,cosformer 2>&1 \
-  | tee "$out/gpu_train.log"
-# 3. kernels: fla's paths last, they autotune on each new shape
-paths=sdpa-flash,hybrid-gaussian/triton,hybrid-cauchy/triton,hybrid-cauchy-window16+32/triton
-paths=$paths,hybrid-gaussian-window16+32/triton,goat/triton,principled/triton,softmax-ktotal/sdpa
-paths=$paths,hybrid-gaussian/flex,hybrid-cauchy/flex,goat/flex,cosformer/chunked,gla/chunked,ssd/chunked,gla/fla,ssd/fla
-python3 benchmarks/gpu.py --out "$out/gpu.json" --minutes "$(part 0.25)" --T 8192,32768 --err-T 1024 \
-  --skip tests,tune,models,train --paths "$paths" --keep-from "$out/gpu.json" 2>&1 | tee -a "$out/gpu.log"
-# 4. decode: the rows the targets read first (the window flat from 4K to 128K and its ratio to exact
-#    decoding; the compiled exact step against transformers' static cache), the rest as time allows;
-#    benchmarks/gpu_decode.sh is the whole decode table, for a slot of its own
-left=$(python3 -c "print(int($minutes * 60 * 0.15))")
-timeout "$left" python3 benchmarks/decode_speed.py --device cuda --out "$out/decode_speed_gpu.json" --keep --steps 16 \
-  --rounds 3 --warmup 3 --methods window_compiled,exact_compiled,window_ops_compiled,hf_static,exact --models windowed --batches 1 \
-  --contexts 4096,32768,131072 --window-max 131072 --learned-max 0 --max-hf-context 131072 2>&1 | tee "$out/decode.log"
+limit=$("$py" -c "import sys; m = float(sys.argv[1]); assert 0 < m <= 30; print(int(m * 60 + 30))" "$minutes") \
+  || { echo "gpu_check: MINUTES must be a number in (0, 30], got $minutes" >&2; exit 2; }
+case " $* " in
+  *" --smoke "*) ;;
+  *) if ls .whl/*.whl >/dev/null 2>&1; then  # flash-linear-attention (pure Python; the machine has no internet)
+       "$py" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
+         && export PYTHONPATH=/tmp/site${PYTHONPATH:+:$PYTHONPATH}
+     fi ;;
+esac
+# the schedule ends itself within MINUTES; this limit only backs it up (SIGTERM: it kills its running
+# part and every process that part started, then stops)
+exec timeout --foreground --kill-after=20 "$limit" "$py" benchmarks/gpu_check.py "$out" "$minutes" "$@"

@@ -63,7 +63,9 @@ def _flash(impl, t):
         T = q.shape[2]
         s = s.masked_fill(torch.ones(T, T, dtype=torch.bool, device=q.device).triu(1), float("-inf"))
         return torch.softmax(s, -1) @ v
-    backends = [SDPBackend.FLASH_ATTENTION] if t["q"].dtype != torch.float32 else [SDPBackend.EFFICIENT_ATTENTION]
+    # flash in bf16 on CUDA (no float32 flash kernel there: the memory-efficient one), and on the CPU
+    cpu = t["q"].device.type == "cpu"
+    backends = [SDPBackend.FLASH_ATTENTION] if cpu or t["q"].dtype != torch.float32 else [SDPBackend.EFFICIENT_ATTENTION]
     with sdpa_kernel(backends):
         return F.scaled_dot_product_attention(t["q"], t["k"], t["v"], is_causal=True)
 

@@ -14,7 +14,11 @@ experiment's: 8 layers, d_model 512, 8 heads, byte vocabulary, T = 1024, its bat
 ones, and at T = 8192 (batch 1) for --long ones. The model `trainer` is `attnlab train` itself
 (configs/gpt2-small.toml, byte tokenizer, the same batch) timed from its own log rows, beside this
 script's step of the same model in the same process (`measure_trainer`: the trainer issue's "within 5 %
-of the benchmark"). Writes the JSON after every row.
+of the benchmark"). `vs_baseline`: a row's tokens/s over the baseline's at its length and shape, measured
+on the same machine. Writes the JSON after every row (benchmarks/gpu_rows.py): each row under a cap
+(--row-cap, --trainer-cap: the GPU check kills a row past it), none started after --seconds, and run
+again on the same --out it measures only the rows the file lacks. --smoke drives every row's code
+path on the CPU at tiny sizes, eager, with one row that outlives its cap.
 
     python benchmarks/gpu_train.py --device cpu --models baseline,softmax,hybrid,windowed --cpu-both
 
@@ -28,7 +32,6 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import json
 import math
 import statistics
 import sys
@@ -41,6 +44,7 @@ import torch.nn.functional as F
 
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE.parent / "src"))
+sys.path.insert(0, str(HERE))
 
 
 class _Norm(nn.Module):
@@ -241,64 +245,38 @@ CPU_SHAPE = dict(vocab=256, d_model=128, n_layers=4, n_heads=4)  # the quickstar
 CPU_SHAPES = {"quickstart": CPU_SHAPE, "25m": SHAPE_25M}
 
 
-def _cpu_shapes(spec: str, T: int, batch: int) -> list[tuple[str, int, int]]:
-    """--cpu-shape: NAME or NAME:T:BATCH, comma-separated, NAME in CPU_SHAPES (a bare NAME takes --cpu-T
-    and --cpu-batch)."""
-    out = []
-    for part in spec.split(","):
-        name, *rest = part.split(":")
-        if name not in CPU_SHAPES or len(rest) not in (0, 2):
-            raise SystemExit(f"--cpu-shape: {part!r} is not NAME or NAME:T:BATCH with NAME in {sorted(CPU_SHAPES)}")
-        out.append((name, int(rest[0]), int(rest[1])) if rest else (name, T, batch))
-    return out
+SMOKE_SHAPE = dict(vocab=64, d_model=32, n_layers=2, n_heads=4)  # --smoke: every row's code path on the CPU in seconds
 
 
-def cpu_comparison(a, argv) -> None:
-    """The same comparison on the CPU at the quickstart's shape: every model prepared (compiled where
-    asked) first, then `--rounds` interleaved rounds of `--steps` steps each; per model the median step
-    over all rounds, and its ratio to the baseline of the same kind (compiled or eager) as the median
-    of the per-round ratios."""
-    import resource
+def plan(a) -> list[dict]:
+    """The rows in order: --models at T = 1024 (batch 8), --at-scale at configs/25m.toml's shape (batch 64),
+    --long at T = 8192 (batch 1); under --smoke the same rows at tiny sizes, and after the first two a
+    row that outlives its cap (the check's test of its row caps)."""
+    T, long, b, b25 = (32, 64, 2, 2) if a.smoke else (1024, 8192, 8, 64)
+    rows = ([dict(model=m, T=T, batch=b) for m in a.models.split(",") if m]
+            + [dict(model=m, T=T, batch=b25, shape="25m") for m in a.at_scale.split(",") if m]
+            + [dict(model=m, T=long, batch=1) for m in a.long.split(",") if m])
+    for r in rows:
+        r["cap"] = a.trainer_cap if r["model"] == "trainer" else a.row_cap
+    if a.smoke:
+        rows.insert(2, dict(model="overrun", T=0, batch=0, cap=2.0, overrun=True))
+    return rows
 
-    dev = torch.device("cpu")
-    shapes = _cpu_shapes(a.cpu_shape, a.cpu_T, a.cpu_batch)
-    names = [m for m in a.models.split(",") if m]
-    kinds = [(m, c, s) for s in shapes for m in names
-             for c in ((True, False) if a.cpu_both else (m in a.compile.split(",") or a.compile == "all",))]
-    prepared = {}
-    for k in kinds:
-        m, c, (s, T, batch) = k
-        prepared[k] = prepare(m, T, batch, a.warmup, c, dev, CPU_SHAPES[s])
-        print(f"  prepared {m} ({'compiled' if c else 'eager'}, {s}): warm-up {prepared[k][1]['warmup_s']} s",
-              flush=True)
-    per_round = {k: [] for k in kinds}
-    for r in range(a.rounds):
-        for k in kinds:
-            per_round[k].append(statistics.median(time_steps(prepared[k][0], a.steps)))
-    rows = []
-    for (m, c, (s, T, batch)), meds in per_round.items():
-        base = per_round.get(("baseline", c, (s, T, batch)))
-        info = dict(prepared[(m, c, (s, T, batch))][1])
-        info.pop("flops_per_token")
-        ms = 1e3 * statistics.median(meds)
-        rows.append({"model": m, "compiled": c, "shape": s, "T": T, "batch": batch, "ms": round(ms, 3),
-                     "tokens_per_s": round(batch * T / (ms / 1e3)),
-                     "vs_baseline": None if base is None else round(statistics.median(
-                         [b / x for b, x in zip(base, meds)]), 3),
-                     "round_ms": [round(1e3 * x, 3) for x in meds], **info})
-        print(f"  {m} ({'compiled' if c else 'eager'}, {s}): {rows[-1]['tokens_per_s']:,} tok/s, "
-              f"{rows[-1]['vs_baseline']}x the baseline", flush=True)
-    doc = {"device": "cpu", "torch": torch.__version__, "threads": torch.get_num_threads(),
-           "shape": CPU_SHAPES[shapes[0][0]] if len(shapes) == 1 else {s: CPU_SHAPES[s] for s, _, _ in shapes},
-           "max_rss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,  # Linux: KiB
-           "rounds": a.rounds, "steps_per_round": a.steps,
-           "command": "python benchmarks/gpu_train.py " + " ".join(argv if argv is not None else sys.argv[1:]),
-           "rows": rows}
-    Path(a.out).write_text(json.dumps(doc, indent=1) + "\n")
-    print(f"wrote {a.out}")
+
+def _show(label: str, row) -> None:
+    if isinstance(row, str) or "error" in row:
+        print(f"  {label}: {row if isinstance(row, str) else row['error']}", flush=True)
+    elif row["model"] == "trainer":
+        print(f"  {label}: {row['tokens_per_s']:,} tok/s, {row['vs_benchmark']}x the benchmark's step of the same "
+              f"model ({row['benchmark_tokens_per_s']:,} tok/s)", flush=True)
+    else:
+        print(f"  {label}: {row['tokens_per_s']:,} tok/s ({row.get('vs_baseline')}x the baseline), MFU {row['mfu']:.1%}, "
+              f"{row['ms']} ms, graphs {row.get('graphs')}, breaks {row.get('breaks')}, recompiles "
+              f"{row.get('recompiles')}, warm-up {row['warmup_s']} s", flush=True)
 
 
 def main(argv=None) -> None:
+    t0 = time.time()
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", default=None, help="default benchmarks/results/gpu_train.json (cuda), train_cpu.json (cpu)")
     ap.add_argument("--device", choices=("cuda", "cpu"), default="cuda")
@@ -318,47 +296,54 @@ def main(argv=None) -> None:
     ap.add_argument("--cpu-shape", default="quickstart",
                     help=f"cpu: the shapes timed, NAME or NAME:T:BATCH comma-separated, NAME in {sorted(CPU_SHAPES)}")
     ap.add_argument("--peak-tflops", type=float, default=989.0, help="the GPU's dense bf16 peak (H100 SXM: 989)")
-    ap.add_argument("--minutes", type=float, default=7.0, help="start no new row after this long")
+    ap.add_argument("--seconds", type=float, default=420.0, help="start no new row after this long (the check's "
+                    "cap of the part)")
+    ap.add_argument("--row-cap", type=float, default=60.0, help="seconds a row may take, its compile included")
+    ap.add_argument("--trainer-cap", type=float, default=100.0, help="seconds the trainer row may take (two compiles)")
+    ap.add_argument("--smoke", action="store_true", help="every row's code path on the CPU at tiny sizes, eager "
+                    "(benchmarks/gpu_check.py --smoke)")
     a = ap.parse_args(argv)
-    if a.device == "cpu":
+    if min(a.seconds, a.row_cap, a.trainer_cap) <= 0:
+        raise SystemExit(f"--seconds, --row-cap and --trainer-cap must be > 0, got {a.seconds}, {a.row_cap}, {a.trainer_cap}")
+    if a.device == "cpu" and not a.smoke:
+        from gpu_train_cpu import cpu_comparison
+
         a.out = a.out or str(HERE / "results" / "train_cpu.json")
         return cpu_comparison(a, argv)
-    if not torch.cuda.is_available():
+    if not a.smoke and not torch.cuda.is_available():
         raise SystemExit("benchmarks/gpu_train.py needs a CUDA GPU (or --device cpu)")
-    dev = torch.device("cuda")
+    from gpu_rows import MACHINE, RowFile
+
+    dev = torch.device("cpu" if a.smoke else "cuda")
+    shapes = {None: SMOKE_SHAPE if a.smoke else SHAPE, "25m": SMOKE_SHAPE if a.smoke else SHAPE_25M}
+    if a.smoke:
+        a.steps, a.warmup, a.compile = 2, 1, "none"
     torch.backends.cuda.matmul.allow_tf32 = True
     out = Path(a.out or HERE / "results" / "gpu_train.json")
-    out.parent.mkdir(parents=True, exist_ok=True)
-    doc = {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "shape": SHAPE, "shape_25m": SHAPE_25M,
-           "command": "python benchmarks/gpu_train.py " + " ".join(argv if argv is not None else sys.argv[1:]),
-           "peak_tflops": a.peak_tflops, "rows": []}
-    deadline = time.time() + 60 * a.minutes
+    rows = RowFile(out, {"device": torch.cuda.get_device_name() if dev.type == "cuda" else "cpu", "torch": torch.__version__,
+                         "shape": shapes[None], "shape_25m": shapes["25m"], "peak_tflops": a.peak_tflops,
+                         "command": "python benchmarks/gpu_train.py " + " ".join(argv if argv is not None else sys.argv[1:])},
+                   fields=("model", "T", "shape"))
     compiled = set(f"{a.models},{a.at_scale},{a.long}".split(",")) if a.compile == "all" else set(a.compile.split(","))
-    plan = ([(m, 1024, 8, SHAPE) for m in a.models.split(",") if m]
-            + [(m, 1024, 64, SHAPE_25M) for m in a.at_scale.split(",") if m]
-            + [(m, 8192, 1, SHAPE) for m in a.long.split(",") if m])
-    for name, T, batch, shape in plan:
-        label = {"shape": "25m"} if shape is SHAPE_25M else {}
-        if time.time() > deadline:
-            doc["rows"].append({"model": name, "T": T, **label, "error": "skipped: out of time"})
-            continue
+
+    def run(spec: dict) -> dict:
+        shape, label = shapes[spec.get("shape")], {"shape": spec["shape"]} if spec.get("shape") else {}
         try:
-            if name == "trainer":
-                row = {**measure_trainer(T, batch, a.steps, a.warmup, True, dev, shape, a.peak_tflops), **label}
-            else:
-                row = {**measure(name, T, batch, a.steps, a.warmup, name in compiled, dev, shape, a.peak_tflops), **label}
-        except Exception as e:  # noqa: BLE001 - the row records what failed
-            msg = str(e) if len(str(e)) <= 1500 else f"{str(e)[:500]} [...] {str(e)[-1000:]}"  # the cause is last
-            row = {"model": name, "T": T, **label, "error": f"{type(e).__name__}: {msg}"}
-        torch.cuda.empty_cache()
-        doc["rows"].append(row)
-        print(f"  {name} T={T}{' (25m)' if label else ''}: "
-              + (row["error"] if "error" in row else
-                 f"{row['tokens_per_s']:,} tok/s, {row['vs_benchmark']}x the benchmark's step of the same model "
-                 f"({row['benchmark_tokens_per_s']:,} tok/s)" if name == "trainer" else
-                 f"{row['tokens_per_s']:,} tok/s, MFU {row['mfu']:.1%}, {row['ms']} ms, graphs "
-                 f"{row.get('graphs')}, breaks {row.get('breaks')}, recompiles {row.get('recompiles')}"), flush=True)
-        out.write_text(json.dumps(doc, indent=1) + "\n")
+            if spec["model"] == "trainer":
+                return {**measure_trainer(spec["T"], spec["batch"], a.steps, a.warmup, not a.smoke, dev, shape,
+                                          a.peak_tflops, log_every=1 if a.smoke else 5), **label}
+            row = {**measure(spec["model"], spec["T"], spec["batch"], a.steps, a.warmup, spec["model"] in compiled, dev,
+                             shape, a.peak_tflops), **label}
+        finally:
+            if dev.type == "cuda":
+                torch.cuda.empty_cache()
+        base = [r for r in rows.doc["rows"] if r["model"] == "baseline" and r["T"] == row["T"] and r.get("shape") ==
+                row.get("shape") and r.get("machine") == MACHINE and r.get("tokens_per_s")]
+        row["vs_baseline"] = (1.0 if row["model"] == "baseline" else
+                              round(row["tokens_per_s"] / base[-1]["tokens_per_s"], 3) if base else None)
+        return row
+
+    rows.run(plan(a), run, deadline=t0 + a.seconds - 2, show=_show, min_s=3.0 if a.smoke else 20.0)
     print(f"wrote {out}")
 
 
