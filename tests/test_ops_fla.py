@@ -16,7 +16,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from attnlab.ops import gla_fla as fla_mod
+from attnlab.ops.gla import fla as fla_mod
 from attnlab.ops.gla import gla_attention, ssd_attention
 from attnlab.testing import compare_fwd_bwd, rel_rms
 

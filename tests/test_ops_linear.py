@@ -8,7 +8,7 @@ import torch
 import torch.nn.functional as F
 
 from attnlab.ops.cosformer import CosformerState, cosformer_attention
-from attnlab.ops.cosformer_step import cosformer_step
+from attnlab.ops.cosformer import cosformer_step
 from attnlab.ops.gla import gla_attention, gla_step, ssd_attention, ssd_step
 from attnlab.testing import compare_fwd_bwd, rel_rms
 

@@ -219,7 +219,7 @@ def test_score_functions_index_each_tensor_once(form, monkeypatch):
     """FlexAttention's backward on a GPU refuses a score function that indexes one tensor needing gradients
     twice (GOAT's loop over frequencies did: "multiple indexing operations on the same tensor"). Each form's
     score function, called as the kernel calls it, reads each tensor it captures at most once."""
-    from attnlab.ops import _sdpa
+    from attnlab.ops.common import sdpa as _sdpa
     from attnlab.ops.goat_flex import flex_goat_attention
 
     seen = {}

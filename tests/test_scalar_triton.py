@@ -213,7 +213,7 @@ def test_autocast_keeps_the_ops_precision():
 
 def test_sdpa_width_pads_to_eight_exactly():
     """The fused route pads its head width to a multiple of 8 on CUDA; zero columns change nothing."""
-    from attnlab.ops._sdpa import fused_attention, sdpa_width
+    from attnlab.ops.common.sdpa import fused_attention, sdpa_width
 
     assert sdpa_width(66, torch.device("cuda")) == 72 and sdpa_width(66, torch.device("cpu")) == 66
     q, k, v = torch.randn(1, 2, 20, 66), torch.randn(1, 2, 20, 66), torch.randn(1, 2, 20, 64)

@@ -18,7 +18,7 @@ from torch.utils._pytree import tree_leaves
 
 from attnlab import checks
 from attnlab.models.static_decode import StaticDecoder
-from attnlab.ops import gla as gla_ops
+from attnlab.ops.gla import args as gla_ops
 from test_static_decode import SETTINGS, model
 
 pytestmark = pytest.mark.usefixtures("one_thread")

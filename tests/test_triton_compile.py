@@ -120,7 +120,7 @@ def _gpu_path_launches():
     from gpu_paths import NEEDS_CUDA, PATHS, fwd_bwd, make
 
     from attnlab.ops import hybrid_attention, principled_attention, scalar_attention
-    from attnlab.ops.scalar.window import windowed_attention
+    from attnlab.ops.scalar.windowed import windowed_attention
 
     cpu = torch.device("cpu")
     for name in (n for n in PATHS if n.endswith("/triton") and n not in NEEDS_CUDA):

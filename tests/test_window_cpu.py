@@ -56,7 +56,7 @@ def test_selection_equals_the_dense_rule(kernels, T, kind, dtype):
                                           (5, 3, 0, True), (16, 0, 0, True)):
         seg = None
         if docs:
-            from attnlab.ops._packed import packing
+            from attnlab.ops.common.packed import packing
 
             seg = packing(None, _docs(2, T), 2, T, qs).seg
         got = window_indices(qs, ks, window, n_prefix=n_prefix, local=local, seg=seg)

@@ -8,7 +8,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from attnlab.ops.scalar.window import windowed_attention
+from attnlab.ops.scalar.windowed import windowed_attention
 from attnlab.testing import rel_rms
 
 pytest.importorskip("triton")
@@ -120,7 +120,7 @@ def test_refusals_name_the_argument():
 
 
 def test_without_the_interpreter_triton_on_the_cpu_is_refused(monkeypatch):
-    from attnlab.ops.scalar import triton_math
+    from attnlab.ops.common import triton_math
 
     monkeypatch.setattr(triton_math, "interpreted", lambda: False)
     monkeypatch.setattr("attnlab.ops.scalar.triton_op.interpreted", lambda: False)

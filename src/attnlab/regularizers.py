@@ -24,7 +24,8 @@ import torch
 
 from .checks import check_choice, check_impl, check_positive, check_same, check_tensor
 from .ops import hybrid_attention, hybrid_logits, scalar_attention, scalar_logits
-from .ops._sdpa import expand_heads, upcast
+from .ops.common.heads import expand_heads
+from .ops.common.precision import upcast
 from .ops.scalar import scalar_scores
 
 REDUCTIONS = ("pairs", "queries")

@@ -18,9 +18,10 @@ import torch
 import torch.nn.functional as F
 
 from ..checks import check_finite, check_like, check_tensor
-from ..ops._sdpa import expand_heads, upcast
-from ..ops.scalar.fused import _augment
-from ..ops.scalar.args import _tau
+from ..ops.common.heads import expand_heads
+from ..ops.common.precision import upcast
+from ..ops.scalar.args import tau_tensor
+from ..ops.scalar.fused import augment
 from .kv import KVCache
 
 
@@ -74,7 +75,7 @@ class ExactScalarCache:
         cdt = upcast(ks.dtype)
         if self.ref is None:
             self.ref, self.d_k, self.dv, self.out_dtype = ks.detach()[..., :1].to(cdt), d_k, v.shape[3], v.dtype
-        _, ka = _augment(ks, ks, torch.ones((), dtype=cdt, device=ks.device), cdt, True, ref=self.ref)  # (B, H, T, 2)
+        _, ka = augment(ks, ks, torch.ones((), dtype=cdt, device=ks.device), cdt, True, ref=self.ref)  # (B, H, T, 2)
         if k is not None:
             ka = torch.cat([expand_heads(k, H).to(cdt), ka], dim=-1)  # (B, H, T, D + 2)
         width = max(ka.shape[-1], self.dv)
@@ -100,8 +101,8 @@ class ExactScalarCache:
             check_like("q", q, qs, "qs")
             check_finite("q", q)
         cdt = self.ref.dtype
-        inv_tau = 1.0 / _tau(tau, B, H, Tq, cdt, qs.device)
-        qa, _ = _augment(qs, qs, inv_tau, cdt, True, ref=self.ref)  # (B, H, Tq, 2)
+        inv_tau = 1.0 / tau_tensor(tau, B, H, Tq, cdt, qs.device)
+        qa, _ = augment(qs, qs, inv_tau, cdt, True, ref=self.ref)  # (B, H, Tq, 2)
         if q is not None:
             qa = torch.cat([q.to(cdt) * (1.0 / math.sqrt(self.d_k)), qa], dim=-1)  # (B, H, Tq, D + 2)
         full = self.kv.view()

@@ -25,7 +25,7 @@ from dataclasses import dataclass
 import torch
 
 from ..checks import check_choice, check_int
-from ..ops._sdpa import expand_heads
+from ..ops.common.heads import expand_heads
 from .kv import KVCache
 
 INDEXES = ("exact", "hnsw", "ivf", "quest")
@@ -181,7 +181,7 @@ def selected_prefill(layer, p, cache):
             or sel.spec.key_dtype != "float32" or len(sel._pending) != T):
         return None
     from ..index.keep import learned_keep
-    from ..ops._sdpa import upcast
+    from ..ops.common.precision import upcast
     from .sink import token_values
 
     sq = torch.cat([q for q, _ in sel._pending], 2)  # (B, H, T, d), the positions the layer decodes
@@ -238,7 +238,7 @@ class QuestKeys:
         the best pages: positions (B, H, m) among the n tokens so far and their validity, at most K
         of them."""
         from ..index.pages import _dot_bound, _lam_rows, _quest_keep, scalar_range_bound, scalar_term
-        from ..ops._sdpa import upcast
+        from ..ops.common.precision import upcast
 
         cdt = upcast(p.qs.dtype)
         H, new_page = p.qs.shape[1], self.n % self.spec.page == 0

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 import torch
 
 from ..checks import check_finite
-from ..ops._sdpa import expand_heads
+from ..ops.common.heads import expand_heads
 
 
 @dataclass(frozen=True)

@@ -92,9 +92,9 @@ def make_query(cache, qs: torch.Tensor, tau, q: torch.Tensor | None = None, wind
     if scalar_scale is not None:
         if not cache.hybrid:
             raise ValueError("scalar_scale scales the hybrid's scalar term: this cache has pure scalar heads")
-        from ..ops.scalar.args import _scalar_scale
+        from ..ops.scalar.args import scalar_scale_tensor
 
-        lam = _scalar_scale(scalar_scale, H, torch.float32, cache.device).view(H)
+        lam = scalar_scale_tensor(scalar_scale, H, torch.float32, cache.device).view(H)
     return DecodeQuery(qr, q_rows, tau_r, r, window, lam)
 
 def check_step_values(*tensors: torch.Tensor | None) -> None:

@@ -20,7 +20,7 @@ from .. import interrupt
 from ..data.packing import TokenStream, sequential_batches
 from ..checks import check_groups, check_int, check_same, check_tensor
 from ..models.lm import token_loss
-from ..ops._sdpa import expand_heads
+from ..ops.common.heads import expand_heads
 
 # what an evaluation loop's Interrupted says (SIGINT/SIGTERM inside interrupt.graceful(): a sweep's)
 EVAL_STOPPED = "evaluation stopped between batches (it starts again when resumed)"

@@ -44,7 +44,8 @@ import torch
 
 from ..checks import check_choice, check_int
 from ..ops import window_indices, window_mask
-from ..ops._sdpa import expand_heads, upcast
+from ..ops.common.heads import expand_heads
+from ..ops.common.precision import upcast
 from ..index.pages import _PageRanges, _quest_keep, quest_page_bounds, scalar_term
 from ..index.keep import (IndexedKeep, candidate_keys, learned_indices, learned_keep, top_keys,  # noqa: F401
                           with_prefix)

@@ -11,7 +11,8 @@ import torch
 
 from ..checks import check_int, check_tensor
 from ..ops import range_distance
-from ..ops._sdpa import expand_heads, upcast
+from ..ops.common.heads import expand_heads
+from ..ops.common.precision import upcast
 from ..ops.scalar import check_kernel, kernel_term
 
 __all__ = ["quest_page_bounds", "scalar_range_bound", "scalar_term"]

@@ -26,7 +26,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from attnlab.checks import check_impl, check_int, check_positive, check_tensor
-from attnlab.ops._chunked import exp_floor
+from attnlab.ops.gla.chunked import exp_floor
 
 
 class SearchProjections(nn.Module):

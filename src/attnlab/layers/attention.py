@@ -293,7 +293,7 @@ class Attention(nn.Module):
 
     def triton_route(self, device: torch.device) -> bool:
         """Whether this layer's ops run the Triton kernels on `device` (`ops.scalar.triton_route`)."""
-        from ..ops.scalar.route import triton_route
+        from ..ops.common.triton_route import triton_route
 
         return triton_route(self.config.impl, device)
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 import torch
 
 from ..cache.sink import token_values  # noqa: F401 (the layout is the caches' too: defined there)
-from ..ops._sdpa import expand_heads
+from ..ops.common.heads import expand_heads
 
 
 def sink_weight_value(w: torch.Tensor) -> torch.Tensor:

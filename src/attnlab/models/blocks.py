@@ -8,7 +8,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from attnlab.layers import Attention
-from attnlab.ops._sdpa import upcast
+from attnlab.ops.common.precision import upcast
 
 from .config import ModelConfig
 

@@ -43,7 +43,7 @@ import torch.nn.functional as F
 import torch.utils.checkpoint
 
 from attnlab.checks import async_value_checks, check_output_finite, set_model_boundary
-from attnlab.ops._sdpa import upcast
+from attnlab.ops.common.precision import upcast
 
 from .blocks import Block, RMSNorm, SwiGLU  # noqa: F401  (RMSNorm, SwiGLU: attnlab.models exports them from here)
 from .config import ModelConfig

@@ -27,9 +27,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ..ops._sdpa import expand_heads, upcast
+from ..ops.common.heads import expand_heads
+from ..ops.common.precision import upcast
 from ..ops.cosformer import CosformerState, cosformer_attention
-from ..ops.cosformer_step import step_update
+from ..ops.cosformer.step import step_update
 from ..ops.goat import spectral_prior
 from ..ops.principled.attention import check_param
 from ..ops.principled.naive import principled_naive

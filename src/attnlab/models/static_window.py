@@ -116,7 +116,7 @@ def window_keys(qs: torch.Tensor, ks: torch.Tensor, codes: torch.Tensor, merged:
     keys exist), in the dense rule's order (nearest first, the newest first among equal distances).
     impl: "auto" runs one Triton kernel on CUDA (`static_window_kernel`, the same keys) and the PyTorch
     ops below elsewhere; "triton" the kernel (the CPU under TRITON_INTERPRET=1); "torch" the ops."""
-    from ..ops.scalar.route import triton_missing, triton_route
+    from ..ops.common.triton_route import triton_missing, triton_route
 
     if impl not in ("auto", "triton", "torch"):
         raise ValueError(f"impl must be 'auto', 'triton' or 'torch', got {impl!r}")

@@ -8,8 +8,7 @@ its default route, selected by ``impl="auto" | "naive" | "fast"``.
 from .softmax import softmax_attention
 from .scalar import hybrid_attention, hybrid_logits, scalar_attention, scalar_logits
 from .principled import principled_attention
-from .cosformer import CosformerState, cosformer_attention
-from .cosformer_step import cosformer_step
+from .cosformer import CosformerState, cosformer_attention, cosformer_step
 from .gla import gla_attention, gla_step, ssd_attention, ssd_step
 from .goat import goat_attention, goat_prior
 from .scalar import approx_plan, scalar_attention_approx

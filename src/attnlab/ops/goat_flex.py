@@ -1,6 +1,6 @@
-"""GOAT attention through FlexAttention: the generated kernel the GOAT Triton kernel is measured against
+"""GOAT attention through FlexAttention: the generated kernel the GOAT Triton kernel is compared with
 (`benchmarks/gpu_paths.py`). The prior log pi_ij = sum_r [a_r cos(w_r (i - j)) + b_r sin(w_r (i - j))] + u_j
-(`goat.goat_prior`) is a `score_mod` over the captured spectral weights and key terms; causality is a block
+(`goat.prior.goat_prior`) is a `score_mod` over the captured spectral weights and key terms; causality is a block
 mask. On the CPU FlexAttention runs its reference form and has no backward, so the tests compare forwards
 there and the GPU check compares every gradient. Arguments are checked as `goat_attention` checks them
 (no hybrid term, window or packing here); the router does not pick this path."""
@@ -9,8 +9,10 @@ from __future__ import annotations
 
 import torch
 
-from ._sdpa import check_qkv, flex_call
-from .goat import _check_prior
+from .common.args import check_qkv
+from .common.heads import expand_heads
+from .common.sdpa import flex_call
+from .goat.args import check_prior
 
 __all__ = ["flex_goat_attention"]
 
@@ -22,7 +24,7 @@ def flex_goat_attention(q, k, v, freqs, lam_sym, lam_asym, u) -> torch.Tensor:
 
     B, H, T, _ = check_qkv(q, k, v, True)
     G = k.shape[1]
-    _check_prior(freqs, lam_sym, lam_asym, u, B, G, k.shape[2], q)
+    check_prior(freqs, lam_sym, lam_asym, u, B, G, k.shape[2], q)
     if T == 0:
         return v.new_zeros(B, H, 0, v.shape[-1])
     work = torch.float64 if q.dtype == torch.float64 else torch.float32
@@ -31,7 +33,7 @@ def flex_goat_attention(q, k, v, freqs, lam_sym, lam_asym, u) -> torch.Tensor:
     ub = uu.shape[0]
     # the prior's offset term per group and offset i - j in -(T - 1) .. T - 1 (the masked ones too: FlexAttention
     # may score them), built once: one read per score, and each tensor the score reads indexed once (its
-    # backward cannot take a tensor indexed twice, as the loop over frequencies did)
+    # backward cannot take a tensor indexed twice)
     phase = w[:, None] * torch.arange(-(T - 1), T, device=q.device, dtype=work)[None, :]  # (R, 2T - 1)
     table = a @ torch.cos(phase) + b_ @ torch.sin(phase)  # (G, 2T - 1)
 
@@ -41,8 +43,6 @@ def flex_goat_attention(q, k, v, freqs, lam_sym, lam_asym, u) -> torch.Tensor:
 
     gqa = G != H or v.shape[1] != H
     if gqa and G != v.shape[1]:  # FlexAttention groups k and v alike
-        from ._sdpa import expand_heads
-
         k, v, gqa = expand_heads(k, H), expand_heads(v, H), False
     mask = create_block_mask(lambda b, h, i, j: i >= j, None, None, T, T, device=q.device)
     return flex_call(q, k, v, score_mod=score_mod, block_mask=mask, enable_gqa=gqa).to(v.dtype)

@@ -13,7 +13,7 @@ import torch
 import torch.nn.functional as F
 
 from attnlab.checks import check_groups, check_impl, check_same, check_tensor
-from attnlab.ops._sdpa import expand_heads
+from attnlab.ops.common.heads import expand_heads
 
 
 def _check(q, k, v, idx, valid):

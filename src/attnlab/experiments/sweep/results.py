@@ -197,6 +197,9 @@ def write_results(spec: Spec, out: str | os.PathLike | None = None, *, command: 
         # the results are those on disk: the plots stand; the report is written again all the same, so that
         # a rebuild shows the committed report is the one its results make (a hand edit does not survive)
         metrics_png = bool(metric_panels(results))
+        if not quiet:
+            print(f"\nresults unchanged: {out / 'report.md'} and results.json written again from them (the same "
+                  f"bytes unless edited by hand), the plots left as they are")
     else:
         metrics_png = False
         for name, draw in plots.items():

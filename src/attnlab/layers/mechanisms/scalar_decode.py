@@ -14,7 +14,7 @@ from ...cache.selected import selected_prefill, selected_step
 from ...cache.sorted import SortedScalarCache
 from ...cache.sorted_read import check_step_values
 from ...ops import softmax_attention
-from ...ops._sdpa import expand_heads
+from ...ops.common.heads import expand_heads
 from ...ops.scalar import hybrid_scores, scalar_scores
 from ..record import Projected
 from ..sink import mix_sink, sink_weight_value, split_sink_values, token_values

@@ -20,7 +20,6 @@ import torch
 import torch.nn.functional as F
 
 from ...masks import key_counts, visible_keys
-from .._sdpa import BAND_CHUNK, band_spans
 
 
 def principled_naive(
@@ -69,39 +68,3 @@ def principled_naive(
     if v0 is not None:
         o = o + w0[..., None] * v0[:, None, :]
     return o, w0
-
-
-def principled_band(q, k, qg, kg, v, params, v0, window, causal: bool = True, docs: torch.Tensor | None = None):
-    """The sliding-window fast path: `principled_naive` on each query chunk's band of keys, under
-    activation checkpointing when a gradient is needed (inputs validated, heads expanded). With packed
-    documents, docs (B, Tk) the run index of each key's document: each chunk reads its causal prefix
-    (or band, or every key when not causal) under a same-document mask, and K counts those keys."""
-    from torch.utils.checkpoint import checkpoint
-
-    Tq, Tk = q.shape[2], k.shape[2]
-    off = Tk - Tq
-    grad = torch.is_grad_enabled() and any(
-        isinstance(x, torch.Tensor) and x.requires_grad for x in (q, k, qg, kg, v, v0, *params.values()))
-    if window is not None:
-        spans = band_spans(Tq, Tk, window)
-    else:
-        spans = ((a, min(Tq, a + BAND_CHUNK), 0, min(Tq, a + BAND_CHUNK) + off if causal else Tk)
-                 for a in range(0, Tq, BAND_CHUNK))
-    outs, grounds = [], []
-    for a, b, lo, hi in spans:
-        rows = [x[..., a:b] if x.shape[-1] > 1 else x for x in (params["alpha"], params["beta"], params["gamma"])]
-        seen = None
-        if docs is not None:  # (B, 1, b - a, hi - lo): the chunk's visible keys of its own documents
-            pos = torch.arange(a + off, b + off, device=q.device)[:, None]
-            cols = torch.arange(lo, hi, device=q.device)[None, :]
-            seen = docs[:, None, a + off:b + off, None] == docs[:, None, None, lo:hi]
-            if causal:
-                seen = seen & (cols <= pos)
-            if window is not None:
-                seen = seen & (cols > pos - window)
-        args = (q[:, :, a:b], k[:, :, lo:hi], qg[:, :, a:b], kg[:, :, lo:hi], v[:, :, lo:hi], *rows, v0, True, window,
-                seen)
-        o, w0 = checkpoint(principled_naive, *args, use_reentrant=False) if grad else principled_naive(*args)
-        outs.append(o)
-        grounds.append(w0)
-    return torch.cat(outs, dim=2), torch.cat(grounds, dim=2)

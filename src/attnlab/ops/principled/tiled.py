@@ -23,8 +23,8 @@ Shifting gamma and every a_j together leaves w unchanged, which gives the thresh
 through max(gamma, a) as -sum_j ds_j; with da/dgamma = 1 - c the total is dgamma = -c sum_j ds_j.
 
 On the CPU (float32, float64) the same algorithm runs as one compiled kernel, forward and backward
-(csrc/principled.cpp through ops/_ext.py), which reads grouped k, kg, v in place; the autograd
-Function here is the fallback when the kernel cannot be built, and the path on other devices.
+(`cpu`, csrc/principled.cpp), which reads grouped k, kg, v in place; the autograd Function here is the
+fallback when the kernel cannot be built, and the path on other devices.
 """
 
 from __future__ import annotations
@@ -34,6 +34,8 @@ import math
 import torch
 import torch.nn.functional as F
 from torch.autograd.function import once_differentiable
+
+from ..common.heads import broadcast_heads
 
 LOG2E = 1.4426950408889634
 BLOCK_K = 256
@@ -231,3 +233,16 @@ class _PrincipledTiled(torch.autograd.Function):
         dgamma = -c * ds_sum
         dqg = dqg * spb[..., None]
         return dq, dk, dqg, dkg, dv, dc, dspb, dgamma, None, None, None
+
+
+def principled_tiled(q, k, qg, kg, v, c, spb, gamma, causal: bool, block_q: int | None, block_k: int | None):
+    """`_PrincipledTiled` on checked inputs of one dtype: q (B, H, Tq, D), k (B, G, Tk, D), qg (B, H, Tq,
+    Dg), kg (B, Gg, Tk, Dg), v (B, Gv, Tk, Dv), per-query c, softplus(beta), gamma (B, H, Tq). Returns
+    (key readout (B, H, Tq, Dv), w0 (B, H, Tq))."""
+    B, H, Tq, _ = q.shape
+    Dv = v.shape[3]
+    k, kg, v = broadcast_heads(k, H), broadcast_heads(kg, H), broadcast_heads(v, H)
+    flat = [x.reshape(B * H, x.shape[2], x.shape[3]) for x in (q, k, qg, kg, v)]
+    rows = [x.reshape(B * H, Tq) for x in (c, spb, gamma)]
+    ok, w0 = _PrincipledTiled.apply(*flat, *rows, causal, *_block_sizes(B * H, block_q, block_k))
+    return ok.view(B, H, Tq, Dv), w0.view(B, H, Tq)

@@ -29,9 +29,8 @@ import torch
 import triton
 import triton.language as tl
 
-from ..scalar.triton_kernel import _bases, _doc_ids, _doc_span, _load_rows, _seen_end
-from ..scalar.triton_math import LN2, LOG2E, _lg2, _mm, _rcp, fast_math, interpreted
-from ..scalar.triton_op import document_spans
+from ..common.triton_math import LN2, LOG2E, fast_math, interpreted, lg2, mm, rcp
+from ..common.triton_rows import bases, doc_ids, doc_span, document_spans, load_rows, seen_end
 
 __all__ = ["document_log_counts", "triton_principled"]
 
@@ -43,12 +42,12 @@ def _gate(ng, FAST: tl.constexpr):
     """softplus(ng) and sigmoid(ng) (its derivative) of the negated gate score ng = -g, from one
     exponential e = 2^(-|ng| log2 e) <= 1: softplus = max(ng, 0) + ln 2 log2(1 + e) and sigmoid = (1 or
     e) / (1 + e), overflow-free. FAST: the log and the reciprocal in the hardware's forms (one MUFU.LG2,
-    one MUFU.RCP; `scalar.triton_math._lg2`, `_rcp`) where libdevice's logf and a division cost ~40
-    instructions per score."""
+    one MUFU.RCP; `attnlab.ops.common.triton_math`'s `lg2`, `rcp`) where libdevice's logf and a
+    division cost ~40 instructions per score."""
     e = tl.exp2(-tl.abs(ng) * LOG2E)
     x1 = 1.0 + e
-    sp = tl.maximum(ng, 0.0) + LN2 * _lg2(x1, FAST)
-    sig = tl.where(ng >= 0.0, 1.0, e) * _rcp(x1, FAST)
+    sp = tl.maximum(ng, 0.0) + LN2 * lg2(x1, FAST)
+    sig = tl.where(ng >= 0.0, 1.0, e) * rcp(x1, FAST)
     return sp, sig
 
 
@@ -57,8 +56,8 @@ def _logits(q, k, qg, kg, cs, thr, nspb, offs_m, offs_n, Tk, off, CAUSAL: tl.con
             UP: tl.constexpr, dq, dk, DOC: tl.constexpr, FAST: tl.constexpr):
     """(BLOCK_M, BLOCK_N) logits y in base 2 relative to the threshold (-inf where hidden), sigmoid(-g)
     (softplus(-g)'s derivative, for the backward) and softplus(-g), g the gate score."""
-    y = _mm(q, tl.trans(k), PREC, UP) * (cs * LOG2E)[:, None]
-    sp, sig = _gate(-_mm(qg, tl.trans(kg), PREC, UP), FAST)
+    y = mm(q, tl.trans(k), PREC, UP) * (cs * LOG2E)[:, None]
+    sp, sig = _gate(-mm(qg, tl.trans(kg), PREC, UP), FAST)
     y = y + thr[:, None] + nspb[:, None] * sp
     seen = offs_n[None, :] < Tk
     if CAUSAL:
@@ -81,8 +80,8 @@ def _row_scalars(C, SPB, GAM, row, offs_m, m_ok, sm_scale):
 def _program(bh, H, GK, GG, GV, Tq, Tk):
     """Element offsets of program (batch x head) bh's rows: queries (and per-row scalars), per-head
     keys, its key, gate-key and value groups, and its batch row of document ids."""
-    row, krow, kbase, vbase = _bases(bh, H, GK, GV, Tq, Tk)
-    _, _, gbase, _ = _bases(bh, H, GG, GV, Tq, Tk)
+    row, krow, kbase, vbase = bases(bh, H, GK, GV, Tq, Tk)
+    _, _, gbase, _ = bases(bh, H, GG, GV, Tq, Tk)
     return row, krow, kbase, gbase, vbase, (bh // H).to(tl.int64) * Tk
 
 
@@ -91,20 +90,20 @@ def _key_tile(K, KG, V, DOCS, kbase, gbase, vbase, drow, offs_n, n_ok, offs_d, o
               DG: tl.constexpr, DV: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DG: tl.constexpr,
               BLOCK_DV: tl.constexpr, DOC: tl.constexpr):
     """A key tile's keys, gate keys, values and document ids (zeros past Tk)."""
-    k = _load_rows(K, kbase, offs_n, n_ok, offs_d, D, True, BLOCK_D, K.dtype.element_ty)
-    kg = _load_rows(KG, gbase, offs_n, n_ok, offs_g, DG, True, BLOCK_DG, KG.dtype.element_ty)
-    v = _load_rows(V, vbase, offs_n, n_ok, offs_v, DV, True, BLOCK_DV, V.dtype.element_ty)
-    return k, kg, v, _doc_ids(DOCS, drow, offs_n, n_ok, DOC)
+    k = load_rows(K, kbase, offs_n, n_ok, offs_d, D, True, BLOCK_D, K.dtype.element_ty)
+    kg = load_rows(KG, gbase, offs_n, n_ok, offs_g, DG, True, BLOCK_DG, KG.dtype.element_ty)
+    v = load_rows(V, vbase, offs_n, n_ok, offs_v, DV, True, BLOCK_DV, V.dtype.element_ty)
+    return k, kg, v, doc_ids(DOCS, drow, offs_n, n_ok, DOC)
 
 
 @triton.jit
 def _query_tile(Q, QG, C, SPB, GAM, DOCS, row, drow, off, offs_m, m_ok, offs_d, offs_g, sm_scale, D: tl.constexpr,
                 DG: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DG: tl.constexpr, DOC: tl.constexpr):
     """A query tile's queries, gate queries, per-row scalars (`_row_scalars`) and document ids."""
-    q = _load_rows(Q, row, offs_m, m_ok, offs_d, D, True, BLOCK_D, Q.dtype.element_ty)
-    qg = _load_rows(QG, row, offs_m, m_ok, offs_g, DG, True, BLOCK_DG, QG.dtype.element_ty)
+    q = load_rows(Q, row, offs_m, m_ok, offs_d, D, True, BLOCK_D, Q.dtype.element_ty)
+    qg = load_rows(QG, row, offs_m, m_ok, offs_g, DG, True, BLOCK_DG, QG.dtype.element_ty)
     cs, thr, nspb, spb = _row_scalars(C, SPB, GAM, row, offs_m, m_ok, sm_scale)
-    return q, qg, cs, thr, nspb, spb, _doc_ids(DOCS, drow, offs_m + off, m_ok, DOC)
+    return q, qg, cs, thr, nspb, spb, doc_ids(DOCS, drow, offs_m + off, m_ok, DOC)
 
 
 @triton.jit
@@ -129,8 +128,8 @@ def _fwd(Q, K, QG, KG, V, C, SPB, GAM, OK, W0, LSE, DOCS, START, END, Tq, Tk, H,
     m_ok = offs_m < Tq
     q, qg, cs, thr, nspb, _spb, dq = _query_tile(Q, QG, C, SPB, GAM, DOCS, row, drow, off, offs_m, m_ok, offs_d, offs_g,
                                               sm_scale, D, DG, BLOCK_D, BLOCK_DG, DOC)
-    lo, hi = _doc_span(START, END, drow, m0 + off, tl.minimum(m0 + BLOCK_M, Tq) - 1 + off, 0,
-                       _seen_end(m0, Tk, off, BLOCK_M, CAUSAL), BLOCK_N, DOC)
+    lo, hi = doc_span(START, END, drow, m0 + off, tl.minimum(m0 + BLOCK_M, Tq) - 1 + off, 0,
+                       seen_end(m0, Tk, off, BLOCK_M, CAUSAL), BLOCK_N, DOC)
     m_i = tl.zeros((BLOCK_M,), tl.float32)  # running max of max(0, y): starts at the threshold
     l_i = tl.zeros((BLOCK_M,), tl.float32)
     ex = tl.zeros((BLOCK_M,), tl.float32)  # grounded mass, relative to 2^M
@@ -147,9 +146,9 @@ def _fwd(Q, K, QG, KG, V, C, SPB, GAM, OK, W0, LSE, DOCS, START, END, Tq, Tk, H,
         p = tl.exp2(y - m_new[:, None])  # 0 where hidden
         ground = tl.where(y == float("-inf"), 0.0, tl.maximum(tl.exp2(-m_new)[:, None] - p, 0.0))
         p_hi = p.to(V.dtype.element_ty)
-        acc = acc * r[:, None] + _mm(p_hi, v, PREC, UP)
+        acc = acc * r[:, None] + mm(p_hi, v, PREC, UP)
         if SPLIT:
-            acc += _mm((p - p_hi.to(tl.float32)).to(V.dtype.element_ty), v, PREC, UP)
+            acc += mm((p - p_hi.to(tl.float32)).to(V.dtype.element_ty), v, PREC, UP)
         l_i = l_i * r + tl.sum(p, 1)
         ex = ex * r + tl.sum(ground, 1)
         m_i = m_new
@@ -167,13 +166,13 @@ def _dlogits(y, do, v, lse, e, hd, PREC: tl.constexpr, UP: tl.constexpr):
     hd = Delta / 2."""
     w = tl.exp2(y - lse[:, None])
     side = tl.where(y > 0.0, 1.0, tl.where(y < 0.0, -1.0, 0.0))
-    dov = _mm(do, tl.trans(v), PREC, UP)
+    dov = mm(do, tl.trans(v), PREC, UP)
     return w, w * (dov - e[:, None] - hd[:, None] * side)
 
 
 @triton.jit
 def _grad_rows(DO, LSE, E, HD, row, offs_m, m_ok, offs_v, DV: tl.constexpr, BLOCK_DV: tl.constexpr):
-    do = _load_rows(DO, row, offs_m, m_ok, offs_v, DV, True, BLOCK_DV, DO.dtype.element_ty)
+    do = load_rows(DO, row, offs_m, m_ok, offs_v, DV, True, BLOCK_DV, DO.dtype.element_ty)
     lse = tl.load(LSE + row + offs_m, mask=m_ok, other=float("inf"))  # w = 0 past Tq
     e = tl.load(E + row + offs_m, mask=m_ok, other=0.0)
     hd = tl.load(HD + row + offs_m, mask=m_ok, other=0.0)
@@ -201,7 +200,7 @@ def _bwd_kv(Q, K, QG, KG, V, C, SPB, GAM, DO, LSE, E, HD, DOCS, START, END, DK, 
     start = 0
     if CAUSAL:
         start = tl.maximum(n0 - off, 0)  # the first query that sees this key tile
-    start, end = _doc_span(START, END, drow, n0, tl.minimum(n0 + BLOCK_N, Tk) - 1, start + off, Tq + off, 1, DOC)
+    start, end = doc_span(START, END, drow, n0, tl.minimum(n0 + BLOCK_N, Tk) - 1, start + off, Tq + off, 1, DOC)
     for start_m in range(tl.maximum(start - off, 0) // BLOCK_M * BLOCK_M, end - off, BLOCK_M):
         offs_m = start_m + tl.arange(0, BLOCK_M)
         m_ok = offs_m < Tq
@@ -211,10 +210,10 @@ def _bwd_kv(Q, K, QG, KG, V, C, SPB, GAM, DO, LSE, E, HD, DOCS, START, END, DK, 
         y, sig, _ = _logits(q, k, qg, kg, cs, thr, nspb, offs_m, offs_n, Tk, off, CAUSAL, PREC, UP, dq_ids, dk_ids, DOC,
                             FAST)
         w, ds = _dlogits(y, do, v, lse, e, hd, PREC, UP)
-        dv += _mm(tl.trans(w).to(DO.dtype.element_ty), do, PREC, UP)
-        dk += _mm(tl.trans(ds * cs[:, None]).to(Q.dtype.element_ty), q, PREC, UP)
+        dv += mm(tl.trans(w).to(DO.dtype.element_ty), do, PREC, UP)
+        dk += mm(tl.trans(ds * cs[:, None]).to(Q.dtype.element_ty), q, PREC, UP)
         gate = ds * sig * spb[:, None]  # dL/dg
-        dkg += _mm(tl.trans(gate).to(QG.dtype.element_ty), qg, PREC, UP)
+        dkg += mm(tl.trans(gate).to(QG.dtype.element_ty), qg, PREC, UP)
     out = (krow + offs_n[:, None])  # per query head: the host sums each group
     tl.store(DK + out * D + offs_d[None, :], dk, mask=n_ok[:, None] & (offs_d[None, :] < D))
     tl.store(DKG + out * DG + offs_g[None, :], dkg, mask=n_ok[:, None] & (offs_g[None, :] < DG))
@@ -243,8 +242,8 @@ def _bwd_q(Q, K, QG, KG, V, C, SPB, GAM, DO, LSE, E, HD, DOCS, START, END, DQK, 
     dsum = tl.zeros((BLOCK_M,), tl.float32)
     dspb = tl.zeros((BLOCK_M,), tl.float32)
     dlog = tl.zeros((BLOCK_M,), tl.float32)  # sum_s ds y: c's gradient in float32 (the host's note)
-    lo, hi = _doc_span(START, END, drow, m0 + off, tl.minimum(m0 + BLOCK_M, Tq) - 1 + off, 0,
-                       _seen_end(m0, Tk, off, BLOCK_M, CAUSAL), BLOCK_N, DOC)
+    lo, hi = doc_span(START, END, drow, m0 + off, tl.minimum(m0 + BLOCK_M, Tq) - 1 + off, 0,
+                       seen_end(m0, Tk, off, BLOCK_M, CAUSAL), BLOCK_N, DOC)
     for start_n in range(lo, hi, BLOCK_N):
         offs_n = start_n + tl.arange(0, BLOCK_N)
         n_ok = offs_n < Tk
@@ -253,11 +252,11 @@ def _bwd_q(Q, K, QG, KG, V, C, SPB, GAM, DO, LSE, E, HD, DOCS, START, END, DQK, 
         y, sig, sp = _logits(q, k, qg, kg, cs, thr, nspb, offs_m, offs_n, Tk, off, CAUSAL, PREC, UP, dq_ids, dk_ids,
                              DOC, FAST)
         _w, ds = _dlogits(y, do, v, lse, e, hd, PREC, UP)
-        dqk += _mm(ds.to(K.dtype.element_ty), k, PREC, UP)
+        dqk += mm(ds.to(K.dtype.element_ty), k, PREC, UP)
         dsum += tl.sum(ds, 1)
         dspb -= tl.sum(ds * sp, 1)
         dlog += tl.sum(ds * tl.maximum(y, -3.0e38), 1)  # (0 where hidden: ds = 0 and y = -inf there)
-        dqg += _mm((ds * sig).to(KG.dtype.element_ty), kg, PREC, UP)
+        dqg += mm((ds * sig).to(KG.dtype.element_ty), kg, PREC, UP)
     tl.store(DQK + (row + offs_m[:, None]) * D + offs_d[None, :], dqk, mask=m_ok[:, None] & (offs_d[None, :] < D))
     tl.store(DQG + (row + offs_m[:, None]) * DG + offs_g[None, :], dqg * spb[:, None],
              mask=m_ok[:, None] & (offs_g[None, :] < DG))

@@ -25,7 +25,7 @@ Gradients: the run pass is a custom autograd function that recomputes the weight
 Per-token tau (B, H, T) is supported (each query's radius uses its own tau). Memory: O(T (W /
 block + Dv)) held per call and head, temporaries bounded by CHUNK_ELEMENTS.
 
-Packed documents (``docs`` / ``cu_seqlens``, `attnlab.ops._packed`): a key of another document is
+Packed documents (``docs`` / ``cu_seqlens``, `attnlab.ops.common.packed`): a key of another document is
 masked as a future key is, n_out counts the visible keys of the query's own document, and the exact
 rows and fallbacks keep documents apart too, so the bound holds against each document run alone
 (the runs themselves are cut from the whole row's sorted keys: the result is within the bound of
@@ -38,38 +38,17 @@ import math
 
 import torch
 
-from ...checks import check_int, check_same
-from .._packed import packing
-from .._sdpa import upcast
+from ...checks import check_int
+from ..common.packed import packing
+from ..common.precision import upcast
+from .args import check_approx, check_scalars, check_tol, tau_tensor
 from .attention import scalar_attention
-from .args import _check_scalars, _check_values, _tau
 
 __all__ = ["APPROX_TOL", "approx_plan", "scalar_attention_approx"]
 
 APPROX_TOL = 1e-4  # default bound on the dropped softmax mass per query
 FALLBACK_FRACTION = 8  # more than T / 8 exact rows in one head: run the exact path instead
 CHUNK_ELEMENTS = 1 << 18  # (block x W) weights per chunk of blocks: bounds the temporaries of one step
-
-
-def _check_tol(tol) -> float:
-    if isinstance(tol, bool) or not isinstance(tol, (int, float)):
-        raise TypeError(f"tol must be a float in (0, 1), got {type(tol).__name__}")
-    if not (math.isfinite(tol) and 0.0 < tol < 1.0):
-        raise ValueError(f"tol must be a finite float in (0, 1), got {tol}")
-    return float(tol)
-
-
-def _check(qs, ks, v, tau, tol, block, max_window):
-    """All argument checks, before any work. Returns (B, H, T, tol, tau broadcastable to (B, H, T))."""
-    tol = _check_tol(tol)
-    check_int("block", block, 1)
-    if max_window is not None:
-        check_int("max_window", max_window, 1)
-    B, H, T = _check_scalars(qs, ks, causal=True)
-    check_same("qs", T, "ks", ks.shape[2], "sequence length (the approximate path runs on whole sequences)")
-    _check_values(v, qs, B, H, T)
-    tau_b = _tau(tau, B, H, T, upcast(qs.dtype), qs.device)  # (1|B, 1|H, 1|T)
-    return B, H, T, tol, tau_b
 
 
 @torch.no_grad()
@@ -114,10 +93,10 @@ def approx_plan(qs, ks, tau, *, tol: float = APPROX_TOL, block: int = 64) -> dic
         ValueError: shapes that do not fit, another device, NaN or inf, tau <= 0, tol outside
             (0, 1), block < 1.
     """
-    tol = _check_tol(tol)
+    tol = check_tol(tol)
     check_int("block", block, 1)
-    B, H, T = _check_scalars(qs, ks, causal=True)
-    tau_full = _tau(tau, B, H, T, upcast(qs.dtype), qs.device).detach().expand(B, H, T)
+    B, H, T = check_scalars(qs, ks, causal=True)
+    tau_full = tau_tensor(tau, B, H, T, upcast(qs.dtype), qs.device).detach().expand(B, H, T)
     k_sorted = ks.detach().to(tau_full.dtype).sort(-1).values
     q_sorted, q_perm = qs.detach().to(tau_full.dtype).sort(-1)
     W, _ = _window(k_sorted, q_sorted, tau_full.gather(-1, q_perm), tol, block)
@@ -157,7 +136,7 @@ def scalar_attention_approx(qs, ks, v, tau, *, tol: float = APPROX_TOL, block: i
             max_window < 1, docs or cu_seqlens (both, another shape, device or dtype, offsets not
             from 0 to T, cu_seqlens with B != 1).
     """
-    B, H, T, tol, tau_b = _check(qs, ks, v, tau, tol, block, max_window)
+    B, H, T, tol, tau_b = check_approx(qs, ks, v, tau, tol, block, max_window)
     packed = packing(cu_seqlens, docs, B, T, qs)
     seg = None if packed is None else packed.seg  # (B, T): each position's document
     cap = max(1, T // 4) if max_window is None else max_window
@@ -259,7 +238,7 @@ class _RunAttention(torch.autograd.Function):
         # seg_q, seg_k: documents, or None
         B, H, nb, block = q.shape
         # results are written into tensors allocated once: small per-chunk results kept alive between
-        # the chunks' large temporaries would fragment the CPU heap (measured: 2.6x the peak RSS at 64K)
+        # the chunks' large temporaries would fragment the CPU heap
         o = q.new_empty(B, H, nb, block, v_flat.shape[-1])
         m, z, lse = (q.new_empty(B, H, nb, block, 1) for _ in range(3))
         n_in = torch.empty(B, H, nb, block, 1, dtype=torch.long, device=q.device)

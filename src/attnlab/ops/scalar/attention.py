@@ -1,11 +1,12 @@
-"""scalar_attention and hybrid_attention: checks once, then the path `impl` and the device choose.
+"""scalar_attention and hybrid_attention: the arguments checked once (`args`), then `impl`, the
+device and the inputs choose the path; the paths are leaves.
 
 impl="naive" materialises the logits (`naive`); "fast" runs the fused SDPA route under the Gaussian
 kernel (`fused`) and query chunks of explicit scores under the Cauchy kernel or a sliding window
 (`chunked`); "triton" runs the fused Triton kernel (`triton_op`), which "auto" picks on CUDA
 where Triton is installed and no sliding window is asked for, and "fast" elsewhere.
 
-Packed documents (``cu_seqlens`` or ``docs``, `attnlab.ops._packed`): the Triton kernel masks other
+Packed documents (``cu_seqlens`` or ``docs``, `attnlab.ops.common.packed`): the Triton kernel masks other
 documents and skips their tiles; the naive path masks its logits; "fast" runs the explicit-score
 query chunks (`chunked`) under a same-document mask (the fused route's shift by the first key would
 read a key of another document), memory O(chunk x Tk), the work of causal attention.
@@ -13,18 +14,15 @@ read a key of another document), memory O(chunk x Tk), the work of causal attent
 
 from __future__ import annotations
 
-import math
-
 import torch
 
-from ...checks import TRITON_IMPLS, check_impl, check_int, check_window
-from .._packed import packing
-from .._sdpa import check_causal, check_qkv, expand_heads, fused_attention, upcast, without_autocast
+from ..common.packed import packing
+from ..common.precision import without_autocast
+from ..common.triton_route import use_triton
+from .args import check_hybrid, check_options, check_scalars, check_values, scalar_scale_tensor, tau_tensor
 from .chunked import chunked_kernel_attention
-from .fused import _augment, _slots
-from .route import triton_missing, triton_route
-from .naive import hybrid_logits, scalar_logits
-from .args import _check_scalars, _check_values, _scalar_scale, _tau, check_kernel
+from .fused import fused_hybrid_attention, fused_scalar_attention
+from .naive import hybrid_naive, scalar_naive
 
 
 @without_autocast
@@ -73,35 +71,22 @@ def scalar_attention(qs, ks, v, tau, *, causal: bool = True, impl: str = "auto",
             cu_seqlens that is not an int tensor of offsets from 0 to Tk (non-decreasing) or comes
             with B != 1, docs of another shape or device, or both.
     """
-    check_impl(impl, TRITON_IMPLS)
-    check_causal(causal)
-    check_kernel(kernel)
-    check_window(window, causal)
-    check_int("n_prefix", n_prefix, 0)
-    B, H, T = _check_scalars(qs, ks, causal=causal)
-    _check_values(v, qs, B, H, ks.shape[2])
+    check_options(impl, causal, kernel, window, n_prefix)
+    B, H, T = check_scalars(qs, ks, causal=causal)
+    check_values(v, qs, B, H, ks.shape[2])
     packed = packing(cu_seqlens, docs, B, ks.shape[2], qs)
     seg = None if packed is None else packed.seg  # (B, Tk): each key's document
     if impl == "naive":
-        logits = scalar_logits(qs, ks, tau, causal, kernel, window, n_prefix)  # (B, H, Tq, Tk)
-        if packed is not None:
-            logits = logits.masked_fill(~packed.same(T), float("-inf"))
-        w = torch.softmax(logits, dim=-1)
-        return (w @ expand_heads(v, H).to(w.dtype)).to(v.dtype)  # (B, H, Tq, Dv)
-    if _use_triton(impl, qs.device, window):
+        return scalar_naive(qs, ks, v, tau, causal, kernel, window, n_prefix, packed)
+    if use_triton(impl, qs.device, window):
         from .triton_op import triton_scalar_attention
 
-        return triton_scalar_attention(None, None, v, qs, ks, _tau(tau, B, H, T, torch.float32, qs.device), None,
+        return triton_scalar_attention(None, None, v, qs, ks, tau_tensor(tau, B, H, T, torch.float32, qs.device), None,
                                        kernel, causal, docs=seg)
     if seg is not None or kernel != "gaussian" or _banded(window, causal, ks.shape[2], n_prefix):
-        _tau(tau, B, H, T, upcast(qs.dtype), qs.device)
         return chunked_kernel_attention(qs, ks, v, tau, None, None, kernel, causal, None, window=window,
                                         n_prefix=n_prefix, docs=seg)
-    cdt = upcast(qs.dtype)
-    inv_tau = 1.0 / _tau(tau, B, H, T, cdt, qs.device)  # (1|B, 1|H, 1|T)
-    qa, ka = _augment(qs, ks, inv_tau, cdt, causal)  # (B, H, T, 2) each
-    qa, ka = _slots(qa, ka, v.shape[1])  # (B, H, Tq, 2H/G), (B, G, Tk, 2H/G)
-    return fused_attention(qa, ka, v.to(cdt), causal=causal, window=window, n_prefix=n_prefix).to(v.dtype)
+    return fused_scalar_attention(qs, ks, v, tau, causal, window, n_prefix)
 
 
 @without_autocast
@@ -146,68 +131,27 @@ def hybrid_attention(q, k, v, qs, ks, tau, *, causal: bool = True, impl: str = "
             tau <= 0, a scalar_scale that is negative, not finite or not (H,), an unknown impl
             or kernel, a bad window, or packed documents given badly (as `scalar_attention`).
     """
-    check_impl(impl, TRITON_IMPLS)
-    check_causal(causal)
-    check_kernel(kernel)
-    check_window(window, causal)
-    check_int("n_prefix", n_prefix, 0)
-    B, H, T, D = check_qkv(q, k, v, causal)
-    _check_scalars(qs, ks, q, "q", causal)
-    if tuple(qs.shape) != (B, H, T) or ks.shape[2] != k.shape[2]:
-        raise ValueError(
-            f"qs must have shape (B, H, Tq) = {(B, H, T)} and ks (B, H, Tk) = {(B, H, k.shape[2])} "
-            f"from q and k, got {tuple(qs.shape)} and {tuple(ks.shape)}"
-        )
+    check_options(impl, causal, kernel, window, n_prefix)
+    B, H, T, _ = check_hybrid(q, k, v, qs, ks, causal)
     packed = packing(cu_seqlens, docs, B, k.shape[2], q)
     seg = None if packed is None else packed.seg  # (B, Tk): each key's document
     if impl == "naive":
-        logits = hybrid_logits(q, k, qs, ks, tau, causal, scalar_scale, kernel, window, n_prefix)  # (B, H, Tq, Tk)
-        if packed is not None:
-            logits = logits.masked_fill(~packed.same(T), float("-inf"))
-        w = torch.softmax(logits, dim=-1)
-        return (w @ expand_heads(v, H).to(w.dtype)).to(v.dtype)  # (B, H, Tq, Dv)
-    if _use_triton(impl, q.device, window):
+        return hybrid_naive(q, k, v, qs, ks, tau, causal, scalar_scale, kernel, window, n_prefix, packed)
+    if use_triton(impl, q.device, window):
         from .triton_op import triton_scalar_attention
 
-        lam = None if scalar_scale is None else _scalar_scale(scalar_scale, H, torch.float32, q.device)
-        return triton_scalar_attention(q, k, v, qs, ks, _tau(tau, B, H, T, torch.float32, q.device), lam, kernel,
+        lam = None if scalar_scale is None else scalar_scale_tensor(scalar_scale, H, torch.float32, q.device)
+        return triton_scalar_attention(q, k, v, qs, ks, tau_tensor(tau, B, H, T, torch.float32, q.device), lam, kernel,
                                        causal, docs=seg)
     if seg is not None or kernel != "gaussian" or _banded(window, causal, k.shape[2], n_prefix):
-        _tau(tau, B, H, T, upcast(q.dtype), q.device)
-        if scalar_scale is not None:
-            _scalar_scale(scalar_scale, H, upcast(q.dtype), q.device)
         return chunked_kernel_attention(qs, ks, v, tau, q, k, kernel, causal, scalar_scale, window=window,
                                         n_prefix=n_prefix, docs=seg)
-    cdt = upcast(q.dtype)
-    inv_tau = 1.0 / _tau(tau, B, H, T, cdt, q.device)
-    if scalar_scale is not None:
-        inv_tau = inv_tau * _scalar_scale(scalar_scale, H, cdt, q.device)  # lam / tau: (1|B, H, 1|T)
-    qa, ka = _augment(qs, ks, inv_tau, cdt, causal)  # (B, H, T, 2) each
-    G = math.lcm(k.shape[1], v.shape[1])  # one grouping for keys and values
-    qa, ka = _slots(qa, ka, G)  # (B, H, Tq, 2H/G), (B, G, Tk, 2H/G)
-    qa = torch.cat([q.to(cdt) * (1.0 / math.sqrt(D)), qa], dim=-1)  # (B, H, T, D + 2H/G)
-    ka = torch.cat([expand_heads(k, G).to(cdt), ka], dim=-1)  # (B, G, T, D + 2H/G)
-    return fused_attention(qa, ka, expand_heads(v, G).to(cdt), causal=causal, window=window,
-                           n_prefix=n_prefix).to(v.dtype)
-
-
-def _use_triton(impl: str, device: torch.device, window) -> bool:
-    """impl="triton" (checked: a clear error where it cannot run), or "auto" on CUDA with Triton there.
-    A sliding window keeps the banded path (`kernel.chunked_kernel_attention`), which the kernel lacks."""
-    if impl == "triton":
-        if window is not None:
-            raise ValueError(f"window must be None with impl='triton' (the kernel has no sliding window; "
-                             f"impl='auto' runs it banded), got {window!r}")
-        reason = triton_missing(device)
-        if reason is not None:
-            raise ValueError(f"impl='triton' cannot run: {reason}")
-        return True
-    return impl == "auto" and window is None and triton_route(impl, device)
+    return fused_hybrid_attention(q, k, v, qs, ks, tau, causal, scalar_scale, window, n_prefix)
 
 
 def _banded(window, causal: bool, Tk: int, n_prefix: int) -> bool:
     """A sliding window that hides some key: the scores are formed explicitly over each query chunk's
-    band (`kernel.chunked_kernel_attention`), not by the shifted expansion, whose reference key
+    band (`chunked.chunked_kernel_attention`), not by the shifted expansion, whose reference key
     (the first) a windowed query may not see: a far-past outlier there would cost every later row
     precision through a key it cannot read."""
     return causal and window is not None and window < Tk - n_prefix

@@ -1,9 +1,9 @@
 """Scalar and hybrid attention under a kernel with no fused path (kernel="cauchy").
 
 The Gaussian scalar logit -(qs - ks)^2 / tau is a quadratic in qs - ks and runs through SDPA as
-an augmented dot product (`attnlab.ops.scalar`). The Cauchy logit -log(1 + (qs - ks)^2 / tau)
+an augmented dot product (`fused`). The Cauchy logit -log(1 + (qs - ks)^2 / tau)
 is not, so its scores are formed explicitly, with the ops' one score formula
-(`scalar_scores` / `hybrid_scores`), in two shapes that bound memory:
+(`scores`), in two shapes that bound memory:
 
 - `chunked_kernel_attention`, the exact op's "auto" path: query rows in chunks of `chunk`,
   each chunk's (chunk x Tk) logits recomputed in the backward pass (activation checkpointing),
@@ -11,12 +11,13 @@ is not, so its scores are formed explicitly, with the ops' one score formula
 - `selected_kernel_attention`, `windowed_attention`'s selected-keys path: query rows in chunks,
   each chunk's scores masked to its queries' m selected keys (window, local window, prefix;
   `window_indices`) and recomputed in the backward pass, as the Gaussian's SDPA path does: the
-  indices kept are O(T x m) per head. (Gathering the m keys per query instead was about 6x slower
-  here, forward + backward at T = 256, B = 16, H = 4, k = 16 + 32 recent, one thread: the
-  gathers' backward scatters.) Without a gradient (evaluation, a decode cache's prefill) it
-  gathers: O(T x m) work instead of O(T^2). The dense masked path is its reference.
+  indices kept are O(T x m) per head. (Gathering the m keys per query instead would make the
+  backward pass scatter into the keys.) Without a gradient (evaluation, a decode cache's prefill)
+  it gathers: O(T x m) work instead of O(T^2). The dense masked path (`window_naive`) is its
+  reference.
 
-Both take checked inputs (the public ops check before calling them).
+Both take checked inputs (the public ops check before calling them); under the Gaussian kernel the
+windowed op reads its selected keys through `selected` instead.
 """
 
 from __future__ import annotations
@@ -26,9 +27,11 @@ import math
 import torch
 
 from ...masks import visible_keys
-from .._sdpa import band_keys, band_mask, band_spans, expand_heads, upcast
-from .naive import hybrid_scores, kernel_term, scalar_scores
-from .args import _scalar_scale, _tau
+from ..common.band import band_keys, band_mask, chunk_spans
+from ..common.heads import expand_heads
+from ..common.precision import upcast
+from .args import scalar_scale_tensor, tau_tensor
+from .scores import hybrid_scores, kernel_term, scalar_scores
 
 __all__ = ["chunk_bias", "chunk_mask", "chunked_kernel_attention", "selected_kernel_attention"]
 
@@ -57,27 +60,23 @@ def chunked_kernel_attention(qs, ks, v, tau, q, k, kernel: str, causal: bool, sc
     rows `chunk` at a time: qs (B, H, Tq), ks (B, H, Tk), v (B, G, Tk, Dv), q (B, H, Tq, D) and
     k (B, G', Tk, D) or None; queries are the last Tq positions under `causal` -> (B, H, Tq, Dv).
     With a sliding `window` each chunk reads only its band of keys and the first n_prefix
-    (`_sdpa.band_spans`): O(chunk x (chunk + window)) per head. docs (B, Tk): packed documents' run
-    index of each key (`ops._packed.Packing.seg`); a query also hides every key of another document
+    (`attnlab.ops.common.band`): O(chunk x (chunk + window)) per head. docs (B, Tk): packed documents' run
+    index of each key (`attnlab.ops.common.packed.Packing.seg`); a query also hides every key of another document
     (the first n_prefix included)."""
     from torch.utils.checkpoint import checkpoint
 
     B, H, Tq = qs.shape
     Tk = ks.shape[2]
     cdt = upcast(v.dtype)
-    tau_b = _tau(tau, B, H, Tq, cdt, qs.device)
-    lam = None if scalar_scale is None else _scalar_scale(scalar_scale, H, cdt, qs.device)
+    tau_b = tau_tensor(tau, B, H, Tq, cdt, qs.device)
+    lam = None if scalar_scale is None else scalar_scale_tensor(scalar_scale, H, cdt, qs.device)
     vals = expand_heads(v, H).to(cdt)
     kk = None if k is None else expand_heads(k, H)
     grad = _needs_grad(qs, ks, v, q, k, tau, scalar_scale)
     off = Tk - Tq
     n_prefix = min(n_prefix, Tk)
-    if causal and window is not None:
-        spans = band_spans(Tq, Tk, window, chunk, n_prefix)
-    else:
-        spans = ((a, min(Tq, a + chunk), 0, min(Tq, a + chunk) + off if causal else Tk) for a in range(0, Tq, chunk))
     outs = []
-    for a, b, lo, hi in spans:
+    for a, b, lo, hi in chunk_spans(Tq, Tk, causal, window, chunk, n_prefix):
         if causal and window is not None:
             hidden, pre = ~band_mask(a, b, lo, hi, off, window, n_prefix, qs.device), n_prefix
         else:
@@ -149,8 +148,8 @@ def selected_kernel_attention(qs, ks, v, tau, idx, ok, q, k, kernel: str, scalar
 
     B, H, T = qs.shape
     cdt = upcast(v.dtype)
-    tau_b = _tau(tau, B, H, T, cdt, qs.device)
-    lam = None if scalar_scale is None else _scalar_scale(scalar_scale, H, cdt, qs.device)
+    tau_b = tau_tensor(tau, B, H, T, cdt, qs.device)
+    lam = None if scalar_scale is None else scalar_scale_tensor(scalar_scale, H, cdt, qs.device)
     vals = expand_heads(v, H).to(cdt)
     kk = None if k is None else expand_heads(k, H)
     grad = _needs_grad(qs, ks, v, q, k, tau, scalar_scale)

@@ -9,15 +9,17 @@ so the tests compare forwards on the CPU and the GPU check compares every gradie
 `naive`'s: q·k/√d + lam·phi((qs − ks)² / tau), phi(x) = −x (Gaussian) or −log(1 + x) (Cauchy);
 scalar heads (q, k None) read zero vectors of width 16 (FlexAttention's smallest head), so only the
 scalar term scores. Arguments are checked as `hybrid_attention` checks them; the router does not pick
-this path (its speed is measured first, on the GPU).
+this path (benchmarks/gpu_paths.py times it against the kernels, on the GPU).
 """
 
 from __future__ import annotations
 
 import torch
 
-from .._sdpa import FLEX_MIN_WIDTH, check_qkv, expand_heads, flex_call, upcast
-from .args import _check_scalars, _check_values, _scalar_scale, _tau, check_kernel
+from ..common.heads import expand_heads
+from ..common.precision import upcast
+from ..common.sdpa import FLEX_MIN_WIDTH, flex_call
+from .args import check_heads, check_kernel, check_pairing, scalar_scale_tensor, tau_tensor
 
 __all__ = ["flex_scalar_attention"]
 
@@ -45,19 +47,11 @@ def flex_scalar_attention(qs: torch.Tensor, ks: torch.Tensor, v: torch.Tensor, t
     from torch.nn.attention.flex_attention import create_block_mask
 
     check_kernel(kernel)
-    if (q is None) != (k is None):
-        raise ValueError("q and k must be given together (hybrid) or both be None (scalar)")
-    if q is None:
-        if scalar_scale is not None:
-            raise ValueError("scalar_scale scales the hybrid's scalar term: give q and k with it")
-        B, H, T = _check_scalars(qs, ks)
-        _check_values(v, qs, B, H, ks.shape[2])
-    else:
-        B, H, T, _ = check_qkv(q, k, v, True)
-        _check_scalars(qs, ks, q, "q")
+    check_pairing(q, k, scalar_scale)
+    B, H, T = check_heads(qs, ks, v, q, k)
     cdt = upcast(qs.dtype)
-    tau_b = _tau(tau, B, H, T, torch.float32 if cdt != torch.float64 else cdt, qs.device).expand(B, H, T)
-    lam = None if scalar_scale is None else _scalar_scale(scalar_scale, H, tau_b.dtype, qs.device).reshape(H)
+    tau_b = tau_tensor(tau, B, H, T, torch.float32 if cdt != torch.float64 else cdt, qs.device).expand(B, H, T)
+    lam = None if scalar_scale is None else scalar_scale_tensor(scalar_scale, H, tau_b.dtype, qs.device).reshape(H)
     if T == 0:
         return v.new_zeros(B, H, 0, v.shape[-1])
     work = tau_b.dtype

@@ -22,17 +22,27 @@ unshifted expansion in bf16 gives 1.6, i.e. noise.
 
 Memory: linear in T. Grouped values (G < H heads) are not copied to all heads: the scalar keys
 are per head, so each group's key carries one 2-column slot per head of the group, and each head's
-query fills only its own slot with zeros elsewhere (`_slots`): q'_h . k'_g is exactly head h's
+query fills only its own slot with zeros elsewhere (`group_slots`): q'_h . k'_g is exactly head h's
 score, and SDPA reads the G groups of values in place (enable_gqa).
 
+`fused_scalar_attention` and `fused_hybrid_attention` run this path for `scalar_attention` and
+`hybrid_attention`; `augment` also builds the scores of the selected-keys path (`selected`), of
+GOAT's hybrid term and of the exact decode cache.
 """
 
 from __future__ import annotations
 
+import math
+
 import torch
 
+from ..common.heads import expand_heads
+from ..common.precision import upcast
+from ..common.sdpa import fused_attention
+from .args import scalar_scale_tensor, tau_tensor
 
-def _augment(qs, ks, inv_tau, cdt, causal: bool, ref=None):
+
+def augment(qs, ks, inv_tau, cdt, causal: bool, ref=None):
     """q' = [2 (qs - r) / tau, -1 / tau], k' = [ks - r, (ks - r)^2], with r per (B, H) the first
     key when causal (seen by every query) and the mean key otherwise, unless `ref` (B, H, 1)
     gives it (a decode cache keeps the first key's, so each key is augmented once).
@@ -51,7 +61,7 @@ def _augment(qs, ks, inv_tau, cdt, causal: bool, ref=None):
     return qa, ka
 
 
-def _slots(qa: torch.Tensor, ka: torch.Tensor, G: int):
+def group_slots(qa: torch.Tensor, ka: torch.Tensor, G: int):
     """Per-head augmented vectors qa (B, H, Tq, E), ka (B, H, Tk, E) on G key/value groups:
     group g's key is [ka_h for its H/G heads h] (B, G, Tk, E H/G), and head h's query is qa_h
     in its own slot, zeros in the others, so q'_h . k'_g = qa_h . ka_h exactly (products with
@@ -64,3 +74,31 @@ def _slots(qa: torch.Tensor, ka: torch.Tensor, G: int):
     qw = (qa.view(B, G, r, Tq, 1, E) * own).reshape(B, H, Tq, r * E)
     kw = ka.view(B, G, r, ka.shape[2], E).transpose(2, 3).reshape(B, G, ka.shape[2], r * E)
     return qw, kw
+
+
+def fused_scalar_attention(qs, ks, v, tau, causal: bool, window, n_prefix: int) -> torch.Tensor:
+    """`scalar_attention` under the Gaussian kernel as one fused SDPA call on the shifted augmented
+    vectors, checked inputs -> (B, H, Tq, Dv) in v's dtype."""
+    B, H, T = qs.shape
+    cdt = upcast(qs.dtype)
+    inv_tau = 1.0 / tau_tensor(tau, B, H, T, cdt, qs.device)  # (1|B, 1|H, 1|T)
+    qa, ka = augment(qs, ks, inv_tau, cdt, causal)  # (B, H, T, 2) each
+    qa, ka = group_slots(qa, ka, v.shape[1])  # (B, H, Tq, 2H/G), (B, G, Tk, 2H/G)
+    return fused_attention(qa, ka, v.to(cdt), causal=causal, window=window, n_prefix=n_prefix).to(v.dtype)
+
+
+def fused_hybrid_attention(q, k, v, qs, ks, tau, causal: bool, scalar_scale, window, n_prefix: int) -> torch.Tensor:
+    """`hybrid_attention` under the Gaussian kernel as one fused SDPA call on [q / sqrt(d), q'] . [k, k'],
+    checked inputs -> (B, H, Tq, Dv) in v's dtype."""
+    B, H, T, D = q.shape
+    cdt = upcast(q.dtype)
+    inv_tau = 1.0 / tau_tensor(tau, B, H, T, cdt, q.device)
+    if scalar_scale is not None:
+        inv_tau = inv_tau * scalar_scale_tensor(scalar_scale, H, cdt, q.device)  # lam / tau: (1|B, H, 1|T)
+    qa, ka = augment(qs, ks, inv_tau, cdt, causal)  # (B, H, T, 2) each
+    G = math.lcm(k.shape[1], v.shape[1])  # one grouping for keys and values
+    qa, ka = group_slots(qa, ka, G)  # (B, H, Tq, 2H/G), (B, G, Tk, 2H/G)
+    qa = torch.cat([q.to(cdt) * (1.0 / math.sqrt(D)), qa], dim=-1)  # (B, H, T, D + 2H/G)
+    ka = torch.cat([expand_heads(k, G).to(cdt), ka], dim=-1)  # (B, G, T, D + 2H/G)
+    return fused_attention(qa, ka, expand_heads(v, G).to(cdt), causal=causal, window=window,
+                           n_prefix=n_prefix).to(v.dtype)

@@ -3,10 +3,10 @@
 scalar: softmax_s(-(qs_t - ks_s)^2 / tau) v_s
 hybrid: softmax_s(q_t . k_s / sqrt(d) - (qs_t - ks_s)^2 / tau) v_s
 
-The formula, once: the score of each kernel (`scalar_scores`, `hybrid_scores`) and the masked logits
-the naive paths materialise (`scalar_logits`, `hybrid_logits`); the family's argument checks are in
-`args`. Every fast path of the family (`fused`, `chunked`,
-`triton_kernel`, `window`, `approx`) is tested against them.
+The reference: the masked logits (`scalar_logits`, `hybrid_logits`, on the score of `scores`) and the
+softmax over them that `scalar_attention` and `hybrid_attention` run with impl="naive"
+(`scalar_naive`, `hybrid_naive`). Every fast path of the family (`fused`, `chunked`, `triton_kernel`,
+`selected`, `approx`) is tested against them; the family's argument checks are in `args`.
 
 Kernel. kernel="cauchy" replaces the Gaussian weight exp(-x), x = (qs - ks)^2 / tau, by the
 heavier-tailed 1 / (1 + x) (ZETA's kernel), i.e. the scalar logit -x by -log(1 + x). It has no
@@ -24,8 +24,12 @@ import torch
 
 from ...checks import check_window
 from ...masks import visible_keys
-from .._sdpa import check_causal, check_qkv, expand_heads, upcast
-from .args import _check_scalars, _scalar_scale, _tau, check_kernel
+from ..common.args import check_causal
+from ..common.heads import expand_heads
+from ..common.packed import Packing
+from ..common.precision import upcast
+from .args import check_hybrid, check_kernel, check_scalars, scalar_scale_tensor, tau_tensor
+from .scores import scalar_scores
 
 
 def scalar_logits(qs, ks, tau, causal: bool = True, kernel: str = "gaussian", window: int | None = None,
@@ -58,40 +62,13 @@ def scalar_logits(qs, ks, tau, causal: bool = True, kernel: str = "gaussian", wi
     check_causal(causal)
     check_kernel(kernel)
     check_window(window, causal)
-    B, H, T = _check_scalars(qs, ks, causal=causal)
+    B, H, T = check_scalars(qs, ks, causal=causal)
     cdt = upcast(qs.dtype)
-    tau_b = _tau(tau, B, H, T, cdt, qs.device)  # (1|B, 1|H, 1|Tq)
+    tau_b = tau_tensor(tau, B, H, T, cdt, qs.device)  # (1|B, 1|H, 1|Tq)
     logits = scalar_scores(qs, ks, tau_b, kernel)
     if not causal:
         return logits
     return logits.masked_fill(~visible_keys(T, ks.shape[2], True, qs.device, window, n_prefix), float("-inf"))
-
-def kernel_term(x: torch.Tensor, kernel: str = "gaussian") -> torch.Tensor:
-    """The scalar logit of x = (qs - ks)^2 / tau >= 0: -x (Gaussian) or -log(1 + x) (Cauchy)."""
-    return -x if kernel == "gaussian" else -torch.log1p(x)
-
-
-def scalar_scores(qs, ks, tau_b, kernel: str = "gaussian", lam=None) -> torch.Tensor:
-    """The formula of `scalar_logits` with no checks and no mask: qs (B, H, Tq), ks (B, H, Tk), tau_b
-    a tensor broadcastable to (B, H, Tq) -> (B, H, Tq, Tk); lam (broadcastable to (B, H, Tq), any
-    sign) multiplies the kernel's term. For callers whose inputs were checked once already (a
-    decode cache's stored keys and its checked query)."""
-    cdt = upcast(qs.dtype)
-    diff = qs.to(cdt).unsqueeze(-1) - ks.to(cdt).unsqueeze(-2)  # (B, H, Tq, Tk)
-    if kernel == "gaussian":
-        out = -diff.pow(2) / tau_b.to(cdt).unsqueeze(-1)
-    else:
-        out = kernel_term(diff.pow(2) / tau_b.to(cdt).unsqueeze(-1), kernel)
-    return out if lam is None else out * lam.to(cdt).unsqueeze(-1)
-
-
-def hybrid_scores(q, k, qs, ks, tau_b, kernel: str = "gaussian", lam=None) -> torch.Tensor:
-    """The formula of `hybrid_logits` with no checks and no mask: q (B, H, Tq, D), k (B, G, Tk, D),
-    qs (B, H, Tq), ks (B, H, Tk), tau_b and lam (the scalar term's gain, or None) broadcastable
-    to (B, H, Tq) -> (B, H, Tq, Tk)."""
-    scal = scalar_scores(qs, ks, tau_b, kernel, lam)
-    dots = q.to(scal.dtype) @ expand_heads(k, q.shape[1]).to(scal.dtype).transpose(-1, -2)
-    return dots / math.sqrt(q.shape[-1]) + scal
 
 
 def hybrid_logits(q, k, qs, ks, tau, causal: bool = True, scalar_scale=None, kernel: str = "gaussian",
@@ -121,17 +98,32 @@ def hybrid_logits(q, k, qs, ks, tau, causal: bool = True, scalar_scale=None, ker
         ValueError: shapes that do not fit q and k (batch, heads, lengths, D, groups), another
             device, NaN or inf in any input, tau <= 0, or a bad scalar_scale.
     """
-    B, H, T, D = check_qkv(q, k, k, causal)  # no values here: k stands in for v's checks
-    _check_scalars(qs, ks, q, "q", causal)
-    if tuple(qs.shape) != (B, H, T) or ks.shape[2] != k.shape[2]:
-        raise ValueError(
-            f"qs must have shape (B, H, Tq) = {(B, H, T)} and ks (B, H, Tk) = {(B, H, k.shape[2])} "
-            f"from q and k, got {tuple(qs.shape)} and {tuple(ks.shape)}"
-        )
+    B, H, T, D = check_hybrid(q, k, k, qs, ks, causal)  # no values here: k stands in for v's checks
     scal = scalar_logits(qs, ks, tau, causal, kernel, window, n_prefix)  # (B, H, Tq, Tk)
     if scalar_scale is not None:  # hidden keys stay -inf; the product never sees them (no 0 * inf in grads)
-        lam = _scalar_scale(scalar_scale, H, scal.dtype, q.device)[..., None]  # (1, H, 1, 1)
+        lam = scalar_scale_tensor(scalar_scale, H, scal.dtype, q.device)[..., None]  # (1, H, 1, 1)
         hidden = torch.isinf(scal)
         scal = (scal.masked_fill(hidden, 0.0) * lam).masked_fill(hidden, float("-inf"))
     dots = q.to(scal.dtype) @ expand_heads(k, H).to(scal.dtype).transpose(-1, -2)
     return dots / math.sqrt(D) + scal
+
+
+def scalar_naive(qs, ks, v, tau, causal: bool, kernel: str, window, n_prefix: int,
+                 packed: Packing | None = None) -> torch.Tensor:
+    """`scalar_attention` materialising its (B, H, Tq, Tk) logits (checked inputs; packed documents
+    hide the keys of other documents) -> (B, H, Tq, Dv) in v's dtype."""
+    return _attend(scalar_logits(qs, ks, tau, causal, kernel, window, n_prefix), v, packed)
+
+
+def hybrid_naive(q, k, v, qs, ks, tau, causal: bool, scalar_scale, kernel: str, window, n_prefix: int,
+                 packed: Packing | None = None) -> torch.Tensor:
+    """`hybrid_attention` materialising its (B, H, Tq, Tk) logits, as `scalar_naive`."""
+    return _attend(hybrid_logits(q, k, qs, ks, tau, causal, scalar_scale, kernel, window, n_prefix), v, packed)
+
+
+def _attend(logits: torch.Tensor, v: torch.Tensor, packed: Packing | None) -> torch.Tensor:
+    """softmax over keys of logits (B, H, Tq, Tk), times v (B, G, Tk, Dv) -> (B, H, Tq, Dv) in v's dtype."""
+    if packed is not None:
+        logits = logits.masked_fill(~packed.same(logits.shape[2]), float("-inf"))
+    w = torch.softmax(logits, dim=-1)
+    return (w @ expand_heads(v, logits.shape[1]).to(w.dtype)).to(v.dtype)  # (B, H, Tq, Dv)

@@ -18,11 +18,11 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
+from ..common.triton_math import LOG2E, mm, rcp
+from ..common.triton_rows import doc_ids, doc_span, seen_end
 from .triton_kernel import (
-    _doc_ids, _doc_span, _dot, _key_tile, _program_rows, _query_scalars, _score, _seen, _seen_end, _store_row_grads,
-    _tile, _unit, _vec, _visible_tiles,
+    _dot, _key_tile, _program_rows, _query_scalars, _score, _seen, _store_row_grads, _tile, _unit, _vec, _visible_tiles,
 )
-from .triton_math import LOG2E, _mm, _rcp
 
 
 @triton.jit
@@ -56,17 +56,17 @@ def _kv_tile(dk, dk2, dv, dks, du, k, k2, v, ks, us, Q, QS, TAU, G, DO, LSE, DEL
     if BIAS:
         s += us[:, None]
     if KERNEL == 1:  # d score / d ks up to 2 C, formed before the products: one tile live in place of two
-        t = t * _rcp(x1, FAST) * g[None, :]
+        t = t * rcp(x1, FAST) * g[None, :]
     if MASK:
         s = _seen(s, offs_m[None, :], offs_n[:, None], Tk, off, CAUSAL,
-                  _doc_ids(DOCS, drow, offs_m + off, m_ok, DOC)[None, :], dkey[:, None], DOC)
+                  doc_ids(DOCS, drow, offs_m + off, m_ok, DOC)[None, :], dkey[:, None], DOC)
     p = tl.exp2(s * C - lse[None, :])
-    dv += _mm(p.to(do.dtype), do, PREC, UP)
-    ds = p * (_mm(v, tl.trans(do), PREC, UP) - delta[None, :])  # the gradient of the (natural) score
+    dv += mm(p.to(do.dtype), do, PREC, UP)
+    ds = p * (mm(v, tl.trans(do), PREC, UP) - delta[None, :])  # the gradient of the (natural) score
     if HAS_DOT:
-        dk += _mm(ds.to(q.dtype), q, PREC, UP)
+        dk += mm(ds.to(q.dtype), q, PREC, UP)
         if BLOCK_D2 > 0:
-            dk2 += _mm(ds.to(q.dtype), q2, PREC, UP)
+            dk2 += mm(ds.to(q.dtype), q2, PREC, UP)
     if BIAS:
         du += tl.sum(ds, 1)
     if KERNEL != 2:  # Gaussian t = u = g (ks - qs), times 2 C / log2(e) at the end; Cauchy t = g (ks - qs) / (tau
@@ -90,7 +90,7 @@ def _bwd_kv(Q, K, V, QS, KS, U, TAU, G, LAM, DO, LSE, DELTA, DOCS, START, END, D
     ks, us, k, k2, v = _key_tile(K, V, KS, U, kbase, vbase, krow, offs_n, n_ok, offs_d, offs_d2, offs_dv, D, DV,
                                  BLOCK_D, BLOCK_D2, BLOCK_DV, HAS_DOT, BIAS, True)
     C = _unit(sm_scale, HAS_DOT)
-    dkey = _doc_ids(DOCS, drow, offs_n, n_ok, DOC)
+    dkey = doc_ids(DOCS, drow, offs_n, n_ok, DOC)
     dk = tl.zeros((BLOCK_N, BLOCK_D), tl.float32)
     dk2 = 0.0
     if BLOCK_D2 > 0:
@@ -113,7 +113,7 @@ def _bwd_kv(Q, K, V, QS, KS, U, TAU, G, LAM, DO, LSE, DELTA, DOCS, START, END, D
             full = Tq
     end = Tq
     if DOC:  # only the query tiles of this key tile's documents, every one masked
-        lo, end = _doc_span(START, END, drow, n0, tl.minimum(n0 + BLOCK_N, Tk) - 1, lo + off, end + off, 1, DOC)
+        lo, end = doc_span(START, END, drow, n0, tl.minimum(n0 + BLOCK_N, Tk) - 1, lo + off, end + off, 1, DOC)
         lo = tl.maximum(lo - off, 0) // BLOCK_M * BLOCK_M
         end = end - off
         full = end
@@ -171,16 +171,16 @@ def _q_tile(dq, dq2, da, dx, dl, q, q2, qs, tau, g, do, lse, delta, K, V, KS, U,
         s += us[None, :]
     if MASK:
         s = _seen(s, offs_m[:, None], offs_n[None, :], Tk, off, CAUSAL, dqd[:, None],
-                  _doc_ids(DOCS, drow, offs_n, n_ok, DOC)[None, :], DOC)
+                  doc_ids(DOCS, drow, offs_n, n_ok, DOC)[None, :], DOC)
     p = tl.exp2(s * C - lse[:, None])
-    ds = p * (_mm(do, tl.trans(v), PREC, UP) - delta[:, None])  # 0 wherever a key is hidden
+    ds = p * (mm(do, tl.trans(v), PREC, UP) - delta[:, None])  # 0 wherever a key is hidden
     if HAS_DOT:
-        dq += _mm(ds.to(k.dtype), k, PREC, UP)
+        dq += mm(ds.to(k.dtype), k, PREC, UP)
         if BLOCK_D2 > 0:
-            dq2 += _mm(ds.to(k.dtype), k2, PREC, UP)
+            dq2 += mm(ds.to(k.dtype), k2, PREC, UP)
     if KERNEL == 1:
         dl += tl.sum(ds * l1, 1)
-        ds = ds * _rcp(x1, FAST)
+        ds = ds * rcp(x1, FAST)
     if KERNEL != 2:
         w = ds * d
         da += tl.sum(w, 1)
@@ -217,12 +217,12 @@ def _bwd_q(Q, K, V, QS, KS, U, TAU, G, LAM, DO, LSE, DELTA, DOCS, START, END, DQ
     da = tl.zeros((BLOCK_M,), tl.float32)
     dx = tl.zeros((BLOCK_M,), tl.float32)
     dl = tl.zeros((BLOCK_M,), tl.float32)
-    dqd = _doc_ids(DOCS, drow, offs_m + off, m_ok, DOC)
+    dqd = doc_ids(DOCS, drow, offs_m + off, m_ok, DOC)
     lo = 0
     full = _visible_tiles(m0, Tk, off, BLOCK_N, CAUSAL)
-    hi = _seen_end(m0, Tk, off, BLOCK_M, CAUSAL)
+    hi = seen_end(m0, Tk, off, BLOCK_M, CAUSAL)
     if DOC:
-        lo, hi = _doc_span(START, END, drow, m0 + off, tl.minimum(m0 + BLOCK_M, Tq) - 1 + off, lo, hi, BLOCK_N, DOC)
+        lo, hi = doc_span(START, END, drow, m0 + off, tl.minimum(m0 + BLOCK_M, Tq) - 1 + off, lo, hi, BLOCK_N, DOC)
         full = lo
     for start_n in range(lo, full, BLOCK_N):
         dq, dq2, da, dx, dl = _q_tile(dq, dq2, da, dx, dl, q, q2, qs, tau, g, do, lse, delta, K, V, KS, U, kbase,

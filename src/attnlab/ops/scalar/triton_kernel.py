@@ -35,7 +35,8 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from .triton_math import LN2, LOG2E, _lg2, _mm, fast_math  # noqa: F401 - fast_math: benchmarks/kernel_sass.py reads it here
+from ..common.triton_math import LN2, LOG2E, fast_math, lg2, mm  # noqa: F401 - fast_math: benchmarks/kernel_sass.py reads it here
+from ..common.triton_rows import bases, doc_ids, doc_span, load_rows, seen_end
 
 
 @triton.jit
@@ -94,9 +95,9 @@ def _key_tile(K, V, KS, U, kbase, vbase, krow, offs_n, n_ok, offs_d, offs_d2, of
 def _dot(a, b, a2, b2, BLOCK_D2: tl.constexpr, PREC: tl.constexpr, UP: tl.constexpr):
     """a @ b^T over the product's columns: one block, or two when split (BLOCK_D2 > 0: D = 80 as 64 + 16
     rather than padded to 128)."""
-    out = _mm(a, tl.trans(b), PREC, UP)
+    out = mm(a, tl.trans(b), PREC, UP)
     if BLOCK_D2 > 0:
-        out += _mm(a2, tl.trans(b2), PREC, UP)
+        out += mm(a2, tl.trans(b2), PREC, UP)
     return out
 
 
@@ -118,7 +119,7 @@ def _score(dot, dd, g, tau, KERNEL: tl.constexpr, FAST: tl.constexpr):
     if KERNEL == 1:
         t = tau * dd
         x1 = t * dd + 1.0
-        l1 = _lg2(x1, FAST)
+        l1 = lg2(x1, FAST)
         return g * l1 + dot, t, x1, l1
     return dot, dot, dot, dot
 
@@ -146,33 +147,10 @@ def _visible_tiles(m0, Tk, off, BLOCK_N: tl.constexpr, CAUSAL: tl.constexpr):
 
 
 @triton.jit
-def _load_rows(X, base, offs, n_ok, offs_d, D: tl.constexpr, LOAD: tl.constexpr, BLOCK_D: tl.constexpr,
-               dtype: tl.constexpr):
-    """(len(offs), BLOCK_D) rows base + offs of a row-major (.., D) tensor, zeros where absent."""
-    if LOAD:
-        return tl.load(X + (base + offs[:, None]) * D + offs_d[None, :], mask=n_ok[:, None] & (offs_d[None, :] < D),
-                       other=0.0)
-    return tl.zeros((offs.shape[0], BLOCK_D), dtype=dtype)
-
-
-@triton.jit
-def _bases(bh, H, GK, GV, Tq, Tk):
-    """Element offsets of program (batch x head) bh's rows: its queries (and per-row scalars), its
-    scalar keys, and the rows of its key and value groups (GQA: head h reads group h // (H / G))."""
-    b = bh // H
-    h = bh % H
-    row = bh.to(tl.int64) * Tq
-    krow = bh.to(tl.int64) * Tk
-    kbase = (b * GK + h // (H // GK)).to(tl.int64) * Tk
-    vbase = (b * GV + h // (H // GV)).to(tl.int64) * Tk
-    return row, krow, kbase, vbase
-
-
-@triton.jit
 def _program_rows(H, GK, GV, Tq, Tk, BLOCK_D: tl.constexpr, BLOCK_D2: tl.constexpr, BLOCK_DV: tl.constexpr):
-    """Program (batch x head) program_id(1)'s row offsets (`_bases`), its batch row of document ids (by
+    """Program (batch x head) program_id(1)'s row offsets (`bases`), its batch row of document ids (by
     key position) and the column offsets of its tiles: head, second head part, values."""
-    row, krow, kbase, vbase = _bases(tl.program_id(1), H, GK, GV, Tq, Tk)
+    row, krow, kbase, vbase = bases(tl.program_id(1), H, GK, GV, Tq, Tk)
     drow = (tl.program_id(1) // H).to(tl.int64) * Tk
     return (row, krow, kbase, vbase, drow, tl.arange(0, BLOCK_D), _cols2(BLOCK_D, BLOCK_D2),
             tl.arange(0, BLOCK_DV))
@@ -194,7 +172,7 @@ def _query_rows(Q, QS, TAU, LAM, row, offs_m, m_ok, offs_d, D: tl.constexpr, HAS
     qs = tl.load(QS + row + offs_m, mask=m_ok, other=0.0)
     tau = tl.load(TAU + row + offs_m, mask=m_ok, other=1.0)
     lam = tl.load(LAM + row + offs_m, mask=m_ok, other=0.0)
-    q = _load_rows(Q, row, offs_m, m_ok, offs_d, D, HAS_DOT, BLOCK_D, Q.dtype.element_ty)
+    q = load_rows(Q, row, offs_m, m_ok, offs_d, D, HAS_DOT, BLOCK_D, Q.dtype.element_ty)
     return qs, tau, lam, q
 
 
@@ -206,36 +184,6 @@ def _grad_rows(LSE, DELTA, DO, row, offs_m, m_ok, offs_dv, DV: tl.constexpr):
     do = tl.load(DO + (row + offs_m[:, None]) * DV + offs_dv[None, :], mask=m_ok[:, None] & (offs_dv[None, :] < DV),
                  other=0.0)
     return lse, delta, do
-
-
-@triton.jit
-def _seen_end(m0, Tk, off, BLOCK_M: tl.constexpr, CAUSAL: tl.constexpr):
-    """One past the last key the query tile from m0 sees (its rows past Tq see no more)."""
-    hi = Tk
-    if CAUSAL:
-        hi = m0 + BLOCK_M + off
-        if hi > Tk:
-            hi = Tk
-    return hi
-
-
-@triton.jit
-def _doc_ids(DOCS, drow, offs, ok, DOC: tl.constexpr):
-    """Document (segment) ids of positions offs of batch row drow (-1 past the end), or 0 without documents."""
-    ids = 0
-    if DOC:
-        ids = tl.load(DOCS + drow + offs, mask=ok, other=-1)
-    return ids
-
-
-@triton.jit
-def _doc_span(START, END, drow, first, last, lo, hi, BLOCK: tl.constexpr, DOC: tl.constexpr):
-    """[lo, hi) narrowed to the documents of positions first..last (START / END: each position's
-    document's first position and one past its last), lo rounded down to a tile of BLOCK."""
-    if DOC:
-        lo = tl.maximum(lo, tl.load(START + drow + first) // BLOCK * BLOCK)
-        hi = tl.minimum(hi, tl.load(END + drow + last))
-    return lo, hi
 
 
 
@@ -260,12 +208,12 @@ def _fwd_tile(acc, m_i, l_i, q, q2, qs, tau, g, K, V, KS, U, kbase, vbase, krow,
         s += us[None, :]
     if MASK:
         s = _seen(s, offs_m[:, None], offs_n[None, :], Tk, off, CAUSAL, dq[:, None],
-                  _doc_ids(DOCS, drow, offs_n, n_ok, DOC)[None, :], DOC)
+                  doc_ids(DOCS, drow, offs_n, n_ok, DOC)[None, :], DOC)
     m_new = tl.maximum(m_i, tl.max(s, 1))
     mc = tl.where(m_new == float("-inf"), 0.0, m_new * C)
     p = tl.exp2(s * C - mc[:, None])
     alpha = tl.exp2(m_i * C - mc)
-    acc = acc * alpha[:, None] + _mm(p.to(v.dtype), v, PREC, UP)
+    acc = acc * alpha[:, None] + mm(p.to(v.dtype), v, PREC, UP)
     return acc, m_new, l_i * alpha + tl.sum(p, 1)
 
 
@@ -287,15 +235,15 @@ def _fwd(Q, K, V, QS, KS, U, TAU, G, O, LSE, DOCS, START, END, Tq, Tk, H, GK, GV
     if BLOCK_D2 > 0:
         q2 = _tile(Q, row, offs_m, m_ok, offs_d2, D, BLOCK_D + BLOCK_D2, True, True, Q.dtype.element_ty)
     C = _unit(sm_scale, HAS_DOT)
-    dq = _doc_ids(DOCS, drow, offs_m + off, m_ok, DOC)
+    dq = doc_ids(DOCS, drow, offs_m + off, m_ok, DOC)
     m_i = tl.full((BLOCK_M,), float("-inf"), tl.float32)
     l_i = tl.zeros((BLOCK_M,), tl.float32)
     acc = tl.zeros((BLOCK_M, BLOCK_DV), tl.float32)
     lo = 0
     full = _visible_tiles(m0, Tk, off, BLOCK_N, CAUSAL)
-    hi = _seen_end(m0, Tk, off, BLOCK_M, CAUSAL)
+    hi = seen_end(m0, Tk, off, BLOCK_M, CAUSAL)
     if DOC:  # only the key tiles of the tile's documents, every one masked
-        lo, hi = _doc_span(START, END, drow, m0 + off, tl.minimum(m0 + BLOCK_M, Tq) - 1 + off, lo, hi, BLOCK_N, DOC)
+        lo, hi = doc_span(START, END, drow, m0 + off, tl.minimum(m0 + BLOCK_M, Tq) - 1 + off, lo, hi, BLOCK_N, DOC)
         full = lo
     for start_n in range(lo, full, BLOCK_N):  # whole tiles: no mask
         acc, m_i, l_i = _fwd_tile(acc, m_i, l_i, q, q2, qs, tau, g, K, V, KS, U, kbase, vbase, krow, start_n, offs_m,

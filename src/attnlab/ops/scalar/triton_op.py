@@ -8,27 +8,20 @@ import math
 
 import torch
 
+from ..common.triton_math import fast_math, interpreted
+from ..common.triton_rows import document_spans
 from .triton_backward import _bwd_kv, _bwd_q
 from .triton_kernel import _fwd
-from .triton_math import fast_math, interpreted
 
-__all__ = ["available", "triton_scalar_attention"]
+__all__ = ["triton_scalar_attention"]
 
 LOG2E = 1.4426950408889634
 GAUSSIAN, CAUCHY, NONE = 0, 1, 2  # the scalar term's kernel; NONE: no scalar term (GOAT's prior alone)
 
 
-def available(device: torch.device) -> str | None:
-    """None when the Triton kernels can run on `device`, else why not (for the error message)."""
-    if device.type == "cuda" or (device.type == "cpu" and interpreted()):
-        return None
-    return f"Triton runs on CUDA tensors (or on the CPU under TRITON_INTERPRET=1), got device {device}"
-
-
-# Scalar heads run the dot-product kernel on zero vectors of width 16: 2.2x faster forward + backward than
-# the kernel without the product on an H100 (10.1 against 22.4 ms at T = 8K, B = 4, H = 16, bf16;
-# benchmarks/results/gpu.json's tuning), the scores then arriving in the matrix units' register layout
-# that the p @ v product reads, where the product-free kernel must convert its tile's layout first.
+# Scalar heads run the dot-product kernel on zero vectors of width 16: the scores then arrive in the matrix
+# units' register layout that the p @ v product reads, where the product-free kernel must convert its tile's
+# layout first (benchmarks/gpu.py times both).
 SCALAR_DOT = True
 BLOCKS: dict = {}  # overrides of `_blocks`' choice by kernel ("fwd", "bwd", "bwd_kv"): benchmarks/gpu.py's tuning
 
@@ -36,9 +29,8 @@ BLOCKS: dict = {}  # overrides of `_blocks`' choice by kernel ("fwd", "bwd", "bw
 def _blocks(device: torch.device, D: int, DV: int) -> dict:
     """(BLOCK_M, BLOCK_N, num_warps, num_stages) per kernel ("fwd"; "bwd": the dq kernel's; "bwd_kv": the
     dk/dv kernel's, BLOCK_M queries by BLOCK_N keys): small under the interpreter (each program is NumPy
-    work). On a GPU the forward and the dq kernel take 64 x 64 tiles on 4 warps, the fastest of five
-    tilings an H100 timed at T = 8K (benchmarks/results/gpu.json's tuning: forward 5.1 ms against 5.5
-    for 128 x 64 on 8 warps; backward 1.7x faster than on 8 warps). The key-major dk/dv kernel takes 32
+    work). On a GPU the forward and the dq kernel take 64 x 64 tiles on 4 warps, the tiling
+    benchmarks/gpu.py's tuning chose (benchmarks/results/gpu.json). The key-major dk/dv kernel takes 32
     queries by 64 keys: with 64 queries each thread holds 16 per-query columns (qs, g, lse, delta; the
     Cauchy kernel's tau) beside its tiles, and sm_90a code needs 255 registers and spills (the Cauchy
     kernel always, the Gaussian and GOAT ones where the sequence length is no multiple of 16;
@@ -145,21 +137,6 @@ class _ScalarFamily(torch.autograd.Function):
         if not has_scalar:
             dqs = dks = dtau = dlam = None
         return dq, dk, dv, dqs, dks, dtau, dlam, du if has_bias else None, None, None, None, None
-
-
-def document_spans(docs: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Per position of docs (B, T) (any ids; a document is a run of equal ids): its segment index, its
-    document's first position and one past its last, each (B, T) int32 and computed on the device
-    (no host sync: what the kernels need to mask other documents and skip their tiles)."""
-    B, T = docs.shape
-    pos = torch.arange(T, device=docs.device).expand(B, T)
-    new = torch.ones_like(docs, dtype=torch.bool)
-    new[:, 1:] = docs[:, 1:] != docs[:, :-1]
-    last = torch.ones_like(new)
-    last[:, :-1] = new[:, 1:]
-    start = torch.where(new, pos, 0).cummax(1).values
-    end = torch.where(last, pos + 1, T).flip(1).cummin(1).values.flip(1)
-    return (new.cumsum(1) - 1).int().contiguous(), start.int().contiguous(), end.int().contiguous()
 
 
 def triton_scalar_attention(q, k, v, qs, ks, tau_b, lam_b, kernel: str | None, causal: bool, *,

@@ -36,8 +36,9 @@ import torch
 import triton
 import triton.language as tl
 
-from .triton_kernel import _bases, _grad_rows, _query_rows, _store_row_grads
-from .triton_math import LOG2E, _log2_1p, _over_1p, fast_math
+from ..common.triton_math import LOG2E, fast_math, log2_1p, over_1p
+from ..common.triton_rows import bases
+from .triton_kernel import _grad_rows, _query_rows, _store_row_grads
 from .triton_op import CAUCHY, GAUSSIAN, _pow2
 
 __all__ = ["triton_selected_attention"]
@@ -55,7 +56,7 @@ def _sel_scores(q, K, KS, qs, tau, lam, kbase, krow, ix, valid, offs_d, sm_scale
                 HAS_DOT: tl.constexpr, KERNEL: tl.constexpr, FAST: tl.constexpr):
     """Scores in base 2 of a query tile against its gathered keys (-inf where not valid), the gathered
     key vectors (HAS_DOT) and the pieces the backward needs: d = qs - ks, x = d^2 / tau, l1 = log2(1 + x)
-    (FAST: in the hardware's approximate log, `triton_math._log2_1p`)."""
+    (FAST: in the hardware's approximate log, `attnlab.ops.common.triton_math.log2_1p`)."""
     ks = tl.load(KS + krow + ix, mask=valid, other=0.0)
     d = qs[:, None] - ks
     x = d * d * tau[:, None]  # tau holds 1 / tau_t
@@ -63,7 +64,7 @@ def _sel_scores(q, K, KS, qs, tau, lam, kbase, krow, ix, valid, offs_d, sm_scale
         l1 = x
         s = -(lam * LOG2E)[:, None] * x
     else:
-        l1 = _log2_1p(x, FAST)
+        l1 = log2_1p(x, FAST)
         s = -lam[:, None] * l1
     k = 0.0
     if HAS_DOT:
@@ -76,8 +77,8 @@ def _sel_scores(q, K, KS, qs, tau, lam, kbase, krow, ix, valid, offs_d, sm_scale
 @triton.jit
 def _sel_program(Q, QS, TAU, LAM, T, H, GK, GV, D: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
                  BLOCK_M: tl.constexpr, HAS_DOT: tl.constexpr):
-    """The program's query tile: its row offsets (`_bases`), query positions and the query rows."""
-    row, krow, kbase, vbase = _bases(tl.program_id(1), H, GK, GV, T, T)
+    """The program's query tile: its row offsets (`bases`), query positions and the query rows."""
+    row, krow, kbase, vbase = bases(tl.program_id(1), H, GK, GV, T, T)
     offs_m = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
     offs_d = tl.arange(0, BLOCK_D)
     m_ok = offs_m < T
@@ -153,7 +154,7 @@ def _sel_bwd(Q, K, V, QS, KS, TAU, LAM, IDX, DO, LSE, DELTA, DQ, DQS, DTAU, DLAM
             dq += tl.sum(ds[:, :, None] * k, 1)
         if KERNEL == 1:
             dl += tl.sum(ds * l1, 1)
-            ds = _over_1p(ds, x, FAST)
+            ds = over_1p(ds, x, FAST)
         da += tl.sum(ds * d, 1)
         dx += tl.sum(ds * x, 1)
     tl.store(DQ + (row + offs_m[:, None]) * BLOCK_D + offs_d[None, :], dq * sm_scale, mask=m_ok[:, None])
@@ -179,7 +180,7 @@ def _sel_bwd_keys(Q, K, V, QS, KS, TAU, LAM, PAIR_Q, PAIR_K, START, DO, LSE, DEL
     every key's gradient is written once, with no atomics."""
     sm_scale = tl.cast(sm_scale, tl.float32)  # a Python float reaches a kernel as fp64 under Inductor
     bh = tl.program_id(1)
-    row, krow, kbase, vbase = _bases(bh, H, GK, GV, T, T)
+    row, krow, kbase, vbase = bases(bh, H, GK, GV, T, T)
     n0 = tl.program_id(0) * BLOCK_N
     offs_n = n0 + tl.arange(0, BLOCK_N)
     n_ok = offs_n < T
@@ -209,7 +210,7 @@ def _sel_bwd_keys(Q, K, V, QS, KS, TAU, LAM, PAIR_Q, PAIR_K, START, DO, LSE, DEL
         if KERNEL == 0:
             sc = -(lam * LOG2E) * x
         else:
-            sc = -lam * _log2_1p(x, FAST)
+            sc = -lam * log2_1p(x, FAST)
         if HAS_DOT:
             q = _rows_at(Q, row, t, ok, offs_d, D)
             kv = _rows_at(K, kbase, s_key, ok, offs_d, D)
@@ -222,7 +223,7 @@ def _sel_bwd_keys(Q, K, V, QS, KS, TAU, LAM, PAIR_Q, PAIR_K, START, DO, LSE, DEL
         if HAS_DOT:
             dk += tl.dot(oh, (ds * sm_scale)[:, None] * q, input_precision="ieee")
         if KERNEL == 1:
-            ds = _over_1p(ds, x, FAST)
+            ds = over_1p(ds, x, FAST)
         dks += tl.sum(oh * (ds * d * 2.0 * lam * tau)[None, :], 1)
     at = krow + offs_n
     tl.store(DV_ + at[:, None] * BLOCK_DV + offs_dv[None, :], dv, mask=n_ok[:, None])

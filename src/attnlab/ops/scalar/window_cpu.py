@@ -1,5 +1,6 @@
-"""`windowed_attention` on the compiled CPU kernels (csrc/window.cpp through ops/_ext.py): the window's
-selection and the attention over the selected keys, forward and backward, at O(T x (k + w)) per head.
+"""`windowed_attention` on the compiled CPU kernels (csrc/window.cpp, built and loaded by
+`attnlab.ops._ext`): the window's selection and the attention over the selected keys, forward and
+backward, at O(T x (k + w)) per head.
 
 - `select_nearest`: each query's k nearest candidate keys in scalar space, the newest first on equal
   distances (the rule of `window.window_mask`, exactly), from one sort per head and a walk outward from
@@ -19,14 +20,15 @@ from typing import Optional
 
 import torch
 
-from .. import _ext
+from .._ext import DTYPES, call, loaded, no_autocast
+from ..common.heads import expand_heads
 
 __all__ = ["available", "select_nearest", "selected_cpu"]
 
 
 def available(device: torch.device, dtype: torch.dtype) -> bool:
     """True when the compiled kernels take work of this device and dtype (the CPU, float32 / float64)."""
-    return device.type == "cpu" and dtype in _ext.DTYPES and _ext._loaded()
+    return device.type == "cpu" and dtype in DTYPES and loaded()
 
 
 def _ptr(x: Optional[torch.Tensor]) -> int:
@@ -39,7 +41,7 @@ def _select(qs: torch.Tensor, ks: torch.Tensor, seg: Optional[torch.Tensor], k: 
     B, H, T = qs.shape
     idx = torch.empty(B, H, T, k, dtype=torch.int64)
     ok = torch.empty(B, H, T, k, dtype=torch.bool)
-    _ext.call("attnlab_window_select", qs.dtype, qs, ks, _ptr(seg), idx, ok, B, H, T, k, n_prefix, local,
+    call("attnlab_window_select", qs.dtype, qs, ks, _ptr(seg), idx, ok, B, H, T, k, n_prefix, local,
               torch.get_num_threads())
     return idx, ok
 
@@ -70,7 +72,7 @@ def _fwd(qs: torch.Tensor, ks: torch.Tensor, tau: torch.Tensor, lam: Optional[to
          cauchy: bool) -> tuple[torch.Tensor, torch.Tensor]:
     B, H, T = qs.shape
     o, w = v.new_empty(B, H, T, v.shape[3]), v.new_empty(idx.shape)
-    _ext.call("attnlab_window_fwd", v.dtype, qs, ks, tau, _ptr(lam), _ptr(q), _ptr(k), v, idx, ok, o, w,
+    call("attnlab_window_fwd", v.dtype, qs, ks, tau, _ptr(lam), _ptr(q), _ptr(k), v, idx, ok, o, w,
               *_sizes(qs, q, v, idx), int(cauchy), torch.get_num_threads())
     return o, w
 
@@ -87,7 +89,7 @@ def _bwd(qs: torch.Tensor, ks: torch.Tensor, tau: torch.Tensor, lam: Optional[to
          d_o: torch.Tensor, cauchy: bool) -> list[torch.Tensor]:
     dqs, dks, dtau, dv, dlam, dq, dk = _grads_like(qs, v, q)
     dot = q is not None  # scalar heads have no dq, dk
-    _ext.call("attnlab_window_bwd", v.dtype, qs, ks, tau, _ptr(lam), _ptr(q), _ptr(k), v, idx, o, w,
+    call("attnlab_window_bwd", v.dtype, qs, ks, tau, _ptr(lam), _ptr(q), _ptr(k), v, idx, o, w,
               d_o.contiguous(), dqs, dks, dtau, _ptr(None if lam is None else dlam), _ptr(dq if dot else None),
               _ptr(dk if dot else None), dv, *_sizes(qs, q, v, idx), int(cauchy), torch.get_num_threads())
     return [dqs, dks, dtau, dv, dlam, dq, dk]
@@ -111,7 +113,7 @@ class _Selected(torch.autograd.Function):
     idx / ok (B, H, T, m) -> (B, H, T, Dv); k and v per query head (the caller expands and sums groups)."""
 
     @staticmethod
-    @_ext._no_autocast
+    @no_autocast
     def forward(ctx, qs, ks, tau, lam, q, k, v, idx, ok, cauchy):
         o, w = _fwd(qs, ks, tau, lam, q, k, v, idx, ok, cauchy)
         ctx.cauchy = cauchy
@@ -120,7 +122,7 @@ class _Selected(torch.autograd.Function):
 
     @staticmethod
     @torch.autograd.function.once_differentiable
-    @_ext._no_autocast
+    @no_autocast
     def backward(ctx, d_o):
         qs, ks, tau, lam, q, k, v, idx, o, w = ctx.saved_tensors
         dqs, dks, dtau, dv, dlam, dq, dk = _bwd(qs, ks, tau, lam, q, k, v, idx, o, w, d_o, ctx.cauchy)
@@ -133,8 +135,6 @@ def selected_cpu(qs, ks, v, tau_b, idx, ok, q, k, lam, kernel: str) -> torch.Ten
     """Attention of qs (B, H, T) (and q (B, H, T, D)) over the keys idx / ok (B, H, T, m) select, in the
     work dtype of v: tau_b broadcastable to (B, H, T), lam (1, H, 1) or None, k (B, G', T, D) and
     v (B, G, T, Dv) of grouped heads -> (B, H, T, Dv)."""
-    from .._sdpa import expand_heads
-
     B, H, T = qs.shape
     dt = v.dtype
     tau = tau_b.to(dt).expand(B, H, T).contiguous()

@@ -1,7 +1,7 @@
-"""The arithmetic the Triton kernels of the scalar family (and principled's) share: the base-2 constants,
-the matrix product's precision switch, log2(1 + x) and 1 / (1 + x) in their accurate or hardware forms
-(the FAST switch, `fast_math`), and the interpreter switches (`interpreted`, and a compatibility patch of
-Triton 3.6's interpreter for NumPy >= 2.4)."""
+"""The arithmetic the Triton kernels of the op families share (the scalar family's, principled's): the
+base-2 constants, the matrix product's precision switch (`mm`), log2(1 + x) and 1 / (1 + x) in their
+accurate or hardware forms (the FAST switch, `fast_math`), and the interpreter switches (`interpreted`,
+and a compatibility patch of Triton 3.6's interpreter for NumPy >= 2.4)."""
 
 from __future__ import annotations
 
@@ -20,9 +20,9 @@ def interpreted() -> bool:
 
 def fast_math() -> bool:
     """The kernels' FAST switch, read by the launchers at each launch: the Cauchy kernel's log and
-    division in the hardware's approximate forms (`_log2_1p`, `_over_1p`), compiled for a GPU; off
+    division in the hardware's approximate forms (`log2_1p`, `over_1p`), compiled for a GPU; off
     under the interpreter (TRITON_INTERPRET=1, which cannot run inline PTX) and with
-    ATTNLAB_TRITON_FAST_MATH=0 (the accurate forms, as before: benchmarks/kernel_sass.py's baseline)."""
+    ATTNLAB_TRITON_FAST_MATH=0 (the accurate forms: benchmarks/kernel_sass.py's baseline)."""
     return not interpreted() and os.environ.get("ATTNLAB_TRITON_FAST_MATH", "1").strip() != "0"
 
 
@@ -43,13 +43,12 @@ def _interpreter_compat() -> None:
     ti._attnlab_index_compat = True
 
 
-
 if interpreted():
     _interpreter_compat()
 
 
 @triton.jit
-def _mm(a, b, PREC: tl.constexpr, UP: tl.constexpr):
+def mm(a, b, PREC: tl.constexpr, UP: tl.constexpr):
     """a @ b on the matrix units; UP: in float32 from the (already rounded) 16-bit operands, for the
     interpreter, whose dot misreads bf16 (the products are exact either way, the sums float32)."""
     if UP:
@@ -58,7 +57,7 @@ def _mm(a, b, PREC: tl.constexpr, UP: tl.constexpr):
 
 
 @triton.jit
-def _log2_1p(x, FAST: tl.constexpr):
+def log2_1p(x, FAST: tl.constexpr):
     """log2(1 + x) for x >= 0 (float32). FAST: the hardware approximation (PTX lg2.approx, one MUFU.LG2:
     error ~2^-22, absolute on [1, 2) and relative above, a few times the float32 rounding of 1 + x
     itself and far below bf16's; flushing subnormals is moot as 1 + x >= 1) in place of libdevice's
@@ -70,7 +69,7 @@ def _log2_1p(x, FAST: tl.constexpr):
 
 
 @triton.jit
-def _over_1p(a, x, FAST: tl.constexpr):
+def over_1p(a, x, FAST: tl.constexpr):
     """a / (1 + x) for x >= 0 (float32). FAST: a times the hardware reciprocal (PTX rcp.approx.ftz, one
     MUFU.RCP, 1 ulp): two instructions, where Triton's division (div.full.f32, itself approximate) also
     tests and scales both operands for a divisor near either end of the range, ~8; 1 + x >= 1 needs no
@@ -82,8 +81,8 @@ def _over_1p(a, x, FAST: tl.constexpr):
 
 
 @triton.jit
-def _lg2(x1, FAST: tl.constexpr):
-    """log2(x1) for x1 = 1 + x >= 1, as `_log2_1p` takes it (FAST: one MUFU.LG2)."""
+def lg2(x1, FAST: tl.constexpr):
+    """log2(x1) for x1 = 1 + x >= 1, as `log2_1p` takes it (FAST: one MUFU.LG2)."""
     if FAST:
         return tl.inline_asm_elementwise("lg2.approx.ftz.f32 $0, $1;", "=f,f", [x1], dtype=tl.float32,
                                          is_pure=True, pack=1)
@@ -91,8 +90,8 @@ def _lg2(x1, FAST: tl.constexpr):
 
 
 @triton.jit
-def _rcp(x1, FAST: tl.constexpr):
-    """1 / x1 for x1 = 1 + x >= 1, as `_over_1p` takes it (FAST: one MUFU.RCP)."""
+def rcp(x1, FAST: tl.constexpr):
+    """1 / x1 for x1 = 1 + x >= 1, as `over_1p` takes it (FAST: one MUFU.RCP)."""
     if FAST:
         return tl.inline_asm_elementwise("rcp.approx.ftz.f32 $0, $1;", "=f,f", [x1], dtype=tl.float32,
                                          is_pure=True, pack=1)

@@ -28,7 +28,7 @@ from dataclasses import dataclass
 
 import torch
 
-from ..checks import assert_values, value_check_mode
+from ...checks import assert_values, value_check_mode
 
 INDEX_DTYPES = (torch.int32, torch.int64)
 

@@ -14,7 +14,7 @@ Every decay factor is exp of a non-positive difference of within-chunk cumulativ
 log-decays b (b_t - b_s with s <= t), never a ratio of cumulative products, so strong
 decay underflows instead of overflowing to inf. Exponents are clamped just above the log of the
 smallest normal float (`exp_floor`): a factor below ~3e-38 (float32) becomes that number rather
-than a subnormal or 0, which the CPU's eager exp computes on a scalar path, 10-30x slower.
+than a subnormal or 0, which the CPU's eager exp computes on a scalar path instead of a vectorized one.
 """
 
 from __future__ import annotations
@@ -34,9 +34,8 @@ def _sub_chunk_size(C: int) -> int:
 
 def exp_floor(dtype: torch.dtype) -> float:
     """The lowest exponent eager `torch.exp` on a CPU computes on its vectorized path for `dtype`:
-    one above the log of the smallest normal float (measured with torch 2.13, AVX2: float32 exp
-    costs ~8 ms per 4.7M elements at -87.2 and ~340 ms at -87.34, the log of the smallest normal,
-    and below, where the result is subnormal or 0). exp(floor) is ~3e-38 in float32."""
+    one above the log of the smallest normal float (at and below it the result is subnormal or 0,
+    computed on a scalar path). exp(floor) is ~3e-38 in float32."""
     return math.log(torch.finfo(dtype).tiny) + 1.0
 
 

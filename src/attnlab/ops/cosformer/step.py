@@ -1,4 +1,4 @@
-"""One causal decode step of cosFormer (`cosformer.cosformer_attention`'s recurrence at one position):
+"""One causal decode step of cosFormer (`attention.cosformer_attention`'s recurrence at one position):
 `cosformer_step` checks and carries a CosformerState; `step_update` is its arithmetic on checked
 inputs, which a static decoder calls with a position tensor."""
 
@@ -6,9 +6,11 @@ from __future__ import annotations
 
 import torch
 
-from ..checks import check_positive, check_qkv_step
-from ._sdpa import upcast
-from .cosformer import CosformerState, _check_state, _features, _readout, _resolve_horizon
+from ...checks import check_positive, check_qkv_step
+from ..common.precision import upcast
+from .args import resolve_horizon
+from .features import features, readout
+from .state import CosformerState, check_cosformer_state
 
 __all__ = ["cosformer_step", "step_update"]
 
@@ -51,9 +53,9 @@ def cosformer_step(
         check_positive("eps", eps)
     F = 2 * Dk if reweight else Dk
     if state is not None:
-        _check_state(state, B, H, F, Dv, "state", q_t)
+        check_cosformer_state(state, B, H, F, Dv, "state", q_t)
     offset = 0 if state is None else state.offset
-    M = _resolve_horizon(max_len, reweight, state, offset, 1, default_T=False)
+    M = resolve_horizon(max_len, reweight, state, offset, 1, default_T=False)
 
     dt = upcast(q_t.dtype)
     if state is None:
@@ -69,9 +71,9 @@ def step_update(q_t, k_t, v_t, kv, k_sum, offset, max_len, normalize: bool, eps:
     and k_sum at position offset (an int, or a 0-d tensor: a static decoder's position) ->
     (o_t in q_t's dtype, kv, k_sum). `cosformer_step` checks and calls it."""
     dt = kv.dtype
-    qf = _features(q_t.to(dt)[..., None, :], offset, max_len)[..., 0, :]  # (B, H, F)
-    kf = _features(k_t.to(dt)[..., None, :], offset, max_len)[..., 0, :]
+    qf = features(q_t.to(dt)[..., None, :], offset, max_len)[..., 0, :]  # (B, H, F)
+    kf = features(k_t.to(dt)[..., None, :], offset, max_len)[..., 0, :]
     kv = kv + kf[..., :, None] * v_t.to(dt)[..., None, :]  # (B, H, F, Dv)
     k_sum = k_sum + kf
-    o_t = _readout((qf[..., None, :] @ kv).squeeze(-2), (qf * k_sum).sum(-1), normalize, eps)
+    o_t = readout((qf[..., None, :] @ kv).squeeze(-2), (qf * k_sum).sum(-1), normalize, eps)
     return o_t.to(q_t.dtype), kv, k_sum

@@ -1,49 +1,24 @@
-"""Routing dot-product-shaped attention through torch's fused SDPA kernel.
+"""Torch's fused attention kernels, reached with every shape they need.
 
 ``F.scaled_dot_product_attention`` takes its fused (flash) CPU kernel only when q, k and v
 share one head dimension, carry no mask that needs a gradient, and k/v heads either match
-q's or are a GQA divisor of them; otherwise it silently falls back to an unfused math path
-that is several times slower and materialises T x T. The helpers here bring the augmented
-queries/keys of the scalar, hybrid and key-norm-scaled ops into that shape.
+q's or are a GQA divisor of them; otherwise it falls back to an unfused math path that
+materialises T x T. `fused_attention` brings the augmented queries/keys of the scalar, hybrid,
+GOAT and key-norm-scaled ops into that shape; `packed_attention` adds a same-document mask;
+`flex_call` runs FlexAttention (compiled on CUDA) at any head width.
 """
 
 from __future__ import annotations
 
-import functools
 import math
 
 import torch
 import torch.nn.functional as F
 
-from ..checks import check_finite, check_groups, check_lengths, check_like, check_same, check_tensor
-from ..masks import visible_keys
-
-LOW_PRECISION = (torch.bfloat16, torch.float16)
-
-
-def upcast(dtype: torch.dtype) -> torch.dtype:
-    """The dtype in which to compute scores: float32 for bf16/fp16, else unchanged."""
-    return torch.float32 if dtype in LOW_PRECISION else dtype
-
-
-def without_autocast(fn):
-    """Run an op with autocast off: its precision policy is its own (scores in float32 for 16-bit
-    inputs, the scalar term in float32 always), which autocast would otherwise undo by casting the
-    float32 operands it builds on purpose back to bf16 inside matmul and SDPA. Inputs that arrive
-    in bf16 stay bf16; the output is in v's dtype as without autocast."""
-
-    @functools.wraps(fn)
-    def run(*args, **kwargs):
-        on = [d for d in ("cuda", "cpu") if torch.is_autocast_enabled(d)]
-        if not on:
-            return fn(*args, **kwargs)
-        with torch.autocast(on[0], enabled=False):
-            if len(on) == 1:
-                return fn(*args, **kwargs)
-            with torch.autocast(on[1], enabled=False):
-                return fn(*args, **kwargs)
-
-    return run
+from ...masks import visible_keys
+from .band import band_keys, band_mask, band_spans, chunk_spans, document_mask
+from .heads import expand_heads
+from .precision import LOW_PRECISION
 
 
 def sdpa_width(width: int, device: torch.device) -> int:
@@ -51,40 +26,6 @@ def sdpa_width(width: int, device: torch.device) -> int:
     (flash, memory-efficient, cuDNN) need; the math backend they would otherwise fall to
     materialises T x T. Zero columns are exact (`fused_attention`)."""
     return -(-width // 8) * 8 if device.type == "cuda" else width
-
-
-def expand_heads(x: torch.Tensor, n_heads: int) -> torch.Tensor:
-    """(B, G, T, D) -> (B, n, T, D) for n a multiple of G: copy i reads group i // (n // G)."""
-    G = x.shape[1]
-    if G == n_heads:
-        return x
-    return x.repeat_interleave(n_heads // G, dim=1)
-
-
-BAND_CHUNK = 256  # query rows per SDPA call of a sliding window
-
-
-def band_spans(Tq: int, Tk: int, window: int, chunk: int = BAND_CHUNK, n_prefix: int = 0):
-    """The (a, b, lo, hi) spans that compute a causal sliding window of `window` keys by query
-    chunks: query rows a..b-1 (the last Tq of Tk positions) see no key outside n_prefix's leading
-    keys and lo..hi-1, so each chunk reads (b - a) x (n_prefix + hi - lo) scores, never Tq x Tk."""
-    off = Tk - Tq
-    for a in range(0, Tq, chunk):
-        b = min(Tq, a + chunk)
-        yield a, b, min(max(n_prefix, a + off - window + 1), b + off), b + off
-
-
-def band_keys(x: torch.Tensor, lo: int, hi: int, n_prefix: int, dim: int = 2) -> torch.Tensor:
-    """The keys a span of `band_spans` reads along `dim`: the prefix, then lo..hi-1."""
-    part = x.narrow(dim, lo, hi - lo)
-    return part if not n_prefix else torch.cat([x.narrow(dim, 0, n_prefix), part], dim=dim)
-
-
-def band_mask(a: int, b: int, lo: int, hi: int, off: int, window: int, n_prefix: int, device) -> torch.Tensor:
-    """(b - a, n_prefix + hi - lo) bool: which keys of `band_keys` query rows a..b-1 see."""
-    rows = torch.arange(a + off, b + off, device=device)[:, None]  # query positions
-    cols = torch.cat([torch.arange(n_prefix, device=device), torch.arange(lo, hi, device=device)])[None, :]
-    return (cols <= rows) & ((cols > rows - window) | (cols < n_prefix))
 
 
 def fused_attention(
@@ -100,7 +41,7 @@ def fused_attention(
     are sliced off the output, so padding to one head width is exact. Returns (B, H, Tq, Dv).
 
     window (causal only): each query sees only the last `window` keys up to it, and the first
-    `n_prefix` keys always; it runs as query chunks of BAND_CHUNK rows over their band of keys
+    `n_prefix` keys always; it runs as query chunks of `band.BAND_CHUNK` rows over their band of keys
     under a bool mask (no gradient: the kernel stays fused), memory O(Tq x (chunk + window)).
 
     width: the head width to pad q, k and v to (at least max(E, Dv)); None for `sdpa_width`'s.
@@ -143,13 +84,13 @@ def fused_attention(
 def packed_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, seg: torch.Tensor, *, causal: bool,
                      scale: float, window: int | None = None) -> torch.Tensor:
     """softmax(scale * q k^T) v over packed documents: query t (the last Tq of the Tk positions) reads
-    the keys of its own document only (seg (B, Tk): the document index of each key, `_packed.Packing`),
+    the keys of its own document only (seg (B, Tk): the document index of each key, `packed.Packing`),
     up to itself under `causal`, its last `window` with a sliding window. q (B, H, Tq, E), k (B, Gk,
     Tk, E), v (B, Gv, Tk, Dv), Gk and Gv dividing H. Returns (B, H, Tq, Dv); every query reads at least
     itself under causal masking (non-causal: its document), so no row is empty.
 
     On CUDA one FlexAttention call whose block mask is built from seg on the device (blocks of other
-    documents skipped; no host sync, no T x T matrix). Elsewhere query chunks of BAND_CHUNK rows, each
+    documents skipped; no host sync, no T x T matrix). Elsewhere query chunks of `band.BAND_CHUNK` rows, each
     one fused SDPA call over its band of keys (the causal prefix, or the window's band) under a bool
     mask of same-document pairs: memory O(chunk x band), the work of causal attention."""
     H, E, Dv = q.shape[1], q.shape[-1], v.shape[-1]
@@ -177,20 +118,9 @@ def packed_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, seg: tor
         q, k = F.pad(q, (0, width - E)), F.pad(k, (0, width - E))
     if Dv < width:
         v = F.pad(v, (0, width - Dv))
-    if causal and window is not None:
-        spans = band_spans(Tq, Tk, window)
-    else:
-        spans = ((a, min(Tq, a + BAND_CHUNK), 0, min(Tq, a + BAND_CHUNK) + off if causal else Tk)
-                 for a in range(0, Tq, BAND_CHUNK))
     outs = []
-    for a, b, lo, hi in spans:
-        rows = torch.arange(a + off, b + off, device=q.device)[:, None]  # query positions
-        cols = torch.arange(lo, hi, device=q.device)[None, :]
-        mask = seg[:, None, a + off:b + off, None] == seg[:, None, None, lo:hi]  # (B, 1, b - a, hi - lo)
-        if causal:
-            mask = mask & (cols <= rows)
-        if window is not None:
-            mask = mask & (cols > rows - window)
+    for a, b, lo, hi in chunk_spans(Tq, Tk, causal, window):
+        mask = document_mask(seg, a, b, lo, hi, off, causal, window)  # (B, 1, b - a, hi - lo)
         outs.append(F.scaled_dot_product_attention(q[:, :, a:b], k[:, :, lo:hi], v[:, :, lo:hi], attn_mask=mask,
                                                    scale=float(scale), enable_gqa=gqa))  # (B, H, b - a, width)
     out = torch.cat(outs, dim=2) if outs else q.new_zeros(*q.shape[:3], width)
@@ -228,27 +158,3 @@ def flex_call(q, k, v, *, block_mask, score_mod=None, scale=None, enable_gqa: bo
     fn = _compiled_flex() if q.device.type == "cuda" else flex_attention
     out = fn(q, k, v, score_mod=score_mod, block_mask=block_mask, scale=float(scale), enable_gqa=enable_gqa)
     return out[..., :Dv] if Dv < out.shape[-1] else out
-
-
-def check_qkv(q, k, v, causal: bool = True) -> tuple[int, int, int, int]:
-    """Validate finite q (B, H, Tq, D), k (B, Gk, Tk, D), v (B, Gv, Tk, Dv) of one dtype and
-    device, Tq <= Tk under causal masking; return (B, H, Tq, D)."""
-    for name, x in (("q", q), ("k", k), ("v", v)):
-        check_tensor(name, x, 4)
-        check_like(name, x, q, "q")
-    B, H, T, D = q.shape
-    for name, x in (("k", k), ("v", v)):
-        check_same("q", B, name, x.shape[0], "batch size (dim 0)")
-    check_same("k", k.shape[2], "v", v.shape[2], "sequence length (dim 2)")
-    check_lengths(T, k.shape[2], causal)
-    check_same("q", D, "k", k.shape[3], "head dimension (dim 3)")
-    check_groups(H, k.shape[1], "k")
-    check_groups(H, v.shape[1], "v")
-    for name, x in (("q", q), ("k", k), ("v", v)):
-        check_finite(name, x)
-    return B, H, T, D
-
-
-def check_causal(causal) -> None:
-    if not isinstance(causal, bool):
-        raise TypeError(f"causal must be a bool, got {type(causal).__name__}")
