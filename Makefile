@@ -22,7 +22,8 @@ COMPAT_TESTS ?= tests/test_compile_counts.py tests/test_compile.py tests/test_no
 # and so an ulp of a key, depends on the vector width (ATEN_CPU_CAPABILITY is how PyTorch pins one).
 ISA_TESTS ?= tests/test_selection_ties.py tests/test_static_decode.py tests/test_static_prefill.py \
 	tests/test_window_nearest.py tests/test_cache_sorted.py tests/test_cache_eviction.py tests/test_selected_decode.py \
-	tests/test_selectors.py tests/test_window.py tests/test_decode_step.py tests/test_search_decode_paths.py
+	tests/test_selectors.py tests/test_window.py tests/test_decode_step.py tests/test_search_decode_paths.py \
+	tests/test_search_native.py
 ISAS ?= default avx2
 
 # kvpress (NVIDIA's KV-cache presses on Hugging Face models), the library the pretrained-model decoding

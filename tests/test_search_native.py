@@ -32,7 +32,12 @@ def test_native_inner_products_are_the_sets_mean_logits(H, Hkv, G):
     qn, kn = native_vectors(q, k, G)
     assert qn.shape[:3] == (2, G, 7) and kn.shape[:3] == (2, G, 11) and qn.shape[-1] == kn.shape[-1]
     got = qn.double() @ kn.double().transpose(-1, -2)
-    assert torch.allclose(got, _mean_logits(q, k, G), atol=1e-10)
+    # Each query block is fl(fl(sum of at most r = H / Hkv float32 queries) / n): at most r roundings of
+    # u = 2^-24 relative to the sum of the terms' magnitudes, so a logit is off by at most r * u times the
+    # same mean over |q| and |k| (the key blocks are copied exactly). A relative tolerance alone fails
+    # for logits near zero, as it did under ATEN_CPU_CAPABILITY=default.
+    bound = (H // Hkv) * 2.0 ** -24 * _mean_logits(q.abs(), k.abs(), G) + 1e-12
+    assert ((got - _mean_logits(q, k, G)).abs() <= bound).all()
 
 
 def test_native_width_is_the_kv_heads_a_set_reads():
