@@ -53,7 +53,7 @@ from quote_experiments import EXPERIMENTS  # noqa: E402  (docs/quote_experiments
 from quote_lookup import ROOT, NumberError, experiment, exp_value, fmt, load, one, select, span, verdict  # noqa: E402
 
 FILES = ("README.md", "docs/results/index.md", "docs/results/headline.md", "docs/results/measured.md",
-         "docs/results/seed-experiments.md", "docs/guide/training.md")
+         "docs/results/seed-experiments.md", "docs/guide/training.md", "docs/guide/experiments.md")
 MARKER = re.compile(r"<!--n (?P<key>[^\n]*?)-->(?P<value>[^\n]*?)<!--/n-->")
 OPEN = re.compile(r"<!--n[ -]")
 NAMED = {**EXPERIMENTS, **BENCHMARKS}

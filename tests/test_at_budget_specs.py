@@ -1,6 +1,6 @@
 """The reruns at the budget rule's scale (experiments/*/at-budget/spec.toml) ask the questions their
 earlier specs asked: the same rules, unchanged; every variant a rule compares is trained; every run
-at least 20 tokens per parameter, on the same steps and seeds; the earlier results named so the
+at least MIN_TOKENS_PER_PARAM tokens per parameter, on the same steps and seeds; the earlier results named so the
 report shows both verdicts; the softmax control's repeat gain measured at the training length."""
 
 from __future__ import annotations

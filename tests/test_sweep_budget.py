@@ -1,4 +1,4 @@
-"""The sweep's budget rule (a from-scratch language spec trains >= 20 tokens per parameter and its
+"""The sweep's budget rule (a from-scratch language spec trains >= MIN_TOKENS_PER_PARAM (30) tokens per parameter and its
 softmax control measures its repeat gain at the training length, unless the spec says why not),
 metrics on the checkpoints of chosen steps (metrics.at_steps), run folders outside the checkout
 ($ATTNLAB_RUNS / --runs) and several sweeps run as one queue."""
@@ -46,7 +46,7 @@ def tokens_for(params: int, ratio: float, tokens_per_step: int) -> int:
 
 def test_a_language_spec_below_the_budget_is_refused_before_anything_is_written(tmp_path):
     spec = load_spec(write_spec(tmp_path / "exp", budget=None))
-    with pytest.raises(ConfigError, match=r"trains 0\.\d+ tokens per parameter .* budget rule .* at least 20: "
+    with pytest.raises(ConfigError, match=r"trains 0\.\d+ tokens per parameter .* budget rule .* at least 30: "
                                           r"train\.steps >= [\d,]+ .* below_budget"):
         run(spec, progress=False, quiet=True)
     assert not (tmp_path / "exp" / "runs").exists() and not (tmp_path / "exp" / "results.json").exists()
@@ -108,7 +108,7 @@ def test_the_report_says_whether_the_control_copies(tmp_path):
         assert b["controls"] == [{"variant": "softmax", "metric": metric, "mean": gain, "sd": 0.01, "copies": copies}]
         ratio = round(4 * 16 * 4 / 1000, 2)  # 4 steps of 4 x 16 tokens over 1,000 parameters
         assert b["tokens_per_param"] == {"softmax": ratio, "hybrid": ratio}
-        assert b["meets"] is False and b["below_budget"] == "a test"  # below 20 tokens per parameter either way
+        assert b["meets"] is False and b["below_budget"] == "a test"  # below the bound either way
 
 
 # --------------------------------------------------------------------------- metrics at steps
