@@ -189,3 +189,21 @@ def test_a_queue_takes_no_option_of_one_sweep(tmp_path, capsys):
         assert main(["sweep", str(a), str(b), *option]) == 2
         assert "takes one spec" in capsys.readouterr().err
     assert not (tmp_path / "a" / "runs").exists() and not (tmp_path / "o").exists()
+
+
+def test_a_resumed_runs_time_counts_every_process_that_trained_it():
+    """A run killed and resumed: the process that finished it trained only its last steps, so its wall time
+    understates the run; the log's intervals (tokens over measured tokens/s) count every process once."""
+    from attnlab.experiments.sweep.budget import run_seconds
+    from attnlab.experiments.sweep.results import logged_train_seconds
+
+    first = [{"kind": "train", "step": s, "tokens": 1000 * s, "tokens_per_s": 100.0} for s in (10, 20, 30)]
+    again = [{"kind": "train", "step": s, "tokens": 1000 * s, "tokens_per_s": 50.0} for s in (30, 40)]  # from step 30
+    log = first + [{"kind": "eval", "step": 30, "val_loss": 2.0}] + again
+    # 10,000 tokens at 100/s (from 0), twice more at 100/s, the repeated step 30 not again, 10,000 at 50/s
+    assert logged_train_seconds(log) == pytest.approx(100 + 100 + 100 + 200)
+    assert logged_train_seconds([{"kind": "eval", "step": 1}]) is None
+    assert run_seconds({"wall_seconds": 60.0, "train_seconds_logged": 500.0, "resumed": True}) == 500.0
+    assert run_seconds({"wall_seconds": 560.0, "train_seconds_logged": 500.0}) == 560.0  # + its measurement
+    assert run_seconds({"train_seconds": 42.0}) == 42.0  # results from before the log was read
+    assert run_seconds({}) is None

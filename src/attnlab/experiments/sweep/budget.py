@@ -85,6 +85,15 @@ def _measured(spec) -> list[str]:
     return metric_names(spec.metrics)
 
 
+def run_seconds(run: dict) -> float | None:
+    """How long a run took: the wall time of the process that trained and measured it, or, for a run
+    resumed across processes, its training time over all of them from its log where that is longer
+    (the last process alone may have trained only its last steps)."""
+    wall = run.get("wall_seconds") or run.get("train_seconds")
+    logged = run.get("train_seconds_logged")
+    return max(wall or 0, logged or 0) or None
+
+
 def budget_of(spec, results: dict) -> dict | None:
     """What the report says of the budget: per variant the tokens per parameter, the softmax controls'
     repeat gain at the training length, whether the runs meet the rule, and the spec's exception.
@@ -107,12 +116,15 @@ def budget_of(spec, results: dict) -> dict | None:
     if not rows:
         return None
     meets = min(rows.values()) >= MIN_TOKENS_PER_PARAM and all(c["copies"] for c in controls)
-    walls = [r.get("wall_seconds") or r.get("train_seconds") for r in results.get("runs", [])]
+    walls = [run_seconds(r) for r in results.get("runs", [])]
     walls = [w for w in walls if w]
     out = {"min_tokens_per_param": MIN_TOKENS_PER_PARAM, "min_copy_gain": MIN_COPY_GAIN,
            "tokens_per_param": rows, "controls": controls, "meets": meets, "below_budget": spec.below_budget or None}
     if walls:
         out["run_minutes"] = [round(min(walls) / 60, 1), round(max(walls) / 60, 1)]
+    if any((r.get("train_seconds_logged") or 0) > (r.get("wall_seconds") or r.get("train_seconds") or 0)
+           for r in results.get("runs", [])):
+        out["logged_time"] = True  # some run's time is its logged training over several processes
     return out
 
 
@@ -127,7 +139,9 @@ def budget_lines(budget: dict | None) -> list[str]:
              f"- Scale: {scale} training tokens per parameter; the budget rule asks at least "
              f"{budget['min_tokens_per_param']} (docs/guide/experiments.md, \"The budget rule\")"
              + (f"; one run took {budget['run_minutes'][0]:g} to {budget['run_minutes'][1]:g} minutes (training and "
-                f"measurement, its torch threads as the Reproduce section says)." if budget.get("run_minutes") else ".")]
+                f"measurement, its torch threads as the Reproduce section says"
+                + ("; a run resumed across processes: its training time logged over all of them" if budget.get("logged_time")
+                   else "") + ")." if budget.get("run_minutes") else ".")]
     for c in budget["controls"]:
         gain = "not measured" if c["mean"] is None else (
             f"{c['mean']:.3f}" + (f" ± {c['sd']:.2g}" if c["sd"] is not None else "") + " nats")

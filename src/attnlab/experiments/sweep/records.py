@@ -32,7 +32,7 @@ FORMAT = "attnlab sweep records"
 VERSION = 1
 SUFFIX = ".records.json"
 # what may differ between two records of the same run: how long it took, where, and how it got there
-VOLATILE = ("wall_seconds", "tokens_per_s", "train_seconds", "machine", "resumed")
+VOLATILE = ("wall_seconds", "tokens_per_s", "train_seconds", "train_seconds_logged", "machine", "resumed")
 NEEDED = ("variant", "seed", "params", "steps", "tokens", "val_loss", "metrics", "curves", "settings")
 
 

@@ -37,6 +37,7 @@ def _run_entry(spec: Spec, variant: str, seed: int, cfg: RunConfig, run_dir: Pat
         "params": s["params"], "steps": s["steps"], "tokens": s["steps"] * cfg.train.tokens_per_step,
         **{k: s.get(k) for k in SUMMARY_SCALARS},
         "wall_seconds": record.get("wall_seconds"), "tau": s.get("tau"), "resumed": s.get("resumed_from") is not None,
+        "train_seconds_logged": logged_train_seconds(log),
         "metrics": _with_derived({n: (record.get("metrics") or {}).get(n) for n in metric_names(spec.metrics)}),
         "curves": {
             "train": [[r["step"], r["loss"]] for r in log if r.get("kind") == "train" and "loss" in r],
@@ -45,6 +46,20 @@ def _run_entry(spec: Spec, variant: str, seed: int, cfg: RunConfig, run_dir: Pat
         },
         **machine,
     }
+
+
+def logged_train_seconds(log: list[dict]) -> float | None:
+    """The training time of a run over every process that trained it, from its log: each logged interval's
+    tokens over its measured tokens/s, summed (a run resumed after a kill counts the time of the processes
+    before; validation and checkpoint writes between the intervals are not in it). None without a log."""
+    total, seen, any_row = 0.0, 0, False
+    for r in log:
+        if r.get("kind") != "train" or not r.get("tokens_per_s") or r.get("tokens") is None:
+            continue
+        if r["tokens"] > seen:  # a resumed run logs again from its checkpoint: count each interval once
+            total += (r["tokens"] - seen) / r["tokens_per_s"]
+            seen, any_row = r["tokens"], True
+    return round(total, 1) if any_row else None
 
 
 def _with_derived(metrics: dict) -> dict:
