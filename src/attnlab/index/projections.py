@@ -14,6 +14,13 @@ Candidate groups (groups=G): each layer maps to G independent d_search-dim searc
 run of H / G consecutive query heads (G = the KV-head count: one candidate set per KV head). Group g
 is trained against the average attention of its own heads only. G = 1 (default) is one set per
 token shared by all heads.
+
+A distance score (score="distance", the scalar selection of seed 000 when d_search = 1): the maps are
+not normalised and keys are ranked by -|q^s - k^s|^2 / tau, the Gaussian kernel's exponent. Since
+-|q - k|^2 = 2 q.k - |k|^2 - |q|^2 and |q|^2 is the same for every key of a query, the inner product
+of the augmented vectors [2 q, -1] . [k, |k|^2] ranks keys and gives the same softmax over them, so
+the losses, the exact index and its top-K take the augmented vectors unchanged (`forward`), while a
+sorted array reads the raw ones (`raw`).
 """
 
 from __future__ import annotations
@@ -28,6 +35,8 @@ import torch.nn.functional as F
 from attnlab.checks import check_impl, check_int, check_positive, check_tensor
 from attnlab.ops.gla.chunked import exp_floor
 
+SCORES = ("dot", "distance")
+
 
 class SearchProjections(nn.Module):
     """Two bias-free d_model -> d_search maps per selected layer; the base model stays frozen.
@@ -35,15 +44,22 @@ class SearchProjections(nn.Module):
     layers: the layer indices it holds maps for; d_model: the model's width; d_search: the search
     width (even with rope); tau: the temperature of the training losses; rope / rope_theta: rotate
     search vectors by position; groups: candidate sets per token, each with its own d_search-wide
-    map (the maps are groups · d_search wide). `forward(layer, hidden, start)` gives unit search
-    queries and keys (B, G, T, d_search); `save(path)` / `SearchProjections.load(path)` keep them in
-    one safetensors file with their metadata. Raises ValueError for an empty `layers`, a
-    non-positive width, tau or theta, or an odd d_search with rope.
+    map (the maps are groups · d_search wide); score: "dot" (unit vectors, inner product) or
+    "distance" (raw vectors, -|q - k|^2; no rope). `forward(layer, hidden, start)` gives the search
+    queries and keys whose inner products rank keys (B, G, T, d_search), for "distance" the augmented
+    (B, G, T, d_search + 1) ones; `raw` gives the projections themselves. `save(path)` /
+    `SearchProjections.load(path)` keep them in one safetensors file with their metadata. Raises
+    ValueError for an empty `layers`, a non-positive width, tau or theta, an odd d_search with rope,
+    an unknown score or rope with the distance score.
     """
 
     def __init__(self, layers: list[int], d_model: int, d_search: int = 128, tau: float = 0.05, meta=None,
-                 rope: bool = False, rope_theta: float = 10000.0, groups: int = 1):
+                 rope: bool = False, rope_theta: float = 10000.0, groups: int = 1, score: str = "dot"):
         super().__init__()
+        if score not in SCORES:
+            raise ValueError(f"score must be one of {SCORES}, got {score!r}")
+        if score == "distance" and rope:
+            raise ValueError("score='distance' takes no rope: a rotation would change the distances it ranks by")
         if not layers:
             raise ValueError("layers must be a non-empty list of layer indices")
         check_positive("d_search", d_search)
@@ -54,15 +70,15 @@ class SearchProjections(nn.Module):
             raise ValueError(f"d_search must be even with rope=True, got {d_search}")
         self.layers = [int(i) for i in layers]
         self.d_model, self.d_search, self.tau = d_model, d_search, float(tau)
-        self.rope, self.rope_theta, self.groups = bool(rope), float(rope_theta), groups
+        self.rope, self.rope_theta, self.groups, self.score = bool(rope), float(rope_theta), groups, score
         self.meta = dict(meta or {})
         width = groups * d_search
         self.wq = nn.ModuleDict({str(i): nn.Linear(d_model, width, bias=False) for i in self.layers})
         self.wk = nn.ModuleDict({str(i): nn.Linear(d_model, width, bias=False) for i in self.layers})
 
-    def forward(self, layer: int, hidden: torch.Tensor, start: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
-        """hidden (B, T, C) of positions start..start+T-1 -> unit search queries and keys
-        (B, G, T, d_search), G = self.groups."""
+    def raw(self, layer: int, hidden: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """hidden (B, T, C) -> the projections h W_Qs, h W_Ks as they are (B, G, T, d_search): no
+        normalisation, no rotation."""
         if str(layer) not in self.wq:
             raise ValueError(f"no search projection for layer {layer}; trained layers are {self.layers}")
         w = self.wq[str(layer)].weight
@@ -72,8 +88,17 @@ class SearchProjections(nn.Module):
         def split(x):  # (B, T, G * d) -> (B, G, T, d)
             return x.view(B, T, self.groups, self.d_search).transpose(1, 2)
 
-        qs = F.normalize(split(self.wq[str(layer)](h)), dim=-1)
-        ks = F.normalize(split(self.wk[str(layer)](h)), dim=-1)
+        return split(self.wq[str(layer)](h)), split(self.wk[str(layer)](h))
+
+    def forward(self, layer: int, hidden: torch.Tensor, start: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+        """hidden (B, T, C) of positions start..start+T-1 -> search queries and keys whose inner
+        products rank keys: unit vectors (B, G, T, d_search), rotated with rope (score "dot"), or the
+        augmented [2 q, -1], [k, |k|^2] (B, G, T, d_search + 1) (score "distance"). G = self.groups."""
+        qs, ks = self.raw(layer, hidden)
+        if self.score == "distance":
+            one = torch.ones_like(qs[..., :1])
+            return torch.cat([2 * qs, -one], -1), torch.cat([ks, ks.square().sum(-1, keepdim=True)], -1)
+        qs, ks = F.normalize(qs, dim=-1), F.normalize(ks, dim=-1)
         if self.rope:
             qs, ks = self._rotate(qs, start), self._rotate(ks, start)
         return qs, ks
@@ -96,7 +121,8 @@ class SearchProjections(nn.Module):
         tensors = {k: v.detach().contiguous() for k, v in self.state_dict().items()}
         tensors.update(extra_tensors or {})
         meta = {"layers": self.layers, "d_model": self.d_model, "d_search": self.d_search, "tau": self.tau,
-                "rope": self.rope, "rope_theta": self.rope_theta, "groups": self.groups, "meta": self.meta,
+                "rope": self.rope, "rope_theta": self.rope_theta, "groups": self.groups, "score": self.score,
+                "meta": self.meta,
                 **(extra_meta or {})}
         atomic_save_tensors(path, tensors, {"attnlab_search": json.dumps(meta)})
 
@@ -116,7 +142,8 @@ class SearchProjections(nn.Module):
             meta = json.loads(raw)
             tensors = {k: f.get_tensor(k) for k in f.keys()}
         proj = cls(meta["layers"], meta["d_model"], meta["d_search"], meta["tau"], meta.get("meta"),
-                   meta.get("rope", False), meta.get("rope_theta", 10000.0), meta.get("groups", 1))
+                   meta.get("rope", False), meta.get("rope_theta", 10000.0), meta.get("groups", 1),
+                   meta.get("score", "dot"))
         own = {k: tensors.pop(k) for k in list(tensors) if k.startswith(("wq.", "wk."))}
         proj.load_state_dict(own)
         return proj, meta, tensors

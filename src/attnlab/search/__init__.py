@@ -19,19 +19,21 @@ from .patch import RetrieveThenAttend, SelectorConfig, generate, substitute
 from .prefill import PrefixRecord, prefilled_logits, record_prefix
 from ..index.projections import SearchProjections, search_losses
 from .quest import QuestIndex, quest_bounds, quest_select
-from .retrieval import (METHODS, ExactIndex, HNSWIndex, oracle_select, streaming_select,
+from .retrieval import (METHODS, SELECTORS, ExactIndex, HNSWIndex, oracle_select, streaming_select,
                         topk_candidates)
+from .sorted import SortedScalarIndex, sorted_select, sorted_select_naive
 from .sparse import sparse_attention
 from .sweep import EvalConfig, run_eval
 from .tasks import TASKS, TaskConfig, plan_tasks, run_tasks
 from .train import SearchTrainConfig, train_projections
 
 __all__ = [
-    "LAYER_SETS", "FrozenLM", "METHODS", "EvalConfig", "ExactIndex", "HNSWIndex", "IVFIndex", "ModelSource", "Packed", "QuestIndex",
+    "LAYER_SETS", "FrozenLM", "METHODS", "SELECTORS", "SortedScalarIndex", "EvalConfig", "ExactIndex", "HNSWIndex", "IVFIndex", "ModelSource", "Packed", "QuestIndex",
     "PrefixRecord", "RetrieveThenAttend", "SearchProjections", "SearchTrainConfig", "SelectorConfig", "TASKS", "TaskConfig",
     "attention_modules", "capture", "fetch_smollm2", "forward_packed", "generate", "load_lm", "load_model",
     "load_tokenizer", "mass_at_k", "oracle_select", "pack_contexts", "plan_tasks", "prepare", "quest_bounds",
     "prefilled_logits", "quest_select", "recall_at_k", "record_prefix", "rel_gap", "resolve_layers", "resolve_source", "retrieval_stats", "run_eval",
-    "run_tasks", "search_losses", "sparse_attention", "streaming_select", "substitute", "teacher_attention", "tiny_lm",
+    "run_tasks", "search_losses", "sorted_select", "sorted_select_naive",
+    "sparse_attention", "streaming_select", "substitute", "teacher_attention", "tiny_lm",
     "tiny_model", "topk_candidates", "train_projections",
 ]

@@ -21,8 +21,9 @@ from .metrics import Tally, retrieval_stats
 from ..index.ivf import IVFIndex
 from ..index.projections import SearchProjections
 from .quest import quest_select
-from .retrieval import (METHODS, ExactIndex, HNSWIndex, native_vectors, oracle_select,
+from .retrieval import (PROJECTED, SELECTORS, ExactIndex, HNSWIndex, native_vectors, oracle_select,
                         streaming_select, topk_candidates)
+from .sorted import SortedScalarIndex, split_budget
 from .sparse import sparse_attention
 
 
@@ -30,12 +31,15 @@ from .sparse import sparse_attention
 class SelectorConfig:
     """How candidates are chosen: method and budget K, plus each method's own knobs.
 
-    method: one of `retrieval.METHODS`: "learned" / "learned-hnsw" / "learned-ivf" (the trained
+    method: one of `retrieval.SELECTORS`: "learned" / "learned-hnsw" / "learned-ivf" (the trained
     projections, exact top-K, an HNSW graph or an IVF index), "native" / "native-hnsw" (the model's own post-RoPE q and k), "quest"
-    (page bounds), "oracle" (top-K of the model's own attention) or "streaming" (sinks + the most
-    recent keys). K: keys per query and candidate set; groups: candidate sets per token, each serving
+    (page bounds), "oracle" (top-K of the model's own attention), "streaming" (sinks + the most
+    recent keys) or "sorted" (sinks, a ring of the `ring` most recent keys and the nearest others in
+    a one-dimensional distance space, read from a sorted array: projections with d_search 1 and
+    score "distance"; `sorted.py`). K: keys per query and candidate set; groups: candidate sets per token, each serving
     H / groups query heads (a learned method must match its projections). page: Quest's page size;
-    n_sink: StreamingLLM's sinks; hnsw_*: the graph's M, efConstruction, efSearch and the block-start
+    n_sink: StreamingLLM's and the sorted selection's sinks; ring: the sorted selection's recent
+    keys (None: K // 4); hnsw_*: the graph's M, efConstruction, efSearch and the block-start
     keys scored exactly beside it (also beside the IVF lists); hnsw_dtype "float16": the graph's
     vectors in half precision (`HNSWIndex(dtype=)`); ivf_*: the IVF index's lists, lists
     probed per query and keys held when the lists are learned (None: 16 per list). Bad values raise
@@ -46,7 +50,8 @@ class SelectorConfig:
     K: int = 256
     groups: int = 1  # candidate sets per token, each serving H / groups heads (learned: the projections' own)
     page: int = 16  # Quest page size
-    n_sink: int = 4  # StreamingLLM sinks
+    n_sink: int = 4  # StreamingLLM and sorted sinks
+    ring: int | None = None  # sorted: the most recent keys always read (None: K // 4)
     hnsw_m: int = 32
     hnsw_ef_construction: int = 64
     hnsw_ef_search: int = 512
@@ -57,13 +62,15 @@ class SelectorConfig:
     ivf_train_at: int | None = None
 
     def __post_init__(self):
-        check_choice("method", self.method, METHODS)
+        check_choice("method", self.method, SELECTORS)
         check_int("K", self.K)
         for name in ("groups", "page", "hnsw_m", "hnsw_ef_construction", "hnsw_ef_search"):
             check_int(name, getattr(self, name))
         for name in ("n_sink", "hnsw_pin"):
             check_int(name, getattr(self, name), 0)
         check_choice("hnsw_dtype", self.hnsw_dtype, ("float32", "float16"))
+        if self.method == "sorted":
+            split_budget(self.K, self.n_sink, self.ring)
         if self.method.endswith("-ivf"):
             IVFIndex.check_args(self.ivf_nlist, self.ivf_nprobe, self.ivf_train_at)
 
@@ -80,13 +87,16 @@ class RetrieveThenAttend:
 
     def __init__(self, layer: int, cfg: SelectorConfig, projections: SearchProjections | None = None,
                  tally: Tally | None = None):
-        if cfg.method.startswith("learned"):
+        if cfg.method in PROJECTED:
             if projections is None:
                 raise ValueError(f"method {cfg.method!r} needs trained search projections")
             if layer not in projections.layers:
                 raise ValueError(f"no search projection for layer {layer}; trained layers are {projections.layers}")
             if projections.groups != cfg.groups:
                 raise ValueError(f"groups={cfg.groups} but the projections were trained with groups={projections.groups}")
+            if cfg.method == "sorted" and (projections.score, projections.d_search) != ("distance", 1):
+                raise ValueError(f"method 'sorted' reads a one-dimensional distance space: projections with d_search=1 "
+                                 f"and score='distance', got d_search={projections.d_search}, score={projections.score!r}")
         self.layer, self.cfg, self.proj, self.tally = layer, cfg, projections, tally
         self.index = None  # learned / native: made at the first forward (the native width comes from q)
 
@@ -97,7 +107,8 @@ class RetrieveThenAttend:
                                     getattr(torch, cfg.hnsw_dtype))
                           if cfg.method.endswith("-hnsw")
                           else IVFIndex(dim, cfg.ivf_nlist, cfg.ivf_nprobe, cfg.ivf_train_at, cfg.hnsw_pin)
-                          if cfg.method.endswith("-ivf") else ExactIndex())
+                          if cfg.method.endswith("-ivf")
+                          else SortedScalarIndex(cfg.n_sink, cfg.ring) if cfg.method == "sorted" else ExactIndex())
         return self.index
 
     def select(self, hidden, q, k, allowed, scaling, teacher=None):
@@ -114,6 +125,8 @@ class RetrieveThenAttend:
         Tq, Tk = q.shape[2], k.shape[2]
         if cfg.method.startswith("native"):  # the model's own vectors of the Tq new positions
             qs, ks = native_vectors(q, k[:, :, Tk - Tq:], cfg.groups)
+        elif cfg.method == "sorted":
+            qs, ks = (x[..., 0] for x in self.proj.raw(self.layer, hidden))  # (B, G, Tq) scalars each
         else:
             qs, ks = self.proj(self.layer, hidden, start=Tk - Tq)  # (B, G, Tq, d_search) each, at positions Tk-Tq..
         index = self._index(qs.shape[-1])
@@ -136,7 +149,9 @@ class RetrieveThenAttend:
         (B, Hkv, T, D); n_heads: the layer's query heads. Quest, StreamingLLM and the oracle read
         the KV cache itself and keep no index: nothing to do for them."""
         method = self.cfg.method
-        if method.startswith("learned"):
+        if method == "sorted":
+            ks = self.proj.raw(self.layer, hidden)[1][..., 0]  # (B, G, T)
+        elif method.startswith("learned"):
             _, ks = self.proj(self.layer, hidden, start=0)  # (B, G, T, d_search)
         elif method.startswith("native"):
             _, ks = native_vectors(k.new_zeros(k.shape[0], n_heads, 0, k.shape[3]), k, self.cfg.groups)

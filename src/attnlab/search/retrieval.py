@@ -1,6 +1,6 @@
 """Candidate selection at a budget of K keys per query: learned (exact, FAISS HNSW or FAISS IVF), native
-(the model's own post-RoPE q and k, exact or FAISS HNSW), Quest, oracle top-K and StreamingLLM
-sinks + window.
+(the model's own post-RoPE q and k, exact or FAISS HNSW), Quest, oracle top-K, StreamingLLM
+sinks + window, and the scalar selection read from a sorted array (`sorted`, in `sorted.py`).
 
 Every selector returns idx (B, G, Tq, K) int64 and valid (B, G, Tq, K) bool: G candidate sets per
 query token, set g serving the H / G consecutive query heads g*H/G.. (G = 1: one set shared by all
@@ -18,7 +18,11 @@ from attnlab.checks import check_groups
 from ..index.retrieval import ExactIndex, HNSWIndex, block_starts, topk_candidates  # noqa: F401 (re-exported)
 from .capture import teacher_attention
 
+# The methods that read dot-product projections or none (what `search eval` runs by default), and every
+# selector: these and `sorted`, which reads a one-dimensional distance space (`sorted.py`).
 METHODS = ("learned", "learned-hnsw", "learned-ivf", "native", "native-hnsw", "quest", "oracle", "streaming")
+SELECTORS = (*METHODS, "sorted")
+PROJECTED = ("learned", "learned-hnsw", "learned-ivf", "sorted")  # the methods that read trained projections
 
 
 def check_group_spec(groups, allow_none: bool = False):

@@ -22,7 +22,7 @@ from pathlib import Path
 import torch
 from tqdm.auto import tqdm
 
-from attnlab.checks import check_int
+from attnlab.checks import check_choice, check_int
 
 from attnlab.data.cache import atomic_save_tensors, atomic_write_text
 from attnlab.interrupt import Interrupted, graceful, requested
@@ -33,7 +33,7 @@ from attnlab.data.packing import doc_causal_mask
 from .capture import Captured, Packed, capture, teacher_attention
 from .hf_model import model_device, resolve_device, resolve_dtype
 from .lm import FrozenLM, prepare
-from ..index.projections import SearchProjections, search_losses
+from ..index.projections import SCORES, SearchProjections, search_losses
 from .retrieval import check_group_spec, resolve_groups
 
 CHECKPOINT = "projections.safetensors"
@@ -46,7 +46,9 @@ class SearchTrainConfig:
     model: 'smollm2', a hub id, a folder or a .gguf file; layers: the layer set trained ('all',
     'middle<N>', 'reserved-edge' or '3,4,5'). The projections map the hidden state entering attention
     to d_search dims (rotated by position with `rope`), one search space per candidate group
-    (`groups`: an int dividing the query heads, or 'kv'); the loss is alpha · InfoNCE over the
+    (`groups`: an int dividing the query heads, or 'kv'), ranked by inner product of unit vectors
+    (`score` "dot") or by distance (`score` "distance", no rope: with d_search 1 the scalar
+    selection that the `sorted` method reads from a sorted array); the loss is alpha · InfoNCE over the
     teacher's k_pos top keys (temperature tau) + beta · KL to the teacher distribution. Data:
     n_contexts packed contexts of `context` tokens from corpus/split; steps of AdamW at lr with
     `warmup` steps; `query_rows` scores that many query rows per step (0: all). `activations` keeps
@@ -64,6 +66,7 @@ class SearchTrainConfig:
     groups: int | str = 1  # candidate sets per token: an int dividing the query heads, or "kv" (one per KV head)
     tau: float = 0.05
     rope: bool = True  # rotate search vectors by position (recency becomes expressible); False = plain h W
+    score: str = "dot"  # "dot": unit vectors, inner product; "distance": -|q - k|^2 (needs rope=False)
     rope_theta: float = 10000.0
     k_pos: int = 16
     alpha: float = 1.0
@@ -97,6 +100,9 @@ class SearchTrainConfig:
             if getattr(self, name) < 0:
                 raise ValueError(f"{name} must be >= 0, got {getattr(self, name)!r}")
         check_group_spec(self.groups)
+        check_choice("score", self.score, SCORES)
+        if self.score == "distance" and self.rope:
+            raise ValueError("score='distance' needs rope=False (a rotation would change the distances it ranks by)")
         if self.activations not in ("disk", "memory", "none"):
             raise ValueError(f"activations must be 'disk', 'memory' or 'none', got {self.activations!r}")
         resolve_device(self.device)
@@ -248,16 +254,16 @@ def _train(cfg: SearchTrainConfig, lm: FrozenLM, layers: list[int], packed: Pack
     torch.manual_seed(cfg.seed)
     device = model_device(lm.model)
     proj = SearchProjections(layers, lm.dims.d_model, cfg.d_search, cfg.tau, meta={"model": lm.name},
-                             rope=cfg.rope, rope_theta=cfg.rope_theta, groups=groups)
+                             rope=cfg.rope, rope_theta=cfg.rope_theta, groups=groups, score=cfg.score)
     proj.to(device)  # initialised on the CPU: the same start on every device
     opt = torch.optim.Adam(proj.parameters(), lr=cfg.lr)
     start = 0
     if cfg.resume and ckpt.is_file():
         loaded, meta, extra = SearchProjections.load(ckpt)
-        have = (loaded.layers, loaded.d_search, loaded.d_model, loaded.rope, loaded.groups)
-        want = (layers, cfg.d_search, lm.dims.d_model, cfg.rope, groups)
+        have = (loaded.layers, loaded.d_search, loaded.d_model, loaded.rope, loaded.groups, loaded.score)
+        want = (layers, cfg.d_search, lm.dims.d_model, cfg.rope, groups, cfg.score)
         if have != want:
-            raise ValueError(f"checkpoint {ckpt} was trained with (layers, d_search, d_model, rope, groups)={have}; "
+            raise ValueError(f"checkpoint {ckpt} was trained with (layers, d_search, d_model, rope, groups, score)={have}; "
                              f"the config asks {want} (use another --out)")
         proj.load_state_dict(loaded.state_dict())  # copied onto proj's device
         if "optim" in meta:
