@@ -12,10 +12,13 @@ TEST_WORKERS ?= 2
 
 # The oldest torch the project supports, which the GPU machines run: `make test-compat` installs it
 # (a CUDA build from PyPI, about 6 GB; it runs on the CPU) in its own venv and runs under it the tests
-# of what older torch traces differently: one compiled graph per model, no host sync in a step.
+# of what older torch traces differently: one compiled graph per model, no host sync in a step, and a
+# compiled training step of every config in configs/ and every variant of the GPU-scale specs
+# (tests/test_compiled_training.py, which runs its compiles only where ATTNLAB_COMPAT_TRAIN=1).
 COMPAT_TORCH ?= torch==2.11.0
 COMPAT_VENV  ?= .venv-compat
-COMPAT_TESTS ?= tests/test_compile_counts.py tests/test_compile.py tests/test_no_host_sync.py tests/test_ext.py::test_kernels_build_here tests/test_window_cpu.py tests/test_static_window_kernel.py::test_a_compiled_step_through_the_kernel_equals_eager tests/test_static_decode.py::test_compiled_steps_of_every_static_state_equal_generate
+COMPAT_TESTS ?= tests/test_compile_counts.py tests/test_compile.py tests/test_no_host_sync.py tests/test_ext.py::test_kernels_build_here tests/test_window_cpu.py tests/test_static_window_kernel.py::test_a_compiled_step_through_the_kernel_equals_eager tests/test_static_decode.py::test_compiled_steps_of_every_static_state_equal_generate \
+	tests/test_compiled_training.py
 
 # The tests that compare two implementations by the keys they choose (decoders, caches, selectors, the
 # window ops), run again under the instruction sets other than the machine's own: a float32 sum's order,
@@ -66,7 +69,7 @@ $(COMPAT_VENV)/bin/.installed: pyproject.toml constraints.txt
 
 test-compat: $(COMPAT_VENV)/bin/.installed
 	$(COMPAT_VENV)/bin/python -c "import torch; print('torch', torch.__version__)"
-	$(COMPAT_VENV)/bin/python -m pytest -q -m "not slow" -n $(TEST_WORKERS) -p no:cacheprovider $(COMPAT_TESTS)
+	ATTNLAB_COMPAT_TRAIN=1 $(COMPAT_VENV)/bin/python -m pytest -q -m "not slow" -n $(TEST_WORKERS) -p no:cacheprovider $(COMPAT_TESTS)
 
 $(KVPRESS_VENV)/bin/.installed: pyproject.toml
 	$(PYTHON) -m venv $(KVPRESS_VENV)

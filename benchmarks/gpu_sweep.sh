@@ -4,7 +4,7 @@
 #   bash benchmarks/gpu_sweep.sh SPEC RUNS OUT_DIR [MINUTES]
 #
 # SPEC: a sweep spec (e.g. experiments/seed000/at-scale/spec.toml); RUNS: the batch, comma-separated
-# variant/seedK names as the spec's PLAN.md lists them; OUT_DIR: the folder that comes back ($OUT on the
+# variant/seedK names; OUT_DIR: the folder that comes back ($OUT on the
 # lent machine); MINUTES: the time limit of the sweep, 9 by default, so that a command limited to 10
 # minutes ends with a minute to spare (run the command with timeout_s 600).
 #
@@ -19,8 +19,8 @@
 #
 #   attnlab sweep SPEC --merge DIR_THE_FILES_CAME_BACK_TO     # results.json, report.md, plots; commit
 #
-# A run must finish within the command: PLAN.md beside each spec sizes the batches, and a run that
-# cannot finish within one command is resized in the spec, never split across commands.
+# A run must finish within the command: its checkpoint stays on the machine. For runs longer than one
+# command, benchmarks/gpu_science.sh carries the run in progress from batch to batch.
 set -uo pipefail
 spec=${1:?usage: bash benchmarks/gpu_sweep.sh SPEC RUNS OUT_DIR [MINUTES]}
 runs=${2:?usage: bash benchmarks/gpu_sweep.sh SPEC RUNS OUT_DIR [MINUTES]}

@@ -221,7 +221,8 @@ def test_report_only_rebuild_changes_nothing(tmp_path, no_plots, monkeypatch):
     shutil.copytree(ROOT / "configs", tmp_path / "configs")
     for f in (ROOT / "experiments").rglob("*"):
         rel = f.relative_to(ROOT)
-        if f.is_file() and f.suffix in (".toml", ".json") and "runs" not in rel.parts:
+        # a spec's carried corpus (experiments/seed000/window-language-at-scale/corpus) is read at its path
+        if f.is_file() and (f.suffix in (".toml", ".json") or "corpus" in rel.parts) and "runs" not in rel.parts:
             (tmp_path / rel).parent.mkdir(parents=True, exist_ok=True)
             shutil.copy2(f, tmp_path / rel)
     monkeypatch.chdir(tmp_path)

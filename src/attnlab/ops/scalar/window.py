@@ -97,9 +97,10 @@ def prefix_columns(B: int, H: int, T: int, m: int, n_prefix: int, device=None) -
     to fill (`window_indices`, `attnlab.index.keep.learned_indices`)."""
     idx = torch.zeros(B, H, T, m, dtype=torch.long, device=device)
     ok = torch.zeros(B, H, T, m, dtype=torch.bool, device=device)
-    pre = torch.arange(n_prefix, device=device)
-    idx[..., :n_prefix] = pre
-    ok[..., :n_prefix] = pre <= torch.arange(T, device=device)[:, None]
+    if n_prefix:  # no write to an empty slice: torch 2.11's Inductor cannot compile one into int64 on the CPU
+        pre = torch.arange(n_prefix, device=device)
+        idx[..., :n_prefix] = pre
+        ok[..., :n_prefix] = pre <= torch.arange(T, device=device)[:, None]
     return idx, ok
 
 

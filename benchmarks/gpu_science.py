@@ -1,0 +1,490 @@
+"""The science batch: the next unfinished piece of a sweep run in batches on lent GPU machines, under a
+time cap, each run checkpointed at the cap and resumed in the next batch (benchmarks/gpu_science.sh runs
+`batch` there; docs/contributing.md has the standing order).
+
+    python benchmarks/gpu_science.py batch OUT MINUTES     # on the GPU machine: what gpu_science.sh runs
+    python benchmarks/gpu_science.py absorb DIR            # here, with the files that came back; then commit
+    python benchmarks/gpu_science.py status                # what the next batch trains
+    python benchmarks/gpu_science.py corpus [--copy|--write] # check the carried corpus (--copy: make it here)
+
+The spec is experiments/seed000/window-language-at-scale/spec.toml unless --spec names another; its
+in-progress run travels in STATE (--state, default the spec folder's state/), which is committed.
+
+A batch (every step logged; OUT/science.json says what happened):
+1. checks the corpus the spec reads (its data.source and metrics.heldout folders) against the
+   MANIFEST.json beside them, file by file, before anything trains;
+2. restores the run in progress from STATE (its parts' and the whole file's SHA-256 checked) into its
+   run folder, where `attnlab sweep` resumes it from its checkpoint;
+3. trains the runs the committed results.json does not hold, the one in progress first, then seed by
+   seed in the spec's variant order: each run one `attnlab sweep SPEC --only RUN --records OUT` in a
+   process group of its own; a run that fails is logged and the next one starts; none starts with less
+   than --min-start seconds left (a compile alone takes most of a minute);
+4. at the cap (MINUTES less RESERVE_S) sends the running sweep SIGTERM: the trainer finishes its step,
+   writes a checkpoint and stops; SIGKILL GRACE_S later if it has not (then its last periodic
+   checkpoint stands);
+5. packs the run then in progress (its newest checkpoint, logs and config) as a tar in parts of at most
+   --part-mib MiB under OUT.
+What comes back (at most MAX_FILES files, each under 16 MiB): science.log, science.json, the records
+file of the runs finished in the batch and the state parts. `absorb` merges the records into the
+spec's results.json and report (`attnlab sweep SPEC --merge DIR`), puts the parts in STATE and appends
+the batch to the spec folder's batches.json.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import hashlib
+import io
+import json
+import os
+import shutil
+import signal
+import statistics
+import subprocess
+import sys
+import tarfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+SPEC = ROOT / "experiments" / "seed000" / "window-language-at-scale" / "spec.toml"
+MIB = 1 << 20
+PART_MIB = 15.0  # a part of the state, under the 16 MiB a returned file may have
+LIMIT_MIB = 15.9  # the largest part written when PART_MIB would need too many
+MAX_FILES = 8  # what a device command may send back
+RESERVE_S = 30.0  # before MINUTES ends: the stop, the checkpoint and the packing
+GRACE_S = 40.0  # SIGTERM to SIGKILL (the step, the checkpoint)
+MIN_START_S = 75.0  # no run starts with less left
+STATE_JSON = "state.json"
+FORMAT = "attnlab science batch"
+
+
+def say(text: str) -> None:
+    print(f"gpu_science: {text}", flush=True)
+
+
+def sha256(data: bytes | Path) -> str:
+    h = hashlib.sha256()
+    if isinstance(data, Path):
+        with open(data, "rb") as f:
+            while chunk := f.read(1 << 22):
+                h.update(chunk)
+    else:
+        h.update(data)
+    return h.hexdigest()
+
+
+def _env() -> dict:
+    return {**os.environ, "PYTHONUNBUFFERED": "1",
+            "PYTHONPATH": os.pathsep.join([str(ROOT / "src"), *filter(None, [os.environ.get("PYTHONPATH")])])}
+
+
+# --------------------------------------------------------------------------- the corpus
+
+
+def corpus_folders(spec_path: Path) -> list[Path]:
+    """The local folders a spec reads text from (its base data.source, its metrics.heldout), as paths
+    from the repository root, where the commands run."""
+    from attnlab.train.config import read_toml
+
+    raw = read_toml(spec_path)
+    base = raw.get("base")
+    base = read_toml((spec_path.parent / base).resolve()) if isinstance(base, str) else (base or {})
+    names = [(base.get("data") or {}).get("source"), (raw.get("metrics") or {}).get("heldout")]
+    return [ROOT / n for n in names if isinstance(n, str) and "/" in n]
+
+
+def write_corpus(folder: Path) -> dict:
+    """Copy this interpreter's stdlib corpus (every split) and the test split of its regression suite
+    ("stdlib-tests", what metrics.heldout reads) into FOLDER/stdlib and FOLDER/stdlib-tests, each file
+    under its path relative to the stdlib (so the path-hash splits are the stdlib's own), and write
+    FOLDER/MANIFEST.json: the Python they came from, each file's SHA-256, the byte tokens per split."""
+    from attnlab.data.corpus import _stdlib_tests_listing, stdlib_files, stdlib_root
+    from attnlab.data.splits import split_of
+
+    root = stdlib_root()
+    picks = {"stdlib": [(rel, root / rel) for rel in stdlib_files("all")],
+             "stdlib-tests": [(rel, root / "test" / rel) for rel, s in _stdlib_tests_listing(str(root)) if s == "test"]}
+    manifest = {"python": ".".join(map(str, sys.version_info[:3])), "copied_from": str(root), "folders": {}}
+    for name, files in picks.items():
+        target = folder / name
+        shutil.rmtree(target, ignore_errors=True)
+        entry = {"files": {}, "tokens": {}}
+        for rel, src in files:
+            data = src.read_bytes()
+            try:
+                data.decode("utf-8")
+            except UnicodeDecodeError:  # the corpus readers skip such a file: so does the copy
+                continue
+            (target / rel).parent.mkdir(parents=True, exist_ok=True)
+            (target / rel).write_bytes(data)
+            entry["files"][rel] = sha256(data)
+            split = split_of(rel)
+            entry["tokens"][split] = entry["tokens"].get(split, 1) + len(data) + 1  # pack_documents' separators
+        manifest["folders"][name] = entry
+    (folder / "MANIFEST.json").write_text(json.dumps(manifest, indent=1, sort_keys=True) + "\n")
+    return manifest
+
+
+def materialise_corpus(folder: Path) -> dict:
+    """FOLDER's corpus copied again from this interpreter's stdlib, file by file as FOLDER/MANIFEST.json
+    lists them (the folders are not committed: they are carried to the GPU machine), then checked
+    against it: a Python whose files differ from the manifest's stops here, naming them."""
+    from attnlab.data.corpus import stdlib_root
+
+    manifest = json.loads((folder / "MANIFEST.json").read_text())
+    root = stdlib_root()
+    bases = {"stdlib": root, "stdlib-tests": root / "test"}
+    for name, entry in manifest["folders"].items():
+        target = folder / name
+        shutil.rmtree(target, ignore_errors=True)
+        for rel in entry["files"]:
+            src = bases[name] / rel
+            if not src.is_file():
+                raise SystemExit(f"corpus {target}: {rel} is not in this Python's stdlib ({bases[name]}); "
+                                 f"the manifest lists Python {manifest['python']}'s")
+            (target / rel).parent.mkdir(parents=True, exist_ok=True)
+            shutil.copyfile(src, target / rel)
+    return check_corpus([folder / name for name in manifest["folders"]])
+
+
+def check_corpus(folders: list[Path]) -> dict:
+    """Each folder against the MANIFEST.json beside it: the same files, byte for byte, and no other.
+    Returns what was checked; raises SystemExit naming the first difference."""
+    out = {}
+    for folder in folders:
+        manifest = folder.parent / "MANIFEST.json"
+        try:
+            entry = json.loads(manifest.read_text())["folders"][folder.name]
+        except (OSError, ValueError, KeyError) as e:
+            raise SystemExit(f"corpus {folder}: no manifest entry in {manifest} ({e})")
+        have = sorted(p.relative_to(folder).as_posix() for p in folder.rglob("*") if p.is_file()) if folder.is_dir() else []
+        missing = sorted(set(entry["files"]) - set(have))
+        extra = sorted(set(have) - set(entry["files"]))
+        if missing or extra:
+            raise SystemExit(f"corpus {folder}: {len(missing)} file(s) missing (first {missing[:3]}), {len(extra)} not in "
+                             f"{manifest.name} (first {extra[:3]})")
+        bad = [rel for rel in have if sha256(folder / rel) != entry["files"][rel]]
+        if bad:
+            raise SystemExit(f"corpus {folder}: {len(bad)} file(s) differ from {manifest.name} (first {bad[:3]})")
+        key = folder.relative_to(ROOT).as_posix() if folder.resolve().is_relative_to(ROOT) else str(folder)
+        out[key] = {"files": len(have), "tokens": entry["tokens"]}
+    return out
+
+
+# --------------------------------------------------------------------------- the state of the run in progress
+
+
+def pack(run_dir: Path, name: str, out: Path, part_mib: float, max_parts: int | None = None) -> dict:
+    """The run folder's newest checkpoint, logs and config as a tar in parts OUT/state.tar.NNN of
+    `part_mib` MiB (larger, up to LIMIT_MIB, where more than `max_parts` parts would be needed); returns
+    their description (what STATE's state.json holds). ValueError when it cannot fit."""
+    from attnlab.train.checkpoint import latest_checkpoint
+    from attnlab.train.resume import CKPT_DIR
+
+    ckpt = latest_checkpoint(run_dir / CKPT_DIR)
+    if ckpt is None:
+        raise ValueError(f"{run_dir} has no checkpoint to carry")
+    step = json.loads((ckpt / "state.json").read_text())["step"] if (ckpt / "state.json").is_file() else None
+    buf = io.BytesIO()
+    with tarfile.open(fileobj=buf, mode="w", format=tarfile.PAX_FORMAT) as tar:
+        for p in sorted(run_dir.rglob("*")):
+            rel = p.relative_to(run_dir)
+            if not p.is_file() or p.name.startswith(".") or (rel.parts[0] == CKPT_DIR and len(rel.parts) > 2
+                                                              and rel.parts[1] != ckpt.name):
+                continue
+            info = tar.gettarinfo(str(p), arcname=rel.as_posix())
+            info.uid = info.gid = 0
+            info.uname = info.gname = ""
+            info.mtime = 0
+            with open(p, "rb") as f:
+                tar.addfile(info, f)
+    data = buf.getvalue()
+    size = max(1, int(part_mib * MIB))
+    if max_parts and -(-len(data) // size) > max_parts:
+        size = -(-len(data) // max_parts)
+        if size > LIMIT_MIB * MIB:
+            raise ValueError(f"{run_dir}: {len(data):,} bytes do not fit {max_parts} parts of {LIMIT_MIB} MiB")
+    parts = []
+    for i in range(0, len(data), size):
+        part = out / f"state.tar.{i // size:03d}"
+        part.write_bytes(data[i:i + size])
+        parts.append({"name": part.name, "bytes": part.stat().st_size, "sha256": sha256(part)})
+    return {"run": name, "step": step, "checkpoint": ckpt.name, "bytes": len(data), "sha256": sha256(data), "parts": parts}
+
+
+def unpack(state: dict, folder: Path, run_dir: Path) -> None:
+    """Parts under FOLDER, checked (each part and the whole), extracted into RUN_DIR."""
+    data = b""
+    for part in state["parts"]:
+        blob = (folder / part["name"]).read_bytes()
+        if len(blob) != part["bytes"] or sha256(blob) != part["sha256"]:
+            raise SystemExit(f"state part {folder / part['name']} is damaged: {len(blob)} bytes, expected {part['bytes']} "
+                             f"with sha256 {part['sha256'][:12]}")
+        data += blob
+    if sha256(data) != state["sha256"]:
+        raise SystemExit(f"state {folder}: its parts join to another file than state.json names")
+    run_dir.mkdir(parents=True, exist_ok=True)
+    with tarfile.open(fileobj=io.BytesIO(data), mode="r") as tar:
+        for m in tar.getmembers():
+            if not m.isfile() or m.name.startswith("/") or ".." in Path(m.name).parts:
+                raise SystemExit(f"state {folder}: member {m.name!r} is not a file inside the run folder")
+        tar.extractall(run_dir, filter="data")
+
+
+def read_state(state_dir: Path) -> dict | None:
+    try:
+        return json.loads((state_dir / STATE_JSON).read_text())
+    except (OSError, ValueError):
+        return None
+
+
+# --------------------------------------------------------------------------- the queue
+
+
+def queue(spec, state: dict | None) -> list[str]:
+    """The runs left to train: the one in progress first, then seed by seed in the spec's variant order,
+    leaving out what results.json records (or, on this machine, what is finished)."""
+    from attnlab.experiments.sweep import plan
+
+    plans = plan(spec)
+    left = [f"{p.variant}/seed{p.seed}" for p in sorted(plans, key=lambda p: (spec.seeds.index(p.seed),
+            [v.name for v in spec.variants].index(p.variant))) if p.state not in ("done", "recorded")]
+    if state and state["run"] in left:
+        left.remove(state["run"])
+        left.insert(0, state["run"])
+    return left
+
+
+def run_of(spec, name: str) -> Path:
+    variant, _, seed = name.partition("/seed")
+    return spec.run_dir(variant, int(seed))
+
+
+def speed(run_dir: Path) -> dict:
+    """The step a run folder's log reached and its median tokens/s (its first row, the compile's, left out)."""
+    rows = []
+    try:
+        rows = [r for r in map(json.loads, filter(str.strip, (run_dir / "log.jsonl").read_text().splitlines()))
+                if r.get("kind") == "train"]
+    except (OSError, ValueError):
+        pass
+    rates = [r["tokens_per_s"] for r in rows[1:] if r.get("tokens_per_s")]
+    return {"step": rows[-1]["step"] if rows else 0, "tokens_per_s": round(statistics.median(rates)) if rates else None}
+
+
+class Batch:
+    def __init__(self, out: Path, minutes: float, spec_path: Path, state_dir: Path, part_mib: float, min_start: float):
+        self.out, self.spec_path, self.state_dir, self.part_mib, self.min_start = out, spec_path, state_dir, part_mib, min_start
+        self.t0 = time.time()
+        self.deadline = self.t0 + 60 * minutes - RESERVE_S
+        self.child = None
+        self.doc = {"format": FORMAT, "spec": self.spec_path.resolve().relative_to(ROOT).as_posix()
+                    if self.spec_path.resolve().is_relative_to(ROOT) else str(self.spec_path),
+                    "started": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+                    "minutes": minutes, "runs": [], "in_progress": None}
+
+    def save(self) -> None:
+        self.doc["seconds"] = round(time.time() - self.t0, 1)
+        tmp = self.out / "science.json.tmp"
+        tmp.write_text(json.dumps(self.doc, indent=1) + "\n")
+        os.replace(tmp, self.out / "science.json")
+
+    def stop(self, signum, frame) -> None:  # the command's own limit: end now, still packing the run
+        self.deadline = min(self.deadline, time.time())
+
+    def run_one(self, name: str) -> tuple[str, int]:
+        cmd = [sys.executable, "-m", "attnlab", "sweep", str(self.spec_path), "--only", name, "--records", str(self.out),
+               "--no-progress"]
+        say(f"{name}: {' '.join(cmd[1:])} ({self.deadline - time.time():.0f} s to the cap)")
+        self.child = subprocess.Popen(cmd, cwd=ROOT, env=_env(), start_new_session=True)
+        how = "exited"
+        while self.child.poll() is None:
+            if time.time() >= self.deadline:
+                how = "stopped"
+                os.killpg(self.child.pid, signal.SIGTERM)
+                try:
+                    self.child.wait(timeout=GRACE_S)
+                except subprocess.TimeoutExpired:
+                    os.killpg(self.child.pid, signal.SIGKILL)
+                    self.child.wait()
+                    how = "killed"
+                break
+            time.sleep(0.5)
+        rc, self.child = self.child.returncode, None
+        return how, rc
+
+    def run(self) -> int:
+        from attnlab.experiments.sweep import load_spec
+        import torch
+
+        self.doc.update(torch=torch.__version__, python=".".join(map(str, sys.version_info[:3])),
+                        device=torch.cuda.get_device_name(0) if torch.cuda.is_available() else "cpu")
+        say(f"{self.doc['spec']}: {self.doc['minutes']} min on {self.doc['device']} (torch {self.doc['torch']}), into {self.out}")
+        try:
+            self.doc["corpus"] = check_corpus(corpus_folders(self.spec_path))
+        except SystemExit as e:
+            self.doc["corpus"] = {"error": str(e)}
+            self.save()
+            say(f"corpus check failed, nothing trained: {e}")
+            return 3
+        say(f"corpus checked: {self.doc['corpus']}")
+        spec = load_spec(self.spec_path)
+        state = read_state(self.state_dir)
+        if state:
+            target = run_of(spec, state["run"])
+            have = speed(target)["step"] if target.exists() else 0
+            if have < (state["step"] or 0):  # a folder already here that is further along is kept
+                shutil.rmtree(target, ignore_errors=True)
+                unpack(state, self.state_dir, target)
+            self.doc["restored"] = {"run": state["run"], "step": state["step"], "sha256": state["sha256"]}
+            say(f"restored {state['run']} at step {state['step']} ({state['bytes']:,} bytes in {len(state['parts'])} part(s))")
+        todo = queue(spec, state)
+        say(f"queue: {', '.join(todo) if todo else 'nothing left: every run is recorded'}")
+        self.save()
+        for name in todo:
+            left = self.deadline - time.time()
+            if left < self.min_start:
+                say(f"{name}: not started, {left:.0f} s to the cap (a run needs {self.min_start:.0f} s to start)")
+                break
+            t = time.time()
+            how, rc = self.run_one(name)
+            entry = {"run": name, "seconds": round(time.time() - t, 1), "returncode": rc, **speed(run_of(spec, name))}
+            finished = how == "exited" and rc == 0
+            entry["outcome"] = "finished" if finished else ("failed" if how == "exited" else how)
+            self.doc["runs"].append(entry)
+            say(f"{name}: {entry['outcome']} after {entry['seconds']} s, step {entry['step']}, "
+                f"{entry['tokens_per_s'] or 0:,} tokens/s (rc {rc})")
+            self.save()
+            if not finished and how != "exited":
+                self.carry(spec, name)
+                break
+        files = sorted(p for p in self.out.iterdir() if p.is_file() and p.suffix != ".tmp")
+        self.doc["files"] = [p.name for p in files] + ([] if (self.out / "science.json") in files else ["science.json"])
+        if len(self.doc["files"]) > MAX_FILES:
+            say(f"{len(self.doc['files'])} files under {self.out}: more than the {MAX_FILES} that come back")
+        self.save()
+        say(f"done in {self.doc['seconds']} s: {sum(r['outcome'] == 'finished' for r in self.doc['runs'])} run(s) finished"
+            + (f", {self.doc['in_progress']['run']} carried at step {self.doc['in_progress']['step']}"
+               if self.doc["in_progress"] else ""))
+        return 0
+
+    def carry(self, spec, name: str) -> None:
+        try:  # beside science.log, science.json and the records file
+            packed = pack(run_of(spec, name), name, self.out, self.part_mib, max_parts=MAX_FILES - 3)
+        except (ValueError, OSError) as e:
+            say(f"{name}: nothing carried ({e}); the next batch starts it again")
+            return
+        self.doc["in_progress"] = packed
+        say(f"{name}: step {packed['step']} carried in {len(packed['parts'])} part(s), {packed['bytes']:,} bytes")
+
+
+# --------------------------------------------------------------------------- here, with what came back
+
+
+def absorb(folder: Path, spec_path: Path, state_dir: Path) -> int:
+    doc = json.loads((folder / "science.json").read_text())
+    if doc.get("format") != FORMAT:
+        raise SystemExit(f"{folder / 'science.json'} is not a science batch's")
+    records = sorted(folder.glob("*.records.json"))
+    if records:
+        cmd = [sys.executable, "-m", "attnlab", "sweep", str(spec_path), "--merge", str(folder), "--no-progress"]
+        if subprocess.run(cmd, cwd=ROOT, env=_env()).returncode != 0:
+            raise SystemExit(f"merging the records of {folder} failed: nothing else absorbed")
+    old = read_state(state_dir)
+    restored = (doc.get("restored") or {}).get("sha256")
+    if old and restored != old["sha256"]:
+        say(f"the batch did not start from {state_dir}'s {old['run']} at step {old['step']}: that state is kept")
+    else:
+        if state_dir.is_dir():
+            for p in state_dir.glob("state.tar.*"):
+                p.unlink()
+            (state_dir / STATE_JSON).unlink(missing_ok=True)
+        new = doc.get("in_progress")
+        if new:
+            state_dir.mkdir(parents=True, exist_ok=True)
+            for part in new["parts"]:
+                shutil.copyfile(folder / part["name"], state_dir / part["name"])
+            unpack_check(new, state_dir)
+            (state_dir / STATE_JSON).write_text(json.dumps(new, indent=1) + "\n")
+            say(f"{state_dir}: {new['run']} at step {new['step']}, {len(new['parts'])} part(s)")
+    ledger = spec_path.parent / "batches.json"
+    batches = json.loads(ledger.read_text()) if ledger.is_file() else []
+    if not any(b.get("started") == doc["started"] and b.get("device") == doc.get("device") for b in batches):
+        batches.append({k: doc.get(k) for k in ("started", "seconds", "minutes", "device", "torch", "python", "runs")}
+                       | {"in_progress": (doc.get("in_progress") or {}).get("run"),
+                          "in_progress_step": (doc.get("in_progress") or {}).get("step")})
+        ledger.write_text(json.dumps(batches, indent=1) + "\n")
+    say(f"absorbed {folder}: commit {spec_path.parent.relative_to(ROOT) if spec_path.parent.is_relative_to(ROOT) else spec_path.parent}"
+        f" (results.json, report, plots, batches.json, state/)")
+    return 0
+
+
+def unpack_check(state: dict, folder: Path) -> None:
+    """The parts under FOLDER join to the file state names (each part's and the whole's SHA-256)."""
+    data = b"".join((folder / p["name"]).read_bytes() for p in state["parts"])
+    if sha256(data) != state["sha256"] or any(sha256(folder / p["name"]) != p["sha256"] for p in state["parts"]):
+        raise SystemExit(f"the state parts under {folder} are damaged")
+
+
+def status(spec_path: Path, state_dir: Path) -> int:
+    from attnlab.experiments.sweep import load_spec
+
+    check_corpus(corpus_folders(spec_path))
+    spec = load_spec(spec_path)
+    state = read_state(state_dir)
+    todo = queue(spec, state)
+    print(f"{spec_path}: {len(todo)} run(s) left" + (f"; {state['run']} in progress at step {state['step']}" if state else ""))
+    for name in todo:
+        print(f"  {name}")
+    return 0
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    sub = ap.add_subparsers(dest="cmd", required=True)
+    b = sub.add_parser("batch", help="on the GPU machine: the next batch, into OUT")
+    b.add_argument("out")
+    b.add_argument("minutes", type=float)
+    b.add_argument("--part-mib", type=float, default=PART_MIB)
+    b.add_argument("--min-start", type=float, default=MIN_START_S)
+    a = sub.add_parser("absorb", help="here: fold a batch's files into the spec folder")
+    a.add_argument("folder")
+    sub.add_parser("status", help="what the next batch trains")
+    c = sub.add_parser("corpus", help="check the carried corpus (--copy: copy it from this Python as its "
+                                      "manifest lists it; --write: copy every file and write a new manifest)")
+    c.add_argument("--write", action="store_true")
+    c.add_argument("--copy", action="store_true")
+    for p in (b, a, sub.choices["status"], c):
+        p.add_argument("--spec", default=str(SPEC))
+        p.add_argument("--state", default=None, help="the in-progress run's folder (default: the spec folder's state/)")
+    ns = ap.parse_args(argv)
+    spec_path = Path(ns.spec)
+    state_dir = Path(ns.state) if ns.state else spec_path.parent / "state"
+    sys.path.insert(0, str(ROOT / "src"))
+    if ns.cmd == "batch":
+        if not 0 < ns.minutes <= 30:
+            raise SystemExit(f"MINUTES must be in (0, 30], got {ns.minutes}")
+        out = Path(ns.out)
+        out.mkdir(parents=True, exist_ok=True)
+        batch = Batch(out, ns.minutes, spec_path, state_dir, ns.part_mib, ns.min_start)
+        signal.signal(signal.SIGTERM, batch.stop)
+        return batch.run()
+    if ns.cmd == "absorb":
+        return absorb(Path(ns.folder), spec_path, state_dir)
+    if ns.cmd == "status":
+        return status(spec_path, state_dir)
+    if ns.copy:
+        print(materialise_corpus(spec_path.parent / "corpus"))
+        return 0
+    if ns.write:
+        m = write_corpus(spec_path.parent / "corpus")
+        print({k: len(v["files"]) for k, v in m["folders"].items()})
+        return 0
+    print(check_corpus(corpus_folders(spec_path)))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

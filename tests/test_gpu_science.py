@@ -1,0 +1,165 @@
+"""The science batch's pieces (benchmarks/gpu_science.py) and the spec it runs
+(experiments/seed000/window-language-at-scale): the carried corpus is the CPU runs' corpus and is
+checked file by file, the run in progress travels as checked parts, the queue puts it first, and the
+spec and its README hold the numbers they state. The two batches end to end, on the CPU:
+tests/test_gpu_check_smoke.py (heavy)."""
+
+from __future__ import annotations
+
+import json
+import shutil
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "benchmarks"))
+
+import gpu_science  # noqa: E402
+
+EXP = ROOT / "experiments" / "seed000" / "window-language-at-scale"
+CPU_PARAMS = {"softmax": 836_864, "hybrid": 840_976}  # the quickstart-sized CPU runs (taught-window-language)
+
+
+@pytest.fixture(scope="module", autouse=True)
+def corpus():
+    """The corpus folders are not committed (only their manifest): copied here from this Python's stdlib
+    as the manifest lists them, as before a device call; another Python's stdlib cannot make them."""
+    if not all(f.is_dir() for f in gpu_science.corpus_folders(EXP / "spec.toml")):
+        try:
+            gpu_science.materialise_corpus(EXP / "corpus")
+        except SystemExit as e:
+            pytest.skip(f"the corpus cannot be made from this Python: {e}")
+
+
+def test_the_corpus_is_made_again_from_its_manifest_byte_for_byte(tmp_path):
+    """--copy from the manifest alone gives the files the manifest hashes, and nothing else."""
+    folder = tmp_path / "corpus"
+    folder.mkdir()
+    shutil.copy(EXP / "corpus" / "MANIFEST.json", folder / "MANIFEST.json")
+    made = gpu_science.materialise_corpus(folder)
+    assert made[str(folder / "stdlib")]["files"] == 609 and made[str(folder / "stdlib-tests")]["files"] == 19
+
+
+def test_the_carried_corpus_is_the_cpu_runs_corpus_and_is_checked():
+    """The science spec reads the two committed folders, and they match their manifest file by file."""
+    folders = gpu_science.corpus_folders(EXP / "spec.toml")
+    assert [f.name for f in folders] == ["stdlib", "stdlib-tests"]
+    checked = gpu_science.check_corpus(folders)
+    assert checked["experiments/seed000/window-language-at-scale/corpus/stdlib"]["tokens"]["train"] == 9_441_022
+
+
+@pytest.mark.heavy
+def test_the_carried_corpus_reads_as_the_stdlib_corpus_it_was_copied_from():
+    """Under Python 3.11.7 (the CPU runs' interpreter) the carried folders hold, split by split, exactly
+    the documents of its "stdlib" corpus and of the test split of "stdlib-tests"."""
+    from attnlab.data.corpus import load_corpus
+
+    folders = gpu_science.corpus_folders(EXP / "spec.toml")
+    if sys.version_info[:3] != (3, 11, 7):
+        pytest.skip("the corpus was copied from Python 3.11.7; this interpreter's own stdlib differs")
+    for split in ("train", "val", "test"):
+        assert load_corpus(str(folders[0]), split) == load_corpus("stdlib", split), split
+    assert load_corpus(str(folders[1]), "test") == load_corpus("stdlib-tests", "test")
+
+
+def test_a_changed_missing_or_extra_corpus_file_stops_the_batch(tmp_path):
+    (tmp_path / "c" / "stdlib" / "pkg").mkdir(parents=True)
+    (tmp_path / "c" / "stdlib" / "pkg" / "a.py").write_text("x = 1\n")
+    manifest = {"folders": {"stdlib": {"files": {"pkg/a.py": gpu_science.sha256(b"x = 1\n")}, "tokens": {"train": 8}}}}
+    (tmp_path / "c" / "MANIFEST.json").write_text(json.dumps(manifest))
+    folder = tmp_path / "c" / "stdlib"
+    assert gpu_science.check_corpus([folder])[str(folder)]["files"] == 1
+    (folder / "pkg" / "a.py").write_text("x = 2\n")
+    with pytest.raises(SystemExit, match="1 file\\(s\\) differ"):
+        gpu_science.check_corpus([folder])
+    (folder / "pkg" / "a.py").write_text("x = 1\n")
+    (folder / "b.py").write_text("")
+    with pytest.raises(SystemExit, match="1 not in MANIFEST.json"):
+        gpu_science.check_corpus([folder])
+    shutil.rmtree(folder)
+    with pytest.raises(SystemExit, match="1 file\\(s\\) missing"):
+        gpu_science.check_corpus([folder])
+
+
+def _run_folder(root: Path) -> Path:
+    run = root / "runs" / "window" / "seed0"
+    for step in (2, 4):
+        ck = run / "checkpoints" / f"step_{step:06d}"
+        ck.mkdir(parents=True)
+        (ck / "model.safetensors").write_bytes(bytes(range(256)) * (40 * step))
+        (ck / "state.json").write_text(json.dumps({"step": step}))
+    (run / "checkpoints" / "latest").write_text("step_000004\n")
+    (run / "log.jsonl").write_text('{"kind": "train", "step": 4, "tokens_per_s": 10}\n')
+    (run / "config.toml").write_text("[train]\nsteps = 10\n")
+    (run / ".attnlab.lock").write_text("")
+    return run
+
+
+def test_the_run_in_progress_travels_as_checked_parts(tmp_path):
+    """pack keeps the newest checkpoint, the logs and the config (no older checkpoint, no lock), in parts
+    of at most the given size; unpack rebuilds the folder byte for byte, and refuses a damaged part."""
+    run = _run_folder(tmp_path / "a")
+    out = tmp_path / "out"
+    out.mkdir()
+    state = gpu_science.pack(run, "window/seed0", out, part_mib=0.02)
+    assert state["run"] == "window/seed0" and state["step"] == 4 and state["checkpoint"] == "step_000004"
+    assert len(state["parts"]) >= 2 and all(p["bytes"] <= 0.02 * (1 << 20) for p in state["parts"])
+    back = tmp_path / "b" / "runs" / "window" / "seed0"
+    gpu_science.unpack(state, out, back)
+    kept = sorted(p.relative_to(back).as_posix() for p in back.rglob("*") if p.is_file())
+    assert kept == ["checkpoints/latest", "checkpoints/step_000004/model.safetensors",
+                    "checkpoints/step_000004/state.json", "config.toml", "log.jsonl"]
+    assert all((back / k).read_bytes() == (run / k).read_bytes() for k in kept)
+    few = tmp_path / "few"  # more parts than may come back: larger ones
+    few.mkdir()
+    assert len(gpu_science.pack(run, "window/seed0", few, part_mib=0.02, max_parts=2)["parts"]) == 2
+    part = out / state["parts"][1]["name"]
+    part.write_bytes(b"\0" + part.read_bytes()[1:])
+    with pytest.raises(SystemExit, match="is damaged"):
+        gpu_science.unpack(state, out, tmp_path / "c")
+
+
+def test_the_queue_puts_the_run_in_progress_first_then_seed_by_seed():
+    from attnlab.experiments.sweep import load_spec
+
+    spec = load_spec(EXP / "spec.toml")
+    fresh = gpu_science.queue(spec, None)
+    assert fresh[:5] == ["kl-window/seed0", "window/seed0", "swa48/seed0", "softmax/seed0", "kl-window/seed1"]
+    assert len(fresh) == 12
+    carried = gpu_science.queue(spec, {"run": "swa48/seed1"})
+    assert carried[0] == "swa48/seed1" and sorted(carried) == sorted(fresh)
+
+
+@pytest.mark.heavy
+def test_the_science_spec_meets_its_stated_scale_and_the_budget_rule():
+    """At least 4x the CPU runs' parameters, at least the budget rule's tokens per parameter for every
+    run, 3 seeds, rules against SWA-48 and softmax for both windows; the README states the parameters,
+    the tokens and the per-step bounds that the committed GPU measurements give (5/12 of the measured
+    GPT-2-small step)."""
+    from attnlab.experiments.sweep import load_spec, plan
+    from attnlab.experiments.sweep.budget import MIN_TOKENS_PER_PARAM, check_budget, params_of, tokens_per_param
+
+    spec = load_spec(EXP / "spec.toml")
+    plans = plan(spec)
+    check_budget(spec, plans)
+    assert len(spec.seeds) >= 3 and not spec.below_budget
+    readme = (EXP / "README.md").read_text()
+    for p in plans:
+        n = params_of(p.cfg)
+        base = CPU_PARAMS["softmax" if p.cfg.model.attn == "softmax" else "hybrid"]
+        assert n >= 4 * base and tokens_per_param(p.cfg, n) >= MIN_TOKENS_PER_PARAM, (p.variant, n)
+        assert f"{n:,}" in readme
+    tokens = plans[0].cfg.train.steps * plans[0].cfg.train.tokens_per_step
+    assert f"{tokens:,}" in readme
+    for window in ("kl-window", "window"):
+        against = {tuple(r["compare"]) for r in spec.verdicts if r["compare"][0] == window}
+        assert {(window, "swa48"), (window, "softmax")} <= against
+    h100 = {r["model"]: r["ms"] for r in json.loads((ROOT / "benchmarks/results/gpu_train.json").read_text())["rows"]
+            if r.get("T") == 1024}
+    layers = plans[0].cfg.model.n_layers / 12
+    bounds = {"window": h100["windowed"], "kl-window": h100["windowed"] + h100["hybrid"], "swa48": h100["hybrid"],
+              "softmax": h100["softmax"]}
+    for variant, ms in bounds.items():
+        assert f"{ms * layers:.2f} ms" in readme, variant
