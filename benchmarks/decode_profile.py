@@ -67,14 +67,14 @@ def time_merges(prep, rounds: int = 3) -> dict | None:
     `rounds`): `extend_codes` (the decoder's: the keys of one tail sorted in, its temporaries in the
     decoder's scratch buffer) and `merge_codes`
     (every key sorted again, as before it); None without a static window decoder."""
-    from attnlab.models.static_window import extend_codes, merge_codes
+    from attnlab.cache.static import extend_codes, merge_codes
 
     st = prep.shared.get("window")
     if st is None:
         return None
     dec = st.dec
-    i = next(j for j, w in enumerate(dec.windowed) if w)
-    ks, upto = getattr(dec, f"ks{i}"), dec.merged[i]
+    state = next(s for s in dec.states.values() if s.scratch_size)  # the first layer with sorted codes
+    ks, upto = state.ks, state.merged
     old = max(0, upto - dec.tail)
     base = merge_codes(ks, old)
     times: dict = {"extend_codes": [], "merge_codes": []}

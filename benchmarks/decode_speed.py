@@ -15,9 +15,9 @@ on the models trained through a window. Methods:
 - `exact_compiled`: the same decoder's step under torch.compile (CUDA graphs on the GPU);
 - `window` (windowed models): its trained window through the sorted cache and the ring (`LM.make_caches()`);
 - `window_static` / `window_compiled` (windowed models): the trained window through `StaticDecoder`'s
-  static codes (`attnlab.models.static_window`), eager / compiled; one decoder serves both, as one
+  static codes (`attnlab.cache.static.window`), eager / compiled; one decoder serves both, as one
   serves exact_static and exact_compiled; on a GPU each layer's choice of keys is one Triton kernel
-  (`static_window_kernel`);
+  (`cache.static.window_kernel`);
 - `window_ops_static` / `window_ops_compiled`: the same choice through PyTorch's ops (`window_keys`'
   impl="torch", a chain of launches per layer), beside the kernel in the same run;
 - `learned` (windowed models, contexts up to --learned-max): learned key selection, `DecodeSelector`
@@ -126,9 +126,8 @@ class Static:
 
     def __init__(self, m: LM, kind: str, idx: torch.Tensor, total: int, dev, backend: str = "inductor"):
         sel = learned_selector(m, dev) if kind == "learned" else None
-        self.dec = StaticDecoder(m, idx.shape[0], total, exact=kind == "exact", selector=sel)
-        if kind == "window_ops":  # the window's choice of keys through PyTorch's ops, not the GPU kernel
-            self.dec.window_impl = "torch"
+        impl = "torch" if kind == "window_ops" else "auto"  # window_ops: PyTorch's ops choose the keys, not the GPU kernel
+        self.dec = StaticDecoder(m, idx.shape[0], total, exact=kind == "exact", selector=sel, window_impl=impl)
         B, H, T = idx.shape[0], m.cfg.n_heads, idx.shape[1]
         chunk = max(16, min(1024, 2**28 // (B * H * T)))  # an exact chunk's scores (B, H, chunk, T) under 1 GiB
         self.logits = self.dec.prefill(idx, chunk=chunk)

@@ -192,7 +192,7 @@ def selector_decoders(args, cfg, model) -> tuple[dict, dict]:
             info.update(ivf_nlist=args.ivf_nlist, ivf_nprobe=args.ivf_nprobe)
         for name in learned:
             index = {"learned": "exact", "learned-hnsw": "hnsw", "learned-ivf": "ivf"}[name]
-            sel = DecodeSelector(proj, args.K, index=index, nlist=args.ivf_nlist, nprobe=args.ivf_nprobe)
+            sel = DecodeSelector(proj, args.K, index=index, ivf_nlist=args.ivf_nlist, ivf_nprobe=args.ivf_nprobe)
             out[f"{name}@{args.K}"] = (model, model.make_caches(1, selector=sel))
     if "quest" in args.selector:  # pages of the layers' own keys: no projections to train
         out[f"quest@{args.K}"] = (model, model.make_caches(1, selector=DecodeSelector(None, args.K, index="quest")))

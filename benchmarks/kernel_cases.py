@@ -30,7 +30,7 @@ def _cases() -> dict:
         for kind, name in (("sel_fwd", "_sel_fwd"), ("sel_bwd", "_sel_bwd"), ("sel_bwd_keys", "_sel_bwd_keys")):
             cases[f"{family}/{kind}"] = (scalar + "triton_selected", name, code, kind, 0, (1,))
     # a trained window's choice of keys in a decode step: no key-tile loop (its rounds are unrolled)
-    cases["window-decode/keys"] = ("attnlab.models.static_window_kernel", "_window_keys", None, "decode_keys", 0, ())
+    cases["window-decode/keys"] = ("attnlab.cache.static.window_kernel", "_window_keys", None, "decode_keys", 0, ())
     return cases
 
 
@@ -114,9 +114,9 @@ def _launch(case: str, fast: bool):
 
 
 def _decode_keys_launch(fn) -> tuple:
-    """The decode step's window-keys kernel as `static_window_kernel` launches it for the shipped window
+    """The decode step's window-keys kernel as `cache.static.window_kernel` launches it for the shipped window
     (k = 16) with a tail of 256 over a 128K-position cache."""
-    from attnlab.models.static_window_kernel import PROBES, _pow2, search_rounds
+    from attnlab.cache.static.window_kernel import PROBES, _pow2, search_rounds
 
     cons = dict(K=16, TAIL=256, KP=_pow2(16), CP=_pow2(2 * _pow2(16) + 256), ROUNDS=search_rounds(2**17), PROBES=PROBES)
     types = dict(QS="*fp32", KS="*fp32", CODES="*i64", MERGED="*i64", LAST_OLD="*i64", IDX="*i64", OK="*i1", N="i32")

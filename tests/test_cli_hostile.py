@@ -144,6 +144,27 @@ def test_search_bad_options_are_one_line(argv, words, tmp_path, capsys, monkeypa
         assert word in line, f"{word!r} not in {line!r}"
 
 
+def test_search_index_options_take_their_older_spelling(tmp_path, capsys, monkeypatch):
+    """--ef-search, --nlist and --nprobe are --hnsw-ef-search, --ivf-nlist and --ivf-nprobe
+    (`attnlab.index.options`): the same config, and a bad value the same one-line error."""
+    import argparse
+
+    from attnlab.cli.search_commands import add_search_commands, eval_config, tasks_config
+
+    parser = argparse.ArgumentParser()
+    add_search_commands(parser.add_subparsers(dest="command"))
+    old = ["--ef-search", "64", "--nlist", "8", "--nprobe", "2"]
+    new = ["--hnsw-ef-search", "64", "--ivf-nlist", "8", "--ivf-nprobe", "2"]
+    for command, build, head in (("eval", eval_config, ["--checkpoint", "p"]),
+                                 ("tasks", tasks_config, ["--model", "m", "--methods", "full"])):
+        a, b = (build(parser.parse_args(["search", command, *head, *given])) for given in (old, new))
+        assert a == b and (a.hnsw_ef_search, a.ivf_nlist, a.ivf_nprobe) == (64, 8, 2)
+    monkeypatch.setattr(sys.modules["attnlab.search.sweep"], "run_eval", lambda *a, **k: pytest.fail("ran"))
+    lines = [one_line_error(["search", "eval", "--model", "x", "--methods", "quest", lists, "8", probes, "9"], capsys,
+                            tmp_path, monkeypatch) for lists, probes in (("--nlist", "--nprobe"), ("--ivf-nlist", "--ivf-nprobe"))]
+    assert lines[0] == lines[1] == "error: attnlab search eval: nprobe (9) must be at most nlist (8)"
+
+
 def _forget_search_modules(monkeypatch):
     for name in [n for n in sys.modules if n in ("attnlab.search", "attnlab.cli.search_commands")
                  or n.startswith("attnlab.search.")]:

@@ -239,7 +239,8 @@ def test_every_int_key_rejects_bools_and_floats(key, text):
 
 def _config_classes():
     from attnlab.models.config import ModelConfig
-    from attnlab.train.config import DataConfig, RegularizersConfig, RunSection
+    from attnlab.train.config import RegularizersConfig, RunSection
+    from attnlab.train.data_config import DataConfig
 
     return [(ModelConfig, "model."), (DataConfig, "data."), (TrainConfig, "train."),
             (RegularizersConfig, "regularizers."), (RunSection, "run.")]

@@ -308,6 +308,30 @@ def test_ground_weight_and_gate_suppression_against_the_naive_op():
     assert strong == pytest.approx(sum(x > 1 for x in vals) / len(vals))
 
 
+def test_attention_report_gives_the_ground_state_of_layers_with_one():
+    """A layer whose mechanism has a ground value (principled's v0) reports its ground weight and gate
+    suppression, from its own weights and gate vectors; a layer without one reports neither."""
+    from attnlab.eval.metrics import gate_suppression, ground_weight, layer_inputs
+    from attnlab.models import LM, ModelConfig
+    from attnlab.train.evaluate import attention_report
+
+    torch.manual_seed(0)
+    model = LM(ModelConfig(d_model=32, n_layers=2, n_heads=2, vocab_size=256, attn=["principled", "softmax"],
+                           max_seq_len=16, layer_attention=[{"alpha_init": 0.5, "beta_init": 0.5, "gamma_init": 0.0},
+                                                            {}])).eval()
+    x = torch.randint(0, 256, (2, 16))
+    with torch.no_grad():
+        rep = attention_report(model, x, alignment=False)
+        inputs = layer_inputs(model, x, record=True)
+        layer = model.blocks[0].attn
+        w = layer.attention_weights(inputs[0]).float()
+        layer(inputs[0], record=True)
+        p = layer.last.heads
+    assert rep[0]["ground_weight"] == ground_weight(w).tolist() and min(rep[0]["ground_weight"]) > 0
+    assert (rep[0]["gate_suppression"], rep[0]["gate_suppression_strong"]) == gate_suppression(p.qg, p.kg, p.beta)
+    assert not {"ground_weight", "gate_suppression", "gate_suppression_strong"} & set(rep[1])
+
+
 def test_by_length_analyses_attention_only_up_to_its_cap(monkeypatch):
     """Past ANALYSIS_MAX_LEN the loss is still measured but the T x T attention analysis is skipped
     (at 16K tokens it would need gigabytes per layer); the slope uses the lengths analysed."""

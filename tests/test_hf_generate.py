@@ -1,7 +1,8 @@
 """transformers' generate() through attnlab's caches: greedy output equals LM.generate token for
 token (exact and windowed, the window from the call, the GenerationConfig or the model config);
 a left-padded batch gives, for every mechanism, each prompt's own tokens and logits; sampling,
-max_new_tokens, eos_token_id, stopping criteria and chunked prefill work; beam search is refused."""
+max_new_tokens, eos_token_id, stopping criteria and chunked prefill work; beam search, assisted decoding
+and contrastive search are refused."""
 
 import pytest
 import torch
@@ -134,11 +135,35 @@ def test_chunked_prefill_and_refused_modes(folder):
     assert torch.equal(greedy(hf, ids, 5, prefill_chunk_size=4), lm.generate(ids, 5))
     with pytest.raises(ValueError, match="num_beams=2"):
         greedy(hf, ids, 3, num_beams=2)
-    cache = H.AttnlabCache()
-    with pytest.raises(NotImplementedError, match="reorder_cache"):
-        cache.reorder_cache(torch.tensor([1, 0]))
     with pytest.raises(ValueError, match="window"):
         H.AttnlabCache(window=0)
+
+
+def test_cache_refuses_what_its_decode_states_cannot_do(folder):
+    """Reordering or rolling back rows (beam search, assisted decoding, contrastive search) is an
+    UnsupportedCacheOperation naming the method, the mode that needs it and what to use; repeating
+    rows is a no-op before the first forward only, and a refused call leaves the state as it was."""
+    lm, _ = folder(["gla", "hybrid"])
+    ids = torch.randint(256, (2, 5))
+    cache = H.AttnlabCache()
+    cache.batch_repeat_interleave(2)  # before any state: the first forward makes it for its batch
+    cache.feed(lm, ids, None)
+    calls = {"reorder_cache": lambda: cache.reorder_cache(torch.tensor([1, 0])), "crop": lambda: cache.crop(3),
+             "batch_select_indices": lambda: cache.batch_select_indices(torch.tensor([0])),
+             "batch_repeat_interleave": lambda: cache.batch_repeat_interleave(2)}
+    for method, call in calls.items():
+        with pytest.raises(H.UnsupportedCacheOperation) as e:
+            call()
+        assert isinstance(e.value, ValueError) and e.value.method == method
+        assert str(e.value) == (f"AttnlabCache.{method} ({H.cache.NEEDED_BY[method]}): attnlab's decode states (recurrent "
+                                "states, sorted scalar caches) cannot be reordered or rolled back, so beam search, "
+                                "assisted decoding and contrastive search are not supported; use greedy decoding or "
+                                "sampling (num_beams=1)")
+    assert (cache.batch_size, cache.get_seq_length()) == (2, 5)
+    step = torch.randint(256, (2, 1))
+    fresh = H.AttnlabCache()
+    fresh.feed(lm, ids, None)
+    assert torch.equal(cache.feed(lm, step, None), fresh.feed(lm, step, None))
 
 
 def test_generate_through_a_learned_selector(folder):

@@ -5,8 +5,8 @@ cli -> experiments -> retrofit -> search -> hf -> train / eval -> models -> laye
 ops -> data. Every `import` / `from ... import` of attnlab, at the top of a module or inside a
 function, is read from the source; an import of a higher layer fails the test unless it is listed in
 UPWARD with the reason it is still there; any circle among modules fails it (a module and its own
-package aside). Top-level utility modules (checks, lock, interrupt, pool, testing, report_format,
-regularizers, harness) sit outside the layers."""
+package aside). Top-level utility modules (checks, masks, lock, interrupt, pool, testing,
+report_format, regularizers, harness) sit outside the layers."""
 
 from __future__ import annotations
 

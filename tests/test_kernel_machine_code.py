@@ -47,7 +47,7 @@ SCRIPT = ROOT / "benchmarks" / "kernel_sass.py"
 SOURCES = [SCRIPT, ROOT / "benchmarks" / "kernel_cases.py",
            *sorted((ROOT / "src" / "attnlab" / "ops" / "scalar").glob("triton_*.py")),
            ROOT / "src" / "attnlab" / "ops" / "principled" / "triton_kernel.py",
-           ROOT / "src" / "attnlab" / "models" / "static_window_kernel.py"]
+           ROOT / "src" / "attnlab" / "cache" / "static" / "window_kernel.py"]
 H100_SHARED = 227 * 1024
 BUDGETS = {  # key-tile (dk/dv: query-tile) loop instructions per trip, at the launchers' GPU tiles
     "hybrid-gaussian/fwd": 430, "hybrid-gaussian/bwd_kv": 310, "hybrid-gaussian/bwd_q": 480,

@@ -9,7 +9,8 @@ import torch
 
 from attnlab.data import IGNORE, mqar
 from attnlab.models.config import ConfigError
-from attnlab.train.config import load_config, mqar_min_len
+from attnlab.train.config import load_config
+from attnlab.train.data_config import mqar_min_len
 
 
 def _digest(x, y) -> str:

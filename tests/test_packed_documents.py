@@ -175,6 +175,15 @@ def test_triton_impl_is_for_the_kernels_mechanisms():
         AttentionConfig(d_model=32, n_heads=4, mechanism="hybrid", impl="triton", sliding_window=8)
     # training through the window has its own kernel (ops.scalar.triton_selected)
     AttentionConfig(d_model=32, n_heads=4, mechanism="hybrid", impl="triton", train_window=8)
+    AttentionConfig(d_model=32, n_heads=4, mechanism="scalar", impl="triton", train_window=8)
+    AttentionConfig(d_model=32, n_heads=4, mechanism="principled", impl="triton")
+    # a mechanism whose options do not list train_window takes none, with Triton or without
+    for impl in ("triton", "auto"):
+        with pytest.raises(ValueError, match=r"^AttentionConfig\.train_window: got 8, need no value: mechanism "
+                                             r"'principled' does not use it"):
+            AttentionConfig(d_model=32, n_heads=4, mechanism="principled", impl=impl, train_window=8)
+    with pytest.raises(ValueError, match=r"^AttentionConfig\.impl: got 'triton'"):
+        AttentionConfig(d_model=32, n_heads=4, mechanism="principled", impl="triton", sliding_window=8)
 
 
 @pytest.mark.cuda

@@ -114,6 +114,30 @@ def test_bad_verdict_metric_and_cli_error(tmp_path, corpus, capsys):
     assert "mass@99" in capsys.readouterr().err and not (tmp_path / "runs").exists()
 
 
+def test_index_options_take_their_older_spelling(tmp_path, corpus):
+    """nlist, nprobe and ef_search in [eval] (shared or a variant's) are ivf_nlist, ivf_nprobe and
+    hnsw_ef_search, checked as those; an option in both spellings, or an old name a section does not
+    spell the new way, is refused naming the keys."""
+    old = '[[variants]]\nname = "old"\neval = { nlist = 8, nprobe = 2, ef_search = 64 }\n'
+    new = '[[variants]]\nname = "old"\neval = { ivf_nlist = 8, ivf_nprobe = 2, hnsw_ef_search = 64 }\n'
+    runs = {t: [r.eval for r in load_trial(spec(tmp_path, corpus, t)).runs if r.variant == "old"] for t in (old, new)}
+    assert runs[old] == runs[new] and [(e.ivf_nlist, e.ivf_nprobe, e.hnsw_ef_search) for e in runs[old]] == [(8, 2, 64)] * 2
+    path = spec(tmp_path, corpus)
+    path.write_text(path.read_text().replace("[eval]\n", "[eval]\nnprobe = 4\n"))
+    assert {r.eval.ivf_nprobe for r in load_trial(path).runs} == {4}
+    errors = {}
+    for name, extra in (("old", "eval = { nlist = 8, nprobe = 9 }"), ("new", "eval = { ivf_nlist = 8, ivf_nprobe = 9 }"),
+                        ("both", "eval = { nprobe = 2, ivf_nprobe = 2 }"), ("train", "train = { nprobe = 2 }")):
+        with pytest.raises(ConfigError) as e:
+            load_trial(spec(tmp_path, corpus, f'[[variants]]\nname = "bad"\n{extra}\n'))
+        errors[name] = str(e.value)
+    assert errors["old"] == errors["new"] == "variant 'bad', seed 0: eval: nprobe (9) must be at most nlist (8)"
+    assert errors["both"] == ("variant 'bad', seed 0: eval.nprobe and eval.ivf_nprobe are one option (nprobe is its "
+                              "older spelling); give eval.ivf_nprobe only")
+    assert errors["train"].startswith("variant 'bad', seed 0: unknown or owned key train.nprobe; allowed:")
+    assert not (tmp_path / "runs").exists()
+
+
 COVERAGE = '''[[variants]]
 name = "frontier"
 train = { query_rows = 8 }

@@ -67,11 +67,11 @@ def test_hnsw_ivf_and_half_keys_decode_as_the_exact_index_where_they_are_exact()
     with torch.no_grad():
         run = lambda K, **kw: _stepped(model, idx, DecodeSelector(proj, K, **kw))  # noqa: E731
         exact8, exact6 = run(8), run(6)
-        graph, full = run(8, index="hnsw", hnsw_m=8, ef_search=32), run(40, index="hnsw", hnsw_m=8)
-        ivf = run(6, index="ivf", nlist=4, nprobe=4, train_at=12)  # lists learned at the 12th key
-        few = run(6, index="ivf", nlist=4, nprobe=1, train_at=12)
+        graph, full = run(8, index="hnsw", hnsw_m=8, hnsw_ef_search=32), run(40, index="hnsw", hnsw_m=8)
+        ivf = run(6, index="ivf", ivf_nlist=4, ivf_nprobe=4, ivf_train_at=12)  # lists learned at the 12th key
+        few = run(6, index="ivf", ivf_nlist=4, ivf_nprobe=1, ivf_train_at=12)
         half = run(6, key_dtype="float16")
-        graph16 = run(8, index="hnsw", hnsw_m=8, ef_search=32, key_dtype="float16")
+        graph16 = run(8, index="hnsw", hnsw_m=8, hnsw_ef_search=32, key_dtype="float16")
     assert rel_rms(graph[:, :8], exact8[:, :8]) < 1e-6  # n <= K: every key, no graph search
     assert rel_rms(graph, exact8) < 0.05 and rel_rms(full, model(idx)[0]) < 1e-5
     assert rel_rms(ivf, exact6) < 1e-5 and rel_rms(few[:, :11], exact6[:, :11]) < 1e-5
@@ -83,9 +83,12 @@ def test_hnsw_ivf_and_half_keys_decode_as_the_exact_index_where_they_are_exact()
 @pytest.mark.parametrize("kwargs, error, words", [
     ({"K": 0}, ValueError, "K"),
     ({"K": 4, "index": "lsh"}, ValueError, "index"),
-    ({"K": 4, "ef_search": 0}, ValueError, "ef_search"),
-    ({"K": 4, "index": "ivf", "nlist": 4, "nprobe": 5}, ValueError, "nprobe"),
-    ({"K": 4, "index": "ivf", "nlist": 8, "nprobe": 2, "train_at": 4}, ValueError, "train_at"),
+    ({"K": 4, "hnsw_ef_search": 0}, ValueError, r"^hnsw_ef_search must be a positive int, got 0"),
+    ({"K": 4, "hnsw_ef_construction": 0}, ValueError, r"^hnsw_ef_construction must be"),
+    ({"K": 4, "index": "ivf", "ivf_nlist": 0}, ValueError, r"^ivf_nlist must be a positive int, got 0"),
+    ({"K": 4, "index": "ivf", "ivf_nlist": 4, "ivf_nprobe": 5}, ValueError,
+     r"^ivf_nprobe \(5\) must be at most ivf_nlist \(4\)"),
+    ({"K": 4, "index": "ivf", "ivf_nlist": 8, "ivf_nprobe": 2, "ivf_train_at": 4}, ValueError, r"^ivf_train_at \(4\)"),
     ({"K": 4, "key_dtype": "int8"}, ValueError, "key_dtype"),
     ({"K": 4, "index": "ivf", "key_dtype": "float16"}, ValueError, "key_dtype"),
 ])

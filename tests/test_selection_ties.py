@@ -102,9 +102,10 @@ def test_the_prompts_keys_are_the_keys_a_step_computes(case):
         dec.prefill(idx)
         a, h = m.blocks[0].attn, m.blocks[0].norm1(m.tok_emb(idx))
         alone = torch.cat([a.project(h[:, t : t + 1], t).ks for t in range(idx.shape[1])], -1)
-        assert torch.equal(dec.ks0[:, :, : idx.shape[1]], alone.float())
+        ks = dec.states["0"].ks
+        assert torch.equal(ks[:, :, : idx.shape[1]], alone.float())
         same = idx[0, :, None] == idx[0, None, :]  # every pair of equal tokens in row 0
-        ks = dec.ks0[0, 0, : idx.shape[1]]
+        ks = ks[0, 0, : idx.shape[1]]
         assert torch.equal(ks[:, None] == ks[None, :], same)
 
 

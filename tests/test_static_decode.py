@@ -2,7 +2,7 @@
 tokens equal LM.generate's, for softmax (every q·k scaling; its sliding window as a ring: w = 1, w past max_len, prompt
 chunks wider than the ring), GOAT, goat_hybrid, principled, GLA, SSD, cosformer, scalar and hybrid layers (GQA,
 RoPE, output gate, learned positions, Cauchy kernel, the gain), exactly or through a trained window
-(static_window: ties, merges of the sorted codes); the compiled step; refusals by name."""
+(cache.static.window: ties, merges of the sorted codes); the compiled step; refusals by name."""
 
 from __future__ import annotations
 
@@ -241,7 +241,7 @@ def test_a_budget_evicts_as_the_sorted_cache_does(attn, attention, k, budget):
         assert torch.allclose(dec.prefill(idx[:, :9]), want[:, 8], atol=1e-5)
         for t in range(9, 40):
             assert torch.allclose(dec.step(idx[:, t : t + 1]), want[:, t], atol=1e-5), t
-        alive = dec.alive0 & (dec.slots <= 39 - m.blocks[0].attn.config.local_window)
+        alive = dec.states["0"].alive & (dec.slots <= 39 - m.blocks[0].attn.config.local_window)
         assert int(alive.sum(-1).max()) == budget
     with pytest.raises(ValueError, match="budget"):
         StaticDecoder(m, 2, 48, budget=4)  # a budget caps a window: give one
@@ -295,7 +295,7 @@ def test_learned_selection_through_static_buffers(attention):
 def test_static_codes_choose_the_dense_windows():
     """window_keys over merged codes and a directly scored tail = the dense rule (distance, newest
     first) on keys with many exact ties, both zeros, and every merge point and tail length."""
-    from attnlab.models.static_window import merge_codes, window_keys
+    from attnlab.cache.static import merge_codes, window_keys
     from attnlab.ops.scalar.window import window_indices
 
     g = torch.Generator().manual_seed(6)
@@ -313,12 +313,30 @@ def test_static_codes_choose_the_dense_windows():
             assert torch.equal(idx[ok], want[:, :, t][ok_want[:, :, t]]), (t, merged)
 
 
+@pytest.mark.parametrize("kernel", ["gaussian", "cauchy"])
+def test_gathered_keys_score_as_the_naive_logits(kernel):
+    """The static readouts' scalar logits over each query's own gathered keys (B, H, T, m), with a
+    per-query tau and a gain of either sign, are the naive reference's logits at those keys, bit for bit."""
+    from attnlab.ops.scalar.naive import hybrid_logits
+    from attnlab.ops.scalar.scores import scalar_scores
+
+    g = torch.Generator().manual_seed(5)
+    B, H, T, m = 2, 3, 6, 4
+    qs, ks = torch.randn(B, H, T, generator=g), torch.randn(B, H, T, generator=g)
+    tau, lam = torch.rand(B, H, T, generator=g) + 0.5, torch.tensor([0.5, -1.5, 2.0])
+    q, k = torch.zeros(B, H, T, 8), torch.zeros(B, H, T, 8)  # no dot term: the scalar term alone
+    idx = torch.randint(0, T, (B, H, T, m), generator=g)
+    got = scalar_scores(qs, ks.gather(-1, idx.view(B, H, -1)).view(B, H, T, m), tau, kernel, lam[None, :, None])
+    full = hybrid_logits(q, k, qs, ks, tau, causal=False, scalar_scale=lam, kernel=kernel)  # (B, H, T, T)
+    assert torch.equal(got, full.gather(-1, idx))
+
+
 def test_extending_codes_equals_sorting_them_again():
     """extend_codes from any merge point to any later one = merge_codes at the later one, bit for bit,
     on keys with many exact ties and both zeros, in place, with its temporaries allocated or in one
     scratch buffer reused from merge to merge (left holding garbage); a merge point past the keys and
     a scratch buffer too small, of another dtype or device are refused."""
-    from attnlab.models.static_window import extend_codes, extend_scratch_size, merge_codes
+    from attnlab.cache.static import extend_codes, extend_scratch_size, merge_codes
 
     g = torch.Generator().manual_seed(8)
     B, H, N = 2, 3, 37
@@ -406,7 +424,7 @@ def test_compiled_budget_and_decode_window_equal_eager():
 def test_each_decoder_steps_through_a_code_object_of_its_own():
     """`own_code`: the step as a copy of `step_logits` with its own code object (dynamo's caches and
     recompile count live on the code object), computing the same logits."""
-    from attnlab.models.static_state import own_code
+    from attnlab.models.static_decode import own_code
 
     m = model(*SETTINGS["softmax-gqa-window"])
     a, b = StaticDecoder(m, 2, 16), StaticDecoder(m, 2, 16)
@@ -434,14 +452,20 @@ def test_refusals_name_what_is_wrong():
     with pytest.raises(ValueError, match="max_len=65 is past cosformer's horizon cosformer_max_len=64"):
         StaticDecoder(model("cosformer", {}, {}), 1, 65)
     odd = model("softmax", {}, {})
-    odd.blocks[1].attn.mechanism = "mine"  # a mechanism registered outside attnlab
-    with pytest.raises(ValueError, match="layer 1 has mechanism 'mine'"):
+
+    class Mine(type(odd.blocks[1].attn)):  # a mechanism registered outside attnlab, with no static state
+        mechanism, static_state = "mine", None
+
+    odd.blocks[1].attn.__class__ = Mine
+    with pytest.raises(ValueError, match="layer 1 has mechanism 'mine' .*makes no static state"):
         StaticDecoder(odd, 1, 8)
     m = model(*SETTINGS["softmax-learned-positions"])
     with pytest.raises(ValueError, match="max_len=65 is past the learned position embedding"):
         StaticDecoder(m, 1, 65)
     with pytest.raises(ValueError, match="max_len must be an int >= 1"):
         StaticDecoder(m, 1, 0)
+    with pytest.raises(ValueError, match="window_impl must be one of 'auto', 'triton', 'torch', got 'cuda'"):
+        StaticDecoder(m, 1, 4, window_impl="cuda")
     dec = StaticDecoder(m, 1, 4)
     with pytest.raises(ValueError, match="step before prefill"):
         dec.step(torch.zeros(1, 1, dtype=torch.long))
@@ -452,6 +476,23 @@ def test_refusals_name_what_is_wrong():
         dec.prefill(torch.zeros(2, 3, dtype=torch.long))
     with pytest.raises(ValueError, match="compile=True decodes through static buffers"):
         m.generate(torch.zeros(1, 2, dtype=torch.long), 3, compile=True, attention_mask=torch.ones(1, 2))
+
+
+def test_every_registered_mechanism_makes_its_own_static_state():
+    """The decoder names no mechanism: each registered class makes its layer's state, of the interface
+    the decoder calls (cache.static.StaticState), from the decode modes given as options."""
+    from attnlab.cache.static import StaticState
+    from attnlab.layers.mechanisms import REGISTRY
+    from attnlab.models.static_decode import supported
+
+    kinds = {"goat": "goat", "goat_hybrid": "goat-hybrid-gqa", "principled": "principled-window", "hybrid": "hybrid-gqa",
+             "scalar": "scalar-value-groups"}
+    for name in REGISTRY:
+        m = model(*SETTINGS[kinds.get(name, name)])
+        assert supported(m.blocks[0].attn) is None, name
+        dec = StaticDecoder(m, 2, 16)
+        assert all(isinstance(s, StaticState) for s in dec.states.values()), name
+        assert all(isinstance(s.layer, REGISTRY[name]) for s in dec.states.values()), name
 
 
 @pytest.mark.cuda

@@ -163,7 +163,7 @@ def test_a_compiled_step_holds_one_value_assert(name):
     per checked tensor of every layer before). The kinds whose CUDA-graph test failed or never
     reported on the H100 (goat-hybrid-gqa, ssd, gla) were those carrying comparison asserts in their
     captured step; principled (finiteness asserts only) and the kinds without any passed."""
-    from attnlab.models.static_state import own_code
+    from attnlab.models.static_decode import own_code
 
     graphs = []
 

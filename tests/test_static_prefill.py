@@ -59,16 +59,17 @@ def test_a_budgeted_prompt_prefills_in_one_pass(name, monkeypatch):
     stepped = StaticDecoder(m, 2, 48, window=k, budget=budget)
     with torch.no_grad():
         for i in range(len(m.blocks)):
-            getattr(stepped, f"alive{i}").fill_(True)
+            stepped.states[str(i)].alive.fill_(True)
         for t in range(30):
             stepped.pos.fill_(t)
             stepped.step_logits(idx[:, t : t + 1])
     w = m.blocks[0].attn.config.local_window
     older = stepped.slots <= 29 - w
     for i in range(len(m.blocks)):
-        assert torch.equal(getattr(dec, f"alive{i}") & older, getattr(stepped, f"alive{i}") & older), i
-        assert int((getattr(dec, f"alive{i}") & older).sum(-1).max()) == budget
-        assert torch.allclose(getattr(dec, f"qh{i}")[..., :30], getattr(stepped, f"qh{i}")[..., :30], atol=1e-6)
+        one, steps = dec.states[str(i)], stepped.states[str(i)]
+        assert torch.equal(one.alive & older, steps.alive & older), i
+        assert int((one.alive & older).sum(-1).max()) == budget
+        assert torch.allclose(one.qh[..., :30], steps.qh[..., :30], atol=1e-6)
     for t in range(30, 44):
         assert torch.allclose(dec.step(idx[:, t : t + 1]), want[:, t], atol=1e-5), t
 

@@ -1,4 +1,4 @@
-"""Split-K decode steps (attnlab.models.static_split): the chunked softmax with its log-sum-exp combine
+"""Split-K decode steps (attnlab.cache.static.split): the chunked softmax with its log-sum-exp combine
 equals one softmax over every key (outputs and gradients, hidden keys, wholly hidden chunks, the sink
 as an extra key); a StaticDecoder whose exact steps split the cache gives the unsplit decoder's logits
 for softmax (every scaling, GQA), scalar and hybrid layers (GQA, value groups, the sink and its weight,
@@ -10,11 +10,11 @@ from __future__ import annotations
 import pytest
 import torch
 
-from attnlab.models import static_scalar, static_state
+from attnlab.cache.static import CHUNK, SPLIT_MIN, split_attention, split_attention_naive, split_chunk
+from attnlab.layers.mechanisms import scalar_static, softmax
 from attnlab.models.config import ModelConfig
 from attnlab.models.lm import LM
 from attnlab.models.static_decode import StaticDecoder
-from attnlab.models.static_split import CHUNK, SPLIT_MIN, split_attention, split_attention_naive, split_chunk
 from test_static_decode import random_sinks
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -92,7 +92,7 @@ def test_split_steps_equal_the_unsplit_steps(name, monkeypatch):
     """Every step's logits with the cache split in chunks of 8 (buffers padded from 30 to 32 slots) equal
     the unsplit decoder's and the full forward's; the split form runs in every step of a split layer."""
     calls = []
-    for mod in (static_scalar, static_state):
+    for mod in (scalar_static, softmax):
         real = mod.split_attention
         monkeypatch.setattr(mod, "split_attention", lambda *a, real=real: calls.append(1) or real(*a))
     m = layered(name)

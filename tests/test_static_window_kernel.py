@@ -1,5 +1,5 @@
-"""The decode step's choice of a trained window's keys as one Triton kernel (models/static_window_kernel.py),
-under Triton's interpreter: the same keys as `static_window.window_keys` (its PyTorch ops) where valid, and
+"""The decode step's choice of a trained window's keys as one Triton kernel (cache/static/window_kernel.py),
+under Triton's interpreter: the same keys as `cache.static.window_keys` (its PyTorch ops) where valid, and
 the same validity, on exact ties, both zeros, every merge point and tail, searches of one to three rounds
 and positions before the first old key; a decoder through it generates what LM.generate does, compiled too."""
 
@@ -13,8 +13,8 @@ pytest.importorskip("triton")
 from attnlab.models.config import ModelConfig  # noqa: E402
 from attnlab.models.lm import LM  # noqa: E402
 from attnlab.models.static_decode import StaticDecoder  # noqa: E402
-from attnlab.models.static_window import merge_codes, window_keys  # noqa: E402
-from attnlab.models.static_window_kernel import search_rounds  # noqa: E402
+from attnlab.cache.static import merge_codes, window_keys  # noqa: E402
+from attnlab.cache.static.window_kernel import search_rounds  # noqa: E402
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -54,9 +54,9 @@ def test_the_kernel_chooses_the_keys_the_ops_choose_on_long_caches(N):
 
 
 def test_the_kernel_spells_out_the_codes_constants():
-    from attnlab.models import static_window
+    from attnlab.cache.static import window
 
-    assert (static_window.POS_MAX, static_window.LAST) == (2**31 - 1, 2**63 - 1)
+    assert (window.POS_MAX, window.LAST) == (2**31 - 1, 2**63 - 1)
 
 
 def test_search_rounds():
@@ -96,8 +96,7 @@ def test_a_decoder_through_the_kernel_generates_what_generate_does(attention):
     idx = torch.randint(0, 3, (1, 9), generator=torch.Generator().manual_seed(1))
     ref = m.generate(idx, 14)
     for tail in (1, 64):
-        dec = StaticDecoder(m, 1, 30, tail=tail)
-        dec.window_impl = "triton"
+        dec = StaticDecoder(m, 1, 30, tail=tail, window_impl="triton")
         assert torch.equal(dec.generate(idx, 14), ref), tail
     with torch.no_grad(), Ops() as ops:
         dec.step(ref[:, -1:])
@@ -109,9 +108,8 @@ def test_a_compiled_step_through_the_kernel_equals_eager():
     """Compiled (fullgraph), the kernel is one opaque custom op: every step's logits equal the eager step's."""
     m = _windowed(local_window=2)
     idx = torch.randint(0, 50, (1, 20), generator=torch.Generator().manual_seed(2))
-    eager, fast = StaticDecoder(m, 1, 40, tail=4), StaticDecoder(m, 1, 40, tail=4, compile=True)
-    for dec in (eager, fast):
-        dec.window_impl = "triton"
+    eager = StaticDecoder(m, 1, 40, tail=4, window_impl="triton")
+    fast = StaticDecoder(m, 1, 40, tail=4, compile=True, window_impl="triton")
     assert torch.allclose(fast.prefill(idx[:, :6]), eager.prefill(idx[:, :6]), atol=1e-5)
     for t in range(6, 20):
         assert torch.allclose(fast.step(idx[:, t : t + 1]), eager.step(idx[:, t : t + 1]), atol=1e-5), t

@@ -42,13 +42,14 @@ class DecodeSelector:
         K: keys each head reads per step (besides the sink).
         index: "exact" (every search key scored, O(n) per step), "hnsw" (FAISS HNSW graphs, one
             per batch row and head; needs faiss-cpu), "ivf" (FAISS IVF-flat: a step scores the
-            keys of `nprobe` of `nlist` lists, `attnlab.index.ivf.IVFIndex`) or "quest" (pages of
+            keys of `ivf_nprobe` of `ivf_nlist` lists, `attnlab.index.ivf.IVFIndex`) or "quest" (pages of
             the layer's own keys ranked by a bound on their logits, no projections).
         page: Quest's page size (index="quest").
-        hnsw_m, ef_construction, ef_search, pin: the HNSW graph's links per node, build and search
-            beam widths, and the first keys scored exactly beside the graph (`HNSWIndex`).
-        nlist, nprobe, train_at: index="ivf": lists per sequence, lists a step scores, and the
-            keys held when the lists' centroids are learned (None: 16 * nlist; exact until then).
+        hnsw_m, hnsw_ef_construction, hnsw_ef_search, pin: the HNSW graph's links per node, build
+            and search beam widths, and the first keys scored exactly beside the graph or the lists
+            (`HNSWIndex`; the options' spelling: `attnlab.index.options`).
+        ivf_nlist, ivf_nprobe, ivf_train_at: index="ivf": lists per sequence, lists a step scores, and
+            the keys held when the lists' centroids are learned (None: 16 * ivf_nlist; exact until then).
         key_dtype: index="exact" or "hnsw": "float16" stores the search keys in half precision
             (half the vector bytes a step reads; HNSW through FAISS's fp16 scalar quantizer).
     """
@@ -57,13 +58,13 @@ class DecodeSelector:
     K: int
     index: str = "exact"
     hnsw_m: int = 32
-    ef_construction: int = 64
-    ef_search: int = 128
+    hnsw_ef_construction: int = 64
+    hnsw_ef_search: int = 128
     pin: int = 4
     page: int = 16
-    nlist: int = 256
-    nprobe: int = 16
-    train_at: int | None = None
+    ivf_nlist: int = 256
+    ivf_nprobe: int = 16
+    ivf_train_at: int | None = None
     key_dtype: str = "float32"
 
     def __post_init__(self):
@@ -73,7 +74,7 @@ class DecodeSelector:
         if (self.projections is None) != (self.index == "quest"):
             raise ValueError(f"index={self.index!r}: " + ("Quest reads the layers' own keys, give projections=None"
                              if self.index == "quest" else "needs search projections (train_selector_projections)"))
-        for name in ("hnsw_m", "ef_construction", "ef_search"):
+        for name in ("hnsw_m", "hnsw_ef_construction", "hnsw_ef_search"):
             check_int(name, getattr(self, name))
         check_int("pin", self.pin, low=0)
         check_choice("key_dtype", self.key_dtype, tuple(KEY_DTYPES))
@@ -82,7 +83,7 @@ class DecodeSelector:
         if self.index == "ivf":
             from ..index.ivf import IVFIndex
 
-            IVFIndex.check_args(self.nlist, self.nprobe, self.train_at)
+            IVFIndex.check_args(self.ivf_nlist, self.ivf_nprobe, self.ivf_train_at, prefix="ivf_")
 
     def check(self, layers) -> None:
         """The projections fit these (block index, layer) pairs (ValueError/TypeError naming them)."""
@@ -110,8 +111,9 @@ class KeySelector:
         self.spec, self.layer = spec, layer
         d = spec.projections.d_search
         self.index = (ExactIndex(KEY_DTYPES[spec.key_dtype]) if spec.index == "exact"
-                      else IVFIndex(d, spec.nlist, spec.nprobe, spec.train_at, spec.pin) if spec.index == "ivf"
-                      else HNSWIndex(d, spec.hnsw_m, spec.ef_construction, spec.ef_search, spec.pin,
+                      else IVFIndex(d, spec.ivf_nlist, spec.ivf_nprobe, spec.ivf_train_at, spec.pin)
+                      if spec.index == "ivf"
+                      else HNSWIndex(d, spec.hnsw_m, spec.hnsw_ef_construction, spec.hnsw_ef_search, spec.pin,
                                      KEY_DTYPES[spec.key_dtype]))
         self._pending: list[tuple[torch.Tensor, torch.Tensor]] = []
 

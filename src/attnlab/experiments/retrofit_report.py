@@ -94,9 +94,9 @@ def _rule_of(stats: dict, v: str) -> str:
 def _same_rule(rule: dict, judged: dict, stats: dict) -> dict:
     """A comparison of perplexities scored under different perplexity rules (or a variant whose seeds
     mix them) is not judged: inconclusive, saying which to rerun. Attention statistics are unaffected."""
-    m = rule.get("metric", "")
-    if "compare" not in rule or not (m in ("ppl", "nll", "ppl_gap") or m.startswith(("exact@", "gap:", "window",
-                                                                                       "learned"))):
+    metric = rule.get("metric", "")
+    if "compare" not in rule or not (metric in ("ppl", "nll", "ppl_gap")
+                                     or metric.startswith(("exact@", "gap:", "window", "learned"))):
         return judged
     if not all(stats.get(v, {}).get("seeds") for v in rule["compare"]):
         return judged  # a variant with no finished run: the judge already says what is missing

@@ -148,7 +148,7 @@ def summarize(rows: list[dict]) -> dict:
         groups.setdefault(f"{r['dist']}/{r['d']}/{r['n']}/{r['scale']}", []).append(r)
     out = {}
     for key, rs in groups.items():
-        out[key] = {m: list(mean_sd([r[m] for r in rs])[:2]) for m in (*MEASURES, "divisor")}
+        out[key] = {measure: list(mean_sd([r[measure] for r in rs])[:2]) for measure in (*MEASURES, "divisor")}
     return out
 
 
@@ -165,8 +165,8 @@ def verdicts(summary: dict) -> list[dict]:
     """The seed's claims (RULES) judged at its own setting by the sweep's verdict rule, from the
     output of `summarize`; one verdict dict (outcome, reason, numbers) per rule."""
     dist, d, n = SEED_SETTING
-    variants = {s: {"mean": {m: summary[f"{dist}/{d}/{n}/{s}"][m][0] for m in MEASURES},
-                    "sd": {m: summary[f"{dist}/{d}/{n}/{s}"][m][1] for m in MEASURES}} for s in SCALINGS}
+    variants = {s: {"mean": {measure: summary[f"{dist}/{d}/{n}/{s}"][measure][0] for measure in MEASURES},
+                    "sd": {measure: summary[f"{dist}/{d}/{n}/{s}"][measure][1] for measure in MEASURES}} for s in SCALINGS}
     return [judge(rule, variants) for rule in RULES]
 
 
@@ -190,21 +190,21 @@ def report(results: dict, out: Path) -> str:
              f"{', '.join(results['dists'])} (normal; Student t with 3 dof scaled to unit variance; normal directions "
              "with log-normal (σ = 1) key lengths). Mean ± sd over seeds.", "",
              f"## The seed's setting: normal, d = {d}, n = {n}", ""]
-    rows = [[s] + [_cell(summary[f"{dist}/{d}/{n}/{s}"][m]) for m in (*MEASURES, "divisor")] for s in SCALINGS]
+    rows = [[s] + [_cell(summary[f"{dist}/{d}/{n}/{s}"][measure]) for measure in (*MEASURES, "divisor")] for s in SCALINGS]
     lines += [markdown_table(["scaling", *MEASURES, "divisor c"], rows), ""]
     lines += verdict_lines(RULES, results["verdicts"], "Verdicts (at the seed's setting)")
     lines += ["## Across dimensions, key counts and distributions", "",
               "shape_ks and grad_s per setting (mean over seeds); rows are (distribution, d, n).", ""]
-    for m in ("shape_ks", "grad_s", "entropy"):
+    for measure in ("shape_ks", "grad_s", "entropy"):
         rows = []
         for dist_ in results["dists"]:
             for d_ in results["dims"]:
                 for n_ in results["keys"]:
-                    rows.append([dist_, d_, n_] + [fmt(summary[f"{dist_}/{d_}/{n_}/{s}"][m][0], 3) for s in SCALINGS])
-        lines += [f"### {m}", "", markdown_table(["distribution", "d", "n", *SCALINGS], rows), ""]
-    wins = {m: sum(summary[f"{a}/{b}/{c}/ktotal"][m][0] < summary[f"{a}/{b}/{c}/sqrt_d"][m][0]
+                    rows.append([dist_, d_, n_] + [fmt(summary[f"{dist_}/{d_}/{n_}/{s}"][measure][0], 3) for s in SCALINGS])
+        lines += [f"### {measure}", "", markdown_table(["distribution", "d", "n", *SCALINGS], rows), ""]
+    wins = {measure: sum(summary[f"{a}/{b}/{c}/ktotal"][measure][0] < summary[f"{a}/{b}/{c}/sqrt_d"][measure][0]
                    for a in results["dists"] for b in results["dims"] for c in results["keys"])
-            for m in ("shape_ks", "grad_s")}
+            for measure in ("shape_ks", "grad_s")}
     total = len(results["dists"]) * len(results["dims"]) * len(results["keys"])
     lines += [f"ktotal has the lower shape_ks (better kept shape) than √d in {wins['shape_ks']} of {total} settings, "
               f"and the lower grad_s (smaller gradient reaching q·k) in {wins['grad_s']} of {total}.", "",
@@ -220,14 +220,14 @@ def plot(results: dict, path: Path) -> Path:
     fig, axes = plt.subplots(len(results["dists"]), 3, figsize=(13, 3.2 * len(results["dists"])), dpi=110, squeeze=False)
     n_ref = results["keys"][0]
     for row, dist in zip(axes, results["dists"]):
-        for ax, m in zip(row, ("shape_ks", "grad_s", "entropy")):
+        for ax, measure in zip(row, ("shape_ks", "grad_s", "entropy")):
             for i, s in enumerate(SCALINGS):
-                ys = [summary[f"{dist}/{d}/{n_ref}/{s}"][m][0] for d in results["dims"]]
+                ys = [summary[f"{dist}/{d}/{n_ref}/{s}"][measure][0] for d in results["dims"]]
                 ax.plot(results["dims"], ys, marker="o", ms=3, color=f"C{i}", label=s)
             ax.set_xscale("log", base=2)
-            if m == "grad_s":
+            if measure == "grad_s":
                 ax.set_yscale("log")
-            ax.set_title(f"{m}, {dist}, n = {n_ref}", fontsize=9)
+            ax.set_title(f"{measure}, {dist}, n = {n_ref}", fontsize=9)
             ax.set_xlabel("dimension d")
             ax.grid(alpha=0.3)
         row[0].legend(fontsize=7)

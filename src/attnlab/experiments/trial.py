@@ -15,6 +15,7 @@ from typing import Sequence
 
 from attnlab.data.cache import atomic_write_text
 from attnlab.experiments.report import fmt
+from attnlab.index.options import respell
 from attnlab.models.config import ConfigError
 from attnlab.train.config import read_toml
 
@@ -102,8 +103,13 @@ def pm(mean, sd) -> str:
 def section(cls, name: str, shared: dict, own: dict, where: str, fixed: tuple[str, ...] = (), **owned):
     """`cls` (a config dataclass) from a spec's shared `[name]` table and a variant's own, which wins;
     `owned` are the values the runner sets (a spec naming one of `fixed` is refused). ConfigError
-    naming `where` and the key for an unknown or owned key or a value the dataclass rejects."""
+    naming `where` and the key for an unknown or owned key or a value the dataclass rejects. An index
+    option in its older spelling (`nprobe` for `ivf_nprobe`, `attnlab.index.options`) is taken as the other."""
     allowed = {f.name for f in fields(cls)} - set(fixed)
+    try:
+        shared, own = respell(shared, allowed, f"{name}."), respell(own, allowed, f"{name}.")
+    except ValueError as e:
+        raise ConfigError(f"{where}: {e}") from None
     for k in {**shared, **own}:
         need(k in allowed, f"{where}: unknown or owned key {name}.{k}; allowed: {', '.join(sorted(allowed))}"
                            + (f" (the trial sets {', '.join(fixed)})" if fixed else ""))

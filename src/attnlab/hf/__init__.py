@@ -7,7 +7,8 @@ Importing this package registers model_type "attnlab" with `AutoConfig` and
 
 - `AttnlabConfig`, `AttnlabForCausalLM`: the config and the PreTrainedModel + GenerationMixin
   around `attnlab.models.LM` (every registered mechanism, per-layer lists).
-- `AttnlabCache`: the transformers Cache holding attnlab's decode state, used by `generate`.
+- `AttnlabCache`: the transformers Cache holding attnlab's decode state, used by `generate`
+  (`UnsupportedCacheOperation` for what it cannot do: beam search, assisted decoding, contrastive search).
 - `export_run(run_dir, out_dir)`: a trained run as a model folder; `hf_tokenizer(tok)`.
 - lm-evaluation-harness: `python -m attnlab.harness run --model hf --model_args pretrained=FOLDER ...`
   or `lm_eval.models.huggingface.HFLM(pretrained=model, tokenizer=tok)` in Python.
@@ -20,7 +21,7 @@ from __future__ import annotations
 
 from transformers import AutoConfig, AutoModelForCausalLM
 
-from .cache import AttnlabCache
+from .cache import AttnlabCache, UnsupportedCacheOperation
 from .configuration import MODEL_TYPE, AttnlabConfig
 from .export import ExportError, export_run
 from .modeling import AttnlabForCausalLM, AttnlabPreTrainedModel
@@ -45,5 +46,5 @@ register()
 
 __all__ = [
     "AttnlabCache", "AttnlabConfig", "AttnlabForCausalLM", "AttnlabPreTrainedModel", "ExportError",
-    "MODEL_TYPE", "TESTED_TRANSFORMERS", "export_run", "hf_tokenizer", "register",
+    "MODEL_TYPE", "TESTED_TRANSFORMERS", "UnsupportedCacheOperation", "export_run", "hf_tokenizer", "register",
 ]

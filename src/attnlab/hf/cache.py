@@ -8,8 +8,10 @@ around `attnlab.models.decode.DecodeState`: the model feeds it the next columns 
 included (what generate slices its inputs with). Per-layer state: `layer_caches(i)`.
 
 What a Cache must offer and attnlab's state cannot (rolling back or reordering rows: beam search,
-assisted decoding, contrastive search, `crop`) raises NotImplementedError naming the method, rather
-than corrupting a state silently; `AttnlabForCausalLM.generate` rejects num_beams > 1 up front.
+assisted decoding, contrastive search, `crop`) raises `UnsupportedCacheOperation` (a ValueError, as
+transformers refuses a cache it cannot crop) naming the method and the generation mode that needs
+it, rather than corrupting a state silently; `AttnlabForCausalLM.generate` rejects num_beams > 1 up
+front.
 
 Version notes: transformers 4.56 made `Cache` a list of per-layer objects (`layers=`) and 5.x
 renamed and moved several methods; this class calls none of the per-layer machinery and overrides
@@ -26,6 +28,24 @@ import torch
 from transformers.cache_utils import Cache
 
 from attnlab.models.decode import DecodeOptions, DecodeState
+
+
+# the Cache methods attnlab's decode states cannot carry out, and the generation mode that calls each
+NEEDED_BY = {"reorder_cache": "beam search (num_beams > 1)", "crop": "assisted decoding (assistant_model, "
+             "prompt_lookup_num_tokens)", "batch_select_indices": "contrastive search (penalty_alpha)",
+             "batch_repeat_interleave": "repeating the batch's rows once decoding has begun"}
+
+
+class UnsupportedCacheOperation(ValueError):
+    """A transformers Cache method that attnlab's decode states cannot carry out (reordering or rolling
+    back rows), naming the method, the generation mode that needs it and what to use instead."""
+
+    def __init__(self, method: str):
+        super().__init__(
+            f"AttnlabCache.{method} ({NEEDED_BY[method]}): attnlab's decode states (recurrent states, sorted "
+            f"scalar caches) cannot be reordered or rolled back, so beam search, assisted decoding and contrastive "
+            f"search are not supported; use greedy decoding or sampling (num_beams=1)")
+        self.method = method
 
 
 def _base_init(cache: Cache) -> None:
@@ -146,25 +166,20 @@ class AttnlabCache(Cache):
         """Drop the decode state; the next forward starts a new one."""
         self.state, self.decoder, self.seen = None, None, 0
 
-    def _unsupported(self, what: str):
-        raise NotImplementedError(
-            f"AttnlabCache.{what}: attnlab's decode states (recurrent states, sorted scalar caches) cannot be "
-            f"reordered or rolled back, so beam search, assisted decoding and contrastive search are not supported; "
-            f"use greedy decoding or sampling (num_beams=1)")
-
     def reorder_cache(self, beam_idx: torch.LongTensor):
-        """Not supported (beam search): raises NotImplementedError."""
-        self._unsupported("reorder_cache")
+        """Not supported (beam search): raises UnsupportedCacheOperation."""
+        raise UnsupportedCacheOperation("reorder_cache")
 
     def crop(self, max_length: int):
-        """Not supported (assisted decoding): raises NotImplementedError."""
-        self._unsupported("crop")
+        """Not supported (assisted decoding): raises UnsupportedCacheOperation."""
+        raise UnsupportedCacheOperation("crop")
 
     def batch_repeat_interleave(self, repeats: int):
-        """Allowed before the first forward only (then a no-op); raises NotImplementedError after it."""
-        if self.state is not None:
-            self._unsupported("batch_repeat_interleave")
+        """Allowed before the first forward only (then a no-op: the state is made for the batch the
+        forward brings); raises UnsupportedCacheOperation after it."""
+        if self.is_initialized:
+            raise UnsupportedCacheOperation("batch_repeat_interleave")
 
     def batch_select_indices(self, indices: torch.Tensor):
-        """Not supported (contrastive search): raises NotImplementedError."""
-        self._unsupported("batch_select_indices")
+        """Not supported (contrastive search): raises UnsupportedCacheOperation."""
+        raise UnsupportedCacheOperation("batch_select_indices")

@@ -87,16 +87,18 @@ class IVFIndex(HNSWIndex):
         self.nlist, self.nprobe, self.train_at = nlist, nprobe, train_at
 
     @staticmethod
-    def check_args(nlist: int, nprobe: int, train_at: int | None) -> int:
-        """ValueError naming the argument that cannot work; returns train_at (its default filled in)."""
-        check_int("nlist", nlist)
-        check_int("nprobe", nprobe)
+    def check_args(nlist: int, nprobe: int, train_at: int | None, prefix: str = "") -> int:
+        """ValueError naming the argument that cannot work, as a caller spells it (`prefix`: "ivf_" for
+        a selector's options, `attnlab.index.options`); returns train_at (its default filled in)."""
+        n, p, t = f"{prefix}nlist", f"{prefix}nprobe", f"{prefix}train_at"
+        check_int(n, nlist)
+        check_int(p, nprobe)
         if nprobe > nlist:
-            raise ValueError(f"nprobe ({nprobe}) must be at most nlist ({nlist})")
+            raise ValueError(f"{p} ({nprobe}) must be at most {n} ({nlist})")
         train_at = 16 * nlist if train_at is None else train_at
-        check_int("train_at", train_at)
+        check_int(t, train_at)
         if train_at < nlist:
-            raise ValueError(f"train_at ({train_at}) must be at least nlist ({nlist}): k-means needs a key per centroid")
+            raise ValueError(f"{t} ({train_at}) must be at least {n} ({nlist}): k-means needs a key per centroid")
         return train_at
 
     def _new(self):

@@ -346,8 +346,9 @@ class AttentionConfig:
                        "linear attention it gates the normaliser of)")
         if self.impl not in LAYER_IMPLS:
             raise _err("impl", self.impl, f"one of {LAYER_IMPLS}")
-        if self.impl == "triton" and (self.mechanism not in TRITON_MECHANISMS or self.sliding_window is not None
-                                      or (self.train_window is not None and self.mechanism == "principled")):
+        # train_window reaches only the mechanisms whose options list it (scalar, hybrid: `_check_applicable`),
+        # and their kernels train through it
+        if self.impl == "triton" and (self.mechanism not in TRITON_MECHANISMS or self.sliding_window is not None):
             raise _err("impl", self.impl, f"one of {IMPLS} here: 'triton' is for mechanisms {TRITON_MECHANISMS} without "
                        "a sliding window (their Triton kernels have none; scalar and hybrid heads train through "
                        "their train_window in one)")

@@ -10,50 +10,48 @@ reads under a mask of the positions written: the same shapes every step and no h
     dec = StaticDecoder(model, batch_size=1, max_len=4096, compile=True)
     out = dec.generate(prompt, 200)                # = model.generate(prompt, 200) (greedy)
 
-Scalar and hybrid heads (Gaussian or Cauchy, GQA, the gain, grouped values, the sink and its weight,
-dot-product heads beside them) live in this module's buffers and are read by `static_scalar`;
-softmax, GOAT, goat_hybrid and principled in a key store whose sliding window is a ring of w slots,
-and GLA, SSD and cosformer in their fixed-size state (`static_state`). Exact reading costs
-O(max_len) per step; on CUDA, from 4K positions, the softmax and scalar-family exact steps split the
-cache into chunks read in parallel and combined by log-sum-exp (split-K, `static_split`). A layer
-trained through a window (`train_window`, `local_window`), or any scalar layer under `window=k`,
-reads its k + w keys through sorted int64 codes merged every `tail` steps between steps
-(`static_window`): O(log max_len + k + w + tail), and an O(t) merge every `tail` steps at position t, the prompt through the model's own forward in one
-pass; `budget=M` adds the sorted cache's evictions (the prompt's in one pass too,
-`ops.scalar.budget_evictions`). A `selector` (`DecodeSelector`, index "exact") reads the K keys the
-search projections score highest: one matmul over a static buffer and a top-K per step, the prompt
-in one pass per chunk. A step reads no value back to the host and makes no shape from data (its
-value checks are device-side asserts), so it is captured whole as a CUDA graph.
+Each layer's buffers and readout are its mechanism's: the layer's `static_state(opts)` makes a
+`cache.static.StaticState` from one `cache.static.StaticOptions` (the decode modes below as
+arguments), and the decoder loops over those states, naming no mechanism (docs/adding-a-mechanism.md).
+Softmax, GOAT, goat_hybrid and principled keep a key store whose sliding window is a ring of w
+slots, GLA, SSD and cosformer their fixed-size state, scalar and hybrid heads (Gaussian or Cauchy,
+GQA, the gain, grouped values, the sink and its weight, dot-product heads beside them) buffers of
+their own (`layers.mechanisms.scalar_static`). Exact reading costs O(max_len) per step; on CUDA,
+from 4K positions, the softmax and scalar-family exact steps split the cache into chunks read in
+parallel and combined by log-sum-exp (split-K, `cache.static.split`). A layer trained through a
+window (`train_window`, `local_window`), or any scalar layer under `window=k`, reads its k + w keys
+through sorted int64 codes merged every `tail` steps between steps (`cache.static.window`):
+O(log max_len + k + w + tail), and an O(t) merge every `tail` steps at position t, the prompt
+through the model's own forward in one pass; `budget=M` adds the sorted cache's evictions (the
+prompt's in one pass too, `ops.scalar.budget_evictions`). A `selector` (`DecodeSelector`, index
+"exact") reads the K keys the search projections score highest: one matmul over a static buffer and
+a top-K per step, the prompt in one pass per chunk. A step reads no value back to the host and makes
+no shape from data (its value checks are device-side asserts), so it is captured whole as a CUDA graph.
 """
-
 from __future__ import annotations
+
+import types
 
 import torch
 from torch import nn
 
-from ..cache.selected import KEY_DTYPES
-from ..cache.sorted import QUERY_HISTORY
+from ..cache.options import selectable_layers
+from ..cache.static import StaticOptions, padded, split_chunk
 from ..checks import async_value_checks, check_output_finite, set_model_boundary
-from ..ops.scalar.budget import NEVER, budget_evictions
 from .decode import decode_window
-from .static_scalar import ScalarReadouts
-from .static_split import padded, split_chunk
-from .static_state import KEYED, RECURRENT, KeyStore, make_state, own_code, softmax_step
-from .static_window import LAST, extend_codes, extend_scratch_size, merge_codes
 
-__all__ = ["StaticDecoder", "supported"]
-
-SCALAR = ("scalar", "hybrid")  # mechanisms whose heads carry scalar keys (a hybrid's add q·k/√d)
+__all__ = ["StaticDecoder", "own_code", "supported"]
 
 
 def supported(layer) -> str | None:
-    """None when a `StaticDecoder` decodes `layer` (an `attnlab.layers.Attention`), else why not."""
-    if layer.mechanism in KEYED + SCALAR + RECURRENT:
+    """None when a `StaticDecoder` decodes `layer` (an `attnlab.layers.Attention`): its class makes a
+    static state (`static_state(opts)`, docs/adding-a-mechanism.md); else why not."""
+    if getattr(layer, "static_state", None) is not None:
         return None
-    return f"mechanism {layer.mechanism!r} (static decoding takes {', '.join(KEYED + SCALAR + RECURRENT)} layers)"
+    return f"mechanism {layer.mechanism!r} (its class {type(layer).__name__} makes no static state: no static_state(opts))"
 
 
-class StaticDecoder(ScalarReadouts, nn.Module):
+class StaticDecoder(nn.Module):
     """Exact decoding of `model` (an `attnlab.models.LM`) through static buffers (module docstring).
 
     Args:
@@ -73,19 +71,22 @@ class StaticDecoder(ScalarReadouts, nn.Module):
             the K keys their search projections score highest (one matmul over the stored search
             keys and a top-K per step, the device route of learned selection), in place of a window.
         split: how a softmax or scalar-family layer's exact step reads a long cache: "auto" splits it
-            on CUDA from `static_split.SPLIT_MIN` positions into chunks of `static_split.CHUNK` keys
+            on CUDA from `cache.static.SPLIT_MIN` positions into chunks of `cache.static.CHUNK` keys
             (split-K), None never splits, an int splits into chunks of that many keys (the buffers
             padded to whole chunks).
+        window_impl: how a window step chooses its keys (`cache.static.window_keys`' impl): "auto"
+            one Triton kernel on CUDA, "triton" the kernel (the CPU under TRITON_INTERPRET=1),
+            "torch" PyTorch's ops.
 
     Raises:
         ValueError: batch_size or max_len not a positive int, max_len past the learned position
-            embedding's length, a split that is not "auto", None or an int >= 1, or a layer this
-            decoder does not take (naming it and why).
+            embedding's length, a split that is not "auto", None or an int >= 1, a window_impl not
+            named above, or a layer this decoder does not take (naming it and why).
     """
 
     def __init__(self, model, batch_size: int, max_len: int, *, compile: bool = False, exact: bool = False,
                  tail: int = 256, selector=None, window: int | None = None, budget: int | None = None,
-                 split="auto"):
+                 split="auto", window_impl: str = "auto"):
         super().__init__()
         for name, n in (("batch_size", batch_size), ("max_len", max_len), ("tail", tail)):
             if isinstance(n, bool) or not isinstance(n, int) or n < 1:
@@ -103,7 +104,7 @@ class StaticDecoder(ScalarReadouts, nn.Module):
             if not isinstance(selector, DecodeSelector) or selector.index != "exact" or exact:
                 raise ValueError("selector must be a DecodeSelector with index='exact' (scored on the device), "
                                  "and exact=False")
-            selector.check([(i, blk.attn) for i, blk in enumerate(model.blocks) if blk.attn.mechanism in SCALAR])
+            selector.check(selectable_layers(model))
         if window is not None or budget is not None:
             from ..cache.options import DecodeOptions
 
@@ -113,48 +114,20 @@ class StaticDecoder(ScalarReadouts, nn.Module):
             DecodeOptions(window=window, budget=budget).check(model)  # the checks LM.generate(window=...) makes
         self.model, self.batch_size, self.max_len, self.tail = model, batch_size, max_len, tail
         self.selector, self.window, self.budget = selector, window, budget
-        self.kwin = [window or blk.attn.config.train_window if blk.attn.mechanism in SCALAR else None
-                     for blk in model.blocks]  # each layer's k nearest keys, or None: every key
-        self.windowed = [not exact and selector is None and k is not None for k in self.kwin]
-        self.merged = [0] * len(model.blocks)  # host copies of each windowed layer's merge point
         p = next(model.parameters())
         self.chunk = split_chunk(split, max_len, p.device)  # keys per chunk of a split exact step, or None
         B, N = batch_size, padded(max_len, self.chunk)  # the buffers hold whole chunks (the rest never visible)
-        self.states = nn.ModuleDict()  # layers read through a key store or a recurrent state (static_state)
-        self.dots = nn.ModuleDict()  # the dot-product heads of mixed scalar layers
+        self.states = nn.ModuleDict()  # each layer's static state, made by its mechanism
         for i, blk in enumerate(model.blocks):
-            a = blk.attn
-            state = make_state(a, B, N, p.device, p.dtype, self.chunk)
-            if state is not None:
-                self.states[str(i)] = state
-                continue
-            if a.n_scalar < a.config.n_heads:  # a mixed layer's dot-product heads: a key store of their own
-                self.dots[str(i)] = KeyStore({"k": (a.n_kv, a.qk_dim, p.dtype), "v": (a.n_kv, a.config.head_dim, p.dtype)},
-                                             B, N, a.config.sliding_window, p.device)
-            if a.mechanism != "scalar":  # a scalar head's score reads no vector key
-                self.register_buffer(f"k{i}", p.new_zeros(B, a.n_kv, N, a.qk_dim), persistent=False)
-            groups = a.value_groups if a.mechanism == "scalar" else a.n_kv
-            self.register_buffer(f"v{i}", p.new_zeros(B, groups, N, a.config.head_dim), persistent=False)
-            if a.mechanism in SCALAR:
-                self.register_buffer(f"ks{i}", p.new_zeros(B, a.n_scalar, N, dtype=torch.float32), persistent=False)
-                if selector is not None:
-                    self.register_buffer(f"sk{i}", p.new_zeros(B, a.n_scalar, N, selector.projections.d_search,
-                                                               dtype=KEY_DTYPES[selector.key_dtype]), persistent=False)
-            if self.windowed[i] and budget is not None:  # live older keys, and the recent scalar queries
-                self.register_buffer(f"alive{i}", torch.ones(B, a.n_scalar, N, dtype=torch.bool, device=p.device),
-                                     persistent=False)
-                self.register_buffer(f"qh{i}", torch.zeros(B, a.n_scalar, QUERY_HISTORY, device=p.device),
-                                     persistent=False)
-            elif self.windowed[i]:
-                self.register_buffer(f"codes{i}", torch.full((B, a.n_scalar, 2, N), LAST, device=p.device),
-                                     persistent=False)  # the sorted codes, low and high (static_window)
-                self.register_buffer(f"m{i}", torch.zeros((), dtype=torch.long, device=p.device), persistent=False)
-        sizes = [extend_scratch_size(c) for name, c in self.named_buffers() if name.startswith("codes")]
-        if sizes:  # the merges' temporaries, one buffer shared by the layers (they merge one after another)
-            self.register_buffer("merge_scratch", torch.empty(max(sizes), dtype=torch.int64, device=p.device),
+            opts = StaticOptions(batch_size=B, max_len=N, device=p.device, dtype=p.dtype, layer=i, chunk=self.chunk,
+                                 exact=exact, window=window, budget=budget, tail=tail, selector=selector,
+                                 window_impl=window_impl)
+            self.states[str(i)] = blk.attn.static_state(opts)
+        size = max(state.scratch_size for state in self.states.values())
+        if size:  # the merges' temporaries, one buffer shared by the layers (they merge one after another)
+            self.register_buffer("merge_scratch", torch.empty(size, dtype=torch.int64, device=p.device),
                                  persistent=False)
-        self.fused = [blk.attn.fusable()
-                      and not getattr(self.states[str(i)] if str(i) in self.states else None, "stack_qkv_off", False)
+        self.fused = [blk.attn.fusable() and not self.states[str(i)].stack_qkv_off
                       for i, blk in enumerate(model.blocks)]  # q, k, v as one matmul of stacked weights
         for i, blk in enumerate(model.blocks):
             if self.fused[i]:
@@ -171,22 +144,17 @@ class StaticDecoder(ScalarReadouts, nn.Module):
             self._step = torch.compile(own_code(self.step_logits), fullgraph=True,
                                        mode="reduce-overhead" if p.device.type == "cuda" else None)
 
-    def _attend(self, i: int, blk, h: torch.Tensor, positions: torch.Tensor, visible: torch.Tensor) -> torch.Tensor:
+    @property
+    def merged(self) -> list[int]:
+        """Each layer's merge point of its sorted codes (host copies; 0 where it keeps none)."""
+        return [state.merged for state in self.states.values()]
+
+    def _attend(self, i: int, blk, h: torch.Tensor, positions: torch.Tensor, n: int) -> torch.Tensor:
         """Layer i's readout for the tokens h (B, T, C) at `positions` (T,), their entries written into
-        the buffers first; visible (T, N) marks the buffer slots each token reads."""
-        a = blk.attn
+        its state first; each token reads the state's first n slots (where its position allows)."""
         B, T = h.shape[:2]
-        p = a.project(h, positions.expand(B, T), qkv=self._qkv(i))
-        n = visible.shape[-1]  # the slots read: all of them in a step, those up to the chunk's end in a prefill
-        if str(i) in self.states:
-            return self.states[str(i)].attend(a, p, positions, n)
-        o = self._scalar_attend(i, a, p, h, positions, visible)
-        if str(i) in self.dots:  # a mixed layer: its dot-product heads after the scalar heads
-            e, _, ok = self.dots[str(i)].read({"k": p.k, "v": p.v}, positions, n)
-            chunk = None if self.dots[str(i)].ring else self.chunk
-            od = softmax_step(p.q, e, ok, a.config.scale, a.config.p, chunk)
-            o = torch.cat([o, od.to(o.dtype)], dim=1)
-        return o
+        p = blk.attn.project(h, positions.expand(B, T), qkv=self._qkv(i))
+        return self.states[str(i)].attend(p, positions, n, h)
 
     def _qkv(self, i: int):
         """Layer i's stacked q, k, v weights (and bias) for `Attention.project`, or None."""
@@ -200,7 +168,7 @@ class StaticDecoder(ScalarReadouts, nn.Module):
             if not self.fused[i]:
                 continue
             a = blk.attn
-            seen = tuple((t._version, t.data_ptr()) for m in (a.wq, a.wk, a.wv) for t in (m.weight, m.bias) if t is not None)
+            seen = tuple((t._version, t.data_ptr()) for lin in (a.wq, a.wk, a.wv) for t in (lin.weight, lin.bias) if t is not None)
             if force or seen != self._qkv_seen[i]:
                 w, b = a.fused_qkv()
                 getattr(self, f"qkvw{i}").copy_(w)
@@ -209,32 +177,21 @@ class StaticDecoder(ScalarReadouts, nn.Module):
                 self._qkv_seen[i] = seen
 
     def _merge(self, t: int, force: bool = False) -> None:
-        """Before the step at position t: a windowed layer whose directly scored older keys would pass
-        `tail` (or every one, force) brings its codes up to t - w: the keys since its last merge sorted
-        in (`extend_codes`), or every key sorted again when forced (between steps, not in the compiled
-        graph)."""
-        for i, blk in enumerate(self.model.blocks):
-            if not self.windowed[i] or self.budget is not None:  # a budget scores every live slot: no codes
-                continue
-            w = blk.attn.config.local_window
-            if force or t - w + 1 - self.merged[i] > self.tail:
-                upto = max(0, min(t - w + 1, t))  # every position below it written already
-                codes, ks = getattr(self, f"codes{i}"), getattr(self, f"ks{i}")
-                if force:
-                    codes.copy_(merge_codes(ks, upto))
-                else:  # keys below the merge point never change: only the new ones are sorted in
-                    extend_codes(codes, ks, self.merged[i], upto, self.merge_scratch)
-                getattr(self, f"m{i}").fill_(upto)
-                self.merged[i] = upto
+        """Before the step at position t: each state brings its sorted codes up to date (only windowed
+        scalar layers keep any; force: every key sorted again, after a prompt), between steps, not in
+        the compiled graph."""
+        scratch = getattr(self, "merge_scratch", None)
+        for state in self.states.values():
+            state.merge(t, force, scratch)
 
-    def _forward(self, idx: torch.Tensor, positions: torch.Tensor, visible: torch.Tensor) -> torch.Tensor:
+    def _forward(self, idx: torch.Tensor, positions: torch.Tensor, n: int) -> torch.Tensor:
         m = self.model
         x = m.tok_emb(idx)
         if m.pos_emb is not None:
             x = x + m.pos_emb(positions)[None]
         for i, blk in enumerate(m.blocks):
             h = blk.norm1(x)
-            x = x + blk.attn.finish(self._attend(i, blk, h, positions, visible), h)
+            x = x + blk.attn.finish(self._attend(i, blk, h, positions, n), h)
             x = x + blk.mlp(blk.norm2(x))
         return m.head(m.norm_f(x))
 
@@ -248,7 +205,7 @@ class StaticDecoder(ScalarReadouts, nn.Module):
         compiling = torch.compiler.is_compiling()
         before = set_model_boundary(True) if compiling else False
         try:
-            logits = self._forward(idx_t, positions, self.slots[None, :] <= positions[:, None])[:, -1]
+            logits = self._forward(idx_t, positions, self.slots.shape[0])[:, -1]
         finally:
             if compiling:
                 set_model_boundary(before)
@@ -266,23 +223,22 @@ class StaticDecoder(ScalarReadouts, nn.Module):
                              f"got shape {tuple(idx.shape)}")
         T = idx.shape[1]
         self._sync_qkv(force=True)
-        for state in [*self.states.values(), *self.dots.values()]:
+        for state in self.states.values():
             state.reset()
-        if any(self.windowed):
+        if any(state.whole_prompt for state in self.states.values()):
             return self._prefill_whole(idx)
         for a in range(0, T, chunk):
             positions = torch.arange(a, min(T, a + chunk), device=idx.device)  # reading slots up to the chunk's end
-            logits = self._forward(idx[:, a : a + chunk], positions, self.slots[None, : a + len(positions)]
-                                   <= positions[:, None])[:, -1]
+            logits = self._forward(idx[:, a : a + chunk], positions, a + len(positions))[:, -1]
         self.pos.fill_(T)
         self.length = T
         return logits
 
     def _prefill_whole(self, idx: torch.Tensor) -> torch.Tensor:
         """The prompt through the model's own forward in one pass (a windowed layer's readout is its
-        windowed op, what its decode reads), every layer's entries written into the buffers; then the
-        windowed layers' codes are sorted (or, under a budget, the keys its evictions left marked). The
-        logits of the last token (B, V)."""
+        windowed op, what its decode reads), every layer's entries written into its state (`fill`);
+        then the windowed layers' codes are sorted (or, under a budget, the keys its evictions left
+        marked). The logits of the last token (B, V)."""
         if self.window is not None:  # the layers' forward through the decode window (models.decode.decode_window)
             with decode_window(self.model, self.window, self.budget):
                 return self._prefill_layers(idx)
@@ -297,37 +253,12 @@ class StaticDecoder(ScalarReadouts, nn.Module):
         for i, blk in enumerate(m.blocks):
             a, h = blk.attn, blk.norm1(x)
             p = a.project(h, 0, qkv=self._qkv(i))
-            if str(i) in self.states:
-                x = x + a.finish(self.states[str(i)].fill(a, p, T), h)
-                x = x + blk.mlp(blk.norm2(x))
-                continue
-            if str(i) in self.dots:
-                m_ = min(T, self.dots[str(i)].kpos.shape[0])
-                self.dots[str(i)].write({"k": p.k[:, :, T - m_ :], "v": p.v[:, :, T - m_ :]}, positions[T - m_ :])
-            if a.mechanism != "scalar":
-                getattr(self, f"k{i}")[:, :, :T] = p.k
-            getattr(self, f"v{i}")[:, :, :T] = a.scalar_values(p)
-            if a.mechanism in SCALAR:
-                getattr(self, f"ks{i}")[:, :, :T] = p.ks.float() + 0.0
-            if self.windowed[i] and self.budget is not None:
-                self._budget_prompt(i, a, p, T)
-            x = x + a.finish(a.attend(p)[0], h)
+            x = x + a.finish(self.states[str(i)].fill(p, T), h)
             x = x + blk.mlp(blk.norm2(x))
         self.pos.fill_(T)
         self.length = T
         self._merge(T, force=True)
         return m.head(m.norm_f(x[:, -1:]))[:, -1]
-
-    def _budget_prompt(self, i: int, a, p, T: int) -> None:
-        """Layer i's budget state after a prompt of T tokens, as T steps leave it: the older keys its
-        evictions kept (`budget_evictions`, the rule `budget_keep` applies step by step; the sink,
-        outside these buffers, is never evicted) and its last QUERY_HISTORY scalar queries."""
-        evicted = budget_evictions(p.qs, p.ks, self.budget, history=QUERY_HISTORY, local=a.config.local_window)
-        alive = getattr(self, f"alive{i}")
-        alive.fill_(True)
-        alive[:, :, :T] = evicted == NEVER  # (B, H, T): every key not evicted by the prompt's last step
-        first = max(0, T - QUERY_HISTORY)
-        getattr(self, f"qh{i}").index_copy_(2, self.slots[first:T] % QUERY_HISTORY, p.qs[..., first:T].float())
 
     @torch.no_grad()
     def step(self, idx_t: torch.Tensor) -> torch.Tensor:
@@ -366,3 +297,16 @@ class StaticDecoder(ScalarReadouts, nn.Module):
                 logits = self.step(nxt)
         self.model.train(was)
         return out
+
+
+def own_code(method):
+    """`method` (bound) as a function with a code object of its own. Dynamo keeps its compiled graphs,
+    and counts recompiles toward `torch._dynamo.config.recompile_limit` (8), per code object: every
+    decoder compiling one shared method would share that count, and a process that built more than
+    8 different decoders would fail under fullgraph=True. Each decoder's own copy starts at 0, and
+    its graphs go with it."""
+    f = method.__func__
+    code = f.__code__.replace(co_name=f"{f.__name__}_{id(method.__self__):x}")
+    fn = types.FunctionType(code, f.__globals__, code.co_name, f.__defaults__, f.__closure__)
+    fn.__kwdefaults__, fn.__doc__, fn.__qualname__ = f.__kwdefaults__, f.__doc__, f"{f.__qualname__}_{id(method.__self__):x}"
+    return types.MethodType(fn, method.__self__)

@@ -24,12 +24,20 @@ from dataclasses import dataclass, field
 
 import torch
 
-from attnlab.layers import LINEAR_FAMILY, MECHANISMS, AttentionConfig, mechanism_class
+from attnlab.layers import MECHANISMS, AttentionConfig, mechanism_class
 from attnlab.models.config import ConfigError, ModelConfig, build_dataclass
 from attnlab.search.hf_model import RETROFIT_FAMILIES as FAMILIES  # noqa: F401 (from hf_model.FAMILIES)
 from attnlab.search.hf_model import check_family
 
 PRINCIPLED_START = -16.0  # α, β, γ: softplus(−16) ≈ 1.1e-7 (docs/retrofit.md#principled)
+
+# Each start is an option of the layer (docs/retrofit.md#exact-starts): a mechanism whose class reads
+# the key (`options`) starts at the values beside it.
+START = {
+    "scalar_gain": {"scalar_gain": 0.0},  # hybrid: −0·(qs − ks)²/τ, silent, with a nonzero gradient on the gain
+    "goat_prior_init": {"goat_width": "extra", "goat_prior_init": "zero", "goat_rope": True},  # goat: its prior at 0
+    "alpha_init": {"alpha_init": PRINCIPLED_START, "beta_init": PRINCIPLED_START, "gamma_init": PRINCIPLED_START},
+}
 
 
 class RetrofitError(ValueError):
@@ -43,12 +51,10 @@ def start_overrides(mechanism: str, settings: dict) -> dict:
         start["output_gate_scale"] = 2.0  # 2σ(0) = 1: the identity
     if settings.get("sink") in (True, "true"):
         start["sink_weight"] = 0.0  # w·e^score with w = 0: no mass, a nonzero gradient on w
-    if mechanism == "hybrid":
-        start["scalar_gain"] = 0.0  # −0·(qs − ks)²/τ: silent, with a nonzero gradient on the gain
-    if mechanism == "goat":
-        start.update(goat_width="extra", goat_prior_init="zero", goat_rope=True)
-    if mechanism == "principled":
-        start.update(alpha_init=PRINCIPLED_START, beta_init=PRINCIPLED_START, gamma_init=PRINCIPLED_START)
+    reads = mechanism_class(mechanism).options
+    for option, values in START.items():
+        if option in reads:
+            start.update(values)
     return {k: v for k, v in start.items() if k not in settings}
 
 
@@ -111,13 +117,14 @@ def plan(hf_config, layers, mechanism: str, settings: dict | None = None) -> Pla
             raise RetrofitError(f"--set {key}: not a settable AttentionConfig field (the model fixes {sorted(owned)}); "
                                 f"allowed: {', '.join(allowed)}")
     base = {"head_dim": D, "n_kv_heads": G, "rope": True, "rope_base": theta, "bias": bias}
-    reads = set(mechanism_class(mechanism).options)
+    cls = mechanism_class(mechanism)
+    reads = set(cls.options)
     new = {k: v for k, v in base.items() if k in reads or k in ("head_dim", "bias")}
     if "rope_base" in reads and "rope" not in reads:  # goat: its own RoPE switch
         new["rope_base"] = theta
-    if mechanism in LINEAR_FAMILY:
-        new["n_kv_heads"] = H  # no grouped keys/values: the model's kv heads are repeated
-    if mechanism == "scalar":
+    if cls.recurrent:
+        new["n_kv_heads"] = H  # the linear family: no grouped keys/values, the model's kv heads are repeated
+    if "n_value_groups" in reads:  # grouped value attention (scalar)
         new.pop("n_kv_heads", None)
         new["n_value_groups"] = G  # the scalar heads read the model's value heads in its GQA layout
     new.update(start_overrides(mechanism, settings))
@@ -172,7 +179,7 @@ def _check_shapes(cfg: ModelConfig, chosen: list[int], mechanism: str, C: int, H
             raise RetrofitError(
                 f"layer {i}: mechanism {mechanism!r} with these settings has {name} of shape {want}, which cannot carry "
                 f"the model's {src} {(rows, cols)} (head_dim={D}, n_heads={H}, n_kv_heads={G})"
-                + ("; goat needs goat_width='extra'" if mechanism in ("goat", "goat_hybrid") else ""))
+                + ("; goat needs goat_width='extra'" if "goat_width" in layer.options else ""))
 
 
 def _copy(dst: torch.nn.Linear, src: torch.nn.Linear, D: int, what: str) -> None:

@@ -11,9 +11,9 @@
 
 from .checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
 from .config import (
-    ConfigError, DataConfig, RegularizersConfig, RunConfig, RunSection, TrainConfig,
-    dumps_toml, load_config, save_config, to_dict,
+    ConfigError, RegularizersConfig, RunConfig, RunSection, TrainConfig, dumps_toml, load_config, save_config, to_dict,
 )
+from .data_config import DataConfig
 from .config_help import config_keys, format_config_keys
 from .evaluate import evaluate, load_run
 from .logging import read_log

@@ -30,7 +30,8 @@ from attnlab.data.tokenizer_files import (
     tokenizer_file,
 )
 
-from .config import DataConfig, RunConfig
+from .config import RunConfig
+from .data_config import DataConfig
 from .ddp import DistEnv
 
 

@@ -105,7 +105,7 @@ def attention_report(model, x: torch.Tensor, topk=TOPK_KS, *, alignment: bool = 
         if n_prefix:
             entry["learned_sink_share"] = sink_share(w, sink=0, skip_first_query=False).tolist()
         rec = layer.last
-        if layer.mechanism == "principled" and rec is not None:  # the ground state and the suppress-only gate
+        if "v0" in layer.options and rec is not None:  # a ground state (principled) and its suppress-only gate
             entry["ground_weight"] = ground_weight(w).tolist()
             p = rec.heads
             entry["gate_suppression"], entry["gate_suppression_strong"] = gate_suppression(p.qg, p.kg, p.beta)

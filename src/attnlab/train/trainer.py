@@ -20,7 +20,6 @@ import gc
 import json
 import math
 import os
-import shutil
 import time
 from pathlib import Path
 
@@ -31,7 +30,6 @@ from attnlab.data.cache import atomic_write_text
 from attnlab.interrupt import Interrupted, graceful, requested
 from attnlab.lock import FolderLock
 from attnlab.models.config import ConfigError
-from attnlab.models.lm import token_loss
 from attnlab.checks import async_value_checks
 from attnlab.regularizers import regularization
 
@@ -42,9 +40,11 @@ from .resume import CKPT_DIR, check_same_model
 from .data import RunData, build_data, record_tokenizer
 from .early_stop import EarlyStopping
 from .loggers import check_loggers
-from .logging import LOG_PATHS, RunLogger, ordered, read_log
+from .logging import RunLogger, ordered, read_log
+from .run_folder import check_run_dir, prepare_run_dir
 from .stats import attention_stats
 from .throughput import Throughput
+from .validation import validation_metrics
 from .setup import (DataError, allow_tf32, autocast, build_model, compile_model,  # noqa: F401
                     has_unused_parameters, make_optimizer, resolve_device, seed_everything, to_device)
 
@@ -63,7 +63,7 @@ class Trainer:
         self.device = ddp.rank_device(resolve_device(cfg.run.device), self.env)
         self.run_dir = Path(cfg.run_dir)
         self.ckpt_dir = self.run_dir / CKPT_DIR
-        self._check_run_dir()
+        check_run_dir(self.run_dir, cfg.run.resume, cfg.run.overwrite)
         check_loggers(cfg.run.loggers)  # a backend that is not installed: named, before any folder exists
         seed_everything(cfg.run.seed)
         try:
@@ -79,8 +79,9 @@ class Trainer:
         # only now, so a run that cannot start leaves nothing on disk; one writer per run folder
         self._lock = FolderLock(self.run_dir).acquire() if self.env.is_main else None
         try:
-            self._check_run_dir()  # again, under the lock: another run may have finished here meanwhile
-            self._prepare_run_dir()
+            # again, under the lock: another run may have finished here meanwhile
+            check_run_dir(self.run_dir, cfg.run.resume, cfg.run.overwrite)
+            prepare_run_dir(self.run_dir, cfg.run.resume, self.env)
         except BaseException:
             self.close()
             raise
@@ -108,9 +109,6 @@ class Trainer:
 
     # ------------------------------------------------------------------ setup
 
-    def _has_state(self) -> bool:
-        return (self.run_dir / "log.jsonl").exists() or latest_checkpoint(self.ckpt_dir) is not None
-
     def close(self) -> None:
         """Release the run folder (locked since construction); backends still open (it raised) mark their run failed."""
         if getattr(self, "logger", None) is not None:
@@ -124,24 +122,6 @@ class Trainer:
         if getattr(self, "ddp_model", None) is not None and self.ddp_model is not self.model:
             self.ddp_model = self.model
             gc.collect()
-
-    def _check_run_dir(self) -> None:
-        if self._has_state() and not self.cfg.run.resume and not self.cfg.run.overwrite:
-            raise FileExistsError(
-                f"run folder {str(self.run_dir)!r} already holds a run; set run.resume=true to continue it, "
-                f"run.overwrite=true to start afresh there, or choose another run.name"
-            )
-
-    def _prepare_run_dir(self) -> None:
-        """Clear an overwritten run's files, then create the folder."""
-        if self._has_state() and not self.cfg.run.resume:
-            ddp.barrier(self.env)
-            if self.env.is_main:
-                for name in LOG_PATHS + ("summary.json", CKPT_DIR):
-                    path = self.run_dir / name
-                    shutil.rmtree(path) if path.is_dir() else path.unlink(missing_ok=True)
-            ddp.barrier(self.env)
-        self.run_dir.mkdir(parents=True, exist_ok=True)
 
     def _resume(self) -> None:
         path = latest_checkpoint(self.ckpt_dir)
@@ -221,28 +201,11 @@ class Trainer:
 
     # ------------------------------------------------------------------ evaluation
 
-    @torch.no_grad()
     def evaluate(self, max_batches: int | None = None) -> dict:
         """Mean token loss over the validation batches (all ranks), its perplexity, and for
-        MQAR the accuracy at the query positions."""
-        self.model.eval()
-        loss_sum = count = correct = 0.0
-        for batch in self.data.val(max_batches or self.cfg.train.eval_batches):
-            x, y = batch.x.to(self.device), batch.y.to(self.device)
-            doc_ids = None if batch.cross_doc else batch.doc_ids.to(self.device)
-            with autocast(self.device, self.cfg.train.dtype):
-                logits, _ = self.model(x, doc_ids=doc_ids)
-            mask = y != -100
-            loss_sum += float(token_loss(logits, y, reduction="sum"))
-            count += float(mask.sum())
-            correct += float((logits.argmax(-1)[mask] == y[mask]).sum())
-        self.model.train()
-        loss_sum, count, correct = (v * self.env.world_size for v in ddp.mean_over_ranks([loss_sum, count, correct], self.env))
-        loss = loss_sum / max(count, 1.0)
-        out = {"val_loss": loss, "val_ppl": math.exp(min(loss, 50.0)), "val_tokens": int(count)}
-        if self.cfg.data.source == "mqar":
-            out["val_accuracy"] = correct / max(count, 1.0)
-        return out
+        MQAR the accuracy at the query positions (`validation_metrics`)."""
+        return validation_metrics(self.model, self.data.val(max_batches or self.cfg.train.eval_batches), self.device,
+                                  self.cfg.train.dtype, self.env, accuracy=self.cfg.data.source == "mqar")
 
     # ------------------------------------------------------------------ checkpoints
 

@@ -2,14 +2,66 @@
 optional normaliser (docs/mechanisms.md#cosformer).
 
 The horizon M is `cosformer_max_len`; without it each forward call takes M = T, and decoding
-needs `make_cache(..., max_len=M)` (it equals forward on sequences of length M)."""
+needs `make_cache(..., max_len=M)` (it equals forward on sequences of length M); static decoding
+keeps the two sums in buffers (`CosformerStore`)."""
 
 from __future__ import annotations
 
+import torch
+
+from ...cache.static import StaticState
 from ...ops import cosformer_attention, cosformer_step
+from ...ops.common.precision import upcast
+from ...ops.cosformer import CosformerState
+from ...ops.cosformer.step import step_update
 from ..record import Projected
 from ..registry import register
 from ._recurrent import RecurrentAttention
+
+
+class CosformerStore(StaticState):
+    """A cosformer layer's static state: the sums kv (B, H, 2Dk, Dv) and k_sum (B, H, 2Dk) in buffers;
+    a step's position (the cos reweighting's angle) is the decoder's device tensor."""
+
+    # The decoder stacks no q/k/v weights for this layer (`StaticDecoder._sync_qkv`): with the stacks as
+    # graph inputs, torch 2.11's Inductor fuses the copy of the new sums into the kernel that reads the old
+    # ones and the compiled step's logits come out wrong (by 0.1 on the tests' model); 2.13 is right either way
+    # (tests/test_static_decode.py::test_compiled_steps_of_every_static_state_equal_generate, make test-compat).
+    stack_qkv_off = True
+
+    def __init__(self, layer, opts):
+        super().__init__(layer)
+        c = layer.config
+        self.horizon = c.cosformer_max_len
+        if self.horizon is None or opts.max_len > self.horizon:
+            raise ValueError(f"max_len={opts.max_len} is past cosformer's horizon cosformer_max_len={self.horizon} "
+                             f"(its reweighting is defined for positions below it)")
+        F2, dt, B, dev = 2 * layer.qk_dim, upcast(opts.dtype), opts.batch_size, opts.device
+        self.register_buffer("kv", torch.zeros(B, c.n_heads, F2, c.head_dim, dtype=dt, device=dev), persistent=False)
+        self.register_buffer("k_sum", torch.zeros(B, c.n_heads, F2, dtype=dt, device=dev), persistent=False)
+
+    def reset(self) -> None:
+        self.kv.zero_()
+        self.k_sum.zero_()
+
+    def attend(self, p, positions: torch.Tensor, n: int, h: torch.Tensor) -> torch.Tensor:
+        c = self.layer.config
+        if positions.shape[0] == 1:
+            o, kv, k_sum = step_update(p.q[:, :, 0], p.k[:, :, 0], p.v[:, :, 0], self.kv, self.k_sum, positions[0],
+                                       self.horizon, c.cosformer_normalize)
+            o = o.unsqueeze(2)
+        else:  # a prompt chunk: the op from the stored sums (its start read on the host once)
+            state = CosformerState(self.kv, self.k_sum, int(positions[0]), self.horizon)
+            o, new = cosformer_attention(p.q, p.k, p.v, causal=True, max_len=self.horizon,
+                                         normalize=c.cosformer_normalize, initial_state=state, impl=c.impl)
+            kv, k_sum = new.kv, new.k_sum
+        self.kv.copy_(kv)
+        self.k_sum.copy_(k_sum)
+        return o
+
+    def fill(self, p, T: int) -> torch.Tensor:
+        self.reset()
+        return self.attend(p, torch.arange(T, device=p.q.device), T, None)
 
 
 @register
@@ -46,10 +98,13 @@ class CosformerAttention(RecurrentAttention):
                 "pass make_cache(..., max_len=M) or set AttentionConfig.cosformer_max_len"
             )
 
-    def chunk_op(self, p: Projected, state, cache):
+    def chunk_op(self, p: Projected, state, cache, impl: str | None = None):
         c = self.config
         return cosformer_attention(p.q, p.k, p.v, causal=True, max_len=cache.max_len, normalize=c.cosformer_normalize,
-                                   initial_state=state, impl=c.impl)
+                                   initial_state=state, impl=impl or c.impl)
 
     def step_op(self, q, k, v, p: Projected, state, cache):
         return cosformer_step(q, k, v, state, max_len=cache.max_len, normalize=self.config.cosformer_normalize)
+
+    def static_state(self, opts) -> CosformerStore:
+        return CosformerStore(self, opts)

@@ -10,7 +10,7 @@ from ...ops import gla_attention, gla_step
 from ..attention import heads
 from ..record import Projected
 from ..registry import register
-from ._recurrent import RecurrentAttention
+from ._recurrent import RecurrentAttention, RecurrentStore
 
 
 @register
@@ -35,8 +35,11 @@ class GLAAttention(RecurrentAttention):
         o, _ = gla_attention(p.q, p.k, v, p.log_decay, causal=True, impl=impl or self.config.impl, docs=p.docs)
         return o, None
 
-    def chunk_op(self, p: Projected, state, cache):
-        return gla_attention(p.q, p.k, p.v, p.log_decay, initial_state=state, causal=True, impl=self.config.impl)
+    def chunk_op(self, p: Projected, state, cache, impl: str | None = None):
+        return gla_attention(p.q, p.k, p.v, p.log_decay, initial_state=state, causal=True, impl=impl or self.config.impl)
 
     def step_op(self, q, k, v, p: Projected, state, cache):
         return gla_step(q, k, v, p.log_decay[:, :, 0], state)
+
+    def static_state(self, opts) -> RecurrentStore:
+        return RecurrentStore(self, opts)

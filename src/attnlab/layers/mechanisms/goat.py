@@ -10,6 +10,10 @@ For a retrofit of a pretrained RoPE model (docs/retrofit.md): `goat_width="extra
 head_dim dims for q·k and appends the prior's 2R + 1 columns, `goat_rope=True` keeps the model's
 rotation, and `goat_prior_init="zero"` starts the log-prior at exactly 0, so the layer starts as
 the model's softmax attention.
+
+Static decoding (`attnlab.models.StaticDecoder`) keeps each token's key, value and key-only term u
+(at its position, when written) in a `KeyedState` and scores the keys read with the spectral prior
+between the stored positions (`goat_readout`, which goat_hybrid shares).
 """
 
 from __future__ import annotations
@@ -22,10 +26,14 @@ from torch import nn
 
 from ...checks import trusted
 from ...ops import goat_attention
+from ...ops.common.heads import expand_heads
+from ...ops.common.precision import upcast
+from ...ops.goat import spectral_prior
 from ..attention import Attention
 from ..rope import RotaryEmbedding
 from ..record import Projected
 from ..registry import register
+from .keyed_static import KeyedState, kv_entries
 
 GOAT_OPTIONS = ("goat_rank", "goat_abs_rank", "goat_base", "goat_train_len")
 GOAT_LAYER_OPTIONS = ("goat_width", "goat_prior_init", "goat_rope", "rope_base")  # "goat"; goat_hybrid takes goat_width only
@@ -128,6 +136,28 @@ class GoatPrior(nn.Module):
         return u[None]  # (1, G, n)
 
 
+def goat_values(layer, p: Projected, positions: torch.Tensor) -> dict:
+    """A GOAT layer's static entries of the tokens p at `positions` (T,): keys, values and the
+    key-only term u at those positions (B, G, T, 1)."""
+    u = layer.prior.key_term_at(positions)  # (1, G, T)
+    return {"k": p.k, "v": p.v, "u": u[..., None].expand(p.k.shape[0], -1, -1, 1)}
+
+
+def goat_readout(layer, p: Projected, e: dict, kpos: torch.Tensor, positions: torch.Tensor, ok: torch.Tensor,
+                 scalar_term=None) -> torch.Tensor:
+    """The readout (B, H, T, Dv) of the tokens p at `positions` over the stored entries e at kpos where
+    ok: softmax of q·k/√d + the spectral prior between the positions + u_j (+ scalar_term(work), the
+    hybrid's scalar logits (B, H, T, m) in the compute dtype)."""
+    H, work, pr = p.q.shape[1], upcast(p.q.dtype), layer.prior
+    s = p.q.to(work) @ expand_heads(e["k"], H).to(work).transpose(-1, -2) / math.sqrt(p.q.shape[-1])
+    prior = spectral_prior(pr.freqs, pr.lam_sym, pr.lam_asym, positions, kpos, work)[None]  # (1, G, T, m)
+    s = s + expand_heads(prior + e["u"][..., 0].to(work)[:, :, None, :], H)
+    if scalar_term is not None:
+        s = s + scalar_term(work)
+    w = torch.softmax(s.masked_fill(~ok, float("-inf")), dim=-1)
+    return (w @ expand_heads(e["v"], H).to(work)).to(p.v.dtype)
+
+
 @register
 class GoatAttention(Attention):
     mechanism = "goat"
@@ -175,3 +205,17 @@ class GoatAttention(Attention):
         start = cache.pos + p.k.shape[2] - full["k"].shape[2]  # the first held key's position
         with trusted(full["k"], full["v"]):  # checked token by token at append, not again each step
             return self.goat(p.q, full["k"], full["v"], self.config.impl, start)
+
+    # ------------------------------------------------------------------ static decoding (keyed_static.py)
+
+    def static_state(self, opts) -> KeyedState:
+        return KeyedState(self, opts)
+
+    def static_entries(self, dtype) -> dict:
+        return {**kv_entries(self, dtype), "u": (self.n_kv, 1, torch.float32)}
+
+    def static_values(self, p: Projected, positions) -> dict:
+        return goat_values(self, p, positions)
+
+    def static_readout(self, p: Projected, e: dict, kpos, positions, ok, chunk):
+        return goat_readout(self, p, e, kpos, positions, ok)

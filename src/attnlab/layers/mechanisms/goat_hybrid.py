@@ -2,16 +2,21 @@
 (docs/mechanisms.md#goat): q·k/√d − (qs − ks)²/τ + log π. It answers whether the scalar term and
 the learned position prior are complementary. The scalar part (projections, τ) is the hybrid
 mechanism's; the sink is not offered (its extra key at position −1 would shift GOAT's positions),
-and decoding is exact (the sorted cache knows nothing of the prior)."""
+and decoding is exact (the sorted cache knows nothing of the prior). Static decoding keeps GOAT's
+entries and each head's scalar key in a `KeyedState`, read by GOAT's readout plus the scalar logits."""
 
 from __future__ import annotations
 
 from ...cache.kv import KVCache
 from ...data.packing import positions_in_doc
+import torch
+
 from ...ops import goat_attention
+from ...ops.scalar.naive import scalar_logits
 from ..registry import register
-from .goat import GOAT_OPTIONS, GoatPrior, check_goat_options, content_dim
+from .goat import GOAT_OPTIONS, GoatPrior, check_goat_options, content_dim, goat_readout, goat_values
 from .hybrid import HybridAttention
+from .keyed_static import KeyedState, kv_entries
 
 
 @register
@@ -57,3 +62,20 @@ class GoatHybridAttention(HybridAttention):
                 f"window={window}: the sorted scalar cache cannot apply GOAT's prior; decode goat_hybrid exactly (window=None)"
             )
         cache.scalar = KVCache(cache.batch_size, window=self.config.sliding_window)
+
+    # ------------------------------------------------------------------ static decoding (keyed_static.py)
+
+    def static_state(self, opts) -> KeyedState:
+        return KeyedState(self, opts)
+
+    def static_entries(self, dtype) -> dict:
+        return {**kv_entries(self, dtype), "u": (self.n_kv, 1, torch.float32),
+                "ks": (self.config.n_heads, 1, torch.float32)}
+
+    def static_values(self, p, positions) -> dict:
+        return {**goat_values(self, p, positions), "ks": p.ks[..., None]}
+
+    def static_readout(self, p, e: dict, kpos, positions, ok, chunk):
+        def scalar_term(work):
+            return scalar_logits(p.qs.to(work), e["ks"][..., 0].to(work), p.tau, causal=False)
+        return goat_readout(self, p, e, kpos, positions, ok, scalar_term)

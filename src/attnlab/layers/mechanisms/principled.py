@@ -3,6 +3,10 @@ from gate vectors qg·kg, and log K margin amplification α (docs/mechanisms.md#
 
 α, β, γ each take a form ("constant", "layer", "head", "query"; `HeadParam`), the query form read
 off the un-rotated q; v0 is "zero", "layer" or "head" (`GroundValue`).
+
+Static decoding (`attnlab.models.StaticDecoder`) keeps each token's key, gate key and value in a
+`KeyedState` and reads them through `principled_naive` under the mask of the slots each query sees
+(K counts the keys it marks).
 """
 
 from __future__ import annotations
@@ -11,10 +15,15 @@ from torch import nn
 
 from ...checks import trusted
 from ...ops import principled_attention
+from ...ops.common.heads import expand_heads
+from ...ops.common.precision import upcast
+from ...ops.principled.attention import check_param
+from ...ops.principled.naive import principled_naive
 from ..attention import Attention, heads
 from ..params import GroundValue, HeadParam
 from ..record import Projected
 from ..registry import register
+from .keyed_static import KeyedState, kv_entries
 
 
 @register
@@ -69,3 +78,23 @@ class PrincipledAttention(Attention):
         full = cache.kv.append(k=p.k, kg=p.kg, v=p.v)  # one query, all n keys: the op's offset form
         with trusted(*full.values()):  # checked token by token at append, not again each step
             return self._op(p, full["k"], full["kg"], full["v"], p.v0, self.config.impl)
+
+    # ------------------------------------------------------------------ static decoding (keyed_static.py)
+
+    def static_state(self, opts) -> KeyedState:
+        return KeyedState(self, opts)
+
+    def static_entries(self, dtype) -> dict:
+        return {**kv_entries(self, dtype), "kg": (self.n_kv, self.config.gate_dim, dtype)}
+
+    def static_values(self, p: Projected, positions) -> dict:
+        return {"k": p.k, "v": p.v, "kg": p.kg}
+
+    def static_readout(self, p: Projected, e: dict, kpos, positions, ok, chunk):
+        B, H, T, _ = p.q.shape
+        work = upcast(p.q.dtype)
+        prm = [check_param(name, getattr(p, name), B, H, T, p.q.to(work)) for name in ("alpha", "beta", "gamma")]
+        v0 = None if p.v0 is None else p.v0.to(work).view(-1, p.v0.shape[-1])
+        k, kg, v = (expand_heads(e[name], H).to(work) for name in ("k", "kg", "v"))
+        o, _ = principled_naive(p.q.to(work), k, p.qg.to(work), kg, v, *prm, v0, False, visible=ok)
+        return o.to(p.q.dtype)

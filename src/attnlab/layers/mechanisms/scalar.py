@@ -54,6 +54,7 @@ from ..record import Projected
 from ..sink import mix_sink, sink_weight_value, split_sink_values
 from ..registry import register
 from .scalar_decode import ScalarDecode, exact_impl
+from .scalar_static import ScalarState
 
 SCALAR_OPTIONS = ("tau", "tau_init", "tau_param", "tau_max", "sink", "sink_key", "sink_weight", "train_window",
                   "local_window", "kernel", "sliding_window")
@@ -139,6 +140,10 @@ class ScalarAttention(ScalarDecode, Attention):
     @property
     def value_groups(self) -> int:
         return self.config.n_value_groups
+
+    def static_state(self, opts) -> ScalarState:
+        """The layer's state for `attnlab.models.StaticDecoder` (scalar_static.py), hybrid layers' too."""
+        return ScalarState(self, opts)
 
     # ------------------------------------------------------------------ full sequence
 

@@ -1,7 +1,8 @@
 """The scalar family's score, once, with no checks and no mask: the kernel's term of x = (qs - ks)^2 /
-tau (`kernel_term`) and the scalar and hybrid scores of every query and key (`scalar_scores`,
-`hybrid_scores`), which the naive reference (`naive`), the explicit-score paths (`chunked`) and the
-decode caches form from checked inputs.
+tau (`kernel_term`) and the scalar and hybrid scores of every query and key (`scalar_scores`, which
+also scores each query's own gathered keys, and `hybrid_scores`), which the naive reference (`naive`),
+the explicit-score paths (`chunked`), the decode caches and the static decode states form from
+checked inputs.
 
 scalar: -(qs_t - ks_s)^2 / tau_t, or -log(1 + (qs_t - ks_s)^2 / tau_t) under the Cauchy kernel
 hybrid: q_t . k_s / sqrt(d) plus the scalar score, times the gain lam when given
@@ -23,12 +24,14 @@ def kernel_term(x: torch.Tensor, kernel: str = "gaussian") -> torch.Tensor:
 
 
 def scalar_scores(qs, ks, tau_b, kernel: str = "gaussian", lam=None) -> torch.Tensor:
-    """The formula of `naive.scalar_logits` with no checks and no mask: qs (B, H, Tq), ks (B, H, Tk), tau_b
-    a tensor broadcastable to (B, H, Tq) -> (B, H, Tq, Tk); lam (broadcastable to (B, H, Tq), any
-    sign) multiplies the kernel's term. For callers whose inputs were checked once already (a
-    decode cache's stored keys and its checked query)."""
+    """The formula of `naive.scalar_logits` with no checks and no mask: qs (B, H, Tq), ks (B, H, Tk)
+    (every query against every key) or (B, H, Tq, m) (each query against its own m keys, gathered;
+    any dimension of size 1 broadcasts), tau_b a tensor broadcastable to (B, H, Tq) -> (B, H, Tq, Tk)
+    or (B, H, Tq, m); lam (broadcastable to (B, H, Tq), any sign) multiplies the kernel's term. For
+    callers whose inputs were checked once already (a decode cache's stored keys and its checked query)."""
     cdt = upcast(qs.dtype)
-    diff = qs.to(cdt).unsqueeze(-1) - ks.to(cdt).unsqueeze(-2)  # (B, H, Tq, Tk)
+    ks = ks.to(cdt)
+    diff = qs.to(cdt).unsqueeze(-1) - (ks.unsqueeze(-2) if ks.dim() == 3 else ks)  # (B, H, Tq, Tk | m)
     if kernel == "gaussian":
         out = -diff.pow(2) / tau_b.to(cdt).unsqueeze(-1)
     else:

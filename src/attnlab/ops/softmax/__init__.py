@@ -10,6 +10,6 @@ from .args import SCALES
 from .attention import document_attention, softmax_attention
 from .naive import divisor_naive
 
-_divisor_naive = divisor_naive  # the name attnlab.experiments.scalings and attnlab.models.static_state import
+_divisor_naive = divisor_naive  # the name attnlab.experiments.scalings imports
 
 __all__ = ["SCALES", "divisor_naive", "document_attention", "softmax_attention"]

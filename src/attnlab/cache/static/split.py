@@ -13,9 +13,9 @@ m_s = -inf and weighs nothing. An extra key outside the cache (the sink) enters 
 (m = its logit, l = 1, o = its value).
 
 `split_attention` is the split form, `split_attention_naive` the formula it computes (one softmax
-over every key, materialised); `StaticDecoder` calls the split form for the softmax and the scalar
-family's exact steps when `split_chunk` chooses a chunk (buffers then padded to a multiple of it;
-the padding is never visible).
+over every key, materialised); the static states of softmax and of the scalar family call the split
+form for their exact steps when `split_chunk` chooses a chunk (buffers then padded to a multiple of
+it; the padding is never visible).
 
 When: on CUDA, for caches of at least SPLIT_MIN keys, in chunks of CHUNK keys. An H100 has 132
 SMs; one program per (row, head) uses 4-12 of them at batch 1 (the windowed and GPT-2-small

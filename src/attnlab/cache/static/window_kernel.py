@@ -1,6 +1,6 @@
 """A trained window's choice of keys for one decode step as one Triton kernel (`window_keys` on a GPU).
 
-`static_window.window_keys` in PyTorch is a chain of device ops per layer and step: the query's code,
+`window.window_keys` in PyTorch is a chain of device ops per layer and step: the query's code,
 a searchsorted in the sorted codes, gathers of the 2k candidates and of their scalar keys, the
 distances and ranks, a top-k, and the gathers of its result. In a compiled decode step on a GPU each is
 a launch of its own, and a step of a small model is bound by launches, not by bytes (the shipped
@@ -32,7 +32,7 @@ import triton.language as tl
 __all__ = ["search_rounds", "triton_window_keys"]
 
 PROBES = 128  # codes read per round of the search
-# static_window's POS_MAX (2**31 - 1) and LAST (2**63 - 1) appear as literals in the kernel (tested equal)
+# window.py's POS_MAX (2**31 - 1) and LAST (2**63 - 1) appear as literals in the kernel (tested equal)
 
 
 def search_rounds(n: int, probes: int = PROBES) -> int:
@@ -46,7 +46,7 @@ def search_rounds(n: int, probes: int = PROBES) -> int:
 
 @triton.jit
 def _order(x):
-    """float32 -> int64 of the same order (`static_window.float_order`)."""
+    """float32 -> int64 of the same order (`window.float_order`)."""
     bits = x.to(tl.int32, bitcast=True)
     return tl.where(bits < 0, bits ^ 0x7FFFFFFF, bits).to(tl.int64)
 
@@ -133,6 +133,6 @@ def _(qs, ks, codes, merged, last_old, k, tail):
 
 def triton_window_keys(qs: torch.Tensor, ks: torch.Tensor, codes: torch.Tensor, merged: torch.Tensor,
                        last_old: torch.Tensor, k: int, tail: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """`static_window.window_keys` in one kernel launch (module docstring): positions (B, H, k) int64
+    """`window.window_keys` in one kernel launch (module docstring): positions (B, H, k) int64
     and validity (B, H, k) bool, equal to it where valid."""
     return torch.ops.attnlab.window_keys(qs.float(), ks, codes, merged, last_old, k, tail)

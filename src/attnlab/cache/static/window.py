@@ -22,11 +22,11 @@ made with shapes that never change, so the step compiles into one graph:
   tail; its temporaries live in one scratch buffer the decoder keeps.
 
 `merge_codes` (after a prompt), `extend_codes` (between steps) and `window_keys` (in a step) are the
-pieces; `StaticDecoder` calls them. Under a memory budget
-(`budget=M`: at most M older keys per head, the cache's `evict_to_budget` after every step) evictions
-leave holes the codes cannot skip, so `nearest_alive` scores every live slot (O(max_len), still static)
-and `budget_keep` makes the eviction's choice on the device. The naive reference
-is the sorted cache itself: tests compare every step's logits with `LM.step` through it.
+pieces; the scalar family's static state calls them. Under a memory budget (`budget=M`: at most M
+older keys per head, the cache's `evict_to_budget` after every step) evictions leave holes the codes
+cannot skip, so `nearest_alive` scores every live slot (O(max_len), still static) and `budget_keep`
+makes the eviction's choice on the device. The naive reference is the sorted cache itself: tests
+compare every step's logits with `LM.step` through it.
 """
 
 from __future__ import annotations
@@ -114,16 +114,16 @@ def window_keys(qs: torch.Tensor, ks: torch.Tensor, codes: torch.Tensor, merged:
     (B, H, 2, N) of `merge_codes`, those from merged to last_old (at most `tail`) scored directly.
     ks (B, H, N) the stored scalar keys. Returns positions (B, H, k) and validity (False where fewer
     keys exist), in the dense rule's order (nearest first, the newest first among equal distances).
-    impl: "auto" runs one Triton kernel on CUDA (`static_window_kernel`, the same keys) and the PyTorch
+    impl: "auto" runs one Triton kernel on CUDA (`window_kernel`, the same keys) and the PyTorch
     ops below elsewhere; "triton" the kernel (the CPU under TRITON_INTERPRET=1); "torch" the ops."""
-    from ..ops.common.triton_route import triton_missing, triton_route
+    from ...ops.common.triton_route import triton_missing, triton_route
 
     if impl not in ("auto", "triton", "torch"):
         raise ValueError(f"impl must be 'auto', 'triton' or 'torch', got {impl!r}")
     if impl == "triton" and triton_missing(qs.device):
         raise ValueError(f"impl='triton': {triton_missing(qs.device)}")
     if triton_route(impl, qs.device):
-        from .static_window_kernel import triton_window_keys
+        from .window_kernel import triton_window_keys
 
         return triton_window_keys(qs, ks, codes, merged, last_old, k, tail)
     B, H, N = ks.shape
@@ -167,7 +167,7 @@ def budget_keep(ks: torch.Tensor, older: torch.Tensor, lo: torch.Tensor, hi: tor
     """Which of the slots `older` marks (B, H, N) stay under a budget of `budget` entries per head:
     the budget nearest to the recent queries' range [lo, hi] (B, H) (distance 0 inside it), the
     newest first among equal distances, as `cache.eviction.evict_to_budget` keeps them. (B, H, N) bool."""
-    from ..ops.scalar.budget import range_distance
+    from ...ops.scalar.budget import range_distance
 
     N = ks.shape[-1]
     pos = torch.arange(N, device=ks.device)
