@@ -6,6 +6,9 @@ import torch
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+# a researcher's $ATTNLAB_RUNS (every sweep's run folders outside the checkout) would send the tests' sweeps
+# there, and a copied experiment folder would then hold no run folders; tests that want it set it themselves
+os.environ.pop("ATTNLAB_RUNS", None)
 if not torch.cuda.is_available():  # Triton kernels run in its interpreter (set before Triton is imported)
     os.environ.setdefault("TRITON_INTERPRET", "1")
 

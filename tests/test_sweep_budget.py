@@ -6,6 +6,7 @@ metrics on the checkpoints of chosen steps (metrics.at_steps), run folders outsi
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 
 import pytest
@@ -173,6 +174,7 @@ def test_a_queue_of_two_sweeps_with_run_folders_elsewhere(tmp_path, monkeypatch)
     (tmp_path / "repo" / ".git").mkdir(parents=True)
     a, b = write_spec(tmp_path / "repo" / "a"), write_spec(tmp_path / "repo" / "b", variants=("hybrid",))
     assert main(["sweep", str(a), str(b), "--no-progress", "--runs", str(tmp_path / "runs")]) == 0
+    assert RUNS_ENV not in os.environ  # --runs holds for its command only
     for name, spec, variant in (("a", a, "softmax"), ("b", b, "hybrid")):
         res = json.loads((spec.parent / "results.json").read_text())
         assert [r["variant"] for r in res["runs"]] == [variant] and res["command"] == f"attnlab sweep {spec}"

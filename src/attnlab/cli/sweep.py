@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import sys
 from pathlib import Path
 
@@ -78,14 +79,41 @@ def cmd_sweep(ns) -> int:
         if not Path(path).is_file():
             raise UsageError(f"spec file {path!r} does not exist")
     if ns.runs:
-        import os
-
-        from attnlab.experiments.sweep.spec import RUNS_ENV
-
         if Path(ns.runs).exists() and not Path(ns.runs).is_dir():
             raise UsageError(f"--runs {ns.runs!r} is a file, not a folder")
-        os.environ[RUNS_ENV] = str(Path(ns.runs).resolve())  # the worker processes inherit it
         ns.command_line = _without_runs(ns.command_line)  # where the run folders live reproduces nothing
+    with _runs_folder(ns.runs):
+        return _sweep(ns, launcher)
+
+
+@contextlib.contextmanager
+def _runs_folder(runs: str | None):
+    """$ATTNLAB_RUNS = --runs for this command (the worker processes inherit it), as it was afterwards: a
+    second command in the same process (a notebook, a test) finds its run folders where it would alone."""
+    import os
+
+    from attnlab.experiments.sweep.spec import RUNS_ENV
+
+    if not runs:
+        yield
+        return
+    before = os.environ.get(RUNS_ENV)
+    os.environ[RUNS_ENV] = str(Path(runs).resolve())
+    try:
+        yield
+    finally:
+        if before is None:
+            os.environ.pop(RUNS_ENV, None)
+        else:
+            os.environ[RUNS_ENV] = before
+
+
+def _sweep(ns, launcher) -> int:
+    from attnlab.experiments import sweep as sw
+    from attnlab.experiments.sweep.records import check_target
+    from attnlab.experiments.sweep.runner import select_runs
+    from attnlab.train.trainer import DataError
+
     if len(ns.spec) > 1:
         return _queue(ns, launcher)
     spec = sw.load_spec(ns.spec[0])  # ConfigError names the spec key
