@@ -28,7 +28,7 @@ SHARED = ["model.d_model=16", "model.n_heads=2", "data.seq_len=16", f"data.sourc
 VARIANTS = {"softmax": ["model.attn=softmax"], "hybrid": ["model.attn=hybrid"]}
 RUNS = [f"{v}/seed{s}" for v in VARIANTS for s in (0, 1)]
 GPU = "NVIDIA H100 80GB HBM3"
-TIMINGS = ("wall_seconds", "tokens_per_s", "train_seconds")
+TIMINGS = ("wall_seconds", "tokens_per_s", "train_seconds", "train_seconds_logged", "run_minutes")
 
 
 def spec_text(shared=SHARED) -> str:
