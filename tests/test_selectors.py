@@ -13,11 +13,13 @@ import torch
 from attnlab.eval.selectors import (
     METHODS, SelectionTally, quest_page_bounds, select_keys,
 )
+from attnlab.cache.options import KeyRule
 from attnlab.eval.window import decode_window
 from attnlab.index.keep import IndexedKeep, learned_indices, learned_keep
 from attnlab.testing import rel_rms
 from attnlab.ops import hybrid_logits, scalar_logits, window_indices, window_mask, windowed_attention
 from attnlab.index.projections import SearchProjections
+from attnlab.models.decode import key_rule_of
 
 from test_window import _model  # the same tiny LMs (learned positions: no tied keys)
 
@@ -50,7 +52,7 @@ def _kw(method, model):
 
 def _untouched(model):
     for blk in model.blocks:
-        assert "decode_select" not in blk.attn.__dict__ and getattr(blk.attn, "decode_select", None) is None
+        assert key_rule_of(blk.attn) is None  # no key rule left behind
         assert not blk.attn._forward_pre_hooks
 
 
@@ -65,10 +67,10 @@ def test_window_method_equals_decode_window(attn, attention):
     layer = model.blocks[0].attn
     for K in (1, 5, 16):
         with torch.no_grad():
-            with decode_window(model, K):
-                want, want_w = model(idx)[0], layer.attention_weights(x)
-            with select_keys(model, "window", K):
-                got, got_w = model(idx)[0], layer.attention_weights(x)
+            with decode_window(model, K) as rules:
+                want, want_w = model(idx)[0], layer.attention_weights(x, rules[0])
+            with select_keys(model, "window", K) as rules:
+                got, got_w = model(idx)[0], layer.attention_weights(x, rules[0])
         # the same keys (the window method hands them over as indices); a mixed layer reads its
         # weights out through the op, whose two routes round differently
         torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-5)
@@ -221,8 +223,8 @@ def test_kept_keys_and_tally_equal_brute_force(attn, attention, method):
             search = kw["projections"](i, inputs[i]) if method == "learned" else None
             selected = None
             if method != "learned":  # (learned reads the layer input through a call, not attention_weights)
-                with select_keys(model, method, K, **kw):
-                    selected = layer.attention_weights(inputs[i])  # (B, H, T, T + p)
+                with select_keys(model, method, K, **kw) as rules:
+                    selected = layer.attention_weights(inputs[i], rules[i])  # (B, H, T, T + p)
         n, mass, recall = 0, 0.0, 0.0
         B, H, T_op = qs.shape
         for b in range(B):
@@ -328,23 +330,21 @@ def test_one_key_rule_at_a_time():
         with pytest.raises(ValueError, match="model: layer 0 already"):
             with select_keys(model, "oracle", 4):
                 pass
+    with select_keys(model, "oracle", 4):
+        with pytest.raises(ValueError, match="select and window/budget are both set"):
+            with decode_window(model, 4):
+                pass
     _untouched(model)
-    layer = model.blocks[0].attn
-    layer.decode_select, layer.decode_window = (lambda *a: None), 4  # set by hand, both
-    try:
-        with pytest.raises(ValueError, match="decode_select and decode_window"):
-            layer(torch.randn(1, 5, 32))
-    finally:
-        del layer.decode_select
-        layer.decode_window = None
+    with pytest.raises(ValueError, match="select and window/budget are both set"):
+        KeyRule(window=4, select=lambda *a: None)  # both in one rule
 
 
 def test_learned_reads_the_layer_input_only_through_a_call():
     model = _model("hybrid")
     x = torch.randn(1, 12, 32)
-    with select_keys(model, "learned", 4, projections=_projections(model)):
+    with select_keys(model, "learned", 4, projections=_projections(model)) as rules:
         with pytest.raises(RuntimeError, match="pre-hook"):
-            model.blocks[0].attn.attention_weights(x)
+            model.blocks[0].attn.attention_weights(x, rules[0])
         model.blocks[0].attn(x)  # a call captures its input
 
 

@@ -3,6 +3,7 @@
 import pytest
 import torch
 
+from attnlab.cache.options import KeyRule
 from attnlab.cache.sorted import SortedScalarCache
 from attnlab.layers import Attention, AttentionConfig
 from attnlab.testing import rel_rms
@@ -77,10 +78,8 @@ def test_decode_equals_forward(mech, impl, window):
         m.sink_value.normal_()
         m.sink_weight.copy_(torch.tensor([0.0, 0.3, 1.5, 4.0]))
     x = x_input()
-    m.decode_window = window
     with torch.no_grad():
-        ref = m(x)
-    m.decode_window = None
+        ref = m(x, key_rule=None if window is None else KeyRule(window=window))
     for prefill in (False, True):
         cache = m.make_cache(2, window=window)
         with torch.no_grad():

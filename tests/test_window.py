@@ -172,9 +172,9 @@ def test_attention_weights_from_logits_equal_the_identity_readout(attn, attentio
     model = _model(attn, **attention)
     layer = model.blocks[0].attn
     x = torch.randn(2, 20, 32, generator=torch.Generator().manual_seed(3))
-    with torch.no_grad(), decode_window(model, window):
-        got = layer.attention_weights(x)
-        want = Attention.attention_weights(layer, x)  # the generic path: the op with v = I
+    with torch.no_grad(), decode_window(model, window) as rules:
+        got = layer.attention_weights(x, rules.get(0))
+        want = Attention.attention_weights(layer, x, rules.get(0))  # the generic path: the op with v = I
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
     if window:
         n_s = layer.n_scalar  # the windowed heads (a mixed layer's dot-product heads read every key)

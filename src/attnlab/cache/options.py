@@ -3,6 +3,9 @@ checks their values when made (the caches' own checks: `attnlab.layers.Attention
 one) and against a model with `check`, which needs only the model's blocks and their layers'
 attributes (`selectable_layers`, `sorted_cache_layers`). `attnlab.models.decode` re-exports them for
 `LM.make_caches`, `LM.generate`, `DecodeState`, `attnlab.hf` and `attnlab eval`.
+
+Also here: `KeyRule`, which keys a scalar/hybrid layer's full-sequence forward reads (what a windowed
+decode or a key selector would read), handed to the layer with each call.
 """
 
 from __future__ import annotations
@@ -39,6 +42,53 @@ class DecodeOptionError(ValueError):
 
 def _bad_int(value) -> bool:
     return isinstance(value, bool) or not isinstance(value, int) or value < 1
+
+
+@dataclass(frozen=True)
+class KeyRule:
+    """Which keys the scalar/hybrid heads of one layer call read (`Attention.forward(x, key_rule=...)`,
+    `attention_weights`); None in their place is the layer's own rule (every key, or its `train_window`).
+
+    window: each query reads its `window` nearest keys in scalar space (and the sink, and a
+        window-trained layer's last `local_window`), as decoding with `SortedScalarCache(window)` does;
+        None: the layer's `train_window`, or every key.
+    budget: ... and keys beyond a memory budget of `budget` per head evicted, as
+        `SortedScalarCache.evict_to_budget` after every step.
+    select: another key selector in place of the window (`attnlab.eval.selectors.select_keys`): a
+        callable select(qs, ks, tau, q, k, n_prefix) taking the scalar op's inputs (sink included) and
+        returning the keep_fn of `attnlab.ops.windowed_attention`; each head then reads the keys it keeps.
+
+    ValueError for a window or budget that is not an int >= 1, a select that is not callable, or a
+    select beside a window or budget (one key rule at a time).
+    """
+
+    window: int | None = None
+    budget: int | None = None
+    select: object = None
+
+    def __post_init__(self):
+        for name in ("window", "budget"):
+            value = getattr(self, name)
+            if value is not None and _bad_int(value):
+                raise ValueError(f"KeyRule: {name} must be an int >= 1 or None, got {value!r}")
+        if self.select is not None:
+            if not callable(self.select):
+                raise ValueError(f"KeyRule: select must be callable or None, got {type(self.select).__name__}")
+            if self.window is not None or self.budget is not None:
+                raise ValueError(f"KeyRule: select and window/budget are both set (window={self.window!r}, "
+                                 f"budget={self.budget!r}): choose one key rule")
+
+
+def check_key_rule(key_rule, layer) -> None:
+    """key_rule: None, or a `KeyRule` for `layer`, an attention layer whose scalar heads read keys by
+    one (`sorted_decode`: scalar and hybrid). TypeError or ValueError naming key_rule otherwise."""
+    if key_rule is None:
+        return
+    if not isinstance(key_rule, KeyRule):
+        raise TypeError(f"key_rule must be an attnlab.cache.options.KeyRule or None, got {type(key_rule).__name__}")
+    if not getattr(layer, "sorted_decode", False):
+        raise ValueError(f"key_rule: mechanism {layer.mechanism!r} has no scalar heads that read keys by a rule "
+                         f"(scalar and hybrid layers do), got {key_rule}")
 
 
 @dataclass(frozen=True)

@@ -15,6 +15,9 @@ K, projections=...)` reads in a full-sequence forward (tested with the exact ind
 ranges of its own keys (scalar and per channel), updated as tokens arrive, and reads the keys of
 the pages whose bound on the logits is highest, as `select_keys(model, "quest", K, page=...)` does
 in a full-sequence forward (tested equal).
+
+Here are the selectors' state and functions of tensors; the layer decodes through them
+(`attnlab.layers.mechanisms.scalar_decode`: `attach_selector`, `selected_step`, `selected_prefill`).
 """
 
 from __future__ import annotations
@@ -26,7 +29,6 @@ import torch
 
 from ..checks import check_choice, check_int
 from ..ops.common.heads import expand_heads
-from .kv import KVCache
 
 INDEXES = ("exact", "hnsw", "ivf", "quest")
 KEY_DTYPES = {"float32": torch.float32, "float16": torch.float16}
@@ -92,12 +94,9 @@ class DecodeSelector:
         if self.index != "quest":
             check_projections(self.projections, layers)
 
-    def attach(self, layer, cache, i: int) -> None:
-        """Make `cache` (an exact decode cache of block i's layer) decode through this selector."""
-        cache.scalar = KVCache(cache.batch_size)
-        if layer.config.sink:
-            cache.scalar.append(**layer.sink_entry(cache.batch_size))
-        cache.selector = QuestKeys(self, i) if self.index == "quest" else KeySelector(self, i)
+    def layer_state(self, i: int):
+        """The selection state of block i's layer while it decodes: `QuestKeys` or `KeySelector`."""
+        return QuestKeys(self, i) if self.index == "quest" else KeySelector(self, i)
 
 
 class KeySelector:
@@ -124,10 +123,10 @@ class KeySelector:
         self._pending.extend((sq[:, :, t:t + 1], sk[:, :, t:t + 1]) for t in range(hidden.shape[1]))
 
     @torch.no_grad()
-    def select(self, p=None, q=None, k=None, layer=None) -> tuple[torch.Tensor, torch.Tensor]:
+    def select(self, p=None, q=None, k=None, kernel: str = "gaussian", lam=None) -> tuple[torch.Tensor, torch.Tensor]:
         """Add the next observed token's search key, search with its query: positions (B, H, k)
         among the n tokens decoded so far (this one included), k = min(K, n), and their validity.
-        (p, q, k, layer: the step's projections and its layer, read by `QuestKeys` only.)"""
+        (p, q, k, kernel, lam: the step's projections and its layer's score, read by `QuestKeys` only.)"""
         if not self._pending:
             raise RuntimeError(f"layer {self.layer}: a step came before its input was observed; decode through "
                                f"LM.step / LM.prefill, which feed the selector")
@@ -138,81 +137,69 @@ class KeySelector:
         idx, valid = self.index.search(sq, allowed, min(self.spec.K, n))  # (B, H, 1, k)
         return idx[:, :, 0], valid[:, :, 0]
 
+    def add_prompt(self, sk: torch.Tensor) -> None:
+        """A prompt read in one pass (`prompt_search`): its search keys sk (B, H, T, d) into the index."""
+        self.index.add(sk)
+        self._pending.clear()
 
-def selected_step(layer, p, cache, vals: torch.Tensor, q, k) -> torch.Tensor:
-    """Readout (B, H_s, 1, D) of one token through `cache.selector`: the token's keys appended to the
-    plain cache (the sink first), then the layer's op over the sink and the selected keys."""
-    if p.qs.shape[-1] != 1:
-        raise RuntimeError("a selector cache decodes one token at a time")
-    full = cache.scalar.append(**{"ks": p.ks, layer.value_key: vals, **({"k": k} if k is not None else {})})
-    idx, valid = cache.selector.select(p, q, k, layer)  # (B, H, k)
-    H, pre = layer.n_scalar, 1 if layer.config.sink else 0
-    pick = torch.cat([idx.new_zeros(*idx.shape[:2], pre), idx + pre], -1)  # the sink, then the selection
-    ok = torch.cat([valid.new_ones(*valid.shape[:2], pre), valid], -1)
 
-    def gather(x):  # (B, G, n[, D]) -> (B, H, 1 + k[, D]) per head
+def selected_positions(idx: torch.Tensor, valid: torch.Tensor, n_prefix: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The plain cache's positions a step reads, (B, H, n_prefix + k): the sink's first, then the
+    selected ones idx (B, H, k) shifted past it; and their validity."""
+    pick = torch.cat([idx.new_zeros(*idx.shape[:2], n_prefix), idx + n_prefix], -1)
+    ok = torch.cat([valid.new_ones(*valid.shape[:2], n_prefix), valid], -1)
+    return pick, ok
+
+
+def gather_selected(full: dict, value_key: str, pick: torch.Tensor, H: int):
+    """The scalar keys (B, H, m), values (B, H, m, D) and vector keys (or None) at positions pick
+    (B, H, m) of a plain cache's entries `full` (values and vector keys grouped, (B, G, n, D))."""
+    def gather(x):  # (B, G, n[, D]) -> (B, H, m[, D]) per head
         x = expand_heads(x, H) if x.dim() == 4 else x
         return x.gather(2, pick[..., None].expand(-1, -1, -1, x.shape[-1])) if x.dim() == 4 else x.gather(2, pick)
 
-    ks, vv = gather(full["ks"]), gather(full[layer.value_key])
-    kk = gather(full["k"]) if k is not None else None
-    if bool(ok.all()):
-        return layer.scalar_op(p.qs, ks, vv, p.tau, q, kk, layer.config.impl)
-    # fewer keys than slots (a graph search that found fewer, Quest's partial pages): the op's scores
-    # over the slots with the empty ones masked out, whatever the kernel and the sign of the gain
+    return gather(full["ks"]), gather(full[value_key]), gather(full["k"]) if "k" in full else None
+
+
+def masked_readout(qs, ks, v, tau, q, k, ok, kernel: str, lam) -> torch.Tensor:
+    """One query's readout (B, H, 1, D) over the slots it reads, the empty ones (ok False: a graph
+    search that found fewer keys, Quest's partial pages) masked out: the scalar or hybrid score of
+    `ops.scalar.scores` under `kernel` and the gain lam (H,) or None, whatever its sign."""
     from ..ops.scalar import hybrid_scores, scalar_scores
 
-    tau = p.tau.view(1, H, 1) if p.tau.dim() == 1 else p.tau[..., :1]
-    lam = getattr(layer, "scalar_scale", None)
+    H = qs.shape[1]
+    tau = tau.view(1, H, 1) if tau.dim() == 1 else tau[..., :1]
     lam = None if lam is None else lam.view(1, H, 1)
-    logits = (scalar_scores(p.qs, ks, tau, layer.config.kernel, lam) if kk is None
-              else hybrid_scores(q, kk, p.qs, ks, tau, layer.config.kernel, lam))  # (B, H, 1, m)
+    logits = (scalar_scores(qs, ks, tau, kernel, lam) if k is None
+              else hybrid_scores(q, k, qs, ks, tau, kernel, lam))  # (B, H, 1, m)
     logits = logits.masked_fill(~ok[:, :, None], float("-inf"))
-    return (torch.softmax(logits, -1) @ vv.to(logits.dtype)).to(vv.dtype)
+    return (torch.softmax(logits, -1) @ v.to(logits.dtype)).to(v.dtype)
 
 
-def selected_prefill(layer, p, cache):
-    """Readout (B, H, T, D) of a whole prompt through an exact-index learned selector in one pass, or
-    None when `cache` must take it token by token (a selector already holding keys, another index,
-    half-precision search keys, Quest). The layer's own op reads, per query, the K causal keys its
-    search query scores highest (`index.keep.learned_keep`, what stepping the index selects);
-    then the plain cache and the index take every prompt key, as T steps would leave them."""
-    sel = cache.selector
-    T = p.qs.shape[-1]
-    if (not isinstance(sel, KeySelector) or sel.index.ntotal or sel.spec.index != "exact"
-            or sel.spec.key_dtype != "float32" or len(sel._pending) != T):
+def prompt_search(selector, T: int) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """The search queries and keys (B, H, T, d) that `selector` observed for a prompt of T tokens,
+    when one pass can read the prompt: an exact-index `KeySelector` holding no key yet, float32
+    search keys. None otherwise (another index, half-precision keys, Quest): token by token."""
+    if (not isinstance(selector, KeySelector) or selector.index.ntotal or selector.spec.index != "exact"
+            or selector.spec.key_dtype != "float32" or len(selector._pending) != T):
         return None
+    return torch.cat([q for q, _ in selector._pending], 2), torch.cat([k for _, k in selector._pending], 2)
+
+
+def learned_select(sq: torch.Tensor, sk: torch.Tensor, K: int):
+    """A `KeyRule` select over a prompt's search vectors sq, sk (B, H, T, d): each query reads the K
+    causal keys its search query scores highest (`index.keep.learned_keep`, what stepping an exact
+    index selects); the sink's position gets zero search vectors."""
     from ..index.keep import learned_keep
     from ..ops.common.precision import upcast
-    from .sink import token_values
-
-    sq = torch.cat([q for q, _ in sel._pending], 2)  # (B, H, T, d), the positions the layer decodes
-    sk = torch.cat([k for _, k in sel._pending], 2)
 
     @torch.no_grad()
-    def select(qs, ks, tau, q, k, n_prefix):  # the search vectors with zero rows at the sink's position
+    def select(qs, ks, tau, q, k, n_prefix):
         pad = (0, 0, n_prefix, 0)
         search = tuple(torch.nn.functional.pad(x.to(upcast(qs.dtype)), pad) for x in (sq, sk))
-        return learned_keep(*search, sel.spec.K, n_prefix)
+        return learned_keep(*search, K, n_prefix)
 
-    saved = layer.__dict__.get("decode_select")
-    layer.decode_select = select
-    try:
-        o, _ = layer.attend(p)  # scalar heads through the selection (and a mixed layer's dot heads)
-    finally:
-        if saved is None:
-            layer.__dict__.pop("decode_select", None)
-        else:
-            layer.decode_select = saved
-    vals = layer.scalar_values(p)
-    _, k = layer.score_vectors(p)
-    cache.scalar.append(**{"ks": p.ks, layer.value_key: vals if layer.sink_weight is None else token_values(vals),
-                           **({"k": k} if k is not None else {})})
-    sel.index.add(sk)
-    sel._pending.clear()
-    if cache.kv is not None:  # the dot-product heads of a mixed layer
-        cache.kv.append(k=p.k, v=p.v)
-    return o
+    return select
 
 
 class QuestKeys:
@@ -234,12 +221,12 @@ class QuestKeys:
             torch.cat([hi[:, :, :-1], torch.maximum(hi[:, :, -1:], x)], 2)
 
     @torch.no_grad()
-    def select(self, p, q=None, k=None, layer=None) -> tuple[torch.Tensor, torch.Tensor]:
+    def select(self, p, q=None, k=None, kernel: str = "gaussian", lam=None) -> tuple[torch.Tensor, torch.Tensor]:
         """Add the step's keys to their page, bound every page's logits for its query (the bound of
-        `eval.selectors.quest_page_bounds`, under `layer`'s kernel and gain), and return the keys of
-        the best pages: positions (B, H, m) among the n tokens so far and their validity, at most K
-        of them."""
-        from ..index.pages import _dot_bound, _lam_rows, _quest_keep, scalar_range_bound, scalar_term
+        `eval.selectors.quest_page_bounds`, under the layer's kernel and gain lam (H,) or None), and
+        return the keys of the best pages: positions (B, H, m) among the n tokens so far and their
+        validity, at most K of them."""
+        from ..index.pages import _dot_bound, _lam_rows, _quest_keep, scalar_range_bound
         from ..ops.common.precision import upcast
 
         cdt = upcast(p.qs.dtype)
@@ -252,7 +239,6 @@ class QuestKeys:
         tau = torch.as_tensor(p.tau, dtype=cdt, device=p.qs.device)
         tau = tau.view(1, -1, 1) if tau.dim() == 1 else tau.reshape(-1, H, 1) if tau.dim() else tau.view(1, 1, 1)
         qs = p.qs.to(cdt)  # (B, H, 1)
-        kernel, lam = scalar_term(layer) if layer is not None else ("gaussian", None)
         bound = scalar_range_bound(qs, self.lo, self.hi, tau, kernel, _lam_rows(lam, qs))  # (B, H, P)
         if q is not None:  # full pages by matmul, the query's own (last) page by a sum, as the forward does
             qq, D = q.to(cdt), q.shape[-1]

@@ -12,6 +12,7 @@ import torch
 
 from ..checks import check_int, check_positive
 from ..index.projections import SearchProjections, search_losses_from, search_targets
+from ..models.decode import key_rule_of
 from ..models.lm import selectable_layers
 
 @torch.no_grad()
@@ -72,7 +73,7 @@ def train_selector_projections(model, batches: Iterable[torch.Tensor], steps: in
         raise ValueError(f"model: its scalar/hybrid layers have different head counts {sorted(heads)}; "
                          f"one SearchProjections takes one count of search spaces")
     for i, layer in layers:
-        if layer.decode_select is not None or layer.decode_window is not None or layer.decode_budget is not None:
+        if key_rule_of(layer) is not None:
             raise ValueError(f"model: layer {i} has a key rule set; train on exact attention, outside decode_window/select_keys")
     batches = list(batches)
     if not batches:

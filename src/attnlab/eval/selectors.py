@@ -3,7 +3,8 @@
 `select_keys(model, method, K)` switches the full-sequence forward of a model's scalar and hybrid
 layers (those `decode_window` switches) to attention over the keys a selector keeps, per head
 and per query, plus the always-kept prefix entries (the learned sink), through the `keep_fn` of
-`attnlab.ops.windowed_attention`. The methods:
+`attnlab.ops.windowed_attention`: each layer's forward is handed a `KeyRule` whose select makes it.
+The methods:
 
 - "window": the K keys nearest to the query in scalar space; equal to `decode_window(model, K)`.
 - "oracle": the K keys with the highest logits (so the highest attention weights). No selector
@@ -50,6 +51,7 @@ from ..index.pages import _PageRanges, _quest_keep, quest_page_bounds, scalar_te
 from ..index.keep import (IndexedKeep, candidate_keys, learned_indices, learned_keep, top_keys,  # noqa: F401
                           with_prefix)
 from ..index.projections import check_projections
+from ..models.decode import KeyRule, key_rule_of, using_key_rules
 from ..models.lm import selectable_layers
 
 METHODS = ("window", "oracle", "quest", "learned")
@@ -155,7 +157,8 @@ def select_keys(model, method: str, K: int, *, projections=None, page: int = 16,
 
     projections: a SearchProjections with one search space per head for every such layer
     (method "learned" only); page: Quest's page size; tally: a SelectionTally that accumulates
-    Mass@K and Recall@K of every forward in the block. The layers are restored on exit."""
+    Mass@K and Recall@K of every forward in the block. Yields {block index: KeyRule}, the rule to
+    hand a layer called alone (`attention_weights(x, rules[i])`)."""
     check_choice("method", method, METHODS)
     check_int("K", K)
     check_int("page", page)
@@ -170,10 +173,11 @@ def select_keys(model, method: str, K: int, *, projections=None, page: int = 16,
         names = sorted({str(blk.attn.mechanism) for blk in model.blocks})
         raise ValueError(f"model has no scalar or hybrid layer to select keys for (mechanisms {', '.join(names)})")
     for i, layer in layers:
-        if layer.decode_select is not None or layer.decode_window is not None or layer.decode_budget is not None:
-            raise ValueError(f"model: layer {i} already has a key rule (decode_window={layer.decode_window!r}, "
-                             f"decode_budget={layer.decode_budget!r}, decode_select set: {layer.decode_select is not None}); "
-                             f"leave that block first")
+        held = key_rule_of(layer)
+        if held is not None:
+            raise ValueError(f"model: layer {i} already has a key rule (window={held.window!r}, budget={held.budget!r}, "
+                             f"select set: {held.select is not None}) from an enclosing decode_window/select_keys "
+                             f"block; leave that block first to select keys by {method!r}")
     if method == "learned":
         check_projections(projections, layers)
 
@@ -202,18 +206,17 @@ def select_keys(model, method: str, K: int, *, projections=None, page: int = 16,
 
         return select
 
+    rules = {i: KeyRule(select=selector(i, layer)) for i, layer in layers}
     try:
-        for i, layer in layers:
-            layer.decode_select = selector(i, layer)
-            if method == "learned":
+        if method == "learned":
+            for i, layer in layers:
                 hooks.append(layer.register_forward_pre_hook(
                     lambda mod, args, i=i: inputs.__setitem__(i, args[0].detach())))
-        yield
+        with using_key_rules(model, rules):
+            yield rules
     finally:
         for h in hooks:
             h.remove()
-        for _, layer in layers:
-            layer.__dict__.pop("decode_select", None)  # back to the class default (None)
         inputs.clear()
 
 

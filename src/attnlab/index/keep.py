@@ -1,6 +1,6 @@
 """Keep masks of full-sequence key selection: which keys each query of one op call reads when a
 selector picks them (`eval.selectors`), and the learned rule that decoding through an exact-index
-`DecodeSelector` reproduces in one pass (`cache.selected.selected_prefill`).
+`DecodeSelector` reproduces in one pass (`cache.selected.learned_select`).
 
 A keep function is keep_fn(a, b, logits) -> (b - a, b) bool (broadcast over batch and heads) for the
 op's query rows a..b-1 against its keys 0..b-1, the first n_prefix of them a sink every query reads.

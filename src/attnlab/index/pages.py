@@ -77,7 +77,7 @@ def scalar_range_bound(qs: torch.Tensor, lo: torch.Tensor, hi: torch.Tensor, tau
 
 def scalar_term(layer) -> tuple[str, torch.Tensor | None]:
     """(kernel, per-head gain on the scalar term or None) of a scalar/hybrid layer, detached."""
-    lam = getattr(layer, "scalar_scale", None)
+    lam = layer.scalar_scale  # None for scalar heads and an unset gain
     return layer.config.kernel, None if lam is None else lam.detach()
 
 

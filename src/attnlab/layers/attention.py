@@ -3,14 +3,13 @@
     x ──project──> per-head tensors ──attend (the mechanism's op)──> readout o (B, H, T, D)
       ──finish: output gate, W_O──> y
 
-`Attention(config)` returns the class registered for `config.mechanism` (see
-`attnlab.layers.mechanisms`): each mechanism is one module holding its parameters, its
-projection, its full-sequence attend, its decode cache and step, and the inputs it records.
-This base class keeps what every mechanism shares: input checks, the vector q/k/v projections
-with RoPE that most mechanisms use, the output gate and projection, the record, the attention
-weights for analysis, and the decode loop (`make_cache`, `step`), which calls the same op as the
-forward with one query against every cached key. The math of each mechanism is in
-docs/mechanisms.md; adding one is walked through in docs/adding-a-mechanism.md.
+`Attention(config)` returns the class registered for `config.mechanism` (see `attnlab.layers.mechanisms`):
+each mechanism is one module holding its parameters, its projection, its full-sequence attend, its
+decode cache and step, and the inputs it records. This base class keeps what every mechanism shares:
+input checks, the vector q/k/v projections with RoPE that most mechanisms use, the output gate and
+projection, the record, the attention weights for analysis, and the decode loop (`make_cache`, `step`),
+which calls the same op as the forward with one query against every cached key. The math of each
+mechanism is in docs/mechanisms.md; adding one is walked through in docs/adding-a-mechanism.md.
 """
 
 from __future__ import annotations
@@ -22,7 +21,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..cache.kv import KVCache
-from ..cache.options import DecodeOptions
+from ..cache.options import DecodeOptions, KeyRule, check_key_rule
 from ..checks import check_finite
 from ..data.packing import positions_in_doc
 from .config import AttentionConfig
@@ -61,6 +60,7 @@ class Attention(nn.Module):
     options: ClassVar[tuple[str, ...]] = ()  # AttentionConfig fields this mechanism reads
     recurrent: ClassVar[bool] = False  # linear family: decodes from a state; weights unnormalised
     scalar: ClassVar[bool] = False  # has scalar heads (qs, ks, τ): regularizers, the sorted cache
+    sorted_decode: ClassVar[bool] = False  # its scalar heads decode through the sorted cache, read keys by a KeyRule
     rope_default: ClassVar[bool] = True  # RoPE on its vector queries/keys unless configured
 
     def __new__(cls, config: AttentionConfig | None = None, *args, **kwargs):
@@ -110,11 +110,8 @@ class Attention(nn.Module):
         return None
 
     def build(self, c: AttentionConfig) -> None:
-        """Create the mechanism's parameters: by default q, k, v projections (and RoPE) for every head.
-
-        Args:
-            c: the layer's config (``self.config``).
-        """
+        """Create the mechanism's parameters from c, the layer's config (``self.config``): by default
+        q, k, v projections (and RoPE) for every head."""
         self.build_vectors(c, c.n_heads)
 
     def project(self, x: torch.Tensor, start_pos: int = 0, qkv=None) -> Projected:
@@ -147,13 +144,9 @@ class Attention(nn.Module):
         return self.n_kv
 
     def init_cache(self, cache: LayerCache, window: int | None, max_len: int | None) -> None:
-        """Set up `cache` for decoding: by default a plain KV cache of the vector heads.
-
-        Args:
-            cache: the new LayerCache to fill (`make_cache` made it).
-            window: the sorted cache's window (scalar/hybrid heads), or None.
-            max_len: the cosformer horizon, or None.
-        """
+        """Set up `cache`, the new LayerCache `make_cache` made, for decoding with `window` (the sorted
+        cache's, scalar/hybrid heads; or None) and `max_len` (the cosformer horizon, or None): by
+        default a plain KV cache of the vector heads."""
         cache.kv = KVCache(cache.batch_size, window=self.config.sliding_window)
 
     def step_readout(self, p: Projected, cache: LayerCache) -> torch.Tensor:
@@ -211,13 +204,8 @@ class Attention(nn.Module):
         return torch.cat([self.wq.weight, self.wk.weight, self.wv.weight]), bias
 
     def rotate(self, q: torch.Tensor, k: torch.Tensor, start_pos: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """q and k rotated by RoPE at absolute positions start_pos.. (unchanged without RoPE).
-
-        Args:
-            q: queries (B, H, T, qk_dim).
-            k: keys (B, G, T, qk_dim).
-            start_pos: the absolute position of token 0, an int >= 0.
-        """
+        """q (B, H, T, qk_dim) and k (B, G, T, qk_dim) rotated by RoPE at absolute positions
+        start_pos.. (start_pos: token 0's, an int >= 0; unchanged without RoPE)."""
         if self.rope is None:
             return q, k
         return self.rope.rotate_pair(q, k, start_pos)
@@ -264,17 +252,20 @@ class Attention(nn.Module):
 
     # ------------------------------------------------------------------ forward and analysis
 
-    def forward(self, x: torch.Tensor, record: bool = False, docs: torch.Tensor | None = None) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, record: bool = False, docs: torch.Tensor | None = None,
+                key_rule: KeyRule | None = None) -> torch.Tensor:
         """x (B, T, C) -> (B, T, C). record=True keeps an `AttentionRecord` in `self.last`. docs (B, T):
         packed documents' ids, where `takes_documents` allows them: each token attends within its own
-        document only, at positions counted from the document's first token (RoPE)."""
+        document only, at positions counted from the document's first token (RoPE). key_rule: the
+        `KeyRule` of the keys a `sorted_decode` layer's scalar heads read; None: every key (or its trained window)."""
         self.check_input(x)
-        if docs is not None and not self.takes_documents(x.device):
+        check_key_rule(key_rule, self)
+        if docs is not None and (key_rule is not None or not self.takes_documents(x.device)):
             raise ValueError(f"docs: mechanism {self.mechanism!r} with these settings does not keep packed documents "
                              f"apart on {x.device} (see takes_documents); attnlab.models.LM re-pads them instead")
         doc_pos = None if docs is None else positions_in_doc(docs)
         p = self.project(x, 0 if docs is None else doc_pos)
-        p.docs, p.doc_pos = docs, doc_pos
+        p.docs, p.doc_pos, p.key_rule = docs, doc_pos, key_rule
         o, scal = self.attend(p)
         y, g = self._finish(o, x)
         if record:
@@ -297,7 +288,7 @@ class Attention(nn.Module):
 
         return triton_route(self.config.impl, device)
 
-    def attention_weights(self, x: torch.Tensor) -> torch.Tensor:
+    def attention_weights(self, x: torch.Tensor, key_rule: KeyRule | None = None) -> torch.Tensor:
         """The mixing weights of every head, from the naive ops.
 
         Every mechanism's readout is linear in v, so the weights are its output with v = I.
@@ -307,6 +298,7 @@ class Attention(nn.Module):
 
         Args:
             x: the layer input (B, T, C), checked as in `forward`.
+            key_rule: the scalar heads' `KeyRule`, as `forward` takes it.
 
         Returns:
             (B, H, T, T), or (B, H, T, T+1) with a sink (column 0 is the sink; dot-product heads
@@ -317,7 +309,9 @@ class Attention(nn.Module):
             ValueError: x is not (B, T, d_model), or holds NaN or inf.
         """
         self.check_input(x)
+        check_key_rule(key_rule, self)
         p = self.project(x, 0)
+        p.key_rule = key_rule
         B, T = x.shape[:2]
         n_keys = T + (1 if self.config.sink else 0)
         eye = torch.eye(n_keys, dtype=x.dtype, device=x.device).expand(B, self.value_groups, n_keys, n_keys)

@@ -51,6 +51,7 @@ class Projected:
     log_decay: torch.Tensor | None = None
     docs: torch.Tensor | None = None  # packed documents: (B, T) document ids (Attention.forward's docs)
     doc_pos: torch.Tensor | None = None  # with docs: each token's position inside its document (B, T)
+    key_rule: Any = None  # the keys scalar/hybrid heads read: a `cache.options.KeyRule` (Attention.forward's key_rule)
 
 
 @dataclass

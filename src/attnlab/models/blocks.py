@@ -52,8 +52,9 @@ class Block(nn.Module):
         self.norm2 = RMSNorm(cfg.d_model, cfg.norm_eps)
         self.mlp = SwiGLU(cfg.d_model, cfg.ffn_hidden)
 
-    def forward(self, x: torch.Tensor, record: bool = False, docs: torch.Tensor | None = None) -> torch.Tensor:
-        x = x + self.attn(self.norm1(x), record=record, docs=docs)  # (B, T, C)
+    def forward(self, x: torch.Tensor, record: bool = False, docs: torch.Tensor | None = None,
+                key_rule=None) -> torch.Tensor:
+        x = x + self.attn(self.norm1(x), record=record, docs=docs, key_rule=key_rule)  # (B, T, C)
         return x + self.mlp(self.norm2(x))
 
     def step(self, x_t: torch.Tensor, cache) -> torch.Tensor:

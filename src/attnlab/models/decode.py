@@ -21,7 +21,8 @@ the options of a decode, checked when made and against a model by `DecodeOptions
 `padding_mask`, the padding rule of every attention_mask (left padding to decode, left or right for
 a forward without a cache, never a pad between real tokens); and `decode_window`, which switches a
 model's full-sequence forward to what its windowed decode reads (`attnlab.eval.window` measures
-losses with it).
+losses with it), through `using_key_rules`: the `KeyRule` each layer's forward is handed within a
+block, looked up by `LM.forward` (`key_rule_of`) and passed down as an argument.
 """
 
 from __future__ import annotations
@@ -32,8 +33,13 @@ from typing import Iterator
 
 import torch
 
-from attnlab.cache.options import (DecodeOptionError, DecodeOptions, selectable_layers,  # noqa: F401
+from attnlab.cache.options import (DecodeOptionError, DecodeOptions, KeyRule, selectable_layers,  # noqa: F401
                                    sorted_cache_layers)
+
+# The key rules of the open `using_key_rules` blocks, innermost last, each a tuple of (layer, KeyRule
+# or None) pairs. A plain list rather than a ContextVar: torch.compile traces LM.forward's read of a
+# list (and guards on it), where ContextVar.get breaks the graph.
+_KEY_RULES: list[tuple] = []
 
 
 def padding_mask(mask: torch.Tensor, *, right: bool = False, started: torch.Tensor | None = None) -> torch.Tensor:
@@ -165,19 +171,42 @@ class DecodeState:
         return out
 
 
+def key_rule_of(layer) -> KeyRule | None:
+    """The KeyRule that the innermost open `using_key_rules` block naming `layer` gives it, or None."""
+    for held in reversed(_KEY_RULES):
+        for named, rule in held:
+            if named is layer:
+                return rule
+    return None
+
+
 @contextlib.contextmanager
-def decode_window(model, window: int | None, budget: int | None = None) -> Iterator[None]:
+def using_key_rules(model, rules: dict) -> Iterator[dict]:
+    """Within the block, `model`'s forward (an LM's) hands block i's attention layer the KeyRule
+    rules[i] (None: no rule, in place of an enclosing block's); other layers keep what an enclosing
+    block gives them. Yields rules."""
+    held = tuple((model.blocks[i].attn, rule) for i, rule in rules.items())
+    _KEY_RULES.append(held)
+    try:
+        yield rules
+    finally:
+        del _KEY_RULES[max(j for j, h in enumerate(_KEY_RULES) if h is held)]
+
+
+@contextlib.contextmanager
+def decode_window(model, window: int | None, budget: int | None = None) -> Iterator[dict]:
     """Within the block, `model`'s scalar/hybrid layers attend as SortedScalarCache(window) decodes
     (window None: exactly); with `budget`, as that cache capped at `budget` keys per head by
-    `evict_to_budget` after every step. ValueError (`DecodeOptions`' checks, as `generate`'s) for a
-    bad window or budget, or a window for a model with no such layer."""
+    `evict_to_budget` after every step. Yields {block index: KeyRule or None} of those layers, the
+    rule to hand a layer called alone (`attention_weights(x, rules[i])`). ValueError (`DecodeOptions`'
+    checks, as `generate`'s) for a bad window or budget, or a window for a model with no such layer;
+    `KeyRule`'s for a window inside a `select_keys` block."""
     DecodeOptions(window=window, budget=budget).check(model)
-    layers = [layer for _, layer in sorted_cache_layers(model)]
-    before = [(layer.decode_window, layer.decode_budget) for layer in layers]
-    try:
-        for layer in layers:
-            layer.decode_window, layer.decode_budget = window, budget
-        yield
-    finally:
-        for layer, (w, m) in zip(layers, before):
-            layer.decode_window, layer.decode_budget = w, m
+    rules = {}
+    for i, layer in sorted_cache_layers(model):
+        held = key_rule_of(layer)
+        select = None if held is None else held.select  # an enclosing selector stays
+        rules[i] = (None if window is None and budget is None and select is None
+                    else KeyRule(window=window, budget=budget, select=select))
+    with using_key_rules(model, rules):
+        yield rules

@@ -47,7 +47,7 @@ from attnlab.ops.common.precision import upcast
 
 from .blocks import Block, RMSNorm, SwiGLU  # noqa: F401  (RMSNorm, SwiGLU: attnlab.models exports them from here)
 from .config import ModelConfig
-from .decode import DecodeOptions, DecodeState
+from .decode import DecodeOptions, DecodeState, key_rule_of
 from .sampling import check_sampling, next_token
 from .decode import selectable_layers  # noqa: F401  (attnlab.eval and attnlab.retrofit import it from here)
 
@@ -157,13 +157,17 @@ class LM(nn.Module):
         targets: torch.Tensor | None = None,
         record: bool = False,
         doc_ids: torch.Tensor | None = None,
+        key_rules: dict | None = None,
     ):
         """idx (B, T) int64 -> logits (B, T, V); loss is mean cross-entropy over targets != -100.
 
         With record=True every attention layer keeps `layer.last` for the regularizers.
-        With doc_ids (B, T), attention restarts at every change of document id."""
+        With doc_ids (B, T), attention restarts at every change of document id. key_rules: {block
+        index: `attnlab.cache.options.KeyRule`}, the keys each scalar/hybrid layer named reads; None:
+        the rules of the enclosing `decode_window` / `select_keys` block (`layer_rules`)."""
         if idx.dim() != 2:
             raise ValueError(f"idx must be (B, T), got shape {tuple(idx.shape)}")
+        rules = self.layer_rules(key_rules)
         if doc_ids is not None:
             if doc_ids.shape != idx.shape:
                 raise ValueError(f"doc_ids must have the shape of idx {tuple(idx.shape)}, got {tuple(doc_ids.shape)}")
@@ -174,7 +178,7 @@ class LM(nn.Module):
         before = set_model_boundary(True) if compiling else False
         try:
             with nullcontext() if compiling else async_value_checks():
-                x = self._layers(idx, record, doc_ids)
+                x = self._layers(idx, record, doc_ids, rules)
                 logits = self.head(h := self.norm_f(x))  # (B, T, V)
                 if not compiling:
                     check_output_finite("logits", logits, self)  # what no layer input shows: the last MLP, norm_f, head
@@ -191,12 +195,23 @@ class LM(nn.Module):
             check_output_finite("logits", logits, self, compiled_stand_in=(h, *seen))
         return logits, loss
 
-    def _layers(self, idx: torch.Tensor, record: bool, doc_ids: torch.Tensor | None) -> torch.Tensor:
-        if doc_ids is not None and self.takes_documents(idx.device):
-            return self._trunk(idx, record, docs=doc_ids)  # every layer keeps the documents apart in one pass
+    def layer_rules(self, key_rules: dict | None = None) -> list:
+        """Each block's KeyRule or None: key_rules' (block index -> KeyRule) when given, else what the
+        enclosing `decode_window` / `select_keys` block gives the block's layer (`decode.key_rule_of`)."""
+        if key_rules is None:
+            return [key_rule_of(blk.attn) for blk in self.blocks]
+        n = len(self.blocks)
+        if not isinstance(key_rules, dict) or not all(isinstance(i, int) and 0 <= i < n for i in key_rules):
+            raise ValueError(f"key_rules must map block indices 0..{n - 1} to KeyRules, got {key_rules!r}")
+        return [key_rules.get(i) for i in range(n)]
+
+    def _layers(self, idx: torch.Tensor, record: bool, doc_ids: torch.Tensor | None, rules: list) -> torch.Tensor:
+        ruled = any(rule is not None for rule in rules)  # a layer under a key rule takes no packed documents
+        if doc_ids is not None and not ruled and self.takes_documents(idx.device):
+            return self._trunk(idx, record, rules, docs=doc_ids)  # every layer keeps the documents apart in one pass
         if doc_ids is not None and torch.compiler.is_compiling():
             raise ValueError(f"doc_ids: packed documents under torch.compile need every layer to keep documents "
-                             f"apart inside its op (takes_documents); {self.not_taking(idx.device)} re-pads them "
+                             f"apart inside its op (takes_documents); {self.not_taking(idx.device, rules)} re-pads them "
                              f"into single documents, which needs their lengths on the host: train it without "
                              f"compile (train.compile=false) or with data.pack='stream'")
         if doc_ids is not None:
@@ -204,15 +219,18 @@ class LM(nn.Module):
             L = int(pos.max()) + 1
             packed = idx.new_zeros(n_seg, L)  # (S, L): one document segment per row
             packed[seg, pos] = idx.flatten()
-            h = self._trunk(packed, record)  # (S, L, C)
+            h = self._trunk(packed, record, rules)  # (S, L, C)
             return h[seg, pos].view(*idx.shape, -1)  # (B, T, C)
-        return self._trunk(idx, record)  # (B, T, C)
+        return self._trunk(idx, record, rules)  # (B, T, C)
 
-    def not_taking(self, device: torch.device) -> str:
-        """What keeps this model from taking packed documents as they are on `device`."""
+    def not_taking(self, device: torch.device, rules: list | None = None) -> str:
+        """What keeps this model from taking packed documents as they are on `device` (and each block's
+        KeyRule or None, `layer_rules`: a layer under a rule takes none)."""
         if self.pos_emb is not None:
             return "the learned position embedding"
-        names = [f"layer {i} ({blk.attn.mechanism})" for i, blk in enumerate(self.blocks) if not blk.attn.takes_documents(device)]
+        rules = [None] * len(self.blocks) if rules is None else rules
+        names = [f"layer {i} ({blk.attn.mechanism})" for i, (blk, rule) in enumerate(zip(self.blocks, rules))
+                 if rule is not None or not blk.attn.takes_documents(device)]
         return ", ".join(names)
 
     def takes_documents(self, device: torch.device) -> bool:
@@ -221,14 +239,14 @@ class LM(nn.Module):
         a batch of single documents (which needs the segment lengths on the host: a sync per step)."""
         return self.pos_emb is None and all(blk.attn.takes_documents(device) for blk in self.blocks)
 
-    def _trunk(self, idx: torch.Tensor, record: bool, docs: torch.Tensor | None = None) -> torch.Tensor:
+    def _trunk(self, idx: torch.Tensor, record: bool, rules: list, docs: torch.Tensor | None = None) -> torch.Tensor:
         x = self.embed(idx)  # (B, T, C)
         recompute = self.gradient_checkpointing and self.training and not record and torch.is_grad_enabled()
-        for blk in self.blocks:
+        for blk, rule in zip(self.blocks, rules):
             if recompute:  # the block's activations are recomputed in the backward pass, not kept
-                x = torch.utils.checkpoint.checkpoint(blk, x, False, docs, use_reentrant=False)
+                x = torch.utils.checkpoint.checkpoint(blk, x, False, docs, rule, use_reentrant=False)
             else:
-                x = blk(x, record=record, docs=docs)
+                x = blk(x, record=record, docs=docs, key_rule=rule)
         return x
 
     # ------------------------------------------------------------------ decoding
@@ -259,7 +277,7 @@ class LM(nn.Module):
                                               budget=options.budget if scalar else None,
                                               compress=options.compress if scalar else None, exact=exact and scalar))
         for i, layer in selected:
-            options.selector.attach(layer, caches[i], i)
+            layer.attach_selector(caches[i], options.selector, i)
         return caches
 
     def step(self, idx_t: torch.Tensor, caches: list, pos: int) -> torch.Tensor:

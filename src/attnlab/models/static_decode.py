@@ -38,7 +38,6 @@ from torch import nn
 from ..cache.options import selectable_layers
 from ..cache.static import StaticOptions, padded, split_chunk
 from ..checks import async_value_checks, check_output_finite, set_model_boundary
-from .decode import decode_window
 
 __all__ = ["StaticDecoder", "own_code", "supported"]
 
@@ -239,12 +238,6 @@ class StaticDecoder(nn.Module):
         windowed op, what its decode reads), every layer's entries written into its state (`fill`);
         then the windowed layers' codes are sorted (or, under a budget, the keys its evictions left
         marked). The logits of the last token (B, V)."""
-        if self.window is not None:  # the layers' forward through the decode window (models.decode.decode_window)
-            with decode_window(self.model, self.window, self.budget):
-                return self._prefill_layers(idx)
-        return self._prefill_layers(idx)
-
-    def _prefill_layers(self, idx: torch.Tensor) -> torch.Tensor:
         m, T = self.model, idx.shape[1]
         positions = self.slots[:T]
         x = m.tok_emb(idx)

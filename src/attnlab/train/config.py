@@ -27,7 +27,7 @@ from typing import Literal, Union
 import torch
 
 from attnlab.layers import mechanism_class
-from attnlab.layers.mechanisms.hybrid import HybridAttention
+from attnlab.layers.mechanisms.scalar import HybridAttention
 from attnlab.models.config import ConfigError, ModelConfig, build_dataclass, check_fields, did_you_mean, opt
 
 from attnlab.data.cache import atomic_write_text

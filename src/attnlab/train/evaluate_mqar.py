@@ -83,18 +83,18 @@ def mqar_attention_report(model, cfg: RunConfig, windows: list[int], device, num
                           power_a=d.mqar_power_a, num_queries=d.mqar_queries or None, min_gap=d.mqar_min_gap,
                           random_non_queries=d.mqar_filler == "random")
 
-    def measure() -> list[dict]:
+    def measure(rules: dict) -> list[dict]:  # rules: the layers' KeyRules (decode_window's)
         parts = []
         for i in range(0, num_examples, batch_size):
             interrupt.check(EVAL_STOPPED)
             x, y = inputs[i : i + batch_size].to(device), labels[i : i + batch_size].to(device)
             xs = layer_inputs(model, x)
-            ws = [blk.attn.attention_weights(xs[j]) for j, blk in enumerate(model.blocks)]
+            ws = [blk.attn.attention_weights(xs[j], rules.get(j)) for j, blk in enumerate(model.blocks)]
             parts.append(mqar_pair_attention(ws, x, y, d.mqar_pairs))
         return [mqar_attention_summary([p[j] for p in parts]) for j in range(len(model.blocks))]
 
-    out = {"exact": measure()}
+    out = {"exact": measure({})}
     for k in windows if windows and windowed_layers(model) else []:
-        with decode_window(model, int(k)):
-            out[f"window={k}"] = measure()
+        with decode_window(model, int(k)) as rules:
+            out[f"window={k}"] = measure(rules)
     return out

@@ -1,4 +1,4 @@
-"""The mechanisms, one module each, holding everything layer-side about it (parameters, projection,
+"""The mechanisms, one module each (scalar and hybrid share one), holding everything layer-side about it (parameters, projection,
 full-sequence attend through its op, decode cache and step, what it records); importing this package
 registers every one (`attnlab.layers.registry`). Adding a mechanism adds a module and one import
 line below (docs/adding-a-mechanism.md).
@@ -9,7 +9,7 @@ from __future__ import annotations
 from ..registry import REGISTRY, mechanism_class, register
 
 # The registration lines: importing a module registers its mechanism(s).
-from . import softmax, scalar, hybrid, principled, cosformer, gla, ssd, goat, goat_hybrid  # noqa: E402,F401
+from . import softmax, scalar, principled, cosformer, gla, ssd, goat, goat_hybrid  # noqa: E402,F401
 
 MECHANISMS: tuple[str, ...] = tuple(REGISTRY)
 LINEAR_FAMILY: tuple[str, ...] = tuple(name for name, cls in REGISTRY.items() if cls.recurrent)

@@ -15,7 +15,7 @@ from ...ops import goat_attention
 from ...ops.scalar.naive import scalar_logits
 from ..registry import register
 from .goat import GOAT_OPTIONS, GoatPrior, check_goat_options, content_dim, goat_readout, goat_values
-from .hybrid import HybridAttention
+from .scalar import HybridAttention
 from .keyed_static import KeyedState, kv_entries
 
 

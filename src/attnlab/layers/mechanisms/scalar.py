@@ -1,10 +1,18 @@
-"""mechanism = "scalar": scalar sort attention (docs/mechanisms.md#scalar-attention).
+"""mechanism = "scalar": scalar sort attention (docs/mechanisms.md#scalar-attention), and mechanism =
+"hybrid": every head scores q·k/√d − (qs − ks)²/τ (docs/mechanisms.md#hybrid-attention).
 
 Each scalar head scores keys by the Gaussian kernel −(qs − ks)²/τ on one scalar query/key per
 token and reads grouped values (n_value_groups). With n_scalar_heads < n_heads the remaining
 heads are standard dot-product heads (RoPE, GQA, the softmax scalings), and the outputs are
-concatenated with the scalar heads first. This module also holds what the hybrid mechanism
-shares with it (scalar projections, τ, the sink, the scalar decode cache): see hybrid.py.
+concatenated with the scalar heads first.
+
+Hybrid. One class holds both mechanisms; `hybrid = True` (`HybridAttention`) adds each head's
+vector query/key to its scalar score and reads the vector values (GQA) in place of grouped ones.
+As τ → ∞ a hybrid head is standard scaled dot-product attention. `scalar_gain` (None by default)
+adds a learned per-head scale λ on the scalar term, q·k/√d − λ(qs − ks)²/τ; at λ = 0 the layer is
+exactly standard attention, yet λ's gradient is not zero there (docs/retrofit.md). Exact decoding
+reads every key through the op (and its gain); the sorted cache, the whole-sequence windows and the
+key selections carry λ into the scores of the keys they choose by scalar distance.
 
 Position. Scalar heads get no position signal of their own: a scalar has no rotation, and a
 position term would break the kernel's dependence on qs − ks alone (and with it the sorted
@@ -20,6 +28,11 @@ Sink. With `sink=True`, scalar heads see one extra key at position "−1": scala
 It is prepended with an extra leading query whose output is dropped, so the op runs unchanged
 on T + 1 positions. Decoding keeps it as the plain cache's first entry or as the sorted cache's
 built-in sink entry, a candidate at every step besides the window.
+
+Key rules. A call's `KeyRule` (`attnlab.cache.options`) makes the full-sequence forward read, per
+scalar head, only each query's k nearest keys in scalar space (plus the sink), as decoding with
+SortedScalarCache(window=k) does, or the keys a selector keeps; without one a layer reads every
+key, or its trained window.
 
 Training through the window. With `train_window = k` (and `local_window = w`) the full-sequence
 forward reads, per scalar head, each query's k nearest keys in scalar space among those older
@@ -39,14 +52,17 @@ Plain decode caches store values in that layout; the sorted cache adds log w to 
 
 from __future__ import annotations
 
+from typing import ClassVar
+
 import torch
 import torch.nn.functional as F
 from torch import nn
 
+from ...cache.options import KeyRule, check_key_rule
 from ...cache.sorted import QUERY_HISTORY
 from ...ops import (
-    budget_evictions, hybrid_logits, scalar_attention, scalar_attention_approx, scalar_logits, softmax_attention, window_mask,
-    windowed_attention,
+    budget_evictions, hybrid_attention, hybrid_logits, scalar_attention, scalar_attention_approx, scalar_logits,
+    softmax_attention, window_mask, windowed_attention,
 )
 from ..attention import Attention, heads
 from ..params import Temperature
@@ -58,6 +74,7 @@ from .scalar_static import ScalarState
 
 SCALAR_OPTIONS = ("tau", "tau_init", "tau_param", "tau_max", "sink", "sink_key", "sink_weight", "train_window",
                   "local_window", "kernel", "sliding_window")
+EVERY_KEY = KeyRule()  # no key rule: every key, or the layer's trained window
 
 
 class ScalarProjection(nn.Linear):
@@ -87,22 +104,16 @@ class ScalarProjection(nn.Linear):
 class ScalarAttention(ScalarDecode, Attention):
     mechanism = "scalar"
     scalar = True
+    hybrid: ClassVar[bool] = False  # every head adds q·k/√d to its scalar score and reads the vector values
     options = ("n_scalar_heads", "n_value_groups", *SCALAR_OPTIONS, "n_kv_heads", "scale", "p", "rope", "rope_base")
     value_key = "vs"  # the name of the scalar heads' values in a plain decode cache
-    sorted_decode = True  # decodes through the sorted scalar cache (window=k)
-    # k: the full-sequence forward reads, per scalar head, only each query's k nearest keys in
-    # scalar space (plus the sink), as decoding with SortedScalarCache(window=k) does. Set by
-    # attnlab.eval.window.decode_window; None (default) is exact attention.
-    decode_window: int | None = None
-    decode_budget: int | None = None  # ... and keys beyond a memory budget evicted (SortedScalarCache.evict_to_budget)
-    # Another key selector in place of the window (attnlab.eval.selectors.select_keys): a callable
-    # select(qs, ks, tau, q, k, n_prefix) taking the scalar op's inputs (sink included) and
-    # returning the keep_fn of `windowed_attention`; each scalar head then reads only the keys it
-    # keeps. None (default): no selector. Not combined with decode_window / decode_budget.
-    decode_select = None
+    sorted_decode = True  # decodes through the sorted scalar cache (window=k), reads keys by a KeyRule
 
     @classmethod
     def configure(cls, config) -> None:
+        if cls.hybrid:
+            config.set_vector_heads(config.n_heads)
+            return
         if config.n_scalar_heads is None:
             config.n_scalar_heads = config.n_heads
         n_s = config.require_int("n_scalar_heads")
@@ -119,7 +130,7 @@ class ScalarAttention(ScalarDecode, Attention):
 
     @classmethod
     def scalar_heads(cls, config) -> int:
-        return config.n_scalar_heads
+        return config.n_heads if cls.hybrid else config.n_scalar_heads
 
     def build(self, c) -> None:
         self.wqs = ScalarProjection(c.d_model, self.n_scalar, bias=c.bias)
@@ -130,16 +141,31 @@ class ScalarAttention(ScalarDecode, Attention):
             self.sink_value = nn.Parameter(torch.zeros(self.value_groups, c.head_dim))  # (G, D)
         w = c.sink_weight if c.sink else None  # the sink's learned weight in the normaliser, (H_s,)
         self.register_parameter("sink_weight", None if w is None else nn.Parameter(torch.full((self.n_scalar,), float(w))))
+        gain = c.scalar_gain  # the hybrid's learned λ on the scalar term, (H,); None (no parameter) when not configured
+        self.register_parameter("scalar_scale", None if gain is None else nn.Parameter(torch.full((self.n_scalar,), float(gain))))
 
     def build_values(self, c) -> None:
-        """Grouped values of the scalar heads, and the dot-product heads of a mixed layer."""
-        self.wvs = nn.Linear(c.d_model, c.n_value_groups * c.head_dim, bias=c.bias)
+        """The values the scalar heads read (grouped ones, or a hybrid's vector values) and the
+        vector projections: a hybrid's for every head, a mixed layer's for its dot-product heads."""
+        if not self.hybrid:
+            self.wvs = nn.Linear(c.d_model, c.n_value_groups * c.head_dim, bias=c.bias)
         if self.n_dot:
             self.build_vectors(c, self.n_dot)
 
     @property
+    def n_mixed(self) -> int:
+        """The dot-product heads of a mixed layer, after the scalar heads (0 for hybrid heads, whose
+        vectors enter their own scores)."""
+        return self.config.n_heads - self.n_scalar
+
+    @property
     def value_groups(self) -> int:
-        return self.config.n_value_groups
+        return self.n_kv if self.hybrid else self.config.n_value_groups
+
+    @property
+    def hybrid_key_dim(self) -> int | None:
+        """The vector key width the decode caches keep beside the scalar keys (hybrid: head_dim)."""
+        return self.config.head_dim if self.hybrid else None
 
     def static_state(self, opts) -> ScalarState:
         """The layer's state for `attnlab.models.StaticDecoder` (scalar_static.py), hybrid layers' too."""
@@ -156,36 +182,35 @@ class ScalarAttention(ScalarDecode, Attention):
         p.qs = self.wqs(x).transpose(1, 2)  # (B, H_s, T)
         p.ks = self.wks(x).transpose(1, 2)
         p.tau = self.temperature(x)  # (H_s,) or (B, H_s, T)
-        self.project_values(x, p)
+        if not self.hybrid:  # a hybrid's values are the vector values, projected with q and k
+            p.vs = heads(self.wvs(x), self.config.n_value_groups, self.config.head_dim)  # (B, G, T, D)
         return p
 
-    def project_values(self, x, p: Projected) -> None:
-        p.vs = heads(self.wvs(x), self.config.n_value_groups, self.config.head_dim)  # (B, G, T, D)
-
     def scalar_values(self, p: Projected) -> torch.Tensor:
-        return p.vs
+        return p.v if self.hybrid else p.vs
 
     def score_vectors(self, p: Projected):
         """Vector queries/keys added to the scalar score (hybrid), or (None, None)."""
-        return None, None
+        return (p.q, p.k) if self.hybrid else (None, None)
 
     def scalar_op(self, qs, ks, vals, tau, q, k, impl, n_prefix: int = 0, docs=None):
         """The exact op over every key (n_prefix: the sink's leading entries, which a sliding window
         always reads; docs: packed documents' ids, see `takes_documents`)."""
+        c = self.config
+        if self.hybrid:
+            return hybrid_attention(q, k, vals, qs, ks, tau, causal=True, impl=impl, scalar_scale=self.scalar_scale,
+                                    kernel=c.kernel, window=c.sliding_window, n_prefix=n_prefix, docs=docs)
         if impl == "approx" and qs.shape[-1] == ks.shape[-1]:  # a whole sequence (decode steps stay exact)
             return scalar_attention_approx(qs, ks, vals, tau)
         return scalar_attention(qs, ks, vals, tau, causal=True, impl="auto" if impl == "approx" else impl,
-                                kernel=self.config.kernel,
-                                window=self.config.sliding_window, n_prefix=n_prefix, docs=docs)
+                                kernel=c.kernel, window=c.sliding_window, n_prefix=n_prefix, docs=docs)
 
     def takes_documents(self, device) -> bool:
         """Packed documents in one pass, on every route of the exact op (the Triton kernel, the CPU's
         query chunks), for a layer of scalar (or hybrid) heads only that reads every key of its
-        document (no sink, no trained or decode window, no selector, no sliding window)."""
+        document (no sink, no trained window, no sliding window; a call with a key rule takes none)."""
         c = self.config
-        plain = not (c.sink or self.n_scalar < c.n_heads or c.train_window is not None or c.sliding_window is not None
-                     or self.decode_window is not None or self.decode_budget is not None or self.decode_select is not None)
-        return plain
+        return not (c.sink or self.n_mixed or c.train_window is not None or c.sliding_window is not None)
 
     def with_sink(self, p: Projected):
         """The scalar op's inputs, with the sink prepended when on: (qs, ks, values, tau, q, k, n_prefix)."""
@@ -210,46 +235,42 @@ class ScalarAttention(ScalarDecode, Attention):
             k = torch.cat([k.new_zeros(B, k.shape[1], 1, k.shape[3]), k], dim=2)  # zero sink key vector
         return qs, ks, vals, tau, q, k, 1
 
-    def scalar_readout(self, qs, ks, vals, tau, q, k, impl, n_prefix: int):
-        """The scalar op, or its windowed form while `decode_window` (or a `decode_select`) is set,
-        or under `train_window`."""
+    def scalar_readout(self, qs, ks, vals, tau, q, k, impl, n_prefix: int, rule: KeyRule):
+        """The scalar op, or its windowed form under a key rule's window or budget (or a selector's
+        keys), or under `train_window`."""
         c = self.config
-        lam = getattr(self, "scalar_scale", None)  # the hybrid's learned gain on the scalar term, if any
-        if self.decode_select is not None:
-            return windowed_attention(qs, ks, vals, tau, None, q=q, k=k, n_prefix=n_prefix, scalar_scale=lam,
-                                      keep_fn=self.selected_keys(qs, ks, tau, q, k, n_prefix), kernel=c.kernel)
-        window = self.decode_window if self.decode_window is not None else c.train_window
-        if window is None and self.decode_budget is None:
+        if rule.select is not None:
+            return windowed_attention(qs, ks, vals, tau, None, q=q, k=k, n_prefix=n_prefix, scalar_scale=self.scalar_scale,
+                                      keep_fn=rule.select(qs, ks, tau, q, k, n_prefix), kernel=c.kernel)
+        window = rule.window if rule.window is not None else c.train_window
+        if window is None and rule.budget is None:
             return self.scalar_op(qs, ks, vals, tau, q, k, impl, n_prefix)
         if c.sliding_window is not None:
             raise ValueError(f"this layer reads a sliding window of {c.sliding_window} keys: it has no scalar window "
-                             f"or budget to decode through (got window={window!r}, budget={self.decode_budget!r})")
+                             f"or budget to decode through (got window={window!r}, budget={rule.budget!r})")
         return windowed_attention(qs, ks, vals, tau, window, q=q, k=k, n_prefix=n_prefix, local=c.local_window,
-                                  budget=self.decode_budget, history=QUERY_HISTORY, scalar_scale=lam,
+                                  budget=rule.budget, history=QUERY_HISTORY, scalar_scale=self.scalar_scale,
                                   impl=impl if impl in ("naive", "triton") else "auto", kernel=c.kernel)
 
-    def sink_readout(self, qs, ks, vals, tau, q, k, impl, n_prefix: int):
+    def sink_readout(self, qs, ks, vals, tau, q, k, impl, n_prefix: int, rule: KeyRule):
         """`scalar_readout` on the op inputs of `with_sink`, weighing the sink by `sink_weight` when set."""
         if self.sink_weight is None or not n_prefix:
-            return self.scalar_readout(qs, ks, vals, tau, q, k, impl, n_prefix)
-        o = self.scalar_readout(qs, ks, split_sink_values(vals), tau, q, k, impl, n_prefix)
+            return self.scalar_readout(qs, ks, vals, tau, q, k, impl, n_prefix, rule)
+        o = self.scalar_readout(qs, ks, split_sink_values(vals), tau, q, k, impl, n_prefix, rule)
         return mix_sink(o, vals[:, :, :1], self.sink_weight)
 
-    def selected_keys(self, qs, ks, tau, q, k, n_prefix: int):
-        """The installed selector's keep_fn for these op inputs (see `decode_select`)."""
-        if self.decode_window is not None or self.decode_budget is not None:
-            raise ValueError(f"decode_select and decode_window/decode_budget are both set on this layer "
-                             f"(window={self.decode_window!r}, budget={self.decode_budget!r}): choose one key rule")
-        return self.decode_select(qs, ks, tau, q, k, n_prefix)
-
     def attend(self, p: Projected, values=None, impl: str | None = None):
+        """As `Attention.attend`; the scalar heads read the keys of `p.key_rule` (None: every key, or
+        the trained window)."""
         c = self.config
         impl = impl or c.impl
         scal = qs, ks, vals, tau, q, k, n_pre = self.with_sink(p)
+        v = vals if values is None else values
         if p.docs is not None:  # packed documents (takes_documents): no sink, no window, scalar heads only
-            return self.scalar_op(qs, ks, vals if values is None else values, tau, q, k, impl, docs=p.docs), scal
-        o = self.sink_readout(qs, ks, vals if values is None else values, tau, q, k, impl, n_pre)[:, :, n_pre:]
-        if self.n_dot:  # the dot-product heads of a mixed layer
+            return self.scalar_op(qs, ks, v, tau, q, k, impl, docs=p.docs), scal
+        rule = EVERY_KEY if p.key_rule is None else p.key_rule
+        o = self.sink_readout(qs, ks, v, tau, q, k, impl, n_pre, rule)[:, :, n_pre:]
+        if self.n_mixed:  # the dot-product heads of a mixed layer
             vd = p.v if values is None else values[:, :1, n_pre:, n_pre:].expand(-1, self.n_kv, -1, -1)
             od = softmax_attention(p.q, p.k, vd, causal=True, scale=c.scale, p=c.p, impl=exact_impl(impl),
                                    window=c.sliding_window)
@@ -258,27 +279,38 @@ class ScalarAttention(ScalarDecode, Attention):
             o = torch.cat([o, od], dim=1)  # (B, H, T, Dv): scalar heads first
         return o, scal
 
-    def attention_weights(self, x: torch.Tensor) -> torch.Tensor:
+    def attention_weights(self, x: torch.Tensor, key_rule: KeyRule | None = None) -> torch.Tensor:
         """As `Attention.attention_weights`, computed as the softmax of the mechanism's logits
         (O(T²) per head rather than the O(T³) of reading out an identity value matrix) when every
-        head is a scalar/hybrid head (not a mixed layer, not goat_hybrid's prior); with
-        `decode_window` set, the windowed weights, and with `decode_select` the selected ones."""
-        if self.n_scalar < self.config.n_heads or not self.sorted_decode:
-            return super().attention_weights(x)
+        head is a scalar/hybrid head (not a mixed layer, not goat_hybrid's prior, no learned gain);
+        under a key rule's window the windowed weights, and under its selector the selected ones."""
+        if self.n_mixed or not self.sorted_decode or self.scalar_scale is not None:
+            return super().attention_weights(x, key_rule)
         self.check_input(x)
+        check_key_rule(key_rule, self)
+        rule, c = EVERY_KEY if key_rule is None else key_rule, self.config
         qs, ks, _, tau, q, k, n_pre = self.with_sink(self.project(x, 0))
-        kernel = self.config.kernel
-        logits = scalar_logits(qs, ks, tau, kernel=kernel) if q is None else hybrid_logits(q, k, qs, ks, tau, kernel=kernel)
-        if self.decode_select is not None:
-            keep = self.selected_keys(qs, ks, tau, q, k, n_pre)(0, qs.shape[-1], logits)
+        logits = scalar_logits(qs, ks, tau, kernel=c.kernel) if q is None else hybrid_logits(q, k, qs, ks, tau, kernel=c.kernel)
+        if rule.select is not None:
+            keep = rule.select(qs, ks, tau, q, k, n_pre)(0, qs.shape[-1], logits)
             logits = logits.masked_fill(~keep, float("-inf"))
-        elif self.decode_window is not None or self.decode_budget is not None or self.config.train_window is not None:
-            evicted = None if self.decode_budget is None else budget_evictions(
-                qs, ks, self.decode_budget, history=QUERY_HISTORY, n_prefix=n_pre)
-            window = self.decode_window or self.config.train_window or qs.shape[-1] or 1
-            keep = window_mask(qs, ks, window, n_prefix=n_pre, evicted_at=evicted, local=self.config.local_window)
+        elif rule.window is not None or rule.budget is not None or c.train_window is not None:
+            evicted = None if rule.budget is None else budget_evictions(
+                qs, ks, rule.budget, history=QUERY_HISTORY, n_prefix=n_pre)
+            window = rule.window or c.train_window or qs.shape[-1] or 1
+            keep = window_mask(qs, ks, window, n_prefix=n_pre, evicted_at=evicted, local=c.local_window)
             logits = logits.masked_fill(~keep, float("-inf"))
         if n_pre and self.sink_weight is not None:  # the sink's weight: log|w| on its column
             logw = sink_weight_value(self.sink_weight).log().to(logits.dtype).view(1, -1, 1, 1)
             logits = torch.cat([logits[..., :1] + logw, logits[..., 1:]], dim=-1)
         return torch.softmax(logits, dim=-1)[:, :, n_pre:].to(x.dtype)
+
+
+@register
+class HybridAttention(ScalarAttention):
+    """mechanism = "hybrid": `ScalarAttention` with `hybrid = True` (module docstring)."""
+
+    mechanism = "hybrid"
+    hybrid = True
+    options = (*SCALAR_OPTIONS, "scalar_gain", "n_kv_heads", "rope", "rope_base")
+    value_key = "v"

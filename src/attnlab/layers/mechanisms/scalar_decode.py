@@ -1,18 +1,23 @@
 """The scalar and hybrid mechanisms' decoding (`ScalarDecode`, a base of `ScalarAttention`): the
-plain, exact or sorted scalar cache, the ring of a window-trained layer's last tokens, prefill
-and the single-token step. The module docstring of scalar.py describes the caches' rules."""
+plain, exact or sorted scalar cache, the ring of a window-trained layer's last tokens, a learned key
+selector's plain cache (`attnlab.cache.selected`), prefill and the single-token step. The module
+docstring of scalar.py describes the caches' rules."""
 
 from __future__ import annotations
+
+from dataclasses import replace
 
 import torch
 
 from ...checks import trusted
 from ...cache.exact import ExactScalarCache
 from ...cache.kv import KVCache
+from ...cache.options import KeyRule
 from ...cache.ring import Ring
-from ...cache.selected import selected_prefill, selected_step
+from ...cache.selected import gather_selected, learned_select, masked_readout, prompt_search, selected_positions
 from ...cache.sorted import SortedScalarCache
 from ...cache.sorted_read import check_step_values
+from ...index.pages import scalar_term
 from ...ops import softmax_attention
 from ...ops.common.heads import expand_heads
 from ...ops.scalar import hybrid_scores, scalar_scores
@@ -38,13 +43,10 @@ def exact_impl(impl: str) -> str:
 CPU_BULK_PREFILL = 131072
 
 class ScalarDecode:
-    """Decode methods of `ScalarAttention` (and through it `HybridAttention`)."""
-
-    hybrid_key_dim = None  # vector key width the sorted cache keeps (hybrid: head_dim)
-
+    """Decode methods of `ScalarAttention` (and so of `HybridAttention`)."""
 
     def init_cache(self, cache, window, max_len) -> None:
-        if self.n_dot:
+        if self.n_mixed:
             cache.kv = KVCache(cache.batch_size, window=self.config.sliding_window)
         cache.scalar = self.scalar_cache(cache.batch_size, self.trained_window(cache, window))
 
@@ -61,9 +63,11 @@ class ScalarDecode:
         return window
 
     def scalar_cache(self, batch_size: int, window: int | None):
-        """The plain cache of every scalar key (window None, exact) or the sorted scalar cache."""
+        """The plain cache of every scalar key (window None, exact) or the sorted scalar cache. A
+        hybrid's learned gain, which the exact cache does not apply, takes the plain cache."""
         c = self.config
-        if window is None and (c.impl == "naive" or c.kernel != "gaussian" or c.sliding_window is not None):
+        if window is None and (c.impl == "naive" or c.kernel != "gaussian" or c.sliding_window is not None
+                               or self.scalar_scale is not None):
             cache = KVCache(batch_size, window=c.sliding_window, keep=int(c.sink))  # the op over the plain cache (a sliding window's)
             if c.sink:
                 cache.append(**self.sink_entry(batch_size))
@@ -89,12 +93,24 @@ class ScalarDecode:
 
     def sink_entry(self, batch_size: int) -> dict:
         """The sink as one plain-cache entry: ks (B, H_s, 1) and values (B, G, 1, D), or
-        (B, G, 1, D + 2) in the weighted-sink layout when `sink_weight` is set."""
+        (B, G, 1, D + 2) in the weighted-sink layout when `sink_weight` is set; and a hybrid's zero
+        vector key (B, G, 1, D)."""
         w = self.sink_value.detach()  # (G, D)
         v = w[None, :, None, :].expand(batch_size, -1, 1, -1)
         if self.sink_weight is not None:
             v = split_sink_values(v)
-        return {"ks": w.new_full((batch_size, self.n_scalar, 1), self.config.sink_key), self.value_key: v}
+        entry = {"ks": w.new_full((batch_size, self.n_scalar, 1), self.config.sink_key), self.value_key: v}
+        if self.hybrid_key_dim is not None:
+            entry["k"] = self.sink_value.new_zeros(batch_size, self.n_kv, 1, self.hybrid_key_dim)
+        return entry
+
+    def attach_selector(self, cache, selector, index: int) -> None:
+        """Make `cache` (an exact decode cache of this layer, block `index`) decode through `selector`
+        (an `attnlab.cache.selected.DecodeSelector`): a plain cache of every key, the sink first."""
+        cache.scalar = KVCache(cache.batch_size)
+        if self.config.sink:
+            cache.scalar.append(**self.sink_entry(cache.batch_size))
+        cache.selector = selector.layer_state(index)
 
     def plain_step(self, op, vals: torch.Tensor) -> torch.Tensor:
         """op(values) over a plain cache (sink first) with this step's values (B, G, T, D): the
@@ -109,7 +125,7 @@ class ScalarDecode:
         vals = self.scalar_values(p)  # (B, G, 1, D)
         q, k = self.score_vectors(p)
         if cache.selector is not None:  # a learned key selector (cache/selected.py)
-            return self.plain_step(lambda v: selected_step(self, p, cache, v, q, k), vals)
+            return self.plain_step(lambda v: self.selected_step(p, cache, v, q, k), vals)
         if isinstance(cache.scalar, ExactScalarCache):  # every cached key, each augmented once (cache/exact.py)
             def exact(v):
                 cache.scalar.append(p.ks, v, k=k)
@@ -131,12 +147,25 @@ class ScalarDecode:
         else:
             extra = self.ring_step(cache, p, vals, k_t)
         o = cache.scalar.attend(p.qs[..., 0], tau, q=q_t, window=cache.window, extra=extra, check_values=False,
-                                scalar_scale=getattr(self, "scalar_scale", None)).unsqueeze(2)  # (B, H, 1, D)
+                                scalar_scale=self.scalar_scale).unsqueeze(2)  # (B, H, 1, D)
         if cache.budget is not None:
             cache.scalar.evict_to_budget(cache.budget)
         if cache.compress is not None:
             cache.scalar.compress_density(cache.compress)
         return o
+
+    def selected_step(self, p: Projected, cache, vals: torch.Tensor, q, k) -> torch.Tensor:
+        """Readout (B, H_s, 1, D) of one token through `cache.selector`: the token's keys appended to
+        the plain cache (the sink first), then the op over the sink and the selected keys."""
+        if p.qs.shape[-1] != 1:
+            raise RuntimeError("a selector cache decodes one token at a time")
+        full = cache.scalar.append(**{"ks": p.ks, self.value_key: vals, **({"k": k} if k is not None else {})})
+        idx, valid = cache.selector.select(p, q, k, *scalar_term(self))  # (B, H, k)
+        pick, ok = selected_positions(idx, valid, int(self.config.sink))  # the sink, then the selection
+        ks, vv, kk = gather_selected(full, self.value_key, pick, self.n_scalar)
+        if bool(ok.all()):
+            return self.scalar_op(p.qs, ks, vv, p.tau, q, kk, self.config.impl)
+        return masked_readout(p.qs, ks, vv, p.tau, q, kk, ok, self.config.kernel, self.scalar_scale)
 
     def ring_step(self, cache, p: Projected, vals, k_t):
         """Push this token into the ring of the last `local_window` tokens (the one leaving it goes
@@ -148,7 +177,7 @@ class ScalarDecode:
         rks, rv, rk = ring.view()  # (B, H, w), (B, G, w, D), (B, H, w, Dk)
         rv = expand_heads(rv, H)  # (B, H, w, D)
         tau = p.tau.view(1, H, 1) if p.tau.dim() == 1 else p.tau[..., :1]  # checked by the projection's Temperature
-        lam = getattr(self, "scalar_scale", None)  # the hybrid's gain on the scalar term
+        lam = self.scalar_scale  # the hybrid's gain on the scalar term
         lam, kernel = None if lam is None else lam.view(1, H, 1), self.config.kernel
         if rk is None:  # the ops' score formula; the ring's keys were projected (and are finite) like the query
             logits = scalar_scores(p.qs[..., :1], rks, tau, kernel, lam)
@@ -165,18 +194,14 @@ class ScalarDecode:
         into the sorted cache, as stepping would leave them. A sorted cache that already holds keys,
         evicts or compresses takes one token at a time."""
         if not isinstance(cache.scalar, SortedScalarCache):
-            return selected_prefill(self, p, cache) if cache.selector is not None else self.step_readout(p, cache)
-        if (len(cache.scalar) or cache.budget is not None or cache.compress is not None or self.decode_select is not None
+            return self.selected_prefill(p, cache) if cache.selector is not None else self.step_readout(p, cache)
+        if (len(cache.scalar) or cache.budget is not None or cache.compress is not None
                 or (cache.ring is not None and len(cache.ring))):
             return None
         if p.ks.device.type == "cpu" and p.ks.shape[-1] > CPU_BULK_PREFILL:
             return None  # the windowed op's selection is O(T^2): past this, stepping (O(T log T)) is faster
-        saved = self.decode_window, self.decode_budget
-        self.decode_window, self.decode_budget = cache.window, None
-        try:
-            o, _ = self.attend(p)  # (B, H, T, D): scalar heads windowed, dot heads of a mixed layer exact
-        finally:
-            self.decode_window, self.decode_budget = saved
+        # (B, H, T, D): scalar heads windowed, dot heads of a mixed layer exact
+        o, _ = self.attend(replace(p, key_rule=KeyRule(window=cache.window)))
         if cache.ring is None:
             cache.scalar = self.sorted_from_prompt(p, cache.batch_size)
         else:  # the last w tokens into the ring, the older ones (those that left it) into the sorted cache
@@ -187,6 +212,26 @@ class ScalarDecode:
             _, k = self.score_vectors(p)
             cache.ring.fill(p.ks[..., old:], self.scalar_values(p)[:, :, old:],
                             None if k is None else expand_heads(k, self.n_scalar)[:, :, old:], start=old)
+        if cache.kv is not None:  # the dot-product heads of a mixed layer
+            cache.kv.append(k=p.k, v=p.v)
+        return o
+
+    def selected_prefill(self, p: Projected, cache):
+        """Readout (B, H, T, D) of a whole prompt through an exact-index learned selector in one pass, or
+        None when `cache` must take it token by token (`cache.selected.prompt_search`). The layer's own
+        op reads, per query, the K causal keys its search query scores highest (what stepping the
+        index selects); then the plain cache and the index take every prompt key, as T steps would."""
+        search = prompt_search(cache.selector, p.qs.shape[-1])
+        if search is None:
+            return None
+        sq, sk = search  # (B, H, T, d), the positions the layer decodes
+        rule = KeyRule(select=learned_select(sq, sk, cache.selector.spec.K))
+        o, _ = self.attend(replace(p, key_rule=rule))  # scalar heads through the selection (and a mixed layer's dot heads)
+        vals = self.scalar_values(p)
+        _, k = self.score_vectors(p)
+        cache.scalar.append(**{"ks": p.ks, self.value_key: vals if self.sink_weight is None else token_values(vals),
+                               **({"k": k} if k is not None else {})})
+        cache.selector.add_prompt(sk)
         if cache.kv is not None:  # the dot-product heads of a mixed layer
             cache.kv.append(k=p.k, v=p.v)
         return o
@@ -203,7 +248,7 @@ class ScalarDecode:
 
     def step_readout(self, p: Projected, cache) -> torch.Tensor:
         o = self.scalar_step(p, cache)
-        if self.n_dot:
+        if self.n_mixed:
             c = self.config
             full = cache.kv.append(k=p.k, v=p.v)
             with trusted(full["k"], full["v"]):  # checked token by token at append

@@ -18,6 +18,7 @@ import math
 
 import torch
 
+from ...cache.options import KeyRule
 from ...cache.selected import KEY_DTYPES
 from ...cache.sorted import QUERY_HISTORY
 from ...cache.static import (LAST, KeyStore, StaticState, budget_keep, extend_codes, extend_scratch_size, merge_codes,
@@ -47,6 +48,8 @@ class ScalarState(StaticState):
         self.budget, self.tail, self.window_impl = opts.budget, opts.tail, opts.window_impl
         self.kwin = opts.window or c.train_window  # the k nearest keys, or None: every key
         self.windowed = self.whole_prompt = not opts.exact and opts.selector is None and self.kwin is not None
+        given = opts.window is not None and c.sliding_window is None  # a decode window (decode_window's rule)
+        self.rule = KeyRule(window=opts.window, budget=opts.budget) if given else None  # the prompt's, in fill
         self.dots = None  # a mixed layer's dot-product heads, after the scalar heads
         if a.n_scalar < c.n_heads:
             self.dots = KeyStore(kv_entries(a, dt), B, N, c.sliding_window, dev)
@@ -94,6 +97,7 @@ class ScalarState(StaticState):
         self.ks[:, :, :T] = p.ks.float() + 0.0
         if self.windowed and self.budget is not None:
             self._budget_prompt(p, T)
+        p.key_rule = self.rule
         return a.attend(p)[0]
 
     def _budget_prompt(self, p, T: int) -> None:
@@ -125,7 +129,7 @@ class ScalarState(StaticState):
     def _logits(self, p, ks: torch.Tensor) -> torch.Tensor:
         """The scalar logits -λ φ((qs - ks)² / τ) of the tokens p against keys ks: (B, H, n) read by
         every token, or (B, H, T, m) each token's own -> (B, H, T, n | m), float32."""
-        tau, lam = p.tau.float(), getattr(self.layer, "scalar_scale", None)
+        tau, lam = p.tau.float(), self.layer.scalar_scale
         tau = tau[None, :, None] if tau.dim() == 1 else tau
         return scalar_scores(p.qs.float(), ks, tau, self.layer.config.kernel,
                              None if lam is None else lam.float()[None, :, None])
