@@ -370,3 +370,26 @@ def test_tau_slopes_of_the_two_parametrisations(init):
         assert slopes["softplus"] == pytest.approx(slopes["log"], rel=0.05)
     else:
         assert slopes["softplus"] < 0.4 * slopes["log"]
+
+
+# which mechanisms take the choices only some do: the table the config checked by name before each
+# mechanism class declared it (Attention.impls, Attention.prenorm_gate)
+TAKES = {"triton": {"scalar", "hybrid", "principled"}, "approx": {"scalar"}, "prenorm": {"cosformer"}}
+
+
+@pytest.mark.parametrize("choice", sorted(TAKES))
+def test_only_the_mechanisms_that_declare_a_choice_take_it(choice):
+    from attnlab.layers import MECHANISMS
+
+    took, refused = set(), {}
+    for name in MECHANISMS:
+        kw = {"output_gate": "prenorm"} if choice == "prenorm" else {"impl": choice}
+        try:
+            AttentionConfig(d_model=32, n_heads=2, mechanism=name, **kw)
+            took.add(name)
+        except ValueError as e:
+            refused[name] = str(e)
+    assert took == TAKES[choice]
+    field = "output_gate" if choice == "prenorm" else "impl"
+    for name, msg in refused.items():
+        assert f"AttentionConfig.{field}" in msg and all(repr(m) in msg for m in TAKES[choice]), (name, msg)

@@ -22,7 +22,7 @@ from torch import nn
 
 from ..cache.kv import KVCache
 from ..cache.options import DecodeOptions, KeyRule, check_key_rule
-from ..checks import check_finite
+from ..checks import IMPLS, check_finite
 from ..data.packing import positions_in_doc
 from .config import AttentionConfig
 from .gate import OutputGate
@@ -62,6 +62,8 @@ class Attention(nn.Module):
     scalar: ClassVar[bool] = False  # has scalar heads (qs, ks, τ): regularizers, the sorted cache
     sorted_decode: ClassVar[bool] = False  # its scalar heads decode through the sorted cache, read keys by a KeyRule
     rope_default: ClassVar[bool] = True  # RoPE on its vector queries/keys unless configured
+    impls: ClassVar[tuple[str, ...]] = IMPLS  # the AttentionConfig.impl values it takes
+    prenorm_gate: ClassVar[bool] = False  # takes output_gate="prenorm" (a gate on its normaliser)
 
     def __new__(cls, config: AttentionConfig | None = None, *args, **kwargs):
         if cls is Attention:

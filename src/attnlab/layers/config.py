@@ -17,8 +17,7 @@ from .params import TAU_PARAMS
 from .typed_fields import field_problem
 
 # Fields every mechanism reads; each mechanism class lists the others it reads in `options`.
-LAYER_IMPLS = (*IMPLS, "approx", "triton")  # "approx": scalar heads only; "triton": the kernels' mechanisms
-TRITON_MECHANISMS = ("scalar", "hybrid", "principled")  # whose ops take impl="triton" (attnlab.ops.principled.triton_kernel, ops.scalar)
+LAYER_IMPLS = (*IMPLS, "approx", "triton")  # each mechanism class says which it takes (`Attention.impls`)
 SHARED_FIELDS = ("d_model", "n_heads", "mechanism", "head_dim", "output_gate", "output_gate_scale", "output_norm", "bias",
                  "impl")
 TAU_MODES = ("global", "head", "token")
@@ -233,6 +232,7 @@ class AttentionConfig:
             self.head_dim = self.d_model // self.n_heads
         _int("head_dim", self.head_dim)
         self._validate_options()
+        self._check_mechanism_choices(cls, REGISTRY)
         cls.configure(self)  # the mechanism's derived fields: its head counts and groups
 
     def error(self, field: str, got, need: str) -> ValueError:
@@ -341,21 +341,28 @@ class AttentionConfig:
             raise _err("goat_width", self.goat_width, f"one of {GOAT_WIDTHS}")
         if self.goat_prior_init not in GOAT_PRIOR_INITS:
             raise _err("goat_prior_init", self.goat_prior_init, f"one of {GOAT_PRIOR_INITS}")
-        if self.output_gate == "prenorm" and self.mechanism != "cosformer":
-            raise _err("output_gate", self.output_gate, "'prenorm' only with mechanism 'cosformer' (the normalised "
-                       "linear attention it gates the normaliser of)")
         if self.impl not in LAYER_IMPLS:
             raise _err("impl", self.impl, f"one of {LAYER_IMPLS}")
+
+    def _check_mechanism_choices(self, cls, registry) -> None:
+        """The choices only some mechanisms take, as their classes declare them (`Attention.impls`,
+        `Attention.prenorm_gate`)."""
+        def taking(pred) -> str:
+            return ", ".join(repr(n) for n, c in registry.items() if pred(c))
+
+        if self.output_gate == "prenorm" and not cls.prenorm_gate:
+            raise _err("output_gate", self.output_gate, f"'prenorm' only with mechanism {taking(lambda c: c.prenorm_gate)} "
+                       "(the normalised linear attention it gates the normaliser of)")
         # train_window reaches only the mechanisms whose options list it (scalar, hybrid: `_check_applicable`),
         # and their kernels train through it
-        if self.impl == "triton" and (self.mechanism not in TRITON_MECHANISMS or self.sliding_window is not None):
-            raise _err("impl", self.impl, f"one of {IMPLS} here: 'triton' is for mechanisms {TRITON_MECHANISMS} without "
-                       "a sliding window (their Triton kernels have none; scalar and hybrid heads train through "
-                       "their train_window in one)")
-        if self.impl == "approx" and self.mechanism != "scalar":
+        if self.impl == "triton" and ("triton" not in cls.impls or self.sliding_window is not None):
+            raise _err("impl", self.impl, f"one of {IMPLS} here: 'triton' is for mechanisms "
+                       f"{taking(lambda c: 'triton' in c.impls)} without a sliding window (their Triton kernels have "
+                       "none; scalar and hybrid heads train through their train_window in one)")
+        if self.impl == "approx" and "approx" not in cls.impls:
             raise _err("impl", self.impl, f"one of the exact paths {IMPLS} for mechanism {self.mechanism!r}: 'approx' "
-                       "(approximate scalar attention) exists only for mechanism 'scalar'; set it per layer "
-                       "with model.layer_attention")
+                       f"(approximate scalar attention) exists only for mechanism {taking(lambda c: 'approx' in c.impls)}; "
+                       "set it per layer with model.layer_attention")
 
     @property
     def n_dot_heads(self) -> int:

@@ -67,6 +67,7 @@ class CosformerStore(StaticState):
 @register
 class CosformerAttention(RecurrentAttention):
     mechanism = "cosformer"
+    prenorm_gate = True  # output_gate="prenorm" gates its normaliser
     options = ("cosformer_normalize", "cosformer_max_len", "n_kv_heads", "rope", "rope_base")
 
     @classmethod

@@ -8,6 +8,7 @@ entries and each head's scalar key in a `KeyedState`, read by GOAT's readout plu
 from __future__ import annotations
 
 from ...cache.kv import KVCache
+from ...checks import IMPLS
 from ...data.packing import positions_in_doc
 import torch
 
@@ -24,6 +25,7 @@ class GoatHybridAttention(HybridAttention):
     mechanism = "goat_hybrid"
     options = ("tau", "tau_init", "tau_param", "tau_max", "n_kv_heads", *GOAT_OPTIONS, "goat_width", "sliding_window")
     sorted_decode = False
+    impls = IMPLS  # GOAT's fused op has no Triton kernel
 
     @classmethod
     def configure(cls, config) -> None:

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from torch import nn
 
-from ...checks import trusted
+from ...checks import IMPLS, trusted
 from ...ops import principled_attention
 from ...ops.common.heads import expand_heads
 from ...ops.common.precision import upcast
@@ -31,6 +31,7 @@ class PrincipledAttention(Attention):
     mechanism = "principled"
     options = ("n_kv_heads", "rope", "rope_base", "alpha", "beta", "gamma", "alpha_init", "beta_init", "gamma_init",
                "v0", "gate_dim", "sliding_window")
+    impls = (*IMPLS, "triton")  # ops.principled.triton_kernel
 
     @classmethod
     def configure(cls, config) -> None:

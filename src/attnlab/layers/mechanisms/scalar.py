@@ -59,6 +59,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ...cache.options import KeyRule, check_key_rule
+from ...checks import IMPLS
 from ...cache.sorted import QUERY_HISTORY
 from ...ops import (
     budget_evictions, hybrid_attention, hybrid_logits, scalar_attention, scalar_attention_approx, scalar_logits,
@@ -108,6 +109,7 @@ class ScalarAttention(ScalarDecode, Attention):
     options = ("n_scalar_heads", "n_value_groups", *SCALAR_OPTIONS, "n_kv_heads", "scale", "p", "rope", "rope_base")
     value_key = "vs"  # the name of the scalar heads' values in a plain decode cache
     sorted_decode = True  # decodes through the sorted scalar cache (window=k), reads keys by a KeyRule
+    impls = (*IMPLS, "approx", "triton")  # approx: scalar_attention_approx on the scalar heads; triton: its kernels
 
     @classmethod
     def configure(cls, config) -> None:
@@ -313,4 +315,5 @@ class HybridAttention(ScalarAttention):
     mechanism = "hybrid"
     hybrid = True
     options = (*SCALAR_OPTIONS, "scalar_gain", "n_kv_heads", "rope", "rope_base")
+    impls = (*IMPLS, "triton")  # no approximate path
     value_key = "v"
