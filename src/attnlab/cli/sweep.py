@@ -66,11 +66,7 @@ def add_sweep(sub) -> None:
 
 
 def cmd_sweep(ns) -> int:
-    from attnlab.experiments import sweep as sw
-    from attnlab.experiments.launch import JobFailed, launcher_from_options
-    from attnlab.experiments.sweep.records import check_target
-    from attnlab.experiments.sweep.runner import select_runs
-    from attnlab.train.trainer import DataError
+    from attnlab.experiments.launch import launcher_from_options
 
     positive_options(ns, "jobs")
     _check_piece_options(ns)
@@ -110,6 +106,7 @@ def _runs_folder(runs: str | None):
 
 def _sweep(ns, launcher) -> int:
     from attnlab.experiments import sweep as sw
+    from attnlab.experiments.launch import JobFailed
     from attnlab.experiments.sweep.records import check_target
     from attnlab.experiments.sweep.runner import select_runs
     from attnlab.train.trainer import DataError
