@@ -41,6 +41,14 @@ def ratios(times: dict[str, list[float]], baseline: str) -> dict[str, dict[str, 
     return out
 
 
+def command(script: str, argv=None) -> str:
+    """The command line that ran benchmarks/SCRIPT with argv (None: this process's own arguments), as
+    a results file records it."""
+    import sys
+
+    return f"python benchmarks/{script} " + " ".join(sys.argv[1:] if argv is None else argv)
+
+
 def write_json(path, out: dict) -> None:
     """Write a benchmark's results with the machine they were measured on, and say where."""
     import json

@@ -16,7 +16,7 @@ from attnlab.ops import (gla_attention, goat_attention, hybrid_attention, scalar
                          windowed_attention)
 from attnlab.ops.cosformer import cosformer_attention
 from attnlab.ops.principled import principled_attention
-from attnlab.ops.goat_flex import flex_goat_attention
+from attnlab.ops.goat.flex import flex_goat_attention
 from attnlab.ops.scalar.flex import flex_scalar_attention
 from attnlab.ops.softmax import softmax_attention
 from attnlab.testing import rel_rms

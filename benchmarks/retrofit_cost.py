@@ -35,7 +35,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "src"))
 sys.path.insert(0, str(ROOT / "benchmarks"))
 
-from _interleaved import write_json  # noqa: E402
+from _interleaved import command, write_json  # noqa: E402
 
 from attnlab.retrofit import FinetuneConfig, TransferConfig, convert, finetune, transfer_attention  # noqa: E402
 from attnlab.retrofit.io import load_source, plan_source  # noqa: E402
@@ -109,7 +109,7 @@ def main(argv=None) -> None:
     config = {"model": a.model, "layers": a.layers, "rounds": a.rounds, "transfer_steps": [S, 3 * S],
               "finetune_steps": [F, 3 * F], "contexts": a.contexts, "context": a.context, "batch": a.batch,
               "lora": a.lora, "threads": torch.get_num_threads(), "peak_rss_gb": round(peak_gb, 2)}
-    write_json(a.out, {"command": "python benchmarks/retrofit_cost.py " + " ".join(sys.argv[1:] if argv is None else argv),
+    write_json(a.out, {"command": command("retrofit_cost.py", argv),
                        "config": config, "rows": rows})
 
 

@@ -3,7 +3,7 @@ ways, in one process: the teacher's targets built in the step (`search_losses`, 
 new teacher each step does); built once and reused (`search_targets` + `search_losses_from`, as
 `train_selector_projections` does: its teacher is fixed); and the latter with its two log-sum-exps
 taken by `torch.logsumexp` (`plain_lse`, here only) instead of the library's, which holds every
-exponent above `exp_floor` (eager exp on a CPU is 10-40x slower per element where it underflows).
+exponent above `exp_floor` (eager exp on a CPU is slower per element where it underflows).
 
     python benchmarks/search_losses.py --out benchmarks/results/search_losses.json
 
@@ -27,7 +27,7 @@ HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE.parent / "src"))
 sys.path.insert(0, str(HERE))
 
-from _interleaved import interleaved, ratios, write_json  # noqa: E402
+from _interleaved import command, interleaved, ratios, write_json  # noqa: E402
 from attnlab.index.projections import search_losses, search_losses_from, search_targets  # noqa: E402
 
 TAU, K_POS = 0.05, 16
@@ -88,7 +88,7 @@ def main(argv=None) -> None:
         print(f"T {T:5d}: cached {row['cached_s'] * 1e3:.1f} ms; targets in the step {row['in_step_ratio']:.2f}x, "
               f"torch.logsumexp {row['plain_lse_ratio']:.2f}x; max |diff| {row['max_abs_diff']:.1e}", flush=True)
     write_json(a.out, {"threads": torch.get_num_threads(),
-                       "command": "python benchmarks/search_losses.py " + " ".join(argv or sys.argv[1:]), "rows": out_rows})
+                       "command": command("search_losses.py", argv), "rows": out_rows})
 
 
 if __name__ == "__main__":

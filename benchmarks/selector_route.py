@@ -23,7 +23,7 @@ HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE.parent / "src"))
 sys.path.insert(0, str(HERE))
 
-from _interleaved import interleaved, ratios, write_json  # noqa: E402
+from _interleaved import command, interleaved, ratios, write_json  # noqa: E402
 from attnlab.index.keep import IndexedKeep, learned_indices, learned_keep  # noqa: E402
 from attnlab.ops import window_indices, window_mask, windowed_attention  # noqa: E402
 
@@ -68,7 +68,7 @@ def main(argv=None) -> None:
                 print(f"{rule:8s} K {K:4d} T {T:5d}: mask {rows[-1]['mask_s']:.2f} s, indices "
                       f"{rows[-1]['indices_s']:.2f} s ({rows[-1]['median_ratio']:.1f}x), max |diff| {diff:.1e}", flush=True)
     write_json(a.out, {"threads": torch.get_num_threads(),
-                       "command": "python benchmarks/selector_route.py " + " ".join(argv or sys.argv[1:]), "rows": rows})
+                       "command": command("selector_route.py", argv), "rows": rows})
 
 
 if __name__ == "__main__":

@@ -1,4 +1,4 @@
-"""FlexAttention's form of scalar and hybrid attention (`ops.scalar.flex`) and of GOAT (`ops.goat_flex`):
+"""FlexAttention's form of scalar and hybrid attention (`ops.scalar.flex`) and of GOAT (`ops.goat.flex`):
 equal to the naive op on the CPU (forward: FlexAttention has no CPU backward) at awkward lengths, both
 kernels, tau per head or per query, a signed gain and grouped heads; on CUDA, outputs and every gradient
 against float64."""
@@ -161,9 +161,9 @@ def _goat_inputs(T, dtype=torch.float64, device="cpu"):
 
 @pytest.mark.parametrize("T", [1, 130])
 def test_flex_goat_forward_equals_naive_on_the_cpu(T):
-    """GOAT's prior as a score_mod (`ops.goat_flex`): the naive op's forward, GQA included."""
+    """GOAT's prior as a score_mod (`ops.goat.flex`): the naive op's forward, GQA included."""
     from attnlab.ops.goat import goat_attention
-    from attnlab.ops.goat_flex import flex_goat_attention
+    from attnlab.ops.goat.flex import flex_goat_attention
 
     ins = _goat_inputs(T)
     with warnings.catch_warnings():
@@ -180,7 +180,7 @@ def test_flex_goat_forward_equals_naive_on_the_cpu(T):
 @pytest.mark.cuda
 def test_cuda_flex_goat_matches_float64_on_every_gradient():
     from attnlab.ops.goat import goat_attention
-    from attnlab.ops.goat_flex import flex_goat_attention
+    from attnlab.ops.goat.flex import flex_goat_attention
 
     ins = _goat_inputs(1000, torch.bfloat16, "cuda")
     ins = [x if i == 3 else x.float() if i > 3 else x for i, x in enumerate(ins)]  # weights in float32
@@ -220,7 +220,7 @@ def test_score_functions_index_each_tensor_once(form, monkeypatch):
     twice (GOAT's loop over frequencies did: "multiple indexing operations on the same tensor"). Each form's
     score function, called as the kernel calls it, reads each tensor it captures at most once."""
     from attnlab.ops.common import sdpa as _sdpa
-    from attnlab.ops.goat_flex import flex_goat_attention
+    from attnlab.ops.goat.flex import flex_goat_attention
 
     seen = {}
 
@@ -233,7 +233,7 @@ def test_score_functions_index_each_tensor_once(form, monkeypatch):
 
     monkeypatch.setattr(_sdpa, "flex_call", spy)
     monkeypatch.setattr("attnlab.ops.scalar.flex.flex_call", spy)
-    monkeypatch.setattr("attnlab.ops.goat_flex.flex_call", spy)
+    monkeypatch.setattr("attnlab.ops.goat.flex.flex_call", spy)
     if form == "goat":
         flex_goat_attention(*_goat_inputs(16))
     else:

@@ -29,6 +29,18 @@ class Formatter(argparse.RawDescriptionHelpFormatter):
 # --------------------------------------------------------------------------- helpers
 
 
+def csv_of(kind):
+    """An argparse `type`: a comma-separated list of `kind` values (empty items dropped); a value that
+    `kind` refuses is argparse's one-line error."""
+    def parse(text: str):
+        try:
+            return [kind(x) for x in text.split(",") if x.strip()]
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected a comma-separated list of {kind.__name__}, got {text!r}")
+
+    return parse
+
+
 def positive_options(ns, *names: str) -> None:
     """Int options the parser read (None when not given) must be >= 1; errors name the option."""
     for name in names:

@@ -21,6 +21,36 @@ from ._common import Formatter, UsageError
 
 HF_EXTRA = "pip install 'attnlab[hf]'"
 
+# the options of a stage beside its --<stage>-steps: (name, type or choices, metavar, help); each is the
+# stage config's field of that name (dashes for underscores), and None when not given: the config's default
+TRANSFER_OPTIONS = (
+    ("contexts", int, "M", "packed stdlib-corpus contexts captured for transfer (default: 8)"),
+    ("context", int, "T", "tokens per context (default: 256)"),
+    ("lr", float, "LR", "AdamW learning rate (default: 1e-3)"),
+    ("heldout-contexts", int, "M", "contexts of the corpus's val split on which each layer's error is also "
+                                   "reported, never trained on; 0: none (default: 2)"),
+)
+FINETUNE_OPTIONS = (
+    ("lr", float, "LR", "peak learning rate, linear warmup then cosine decay (default: 1e-3)"),
+    ("kl", float, "W", "weight of KL(original || retrofit) on the next-token distributions (default: 0)"),
+    ("context", int, "T", "tokens per context (default: 256)"),
+    ("batch", int, "B", "contexts per step (default: 4)"),
+    ("train", ("new", "all"), None, "new: only the retrofit's new parameters (gates, scalar projections, τ, ...); "
+                                    "all: every parameter (default: new)"),
+    ("new-lr-scale", float, "X", "the new parameters' learning rate as X times --finetune-lr (default: 1)"),
+    ("align", float, "W", "weight of L_align (scalar distance against attention weight) over the scalar/hybrid "
+                          "layers (default: 0)"),
+    ("lora", int, "R", "also train LoRA adapters of rank R (peft) on every layer's q/k/v/o projections, merged "
+                       "into them when fine-tuning ends (default: none)"),
+)
+
+
+def _stage_options(group, stage: str, options) -> None:
+    """--<stage>-<name> for each of `options`, None when not given."""
+    for name, kind, metavar, help in options:
+        typed = {"choices": list(kind)} if isinstance(kind, tuple) else {"type": kind, "metavar": metavar}
+        group.add_argument(f"--{stage}-{name}", default=None, help=help, **typed)
+
 
 def add_retrofit(sub) -> None:
     p = sub.add_parser(
@@ -63,34 +93,12 @@ def add_retrofit(sub) -> None:
     t.add_argument("--transfer-steps", type=int, default=0, metavar="N",
                    help="train each new layer N AdamW steps to reproduce the original attention output (MSE); "
                         "0: none (default: 0). Resumes from OUT/transfer/ after an interruption")
-    t.add_argument("--transfer-contexts", type=int, default=None, metavar="M",
-                   help="packed stdlib-corpus contexts captured for transfer (default: 8)")
-    t.add_argument("--transfer-context", type=int, default=None, metavar="T", help="tokens per context (default: 256)")
-    t.add_argument("--transfer-lr", type=float, default=None, metavar="LR", help="AdamW learning rate (default: 1e-3)")
-    t.add_argument("--transfer-heldout-contexts", type=int, default=None, metavar="M",
-                   help="contexts of the corpus's val split on which each layer's error is also reported, never "
-                        "trained on; 0: none (default: 2)")
+    _stage_options(t, "transfer", TRANSFER_OPTIONS)
     f = p.add_argument_group("fine-tuning (docs/retrofit.md#fine-tuning)")
     f.add_argument("--finetune-steps", type=int, default=0, metavar="N",
                    help="fine-tune N AdamW steps on next-token loss over the stdlib corpus, after transfer; 0: none "
                         "(default: 0). Resumes from OUT/finetune/ after an interruption")
-    f.add_argument("--finetune-lr", type=float, default=None, metavar="LR",
-                   help="peak learning rate, linear warmup then cosine decay (default: 1e-3)")
-    f.add_argument("--finetune-kl", type=float, default=None, metavar="W",
-                   help="weight of KL(original || retrofit) on the next-token distributions (default: 0)")
-    f.add_argument("--finetune-context", type=int, default=None, metavar="T", help="tokens per context (default: 256)")
-    f.add_argument("--finetune-batch", type=int, default=None, metavar="B", help="contexts per step (default: 4)")
-    f.add_argument("--finetune-train", choices=["new", "all"], default=None,
-                   help="new: only the retrofit's new parameters (gates, scalar projections, τ, ...); all: every "
-                        "parameter (default: new)")
-    f.add_argument("--finetune-new-lr-scale", type=float, default=None, metavar="X",
-                   help="the new parameters' learning rate as X times --finetune-lr (default: 1)")
-    f.add_argument("--finetune-align", type=float, default=None, metavar="W",
-                   help="weight of L_align (scalar distance against attention weight) over the scalar/hybrid "
-                        "layers (default: 0)")
-    f.add_argument("--finetune-lora", type=int, default=None, metavar="R",
-                   help="also train LoRA adapters of rank R (peft) on every layer's q/k/v/o projections, merged into "
-                        "them when fine-tuning ends (default: none)")
+    _stage_options(f, "finetune", FINETUNE_OPTIONS)
     e = p.add_argument_group("evaluation (eval.json in OUT)")
     e.add_argument("--eval-contexts", type=int, default=0, metavar="N",
                    help="held-out contexts (stdlib test split) for the perplexity of the retrofitted and the original "
@@ -168,30 +176,30 @@ def _eval_config(ns, EvalConfig):
     return cfg.check()
 
 
+def _stage_config(ns, stage: str, options, Config, what: str):
+    """The Config of --<stage>-steps and the --<stage>-* options given, and which were given
+    (RetrofitError for a --<stage>-* option given without --<stage>-steps)."""
+    from attnlab.retrofit import RetrofitError
+
+    given = {name.replace("-", "_"): getattr(ns, f"{stage}_{name.replace('-', '_')}") for name, *_ in options}
+    given = {k: v for k, v in given.items() if v is not None}
+    steps = getattr(ns, f"{stage}_steps")
+    if steps == 0 and given:
+        flags = ", ".join(f"--{stage}-{k.replace('_', '-')}" for k in given)
+        raise RetrofitError(f"{flags} given without --{stage}-steps N (N > 0): no {what} would run")
+    return Config(steps=steps, **given), given
+
+
 def _transfer_config(ns, TransferConfig):
     """The TransferConfig of the --transfer-* options (RetrofitError for a bad value, or for a
     --transfer-* option given without --transfer-steps)."""
-    from attnlab.retrofit import RetrofitError
-
-    given = {k: getattr(ns, f"transfer_{k}") for k in ("contexts", "context", "lr", "heldout_contexts")}
-    given = {k: v for k, v in given.items() if v is not None}
-    if ns.transfer_steps == 0 and given:
-        flags = ", ".join(f"--transfer-{k.replace('_', '-')}" for k in given)
-        raise RetrofitError(f"{flags} given without --transfer-steps N (N > 0): no transfer would run")
-    return TransferConfig(steps=ns.transfer_steps, **given).check()
+    return _stage_config(ns, "transfer", TRANSFER_OPTIONS, TransferConfig, "transfer")[0].check()
 
 
 def _finetune_config(ns, FinetuneConfig):
     """The FinetuneConfig of the --finetune-* options (RetrofitError for a bad value, or for a
     --finetune-* option given without --finetune-steps)."""
-    from attnlab.retrofit import RetrofitError
-
-    given = {k: getattr(ns, f"finetune_{k}") for k in ("lr", "kl", "context", "batch", "train", "lora", "new_lr_scale", "align")}
-    given = {k: v for k, v in given.items() if v is not None}
-    if ns.finetune_steps == 0 and given:
-        flags = ", ".join(f"--finetune-{k}" for k in given)
-        raise RetrofitError(f"{flags} given without --finetune-steps N (N > 0): no fine-tuning would run")
-    cfg = FinetuneConfig(steps=ns.finetune_steps, **given)
+    cfg, given = _stage_config(ns, "finetune", FINETUNE_OPTIONS, FinetuneConfig, "fine-tuning")
     if "batch" in given and cfg.batch > cfg.contexts:  # the pool of contexts grows with the batch
         cfg.contexts = cfg.batch
     return cfg.check()

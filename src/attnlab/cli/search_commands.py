@@ -25,17 +25,8 @@ from attnlab.search.retrieval import METHODS
 from attnlab.search.sweep import DEFAULT_KS, DEFAULT_LAYER_SETS, EvalConfig
 from attnlab.search.train import SearchTrainConfig
 
+from ._common import csv_of
 from .search_compare import add_compare
-
-
-def _csv(kind):
-    def parse(text: str):
-        try:
-            return [kind(x) for x in text.split(",") if x.strip()]
-        except ValueError:
-            raise argparse.ArgumentTypeError(f"expected a comma-separated list of {kind.__name__}, got {text!r}")
-
-    return parse
 
 
 def _groups(text: str) -> int | str:
@@ -161,6 +152,21 @@ def _device_options(p, device: str | None = None, dtype: str | None = None, defa
                         f"default {default or dtype or 'float32'}")
 
 
+INDEX_OPTIONS = (("--hnsw-ef-search", "--ef-search", "learned-hnsw: the search breadth efSearch"),
+                 ("--ivf-nlist", "--nlist", "learned-ivf: lists per index"),
+                 ("--ivf-nprobe", "--nprobe", "learned-ivf: lists a query scores"))
+
+
+def _index_options(p, config, given_only: bool = False) -> None:
+    """The index options of INDEX_OPTIONS, each also taken in its older spelling (`attnlab.index.options`),
+    default `config`'s field of that name (given_only: None when not given, the config's default then)."""
+    for flag, old, help in INDEX_OPTIONS:
+        name = flag[2:].replace("-", "_")
+        default = getattr(config, name)
+        p.add_argument(flag, old, dest=name, type=int, default=None if given_only else default, metavar="N",
+                       help=f"{help}, default {default}")
+
+
 def add_search_commands(subparsers, trial_options=None) -> argparse.ArgumentParser:
     """Register `search` with `train` and `eval` under an argparse subparsers object. Each leaf
     parser sets `func`; the caller runs `args.func(args)` (returns an exit code). `trial_options(parser)`
@@ -241,18 +247,13 @@ def add_search_commands(subparsers, trial_options=None) -> argparse.ArgumentPars
                    help="';'-separated, e.g. 'middle6;all;reserved-edge' or '12,13;all'")
     e.add_argument("--groups", type=_groups, default=None,
                    help="candidate sets per token for every method (default: the checkpoint's, else 1)")
-    e.add_argument("--ks", type=_csv(int), default=list(DEFAULT_KS), help="comma list, e.g. 16,32,64,128,256")
-    e.add_argument("--methods", type=_csv(str), default=list(METHODS), help=f"comma list from {','.join(METHODS)}")
+    e.add_argument("--ks", type=csv_of(int), default=list(DEFAULT_KS), help="comma list, e.g. 16,32,64,128,256")
+    e.add_argument("--methods", type=csv_of(str), default=list(METHODS), help=f"comma list from {','.join(METHODS)}")
     e.add_argument("--corpus", default="stdlib", help="stdlib | tinystories | wikitext103 | hf:<path> | file/folder")
     e.add_argument("--split", default="test", help="corpus split of the evaluation contexts, default %(default)s")
     e.add_argument("--context", type=int, default=2048, help="tokens per context, default %(default)s")
     e.add_argument("--n-contexts", dest="n_contexts", type=int, default=4, help="contexts evaluated, default %(default)s")
-    e.add_argument("--hnsw-ef-search", "--ef-search", dest="hnsw_ef_search", type=int, default=512, metavar="N",
-                   help="learned-hnsw: the search breadth efSearch, default %(default)s")
-    e.add_argument("--ivf-nlist", "--nlist", dest="ivf_nlist", type=int, default=256, metavar="N",
-                   help="learned-ivf: lists per index")
-    e.add_argument("--ivf-nprobe", "--nprobe", dest="ivf_nprobe", type=int, default=16, metavar="N",
-                   help="learned-ivf: lists a query scores")
+    _index_options(e, EvalConfig)
     e.add_argument("--wide-layers", dest="wide_layers", default=None,
                    help="a layer set whose substituted layers search --wide-factor x K keys (e.g. '0,1,2,29')")
     e.add_argument("--wide-factor", dest="wide_factor", type=int, default=1,
@@ -272,14 +273,14 @@ def add_search_commands(subparsers, trial_options=None) -> argparse.ArgumentPars
                     "      --prefill full --out runs/search/tasks_m6kv")
     k.add_argument("--checkpoint", default=None, help="projections.safetensors (needed by the learned methods)")
     k.add_argument("--model", default=None, help="default: the checkpoint's model")
-    k.add_argument("--tasks", type=_csv(str), default=None, help=f"comma list from {','.join(tasks.TASKS)}")
-    k.add_argument("--lengths", type=_csv(int), default=None,
+    k.add_argument("--tasks", type=csv_of(str), default=None, help=f"comma list from {','.join(tasks.TASKS)}")
+    k.add_argument("--lengths", type=csv_of(int), default=None,
                    help=f"context lengths in tokens (default {','.join(map(str, tasks.DEFAULT_LENGTHS))})")
-    k.add_argument("--depths", type=_csv(float), default=None,
+    k.add_argument("--depths", type=csv_of(float), default=None,
                    help=f"needle depths in [0, 1] (default {','.join(map(str, tasks.DEFAULT_DEPTHS))})")
-    k.add_argument("--methods", type=_csv(str), default=None,
+    k.add_argument("--methods", type=csv_of(str), default=None,
                    help=f"comma list from {','.join(tasks.TASK_METHODS)} (default {','.join(tasks.DEFAULT_METHODS)})")
-    k.add_argument("--ks", type=_csv(int), default=None,
+    k.add_argument("--ks", type=csv_of(int), default=None,
                    help=f"budgets K (default {','.join(map(str, tasks.DEFAULT_KS))})")
     k.add_argument("--layer-set", dest="layer_set", default=None,
                    help="substituted layers: middle6 | all | reserved-edge | comma list (default middle6)")
@@ -289,12 +290,7 @@ def add_search_commands(subparsers, trial_options=None) -> argparse.ArgumentPars
                    help="examples per cell (default 4)")
     k.add_argument("--corpus", default=None, help="held-out text for the needle task (default stdlib)")
     k.add_argument("--split", default=None, help="(default test)")
-    k.add_argument("--hnsw-ef-search", "--ef-search", dest="hnsw_ef_search", type=int, default=None, metavar="N",
-                   help="learned-hnsw: the search breadth efSearch (default 512)")
-    k.add_argument("--ivf-nlist", "--nlist", dest="ivf_nlist", type=int, default=None, metavar="N",
-                   help="learned-ivf: lists (default 256)")
-    k.add_argument("--ivf-nprobe", "--nprobe", dest="ivf_nprobe", type=int, default=None, metavar="N",
-                   help="learned-ivf: lists probed (default 16)")
+    _index_options(k, tasks.TaskConfig, given_only=True)
     k.add_argument("--ring", type=int, default=None, help="sorted: the recent keys always read (default K / 4)")
     k.add_argument("--prefill", choices=tasks.PREFILLS, default=None,
                    help="selected: every position through the method (default); full: the haystack read exactly, "

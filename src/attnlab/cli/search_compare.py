@@ -8,19 +8,9 @@
 
 from __future__ import annotations
 
-import argparse
-
 from attnlab.models.config import ConfigError
 
-
-def _csv(kind):
-    def parse(text: str):
-        try:
-            return [kind(x) for x in text.split(",") if x.strip()]
-        except ValueError:
-            raise argparse.ArgumentTypeError(f"expected a comma-separated list of {kind.__name__}, got {text!r}")
-
-    return parse
+from ._common import csv_of
 
 
 def add_compare(sub, formatter) -> None:
@@ -29,13 +19,13 @@ def add_compare(sub, formatter) -> None:
         "compare", help="attnlab's selectors beside kvpress's presses at equal budgets (resumable batches)",
         formatter_class=formatter, description=__doc__)
     c.add_argument("spec", metavar="SPEC.toml", help="the comparison's spec (attnlab.experiments.pretrained_decoding)")
-    c.add_argument("--side", type=_csv(str), default=None,
+    c.add_argument("--side", type=csv_of(str), default=None,
                    help="attnlab, presses or both (comma list; default both): which methods score items now")
     c.add_argument("--minutes", type=float, default=None, help="start no item that would end past this many minutes")
     c.add_argument("--records", default=None, help="folder the records go to (default: the spec's records/)")
-    c.add_argument("--lengths", type=_csv(int), default=None, help="only the items of these context lengths")
-    c.add_argument("--kinds", type=_csv(str), default=None, help="only these items: task, ppl, time")
-    c.add_argument("--tasks", type=_csv(str), default=None, help="only these tasks: passkey, needle")
+    c.add_argument("--lengths", type=csv_of(int), default=None, help="only the items of these context lengths")
+    c.add_argument("--kinds", type=csv_of(str), default=None, help="only these items: task, ppl, time")
+    c.add_argument("--tasks", type=csv_of(str), default=None, help="only these tasks: passkey, needle")
     c.add_argument("--merge", nargs="+", default=None, metavar="DIR",
                    help="fold the records of batches run elsewhere into the spec's records/, then report")
     c.add_argument("--report-only", action="store_true", help="rebuild results.json, report.md and the plots only")

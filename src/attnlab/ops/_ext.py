@@ -1,17 +1,19 @@
-"""attnlab's compiled CPU kernels (ops/csrc/): built on first use, cached, called through ctypes.
+"""The build and load of attnlab's compiled CPU kernels (ops/csrc/): built on first use, cached, called
+through ctypes.
 
 The kernels are C++ with OpenMP and a plain C interface; `torch.utils.cpp_extension.load` builds
-them once per machine (a few seconds: they include no torch header) into torch's extension
-cache (TORCH_EXTENSIONS_DIR, default ~/.cache/torch_extensions), and later processes load the
-cached library. They call the BLAS that libtorch carries and run on torch's OpenMP threads
+them once per machine (they include no torch header) into torch's extension cache
+(TORCH_EXTENSIONS_DIR, default ~/.cache/torch_extensions), and later processes load the cached
+library. They call the BLAS that libtorch carries and run on torch's OpenMP threads
 (`torch.get_num_threads()`).
 
 Without a C++ compiler or ninja, or when the build fails, the ops fall back to their pure-PyTorch
 fast paths with one warning. ``ATTNLAB_NO_EXT=1`` in the environment (read at each call) or the
 `disabled()` context manager selects the fallback on purpose.
 
-This module builds and loads the library and calls its C functions (`call`); each op family binds
-its own as torch custom ops with autograd (`attnlab.ops.principled.cpu`, `attnlab.ops.gla.cpu`,
+This module knows no op family: it builds and loads the library and calls a C function by name
+(`call`). Each family declares the C signatures of its kernels (`declare`) and binds them as torch
+custom ops with autograd beside its other paths (`attnlab.ops.principled.cpu`, `attnlab.ops.gla.cpu`,
 `attnlab.ops.scalar.window_cpu`). Callers pass contiguous CPU tensors of one dtype (float32 or
 float64) whose shapes they have checked; the bindings only compute sizes and pointers.
 """
@@ -35,11 +37,13 @@ CSRC = Path(__file__).resolve().parent / "csrc"
 SOURCES = ("principled.cpp", "gla.cpp", "window.cpp")
 CFLAGS = ("-O3", "-march=native", "-fopenmp", "-fno-math-errno", "-fno-trapping-math")
 DTYPES = {torch.float32: "f32", torch.float64: "f64"}
+PTR, I64, INT = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int  # the kernels' argument types
 
 _lock = threading.Lock()
 _lib: ctypes.CDLL | None = None
 _tried = False
 _off = 0  # depth of `disabled()` blocks
+_signatures: dict[str, list] = {}  # C function name (no dtype suffix) -> argtypes, from `declare`
 
 
 def _cpu_tag() -> str:
@@ -73,7 +77,7 @@ def _ninja_on_path():
         os.environ["PATH"] = old
 
 
-STALE_LOCK_S = 900  # a build takes seconds: a build lock older than this was left by a killed process
+STALE_LOCK_S = 900  # a build lock older than this (s) was left by a killed process
 
 
 def clear_stale_lock(build_dir: str | Path, max_age: float = STALE_LOCK_S) -> bool:
@@ -116,16 +120,25 @@ def build(verbose: bool = False) -> str:
         )
 
 
-def _bind(lib: ctypes.CDLL) -> ctypes.CDLL:
-    p, i, n = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
+def declare(name: str, argtypes: list) -> None:
+    """The C signature of `name` (`name_f32` and `name_f64` in the library): its argument types, of
+    PTR (a tensor's data pointer), I64 and INT. An op family declares its kernels when it is imported;
+    `call` needs the declaration (without it ctypes would pass every int as a 32-bit int)."""
+    with _lock:
+        _signatures[name] = list(argtypes)
+        if _lib is not None:
+            _set_argtypes(_lib, name, _signatures[name])
+
+
+def _set_argtypes(lib: ctypes.CDLL, name: str, argtypes: list) -> None:
     for suffix in DTYPES.values():
-        getattr(lib, f"attnlab_principled_fwd_{suffix}").argtypes = [p] * 11 + [i] * 10 + [n, i, i, n]
-        getattr(lib, f"attnlab_principled_bwd_{suffix}").argtypes = [p] * 21 + [i] * 10 + [n, i, i, n]
-        getattr(lib, f"attnlab_gla_fwd_{suffix}").argtypes = [p] * 8 + [i] * 6 + [n]
-        getattr(lib, f"attnlab_gla_bwd_{suffix}").argtypes = [p] * 14 + [i] * 6 + [n]
-        getattr(lib, f"attnlab_window_select_{suffix}").argtypes = [p] * 5 + [i] * 6 + [n]
-        getattr(lib, f"attnlab_window_fwd_{suffix}").argtypes = [p] * 11 + [i] * 6 + [n, n]
-        getattr(lib, f"attnlab_window_bwd_{suffix}").argtypes = [p] * 18 + [i] * 6 + [n, n]
+        getattr(lib, f"{name}_{suffix}").argtypes = argtypes
+
+
+def _bind(lib: ctypes.CDLL) -> ctypes.CDLL:
+    """The loaded library with every signature declared so far set (later ones are set by `declare`)."""
+    for name, argtypes in _signatures.items():
+        _set_argtypes(lib, name, argtypes)
     return lib
 
 

@@ -16,9 +16,8 @@ import contextlib
 
 import torch
 
-from .hf_model import model_device
-from .patch import SelectorConfig, check_layers, new_cache, substitute
-from .prefill import _clock, prefilled_logits, record_prefix
+from .patch import SelectorConfig, check_layers, substitute
+from .prefill import prefill, prefilled_logits
 from .sorted import SortedScalarIndex
 
 FULL = "full"
@@ -97,21 +96,15 @@ def timed_steps(model, layers, ids: torch.Tensor, split: int, steps: int, todo, 
     the prefill after each. Interleaving keeps a slow spell of the machine from landing on one method."""
     from attnlab.hf.modeling import CACHE_NAME
 
-    ids = ids.to(model_device(model))
-    clock = _clock(ids.device)
-    t0 = clock()
-    installed, record = record_prefix(model, layers)
-    cache = new_cache(model)
-    with installed:
-        model(input_ids=ids[:, :split], use_cache=True, logits_to_keep=1, **{CACHE_NAME: cache})
-    prefill_s = clock() - t0
+    pre = prefill(model, layers, ids, split)
+    ids, clock, cache = pre.ids, pre.clock, pre.cache
     results = {name: {"ms": [], "sorted_reads": [], "hnsw_ndis": []} for name, _ in todo}
     for r in range(rounds):
         for name, make in todo[r % len(todo):] + todo[:r % len(todo)]:
             res = results[name]
             with make() as sub:
                 if sub is not None:
-                    record.prime(sub)
+                    pre.record.prime(sub)
                 for s in range(steps):
                     r0, n0, t1 = _reads(sub), _hnsw_ndis(), clock()
                     model(input_ids=ids[:, split + s:split + s + 1], use_cache=True, **{CACHE_NAME: cache})
@@ -119,4 +112,4 @@ def timed_steps(model, layers, ids: torch.Tensor, split: int, steps: int, todo, 
                     res["sorted_reads"].append(_reads(sub) - r0)
                     res["hnsw_ndis"].append(_hnsw_ndis() - n0)
             cache.crop(-steps)  # back to the prefill
-    return {"prefill_s": round(prefill_s, 4), "results": results}
+    return {"prefill_s": round(pre.seconds, 4), "results": results}

@@ -8,7 +8,7 @@ tokens' search keys at every step (exact index or FAISS HNSW `add`).
 
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, fields, replace
 
 import torch
 
@@ -73,6 +73,14 @@ class SelectorConfig:
             split_budget(self.K, self.n_sink, self.ring)
         if self.method.endswith("-ivf"):
             IVFIndex.check_args(self.ivf_nlist, self.ivf_nprobe, self.ivf_train_at)
+
+
+def selector_knobs(cfg) -> dict:
+    """The SelectorConfig fields besides method, K and groups that `cfg` (a command's or a spec's
+    configuration) spells by their SelectorConfig names (page, n_sink, ring, hnsw_ef_search, ivf_nlist,
+    ...), with its values: what it passes to each SelectorConfig it makes (the others keep their defaults)."""
+    return {f.name: getattr(cfg, f.name) for f in fields(SelectorConfig)
+            if f.name not in ("method", "K", "groups") and hasattr(cfg, f.name)}
 
 
 class RetrieveThenAttend:

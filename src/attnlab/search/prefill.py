@@ -4,13 +4,15 @@ A decoder that retrieves at each step usually reads its prompt with full attenti
 RetrievalAttention are evaluated this way): the prompt's keys go into the KV cache and the search
 index, and only the positions after it attend through the selector. `record_prefix` records what a
 selector needs from such a prefill (each substituted layer's input and keys), `PrefixRecord.prime`
-fills the indexes of a `substitute`d model from it, and `prefilled_logits` scores one example's
-continuation through several selectors after one shared prefill.
+fills the indexes of a `substitute`d model from it, `prefill` reads a prompt so, and
+`prefilled_logits` scores one example's continuation through several selectors after one shared
+prefill.
 """
 
 from __future__ import annotations
 
 import time
+from dataclasses import dataclass
 from typing import Callable, Iterable
 
 import torch
@@ -63,6 +65,35 @@ def _clock(device: torch.device) -> Callable[[], float]:
     return lambda: (torch.cuda.synchronize(device), time.time())[1]
 
 
+@dataclass
+class Prefill:
+    """One exact prefill of ids[:, :split] (`prefill`): the ids on the model's device, the cache that
+    holds the prefix, the record that primes a `substitute`d model from it, the clock that timed it
+    and its seconds."""
+
+    ids: torch.Tensor
+    split: int
+    cache: object
+    record: PrefixRecord
+    clock: Callable[[], float]
+    seconds: float
+
+
+@torch.no_grad()
+def prefill(model, layers, ids: torch.Tensor, split: int) -> Prefill:
+    """ids[:, :split] read once with full attention into a new cache, `layers`' inputs and keys recorded."""
+    from attnlab.hf.modeling import CACHE_NAME
+
+    ids = ids.to(model_device(model))
+    clock = _clock(ids.device)
+    t0 = clock()
+    installed, record = record_prefix(model, layers)
+    cache = new_cache(model)
+    with installed:
+        model(input_ids=ids[:, :split], use_cache=True, logits_to_keep=1, **{CACHE_NAME: cache})
+    return Prefill(ids, split, cache, record, clock, clock() - t0)
+
+
 @torch.no_grad()
 def prefilled_logits(model, layers, input_ids: torch.Tensor, split: int, keep: int,
                      contexts: Iterable[tuple[object, Callable]]) -> tuple[dict, float]:
@@ -74,25 +105,18 @@ def prefilled_logits(model, layers, input_ids: torch.Tensor, split: int, keep: i
     logits are."""
     from attnlab.hf.modeling import CACHE_NAME
 
-    input_ids = input_ids.to(model_device(model))
-    clock = _clock(input_ids.device)
     T = input_ids.shape[1]
     if not 0 < split < T or not 0 < keep <= T - split:
         raise ValueError(f"split must be in 1..{T - 1} and keep in 1..T - split, got split={split}, keep={keep}")
-    t0 = clock()
-    installed, record = record_prefix(model, layers)
-    cache = new_cache(model)
-    with installed:
-        model(input_ids=input_ids[:, :split], use_cache=True, logits_to_keep=1, **{CACHE_NAME: cache})
-    prefill_s = clock() - t0
+    pre = prefill(model, layers, input_ids, split)
     out = {}
     for name, make in contexts:
-        t1 = clock()
+        t1 = pre.clock()
         with make() as sub:
             if sub is not None:
-                record.prime(sub)
-            logits = model(input_ids=input_ids[:, split:], use_cache=True, logits_to_keep=keep,
-                           **{CACHE_NAME: cache}).logits
-        cache.crop(split - T)  # back to the prefill
-        out[name] = (logits, clock() - t1)
-    return out, prefill_s
+                pre.record.prime(sub)
+            logits = model(input_ids=pre.ids[:, split:], use_cache=True, logits_to_keep=keep,
+                           **{CACHE_NAME: pre.cache}).logits
+        pre.cache.crop(split - T)  # back to the prefill
+        out[name] = (logits, pre.clock() - t1)
+    return out, pre.seconds

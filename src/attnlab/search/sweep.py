@@ -28,7 +28,7 @@ from .capture import forward_packed, on_device
 from .hf_model import model_device, resolve_device, resolve_dtype
 from .lm import FrozenLM, prepare
 from .metrics import Tally, rel_gap
-from .patch import SelectorConfig, substitute
+from .patch import SelectorConfig, selector_knobs, substitute
 from ..index.projections import SearchProjections
 from .report import write_results
 from ..index.ivf import IVFIndex
@@ -66,12 +66,12 @@ class EvalConfig:
     context: int = 2048
     n_contexts: int = 4
     seed: int = 0
-    page: int = 16
-    n_sink: int = 4
-    hnsw_m: int = 32
-    hnsw_ef_search: int = 512
-    ivf_nlist: int = 256
-    ivf_nprobe: int = 16
+    page: int = SelectorConfig.page  # the methods' knobs, SelectorConfig's defaults
+    n_sink: int = SelectorConfig.n_sink
+    hnsw_m: int = SelectorConfig.hnsw_m
+    hnsw_ef_search: int = SelectorConfig.hnsw_ef_search
+    ivf_nlist: int = SelectorConfig.ivf_nlist
+    ivf_nprobe: int = SelectorConfig.ivf_nprobe
     wide_layers: str | None = None  # a layer set whose substituted layers search wide_factor x K keys
     wide_factor: int = 1
     out: str = "runs/search-eval"
@@ -190,9 +190,7 @@ def _run_eval(cfg: EvalConfig, lm: FrozenLM | None, progress: bool, full_cache, 
             results["layer_sets"][spec] = layers
             for method in cfg.methods:
                 for K in cfg.ks:
-                    sel = SelectorConfig(method, K, resolved["groups"], cfg.page, cfg.n_sink, cfg.hnsw_m,
-                                         hnsw_ef_search=cfg.hnsw_ef_search, ivf_nlist=cfg.ivf_nlist,
-                                         ivf_nprobe=cfg.ivf_nprobe)
+                    sel = SelectorConfig(method, K, resolved["groups"], **selector_knobs(cfg))
                     tally = Tally()
                     t1 = time.time()
                     layer_k = {l: K * cfg.wide_factor for l in layers if l in wide}

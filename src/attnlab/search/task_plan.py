@@ -17,6 +17,7 @@ from .capture import load_texts
 from .hf_model import (ModelDims, ModelSource, check_layer_spec, hf_encode, load_hf_config, load_tokenizer, model_dims,
                        resolve_device, resolve_dtype, resolve_layers, resolve_source)
 from .lm import FrozenLM
+from .patch import SelectorConfig
 from ..index.ivf import IVFIndex
 from ..index.projections import SearchProjections
 from .report import FULL, task_combos
@@ -65,12 +66,12 @@ class TaskConfig:
     corpus: str = "stdlib"
     split: str = "test"
     digits: int = 5  # digits of the pass key
-    page: int = 16  # Quest page size
-    n_sink: int = 4  # StreamingLLM and sorted sinks
-    ring: int | None = None  # sorted: the recent keys always read (None: K // 4)
-    hnsw_ef_search: int = 512
-    ivf_nlist: int = 256
-    ivf_nprobe: int = 16
+    page: int = SelectorConfig.page  # Quest page size (the methods' knobs: SelectorConfig's defaults)
+    n_sink: int = SelectorConfig.n_sink  # StreamingLLM and sorted sinks
+    ring: int | None = SelectorConfig.ring  # sorted: the recent keys always read (None: K // 4)
+    hnsw_ef_search: int = SelectorConfig.hnsw_ef_search
+    ivf_nlist: int = SelectorConfig.ivf_nlist
+    ivf_nprobe: int = SelectorConfig.ivf_nprobe
     seed: int = 0
     prefill: str = "selected"
     out: str = "runs/search-tasks"

@@ -41,7 +41,7 @@ from attnlab.data.synthetic import IGNORE
 
 from .hf_model import load_model, model_device, resolve_device, resolve_dtype
 from .lm import FrozenLM
-from .patch import SelectorConfig, substitute
+from .patch import SelectorConfig, selector_knobs, substitute
 from .prefill import prefilled_logits
 from .report import FULL, task_key, tasks_markdown
 from .task_plan import (DEFAULT_DEPTHS, DEFAULT_KS, DEFAULT_LENGTHS, DEFAULT_METHODS, PREFILLS,  # noqa: F401
@@ -178,8 +178,7 @@ def _attention(model, method: str, K: int | None, plan: TaskPlan, cfg: TaskConfi
     """The context a cell runs in: nothing for full attention, else the substitution of plan.layers."""
     if method == FULL:
         return contextlib.nullcontext()
-    sel = SelectorConfig(method, K, plan.groups, cfg.page, cfg.n_sink, cfg.ring, hnsw_ef_search=cfg.hnsw_ef_search,
-                         ivf_nlist=cfg.ivf_nlist, ivf_nprobe=cfg.ivf_nprobe)
+    sel = SelectorConfig(method, K, plan.groups, **selector_knobs(cfg))
     return substitute(model, plan.layers, sel, plan.projections if needs_checkpoint(method) else None)
 
 

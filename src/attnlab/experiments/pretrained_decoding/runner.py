@@ -26,6 +26,7 @@ import attnlab
 from attnlab.search.decode_items import run_item
 from attnlab.search.hf_model import load_model, resolve_device, resolve_dtype, resolve_layers, resolve_source, model_dims
 from attnlab.search.hf_model import load_hf_config
+from attnlab.search.patch import selector_knobs
 from attnlab.search.records import Slot, append_record, read_records, save_work
 from attnlab.search.retrieval import resolve_groups
 from attnlab.search.train import CHECKPOINT, train_projections
@@ -113,7 +114,7 @@ def run_attnlab(spec: Spec, todo: list[dict], out: Path, slot: Slot, device: str
     layers = resolve_layers(spec.layer_set, dims.n_layers)
     groups = resolve_groups(spec.groups, dims)
     a = spec.attnlab
-    knobs = {"page": a.page, "n_sink": a.n_sink, "ring": a.ring, "hnsw_ef_search": a.hnsw_ef_search}
+    knobs = selector_knobs(a)
     models = {}
     done = 0
     for item in tqdm(todo, desc="attnlab", disable=not progress):

@@ -25,13 +25,13 @@ import json
 from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 
-from attnlab.experiments.trial import need, table
+from attnlab.experiments.trial import need, read_spec, table
 from attnlab.models.config import ConfigError
+from attnlab.search.patch import SelectorConfig
 from attnlab.search.presses import PRESSES
 from attnlab.search.retrieval import SELECTORS
 from attnlab.search.task_plan import TASKS
 from attnlab.search.train import SearchTrainConfig
-from attnlab.train.config import read_toml
 
 from .verdict import check_rule
 
@@ -71,10 +71,10 @@ class Timing:
 @dataclass
 class Selectors:
     methods: list = field(default_factory=lambda: ["full", "learned", "learned-hnsw", "quest", "streaming", "sorted"])
-    page: int = 16
-    n_sink: int = 4
-    ring: int | None = None
-    hnsw_ef_search: int = 512
+    page: int = SelectorConfig.page  # SelectorConfig's fields and defaults
+    n_sink: int = SelectorConfig.n_sink
+    ring: int | None = SelectorConfig.ring
+    hnsw_ef_search: int = SelectorConfig.hnsw_ef_search
 
 
 @dataclass
@@ -117,7 +117,12 @@ class Spec:
 
     def trained_for(self, method: str) -> str | None:
         """The [train] table a method's projections come from (None: it reads none)."""
-        return "sorted" if method == "sorted" else "learned" if method.startswith("learned") else None
+        return trained_for(method)
+
+
+def trained_for(method: str) -> str | None:
+    """The [train] table a method's projections come from (None: it reads none)."""
+    return "sorted" if method == "sorted" else "learned" if method.startswith("learned") else None
 
 
 def _section(cls, raw, key: str):
@@ -137,13 +142,8 @@ def _ints(raw, key: str) -> list[int]:
 
 def load_spec(path) -> Spec:
     """The spec at `path`, every key checked (ConfigError naming it) before anything runs."""
-    path = Path(path)
-    need(path.is_file(), f"spec file {str(path)!r} does not exist")
-    raw = read_toml(path)
-    unknown = sorted(set(raw) - set(KEYS))
-    need(not unknown, f"unknown key(s) {', '.join(unknown)} in the spec; allowed: {', '.join(KEYS)}")
-    for k in ("title", "claim", "description"):
-        need(isinstance(raw.get(k, ""), str), f"{k} must be a string")
+    head = read_spec(path, KEYS)  # the file, its keys, title, claim and description
+    path, raw = head.path, head.raw
     lengths, budgets = _ints(raw.get("lengths"), "lengths"), _ints(raw.get("budgets"), "budgets")
     need(budgets[-1] < lengths[0], f"every budget must be below the shortest length {lengths[0]}, got {budgets}")
     tasks = _section(Tasks, raw.get("tasks", {}), "tasks")
@@ -161,7 +161,7 @@ def load_spec(path) -> Spec:
     train_raw = table(raw.get("train", {}), "[train]")
     train = {}
     for m in sel.methods:
-        which = "sorted" if m == "sorted" else "learned" if m.startswith("learned") else None
+        which = trained_for(m)
         if which is None or which in train:
             continue
         need(which in train_raw, f"method {m!r} reads projections: the spec needs a [train.{which}] table")
@@ -181,6 +181,6 @@ def load_spec(path) -> Spec:
     names = set(sel.methods) | set(press.methods)
     for i, r in enumerate(rules):
         check_rule(r, names, f"rules[{i}]")
-    return Spec(path, raw.get("title", path.parent.name), raw.get("claim", ""), raw.get("description", ""),
-                raw.get("model", "smollm2"), raw.get("dtype", "float32"), raw.get("layer_set", "all"),
-                raw.get("groups", "kv"), lengths, budgets, tasks, ppl, timing, sel, press, train, rules)
+    return Spec(path, head.title, head.claim, head.description, raw.get("model", "smollm2"),
+                raw.get("dtype", "float32"), raw.get("layer_set", "all"), raw.get("groups", "kv"), lengths, budgets,
+                tasks, ppl, timing, sel, press, train, rules)

@@ -1,16 +1,19 @@
-"""GLA's chunked form on the compiled CPU kernel (csrc/gla.cpp, built and loaded by `attnlab.ops._ext`):
-the per-channel decay of `chunked` forward and backward in one OpenMP kernel. The kernels run as torch
-custom ops, one opaque call each in a compiled graph."""
+"""GLA's chunked form on the compiled CPU kernel (csrc/gla.cpp, built and loaded by `attnlab.ops._ext`,
+its C signatures declared here): the per-channel decay of `chunked` forward and backward in one OpenMP
+kernel. The kernels run as torch custom ops, one opaque call each in a compiled graph."""
 
 from __future__ import annotations
 
 import torch
 
-from .._ext import call, no_autocast
+from .._ext import I64, INT, PTR, call, declare, no_autocast
 
 __all__ = ["gla_cpu"]
 
 GLA_SUB_CHUNK = 16
+
+declare("attnlab_gla_fwd", [PTR] * 8 + [I64] * 6 + [INT])
+declare("attnlab_gla_bwd", [PTR] * 14 + [I64] * 6 + [INT])
 
 
 @torch.library.custom_op("attnlab::gla_fwd", mutates_args=())

@@ -2,8 +2,9 @@
 
 One folder, as `attnlab.ops.scalar`: the argument checks (`args`), the prior's formula (`prior`), the
 naive reference (`naive`), the fused SDPA path (`fused`), the path through the scalar family's Triton
-kernel (`triton_op`) and the public op that chooses among them (`attention`). Imports point one way:
-args, prior <- naive, fused, triton_op <- attention.
+kernel (`triton_op`), the public op that chooses among them (`attention`) and FlexAttention's form of
+the formula (`flex`, which the router does not pick). Imports point one way: args, prior <- naive,
+fused, triton_op <- attention; args <- flex.
 """
 
 from .attention import goat_attention

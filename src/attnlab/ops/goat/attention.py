@@ -27,7 +27,7 @@ of standard attention. The naive path materialises the (Tq, Tk) prior and scores
 
 `goat_attention` checks its arguments (`args`) and chooses: the naive reference (`naive`), the fused
 SDPA path (`fused`) or the scalar family's Triton kernel (`triton_op`); the prior's formula is in
-`prior`. FlexAttention's form is `attnlab.ops.goat_flex`.
+`prior`. FlexAttention's form is `attnlab.ops.goat.flex`.
 """
 
 from __future__ import annotations

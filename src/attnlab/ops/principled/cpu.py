@@ -1,6 +1,6 @@
 """Principled attention on the compiled CPU kernel (csrc/principled.cpp, built and loaded by
-`attnlab.ops._ext`): the tiled algorithm of `tiled` (module docstring) forward and backward in one
-OpenMP kernel, reading grouped k, kg and v in place.
+`attnlab.ops._ext`, its C signatures declared here): the tiled algorithm of `tiled` (module docstring)
+forward and backward in one OpenMP kernel, reading grouped k, kg and v in place.
 
 The kernels run as torch custom ops (torch.library): torch.compile keeps each as one opaque call in
 its graph, with the output shapes given by the fake implementations, instead of breaking the graph
@@ -11,12 +11,15 @@ from __future__ import annotations
 
 import torch
 
-from .._ext import call, no_autocast
+from .._ext import I64, INT, PTR, call, declare, no_autocast
 
 __all__ = ["principled_cpu"]
 
 PRINCIPLED_BLOCK_Q = 128
 PRINCIPLED_BLOCK_K = 128
+
+declare("attnlab_principled_fwd", [PTR] * 11 + [I64] * 10 + [INT, I64, I64, INT])
+declare("attnlab_principled_bwd", [PTR] * 21 + [I64] * 10 + [INT, I64, I64, INT])
 
 
 @torch.library.custom_op("attnlab::principled_fwd", mutates_args=())

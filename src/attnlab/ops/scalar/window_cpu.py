@@ -1,6 +1,6 @@
 """`windowed_attention` on the compiled CPU kernels (csrc/window.cpp, built and loaded by
-`attnlab.ops._ext`): the window's selection and the attention over the selected keys, forward and
-backward, at O(T x (k + w)) per head.
+`attnlab.ops._ext`, their C signatures declared here): the window's selection and the attention over
+the selected keys, forward and backward, at O(T x (k + w)) per head.
 
 - `select_nearest`: each query's k nearest candidate keys in scalar space, the newest first on equal
   distances (the rule of `window.window_mask`, exactly), from one sort per head and a walk outward from
@@ -20,10 +20,14 @@ from typing import Optional
 
 import torch
 
-from .._ext import DTYPES, call, loaded, no_autocast
+from .._ext import DTYPES, I64, INT, PTR, call, declare, loaded, no_autocast
 from ..common.heads import expand_heads
 
 __all__ = ["available", "select_nearest", "selected_cpu"]
+
+declare("attnlab_window_select", [PTR] * 5 + [I64] * 6 + [INT])
+declare("attnlab_window_fwd", [PTR] * 11 + [I64] * 6 + [INT, INT])
+declare("attnlab_window_bwd", [PTR] * 18 + [I64] * 6 + [INT, INT])
 
 
 def available(device: torch.device, dtype: torch.dtype) -> bool:

@@ -1,6 +1,6 @@
 """GOAT attention through FlexAttention: the generated kernel the GOAT Triton kernel is compared with
 (`benchmarks/gpu_paths.py`). The prior log pi_ij = sum_r [a_r cos(w_r (i - j)) + b_r sin(w_r (i - j))] + u_j
-(`goat.prior.goat_prior`) is a `score_mod` over the captured spectral weights and key terms; causality is a block
+(`prior.goat_prior`) is a `score_mod` over the captured spectral weights and key terms; causality is a block
 mask. On the CPU FlexAttention runs its reference form and has no backward, so the tests compare forwards
 there and the GPU check compares every gradient. Arguments are checked as `goat_attention` checks them
 (no hybrid term, window or packing here); the router does not pick this path."""
@@ -9,10 +9,10 @@ from __future__ import annotations
 
 import torch
 
-from .common.args import check_qkv
-from .common.heads import expand_heads
-from .common.sdpa import flex_call
-from .goat.args import check_prior
+from ..common.args import check_qkv
+from ..common.heads import expand_heads
+from ..common.sdpa import flex_call
+from .args import check_prior
 
 __all__ = ["flex_goat_attention"]
 
