@@ -5,10 +5,12 @@ time cap, each run checkpointed at the cap and resumed in the next batch (benchm
     python benchmarks/gpu_science.py batch OUT MINUTES     # on the GPU machine: what gpu_science.sh runs
     python benchmarks/gpu_science.py absorb DIR            # here, with the files that came back; then commit
     python benchmarks/gpu_science.py status                # what the next batch trains
+    python benchmarks/gpu_science.py room                  # here: the --carry-mib of the next batch
     python benchmarks/gpu_science.py corpus [--copy|--write] # check the carried corpus (--copy: make it here)
 
 The spec is experiments/seed000/window-language-at-scale/spec.toml unless --spec names another; its
-in-progress run travels in STATE (--state, default the spec folder's state/), which is committed.
+in-progress run travels in STATE (--state, default the spec folder's state/), which git ignores: it is
+kept on this machine and carried by the device call beside the wheels and the corpus.
 
 A batch (every step logged; OUT/science.json says what happened):
 1. checks the corpus the spec reads (its data.source and metrics.heldout folders) against the
@@ -18,24 +20,27 @@ A batch (every step logged; OUT/science.json says what happened):
 3. trains the runs the committed results.json does not hold, the one in progress first, then seed by
    seed in the spec's variant order: each run one `attnlab sweep SPEC --only RUN --records OUT` in a
    process group of its own; a run that fails is logged and the next one starts; none starts with less
-   than --min-start seconds left (a compile alone takes most of a minute);
+   than --min-start seconds left (a run's start includes its compile), and a run is passed over when,
+   at the speed earlier batches measured for its variant, it would not finish and its state would not
+   fit the --carry-mib the next call has room for (benchmarks/science_fit.py; an untimed variant starts);
 4. at the cap (MINUTES less RESERVE_S) sends the running sweep SIGTERM: the trainer finishes its step,
    writes a checkpoint and stops; SIGKILL GRACE_S later if it has not (then its last periodic
    checkpoint stands);
 5. packs the run then in progress (its newest checkpoint, logs and config) as a tar in parts of at most
-   --part-mib MiB under OUT.
+   --part-mib MiB under OUT, and drops them again when they exceed --carry-mib (that run starts over).
 What comes back (at most MAX_FILES files, each under 16 MiB): science.log, science.json, the records
 file of the runs finished in the batch and the state parts. `absorb` merges the records into the
 spec's results.json and report (`attnlab sweep SPEC --merge DIR`), puts the parts in STATE and appends
 the batch to the spec folder's batches.json.
+
+The corpus lives in science_corpus.py, the packing of the run in progress in science_state.py; this
+file holds the batch, `absorb`, `status` and the command line.
 """
 
 from __future__ import annotations
 
 import argparse
 import datetime
-import hashlib
-import io
 import json
 import os
 import shutil
@@ -43,20 +48,19 @@ import signal
 import statistics
 import subprocess
 import sys
-import tarfile
 import time
 from pathlib import Path
 
+from science_corpus import check_corpus, corpus_folders, materialise_corpus, write_corpus
+import science_fit as fit
+from science_state import PART_MIB, STATE_JSON, check_parts, pack, read_state, unpack
+
 ROOT = Path(__file__).resolve().parents[1]
 SPEC = ROOT / "experiments" / "seed000" / "window-language-at-scale" / "spec.toml"
-MIB = 1 << 20
-PART_MIB = 15.0  # a part of the state, under the 16 MiB a returned file may have
-LIMIT_MIB = 15.9  # the largest part written when PART_MIB would need too many
 MAX_FILES = 8  # what a device command may send back
 RESERVE_S = 30.0  # before MINUTES ends: the stop, the checkpoint and the packing
 GRACE_S = 40.0  # SIGTERM to SIGKILL (the step, the checkpoint)
 MIN_START_S = 75.0  # no run starts with less left
-STATE_JSON = "state.json"
 FORMAT = "attnlab science batch"
 
 
@@ -64,180 +68,9 @@ def say(text: str) -> None:
     print(f"gpu_science: {text}", flush=True)
 
 
-def sha256(data: bytes | Path) -> str:
-    h = hashlib.sha256()
-    if isinstance(data, Path):
-        with open(data, "rb") as f:
-            while chunk := f.read(1 << 22):
-                h.update(chunk)
-    else:
-        h.update(data)
-    return h.hexdigest()
-
-
 def _env() -> dict:
     return {**os.environ, "PYTHONUNBUFFERED": "1",
             "PYTHONPATH": os.pathsep.join([str(ROOT / "src"), *filter(None, [os.environ.get("PYTHONPATH")])])}
-
-
-# --------------------------------------------------------------------------- the corpus
-
-
-def corpus_folders(spec_path: Path) -> list[Path]:
-    """The local folders a spec reads text from (its base data.source, its metrics.heldout), as paths
-    from the repository root, where the commands run."""
-    from attnlab.train.config import read_toml
-
-    raw = read_toml(spec_path)
-    base = raw.get("base")
-    base = read_toml((spec_path.parent / base).resolve()) if isinstance(base, str) else (base or {})
-    names = [(base.get("data") or {}).get("source"), (raw.get("metrics") or {}).get("heldout")]
-    return [ROOT / n for n in names if isinstance(n, str) and "/" in n]
-
-
-def write_corpus(folder: Path) -> dict:
-    """Copy this interpreter's stdlib corpus (every split) and the test split of its regression suite
-    ("stdlib-tests", what metrics.heldout reads) into FOLDER/stdlib and FOLDER/stdlib-tests, each file
-    under its path relative to the stdlib (so the path-hash splits are the stdlib's own), and write
-    FOLDER/MANIFEST.json: the Python they came from, each file's SHA-256, the byte tokens per split."""
-    from attnlab.data.corpus import _stdlib_tests_listing, stdlib_files, stdlib_root
-    from attnlab.data.splits import split_of
-
-    root = stdlib_root()
-    picks = {"stdlib": [(rel, root / rel) for rel in stdlib_files("all")],
-             "stdlib-tests": [(rel, root / "test" / rel) for rel, s in _stdlib_tests_listing(str(root)) if s == "test"]}
-    manifest = {"python": ".".join(map(str, sys.version_info[:3])), "copied_from": str(root), "folders": {}}
-    for name, files in picks.items():
-        target = folder / name
-        shutil.rmtree(target, ignore_errors=True)
-        entry = {"files": {}, "tokens": {}}
-        for rel, src in files:
-            data = src.read_bytes()
-            try:
-                data.decode("utf-8")
-            except UnicodeDecodeError:  # the corpus readers skip such a file: so does the copy
-                continue
-            (target / rel).parent.mkdir(parents=True, exist_ok=True)
-            (target / rel).write_bytes(data)
-            entry["files"][rel] = sha256(data)
-            split = split_of(rel)
-            entry["tokens"][split] = entry["tokens"].get(split, 1) + len(data) + 1  # pack_documents' separators
-        manifest["folders"][name] = entry
-    (folder / "MANIFEST.json").write_text(json.dumps(manifest, indent=1, sort_keys=True) + "\n")
-    return manifest
-
-
-def materialise_corpus(folder: Path) -> dict:
-    """FOLDER's corpus copied again from this interpreter's stdlib, file by file as FOLDER/MANIFEST.json
-    lists them (the folders are not committed: they are carried to the GPU machine), then checked
-    against it: a Python whose files differ from the manifest's stops here, naming them."""
-    from attnlab.data.corpus import stdlib_root
-
-    manifest = json.loads((folder / "MANIFEST.json").read_text())
-    root = stdlib_root()
-    bases = {"stdlib": root, "stdlib-tests": root / "test"}
-    for name, entry in manifest["folders"].items():
-        target = folder / name
-        shutil.rmtree(target, ignore_errors=True)
-        for rel in entry["files"]:
-            src = bases[name] / rel
-            if not src.is_file():
-                raise SystemExit(f"corpus {target}: {rel} is not in this Python's stdlib ({bases[name]}); "
-                                 f"the manifest lists Python {manifest['python']}'s")
-            (target / rel).parent.mkdir(parents=True, exist_ok=True)
-            shutil.copyfile(src, target / rel)
-    return check_corpus([folder / name for name in manifest["folders"]])
-
-
-def check_corpus(folders: list[Path]) -> dict:
-    """Each folder against the MANIFEST.json beside it: the same files, byte for byte, and no other.
-    Returns what was checked; raises SystemExit naming the first difference."""
-    out = {}
-    for folder in folders:
-        manifest = folder.parent / "MANIFEST.json"
-        try:
-            entry = json.loads(manifest.read_text())["folders"][folder.name]
-        except (OSError, ValueError, KeyError) as e:
-            raise SystemExit(f"corpus {folder}: no manifest entry in {manifest} ({e})")
-        have = sorted(p.relative_to(folder).as_posix() for p in folder.rglob("*") if p.is_file()) if folder.is_dir() else []
-        missing = sorted(set(entry["files"]) - set(have))
-        extra = sorted(set(have) - set(entry["files"]))
-        if missing or extra:
-            raise SystemExit(f"corpus {folder}: {len(missing)} file(s) missing (first {missing[:3]}), {len(extra)} not in "
-                             f"{manifest.name} (first {extra[:3]})")
-        bad = [rel for rel in have if sha256(folder / rel) != entry["files"][rel]]
-        if bad:
-            raise SystemExit(f"corpus {folder}: {len(bad)} file(s) differ from {manifest.name} (first {bad[:3]})")
-        key = folder.relative_to(ROOT).as_posix() if folder.resolve().is_relative_to(ROOT) else str(folder)
-        out[key] = {"files": len(have), "tokens": entry["tokens"]}
-    return out
-
-
-# --------------------------------------------------------------------------- the state of the run in progress
-
-
-def pack(run_dir: Path, name: str, out: Path, part_mib: float, max_parts: int | None = None) -> dict:
-    """The run folder's newest checkpoint, logs and config as a tar in parts OUT/state.tar.NNN of
-    `part_mib` MiB (larger, up to LIMIT_MIB, where more than `max_parts` parts would be needed); returns
-    their description (what STATE's state.json holds). ValueError when it cannot fit."""
-    from attnlab.train.checkpoint import latest_checkpoint
-    from attnlab.train.resume import CKPT_DIR
-
-    ckpt = latest_checkpoint(run_dir / CKPT_DIR)
-    if ckpt is None:
-        raise ValueError(f"{run_dir} has no checkpoint to carry")
-    step = json.loads((ckpt / "state.json").read_text())["step"] if (ckpt / "state.json").is_file() else None
-    buf = io.BytesIO()
-    with tarfile.open(fileobj=buf, mode="w", format=tarfile.PAX_FORMAT) as tar:
-        for p in sorted(run_dir.rglob("*")):
-            rel = p.relative_to(run_dir)
-            if not p.is_file() or p.name.startswith(".") or (rel.parts[0] == CKPT_DIR and len(rel.parts) > 2
-                                                              and rel.parts[1] != ckpt.name):
-                continue
-            info = tar.gettarinfo(str(p), arcname=rel.as_posix())
-            info.uid = info.gid = 0
-            info.uname = info.gname = ""
-            info.mtime = 0
-            with open(p, "rb") as f:
-                tar.addfile(info, f)
-    data = buf.getvalue()
-    size = max(1, int(part_mib * MIB))
-    if max_parts and -(-len(data) // size) > max_parts:
-        size = -(-len(data) // max_parts)
-        if size > LIMIT_MIB * MIB:
-            raise ValueError(f"{run_dir}: {len(data):,} bytes do not fit {max_parts} parts of {LIMIT_MIB} MiB")
-    parts = []
-    for i in range(0, len(data), size):
-        part = out / f"state.tar.{i // size:03d}"
-        part.write_bytes(data[i:i + size])
-        parts.append({"name": part.name, "bytes": part.stat().st_size, "sha256": sha256(part)})
-    return {"run": name, "step": step, "checkpoint": ckpt.name, "bytes": len(data), "sha256": sha256(data), "parts": parts}
-
-
-def unpack(state: dict, folder: Path, run_dir: Path) -> None:
-    """Parts under FOLDER, checked (each part and the whole), extracted into RUN_DIR."""
-    data = b""
-    for part in state["parts"]:
-        blob = (folder / part["name"]).read_bytes()
-        if len(blob) != part["bytes"] or sha256(blob) != part["sha256"]:
-            raise SystemExit(f"state part {folder / part['name']} is damaged: {len(blob)} bytes, expected {part['bytes']} "
-                             f"with sha256 {part['sha256'][:12]}")
-        data += blob
-    if sha256(data) != state["sha256"]:
-        raise SystemExit(f"state {folder}: its parts join to another file than state.json names")
-    run_dir.mkdir(parents=True, exist_ok=True)
-    with tarfile.open(fileobj=io.BytesIO(data), mode="r") as tar:
-        for m in tar.getmembers():
-            if not m.isfile() or m.name.startswith("/") or ".." in Path(m.name).parts:
-                raise SystemExit(f"state {folder}: member {m.name!r} is not a file inside the run folder")
-        tar.extractall(run_dir, filter="data")
-
-
-def read_state(state_dir: Path) -> dict | None:
-    try:
-        return json.loads((state_dir / STATE_JSON).read_text())
-    except (OSError, ValueError):
-        return None
 
 
 # --------------------------------------------------------------------------- the queue
@@ -275,8 +108,10 @@ def speed(run_dir: Path) -> dict:
 
 
 class Batch:
-    def __init__(self, out: Path, minutes: float, spec_path: Path, state_dir: Path, part_mib: float, min_start: float):
+    def __init__(self, out: Path, minutes: float, spec_path: Path, state_dir: Path, part_mib: float, min_start: float,
+                 carry_mib: float | None = None):
         self.out, self.spec_path, self.state_dir, self.part_mib, self.min_start = out, spec_path, state_dir, part_mib, min_start
+        self.carry_mib = carry_mib  # room for a cut run's state in the next call (`room`); None: not limited
         self.t0 = time.time()
         self.deadline = self.t0 + 60 * minutes - RESERVE_S
         self.child = None
@@ -343,11 +178,17 @@ class Batch:
         todo = queue(spec, state)
         say(f"queue: {', '.join(todo) if todo else 'nothing left: every run is recorded'}")
         self.save()
+        speeds = fit.measured_speeds(read_batches(self.spec_path))
         for name in todo:
             left = self.deadline - time.time()
             if left < self.min_start:
                 say(f"{name}: not started, {left:.0f} s to the cap (a run needs {self.min_start:.0f} s to start)")
                 break
+            decision = fit.decide(candidate(spec, name, state), left, self.carry_mib, speeds)
+            say(f"{name}: {decision.why}")
+            if not decision.start:
+                self.doc.setdefault("passed_over", []).append({"run": name, "why": decision.why})
+                continue
             t = time.time()
             how, rc = self.run_one(name)
             entry = {"run": name, "seconds": round(time.time() - t, 1), "returncode": rc, **speed(run_of(spec, name))}
@@ -375,6 +216,13 @@ class Batch:
             packed = pack(run_of(spec, name), name, self.out, self.part_mib, max_parts=MAX_FILES - 3)
         except (ValueError, OSError) as e:
             say(f"{name}: nothing carried ({e}); the next batch starts it again")
+            return
+        if self.carry_mib is not None and packed["bytes"] > self.carry_mib * fit.MIB:
+            for part in packed["parts"]:
+                (self.out / part["name"]).unlink()
+            self.doc["dropped"] = {"run": name, "step": packed["step"], "bytes": packed["bytes"]}
+            say(f"{name}: its state ({packed['bytes'] / fit.MIB:.1f} MiB) cannot travel in the "
+                f"{self.carry_mib:.1f} MiB the next call has room for: dropped, the next batch starts it again")
             return
         self.doc["in_progress"] = packed
         say(f"{name}: step {packed['step']} carried in {len(packed['parts'])} part(s), {packed['bytes']:,} bytes")
@@ -406,26 +254,53 @@ def absorb(folder: Path, spec_path: Path, state_dir: Path) -> int:
             state_dir.mkdir(parents=True, exist_ok=True)
             for part in new["parts"]:
                 shutil.copyfile(folder / part["name"], state_dir / part["name"])
-            unpack_check(new, state_dir)
+            check_parts(new, state_dir)
             (state_dir / STATE_JSON).write_text(json.dumps(new, indent=1) + "\n")
             say(f"{state_dir}: {new['run']} at step {new['step']}, {len(new['parts'])} part(s)")
     ledger = spec_path.parent / "batches.json"
-    batches = json.loads(ledger.read_text()) if ledger.is_file() else []
+    batches = read_batches(spec_path)
     if not any(b.get("started") == doc["started"] and b.get("device") == doc.get("device") for b in batches):
         batches.append({k: doc.get(k) for k in ("started", "seconds", "minutes", "device", "torch", "python", "runs")}
                        | {"in_progress": (doc.get("in_progress") or {}).get("run"),
                           "in_progress_step": (doc.get("in_progress") or {}).get("step")})
         ledger.write_text(json.dumps(batches, indent=1) + "\n")
     say(f"absorbed {folder}: commit {spec_path.parent.relative_to(ROOT) if spec_path.parent.is_relative_to(ROOT) else spec_path.parent}"
-        f" (results.json, report, plots, batches.json, state/)")
+        f" (results.json, report, plots, batches.json; state/ stays here, ignored, for the next call to carry)")
     return 0
 
 
-def unpack_check(state: dict, folder: Path) -> None:
-    """The parts under FOLDER join to the file state names (each part's and the whole's SHA-256)."""
-    data = b"".join((folder / p["name"]).read_bytes() for p in state["parts"])
-    if sha256(data) != state["sha256"] or any(sha256(folder / p["name"]) != p["sha256"] for p in state["parts"]):
-        raise SystemExit(f"the state parts under {folder} are damaged")
+def read_batches(spec_path: Path) -> list[dict]:
+    """The spec folder's batches.json (what `absorb` appends), or none."""
+    ledger = spec_path.parent / "batches.json"
+    return json.loads(ledger.read_text()) if ledger.is_file() else []
+
+
+def candidate(spec, name: str, state: dict | None) -> fit.Candidate:
+    """RUN as science_fit weighs it: the tokens it has left (all of them, or from the carried step) and
+    the MiB its state would take."""
+    from attnlab.experiments.sweep import plan
+    from attnlab.experiments.sweep.budget import params_of
+
+    cfg = next(p.cfg for p in plan(spec) if f"{p.variant}/seed{p.seed}" == name)
+    done = (state.get("step") or 0) if state and state.get("run") == name else 0
+    return fit.Candidate(name, (cfg.train.steps - done) * cfg.train.tokens_per_step, fit.state_mib(params_of(cfg)))
+
+
+def carried_paths(spec_path: Path, state_dir: Path) -> list[str]:
+    """What a science call carries besides the tree, relative to the checkout: the fla wheels, the
+    spec's corpus folders and the state folder."""
+    paths = [ROOT / ".whl", *corpus_folders(spec_path), state_dir]
+    return [p.resolve().relative_to(ROOT).as_posix() for p in paths]
+
+
+def room(spec_path: Path, state_dir: Path) -> int:
+    """Prints --carry-mib for the next batch: what 64 MiB leave beside the tree, the wheels and the corpus
+    (the old state is replaced by the new one, so it is not counted)."""
+    carried = carried_paths(spec_path, state_dir)
+    mib = fit.carry_room(ROOT, carried, keep=[carried[-1]])
+    print(f"{mib:.1f}")
+    print(f"carry: {carried} (the tree and these, less the state, leave {mib:.1f} MiB for the state)", file=sys.stderr)
+    return 0
 
 
 def status(spec_path: Path, state_dir: Path) -> int:
@@ -449,14 +324,17 @@ def main(argv=None) -> int:
     b.add_argument("minutes", type=float)
     b.add_argument("--part-mib", type=float, default=PART_MIB)
     b.add_argument("--min-start", type=float, default=MIN_START_S)
+    b.add_argument("--carry-mib", type=float, default=None, help="room for a cut run's state in the next call, "
+                   "as `room` prints it here (default: not limited)")
     a = sub.add_parser("absorb", help="here: fold a batch's files into the spec folder")
     a.add_argument("folder")
     sub.add_parser("status", help="what the next batch trains")
+    sub.add_parser("room", help="here: the --carry-mib for the next batch (64 MiB less the tree and the carried paths)")
     c = sub.add_parser("corpus", help="check the carried corpus (--copy: copy it from this Python as its "
                                       "manifest lists it; --write: copy every file and write a new manifest)")
     c.add_argument("--write", action="store_true")
     c.add_argument("--copy", action="store_true")
-    for p in (b, a, sub.choices["status"], c):
+    for p in (b, a, sub.choices["status"], sub.choices["room"], c):
         p.add_argument("--spec", default=str(SPEC))
         p.add_argument("--state", default=None, help="the in-progress run's folder (default: the spec folder's state/)")
     ns = ap.parse_args(argv)
@@ -468,13 +346,15 @@ def main(argv=None) -> int:
             raise SystemExit(f"MINUTES must be in (0, 30], got {ns.minutes}")
         out = Path(ns.out)
         out.mkdir(parents=True, exist_ok=True)
-        batch = Batch(out, ns.minutes, spec_path, state_dir, ns.part_mib, ns.min_start)
+        batch = Batch(out, ns.minutes, spec_path, state_dir, ns.part_mib, ns.min_start, ns.carry_mib)
         signal.signal(signal.SIGTERM, batch.stop)
         return batch.run()
     if ns.cmd == "absorb":
         return absorb(Path(ns.folder), spec_path, state_dir)
     if ns.cmd == "status":
         return status(spec_path, state_dir)
+    if ns.cmd == "room":
+        return room(spec_path, state_dir)
     if ns.copy:
         print(materialise_corpus(spec_path.parent / "corpus"))
         return 0

@@ -1,7 +1,7 @@
-"""The science batch's pieces (benchmarks/gpu_science.py) and the spec it runs
-(experiments/seed000/window-language-at-scale): the carried corpus is the CPU runs' corpus and is
-checked file by file, the run in progress travels as checked parts, the queue puts it first, and the
-spec and its README hold the numbers they state. The two batches end to end, on the CPU:
+"""The science batch's pieces (benchmarks/gpu_science.py, science_corpus.py, science_state.py) and the
+spec it runs (experiments/seed000/window-language-at-scale): the carried corpus is the CPU runs'
+corpus and is checked file by file, the run in progress travels as checked parts, the queue puts it
+first, and the spec and its README hold the numbers they state. The two batches end to end, on the CPU:
 tests/test_gpu_check_smoke.py (heavy)."""
 
 from __future__ import annotations
@@ -17,6 +17,8 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "benchmarks"))
 
 import gpu_science  # noqa: E402
+import science_corpus  # noqa: E402
+import science_state  # noqa: E402
 
 EXP = ROOT / "experiments" / "seed000" / "window-language-at-scale"
 CPU_PARAMS = {"softmax": 836_864, "hybrid": 840_976}  # the quickstart-sized CPU runs (taught-window-language)
@@ -26,9 +28,9 @@ CPU_PARAMS = {"softmax": 836_864, "hybrid": 840_976}  # the quickstart-sized CPU
 def corpus():
     """The corpus folders are not committed (only their manifest): copied here from this Python's stdlib
     as the manifest lists them, as before a device call; another Python's stdlib cannot make them."""
-    if not all(f.is_dir() for f in gpu_science.corpus_folders(EXP / "spec.toml")):
+    if not all(f.is_dir() for f in science_corpus.corpus_folders(EXP / "spec.toml")):
         try:
-            gpu_science.materialise_corpus(EXP / "corpus")
+            science_corpus.materialise_corpus(EXP / "corpus")
         except SystemExit as e:
             pytest.skip(f"the corpus cannot be made from this Python: {e}")
 
@@ -38,15 +40,15 @@ def test_the_corpus_is_made_again_from_its_manifest_byte_for_byte(tmp_path):
     folder = tmp_path / "corpus"
     folder.mkdir()
     shutil.copy(EXP / "corpus" / "MANIFEST.json", folder / "MANIFEST.json")
-    made = gpu_science.materialise_corpus(folder)
+    made = science_corpus.materialise_corpus(folder)
     assert made[str(folder / "stdlib")]["files"] == 609 and made[str(folder / "stdlib-tests")]["files"] == 19
 
 
 def test_the_carried_corpus_is_the_cpu_runs_corpus_and_is_checked():
     """The science spec reads the two committed folders, and they match their manifest file by file."""
-    folders = gpu_science.corpus_folders(EXP / "spec.toml")
+    folders = science_corpus.corpus_folders(EXP / "spec.toml")
     assert [f.name for f in folders] == ["stdlib", "stdlib-tests"]
-    checked = gpu_science.check_corpus(folders)
+    checked = science_corpus.check_corpus(folders)
     assert checked["experiments/seed000/window-language-at-scale/corpus/stdlib"]["tokens"]["train"] == 9_441_022
 
 
@@ -56,7 +58,7 @@ def test_the_carried_corpus_reads_as_the_stdlib_corpus_it_was_copied_from():
     the documents of its "stdlib" corpus and of the test split of "stdlib-tests"."""
     from attnlab.data.corpus import load_corpus
 
-    folders = gpu_science.corpus_folders(EXP / "spec.toml")
+    folders = science_corpus.corpus_folders(EXP / "spec.toml")
     if sys.version_info[:3] != (3, 11, 7):
         pytest.skip("the corpus was copied from Python 3.11.7; this interpreter's own stdlib differs")
     for split in ("train", "val", "test"):
@@ -67,20 +69,20 @@ def test_the_carried_corpus_reads_as_the_stdlib_corpus_it_was_copied_from():
 def test_a_changed_missing_or_extra_corpus_file_stops_the_batch(tmp_path):
     (tmp_path / "c" / "stdlib" / "pkg").mkdir(parents=True)
     (tmp_path / "c" / "stdlib" / "pkg" / "a.py").write_text("x = 1\n")
-    manifest = {"folders": {"stdlib": {"files": {"pkg/a.py": gpu_science.sha256(b"x = 1\n")}, "tokens": {"train": 8}}}}
+    manifest = {"folders": {"stdlib": {"files": {"pkg/a.py": science_state.sha256(b"x = 1\n")}, "tokens": {"train": 8}}}}
     (tmp_path / "c" / "MANIFEST.json").write_text(json.dumps(manifest))
     folder = tmp_path / "c" / "stdlib"
-    assert gpu_science.check_corpus([folder])[str(folder)]["files"] == 1
+    assert science_corpus.check_corpus([folder])[str(folder)]["files"] == 1
     (folder / "pkg" / "a.py").write_text("x = 2\n")
     with pytest.raises(SystemExit, match="1 file\\(s\\) differ"):
-        gpu_science.check_corpus([folder])
+        science_corpus.check_corpus([folder])
     (folder / "pkg" / "a.py").write_text("x = 1\n")
     (folder / "b.py").write_text("")
     with pytest.raises(SystemExit, match="1 not in MANIFEST.json"):
-        gpu_science.check_corpus([folder])
+        science_corpus.check_corpus([folder])
     shutil.rmtree(folder)
     with pytest.raises(SystemExit, match="1 file\\(s\\) missing"):
-        gpu_science.check_corpus([folder])
+        science_corpus.check_corpus([folder])
 
 
 def _run_folder(root: Path) -> Path:
@@ -103,22 +105,63 @@ def test_the_run_in_progress_travels_as_checked_parts(tmp_path):
     run = _run_folder(tmp_path / "a")
     out = tmp_path / "out"
     out.mkdir()
-    state = gpu_science.pack(run, "window/seed0", out, part_mib=0.02)
+    state = science_state.pack(run, "window/seed0", out, part_mib=0.02)
     assert state["run"] == "window/seed0" and state["step"] == 4 and state["checkpoint"] == "step_000004"
     assert len(state["parts"]) >= 2 and all(p["bytes"] <= 0.02 * (1 << 20) for p in state["parts"])
     back = tmp_path / "b" / "runs" / "window" / "seed0"
-    gpu_science.unpack(state, out, back)
+    science_state.unpack(state, out, back)
     kept = sorted(p.relative_to(back).as_posix() for p in back.rglob("*") if p.is_file())
     assert kept == ["checkpoints/latest", "checkpoints/step_000004/model.safetensors",
                     "checkpoints/step_000004/state.json", "config.toml", "log.jsonl"]
     assert all((back / k).read_bytes() == (run / k).read_bytes() for k in kept)
     few = tmp_path / "few"  # more parts than may come back: larger ones
     few.mkdir()
-    assert len(gpu_science.pack(run, "window/seed0", few, part_mib=0.02, max_parts=2)["parts"]) == 2
+    assert len(science_state.pack(run, "window/seed0", few, part_mib=0.02, max_parts=2)["parts"]) == 2
     part = out / state["parts"][1]["name"]
     part.write_bytes(b"\0" + part.read_bytes()[1:])
     with pytest.raises(SystemExit, match="is damaged"):
-        gpu_science.unpack(state, out, tmp_path / "c")
+        science_state.unpack(state, out, tmp_path / "c")
+
+
+def test_a_cut_run_whose_state_cannot_travel_is_dropped(tmp_path):
+    """carry packs the run, and with --carry-mib smaller than the packed state deletes its parts and says
+    so in science.json (nothing in progress); with room enough the parts stay."""
+    spec = type("Spec", (), {"run_dir": lambda self, v, s: tmp_path / "a" / "runs" / v / f"seed{s}"})()
+    _run_folder(tmp_path / "a")
+    for room, kept in ((0.001, False), (1.0, True)):
+        out = tmp_path / f"out{room}"
+        out.mkdir()
+        batch = gpu_science.Batch(out, 1.0, EXP / "spec.toml", tmp_path / "state", 0.02, 0.0, carry_mib=room)
+        batch.carry(spec, "window/seed0")
+        parts = sorted(p.name for p in out.glob("state.tar.*"))
+        assert bool(parts) == kept and (batch.doc["in_progress"] is not None) == kept
+        assert ("dropped" in batch.doc) != kept
+        if not kept:
+            assert batch.doc["dropped"]["run"] == "window/seed0" and batch.doc["dropped"]["step"] == 4
+
+
+def test_the_next_call_carries_the_wheels_the_corpus_and_the_state():
+    assert gpu_science.carried_paths(EXP / "spec.toml", EXP / "state") == [
+        ".whl", "experiments/seed000/window-language-at-scale/corpus/stdlib",
+        "experiments/seed000/window-language-at-scale/corpus/stdlib-tests",
+        "experiments/seed000/window-language-at-scale/state"]
+
+
+@pytest.mark.heavy
+def test_a_window_run_is_passed_over_when_it_can_neither_finish_nor_travel():
+    """The shipped kl-window run (121.7M tokens) at a measured 200K tokens/s needs over 600 s: a 300 s batch
+    with the room this tree leaves passes it over; an untimed variant starts."""
+    import science_fit as fit
+    from attnlab.experiments.sweep import load_spec
+
+    spec = load_spec(EXP / "spec.toml")
+    c = gpu_science.candidate(spec, "kl-window/seed0", None)
+    assert c.tokens_left == 4950 * 96 * 256 and c.state_mib == pytest.approx(12 * 4_041_768 / 2**20)
+    room = fit.carry_room(ROOT, gpu_science.carried_paths(EXP / "spec.toml", EXP / "state"))
+    assert not fit.decide(c, 300.0, room, {"kl-window": 200_000.0}).start
+    assert fit.decide(c, 300.0, room, {}).start
+    half = gpu_science.candidate(spec, "kl-window/seed0", {"run": "kl-window/seed0", "step": 4900})
+    assert half.tokens_left == 50 * 96 * 256 and fit.decide(half, 300.0, room, {"kl-window": 200_000.0}).start
 
 
 def test_the_queue_puts_the_run_in_progress_first_then_seed_by_seed():
