@@ -158,8 +158,8 @@ def plan(out: Path, smoke: bool, history: Path) -> list[Part]:
         (folder / "test_overrun.py").write_text(OVERRUN_TEST)
         overrun = [PY, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-n", "2", str(folder)]
         shown = folder / "pids"  # written by its workers: once they ran, a rerun need not show the kill again
-        # 20 s: pytest and its two xdist workers start in about 3 s on an idle 2-core machine and took over 6 s
-        # on a loaded one, where the cap then killed them before they wrote their pids
+        # 20 s: on a loaded 2-core machine pytest and its two xdist workers took over 6 s to start, and the
+        # cap killed them before they wrote their pids
         parts.insert(1, Part("overrun", 0.0, lambda cap: None if shown.exists() else overrun, cap_s=20.0, min_s=0.0))
     return parts
 
