@@ -43,10 +43,11 @@ def ratios(times: dict[str, list[float]], baseline: str) -> dict[str, dict[str, 
 
 def command(script: str, argv=None) -> str:
     """The command line that ran benchmarks/SCRIPT with argv (None: this process's own arguments), as
-    a results file records it."""
+    a results file records it (shell-quoted: pasted into a shell, it runs the same command)."""
+    import shlex
     import sys
 
-    return f"python benchmarks/{script} " + " ".join(sys.argv[1:] if argv is None else argv)
+    return shlex.join(["python", f"benchmarks/{script}", *(sys.argv[1:] if argv is None else argv)])
 
 
 def write_json(path, out: dict) -> None:

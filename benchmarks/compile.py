@@ -31,7 +31,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "src"))
 sys.path.insert(0, str(ROOT / "benchmarks"))
 
-from _interleaved import interleaved, write_json  # noqa: E402
+from _interleaved import command, interleaved, write_json  # noqa: E402
 from attnlab import checks  # noqa: E402
 from attnlab.models import LM  # noqa: E402
 from attnlab.models.config import ModelConfig  # noqa: E402
@@ -133,7 +133,7 @@ def main() -> None:
             line += f"{r['unchecked_ms']:>14.0f}{r['unchecked_speedup']:>8.2f}x"
         print(line)
     write_json(args.out, {
-        "command": " ".join(["python", "benchmarks/compile.py", *sys.argv[1:]]),
+        "command": command("compile.py"),
         "model": {**table, "vocab_size": BYTE_VOCAB, "seq_len": seq_len, "batch_size": batch},
         "threads": args.threads, "rounds": args.rounds, "rows": rows,
         "times_s": {name: ts for name, ts in times.items()},

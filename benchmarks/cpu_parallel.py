@@ -24,6 +24,8 @@ import tempfile
 import time
 from pathlib import Path
 
+from _interleaved import command
+
 ROOT = Path(__file__).resolve().parents[1]
 VARIANTS = {
     "softmax": ["model.attn=softmax"],
@@ -110,7 +112,7 @@ def main() -> None:
         summary.append(row)
         print(f"{n:<10}{row['together_tokens_per_s']:>12,.0f}{row['apart_tokens_per_s']:>12,.0f}"
               f"{row['apart_over_together']:>15.2f}x")
-    meta = {"command": " ".join(["python", "benchmarks/cpu_parallel.py", *sys.argv[1:]]), "cores": args.cores,
+    meta = {"command": command("cpu_parallel.py"), "cores": args.cores,
             "seconds": args.seconds, "warmup": args.warmup, "machine": platform.processor() or platform.machine(),
             "load_avg_after": os.getloadavg()}
     out = Path(args.out)

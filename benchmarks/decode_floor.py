@@ -65,10 +65,10 @@ def step_bytes(m: LM, method: str, B: int, n: int, tail: int = 256) -> int:
         if method.startswith("exact"):
             total += B * n * ((a.n_kv * k if k else 0) + groups * v + Hs * 4)
         elif method.startswith("window"):
-            kw, w = c.train_window, c.local_window
+            kw, w = c.options.train_window, c.options.local_window
             total += B * Hs * ((kw + w) * (k + v + 4) + (2 * kw + tail) * 4 + 2 * math.ceil(math.log2(max(n, 2))) * 8)
         elif method.startswith("learned"):
-            K, d = c.train_window + c.local_window, 32  # learned_selector's K and d_search
+            K, d = c.options.train_window + c.options.local_window, 32  # learned_selector's K and d_search
             total += B * Hs * (n * d * 4 + K * (k + v + 4))
     if method.startswith("learned"):
         total += 2 * len(m.blocks) * m.cfg.d_model * 32 * m.blocks[0].attn.n_scalar * 4  # two maps per layer

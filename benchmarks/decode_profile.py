@@ -37,6 +37,7 @@ import torch
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 
+from _interleaved import command  # noqa: E402
 from decode_speed import Prepared  # noqa: E402  (benchmarks/decode_speed.py: the decoders, after their prompts)
 
 
@@ -191,7 +192,7 @@ def main(argv=None) -> None:
                       + ", ".join(f"{g['op']} +{g['us']:.0f}" for g in row["growth"][:5]), flush=True)
     doc = {"device": f"cpu: {platform.processor() or platform.machine()}", "torch": torch.__version__,
            "threads": torch.get_num_threads(), "batch": a.batch, "model": a.model,
-           "command": "python benchmarks/decode_profile.py " + " ".join(argv if argv is not None else sys.argv[1:]),
+           "command": command("decode_profile.py", argv),
            "rows": rows}
     out = Path(a.out)
     tmp = out.with_suffix(".tmp")

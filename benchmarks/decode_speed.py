@@ -79,6 +79,7 @@ sys.path.insert(0, str(HERE.parent / "src"))
 sys.path.insert(0, str(HERE.parent / "docs"))
 sys.path.insert(0, str(HERE))
 
+from _interleaved import command  # noqa: E402
 from attnlab.cache.selected import DecodeSelector  # noqa: E402
 from attnlab.index.projections import SearchProjections  # noqa: E402
 from attnlab.models.config import ModelConfig  # noqa: E402
@@ -117,7 +118,7 @@ def learned_selector(m: LM, dev) -> DecodeSelector:
     """Search projections for every layer (random weights, 32 wide, rope), K = the window's k + w keys."""
     a = m.blocks[0].attn
     proj = SearchProjections(list(range(len(m.blocks))), m.cfg.d_model, d_search=32, groups=a.n_scalar, rope=True)
-    return DecodeSelector(proj.to(dev), K=a.config.train_window + a.config.local_window)
+    return DecodeSelector(proj.to(dev), K=a.config.options.train_window + a.config.options.local_window)
 
 
 class Static:
@@ -370,7 +371,7 @@ def run(a, dev, argv) -> None:
     doc = {"device": torch.cuda.get_device_name() if dev.type == "cuda" else f"cpu: {platform.processor() or platform.machine()}",
            "torch": torch.__version__, "threads": torch.get_num_threads(),
            "bandwidth_gbps": a.bandwidth_gbps, "bandwidth_source": source,
-           "command": "python benchmarks/decode_speed.py " + " ".join(argv if argv is not None else sys.argv[1:]),
+           "command": command("decode_speed.py", argv),
            "note": a.note, "rows": []}
     methods = [x for x in a.methods.split(",") if x]
     out = Path(a.out)

@@ -26,7 +26,9 @@ import torch
 
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE.parent / "src"))
+sys.path.insert(0, str(HERE))
 
+from _interleaved import command  # noqa: E402
 from attnlab.models import LM, ModelConfig  # noqa: E402
 from attnlab.models.static_decode import StaticDecoder  # noqa: E402
 
@@ -90,7 +92,7 @@ def main(argv=None) -> None:
     dev = torch.device(a.device)
     doc = {"device": torch.cuda.get_device_name() if dev.type == "cuda" else f"cpu: {platform.machine()}",
            "torch": torch.__version__, "threads": a.threads,
-           "command": "python benchmarks/decode_stack.py " + " ".join(argv if argv is not None else sys.argv[1:]),
+           "command": command("decode_stack.py", argv),
            "rows": []}
     for s in shapes:
         row = measure(s, a.steps, a.rounds, dev)

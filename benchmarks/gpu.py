@@ -45,6 +45,7 @@ HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 sys.path.insert(0, str(HERE.parent / "src"))
 
+from _interleaved import command  # noqa: E402
 from gpu_paths import PATHS, as_reference, fwd_bwd, make, rel_err  # noqa: E402
 from gpu_rows import RowFile, save  # noqa: E402
 
@@ -318,7 +319,7 @@ def main(argv=None) -> None:
     lengths = [int(x) for x in a.T.split(",")]
     rows = RowFile(a.out, {"device": torch.cuda.get_device_name() if dev.type == "cuda" else "cpu",
                            "torch": torch.__version__, "triton": triton.__version__,
-                           "command": "python benchmarks/gpu.py " + " ".join(argv if argv is not None else sys.argv[1:]),
+                           "command": command("gpu.py", argv),
                            "shape": {"B": shape[0], "H": shape[1], "D": shape[2], "dtype": "float32" if a.smoke else
                                      "bfloat16", "what": "forward + backward"}, "err_T": a.err_T}, fields=("path", "T"))
     if a.keep_from:

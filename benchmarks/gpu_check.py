@@ -34,6 +34,7 @@ import argparse
 import datetime
 import json
 import os
+import shlex
 import signal
 import subprocess
 import sys
@@ -218,7 +219,7 @@ class Check:
                 rec["outcome"] = f"not started again: {left:.0f} s left"
                 break
             token = f"{self.id}/{part.name}/{rec['launches']}"
-            self.say(f"== {part.name} ({left:.0f} s): {' '.join(argv)}")
+            self.say(f"== {part.name} ({left:.0f} s): {shlex.join(argv)}")
             p = gpu_proc.spawn(argv, {**self.env, gpu_proc.MARK: token}, left, stdout=subprocess.PIPE,
                                stderr=subprocess.STDOUT, text=True, bufsize=1, errors="replace")
             self.current = (p, rec)

@@ -4,7 +4,7 @@ time cap, each run checkpointed at the cap and resumed in the next batch (benchm
 
     python benchmarks/gpu_science.py batch OUT MINUTES     # on the GPU machine: what gpu_science.sh runs
     python benchmarks/gpu_science.py absorb DIR            # here, with the files that came back; then commit
-    python benchmarks/gpu_science.py status                # what the next batch trains
+    python benchmarks/gpu_science.py status                # the runs left, and what the next batch would start
     python benchmarks/gpu_science.py room                  # here: the --carry-mib of the next batch
     python benchmarks/gpu_science.py corpus [--copy|--write] # check the carried corpus (--copy: make it here)
 
@@ -43,6 +43,7 @@ import argparse
 import datetime
 import json
 import os
+import shlex
 import shutil
 import signal
 import statistics
@@ -61,6 +62,7 @@ MAX_FILES = 8  # what a device command may send back
 RESERVE_S = 30.0  # before MINUTES ends: the stop, the checkpoint and the packing
 GRACE_S = 40.0  # SIGTERM to SIGKILL (the step, the checkpoint)
 MIN_START_S = 75.0  # no run starts with less left
+MINUTES = 6.0  # the batch `status` plans for: gpu_science.sh's default MINUTES
 FORMAT = "attnlab science batch"
 
 
@@ -132,7 +134,7 @@ class Batch:
     def run_one(self, name: str) -> tuple[str, int]:
         cmd = [sys.executable, "-m", "attnlab", "sweep", str(self.spec_path), "--only", name, "--records", str(self.out),
                "--no-progress"]
-        say(f"{name}: {' '.join(cmd[1:])} ({self.deadline - time.time():.0f} s to the cap)")
+        say(f"{name}: {shlex.join(cmd[1:])} ({self.deadline - time.time():.0f} s to the cap)")
         self.child = subprocess.Popen(cmd, cwd=ROOT, env=_env(), start_new_session=True)
         how = "exited"
         while self.child.poll() is None:
@@ -181,8 +183,9 @@ class Batch:
         speeds = fit.measured_speeds(read_batches(self.spec_path))
         for name in todo:
             left = self.deadline - time.time()
-            if left < self.min_start:
-                say(f"{name}: not started, {left:.0f} s to the cap (a run needs {self.min_start:.0f} s to start)")
+            late = fit.too_late(name, left, self.min_start)
+            if late:
+                say(f"{name}: {late.why}")
                 break
             decision = fit.decide(candidate(spec, name, state), left, self.carry_mib, speeds)
             say(f"{name}: {decision.why}")
@@ -293,17 +296,27 @@ def carried_paths(spec_path: Path, state_dir: Path) -> list[str]:
     return [p.resolve().relative_to(ROOT).as_posix() for p in paths]
 
 
-def room(spec_path: Path, state_dir: Path) -> int:
-    """Prints --carry-mib for the next batch: what 64 MiB leave beside the tree, the wheels and the corpus
-    (the old state is replaced by the new one, so it is not counted)."""
+def next_room(spec_path: Path, state_dir: Path) -> float:
+    """--carry-mib for the next batch: what 64 MiB leave beside the tree, the wheels and the corpus (the
+    old state is replaced by the new one, so it is not counted)."""
     carried = carried_paths(spec_path, state_dir)
-    mib = fit.carry_room(ROOT, carried, keep=[carried[-1]])
+    return fit.carry_room(ROOT, carried, keep=[carried[-1]])
+
+
+def room(spec_path: Path, state_dir: Path) -> int:
+    """Prints `next_room`, and on stderr the paths it leaves room beside."""
+    carried = carried_paths(spec_path, state_dir)
+    mib = next_room(spec_path, state_dir)
     print(f"{mib:.1f}")
     print(f"carry: {carried} (the tree and these, less the state, leave {mib:.1f} MiB for the state)", file=sys.stderr)
     return 0
 
 
-def status(spec_path: Path, state_dir: Path) -> int:
+def status(spec_path: Path, state_dir: Path, minutes: float = MINUTES, carry_mib: float | None = None,
+           min_start: float = MIN_START_S) -> int:
+    """Prints the runs left in queue order, each with what a batch of MINUTES would do with it: science_fit's
+    plan at the speeds of batches.json, with CARRY_MIB (None: `next_room`, what `room` prints) for a cut
+    run's state; the batch decides the same way (`fit.too_late`, `fit.decide`) on the clock."""
     from attnlab.experiments.sweep import load_spec
 
     check_corpus(corpus_folders(spec_path))
@@ -311,8 +324,17 @@ def status(spec_path: Path, state_dir: Path) -> int:
     state = read_state(state_dir)
     todo = queue(spec, state)
     print(f"{spec_path}: {len(todo)} run(s) left" + (f"; {state['run']} in progress at step {state['step']}" if state else ""))
-    for name in todo:
-        print(f"  {name}")
+    if not todo:
+        return 0
+    room_mib = next_room(spec_path, state_dir) if carry_mib is None else carry_mib
+    batches = read_batches(spec_path)
+    left = 60 * minutes - RESERVE_S
+    print(f"a batch of {minutes:g} min ({left:.0f} s to the cap, {room_mib:.1f} MiB for a cut run's state, "
+          f"speeds from {len(batches)} batch(es) in batches.json) would:")
+    decisions = fit.plan([candidate(spec, name, state) for name in todo], left, room_mib,
+                         fit.measured_speeds(batches), min_start)
+    for d in decisions:
+        print(f"  {'start' if d.start else 'pass '} {d.name}: {d.why}")
     return 0
 
 
@@ -328,13 +350,16 @@ def main(argv=None) -> int:
                    "as `room` prints it here (default: not limited)")
     a = sub.add_parser("absorb", help="here: fold a batch's files into the spec folder")
     a.add_argument("folder")
-    sub.add_parser("status", help="what the next batch trains")
+    s = sub.add_parser("status", help="what the next batch trains: the runs left, and which of them it would start")
+    s.add_argument("--minutes", type=float, default=MINUTES, help=f"the batch's MINUTES (default: {MINUTES:g})")
+    s.add_argument("--carry-mib", type=float, default=None,
+                   help="room for a cut run's state in the next call (default: what `room` prints)")
     sub.add_parser("room", help="here: the --carry-mib for the next batch (64 MiB less the tree and the carried paths)")
     c = sub.add_parser("corpus", help="check the carried corpus (--copy: copy it from this Python as its "
                                       "manifest lists it; --write: copy every file and write a new manifest)")
     c.add_argument("--write", action="store_true")
     c.add_argument("--copy", action="store_true")
-    for p in (b, a, sub.choices["status"], sub.choices["room"], c):
+    for p in (b, a, s, sub.choices["room"], c):
         p.add_argument("--spec", default=str(SPEC))
         p.add_argument("--state", default=None, help="the in-progress run's folder (default: the spec folder's state/)")
     ns = ap.parse_args(argv)
@@ -352,7 +377,7 @@ def main(argv=None) -> int:
     if ns.cmd == "absorb":
         return absorb(Path(ns.folder), spec_path, state_dir)
     if ns.cmd == "status":
-        return status(spec_path, state_dir)
+        return status(spec_path, state_dir, ns.minutes, ns.carry_mib)
     if ns.cmd == "room":
         return room(spec_path, state_dir)
     if ns.copy:

@@ -15,6 +15,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shlex
 import subprocess
 import sys
 import tempfile
@@ -24,6 +25,7 @@ from pathlib import Path
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 
+from _interleaved import command  # noqa: E402
 from gpu_proc import kill_group, spawn  # noqa: E402
 from gpu_rows import load, save  # noqa: E402
 
@@ -133,7 +135,7 @@ def run_cuda_tests(doc: dict, timeout: float, log: Path, workers: int = 4, per_t
             if workers > 1:
                 cmd += ["-n", str(min(workers, os.cpu_count() or 1))]
             cmd += ["--timeout", str(max(1, int(min(limit, left - min(15.0, left / 2)))))]  # reported before the kill
-            fh.write(f"$ {' '.join(cmd)}\n")
+            fh.write(f"$ {shlex.join(cmd)}\n")
             fh.flush()
             p = spawn(cmd, env, left, stdout=fh, stderr=subprocess.STDOUT, text=True, cwd=HERE.parent)
             rc = None
@@ -237,7 +239,7 @@ def main(argv=None) -> None:
     if a.part == "recheck":  # every test but those that never passed (collected by part "tests", or here)
         found = doc.get("collected") or collect(files, marker, _env())
         selected, drop = [t for t in found if t in passed], {t for t in found if t not in passed}
-    doc.update(command="python benchmarks/gpu_tests.py " + " ".join(argv if argv is not None else sys.argv[1:]),
+    doc.update(command=command("gpu_tests.py", argv),
                history=str(history), passed_before=len(passed))
     start = T0 if argv is None else time.time()
     run_cuda_tests(doc, timeout=start + a.seconds - 2 - time.time(), log=out.with_suffix(".log"), workers=a.workers,

@@ -46,6 +46,8 @@ HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE.parent / "src"))
 sys.path.insert(0, str(HERE))
 
+from _interleaved import command  # noqa: E402
+
 
 class _Norm(nn.Module):
     def __init__(self, d: int, eps: float = 1e-5):
@@ -322,7 +324,7 @@ def main(argv=None) -> None:
     out = Path(a.out or HERE / "results" / "gpu_train.json")
     rows = RowFile(out, {"device": torch.cuda.get_device_name() if dev.type == "cuda" else "cpu", "torch": torch.__version__,
                          "shape": shapes[None], "shape_25m": shapes["25m"], "peak_tflops": a.peak_tflops,
-                         "command": "python benchmarks/gpu_train.py " + " ".join(argv if argv is not None else sys.argv[1:])},
+                         "command": command("gpu_train.py", argv)},
                    fields=("model", "T", "shape"))
     compiled = set(f"{a.models},{a.at_scale},{a.long}".split(",")) if a.compile == "all" else set(a.compile.split(","))
 

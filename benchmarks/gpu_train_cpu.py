@@ -6,11 +6,11 @@ from __future__ import annotations
 
 import json
 import statistics
-import sys
 from pathlib import Path
 
 import torch
 
+from _interleaved import command
 from gpu_train import CPU_SHAPES, prepare, time_steps
 
 
@@ -65,7 +65,7 @@ def cpu_comparison(a, argv) -> None:
            "shape": CPU_SHAPES[shapes[0][0]] if len(shapes) == 1 else {s: CPU_SHAPES[s] for s, _, _ in shapes},
            "max_rss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,  # Linux: KiB
            "rounds": a.rounds, "steps_per_round": a.steps,
-           "command": "python benchmarks/gpu_train.py " + " ".join(argv if argv is not None else sys.argv[1:]),
+           "command": command("gpu_train.py", argv),
            "rows": rows}
     Path(a.out).write_text(json.dumps(doc, indent=1) + "\n")
     print(f"wrote {a.out}")

@@ -109,13 +109,23 @@ def decide(c: Candidate, seconds_left: float, room_mib: float | None, speeds: di
                     f"{c.state_mib:.1f} MiB state cannot travel in the {room_mib:.1f} MiB the next call has room for", need)
 
 
+def too_late(name: str, seconds_left: float, min_start: float) -> Decision | None:
+    """No run starts with less than MIN_START seconds to the cap (its start includes its compile): the
+    decision not to start NAME then, or None."""
+    if seconds_left >= min_start:
+        return None
+    return Decision(name, False, f"not started, {seconds_left:.0f} s to the cap (a run needs {min_start:.0f} s "
+                    f"to start)", None)
+
+
 def plan(candidates: list[Candidate], seconds_left: float, room_mib: float | None,
-         speeds: dict[str, float]) -> list[Decision]:
+         speeds: dict[str, float], min_start: float = 0.0) -> list[Decision]:
     """Every candidate's decision in queue order, each started run's predicted seconds taken from what is
-    left for the next (an untimed run is taken to use the rest of the batch)."""
+    left for the next (an untimed run, or one cut at the cap, is taken to use the rest of the batch); with
+    less than MIN_START seconds left, none starts (`too_late`), as in the batch."""
     out = []
     for c in candidates:
-        d = decide(c, seconds_left, room_mib, speeds)
+        d = too_late(c.name, seconds_left, min_start) or decide(c, seconds_left, room_mib, speeds)
         out.append(d)
         if d.start:
             seconds_left = seconds_left - d.seconds if d.seconds is not None and d.seconds <= seconds_left else 0.0

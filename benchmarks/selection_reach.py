@@ -91,17 +91,17 @@ def reach_of_run(run: str, lengths: list[int], batches: int, batch_size: int, sp
                     h.remove()
             for i, layer in layers:
                 rec, c = layer.last, layer.config
-                r = selection_reach(rec.qs.detach(), rec.ks.detach(), c.train_window, local=c.local_window,
+                r = selection_reach(rec.qs.detach(), rec.ks.detach(), c.options.train_window, local=c.options.local_window,
                                     n_prefix=rec.n_prefix or 0)
                 for key, values in r.items():
                     per_layer[i][key].append(values)
-                per_layer[i]["selected_mass"].append(selected_mass(layer, inputs[i][:1], c.local_window))
+                per_layer[i]["selected_mass"].append(selected_mass(layer, inputs[i][:1], c.options.local_window))
         for i, layer in layers:
             stats = {key: [statistics.fmean(col) for col in zip(*vals)] for key, vals in per_layer[i].items()}
             rows.append({
-                "run": run, "T": T, "layer": i, "mechanism": layer.mechanism, "kernel": layer.config.kernel,
-                "k": layer.config.train_window, "local": layer.config.local_window,
-                "budget": layer.config.train_window + layer.config.local_window,
+                "run": run, "T": T, "layer": i, "mechanism": layer.mechanism, "kernel": layer.config.options.kernel,
+                "k": layer.config.options.train_window, "local": layer.config.options.local_window,
+                "budget": layer.config.options.train_window + layer.config.options.local_window,
                 **{f"{key}_heads": v for key, v in stats.items()},
                 **{key: statistics.fmean(v) for key, v in stats.items()},
             })

@@ -31,7 +31,9 @@ import torch
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "src"))
+sys.path.insert(0, str(ROOT / "benchmarks"))
 
+from _interleaved import command  # noqa: E402
 from attnlab.ops import _ext  # noqa: E402
 from attnlab.train import load_config  # noqa: E402
 from attnlab.train.trainer import Trainer  # noqa: E402
@@ -140,7 +142,7 @@ def main() -> None:
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     meta = {
-        "command": " ".join(["python", "benchmarks/train_speed.py", *sys.argv[1:]]),
+        "command": command("train_speed.py"),
         "config": os.path.relpath(args.config, ROOT), "overrides": args.overrides, "steps": args.steps,
         "warmup": args.warmup, "threads": torch.get_num_threads(), "torch": torch.__version__,
         "device": torch.cuda.get_device_name(0) if torch.cuda.is_available() else (platform.processor() or platform.machine()),

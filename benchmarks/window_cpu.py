@@ -19,13 +19,12 @@ from __future__ import annotations
 
 import argparse
 import statistics
-import sys
 import time
 from pathlib import Path
 
 import torch
 
-from _interleaved import interleaved, write_json
+from _interleaved import command, interleaved, write_json
 from attnlab.ops import _ext, hybrid_attention, windowed_attention
 from attnlab.ops.scalar.window_cpu import select_nearest
 
@@ -95,8 +94,7 @@ def main(argv=None) -> None:
         rows.append(row)
         print("  ".join(f"{key} {val:,.1f}" if isinstance(val, float) else f"{key} {val}" for key, val in row.items()),
               flush=True)
-    args = sys.argv[1:] if argv is None else list(argv)
-    write_json(a.out, {"command": " ".join(["python benchmarks/window_cpu.py", *args]),
+    write_json(a.out, {"command": command("window_cpu.py", argv),
                        "config": {key: getattr(a, key) for key in ("window", "local", "B", "H", "D", "rounds", "threads")},
                        "rows": rows})
 

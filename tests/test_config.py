@@ -58,7 +58,7 @@ def test_overrides_reach_nested_keys_and_types():
     assert cfg.train.steps == 500 and cfg.train.lr == 3e-4 and cfg.train.betas == (0.9, 0.99)
     assert cfg.model.attention == {"tau": "token", "tau_max": 1}
     a = cfg.model.attention_configs()[0]
-    assert a.tau == "token" and a.tau_max == 1.0 and a.mechanism == "hybrid"
+    assert a.options.tau == "token" and a.options.tau_max == 1.0 and a.mechanism == "hybrid"
     assert cfg.data.cross_doc is False
 
 
@@ -68,7 +68,7 @@ def test_per_layer_mechanisms_and_tables():
     ])
     convs = cfg.model.attention_configs()
     assert [c.mechanism for c in convs] == ["softmax", "scalar", "hybrid"]
-    assert convs[1].n_value_groups == 2 and convs[2].sink and not convs[0].sink
+    assert convs[1].options.n_value_groups == 2 and convs[2].options.sink and convs[0].options is None
     assert [c.rope for c in convs] == [True, True, True]  # dot-product parts rotate by default
     assert load_config(None, ["model.attn=gla"]).model.attention_configs()[0].rope is False
 
@@ -209,8 +209,8 @@ def test_every_bool_key_takes_only_true_or_false(key, text):
 def test_shared_key_reaches_the_layers_that_read_it():
     cfg = load_config(TINY, ["model.attn=[softmax,scalar]", "model.attention.n_value_groups=2", "model.attention.tau=global"])
     soft, scal = cfg.model.attention_configs()
-    assert scal.n_value_groups == 2 and scal.tau == "global"
-    assert soft.n_value_groups is None and soft.tau == "head"  # softmax reads neither: left at their defaults
+    assert scal.options.n_value_groups == 2 and scal.options.tau == "global"
+    assert soft.options is None  # softmax reads neither: it has no options of its own
 
 
 @pytest.mark.parametrize("key", ["model.attention.rope", "model.attention.cosformer_normalize", "run.resume", "data.cross_doc"])
@@ -222,7 +222,7 @@ def test_bool_keys_take_true_and_false(key):
             name = key.rsplit(".", 1)[1]
             mech = next(m for m in MECHANISMS if name in mechanism_class(m).options)
             cfg = load_config(TINY, [f"model.attn={mech}", f"{key}={text}"])
-            assert cfg.model.attention_configs()[0].__dict__[name] is value
+            assert cfg.model.attention_configs()[0].flat()[name] is value
         else:
             cfg = load_config(TINY, [f"{key}={text}"])
             section, name = key.split(".")

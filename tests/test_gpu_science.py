@@ -164,6 +164,38 @@ def test_a_window_run_is_passed_over_when_it_can_neither_finish_nor_travel():
     assert half.tokens_left == 50 * 96 * 256 and fit.decide(half, 300.0, room, {"kl-window": 200_000.0}).start
 
 
+def test_status_prints_what_the_next_batch_would_start_and_pass_over(tmp_path, capsys):
+    """`status` on a copy of the spec with a run in progress (window/seed0, packed at step 4) and one
+    batch's speeds: each run left in queue order with science_fit's plan for a 6-minute batch (330 s to
+    the cap) and 20 MiB of room: the window run finishes (121.6M tokens at 1M tokens/s, 217 s), kl-window
+    (703 s at 200K tokens/s, a 46.3 MiB state) is passed over, the untimed swa48 starts and is taken to
+    use the rest, and nothing starts after it (under the 75 s a start needs)."""
+    folder = tmp_path / "science"
+    folder.mkdir()
+    shutil.copy(EXP / "spec.toml", folder / "spec.toml")
+    (folder / "batches.json").write_text(json.dumps([{"runs": [
+        {"run": "window/seed0", "tokens_per_s": 1_000_000}, {"run": "kl-window/seed0", "tokens_per_s": 200_000}]}]))
+    state_dir = folder / "state"
+    state_dir.mkdir()
+    state = science_state.pack(_run_folder(tmp_path / "a"), "window/seed0", state_dir, part_mib=1.0)
+    (state_dir / science_state.STATE_JSON).write_text(json.dumps(state))
+    assert gpu_science.main(["status", "--spec", str(folder / "spec.toml"), "--state", str(state_dir),
+                             "--carry-mib", "20"]) == 0
+    late = "not started, 0 s to the cap (a run needs 75 s to start)"
+    assert capsys.readouterr().out.splitlines() == [
+        f"{folder / 'spec.toml'}: 12 run(s) left; window/seed0 in progress at step 4",
+        "a batch of 6 min (330 s to the cap, 20.0 MiB for a cut run's state, speeds from 1 batch(es) in "
+        "batches.json) would:",
+        "  start window/seed0: finishes: 217 s of the 330 s left",
+        "  pass  kl-window/seed0: not started: it needs 703 s, 113 s are left, and its 46.3 MiB state cannot "
+        "travel in the 20.0 MiB the next call has room for",
+        "  start swa48/seed0: no batch has timed swa48: this one measures it (cut, its 46.0 MiB state cannot "
+        "travel in 20.0 MiB: it starts again)",
+        *(f"  pass  {run}: {late}" for run in ("softmax/seed0", "kl-window/seed1", "window/seed1", "swa48/seed1",
+                                               "softmax/seed1", "kl-window/seed2", "window/seed2", "swa48/seed2",
+                                               "softmax/seed2"))]
+
+
 def test_the_queue_puts_the_run_in_progress_first_then_seed_by_seed():
     from attnlab.experiments.sweep import load_spec
 

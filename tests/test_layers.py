@@ -42,7 +42,7 @@ CONFIGS = {
 def make(kw, dtype=torch.float64):
     layer = Attention(AttentionConfig(C, H, **kw)).to(dtype)
     with torch.no_grad():  # move zero-initialised extras off zero so they matter in comparisons
-        if layer.config.sink:
+        if layer.prefix_keys:
             layer.sink_value.normal_()
         if layer.gate is not None:
             layer.gate.proj.weight.normal_(0, 0.3)
@@ -60,9 +60,9 @@ def test_readout_equals_attention_weights_times_values(name):
     layer(x, record=True)
     rec, p = layer.last, layer.last.heads
     w = layer.attention_weights(x)
-    n_keys = T + int(layer.config.sink)
+    n_keys = T + layer.prefix_keys
     assert w.shape == (B, H, T, n_keys)
-    m, sink = layer.config.mechanism, layer.config.sink
+    m, sink = layer.config.mechanism, bool(layer.prefix_keys)
     sv = layer.sink_value if sink else None
     if m == "scalar":  # (values, heads reading them, sink value or None)
         vals = [(p.vs, layer.n_scalar, sv)] + ([(p.v, layer.n_dot, None)] if layer.n_dot else [])

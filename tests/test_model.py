@@ -125,7 +125,7 @@ def test_sorted_cache_window_covering_everything_is_exact(attn, sink):
         heads = torch.arange(H) // (H // Vals.shape[2])  # each head's value group
         vals = Vals[:, :, heads]  # (N, B, H, D)
         if sink:
-            sink_score = -(q32 - layer.config.sink_key) ** 2 / tau[0]  # zero vector key: scalar part only
+            sink_score = -(q32 - layer.config.options.sink_key) ** 2 / tau[0]  # zero vector key: scalar part only
             score = torch.cat([score, sink_score[None]], 0)
             vals = torch.cat([vals, layer.sink_value.detach().double()[heads].expand(1, B, H, -1)], 0)
         ref = (torch.softmax(score, 0)[..., None] * vals).sum(0)  # (B, H, D)
@@ -152,7 +152,7 @@ def test_per_layer_mechanisms_and_rope():
     assert [a.config.mechanism for a in layers] == ["softmax", "hybrid"]
     assert all(a.config.rope for a in layers)
     assert not tiny("gla").attention_layers()[0].config.rope
-    assert tiny("cosformer").attention_layers()[0].config.cosformer_max_len == 32
+    assert tiny("cosformer").attention_layers()[0].config.options.max_len == 32
 
 
 def test_tied_and_untied_embeddings():

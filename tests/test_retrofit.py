@@ -95,7 +95,7 @@ def test_sink_start_has_no_mass_and_weight_one_would(base):
     sink key) it would take mass from the model's keys at the hybrid's silent start."""
     model, idx, ref = base
     r = convert(model, "1", "hybrid", {"sink": True})
-    assert r.model.blocks[1].attn.config.sink_weight == 0.0
+    assert r.model.blocks[1].attn.config.options.sink_weight == 0.0
     with torch.no_grad():
         assert logit_error(r(idx).logits, ref) < 1e-5
         assert logit_error(convert(model, "1", "hybrid", {"sink": True, "sink_weight": 1.0})(idx).logits, ref) > 1e-3

@@ -241,7 +241,7 @@ def test_a_budget_evicts_as_the_sorted_cache_does(attn, attention, k, budget):
         assert torch.allclose(dec.prefill(idx[:, :9]), want[:, 8], atol=1e-5)
         for t in range(9, 40):
             assert torch.allclose(dec.step(idx[:, t : t + 1]), want[:, t], atol=1e-5), t
-        alive = dec.states["0"].alive & (dec.slots <= 39 - m.blocks[0].attn.config.local_window)
+        alive = dec.states["0"].alive & (dec.slots <= 39 - m.blocks[0].attn.config.options.local_window)
         assert int(alive.sum(-1).max()) == budget
     with pytest.raises(ValueError, match="budget"):
         StaticDecoder(m, 2, 48, budget=4)  # a budget caps a window: give one

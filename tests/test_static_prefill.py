@@ -63,7 +63,7 @@ def test_a_budgeted_prompt_prefills_in_one_pass(name, monkeypatch):
         for t in range(30):
             stepped.pos.fill_(t)
             stepped.step_logits(idx[:, t : t + 1])
-    w = m.blocks[0].attn.config.local_window
+    w = m.blocks[0].attn.config.options.local_window
     older = stepped.slots <= 29 - w
     for i in range(len(m.blocks)):
         one, steps = dec.states[str(i)], stepped.states[str(i)]

@@ -8,6 +8,7 @@ import json
 from typing import Sequence
 
 EXIT_USAGE = 2
+HF_EXTRA = "pip install 'attnlab[hf]'"  # how to install the optional [hf] extra, as error messages say it
 
 
 class UsageError(ValueError):

@@ -6,9 +6,7 @@ and renamed into place (`attnlab.hf.export_run`)."""
 
 from __future__ import annotations
 
-from ._common import Formatter, UsageError
-
-HF_EXTRA = "pip install 'attnlab[hf]'"
+from ._common import HF_EXTRA, Formatter, UsageError
 
 
 def add_export(sub) -> None:

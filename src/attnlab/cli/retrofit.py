@@ -17,9 +17,7 @@ spec's verdicts (`attnlab.experiments.retrofit_trial`)."""
 
 from __future__ import annotations
 
-from ._common import Formatter, UsageError
-
-HF_EXTRA = "pip install 'attnlab[hf]'"
+from ._common import HF_EXTRA, Formatter, UsageError
 
 # the options of a stage beside its --<stage>-steps: (name, type or choices, metavar, help); each is the
 # stage config's field of that name (dashes for underscores), and None when not given: the config's default

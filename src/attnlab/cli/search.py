@@ -7,9 +7,8 @@ import argparse
 import importlib.util
 import sys
 
-from ._common import UsageError, Formatter
+from ._common import HF_EXTRA, UsageError, Formatter
 
-HF_EXTRA = "pip install 'attnlab[hf]'"
 HF_PACKAGES = ("transformers", "datasets", "faiss", "gguf", "accelerate")  # the [hf] extra, as imported
 HF_REQUIRED = ("transformers",)  # what every search command imports; the rest only where used (faiss: the
 #                                  hnsw/ivf methods, gguf: a GGUF model, datasets: a Hub corpus), each missing

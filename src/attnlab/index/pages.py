@@ -78,7 +78,7 @@ def scalar_range_bound(qs: torch.Tensor, lo: torch.Tensor, hi: torch.Tensor, tau
 def scalar_term(layer) -> tuple[str, torch.Tensor | None]:
     """(kernel, per-head gain on the scalar term or None) of a scalar/hybrid layer, detached."""
     lam = layer.scalar_scale  # None for scalar heads and an unset gain
-    return layer.config.kernel, None if lam is None else lam.detach()
+    return layer.config.options.kernel, None if lam is None else lam.detach()
 
 
 def _lam_rows(lam, like: torch.Tensor):

@@ -22,10 +22,12 @@ from torch import nn
 
 from ..cache.kv import KVCache
 from ..cache.options import DecodeOptions, KeyRule, check_key_rule
-from ..checks import IMPLS, check_finite
+from ..checks import IMPLS
 from ..data.packing import positions_in_doc
 from .config import AttentionConfig
+from .options import MechanismOptions
 from .gate import OutputGate
+from .inputs import check_layer_input, check_start
 from .layer_cache import LayerCache
 from .record import AttentionRecord, Projected
 from .rope import RotaryEmbedding
@@ -57,13 +59,19 @@ class Attention(nn.Module):
     """
 
     mechanism: ClassVar[str] = ""
-    options: ClassVar[tuple[str, ...]] = ()  # AttentionConfig fields this mechanism reads
+    Options: ClassVar[type[MechanismOptions] | None] = None  # its own options (AttentionConfig.options); None: none
+    uses: ClassVar[tuple[str, ...]] = ()  # the shared AttentionConfig fields it reads beyond SHARED_FIELDS
+    options: ClassVar[tuple[str, ...]] = ()  # every key it reads beyond SHARED_FIELDS: `uses`, then its Options' keys
     recurrent: ClassVar[bool] = False  # linear family: decodes from a state; weights unnormalised
     scalar: ClassVar[bool] = False  # has scalar heads (qs, ks, τ): regularizers, the sorted cache
     sorted_decode: ClassVar[bool] = False  # its scalar heads decode through the sorted cache, read keys by a KeyRule
     rope_default: ClassVar[bool] = True  # RoPE on its vector queries/keys unless configured
     impls: ClassVar[tuple[str, ...]] = IMPLS  # the AttentionConfig.impl values it takes
     prenorm_gate: ClassVar[bool] = False  # takes output_gate="prenorm" (a gate on its normaliser)
+
+    def __init_subclass__(cls, **kwargs):
+        super().__init_subclass__(**kwargs)
+        cls.options = (*cls.uses, *(cls.Options.keys() if cls.Options is not None else ()))
 
     def __new__(cls, config: AttentionConfig | None = None, *args, **kwargs):
         if cls is Attention:
@@ -81,8 +89,8 @@ class Attention(nn.Module):
         if config.mechanism != self.mechanism:
             raise ValueError(f"{type(self).__name__} implements mechanism {self.mechanism!r}, got {config.mechanism!r}")
         self.config = c = config
-        self.n_dot, self.n_kv = c.n_dot_heads, c.n_kv_heads  # vector-scoring heads and their kv groups
         self.n_scalar = self.scalar_heads(c)  # heads with scalar queries/keys
+        self.n_dot, self.n_kv = self.vector_heads(c), c.n_kv_heads  # vector-scoring heads and their kv groups
         self.build(c)
         self.gate = OutputGate(c.output_gate, c.d_model, c.n_heads, c.head_dim, c.output_gate_scale) if c.output_gate else None
         self.out_norm = nn.Parameter(torch.ones(c.n_heads * c.head_dim)) if c.output_norm else None
@@ -100,6 +108,11 @@ class Attention(nn.Module):
     def scalar_heads(cls, config: AttentionConfig) -> int:
         """How many heads take scalar queries/keys (they come first)."""
         return 0
+
+    @classmethod
+    def vector_heads(cls, config: AttentionConfig) -> int:
+        """How many heads score with vector queries/keys (a hybrid head does both)."""
+        return config.n_heads
 
     @classmethod
     def model_defaults(cls, max_seq_len: int) -> dict:
@@ -144,6 +157,12 @@ class Attention(nn.Module):
     def value_groups(self) -> int:
         """How many value groups `attend(values=...)` takes."""
         return self.n_kv
+
+    @property
+    def prefix_keys(self) -> int:
+        """Keys before the sequence's own that every query reads (a sink: 1), as `attention_weights`
+        returns them."""
+        return 0
 
     def init_cache(self, cache: LayerCache, window: int | None, max_len: int | None) -> None:
         """Set up `cache`, the new LayerCache `make_cache` made, for decoding with `window` (the sorted
@@ -213,30 +232,10 @@ class Attention(nn.Module):
         return self.rope.rotate_pair(q, k, start_pos)
 
     def check_input(self, x, name: str = "x") -> None:
-        """x: a finite floating (B, T, d_model) tensor in the parameters' dtype (any float dtype
-        under torch.autocast, which casts at each projection)."""
-        if not isinstance(x, torch.Tensor):
-            raise TypeError(f"{name} must be a torch.Tensor (B, T, d_model={self.config.d_model}), got {type(x).__name__}")
-        if x.dim() != 3 or x.shape[-1] != self.config.d_model:
-            raise ValueError(f"{name} must be (B, T, d_model={self.config.d_model}), got {tuple(x.shape)}")
-        dtype = self.wo.weight.dtype
-        if not x.is_floating_point():
-            raise TypeError(f"{name} must be a floating-point tensor ({dtype}, the layer's dtype), got {x.dtype}")
-        if x.dtype != dtype and not torch.is_autocast_enabled(x.device.type):
-            raise TypeError(
-                f"{name} must have the layer's dtype {dtype} (cast it or the layer, or run under torch.autocast), "
-                f"got {x.dtype}"
-            )
-        check_finite(name, x)
+        """x: a finite floating (B, T, d_model) tensor in the layer's dtype (`inputs.check_layer_input`)."""
+        check_layer_input(x, self.config.d_model, self.wo.weight.dtype, name)
 
-    @staticmethod
-    def check_start(start_pos) -> None:
-        """start_pos, the absolute position of a call's first token, must be an int >= 0
-        (ValueError naming it otherwise)."""
-        if isinstance(start_pos, torch.Tensor) and start_pos.dim() == 2 and not start_pos.is_floating_point():
-            return  # every token's position (B, T): packed documents, from `forward(x, docs=...)`
-        if isinstance(start_pos, bool) or not isinstance(start_pos, int) or start_pos < 0:
-            raise ValueError(f"start_pos must be an int >= 0, got {start_pos!r}")
+    check_start = staticmethod(check_start)
 
     def _finish(self, o: torch.Tensor, x: torch.Tensor):
         if self.out_norm is not None:
@@ -315,7 +314,7 @@ class Attention(nn.Module):
         p = self.project(x, 0)
         p.key_rule = key_rule
         B, T = x.shape[:2]
-        n_keys = T + (1 if self.config.sink else 0)
+        n_keys = T + self.prefix_keys
         eye = torch.eye(n_keys, dtype=x.dtype, device=x.device).expand(B, self.value_groups, n_keys, n_keys)
         return self.attend(p, values=eye, impl="naive")[0]
 

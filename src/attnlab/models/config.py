@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 from typing import Any, Literal, Union
 
 from attnlab.layers import MECHANISMS, REGISTRY, mechanism_class
-from attnlab.layers.config import SHARED_FIELDS
+from attnlab.layers.config import SHARED_FIELDS, option_keys
 from attnlab.layers.typed_fields import field_problem, value_problem
 
 
@@ -245,8 +245,9 @@ def attention_config(cls, cfg: ModelConfig, layer: int):
     own table `model.layer_attention[i]` that its mechanism does not read. Defaults that depend on
     the model come from the mechanism: RoPE on its vector queries/keys where it has them
     (`rope_default`), the cosFormer horizon M = max_seq_len (one horizon for training and decoding)."""
-    hints = _type_hints(cls)
-    allowed = {f.name for f in dataclasses.fields(cls) if f.init} - set(_MODEL_OWNED)
+    keys = option_keys()
+    hints = {key: hint for key, (hint, _) in keys.items()}
+    allowed = set(keys) - set(_MODEL_OWNED)
     mechanism = cfg.layer_attn[layer]
     reads = set(SHARED_FIELDS) | set(mechanism_class(mechanism).options)
     raw, sources = {}, {}
@@ -329,9 +330,10 @@ def model_config_changes(saved: dict, new: ModelConfig, ignore: tuple[str, ...] 
     for i, (a, b) in enumerate(zip(before.attention_configs(), new.attention_configs())):
         per_layer = set(before.layer_attention[i] if before.layer_attention else ()) | set(
             new.layer_attention[i] if new.layer_attention else ())
-        for f in dataclasses.fields(a):
-            old_value, new_value = getattr(a, f.name), getattr(b, f.name)
-            key = f"model.layer_attention[{i}].{f.name}" if f.name in per_layer else f"model.attention.{f.name}"
+        old, new_ = a.flat(), b.flat()
+        for name in dict.fromkeys([*old, *new_]):
+            old_value, new_value = old.get(name), new_.get(name)
+            key = f"model.layer_attention[{i}].{name}" if name in per_layer else f"model.attention.{name}"
             if old_value != new_value and key not in seen:
                 seen.add(key)
                 changes.append((key, old_value, new_value))

@@ -18,13 +18,13 @@ mechanism, overrides, whether the layer's shapes can carry the model's weights) 
 
 from __future__ import annotations
 
-import dataclasses
 import math
 from dataclasses import dataclass, field
 
 import torch
 
-from attnlab.layers import MECHANISMS, AttentionConfig, mechanism_class
+from attnlab.layers import MECHANISMS, mechanism_class
+from attnlab.layers.config import option_keys
 from attnlab.models.config import ConfigError, ModelConfig, build_dataclass
 from attnlab.search.hf_model import RETROFIT_FAMILIES as FAMILIES  # noqa: F401 (from hf_model.FAMILIES)
 from attnlab.search.hf_model import check_family
@@ -109,7 +109,7 @@ def plan(hf_config, layers, mechanism: str, settings: dict | None = None) -> Pla
     except ValueError as e:
         raise RetrofitError(f"--layers: {e}") from None
     bias = bool(getattr(hf_config, "attention_bias", False)) or family == "qwen2"
-    fields = {f.name for f in dataclasses.fields(AttentionConfig) if f.init}
+    fields = set(option_keys())
     owned = {"mechanism", "d_model", "n_heads", "head_dim", "bias"}
     for key in settings:
         if key not in fields or key in owned:

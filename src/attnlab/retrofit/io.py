@@ -13,7 +13,6 @@ OUT gets FolderBusy before any work.
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import os
 from pathlib import Path
@@ -29,12 +28,12 @@ RESUMABLE = (TRANSFER_DIR, FINETUNE_DIR)  # checkpoint folders a rerun continues
 
 def parse_settings(items: list[str] | dict | None) -> dict:
     """`KEY=VALUE` words (values as TOML literals, bare words as strings, none/null as None) -> dict."""
-    from attnlab.layers import AttentionConfig
+    from attnlab.layers.config import option_keys
     from attnlab.train.overrides import parse_value
 
     if isinstance(items, dict) or items is None:
         return dict(items or {})
-    fields = {f.name for f in dataclasses.fields(AttentionConfig) if f.init}
+    fields = set(option_keys())
     out = {}
     for item in items:
         key, eq, text = item.partition("=")

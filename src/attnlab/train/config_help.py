@@ -31,23 +31,33 @@ def config_keys() -> list[tuple[str, str, Any, str]]:
             rows.append((f"{prefix}{f.name}", type_name(tp), default, field_help(f)))
 
     walk(RunConfig, "")
-    from attnlab.layers import AttentionConfig
+    from attnlab.layers import MECHANISMS, AttentionConfig, mechanism_class
+    from attnlab.layers.config import option_keys
 
-    hints = typing.get_type_hints(AttentionConfig)
     doc = docstring_help(AttentionConfig)
-    for f in dataclasses.fields(AttentionConfig):
-        if f.init and f.name not in ("mechanism", "d_model", "n_heads"):
-            default = f.default if f.default is not dataclasses.MISSING else None
-            help_text = field_help(f) or doc.get(f.name, "see attnlab.layers.AttentionConfig")
-            if f.name == "rope":
-                default = "on for softmax/scalar/hybrid/principled layers, off for the linear family"
-            if f.name == "cosformer_max_len":
-                default = "model.max_seq_len"
-            rows.append((f"model.attention.{f.name}", type_name(hints[f.name]), default, help_text))
+    shared = {f.name for f in dataclasses.fields(AttentionConfig)}
+    readers: dict[str, list[str]] = {}
+    for m in MECHANISMS:
+        cls = mechanism_class(m)
+        for key in cls.options:
+            readers.setdefault(key, []).append(m)
+        for options_cls in reversed((cls.Options or object).__mro__):  # an option's text where it is declared
+            doc.update({k: v for k, v in docstring_help(options_cls).items() if k not in doc})
+    for key, (hint, default) in option_keys().items():
+        if key in ("mechanism", "d_model", "n_heads"):
+            continue
+        help_text = doc.get(key, "see attnlab.layers.AttentionConfig")
+        if key not in shared:  # a mechanism's option: say whose
+            help_text = f"{', '.join(readers[key])}: {help_text}"
+        if key == "rope":
+            default = "on for softmax/scalar/hybrid/principled layers, off for the linear family"
+        if key == "cosformer_max_len":
+            default = "model.max_seq_len"
+        rows.append((f"model.attention.{key}", type_name(hint), default, help_text))
     return rows
 
 
-_DOC_ENTRY = re.compile(r"^(\s+)([a-z_]\w*(?:, [a-z_]\w*)*):\s+(\S.*)$")
+_DOC_ENTRY = re.compile(r"^(\s+)([a-z_]\w*(?:, [a-z_]\w*)*)(?: \([a-z_]\w*\))?:\s+(\S.*)$")
 
 
 def docstring_help(cls) -> dict[str, str]:

@@ -7,6 +7,8 @@ keeps the two sums in buffers (`CosformerStore`)."""
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 
 from ...cache.static import StaticState
@@ -14,6 +16,7 @@ from ...ops import cosformer_attention, cosformer_step
 from ...ops.common.precision import upcast
 from ...ops.cosformer import CosformerState
 from ...ops.cosformer.step import step_update
+from ..options import MechanismOptions, option
 from ..record import Projected
 from ..registry import register
 from ._recurrent import RecurrentAttention
@@ -32,7 +35,7 @@ class CosformerStore(StaticState):
     def __init__(self, layer, opts):
         super().__init__(layer)
         c = layer.config
-        self.horizon = c.cosformer_max_len
+        self.horizon = c.options.max_len
         if self.horizon is None or opts.max_len > self.horizon:
             raise ValueError(f"max_len={opts.max_len} is past cosformer's horizon cosformer_max_len={self.horizon} "
                              f"(its reweighting is defined for positions below it)")
@@ -48,12 +51,12 @@ class CosformerStore(StaticState):
         c = self.layer.config
         if positions.shape[0] == 1:
             o, kv, k_sum = step_update(p.q[:, :, 0], p.k[:, :, 0], p.v[:, :, 0], self.kv, self.k_sum, positions[0],
-                                       self.horizon, c.cosformer_normalize)
+                                       self.horizon, c.options.normalize)
             o = o.unsqueeze(2)
         else:  # a prompt chunk: the op from the stored sums (its start read on the host once)
             state = CosformerState(self.kv, self.k_sum, int(positions[0]), self.horizon)
             o, new = cosformer_attention(p.q, p.k, p.v, causal=True, max_len=self.horizon,
-                                         normalize=c.cosformer_normalize, initial_state=state, impl=c.impl)
+                                         normalize=c.options.normalize, initial_state=state, impl=c.impl)
             kv, k_sum = new.kv, new.k_sum
         self.kv.copy_(kv)
         self.k_sum.copy_(k_sum)
@@ -64,11 +67,31 @@ class CosformerStore(StaticState):
         return self.attend(p, torch.arange(T, device=p.q.device), T, None)
 
 
+@dataclass
+class CosformerOptions(MechanismOptions):
+    """Mechanism "cosformer"'s options.
+
+    Args:
+        cosformer_normalize (normalize): keep cosFormer's normaliser (True) or drop it.
+        cosformer_max_len (max_len): the horizon M of the cos reweighting cos(π(i−j)/2M); None:
+            M = T of each forward call (the original choice); decoding then needs
+            `make_cache(..., max_len=M)` and equals forward on sequences of length M.
+    """
+
+    normalize: bool = option(True, key="cosformer_normalize")
+    max_len: int | None = option(None, key="cosformer_max_len")
+
+    def check(self, config) -> None:
+        if self.max_len is not None:
+            config.require_int("cosformer_max_len")
+
+
 @register
 class CosformerAttention(RecurrentAttention):
     mechanism = "cosformer"
     prenorm_gate = True  # output_gate="prenorm" gates its normaliser
-    options = ("cosformer_normalize", "cosformer_max_len", "n_kv_heads", "rope", "rope_base")
+    Options = CosformerOptions
+    uses = ("n_kv_heads", "rope", "rope_base")
 
     @classmethod
     def model_defaults(cls, max_seq_len: int) -> dict:
@@ -77,22 +100,22 @@ class CosformerAttention(RecurrentAttention):
 
     @classmethod
     def horizon(cls, config) -> int | None:
-        return config.cosformer_max_len
+        return config.options.max_len
 
     def attend(self, p: Projected, values=None, impl: str | None = None):
         c = self.config
         v = p.v if values is None else values
         if p.docs is not None:  # each document's own length is its horizon unless one is configured
-            max_len = c.cosformer_max_len
+            max_len = c.options.max_len
         else:
-            max_len = c.cosformer_max_len or max(p.q.shape[2], 1)
-        o, _ = cosformer_attention(p.q, p.k, v, causal=True, max_len=max_len, normalize=c.cosformer_normalize,
+            max_len = c.options.max_len or max(p.q.shape[2], 1)
+        o, _ = cosformer_attention(p.q, p.k, v, causal=True, max_len=max_len, normalize=c.options.normalize,
                                    impl=impl or c.impl, docs=p.docs)
         return o, None
 
     def init_cache(self, cache, window, max_len) -> None:
         super().init_cache(cache, window, max_len)
-        cache.max_len = max_len or self.config.cosformer_max_len
+        cache.max_len = max_len or self.config.options.max_len
         if cache.max_len is None:
             raise ValueError(
                 "max_len is needed to decode cosformer (the horizon M of its cos reweighting): "
@@ -101,11 +124,11 @@ class CosformerAttention(RecurrentAttention):
 
     def chunk_op(self, p: Projected, state, cache, impl: str | None = None):
         c = self.config
-        return cosformer_attention(p.q, p.k, p.v, causal=True, max_len=cache.max_len, normalize=c.cosformer_normalize,
+        return cosformer_attention(p.q, p.k, p.v, causal=True, max_len=cache.max_len, normalize=c.options.normalize,
                                    initial_state=state, impl=impl or c.impl)
 
     def step_op(self, q, k, v, p: Projected, state, cache):
-        return cosformer_step(q, k, v, state, max_len=cache.max_len, normalize=self.config.cosformer_normalize)
+        return cosformer_step(q, k, v, state, max_len=cache.max_len, normalize=self.config.options.normalize)
 
     def static_state(self, opts) -> CosformerStore:
         return CosformerStore(self, opts)

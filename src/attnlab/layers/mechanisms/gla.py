@@ -3,31 +3,52 @@
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch.nn.functional as F
 from torch import nn
 
 from ...ops import gla_attention, gla_step
 from ..attention import heads
+from ..options import MechanismOptions, option
 from ..record import Projected
 from ..registry import register
 from ._recurrent import RecurrentAttention, RecurrentStore
 
 
+@dataclass
+class GLAOptions(MechanismOptions):
+    """Mechanism "gla"'s options.
+
+    Args:
+        gla_rank (rank): rank of the low-rank decay gate.
+        gla_normalizer (normalizer): divides the gate's log-sigmoid (> 0).
+    """
+
+    rank: int = option(16, key="gla_rank")
+    normalizer: float = option(16.0, key="gla_normalizer")
+
+    def check(self, config) -> None:
+        config.require_int("gla_rank")
+        config.require_positive("gla_normalizer")
+
+
 @register
 class GLAAttention(RecurrentAttention):
     mechanism = "gla"
-    options = ("gla_rank", "gla_normalizer", "n_kv_heads", "rope", "rope_base")
+    Options = GLAOptions
+    uses = ("n_kv_heads", "rope", "rope_base")
 
     def build(self, c) -> None:
         super().build(c)
-        self.decay_down = nn.Linear(c.d_model, c.gla_rank, bias=False)
-        self.decay_up = nn.Linear(c.gla_rank, c.n_heads * c.head_dim, bias=True)
+        self.decay_down = nn.Linear(c.d_model, c.options.rank, bias=False)
+        self.decay_up = nn.Linear(c.options.rank, c.n_heads * c.head_dim, bias=True)
 
     def project(self, x, start_pos: int = 0, qkv=None) -> Projected:
         p = super().project(x, start_pos, qkv)
         c = self.config
         raw = self.decay_up(self.decay_down(x))  # (B, T, H*D), low rank
-        p.log_decay = heads(F.logsigmoid(raw) / c.gla_normalizer, c.n_heads, c.head_dim)  # (B, H, T, D)
+        p.log_decay = heads(F.logsigmoid(raw) / c.options.normalizer, c.n_heads, c.head_dim)  # (B, H, T, D)
         return p
 
     def attend(self, p: Projected, values=None, impl: str | None = None):

@@ -7,6 +7,9 @@ entries and each head's scalar key in a `KeyedState`, read by GOAT's readout plu
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+from typing import ClassVar
+
 from ...cache.kv import KVCache
 from ...checks import IMPLS
 from ...data.packing import positions_in_doc
@@ -15,33 +18,50 @@ import torch
 from ...ops import goat_attention
 from ...ops.scalar.naive import scalar_logits
 from ..registry import register
-from .goat import GOAT_OPTIONS, GoatPrior, check_goat_options, content_dim, goat_readout, goat_values
+from ..options import option
+from .goat import GoatPrior, GoatPriorOptions, content_dim, goat_readout, goat_values
 from .scalar import HybridAttention
+from .scalar_options import HybridOptions
 from .keyed_static import KeyedState, kv_entries
+
+
+@dataclass
+class GoatHybridOptions(HybridOptions, GoatPriorOptions):
+    """Mechanism "goat_hybrid"'s options: the temperature of the hybrid's scalar term
+    (`TemperatureOptions`: tau, tau_init, tau_param, tau_max) and GOAT's prior (`GoatPriorOptions`).
+    The hybrid's other options keep their defaults (they are not options here): no sink, no
+    trained window, the Gaussian kernel, no gain."""
+
+    extra: ClassVar[int] = 2  # the scalar term's two columns share the head width too
+
+    sink: bool = option(False, init=False)
+    sink_key: float = option(0.0, init=False)
+    sink_weight: float | None = option(None, init=False)
+    train_window: int | None = option(None, init=False)
+    local_window: int = option(0, init=False)
+    kernel: str = option("gaussian", init=False)
+    scalar_gain: float | None = option(None, init=False)
 
 
 @register
 class GoatHybridAttention(HybridAttention):
     mechanism = "goat_hybrid"
-    options = ("tau", "tau_init", "tau_param", "tau_max", "n_kv_heads", *GOAT_OPTIONS, "goat_width", "sliding_window")
+    Options = GoatHybridOptions
+    uses = ("n_kv_heads", "sliding_window")
     sorted_decode = False
     impls = IMPLS  # GOAT's fused op has no Triton kernel
-
-    @classmethod
-    def configure(cls, config) -> None:
-        super().configure(config)
-        check_goat_options(config, extra=2)  # the scalar term's two columns share the head width too
 
     @classmethod
     def model_defaults(cls, max_seq_len: int) -> dict:
         return {**super().model_defaults(max_seq_len), **({"goat_train_len": max_seq_len} if max_seq_len else {})}
 
     def build_values(self, c) -> None:
-        self.build_vectors(c, c.n_heads, content_dim(c, extra=2))
+        self.build_vectors(c, c.n_heads, content_dim(c))
 
     def build(self, c) -> None:
         super().build(c)
-        self.prior = GoatPrior(self.n_kv, c.goat_rank, c.goat_abs_rank, c.goat_base, c.goat_train_len)
+        o = c.options
+        self.prior = GoatPrior(self.n_kv, o.rank, o.abs_rank, o.base, o.train_len)
 
     def takes_documents(self, device) -> bool:
         """Packed documents in one pass, as the goat mechanism takes them (`GoatAttention.goat`)."""

@@ -71,10 +71,9 @@ from ..record import Projected
 from ..sink import mix_sink, sink_weight_value, split_sink_values
 from ..registry import register
 from .scalar_decode import ScalarDecode, exact_impl
+from .scalar_options import HybridOptions, ScalarOptions
 from .scalar_static import ScalarState
 
-SCALAR_OPTIONS = ("tau", "tau_init", "tau_param", "tau_max", "sink", "sink_key", "sink_weight", "train_window",
-                  "local_window", "kernel", "sliding_window")
 EVERY_KEY = KeyRule()  # no key rule: every key, or the layer's trained window
 
 
@@ -106,7 +105,8 @@ class ScalarAttention(ScalarDecode, Attention):
     mechanism = "scalar"
     scalar = True
     hybrid: ClassVar[bool] = False  # every head adds q·k/√d to its scalar score and reads the vector values
-    options = ("n_scalar_heads", "n_value_groups", *SCALAR_OPTIONS, "n_kv_heads", "scale", "p", "rope", "rope_base")
+    Options = ScalarOptions
+    uses = ("n_kv_heads", "scale", "p", "rope", "rope_base", "sliding_window")
     value_key = "vs"  # the name of the scalar heads' values in a plain decode cache
     sorted_decode = True  # decodes through the sorted scalar cache (window=k), reads keys by a KeyRule
     impls = (*IMPLS, "approx", "triton")  # approx: scalar_attention_approx on the scalar heads; triton: its kernels
@@ -116,13 +116,13 @@ class ScalarAttention(ScalarDecode, Attention):
         if cls.hybrid:
             config.set_vector_heads(config.n_heads)
             return
-        if config.n_scalar_heads is None:
-            config.n_scalar_heads = config.n_heads
+        if config.options.n_scalar_heads is None:
+            config.options.n_scalar_heads = config.n_heads
         n_s = config.require_int("n_scalar_heads")
         if n_s > config.n_heads:
             raise config.error("n_scalar_heads", n_s, f"at most n_heads={config.n_heads}")
-        if config.n_value_groups is None:
-            config.n_value_groups = n_s
+        if config.options.n_value_groups is None:
+            config.options.n_value_groups = n_s
         groups = config.require_int("n_value_groups")
         if n_s % groups:
             raise config.error(
@@ -132,25 +132,30 @@ class ScalarAttention(ScalarDecode, Attention):
 
     @classmethod
     def scalar_heads(cls, config) -> int:
-        return config.n_heads if cls.hybrid else config.n_scalar_heads
+        return config.n_heads if cls.hybrid else config.options.n_scalar_heads
+
+    @classmethod
+    def vector_heads(cls, config) -> int:
+        return config.n_heads if cls.hybrid else config.n_heads - config.options.n_scalar_heads
 
     def build(self, c) -> None:
         self.wqs = ScalarProjection(c.d_model, self.n_scalar, bias=c.bias)
         self.wks = ScalarProjection(c.d_model, self.n_scalar, bias=c.bias)
-        self.temperature = Temperature(c.tau, self.n_scalar, c.d_model, c.tau_init, c.tau_max, c.tau_param)
+        o = c.options
+        self.temperature = Temperature(o.tau, self.n_scalar, c.d_model, o.tau_init, o.tau_max, o.tau_param)
         self.build_values(c)
-        if c.sink:
+        if o.sink:
             self.sink_value = nn.Parameter(torch.zeros(self.value_groups, c.head_dim))  # (G, D)
-        w = c.sink_weight if c.sink else None  # the sink's learned weight in the normaliser, (H_s,)
+        w = o.sink_weight if o.sink else None  # the sink's learned weight in the normaliser, (H_s,)
         self.register_parameter("sink_weight", None if w is None else nn.Parameter(torch.full((self.n_scalar,), float(w))))
-        gain = c.scalar_gain  # the hybrid's learned λ on the scalar term, (H,); None (no parameter) when not configured
+        gain = o.scalar_gain if self.hybrid else None  # the hybrid's learned λ on the scalar term, (H,); None: none
         self.register_parameter("scalar_scale", None if gain is None else nn.Parameter(torch.full((self.n_scalar,), float(gain))))
 
     def build_values(self, c) -> None:
         """The values the scalar heads read (grouped ones, or a hybrid's vector values) and the
         vector projections: a hybrid's for every head, a mixed layer's for its dot-product heads."""
         if not self.hybrid:
-            self.wvs = nn.Linear(c.d_model, c.n_value_groups * c.head_dim, bias=c.bias)
+            self.wvs = nn.Linear(c.d_model, c.options.n_value_groups * c.head_dim, bias=c.bias)
         if self.n_dot:
             self.build_vectors(c, self.n_dot)
 
@@ -162,7 +167,11 @@ class ScalarAttention(ScalarDecode, Attention):
 
     @property
     def value_groups(self) -> int:
-        return self.n_kv if self.hybrid else self.config.n_value_groups
+        return self.n_kv if self.hybrid else self.config.options.n_value_groups
+
+    @property
+    def prefix_keys(self) -> int:
+        return int(self.config.options.sink)
 
     @property
     def hybrid_key_dim(self) -> int | None:
@@ -185,7 +194,7 @@ class ScalarAttention(ScalarDecode, Attention):
         p.ks = self.wks(x).transpose(1, 2)
         p.tau = self.temperature(x)  # (H_s,) or (B, H_s, T)
         if not self.hybrid:  # a hybrid's values are the vector values, projected with q and k
-            p.vs = heads(self.wvs(x), self.config.n_value_groups, self.config.head_dim)  # (B, G, T, D)
+            p.vs = heads(self.wvs(x), self.config.options.n_value_groups, self.config.head_dim)  # (B, G, T, D)
         return p
 
     def scalar_values(self, p: Projected) -> torch.Tensor:
@@ -201,28 +210,28 @@ class ScalarAttention(ScalarDecode, Attention):
         c = self.config
         if self.hybrid:
             return hybrid_attention(q, k, vals, qs, ks, tau, causal=True, impl=impl, scalar_scale=self.scalar_scale,
-                                    kernel=c.kernel, window=c.sliding_window, n_prefix=n_prefix, docs=docs)
+                                    kernel=c.options.kernel, window=c.sliding_window, n_prefix=n_prefix, docs=docs)
         if impl == "approx" and qs.shape[-1] == ks.shape[-1]:  # a whole sequence (decode steps stay exact)
             return scalar_attention_approx(qs, ks, vals, tau)
         return scalar_attention(qs, ks, vals, tau, causal=True, impl="auto" if impl == "approx" else impl,
-                                kernel=c.kernel, window=c.sliding_window, n_prefix=n_prefix, docs=docs)
+                                kernel=c.options.kernel, window=c.sliding_window, n_prefix=n_prefix, docs=docs)
 
     def takes_documents(self, device) -> bool:
         """Packed documents in one pass, on every route of the exact op (the Triton kernel, the CPU's
         query chunks), for a layer of scalar (or hybrid) heads only that reads every key of its
         document (no sink, no trained window, no sliding window; a call with a key rule takes none)."""
         c = self.config
-        return not (c.sink or self.n_mixed or c.train_window is not None or c.sliding_window is not None)
+        return not (c.options.sink or self.n_mixed or c.options.train_window is not None or c.sliding_window is not None)
 
     def with_sink(self, p: Projected):
         """The scalar op's inputs, with the sink prepended when on: (qs, ks, values, tau, q, k, n_prefix)."""
         c = self.config
         vals = self.scalar_values(p)
         q, k = self.score_vectors(p)
-        if not c.sink:
+        if not c.options.sink:
             return p.qs, p.ks, vals, p.tau, q, k, 0
         B = p.qs.shape[0]
-        key = p.ks.new_full((B, self.n_scalar, 1), c.sink_key)  # (B, H_s, 1)
+        key = p.ks.new_full((B, self.n_scalar, 1), c.options.sink_key)  # (B, H_s, 1)
         qs = torch.cat([key, p.qs], dim=-1)  # extra leading query: its output is dropped
         ks = torch.cat([key, p.ks], dim=-1)  # (B, H_s, T+1)
         sink_v = self.sink_value.to(vals.dtype)[None, :, None, :].expand(B, -1, 1, -1)  # (B, G, 1, D)
@@ -243,16 +252,16 @@ class ScalarAttention(ScalarDecode, Attention):
         c = self.config
         if rule.select is not None:
             return windowed_attention(qs, ks, vals, tau, None, q=q, k=k, n_prefix=n_prefix, scalar_scale=self.scalar_scale,
-                                      keep_fn=rule.select(qs, ks, tau, q, k, n_prefix), kernel=c.kernel)
-        window = rule.window if rule.window is not None else c.train_window
+                                      keep_fn=rule.select(qs, ks, tau, q, k, n_prefix), kernel=c.options.kernel)
+        window = rule.window if rule.window is not None else c.options.train_window
         if window is None and rule.budget is None:
             return self.scalar_op(qs, ks, vals, tau, q, k, impl, n_prefix)
         if c.sliding_window is not None:
             raise ValueError(f"this layer reads a sliding window of {c.sliding_window} keys: it has no scalar window "
                              f"or budget to decode through (got window={window!r}, budget={rule.budget!r})")
-        return windowed_attention(qs, ks, vals, tau, window, q=q, k=k, n_prefix=n_prefix, local=c.local_window,
+        return windowed_attention(qs, ks, vals, tau, window, q=q, k=k, n_prefix=n_prefix, local=c.options.local_window,
                                   budget=rule.budget, history=QUERY_HISTORY, scalar_scale=self.scalar_scale,
-                                  impl=impl if impl in ("naive", "triton") else "auto", kernel=c.kernel)
+                                  impl=impl if impl in ("naive", "triton") else "auto", kernel=c.options.kernel)
 
     def sink_readout(self, qs, ks, vals, tau, q, k, impl, n_prefix: int, rule: KeyRule):
         """`scalar_readout` on the op inputs of `with_sink`, weighing the sink by `sink_weight` when set."""
@@ -292,15 +301,16 @@ class ScalarAttention(ScalarDecode, Attention):
         check_key_rule(key_rule, self)
         rule, c = EVERY_KEY if key_rule is None else key_rule, self.config
         qs, ks, _, tau, q, k, n_pre = self.with_sink(self.project(x, 0))
-        logits = scalar_logits(qs, ks, tau, kernel=c.kernel) if q is None else hybrid_logits(q, k, qs, ks, tau, kernel=c.kernel)
+        kernel = c.options.kernel
+        logits = scalar_logits(qs, ks, tau, kernel=kernel) if q is None else hybrid_logits(q, k, qs, ks, tau, kernel=kernel)
         if rule.select is not None:
             keep = rule.select(qs, ks, tau, q, k, n_pre)(0, qs.shape[-1], logits)
             logits = logits.masked_fill(~keep, float("-inf"))
-        elif rule.window is not None or rule.budget is not None or c.train_window is not None:
+        elif rule.window is not None or rule.budget is not None or c.options.train_window is not None:
             evicted = None if rule.budget is None else budget_evictions(
                 qs, ks, rule.budget, history=QUERY_HISTORY, n_prefix=n_pre)
-            window = rule.window or c.train_window or qs.shape[-1] or 1
-            keep = window_mask(qs, ks, window, n_prefix=n_pre, evicted_at=evicted, local=c.local_window)
+            window = rule.window or c.options.train_window or qs.shape[-1] or 1
+            keep = window_mask(qs, ks, window, n_prefix=n_pre, evicted_at=evicted, local=c.options.local_window)
             logits = logits.masked_fill(~keep, float("-inf"))
         if n_pre and self.sink_weight is not None:  # the sink's weight: log|w| on its column
             logw = sink_weight_value(self.sink_weight).log().to(logits.dtype).view(1, -1, 1, 1)
@@ -314,6 +324,7 @@ class HybridAttention(ScalarAttention):
 
     mechanism = "hybrid"
     hybrid = True
-    options = (*SCALAR_OPTIONS, "scalar_gain", "n_kv_heads", "rope", "rope_base")
+    Options = HybridOptions
+    uses = ("n_kv_heads", "rope", "rope_base", "sliding_window")
     impls = (*IMPLS, "triton")  # no approximate path
     value_key = "v"

@@ -56,40 +56,40 @@ class ScalarDecode:
         if window is not None and c.sliding_window is not None:
             raise ValueError(f"window={window}: this layer reads a sliding window of {c.sliding_window} keys "
                              f"(model.attention.sliding_window), not a sorted cache's window; decode it with window=None")
-        if window is None and c.train_window is not None and not cache.exact:
-            cache.window = window = c.train_window
-        if window is not None and c.local_window:
-            cache.ring = Ring(c.local_window)
+        if window is None and c.options.train_window is not None and not cache.exact:
+            cache.window = window = c.options.train_window
+        if window is not None and c.options.local_window:
+            cache.ring = Ring(c.options.local_window)
         return window
 
     def scalar_cache(self, batch_size: int, window: int | None):
         """The plain cache of every scalar key (window None, exact) or the sorted scalar cache. A
         hybrid's learned gain, which the exact cache does not apply, takes the plain cache."""
         c = self.config
-        if window is None and (c.impl == "naive" or c.kernel != "gaussian" or c.sliding_window is not None
+        if window is None and (c.impl == "naive" or c.options.kernel != "gaussian" or c.sliding_window is not None
                                or self.scalar_scale is not None):
-            cache = KVCache(batch_size, window=c.sliding_window, keep=int(c.sink))  # the op over the plain cache (a sliding window's)
-            if c.sink:
+            cache = KVCache(batch_size, window=c.sliding_window, keep=int(c.options.sink))  # the op over the plain cache (a sliding window's)
+            if c.options.sink:
                 cache.append(**self.sink_entry(batch_size))
             return cache
         if window is None:
             cache = ExactScalarCache(batch_size, self.n_scalar)
-            if c.sink:
+            if c.options.sink:
                 e = self.sink_entry(batch_size)
                 cache.append(e["ks"], e[self.value_key], k=e.get("k"))
             return cache
         return SortedScalarCache(
             batch_size, self.n_scalar, self.value_groups, c.head_dim, d_k=self.hybrid_key_dim,
-            dtype=self.wo.weight.dtype, device=self.wo.weight.device, kernel=c.kernel, **self.sorted_sink(),
+            dtype=self.wo.weight.dtype, device=self.wo.weight.device, kernel=c.options.kernel, **self.sorted_sink(),
         )
 
     def sorted_sink(self) -> dict:
         """The sorted cache's sink arguments: its key, value (G, D) and log-weight (H_s,), or none."""
         c = self.config
-        if not c.sink:
+        if not c.options.sink:
             return {}
         logw = None if self.sink_weight is None else sink_weight_value(self.sink_weight.detach()).log()
-        return {"sink_key": c.sink_key, "sink_value": self.sink_value.detach(), "sink_logw": logw}
+        return {"sink_key": c.options.sink_key, "sink_value": self.sink_value.detach(), "sink_logw": logw}
 
     def sink_entry(self, batch_size: int) -> dict:
         """The sink as one plain-cache entry: ks (B, H_s, 1) and values (B, G, 1, D), or
@@ -99,7 +99,7 @@ class ScalarDecode:
         v = w[None, :, None, :].expand(batch_size, -1, 1, -1)
         if self.sink_weight is not None:
             v = split_sink_values(v)
-        entry = {"ks": w.new_full((batch_size, self.n_scalar, 1), self.config.sink_key), self.value_key: v}
+        entry = {"ks": w.new_full((batch_size, self.n_scalar, 1), self.config.options.sink_key), self.value_key: v}
         if self.hybrid_key_dim is not None:
             entry["k"] = self.sink_value.new_zeros(batch_size, self.n_kv, 1, self.hybrid_key_dim)
         return entry
@@ -108,7 +108,7 @@ class ScalarDecode:
         """Make `cache` (an exact decode cache of this layer, block `index`) decode through `selector`
         (an `attnlab.cache.selected.DecodeSelector`): a plain cache of every key, the sink first."""
         cache.scalar = KVCache(cache.batch_size)
-        if self.config.sink:
+        if self.config.options.sink:
             cache.scalar.append(**self.sink_entry(cache.batch_size))
         cache.selector = selector.layer_state(index)
 
@@ -135,7 +135,7 @@ class ScalarDecode:
             def naive(v):
                 full = cache.scalar.append(**{"ks": p.ks, self.value_key: v, **({"k": k} if k is not None else {})})
                 return self.scalar_op(p.qs, full["ks"], full[self.value_key], p.tau, q, full.get("k"), self.config.impl,
-                                      int(self.config.sink))
+                                      int(self.config.options.sink))
             return self.plain_step(naive, vals)
         k_t = expand_heads(k, self.n_scalar)[:, :, 0] if k is not None else None  # (B, H, D)
         tau = p.tau if p.tau.dim() == 1 else p.tau[..., 0]  # (H,) or (B, H)
@@ -161,11 +161,11 @@ class ScalarDecode:
             raise RuntimeError("a selector cache decodes one token at a time")
         full = cache.scalar.append(**{"ks": p.ks, self.value_key: vals, **({"k": k} if k is not None else {})})
         idx, valid = cache.selector.select(p, q, k, *scalar_term(self))  # (B, H, k)
-        pick, ok = selected_positions(idx, valid, int(self.config.sink))  # the sink, then the selection
+        pick, ok = selected_positions(idx, valid, int(self.config.options.sink))  # the sink, then the selection
         ks, vv, kk = gather_selected(full, self.value_key, pick, self.n_scalar)
         if bool(ok.all()):
             return self.scalar_op(p.qs, ks, vv, p.tau, q, kk, self.config.impl)
-        return masked_readout(p.qs, ks, vv, p.tau, q, kk, ok, self.config.kernel, self.scalar_scale)
+        return masked_readout(p.qs, ks, vv, p.tau, q, kk, ok, self.config.options.kernel, self.scalar_scale)
 
     def ring_step(self, cache, p: Projected, vals, k_t):
         """Push this token into the ring of the last `local_window` tokens (the one leaving it goes
@@ -178,7 +178,7 @@ class ScalarDecode:
         rv = expand_heads(rv, H)  # (B, H, w, D)
         tau = p.tau.view(1, H, 1) if p.tau.dim() == 1 else p.tau[..., :1]  # checked by the projection's Temperature
         lam = self.scalar_scale  # the hybrid's gain on the scalar term
-        lam, kernel = None if lam is None else lam.view(1, H, 1), self.config.kernel
+        lam, kernel = None if lam is None else lam.view(1, H, 1), self.config.options.kernel
         if rk is None:  # the ops' score formula; the ring's keys were projected (and are finite) like the query
             logits = scalar_scores(p.qs[..., :1], rks, tau, kernel, lam)
         else:
@@ -243,7 +243,7 @@ class ScalarDecode:
         T = p.ks.shape[-1] if end is None else end
         return SortedScalarCache.from_tensors(
             p.ks[..., :T], self.scalar_values(p)[:, :, :T], k=None if k is None else expand_heads(k, self.n_scalar)[:, :, :T],
-            kernel=self.config.kernel, **self.sorted_sink(),
+            kernel=self.config.options.kernel, **self.sorted_sink(),
         )
 
     def step_readout(self, p: Projected, cache) -> torch.Tensor:

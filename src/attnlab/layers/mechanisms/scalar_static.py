@@ -46,7 +46,7 @@ class ScalarState(StaticState):
         B, N, dev, dt = opts.batch_size, opts.max_len, opts.device, opts.dtype
         self.chunk, self.selector, self.index = opts.chunk, opts.selector, opts.layer
         self.budget, self.tail, self.window_impl = opts.budget, opts.tail, opts.window_impl
-        self.kwin = opts.window or c.train_window  # the k nearest keys, or None: every key
+        self.kwin = opts.window or c.options.train_window  # the k nearest keys, or None: every key
         self.windowed = self.whole_prompt = not opts.exact and opts.selector is None and self.kwin is not None
         given = opts.window is not None and c.sliding_window is None  # a decode window (decode_window's rule)
         self.rule = KeyRule(window=opts.window, budget=opts.budget) if given else None  # the prompt's, in fill
@@ -104,7 +104,7 @@ class ScalarState(StaticState):
         """The budget state after a prompt of T tokens, as T steps leave it: the older keys its
         evictions kept (`budget_evictions`, the rule `budget_keep` applies step by step; the sink,
         outside these buffers, is never evicted) and its last QUERY_HISTORY scalar queries."""
-        evicted = budget_evictions(p.qs, p.ks, self.budget, history=QUERY_HISTORY, local=self.layer.config.local_window)
+        evicted = budget_evictions(p.qs, p.ks, self.budget, history=QUERY_HISTORY, local=self.layer.config.options.local_window)
         self.alive.fill_(True)
         self.alive[:, :, :T] = evicted == NEVER  # (B, H, T): every key not evicted by the prompt's last step
         first = max(0, T - QUERY_HISTORY)
@@ -116,7 +116,7 @@ class ScalarState(StaticState):
         its temporaries in scratch), or every key sorted again when forced. A budget keeps no codes."""
         if self.codes is None:
             return
-        w = self.layer.config.local_window
+        w = self.layer.config.options.local_window
         if force or t - w + 1 - self.merged > self.tail:
             upto = max(0, min(t - w + 1, t))  # every position below it written already
             if force:
@@ -131,7 +131,7 @@ class ScalarState(StaticState):
         every token, or (B, H, T, m) each token's own -> (B, H, T, n | m), float32."""
         tau, lam = p.tau.float(), self.layer.scalar_scale
         tau = tau[None, :, None] if tau.dim() == 1 else tau
-        return scalar_scores(p.qs.float(), ks, tau, self.layer.config.kernel,
+        return scalar_scores(p.qs.float(), ks, tau, self.layer.config.options.kernel,
                              None if lam is None else lam.float()[None, :, None])
 
     def _scalar_attend(self, p, h: torch.Tensor, positions: torch.Tensor, visible: torch.Tensor) -> torch.Tensor:
@@ -169,7 +169,7 @@ class ScalarState(StaticState):
         B, H, _, N = s.shape
         G, S = vb.shape[1], N // self.chunk
         extra = None
-        if self.layer.config.sink:  # the sink as one more partial: its logit, its value
+        if self.layer.config.options.sink:  # the sink as one more partial: its logit, its value
             col, sink_v = self._sink(p, H)
             extra = (col.view(B, G, H // G), sink_v.expand(B, -1, -1, -1).reshape(B, G, H // G, -1))
         o = split_attention(s.view(B, G, H // G, S, self.chunk), vb.view(B, G, S, self.chunk, vb.shape[-1]), extra)
@@ -179,7 +179,7 @@ class ScalarState(StaticState):
         """The sink's logit (B, H, T, 1) for the tokens p (scalar key sink_key, zero vector key, log|w|
         added with a sink weight) and its value (1, H, 1, D), float32."""
         a = self.layer
-        col = self._logits(p, p.qs.new_full((1, 1, 1, 1), a.config.sink_key, dtype=torch.float32))  # (B, H, T, 1)
+        col = self._logits(p, p.qs.new_full((1, 1, 1, 1), a.config.options.sink_key, dtype=torch.float32))  # (B, H, T, 1)
         if a.sink_weight is not None:
             col = col + sink_weight_value(a.sink_weight).float().log()[None, :, None, None]
         return col, a.sink_value.float().repeat_interleave(H // a.sink_value.shape[0], dim=0)[None, :, None, :]
@@ -188,7 +188,7 @@ class ScalarState(StaticState):
         """softmax over the scores s (B, H, T, m) of the keys read, and the sink's column when the layer
         has one (`_sink`); weigh(w) reads the keys' values with their weights w (B, H, T, m) -> the
         readout (B, H, T, D), float32."""
-        if not self.layer.config.sink:
+        if not self.layer.config.options.sink:
             return weigh(torch.softmax(s, dim=-1))
         col, sink_v = self._sink(p, s.shape[1])
         w = torch.softmax(torch.cat([col, s], dim=-1), dim=-1)
@@ -198,7 +198,7 @@ class ScalarState(StaticState):
         """The readout (B, H, 1, D) of the token at position t (a 0-dim tensor) through the window:
         the last w keys and the k nearest older ones (`cache.static.window_keys`; under a budget
         `nearest_alive` among the live ones, then the step's evictions)."""
-        ksb, w = self.ks, self.layer.config.local_window
+        ksb, w = self.ks, self.layer.config.options.local_window
         B, H, N = ksb.shape
         qs = p.qs[..., 0].float()
         if self.budget is None:

@@ -64,7 +64,7 @@ def softmax_step(q: torch.Tensor, e: dict, ok: torch.Tensor, scale, p: float, ch
 @register
 class SoftmaxAttention(Attention):
     mechanism = "softmax"
-    options = ("n_kv_heads", "scale", "p", "rope", "rope_base", "sliding_window")
+    uses = ("n_kv_heads", "scale", "p", "rope", "rope_base", "sliding_window")
 
     @classmethod
     def configure(cls, config) -> None:

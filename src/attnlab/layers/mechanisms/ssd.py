@@ -19,7 +19,7 @@ from ._recurrent import RecurrentAttention, RecurrentStore
 @register
 class SSDAttention(RecurrentAttention):
     mechanism = "ssd"
-    options = ("n_kv_heads", "rope", "rope_base")
+    uses = ("n_kv_heads", "rope", "rope_base")
 
     def build(self, c) -> None:
         super().build(c)
