@@ -1,4 +1,4 @@
-"""Each mechanism's own options dataclass (`attnlab.layers.options`): one flat key per option, taken by
+"""Each mechanism's own options dataclass (`attnlab.layers.options`): one name per option, taken by
 `AttentionConfig(...)`, TOML and the command line alike; errors name the key; the shared fields stay in
 AttentionConfig."""
 
@@ -43,8 +43,8 @@ def test_mechanisms_without_options_hold_none_and_the_rest_their_class():
     ("scalar", {"tau": "global", "n_scalar_heads": 2, "kernel": "cauchy"},
      ScalarOptions(tau="global", n_scalar_heads=2, kernel="cauchy")),
     ("hybrid", {"sink": True, "sink_weight": 0.0, "scalar_gain": 0.5}, HybridOptions(sink=True, sink_weight=0.0, scalar_gain=0.5)),
-    ("goat", {"goat_rank": 4, "goat_width": "extra", "goat_rope": True}, GoatOptions(rank=4, width="extra", rope=True)),
-    ("goat_hybrid", {"goat_rank": 3, "tau_init": 0.5}, GoatHybridOptions(rank=3, tau_init=0.5)),
+    ("goat", {"goat_rank": 4, "goat_width": "extra", "goat_rope": True}, GoatOptions(goat_rank=4, goat_width="extra", goat_rope=True)),
+    ("goat_hybrid", {"goat_rank": 3, "tau_init": 0.5}, GoatHybridOptions(goat_rank=3, tau_init=0.5)),
 ])
 def test_flat_keys_build_the_config_the_options_object_builds(mechanism, flat, options):
     by_keys = AttentionConfig(64, 4, mechanism, **flat)
@@ -89,7 +89,16 @@ def test_toml_tables_keep_their_flat_keys_and_errors_name_them():
     raw = {"d_model": 64, "n_heads": 4, "n_layers": 2, "attn": ["goat", "hybrid"],
            "layer_attention": [{"goat_rank": 4}, {"sink": True, "tau": "global"}]}
     goat, hyb = build_dataclass(ModelConfig, raw, "model.").attention_configs()
-    assert goat.options.rank == 4 and hyb.options.sink and hyb.options.tau == "global"
+    assert goat.options.goat_rank == 4 and hyb.options.sink and hyb.options.tau == "global"
     raw["layer_attention"][0]["goat_rank"] = 40  # 2R + 1 past head_dim 16
     with pytest.raises(ConfigError, match=r"model\.layer_attention\[0\]\.goat_rank"):
         build_dataclass(ModelConfig, raw, "model.")
+
+
+def test_the_signature_gives_every_shared_field_its_fields_default():
+    import inspect
+
+    params = inspect.signature(AttentionConfig).parameters
+    for f in dataclasses.fields(AttentionConfig):
+        want = inspect.Parameter.empty if f.default is dataclasses.MISSING else f.default
+        assert params[f.name].default == want, f.name

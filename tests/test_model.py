@@ -152,7 +152,7 @@ def test_per_layer_mechanisms_and_rope():
     assert [a.config.mechanism for a in layers] == ["softmax", "hybrid"]
     assert all(a.config.rope for a in layers)
     assert not tiny("gla").attention_layers()[0].config.rope
-    assert tiny("cosformer").attention_layers()[0].config.options.max_len == 32
+    assert tiny("cosformer").attention_layers()[0].config.options.cosformer_max_len == 32
 
 
 def test_tied_and_untied_embeddings():

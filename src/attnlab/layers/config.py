@@ -3,7 +3,7 @@
 It holds what every mechanism shares (sizes, heads, the vector heads' RoPE and scaling, the sliding
 window, the output gate, the impl); what only one mechanism reads is that mechanism's options
 dataclass (`attnlab.layers.options`: `ScalarOptions`, `GoatOptions`, ...), held as `options`.
-Options are also taken by their flat keys, as TOML tables and the command line give them:
+Options are also keywords of AttentionConfig itself, named as TOML tables and the command line name them:
 `AttentionConfig(d_model=64, n_heads=4, mechanism="goat", goat_rank=4)` is
 `AttentionConfig(d_model=64, n_heads=4, mechanism="goat", options=GoatOptions(rank=4))`.
 
@@ -96,7 +96,7 @@ class AttentionConfig:
             TRITON_INTERPRET=1 only, for tests).
         options: the mechanism's own options, an instance of its `Options` class (None: its
             defaults; a mechanism without options holds None). Each option is also a keyword
-            here under its flat key (`tau=0.5`, `goat_rank=4`), applied on top of `options`.
+            here by its name (`tau=0.5`, `goat_rank=4`), applied on top of `options`.
 
     Raises:
         ValueError: any bad value, naming the key (`AttentionConfig.<key>`), what it got and
@@ -123,14 +123,17 @@ class AttentionConfig:
     impl: str = "auto"
     options: MechanismOptions | None = None
 
-    def __init__(self, d_model: int, n_heads: int, mechanism: str = "softmax", *,
+    def __init__(self, d_model: int, n_heads: int, mechanism: str = "softmax", head_dim: int | None = None,
+                 n_kv_heads: int | None = None, scale: str | float = "sqrt_d", p: float = 2.0, rope: bool = False,
+                 rope_base: float = 10000.0, sliding_window: int | None = None, output_gate: str | None = None,
+                 output_gate_scale: float = 1.0, output_norm: bool = False, bias: bool = False, impl: str = "auto", *,
                  options: MechanismOptions | None = None, **keys):
         from .registry import REGISTRY  # filled by the mechanism modules, which build on this one
 
-        self.d_model, self.n_heads, self.mechanism = d_model, n_heads, mechanism
+        given = locals()  # the signature's defaults are the fields' (tests/test_mechanism_options.py)
         for f in dataclasses.fields(self):
-            if f.name not in ("d_model", "n_heads", "mechanism", "options"):
-                setattr(self, f.name, keys.pop(f.name, f.default))
+            if f.name != "options":
+                setattr(self, f.name, given[f.name])
         if not isinstance(mechanism, str) or mechanism not in REGISTRY:
             raise _err("mechanism", mechanism, f"one of {tuple(REGISTRY)}")
         Options = REGISTRY[mechanism].Options
@@ -150,8 +153,7 @@ class AttentionConfig:
                 options = Options()
             elif type(options) is not Options:
                 raise _err("options", options, f"a {Options.__name__} (mechanism {mechanism!r}'s options) or None")
-            names = Options.keys()
-            self.options = dataclasses.replace(options, **{names[k]: v for k, v in own.items()})  # a copy: configure fills it
+            self.options = dataclasses.replace(options, **own)  # a copy: configure fills it
         self.__post_init__()
 
     def __post_init__(self):
@@ -180,15 +182,15 @@ class AttentionConfig:
         return _err(key, got, need)
 
     def value(self, key: str):
-        """The value of a shared field or of an option, by its flat key."""
+        """The value of a shared field or of an option, by its name."""
         if key in _shared_keys():
             return getattr(self, key)
-        if self.options is not None and key in self.options.held():
-            return getattr(self.options, self.options.held()[key])
+        if self.options is not None and hasattr(self.options, key):
+            return getattr(self.options, key)
         raise KeyError(f"{key!r} is neither a field of AttentionConfig nor an option of mechanism {self.mechanism!r}")
 
     def flat(self) -> dict:
-        """Every shared field and option of this config by its flat key (`options` spread out)."""
+        """Every shared field and option of this config by its name (`options` spread out)."""
         out = {k: getattr(self, k) for k in _shared_keys()}
         return {**out, **(self.options.flat() if self.options is not None else {})}
 

@@ -16,7 +16,7 @@ from ...ops import cosformer_attention, cosformer_step
 from ...ops.common.precision import upcast
 from ...ops.cosformer import CosformerState
 from ...ops.cosformer.step import step_update
-from ..options import MechanismOptions, option
+from ..options import MechanismOptions
 from ..record import Projected
 from ..registry import register
 from ._recurrent import RecurrentAttention
@@ -35,7 +35,7 @@ class CosformerStore(StaticState):
     def __init__(self, layer, opts):
         super().__init__(layer)
         c = layer.config
-        self.horizon = c.options.max_len
+        self.horizon = c.options.cosformer_max_len
         if self.horizon is None or opts.max_len > self.horizon:
             raise ValueError(f"max_len={opts.max_len} is past cosformer's horizon cosformer_max_len={self.horizon} "
                              f"(its reweighting is defined for positions below it)")
@@ -51,12 +51,12 @@ class CosformerStore(StaticState):
         c = self.layer.config
         if positions.shape[0] == 1:
             o, kv, k_sum = step_update(p.q[:, :, 0], p.k[:, :, 0], p.v[:, :, 0], self.kv, self.k_sum, positions[0],
-                                       self.horizon, c.options.normalize)
+                                       self.horizon, c.options.cosformer_normalize)
             o = o.unsqueeze(2)
         else:  # a prompt chunk: the op from the stored sums (its start read on the host once)
             state = CosformerState(self.kv, self.k_sum, int(positions[0]), self.horizon)
             o, new = cosformer_attention(p.q, p.k, p.v, causal=True, max_len=self.horizon,
-                                         normalize=c.options.normalize, initial_state=state, impl=c.impl)
+                                         normalize=c.options.cosformer_normalize, initial_state=state, impl=c.impl)
             kv, k_sum = new.kv, new.k_sum
         self.kv.copy_(kv)
         self.k_sum.copy_(k_sum)
@@ -72,17 +72,17 @@ class CosformerOptions(MechanismOptions):
     """Mechanism "cosformer"'s options.
 
     Args:
-        cosformer_normalize (normalize): keep cosFormer's normaliser (True) or drop it.
-        cosformer_max_len (max_len): the horizon M of the cos reweighting cos(π(i−j)/2M); None:
+        cosformer_normalize: keep cosFormer's normaliser (True) or drop it.
+        cosformer_max_len: the horizon M of the cos reweighting cos(π(i−j)/2M); None:
             M = T of each forward call (the original choice); decoding then needs
             `make_cache(..., max_len=M)` and equals forward on sequences of length M.
     """
 
-    normalize: bool = option(True, key="cosformer_normalize")
-    max_len: int | None = option(None, key="cosformer_max_len")
+    cosformer_normalize: bool = True
+    cosformer_max_len: int | None = None
 
     def check(self, config) -> None:
-        if self.max_len is not None:
+        if self.cosformer_max_len is not None:
             config.require_int("cosformer_max_len")
 
 
@@ -100,22 +100,22 @@ class CosformerAttention(RecurrentAttention):
 
     @classmethod
     def horizon(cls, config) -> int | None:
-        return config.options.max_len
+        return config.options.cosformer_max_len
 
     def attend(self, p: Projected, values=None, impl: str | None = None):
         c = self.config
         v = p.v if values is None else values
         if p.docs is not None:  # each document's own length is its horizon unless one is configured
-            max_len = c.options.max_len
+            max_len = c.options.cosformer_max_len
         else:
-            max_len = c.options.max_len or max(p.q.shape[2], 1)
-        o, _ = cosformer_attention(p.q, p.k, v, causal=True, max_len=max_len, normalize=c.options.normalize,
+            max_len = c.options.cosformer_max_len or max(p.q.shape[2], 1)
+        o, _ = cosformer_attention(p.q, p.k, v, causal=True, max_len=max_len, normalize=c.options.cosformer_normalize,
                                    impl=impl or c.impl, docs=p.docs)
         return o, None
 
     def init_cache(self, cache, window, max_len) -> None:
         super().init_cache(cache, window, max_len)
-        cache.max_len = max_len or self.config.options.max_len
+        cache.max_len = max_len or self.config.options.cosformer_max_len
         if cache.max_len is None:
             raise ValueError(
                 "max_len is needed to decode cosformer (the horizon M of its cos reweighting): "
@@ -124,11 +124,11 @@ class CosformerAttention(RecurrentAttention):
 
     def chunk_op(self, p: Projected, state, cache, impl: str | None = None):
         c = self.config
-        return cosformer_attention(p.q, p.k, p.v, causal=True, max_len=cache.max_len, normalize=c.options.normalize,
+        return cosformer_attention(p.q, p.k, p.v, causal=True, max_len=cache.max_len, normalize=c.options.cosformer_normalize,
                                    initial_state=state, impl=impl or c.impl)
 
     def step_op(self, q, k, v, p: Projected, state, cache):
-        return cosformer_step(q, k, v, state, max_len=cache.max_len, normalize=self.config.options.normalize)
+        return cosformer_step(q, k, v, state, max_len=cache.max_len, normalize=self.config.options.cosformer_normalize)
 
     def static_state(self, opts) -> CosformerStore:
         return CosformerStore(self, opts)

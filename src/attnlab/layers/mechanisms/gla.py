@@ -10,7 +10,7 @@ from torch import nn
 
 from ...ops import gla_attention, gla_step
 from ..attention import heads
-from ..options import MechanismOptions, option
+from ..options import MechanismOptions
 from ..record import Projected
 from ..registry import register
 from ._recurrent import RecurrentAttention, RecurrentStore
@@ -21,12 +21,12 @@ class GLAOptions(MechanismOptions):
     """Mechanism "gla"'s options.
 
     Args:
-        gla_rank (rank): rank of the low-rank decay gate.
-        gla_normalizer (normalizer): divides the gate's log-sigmoid (> 0).
+        gla_rank: rank of the low-rank decay gate.
+        gla_normalizer: divides the gate's log-sigmoid (> 0).
     """
 
-    rank: int = option(16, key="gla_rank")
-    normalizer: float = option(16.0, key="gla_normalizer")
+    gla_rank: int = 16
+    gla_normalizer: float = 16.0
 
     def check(self, config) -> None:
         config.require_int("gla_rank")
@@ -41,14 +41,14 @@ class GLAAttention(RecurrentAttention):
 
     def build(self, c) -> None:
         super().build(c)
-        self.decay_down = nn.Linear(c.d_model, c.options.rank, bias=False)
-        self.decay_up = nn.Linear(c.options.rank, c.n_heads * c.head_dim, bias=True)
+        self.decay_down = nn.Linear(c.d_model, c.options.gla_rank, bias=False)
+        self.decay_up = nn.Linear(c.options.gla_rank, c.n_heads * c.head_dim, bias=True)
 
     def project(self, x, start_pos: int = 0, qkv=None) -> Projected:
         p = super().project(x, start_pos, qkv)
         c = self.config
         raw = self.decay_up(self.decay_down(x))  # (B, T, H*D), low rank
-        p.log_decay = heads(F.logsigmoid(raw) / c.options.normalizer, c.n_heads, c.head_dim)  # (B, H, T, D)
+        p.log_decay = heads(F.logsigmoid(raw) / c.options.gla_normalizer, c.n_heads, c.head_dim)  # (B, H, T, D)
         return p
 
     def attend(self, p: Projected, values=None, impl: str | None = None):

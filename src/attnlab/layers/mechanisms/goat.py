@@ -32,7 +32,7 @@ from ...ops.common.heads import expand_heads
 from ...ops.common.precision import upcast
 from ...ops.goat import spectral_prior
 from ..attention import Attention
-from ..options import MechanismOptions, option
+from ..options import MechanismOptions
 from ..rope import RotaryEmbedding
 from ..record import Projected
 from ..registry import register
@@ -47,12 +47,12 @@ class GoatPriorOptions(MechanismOptions):
     """GOAT's log-prior over positions, as goat and goat_hybrid take it.
 
     Args:
-        goat_rank (rank): R, frequencies of the relative-position Fourier prior.
-        goat_abs_rank (abs_rank): M, absolute Fourier features of the key-only term's network.
-        goat_base (base): base of both frequency ladders, w_r = base^(−r/(R−1)).
-        goat_train_len (train_len): positions are normalised by this length in the key-only term (a
+        goat_rank: R, frequencies of the relative-position Fourier prior.
+        goat_abs_rank: M, absolute Fourier features of the key-only term's network.
+        goat_base: base of both frequency ladders, w_r = base^(−r/(R−1)).
+        goat_train_len: positions are normalised by this length in the key-only term (a
             model sets it to its max_seq_len), so a layer's output never depends on T.
-        goat_width (width): "shared" (default), the content q·k uses head_dim − 2R − 1 dims and the
+        goat_width: "shared" (default), the content q·k uses head_dim − 2R − 1 dims and the
             prior the rest; "extra", q·k keeps all head_dim dims and the prior is appended (as a
             retrofit of a pretrained head needs; goat_hybrid too, its scalar term's two columns
             appended as well).
@@ -60,11 +60,11 @@ class GoatPriorOptions(MechanismOptions):
 
     extra: ClassVar[int] = 0  # head columns besides the prior's that the content q·k gives up (goat_hybrid: 2)
 
-    rank: int = option(8, key="goat_rank")
-    abs_rank: int = option(8, key="goat_abs_rank")
-    base: float = option(10000.0, key="goat_base")
-    train_len: int = option(1024, key="goat_train_len")
-    width: str = option("shared", key="goat_width")
+    goat_rank: int = 8
+    goat_abs_rank: int = 8
+    goat_base: float = 10000.0
+    goat_train_len: int = 1024
+    goat_width: str = "shared"
 
     def check(self, config) -> None:
         """GOAT's options, and room for the prior in each head: the content dot product uses
@@ -74,10 +74,10 @@ class GoatPriorOptions(MechanismOptions):
         for key in ("goat_rank", "goat_abs_rank", "goat_train_len"):
             config.require_int(key)
         config.require_positive("goat_base")
-        if self.width not in GOAT_WIDTHS:
-            raise config.error("goat_width", self.width, f"one of {GOAT_WIDTHS}")
-        if self.width == "shared" and content_dim(config) < 1:
-            raise config.error("goat_rank", self.rank, f"2·goat_rank + {1 + self.extra} < head_dim={config.head_dim} "
+        if self.goat_width not in GOAT_WIDTHS:
+            raise config.error("goat_width", self.goat_width, f"one of {GOAT_WIDTHS}")
+        if self.goat_width == "shared" and content_dim(config) < 1:
+            raise config.error("goat_rank", self.goat_rank, f"2·goat_rank + {1 + self.extra} < head_dim={config.head_dim} "
                                "(the prior shares the head's width)")
 
 
@@ -86,32 +86,32 @@ class GoatOptions(GoatPriorOptions):
     """Mechanism "goat"'s options: the prior's (`GoatPriorOptions`) and its start and rotation.
 
     Args:
-        goat_prior_init (prior_init): "alibi" (default: the authors' init, ALiBi recency slopes) or
+        goat_prior_init: "alibi" (default: the authors' init, ALiBi recency slopes) or
             "zero": the log-prior starts at exactly 0 (zero spectral weights, network output and
             bump; a linear slope from 0), every piece with a nonzero gradient.
-        goat_rope (rope): RoPE on GOAT's q and k (with rope_base; default off: the prior carries
+        goat_rope: RoPE on GOAT's q and k (with rope_base; default off: the prior carries
             position); a retrofit of a RoPE model turns it on.
     """
 
-    prior_init: str = option("alibi", key="goat_prior_init")
-    rope: bool = option(False, key="goat_rope")
+    goat_prior_init: str = "alibi"
+    goat_rope: bool = False
 
     def check(self, config) -> None:
         super().check(config)
-        if self.prior_init not in GOAT_PRIOR_INITS:
-            raise config.error("goat_prior_init", self.prior_init, f"one of {GOAT_PRIOR_INITS}")
-        if self.rope and content_dim(config) % 2:
+        if self.goat_prior_init not in GOAT_PRIOR_INITS:
+            raise config.error("goat_prior_init", self.goat_prior_init, f"one of {GOAT_PRIOR_INITS}")
+        if self.goat_rope and content_dim(config) % 2:
             raise config.error("goat_rope", True, f"an even q·k width to rotate pairs; it is {content_dim(config)} "
-                               f"(goat_width={self.width!r}; 'extra' keeps head_dim={config.head_dim})")
+                               f"(goat_width={self.goat_width!r}; 'extra' keeps head_dim={config.head_dim})")
 
 
 def content_dim(config) -> int:
     """Width of the content q·k: head_dim less the prior's 2R + 1 columns (and the options' `extra`
     more), or all of head_dim with goat_width="extra"."""
     o = config.options
-    if o.width == "extra":
+    if o.goat_width == "extra":
         return config.head_dim
-    return config.head_dim - 2 * o.rank - 1 - o.extra
+    return config.head_dim - 2 * o.goat_rank - 1 - o.extra
 
 
 def alibi_slopes(n: int) -> torch.Tensor:
@@ -230,9 +230,10 @@ class GoatAttention(Attention):
     def build(self, c) -> None:
         self.build_vectors(c, c.n_heads, content_dim(c))
         o = c.options
-        if o.rope:  # an option of its own, so a model-wide `rope` never reaches GOAT layers
+        if o.goat_rope:  # an option of its own, so a model-wide `rope` never reaches GOAT layers
             self.rope = RotaryEmbedding(self.qk_dim, c.rope_base)
-        self.prior = GoatPrior(self.n_kv, o.rank, o.abs_rank, o.base, o.train_len, init=o.prior_init)
+        self.prior = GoatPrior(self.n_kv, o.goat_rank, o.goat_abs_rank, o.goat_base, o.goat_train_len,
+                               init=o.goat_prior_init)
 
     def takes_documents(self, device) -> bool:
         """Packed documents in one pass: the prior's spectral part reads i − j, the same in any

@@ -7,7 +7,7 @@ entries and each head's scalar key in a `KeyedState`, read by GOAT's readout plu
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import ClassVar
 
 from ...cache.kv import KVCache
@@ -18,7 +18,6 @@ import torch
 from ...ops import goat_attention
 from ...ops.scalar.naive import scalar_logits
 from ..registry import register
-from ..options import option
 from .goat import GoatPrior, GoatPriorOptions, content_dim, goat_readout, goat_values
 from .scalar import HybridAttention
 from .scalar_options import HybridOptions
@@ -34,13 +33,13 @@ class GoatHybridOptions(HybridOptions, GoatPriorOptions):
 
     extra: ClassVar[int] = 2  # the scalar term's two columns share the head width too
 
-    sink: bool = option(False, init=False)
-    sink_key: float = option(0.0, init=False)
-    sink_weight: float | None = option(None, init=False)
-    train_window: int | None = option(None, init=False)
-    local_window: int = option(0, init=False)
-    kernel: str = option("gaussian", init=False)
-    scalar_gain: float | None = option(None, init=False)
+    sink: bool = field(default=False, init=False)
+    sink_key: float = field(default=0.0, init=False)
+    sink_weight: float | None = field(default=None, init=False)
+    train_window: int | None = field(default=None, init=False)
+    local_window: int = field(default=0, init=False)
+    kernel: str = field(default="gaussian", init=False)
+    scalar_gain: float | None = field(default=None, init=False)
 
 
 @register
@@ -61,7 +60,7 @@ class GoatHybridAttention(HybridAttention):
     def build(self, c) -> None:
         super().build(c)
         o = c.options
-        self.prior = GoatPrior(self.n_kv, o.rank, o.abs_rank, o.base, o.train_len)
+        self.prior = GoatPrior(self.n_kv, o.goat_rank, o.goat_abs_rank, o.goat_base, o.goat_train_len)
 
     def takes_documents(self, device) -> bool:
         """Packed documents in one pass, as the goat mechanism takes them (`GoatAttention.goat`)."""
