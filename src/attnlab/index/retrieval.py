@@ -117,6 +117,19 @@ class HNSWIndex:
         """Forget every key and graph (a new sequence starts)."""
         self.rows, self.pins, self.count = [], [], 0
 
+    def copy(self) -> "HNSWIndex":
+        """An independent copy: adding to or searching either leaves the other as it is, and the copy
+        then gives what this index would. faiss.clone_index copies each graph with the state of its
+        level generator; a serialised round trip would not (later additions would draw other levels).
+        TypeError for a subclass (IVFIndex's blocks are not FAISS graphs)."""
+        if type(self) is not HNSWIndex:
+            raise TypeError(f"{type(self).__name__} has no copy(): HNSWIndex.copy clones FAISS HNSW graphs only")
+        out = object.__new__(HNSWIndex)
+        out.__dict__.update(self.__dict__)
+        out.rows = [{s: self.faiss.clone_index(g) for s, g in row.items()} for row in self.rows]
+        out.pins = [{s: p.copy() for s, p in row.items()} for row in self.pins]
+        return out
+
     def _new(self):
         f = self.faiss
         g = (f.IndexHNSWFlat(self.dim, self.M, f.METRIC_INNER_PRODUCT) if self.dtype == torch.float32
@@ -175,7 +188,9 @@ class HNSWIndex:
                 e = t
                 while e < Tn and st[b, e] == st[b, t]:
                     e += 1
-                g = self.rows[b].setdefault(int(st[b, t]), self._new())
+                g = self.rows[b].get(int(st[b, t]))
+                if g is None:  # a new block: its graph (made only here, not at every add)
+                    g = self.rows[b][int(st[b, t])] = self._new()
                 expect = self.count + t - int(st[b, t])
                 if g.ntotal != expect:
                     raise RuntimeError(f"HNSW block starting at {int(st[b, t])} holds {g.ntotal} keys, expected {expect}")

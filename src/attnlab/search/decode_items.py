@@ -6,8 +6,9 @@ argmax at its answer positions (`labels`, the last len(labels) positions' target
 every one is right); a ppl item sums the negative log-likelihood of `labels`, the tokens after
 the prefill, each predicted through the method; a time item decodes `steps` single tokens after
 the prefill and times each. Every method reads the same prefill (`prefill.prefilled_logits`:
-each selector's index is filled from it, the cache cut back after each method), so an item costs
-one prefill plus a few dozen tokens per (method, K).
+each selector's index is filled from it, the cache cut back after each method), and every budget
+of an HNSW method one graph per layer built over it (`patch.PrefillGraphs`), so an item costs one
+prefill, one graph build per HNSW method and layer, plus a few dozen tokens per (method, K).
 """
 
 from __future__ import annotations
@@ -55,17 +56,20 @@ def nll(logits: torch.Tensor, labels: torch.Tensor) -> dict:
 
 
 @torch.no_grad()
-def run_item(model, layers, item: dict, methods, budgets, groups: int, projections: dict, knobs: dict) -> dict:
-    """Every (method, K) on one item -> {"prefill_s", "results": {name: {...}}} (see the module docstring)."""
+def run_item(model, layers, item: dict, methods, budgets, groups: int, projections: dict, knobs: dict,
+             share_graphs: bool = True) -> dict:
+    """Every (method, K) on one item -> {"prefill_s", "results": {name: {...}}} (see the module docstring).
+    share_graphs=False builds an HNSW method's graphs once per budget (the reference: the same results)."""
     check_layers(model, layers)
     todo = [(combo_name(m, K), selector_context(model, layers, m, K, groups, projections, knobs))
             for m, K in combos(methods, budgets)]
     ids = torch.as_tensor(item["ids"]).long()[None]
     if item["kind"] == "time":
-        return timed_steps(model, layers, ids, item["split"], item["steps"], todo, item.get("rounds", 3))
+        return timed_steps(model, layers, ids, item["split"], item["steps"], todo, item.get("rounds", 3),
+                           share_graphs)
     labels = torch.as_tensor(item["labels"]).long()
     keep = labels.numel()
-    got, prefill_s = prefilled_logits(model, layers, ids, item["split"], keep, todo)
+    got, prefill_s = prefilled_logits(model, layers, ids, item["split"], keep, todo, share_graphs)
     judge = score_answer if item["kind"] == "task" else nll
     return {"prefill_s": round(prefill_s, 4),
             "results": {name: {**judge(logits[0], labels), "s": round(s, 4)} for name, (logits, s) in got.items()}}
@@ -88,12 +92,14 @@ def _hnsw_ndis() -> int:
 
 
 @torch.no_grad()
-def timed_steps(model, layers, ids: torch.Tensor, split: int, steps: int, todo, rounds: int = 3) -> dict:
+def timed_steps(model, layers, ids: torch.Tensor, split: int, steps: int, todo, rounds: int = 3,
+                share_graphs: bool = True) -> dict:
     """Prefill ids[:, :split] once with full attention; then, in each of `rounds` rounds, every
     (name, make_context) of `todo` in turn (the order rotated each round) decodes `steps` single tokens
     ids[:, split + s] through it, each timed (ms, on the CPU or after a CUDA sync), with the entries
     its sorted indexes read and FAISS's HNSW distance computations per step; the cache is cut back to
-    the prefill after each. Interleaving keeps a slow spell of the machine from landing on one method."""
+    the prefill after each. Interleaving keeps a slow spell of the machine from landing on one method.
+    share_graphs: as for `PrefixRecord.prime` (priming is outside the timed steps)."""
     from attnlab.hf.modeling import CACHE_NAME
 
     pre = prefill(model, layers, ids, split)
@@ -104,7 +110,7 @@ def timed_steps(model, layers, ids: torch.Tensor, split: int, steps: int, todo, 
             res = results[name]
             with make() as sub:
                 if sub is not None:
-                    pre.record.prime(sub)
+                    pre.record.prime(sub, share_graphs)
                 for s in range(steps):
                     r0, n0, t1 = _reads(sub), _hnsw_ndis(), clock()
                     model(input_ids=ids[:, split + s:split + s + 1], use_cache=True, **{CACHE_NAME: cache})

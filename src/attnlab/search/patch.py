@@ -83,6 +83,32 @@ def selector_knobs(cfg) -> dict:
             if f.name not in ("method", "K", "groups") and hasattr(cfg, f.name)}
 
 
+class PrefillGraphs:
+    """The HNSW graphs built over one prefill's search keys, kept as built, so that every selector
+    primed from that prefill (each budget K: K enters only the search) starts from a copy of one graph
+    instead of building its own. A graph serves only bit-for-bit the same keys (float32, what
+    `HNSWIndex.add` reads) under the same build settings (M, efConstruction, pinned keys, vector
+    dtype); each priming gets its own copy, since decode steps add to it. One per `PrefixRecord`, so
+    it lives as long as one prefill."""
+
+    def __init__(self):
+        self._built: dict[tuple, list[tuple[torch.Tensor, HNSWIndex]]] = {}
+
+    def fill(self, layer: int, index: HNSWIndex, ks: torch.Tensor) -> HNSWIndex:
+        """An index holding search keys ks (B, G, T, d) with the settings of `index` (empty): a copy of
+        the graph already built over them, else `index` itself once filled (a copy of it kept)."""
+        x = ks.detach().float().cpu().contiguous()
+        key = (layer, index.M, index.ef_construction, index.pin, index.dtype)
+        for keys, graph in self._built.get(key, ()):
+            if keys.shape == x.shape and torch.equal(keys.view(torch.int32), x.view(torch.int32)):
+                out = graph.copy()
+                out.ef_search = index.ef_search  # read only at search time
+                return out
+        index.add(x)
+        self._built.setdefault(key, []).append((x, index.copy()))
+        return index
+
+
 class RetrieveThenAttend:
     """The handler of one substituted layer (see hooks.Installed): selects K keys per query with
     `cfg`'s method and attends over them with the model's own q, k, v (`sparse_attention`).
@@ -148,14 +174,16 @@ class RetrieveThenAttend:
         return index.grow_and_search(qs, ks, allowed, cfg.K)
 
     @torch.no_grad()
-    def prime(self, hidden: torch.Tensor, k: torch.Tensor, n_heads: int) -> None:
+    def prime(self, hidden: torch.Tensor, k: torch.Tensor, n_heads: int, graphs: PrefillGraphs | None = None) -> None:
         """Start a sequence whose first T positions were read with full attention (a decode-time
         protocol: prefill exactly, select from the next forward on): a search index then holds
         those positions' search keys, and the next forward's queries select among them.
 
         hidden: the layer's input over the T positions (B, T, d_model); k: their post-RoPE keys
-        (B, Hkv, T, D); n_heads: the layer's query heads. Quest, StreamingLLM and the oracle read
-        the KV cache itself and keep no index: nothing to do for them."""
+        (B, Hkv, T, D); n_heads: the layer's query heads; graphs: the prefill's built HNSW graphs,
+        an HNSW index starts from a copy of the one over the same keys (None: always built here).
+        Quest, StreamingLLM and the oracle read the KV cache itself and keep no index: nothing to
+        do for them."""
         method = self.cfg.method
         if method == "sorted":
             ks = self.proj.raw(self.layer, hidden)[1][..., 0]  # (B, G, T)
@@ -167,6 +195,9 @@ class RetrieveThenAttend:
             return
         index = self._index(ks.shape[-1])
         index.reset()
+        if graphs is not None and type(index) is HNSWIndex:  # not IVFIndex, a subclass with other blocks
+            self.index = graphs.fill(self.layer, index, ks)
+            return
         index.add(ks)
 
     @torch.no_grad()

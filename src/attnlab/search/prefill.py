@@ -19,18 +19,20 @@ import torch
 
 from .hf_model import model_device
 from .hooks import Installed
-from .patch import check_layers, new_cache
+from .patch import PrefillGraphs, check_layers, new_cache
 
 
 class PrefixRecord:
     """Records, during one forward with full attention, each chosen layer's input hidden state and
     post-RoPE keys: what `RetrieveThenAttend.prime` needs to continue that sequence through a
-    selector, so that several selectors can share one exact prefill (see `record_prefix`)."""
+    selector, so that several selectors can share one exact prefill (see `record_prefix`), and the
+    HNSW graphs built over it, so that they share one graph per layer too (`patch.PrefillGraphs`)."""
 
     def __init__(self):
         self.hidden: dict[int, torch.Tensor] = {}
         self.keys: dict[int, torch.Tensor] = {}
         self.n_heads: dict[int, int] = {}
+        self.graphs = PrefillGraphs()
 
     def handler(self, layer: int):
         def record(module, hidden, q, k, v, allowed, scaling):
@@ -39,15 +41,18 @@ class PrefixRecord:
 
         return record
 
-    def prime(self, installed: Installed) -> None:
+    def prime(self, installed: Installed, share_graphs: bool = True) -> None:
         """Prime every RetrieveThenAttend handler of `installed` with this record (ValueError when a
-        handled layer was not recorded)."""
+        handled layer was not recorded). share_graphs: an HNSW index starts from a copy of the graph
+        an earlier priming built over the same keys and settings (False: each builds its own; the
+        same results, bit for bit)."""
         for module in installed.mods:
             handler = module._attnlab_handler
             if handler.layer not in self.hidden:
                 raise ValueError(f"layer {handler.layer} is substituted but its prefill was not recorded "
                                  f"(recorded: {sorted(self.hidden)})")
-            handler.prime(self.hidden[handler.layer], self.keys[handler.layer], self.n_heads[handler.layer])
+            handler.prime(self.hidden[handler.layer], self.keys[handler.layer], self.n_heads[handler.layer],
+                          self.graphs if share_graphs else None)
 
 
 def record_prefix(model, layers) -> tuple[Installed, PrefixRecord]:
@@ -96,13 +101,13 @@ def prefill(model, layers, ids: torch.Tensor, split: int) -> Prefill:
 
 @torch.no_grad()
 def prefilled_logits(model, layers, input_ids: torch.Tensor, split: int, keep: int,
-                     contexts: Iterable[tuple[object, Callable]]) -> tuple[dict, float]:
+                     contexts: Iterable[tuple[object, Callable]], share_graphs: bool = True) -> tuple[dict, float]:
     """input_ids (1, T): positions before `split` read once with full attention, then for each
     (name, make_context) of `contexts` the positions from `split` on read inside make_context() (a
     `substitute`d model, primed from the prefill, or None / a null context for full attention), the
     cache cut back to the prefill after each. Returns ({name: (logits of the last `keep` positions
     (1, keep, V), seconds)}, the prefill's seconds). input_ids go to the model's device, where the
-    logits are."""
+    logits are. share_graphs: as for `PrefixRecord.prime`."""
     from attnlab.hf.modeling import CACHE_NAME
 
     T = input_ids.shape[1]
@@ -114,7 +119,7 @@ def prefilled_logits(model, layers, input_ids: torch.Tensor, split: int, keep: i
         t1 = pre.clock()
         with make() as sub:
             if sub is not None:
-                pre.record.prime(sub)
+                pre.record.prime(sub, share_graphs)
             logits = model(input_ids=pre.ids[:, split:], use_cache=True, logits_to_keep=keep,
                            **{CACHE_NAME: pre.cache}).logits
         pre.cache.crop(split - T)  # back to the prefill
