@@ -181,3 +181,38 @@ def test_one_padding_error_with_and_without_a_cache(mask):
         assert torch.equal(got, model(ids)[0])
     else:
         assert decoding == {message(lambda: hf(ids, attention_mask=mask))}
+
+
+def test_a_key_rule_block_holds_in_its_own_thread_only():
+    """decode_window in one thread changes that thread's forwards and no other thread's: the open
+    blocks are kept per thread."""
+    import threading
+
+    from attnlab.models.decode import decode_window
+
+    model = tiny()
+    x = torch.randint(0, V, (1, 24), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        exact = model(x)[0]  # the logits
+        with decode_window(model, 2):
+            windowed = model(x)[0]
+    assert (exact - windowed).abs().max() > 1e-3  # the window changes what the model reads
+    inside, done, got = threading.Event(), threading.Event(), {}
+
+    def hold_a_window():
+        with decode_window(model, 2):
+            inside.set()
+            done.wait(60)
+            with torch.no_grad():
+                got["in block"] = model(x)[0]
+
+    t = threading.Thread(target=hold_a_window)
+    t.start()
+    assert inside.wait(60)
+    try:
+        with torch.no_grad():
+            got["other thread"] = model(x)[0]  # while the other thread's block is open
+    finally:
+        done.set()
+        t.join(60)
+    assert torch.equal(got["other thread"], exact) and torch.equal(got["in block"], windowed)

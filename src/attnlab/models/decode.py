@@ -28,6 +28,7 @@ block, looked up by `LM.forward` (`key_rule_of`) and passed down as an argument.
 from __future__ import annotations
 
 import contextlib
+import threading
 from dataclasses import dataclass
 from typing import Iterator
 
@@ -36,10 +37,11 @@ import torch
 from attnlab.cache.options import (DecodeOptionError, DecodeOptions, KeyRule, selectable_layers,  # noqa: F401
                                    sorted_cache_layers)
 
-# The key rules of the open `using_key_rules` blocks, innermost last, each a tuple of (layer, KeyRule
-# or None) pairs. A plain list rather than a ContextVar: torch.compile traces LM.forward's read of a
-# list (and guards on it), where ContextVar.get breaks the graph.
-_KEY_RULES: list[tuple] = []
+# The key rules of this thread's open `using_key_rules` blocks, innermost last, each a tuple of (layer,
+# KeyRule or None) pairs: `_OPEN.rules`, a list per thread, so that two threads' blocks never reach each
+# other's forwards. A thread-local attribute rather than a ContextVar: torch.compile traces LM.forward's
+# read of it (and guards on it), where ContextVar.get breaks the graph.
+_OPEN = threading.local()
 
 
 def padding_mask(mask: torch.Tensor, *, right: bool = False, started: torch.Tensor | None = None) -> torch.Tensor:
@@ -173,7 +175,7 @@ class DecodeState:
 
 def key_rule_of(layer) -> KeyRule | None:
     """The KeyRule that the innermost open `using_key_rules` block naming `layer` gives it, or None."""
-    for held in reversed(_KEY_RULES):
+    for held in reversed(getattr(_OPEN, "rules", ())):
         for named, rule in held:
             if named is layer:
                 return rule
@@ -186,11 +188,14 @@ def using_key_rules(model, rules: dict) -> Iterator[dict]:
     rules[i] (None: no rule, in place of an enclosing block's); other layers keep what an enclosing
     block gives them. Yields rules."""
     held = tuple((model.blocks[i].attn, rule) for i, rule in rules.items())
-    _KEY_RULES.append(held)
+    if not hasattr(_OPEN, "rules"):
+        _OPEN.rules = []
+    stack = _OPEN.rules
+    stack.append(held)
     try:
         yield rules
     finally:
-        del _KEY_RULES[max(j for j, h in enumerate(_KEY_RULES) if h is held)]
+        del stack[max(j for j, h in enumerate(stack) if h is held)]
 
 
 @contextlib.contextmanager
