@@ -209,3 +209,20 @@ def test_a_resumed_runs_time_counts_every_process_that_trained_it():
     assert run_seconds({"wall_seconds": 560.0, "train_seconds_logged": 500.0}) == 560.0  # + its measurement
     assert run_seconds({"train_seconds": 42.0}) == 42.0  # results from before the log was read
     assert run_seconds({}) is None
+
+
+def test_a_resumed_runs_table_row_times_the_whole_run():
+    """The report's train_seconds and tokens/s of a resumed run are over every process that trained it:
+    a run of 40,000 tokens whose last process trained 200 s of it, logged 500 s in all, reads 500 s and
+    80 tokens/s, not 200 s and that process's rate; a run never resumed reads as it was recorded."""
+    from attnlab.experiments.sweep.runs import scalar_of
+
+    resumed = {"metrics": {}, "resumed": True, "tokens": 40_000, "train_seconds": 200.0, "tokens_per_s": 50.0,
+               "train_seconds_logged": 500.0}
+    assert scalar_of(resumed, "train_seconds") == 500.0
+    assert scalar_of(resumed, "tokens_per_s") == pytest.approx(40_000 / 500.0)
+    whole = {**resumed, "resumed": False, "train_seconds": 510.0, "tokens_per_s": 78.4}
+    assert scalar_of(whole, "train_seconds") == 510.0 and scalar_of(whole, "tokens_per_s") == 78.4
+    old = {k: v for k, v in resumed.items() if k != "train_seconds_logged"}  # recorded before the log was read
+    assert scalar_of(old, "train_seconds") == 200.0 and scalar_of(old, "tokens_per_s") == 50.0
+    assert scalar_of({"metrics": {"loss/T=256": 1.5}, "resumed": True}, "loss/T=256") == 1.5

@@ -71,7 +71,7 @@ def report_markdown(spec: Spec, results: dict, out: Path, metrics_png: bool = Tr
     lines += ["## Results: mean ± sd over seeds", "", results_table(results), "",
               "sd is the sample standard deviation over seeds (n - 1); with one seed only the value is shown. "
               "val loss/ppl: the trainer's final validation (nats per token); tokens/s and train_seconds: training "
-              "throughput and time of the session that finished the run; τ per layer: mean over heads and seeds.", ""]
+              "throughput and time, over every process that trained the run where it was resumed; τ per layer: mean over heads and seeds.", ""]
     if spec.metrics:
         lines += [_metrics_text(spec.metrics), ""]
     lines += budget_lines(results.get("budget"))

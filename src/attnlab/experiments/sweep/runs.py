@@ -108,8 +108,18 @@ def summary_of(run_dir: Path, steps: int | None = None) -> dict | None:
 
 
 def scalar_of(run: dict, name: str):
-    """One run record's per-run scalar: a collected metric, else a summary value."""
-    return run["metrics"].get(name) if name in run["metrics"] else run.get(name)
+    """One run record's per-run scalar: a collected metric, else a summary value. A run resumed across
+    processes has its train_seconds and tokens_per_s over all of them (from its log: its training time
+    summed over every process, and its tokens over that), not the last process's alone."""
+    if name in run["metrics"]:
+        return run["metrics"].get(name)
+    logged = run.get("train_seconds_logged")
+    if run.get("resumed") and logged and logged > (run.get("train_seconds") or 0):
+        if name == "train_seconds":
+            return logged
+        if name == "tokens_per_s" and run.get("tokens"):
+            return run["tokens"] / logged
+    return run.get(name)
 
 
 def _record_of(run_dir: Path) -> dict | None:
