@@ -6,8 +6,10 @@ exactly as the runner does (`attnlab.search.decode_items.run_item` here, the kvp
 is the same for trained and untrained projections; no accuracy is kept), and full attention's
 prefill alone at the other lengths. Writes benchmarks/results/pretrained_decoding_cost.json and the
 generated experiments/pretrained-decoding/COST.md: seconds per item and method, and the grid's
-CPU hours by the stated scaling. Run it niced on a machine doing other work and its seconds are
-upper bounds.
+CPU hours by the stated scaling. Both sides run on `--threads` torch threads (default 1: on a
+machine doing other work, threads beyond the idle cores wait on each other and count CPU seconds no
+item needs); a JSON measured on another count is measured again. Run it niced on a machine doing
+other work and its wall seconds are upper bounds.
 
     nice -n 10 python benchmarks/pretrained_decoding_cost.py --length 2048 --examples 2
 """
@@ -117,7 +119,7 @@ def measure(args, res: dict) -> dict:
         if todo and kvpress_python().is_file():
             with tempfile.TemporaryDirectory() as tmp:
                 for it in todo:  # one worker per item: each finished item is kept
-                    run_presses(spec, [it], Path(tmp), Slot(None), "cpu")
+                    run_presses(spec, [it], Path(tmp), Slot(None), "cpu", args.threads)
                     r = next(r for r in read_records([Path(tmp)]) if r["item"] == it["id"])
                     res["rows"].append({"item": r["item"], "kind": it["kind"], "side": "presses", "seconds": r["seconds"],
                                         "cpu_s": r.get("cpu_s"), "prefill_s": r["prefill_s"],
@@ -204,13 +206,23 @@ def main(argv=None) -> int:
     ap.add_argument("--kinds", default="task,ppl,time", help="the kinds of item measured (comma list)")
     ap.add_argument("--prefill-lengths", default="2048,4096,8192", help="lengths whose full-attention item is measured")
     ap.add_argument("--order", default="presses,attnlab", help="which side is measured first")
+    ap.add_argument("--threads", type=int, default=1,
+                    help="torch threads of both sides (default 1: more threads than idle cores spin and inflate the "
+                         "CPU seconds; a JSON measured on another count is measured again)")
     ap.add_argument("--markdown-only", action="store_true", help="rewrite COST.md from the committed JSON")
     args = ap.parse_args(argv)
+    if args.threads < 1:
+        ap.error(f"--threads must be >= 1, got {args.threads}")
     args.kinds, args.order = args.kinds.split(","), args.order.split(",")
     args.prefill_lengths = [int(x) for x in args.prefill_lengths.split(",") if x]
     out = Path(args.out)
     res = json.loads(out.read_text()) if out.is_file() else {}  # resumes: measures only what is missing
     if not args.markdown_only:
+        if res and res.get("machine", {}).get("torch_threads") != args.threads:
+            print(f"{out} was measured on {res.get('machine', {}).get('torch_threads')} threads, not {args.threads}: "
+                  "measured again", flush=True)
+            res = {}
+        torch.set_num_threads(args.threads)
         res = measure(args, res)
     atomic_write_text(Path(args.spec).parent / "COST.md", cost_markdown(res))
     print(cost_markdown(res))

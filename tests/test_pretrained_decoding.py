@@ -317,6 +317,46 @@ def test_the_command_line_reports_and_refuses_bad_options(smoke, capsys):
     assert "--side must name" in capsys.readouterr().err
 
 
+def test_threads_are_refused_before_any_work(tmp_path, capsys):
+    """A bad thread count names the argument before anything is planned or written (the model folder
+    does not even exist), from Python and from the command line."""
+    from attnlab.cli import main
+
+    spec = load_spec(write_spec(tmp_path, str(tmp_path / "no-model")))
+    for bad in (0, -1, 1.5, True):
+        with pytest.raises(ValueError, match="threads must be an int >= 1"):
+            run(spec, ["attnlab"], records=tmp_path / "out", threads=bad)
+    assert main(["search", "compare", str(spec.path), "--threads", "0", "--records", str(tmp_path / "out")]) == 2
+    assert "--threads must be >= 1, got 0" in capsys.readouterr().err
+    assert not (tmp_path / "out").exists() and not (spec.folder / "records").exists()
+
+
+@pytest.mark.heavy
+@needs_kvpress
+def test_both_sides_run_on_the_threads_given(smoke, tmp_path):
+    """threads=1 reaches this process (the attnlab side, restored afterwards) and the kvpress worker;
+    each record says how many threads scored it."""
+    import shutil
+
+    import torch
+
+    spec, _, _ = smoke  # a copy of its folder with its trained projections and none of its records
+    shutil.copy(spec.path, tmp_path / "spec.toml")
+    shutil.copytree(spec.folder / "runs", tmp_path / "runs")
+    spec = load_spec(tmp_path / "spec.toml")
+    item = [it for it in plan(spec) if it["kind"] == "ppl"][:1]
+    before = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        ran = run(spec, ["attnlab", "presses"], records=tmp_path / "out", only={"kinds": ["ppl"], "lengths": [item[0]["length"]]},
+                  device="cpu", progress=False, threads=1)
+        assert torch.get_num_threads() == 2
+    finally:
+        torch.set_num_threads(before)
+    assert ran == {"attnlab": 1, "presses": 1}
+    assert [r["threads"] for r in read_records([tmp_path / "out"])] == [1, 1]
+
+
 def test_the_worker_refuses_a_budget_it_cannot_keep():
     if not has_kvpress():
         pytest.skip("kvpress is not installed (`make kvpress-env`)")
@@ -341,3 +381,18 @@ def test_compare_help_is_full(capsys):
     with pytest.raises(SystemExit) as e:
         main(["search", "compare", "--help"])
     assert e.value.code == 0 and "--minutes" in capsys.readouterr().out
+
+
+def test_projections_train_where_the_sweeps_runs_live(tmp_path, monkeypatch):
+    """The projections' training folders are runs/<name> beside the spec, or, with $ATTNLAB_RUNS set,
+    under it at the spec folder's path inside its checkout, as a sweep's run folders: a fresh clone
+    finds the trained projections of an earlier one."""
+    (tmp_path / "repo" / ".git").mkdir(parents=True)
+    folder = tmp_path / "repo" / "exp"
+    folder.mkdir()
+    path = write_spec(folder, str(tmp_path / "no-model"))
+    monkeypatch.delenv("ATTNLAB_RUNS", raising=False)
+    assert {Path(c.out) for c in load_spec(path).train.values()} == {folder / "runs" / n for n in load_spec(path).train}
+    monkeypatch.setenv("ATTNLAB_RUNS", str(tmp_path / "elsewhere"))
+    spec = load_spec(path)
+    assert {Path(c.out) for c in spec.train.values()} == {tmp_path / "elsewhere" / "exp" / "runs" / n for n in spec.train}

@@ -30,6 +30,9 @@ def add_compare(sub, formatter) -> None:
                    help="fold the records of batches run elsewhere into the spec's records/, then report")
     c.add_argument("--report-only", action="store_true", help="rebuild results.json, report.md and the plots only")
     c.add_argument("--device", default="auto", help="auto | cpu | cuda: where the task and perplexity items run")
+    c.add_argument("--threads", type=int, default=None,
+                   help="torch threads of each side's process (default: torch's, one per core); 1 on a machine "
+                        "busy with other work, where more threads spin waiting for a core")
     c.add_argument("--no-progress", dest="progress", action="store_false", help="no progress bar")
     c.set_defaults(func=_compare)
 
@@ -49,11 +52,13 @@ def _compare(args) -> int:
         raise ConfigError(f"attnlab search compare: --{e}") from None
     if args.minutes is not None and not args.minutes > 0:
         raise ConfigError(f"attnlab search compare: --minutes must be > 0, got {args.minutes}")
+    if args.threads is not None and args.threads < 1:
+        raise ConfigError(f"attnlab search compare: --threads must be >= 1, got {args.threads}")
     only = {k: getattr(args, k) for k in ("lengths", "kinds", "tasks") if getattr(args, k)}
     if args.merge:
         print(f"merged: {merge(spec, args.merge)}")
     elif not args.report_only:
-        ran = run(spec, sides, args.minutes, args.records, only, args.device, args.progress)
+        ran = run(spec, sides, args.minutes, args.records, only, args.device, args.progress, args.threads)
         print("items recorded now: " + ", ".join(f"{s} {'skipped' if n is None else n}" for s, n in ran.items()))
         if args.records is not None:
             print(f"records in {args.records}; fold them in with: attnlab search compare {args.spec} --merge {args.records}")

@@ -196,11 +196,16 @@ def main(argv=None) -> int:
     ap.add_argument("--work", required=True, help="the work file the runner wrote (items, presses, budgets, model)")
     ap.add_argument("--records", required=True, help="JSONL file the records are appended to")
     ap.add_argument("--minutes", type=float, default=None, help="start no item that would end past this")
+    ap.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
     ap.add_argument("--self-check", action="store_true", help="compare replayed caches with kvpress's own (JSON)")
     a = ap.parse_args(argv)
+    if a.threads is not None and a.threads < 1:
+        ap.error(f"--threads must be >= 1, got {a.threads}")
     if not available():
         print("kvpress is not installed in this environment (run `make kvpress-env`)", file=sys.stderr)
         return 3
+    if a.threads is not None:
+        torch.set_num_threads(a.threads)
     work = load_work(a.work)
     device = resolve_device(work.get("device", "auto"))
     model = load_model(resolve_source(work["model"]), resolve_dtype(work.get("dtype", "float32")), device)
@@ -224,7 +229,7 @@ def main(argv=None) -> int:
         append_record(a.records, {"item": item["id"], "side": "presses", "settings": work["settings"],
                                   "sha": item.get("sha"), "seconds": round(time.time() - t0, 3),
                                   "cpu_s": round(time.process_time() - c0, 3), "device": str(device),
-                                  "torch": torch.__version__, **res})
+                                  "torch": torch.__version__, "threads": torch.get_num_threads(), **res})
         slot.done(key, time.time() - t0)
     return 0
 

@@ -22,6 +22,8 @@ import tempfile
 import time
 from pathlib import Path
 
+import torch
+
 import attnlab
 from attnlab.search.decode_items import run_item
 from attnlab.search.hf_model import load_model, resolve_device, resolve_dtype, resolve_layers, resolve_source, model_dims
@@ -133,15 +135,18 @@ def run_attnlab(spec: Spec, todo: list[dict], out: Path, slot: Slot, device: str
         append_record(out / "attnlab.jsonl", {"item": item["id"], "side": "attnlab", "settings": spec.settings(),
                                               "sha": item["sha"], "seconds": round(time.time() - t0, 3),
                                               "cpu_s": round(time.process_time() - c0, 3),
-                                              "device": str(next(model.parameters()).device), **res})
+                                              "device": str(next(model.parameters()).device),
+                                              "threads": torch.get_num_threads(), **res})
         slot.done(key, time.time() - t0)
         done += 1
     return done
 
 
-def run_presses(spec: Spec, todo: list[dict], out: Path, slot: Slot, device: str) -> int | None:
+def run_presses(spec: Spec, todo: list[dict], out: Path, slot: Slot, device: str,
+                threads: int | None = None) -> int | None:
     """Score the presses side of `todo` in the kvpress worker; None (with a message) where kvpress is
-    not installed. Timing items run on spec.timing.device, the rest on `device`."""
+    not installed. Timing items run on spec.timing.device, the rest on `device`; threads: the
+    worker's torch threads (None: torch's default)."""
     python = kvpress_python()
     if not python.is_file():
         print(f"kvpress is not installed ({python} is missing; `make kvpress-env` makes it): the presses are skipped",
@@ -161,7 +166,8 @@ def run_presses(spec: Spec, todo: list[dict], out: Path, slot: Slot, device: str
             save_work(work, {"model": spec.model, "dtype": spec.dtype, "device": where, "settings": spec.settings(),
                              "presses": spec.presses.methods, "budgets": spec.budgets, "items": items})
             cmd = [str(python), "-m", "attnlab.search.presses", "--work", str(work), "--records",
-                   str(out / "presses.jsonl")] + ([] if left is None else ["--minutes", f"{left:.3f}"])
+                   str(out / "presses.jsonl")] + ([] if left is None else ["--minutes", f"{left:.3f}"]) \
+                + ([] if threads is None else ["--threads", str(threads)])
             before = len(read_records([out / "presses.jsonl"]))
             res = subprocess.run(cmd, env={**os.environ, "PYTHONPATH": str(Path(attnlab.__file__).resolve().parents[1])})
             if res.returncode == 3:
@@ -174,10 +180,23 @@ def run_presses(spec: Spec, todo: list[dict], out: Path, slot: Slot, device: str
 
 
 def run(spec: Spec, sides=SIDES, minutes: float | None = None, records: str | Path | None = None,
-        only: dict | None = None, device: str = "auto", progress: bool = True) -> dict:
+        only: dict | None = None, device: str = "auto", progress: bool = True, threads: int | None = None) -> dict:
     """Score every item still missing on each side of `sides`, within `minutes`; records go to
-    `records` (default the spec's records/ folder; a batch elsewhere is folded in with `merge`).
+    `records` (default the spec's records/ folder; a batch elsewhere is folded in with `merge`);
+    threads: torch threads of this process and of the kvpress worker (None: torch's default).
     Returns {side: items recorded now (None: skipped)}."""
+    if threads is not None and (not isinstance(threads, int) or isinstance(threads, bool) or threads < 1):
+        raise ValueError(f"threads must be an int >= 1 or None, got {threads!r}")
+    before = torch.get_num_threads()
+    if threads is not None:
+        torch.set_num_threads(threads)
+    try:
+        return _run(spec, sides, minutes, records, only, device, progress, threads)
+    finally:
+        torch.set_num_threads(before)
+
+
+def _run(spec: Spec, sides, minutes, records, only, device: str, progress: bool, threads: int | None) -> dict:
     out = Path(records) if records is not None else records_folder(spec)
     items = select(plan(spec), only)
     have = recorded(spec, items, [records_folder(spec), out])
@@ -186,7 +205,7 @@ def run(spec: Spec, sides=SIDES, minutes: float | None = None, records: str | Pa
     for side in sides:
         todo = [it for it in items if (side, it["id"]) not in have]
         if side == "presses":
-            ran[side] = run_presses(spec, todo, out, slot, device) if todo and spec.presses.methods else 0
+            ran[side] = run_presses(spec, todo, out, slot, device, threads) if todo and spec.presses.methods else 0
         else:
             ran[side] = run_attnlab(spec, todo, out, slot, device, progress) if todo else 0
     return ran

@@ -25,6 +25,7 @@ import json
 from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 
+from attnlab.experiments.sweep.spec import runs_root
 from attnlab.experiments.trial import need, read_spec, table
 from attnlab.models.config import ConfigError
 from attnlab.search.patch import SelectorConfig
@@ -166,10 +167,11 @@ def load_spec(path) -> Spec:
             continue
         need(which in train_raw, f"method {m!r} reads projections: the spec needs a [train.{which}] table")
         conf = dict(table(train_raw[which], f"[train.{which}]"))
-        need("out" not in conf, f"[train.{which}] out is set by the runner (runs/{which} beside the spec)")
+        need("out" not in conf, f"[train.{which}] out is set by the runner (runs/{which} beside the spec, or "
+                                "under $ATTNLAB_RUNS as a sweep's run folders)")
         try:
             train[which] = SearchTrainConfig(**{**conf, "model": raw.get("model", "smollm2"),
-                                                "out": str(path.parent / "runs" / which)})
+                                                "out": str(runs_root(path.parent) / which)})
         except (TypeError, ValueError) as e:
             raise ConfigError(f"[train.{which}]: {e}") from None
     if "sorted" in train:
