@@ -20,7 +20,8 @@ def add_sweep(sub) -> None:
                     "  attnlab sweep experiments/seed000/exp1-hybrid-baseline/spec.toml --report-only\n"
                     "  attnlab sweep SPEC.toml --launcher slurm --slurm-partition gpu --slurm-gpus-per-job 1\n"
                     "  attnlab sweep SPEC.toml --only softmax/seed0,hybrid/seed0 --records RECORDS/   # one piece\n"
-                    "  attnlab sweep SPEC.toml --merge RECORDS/ MORE-RECORDS/    # fold pieces into results.json\n\n"
+                    "  attnlab sweep SPEC.toml --merge RECORDS/ MORE-RECORDS/    # fold pieces into results.json\n"
+                    "  attnlab sweep SPEC.toml ... --plan --jobs 2               # what is left, and how long\n\n"
                     "A killed sweep resumes where it stopped when run again: finished runs are skipped, an\n"
                     "interrupted run resumes from its checkpoint. Every run config is loaded and checked before\n"
                     "anything is trained or written. The spec format is in experiments/README.md.\n\n"
@@ -57,6 +58,9 @@ def add_sweep(sub) -> None:
     p.add_argument("--merge", metavar="PATH", nargs="+", help="train nothing: fold the records files written by "
                    "--records (files, or folders holding them) into OUT/results.json and rebuild the report; "
                    "refuses records of another spec and a run recorded twice differently")
+    p.add_argument("--plan", action="store_true", help="train and write nothing: each run's state (recorded, "
+                   "done, in --records DIR, to resume at step N, new), its tokens per parameter, the budget rule's "
+                   "outcome, and the training time left at the speed the sweep's own runs measured")
     p.add_argument("--replace", action="store_true", help="with --merge: a merged record replaces a different "
                    "record of the same run in results.json (default: refuse)")
     from attnlab.experiments.launch import add_launcher_options
@@ -79,7 +83,33 @@ def cmd_sweep(ns) -> int:
             raise UsageError(f"--runs {ns.runs!r} is a file, not a folder")
         ns.command_line = _without_runs(ns.command_line)  # where the run folders live reproduces nothing
     with _runs_folder(ns.runs):
+        if ns.plan:
+            return _plan(ns, launcher)
         return _sweep(ns, launcher)
+
+
+def _plan(ns, launcher) -> int:
+    """`--plan`: every spec planned as a sweep or queue would plan it, printed; nothing trained or written."""
+    from attnlab.experiments import sweep as sw
+    from attnlab.experiments.sweep.status import fill_from_others, plan_text, sweep_plan, total_text
+
+    clash = [o for o, given in (("--only", ns.only), ("--report-only", ns.report_only), ("--merge", ns.merge),
+                                ("--launcher", launcher)) if given]
+    if clash:
+        raise UsageError(f"--plan trains nothing and prints what is left: drop {clash[0]}")
+    if ns.out and len(ns.spec) > 1:
+        raise UsageError(f"--out takes one spec; a queue of {len(ns.spec)} specs trains each into its own folder")
+    jobs = ns.jobs or 1
+    try:
+        specs = [sw.load_spec(path) for path in ns.spec]
+        plans = fill_from_others([sweep_plan(s, Path(ns.out) if ns.out else s.out, jobs=jobs, records=ns.records)
+                                  for s in specs])
+    except sw.SweepError as e:
+        raise UsageError(str(e)) from None
+    for p in plans:
+        print(plan_text(p))
+    print(total_text(plans, jobs))
+    return 0
 
 
 @contextlib.contextmanager
