@@ -6,6 +6,7 @@ after its step-2 checkpoint resumes from step 2 at its own logged speed."""
 
 from __future__ import annotations
 
+import json
 import shutil
 
 import pytest
@@ -56,6 +57,11 @@ def test_a_plan_times_what_is_left_from_the_runs_measured(tmp_path, capsys):
     there = folder(tmp_path / "there")  # another machine: trains one piece and keeps only its records
     records = tmp_path / "records"
     assert sweep(there, "--only", "softmax/seed0,softmax/seed1", "--records", str(records)) == 0
+    # a report of a sweep in progress names the size of the variants none of whose runs has finished
+    res = json.loads((there.parent / "results.json").read_text())["variants"]
+    assert res["softmax"]["params_planned"] == res["softmax"]["params"] > 0  # as its runs counted them
+    assert res["hybrid"]["n"] == 0 and res["hybrid"]["params"] is None and res["hybrid"]["params_planned"] > 0
+    assert f"hybrid {res['hybrid']['params_planned']:,} parameters" in (there.parent / "report.md").read_text()
     spec = sw.load_spec(here)
     assert spec_records(spec, records) == [records_file(sw.load_spec(there), records)]  # written as "there-..."
     recorded = {(r["variant"], r["seed"]): r for r in _read(records_file(sw.load_spec(there), records), spec)["runs"]}

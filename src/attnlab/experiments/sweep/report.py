@@ -58,7 +58,8 @@ def report_markdown(spec: Spec, results: dict, out: Path, metrics_png: bool = Tr
                                            if spec.overrides else "") + ".",
               "- Variants: " + "; ".join(f"**{name}** ({', '.join(f'`{o}`' for o in v['overrides']) or 'the base'}"
                                          f"{': ' + v['description'] if v['description'] else ''})" for name, v in vs.items()) + ".",
-              "- Model size: " + ", ".join(f"{name} {fmt(v['params'])} parameters" for name, v in vs.items()) +
+              "- Model size: " + ", ".join(f"{name} {fmt(v['params'] or v.get('params_planned'))} parameters"
+                                           for name, v in vs.items()) +
               f" (d_model {common('d_model')}, {common('n_layers')} layers, {common('n_heads')} heads).",
               f"- Scale per run: {common('steps')} optimizer steps x {common('batch_size')} x {common('grad_accum')} "
               f"sequences of {common('seq_len')} tokens (context) = {common('tokens_per_run', fmt)} training tokens; "

@@ -15,7 +15,7 @@ from ..report import machine_info, shown_path
 from .report import metric_panels, plot_curves, plot_metrics, plot_steps, report_markdown, results_table
 from .runs import (RunPlan, _record_of, collect_metrics, execute, plan, recorded_runs, recorded_threads, run_config,
                    scalar_of, summary_of)
-from .budget import budget_of
+from .budget import budget_of, params_of
 from .verdict import answer, judge, verdict
 from .spec import OWNED_KEYS, SUMMARY_SCALARS, Spec, SweepError, Variant, load_spec, metric_names
 
@@ -120,6 +120,7 @@ def aggregate(spec: Spec, out: str | os.PathLike | None = None, *, records: dict
                 "steps": cfg.train.steps, "tokens_per_run": cfg.train.steps * cfg.train.tokens_per_step,
                 "lr": cfg.train.lr, "early_stop": _early_stop_of(cfg), "data": cfg.data.source, "tokenizer": cfg.data.tokenizer, "max_docs": cfg.data.max_docs,
                 "mqar_pairs": cfg.data.mqar_pairs if cfg.data.source == "mqar" else None,
+                "params_planned": params_of(cfg),  # the model's size before any of its runs has finished
             })
     names = scalar_names(spec, runs)
     variants = {}
